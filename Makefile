@@ -1,0 +1,33 @@
+# One command each: `make demo` trains, `make test` runs the suite (what CI runs), `make bench-dp` measures.
+# The CPU build of torch is pinned here (a plain `torch` would pull a multi-GB CUDA build); on a GPU
+# machine install your CUDA torch into the venv first and run `make TORCH_SPEC= setup`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.trainmesh-installed
+
+.PHONY: setup demo test test-all bench-dp clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_SPEC),$(BIN)/python -m pip install -q "$(TORCH_SPEC)")
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/trainmesh train --nproc 2 --dp 2 --model tiny --steps 150 --global-batch 32 --eval-every 50
+
+test: setup
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q
+
+bench-dp: setup
+	$(BIN)/trainmesh bench dp --nproc 2 --dp 2 --model small --global-batch 16 --microbatches 2
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,104 @@
+"""``trainmesh``: the command line.
+
+``trainmesh train --nproc N`` checks the whole configuration, then spawns N local ranks through
+:mod:`trainmesh.launcher`; each rank re-enters this same entry point with ``RANK`` set and trains. Under
+torchrun ``RANK`` is set from the start, so the command runs as a rank directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from trainmesh.config import Config, ConfigError, add_config_flags, config_from_args, validate
+from trainmesh.data import DataError, TokenData
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainmesh", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
+    add_config_flags(train)
+    bench = sub.add_parser("bench", help="benchmark a parallel form against its PyTorch counterpart")
+    bench.add_argument("form", choices=("dp",), help="dp: trainmesh DataParallel vs DistributedDataParallel")
+    bench.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per implementation")
+    bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
+    add_config_flags(bench)
+    return parser
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _is_rank() -> bool:
+    return "RANK" in os.environ
+
+
+def checked_config(args: argparse.Namespace) -> Config:
+    """The configuration, validated against this process's world (or the one about to be spawned)."""
+    cfg = config_from_args(args)
+    world = int(os.environ["WORLD_SIZE"]) if _is_rank() else None
+    validate(cfg, world_size=world, cuda_devices=_cuda_devices())
+    if not _is_rank():
+        TokenData.load(cfg.data, cfg.model_config.seq_len)
+    return cfg
+
+
+def _with_out_dir(argv: Sequence[str], cfg: Config) -> tuple[list[str], Config]:
+    """Fix the run directory before spawning so every rank (and the user) agrees on it."""
+    if cfg.out:
+        return list(argv), cfg
+    from trainmesh.train import default_out_dir
+
+    out = default_out_dir()
+    return [*argv, "--out", out], dataclasses.replace(cfg, out=out)
+
+
+def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    cfg = checked_config(args)
+    if not _is_rank():
+        argv, cfg = _with_out_dir(argv, cfg)
+        if cfg.nproc > 1:
+            from trainmesh.launcher import launch
+
+            return launch(argv, cfg.nproc)
+    from trainmesh.mesh import shutdown_distributed
+    from trainmesh.train import train
+
+    train(cfg)
+    shutdown_distributed()
+    return 0
+
+
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    cfg = checked_config(args)
+    if not _is_rank() and cfg.nproc > 1:
+        from trainmesh.launcher import launch
+
+        return launch(argv, cfg.nproc)
+    from trainmesh.bench import bench_dp
+    from trainmesh.mesh import shutdown_distributed
+
+    bench_dp(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
+    shutdown_distributed()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        return {"train": _train, "bench": _bench}[args.command](args, argv)
+    except (ConfigError, DataError) as e:
+        print(f"trainmesh: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""One typed run configuration: defaults, then a TOML file, then command-line flags.
+
+Every field carries its help text, so ``trainmesh train --help`` documents every flag and a TOML file uses
+the same names (``global_batch = 32``). :func:`validate` rejects impossible layouts with one line that says
+how to fix them, before any rank is spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from trainmesh.models.gpt import PRESETS, ModelConfig, preset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Config:
+    # model and data
+    model: str = _opt("tiny", "model preset", tuple(PRESETS))
+    data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources)")
+    seed: int = _opt(0, "seed for weights, data order and dropout")
+    # layout
+    nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)")
+    dp: int = _opt(1, "data-parallel degree")
+    tp: int = _opt(1, "tensor-parallel degree")
+    pp: int = _opt(1, "pipeline-parallel degree")
+    zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
+    bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce")
+    # optimisation
+    steps: int = _opt(50, "optimizer steps")
+    global_batch: int = _opt(16, "sequences per optimizer step, over all data-parallel ranks")
+    microbatches: int = _opt(1, "micro-batches per step on each data-parallel rank (gradient accumulation)")
+    lr: float = _opt(3e-3, "peak learning rate")
+    min_lr: float = _opt(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _opt(5, "linear warm-up steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to biases and norms)")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    grad_clip: float = _opt(1.0, "clip gradients to this global L2 norm (0 disables)")
+    eval_every: int = _opt(0, "evaluate the validation loss every K steps (0: only at the end)")
+    eval_batches: int = _opt(2, "global batches per evaluation")
+    # runtime
+    backend: str = _opt("auto", "process-group backend: auto picks nccl with CUDA, else gloo",
+                        ("auto", "gloo", "nccl", "mpi"))
+    device: str = _opt("auto", "device: auto picks cuda when present", ("auto", "cpu", "cuda"))
+    out: str = _opt("", "run directory for metrics.jsonl and summary.json (default: runs/<timestamp>)")
+    progress: bool = _opt(True, "print a progress line per step on rank 0")
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return preset(self.model)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one micro-batch on one data-parallel rank."""
+        return self.global_batch // (self.dp * self.microbatches)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`Config` field; defaults are suppressed so only flags given on the line count."""
+    parser.add_argument("--config", metavar="TOML", help="TOML file of settings (flags override it)")
+    for f in fields(Config):
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
+            continue
+        py_type = {"int": int, "float": float, "str": str}[str(f.type)]
+        parser.add_argument(_flag(f.name), type=py_type, choices=f.metadata["choices"], help=help_text, **kwargs)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a flat or sectioned TOML file into Config field values; unknown keys are an error."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(flat) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {path}: {', '.join(unknown)}; valid keys are the flag names")
+    return flat
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(Config) if hasattr(args, f.name)})
+    try:
+        return Config(**values)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
+    """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message."""
+    if cfg.model not in PRESETS:
+        raise ConfigError(f"unknown model preset {cfg.model!r}; choose one of {', '.join(PRESETS)}")
+    for name in ("nproc", "dp", "tp", "pp", "steps", "global_batch", "microbatches", "eval_batches"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    world = cfg.nproc if world_size is None else world_size
+    if world != cfg.world_size:
+        raise ConfigError(
+            f"world size {world} != dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
+            f"set --nproc {cfg.world_size} or change --dp/--tp/--pp so their product is {world}")
+    limit = cuda_devices if cfg.device == "cuda" else max(8, 4 * (os.cpu_count() or 1))
+    if world_size is None and cfg.nproc > limit:
+        where = f"{cuda_devices} CUDA device(s)" if cfg.device == "cuda" else f"{os.cpu_count()} CPU core(s)"
+        raise ConfigError(f"--nproc {cfg.nproc} is more local ranks than this machine's {where} can run "
+                          f"(limit {limit}); use torchrun across machines for more")
+    per_step = cfg.dp * cfg.microbatches
+    if cfg.global_batch % per_step:
+        raise ConfigError(
+            f"--global-batch {cfg.global_batch} is not divisible by dp*microbatches = {per_step}; "
+            f"use a multiple of {per_step}, e.g. {per_step * max(1, round(cfg.global_batch / per_step))}")
+    if cfg.backend == "nccl" and not cuda_devices:
+        raise ConfigError("--backend nccl needs CUDA devices and none is visible; use --backend gloo")
+    if cfg.device == "cuda" and not cuda_devices:
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+    if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
+        raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
+    _validate_model_split(cfg)
+
+
+def _validate_model_split(cfg: Config) -> None:
+    m = cfg.model_config
+    if cfg.pp > m.n_layers:
+        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {cfg.model}; "
+                          f"choose pp <= {m.n_layers}")
+    for what, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
+        if size % cfg.tp:
+            valid = ", ".join(str(d) for d in _divisors(m.n_heads) if m.d_ff % d == 0 and m.vocab_size % d == 0)
+            raise ConfigError(f"tp={cfg.tp} does not divide {what}={size} of {cfg.model}; choose tp in {{{valid}}}")

@@ -1,0 +1,154 @@
+"""Spawn N local ranks, stream rank 0's output, and stop everything as soon as any rank fails.
+
+The launcher hosts the rendezvous store itself on a socket it binds to 127.0.0.1 (port chosen by the
+kernel, so no port race), and every rank joins as a client; Gloo is told to use the loopback interface,
+so a local run listens on no external address. Ranks get the environment torchrun would give them
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), which is why the same entry point also runs unchanged
+under torchrun across machines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from trainmesh.mesh import STORE_CLIENT_ENV
+
+POLL_S = 0.05
+TERMINATE_GRACE_S = 3.0
+TAIL_LINES = 60
+
+
+def _die_with_parent() -> None:
+    """Linux: a rank gets SIGKILL if the launcher dies, so no rank outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+
+
+def _pump_stderr(rp: RankProcess, echo: bool) -> None:
+    for line in iter(rp.proc.stderr.readline, ""):
+        rp.tail.append(line)
+        if echo:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def host_store() -> tuple[dist.TCPStore, int]:
+    """A rendezvous store served by this process on 127.0.0.1 only."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=300))
+    return store, port
+
+
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            STORE_CLIENT_ENV: "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _stop(ranks: Sequence[RankProcess]) -> None:
+    for rp in ranks:
+        if rp.proc.poll() is None:
+            rp.proc.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for rp in ranks:
+        try:
+            rp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rp.proc.kill()
+            rp.proc.wait()
+
+
+def _report_failure(rp: RankProcess, rc: int) -> None:
+    if rp.reader is not None:
+        rp.reader.join(timeout=1.0)
+    tail = "".join(rp.tail).rstrip()
+    start = tail.rfind("Traceback (most recent call last)")
+    excerpt = tail[start:] if start >= 0 else tail
+    sys.stderr.write(f"trainmesh: rank {rp.rank} failed ({_describe(rc)}); stopped the other ranks\n")
+    if excerpt:
+        sys.stderr.write(f"--- rank {rp.rank} ---\n{excerpt}\n")
+    sys.stderr.flush()
+
+
+def launch(argv: Sequence[str], nproc: int) -> int:
+    """Run ``python -m trainmesh.cli *argv`` as ``nproc`` ranks; returns the exit code for the user."""
+    store, port = host_store()
+    ranks: list[RankProcess] = []
+    for rank in range(nproc):
+        proc = subprocess.Popen([sys.executable, "-m", "trainmesh.cli", *argv], env=rank_env(rank, nproc, port),
+                                stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=_die_with_parent)
+        rp = RankProcess(rank, proc)
+        rp.reader = threading.Thread(target=_pump_stderr, args=(rp, rank == 0), daemon=True)
+        rp.reader.start()
+        ranks.append(rp)
+
+    def on_signal(signum, _frame):
+        _stop(ranks)
+        sys.stderr.write(f"trainmesh: interrupted by {signal.Signals(signum).name}; stopped all ranks\n")
+        sys.exit(128 + signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _supervise(ranks)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        del store
+
+
+def _supervise(ranks: list[RankProcess]) -> int:
+    while True:
+        running = False
+        for rp in ranks:
+            rc = rp.proc.poll()
+            if rc is None:
+                running = True
+            elif rc != 0:
+                _stop(ranks)
+                _report_failure(rp, rc)
+                return rc if rc > 0 else 128 - rc
+        if not running:
+            for rp in ranks:
+                rp.reader.join(timeout=1.0)
+            return 0
+        time.sleep(POLL_S)

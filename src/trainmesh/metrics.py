@@ -1,0 +1,100 @@
+"""Per-step metrics: the JSON lines file, the summary, the progress line, and memory accounting.
+
+``model_state_bytes`` counts the bytes of parameters, gradients and optimizer state a rank actually
+holds, each storage once (a gradient that is a view into a bucket counts as part of the bucket) and a
+freed tensor not at all; it is the quantity the ZeRO paper's memory formulas predict.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters, their gradients and the optimizer's state tensors of a replicated model."""
+    params = list(model.parameters())
+    return params + [p.grad for p in params if p.grad is not None] + optimizer_tensors(optimizer)
+
+
+def max_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports kilobytes, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def peak_device_bytes(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+class MetricsWriter:
+    """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``; a no-op off rank 0."""
+
+    def __init__(self, out_dir: str | None, enabled: bool) -> None:
+        self.enabled = enabled and bool(out_dir)
+        self.dir = Path(out_dir) if out_dir else None
+        self._file: TextIO | None = None
+        if self.enabled:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._file = (self.dir / "metrics.jsonl").open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def summary(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            (self.dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+class Progress:
+    """A one-line progress bar with loss, tokens/s and step time, redrawn in place on a terminal."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stdout, width: int = 24) -> None:
+        self.total, self.enabled, self.stream, self.width = total, enabled, stream, width
+        self.tty = stream.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, step_time_s: float) -> None:
+        if not self.enabled:
+            return
+        done = int(self.width * step / self.total)
+        bar = "#" * done + "." * (self.width - done)
+        line = (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} | "
+                f"{tokens_per_s:,.0f} tok/s | {step_time_s * 1000:.0f} ms/step")
+        end = "\r" if self.tty and step < self.total else "\n"
+        self.stream.write(line + end)
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(text + "\n")
+            self.stream.flush()

@@ -1,0 +1,75 @@
+"""AdamW, the learning-rate schedule and gradient clipping by the norm of the *whole* model's gradient.
+
+Under model parallelism no rank holds the whole gradient, so the norm is assembled from per-rank sums of
+squares reduced over the axes that split the model; each element must be counted exactly once, so a
+parameter replicated over ``tp`` (a LayerNorm, say) contributes only on tp-rank 0 (Megatron-LM's
+``clip_grad_norm`` does the same).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm
+from trainmesh.config import Config
+
+TP_SHARDED = "_trainmesh_tp_sharded"
+
+
+def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices only; biases and norm gains are not decayed (GPT-2/Megatron convention)."""
+    decay, no_decay = [], []
+    for _, p in params:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_adamw(named_params: Iterable[tuple[str, nn.Parameter]], cfg: Config, device: torch.device):
+    """AdamW with the fused kernel on CUDA and the multi-tensor (foreach) one elsewhere."""
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused, foreach=not fused)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    return getattr(p, TP_SHARDED, False)
+
+
+def norm_contributions(params: Iterable[nn.Parameter], tp_rank: int) -> list[torch.Tensor]:
+    """The gradients this rank adds to the global norm: each element of the model counted once."""
+    return [p.grad for p in params if p.grad is not None and (tp_rank == 0 or is_tp_sharded(p))]
+
+
+def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) -> torch.Tensor:
+    """L2 norm over all ranks of ``grads``, summing squares over ``axes`` (those that split the model)."""
+    device = comm.mesh.device
+    if grads:
+        sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
+    else:
+        sq = torch.zeros((), device=device)
+    sq = sq.reshape(1).to(device)
+    for axis in axes:
+        comm.all_reduce(sq, axis, op="grad_norm")
+    return sq.sqrt()[0]
+
+
+def clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm`` (0 disables)."""
+    if max_norm <= 0:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(list(grads), coef)

@@ -1,0 +1,200 @@
+"""The training loop: composes the mesh, the model, a parallel form and the data into optimizer steps.
+
+One step: the rank's slice of the global batch is split into micro-batches; forward and backward run on
+each (gradients synchronised only after the last); then the parallel form's ``step`` reduces what is
+left, clips by the global gradient norm and updates. The logged loss is the mean over the global batch,
+the quantity a single process computes, which is what makes layouts comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm, log_all_gather, log_all_reduce
+from trainmesh.config import Config
+from trainmesh.data import TokenData, get_batch
+from trainmesh.data_parallel import DataParallel
+from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_from_env
+from trainmesh.metrics import MetricsWriter, Progress, max_rss_bytes, peak_device_bytes, storage_bytes
+from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.optim import build_adamw, lr_at
+
+FAULT_ENV = "TRAINMESH_FAULT"
+EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
+
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Engine(Protocol):
+    """What a parallel form gives the loop: gradient synchronisation and the optimizer step."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+    def step(self, lr: float, max_norm: float) -> float: ...
+
+    def state_tensors(self) -> list[torch.Tensor]: ...
+
+
+@dataclass
+class Run:
+    """Everything a step needs, built once by :func:`build`."""
+
+    cfg: Config
+    mesh: Mesh
+    comm: Comm
+    model: nn.Module
+    engine: Engine
+    criterion: Criterion
+    data: TokenData
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    val_loss: float
+    summary: dict[str, Any]
+    run: Run = field(repr=False)
+
+
+def setup_process(cfg: Config) -> Mesh:
+    """Join the process group (if several ranks), size the CPU thread pool, build the mesh."""
+    _, world = world_from_env()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    device = pick_device(cfg.device)
+    init_distributed(pick_backend(cfg.backend, device), device)
+    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device)
+
+
+def build(cfg: Config, mesh: Mesh) -> Run:
+    """Build the model from the seed and apply the configured parallel form to it."""
+    comm = Comm(mesh)
+    model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device)
+    optimizer = build_adamw(model.named_parameters(), cfg, mesh.device)
+    engine = DataParallel(model, comm, optimizer, bucket_bytes=int(cfg.bucket_mb * 2**20))
+    data = TokenData.load(cfg.data, cfg.model_config.seq_len)
+    return Run(cfg, mesh, comm, model, engine, cross_entropy, data)
+
+
+def forward_backward(run: Run, micro_batches: MicroBatches) -> torch.Tensor:
+    """Accumulate gradients of the mean loss over ``micro_batches``; sync only on the last one."""
+    total = torch.zeros((), device=run.mesh.device)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else run.engine.no_sync():
+            loss = run.criterion(run.model(x), y) / len(micro_batches)
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> MicroBatches:
+    """This rank's micro-batches of the global batch of ``step``, on the rank's device."""
+    cfg, mesh = run.cfg, run.mesh
+    x, y = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step,
+                     mesh.rank("dp"), mesh.size("dp"))
+    x, y = x.to(mesh.device, non_blocking=True), y.to(mesh.device, non_blocking=True)
+    return list(zip(x.chunk(cfg.microbatches), y.chunk(cfg.microbatches)))
+
+
+def global_mean(run: Run, value: torch.Tensor) -> float:
+    """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
+    pipeline stage computes (the other stages pass zero)."""
+    total = log_all_reduce(value.detach().float().reshape(1).clone())
+    return total.item() / (run.mesh.size("dp") * run.mesh.size("tp"))
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean validation loss over ``eval_batches`` global batches, each micro-batched like training."""
+    run.model.eval()
+    losses = []
+    for k in range(run.cfg.eval_batches):
+        micro = rank_batch(run, run.data.val, EVAL_STEP_BASE + k, run.cfg.global_batch)
+        loss = sum(run.criterion(run.model(x), y) for x, y in micro) / len(micro)
+        losses.append(global_mean(run, loss))
+    run.model.train()
+    return sum(losses) / len(losses)
+
+
+def maybe_inject_fault(step: int, rank: int) -> None:
+    """``TRAINMESH_FAULT=raise@RANK:STEP`` makes that rank fail at that step (for testing the launcher)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, _, where = spec.partition("@")
+    fault_rank, _, fault_step = where.partition(":")
+    if kind == "raise" and int(fault_rank) == rank and int(fault_step) == step:
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV}={spec})")
+
+
+def per_rank_stats(run: Run) -> dict[str, list[int]]:
+    """Peak RSS, model-state bytes and peak device memory of every rank, gathered to all."""
+    mine = torch.tensor([max_rss_bytes(), storage_bytes(run.engine.state_tensors()),
+                         peak_device_bytes(run.mesh.device)], dtype=torch.int64, device=run.mesh.device)
+    rows = log_all_gather(mine).tolist()
+    return {"max_rss_bytes": [r[0] for r in rows], "model_state_bytes": [r[1] for r in rows],
+            "peak_device_bytes": [r[2] for r in rows]}
+
+
+def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: round(v - before.get(k, 0.0)) for k, v in now.items() if v - before.get(k, 0.0)}
+
+
+def default_out_dir() -> str:
+    return os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
+    """Train for ``cfg.steps`` steps; rank 0 writes metrics under ``cfg.out`` and prints progress."""
+    mesh = mesh or setup_process(cfg)
+    run = build(cfg, mesh)
+    rank, _ = world_from_env()
+    writer = MetricsWriter(cfg.out, enabled=rank == 0)
+    progress = Progress(cfg.steps, enabled=rank == 0 and cfg.progress)
+    progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
+                     f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
+                     f"{mesh.device.type}")
+    tokens_per_step = cfg.global_batch * cfg.model_config.seq_len
+    losses, times = [], []
+    for step in range(cfg.steps):
+        maybe_inject_fault(step, rank)
+        t0 = time.perf_counter()
+        comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
+        loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+        lr = lr_at(step, cfg)
+        grad_norm = run.engine.step(lr, cfg.grad_clip)
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        step_time = time.perf_counter() - t0
+        losses.append(global_mean(run, loss))
+        times.append(step_time)
+        record = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                  "comm_bytes": _delta(run.comm.totals(), comm_before),
+                  "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before), **per_rank_stats(run)}
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            record["val_loss"] = evaluate(run)
+        writer.write(record)
+        progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
+    val_loss = evaluate(run)
+    steady = times[1:] or times
+    summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
+               "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+               "mean_step_time_s": sum(steady) / len(steady), "world_size": mesh.world_size,
+               **per_rank_stats(run), "config": cfg.__dict__}
+    writer.summary(summary)
+    writer.close()
+    progress.message(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {val_loss:.4f}, "
+                     f"{summary['tokens_per_s']:,.0f} tok/s" + (f"; metrics in {cfg.out}" if cfg.out else ""))
+    return TrainResult(losses, val_loss, summary, run)

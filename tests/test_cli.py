@@ -1,0 +1,98 @@
+"""The command line: every flag documented, bad configs rejected before any rank is spawned, a failing
+rank stops the run and is named."""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+import pytest
+
+from trainmesh import cli, launcher
+from trainmesh.config import Config
+
+
+def trainmesh(*args: str, env: dict | None = None, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for f in fields(Config):
+        assert "--" + f.name.replace("_", "-") in text
+
+
+BAD = [
+    (["--nproc", "2", "--dp", "4"], "world size 2 != dp*tp*pp"),
+    (["--nproc", "4", "--dp", "2", "--tp", "2", "--global-batch", "6", "--microbatches", "2"],
+     "not divisible by dp*microbatches"),
+    (["--model", "nope"], "invalid choice"),
+    (["--nproc", "4096", "--dp", "4096"], "more local ranks than this machine"),
+    (["--nproc", "3", "--tp", "3"], "tp=3 does not divide n_heads=4"),
+    (["--pp", "3", "--nproc", "3"], "exceeds the 2 layers"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--config", "/nonexistent.toml"], "does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
+def test_bad_config_fails_before_spawn(monkeypatch, capsys, args, message):
+    def no_spawn(*_a, **_k):
+        raise AssertionError("a rank was spawned for an invalid config")
+
+    monkeypatch.setattr(launcher, "launch", no_spawn)
+    try:
+        code = cli.main(["train", *args])
+    except SystemExit as e:  # argparse's own errors (unknown choice) exit 2 too
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_bad_config_exit_code_from_the_shell(tmp_path):
+    result = trainmesh("train", "--nproc", "2", "--dp", "4", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "trainmesh: error: world size 2 != dp*tp*pp = 4*1*1 = 4; set --nproc 4 or change --dp/--tp/--pp "
+        "so their product is 2"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_toml_config_and_flag_override(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[layout]\ndp = 2\nnproc = 2\n[optim]\nsteps = 7\nlr = 0.01\n')
+    args = cli._parser().parse_args(["train", "--config", str(toml), "--steps", "3"])
+    cfg = cli.config_from_args(args)
+    assert (cfg.dp, cfg.nproc, cfg.steps, cfg.lr) == (2, 2, 3, 0.01)
+
+
+def test_failing_rank_stops_the_run_and_is_named(tmp_path):
+    start = time.monotonic()
+    result = trainmesh("train", "--nproc", "2", "--dp", "2", "--steps", "500", "--out", str(tmp_path / "r"),
+                       env={"TRAINMESH_FAULT": "raise@1:3"}, timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "rank 1 failed (exit code 1)" in result.stderr
+    assert "injected fault on rank 1 at step 3" in result.stderr
+    assert elapsed < 30, f"the launcher took {elapsed:.1f}s to stop after a rank failed"
+
+
+def test_two_rank_run_writes_metrics(tmp_path):
+    out = tmp_path / "run"
+    result = trainmesh("train", "--nproc", "2", "--dp", "2", "--steps", "4", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for key in ("loss", "lr", "tokens_per_s", "step_time_s", "comm_bytes", "max_rss_bytes", "model_state_bytes"):
+        assert key in records[0]
+    assert len(records[0]["model_state_bytes"]) == 2
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    assert "loss" in result.stdout and "tok/s" in result.stdout

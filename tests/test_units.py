@@ -1,0 +1,65 @@
+"""Pure pieces, no processes: model presets, data sampling, LR schedule, byte accounting."""
+
+import math
+
+import pytest
+import torch
+
+from trainmesh.comm import Comm
+from trainmesh.config import Config
+from trainmesh.data import DataError, TokenData, get_batch, global_batch_offsets
+from trainmesh.mesh import Mesh
+from trainmesh.models.gpt import GPT, PRESETS
+from trainmesh.optim import lr_at
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_param_count_formula(name):
+    cfg = PRESETS[name]
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.n_params()
+
+
+def test_init_depends_on_seed_only():
+    a, b, c = GPT(PRESETS["tiny"], seed=1), GPT(PRESETS["tiny"], seed=1), GPT(PRESETS["tiny"], seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.blocks["0"].attn.qkv.weight, c.blocks["0"].attn.qkv.weight)
+
+
+def test_dp_slices_partition_the_global_batch():
+    tokens = torch.arange(10_000) % 256
+    full_x, full_y = get_batch(tokens, 16, 8, seed=3, step=5)
+    parts = [get_batch(tokens, 16, 8, seed=3, step=5, dp_rank=r, dp_size=4) for r in range(4)]
+    assert torch.equal(torch.cat([x for x, _ in parts]), full_x)
+    assert torch.equal(full_y[:, :-1], full_x[:, 1:])
+    assert not torch.equal(global_batch_offsets(10_000, 16, 8, 3, 5), global_batch_offsets(10_000, 16, 8, 3, 6))
+
+
+def test_default_corpus_is_real_text():
+    data = TokenData.load("", seq_len=32)
+    assert len(data.train) > 1_000_000
+    assert b"def " in bytes(data.train[:100_000].tolist())
+
+
+def test_short_file_is_rejected(tmp_path):
+    f = tmp_path / "tiny.txt"
+    f.write_text("hello")
+    with pytest.raises(DataError, match="needs at least"):
+        TokenData.load(str(f), seq_len=32)
+
+
+def test_lr_warmup_then_cosine():
+    cfg = Config(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_collectives_on_a_size_one_axis_are_free():
+    comm = Comm(Mesh.build(1, 1, 1, torch.device("cpu")))
+    t = torch.ones(10)
+    comm.all_reduce(t, "dp").wait()
+    out = torch.empty(10)
+    comm.all_gather(out, t, "dp")
+    assert torch.equal(out, t) and comm.totals() == {}
