@@ -10,21 +10,17 @@ import torch
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.testing import run_ranks
-from trainmesh.train import train
+from trainmesh.train import full_state_dict, train
 
 LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-5
-
-
-def full_params(result) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in result.run.model.state_dict().items()}
 
 
 def train_single(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference: the same config as one process (dp=tp=pp=1, same global batch and micro-batches)."""
     single = dataclasses.replace(cfg, nproc=1, dp=1, tp=1, pp=1, zero=0)
     result = train(single, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    return result.losses, full_params(result)
+    return result.losses, full_state_dict(result.run)
 
 
 def train_rank(cfgs: list[Config]) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
@@ -33,7 +29,7 @@ def train_rank(cfgs: list[Config]) -> list[tuple[list[float], dict[str, torch.Te
     out = []
     for cfg in cfgs:
         result = train(cfg)
-        out.append((result.losses, full_params(result)))
+        out.append((result.losses, full_state_dict(result.run)))
     return out
 
 

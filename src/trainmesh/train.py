@@ -86,6 +86,15 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     return Run(cfg, mesh, comm, model, engine, cross_entropy, data)
 
 
+def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
+    """The ordinary unsharded parameters under the plain model's names, on every rank.
+
+    This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
+    Forms that shard parameters assemble the full tensors here.
+    """
+    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+
+
 def forward_backward(run: Run, micro_batches: MicroBatches) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``; sync only on the last one."""
     total = torch.zeros((), device=run.mesh.device)
