@@ -1,0 +1,2 @@
+"""Pipeline parallelism: schedules as data (:mod:`.schedules`), their simulator/verifier
+(:mod:`.simulate`) and timeline drawing (:mod:`.draw`)."""

@@ -1,0 +1,397 @@
+"""Simulate and verify a pipeline schedule; the :class:`Timeline` it yields is also what a runtime
+builds from measured timestamps, so simulated and real runs are analysed and drawn the same way.
+
+Execution model:
+
+* each rank runs its list strictly in order, one action at a time;
+* a compute action starts when its rank is free and its inputs are on the rank
+  (:func:`~trainmesh.pipeline.schedules.action_inputs`);
+* verification treats a SEND and its matching RECV as a rendezvous (both ranks must have reached
+  them), the strictest semantics a runtime may face, so a schedule that passes also runs with
+  asynchronous sends and receives, under which every action can only start earlier. Timing uses
+  either semantics (``blocking_comm``), with ``Costs.comm`` as the message latency.
+
+Bubble fraction = idle / total over ranks = ``1 - sum(busy) / (p · makespan)``, busy counting
+compute only (communication is not useful work).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from trainmesh.pipeline.schedules import (
+    Action,
+    ActionKind,
+    Token,
+    action_inputs,
+    action_output,
+    required_messages,
+    stage_to_rank,
+)
+
+Cost = float | tuple[float, ...]
+"""Seconds (or any unit) for one action: one value for all stages, or one per global stage."""
+
+_RECV_FOR = {ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.SEND_B: ActionKind.RECV_B}
+_SEND_FOR = {recv: send for send, recv in _RECV_FOR.items()}
+_COMPUTE_ORDER = (ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW)
+_SPLIT_BACKWARD = (ActionKind.BI, ActionKind.BW)
+
+
+class ScheduleError(ValueError):
+    """The schedule cannot run: it deadlocks, misses or repeats an action, or misplaces one."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Duration of each action kind. ``backward_input``/``backward_weight`` default to half of
+    ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2)."""
+
+    forward: Cost = 1.0
+    backward: Cost = 2.0
+    backward_input: Cost | None = None
+    backward_weight: Cost | None = None
+    comm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
+            value = getattr(self, name)
+            values = value if isinstance(value, tuple) else (value,)
+            if value is not None and any(v <= 0 for v in values):
+                raise ValueError(
+                    f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
+                )
+        if self.comm < 0:
+            raise ValueError(f"Costs.comm must be >= 0, got {self.comm}")
+
+    def duration(self, action: Action) -> float:
+        if action.is_comm:
+            return self.comm
+        half = _scaled(self.backward, 0.5)
+        cost = {
+            ActionKind.F: self.forward,
+            ActionKind.B: self.backward,
+            ActionKind.BI: half if self.backward_input is None else self.backward_input,
+            ActionKind.BW: half if self.backward_weight is None else self.backward_weight,
+        }[action.kind]
+        if not isinstance(cost, tuple):
+            return cost
+        if action.stage >= len(cost):
+            raise ValueError(
+                f"per-stage cost {cost} has no entry for stage {action.stage}; "
+                "give one value per global stage"
+            )
+        return cost[action.stage]
+
+
+def _scaled(cost: Cost, factor: float) -> Cost:
+    return tuple(c * factor for c in cost) if isinstance(cost, tuple) else cost * factor
+
+
+@dataclass(frozen=True)
+class TimelineRecord:
+    """One executed action: simulated, or measured by a runtime (any clock, same one on all ranks)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What ran where and when. Build it with :meth:`from_records` so records are sorted."""
+
+    records: tuple[TimelineRecord, ...]
+    n_ranks: int
+
+    def __post_init__(self) -> None:
+        if self.n_ranks < 1:
+            raise ValueError(f"a timeline needs n_ranks >= 1, got {self.n_ranks}")
+        for record in self.records:
+            if not 0 <= record.rank < self.n_ranks:
+                raise ValueError(f"record {record} is on rank {record.rank}, outside 0..{self.n_ranks - 1}")
+            if record.end < record.start:
+                raise ValueError(f"record {record} ends before it starts; check the clock used to measure it")
+
+    @classmethod
+    def from_records(cls, records: Iterable[TimelineRecord], n_ranks: int | None = None) -> Timeline:
+        """Sort by (rank, start); ``n_ranks`` defaults to the highest rank seen + 1."""
+        ordered = tuple(sorted(records, key=lambda r: (r.rank, r.start, r.end)))
+        if n_ranks is None:
+            n_ranks = max((r.rank for r in ordered), default=0) + 1
+        return cls(ordered, n_ranks)
+
+    def rank_records(self, rank: int) -> tuple[TimelineRecord, ...]:
+        return tuple(r for r in self.records if r.rank == rank)
+
+    @property
+    def makespan(self) -> float:
+        if not self.records:
+            return 0.0
+        return max(r.end for r in self.records) - min(r.start for r in self.records)
+
+    @property
+    def busy_times(self) -> tuple[float, ...]:
+        """Compute time per rank."""
+        return tuple(
+            sum(r.duration for r in self.rank_records(rank) if r.action.is_compute)
+            for rank in range(self.n_ranks)
+        )
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of ``n_ranks · makespan``; (p-1)/(m+p-1) for GPipe/1F1B with uniform stages."""
+        total = self.n_ranks * self.makespan
+        return 0.0 if total == 0 else 1.0 - sum(self.busy_times) / total
+
+    @property
+    def peak_activations(self) -> tuple[int, ...]:
+        """Most microbatches whose activations a rank holds at once, per rank.
+
+        A microbatch is held from its F until its B, or with a split backward until its BW: BI
+        frees what only the input gradient needed, but the stage inputs and output gradients stay
+        for the weight gradient (Qi et al. 2023, §2.1). Counted in execution order, so the answer
+        does not depend on durations.
+        """
+        peaks = []
+        for rank in range(self.n_ranks):
+            held = peak = 0
+            for record in self.rank_records(rank):
+                if record.action.kind is ActionKind.F:
+                    held += 1
+                    peak = max(peak, held)
+                elif record.action.kind in (ActionKind.B, ActionKind.BW):
+                    held -= 1
+            peaks.append(peak)
+        return tuple(peaks)
+
+
+def simulate(
+    schedule: Sequence[Sequence[Action]],
+    costs: Costs = Costs(),
+    *,
+    n_microbatches: int | None = None,
+    n_virtual: int | None = None,
+    blocking_comm: bool = False,
+) -> Timeline:
+    """Verify ``schedule`` (one action list per rank) and time it under ``costs``.
+
+    Verification always assumes blocking (rendezvous) sends, the strictest semantics, so a schedule
+    that passes runs with blocking ``dist.send``/``dist.recv`` as well as with ``isend``/``irecv``.
+    The timing follows ``blocking_comm``: False (default) times a runtime that posts every SEND and
+    RECV asynchronously and lets the consuming compute wait for the data (the timing then depends
+    only on the compute order); True one whose sends and receives block until both ranks meet
+    (then a busy receiver stalls the sender, so the position of comm actions in the lists matters).
+    The model size (``p · v`` stages) and microbatch count are taken from the actions unless given;
+    give them to also catch a schedule that forgot the last stage or microbatch entirely.
+    Raises :class:`ScheduleError` naming the rank and action when the schedule cannot run.
+    """
+    n_ranks = len(schedule)
+    if n_ranks == 0:
+        raise ScheduleError("the schedule has no ranks; pass one action list per pipeline rank")
+    actions = [a for actions in schedule for a in actions]
+    if n_virtual is None:
+        n_virtual = max((a.stage // n_ranks for a in actions), default=0) + 1
+    if n_microbatches is None:
+        n_microbatches = max((a.microbatch for a in actions), default=-1) + 1
+    n_total = n_ranks * n_virtual
+    _check_placement(schedule, n_total, n_microbatches)
+    _check_complete(schedule, n_total, n_microbatches)
+    strict = _Run(schedule, costs, n_total, blocking=True).timeline()
+    return strict if blocking_comm else _Run(schedule, costs, n_total, blocking=False).timeline()
+
+
+def _check_placement(schedule: Sequence[Sequence[Action]], n_total: int, n_microbatches: int) -> None:
+    n_ranks = len(schedule)
+    seen: Counter[Action] = Counter()
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            if action.stage >= n_total or action.microbatch >= n_microbatches:
+                raise ScheduleError(
+                    f"{action} on rank {rank} is outside the model "
+                    f"({n_total} stages, {n_microbatches} microbatches)"
+                )
+            if stage_to_rank(action.stage, n_ranks) != rank:
+                raise ScheduleError(
+                    f"{action} is on rank {rank}, but stage {action.stage} lives on rank "
+                    f"{stage_to_rank(action.stage, n_ranks)} (stage % {n_ranks}); move it there"
+                )
+            seen[action] += 1
+            if seen[action] > 1:
+                raise ScheduleError(
+                    f"duplicated action {action} on rank {rank}: each action must run exactly once"
+                )
+
+
+def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microbatches: int) -> None:
+    """Each (stage, mb) needs one F and one B or one BI+BW, and exactly the messages they imply."""
+    n_ranks = len(schedule)
+    present = {a for actions in schedule for a in actions}
+    for stage in range(n_total):
+        rank = stage_to_rank(stage, n_ranks)
+        for mb in range(n_microbatches):
+            kinds = {k for k in _COMPUTE_ORDER if Action(k, mb, stage) in present}
+            split = kinds.intersection(_SPLIT_BACKWARD)
+            if ActionKind.B in kinds and split:
+                raise ScheduleError(
+                    f"stage {stage} microbatch {mb} on rank {rank} has both B and BI/BW; "
+                    "keep one backward form"
+                )
+            wanted = (ActionKind.F, *(_SPLIT_BACKWARD if split else (ActionKind.B,)))
+            missing = [k for k in wanted if k not in kinds]
+            if missing:
+                names = " and ".join(str(Action(k, mb, stage)) for k in missing)
+                raise ScheduleError(f"missing action {names} on rank {rank}")
+    expected = {
+        message: (action, side)
+        for action in present
+        if action.is_compute
+        for pair in required_messages(action, n_ranks, n_total)
+        for side, message in enumerate(pair)
+    }
+    for message, (producer, side) in expected.items():
+        if message not in present:
+            role = "send its output to" if side == 0 else "receive its input on"
+            raise ScheduleError(
+                f"missing action {message} on rank {stage_to_rank(message.stage, n_ranks)}: "
+                f"{producer} needs it to {role} rank {stage_to_rank(message.peer_stage, n_ranks)}"
+            )
+    for action in present:
+        if action.is_comm and action not in expected:
+            raise ScheduleError(
+                f"unmatched action {action} on rank {stage_to_rank(action.stage, n_ranks)}: "
+                f"no stage {action.peer_stage} on another rank exchanges this tensor "
+                "(first/last stage, or both stages on one rank); remove it"
+            )
+
+
+class _Run:
+    """Dataflow execution of a placed, complete schedule; a deadlock raises ScheduleError.
+
+    ``blocking``: a SEND and its RECV rendezvous (both ranks busy for the latency), like
+    ``dist.send``/``dist.recv``. Otherwise both only post the operation (``isend``/``irecv``) and
+    return at once; the data lands ``comm`` after the SEND was posted and its consumer waits for it.
+    Start times are a max over the rank's free time and input times, so the result does not depend
+    on the order in which ranks are stepped.
+    """
+
+    def __init__(
+        self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool
+    ) -> None:
+        self.schedule = schedule
+        self.costs = costs
+        self.n_total = n_total
+        self.blocking = blocking
+        self.n_ranks = len(schedule)
+        self.position = [0] * self.n_ranks
+        self.free_at = [0.0] * self.n_ranks
+        self.ready: dict[tuple[int, Token], float] = {}
+        self.records: list[TimelineRecord] = []
+
+    def timeline(self) -> Timeline:
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank in range(self.n_ranks):
+                while self._step(rank):
+                    progressed = True
+        stuck = [rank for rank in range(self.n_ranks) if self._head(rank) is not None]
+        if stuck:
+            raise ScheduleError("schedule deadlocks: " + "; ".join(self._why_stuck(rank) for rank in stuck))
+        return Timeline.from_records(self.records, self.n_ranks)
+
+    def _head(self, rank: int) -> Action | None:
+        actions = self.schedule[rank]
+        return actions[self.position[rank]] if self.position[rank] < len(actions) else None
+
+    def _inputs_ready_at(self, rank: int, action: Action) -> float | None:
+        times = [self.ready.get((rank, token)) for token in action_inputs(action, self.n_total)]
+        return None if None in times else max(times, default=0.0)
+
+    def _step(self, rank: int) -> bool:
+        action = self._head(rank)
+        if action is None:
+            return False
+        if action.is_compute:
+            return self._compute(rank, action)
+        if not self.blocking:
+            return self._post(rank, action)
+        if action.kind in _RECV_FOR:
+            return self._rendezvous(rank, action)
+        peer = stage_to_rank(action.peer_stage, self.n_ranks)
+        send = self._head(peer)
+        return send == _partner(action) and self._rendezvous(peer, send)
+
+    def _compute(self, rank: int, action: Action) -> bool:
+        inputs_at = self._inputs_ready_at(rank, action)
+        if inputs_at is None:
+            return False
+        start = max(self.free_at[rank], inputs_at)
+        end = start + self.costs.duration(action)
+        self._finish(rank, action, start, end)
+        self._deliver(rank, action, end)
+        return True
+
+    def _rendezvous(self, rank: int, send: Action) -> bool:
+        peer = stage_to_rank(send.peer_stage, self.n_ranks)
+        recv = _partner(send)
+        inputs_at = self._inputs_ready_at(rank, send)
+        if inputs_at is None or self._head(peer) != recv:
+            return False
+        start = max(self.free_at[rank], self.free_at[peer], inputs_at)
+        end = start + self.costs.duration(send)
+        self._finish(rank, send, start, end)
+        self._finish(peer, recv, start, end)
+        self._deliver(peer, recv, end)
+        return True
+
+    def _post(self, rank: int, comm: Action) -> bool:
+        """Post an isend/irecv: it returns at once; a send's data reaches its peer ``comm`` later."""
+        start = self.free_at[rank]
+        if comm.kind in _RECV_FOR:
+            inputs_at = self._inputs_ready_at(rank, comm)
+            if inputs_at is None:
+                return False
+            start = max(start, inputs_at)
+            recv = _partner(comm)
+            self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, start + self.costs.duration(comm))
+        self._finish(rank, comm, start, start)
+        return True
+
+    def _finish(self, rank: int, action: Action, start: float, end: float) -> None:
+        self.records.append(TimelineRecord(rank, action, start, end))
+        self.free_at[rank] = end
+        self.position[rank] += 1
+
+    def _deliver(self, rank: int, action: Action, at: float) -> None:
+        """Make ``action``'s product usable on ``rank`` from time ``at``."""
+        output = action_output(action)
+        if output is not None:
+            self.ready[(rank, output)] = at
+
+    def _why_stuck(self, rank: int) -> str:
+        action = self._head(rank)
+        missing = [t for t in action_inputs(action, self.n_total) if (rank, t) not in self.ready]
+        if missing:
+            later = self.schedule[rank][self.position[rank] :]
+            producers = ", ".join(str(a) for a in later if action_output(a) in missing)
+            return f"rank {rank} is stuck at {action} waiting for {producers}, which comes later in its list"
+        peer = stage_to_rank(action.peer_stage, self.n_ranks)
+        peer_head = self._head(peer)
+        if peer_head == _partner(action):
+            return f"rank {rank} is stuck at {action}; its partner {peer_head} on rank {peer} cannot run yet"
+        at = f"is at {peer_head}" if peer_head is not None else "has finished its list"
+        return f"rank {rank} is stuck at {action} until rank {peer} reaches {_partner(action)}, but it {at}"
+
+
+def _partner(comm: Action) -> Action:
+    """The action on the peer rank that completes ``comm`` (SEND_F3s1 <-> RECV_F3s2)."""
+    kind = _RECV_FOR.get(comm.kind) or _SEND_FOR[comm.kind]
+    return Action(kind, comm.microbatch, comm.peer_stage)
