@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainmesh.config import Config
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
+from trainmesh.precision import dtype_of
 from trainmesh.train import Run, build, forward_backward, rank_batch, setup_process
 
 StepFn = Callable[[int], None]
@@ -33,7 +34,7 @@ def _trainmesh_step(run: Run) -> StepFn:
 def _ddp_step(run: Run) -> StepFn:
     """The same training step with torch DDP (same bucket size) and torch's own gradient clipping."""
     cfg, device = run.cfg, run.mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device)
+    model = GPT(cfg.model_config, seed=cfg.seed).to(device, dtype_of(cfg.precision))
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
     optimizer = build_adamw(model.named_parameters(), cfg, device)

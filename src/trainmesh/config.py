@@ -43,6 +43,9 @@ class Config:
     pp: int = _opt(1, "pipeline-parallel degree")
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce")
+    precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
+                          "state (fp16 with dynamic loss scaling)", ("fp32", "bf16", "fp16"))
+    reduce_dtype: str = _opt("fp32", "dtype gradients are accumulated and reduced in", ("fp32", "bf16", "fp16"))
     # optimisation
     steps: int = _opt(50, "optimizer steps")
     global_batch: int = _opt(16, "sequences per optimizer step, over all data-parallel ranks")

@@ -11,7 +11,8 @@ index order on every rank (a later bucket waits for earlier ones) so the collect
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,10 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import clip_, global_norm, norm_contributions
+from trainmesh.optim import TP_SHARDED, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+from trainmesh.precision import LossScaler, copy_masters_to_model, fp32_masters
+
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
 
 @dataclass
@@ -31,8 +35,9 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-    """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``."""
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[Bucket]:
+    """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``, holding
+    gradients in ``dtype`` (default: each parameter's own)."""
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in params:
@@ -44,7 +49,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
         size += nbytes
     buckets = []
     for group in groups:
-        flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
         bucket = Bucket(group, flat)
         offset = 0
         for p in group:
@@ -57,30 +62,63 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
 class DataParallel:
     """Gradient synchronisation for a replicated ``module`` over the ``dp`` axis of ``comm``'s mesh.
 
-    Use: run forward and backward as usual (inside :meth:`no_sync` for all but the last micro-batch of a
-    step), then :meth:`step`. The module itself is not wrapped, so its parameter names and
-    ``state_dict`` are unchanged. ``optimizer`` is built over ``module``'s parameters.
+    Use: run forward and backward as usual on the loss times :attr:`loss_scale` (inside :meth:`no_sync`
+    for all but the last micro-batch of a step), then :meth:`step`. The module itself is not wrapped, so
+    its parameter names and ``state_dict`` are unchanged.
+
+    When the module's parameters are bf16/fp16, the optimizer (from ``make_optimizer``) owns fp32 master
+    copies, and gradients are accumulated and all-reduced in ``reduce_dtype`` (fp32 by default: each
+    micro-batch's low-precision gradient is added into the fp32 bucket, as Megatron's ``main_grad``).
+    When ``reduce_dtype`` equals the parameters' dtype, gradients are views into the buckets (no copy).
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, optimizer: torch.optim.Optimizer,
-                 bucket_bytes: int = 25 * 2**20, axis: str = "dp") -> None:
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp") -> None:
         self.module = module
         self.comm = comm
-        self.optimizer = optimizer
         self.axis = axis
         self.sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
+        self.scaler = scaler or LossScaler(enabled=False)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = params = [p for _, p in named]
         self._broadcast_parameters(params)
-        self.buckets = make_buckets(list(reversed(params)), bucket_bytes)
+        self.masters = self._make_masters(params)
+        opt_params = self.masters if self.masters else params
+        self.optimizer = make_optimizer([(n, q) for (n, _), q in zip(named, opt_params)])
+        self.buckets = make_buckets(list(reversed(params)), bucket_bytes, reduce_dtype)
         self._slot: dict[nn.Parameter, tuple[int, int]] = {}
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
                 self._slot[p] = (b, i)
-                p.grad = bucket.views[i]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._point_grads_at_buckets()
         self._next_launch = 0
         self._reset_pending()
         self.events: list[tuple[str, int]] = []
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @staticmethod
+    def _make_masters(params: list[nn.Parameter]) -> list[nn.Parameter]:
+        if all(p.dtype == torch.float32 for p in params):
+            return []
+        masters = fp32_masters(params)
+        for m, p in zip(masters, params):
+            setattr(m, TP_SHARDED, is_tp_sharded(p))
+        return masters
+
+    def _point_grads_at_buckets(self) -> None:
+        """Gradients are views into the buckets wherever the dtypes agree."""
+        for bucket in self.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view if view.dtype == p.dtype else None
+
+    def _view(self, p: nn.Parameter) -> torch.Tensor:
+        b, i = self._slot[p]
+        return self.buckets[b].views[i]
 
     def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
         """Start every rank from dp-rank 0's weights, whatever each rank initialised."""
@@ -95,16 +133,19 @@ class DataParallel:
         self._next_launch = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        b, i = self._slot[p]
-        bucket = self.buckets[b]
-        if p.grad is not bucket.views[i]:
-            # The optimizer or user set grads to None; fold the fresh gradient back into the bucket.
-            bucket.views[i].copy_(p.grad)
-            p.grad = bucket.views[i]
+        b, _ = self._slot[p]
+        view = self._view(p)
+        if view.dtype != p.dtype:
+            view.add_(p.grad)
+            p.grad = None
+        elif p.grad is not view:
+            # The user set grads to None; fold the fresh gradient back into the bucket.
+            view.copy_(p.grad)
+            p.grad = view
         if not self.sync:
             return
         self.events.append(("ready", b))
-        bucket.pending -= 1
+        self.buckets[b].pending -= 1
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -136,28 +177,45 @@ class DataParallel:
         self._reset_pending()
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Finish the gradient AllReduce, clip by the global norm, update; returns the norm before clipping.
+        """Finish the AllReduce, unscale and clip by the global norm, update; returns the pre-clip norm.
 
         The norm is reduced over ``tp`` and ``pp`` (the axes that split a replicated model) but not over
-        ``dp``, whose ranks all hold the same averaged gradient.
+        ``dp``, whose ranks all hold the same averaged gradient. A non-finite norm (an overflow or NaN on
+        any rank; every rank computes the same norm) skips the update on every rank together.
         """
         self.finish_gradient_sync()
-        params = [p for b in self.buckets for p in b.params]
-        norm = global_norm(norm_contributions(params, self.comm.mesh.rank("tp")), self.comm, ("tp", "pp"))
-        clip_([p.grad for p in params], norm, max_norm)
+        opt_params = self.masters or self.params
+        grads = self._optimizer_grads(opt_params)
+        scaled = global_norm(norm_contributions(opt_params, self.comm.mesh.rank("tp")), self.comm, ("tp", "pp"))
+        norm = scaled / self.loss_scale
+        if not math.isfinite(norm.item()):
+            self.scaler.update(found_inf=True)
+            self.zero_grad()
+            return norm.item()
+        unscale_and_clip_(grads, norm, max_norm, self.loss_scale)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.masters:
+            copy_masters_to_model(self.masters, self.params)
+            for m in self.masters:
+                m.grad = None
+        self.scaler.update(found_inf=False)
         self.zero_grad()
         return norm.item()
 
+    def _optimizer_grads(self, opt_params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Point the optimizer's parameters at the reduced gradients (a copy only if dtypes differ)."""
+        for p, q in zip(self.params, opt_params):
+            q.grad = self._view(p).to(q.dtype)
+        return [q.grad for q in opt_params]
+
     def state_tensors(self) -> list[torch.Tensor]:
         """What :func:`trainmesh.metrics.storage_bytes` counts as this rank's model state."""
-        return model_state_tensors(self.module, self.optimizer)
+        return model_state_tensors(self.module, self.optimizer) + self.masters + [b.flat for b in self.buckets]
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.flat.zero_()
-            for p, view in zip(bucket.params, bucket.views):
-                p.grad = view
+        self._point_grads_at_buckets()
         self.events.clear()

@@ -67,9 +67,13 @@ def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) 
     return sq.sqrt()[0]
 
 
-def clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale ``grads`` in place so their global norm is at most ``max_norm`` (0 disables)."""
-    if max_norm <= 0:
+def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float,
+                      loss_scale: float = 1.0) -> None:
+    """Divide ``grads`` by the loss scale and clip them to global norm ``max_norm`` (0: no clipping), in
+    one pass; ``total_norm`` is the norm of the *unscaled* gradients."""
+    coef = torch.ones((), device=total_norm.device) / loss_scale
+    if max_norm > 0:
+        coef = coef * torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    elif loss_scale == 1.0:
         return
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     torch._foreach_mul_(list(grads), coef)

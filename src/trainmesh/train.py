@@ -27,6 +27,7 @@ from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, wo
 from trainmesh.metrics import MetricsWriter, Progress, max_rss_bytes, peak_device_bytes, storage_bytes
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw, lr_at
+from trainmesh.precision import LossScaler, dtype_of
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -37,6 +38,8 @@ MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 class Engine(Protocol):
     """What a parallel form gives the loop: gradient synchronisation and the optimizer step."""
+
+    loss_scale: float
 
     def no_sync(self) -> contextlib.AbstractContextManager: ...
 
@@ -79,9 +82,10 @@ def setup_process(cfg: Config) -> Mesh:
 def build(cfg: Config, mesh: Mesh) -> Run:
     """Build the model from the seed and apply the configured parallel form to it."""
     comm = Comm(mesh)
-    model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device)
-    optimizer = build_adamw(model.named_parameters(), cfg, mesh.device)
-    engine = DataParallel(model, comm, optimizer, bucket_bytes=int(cfg.bucket_mb * 2**20))
+    model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
+                          bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
+                          scaler=LossScaler(enabled=cfg.precision == "fp16"))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
     return Run(cfg, mesh, comm, model, engine, cross_entropy, data)
 
@@ -102,7 +106,7 @@ def forward_backward(run: Run, micro_batches: MicroBatches) -> torch.Tensor:
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else run.engine.no_sync():
             loss = run.criterion(run.model(x), y) / len(micro_batches)
-            loss.backward()
+            (loss * run.engine.loss_scale).backward()
         total += loss.detach()
     return total
 
