@@ -45,6 +45,8 @@ class Config:
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce")
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling)", ("fp32", "bf16", "fp16"))
+    recompute: str = _opt("none", "activation recomputation: full (each block) or selective (attention core)",
+                          ("none", "selective", "full"))
     reduce_dtype: str = _opt("fp32", "dtype gradients are accumulated and reduced in", ("fp32", "bf16", "fp16"))
     # optimisation
     steps: int = _opt(50, "optimizer steps")
@@ -63,6 +65,8 @@ class Config:
     backend: str = _opt("auto", "process-group backend: auto picks nccl with CUDA, else gloo",
                         ("auto", "gloo", "nccl", "mpi"))
     device: str = _opt("auto", "device: auto picks cuda when present", ("auto", "cpu", "cuda"))
+    compile: bool = _opt(False, "torch.compile each transformer block")
+    peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)")
     out: str = _opt("", "run directory for metrics.jsonl and summary.json (default: runs/<timestamp>)")
     progress: bool = _opt(True, "print a progress line per step on rank 0")
 

@@ -7,11 +7,12 @@ freed tensor not at all; it is the quantity the ZeRO paper's memory formulas pre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,10 +41,54 @@ def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return params + [p.grad for p in params if p.grad is not None] + optimizer_tensors(optimizer)
 
 
+class SavedActivations:
+    """Bytes of the tensors autograd saves for backward while active, parameters excluded.
+
+    This is the activation memory of a forward pass as backward will need it: tensors dropped by
+    activation recomputation are never saved, so they are not counted.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: dict[int, int] = {}
+        self.bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._exclude:
+            self._seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator["SavedActivations"]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+        self.bytes = sum(self._seen.values())
+
+
 def max_rss_bytes() -> int:
     """Peak resident set size of this process (Linux reports kilobytes, macOS bytes)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+# Dense bf16 tensor-core peaks (vendor datasheets, SXM parts), matched against torch's device name.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> float:
+    """The per-device peak that MFU divides by: ``override`` if given, else the table; 0 if unknown."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((tf for key, tf in PEAK_BF16_TFLOPS.items() if key in name), 0.0)
+
+
+def mfu(tokens_per_s: float, flops_per_token: int, world_size: int, peak: float) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices (None if unknown)."""
+    return tokens_per_s * flops_per_token / (world_size * peak * 1e12) if peak > 0 else None
 
 
 def peak_device_bytes(device: torch.device) -> int:

@@ -9,6 +9,7 @@ the quantity a single process computes, which is what makes layouts comparable.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,10 +25,12 @@ from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.data_parallel import DataParallel
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_from_env
-from trainmesh.metrics import MetricsWriter, Progress, max_rss_bytes, peak_device_bytes, storage_bytes
+from trainmesh.metrics import (MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu, peak_device_bytes,
+                               peak_tflops, storage_bytes)
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw, lr_at
 from trainmesh.precision import LossScaler, dtype_of
+from trainmesh.recompute import apply_recompute
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -83,6 +86,10 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Build the model from the seed and apply the configured parallel form to it."""
     comm = Comm(mesh)
     model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    apply_recompute(model, cfg.recompute)
+    if cfg.compile:
+        for block in model.blocks.values():
+            block.compile()
     engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
                           bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
                           scaler=LossScaler(enabled=cfg.precision == "fp16"))
@@ -99,13 +106,17 @@ def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
 
 
-def forward_backward(run: Run, micro_batches: MicroBatches) -> torch.Tensor:
-    """Accumulate gradients of the mean loss over ``micro_batches``; sync only on the last one."""
+def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivations | None = None) -> torch.Tensor:
+    """Accumulate gradients of the mean loss over ``micro_batches``; sync only on the last one.
+
+    ``saved``, if given, records the activation bytes of the first micro-batch's forward.
+    """
     total = torch.zeros((), device=run.mesh.device)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else run.engine.no_sync():
-            loss = run.criterion(run.model(x), y) / len(micro_batches)
+            with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
+                loss = run.criterion(run.model(x), y) / len(micro_batches)
             (loss * run.engine.loss_scale).backward()
         total += loss.detach()
     return total
@@ -116,7 +127,8 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
     cfg, mesh = run.cfg, run.mesh
     x, y = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step,
                      mesh.rank("dp"), mesh.size("dp"))
-    x, y = x.to(mesh.device, non_blocking=True), y.to(mesh.device, non_blocking=True)
+    if mesh.device.type == "cuda":
+        x, y = x.pin_memory().to(mesh.device, non_blocking=True), y.pin_memory().to(mesh.device, non_blocking=True)
     return list(zip(x.chunk(cfg.microbatches), y.chunk(cfg.microbatches)))
 
 
@@ -140,24 +152,36 @@ def evaluate(run: Run) -> float:
     return sum(losses) / len(losses)
 
 
-def maybe_inject_fault(step: int, rank: int) -> None:
-    """``TRAINMESH_FAULT=raise@RANK:STEP`` makes that rank fail at that step (for testing the launcher)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
+def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
+    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` if it names this rank and step; returns an undo function.
+
+    Kinds: ``raise`` (the rank fails, to test the launcher) and ``nan`` (the rank's gradients become NaN
+    during this step's backward, to test that every rank skips the step together).
+    """
+    spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
-    if kind == "raise" and int(fault_rank) == rank and int(fault_step) == step:
+    if not spec or int(fault_rank) != rank or int(fault_step) != step:
+        return lambda: None
+    if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV}={spec})")
+    if kind == "nan":
+        first = next(p for p in run.model.parameters() if p.requires_grad)
+        return first.register_hook(lambda g: torch.full_like(g, float("nan"))).remove
+    raise ValueError(f"{FAULT_ENV}={spec}: unknown fault kind {kind!r}; use raise or nan")
 
 
-def per_rank_stats(run: Run) -> dict[str, list[int]]:
-    """Peak RSS, model-state bytes and peak device memory of every rank, gathered to all."""
+PER_RANK_STATS = ("max_rss_bytes", "model_state_bytes", "peak_device_bytes", "activation_bytes")
+
+
+def per_rank_stats(run: Run, activation_bytes: int) -> dict[str, list[int]]:
+    """Peak RSS, model-state bytes, peak device memory and saved activation bytes of one micro-batch
+    (measured at step 0) of every rank, gathered to all."""
     mine = torch.tensor([max_rss_bytes(), storage_bytes(run.engine.state_tensors()),
-                         peak_device_bytes(run.mesh.device)], dtype=torch.int64, device=run.mesh.device)
+                         peak_device_bytes(run.mesh.device), activation_bytes],
+                        dtype=torch.int64, device=run.mesh.device)
     rows = log_all_gather(mine).tolist()
-    return {"max_rss_bytes": [r[0] for r in rows], "model_state_bytes": [r[1] for r in rows],
-            "peak_device_bytes": [r[2] for r in rows]}
+    return {name: [r[k] for r in rows] for k, name in enumerate(PER_RANK_STATS)}
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:
@@ -179,35 +203,44 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                      f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     tokens_per_step = cfg.global_batch * cfg.model_config.seq_len
+    peak = peak_tflops(mesh.device, cfg.peak_tflops)
+    saved = SavedActivations(run.model.parameters())
     losses, times = [], []
     for step in range(cfg.steps):
-        maybe_inject_fault(step, rank)
+        undo_fault = inject_fault(run, step, rank)
         t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
-        loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+        loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch),
+                                saved if step == 0 else None)
         lr = lr_at(step, cfg)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
+        undo_fault()
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         step_time = time.perf_counter() - t0
         losses.append(global_mean(run, loss))
         times.append(step_time)
         record = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
+                  "skipped": not math.isfinite(grad_norm), "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                  "mfu": mfu(tokens_per_step / step_time, cfg.model_config.flops_per_token(), mesh.world_size, peak),
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
-                  "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before), **per_rank_stats(run)}
+                  "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
+                  **per_rank_stats(run, saved.bytes)}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             record["val_loss"] = evaluate(run)
         writer.write(record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
     val_loss = evaluate(run)
     steady = times[1:] or times
+    tokens_per_s = tokens_per_step * len(steady) / sum(steady)
     summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
-               "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-               "mean_step_time_s": sum(steady) / len(steady), "world_size": mesh.world_size,
-               **per_rank_stats(run), "config": cfg.__dict__}
+               "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
+               "mfu": mfu(tokens_per_s, cfg.model_config.flops_per_token(), mesh.world_size, peak),
+               "world_size": mesh.world_size, **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
     writer.summary(summary)
     writer.close()
+    mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     progress.message(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {val_loss:.4f}, "
-                     f"{summary['tokens_per_s']:,.0f} tok/s" + (f"; metrics in {cfg.out}" if cfg.out else ""))
+                     f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
     return TrainResult(losses, val_loss, summary, run)

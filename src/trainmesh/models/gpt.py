@@ -41,6 +41,12 @@ class ModelConfig:
         per_block = (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
         return v * d + s * d + self.n_layers * per_block + 2 * d + d * v
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, forward + backward: 6 per weight of every matmul plus the attention
+        scores and weighted sum, 12·L·d·T (Chowdhery et al., 2022, PaLM, App. B). Embedding lookups are free."""
+        matmul_weights = self.n_params() - (self.vocab_size + self.seq_len) * self.d_model
+        return 6 * matmul_weights + 12 * self.n_layers * self.d_model * self.seq_len
+
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32),
@@ -59,10 +65,19 @@ def preset(name: str) -> ModelConfig:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
+class AttentionCore(nn.Module):
+    """softmax(QK^T/sqrt(d))V with a causal mask: parameter-free, its own module so that selective
+    activation recomputation (Korthikanti et al., 2022, §5) can recompute exactly this part."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.core = AttentionCore()
         # Output features of qkv are laid out [q | k | v], each [n_heads, head_dim]: a tensor-parallel plan
         # shards each third by heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
@@ -72,7 +87,7 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
