@@ -40,6 +40,8 @@ class Config:
     nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)")
     dp: int = _opt(1, "data-parallel degree")
     tp: int = _opt(1, "tensor-parallel degree")
+    sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
+                                   "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree")
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce")
@@ -168,7 +170,14 @@ def _validate_model_split(cfg: Config) -> None:
     if cfg.pp > m.n_layers:
         raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {cfg.model}; "
                           f"choose pp <= {m.n_layers}")
-    for what, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
+    sizes = (("n_heads", m.n_heads), ("d_model", m.d_model), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size))
+    for what, size in sizes:
         if size % cfg.tp:
-            valid = ", ".join(str(d) for d in _divisors(m.n_heads) if m.d_ff % d == 0 and m.vocab_size % d == 0)
+            valid = ", ".join(str(d) for d in _divisors(m.n_heads) if all(s % d == 0 for _, s in sizes))
             raise ConfigError(f"tp={cfg.tp} does not divide {what}={size} of {cfg.model}; choose tp in {{{valid}}}")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over tensor-parallel ranks; "
+                          "set --tp > 1 or drop --sequence-parallel")
+    if cfg.sequence_parallel and m.seq_len % cfg.tp:
+        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {cfg.model}; "
+                          f"choose tp dividing {m.seq_len} or drop --sequence-parallel")

@@ -31,6 +31,7 @@ from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw, lr_at
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
+from trainmesh.tensor_parallel import GPT_PLAN, parallelize, unsharded_state_dict
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -86,6 +87,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Build the model from the seed and apply the configured parallel form to it."""
     comm = Comm(mesh)
     model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    criterion = parallelize(model, mesh, GPT_PLAN, cfg.sequence_parallel, comm) or cross_entropy
     apply_recompute(model, cfg.recompute)
     if cfg.compile:
         for block in model.blocks.values():
@@ -94,7 +96,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                           bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
                           scaler=LossScaler(enabled=cfg.precision == "fp16"))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
-    return Run(cfg, mesh, comm, model, engine, cross_entropy, data)
+    return Run(cfg, mesh, comm, model, engine, criterion, data)
 
 
 def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
@@ -103,7 +105,7 @@ def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
     This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
     Forms that shard parameters assemble the full tensors here.
     """
-    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
 
 
 def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivations | None = None) -> torch.Tensor:

@@ -84,8 +84,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        qkv = self.qkv(x)
+        # Shapes come from qkv's output: under sequence parallelism x holds a slice of the sequence and
+        # the tensor-parallel qkv gathers the whole of it.
+        b, t, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
         q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))

@@ -1,0 +1,461 @@
+"""Tensor parallelism: individual layers split over the ``tp`` axis, applied to a plain model by a plan.
+
+Megatron-LM (Shoeybi et al., 2019, §3) splits a transformer block so that it needs two all-reduces in
+forward and two in backward: the first linear of attention and of the MLP is split by output features
+(*column-parallel*: each rank computes ``n_heads / tp`` heads, or ``d_ff / tp`` hidden units), the second
+by input features (*row-parallel*: each rank's partial product is summed). The conjugate pair ``f``
+(identity forward, all-reduce backward) and ``g`` (all-reduce forward, identity backward) around each
+half is all the communication. The embedding and output head are split by vocabulary, and the loss is
+computed from the vocabulary shards without ever gathering full logits (§3, "output embedding").
+
+Sequence parallelism (Korthikanti et al., 2022, §4.2.2) splits the regions *between* those halves
+(LayerNorm, residual adds, dropout) along the sequence, so their activations are ``1/tp`` per rank:
+``f`` becomes an all-gather along the sequence (reduce-scatter backward) and ``g`` a reduce-scatter
+(all-gather backward), moving the same bytes as the all-reduce they replace. Parameters that live in
+that region stay replicated but each rank sees only its slice of the sequence, so their gradients are
+summed over ``tp`` (Megatron all-reduces its "sequence-parallel" LayerNorm gradients the same way).
+
+The model knows nothing of this: :func:`parallelize` takes a plain ``nn.Module`` and a plan mapping
+module-name patterns to styles (see :data:`STYLES`; :data:`GPT_PLAN` is the built-in GPT's), shards the
+full weights it finds in place, and gives back the loss to use. Activations are batch-first
+``[batch, seq, hidden]``, so the sequence is dimension -2.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainmesh.comm import Comm
+from trainmesh.mesh import Mesh
+from trainmesh.optim import TP_SHARDED
+
+AXIS = "tp"
+SEQ_DIM = -2
+
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Plan = dict[str, str]
+
+
+# --- collectives along a tensor dimension ------------------------------------------------------------
+
+def _split(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
+    """This rank's 1/tp slice of ``x`` along ``dim``."""
+    return x.chunk(comm.mesh.size(AXIS), dim)[comm.mesh.rank(AXIS)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, comm: Comm, op: str = "all_gather") -> torch.Tensor:
+    """Concatenate every tp rank's ``x`` along ``dim``, in rank order."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((comm.mesh.size(AXIS) * x.shape[0], *x.shape[1:]))
+    comm.all_gather(out, x, AXIS, op=op)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
+    """Sum ``x`` over tp ranks and keep this rank's 1/tp slice along ``dim``."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // comm.mesh.size(AXIS), *x.shape[1:]))
+    comm.reduce_scatter(out, x, AXIS)
+    return out.movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm, op: str = "all_reduce") -> torch.Tensor:
+    """A summed copy of ``x`` (autograd may hand the same gradient tensor to several consumers)."""
+    x = x.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(x, AXIS, op=op)
+    return x
+
+
+# --- autograd-aware collectives (Megatron's mappings.py) ---------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """``f``: identity forward, all-reduce backward (before a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.comm), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """``g``: all-reduce forward, identity backward (after a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Sequence-parallel ``f``: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return _all_gather(x, SEQ_DIM, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.comm), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Sequence-parallel ``g``: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return _reduce_scatter(x, SEQ_DIM, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, SEQ_DIM, ctx.comm), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Entering the sequence-parallel region: split along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return _split(x, SEQ_DIM, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, SEQ_DIM, ctx.comm), None
+
+
+def into_column_parallel(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel layer: the full activation on every tp rank."""
+    return (_GatherFromSequence if sequence_parallel else _CopyToTP).apply(x, comm)
+
+
+def out_of_row_parallel(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
+    """The output of a row-parallel layer: partial sums reduced (and split along the sequence under SP)."""
+    return (_ReduceScatterToSequence if sequence_parallel else _ReduceFromTP).apply(x, comm)
+
+
+def sum_grad_over_tp(p: nn.Parameter, comm: Comm) -> None:
+    """Make ``p``'s gradient the sum over tp ranks of each rank's contribution.
+
+    For a replicated parameter in the sequence-parallel region, each rank's gradient covers only its
+    slice of the sequence. The hook sums each backward's contribution before it is accumulated into
+    ``p.grad``, so gradient accumulation and any data-parallel engine see the full, identical gradient.
+    """
+    p.register_hook(lambda grad: _all_reduce(grad, comm, op="sequence_grads"))
+
+
+# --- how a parameter is split ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Split along ``dim``; with ``chunks > 1`` (a fused ``[q | k | v]`` weight) each chunk is split alike."""
+
+    dim: int
+    chunks: int = 1
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full``: its 1/size of every chunk, concatenated."""
+    parts = [chunk.chunk(size, spec.dim)[rank] for chunk in full.chunk(spec.chunks, spec.dim)]
+    return torch.cat(parts, spec.dim).contiguous()
+
+
+def gather_tensor(local: torch.Tensor, spec: ShardSpec, comm: Comm) -> torch.Tensor:
+    """The inverse of :func:`shard_tensor`, assembled from every tp rank (a collective)."""
+    size = comm.mesh.size(AXIS)
+    per_rank = _all_gather(local, spec.dim, comm, op="unshard").chunk(size, spec.dim)
+    pieces = [shard.chunk(spec.chunks, spec.dim) for shard in per_rank]
+    return torch.cat([pieces[r][c] for c in range(spec.chunks) for r in range(size)], spec.dim)
+
+
+# --- tensor-parallel layers --------------------------------------------------------------------------
+
+class ShardedModule(nn.Module):
+    """A layer whose parameters are split over tp; it can cut its shards from full tensors and
+    reassemble them, under the same parameter names as the plain layer it replaces."""
+
+    def __init__(self, comm: Comm, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.specs: dict[str, ShardSpec] = {}
+
+    def _adopt(self, name: str, full: torch.Tensor | None, spec: ShardSpec | None) -> None:
+        """Register this rank's part of ``full`` as parameter ``name`` (all of it when ``spec`` is None)."""
+        if full is None:
+            self.register_parameter(name, None)
+            return
+        data = full.detach() if spec is None else shard_tensor(full.detach(), spec, *self._coords())
+        p = nn.Parameter(data.clone(), requires_grad=full.requires_grad)
+        if spec is not None:
+            setattr(p, TP_SHARDED, True)
+            self.specs[name] = spec
+        self.register_parameter(name, p)
+
+    def _coords(self) -> tuple[int, int]:
+        return self.comm.mesh.rank(AXIS), self.comm.mesh.size(AXIS)
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor of parameter ``name``."""
+        return shard_tensor(full, self.specs[name], *self._coords())
+
+    def unshard(self, name: str) -> torch.Tensor:
+        """The full tensor of parameter ``name``, gathered from every tp rank (a collective)."""
+        return gather_tensor(getattr(self, name).detach(), self.specs[name], self.comm)
+
+
+class ColumnParallelLinear(ShardedModule):
+    """``y = x A^T + b`` with ``A`` and ``b`` split by output features; the output stays split.
+
+    ``chunks=3`` shards a fused ``[q | k | v]`` projection so each rank holds its heads of all three.
+    """
+
+    def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool, chunks: int = 1) -> None:
+        super().__init__(comm, sequence_parallel)
+        self._adopt("weight", linear.weight, ShardSpec(0, chunks))
+        self._adopt("bias", linear.bias, ShardSpec(0, chunks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(into_column_parallel(x, self.comm, self.sequence_parallel), self.weight, self.bias)
+
+
+class RowParallelLinear(ShardedModule):
+    """``y = x A^T + b`` with ``A`` split by input features (``x`` arrives split); partial products are
+    reduced, then the replicated bias is added once."""
+
+    def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
+        super().__init__(comm, sequence_parallel)
+        self._adopt("weight", linear.weight, ShardSpec(1))
+        self._adopt("bias", linear.bias, None)
+        if sequence_parallel and self.bias is not None:
+            sum_grad_over_tp(self.bias, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = out_of_row_parallel(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(ShardedModule):
+    """An embedding table split by rows (vocabulary): each rank looks up the ids in its range, zeros the
+    rest, and the partial embeddings are summed (Megatron-LM §3)."""
+
+    def __init__(self, embedding: nn.Embedding, comm: Comm, sequence_parallel: bool) -> None:
+        super().__init__(comm, sequence_parallel)
+        self._adopt("weight", embedding.weight, ShardSpec(0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - self.comm.mesh.rank(AXIS) * rows
+        outside = (local < 0) | (local >= rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return out_of_row_parallel(out, self.comm, self.sequence_parallel)
+
+
+# --- the vocabulary-parallel loss --------------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: per-token cross-entropy from vocabulary-split logits with two all-reduces (the max, then
+    the target logit and the sum of exponentials); backward: local ``softmax - onehot``, no communication."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        peak = logits.max(dim=-1).values
+        comm.all_reduce(peak, AXIS, op="cross_entropy", reduce_op=dist.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        local = targets - comm.mesh.rank(AXIS) * vocab
+        outside = (local < 0) | (local >= vocab)
+        local = local.masked_fill(outside, 0)
+        exp = shifted.exp()
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])
+        comm.all_reduce(sums, AXIS, op="cross_entropy")
+        ctx.save_for_backward(exp.div_(sums[1].unsqueeze(-1)), local, outside)
+        return sums[1].log() - sums[0]
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, outside = ctx.saved_tensors
+        onehot = (~outside).to(softmax.dtype).unsqueeze(-1)
+        grad = softmax.scatter_add_(-1, local.unsqueeze(-1), -onehot)
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Mean next-token loss from logits whose last dimension is split over tp; every tp rank gets it."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm).mean()
+
+
+# --- styles and the plan -----------------------------------------------------------------------------
+
+def _require(module: nn.Module, kinds: tuple[type, ...], name: str, style: str) -> None:
+    if not isinstance(module, kinds):
+        wanted = " or ".join(k.__name__ for k in kinds)
+        raise TypeError(f"plan style {style!r} applies to {wanted}, but {name} is a {type(module).__name__}; "
+                        f"fix the pattern that matches {name}")
+
+
+def _require_divisible(size: int, tp: int, what: str, name: str, fix: str = "") -> None:
+    if size % tp:
+        raise ValueError(f"tp={tp} does not divide {what}={size} of {name}; choose tp dividing {size}{fix}")
+
+
+def _colwise(module: nn.Module, name: str, comm: Comm, sp: bool, chunks: int = 1) -> nn.Module:
+    _require(module, (nn.Linear,), name, "colwise")
+    what = "out_features" if chunks == 1 else f"out_features/{chunks}"
+    _require_divisible(module.out_features // chunks, comm.mesh.size(AXIS), what, name)
+    return ColumnParallelLinear(module, comm, sp, chunks)
+
+
+def _rowwise(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    _require(module, (nn.Linear,), name, "rowwise")
+    _require_divisible(module.in_features, comm.mesh.size(AXIS), "in_features", name)
+    return RowParallelLinear(module, comm, sp)
+
+
+def _vocab(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    """An embedding table or an output head, split by vocabulary."""
+    _require(module, (nn.Embedding, nn.Linear), name, "vocab")
+    vocab = module.num_embeddings if isinstance(module, nn.Embedding) else module.out_features
+    _require_divisible(vocab, comm.mesh.size(AXIS), "vocab size", name, " or pad the vocabulary to a multiple of tp")
+    if isinstance(module, nn.Embedding):
+        return VocabParallelEmbedding(module, comm, sp)
+    return ColumnParallelLinear(module, comm, sp)
+
+
+def _sequence(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    """A replicated module (LayerNorm, dropout) that sees only its sequence slice under SP."""
+    if sp:
+        for p in module.parameters():
+            sum_grad_over_tp(p, comm)
+    return module
+
+
+def _sequence_scatter(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    """A replicated module whose output enters the sequence-parallel region (a position embedding)."""
+    if sp:
+        module.register_forward_hook(lambda _m, _args, out: _ScatterToSequence.apply(out, comm))
+    return module
+
+
+Style = Callable[[nn.Module, str, Comm, bool], nn.Module]
+
+STYLES: dict[str, Style] = {
+    "colwise": _colwise,
+    "colwise_qkv": functools.partial(_colwise, chunks=3),
+    "rowwise": _rowwise,
+    "vocab": _vocab,
+    "sequence": _sequence,
+    "sequence_scatter": _sequence_scatter,
+}
+"""Plan styles: ``colwise``/``rowwise`` (Megatron's column/row-parallel linear), ``colwise_qkv`` (a fused
+``[q | k | v]`` linear, each rank taking its heads of each third), ``vocab`` (an embedding or output head
+split by vocabulary; a vocab-split head makes the loss the vocabulary-parallel cross-entropy),
+``sequence`` (replicated, inside the sequence-parallel region: gradients summed over tp under SP) and
+``sequence_scatter`` (replicated, output split along the sequence under SP)."""
+
+GPT_PLAN: Plan = {
+    "embed.tok": "vocab",
+    "embed.pos": "sequence_scatter",
+    "blocks.*.ln*": "sequence",
+    "blocks.*.attn.qkv": "colwise_qkv",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+    "ln_f": "sequence",
+    "head": "vocab",
+}
+"""The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
+
+
+def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Module name -> style for every module the plan names; every pattern must match, each module once."""
+    names = [name for name, _ in model.named_modules() if name]
+    matched: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"unknown plan style {style!r} for {pattern!r}; choose one of {', '.join(STYLES)}")
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(f"plan pattern {pattern!r} matches no module; names look like {', '.join(names[:6])}")
+        for n in hits:
+            if n in matched:
+                raise ValueError(f"{n} is matched by more than one plan pattern; make the patterns disjoint")
+            matched[n] = style
+    return matched
+
+
+def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: bool = False,
+                comm: Comm | None = None) -> Criterion | None:
+    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place, as ``plan`` says.
+
+    The full weights found in the model are sharded, so a model built identically on every rank (from
+    the same seed, or loaded from a full checkpoint) becomes the tensor-parallel split of that model.
+    Collectives are counted in ``comm`` (pass the run's). Returns the vocabulary-parallel cross-entropy
+    when the plan splits an output head by vocabulary (its logits are then split, so the ordinary loss
+    no longer applies), else None. With ``tp == 1`` the plan is checked and the model left as it is.
+    """
+    matched = match_plan(model, plan)
+    if mesh.size(AXIS) == 1:
+        return None
+    comm = comm or Comm(mesh)
+    vocab_head = False
+    for name, style in matched.items():
+        module = model.get_submodule(name)
+        replacement = STYLES[style](module, name, comm, sequence_parallel)
+        if replacement is not module:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, replacement)
+        vocab_head |= style == "vocab" and isinstance(module, nn.Linear)
+    return functools.partial(vocab_parallel_cross_entropy, comm=comm) if vocab_head else None
+
+
+# --- full (unsharded) weights ------------------------------------------------------------------------
+
+def _sharded_params(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
+    return {f"{prefix}.{name}" if prefix else name: (m, name)
+            for prefix, m in model.named_modules() if isinstance(m, ShardedModule) for name in m.specs}
+
+
+def unsharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state dict, tp shards gathered into full tensors (a collective over tp)."""
+    state = dict(model.state_dict())
+    for key, (module, name) in _sharded_params(model).items():
+        state[key] = module.unshard(name)
+    return state
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded) weights, as a plain model saves them, into a tensor-parallel model: each
+    rank keeps its own shard of every split parameter and all of every replicated one."""
+    state = model.state_dict()
+    if state.keys() != full.keys():
+        missing, unexpected = sorted(state.keys() - full.keys()), sorted(full.keys() - state.keys())
+        raise KeyError(f"state dict does not fit the model: missing {missing}, unexpected {unexpected}")
+    sharded = _sharded_params(model)
+    for key, tensor in state.items():
+        src = full[key]
+        if key in sharded:
+            module, name = sharded[key]
+            src = module.shard(name, src)
+        tensor.copy_(src)

@@ -1,0 +1,203 @@
+"""Tensor parallel (Megatron-style) with sequence parallelism: same losses and parameters as one process,
+1/tp of the sharded bytes per rank, exactly the communication the papers count, any plain module by a
+plan, and full (unsharded) weights loaded into a sharded model."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from trainmesh import parallelize
+from trainmesh.config import Config, ConfigError, validate
+from trainmesh.mesh import Mesh
+from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
+from trainmesh.optim import is_tp_sharded
+from trainmesh.tensor_parallel import (GPT_PLAN, ShardSpec, load_full_state_dict, shard_tensor,
+                                       unsharded_state_dict)
+from trainmesh.testing import run_ranks
+from trainmesh.train import build, forward_backward, rank_batch, setup_process
+
+from helpers import check_equivalent
+
+TINY = PRESETS["tiny"]
+
+
+def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1) -> Config:
+    return Config(nproc=dp * tp, dp=dp, tp=tp, sequence_parallel=sp, steps=10, global_batch=8,
+                  microbatches=microbatches, progress=False, warmup_steps=2)
+
+
+def _mesh_at(tp: int, rank: int) -> Mesh:
+    """This rank's view of a tp mesh, without processes: enough to shard weights (no collective runs)."""
+    return Mesh({"pp": 1, "dp": 1, "tp": tp}, {"pp": 0, "dp": 0, "tp": rank}, torch.device("cpu"))
+
+
+# --- equivalence with a single process ---------------------------------------------------------------
+
+def test_tp2_with_and_without_sequence_parallel_matches_single_process():
+    check_equivalent([_cfg(2), _cfg(2, sp=True), _cfg(2, sp=True, microbatches=2)], world_size=2)
+
+
+def test_tp4_and_dp2_tp2_match_single_process():
+    check_equivalent([_cfg(4), _cfg(4, sp=True), _cfg(2, dp=2), _cfg(2, dp=2, sp=True)], world_size=4)
+
+
+# --- memory: parameters and activations --------------------------------------------------------------
+
+SHARDED = {"embed.tok.weight", "head.weight"} | {
+    f"blocks.{i}.{name}" for i in range(TINY.n_layers)
+    for name in ("attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
+                 "mlp.proj.weight")}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_layers_hold_one_tp_th_of_the_parameter_bytes(tp):
+    full = {n: p.nbytes for n, p in GPT(TINY).named_parameters()}
+    for rank in range(tp):
+        model = GPT(TINY)
+        parallelize(model, _mesh_at(tp, rank), GPT_PLAN)
+        params = dict(model.named_parameters())
+        assert {n for n, p in params.items() if is_tp_sharded(p)} == SHARDED
+        for name, p in params.items():
+            assert p.nbytes == (full[name] // tp if name in SHARDED else full[name]), name
+        replicated = sum(full[n] for n in full if n not in SHARDED)
+        assert sum(p.nbytes for p in params.values()) == replicated + sum(full[n] for n in SHARDED) // tp
+
+
+def test_qkv_shard_takes_each_ranks_heads_from_q_k_and_v():
+    full = torch.arange(12.0).reshape(12, 1)  # rows [q0 q1 q2 q3 | k0 .. | v0 ..] for 4 heads
+    assert shard_tensor(full, ShardSpec(0, chunks=3), rank=1, size=2).flatten().tolist() == [2, 3, 6, 7, 10, 11]
+
+
+# --- communication and activation shapes, counted over one step --------------------------------------
+
+def expected_tp_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool) -> dict[str, float]:
+    """Bytes one rank sends over tp in a step of one micro-batch, by op (ring volumes, see comm.py).
+
+    Megatron-LM §3: each block all-reduces the [B, T, d] activation after attention and after the MLP in
+    forward (g) and before each in backward (f); the vocab-parallel embedding adds one in forward, the
+    vocab-parallel head one in backward, so 4L + 2 all-reduces of S = 4·B·T·d bytes, 2(t-1)/t·S each.
+    Korthikanti et al. §4.2.2: under SP each becomes an all-gather in one direction and a reduce-scatter
+    in the other, (t-1)/t·S each, plus the all-gather of the position-embedding gradient [T, d] and the
+    sum over tp of the 6L + 2 replicated d-vectors in the sequence region (LayerNorms, row biases).
+    The cross-entropy all-reduces 3 floats per token (max, target logit, sum of exponentials), the
+    global gradient norm one float.
+    """
+    ring, s = (tp - 1) / tp, 4 * micro_batch * m.seq_len * m.d_model
+    n = 4 * m.n_layers + 2
+    out = {"cross_entropy": 2 * ring * 4 * 3 * micro_batch * m.seq_len, "grad_norm": 2 * ring * 4}
+    if not sp:
+        return {**out, "all_reduce": n * 2 * ring * s}
+    return {**out, "all_gather": n * ring * s + ring * 4 * m.seq_len * m.d_model, "reduce_scatter": n * ring * s,
+            "sequence_grads": 2 * ring * 4 * (6 * m.n_layers + 2) * m.d_model}
+
+
+def _one_step(cfgs: list[Config]) -> list[tuple[dict[str, float], list[torch.Size]]]:
+    return [_step_counts(cfg) for cfg in cfgs]
+
+
+def _step_counts(cfg: Config) -> tuple[dict[str, float], list[torch.Size]]:
+    """tp bytes by op over one training step, and the input shape of every LayerNorm in it."""
+    torch.set_num_threads(1)
+    run = build(cfg, setup_process(cfg))
+    shapes = []
+    for module in run.model.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
+    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    run.engine.step(cfg.lr, cfg.grad_clip)
+    return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes
+
+
+def test_tp_communication_matches_megatron_counts_and_sp_splits_layernorm_regions():
+    cfgs = [_cfg(2), _cfg(2, sp=True)]
+    for cfg, (counted, shapes) in zip(cfgs, run_ranks(_one_step, 2, cfgs)[0]):
+        sp = cfg.sequence_parallel
+        expected = expected_tp_bytes(TINY, cfg.micro_batch, 2, sp)
+        assert counted.keys() == expected.keys()
+        for op in expected:
+            assert counted[op] == pytest.approx(expected[op], rel=1e-12), (sp, op)
+        seq = TINY.seq_len // 2 if sp else TINY.seq_len
+        assert shapes == [torch.Size([cfg.micro_batch, seq, TINY.d_model])] * (2 * TINY.n_layers + 1)
+
+
+# --- a user's own model, and full weights ------------------------------------------------------------
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def _user_model_step() -> tuple[float, float]:
+    """Forward, backward and an SGD step of a plain MLP, split by a two-line plan vs. the same MLP whole."""
+    mesh = setup_process(Config(nproc=2, tp=2))
+    ref, model = _mlp(), _mlp()
+    assert parallelize(model, mesh, {"0": "colwise", "2": "rowwise"}) is None
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for m in (ref, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        out = m(x)
+        out.square().mean().backward()
+        opt.step()
+        outputs.append(out.detach())
+    params = unsharded_state_dict(model)
+    return ((outputs[0] - outputs[1]).abs().max().item(),
+            max((params[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+
+
+def test_users_plain_module_parallelized_by_a_custom_plan():
+    out_diff, param_diff = run_ranks(_user_model_step, 2)[0]
+    assert out_diff < 1e-6 and param_diff < 1e-6
+
+
+def _load_full_weights() -> list[tuple[bool, float]]:
+    return [_load_and_compare(sp) for sp in (False, True)]
+
+
+def _load_and_compare(sp: bool) -> tuple[bool, float]:
+    """Full weights of another seed loaded into a sharded GPT: gathered back bit for bit, same loss."""
+    mesh = setup_process(Config(nproc=2, tp=2, sequence_parallel=sp))
+    model, source = GPT(TINY, seed=0), GPT(TINY, seed=1)
+    criterion = parallelize(model, mesh, GPT_PLAN, sp)
+    load_full_state_dict(model, source.state_dict())
+    gathered = unsharded_state_dict(model)
+    exact = all(torch.equal(gathered[k], v) for k, v in source.state_dict().items())
+    x, y = (torch.randint(0, TINY.vocab_size, (2, TINY.seq_len), generator=torch.Generator().manual_seed(s))
+            for s in (2, 3))
+    with pytest.raises(KeyError, match="missing"):
+        load_full_state_dict(model, {k: v for k, v in source.state_dict().items() if k != "head.weight"})
+    return exact, abs(criterion(model(x), y).item() - cross_entropy(source(x), y).item())
+
+
+def test_full_weights_load_into_a_tp_model_with_and_without_sp():
+    for exact, loss_diff in run_ranks(_load_full_weights, 2)[0]:
+        assert exact and loss_diff < 1e-5
+
+
+# --- errors before anything runs ---------------------------------------------------------------------
+
+def test_plan_errors_say_what_to_fix():
+    with pytest.raises(ValueError, match="tp=3 does not divide vocab size=256 of embed.tok; .* or pad"):
+        parallelize(GPT(TINY), _mesh_at(3, 0), GPT_PLAN)
+    with pytest.raises(ValueError, match="tp=3 does not divide out_features/3=64 of blocks.0.attn.qkv"):
+        parallelize(GPT(TINY), _mesh_at(3, 0), {"blocks.*.attn.qkv": "colwise_qkv"})
+    with pytest.raises(ValueError, match="'blocks.*.mlp.fc2' matches no module"):
+        parallelize(GPT(TINY), _mesh_at(2, 0), {"blocks.*.mlp.fc2": "colwise"})
+    with pytest.raises(ValueError, match="unknown plan style 'diagonal'"):
+        parallelize(GPT(TINY), _mesh_at(2, 0), {"head": "diagonal"})
+    with pytest.raises(TypeError, match="'rowwise' applies to Linear, but blocks.0.ln1 is a LayerNorm"):
+        parallelize(GPT(TINY), _mesh_at(2, 0), {"blocks.0.ln1": "rowwise"})
+    model = copy.deepcopy(_mlp())
+    parallelize(model, _mesh_at(1, 0), {"0": "colwise"})
+    assert isinstance(model[0], nn.Linear), "tp=1 leaves the model as it is"
+
+
+def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
+    validate(Config(nproc=4, tp=4, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="set --tp > 1 or drop --sequence-parallel"):
+        validate(Config(sequence_parallel=True))
+    monkeypatch.setitem(PRESETS, "odd-seq", ModelConfig(2, 64, 4, 256, 256, seq_len=30))
+    with pytest.raises(ConfigError, match="needs tp=4 to divide seq_len=30"):
+        validate(Config(model="odd-seq", nproc=4, tp=4, sequence_parallel=True))
