@@ -1,0 +1,939 @@
+"""Predict, before launching, whether a layout fits in memory and how long one step takes; pick the best.
+
+Every estimate is a plain function of (model shape, workload, layout, cluster), so the same functions that
+rank layouts can be checked against measured memory and step times. Each formula cites its source:
+
+* [ZeRO]  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
+* [KOR]   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022.
+* [NAR]   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+          Megatron-LM", 2021; "app. FLOPs" is its appendix deriving F = 96Bslh^2(1 + s/6h + V/16lh).
+* [ZB]    Qi et al., "Zero Bubble Pipeline Parallelism", 2023.
+* [THA]   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH", 2005.
+* [PALM]  Chowdhery et al., "PaLM", 2022, appendix B (model FLOPs utilization).
+
+Conventions the estimates share with the trainmesh runtime (change them together):
+
+* Ranks are ordered tp fastest, then dp, then pp (Megatron's default), so a tp group is ``tp``
+  consecutive ranks, a dp group spans ``tp * dp`` and a pipeline spans the whole world.
+* A ZeRO unit is one top-level piece of :class:`trainmesh.models.gpt.GPT` (``embed``, each block,
+  ``ln_f``, ``head``); each unit's flat shard is padded up to a multiple of the dp size.
+* A pipeline stage owns ``n_layers / pp`` consecutive blocks (``virtual`` chunks of them when
+  interleaved); stage 0 also owns the embeddings, the last stage ``ln_f`` and the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+from trainmesh.models.gpt import PRESETS, ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+RECOMPUTE = ("none", "selective", "full")
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model shapes
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of a decoder-only transformer.
+
+    The defaults describe trainmesh's own GPT (GPT-2 layout, no dropout, attention through
+    ``scaled_dot_product_attention``, which never stores the s x s score matrix). ``bias=False`` means a
+    LLaMA-style model: no biases anywhere and RMSNorm (one weight vector per norm).
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+    gated_mlp: bool = False
+    bias: bool = True
+    learned_positions: bool = True
+    dropout: bool = False
+    flash_attention: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"choose n_heads in {_divisors(self.d_model)}"
+            )
+
+    def n_params(self) -> int:
+        """Total parameter count; equals ``ModelConfig.n_params()`` for the built-in GPT."""
+        return params_per_tp_rank(self, tp=1)
+
+
+def shape_from_config(cfg: ModelConfig) -> ModelShape:
+    """The planner's view of a built-in :class:`ModelConfig` (all flags at trainmesh GPT defaults)."""
+    return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size, cfg.seq_len)
+
+
+def _gpt3_like(n_layers: int, d_model: int, n_heads: int) -> ModelShape:
+    """A Megatron GPT shape [NAR, Table 1]: d_ff = 4h, vocab 51200 (GPT-2's padded), sequence 2048,
+    dropout, attention that stores its score matrix."""
+    return ModelShape(n_layers, d_model, n_heads, 4 * d_model, 51200, 2048, dropout=True,
+                      flash_attention=False)
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    **{name: shape_from_config(cfg) for name, cfg in PRESETS.items()},
+    # Planning-only shapes: trainmesh does not build these, so they live here rather than in gpt.py.
+    "llama-7b": ModelShape(32, 4096, 32, 11008, 32000, 2048, gated_mlp=True, bias=False,
+                           learned_positions=False),
+    "gpt3-175b": _gpt3_like(96, 12288, 96),
+    "megatron-530b": _gpt3_like(105, 20480, 128),
+    "megatron-1t": _gpt3_like(128, 25600, 160),
+}
+
+
+def model_shape(name: str) -> ModelShape:
+    """Look a model preset up by name, with the list of valid names in the error."""
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cluster, precision, workload, layout
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and links. Bandwidths are bytes/s per device in one direction (``inter_bw`` is one NIC's),
+    latencies are per ring hop, ``efficiency`` is the fraction of peak FLOP/s matmuls reach, and
+    ``reserved_bytes`` of each device's memory are not available to the model (runtime, fragmentation).
+    """
+
+    gpus: int
+    gpus_per_node: int
+    mem_bytes: int
+    peak_flops: float
+    peak_flops_fp32: float
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float
+    inter_latency: float
+    efficiency: float
+    reserved_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(
+                f"gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                f"use a multiple of gpus_per_node"
+            )
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.mem_bytes - self.reserved_bytes
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC beyond."""
+        if span <= self.gpus_per_node:
+            return self.intra_bw, self.intra_latency
+        return self.inter_bw, self.inter_latency
+
+
+def _gpu_node(mem_bytes: int, peak_bf16: float, peak_fp32: float, nvlink: float, nic: float) -> Cluster:
+    """One 8-GPU node from datasheet figures.
+
+    Matmuls are assumed to reach 60% of peak (end to end Megatron-LM reaches 52% on A100 [NAR, 5.1],
+    including its bubble and communication, which the time model adds separately). NCCL's per-hop latency
+    is about 2 us over NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's
+    own buffers and allocator fragmentation.
+    """
+    return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak_bf16,
+                   peak_flops_fp32=peak_fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
+                   inter_latency=10e-6, efficiency=0.6, reserved_bytes=2 * GIB)
+
+
+# Dense bf16 tensor-core and plain fp32 peaks, NVLink bandwidth per direction, one 200 Gb/s (A100) or
+# 400 Gb/s (H100/H200) NIC per GPU. "cpu" is a modest multi-core host per process, gloo over 10 GbE.
+CLUSTER_PRESETS: dict[str, Cluster] = {
+    "a100-40gb": _gpu_node(40 * GIB, 312e12, 19.5e12, 300e9, 25e9),
+    "a100-80gb": _gpu_node(80 * GIB, 312e12, 19.5e12, 300e9, 25e9),
+    "h100-80gb": _gpu_node(80 * GIB, 989e12, 67e12, 450e9, 50e9),
+    "h200-141gb": _gpu_node(141 * 10**9, 989e12, 67e12, 450e9, 50e9),
+    "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
+                   intra_bw=5e9, inter_bw=1.25e9, intra_latency=20e-6, inter_latency=50e-6, efficiency=0.3,
+                   reserved_bytes=GIB),
+}
+
+
+def make_cluster(
+    gpu: str,
+    gpus: int,
+    gpus_per_node: int | None = None,
+    *,
+    mem_gb: float | None = None,
+    peak_tflops: float | None = None,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+) -> Cluster:
+    """A preset resized to ``gpus`` devices, with any explicit figure (GiB, TFLOP/s, GB/s) overriding it."""
+    try:
+        base = CLUSTER_PRESETS[gpu]
+    except KeyError:
+        raise ValueError(f"unknown gpu preset {gpu!r}; choose one of {', '.join(CLUSTER_PRESETS)}") from None
+    per_node = gpus_per_node or min(gpus, base.gpus_per_node)
+    overrides = {
+        "mem_bytes": None if mem_gb is None else int(mem_gb * GIB),
+        "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
+        "intra_bw": None if intra_gbps is None else intra_gbps * 1e9,
+        "inter_bw": None if inter_gbps is None else inter_gbps * 1e9,
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(base, gpus=gpus, gpus_per_node=per_node, **given)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each state; ``optimizer`` is the ZeRO paper's K [ZeRO, sec. 3.1]."""
+
+    param: int
+    grad: int
+    optimizer: int
+    activation: int
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter tensor.
+
+
+@functools.cache
+def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
+    """Parameters and activations in ``precision``, gradients in ``reduce_dtype``.
+
+    fp32 training keeps Adam's two moments (K = 8); mixed precision adds fp32 master weights (K = 12)
+    [ZeRO, 3.1]. The ZeRO paper's 2 Psi of gradients assumes they are reduced in the low precision;
+    trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead.
+    """
+    return Precision(DTYPE_BYTES[precision], DTYPE_BYTES[reduce_dtype], 8 if precision == "fp32" else 12,
+                     DTYPE_BYTES[precision])
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
+
+    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in; None means ``precision``.
+    """
+
+    model: ModelShape
+    global_batch: int
+    seq_len: int
+    precision: str = "bf16"
+    reduce_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("precision", self.precision), ("reduce_dtype", self.reduce_dtype)):
+            if value is not None and value not in DTYPE_BYTES:
+                raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        if self.model.learned_positions and self.seq_len > self.model.seq_len:
+            raise ValueError(
+                f"seq_len={self.seq_len} exceeds the model's {self.model.seq_len} learned positions; "
+                f"lower seq_len or raise the model's seq_len"
+            )
+
+    @functools.cached_property
+    def dtype_bytes(self) -> Precision:
+        return precision_bytes(self.precision, self.reduce_dtype or self.precision)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is spread: dp x tp x pp ranks, ZeRO stage, micro-batching and memory savers.
+
+    ``microbatches`` is per data-parallel replica and step (gradient accumulation when pp = 1);
+    ``virtual`` is the model chunks per pipeline rank of the interleaved schedule.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.tp, self.pp, self.microbatches, self.virtual) < 1:
+            raise ValueError(f"dp, tp, pp, microbatches and virtual must be >= 1, got {self}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero} is not a ZeRO stage; choose 0, 1, 2 or 3")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+        if (self.schedule == "interleaved") != (self.virtual > 1):
+            raise ValueError(
+                "virtual > 1 goes with schedule='interleaved' and only with it; set both or neither"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1; set tp or drop sequence_parallel")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(workload: Workload, layout: Layout) -> None:
+    """Raise early, with the fix, when the layout cannot run this workload."""
+    m, lay = workload.model, layout
+    for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
+        if size % lay.tp:
+            valid = sorted(set(_divisors(m.n_heads)) & set(_divisors(m.d_ff)) & set(_divisors(m.vocab_size)))
+            raise ValueError(f"tp={lay.tp} does not divide {name}={size}; choose tp in {valid}")
+    if lay.sequence_parallel and workload.seq_len % lay.tp:
+        raise ValueError(f"sequence_parallel needs tp={lay.tp} to divide seq_len={workload.seq_len}")
+    if m.n_layers % (lay.pp * lay.virtual):
+        raise ValueError(
+            f"n_layers={m.n_layers} is not divisible by pp*virtual={lay.pp * lay.virtual}; "
+            f"choose pp*virtual in {_divisors(m.n_layers)}"
+        )
+    if workload.global_batch % (lay.dp * lay.microbatches):
+        raise ValueError(
+            f"global_batch={workload.global_batch} is not divisible by dp*microbatches="
+            f"{lay.dp * lay.microbatches}; choose dp*microbatches in {_divisors(workload.global_batch)}"
+        )
+    if lay.schedule == "interleaved" and (lay.pp < 2 or lay.microbatches % lay.pp):
+        raise ValueError(
+            f"the interleaved schedule needs pp >= 2 and microbatches divisible by pp [NAR, 2.2.2]; "
+            f"got pp={lay.pp}, microbatches={lay.microbatches}"
+        )
+
+
+def micro_batch_size(workload: Workload, layout: Layout) -> int:
+    return workload.global_batch // (layout.dp * layout.microbatches)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters per rank
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Parameters one rank holds of one ZeRO unit after tensor parallelism: elements and tensors."""
+
+    numel: int
+    tensors: int
+
+
+def _norm(m: ModelShape) -> Unit:
+    """LayerNorm (weight and bias) or RMSNorm (weight only); replicated across tp ranks."""
+    return Unit(m.d_model * (2 if m.bias else 1), 2 if m.bias else 1)
+
+
+def _linear(n_in: int, n_out: int, tp: int, bias: bool, bias_sharded: bool) -> Unit:
+    """A Megatron-sharded linear: weight split by tp, column-parallel bias split, row-parallel bias not."""
+    bias_numel = (n_out // tp if bias_sharded else n_out) if bias else 0
+    return Unit(n_in * n_out // tp + bias_numel, 2 if bias else 1)
+
+
+def _sum(units: list[Unit]) -> Unit:
+    return Unit(sum(u.numel for u in units), sum(u.tensors for u in units))
+
+
+def block_unit(m: ModelShape, tp: int) -> Unit:
+    """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]."""
+    d, f, b = m.d_model, m.d_ff, m.bias
+    mlp_in = [_linear(d, f, tp, b, True)] * (2 if m.gated_mlp else 1)
+    return _sum(
+        [_norm(m), _linear(d, 3 * d, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+        + mlp_in
+        + [_linear(f, d, tp, b, False)]
+    )
+
+
+def embed_unit(m: ModelShape, tp: int) -> Unit:
+    """Vocab-parallel token table plus the replicated learned positions."""
+    positions = m.seq_len * m.d_model if m.learned_positions else 0
+    return Unit(m.vocab_size * m.d_model // tp + positions, 2 if m.learned_positions else 1)
+
+
+def head_unit(m: ModelShape, tp: int) -> Unit:
+    """Untied, vocab-parallel output projection without bias."""
+    return Unit(m.d_model * m.vocab_size // tp, 1)
+
+
+@functools.cache
+def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+    """(unit, how many) one rank of ``stage`` holds; interleaving changes which blocks, not how many.
+
+    Cached: a search asks for the same few stages of one model thousands of times.
+    """
+    first = ((embed_unit(m, tp), 1),) if stage == 0 else ()
+    last = ((_norm(m), 1), (head_unit(m, tp), 1)) if stage == pp - 1 else ()
+    return ((block_unit(m, tp), m.n_layers // pp),) + first + last
+
+
+def params_per_tp_rank(m: ModelShape, tp: int) -> int:
+    """Parameters per tp rank of the whole model (all stages)."""
+    return sum(u.numel * n for u, n in stage_units(m, tp, 1, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank of ``stage`` holds at its peak."""
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.buffers
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_state(
+    workload: Workload, tp: int, pp: int, dp: int, zero: int, stage: int
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of one rank [ZeRO, sec. 5, Fig. 1].
+
+    Unsharded each costs its bytes per element times Psi, together (2 + 2 + K) Psi in mixed precision.
+    Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters, each
+    over the dp ranks; a unit's shard is ceil(Psi_unit / dp) elements because the flat buffer is padded.
+    Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
+    """
+    b = workload.dtype_bytes
+    units = stage_units(workload.model, tp, pp, stage)
+    full = sum(u.numel * n for u, n in units)
+    shard = sum(-(-u.numel // dp) * n for u, n in units)
+    steps = STEP_SCALAR_BYTES * sum(u.tensors * n for u, n in units)
+    params = b.param * (shard if zero >= 3 else full)
+    grads = b.grad * (shard if zero >= 2 else full)
+    optimizer = b.optimizer * (shard if zero >= 1 else full) + steps
+    return params, grads, optimizer
+
+
+def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None) -> int:
+    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1].
+
+    With dropout and 2-byte activations this is exactly sbh(34 + 5as/h) (eq. 1), sbh(10 + 24/t + 5as/(ht))
+    under tensor parallelism (eq. 2), sbh/t (34 + 5as/h) with sequence parallelism (eq. 3), and the
+    5as/h term disappears with selective recomputation (eq. 6) or a fused attention kernel. Full
+    recomputation keeps only each block's input, 2sbh (sec. 5), split by t under sequence parallelism.
+    Other MLP widths and a gated MLP replace the two 4h-wide GeLU tensors by two (or four) f-wide ones.
+    """
+    m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
+    recompute = recompute or layout.recompute
+    sbh = workload.seq_len * micro_batch_size(workload, layout) * m.d_model
+    seq_split = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return e * sbh // seq_split
+    # Norm inputs, qkv and MLP inputs, dropout masks: only sequence parallelism splits these.
+    seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
+    # Q, K, V, the attention projection's input, the MLP's inner activations: split by heads or columns.
+    mlp_inner = (4 if m.gated_mlp else 2) * e * sbh * m.d_ff // m.d_model
+    scores = m.n_heads * workload.seq_len * sbh // m.d_model
+    stores_scores = recompute == "none" and not m.flash_attention
+    core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
+    return seq_sharded // seq_split + (4 * e * sbh + mlp_inner + core) // t
+
+
+def in_flight_chunks(layout: Layout, stage: int) -> int:
+    """Micro-batch chunks (n_layers / (pp * virtual) blocks each) whose activations ``stage`` holds at once.
+
+    GPipe keeps all m micro-batches; 1F1B keeps min(p - stage, m); ZB-H1 defers weight gradients, so
+    every stage keeps min(p, m), 1F1B's peak [ZB, 3.1]; Megatron's interleaved schedule runs
+    2(p - stage - 1) + (v - 1)p warm-up chunks plus one, so stage 0 holds L(1 + (p - 1)/(pv)) blocks'
+    worth [NAR, 2.2.2; KOR, 4.2.2]. These are the peaks ``Timeline.peak_activations`` of
+    :mod:`trainmesh.pipeline.simulate` reports for those schedules.
+    """
+    p, m, v = layout.pp, layout.microbatches, layout.virtual
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return min(p if layout.schedule == "zb" else p - stage, m)
+
+
+def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3].
+
+    Blocks in flight times the per-block cost. Stage 0 adds the embedding dropout masks (sbh per
+    micro-batch in flight); the last stage adds the final norm and head inputs (4sbh) and the fp32
+    logits (4sbv/t), for one micro-batch since its backward follows its forward at once (all m under
+    GPipe). Recomputation needs one block's full activations back while that block runs backward, so
+    that working set is added once.
+    """
+    m, e, lay = workload.model, workload.dtype_bytes.activation, layout
+    sbh = workload.seq_len * micro_batch_size(workload, lay) * m.d_model
+    seq_split = lay.tp if lay.sequence_parallel else 1
+    chunks = in_flight_chunks(lay, stage)
+    per_layer = layer_activation_bytes(workload, lay)
+    working = layer_activation_bytes(workload, lay, "none") - per_layer if lay.recompute != "none" else 0
+    total = chunks * (m.n_layers // (lay.pp * lay.virtual)) * per_layer + working
+    if stage == 0 and m.dropout:
+        total += -(-chunks // lay.virtual) * sbh // seq_split
+    if stage == lay.pp - 1:
+        outputs = 2 * e * sbh // seq_split + 4 * sbh * m.vocab_size // (m.d_model * lay.tp)
+        total += (lay.microbatches if lay.schedule == "gpipe" else 1) * outputs
+    return total
+
+
+def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """Transient communication buffers.
+
+    ZeRO-3 gathers the current and the prefetched unit and holds one unit's full gradient before the
+    reduce-scatter; ZeRO-2 holds that gradient too [ZeRO, 5.2-5.3]. A pipeline stage keeps one send and
+    one receive buffer of a micro-batch's boundary activation, split by t [NAR, 4.1 scatter/gather].
+    """
+    b = workload.dtype_bytes
+    largest = max(u.numel for u, _ in stage_units(workload.model, layout.tp, layout.pp, stage))
+    gathered = 2 * b.param * largest if layout.zero >= 3 else 0
+    unit_grad = b.grad * largest if layout.zero >= 2 else 0
+    boundary = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
+    p2p = 2 * b.activation * boundary if layout.pp > 1 else 0
+    return gathered + unit_grad + p2p
+
+
+def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
+    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.dp, layout.zero, stage)
+    acts = _activation_bytes(workload, layout, stage)
+    return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage))
+
+
+def _stages(layout: Layout, stage: int | None) -> list[int]:
+    """The stage asked for, or the only two that can be worst.
+
+    Middle stages hold the same blocks as the first or last, without the embeddings or head, and no
+    more micro-batches in flight than stage 0.
+    """
+    return [stage] if stage is not None else sorted({0, layout.pp - 1})
+
+
+def memory_per_rank(workload: Workload, layout: Layout, stage: int | None = None) -> MemoryBreakdown:
+    """Memory of one rank of ``stage``, or of the worst stage when ``stage`` is None."""
+    check_layout(workload, layout)
+    return max((_stage_memory(workload, layout, s) for s in _stages(layout, stage)), key=lambda mb: mb.total)
+
+
+def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
+    """Parameters + gradients + optimizer state of one rank (worst stage when ``stage`` is None)."""
+    check_layout(workload, layout)
+    lay = layout
+    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.dp, lay.zero, s)) for s in _stages(lay, stage))
+
+
+def activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
+    """Peak activation bytes of one rank (worst stage when ``stage`` is None)."""
+    check_layout(workload, layout)
+    return max(_activation_bytes(workload, layout, s) for s in _stages(layout, stage))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Time
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one step on the critical path; communication is assumed not to overlap compute."""
+
+    compute: float
+    dp_comm: float
+    tp_comm: float
+    pp_comm: float
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble
+
+
+def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """Ring all-gather or reduce-scatter of ``nbytes`` in total: (n-1)(alpha + S/(n B)) [THA]."""
+    bw, alpha = link
+    return (n - 1) * (alpha + nbytes / (n * bw)) if n > 1 else 0.0
+
+
+def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """The faster of ring, 2(n-1)(alpha + S/(nB)), and binomial tree, 2 ceil(log2 n)(alpha + S/B) [THA]."""
+    if n == 1:
+        return 0.0
+    bw, alpha = link
+    tree = 2 * math.ceil(math.log2(n)) * (alpha + nbytes / bw)
+    return min(2 * ring_gather_time(nbytes, n, link), tree)
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Idle fraction of the pipeline's time, in closed form, equal to what
+    ``simulate(schedule_*(...)).bubble_fraction`` of :mod:`trainmesh.pipeline` gives for uniform stages,
+    which can replace it once stage costs are measured.
+
+    GPipe and 1F1B: (p-1)/(m+p-1) [NAR, 2.2.1]; interleaving divides the bubble by v [NAR, 2.2.2];
+    ZB-H1 shrinks it to (p-1)(T_F + T_B - T_W), a third of 1F1B's when T_F = T_B = T_W [ZB, 3.1].
+    """
+    p, m = pp - 1, microbatches
+    ideal = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
+    return p / (ideal + p)
+
+
+def layer_flops_per_token(m: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs of one block per token: 2 per matmul weight, 4sh for QK^T and AV [NAR, app. FLOPs]."""
+    weights = 4 * m.d_model**2 + (3 if m.gated_mlp else 2) * m.d_model * m.d_ff
+    return 2 * weights + 4 * seq_len * m.d_model
+
+
+def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
+    """Executed FLOPs of one block per token over forward and backward.
+
+    Backward costs twice the forward, so 3x; full recomputation reruns the forward (4x, the 96 of
+    [NAR, app. FLOPs]); selective recomputation reruns only QK^T and AV [KOR, sec. 5].
+    """
+    fwd = layer_flops_per_token(m, seq_len)
+    return {"none": 3 * fwd, "selective": 3 * fwd + 4 * seq_len * m.d_model, "full": 4 * fwd}[recompute]
+
+
+def head_flops_per_token(m: ModelShape) -> float:
+    """Forward FLOPs of the output projection per token, the V/(16lh) term of [NAR, app. FLOPs]."""
+    return 2 * m.d_model * m.vocab_size
+
+
+def step_flops(workload: Workload, recompute: str = "none") -> float:
+    """FLOPs of one step.
+
+    With ``recompute="none"`` these are the model FLOPs that MFU counts [PALM, app. B]; with the
+    layout's recompute, the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
+    """
+    m = workload.model
+    blocks = m.n_layers * block_pass_flops_per_token(m, workload.seq_len, recompute)
+    return workload.global_batch * workload.seq_len * (blocks + 3 * head_flops_per_token(m))
+
+
+def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Seconds of one micro-batch's forward and backward on a rank of ``stage``; tp splits the work evenly."""
+    m, s = workload.model, workload.seq_len
+    tokens = s * micro_batch_size(workload, layout) / layout.tp
+    head = 3 * head_flops_per_token(m) if stage == layout.pp - 1 else 0.0
+    blocks = (m.n_layers // layout.pp) * block_pass_flops_per_token(m, s, layout.recompute)
+    return tokens * (blocks + head) / (peak_flops(workload, cluster) * cluster.efficiency)
+
+
+def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """Each block all-reduces its sbh output twice forward and twice backward (twice more when the
+    forward is recomputed) [NAR, 2.3]; sequence parallelism turns each into an all-gather plus a
+    reduce-scatter of the same volume [KOR, 4.2.2]."""
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    sbh = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model
+    nbytes, link = sbh * workload.dtype_bytes.activation, cluster.link(t)
+    if layout.sequence_parallel:
+        one = 2 * ring_gather_time(nbytes, t, link)
+    else:
+        one = all_reduce_time(nbytes, t, link)
+    count = 6 if layout.recompute == "full" else 4
+    return count * one * (workload.model.n_layers // layout.pp)
+
+
+def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """One activation forward and one gradient backward per chunk boundary, split by t [NAR, 4.1]."""
+    if layout.pp == 1:
+        return 0.0
+    bw, alpha = cluster.link(layout.world)
+    nbytes = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
+    return 2 * layout.virtual * (alpha + nbytes * workload.dtype_bytes.activation / bw)
+
+
+def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Data-parallel traffic of one step [ZeRO, sec. 7].
+
+    ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and all-gathers the updated
+    parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
+    micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
+    micro-batch). None of it is assumed hidden behind compute: that fits Megatron-LM's ZeRO-3
+    measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
+    """
+    n, m, b = layout.dp, layout.microbatches, workload.dtype_bytes
+    if n == 1:
+        return 0.0
+    units = stage_units(workload.model, layout.tp, layout.pp, stage)
+    psi = sum((-(-u.numel // n) * n if layout.zero else u.numel) * k for u, k in units)
+    link = cluster.link(layout.tp * n)
+    if layout.zero == 0:
+        return all_reduce_time(b.grad * psi, n, link)
+    gather, scatter = ring_gather_time(b.param * psi, n, link), ring_gather_time(b.grad * psi, n, link)
+    return {1: scatter + gather, 2: m * scatter + gather, 3: m * (2 * gather + scatter)}[layout.zero]
+
+
+def peak_flops(workload: Workload, cluster: Cluster) -> float:
+    return cluster.peak_flops_fp32 if workload.precision == "fp32" else cluster.peak_flops
+
+
+def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
+    """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic.
+
+    Compute is executed FLOPs over peak times the cluster's assumed efficiency; tp and pp traffic sit on
+    the critical path; the bubble stretches the per-micro-batch time by f/(1-f) with f from
+    :func:`bubble_fraction`.
+    """
+    check_layout(workload, layout)
+    stages = _stages(layout, None)
+    m = layout.microbatches
+    compute = m * max(micro_compute_time(workload, layout, cluster, s) for s in stages)
+    tp = m * _tp_time_per_micro(workload, layout, cluster)
+    pp = m * _pp_time_per_micro(workload, layout, cluster)
+    f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
+    bubble = (compute + tp + pp) * f / (1 - f)
+    dp = max(dp_time(workload, layout, cluster, s) for s in stages)
+    return TimeBreakdown(compute, dp, tp, pp, bubble)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Search
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout with its worst-stage memory and predicted step.
+
+    ``mfu`` counts model FLOPs only [PALM, app. B]; ``tflops_per_device`` counts executed FLOPs,
+    recomputation included, as Megatron-LM reports throughput [NAR, 5.1].
+    """
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    mfu: float
+    tflops_per_device: float
+    tokens_per_s: float
+
+
+def estimate(
+    workload: Workload, layout: Layout, cluster: Cluster, memory: MemoryBreakdown | None = None
+) -> Estimate:
+    """Memory and time of one layout (``memory`` may be passed in when already computed)."""
+    time = step_time(workload, layout, cluster)
+    t = time.total
+    mfu = step_flops(workload) / (t * layout.world * peak_flops(workload, cluster))
+    tflops = step_flops(workload, layout.recompute) / (t * layout.world) / 1e12
+    tokens = workload.global_batch * workload.seq_len / t
+    return Estimate(layout, memory or memory_per_rank(workload, layout), time, mfu, tflops, tokens)
+
+
+# Larger micro-batches only lengthen the bubble here: the assumed matmul efficiency does not grow with them.
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield from (("gpipe", 1), ("1f1b", 1), ("zb", 1))
+    for v in (2, 4):
+        if n_layers % (pp * v) == 0 and microbatches % pp == 0:
+            yield "interleaved", v
+
+
+def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, int]]:
+    """(dp, tp, pp) over exactly ``cluster.gpus`` ranks with each tp group inside one node."""
+    m = workload.model
+    for tp in _divisors(cluster.gpus_per_node):
+        if cluster.gpus % tp or m.n_heads % tp or m.d_ff % tp or m.vocab_size % tp:
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            if m.n_layers % pp == 0 and workload.global_batch % dp == 0:
+                yield dp, tp, pp
+
+
+def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
+    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}."""
+    for dp, tp, pp in _meshes(workload, cluster):
+        per_replica = workload.global_batch // dp
+        sps = (False, True) if tp > 1 and workload.seq_len % tp == 0 else (False,)
+        for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
+            options = itertools.product(_schedules(pp, workload.model.n_layers, micro), (0, 1, 2, 3),
+                                        RECOMPUTE, sps)
+            for (schedule, v), zero, recompute, sp in options:
+                yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp)
+
+
+def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
+    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first.
+
+    Ties (the model predicts equal times) go to fewer micro-batches, since larger matmuls run faster in
+    practice, then to less memory.
+    """
+    found = []
+    for layout in enumerate_layouts(workload, cluster):
+        memory = memory_per_rank(workload, layout)
+        if memory.total <= cluster.usable_bytes:
+            found.append(estimate(workload, layout, cluster, memory))
+    return sorted(found, key=lambda e: (e.time.total, e.layout.microbatches, e.memory.total))
+
+
+def best_layout(workload: Workload, cluster: Cluster) -> Layout:
+    """The fastest layout that fits; what ``trainmesh train --plan auto`` runs."""
+    found = search(workload, cluster)
+    if not found:
+        raise ValueError(
+            f"no layout of {workload.model.n_params():,} parameters fits in {cluster.usable_bytes / GIB:.1f} "
+            f"usable GiB on {cluster.gpus} devices; add devices, lower global_batch or seq_len, or use a "
+            f"smaller model"
+        )
+    return found[0].layout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _scaled(value: float, steps: tuple[str, ...], base: int) -> str:
+    """``value`` with the largest unit of ``steps`` (each ``base`` times the previous) that keeps it >= 1."""
+    exponent = 0
+    while exponent < len(steps) - 1 and abs(value) >= base ** (exponent + 1):
+        exponent += 1
+    return f"{value / base**exponent:.1f}{steps[exponent]}"
+
+
+def _row(workload: Workload, e: Estimate) -> list[str]:
+    lay = e.layout
+    sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
+    layout = [lay.dp, lay.tp, lay.pp, lay.zero, micro_batch_size(workload, lay), lay.microbatches, sched,
+              lay.recompute, "y" if lay.sequence_parallel else "n"]
+    measures = [_scaled(e.memory.total, (" B", " KiB", " MiB", " GiB"), 1024), f"{e.time.total:.4g}",
+                f"{e.mfu:.1%}", f"{e.tokens_per_s:,.0f}"]
+    return [str(c) for c in layout] + measures
+
+
+def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
+    """The ``top`` fastest layouts as a text table, then the chosen one."""
+    head = ["dp", "tp", "pp", "zero", "mbs", "m", "schedule", "recompute", "sp",
+            "mem/rank", "step s", "MFU", "tokens/s"]
+    rows = [head] + [_row(workload, e) for e in estimates[:top]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    params = _scaled(workload.model.n_params(), ("", "K", "M", "B", "T"), 1000)
+    title = (f"{params} params, batch {workload.global_batch} x {workload.seq_len}, {workload.precision}, "
+             f"{cluster.gpus} devices of {cluster.mem_bytes / GIB:.0f} GiB: {len(estimates)} layouts fit")
+    chosen = f"chosen: {estimates[0].layout}" if estimates else "chosen: none fits"
+    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen])
+
+
+def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
+    """The same as :func:`format_table` as JSON, totals included."""
+    def row(e: Estimate) -> dict[str, object]:
+        return {
+            "layout": dataclasses.asdict(e.layout),
+            "memory": {**dataclasses.asdict(e.memory), "model_state": e.memory.model_state,
+                       "total": e.memory.total},
+            "time": {**dataclasses.asdict(e.time), "total": e.time.total},
+            "mfu": e.mfu,
+            "tflops_per_device": e.tflops_per_device,
+            "tokens_per_s": e.tokens_per_s,
+        }
+    return json.dumps({
+        "workload": dataclasses.asdict(workload),
+        "cluster": dataclasses.asdict(cluster),
+        "fitting_layouts": len(estimates),
+        "chosen": row(estimates[0]) if estimates else None,
+        "layouts": [row(e) for e in estimates[:top]],
+    }, indent=2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------
+
+
+SHAPE_FLAGS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "ffn": "d_ff",
+               "vocab": "vocab_size", "seq": "seq_len"}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``trainmesh plan``: a model preset or explicit shape (``--ffn`` defaults to 4 * hidden),
+    the batch, and a cluster preset whose figures explicit flags override.
+
+    ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
+    ``print(plan_from_args(args))``. ``trainmesh train --plan auto`` calls :func:`best_layout` with
+    ``Workload(shape_from_config(cfg), cfg.global_batch, seq_len, cfg.precision, cfg.reduce_dtype)`` and
+    ``make_cluster(device_preset, gpus=world_size)``.
+    """
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    for flag in SHAPE_FLAGS:
+        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default="bf16")
+    parser.add_argument("--reduce-dtype", choices=list(DTYPE_BYTES),
+                        help="dtype gradients are held and reduced in (default: --precision)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--gpu", choices=list(CLUSTER_PRESETS), default="a100-80gb")
+    parser.add_argument("--mem-gb", type=float, help="memory per device in GiB (overrides --gpu)")
+    parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (overrides --gpu)")
+    parser.add_argument("--intra-gbps", type=float, help="intra-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--inter-gbps", type=float, help="inter-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--top", type=int, default=20, help="rows to print")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def workload_from(
+    model: str | None, global_batch: int, precision: str = "bf16", reduce_dtype: str | None = None,
+    **shape: int | None,
+) -> Workload:
+    """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
+
+    ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
+    """
+    given = {k: v for k, v in shape.items() if v is not None}
+    if model is not None:
+        resolved = dataclasses.replace(model_shape(model), **given)
+    else:
+        flags = {field: flag for flag, field in SHAPE_FLAGS.items() if field != "d_ff"}
+        missing = [f"--{flag}" for field, flag in flags.items() if field not in given]
+        if missing:
+            raise ValueError(f"give --model or a whole shape; missing {' '.join(missing)}")
+        resolved = ModelShape(**{"d_ff": 4 * given["d_model"], **given})
+    return Workload(resolved, global_batch, resolved.seq_len, precision, reduce_dtype)
+
+
+def plan_from_args(args: argparse.Namespace) -> str:
+    """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns."""
+    shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
+    workload = workload_from(args.model, args.global_batch, args.precision, args.reduce_dtype, **shape)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
+                           peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
+                           inter_gbps=args.inter_gbps)
+    estimates = search(workload, cluster)
+    render = to_json if args.json else format_table
+    return render(workload, cluster, estimates, args.top)
