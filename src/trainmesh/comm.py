@@ -25,6 +25,10 @@ import torch.distributed as dist
 from trainmesh.mesh import Mesh
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank, the op and its sequence number."""
+
+
 class _Done:
     """Stands in for the work handle of a collective that had nothing to do."""
 
@@ -35,15 +39,45 @@ class _Done:
 _DONE = _Done()
 
 
+class Pending:
+    """A launched collective; :meth:`wait` re-raises a failure as :class:`CollectiveError` naming the op.
+
+    The ranks of one axis group issue that axis's collectives in the same order, so the per-axis sequence
+    number identifies the same call on each of them: a hang report can say which call the waiting ranks
+    were stuck in.
+    """
+
+    def __init__(self, work, desc: str) -> None:
+        self.work, self.desc = work, desc
+
+    def wait(self) -> bool:
+        try:
+            return self.work.wait()
+        except Exception as e:
+            raise CollectiveError(f"{self.desc} failed: {e}") from e
+
+
 class Comm:
     """Collectives over the axes of one :class:`~trainmesh.mesh.Mesh`, with byte accounting."""
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
         self.bytes: dict[tuple[str, str], float] = defaultdict(float)
+        self.seq: dict[str, int] = defaultdict(int)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def _count(self, axis: str, op: str, nbytes: float) -> None:
+    def _describe(self, axis: str, op: str) -> str:
+        self.seq[axis] += 1
+        return f"rank {self.rank}: collective {axis}/{op} #{self.seq[axis]}"
+
+    def _issue(self, axis: str, op: str, nbytes: float, launch, async_op: bool):
+        """Count, number and launch one collective; blocks unless ``async_op``."""
         self.bytes[(axis, op)] += nbytes
+        pending = Pending(launch(), self._describe(axis, op))
+        if async_op:
+            return pending
+        pending.wait()
+        return _DONE
 
     def _ring(self, axis: str) -> float:
         n = self.mesh.size(axis)
@@ -54,9 +88,9 @@ class Comm:
         """Sum ``t`` in place over ``axis``; ``op`` names the purpose in the accounting (e.g. grad_norm)."""
         if self.mesh.size(axis) == 1:
             return _DONE
-        self._count(axis, op, 2 * self._ring(axis) * t.numel() * t.element_size())
-        work = dist.all_reduce(t, op=reduce_op, group=self.mesh.group(axis), async_op=async_op)
-        return work if async_op else _DONE
+        return self._issue(axis, op, 2 * self._ring(axis) * t.numel() * t.element_size(),
+                           lambda: dist.all_reduce(t, op=reduce_op, group=self.mesh.group(axis), async_op=True),
+                           async_op)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, axis: str, op: str = "all_gather",
                    async_op: bool = False):
@@ -64,9 +98,9 @@ class Comm:
         if self.mesh.size(axis) == 1:
             out.copy_(shard.reshape(out.shape))
             return _DONE
-        self._count(axis, op, self._ring(axis) * out.numel() * out.element_size())
-        work = dist.all_gather_single(out, shard, group=self.mesh.group(axis), async_op=async_op)
-        return work if async_op else _DONE
+        return self._issue(axis, op, self._ring(axis) * out.numel() * out.element_size(),
+                           lambda: dist.all_gather_single(out, shard, group=self.mesh.group(axis), async_op=True),
+                           async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "reduce_scatter",
                        async_op: bool = False):
@@ -74,17 +108,18 @@ class Comm:
         if self.mesh.size(axis) == 1:
             out.copy_(full.reshape(out.shape))
             return _DONE
-        self._count(axis, op, self._ring(axis) * full.numel() * full.element_size())
-        work = dist.reduce_scatter_single(out, full, group=self.mesh.group(axis), async_op=async_op)
-        return work if async_op else _DONE
+        return self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(),
+                           lambda: dist.reduce_scatter_single(out, full, group=self.mesh.group(axis), async_op=True),
+                           async_op)
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, op: str = "broadcast") -> None:
         """Copy ``t`` from the rank at coordinate ``src`` of ``axis`` to the others."""
         if self.mesh.size(axis) == 1:
             return
-        self._count(axis, op, self._ring(axis) * t.numel() * t.element_size())
         group = self.mesh.group(axis)
-        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+        self._issue(axis, op, self._ring(axis) * t.numel() * t.element_size(),
+                    lambda: dist.broadcast(t, src=dist.get_global_rank(group, src), group=group, async_op=True),
+                    async_op=False)
 
     def send_recv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
                   axis: str = "pp", op: str = "p2p") -> list:
@@ -95,9 +130,11 @@ class Comm:
         """
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        for t, _ in sends:
-            self._count(axis, op, t.numel() * t.element_size())
-        return dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return []
+        self.bytes[(axis, op)] += sum(t.numel() * t.element_size() for t, _ in sends)
+        desc = self._describe(axis, op)
+        return [Pending(work, desc) for work in dist.batch_isend_irecv(ops)]
 
     def totals(self) -> dict[str, float]:
         """Bytes sent so far per axis."""

@@ -49,13 +49,31 @@ def _files_under(path: Path) -> list[Path]:
     raise DataError(f"data path {path} does not exist")
 
 
-def read_bytes(files: list[Path], max_bytes: int | None = None) -> bytes:
+def _utf8_error(data: bytes) -> int | None:
+    """Offset of the first byte that is not valid UTF-8, or None."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start
+    return None
+
+
+def read_bytes(files: list[Path], max_bytes: int | None = None, skip_invalid: bool = False) -> bytes:
+    """Concatenated contents of ``files``, which must be UTF-8 text: a binary file passed by mistake
+    would otherwise be trained on silently. ``skip_invalid`` drops such files instead (the default
+    corpus holds a few deliberately mis-encoded test files)."""
     chunks, total = [], 0
     for f in files:
         try:
             data = f.read_bytes()
         except OSError as e:
             raise DataError(f"cannot read {f}: {e.strerror}") from None
+        bad = _utf8_error(data)
+        if bad is not None:
+            if skip_invalid:
+                continue
+            raise DataError(f"{f} is not UTF-8 text (invalid byte 0x{data[bad]:02x} at offset {bad}); "
+                            f"convert it to UTF-8 or leave it out of --data")
         chunks.append(data)
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
@@ -68,8 +86,8 @@ def load_tokens(path: str = "") -> torch.Tensor:
     if path:
         raw = read_bytes(_files_under(Path(path)))
     else:
-        raw = read_bytes(stdlib_sources(), DEFAULT_CORPUS_BYTES)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        raw = read_bytes(stdlib_sources(), DEFAULT_CORPUS_BYTES, skip_invalid=True)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)

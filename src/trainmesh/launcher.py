@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,10 @@ from trainmesh.mesh import STORE_CLIENT_ENV
 
 POLL_S = 0.05
 TERMINATE_GRACE_S = 3.0
-TAIL_LINES = 60
+REPORT_GRACE_S = 1.5  # after one rank fails, time for the others to fail too and say where they were
+STACK_DUMP_S = 1.0  # time for ranks still running to print their stacks after SIGUSR1
+TAIL_LINES = 200
+COLLECTIVE_RE = re.compile(r"collective (\S+ #\d+) failed")
 
 
 def _die_with_parent() -> None:
@@ -97,16 +101,51 @@ def _stop(ranks: Sequence[RankProcess]) -> None:
             rp.proc.wait()
 
 
-def _report_failure(rp: RankProcess, rc: int) -> None:
-    if rp.reader is not None:
-        rp.reader.join(timeout=1.0)
+def _excerpt(rp: RankProcess) -> str:
+    """The rank's last traceback, or its stack dump, or else the end of its stderr."""
     tail = "".join(rp.tail).rstrip()
-    start = tail.rfind("Traceback (most recent call last)")
-    excerpt = tail[start:] if start >= 0 else tail
-    sys.stderr.write(f"trainmesh: rank {rp.rank} failed ({_describe(rc)}); stopped the other ranks\n")
-    if excerpt:
-        sys.stderr.write(f"--- rank {rp.rank} ---\n{excerpt}\n")
+    starts = [tail.rfind(marker) for marker in ("Traceback (most recent call last)", "Thread 0x", "Current thread")]
+    start = min((i for i in starts if i >= 0), default=-1)
+    return tail[start:] if start >= 0 else tail
+
+
+def _collective(rp: RankProcess) -> str | None:
+    found = COLLECTIVE_RE.findall("".join(rp.tail))
+    return found[-1] if found else None
+
+
+def _report_failure(ranks: Sequence[RankProcess], failed: RankProcess, rc: int) -> None:
+    """Say which rank failed and how; if it was a collective, which ranks never arrived at it."""
+    for rp in ranks:
+        if rp.reader is not None:
+            rp.reader.join(timeout=1.0)
+    collective = _collective(failed)
+    if collective:
+        waiting = [rp.rank for rp in ranks if _collective(rp) == collective]
+        missing = [rp.rank for rp in ranks if rp.rank not in waiting]
+        sys.stderr.write(f"trainmesh: collective {collective} failed on rank(s) {waiting} ({_describe(rc)} on rank "
+                         f"{failed.rank}); rank(s) {missing} never arrived at it; stopped all ranks\n")
+        shown = [rp for rp in ranks if rp.rank in missing] + [failed]
+    else:
+        sys.stderr.write(f"trainmesh: rank {failed.rank} failed ({_describe(rc)}); stopped the other ranks\n")
+        shown = [failed]
+    for rp in shown:
+        excerpt = _excerpt(rp)
+        if excerpt:
+            sys.stderr.write(f"--- rank {rp.rank} ---\n{excerpt}\n")
     sys.stderr.flush()
+
+
+def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
+    """Give the other ranks a moment to fail too, then ask those still running for their stacks."""
+    deadline = time.monotonic() + REPORT_GRACE_S
+    while time.monotonic() < deadline and any(rp.proc.poll() is None for rp in ranks):
+        time.sleep(POLL_S)
+    alive = [rp for rp in ranks if rp.proc.poll() is None]
+    for rp in alive:
+        rp.proc.send_signal(signal.SIGUSR1)
+    if alive:
+        time.sleep(STACK_DUMP_S)
 
 
 def launch(argv: Sequence[str], nproc: int) -> int:
@@ -144,8 +183,9 @@ def _supervise(ranks: list[RankProcess]) -> int:
             if rc is None:
                 running = True
             elif rc != 0:
+                _collect_stacks(ranks)
                 _stop(ranks)
-                _report_failure(rp, rc)
+                _report_failure(ranks, rp, rc)
                 return rc if rc > 0 else 128 - rc
         if not running:
             for rp in ranks:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "tp")
@@ -74,7 +75,12 @@ class Mesh:
     device_mesh: DeviceMesh | None = None
 
     @classmethod
-    def build(cls, pp: int, dp: int, tp: int, device: torch.device) -> "Mesh":
+    def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None) -> "Mesh":
+        """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis.
+
+        ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
+        world group's is, so the timeout is set on each axis group afterwards.
+        """
         sizes = {"pp": pp, "dp": dp, "tp": tp}
         world = pp * dp * tp
         if world == 1:
@@ -83,6 +89,9 @@ class Mesh:
             have = dist.get_world_size() if dist.is_initialized() else 1
             raise RuntimeError(f"mesh pp*dp*tp={world} needs a process group of that size, have {have}")
         dm = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+        if timeout_s is not None:
+            for axis in AXES:
+                _set_pg_timeout(datetime.timedelta(seconds=timeout_s), dm.get_group(axis))
         coords = dict(zip(AXES, dm.get_coordinate()))
         return cls(sizes, coords, device, dm)
 

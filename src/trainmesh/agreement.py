@@ -1,0 +1,54 @@
+"""Before step 1, every rank checks that it agrees with rank 0 on the config, the model and the layout.
+
+Ranks launched separately (torchrun on several machines, each with its own command line) can disagree
+silently, and a disagreement shows up much later as a hang or as garbage. Each rank hashes every config
+field, the plain model's structure (parameter names, shapes and dtypes) and its view of the world, and
+the hashes, plain int64 tensors, are all-gathered: no pickled objects cross the wire. A mismatch names
+the rank and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainmesh.comm import log_all_gather
+from trainmesh.config import Config
+
+# Fields that may legitimately differ between ranks (each rank's own view of local resources).
+RANK_LOCAL_FIELDS = {"nproc", "progress", "out"}
+
+
+class DisagreementError(RuntimeError):
+    """Ranks were started with different configs, models or layouts."""
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def fingerprint(cfg: Config, model: nn.Module, world_size: int, backend: str) -> dict[str, int]:
+    """One hash per config field, one for the model structure and one for the world layout."""
+    values = {f"config field {f.name!r}": _hash(repr(getattr(cfg, f.name)))
+              for f in fields(Config) if f.name not in RANK_LOCAL_FIELDS}
+    structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+    values["model structure (parameter names, shapes, dtypes)"] = _hash(structure)
+    values["world layout (world size, backend)"] = _hash(f"{world_size}:{backend}")
+    return values
+
+
+def check_agreement(cfg: Config, model: nn.Module, device: torch.device) -> None:
+    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    names, mine = zip(*fingerprint(cfg, model, dist.get_world_size(), dist.get_backend()).items())
+    table = log_all_gather(torch.tensor(mine, dtype=torch.int64, device=device)).cpu()
+    for rank in range(1, table.shape[0]):
+        differing = [name for name, a, b in zip(names, table[0].tolist(), table[rank].tolist()) if a != b]
+        if differing:
+            raise DisagreementError(f"rank {rank} disagrees with rank 0 on {', '.join(differing)}; start every "
+                                    f"rank with the same command line, config file and trainmesh version")
