@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
     bench = sub.add_parser("bench", help="benchmark a parallel form against its PyTorch counterpart")
-    bench.add_argument("form", choices=("dp",), help="dp: trainmesh DataParallel vs DistributedDataParallel")
+    bench.add_argument("form", choices=("dp", "zero"), help="dp: trainmesh DataParallel vs DistributedDataParallel; "
+                       "zero: trainmesh --zero 3 vs FSDP2 fully_shard, and each stage's memory vs formula")
     bench.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per implementation")
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
     add_config_flags(bench)
@@ -83,9 +84,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         return launch(argv, cfg.nproc)
     from trainmesh.bench import bench_dp
+    from trainmesh.bench_zero import bench_zero
     from trainmesh.mesh import shutdown_distributed
 
-    bench_dp(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
+    bench_form = {"dp": bench_dp, "zero": bench_zero}[args.form]
+    bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
     shutdown_distributed()
     return 0
 

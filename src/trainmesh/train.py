@@ -32,6 +32,7 @@ from trainmesh.optim import build_adamw, lr_at
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import GPT_PLAN, parallelize, unsharded_state_dict
+from trainmesh import zero
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -92,9 +93,12 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     if cfg.compile:
         for block in model.blocks.values():
             block.compile()
-    engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
-                          bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
-                          scaler=LossScaler(enabled=cfg.precision == "fp16"))
+    if cfg.zero:
+        engine = zero.build_engine(model, comm, cfg)
+    else:
+        engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
+                              bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
+                              scaler=LossScaler(enabled=cfg.precision == "fp16"))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
     return Run(cfg, mesh, comm, model, engine, criterion, data)
 
@@ -105,7 +109,9 @@ def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
     This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
     Forms that shard parameters assemble the full tensors here.
     """
-    return {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
+    gathered = run.engine.gathered() if isinstance(run.engine, zero.ZeroStage3) else contextlib.nullcontext()
+    with gathered:
+        return {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
 
 
 def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivations | None = None) -> torch.Tensor:

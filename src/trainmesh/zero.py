@@ -1,0 +1,584 @@
+"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state over the ``dp`` axis.
+
+Plain data parallelism keeps all parameters, gradients and AdamW state on every rank. ZeRO-DP partitions
+them over the N data-parallel ranks (§5), one more kind per stage:
+
+* stage 1, P_os (§5.1): each rank keeps AdamW state for its 1/N of the elements only. Gradients are
+  accumulated in full as in DP, reduce-scattered bucket by bucket as the last micro-batch's backward
+  produces them, each rank updates its shard, and the updated parameters are all-gathered.
+* stage 2, P_os+g (§5.2): gradients are reduce-scattered during *every* micro-batch's backward into a
+  persistent 1/N gradient shard; a bucket's full gradient lives only until its reduce-scatter lands.
+  (Holding the full accumulated gradient between micro-batches is exactly what stage 2 removes, so
+  :meth:`ZeroEngine.no_sync` does not defer communication here; DeepSpeed does the same.)
+* stage 3, P_os+g+p (§5.3): parameters too are kept as 1/N shards. The model is split into units
+  (:func:`default_units`). A unit's parameters are all-gathered in one collective before its forward
+  and again before its backward, and freed after each; the next unit's gather is issued while the
+  current one computes; its gradients are reduce-scattered as soon as backward has produced them all.
+
+Layout. The parameters of a group (a gradient bucket in stages 1-2, a unit in stage 3) lie back to back
+in one flat buffer padded to a multiple of N elements, so any parameter size and any N work; rank r owns
+elements [rS, (r+1)S) with S = ceil(numel / N). Module parameters become views into that buffer, so
+parameter names and objects stay the plain model's; in stage 3 the buffer's storage is resized to zero
+between uses (as FSDP's FlatParameter does) and the views stay valid across the re-allocation.
+
+The optimizer is :func:`trainmesh.optim.build_adamw` over *pieces*: the part of each parameter that
+falls in this rank's shard, a view into the shard, with its gradient a view into the gradient shard.
+AdamW is elementwise, so updating pieces is updating the full parameters. In fp32 the shard itself is
+the master copy; mixed precision (#6) will keep a separate fp32 shard for the pieces to view and copy it
+into the compute-dtype shard after each update.
+
+Memory and communication per rank follow §5 and §7.2; :func:`model_state_bytes_formula` and
+:func:`step_comm_bytes_formula` state them and the tests check measured values against them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from trainmesh.comm import Comm
+from trainmesh.config import Config
+from trainmesh.metrics import optimizer_tensors, storage_bytes
+from trainmesh.optim import TP_SHARDED, build_adamw, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+
+NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
+
+
+def model_state_bytes_formula(psi: int, n: int, stage: int, mixed_precision: bool = False) -> float:
+    """Parameters + gradients + optimizer state held per rank [ZeRO §3.1, §5.1-5.3, Fig. 1].
+
+    Mixed precision holds (2 + 2 + K)Ψ with K = 12 (fp32 master weights, momentum, variance); stage 1
+    divides the K term by N (4Ψ + 12Ψ/N), stage 2 also the gradients (2Ψ + 14Ψ/N), stage 3 also the
+    parameters (16Ψ/N). In fp32 the parameters are the master weights, so (4 + 4 + 8)Ψ: 16Ψ,
+    8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N.
+    """
+    params, grads, optim = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    return psi * (params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1)
+                  + optim / (n if stage >= 1 else 1))
+
+
+def step_comm_bytes_formula(psi: int, n: int, stage: int, element_size: int = 4, microbatches: int = 1) -> float:
+    """Bytes each rank sends over ``dp`` in one optimizer step, ring volumes [ZeRO §7.2-7.3].
+
+    DP all-reduces the gradients once: 2Ψ(N-1)/N. Stage 1 reduce-scatters them once and all-gathers
+    the updated parameters: the same 2Ψ(N-1)/N. Stage 2 reduce-scatters every micro-batch. Stage 3
+    gathers the parameters before each forward and each backward and reduce-scatters the gradients,
+    3Ψ(N-1)/N per micro-batch: 1.5x DP.
+    """
+    one_pass = element_size * psi * (n - 1) / n
+    return one_pass * {0: 2, 1: 2, 2: microbatches + 1, 3: 3 * microbatches}[stage]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each tensor of a group lies in one flat buffer padded to a multiple of ``world`` elements."""
+
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    world: int
+    rank: int
+
+    @classmethod
+    def build(cls, shapes: Sequence[torch.Size], world: int, rank: int) -> "FlatLayout":
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += shape.numel()
+        return cls(tuple(shapes), tuple(offsets), total, world, rank)
+
+    @property
+    def shard_numel(self) -> int:
+        """S = ceil(numel / N): padding of at most N-1 elements lets every size split evenly."""
+        return -(-self.numel // self.world)
+
+    @property
+    def padded(self) -> int:
+        return self.shard_numel * self.world
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full flat buffer (a view)."""
+        start = self.rank * self.shard_numel
+        return flat[start:start + self.shard_numel]
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor ``i``'s slot in a full flat buffer, shaped like the tensor."""
+        offset, shape = self.offsets[i], self.shapes[i]
+        return flat[offset:offset + shape.numel()].view(shape)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [self.view(flat, i) for i in range(len(self.shapes))]
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """``(tensor index, start, end)``, in shard coordinates, of each tensor's elements this rank owns."""
+        lo, hi = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+        out = []
+        for i, (offset, shape) in enumerate(zip(self.offsets, self.shapes)):
+            start, end = max(lo, offset), min(hi, offset + shape.numel())
+            if start < end:
+                out.append((i, start - lo, end - lo))
+        return out
+
+
+@dataclass
+class Group:
+    """One flat buffer's worth of parameters: a gradient bucket (stages 1-2) or a unit (stage 3)."""
+
+    name: str
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    flat: torch.Tensor
+    shard: torch.Tensor
+    grad_shard: torch.Tensor
+    grad_flat: torch.Tensor | None = None
+    pending: int = 0
+    reduce_out: torch.Tensor | None = None
+    reduce_work: object | None = None
+
+
+def flatten_params(params: list[nn.Parameter], comm: Comm, axis: str) -> tuple[FlatLayout, torch.Tensor]:
+    """Move ``params`` into one padded flat buffer holding dp-rank 0's values; they become its views."""
+    layout = FlatLayout.build([p.shape for p in params], comm.mesh.size(axis), comm.mesh.rank(axis))
+    flat = torch.zeros(layout.padded, dtype=params[0].dtype, device=params[0].device)
+    with torch.no_grad():
+        for view, p in zip(layout.views(flat), params):
+            view.copy_(p)
+        comm.broadcast(flat, axis, op="init_broadcast")
+    for view, p in zip(layout.views(flat), params):
+        p.data = view
+    return layout, flat
+
+
+def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of about ``bucket_bytes`` each, one dtype per run."""
+    groups: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if groups[-1] and (size + nbytes > bucket_bytes or p.dtype != groups[-1][0].dtype):
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The stage-3 wrapping policy: each top-level child is a unit, each block of a ModuleDict/ModuleList
+    its own; for :class:`~trainmesh.models.gpt.GPT`: ``embed``, every block, ``ln_f``, ``head``.
+
+    Units are returned in registration order, which the prefetch takes as the forward order (a unit run
+    out of that order is simply gathered on the spot).
+    """
+    units: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            units += [(f"{name}.{sub}", c) for sub, c in child.named_children()]
+        else:
+            units.append((name, child))
+    units = [(name, m) for name, m in units if any(p.requires_grad for p in m.parameters())]
+    _check_units_cover(model, units)
+    return units
+
+
+def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+    owner: dict[int, str] = {}
+    for unit_name, module in units:
+        for p in module.parameters():
+            if id(p) in owner:
+                raise ValueError(f"a parameter is shared by units {owner[id(p)]} and {unit_name}; "
+                                 f"put both modules in one unit")
+            owner[id(p)] = unit_name
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    if missing:
+        raise ValueError(f"parameters {missing} belong to no ZeRO-3 unit; move them into a submodule "
+                         f"or pass units that include the module holding them")
+
+
+def make_pieces(groups: Sequence[Group]) -> list[nn.Parameter]:
+    """The optimizer's parameters: each parameter's part of this rank's shard, a view into the shard.
+
+    A piece of a matrix is a 1 x k row so :func:`trainmesh.optim.param_groups` decays exactly the
+    elements it decays in the full model (not the 1-D ones), and it keeps its parameter's tensor-parallel
+    mark so the global norm counts each element once. Its gradient is a view into the gradient shard.
+    """
+    pieces = []
+    for group in groups:
+        for i, start, end in group.layout.pieces():
+            p = group.params[i]
+            shape = (1, end - start) if p.dim() >= 2 else (end - start,)
+            piece = nn.Parameter(group.shard[start:end].view(shape))
+            piece.grad = group.grad_shard[start:end].view(shape)
+            setattr(piece, TP_SHARDED, is_tp_sharded(p))
+            pieces.append(piece)
+    return pieces
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class ZeroEngine:
+    """What the stages share: the sharded AdamW, gradient reduce-scatter in order, the step, accounting.
+
+    Groups are reduce-scattered in index order on every rank (a group that is ready early waits for the
+    ones before it), so the collectives match across ranks, as in :class:`~trainmesh.data_parallel.DataParallel`.
+    Training is fp32 for now, so the loss is never scaled.
+    """
+
+    loss_scale = 1.0
+
+    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, groups: list[Group], axis: str) -> None:
+        self.module, self.comm, self.axis, self.groups = module, comm, axis, groups
+        self.pieces = make_pieces(groups)
+        self.optimizer = build_adamw(((f"piece{i}", p) for i, p in enumerate(self.pieces)), cfg, comm.mesh.device)
+        self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
+        self._next_launch = 0
+        self._in_flight: list[Group] = []
+        self._reset_pending()
+        self.events: list[tuple[str, ...]] = []
+        self.peak_state_bytes = 0
+
+    @property
+    def dp(self) -> int:
+        return self.comm.mesh.size(self.axis)
+
+    def _reset_pending(self) -> None:
+        for group in self.groups:
+            group.pending = len(group.params)
+        self._next_launch = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stages 2 and 3 reduce-scatter every micro-batch (see the module docstring): nothing to defer."""
+        yield
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.groups) and self.groups[self._next_launch].pending == 0:
+            self._launch(self.groups[self._next_launch])
+
+    def _launch(self, group: Group) -> None:
+        """Start the reduce-scatter of ``group``'s averaged full gradient into a fresh shard."""
+        group.grad_flat.div_(self.dp)
+        group.reduce_out = torch.empty_like(group.grad_shard)
+        group.reduce_work = self.comm.reduce_scatter(group.reduce_out, group.grad_flat, self.axis,
+                                                     op="grad_reduce_scatter", async_op=True)
+        self.events.append(("reduce_scatter", group.name))
+        self._in_flight.append(group)
+        self._next_launch += 1
+        self._note_peak()
+
+    def _land(self, group: Group) -> None:
+        """Wait for ``group``'s reduce-scatter and fold the result into its gradient shard."""
+        group.reduce_work.wait()
+        self._store(group, group.reduce_out)
+        group.reduce_out = group.reduce_work = None
+        self._in_flight.remove(group)
+
+    def _store(self, group: Group, reduced: torch.Tensor) -> None:
+        group.grad_shard.add_(reduced)
+        group.grad_flat = None
+
+    def _land_all(self) -> None:
+        """Launch the groups that got no gradient (zeros, so every rank issues the same collectives), land all."""
+        while self._next_launch < len(self.groups):
+            group = self.groups[self._next_launch]
+            if group.grad_flat is None:
+                group.grad_flat = torch.zeros(group.layout.padded, dtype=group.flat.dtype, device=group.flat.device)
+            self._launch(group)
+        for group in list(self._in_flight):
+            self._land(group)
+        self._reset_pending()
+
+    def finish_gradient_sync(self) -> None:
+        """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
+
+    def step(self, lr: float, max_norm: float) -> float:
+        """Finish gradient sync, clip the shards by the whole model's norm, update, re-gather; returns the
+        norm before clipping. Shards are disjoint, so the squares are summed over ``dp`` as well."""
+        self.finish_gradient_sync()
+        norm = global_norm(norm_contributions(self.pieces, self.comm.mesh.rank("tp")), self.comm, NORM_AXES)
+        unscale_and_clip_([g.grad_shard for g in self.groups], norm, max_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.after_update()
+        self.zero_grad()
+        return norm.item()
+
+    def after_update(self) -> None:
+        """All-gather the updated shards into the full parameters (stages 1 and 2, §5.1)."""
+        gathers = []
+        for group in self.groups:
+            source = group.shard.clone()
+            gathers.append((source, self.comm.all_gather(group.flat, source, self.axis, op="param_all_gather",
+                                                         async_op=True)))
+        for _, work in gathers:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.grad_shard.zero_()
+        self.events.clear()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of model state this rank holds now: a freed buffer has an empty storage."""
+        params = list(self.module.parameters())
+        held = [t for g in self.groups for t in (g.flat, g.shard, g.grad_shard, g.grad_flat, g.reduce_out)]
+        return params + [p.grad for p in params] + held + optimizer_tensors(self.optimizer)
+
+    def _note_peak(self) -> None:
+        """Track the most model state held at any point of a step (transient buffers included)."""
+        self.peak_state_bytes = max(self.peak_state_bytes, storage_bytes(self.state_tensors()))
+
+
+class ZeroStage1(ZeroEngine):
+    """P_os (§5.1): full parameters and gradients, AdamW state for this rank's shard only.
+
+    Gradients accumulate into full flat buckets (views, as in DP); on the last micro-batch each bucket
+    is reduce-scattered as soon as backward completes it, and the averaged shard is copied over this
+    rank's slice of the bucket, which the optimizer's pieces read.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> None:
+        buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
+        super().__init__(module, comm, cfg, [self._group(i, b, comm, axis) for i, b in enumerate(buckets)], axis)
+        self.sync = True
+        for group in self.groups:
+            for p in group.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.zero_grad()
+
+    @staticmethod
+    def _group(index: int, params: list[nn.Parameter], comm: Comm, axis: str) -> Group:
+        layout, flat = flatten_params(params, comm, axis)
+        grad_flat = torch.zeros_like(flat)
+        return Group(f"bucket{index}", params, layout, flat, layout.shard_of(flat), layout.shard_of(grad_flat),
+                     grad_flat=grad_flat)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (for all but the last micro-batch of a step)."""
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        group, i = self._slot[p]
+        view = group.layout.view(group.grad_flat, i)
+        if p.grad is not view:
+            # The gradient was set to None elsewhere; fold the fresh one back into the bucket.
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.sync:
+            return
+        self.events.append(("ready", group.name))
+        group.pending -= 1
+        self._launch_ready()
+
+    def _store(self, group: Group, reduced: torch.Tensor) -> None:
+        group.grad_shard.copy_(reduced)
+
+    def finish_gradient_sync(self) -> None:
+        self._land_all()
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.grad_flat.zero_()
+            for p, view in zip(group.params, group.layout.views(group.grad_flat)):
+                p.grad = view
+        self.events.clear()
+
+
+class ZeroStage2(ZeroEngine):
+    """P_os+g (§5.2): full parameters; gradients reduce-scattered into a 1/N shard during backward.
+
+    A post-accumulate-grad hook copies each gradient into its bucket's transient flat buffer and drops
+    it; a complete bucket is reduce-scattered at once, and landing it (adding the averaged shard to the
+    persistent gradient shard) frees the buffer. At most two buckets' full gradients are alive: the one
+    in flight and the one filling.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, groups: list[Group] | None = None,
+                 axis: str = "dp") -> None:
+        if groups is None:
+            buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
+            groups = [self._group(f"bucket{i}", b, comm, axis) for i, b in enumerate(buckets)]
+        super().__init__(module, comm, cfg, groups, axis)
+        self._callback_queued = False
+        for group in self.groups:
+            for p in group.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @staticmethod
+    def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str) -> Group:
+        layout, flat = flatten_params(params, comm, axis)
+        return Group(name, params, layout, flat, layout.shard_of(flat), flat.new_zeros(layout.shard_numel))
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._land_all()
+        self._callback_queued = False
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._queue_end_of_backward()
+        group, i = self._slot[p]
+        if group.grad_flat is None:
+            group.grad_flat = torch.zeros(group.layout.padded, dtype=p.dtype, device=p.device)
+            self._note_peak()
+        group.layout.view(group.grad_flat, i).copy_(p.grad)
+        p.grad = None
+        group.pending -= 1
+        self.events.append(("ready", group.name))
+        if group.pending == 0:
+            self._on_group_ready(group)
+        self._launch_ready()
+
+    def _on_group_ready(self, group: Group) -> None:
+        """Hook for stage 3, which frees the unit's parameters once its gradients are all in."""
+
+    def _launch(self, group: Group) -> None:
+        super()._launch(group)
+        for earlier in self._in_flight[:-1]:
+            self._land(earlier)
+
+
+@dataclass
+class Unit:
+    """A stage-3 wrapping unit: a module whose parameters are gathered and freed together."""
+
+    name: str
+    module: nn.Module
+    group: Group
+    order: int
+    gather_work: object | None = None
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the full parameters are allocated (gathered, or a gather is in flight)."""
+        return self.group.flat.untyped_storage().nbytes() > 0
+
+
+class ZeroStage3(ZeroStage2):
+    """P_os+g+p (§5.3): parameters sharded too; each unit is gathered for its forward and its backward.
+
+    Forward: a pre-hook gathers the unit (waiting on its prefetch) and issues the next unit's gather;
+    a post-hook frees it and hooks its outputs. Backward: the first gradient reaching a unit's outputs
+    gathers it again and prefetches the unit before it; once all its parameters' gradients are in, the
+    unit is freed and its gradients reduce-scattered (stage 2's machinery, one group per unit). The
+    order of collectives depends only on the model, so it is the same on every rank.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp",
+                 units: list[tuple[str, nn.Module]] | None = None) -> None:
+        units = units if units is not None else default_units(module)
+        self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis), k)
+                      for k, (name, m) in enumerate(units)]
+        super().__init__(module, comm, cfg, [u.group for u in reversed(self.units)], axis)
+        self._unit_of = {u.group.name: u for u in self.units}
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+            self._reshard(unit)
+
+    @staticmethod
+    def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str) -> Group:
+        layout, flat = flatten_params(params, comm, axis)
+        return Group(name, params, layout, flat, layout.shard_of(flat).clone(), flat.new_zeros(layout.shard_numel))
+
+    def _unshard(self, unit: Unit, op: str) -> None:
+        """Allocate the unit's full buffer and start gathering every rank's shard into it."""
+        if unit.gathered:
+            return
+        flat = unit.group.flat
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        unit.gather_work = self.comm.all_gather(flat, unit.group.shard, self.axis, op=op, async_op=True)
+        self.events.append(("gather", unit.name, op))
+        self._note_peak()
+
+    def _wait_gathered(self, unit: Unit) -> None:
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+
+    def _reshard(self, unit: Unit) -> None:
+        """Free the unit's full parameters (after any gather into them has finished)."""
+        self._wait_gathered(unit)
+        unit.group.flat.untyped_storage().resize_(0)
+
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        k = unit.order + step
+        return self.units[k] if 0 <= k < len(self.units) else None
+
+    def _gather_now_and_prefetch(self, unit: Unit, step: int, op: str) -> None:
+        self._unshard(unit, op)
+        self._wait_gathered(unit)
+        following = self._neighbour(unit, step)
+        if following is not None:
+            self._unshard(following, op)
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self._gather_now_and_prefetch(unit, +1, "fwd_param_all_gather")
+
+    def _post_forward(self, unit: Unit, output: object) -> None:
+        self._reshard(unit)
+        self.events.append(("forward", unit.name))
+        tensors = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors and torch.is_grad_enabled():
+            register_multi_grad_hook(tensors, lambda grad, u=unit: self._pre_backward(u), mode="any")
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue_end_of_backward()
+        self._gather_now_and_prefetch(unit, -1, "bwd_param_all_gather")
+
+    def _on_group_ready(self, group: Group) -> None:
+        self._reshard(self._unit_of[group.name])
+
+    def _end_of_backward(self) -> None:
+        super()._end_of_backward()
+        for unit in self.units:
+            self._reshard(unit)
+
+    def after_update(self) -> None:
+        """Nothing to gather: the next forward gathers each unit from its updated shard."""
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit.
+
+        A collective: every dp rank must enter it.
+        """
+        for unit in self.units:
+            self._unshard(unit, "state_dict_all_gather")
+        try:
+            for unit in self.units:
+                self._wait_gathered(unit)
+            yield
+        finally:
+            for unit in self.units:
+                self._reshard(unit)
+
+
+def build_engine(module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> ZeroEngine:
+    """The ZeRO engine of stage ``cfg.zero`` over ``axis``, with its own sharded AdamW."""
+    stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+    if cfg.zero not in stages:
+        raise ValueError(f"ZeRO stage {cfg.zero} does not exist; choose 1, 2 or 3 "
+                         f"(stage 0 is plain data parallel: trainmesh.data_parallel.DataParallel)")
+    if cfg.precision != "fp32" or cfg.reduce_dtype != "fp32":
+        raise ValueError(f"--zero {cfg.zero} trains in fp32 only so far (got --precision {cfg.precision} "
+                         f"--reduce-dtype {cfg.reduce_dtype}); use --precision fp32 --reduce-dtype fp32, "
+                         f"or --zero 0 for mixed precision")
+    return stages[cfg.zero](module, comm, cfg, axis=axis)

@@ -1,0 +1,227 @@
+"""ZeRO stages 1-3: the same training as one process; model state and traffic per rank as the paper's
+formulas say; stage 3 gathers each unit once per pass, prefetches the next and frees what it is done with."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm
+from trainmesh.config import Config
+from trainmesh.mesh import Mesh
+from trainmesh.models.gpt import GPT, PRESETS
+from trainmesh.testing import run_ranks
+from trainmesh.train import build, forward_backward, rank_batch, setup_process, train
+from trainmesh.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
+                            step_comm_bytes_formula)
+
+from helpers import check_equivalent
+
+TINY = PRESETS["tiny"]
+PSI = TINY.n_params()
+
+
+def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Config:
+    kw.setdefault("global_batch", 12 if dp == 3 else 8)
+    return Config(nproc=dp, dp=dp, zero=zero, steps=kw.pop("steps", 8), microbatches=microbatches,
+                  progress=False, warmup_steps=2, **kw)
+
+
+# --- equivalence: per-step losses and final full parameters match one process --------------------------
+
+
+def _stage_cfgs(dp: int) -> list[Config]:
+    """Every stage with gradient accumulation, stages 1-2 over several buckets."""
+    return [_cfg(dp, 1, 2, bucket_mb=0.1), _cfg(dp, 2, 2, bucket_mb=0.1), _cfg(dp, 3, 2)]
+
+
+def test_zero_matches_single_process_dp2():
+    check_equivalent([*_stage_cfgs(2), _cfg(2, 3, 1)], world_size=2)
+
+
+def test_zero_matches_single_process_dp4():
+    check_equivalent(_stage_cfgs(4), world_size=4, timeout=400)
+
+
+def test_zero_pads_shards_for_a_world_that_divides_nothing():
+    """N = 3 divides no unit of the tiny GPT, so every shard is padded and pieces straddle parameters."""
+    check_equivalent([_cfg(3, 2, 2, bucket_mb=0.1), _cfg(3, 3, 2)], world_size=3, timeout=400)
+
+
+def test_zero3_in_one_process_trains_like_plain_dp():
+    """N = 1 runs all of stage 3's hooks (gather, free, reduce-scatter as copies) without processes."""
+    mesh = Mesh.build(1, 1, 1, torch.device("cpu"))
+    plain = train(_cfg(1, 0, 2, steps=4), mesh=mesh)
+    sharded = train(_cfg(1, 3, 2, steps=4), mesh=mesh)
+    assert sharded.losses == pytest.approx(plain.losses, abs=1e-6)
+
+
+# --- memory and communication from metrics.jsonl ------------------------------------------------------
+
+
+def _train_all(cfgs: list[Config]) -> None:
+    torch.set_num_threads(1)
+    for cfg in cfgs:
+        train(cfg)
+
+
+def _last_record(out: str) -> dict:
+    return json.loads(open(f"{out}/metrics.jsonl").read().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def dp2_records(tmp_path_factory):
+    """Last-step metrics of stages 0-3 at N = 2 (and stage 2 with two micro-batches), one run."""
+    root = tmp_path_factory.mktemp("zero_metrics")
+    cases = {"0": (0, 1), "1": (1, 1), "2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
+    cfgs = [_cfg(2, z, m, steps=3, out=str(root / name)) for name, (z, m) in cases.items()]
+    run_ranks(_train_all, 2, cfgs, timeout=240)
+    return {name: _last_record(str(root / name)) for name in cases}
+
+
+def _slack(n: int, n_groups: int) -> int:
+    """What the formulas leave out: AdamW's 4-byte step counter per optimizer tensor (at most one per
+    parameter and group boundary) and padding, at most N-1 elements of 16 bytes per flat group."""
+    n_tensors = len(list(GPT(TINY).parameters()))
+    return 4 * (n_tensors + n_groups) + 16 * (n - 1) * n_groups
+
+
+def test_model_state_bytes_follow_the_zero_formulas(dp2_records):
+    n, units = 2, len(default_units(GPT(TINY)))
+    for stage in (0, 1, 2, 3):
+        formula = model_state_bytes_formula(PSI, n, stage)
+        for rank, held in enumerate(dp2_records[str(stage)]["model_state_bytes"]):
+            assert formula <= held <= formula + _slack(n, units), f"stage {stage} rank {rank}: {held} vs {formula}"
+    stage0 = max(dp2_records["0"]["model_state_bytes"])
+    largest_unit = 4 * max(sum(p.numel() for p in m.parameters()) for _, m in default_units(GPT(TINY)))
+    assert max(dp2_records["3"]["model_state_bytes"]) <= 1.10 * stage0 / n + largest_unit
+
+
+def test_grad_norm_and_loss_are_of_the_whole_model(dp2_records):
+    for name in ("1", "2", "3"):
+        assert dp2_records[name]["loss"] == pytest.approx(dp2_records["0"]["loss"], abs=1e-5)
+        assert dp2_records[name]["grad_norm"] == pytest.approx(dp2_records["0"]["grad_norm"], rel=1e-5)
+
+
+def test_step_traffic_per_op(dp2_records):
+    """Tiny's groups all split evenly over N = 2, so the counted bytes equal the formulas exactly."""
+    n, one_pass = 2, 4 * PSI / 2
+    by_op = {name: r["comm_bytes_by_op"] for name, r in dp2_records.items()}
+    dp = by_op["0"]["dp/all_reduce"]
+    assert dp == step_comm_bytes_formula(PSI, n, 0)
+    for stage in ("1", "2"):
+        assert by_op[stage]["dp/grad_reduce_scatter"] == by_op[stage]["dp/param_all_gather"] == one_pass
+        assert by_op[stage]["dp/grad_reduce_scatter"] + by_op[stage]["dp/param_all_gather"] == dp
+    assert by_op["2x2"]["dp/grad_reduce_scatter"] == 2 * one_pass
+    stage3 = by_op["3"]
+    assert stage3["dp/fwd_param_all_gather"] == stage3["dp/bwd_param_all_gather"] == one_pass
+    assert stage3["dp/grad_reduce_scatter"] == one_pass
+    moved = sum(v for k, v in stage3.items() if k != "dp/grad_norm")
+    assert moved == step_comm_bytes_formula(PSI, n, 3) == 1.5 * dp
+    assert all(v <= 8 for k, v in stage3.items() if k == "dp/grad_norm")
+
+
+# --- stage 3 and stage 2 schedules: events of one step -----------------------------------------------
+
+
+def _one_step_events(cfgs: list[Config]) -> dict[int, tuple]:
+    """Per config: engine events of one forward/backward, what is still held after it, and the exported
+    full state dict after the step."""
+    torch.set_num_threads(1)
+    mesh = setup_process(cfgs[0])
+    out = {}
+    for cfg in cfgs:
+        run = build(cfg, mesh)
+        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        events = list(run.engine.events)
+        units = [u.name for u in getattr(run.engine, "units", [])]
+        still_gathered = [u.name for u in getattr(run.engine, "units", []) if u.gathered]
+        full_grads_held = [g.name for g in run.engine.groups if g.grad_flat is not None]
+        run.engine.step(cfg.lr, cfg.grad_clip)
+        with run.engine.gathered() if units else torch.no_grad():
+            exported = {k: v.clone() for k, v in run.model.state_dict().items()}
+        out[cfg.zero] = events, units, still_gathered, full_grads_held, exported
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_step():
+    return run_ranks(_one_step_events, 2, [_cfg(2, 3), _cfg(2, 2, bucket_mb=0.05)])[0]
+
+
+def test_zero3_prefetches_overlaps_and_frees(one_step):
+    events, units, still_gathered, full_grads_held, exported = one_step[3]
+    gathers = sorted(e[1:] for e in events if e[0] == "gather")
+    passes = ("fwd_param_all_gather", "bwd_param_all_gather")
+    assert gathers == sorted((u, op) for u in units for op in passes), "one gather per unit per pass"
+    for k in range(len(units) - 1):
+        prefetch = events.index(("gather", units[k + 1], "fwd_param_all_gather"))
+        assert prefetch < events.index(("forward", units[k])), f"{units[k + 1]} not prefetched during {units[k]}"
+    for k in range(1, len(units)):
+        prefetch = events.index(("gather", units[k - 1], "bwd_param_all_gather"))
+        assert prefetch < events.index(("reduce_scatter", units[k])), f"{units[k - 1]} not prefetched in backward"
+    kinds = [e[0] for e in events]
+    assert kinds.index("reduce_scatter") < len(kinds) - 1 - kinds[::-1].index("ready"), "no overlap with backward"
+    assert still_gathered == [] and full_grads_held == [], "parameters or full gradients kept after backward"
+    plain = GPT(TINY)
+    plain.load_state_dict(exported)
+    assert exported.keys() == plain.state_dict().keys()
+
+
+def test_zero2_reduce_scatters_buckets_during_backward(one_step):
+    events, _, _, full_grads_held, _ = one_step[2]
+    kinds = [e[0] for e in events]
+    launches = [name for kind, name in events if kind == "reduce_scatter"]
+    assert len(launches) > 2 and launches == sorted(launches, key=lambda b: int(b.removeprefix("bucket")))
+    assert kinds.index("reduce_scatter") < len(kinds) - 1 - kinds[::-1].index("ready"), "no overlap with backward"
+    assert full_grads_held == [], "a full gradient bucket outlived its reduce-scatter"
+
+
+# --- pure pieces: layouts, formulas, wrapping policy, config errors -----------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_flat_layout_shards_cover_every_element_once(world):
+    shapes = [torch.Size(s) for s in ((5, 3), (7,), (1,), (4, 4, 2), (11,))]
+    covered = []
+    for rank in range(world):
+        layout = FlatLayout.build(shapes, world, rank)
+        assert layout.padded % world == 0 and 0 <= layout.padded - layout.numel < world
+        start = rank * layout.shard_numel
+        for i, a, b in layout.pieces():
+            lo, hi = layout.offsets[i], layout.offsets[i] + shapes[i].numel()
+            assert lo <= start + a < start + b <= hi
+            covered += range(start + a, start + b)
+    assert sorted(covered) == list(range(sum(s.numel() for s in shapes)))
+
+
+def test_formulas_reproduce_the_papers_figure_1():
+    """Fig. 1 of the paper: Ψ = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device."""
+    gb = [model_state_bytes_formula(7_500_000_000, 64, s, mixed_precision=True) / 1e9 for s in (0, 1, 2, 3)]
+    assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
+    assert step_comm_bytes_formula(100, 4, 1) == step_comm_bytes_formula(100, 4, 0)
+    assert step_comm_bytes_formula(100, 4, 3) == 1.5 * step_comm_bytes_formula(100, 4, 0)
+
+
+def test_default_units_are_embed_blocks_norm_head():
+    names = [name for name, _ in default_units(GPT(TINY))]
+    assert names == ["embed", *(f"blocks.{i}" for i in range(TINY.n_layers)), "ln_f", "head"]
+
+
+def test_wrapping_policy_rejects_uncovered_and_shared_parameters():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.register_parameter("loose", nn.Parameter(torch.zeros(2)))
+    with pytest.raises(ValueError, match="loose.*belong to no ZeRO-3 unit"):
+        default_units(model)
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="put both modules in one unit"):
+        default_units(tied)
+
+
+def test_zero_rejects_mixed_precision_with_the_fix():
+    comm = Comm(Mesh.build(1, 1, 1, torch.device("cpu")))
+    model = GPT(TINY).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="use --precision fp32"):
+        build_engine(model, comm, Config(zero=2, precision="bf16"))
