@@ -2,6 +2,7 @@
 formulas say; stage 3 gathers each unit once per pass, prefetches the next and frees what it is done with."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, forward_backward, rank_batch, setup_process, train
+from trainmesh.train import build, forward_backward, full_state_dict, rank_batch, setup_process, train
 from trainmesh.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
@@ -55,6 +56,19 @@ def test_zero3_in_one_process_trains_like_plain_dp():
     plain = train(_cfg(1, 0, 2, steps=4), mesh=mesh)
     sharded = train(_cfg(1, 3, 2, steps=4), mesh=mesh)
     assert sharded.losses == pytest.approx(plain.losses, abs=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_non_finite_gradient_skips_the_update(stage):
+    cfg = _cfg(1, stage)
+    run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
+    before = full_state_dict(run)
+    poison = next(run.model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
+    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    poison.remove()
+    assert math.isnan(run.engine.step(cfg.lr, cfg.grad_clip))
+    after = full_state_dict(run)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 # --- memory and communication from metrics.jsonl ------------------------------------------------------

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from trainmesh.bench import StepFn, compare
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
+from trainmesh.mesh import Mesh
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
@@ -38,6 +39,7 @@ from trainmesh.zero import default_units, model_state_bytes_formula
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")
 RSS_STEPS = 3
+MemoryRow = tuple[int, list[int], list[int] | None, float]
 
 
 def peak_rss(step: StepFn, first: int, count: int) -> int:
@@ -104,8 +106,9 @@ def _per_rank(value: int) -> list[int]:
     return log_all_gather(torch.tensor([value], dtype=torch.int64)).reshape(-1).tolist()
 
 
-def stage_memory(cfg: Config, mesh, steps: int = 2) -> list[tuple[int, list[int], list[int], float]]:
-    """(stage, model_state_bytes per rank after ``steps`` steps, in-step peak per rank, formula)."""
+def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
+    """(stage, model_state_bytes per rank after ``steps`` steps, in-step peak per rank (ZeRO engines
+    track it; plain DP holds the same all step), formula)."""
     psi = cfg.model_config.n_params()
     rows = []
     for stage in (0, 1, 2, 3):
@@ -114,8 +117,8 @@ def stage_memory(cfg: Config, mesh, steps: int = 2) -> list[tuple[int, list[int]
         for i in range(steps):
             step(i)
         held = storage_bytes(run.engine.state_tensors())
-        peak = getattr(run.engine, "peak_state_bytes", held)
-        rows.append((stage, _per_rank(held), _per_rank(peak), model_state_bytes_formula(psi, cfg.dp, stage)))
+        peak = _per_rank(run.engine.peak_state_bytes) if stage else None
+        rows.append((stage, _per_rank(held), peak, model_state_bytes_formula(psi, cfg.dp, stage)))
         del run, step
         gc.collect()
     return rows
@@ -127,14 +130,14 @@ def _mb(values: list[int] | float) -> str:
     return f"{values / 2**20:.2f} MiB"
 
 
-def _print_memory(cfg: Config, rows) -> None:
+def _print_memory(cfg: Config, rows: list[MemoryRow]) -> None:
     psi = cfg.model_config.n_params()
     print(f"  model state per rank vs ZeRO formula (fp32: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; "
           f"Ψ={psi:,}, N={cfg.dp}):")
     for stage, held, peak, formula in rows:
         ratio = max(held) / formula
         print(f"    stage {stage}: measured {_mb(held)}  formula {_mb(formula)}  ratio {ratio:.5f}  "
-              f"in-step peak {_mb(peak)}")
+              f"in-step peak {_mb(peak) if peak else 'as held'}")
 
 
 def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:

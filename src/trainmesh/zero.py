@@ -34,6 +34,7 @@ Memory and communication per rank follow §5 and §7.2; :func:`model_state_bytes
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -300,9 +301,13 @@ class ZeroEngine:
 
     def step(self, lr: float, max_norm: float) -> float:
         """Finish gradient sync, clip the shards by the whole model's norm, update, re-gather; returns the
-        norm before clipping. Shards are disjoint, so the squares are summed over ``dp`` as well."""
+        norm before clipping. Shards are disjoint, so the squares are summed over ``dp`` as well; every
+        rank then holds the same norm, so a non-finite one skips the update on every rank together."""
         self.finish_gradient_sync()
         norm = global_norm(norm_contributions(self.pieces, self.comm.mesh.rank("tp")), self.comm, NORM_AXES)
+        if not math.isfinite(norm.item()):
+            self.zero_grad()
+            return norm.item()
         unscale_and_clip_([g.grad_shard for g in self.groups], norm, max_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
