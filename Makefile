@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all bench-dp bench-zero clean
+.PHONY: setup demo test test-all bench-dp bench-zero bench-pp clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,9 @@ bench-dp: setup
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16
+
+bench-pp: setup
+	$(BIN)/trainmesh bench pp --nproc 2 --pp 2 --model small --global-batch 16 --microbatches 8
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

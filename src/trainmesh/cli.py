@@ -23,12 +23,40 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
     bench = sub.add_parser("bench", help="benchmark a parallel form against its PyTorch counterpart")
-    bench.add_argument("form", choices=("dp", "zero"), help="dp: trainmesh DataParallel vs DistributedDataParallel; "
-                       "zero: trainmesh --zero 3 vs FSDP2 fully_shard, and each stage's memory vs formula")
+    bench.add_argument("form", choices=("dp", "zero", "pp"),
+                       help="dp: trainmesh DataParallel vs DistributedDataParallel; zero: trainmesh --zero 3 vs "
+                       "FSDP2 fully_shard, and each stage's memory vs formula; pp: each schedule's measured vs "
+                       "simulated bubble, and 1F1B vs torch Schedule1F1B")
     bench.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per implementation")
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
     add_config_flags(bench)
+    _add_schedule_parser(sub)
     return parser
+
+
+def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:
+    from trainmesh.pipeline.schedules import SCHEDULES
+
+    schedule = sub.add_parser("schedule", help="print and draw a pipeline schedule, simulated",
+                              description="Print each pipeline rank's actions, busy/idle time and peak "
+                                          "activations under a schedule, and draw its timeline.")
+    schedule.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
+    schedule.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default: 8)")
+    schedule.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="default: 1f1b")
+    schedule.add_argument("--virtual", type=int, default=1, help="model chunks per rank, interleaved only "
+                          "(default: 1)")
+    schedule.add_argument("--png", help="draw the timeline (ranks x time, coloured by action) to this file")
+
+
+def _schedule(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.pipeline.draw import schedule_command
+
+    try:
+        print(schedule_command(args.pp, args.microbatches, args.schedule, args.virtual, args.png))
+    except (ValueError, ImportError) as e:
+        print(f"trainmesh: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _cuda_devices() -> int:
@@ -84,10 +112,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         return launch(argv, cfg.nproc)
     from trainmesh.bench import bench_dp
+    from trainmesh.bench_pp import bench_pp
     from trainmesh.bench_zero import bench_zero
     from trainmesh.mesh import shutdown_distributed
 
-    bench_form = {"dp": bench_dp, "zero": bench_zero}[args.form]
+    bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp}[args.form]
     bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
     shutdown_distributed()
     return 0
@@ -97,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
-        return {"train": _train, "bench": _bench}[args.command](args, argv)
+        return {"train": _train, "bench": _bench, "schedule": _schedule}[args.command](args, argv)
     except (ConfigError, DataError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2

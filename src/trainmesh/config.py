@@ -43,6 +43,13 @@ class Config:
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree")
+    # pipeline (used when pp > 1)
+    schedule: str = _opt("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages "
+                         "chunks per rank) or zb (zero-bubble ZB-H1)", ("gpipe", "1f1b", "interleaved", "zb"))
+    virtual_stages: int = _opt(1, "model chunks per pipeline rank (interleaved schedule)")
+    stage_layers: str = _opt("", "layers of each pipeline stage in model order, comma-separated (one per "
+                             "stage, pp * virtual-stages of them), e.g. 1,3; default: balanced by parameter count")
+    timeline: str = _opt("", "draw the last step's measured pipeline timeline (ranks x time) to this PNG")
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce")
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
@@ -75,6 +82,15 @@ class Config:
     @property
     def model_config(self) -> ModelConfig:
         return preset(self.model)
+
+    @property
+    def stage_layer_counts(self) -> tuple[int, ...]:
+        """``--stage-layers`` as numbers; empty when the pipeline balances stages itself."""
+        try:
+            return tuple(int(c) for c in self.stage_layers.split(",")) if self.stage_layers else ()
+        except ValueError:
+            raise ConfigError(f"--stage-layers {self.stage_layers!r} is not a comma-separated list of layer "
+                              f"counts; write e.g. 1,3") from None
 
     @property
     def world_size(self) -> int:
@@ -163,6 +179,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     if cfg.lr <= 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
         raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
     _validate_model_split(cfg)
+    _validate_pipeline(cfg)
 
 
 def _validate_model_split(cfg: Config) -> None:
@@ -181,3 +198,32 @@ def _validate_model_split(cfg: Config) -> None:
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
         raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {cfg.model}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """Pipeline settings that cannot run (schedules: Narayanan et al. 2021; Qi et al. 2023)."""
+    p, v, m, n_layers = cfg.pp, cfg.virtual_stages, cfg.microbatches, cfg.model_config.n_layers
+    if v < 1:
+        raise ConfigError(f"--virtual-stages must be at least 1, got {v}")
+    if p == 1:
+        for flag, given in (("--virtual-stages", v > 1), ("--stage-layers", cfg.stage_layers),
+                            ("--timeline", cfg.timeline)):
+            if given:
+                raise ConfigError(f"{flag} is a pipeline setting and --pp is 1; set --pp > 1 or drop {flag}")
+        return
+    if v > 1 and cfg.schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {v} needs --schedule interleaved ({cfg.schedule} holds one stage "
+                          f"per rank); use --schedule interleaved or --virtual-stages 1")
+    if cfg.schedule == "interleaved" and m % p:
+        raise ConfigError(f"--schedule interleaved sends micro-batches through the chunks in groups of pp={p}; "
+                          f"set --microbatches to a multiple of {p} (got {m})")
+    if n_layers < p * v:
+        raise ConfigError(f"--pp {p} x --virtual-stages {v} = {p * v} stages need at least one layer each, but "
+                          f"{cfg.model} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
+    counts = cfg.stage_layer_counts
+    if counts and (len(counts) != p * v or min(counts) < 1 or sum(counts) != n_layers):
+        raise ConfigError(f"--stage-layers {cfg.stage_layers} must give {p * v} counts (pp * virtual-stages), "
+                          f"each >= 1, summing to the {n_layers} layers of {cfg.model}")
+    if cfg.schedule == "zb" and cfg.compile:
+        raise ConfigError("--schedule zb splits backward at module outputs, which torch.compile fuses away; "
+                          "drop --compile or use --schedule 1f1b")

@@ -29,6 +29,9 @@ from trainmesh.metrics import (MetricsWriter, Progress, SavedActivations, max_rs
                                peak_tflops, storage_bytes)
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw, lr_at
+from trainmesh.pipeline.draw import draw_timeline
+from trainmesh.pipeline.partition import gather_stages
+from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import GPT_PLAN, parallelize, unsharded_state_dict
@@ -64,6 +67,7 @@ class Run:
     engine: Engine
     criterion: Criterion
     data: TokenData
+    pipeline: PipelineRuntime | None = None  # pp > 1: runs this rank's stage(s); ``model`` is its part
 
 
 @dataclass
@@ -93,6 +97,9 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     if cfg.compile:
         for block in model.blocks.values():
             block.compile()
+    pipeline = None
+    if cfg.pp > 1:
+        model, pipeline = build_pipeline(model, cfg, comm)
     if cfg.zero:
         engine = zero.build_engine(model, comm, cfg)
     else:
@@ -100,7 +107,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                               bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
                               scaler=LossScaler(enabled=cfg.precision == "fp16"))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
-    return Run(cfg, mesh, comm, model, engine, criterion, data)
+    return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
 
 
 def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
@@ -111,7 +118,8 @@ def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
     """
     gathered = run.engine.gathered() if isinstance(run.engine, zero.ZeroStage3) else contextlib.nullcontext()
     with gathered:
-        return {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
+        state = {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
+    return gather_stages(state, run.comm) if run.pipeline is not None else state
 
 
 def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivations | None = None) -> torch.Tensor:
@@ -119,6 +127,8 @@ def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivati
 
     ``saved``, if given, records the activation bytes of the first micro-batch's forward.
     """
+    if run.pipeline is not None:
+        return run.pipeline.forward_backward(micro_batches, run.criterion, run.engine, saved)
     total = torch.zeros((), device=run.mesh.device)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -154,10 +164,23 @@ def evaluate(run: Run) -> float:
     losses = []
     for k in range(run.cfg.eval_batches):
         micro = rank_batch(run, run.data.val, EVAL_STEP_BASE + k, run.cfg.global_batch)
-        loss = sum(run.criterion(run.model(x), y) for x, y in micro) / len(micro)
+        if run.pipeline is not None:
+            loss = run.pipeline.evaluate(micro, run.criterion)
+        else:
+            loss = sum(run.criterion(run.model(x), y) for x, y in micro) / len(micro)
         losses.append(global_mean(run, loss))
     run.model.train()
     return sum(losses) / len(losses)
+
+
+def draw_pipeline_timeline(run: Run, path: str) -> str:
+    """Draw the recorded step's measured pipeline timeline (rank 0 of the world draws its pipeline's)."""
+    timeline = run.pipeline.gather_timeline()
+    if run.mesh.global_rank() != 0:
+        return ""
+    cfg = run.cfg
+    title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
+    return f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}"
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
@@ -216,6 +239,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     losses, times = [], []
     for step in range(cfg.steps):
         undo_fault = inject_fault(run, step, rank)
+        if run.pipeline is not None:
+            run.pipeline.recording = bool(cfg.timeline) and step == cfg.steps - 1
         t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch),
@@ -239,6 +264,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
             record["val_loss"] = evaluate(run)
         writer.write(record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
+    if cfg.timeline:
+        progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = evaluate(run)
     steady = times[1:] or times
     tokens_per_s = tokens_per_step * len(steady) / sum(steady)

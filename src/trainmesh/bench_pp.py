@@ -1,0 +1,159 @@
+"""``trainmesh bench pp``: each pipeline schedule's measured bubble against the simulator's prediction,
+and trainmesh 1F1B against ``torch.distributed.pipelining.Schedule1F1B`` in tokens/s.
+
+Bubble: every schedule trains a few recorded steps; the runtime times each action on a clock aligned
+across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
+of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). The prediction
+simulates the same action lists with the measured duration of each (action kind, stage) and the measured
+point-to-point latency, so the difference between the two is what the simulator does not model: Gloo
+moves a message only once its receive is posted (the simulator lets it fly from the send), host dispatch,
+other load on the machine. ``uniform`` is the textbook figure (F=1, B=2 per stage, free communication).
+
+Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
+clipping, in alternating timed rounds (:func:`trainmesh.bench.compare`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from trainmesh.bench import StepFn, _trainmesh_step, compare
+from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.config import Config, ConfigError, validate
+from trainmesh.mesh import Mesh
+from trainmesh.models.gpt import GPT
+from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
+from trainmesh.pipeline.partition import partition_model, split_model
+from trainmesh.pipeline.schedules import COMPUTE_KINDS, ActionKind, Schedule
+from trainmesh.pipeline.simulate import Costs, Timeline, simulate
+from trainmesh.precision import dtype_of
+from trainmesh.train import Run, build, rank_batch, setup_process
+
+LATENCY_ROUNDS = 20
+
+
+def p2p_latency(mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype) -> float:
+    """Seconds for one activation to reach the next pipeline rank while every rank sends one (the
+    slowest rank's mean over a ring exchange), as the simulator's ``Costs.comm``."""
+    comm, p, r = Comm(mesh), mesh.size("pp"), mesh.rank("pp")
+    send = torch.zeros(shape, dtype=dtype, device=mesh.device)
+    recv = torch.empty_like(send)
+    peers = [(send, mesh.global_rank(pp=(r + 1) % p))], [(recv, mesh.global_rank(pp=(r - 1) % p))]
+    for _ in range(2):
+        for work in comm.send_recv(*peers):
+            work.wait()
+    dist.barrier(group=mesh.group("pp"))
+    start = time.perf_counter()
+    for _ in range(LATENCY_ROUNDS):
+        for work in comm.send_recv(*peers):
+            work.wait()
+    mean = torch.tensor([(time.perf_counter() - start) / LATENCY_ROUNDS])
+    return log_all_reduce(mean, mesh.group("pp"), dist.ReduceOp.MAX).item()
+
+
+def measured_costs(timelines: list[Timeline], n_stages: int, comm: float) -> Costs:
+    """Median measured duration of each compute kind per global stage (a median, so an action that another
+    process preempted does not count); B stands for BI + BW where absent."""
+    durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
+    for timeline in timelines:
+        for record in timeline.records:
+            if record.action.kind in COMPUTE_KINDS:
+                durations[(record.action.kind, record.action.stage)].append(record.duration)
+
+    def per_stage(kind: ActionKind) -> tuple[float, ...] | None:
+        if (kind, 0) not in durations:
+            return None
+        return tuple(max(statistics.median(durations[(kind, s)]), 1e-9) for s in range(n_stages))
+
+    bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
+    backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
+    return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
+                 comm=comm)
+
+
+def _bubbles(run: Run, steps: int, latency: float) -> tuple[float, float, float]:
+    """(measured, simulated with measured costs, uniform textbook) bubble fraction of ``run``'s schedule."""
+    pipeline, step = run.pipeline, _trainmesh_step(run)
+    step(0)
+    timelines = []
+    pipeline.recording = True
+    for i in range(1, steps + 1):
+        step(i)
+        timelines.append(pipeline.gather_timeline())
+    pipeline.recording = False
+    schedule: Schedule = pipeline.schedule
+    costs = measured_costs(timelines, pipeline.n_stages, latency)
+    measured = statistics.median(t.bubble_fraction for t in timelines)
+    return measured, simulate(schedule, costs).bubble_fraction, simulate(schedule).bubble_fraction
+
+
+def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
+    """One config per schedule (interleaved with 2 chunks unless --virtual-stages says more), or why not."""
+    out = []
+    for name in ("gpipe", "1f1b", "interleaved", "zb"):
+        v = max(cfg.virtual_stages, 2) if name == "interleaved" else 1
+        variant = dataclasses.replace(cfg, schedule=name, virtual_stages=v, stage_layers="", timeline="")
+        try:
+            validate(variant, world_size=cfg.world_size)
+            out.append((variant, name))
+        except ConfigError as e:
+            out.append((None, f"{name}: skipped ({e})"))
+    return out
+
+
+def _torch_1f1b_step(run: Run) -> StepFn:
+    """The same training step with torch's ``PipelineStage`` + ``Schedule1F1B`` on the same partition."""
+    cfg, mesh = run.cfg, run.mesh
+    p, rank, device = mesh.size("pp"), mesh.rank("pp"), mesh.device
+    model = GPT(cfg.model_config, seed=cfg.seed).to(device, dtype_of(cfg.precision))
+    module, _ = split_model(model, partition_model(model, p), rank, p)
+    stage = PipelineStage(module, rank, p, device, group=mesh.group("pp"))
+    schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=run.criterion)
+    optimizer = build_adamw(module.named_parameters(), cfg, device)
+    params = [q for q in module.parameters() if q.requires_grad]
+
+    def step(i: int) -> None:
+        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+        schedule.step(*((x,) if rank == 0 else ()), target=y if rank == p - 1 else None, return_outputs=False)
+        grads = [q.grad for q in params]
+        unscale_and_clip_(grads, global_norm(grads, run.comm, ("pp",)), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    return step
+
+
+def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
+    """Bubble per schedule (measured vs simulated) and trainmesh vs torch 1F1B tokens/s; prints on rank 0."""
+    if cfg.pp < 2 or cfg.dp * cfg.tp != 1:
+        raise SystemExit("trainmesh bench pp compares pipelines alone: pass --nproc P --pp P with P >= 2")
+    if cfg.microbatches < cfg.pp:
+        raise SystemExit(f"torch's Schedule1F1B needs --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
+    mesh = setup_process(cfg)
+    m = cfg.model_config
+    latency = p2p_latency(mesh, (cfg.micro_batch, m.seq_len, m.d_model), dtype_of(cfg.precision))
+    lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
+             f"micro_batch={cfg.micro_batch} device={mesh.device.type}, p2p latency {latency * 1e3:.3f} ms",
+             f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'uniform':>8}   (bubble fraction)"]
+    for variant, label in _variants(cfg):
+        if variant is None:
+            lines.append(f"  {label}")
+            continue
+        measured, simulated, uniform = _bubbles(build(variant, mesh), rounds * steps_per_round, latency)
+        lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
+    run = build(dataclasses.replace(cfg, schedule="1f1b", virtual_stages=1, stage_layers="", timeline=""), mesh)
+    rates = compare({"trainmesh_1f1b": _trainmesh_step(run), "torch_1f1b": _torch_1f1b_step(run)},
+                    cfg.global_batch * m.seq_len, rounds, steps_per_round, mesh.device)
+    lines += [f"  {name:<15} {rate:12,.0f} tokens/s" for name, rate in rates.items()]
+    lines.append(f"  ratio trainmesh/torch 1F1B = {rates['trainmesh_1f1b'] / rates['torch_1f1b']:.3f}")
+    if dist.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+    return rates

@@ -1,0 +1,356 @@
+"""The pipeline runtime: executes one rank's action list (:mod:`.schedules`) on real tensors.
+
+The runtime decides nothing about order: it walks the rank's list and does what each action says.
+Consecutive SEND/RECV actions are posted together as one batch of asynchronous point-to-point
+operations (``Comm.send_recv``, counted as ``pp/p2p``); a compute action first waits for the messages
+it consumes, so communication overlaps whatever compute lies between a RECV and its consumer, and
+sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
+until matched (see :func:`~trainmesh.pipeline.schedules._insert_communication`), so posting them
+earlier and waiting later cannot deadlock either.
+
+Gradients accumulate over micro-batches in the parameters' ``.grad`` as in the single-process loop;
+each stage's *last* weight-gradient action (B, or BW for zero bubble) runs with the engine's gradient
+sync enabled and every other one inside ``engine.no_sync()``, so data-parallel buckets fire exactly once
+per step on every rank. The zero-bubble split (Qi et al. 2023, §2) computes the input gradient (BI)
+with ``torch.autograd.grad`` on the retained graph, keeping the gradient of every parameter-owning
+module's output; the weight gradient (BW) later back-propagates each of those into only that module's
+own parameters, so autograd skips the weight matmuls in BI and the activation path in BW, and the
+gradients land in ``.grad`` through the usual accumulate hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainmesh.comm import Comm
+from trainmesh.config import Config
+from trainmesh.metrics import SavedActivations
+from trainmesh.pipeline.partition import AXIS, partition_model, split_model
+from trainmesh.pipeline.schedules import (
+    Action,
+    ActionKind,
+    Token,
+    action_inputs,
+    action_output,
+    build_schedule,
+    stage_to_rank,
+)
+from trainmesh.pipeline.simulate import Timeline, TimelineRecord
+from trainmesh.precision import dtype_of
+
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]
+
+SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
+WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
+
+
+class GradientSync(Protocol):
+    """What the runtime needs of the training engine (``DataParallel``, ZeRO): the loss scale, and a way
+    to accumulate gradients without synchronising them."""
+
+    loss_scale: float
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+
+class _Posted:
+    """One batch of point-to-point operations, waited for as a whole (NCCL returns a single handle for a
+    coalesced batch); holds the tensors being sent until they are gone."""
+
+    def __init__(self, works: list, sending: list[torch.Tensor]) -> None:
+        self.works, self.sending = works, sending
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.sending = [], []
+
+
+@dataclass
+class _Stash:
+    """What a stage keeps of one micro-batch between its forward and its (weight) backward."""
+
+    input: torch.Tensor | None
+    output: torch.Tensor | None
+    leaves: list[Leaf]
+    leaf_grads: Sequence[torch.Tensor | None] = ()
+
+
+@dataclass
+class _Step:
+    """The state of one pass through the action list."""
+
+    micro_batches: MicroBatches
+    criterion: Criterion
+    loss_scale: float
+    activation_shape: tuple[int, ...]
+    saved: SavedActivations | None
+    loss: torch.Tensor
+    values: dict[Token, torch.Tensor] = field(default_factory=dict)
+    arrivals: dict[Token, _Posted] = field(default_factory=dict)
+    sends: list[_Posted] = field(default_factory=list)
+    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
+
+
+class _LeafOutputs:
+    """Records (output, own parameters) of every parameter-owning module while active, for the BI/BW split.
+
+    A parameter must be used only inside the forward of the module that owns it (true of the GPT; a tied
+    embedding used by the head would miss the head's share of its gradient).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._active: list[Leaf] | None = None
+        for module in modules:
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, _args: Any, output: Any) -> None:
+        if self._active is None or not torch.is_grad_enabled():
+            return
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"the zero-bubble schedule needs parameter-owning modules to return one tensor; "
+                            f"{type(module).__name__} returned {type(output).__name__}: use --schedule 1f1b")
+        self._active.append((output, tuple(p for p in module.parameters(recurse=False) if p.requires_grad)))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[Leaf]]:
+        self._active = []
+        try:
+            yield self._active
+        finally:
+            self._active = None
+
+
+def last_weight_gradients(actions: Sequence[Action]) -> frozenset[Action]:
+    """Each stage's last B/BW in ``actions``: the one that completes its parameters' gradients."""
+    last = {a.stage: a for a in actions if a.kind in WEIGHT_GRAD_KINDS}
+    return frozenset(last.values())
+
+
+def hoist_receives(actions: Sequence[Action]) -> list[Action]:
+    """Move every RECV up past the compute actions before it, to just after the previous comm action.
+
+    Gloo (like a rendezvous protocol) starts moving a message only once its receive is posted, so a RECV
+    posted right before its consumer costs a full transfer; posted earlier, the transfer overlaps that
+    compute. Comm actions keep their order, so messages still match FIFO, and the lists stay
+    deadlock-free even with blocking sends: the argument of
+    :func:`~trainmesh.pipeline.schedules._insert_communication` only needs each rank to meet its messages
+    in key order, with every compute after the receives it consumes (the tests simulate it).
+    """
+    out: list[Action] = []
+    after_last_comm = 0
+    for action in actions:
+        if action.kind in RECV_KINDS:
+            out.insert(after_last_comm, action)
+            after_last_comm += 1
+        else:
+            out.append(action)
+            if action.is_comm:
+                after_last_comm = len(out)
+    return out
+
+
+def forward_only(actions: Sequence[Action]) -> list[Action]:
+    """The forward part of a training list, for evaluation. Dropping the backward computes and their
+    messages keeps the lists deadlock-free: the remaining messages keep their global order."""
+    return [a for a in actions if a.kind in FORWARD_KINDS]
+
+
+class PipelineRuntime:
+    """Runs pipeline rank ``comm.mesh.rank('pp')``'s part of a schedule over its stage modules."""
+
+    def __init__(self, chunks: dict[int, nn.Module], comm: Comm, schedule: str, n_microbatches: int,
+                 n_virtual: int, hidden_size: int, dtype: torch.dtype) -> None:
+        self.comm, self.mesh = comm, comm.mesh
+        self.n_ranks, self.rank = self.mesh.size(AXIS), self.mesh.rank(AXIS)
+        self.chunks = chunks
+        self.n_stages = self.n_ranks * n_virtual
+        self.n_microbatches = n_microbatches
+        self.hidden_size, self.dtype = hidden_size, dtype
+        lists = build_schedule(schedule, self.n_ranks, n_microbatches, n_virtual)
+        self.schedule = [hoist_receives(actions) for actions in lists]
+        self.actions = self.schedule[self.rank]
+        self.eval_actions = hoist_receives(forward_only(lists[self.rank]))
+        self._syncing = last_weight_gradients(self.actions)
+        split = any(a.kind is ActionKind.BI for a in self.actions)
+        self._leaves = _LeafOutputs(m for c in chunks.values() for m in c.modules()) if split else None
+        self.recording = False
+        self.records: list[TimelineRecord] = []
+        self._origin = 0.0
+
+    # --- entry points --------------------------------------------------------------------------------
+
+    def forward_backward(self, micro_batches: MicroBatches, criterion: Criterion, engine: GradientSync,
+                         saved: SavedActivations | None = None) -> torch.Tensor:
+        """One step's forwards and backwards; returns the mean loss on the last stage, 0 elsewhere.
+        ``saved`` records micro-batch 0's activation bytes."""
+        step = self._new_step(micro_batches, criterion, engine.loss_scale, saved)
+        self._execute(self.actions, step, engine)
+        return step.loss
+
+    def evaluate(self, micro_batches: MicroBatches, criterion: Criterion) -> torch.Tensor:
+        """Forward-only pass (call under ``torch.no_grad``); the mean loss on the last stage, 0 elsewhere."""
+        step = self._new_step(micro_batches, criterion, 1.0, None)
+        self._execute(self.eval_actions, step, None)
+        return step.loss
+
+    def gather_timeline(self) -> Timeline:
+        """The last recorded step of every rank of this pipeline (a collective over ``pp``)."""
+        per_rank: list = [None] * self.n_ranks
+        dist.all_gather_object(per_rank, self.records, group=self.mesh.group(AXIS))
+        return Timeline.from_records(itertools.chain.from_iterable(per_rank), self.n_ranks)
+
+    # --- execution -----------------------------------------------------------------------------------
+
+    def _new_step(self, micro_batches: MicroBatches, criterion: Criterion, loss_scale: float,
+                  saved: SavedActivations | None) -> _Step:
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, got "
+                             f"{len(micro_batches)}; split the batch into --microbatches pieces")
+        shape = (*micro_batches[0][0].shape, self.hidden_size)
+        loss = torch.zeros((), device=self.mesh.device)
+        return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
+
+    def _execute(self, actions: Sequence[Action], step: _Step, engine: GradientSync | None) -> None:
+        if self.recording:
+            self._start_clock()
+        for is_comm, group in itertools.groupby(actions, key=lambda a: a.is_comm):
+            if is_comm:
+                self._post(list(group), step)
+            else:
+                for action in group:
+                    self._compute(action, step, engine)
+        for posted in step.sends:
+            posted.wait()
+        left = [*step.values, *step.arrivals, *step.stash]
+        if left:
+            raise RuntimeError(f"trainmesh bug: pipeline step ended with unconsumed values {left[:4]}")
+
+    def _start_clock(self) -> None:
+        """Align the ranks' clocks at a barrier, so records of different ranks share one time axis."""
+        dist.barrier(group=self.mesh.group(AXIS))
+        self.records = []
+        self._origin = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.mesh.device.type == "cuda":
+            torch.cuda.synchronize(self.mesh.device)
+        return time.perf_counter() - self._origin
+
+    def _peer(self, action: Action) -> int:
+        return self.mesh.global_rank(pp=stage_to_rank(action.peer_stage, self.n_ranks))
+
+    def _post(self, group: list[Action], step: _Step) -> None:
+        sends, recvs, arriving = [], [], []
+        for action in group:
+            if action.kind in SEND_KINDS:
+                (token,) = action_inputs(action, self.n_stages)
+                sends.append((step.values.pop(token).contiguous(), self._peer(action)))
+            else:
+                token = action_output(action)
+                buffer = torch.empty(step.activation_shape, dtype=self.dtype, device=self.mesh.device)
+                step.values[token] = buffer
+                recvs.append((buffer, self._peer(action)))
+                arriving.append(token)
+        posted = _Posted(self.comm.send_recv(sends, recvs, axis=AXIS), [t for t, _ in sends])
+        step.arrivals.update(dict.fromkeys(arriving, posted))
+        if sends:
+            step.sends.append(posted)
+        if self.recording:
+            now = self._now()
+            self.records += [TimelineRecord(self.rank, a, now, now) for a in group]
+
+    def _compute(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+        for token in action_inputs(action, self.n_stages):
+            posted = step.arrivals.pop(token, None)
+            if posted is not None:
+                posted.wait()
+        start = self._now() if self.recording else 0.0
+        run = {ActionKind.F: self._forward, ActionKind.B: self._backward,
+               ActionKind.BI: self._backward_input, ActionKind.BW: self._backward_weight}[action.kind]
+        run(action, step, engine)
+        if self.recording:
+            self.records.append(TimelineRecord(self.rank, action, start, self._now()))
+
+    def _sync(self, action: Action, engine: GradientSync | None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if action in self._syncing else engine.no_sync()
+
+    def _recording_leaves(self) -> contextlib.AbstractContextManager[list[Leaf]]:
+        if self._leaves is None or not torch.is_grad_enabled():
+            return contextlib.nullcontext([])
+        return self._leaves.recording()
+
+    def _forward(self, action: Action, step: _Step, _engine: GradientSync | None) -> None:
+        s, mb = action.stage, action.microbatch
+        x, y = step.micro_batches[mb]
+        if s > 0:
+            x = step.values.pop(("act", s - 1, mb)).requires_grad_(torch.is_grad_enabled())
+        saving = step.saved.recording() if step.saved is not None and mb == 0 else contextlib.nullcontext()
+        with saving, self._recording_leaves() as leaves:
+            out = self.chunks[s](x)
+        if s == self.n_stages - 1:
+            out = step.criterion(out, y) / self.n_microbatches
+            step.loss += out.detach()
+        else:
+            step.values[("act", s, mb)] = out.detach()
+        if torch.is_grad_enabled():
+            step.stash[(s, mb)] = _Stash(x if s > 0 else None, out, leaves)
+
+    def _root(self, action: Action, step: _Step, stash: _Stash) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What backward starts from: the scaled loss on the last stage, else the output and its gradient."""
+        if action.stage == self.n_stages - 1:
+            return stash.output * step.loss_scale, None
+        return stash.output, step.values.pop(("grad", action.stage + 1, action.microbatch))
+
+    def _backward(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+        stash = step.stash.pop((action.stage, action.microbatch))
+        root, grad = self._root(action, step, stash)
+        with self._sync(action, engine):
+            torch.autograd.backward(root, grad)
+        if stash.input is not None:
+            step.values[("grad", action.stage, action.microbatch)] = stash.input.grad
+
+    def _backward_input(self, action: Action, step: _Step, _engine: GradientSync | None) -> None:
+        stash = step.stash[(action.stage, action.microbatch)]
+        root, grad = self._root(action, step, stash)
+        inputs = [stash.input] if stash.input is not None else []
+        grads = torch.autograd.grad(root, inputs + [z for z, _ in stash.leaves], grad,
+                                    retain_graph=True, allow_unused=True)
+        if stash.input is not None:
+            step.values[("grad", action.stage, action.microbatch)] = grads[0]
+        stash.leaf_grads = grads[len(inputs):]
+        stash.input = stash.output = None
+
+    def _backward_weight(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+        stash = step.stash.pop((action.stage, action.microbatch))
+        with self._sync(action, engine):
+            for (z, params), grad in zip(stash.leaves, stash.leaf_grads, strict=True):
+                if grad is not None:
+                    # retain_graph: two modules' weight paths may share a node; the stash's release frees it.
+                    torch.autograd.backward(z, grad, inputs=list(params), retain_graph=True)
+
+
+def build_pipeline(model: nn.Module, cfg: Config, comm: Comm) -> tuple[nn.Module, PipelineRuntime]:
+    """Cut ``model`` in place to this rank's stage(s) (``--stage-layers``, else balanced by parameter count)
+    and build the runtime for ``--schedule``; returns the rank's part of the model and the runtime."""
+    mesh = comm.mesh
+    n_ranks, n_virtual = mesh.size(AXIS), cfg.virtual_stages
+    layers = partition_model(model, n_ranks * n_virtual, cfg.stage_layer_counts)
+    part, chunks = split_model(model, layers, mesh.rank(AXIS), n_ranks, n_virtual)
+    runtime = PipelineRuntime(chunks, comm, cfg.schedule, cfg.microbatches, n_virtual,
+                              cfg.model_config.d_model, dtype_of(cfg.precision))
+    return part, runtime
