@@ -75,6 +75,11 @@ class Config:
                         ("auto", "gloo", "nccl", "mpi"))
     device: str = _opt("auto", "device: auto picks cuda when present", ("auto", "cpu", "cuda"))
     compile: bool = _opt(False, "torch.compile each transformer block")
+    collective_timeout: float = _opt(600.0, "seconds a collective may wait before the run is stopped with a "
+                                     "report of which rank(s) did not arrive")
+    debug_collectives: bool = _opt(False, "check every collective's op and shapes across ranks "
+                                   "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging)")
+    max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient")
     peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)")
     out: str = _opt("", "run directory for metrics.jsonl and summary.json (default: runs/<timestamp>)")
     progress: bool = _opt(True, "print a progress line per step on rank 0")

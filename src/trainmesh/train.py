@@ -9,8 +9,10 @@ the quantity a single process computes, which is what makes layouts comparable.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
@@ -79,19 +82,27 @@ class TrainResult:
 
 
 def setup_process(cfg: Config) -> Mesh:
-    """Join the process group (if several ranks), size the CPU thread pool, build the mesh."""
+    """Join the process group (if several ranks), size the CPU thread pool, build the mesh.
+
+    SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
+    reports a hang.
+    """
     _, world = world_from_env()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if cfg.debug_collectives:
+        torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     device = pick_device(cfg.device)
-    init_distributed(pick_backend(cfg.backend, device), device)
-    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device)
+    init_distributed(pick_backend(cfg.backend, device), device, cfg.collective_timeout)
+    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout)
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
     """Build the model from the seed and apply the configured parallel form to it."""
     comm = Comm(mesh)
     model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    check_agreement(cfg, model, mesh.device)
     criterion = parallelize(model, mesh, GPT_PLAN, cfg.sequence_parallel, comm) or cross_entropy
     apply_recompute(model, cfg.recompute)
     if cfg.compile:
@@ -184,22 +195,55 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
-    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` if it names this rank and step; returns an undo function.
+    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` if it names this rank and step (``*``: every step);
+    returns an undo function.
 
-    Kinds: ``raise`` (the rank fails, to test the launcher) and ``nan`` (the rank's gradients become NaN
-    during this step's backward, to test that every rank skips the step together).
+    Kinds: ``raise`` (the rank fails, to test the launcher), ``kill`` (the rank dies by SIGKILL, as the
+    kernel's OOM killer does it), ``hang`` (the rank stops responding, to test hang diagnosis) and
+    ``nan`` (the rank's gradients become NaN during this step's backward, to test that every rank skips
+    the step together).
     """
     spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
-    if not spec or int(fault_rank) != rank or int(fault_step) != step:
+    if not spec or int(fault_rank) != rank or fault_step not in (str(step), "*"):
         return lambda: None
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} ({FAULT_ENV}={spec})")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:
+            time.sleep(1)
     if kind == "nan":
         first = next(p for p in run.model.parameters() if p.requires_grad)
         return first.register_hook(lambda g: torch.full_like(g, float("nan"))).remove
-    raise ValueError(f"{FAULT_ENV}={spec}: unknown fault kind {kind!r}; use raise or nan")
+    raise ValueError(f"{FAULT_ENV}={spec}: unknown fault kind {kind!r}; use raise, kill, hang or nan")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+@dataclass
+class NonFiniteGuard:
+    """Counts skipped (non-finite) steps; every rank sees the same global norm, so all stop together."""
+
+    limit: int
+    consecutive: int = 0
+    total: int = 0
+
+    def observe(self, grad_norm: float, step: int) -> None:
+        if math.isfinite(grad_norm):
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.consecutive >= self.limit:
+            raise TrainingDiverged(
+                f"{self.consecutive} consecutive steps up to step {step} had a non-finite loss or gradient and "
+                f"were skipped; stopping. Lower --lr, try --precision bf16, or check the data "
+                f"(--max-bad-steps sets the limit)")
 
 
 PER_RANK_STATS = ("max_rss_bytes", "model_state_bytes", "peak_device_bytes", "activation_bytes")
@@ -236,6 +280,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     tokens_per_step = cfg.global_batch * cfg.model_config.seq_len
     peak = peak_tflops(mesh.device, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
+    guard = NonFiniteGuard(cfg.max_bad_steps)
     losses, times = [], []
     for step in range(cfg.steps):
         undo_fault = inject_fault(run, step, rank)
@@ -248,13 +293,15 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         lr = lr_at(step, cfg)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
         undo_fault()
+        guard.observe(grad_norm, step)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         step_time = time.perf_counter() - t0
         losses.append(global_mean(run, loss))
         times.append(step_time)
         record = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
-                  "skipped": not math.isfinite(grad_norm), "loss_scale": run.engine.loss_scale,
+                  "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
+                  "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                   "mfu": mfu(tokens_per_step / step_time, cfg.model_config.flops_per_token(), mesh.world_size, peak),
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
