@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all bench-dp bench-zero bench-pp clean
+.PHONY: setup demo test test-all bench-dp bench-tp bench-zero bench-pp clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ test-all: setup
 
 bench-dp: setup
 	$(BIN)/trainmesh bench dp --nproc 2 --dp 2 --model small --global-batch 16 --microbatches 2
+
+bench-tp: setup
+	$(BIN)/trainmesh bench tp --nproc 2 --tp 2 --model small --global-batch 16
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16

@@ -16,7 +16,7 @@ from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.pipeline.partition import balanced_partition, explicit_partition, partition_model, split_model
-from trainmesh.pipeline.runtime import forward_only, hoist_receives, last_weight_gradients
+from trainmesh.pipeline.runtime import PipelineRuntime, forward_only, hoist_receives, last_weight_gradients
 from trainmesh.pipeline.schedules import SCHEDULES, ActionKind, build_schedule
 from trainmesh.pipeline.simulate import simulate
 from trainmesh.testing import run_ranks
@@ -192,6 +192,42 @@ def test_sync_on_each_stage_last_weight_gradient_and_forward_only_lists():
         kinds = {a.kind for a in forward_only(acts)}
         assert kinds <= {ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F}
         assert sum(a.kind is ActionKind.F for a in forward_only(acts)) == 8
+
+
+class _LoggedWork:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(self.name)
+
+
+class _LoggingComm:
+    """Stands in for Comm on one rank without processes: one handle per operation, logging its wait."""
+
+    def __init__(self, mesh: Mesh, log: list[str]) -> None:
+        self.mesh, self.log, self.posted = mesh, log, 0
+
+    def send_recv(self, sends, recvs, axis):
+        works = []
+        for _ in [*sends, *recvs]:
+            works.append(_LoggedWork(self.log, f"wait{self.posted}"))
+            self.posted += 1
+        return works
+
+
+def test_each_receive_is_waited_for_just_before_its_consumer():
+    """GPipe's last stage posts all its receives at once; each forward must wait only for its own."""
+    log: list[str] = []
+    mesh = Mesh({"pp": 2, "dp": 1, "tp": 1}, {"pp": 1, "dp": 0, "tp": 0}, torch.device("cpu"))
+    cfg = PRESETS["tiny"]
+    _, chunks = split_model(GPT(cfg), [range(0, 1), range(1, 2)], rank=1, n_ranks=2)
+    chunks[1].register_forward_pre_hook(lambda *_: log.append("F"))
+    runtime = PipelineRuntime(chunks, _LoggingComm(mesh, log), "gpipe", 4, 1, cfg.d_model, torch.float32)
+    micro = [(torch.zeros(2, cfg.seq_len, dtype=torch.long),) * 2] * 4
+    with torch.no_grad():
+        runtime.evaluate(micro, lambda logits, y: logits.float().mean())
+    assert log == ["wait0", "F", "wait1", "F", "wait2", "F", "wait3", "F"]
 
 
 # --- configuration and command line -------------------------------------------------------------------

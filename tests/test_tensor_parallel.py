@@ -11,6 +11,7 @@ from torch import nn
 from trainmesh import parallelize
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
+from trainmesh.metrics import SavedActivations
 from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
 from trainmesh.optim import is_tp_sharded
 from trainmesh.tensor_parallel import (GPT_PLAN, ShardSpec, load_full_state_dict, shard_tensor,
@@ -23,8 +24,8 @@ from helpers import check_equivalent
 TINY = PRESETS["tiny"]
 
 
-def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1) -> Config:
-    return Config(nproc=dp * tp, dp=dp, tp=tp, sequence_parallel=sp, steps=10, global_batch=8,
+def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1, zero: int = 0) -> Config:
+    return Config(nproc=dp * tp, dp=dp, tp=tp, sequence_parallel=sp, zero=zero, steps=10, global_batch=8,
                   microbatches=microbatches, progress=False, warmup_steps=2)
 
 
@@ -39,8 +40,9 @@ def test_tp2_with_and_without_sequence_parallel_matches_single_process():
     check_equivalent([_cfg(2), _cfg(2, sp=True), _cfg(2, sp=True, microbatches=2)], world_size=2)
 
 
-def test_tp4_and_dp2_tp2_match_single_process():
-    check_equivalent([_cfg(4), _cfg(4, sp=True), _cfg(2, dp=2), _cfg(2, dp=2, sp=True)], world_size=4)
+def test_tp4_and_dp2_tp2_with_and_without_zero_match_single_process():
+    check_equivalent([_cfg(4), _cfg(4, sp=True), _cfg(2, dp=2), _cfg(2, dp=2, sp=True, microbatches=2),
+                      _cfg(2, dp=2, zero=1), _cfg(2, dp=2, sp=True, zero=3)], world_size=4)
 
 
 # --- memory: parameters and activations --------------------------------------------------------------
@@ -79,8 +81,9 @@ def expected_tp_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool) -> di
     forward (g) and before each in backward (f); the vocab-parallel embedding adds one in forward, the
     vocab-parallel head one in backward, so 4L + 2 all-reduces of S = 4·B·T·d bytes, 2(t-1)/t·S each.
     Korthikanti et al. §4.2.2: under SP each becomes an all-gather in one direction and a reduce-scatter
-    in the other, (t-1)/t·S each, plus the all-gather of the position-embedding gradient [T, d] and the
-    sum over tp of the 6L + 2 replicated d-vectors in the sequence region (LayerNorms, row biases).
+    in the other, (t-1)/t·S each; each of the 2L + 1 column-parallel layers (qkv, fc, head) all-gathers
+    its saved input slice again in backward; and the position-embedding gradient [T, d] is all-gathered
+    and the 6L + 2 replicated d-vectors of the sequence region (LayerNorms, row biases) summed over tp.
     The cross-entropy all-reduces 3 floats per token (max, target logit, sum of exponentials), the
     global gradient norm one float.
     """
@@ -89,30 +92,41 @@ def expected_tp_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool) -> di
     out = {"cross_entropy": 2 * ring * 4 * 3 * micro_batch * m.seq_len, "grad_norm": 2 * ring * 4}
     if not sp:
         return {**out, "all_reduce": n * 2 * ring * s}
-    return {**out, "all_gather": n * ring * s + ring * 4 * m.seq_len * m.d_model, "reduce_scatter": n * ring * s,
+    regather = 2 * m.n_layers + 1
+    return {**out, "all_gather": (n + regather) * ring * s + ring * 4 * m.seq_len * m.d_model,
+            "reduce_scatter": n * ring * s,
             "sequence_grads": 2 * ring * 4 * (6 * m.n_layers + 2) * m.d_model}
 
 
-def _one_step(cfgs: list[Config]) -> list[tuple[dict[str, float], list[torch.Size]]]:
+def _one_step(cfgs: list[Config]) -> list[tuple[dict[str, float], list[torch.Size], int]]:
     return [_step_counts(cfg) for cfg in cfgs]
 
 
-def _step_counts(cfg: Config) -> tuple[dict[str, float], list[torch.Size]]:
-    """tp bytes by op over one training step, and the input shape of every LayerNorm in it."""
+def _step_counts(cfg: Config) -> tuple[dict[str, float], list[torch.Size], int]:
+    """tp bytes by op over one training step, the input shape of every LayerNorm, the saved activations."""
     torch.set_num_threads(1)
     run = build(cfg, setup_process(cfg))
     shapes = []
     for module in run.model.modules():
         if isinstance(module, nn.LayerNorm):
             module.register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    saved = SavedActivations(run.model.parameters())
+    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch), saved)
     run.engine.step(cfg.lr, cfg.grad_clip)
-    return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes
+    return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes, saved.bytes
 
 
-def test_tp_communication_matches_megatron_counts_and_sp_splits_layernorm_regions():
+def sequence_region_bytes(m: ModelConfig, micro_batch: int) -> int:
+    """What backward keeps of the sequence-parallel region: for each of the 2L + 1 LayerNorms its input,
+    its output (the next column-parallel layer's input) and its mean and 1/std (Korthikanti et al.,
+    2022, §4.2.2: under SP all of them are stored split along the sequence)."""
+    return (2 * m.n_layers + 1) * 4 * micro_batch * m.seq_len * (2 * m.d_model + 2)
+
+
+def test_one_step_communication_and_activations_match_the_papers():
     cfgs = [_cfg(2), _cfg(2, sp=True)]
-    for cfg, (counted, shapes) in zip(cfgs, run_ranks(_one_step, 2, cfgs)[0]):
+    results = run_ranks(_one_step, 2, cfgs)[0]
+    for cfg, (counted, shapes, _) in zip(cfgs, results):
         sp = cfg.sequence_parallel
         expected = expected_tp_bytes(TINY, cfg.micro_batch, 2, sp)
         assert counted.keys() == expected.keys()
@@ -120,6 +134,8 @@ def test_tp_communication_matches_megatron_counts_and_sp_splits_layernorm_region
             assert counted[op] == pytest.approx(expected[op], rel=1e-12), (sp, op)
         seq = TINY.seq_len // 2 if sp else TINY.seq_len
         assert shapes == [torch.Size([cfg.micro_batch, seq, TINY.d_model])] * (2 * TINY.n_layers + 1)
+    (_, _, plain), (_, _, split) = results
+    assert plain - split == sequence_region_bytes(TINY, cfgs[0].micro_batch) // 2, "SP keeps 1/tp of the region"
 
 
 # --- a user's own model, and full weights ------------------------------------------------------------

@@ -23,10 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
     bench = sub.add_parser("bench", help="benchmark a parallel form against its PyTorch counterpart")
-    bench.add_argument("form", choices=("dp", "zero", "pp"),
+    bench.add_argument("form", choices=("dp", "zero", "pp", "tp"),
                        help="dp: trainmesh DataParallel vs DistributedDataParallel; zero: trainmesh --zero 3 vs "
                        "FSDP2 fully_shard, and each stage's memory vs formula; pp: each schedule's measured vs "
-                       "simulated bubble, and 1F1B vs torch Schedule1F1B")
+                       "simulated bubble, and 1F1B vs torch Schedule1F1B; tp: trainmesh tensor parallel vs "
+                       "torch parallelize_module (ColwiseParallel/RowwiseParallel)")
     bench.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per implementation")
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
     add_config_flags(bench)
@@ -113,10 +114,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return launch(argv, cfg.nproc)
     from trainmesh.bench import bench_dp
     from trainmesh.bench_pp import bench_pp
+    from trainmesh.bench_tp import bench_tp
     from trainmesh.bench_zero import bench_zero
     from trainmesh.mesh import shutdown_distributed
 
-    bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp}[args.form]
+    bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
     bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
     shutdown_distributed()
     return 0

@@ -5,13 +5,15 @@ forward and two in backward: the first linear of attention and of the MLP is spl
 (*column-parallel*: each rank computes ``n_heads / tp`` heads, or ``d_ff / tp`` hidden units), the second
 by input features (*row-parallel*: each rank's partial product is summed). The conjugate pair ``f``
 (identity forward, all-reduce backward) and ``g`` (all-reduce forward, identity backward) around each
-half is all the communication. The embedding and output head are split by vocabulary, and the loss is
-computed from the vocabulary shards without ever gathering full logits (§3, "output embedding").
+half is all the communication (``f`` is fused into the column-parallel linear, so that its all-reduce
+overlaps the weight gradient's matmul). The embedding and output head are split by vocabulary, and the
+loss is computed from the vocabulary shards without ever gathering full logits (§3, "output embedding").
 
 Sequence parallelism (Korthikanti et al., 2022, §4.2.2) splits the regions *between* those halves
 (LayerNorm, residual adds, dropout) along the sequence, so their activations are ``1/tp`` per rank:
 ``f`` becomes an all-gather along the sequence (reduce-scatter backward) and ``g`` a reduce-scatter
-(all-gather backward), moving the same bytes as the all-reduce they replace. Parameters that live in
+(all-gather backward), moving the same bytes as the all-reduce they replace, plus one all-gather per
+column-parallel layer in backward to rebuild the input it saved split. Parameters that live in
 that region stay replicated but each rank sees only its slice of the sequence, so their gradients are
 summed over ``tp`` (Megatron all-reduces its "sequence-parallel" LayerNorm gradients the same way).
 
@@ -33,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.comm import Comm, Pending
 from trainmesh.mesh import Mesh
 from trainmesh.optim import TP_SHARDED
 
@@ -51,43 +53,41 @@ def _split(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
     return x.chunk(comm.mesh.size(AXIS), dim)[comm.mesh.rank(AXIS)].contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, comm: Comm, op: str = "all_gather") -> torch.Tensor:
-    """Concatenate every tp rank's ``x`` along ``dim``, in rank order."""
+def _launch_all_gather(x: torch.Tensor, dim: int, comm: Comm,
+                       op: str = "all_gather") -> tuple[torch.Tensor, Pending]:
+    """Start concatenating every tp rank's ``x`` along ``dim``, in rank order (valid once waited on)."""
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((comm.mesh.size(AXIS) * x.shape[0], *x.shape[1:]))
-    comm.all_gather(out, x, AXIS, op=op)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim), comm.all_gather(out, x, AXIS, op=op, async_op=True)
+
+
+def _launch_reduce_scatter(x: torch.Tensor, dim: int, comm: Comm) -> tuple[torch.Tensor, Pending]:
+    """Start summing ``x`` over tp ranks, keeping this rank's 1/tp slice along ``dim`` (valid once waited on)."""
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // comm.mesh.size(AXIS), *x.shape[1:]))
+    return out.movedim(0, dim), comm.reduce_scatter(out, x, AXIS, async_op=True)
+
+
+def _all_gather(x: torch.Tensor, dim: int, comm: Comm, op: str = "all_gather") -> torch.Tensor:
+    out, work = _launch_all_gather(x, dim, comm, op)
+    work.wait()
+    return out
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
-    """Sum ``x`` over tp ranks and keep this rank's 1/tp slice along ``dim``."""
-    x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.shape[0] // comm.mesh.size(AXIS), *x.shape[1:]))
-    comm.reduce_scatter(out, x, AXIS)
-    return out.movedim(0, dim)
+    out, work = _launch_reduce_scatter(x, dim, comm)
+    work.wait()
+    return out
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm, op: str = "all_reduce") -> torch.Tensor:
-    """A summed copy of ``x`` (autograd may hand the same gradient tensor to several consumers)."""
+    """A summed copy of ``x``: neither a Function's input nor the gradient a hook receives may be modified."""
     x = x.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(x, AXIS, op=op)
     return x
 
 
 # --- autograd-aware collectives (Megatron's mappings.py) ---------------------------------------------
-
-class _CopyToTP(torch.autograd.Function):
-    """``f``: identity forward, all-reduce backward (before a column-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.comm), None
-
 
 class _ReduceFromTP(torch.autograd.Function):
     """``g``: all-reduce forward, identity backward (after a row-parallel layer)."""
@@ -99,19 +99,6 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Sequence-parallel ``f``: all-gather along the sequence forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return _all_gather(x, SEQ_DIM, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.comm), None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -140,12 +127,42 @@ class _ScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, SEQ_DIM, ctx.comm), None
 
 
-def into_column_parallel(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
-    """The input of a column-parallel layer: the full activation on every tp rank."""
-    return (_GatherFromSequence if sequence_parallel else _CopyToTP).apply(x, comm)
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``f`` fused with the linear: forward ``x A^T + b``, all-gathering ``x`` along the sequence under SP;
+    backward all-reduces the input gradient (reduce-scatters it under SP) while computing the weight's.
+
+    Fusing lets the input gradient's collective run while the weight gradient is computed (Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``). Under SP only this rank's sequence slice of the
+    input is saved and it is all-gathered again in backward, so the saved input is 1/tp too (Korthikanti
+    et al., 2022, §4.2.2), at the cost of one more all-gather, overlapped with the input gradient's matmul.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
+                sequence_parallel: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.sequence_parallel, ctx.has_bias = comm, sequence_parallel, bias is not None
+        return F.linear(_all_gather(x, SEQ_DIM, comm) if sequence_parallel else x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            x, gather = _launch_all_gather(x, SEQ_DIM, ctx.comm)
+        grad_x = grad @ weight
+        if ctx.sequence_parallel:
+            gather.wait()
+            grad_x, work = _launch_reduce_scatter(grad_x, SEQ_DIM, ctx.comm)
+        else:
+            work = ctx.comm.all_reduce(grad_x, AXIS, async_op=True)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t() @ x.reshape(-1, x.shape[-1])
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        work.wait()
+        return grad_x, grad_weight, grad_bias, None, None
 
 
-def out_of_row_parallel(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
+def _row_parallel_output(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -> torch.Tensor:
     """The output of a row-parallel layer: partial sums reduced (and split along the sequence under SP)."""
     return (_ReduceScatterToSequence if sequence_parallel else _ReduceFromTP).apply(x, comm)
 
@@ -232,7 +249,7 @@ class ColumnParallelLinear(ShardedModule):
         self._adopt("bias", linear.bias, ShardSpec(0, chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(into_column_parallel(x, self.comm, self.sequence_parallel), self.weight, self.bias)
+        return _ColumnParallelLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
 
 
 class RowParallelLinear(ShardedModule):
@@ -247,7 +264,7 @@ class RowParallelLinear(ShardedModule):
             sum_grad_over_tp(self.bias, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = out_of_row_parallel(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        y = _row_parallel_output(F.linear(x, self.weight), self.comm, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
@@ -264,7 +281,7 @@ class VocabParallelEmbedding(ShardedModule):
         local = ids - self.comm.mesh.rank(AXIS) * rows
         outside = (local < 0) | (local >= rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return out_of_row_parallel(out, self.comm, self.sequence_parallel)
+        return _row_parallel_output(out, self.comm, self.sequence_parallel)
 
 
 # --- the vocabulary-parallel loss --------------------------------------------------------------------
@@ -343,7 +360,7 @@ def _vocab(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
 
 
 def _sequence(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
-    """A replicated module (LayerNorm, dropout) that sees only its sequence slice under SP."""
+    """A replicated module (a LayerNorm) that sees only its sequence slice under SP."""
     if sp:
         for p in module.parameters():
             sum_grad_over_tp(p, comm)
@@ -432,6 +449,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: boo
 # --- full (unsharded) weights ------------------------------------------------------------------------
 
 def _sharded_params(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
+    """State-dict key -> (its tensor-parallel module, the parameter's name there) for every split parameter."""
     return {f"{prefix}.{name}" if prefix else name: (m, name)
             for prefix, m in model.named_modules() if isinstance(m, ShardedModule) for name in m.specs}
 

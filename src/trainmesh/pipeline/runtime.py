@@ -67,11 +67,10 @@ class GradientSync(Protocol):
 
 
 class _Posted:
-    """One batch of point-to-point operations, waited for as a whole (NCCL returns a single handle for a
-    coalesced batch); holds the tensors being sent until they are gone."""
+    """Work handles of posted point-to-point operations; holds the tensors being sent until they are gone."""
 
-    def __init__(self, works: list, sending: list[torch.Tensor]) -> None:
-        self.works, self.sending = works, sending
+    def __init__(self, works: list, sending: Sequence[torch.Tensor] = ()) -> None:
+        self.works, self.sending = works, list(sending)
 
     def wait(self) -> None:
         for work in self.works:
@@ -266,10 +265,14 @@ class PipelineRuntime:
                 step.values[token] = buffer
                 recvs.append((buffer, self._peer(action)))
                 arriving.append(token)
-        posted = _Posted(self.comm.send_recv(sends, recvs, axis=AXIS), [t for t, _ in sends])
-        step.arrivals.update(dict.fromkeys(arriving, posted))
+        works = self.comm.send_recv(sends, recvs, axis=AXIS)
+        # Gloo gives one handle per operation, in order, so each receive is waited for alone; a coalesced
+        # batch (NCCL) gives one handle for the whole batch.
+        per_op = len(works) == len(sends) + len(recvs)
+        for i, token in enumerate(arriving):
+            step.arrivals[token] = _Posted([works[len(sends) + i]] if per_op else works)
         if sends:
-            step.sends.append(posted)
+            step.sends.append(_Posted(works[:len(sends)] if per_op else works, [t for t, _ in sends]))
         if self.recording:
             now = self._now()
             self.records += [TimelineRecord(self.rank, a, now, now) for a in group]

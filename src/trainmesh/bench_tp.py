@@ -1,0 +1,113 @@
+"""``trainmesh bench tp``: trainmesh tensor parallelism against PyTorch's ``parallelize_module``.
+
+Both train the same GPT from the same seed on the same batches and ranks with the same layout: the
+embedding and output head split by vocabulary (the loss computed from the vocabulary shards: trainmesh's
+vocab-parallel cross-entropy, torch's ``loss_parallel``), ``qkv``/``fc`` column-parallel, both ``proj``
+row-parallel. torch's ``ColwiseParallel`` shards a weight's rows contiguously, so its copy of the model
+has the fused ``qkv`` rows reordered rank by rank as ``[q | k | v]`` of that rank's heads: the same
+function, sharded the same way. Timed rounds alternate (:func:`trainmesh.bench.compare`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.nn.utils import get_total_norm
+
+from trainmesh.bench import StepFn, _trainmesh_step, compare
+from trainmesh.config import Config, ConfigError
+from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.optim import build_adamw
+from trainmesh.precision import dtype_of
+from trainmesh.tensor_parallel import ShardSpec, shard_tensor
+from trainmesh.train import Run, build, rank_batch, setup_process
+
+
+@torch.no_grad()
+def _qkv_rows_by_rank(model: GPT, tp: int) -> None:
+    """Reorder each fused qkv's rows so that rank r's contiguous 1/tp is its heads of q, k and v."""
+    spec = ShardSpec(0, chunks=3)
+    for block in model.blocks.values():
+        for p in (block.attn.qkv.weight, block.attn.qkv.bias):
+            p.copy_(torch.cat([shard_tensor(p, spec, r, tp) for r in range(tp)]))
+
+
+def torch_tp_plan(model: GPT) -> dict:
+    """The Megatron layout in ``torch.distributed.tensor.parallel`` styles."""
+    plan = {"embed.tok": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(use_local_output=False)}
+    for i in model.blocks:
+        plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
+                 f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()}
+    return plan
+
+
+def _torch_model(run: Run) -> GPT:
+    cfg, mesh = run.cfg, run.mesh
+    model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    _qkv_rows_by_rank(model, mesh.size("tp"))
+    return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model))
+
+
+def _clip_mixed_(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """torch's clipping for a model of DTensor (split) and plain (LayerNorm) parameters, which
+    ``clip_grad_norm_`` refuses to mix: the norm of each kind (DTensor reduces its own over tp), combined."""
+    grads = [p.grad for p in params if p.grad is not None]
+    split = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    total = torch.stack([get_total_norm(split).full_tensor(), get_total_norm(plain)]).norm()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+
+
+def _torch_tp_step(run: Run, model: GPT) -> StepFn:
+    """The same step on DTensors: loss over vocabulary shards, clipping by the global norm, AdamW."""
+    cfg = run.cfg
+    params = list(model.parameters())
+    # foreach AdamW, like clipping, cannot mix DTensors and plain tensors in one call: one optimizer each.
+    optimizers = [build_adamw([(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) == split],
+                              cfg, run.mesh.device) for split in (True, False)]
+
+    def step(i: int) -> None:
+        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        with loss_parallel():
+            for x, y in micro:
+                (cross_entropy(model(x), y) / len(micro)).backward()
+        _clip_mixed_(params, cfg.grad_clip)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+    return step
+
+
+@torch.no_grad()
+def _first_losses(run: Run, model: GPT) -> tuple[float, float]:
+    """Both implementations' loss on the first batch before training: the same model gives the same loss."""
+    x, y = rank_batch(run, run.data.train, 0, run.cfg.global_batch)[0]
+    mine = run.criterion(run.model(x), y).item()
+    with loss_parallel():
+        theirs = cross_entropy(model(x), y).full_tensor().item()
+    return mine, theirs
+
+
+def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
+    """trainmesh :func:`~trainmesh.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
+    if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
+        raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
+                          "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")
+    mesh = setup_process(cfg)
+    run = build(cfg, mesh)
+    model = _torch_model(run)
+    losses = _first_losses(run, model)
+    rates = compare({"trainmesh": _trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)},
+                    cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
+    if dist.get_rank() == 0:
+        print(f"bench tp: model={cfg.model} tp={cfg.tp} global_batch={cfg.global_batch} "
+              f"microbatches={cfg.microbatches} device={mesh.device.type}")
+        print(f"  first-batch loss: trainmesh {losses[0]:.6f}, torch_tp {losses[1]:.6f}")
+        for name, rate in rates.items():
+            print(f"  {name:<10} {rate:12,.0f} tokens/s")
+        print(f"  ratio trainmesh/torch_tp = {rates['trainmesh'] / rates['torch_tp']:.3f}")
+    return rates
