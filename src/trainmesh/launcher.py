@@ -136,6 +136,18 @@ def _report_failure(ranks: Sequence[RankProcess], failed: RankProcess, rc: int) 
     sys.stderr.flush()
 
 
+def _root_cause(failed: list[tuple[RankProcess, int]]) -> tuple[RankProcess, int]:
+    """The failed rank to blame: one that failed on its own rather than in a collective with a peer that
+    had already died (whose error is only "connection closed by peer"); if all failed in collectives
+    (a hang, a timeout), the first of them."""
+    for rp, rc in failed:
+        if rp.reader is not None:
+            rp.reader.join(timeout=1.0)
+        if _collective(rp) is None:
+            return rp, rc
+    return failed[0]
+
+
 def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
     """Give the other ranks a moment to fail too, then ask those still running for their stacks."""
     deadline = time.monotonic() + REPORT_GRACE_S
@@ -184,9 +196,11 @@ def _supervise(ranks: list[RankProcess]) -> int:
                 running = True
             elif rc != 0:
                 _collect_stacks(ranks)
+                failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0)]
                 _stop(ranks)
-                _report_failure(ranks, rp, rc)
-                return rc if rc > 0 else 128 - rc
+                root, root_rc = _root_cause(failed)
+                _report_failure(ranks, root, root_rc)
+                return root_rc if root_rc > 0 else 128 - root_rc
         if not running:
             for rp in ranks:
                 rp.reader.join(timeout=1.0)

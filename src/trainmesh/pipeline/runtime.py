@@ -173,13 +173,15 @@ class PipelineRuntime:
     """Runs pipeline rank ``comm.mesh.rank('pp')``'s part of a schedule over its stage modules."""
 
     def __init__(self, chunks: dict[int, nn.Module], comm: Comm, schedule: str, n_microbatches: int,
-                 n_virtual: int, hidden_size: int, dtype: torch.dtype) -> None:
+                 n_virtual: int, hidden_size: int, dtype: torch.dtype, seq_shards: int = 1) -> None:
+        """``seq_shards``: how many ways the sequence of the activations passed between stages is split
+        (tp under sequence parallelism, whose stage outputs hold 1/tp of the sequence)."""
         self.comm, self.mesh = comm, comm.mesh
         self.n_ranks, self.rank = self.mesh.size(AXIS), self.mesh.rank(AXIS)
         self.chunks = chunks
         self.n_stages = self.n_ranks * n_virtual
         self.n_microbatches = n_microbatches
-        self.hidden_size, self.dtype = hidden_size, dtype
+        self.hidden_size, self.dtype, self.seq_shards = hidden_size, dtype, seq_shards
         lists = build_schedule(schedule, self.n_ranks, n_microbatches, n_virtual)
         self.schedule = [hoist_receives(actions) for actions in lists]
         self.actions = self.schedule[self.rank]
@@ -220,7 +222,8 @@ class PipelineRuntime:
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, got "
                              f"{len(micro_batches)}; split the batch into --microbatches pieces")
-        shape = (*micro_batches[0][0].shape, self.hidden_size)
+        batch, seq = micro_batches[0][0].shape
+        shape = (batch, seq // self.seq_shards, self.hidden_size)
         loss = torch.zeros((), device=self.mesh.device)
         return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
 
@@ -258,7 +261,12 @@ class PipelineRuntime:
         for action in group:
             if action.kind in SEND_KINDS:
                 (token,) = action_inputs(action, self.n_stages)
-                sends.append((step.values.pop(token).contiguous(), self._peer(action)))
+                tensor = step.values.pop(token).contiguous()
+                if tensor.shape != step.activation_shape:
+                    # Gloo would silently receive a message of another size into the peer's buffer.
+                    raise RuntimeError(f"{action}: stage {token[1]} produced shape {tuple(tensor.shape)}, but the "
+                                       f"pipeline passes {step.activation_shape} between stages")
+                sends.append((tensor, self._peer(action)))
             else:
                 token = action_output(action)
                 buffer = torch.empty(step.activation_shape, dtype=self.dtype, device=self.mesh.device)
@@ -355,5 +363,6 @@ def build_pipeline(model: nn.Module, cfg: Config, comm: Comm) -> tuple[nn.Module
     layers = partition_model(model, n_ranks * n_virtual, cfg.stage_layer_counts)
     part, chunks = split_model(model, layers, mesh.rank(AXIS), n_ranks, n_virtual)
     runtime = PipelineRuntime(chunks, comm, cfg.schedule, cfg.microbatches, n_virtual,
-                              cfg.model_config.d_model, dtype_of(cfg.precision))
+                              cfg.model_config.d_model, dtype_of(cfg.precision),
+                              seq_shards=cfg.tp if cfg.sequence_parallel else 1)
     return part, runtime
