@@ -26,13 +26,46 @@ def _single(cfg: Config):
     return train(cfg, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
 
 
-def test_bf16_data_parallel_tracks_fp32():
-    fp32 = _single(_cfg()).losses
-    bf16 = run_ranks(train_rank, 2, [_cfg(nproc=2, dp=2, precision="bf16")], timeout=240)[0][0][0]
+@pytest.fixture(scope="module")
+def fp32_losses() -> list[float]:
+    """The single-process fp32 curve every bf16 run is held to."""
+    return _single(_cfg()).losses
+
+
+def _running_mean(xs: list[float], window: int) -> list[float]:
+    return [sum(xs[i:i + window]) / window for i in range(len(xs) - window + 1)]
+
+
+def _assert_tracks(fp32: list[float], bf16: list[float], what: str, window: int = 1) -> None:
+    """Mean per-step |bf16 - fp32| under BF16_MEAN_ABS_DIFF and the largest gap between the two curves'
+    ``window``-step running means under BF16_MAX_ABS_DIFF (``window`` 1: every step)."""
+    assert len(bf16) == len(fp32)
     diffs = [abs(a - b) for a, b in zip(fp32, bf16)]
-    assert max(diffs) < BF16_MAX_ABS_DIFF, max(diffs)
-    assert sum(diffs) / len(diffs) < BF16_MEAN_ABS_DIFF
-    assert bf16[-1] < bf16[0] - 1.5
+    assert sum(diffs) / len(diffs) < BF16_MEAN_ABS_DIFF, f"{what}: mean |bf16 - fp32| {sum(diffs) / len(diffs)}"
+    gaps = [abs(a - b) for a, b in zip(_running_mean(fp32, window), _running_mean(bf16, window))]
+    assert max(gaps) < BF16_MAX_ABS_DIFF, f"{what}: max |bf16 - fp32| over {window}-step means {max(gaps)}"
+    assert bf16[-1] < bf16[0] - 1.5, f"{what}: loss {bf16[0]} -> {bf16[-1]}"
+
+
+def test_bf16_data_parallel_tracks_fp32(fp32_losses):
+    bf16 = run_ranks(train_rank, 2, [_cfg(nproc=2, dp=2, precision="bf16")], timeout=240)[0][0][0]
+    _assert_tracks(fp32_losses, bf16, "DP")
+
+
+# ZeRO's bf16 curve equals DP's bit for bit when clipping is off; with clipping on, its global norm is
+# summed over shards instead of whole tensors and may differ in the last bit. One step of the tiny run
+# (step 19) is that sensitive: scaling DP's own clip norm by 1 +- 1.2e-7 or 3.6e-7 moves its per-step
+# max |bf16 - fp32| anywhere in 0.004-0.11, ZeRO-1/3's in 0.004-0.18 (means 0.001-0.011 throughout), so a
+# per-step max is a coin toss; the 5-step running means stay within 0.036 in all of them.
+ZERO_TRACKING_WINDOW = 5
+
+
+def test_bf16_zero_tracks_fp32(fp32_losses):
+    """bf16 parameters with fp32 master shards, under ZeRO-1 and ZeRO-3 at N = 2 (#6)."""
+    stages = (1, 3)
+    runs = run_ranks(train_rank, 2, [_cfg(nproc=2, dp=2, zero=z, precision="bf16") for z in stages], timeout=300)
+    for stage, (bf16, _) in zip(stages, runs[0]):
+        _assert_tracks(fp32_losses, bf16, f"ZeRO-{stage}", window=ZERO_TRACKING_WINDOW)
 
 
 def _fp16_overflow_rank(cfg: Config, fault: str):

@@ -1,8 +1,10 @@
 """ZeRO stages 1-3: the same training as one process; model state and traffic per rank as the paper's
-formulas say; stage 3 gathers each unit once per pass, prefetches the next and frees what it is done with."""
+formulas say, in fp32 and in mixed precision; fp16 overflow skips the step on every rank; stage 3 gathers
+each unit once per pass, prefetches the next and frees what it is done with."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, forward_backward, full_state_dict, rank_batch, setup_process, train
+from trainmesh.train import build, forward_backward, full_state_dict, inject_fault, rank_batch, setup_process, train
 from trainmesh.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
@@ -58,6 +60,35 @@ def test_zero3_in_one_process_trains_like_plain_dp():
     assert sharded.losses == pytest.approx(plain.losses, abs=1e-6)
 
 
+@pytest.mark.parametrize("stage,precision,reduce_dtype", [(1, "bf16", "fp32"), (2, "bf16", "bf16"),
+                                                          (3, "bf16", "fp32"), (3, "fp16", "fp32")])
+def test_mixed_precision_zero_in_one_process_trains_like_plain_dp(stage, precision, reduce_dtype):
+    """N = 1: the same bf16/fp16 rounding as DataParallel's fp32-master path, step for step. Clipping is
+    off because the norm, summed over pieces instead of whole tensors, may differ in the last bit, and a
+    clip coefficient one ulp off can round a bf16 weight the other way."""
+    mesh = Mesh.build(1, 1, 1, torch.device("cpu"))
+    kw = dict(steps=4, precision=precision, reduce_dtype=reduce_dtype, grad_clip=0.0)
+    plain = train(_cfg(1, 0, 2, **kw), mesh=mesh)
+    sharded = train(_cfg(1, stage, 2, **kw), mesh=mesh)
+    assert sharded.losses == pytest.approx(plain.losses, abs=1e-6)
+
+
+def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard():
+    cfg = _cfg(1, 3, precision="bf16", reduce_dtype="bf16")
+    run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
+    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    run.engine.step(cfg.lr, cfg.grad_clip)
+    groups = run.engine.groups
+    assert all(g.shard.dtype == g.flat.dtype == torch.bfloat16 for g in groups)
+    assert all(g.grad_shard.dtype == torch.bfloat16 and g.master.dtype == torch.float32 for g in groups)
+    masters = {g.master.untyped_storage().data_ptr() for g in groups}
+    assert all(q.dtype == torch.float32 and q.untyped_storage().data_ptr() in masters for q in run.engine.pieces)
+    state = [t for s in run.engine.optimizer.state.values() for k, t in s.items() if k != "step"]
+    assert state and all(t.dtype == torch.float32 for t in state)
+    with run.engine.gathered():
+        assert all(p.dtype == torch.bfloat16 for p in run.model.parameters())
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_non_finite_gradient_skips_the_update(stage):
     cfg = _cfg(1, stage)
@@ -69,6 +100,41 @@ def test_non_finite_gradient_skips_the_update(stage):
     assert math.isnan(run.engine.step(cfg.lr, cfg.grad_clip))
     after = full_state_dict(run)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _nan_step_traces(cfgs: list[Config]) -> list[tuple[list[tuple[float, float, bool]], int]]:
+    """Per config: (loss scale before, after, full parameters unchanged) of every step, with rank 1's
+    gradients NaN at step 2 (``TRAINMESH_FAULT=nan@1:2``), and the steps the scaler skipped."""
+    torch.set_num_threads(1)
+    os.environ["TRAINMESH_FAULT"] = "nan@1:2"
+    mesh = setup_process(cfgs[0])
+    out = []
+    for cfg in cfgs:
+        run = build(cfg, mesh)
+        trace = []
+        for step in range(cfg.steps):
+            undo = inject_fault(run, step, torch.distributed.get_rank())
+            before = full_state_dict(run)
+            forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+            scale = run.engine.loss_scale
+            run.engine.step(cfg.lr, cfg.grad_clip)
+            undo()
+            after = full_state_dict(run)
+            trace.append((scale, run.engine.loss_scale, all(torch.equal(before[k], after[k]) for k in before)))
+        out.append((trace, run.engine.scaler.skipped_steps))
+    return out
+
+
+def test_fp16_nan_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale():
+    stages = (1, 2, 3)
+    cfgs = [_cfg(2, z, steps=5, precision="fp16") for z in stages]
+    ranks = run_ranks(_nan_step_traces, 2, cfgs, timeout=240)
+    for k, stage in enumerate(stages):
+        (trace, skipped), (other, other_skipped) = ranks[0][k], ranks[1][k]
+        assert trace == other and skipped == other_skipped == 1, f"stage {stage}: ranks disagree or skipped {skipped}"
+        assert [unchanged for _, _, unchanged in trace] == [False, False, True, False, False], f"stage {stage}"
+        before, after, _ = trace[2]
+        assert before == 2.0**16 and after == before / 2, f"stage {stage}: scale {before} -> {after}"
 
 
 # --- memory and communication from metrics.jsonl ------------------------------------------------------
@@ -84,21 +150,26 @@ def _last_record(out: str) -> dict:
     return json.loads(open(f"{out}/metrics.jsonl").read().splitlines()[-1])
 
 
+MIXED = ("bf16", "fp32")  # bf16 parameters with the reduce dtype fp32 (default) or bf16 (the paper's)
+
+
 @pytest.fixture(scope="module")
 def dp2_records(tmp_path_factory):
-    """Last-step metrics of stages 0-3 at N = 2 (and stage 2 with two micro-batches), one run."""
+    """Last-step metrics of stages 0-3 at N = 2 (and stage 2 with two micro-batches), and of stages 0-3
+    in bf16 with either reduce dtype (``bf16-<reduce dtype>-<stage>``), one run."""
     root = tmp_path_factory.mktemp("zero_metrics")
-    cases = {"0": (0, 1), "1": (1, 1), "2": (2, 1), "3": (3, 1), "2x2": (2, 2)}
-    cfgs = [_cfg(2, z, m, steps=3, out=str(root / name)) for name, (z, m) in cases.items()]
-    run_ranks(_train_all, 2, cfgs, timeout=240)
+    cases = {"0": (0, 1, {}), "1": (1, 1, {}), "2": (2, 1, {}), "3": (3, 1, {}), "2x2": (2, 2, {})}
+    cases |= {f"bf16-{rd}-{z}": (z, 1, {"precision": "bf16", "reduce_dtype": rd}) for rd in MIXED for z in range(4)}
+    cfgs = [_cfg(2, z, m, steps=3, out=str(root / name), **kw) for name, (z, m, kw) in cases.items()]
+    run_ranks(_train_all, 2, cfgs, timeout=300)
     return {name: _last_record(str(root / name)) for name in cases}
 
 
-def _slack(n: int, n_groups: int) -> int:
+def _slack(n: int, n_groups: int, bytes_per_element: int = 16) -> int:
     """What the formulas leave out: AdamW's 4-byte step counter per optimizer tensor (at most one per
-    parameter and group boundary) and padding, at most N-1 elements of 16 bytes per flat group."""
+    parameter and group boundary) and padding, at most N-1 elements of ``bytes_per_element`` per group."""
     n_tensors = len(list(GPT(TINY).parameters()))
-    return 4 * (n_tensors + n_groups) + 16 * (n - 1) * n_groups
+    return 4 * (n_tensors + n_groups) + bytes_per_element * (n - 1) * n_groups
 
 
 def test_model_state_bytes_follow_the_zero_formulas(dp2_records):
@@ -110,6 +181,27 @@ def test_model_state_bytes_follow_the_zero_formulas(dp2_records):
     stage0 = max(dp2_records["0"]["model_state_bytes"])
     largest_unit = 4 * max(sum(p.numel() for p in m.parameters()) for _, m in default_units(GPT(TINY)))
     assert max(dp2_records["3"]["model_state_bytes"]) <= 1.10 * stage0 / n + largest_unit
+
+
+@pytest.mark.parametrize("reduce_dtype", MIXED)
+def test_mixed_precision_model_state_bytes_follow_the_zero_formulas(dp2_records, reduce_dtype):
+    """bf16 parameters, fp32 masters and moments sharded from stage 1. With bf16 gradients these are the
+    paper's 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; with fp32 gradients the gradient term doubles."""
+    n, units, g = 2, len(default_units(GPT(TINY))), {"bf16": 2, "fp32": 4}[reduce_dtype]
+    expected = {0: (2 + g + 12) * PSI, 1: (2 + g) * PSI + 12 * PSI / n, 2: 2 * PSI + (g + 12) * PSI / n,
+                3: (2 + g + 12) * PSI / n}
+    for stage in (0, 1, 2, 3):
+        formula = model_state_bytes_formula(PSI, n, stage, mixed_precision=True, grad_bytes=g)
+        assert formula == expected[stage]
+        for rank, held in enumerate(dp2_records[f"bf16-{reduce_dtype}-{stage}"]["model_state_bytes"]):
+            assert formula <= held <= formula + _slack(n, units, 2 + g + 12), \
+                f"bf16 reduce {reduce_dtype} stage {stage} rank {rank}: {held} vs {formula}"
+
+
+def test_zero3_activation_bytes_exclude_regathered_parameters(dp2_records):
+    for name in ("3", "bf16-fp32-3"):
+        stage0 = dp2_records["0" if name == "3" else "bf16-fp32-0"]["activation_bytes"]
+        assert dp2_records[name]["activation_bytes"] == stage0
 
 
 def test_grad_norm_and_loss_are_of_the_whole_model(dp2_records):
@@ -234,8 +326,7 @@ def test_wrapping_policy_rejects_uncovered_and_shared_parameters():
         default_units(tied)
 
 
-def test_zero_rejects_mixed_precision_with_the_fix():
+def test_zero_rejects_an_unknown_stage_with_the_fix():
     comm = Comm(Mesh.build(1, 1, 1, torch.device("cpu")))
-    model = GPT(TINY).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="use --precision fp32"):
-        build_engine(model, comm, Config(zero=2, precision="bf16"))
+    with pytest.raises(ValueError, match="choose 1, 2 or 3"):
+        build_engine(GPT(TINY), comm, Config(zero=4))

@@ -33,6 +33,7 @@ from trainmesh.mesh import Mesh
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
+from trainmesh.precision import dtype_of
 from trainmesh.train import Run, build, forward_backward, full_state_dict, rank_batch, setup_process
 from trainmesh.zero import default_units, model_state_bytes_formula
 
@@ -118,7 +119,9 @@ def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
             step(i)
         held = storage_bytes(run.engine.state_tensors())
         peak = _per_rank(run.engine.peak_state_bytes) if stage else None
-        rows.append((stage, _per_rank(held), peak, model_state_bytes_formula(psi, cfg.dp, stage)))
+        formula = model_state_bytes_formula(psi, cfg.dp, stage, cfg.precision != "fp32",
+                                            dtype_of(cfg.reduce_dtype).itemsize)
+        rows.append((stage, _per_rank(held), peak, formula))
         del run, step
         gc.collect()
     return rows

@@ -46,16 +46,20 @@ class SavedActivations:
 
     This is the activation memory of a forward pass as backward will need it: tensors dropped by
     activation recomputation are never saved, so they are not counted.
+
+    A saved tensor is a parameter (or a view of one) if it shares the storage a parameter has *at pack
+    time*: ZeRO-3 gathers each unit into a freshly allocated buffer every pass, so addresses taken at
+    construction go stale (and a freed unit's old address may come back as an activation's).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude = list(exclude)
         self._seen: dict[int, int] = {}
         self.bytes = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self._exclude:
+        if storage.data_ptr() not in {p.untyped_storage().data_ptr() for p in self._exclude}:
             self._seen[storage.data_ptr()] = storage.nbytes()
         return t
 

@@ -23,9 +23,19 @@ between uses (as FSDP's FlatParameter does) and the views stay valid across the 
 
 The optimizer is :func:`trainmesh.optim.build_adamw` over *pieces*: the part of each parameter that
 falls in this rank's shard, a view into the shard, with its gradient a view into the gradient shard.
-AdamW is elementwise, so updating pieces is updating the full parameters. In fp32 the shard itself is
-the master copy; mixed precision (#6) will keep a separate fp32 shard for the pieces to view and copy it
-into the compute-dtype shard after each update.
+AdamW is elementwise, so updating pieces is updating the full parameters.
+
+Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, whose K = 12 counts the fp32 master copy as
+optimizer state). Parameters, gathered units and activations are bf16/fp16. Each rank keeps an fp32
+*master* copy of its shard only, which the pieces view, so master weights and moments are both 1/N.
+Gradients are accumulated and reduce-scattered in ``reduce_dtype`` (fp32 by default: each micro-batch's
+low-precision gradient is added into an fp32 buffer, as DataParallel's main-grad path does); the step
+reads them in fp32 (a per-step copy if the reduce dtype is narrower), unscales and clips them there,
+updates the masters and casts them into the low-precision shard, which is then all-gathered (stages 1-2)
+or kept as the shard that the next forward gathers (stage 3). fp16 scales the loss
+(:class:`~trainmesh.precision.LossScaler`); the global norm is reduced over every axis, so all ranks see
+the same verdict and skip an overflowing step and back the scale off together. In fp32 the shard itself
+is the master copy and the gradient shard is the optimizer's gradient: nothing is copied.
 
 Memory and communication per rank follow §5 and §7.2; :func:`model_state_bytes_formula` and
 :func:`step_comm_bytes_formula` state them and the tests check measured values against them.
@@ -45,20 +55,27 @@ from torch.autograd.graph import register_multi_grad_hook
 from trainmesh.comm import Comm
 from trainmesh.config import Config
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.optim import TP_SHARDED, build_adamw, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+from trainmesh.optim import TP_SHARDED, ParamPiece, build_adamw, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+from trainmesh.precision import LossScaler, dtype_of
 
 NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
 
 
-def model_state_bytes_formula(psi: int, n: int, stage: int, mixed_precision: bool = False) -> float:
+def model_state_bytes_formula(psi: int, n: int, stage: int, mixed_precision: bool = False,
+                              grad_bytes: int | None = None) -> float:
     """Parameters + gradients + optimizer state held per rank [ZeRO §3.1, §5.1-5.3, Fig. 1].
 
     Mixed precision holds (2 + 2 + K)Ψ with K = 12 (fp32 master weights, momentum, variance); stage 1
     divides the K term by N (4Ψ + 12Ψ/N), stage 2 also the gradients (2Ψ + 14Ψ/N), stage 3 also the
     parameters (16Ψ/N). In fp32 the parameters are the master weights, so (4 + 4 + 8)Ψ: 16Ψ,
     8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N.
+
+    ``grad_bytes`` is the size of a gradient element, the reduce dtype's; the paper's 2 (bf16/fp16) in
+    mixed precision unless given. With the fp32 reduce dtype (trainmesh's default) the gradient term is
+    4Ψ: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N.
     """
-    params, grads, optim = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    params, optim = (2, 12) if mixed_precision else (4, 8)
+    grads = grad_bytes if grad_bytes is not None else params
     return psi * (params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1)
                   + optim / (n if stage >= 1 else 1))
 
@@ -128,7 +145,11 @@ class FlatLayout:
 
 @dataclass
 class Group:
-    """One flat buffer's worth of parameters: a gradient bucket (stages 1-2) or a unit (stage 3)."""
+    """One flat buffer's worth of parameters: a gradient bucket (stages 1-2) or a unit (stage 3).
+
+    ``flat`` and ``shard`` are in the parameters' dtype, ``grad_flat`` and ``grad_shard`` in the reduce
+    dtype; ``master`` is the fp32 shard the optimizer updates (``shard`` itself in fp32 training).
+    """
 
     name: str
     params: list[nn.Parameter]
@@ -137,6 +158,7 @@ class Group:
     shard: torch.Tensor
     grad_shard: torch.Tensor
     grad_flat: torch.Tensor | None = None
+    master: torch.Tensor | None = None
     pending: int = 0
     reduce_out: torch.Tensor | None = None
     reduce_work: object | None = None
@@ -201,23 +223,38 @@ def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> 
                          f"or pass units that include the module holding them")
 
 
-def make_pieces(groups: Sequence[Group]) -> list[nn.Parameter]:
-    """The optimizer's parameters: each parameter's part of this rank's shard, a view into the shard.
+def fp32_master(shard: torch.Tensor) -> torch.Tensor:
+    """The shard the optimizer updates: ``shard`` itself if fp32, else an fp32 copy of it."""
+    return shard if shard.dtype == torch.float32 else shard.detach().float()
+
+
+@dataclass(frozen=True)
+class PieceSlot:
+    """Where a piece lies: elements [start, end) of ``group``'s shard."""
+
+    group: Group
+    start: int
+    end: int
+
+
+def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[PieceSlot]]:
+    """The optimizer's parameters: each parameter's part of this rank's shard, a view into the fp32
+    master shard, and where each lies (the step points its gradient at the same slice of the gradient).
 
     A piece of a matrix is a 1 x k row so :func:`trainmesh.optim.param_groups` decays exactly the
     elements it decays in the full model (not the 1-D ones), and it keeps its parameter's tensor-parallel
-    mark so the global norm counts each element once. Its gradient is a view into the gradient shard.
+    mark so the global norm counts each element once.
     """
-    pieces = []
+    pieces, slots = [], []
     for group in groups:
         for i, start, end in group.layout.pieces():
             p = group.params[i]
             shape = (1, end - start) if p.dim() >= 2 else (end - start,)
-            piece = nn.Parameter(group.shard[start:end].view(shape))
-            piece.grad = group.grad_shard[start:end].view(shape)
+            piece = nn.Parameter(group.master[start:end].view(shape))
             setattr(piece, TP_SHARDED, is_tp_sharded(p))
             pieces.append(piece)
-    return pieces
+            slots.append(PieceSlot(group, start, end))
+    return pieces, slots
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -229,14 +266,15 @@ class ZeroEngine:
 
     Groups are reduce-scattered in index order on every rank (a group that is ready early waits for the
     ones before it), so the collectives match across ranks, as in :class:`~trainmesh.data_parallel.DataParallel`.
-    Training is fp32 for now, so the loss is never scaled.
+    Run backward on the loss times :attr:`loss_scale` (1 except in fp16).
     """
-
-    loss_scale = 1.0
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, groups: list[Group], axis: str) -> None:
         self.module, self.comm, self.axis, self.groups = module, comm, axis, groups
-        self.pieces = make_pieces(groups)
+        self.scaler = LossScaler(enabled=cfg.precision == "fp16")
+        for group in groups:
+            group.master = fp32_master(group.shard)
+        self.pieces, self._piece_slots = make_pieces(groups)
         self.optimizer = build_adamw(((f"piece{i}", p) for i, p in enumerate(self.pieces)), cfg, comm.mesh.device)
         self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
         self._next_launch = 0
@@ -248,6 +286,10 @@ class ZeroEngine:
     @property
     def dp(self) -> int:
         return self.comm.mesh.size(self.axis)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
 
     def _reset_pending(self) -> None:
         for group in self.groups:
@@ -290,7 +332,7 @@ class ZeroEngine:
         while self._next_launch < len(self.groups):
             group = self.groups[self._next_launch]
             if group.grad_flat is None:
-                group.grad_flat = torch.zeros(group.layout.padded, dtype=group.flat.dtype, device=group.flat.device)
+                group.grad_flat = group.grad_shard.new_zeros(group.layout.padded)
             self._launch(group)
         for group in list(self._in_flight):
             self._land(group)
@@ -300,21 +342,45 @@ class ZeroEngine:
         """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Finish gradient sync, clip the shards by the whole model's norm, update, re-gather; returns the
-        norm before clipping. Shards are disjoint, so the squares are summed over ``dp`` as well; every
-        rank then holds the same norm, so a non-finite one skips the update on every rank together."""
+        """Finish gradient sync, unscale and clip the shards by the whole model's norm, update, re-gather;
+        returns the (unscaled) norm before clipping. Shards are disjoint, so the squares are summed over
+        ``dp`` as well; every rank then holds the same norm, so a non-finite one (an fp16 overflow or a
+        NaN on any rank) skips the update and backs the loss scale off on every rank together."""
         self.finish_gradient_sync()
-        norm = global_norm(norm_contributions(self.pieces, self.comm.mesh.rank("tp")), self.comm, NORM_AXES)
+        grads = self._optimizer_grads()
+        scaled = global_norm(norm_contributions(self.pieces, self.comm.mesh.rank("tp")), self.comm, NORM_AXES)
+        norm = scaled / self.loss_scale
         if not math.isfinite(norm.item()):
+            self.scaler.update(found_inf=True)
             self.zero_grad()
             return norm.item()
-        unscale_and_clip_([g.grad_shard for g in self.groups], norm, max_norm)
+        unscale_and_clip_(grads, norm, max_norm, self.loss_scale)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self._copy_masters_to_shards()
         self.after_update()
+        self.scaler.update(found_inf=False)
         self.zero_grad()
         return norm.item()
+
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        """Point each piece's gradient at its slice of the reduced gradient shard, in fp32: a view when the
+        reduce dtype is fp32, else a copy made for this step (freed by :meth:`zero_grad`); returns the
+        fp32 gradient shards."""
+        fp32 = {g.name: g.grad_shard if g.grad_shard.dtype == torch.float32 else g.grad_shard.float()
+                for g in self.groups}
+        for piece, slot in zip(self.pieces, self._piece_slots):
+            piece.grad = fp32[slot.group.name][slot.start:slot.end].view(piece.shape)
+        self._note_peak()
+        return list(fp32.values())
+
+    @torch.no_grad()
+    def _copy_masters_to_shards(self) -> None:
+        """Round the updated fp32 masters into the low-precision parameter shards (nothing to do in fp32)."""
+        for group in self.groups:
+            if group.master is not group.shard:
+                group.shard.copy_(group.master)
 
     def after_update(self) -> None:
         """All-gather the updated shards into the full parameters (stages 1 and 2, §5.1)."""
@@ -329,13 +395,37 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         for group in self.groups:
             group.grad_shard.zero_()
+        self._release_optimizer_grads()
         self.events.clear()
+
+    def _release_optimizer_grads(self) -> None:
+        for piece in self.pieces:
+            piece.grad = None
+
+    def param_pieces(self) -> list[ParamPiece]:
+        """This rank's shard of each parameter, for checkpoints: elements ``[start, end)`` of the parameter
+        flattened, as the optimizer's piece (the fp32 master) and as the same slice of the parameter shard.
+
+        After writing into them, call :meth:`after_update` so that stages 1-2 gather the full parameters.
+        """
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        pieces = iter(self.pieces)
+        out = []
+        for group in self.groups:
+            lo = group.layout.rank * group.layout.shard_numel
+            for i, start, end in group.layout.pieces():
+                base = lo - group.layout.offsets[i]
+                piece = next(pieces)
+                out.append(ParamPiece(names[id(group.params[i])], start + base, end + base, piece.detach().view(-1),
+                                      group.shard[start:end], piece))
+        return out
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of model state this rank holds now: a freed buffer has an empty storage."""
         params = list(self.module.parameters())
-        held = [t for g in self.groups for t in (g.flat, g.shard, g.grad_shard, g.grad_flat, g.reduce_out)]
-        return params + [p.grad for p in params] + held + optimizer_tensors(self.optimizer)
+        held = [t for g in self.groups for t in (g.flat, g.shard, g.master, g.grad_shard, g.grad_flat, g.reduce_out)]
+        return (params + [p.grad for p in params] + [q.grad for q in self.pieces] + held
+                + optimizer_tensors(self.optimizer))
 
     def _note_peak(self) -> None:
         """Track the most model state held at any point of a step (transient buffers included)."""
@@ -345,14 +435,17 @@ class ZeroEngine:
 class ZeroStage1(ZeroEngine):
     """P_os (§5.1): full parameters and gradients, AdamW state for this rank's shard only.
 
-    Gradients accumulate into full flat buckets (views, as in DP); on the last micro-batch each bucket
-    is reduce-scattered as soon as backward completes it, and the averaged shard is copied over this
-    rank's slice of the bucket, which the optimizer's pieces read.
+    Gradients accumulate into full flat buckets in the reduce dtype (views where it is the parameters'
+    dtype, as in DP; otherwise each gradient is added in and dropped); on the last micro-batch each
+    bucket is reduce-scattered as soon as backward completes it, and the averaged shard is copied over
+    this rank's slice of the bucket, which the step reads.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> None:
         buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
-        super().__init__(module, comm, cfg, [self._group(i, b, comm, axis) for i, b in enumerate(buckets)], axis)
+        grad_dtype = dtype_of(cfg.reduce_dtype)
+        super().__init__(module, comm, cfg, [self._group(i, b, comm, axis, grad_dtype)
+                                             for i, b in enumerate(buckets)], axis)
         self.sync = True
         for group in self.groups:
             for p in group.params:
@@ -360,9 +453,9 @@ class ZeroStage1(ZeroEngine):
         self.zero_grad()
 
     @staticmethod
-    def _group(index: int, params: list[nn.Parameter], comm: Comm, axis: str) -> Group:
+    def _group(index: int, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype) -> Group:
         layout, flat = flatten_params(params, comm, axis)
-        grad_flat = torch.zeros_like(flat)
+        grad_flat = torch.zeros_like(flat, dtype=grad_dtype)
         return Group(f"bucket{index}", params, layout, flat, layout.shard_of(flat), layout.shard_of(grad_flat),
                      grad_flat=grad_flat)
 
@@ -378,7 +471,10 @@ class ZeroStage1(ZeroEngine):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         group, i = self._slot[p]
         view = group.layout.view(group.grad_flat, i)
-        if p.grad is not view:
+        if view.dtype != p.dtype:
+            view.add_(p.grad)
+            p.grad = None
+        elif p.grad is not view:
             # The gradient was set to None elsewhere; fold the fresh one back into the bucket.
             view.copy_(p.grad)
             p.grad = view
@@ -398,7 +494,8 @@ class ZeroStage1(ZeroEngine):
         for group in self.groups:
             group.grad_flat.zero_()
             for p, view in zip(group.params, group.layout.views(group.grad_flat)):
-                p.grad = view
+                p.grad = view if view.dtype == p.dtype else None
+        self._release_optimizer_grads()
         self.events.clear()
 
 
@@ -415,7 +512,8 @@ class ZeroStage2(ZeroEngine):
                  axis: str = "dp") -> None:
         if groups is None:
             buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
-            groups = [self._group(f"bucket{i}", b, comm, axis) for i, b in enumerate(buckets)]
+            groups = [self._group(f"bucket{i}", b, comm, axis, dtype_of(cfg.reduce_dtype))
+                      for i, b in enumerate(buckets)]
         super().__init__(module, comm, cfg, groups, axis)
         self._callback_queued = False
         for group in self.groups:
@@ -423,9 +521,10 @@ class ZeroStage2(ZeroEngine):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     @staticmethod
-    def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str) -> Group:
+    def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype) -> Group:
         layout, flat = flatten_params(params, comm, axis)
-        return Group(name, params, layout, flat, layout.shard_of(flat), flat.new_zeros(layout.shard_numel))
+        return Group(name, params, layout, flat, layout.shard_of(flat),
+                     flat.new_zeros(layout.shard_numel, dtype=grad_dtype))
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -440,7 +539,7 @@ class ZeroStage2(ZeroEngine):
         self._queue_end_of_backward()
         group, i = self._slot[p]
         if group.grad_flat is None:
-            group.grad_flat = torch.zeros(group.layout.padded, dtype=p.dtype, device=p.device)
+            group.grad_flat = group.grad_shard.new_zeros(group.layout.padded)
             self._note_peak()
         group.layout.view(group.grad_flat, i).copy_(p.grad)
         p.grad = None
@@ -488,7 +587,8 @@ class ZeroStage3(ZeroStage2):
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp",
                  units: list[tuple[str, nn.Module]] | None = None) -> None:
         units = units if units is not None else default_units(module)
-        self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis), k)
+        grad_dtype = dtype_of(cfg.reduce_dtype)
+        self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis, grad_dtype), k)
                       for k, (name, m) in enumerate(units)]
         super().__init__(module, comm, cfg, [u.group for u in reversed(self.units)], axis)
         self._unit_of = {u.group.name: u for u in self.units}
@@ -498,9 +598,10 @@ class ZeroStage3(ZeroStage2):
             self._reshard(unit)
 
     @staticmethod
-    def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str) -> Group:
+    def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype) -> Group:
         layout, flat = flatten_params(params, comm, axis)
-        return Group(name, params, layout, flat, layout.shard_of(flat).clone(), flat.new_zeros(layout.shard_numel))
+        return Group(name, params, layout, flat, layout.shard_of(flat).clone(),
+                     flat.new_zeros(layout.shard_numel, dtype=grad_dtype))
 
     def _unshard(self, unit: Unit, op: str) -> None:
         """Allocate the unit's full buffer and start gathering every rank's shard into it."""
@@ -577,13 +678,10 @@ class ZeroStage3(ZeroStage2):
 
 
 def build_engine(module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> ZeroEngine:
-    """The ZeRO engine of stage ``cfg.zero`` over ``axis``, with its own sharded AdamW."""
+    """The ZeRO engine of stage ``cfg.zero`` over ``axis``, with its own sharded AdamW (and fp32 master
+    shard when ``module``'s parameters are bf16/fp16)."""
     stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
     if cfg.zero not in stages:
         raise ValueError(f"ZeRO stage {cfg.zero} does not exist; choose 1, 2 or 3 "
                          f"(stage 0 is plain data parallel: trainmesh.data_parallel.DataParallel)")
-    if cfg.precision != "fp32" or cfg.reduce_dtype != "fp32":
-        raise ValueError(f"--zero {cfg.zero} trains in fp32 only so far (got --precision {cfg.precision} "
-                         f"--reduce-dtype {cfg.reduce_dtype}); use --precision fp32 --reduce-dtype fp32, "
-                         f"or --zero 0 for mixed precision")
     return stages[cfg.zero](module, comm, cfg, axis=axis)
