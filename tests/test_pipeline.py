@@ -28,7 +28,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _cfg(pp: int, schedule: str, dp: int = 1, model: str = "tiny", **kw) -> Config:
-    return Config(nproc=pp * dp, pp=pp, dp=dp, schedule=schedule, model=model, steps=4, global_batch=8,
+    return Config(nproc=pp * dp * kw.get("tp", 1), pp=pp, dp=dp, schedule=schedule, model=model, steps=4, global_batch=8,
                   microbatches=4, progress=False, warmup_steps=2, **kw)
 
 
@@ -53,6 +53,12 @@ def test_remaining_schedules_at_pp4_and_dp2_pp2_match_single_process():
     check_equivalent([_cfg(4, "gpipe", model="tiny-deep"), _cfg(4, "zb", model="tiny-deep"), _interleaved(4),
                       _cfg(2, "gpipe", dp=2), _cfg(2, "1f1b", dp=2, bucket_mb=0.05), _interleaved(2, dp=2)],
                      world_size=4, timeout=400)
+
+
+@pytest.mark.slow
+def test_pipeline_composes_with_zero_and_tensor_parallel():
+    check_equivalent([_cfg(2, "1f1b", dp=2, zero=1), _cfg(2, "zb", dp=2, zero=2), _cfg(2, "1f1b", dp=2, zero=3),
+                      _cfg(2, "zb", tp=2)], world_size=4, timeout=400)
 
 
 # --- one step on real ranks: gradient sync, evaluation, measured timeline ----------------------------
@@ -228,6 +234,18 @@ def test_each_receive_is_waited_for_just_before_its_consumer():
     with torch.no_grad():
         runtime.evaluate(micro, lambda logits, y: logits.float().mean())
     assert log == ["wait0", "F", "wait1", "F", "wait2", "F", "wait3", "F"]
+
+
+def test_a_stage_output_of_the_wrong_shape_is_not_sent():
+    mesh = Mesh({"pp": 2, "dp": 1, "tp": 1}, {"pp": 0, "dp": 0, "tp": 0}, torch.device("cpu"))
+    cfg = PRESETS["tiny"]
+    _, chunks = split_model(GPT(cfg), [range(0, 1), range(1, 2)], rank=0, n_ranks=2)
+    runtime = PipelineRuntime(chunks, _LoggingComm(mesh, []), "gpipe", 2, 1, cfg.d_model, torch.float32,
+                              seq_shards=2)
+    micro = [(torch.zeros(2, cfg.seq_len, dtype=torch.long),) * 2] * 2
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"produced shape \(2, 32, 64\), but the pipeline "
+                                                            r"passes \(2, 16, 64\)"):
+        runtime.evaluate(micro, lambda logits, y: logits.float().mean())
 
 
 # --- configuration and command line -------------------------------------------------------------------
