@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all bench-dp bench-tp bench-zero bench-pp clean
+.PHONY: setup demo test test-all bench-dp bench-tp bench-zero bench-pp bench-plan clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,9 @@ bench-zero: setup
 
 bench-pp: setup
 	$(BIN)/trainmesh bench pp --nproc 2 --pp 2 --model small --global-batch 16 --microbatches 8
+
+bench-plan: setup
+	$(BIN)/python -m trainmesh.bench_plan --model small
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -14,6 +14,8 @@ from fractions import Fraction
 import pytest
 import torch
 
+from trainmesh import cli
+from trainmesh.config import Config, config_from_args
 from trainmesh.metrics import SavedActivations
 from trainmesh.models.gpt import GPT, PRESETS, cross_entropy
 from trainmesh.pipeline.schedules import (
@@ -32,6 +34,7 @@ from trainmesh.plan import (
     Workload,
     activation_bytes,
     add_plan_arguments,
+    auto_config,
     best_layout,
     bubble_fraction,
     enumerate_layouts,
@@ -39,15 +42,21 @@ from trainmesh.plan import (
     format_table,
     in_flight_chunks,
     layer_activation_bytes,
+    layout_flags,
+    layout_of,
+    local_cluster,
     make_cluster,
     memory_per_rank,
+    micro_batch_activation_bytes,
     model_shape,
     model_state_bytes,
     plan_from_args,
     search,
     step_time,
     to_json,
+    with_layout,
     workload_from,
+    workload_of,
 )
 
 TINY_PSI = 134912
@@ -396,3 +405,94 @@ def test_plan_command_with_an_explicit_shape_and_cluster_figures() -> None:
 def test_workload_from_names_the_missing_shape_flags() -> None:
     with pytest.raises(ValueError, match="missing --heads --vocab --seq"):
         workload_from(None, 8, n_layers=2, d_model=64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZeRO-2 buckets, one micro-batch's activations
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_zero2_buffers_two_gradient_buckets_or_the_whole_gradient_when_it_fits() -> None:
+    work = tiny("fp32")
+    assert memory_per_rank(work, Layout(dp=2, zero=2)).buffers == 4 * TINY_PSI  # one 25 MiB bucket holds it all
+    # Buckets of 1024 fp32 parameters: a bucket still holds a whole tensor, the largest being 64 x 256.
+    assert memory_per_rank(work, Layout(dp=2, zero=2, bucket_bytes=4096)).buffers == 4 * 64 * 256
+
+
+def test_one_micro_batch_is_the_peak_without_a_pipeline_and_a_pth_of_it_under_1f1b() -> None:
+    work = Workload(model_shape("tiny"), 16, 32, "bf16")
+    plain = Layout(microbatches=4)
+    assert micro_batch_activation_bytes(work, plain) == activation_bytes(work, plain)
+    pipelined = Layout(pp=2, microbatches=4)
+    assert activation_bytes(work, pipelined, stage=0) == 2 * micro_batch_activation_bytes(work, pipelined, stage=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runtime's configuration, --plan auto, the trainmesh command
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_config_and_layout_convert_both_ways() -> None:
+    cfg = Config(model="small", nproc=4, dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_mb=0.5)
+    layout = layout_of(cfg)
+    assert layout == Layout(dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_bytes=2**19)
+    assert with_layout(Config(model="small"), layout) == dataclasses.replace(cfg, schedule="zb")
+    assert workload_of(cfg) == Workload(model_shape("small"), 16, 128, "fp32", "fp32")
+    # Without a pipeline the schedule is irrelevant and the planner's default stands in for it.
+    assert layout_of(Config(schedule="gpipe")).schedule == "1f1b"
+
+
+def test_layout_flags_pin_the_layout_for_spawned_ranks_and_turn_planning_off() -> None:
+    planned = Config(plan="auto", nproc=4, dp=2, tp=2, zero=3, sequence_parallel=True, recompute="selective")
+    args = cli._parser().parse_args(["train", "--plan", "auto", *layout_flags(planned)])
+    got = config_from_args(args)
+    assert layout_of(got) == layout_of(planned) and got.plan == ""
+
+
+def test_plan_auto_takes_the_fastest_layout_the_runtime_accepts() -> None:
+    cfg = Config(plan="auto", nproc=2, global_batch=8)
+    cluster = make_cluster("cpu", 2)
+    chosen, estimate_ = auto_config(cfg, 2, cluster)
+    assert layout_of(chosen) == best_layout(workload_of(cfg), cluster) == estimate_.layout
+    assert chosen.world_size == chosen.nproc == 2 and chosen.plan == "auto"
+    # --timeline draws a pipeline: config.validate rejects it at pp=1, so the plan must pick a pipeline.
+    piped, _ = auto_config(dataclasses.replace(cfg, timeline="t.png"), 2, cluster)
+    assert (piped.pp, piped.dp * piped.tp) == (2, 1)
+
+
+def test_plan_auto_says_how_to_fix_a_world_where_nothing_fits() -> None:
+    with pytest.raises(ValueError, match="no layout of gpt2-124m .* add ranks, lower --global-batch"):
+        auto_config(Config(model="gpt2-124m", plan="auto"), 1, make_cluster("cpu", 1, mem_gb=1.5))
+
+
+@pytest.mark.parametrize(
+    "name,memory,preset",
+    [("NVIDIA H200", 143 * 10**9, "h200-141gb"), ("NVIDIA H100 80GB HBM3", 80 * GIB, "h100-80gb"),
+     ("NVIDIA A100-SXM4-40GB", 40 * GIB, "a100-40gb"), ("NVIDIA L4", 24 * GIB, "a100-80gb")],
+)
+def test_the_local_cluster_follows_the_gpu_name_and_its_memory(name: str, memory: int, preset: str) -> None:
+    cluster = local_cluster(4, name, memory)
+    expected = make_cluster(preset, 4, mem_gb=memory / GIB)
+    assert cluster == expected and cluster.gpus == 4
+
+
+def test_the_local_cpu_cluster_shares_the_host_memory() -> None:
+    one, four = local_cluster(1), local_cluster(4)
+    assert four.gpus == 4 and four.mem_bytes == pytest.approx(one.mem_bytes / 4, rel=1e-9)
+
+
+def test_trainmesh_plan_prints_the_table_and_the_chosen_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb", "--global-batch", "1536"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "1024 devices of 80 GiB" in lines[0] and "mem/rank" in lines[1] and "tokens/s" in lines[1]
+    assert lines[-1].startswith("chosen: Layout(") and len(lines) == 2 + 20 + 1
+    assert cli.main([*argv, "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["layouts"]) == 3 and out["chosen"] == out["layouts"][0]
+    assert Layout(**out["chosen"]["layout"]).world == 1024
+
+
+def test_trainmesh_plan_reports_a_bad_shape_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--layers", "2", "--hidden", "64", "--global-batch", "8", "--gpus", "2"]) == 2
+    assert capsys.readouterr().err == "trainmesh: error: give --model or a whole shape; missing --heads --vocab --seq\n"

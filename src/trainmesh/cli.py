@@ -32,7 +32,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
     add_config_flags(bench)
     _add_schedule_parser(sub)
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from trainmesh.plan import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="predict memory and step time of every layout; pick the best",
+                                      description="Predict, before launching, which layouts fit in memory and "
+                                                  "which is fastest (no ranks are started)."))
+
+
+def _plan(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.plan import plan_from_args
+
+    try:
+        print(plan_from_args(args))
+    except ValueError as e:
+        print(f"trainmesh: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,9 +94,24 @@ def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
     cfg = config_from_args(args)
     world = int(os.environ["WORLD_SIZE"]) if _is_rank() else None
+    if cfg.plan == "auto":
+        cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
         TokenData.load(cfg.data, cfg.model_config.seq_len)
+    return cfg
+
+
+def _planned(cfg: Config, world: int) -> Config:
+    """``--plan auto``: the planner's fastest layout that fits this world and validates; rank 0 prints it."""
+    from trainmesh.plan import plan_config
+
+    try:
+        cfg, line = plan_config(cfg, world, _cuda_devices())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
     return cfg
 
 
@@ -97,6 +132,10 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if cfg.nproc > 1:
             from trainmesh.launcher import launch
 
+            if cfg.plan == "auto":
+                from trainmesh.plan import layout_flags
+
+                argv = [*argv, *layout_flags(cfg)]
             return launch(argv, cfg.nproc)
     from trainmesh.mesh import shutdown_distributed
     from trainmesh.train import train
@@ -128,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
-        return {"train": _train, "bench": _bench, "schedule": _schedule}[args.command](args, argv)
+        return {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan}[args.command](args, argv)
     except (ConfigError, DataError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2

@@ -43,6 +43,9 @@ class Config:
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree")
+    plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
+                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--tp/--pp/--zero/--microbatches/"
+                     "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
     # pipeline (used when pp > 1)
     schedule: str = _opt("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages "
                          "chunks per rank) or zb (zero-bubble ZB-H1)", ("gpipe", "1f1b", "interleaved", "zb"))

@@ -29,10 +29,14 @@ import functools
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from trainmesh.models.gpt import PRESETS, ModelConfig
+
+if TYPE_CHECKING:
+    from trainmesh.config import Config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -261,7 +265,8 @@ class Layout:
     """How one step is spread: dp x tp x pp ranks, ZeRO stage, micro-batching and memory savers.
 
     ``microbatches`` is per data-parallel replica and step (gradient accumulation when pp = 1);
-    ``virtual`` is the model chunks per pipeline rank of the interleaved schedule.
+    ``virtual`` is the model chunks per pipeline rank of the interleaved schedule; ``bucket_bytes`` is
+    the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes).
     """
 
     dp: int = 1
@@ -273,10 +278,11 @@ class Layout:
     virtual: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    bucket_bytes: int = 25 * 2**20
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp, self.microbatches, self.virtual) < 1:
-            raise ValueError(f"dp, tp, pp, microbatches and virtual must be >= 1, got {self}")
+        if min(self.dp, self.tp, self.pp, self.microbatches, self.virtual, self.bucket_bytes) < 1:
+            raise ValueError(f"dp, tp, pp, microbatches, virtual and bucket_bytes must be >= 1, got {self}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} is not a ZeRO stage; choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
@@ -390,6 +396,13 @@ def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit
     return ((block_unit(m, tp), m.n_layers // pp),) + first + last
 
 
+def largest_tensor(m: ModelShape, tp: int) -> int:
+    """Elements of the largest parameter tensor one tp rank holds: a gradient bucket holds at least one."""
+    linears = [3 * m.d_model * m.d_model, m.d_model * m.d_ff, m.d_model * m.vocab_size]
+    positions = m.seq_len * m.d_model if m.learned_positions else 0
+    return max(max(linears) // tp, positions)
+
+
 def params_per_tp_rank(m: ModelShape, tp: int) -> int:
     """Parameters per tp rank of the whole model (all stages)."""
     return sum(u.numel * n for u, n in stage_units(m, tp, 1, 0))
@@ -484,41 +497,63 @@ def in_flight_chunks(layout: Layout, stage: int) -> int:
     return min(p if layout.schedule == "zb" else p - stage, m)
 
 
-def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
-    """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3].
+def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
+    """(first, last): what one micro-batch saves outside the blocks on ``stage`` [KOR, sec. 4.3].
 
-    Blocks in flight times the per-block cost. Stage 0 adds the embedding dropout masks (sbh per
-    micro-batch in flight); the last stage adds the final norm and head inputs (4sbh) and the fp32
-    logits (4sbv/t), for one micro-batch since its backward follows its forward at once (all m under
-    GPipe). Recomputation needs one block's full activations back while that block runs backward, so
-    that working set is added once.
+    Stage 0 keeps the embedding dropout masks (sbh); the last stage keeps the final norm and head inputs
+    (2 x e sbh) and the fp32 logits (4sbv/t) that the loss saves.
     """
     m, e, lay = workload.model, workload.dtype_bytes.activation, layout
     sbh = workload.seq_len * micro_batch_size(workload, lay) * m.d_model
     seq_split = lay.tp if lay.sequence_parallel else 1
+    first = sbh // seq_split if stage == 0 and m.dropout else 0
+    last = 2 * e * sbh // seq_split + 4 * sbh * m.vocab_size // (m.d_model * lay.tp) if stage == lay.pp - 1 else 0
+    return first, last
+
+
+def _micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    layers = workload.model.n_layers // layout.pp
+    first, last = _stage_extras(workload, layout, stage)
+    return layers * layer_activation_bytes(workload, layout) + first + last
+
+
+def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3].
+
+    Blocks in flight times the per-block cost, plus :func:`_stage_extras`: stage 0's for every
+    micro-batch in flight, the last stage's for one micro-batch since its backward follows its forward at
+    once (all m under GPipe). Recomputation needs one block's full activations back while that block
+    runs backward, so that working set is added once.
+    """
+    m, lay = workload.model, layout
     chunks = in_flight_chunks(lay, stage)
     per_layer = layer_activation_bytes(workload, lay)
     working = layer_activation_bytes(workload, lay, "none") - per_layer if lay.recompute != "none" else 0
+    first, last = _stage_extras(workload, lay, stage)
     total = chunks * (m.n_layers // (lay.pp * lay.virtual)) * per_layer + working
-    if stage == 0 and m.dropout:
-        total += -(-chunks // lay.virtual) * sbh // seq_split
-    if stage == lay.pp - 1:
-        outputs = 2 * e * sbh // seq_split + 4 * sbh * m.vocab_size // (m.d_model * lay.tp)
-        total += (lay.microbatches if lay.schedule == "gpipe" else 1) * outputs
-    return total
+    total += -(-chunks // lay.virtual) * first
+    return total + (lay.microbatches if lay.schedule == "gpipe" else 1) * last
 
 
 def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """Transient communication buffers.
 
     ZeRO-3 gathers the current and the prefetched unit and holds one unit's full gradient before the
-    reduce-scatter; ZeRO-2 holds that gradient too [ZeRO, 5.2-5.3]. A pipeline stage keeps one send and
-    one receive buffer of a micro-batch's boundary activation, split by t [NAR, 4.1 scatter/gather].
+    reduce-scatter [ZeRO, 5.3]. ZeRO-2 reduce-scatters gradients in constant-size buckets [ZeRO, 5.2 and
+    6.2 "CB"]: the one filling and the one in flight, ``bucket_bytes`` of parameters each (a bucket holds
+    at least one whole tensor), or all of the stage's gradients when they fit in those two. A pipeline
+    stage keeps one send and one receive buffer of a micro-batch's boundary activation, split by t
+    [NAR, 4.1 scatter/gather].
     """
     b = workload.dtype_bytes
-    largest = max(u.numel for u, _ in stage_units(workload.model, layout.tp, layout.pp, stage))
+    units = stage_units(workload.model, layout.tp, layout.pp, stage)
+    largest = max(u.numel for u, _ in units)
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
-    unit_grad = b.grad * largest if layout.zero >= 2 else 0
+    if layout.zero == 2:
+        buckets = max(2 * layout.bucket_bytes // b.param, largest_tensor(workload.model, layout.tp))
+        unit_grad = b.grad * min(buckets, sum(u.numel * n for u, n in units))
+    else:
+        unit_grad = b.grad * largest if layout.zero == 3 else 0
     boundary = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
     p2p = 2 * b.activation * boundary if layout.pp > 1 else 0
     return gathered + unit_grad + p2p
@@ -556,6 +591,16 @@ def activation_bytes(workload: Workload, layout: Layout, stage: int | None = Non
     """Peak activation bytes of one rank (worst stage when ``stage`` is None)."""
     check_layout(workload, layout)
     return max(_activation_bytes(workload, layout, s) for s in _stages(layout, stage))
+
+
+def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
+    """Bytes one micro-batch's forward saves for backward on one rank of ``stage`` (worst when None): its
+    blocks, over all of the rank's chunks, plus :func:`_stage_extras`. This is what
+    :class:`trainmesh.metrics.SavedActivations` measures of micro-batch 0, ``activation_bytes`` in
+    ``metrics.jsonl``; :func:`activation_bytes` is the peak over the micro-batches in flight.
+    """
+    check_layout(workload, layout)
+    return max(_micro_batch_activation_bytes(workload, layout, s) for s in _stages(layout, stage))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -872,6 +917,119 @@ def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The runtime's configuration: what ``trainmesh train`` runs, as the planner sees it
+# ----------------------------------------------------------------------------------------------------------
+
+
+LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
+                 "schedule": "schedule", "virtual": "virtual_stages", "recompute": "recompute",
+                 "sequence_parallel": "sequence_parallel"}  # Layout field -> Config field
+
+
+def workload_of(cfg: Config) -> Workload:
+    """The workload a :class:`~trainmesh.config.Config` trains: its model, global batch and dtypes."""
+    model = cfg.model_config
+    return Workload(shape_from_config(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The layout a config runs. Without a pipeline the schedule means nothing and is taken as 1F1B."""
+    fields = {name: getattr(cfg, field) for name, field in LAYOUT_FIELDS.items()}
+    if cfg.pp == 1:
+        fields.update(schedule="1f1b", virtual=1)
+    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+
+
+def with_layout(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` running ``layout`` instead of its own (on ``layout.world`` local ranks)."""
+    fields = {field: getattr(layout, name) for name, field in LAYOUT_FIELDS.items()}
+    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20, **fields)
+
+
+def layout_flags(cfg: Config) -> list[str]:
+    """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
+    flags = []
+    for field in LAYOUT_FIELDS.values():
+        value = getattr(cfg, field)
+        name = "--" + field.replace("_", "-")
+        flags += ([name if value else "--no-" + name[2:]] if isinstance(value, bool) else [name, str(value)])
+    return [*flags, "--plan", ""]
+
+
+# torch.cuda.get_device_name() substrings -> cluster presets; an unknown GPU is planned as an A100 with its
+# own memory size.
+GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb"}
+
+
+def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:
+    """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU
+    processes sharing this host's physical memory (the ``cpu`` preset's figures otherwise)."""
+    if gpu_name is None:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return make_cluster("cpu", world, mem_gb=host / world / GIB)
+    preset = next((p for key, p in GPU_NAMES.items() if key in gpu_name), "a100-80gb")
+    if preset == "a100-80gb" and gpu_mem_bytes is not None and gpu_mem_bytes < 60 * GIB:
+        preset = "a100-40gb" if "A100" in gpu_name else preset
+    mem_gb = None if gpu_mem_bytes is None else gpu_mem_bytes / GIB
+    return make_cluster(preset, world, mem_gb=mem_gb)
+
+
+def runnable_layouts(cfg: Config, world: int, cluster: Cluster, cuda_devices: int = 0) -> Iterator[Estimate]:
+    """What :func:`search` finds for ``cfg``'s workload on ``cluster``, fastest first, keeping only the
+    layouts :func:`trainmesh.config.validate` accepts for ``cfg`` on ``world`` ranks (the runtime's own
+    restrictions: pipeline flags without a pipeline, schedules it cannot run with ``cfg``'s other settings)."""
+    from trainmesh.config import ConfigError, validate
+
+    for found in search(workload_of(cfg), cluster):
+        try:
+            validate(with_layout(cfg, found.layout), world_size=world, cuda_devices=cuda_devices)
+        except ConfigError:
+            continue
+        yield found
+
+
+def auto_config(cfg: Config, world: int, cluster: Cluster, cuda_devices: int = 0) -> tuple[Config, Estimate]:
+    """``cfg`` with the fastest predicted layout that fits ``cluster`` (``world`` ranks) and that the
+    runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how the layout was chosen."""
+    best = next(runnable_layouts(cfg, world, cluster, cuda_devices), None)
+    if best is None:
+        work = workload_of(cfg)
+        raise ValueError(
+            f"--plan auto: no layout of {cfg.model} ({work.model.n_params():,} parameters) at global batch "
+            f"{cfg.global_batch} fits in {cluster.usable_bytes / GIB:.1f} usable GiB on each of {world} "
+            f"rank(s) and runs with these settings; add ranks, lower --global-batch, or set the layout by hand"
+        )
+    return with_layout(cfg, best.layout), best
+
+
+def this_machine(world: int, use_cuda: bool) -> Cluster:
+    """:func:`local_cluster` of this machine: its first GPU's name and memory when ``use_cuda``."""
+    if not use_cuda:
+        return local_cluster(world)
+    import torch
+
+    return local_cluster(world, torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+
+
+def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config, str]:
+    """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
+    cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
+    planned, chosen = auto_config(cfg, world, cluster, cuda_devices)
+    return planned, describe_choice(chosen, cluster)
+
+
+def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
+    """The one line ``--plan auto`` prints: the layout it runs and why."""
+    lay = chosen.layout
+    sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
+    mem = _scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
+    return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
+            f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
+            f"sequence_parallel={lay.sequence_parallel} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
+            f"{mem}/rank of {cluster.usable_bytes / GIB:.1f} GiB usable)")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
 
@@ -885,9 +1043,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     the batch, and a cluster preset whose figures explicit flags override.
 
     ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
-    ``print(plan_from_args(args))``. ``trainmesh train --plan auto`` calls :func:`best_layout` with
-    ``Workload(shape_from_config(cfg), cfg.global_batch, seq_len, cfg.precision, cfg.reduce_dtype)`` and
-    ``make_cluster(device_preset, gpus=world_size)``.
+    ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`.
     """
     parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
     for flag in SHAPE_FLAGS:

@@ -1,0 +1,318 @@
+"""The planner against measurement: memory per rank that :mod:`trainmesh.plan` predicts for a layout,
+next to what a real run of that layout measures here.
+
+``python -m trainmesh.bench_plan`` (``make bench-plan``) prints the table for the ``small`` preset;
+``tests/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
+:func:`trainmesh.testing.run_ranks` call: each rank trains each layout with
+:func:`trainmesh.train.train` (which writes ``metrics.jsonl`` and ``summary.json``), then runs a few
+more steps of the same run with :class:`StepPeak` recording.
+
+The planner predicts each pipeline stage, so layouts are compared stage by stage, measured values taken
+as the largest over the ranks of that stage. The quantities, per rank:
+
+================  ============================================  =========================================  =====
+quantity          measured                                      predicted                                  tol.
+================  ============================================  =========================================  =====
+model state       ``model_state_bytes`` of ``summary.json``:    :func:`~trainmesh.plan.model_state_bytes`   5 %
+                  parameters, gradients, optimizer state held
+                  after the last step
+activation        ``activation_bytes`` of ``summary.json``:     :func:`~trainmesh.plan.                    25 %
+                  what micro-batch 0 of step 0 saved for         micro_batch_activation_bytes`
+                  backward
+peak activation   :attr:`StepPeak.saved`: most bytes of saved    :func:`~trainmesh.plan.activation_bytes`   25 %
+                  tensors alive at once in a step (the           (the micro-batches in flight)
+                  micro-batches a schedule keeps in flight)
+peak              :attr:`StepPeak.total`: most of model state    ``memory_per_rank(...).total``: model      25 %
+                  held + saved tensors alive at once in a step   state + activations in flight + buffers
+================  ============================================  =========================================  =====
+
+``max_rss_bytes`` is shown for reference only: it is mostly the Python and torch runtime (a few hundred
+MiB per process), which no layout changes, and it is the process's peak so far, so it includes the
+layouts run before in the same process. On the last pipeline stage ``activation_bytes`` leaves out what
+the loss saves (its fp32 logits): the pipeline runtime records the stage's forward only, not the
+criterion after it, so the planner, which counts them, reads high there (+15-21 % on ``tiny``, whose
+logits are a large share; the peak columns see them). What the measured peak leaves out: the transient tensors of a
+kernel (a matmul's output before it is saved, a gradient before it is accumulated), the pipeline's
+boundary buffers (one micro-batch's s x b x h activation, which the planner counts), and whatever the
+optimizer step allocates between the two samples it takes (before and after ``engine.step``).
+Activation recomputation is not in the matrix: ``torch.utils.checkpoint`` keeps its tensors through
+saved-tensor hooks of its own, which hide them from this measurement (and from ``activation_bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainmesh.config import Config
+from trainmesh.metrics import storage_bytes
+from trainmesh.optim import lr_at
+from trainmesh.plan import (
+    activation_bytes,
+    layout_of,
+    memory_per_rank,
+    micro_batch_activation_bytes,
+    model_state_bytes,
+    workload_of,
+)
+from trainmesh.testing import run_ranks
+from trainmesh.train import Run, forward_backward, rank_batch, train
+
+# The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B and
+# GPipe), and their products. Each is Config fields over BASE.
+MATRIX: dict[int, dict[str, dict[str, object]]] = {
+    2: {
+        "dp2": {"dp": 2},
+        "dp2-zero1": {"dp": 2, "zero": 1},
+        "dp2-zero2": {"dp": 2, "zero": 2},
+        "dp2-zero3": {"dp": 2, "zero": 3},
+        "tp2": {"tp": 2},
+        "tp2-sp": {"tp": 2, "sequence_parallel": True},
+        "pp2-1f1b": {"pp": 2, "microbatches": 2},
+        "pp2-gpipe": {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
+    },
+    4: {
+        "dp4": {"dp": 4},
+        "dp4-zero1": {"dp": 4, "zero": 1},
+        "dp4-zero2": {"dp": 4, "zero": 2},
+        "dp4-zero3": {"dp": 4, "zero": 3},
+        "tp4": {"tp": 4},
+        "dp2-tp2": {"dp": 2, "tp": 2},
+        "dp2-pp2": {"dp": 2, "pp": 2, "microbatches": 2},
+        "tp2-pp2": {"tp": 2, "pp": 2, "microbatches": 2},
+    },
+}
+BASE: dict[str, object] = {"steps": 2, "warmup_steps": 1, "eval_batches": 1, "progress": False}
+PEAK_STEPS = 2
+TOLERANCE = {"model_state": 0.05, "activation": 0.25, "peak_activation": 0.25, "peak": 0.25}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measuring the peak inside a step
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Saved:
+    """What autograd holds in place of a saved tensor while :class:`StepPeak` records: the tensor itself,
+    and a note to the tracker when autograd lets go of it (after the node's backward)."""
+
+    __slots__ = ("tensor", "storage", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, storage: int, tracker: "StepPeak") -> None:
+        self.tensor, self.storage, self.tracker = tensor, storage, tracker
+
+    def __del__(self) -> None:
+        self.tracker._released(self.storage)
+
+
+class StepPeak:
+    """The most memory a rank holds at once while recording: saved activations alive (``saved``), and
+    those plus the model state held at that moment (``total``).
+
+    Saved tensors are counted by storage, once however many nodes save it, from the moment autograd saves
+    it until the last node holding it has run its backward; parameters (their storage at pack time, so
+    ZeRO-3's freshly gathered units too) are model state, not activations. Model state is sampled as
+    ``storage_bytes(engine.state_tensors())`` at every save and release, so ZeRO's gathered units and
+    gradient buckets are counted while they exist.
+    """
+
+    def __init__(self, params: Callable[[], Iterable[torch.Tensor]], state: Callable[[], int]) -> None:
+        self._params, self._state = params, state
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live = self.saved = self.total = 0
+
+    @classmethod
+    def of(cls, run: Run) -> "StepPeak":
+        return cls(run.model.parameters, lambda: storage_bytes(run.engine.state_tensors()))
+
+    def sample(self) -> None:
+        self.saved = max(self.saved, self.live)
+        self.total = max(self.total, self._state() + self.live)
+
+    def _pack(self, t: torch.Tensor) -> object:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if not storage.nbytes() or key in {p.untyped_storage().data_ptr() for p in self._params()}:
+            return t
+        if key not in self._refs:
+            self._refs[key], self._sizes[key] = 0, storage.nbytes()
+            self.live += storage.nbytes()
+        self._refs[key] += 1
+        self.sample()
+        return _Saved(t, key, self)
+
+    def _released(self, key: int) -> None:
+        self.sample()
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live -= self._sizes.pop(key)
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def recording(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
+    """Run ``steps`` more optimizer steps of ``run`` from ``first_step`` under a :class:`StepPeak`."""
+    peak = StepPeak.of(run)
+    cfg = run.cfg
+    with peak.recording():
+        for step in range(first_step, first_step + steps):
+            forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+            peak.sample()
+            run.engine.step(lr_at(step, cfg), cfg.grad_clip)
+            peak.sample()
+    return peak
+
+
+def measure_rank(cfgs: list[Config]) -> list[dict[str, object]]:
+    """Runs on every rank: train each config, then measure its step peak. Rank 0 adds the run's summary."""
+    torch.set_num_threads(1)
+    out = []
+    for cfg in cfgs:
+        result = train(cfg)
+        peak = step_peak(result.run, cfg.steps)
+        summary = json.loads(Path(cfg.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
+        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Predicted against measured
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One pipeline stage of one layout: predicted and measured bytes per rank of each quantity."""
+
+    layout: str
+    world: int
+    stage: int
+    predicted: dict[str, int]
+    measured: dict[str, int]
+    max_rss_bytes: int
+
+    def error(self, quantity: str) -> float:
+        """predicted / measured - 1."""
+        return self.predicted[quantity] / self.measured[quantity] - 1
+
+    def failures(self) -> list[str]:
+        """The quantities outside :data:`TOLERANCE`, each with its figures."""
+        return [f"{self.layout} stage {self.stage} {q}: predicted {self.predicted[q]:,} vs measured "
+                f"{self.measured[q]:,} ({self.error(q):+.1%}, tolerance {tol:.0%})"
+                for q, tol in TOLERANCE.items() if abs(self.error(q)) > tol]
+
+
+def predicted(cfg: Config, stage: int) -> dict[str, int]:
+    """What the planner says one rank of ``stage`` holds under ``cfg``."""
+    work, layout = workload_of(cfg), layout_of(cfg)
+    return {"model_state": model_state_bytes(work, layout, stage),
+            "activation": micro_batch_activation_bytes(work, layout, stage),
+            "peak_activation": activation_bytes(work, layout, stage),
+            "peak": memory_per_rank(work, layout, stage).total}
+
+
+def compare(name: str, cfg: Config, per_rank: list[dict[str, object]]) -> list[Comparison]:
+    """One :class:`Comparison` per pipeline stage from every rank's :func:`measure_rank` result for ``cfg``."""
+    summary = per_rank[0]["summary"]
+    ranks_per_stage = cfg.dp * cfg.tp
+    rows = []
+    for stage in range(cfg.pp):
+        ranks = range(stage * ranks_per_stage, (stage + 1) * ranks_per_stage)
+        measured = {"model_state": max(summary["model_state_bytes"][r] for r in ranks),
+                    "activation": max(summary["activation_bytes"][r] for r in ranks),
+                    "peak_activation": max(per_rank[r]["peak_activation_bytes"] for r in ranks),
+                    "peak": max(per_rank[r]["peak_bytes"] for r in ranks)}
+        rows.append(Comparison(name, cfg.world_size, stage, predicted(cfg, stage), measured,
+                               max(summary["max_rss_bytes"][r] for r in ranks)))
+    return rows
+
+
+def matrix_configs(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
+                   global_batch: int = 8) -> dict[str, Config]:
+    """The :data:`MATRIX` layouts of ``world`` (or those named) as configs writing under ``out_dir``."""
+    layouts = MATRIX[world]
+    chosen = list(layouts) if names is None else list(names)
+    return {name: Config(model=model, nproc=world, global_batch=global_batch, out=str(Path(out_dir, name)),
+                         **BASE, **layouts[name]) for name in chosen}
+
+
+def run_matrix(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
+               global_batch: int = 8, timeout: float = 600.0) -> list[Comparison]:
+    """Run the layouts of ``world`` in one :func:`~trainmesh.testing.run_ranks` call and compare each."""
+    cfgs = matrix_configs(model, world, out_dir, names, global_batch)
+    results = run_ranks(measure_rank, world, list(cfgs.values()), timeout=timeout)
+    return [row for k, (name, cfg) in enumerate(cfgs.items())
+            for row in compare(name, cfg, [rank[k] for rank in results])]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _cell(row: Comparison, quantity: str) -> str:
+    mib = 2**20
+    return (f"{row.predicted[quantity] / mib:8.3f} {row.measured[quantity] / mib:8.3f} "
+            f"{row.error(quantity):+6.1%}")
+
+
+def format_table(rows: list[Comparison]) -> str:
+    """Predicted vs measured MiB per rank and the relative error of each quantity, one line per stage."""
+    groups = [f"{q} (±{tol:.0%})" for q, tol in TOLERANCE.items()]
+    head1 = f"{'':<10} {'':>5} {'':>5}  " + "  ".join(f"{g:^24}" for g in groups) + "  max RSS"
+    head2 = (f"{'layout':<10} {'world':>5} {'stage':>5}  "
+             + "  ".join(f"{'pred':>8} {'meas':>8} {'err':>6}" for _ in groups) + "      MiB")
+    lines = [head1, head2]
+    for row in rows:
+        cells = "  ".join(_cell(row, q) for q in TOLERANCE)
+        lines.append(f"{row.layout:<10} {row.world:>5} {row.stage:>5}  {cells}  {row.max_rss_bytes / 2**20:7.0f}")
+    return "\n".join(lines)
+
+
+def _rows_json(rows: list[Comparison]) -> str:
+    return json.dumps([dataclasses.asdict(r) | {"error": {q: r.error(q) for q in TOLERANCE}} for r in rows], indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainmesh.bench_plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="model preset (default: small)")
+    parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
+    parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world")
+    parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for world in args.world:
+            names = [n for n in MATRIX[world] if args.layouts is None or n in args.layouts]
+            if names:
+                rows += run_matrix(args.model, world, out_dir, names, args.global_batch, args.timeout)
+    if args.json:
+        print(_rows_json(rows))
+        return 0
+    print(f"bench plan: model={args.model} global_batch={args.global_batch} fp32, predicted vs measured MiB "
+          f"per rank (worst rank of each pipeline stage)")
+    print(format_table(rows))
+    failed = [f for row in rows for f in row.failures()]
+    print("\n".join(["outside tolerance:", *failed]) if failed else "all within tolerance")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
