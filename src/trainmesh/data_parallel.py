@@ -20,7 +20,7 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import TP_SHARDED, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+from trainmesh.optim import TP_SHARDED, ParamPiece, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
 from trainmesh.precision import LossScaler, copy_masters_to_model, fp32_masters
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
@@ -209,6 +209,13 @@ class DataParallel:
         for p, q in zip(self.params, opt_params):
             q.grad = self._view(p).to(q.dtype)
         return [q.grad for q in opt_params]
+
+    def param_pieces(self) -> list[ParamPiece]:
+        """Every trainable parameter whole (each rank holds all of it), for checkpoints: its fp32 master
+        (the parameter itself in fp32 training), the parameter, and the optimizer's key to its state."""
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        return [ParamPiece(n, 0, p.numel(), q.detach().view(-1), p.detach().view(-1), q)
+                for n, p, q in zip(names, self.params, self.masters or self.params)]
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What :func:`trainmesh.metrics.storage_bytes` counts as this rank's model state."""

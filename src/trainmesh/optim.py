@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +19,24 @@ from trainmesh.comm import Comm
 from trainmesh.config import Config
 
 TP_SHARDED = "_trainmesh_tp_sharded"
+
+
+@dataclass(frozen=True)
+class ParamPiece:
+    """Elements ``[start, end)`` of parameter ``name`` flattened (of this rank's tensor-parallel shard of it,
+    under tp) as a rank's optimizer holds them, so a checkpoint can read and restore them in any layout.
+
+    ``master`` is the fp32 copy the optimizer updates, ``param`` the model's copy in the compute dtype (the
+    same elements when training in fp32), both 1-D views of live storage; ``optim_param`` is the key to
+    their AdamW state.
+    """
+
+    name: str
+    start: int
+    end: int
+    master: torch.Tensor
+    param: torch.Tensor
+    optim_param: nn.Parameter
 
 
 def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
