@@ -154,7 +154,8 @@ class DataParallel:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        bucket.flat.div_(self.comm.mesh.size(self.axis))
+        if self.comm.mesh.size(self.axis) > 1:
+            bucket.flat.div_(self.comm.mesh.size(self.axis))
         bucket.work = self.comm.all_reduce(bucket.flat, self.axis, async_op=True)
         self.events.append(("launch", index))
         self._next_launch = index + 1

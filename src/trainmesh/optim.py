@@ -77,7 +77,7 @@ def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) 
     """L2 norm over all ranks of ``grads``, summing squares over ``axes`` (those that split the model)."""
     device = comm.mesh.device
     if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
+        sq = (torch.stack(torch._foreach_norm([g.float() for g in grads])) ** 2).sum()
     else:
         sq = torch.zeros((), device=device)
     sq = sq.reshape(1).to(device)
