@@ -12,7 +12,9 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from trainmesh.checkpoint import CheckpointError, check_resumable, export
 from trainmesh.config import Config, ConfigError, add_config_flags, config_from_args, validate
 from trainmesh.data import DataError, TokenData
 
@@ -33,7 +35,17 @@ def _parser() -> argparse.ArgumentParser:
     add_config_flags(bench)
     _add_schedule_parser(sub)
     _add_plan_parser(sub)
+    export = sub.add_parser("export", help="write a checkpoint's weights as one plain .safetensors model file",
+                            description="Assemble the unsharded weights of a checkpoint written in any layout into "
+                                        "one safetensors file (load it back with train --init-from).")
+    export.add_argument("checkpoint", help="a step-N checkpoint directory, or a --checkpoint-dir (its latest)")
+    export.add_argument("--to", required=True, metavar="FILE", help="the .safetensors file to write")
     return parser
+
+
+def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    print(export(Path(args.checkpoint), Path(args.to)))
+    return 0
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -99,6 +111,7 @@ def checked_config(args: argparse.Namespace) -> Config:
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
         TokenData.load(cfg.data, cfg.model_config.seq_len)
+        check_resumable(cfg)
     return cfg
 
 
@@ -129,14 +142,15 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = checked_config(args)
     if not _is_rank():
         argv, cfg = _with_out_dir(argv, cfg)
-        if cfg.nproc > 1:
-            from trainmesh.launcher import launch
+        if cfg.nproc > 1 or cfg.max_restarts:
+            from trainmesh.launcher import launch_with_restarts
+            from trainmesh.train import FAULT_ENV
 
             if cfg.plan == "auto":
                 from trainmesh.plan import layout_flags
 
                 argv = [*argv, *layout_flags(cfg)]
-            return launch(argv, cfg.nproc)
+            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
     from trainmesh.mesh import shutdown_distributed
     from trainmesh.train import train
 
@@ -167,8 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
-        return {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan}[args.command](args, argv)
-    except (ConfigError, DataError) as e:
+        commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export}
+        return commands[args.command](args, argv)
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 

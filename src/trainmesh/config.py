@@ -73,6 +73,16 @@ class Config:
     grad_clip: float = _opt(1.0, "clip gradients to this global L2 norm (0 disables)")
     eval_every: int = _opt(0, "evaluate the validation loss every K steps (0: only at the end)")
     eval_batches: int = _opt(2, "global batches per evaluation")
+    # checkpoints
+    checkpoint_dir: str = _opt("", "directory of sharded checkpoints (step-N subdirectories and a 'latest' "
+                               "pointer), saved every --checkpoint-every steps and at the end")
+    checkpoint_every: int = _opt(0, "save a checkpoint every K steps (0: only at the end); needs --checkpoint-dir")
+    resume: bool = _opt(False, "continue from the latest complete checkpoint in --checkpoint-dir, in any layout "
+                        "(an earlier one if it is damaged; step 0 if there is none)")
+    init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
+                          "writes) with a fresh optimizer")
+    max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
+                             "R times; needs --checkpoint-dir")
     # runtime
     backend: str = _opt("auto", "process-group backend: auto picks nccl with CUDA, else gloo",
                         ("auto", "gloo", "nccl", "mpi"))
@@ -188,6 +198,17 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
         raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={cfg.lr} min_lr={cfg.min_lr}")
     _validate_model_split(cfg)
     _validate_pipeline(cfg)
+    _validate_checkpoints(cfg)
+
+
+def _validate_checkpoints(cfg: Config) -> None:
+    for name in ("checkpoint_every", "max_restarts"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(cfg, name)}")
+    needs_dir = [flag for flag, given in (("--resume", cfg.resume), ("--checkpoint-every", cfg.checkpoint_every),
+                                          ("--max-restarts", cfg.max_restarts)) if given]
+    if needs_dir and not cfg.checkpoint_dir:
+        raise ConfigError(f"{needs_dir[0]} works on checkpoints; set --checkpoint-dir DIR")
 
 
 def _validate_model_split(cfg: Config) -> None:

@@ -206,3 +206,25 @@ def _supervise(ranks: list[RankProcess]) -> int:
                 rp.reader.join(timeout=1.0)
             return 0
         time.sleep(POLL_S)
+
+
+def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
+                         clear_on_restart: Sequence[str] = ()) -> int:
+    """:func:`launch`, and after a failure launch every rank again with ``--resume`` (up to ``max_restarts``
+    times), so the run continues from its latest complete checkpoint; returns the last attempt's exit code.
+
+    Restarted ranks run without the environment variables in ``clear_on_restart`` (the fault injection
+    ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
+    the restarted run must not meet again at the same step.
+    """
+    rc = launch(argv, nproc)
+    for attempt in range(1, max_restarts + 1):
+        if rc == 0:
+            break
+        sys.stderr.write(f"trainmesh: restarting all {nproc} rank(s) from the latest complete checkpoint "
+                         f"(restart {attempt} of {max_restarts})\n")
+        for name in clear_on_restart:
+            os.environ.pop(name, None)
+        rc = launch([*argv, "--resume"], nproc)
+    return rc
+

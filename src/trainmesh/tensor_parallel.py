@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from trainmesh.comm import Comm, Pending
 from trainmesh.mesh import Mesh
@@ -477,3 +478,47 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
             module, name = sharded[key]
             src = module.shard(name, src)
         tensor.copy_(src)
+
+
+def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
+               size: int) -> tuple[torch.Size, list[ChunkStorageMetadata]]:
+    """The full shape of a tensor split by ``spec`` and where rank ``rank``'s part (of ``local_shape``) lies in
+    it: one box per chunk, in the order :func:`shard_tensor` concatenates them.
+
+    Along ``spec.dim`` (0 whenever ``chunks > 1``, as for a fused qkv) the boxes' contents read row-major
+    and concatenated are the local tensor flattened, which is how a checkpoint maps local elements to
+    their place in the full tensor.
+    """
+    if spec.chunks > 1 and spec.dim != 0:
+        raise ValueError(f"a tensor split in {spec.chunks} chunks along dim {spec.dim} has no row-major box "
+                         f"layout; split fused tensors along dim 0")
+    full = list(local_shape)
+    full[spec.dim] *= size
+    part = local_shape[spec.dim] // spec.chunks
+    boxes = []
+    for c in range(spec.chunks):
+        offsets = [0] * len(full)
+        offsets[spec.dim] = (c * size + rank) * part
+        sizes = list(local_shape)
+        sizes[spec.dim] = part
+        boxes.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+    return torch.Size(full), boxes
+
+
+def shard_boxes(model: nn.Module) -> dict[str, tuple[torch.Size, list[ChunkStorageMetadata]]]:
+    """Every parameter's full shape and the boxes of the full tensor that this rank's tensor holds
+    (:func:`spec_boxes`; one box covering all of a replicated parameter), under the plain model's names.
+
+    This is the tensor-parallel half of a checkpoint's geometry: it stores each tensor by its place in the
+    full tensor, so any layout can read what any other wrote.
+    """
+    sharded = _sharded_params(model)
+    out = {}
+    for name, p in model.named_parameters():
+        if name in sharded:
+            module, pname = sharded[name]
+            out[name] = spec_boxes(p.shape, module.specs[pname], *module._coords())
+        else:
+            out[name] = (p.shape, [ChunkStorageMetadata(torch.Size([0] * p.dim()), p.shape)])
+    return out
+

@@ -38,7 +38,7 @@ from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import GPT_PLAN, parallelize, unsharded_state_dict
-from trainmesh import zero
+from trainmesh import checkpoint, zero
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -268,9 +268,11 @@ def default_out_dir() -> str:
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
-    """Train for ``cfg.steps`` steps; rank 0 writes metrics under ``cfg.out`` and prints progress."""
+    """Train up to step ``cfg.steps`` (from the checkpoint ``--resume`` finds, if any; ``losses`` holds the
+    steps run here); rank 0 writes metrics under ``cfg.out`` and prints progress."""
     mesh = mesh or setup_process(cfg)
     run = build(cfg, mesh)
+    start = checkpoint.restore(run)
     rank, _ = world_from_env()
     writer = MetricsWriter(cfg.out, enabled=rank == 0)
     progress = Progress(cfg.steps, enabled=rank == 0 and cfg.progress)
@@ -280,16 +282,16 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     tokens_per_step = cfg.global_batch * cfg.model_config.seq_len
     peak = peak_tflops(mesh.device, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
-    guard = NonFiniteGuard(cfg.max_bad_steps)
+    guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     losses, times = [], []
-    for step in range(cfg.steps):
+    for step in range(start.step, cfg.steps):
         undo_fault = inject_fault(run, step, rank)
         if run.pipeline is not None:
             run.pipeline.recording = bool(cfg.timeline) and step == cfg.steps - 1
         t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch),
-                                saved if step == 0 else None)
+                                saved if step == start.step else None)
         lr = lr_at(step, cfg)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
         undo_fault()
@@ -311,6 +313,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
             record["val_loss"] = evaluate(run)
         writer.write(record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
+        if checkpoint.due(cfg, step + 1):
+            checkpoint.save(run, checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive))
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = evaluate(run)

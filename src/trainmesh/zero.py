@@ -55,7 +55,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from trainmesh.comm import Comm
 from trainmesh.config import Config
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.optim import TP_SHARDED, ParamPiece, build_adamw, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+from trainmesh.optim import (TP_SHARDED, ParamPiece, build_adamw, global_norm, is_tp_sharded, norm_contributions,
+                             unscale_and_clip_)
 from trainmesh.precision import LossScaler, dtype_of
 
 NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
