@@ -19,8 +19,15 @@ from trainmesh.config import Config, ConfigError, add_config_flags, config_from_
 from trainmesh.data import DataError, TokenData
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors that point at ``--help``."""
+
+    def error(self, message: str):
+        self.exit(2, f"trainmesh: error: {message} (see '{self.prog} --help')\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainmesh", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="trainmesh", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
