@@ -102,13 +102,14 @@ def peak_device_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``; a no-op off rank 0."""
 
-    def __init__(self, out_dir: str | None, enabled: bool) -> None:
+    def __init__(self, out_dir: str | None, enabled: bool, append: bool = False) -> None:
+        """``append`` keeps the steps already written (a resumed or restarted run continues the file)."""
         self.enabled = enabled and bool(out_dir)
         self.dir = Path(out_dir) if out_dir else None
         self._file: TextIO | None = None
         if self.enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._file = (self.dir / "metrics.jsonl").open("w")
+            self._file = (self.dir / "metrics.jsonl").open("a" if append else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file:

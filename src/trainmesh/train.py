@@ -274,7 +274,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     run = build(cfg, mesh)
     start = checkpoint.restore(run)
     rank, _ = world_from_env()
-    writer = MetricsWriter(cfg.out, enabled=rank == 0)
+    writer = MetricsWriter(cfg.out, enabled=rank == 0, append=cfg.resume)
     progress = Progress(cfg.steps, enabled=rank == 0 and cfg.progress)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
                      f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
