@@ -35,9 +35,8 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[Bucket]:
-    """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``, holding
-    gradients in ``dtype`` (default: each parameter's own)."""
+def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of about ``bucket_bytes`` each, one dtype per run."""
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in params:
@@ -47,6 +46,28 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dty
             size = 0
         groups[-1].append(p)
         size += nbytes
+    return groups
+
+
+def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
+    """Make ``view`` (a slice of a gradient bucket) hold ``p``'s accumulated gradient.
+
+    Where dtypes agree ``p.grad`` *is* the view and autograd accumulated into it already; if someone set
+    the gradient to None, the fresh one is copied back. Where they differ (bf16 parameters, fp32
+    buckets) each micro-batch's gradient is added into the bucket and dropped.
+    """
+    if view.dtype != p.dtype:
+        view.add_(p.grad)
+        p.grad = None
+    elif p.grad is not view:
+        view.copy_(p.grad)
+        p.grad = view
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[Bucket]:
+    """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``, holding
+    gradients in ``dtype`` (default: each parameter's own)."""
+    groups = split_buckets(params, bucket_bytes)
     buckets = []
     for group in groups:
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
@@ -134,14 +155,7 @@ class DataParallel:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, _ = self._slot[p]
-        view = self._view(p)
-        if view.dtype != p.dtype:
-            view.add_(p.grad)
-            p.grad = None
-        elif p.grad is not view:
-            # The user set grads to None; fold the fresh gradient back into the bucket.
-            view.copy_(p.grad)
-            p.grad = view
+        fold_grad_into(self._view(p), p)
         if not self.sync:
             return
         self.events.append(("ready", b))

@@ -54,6 +54,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from trainmesh.comm import Comm
 from trainmesh.config import Config
+from trainmesh.data_parallel import fold_grad_into, split_buckets
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import (TP_SHARDED, ParamPiece, build_adamw, global_norm, is_tp_sharded, norm_contributions,
                              unscale_and_clip_)
@@ -176,20 +177,6 @@ def flatten_params(params: list[nn.Parameter], comm: Comm, axis: str) -> tuple[F
     for view, p in zip(layout.views(flat), params):
         p.data = view
     return layout, flat
-
-
-def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive runs of ``params`` of about ``bucket_bytes`` each, one dtype per run."""
-    groups: list[list[nn.Parameter]] = [[]]
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if groups[-1] and (size + nbytes > bucket_bytes or p.dtype != groups[-1][0].dtype):
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes
-    return groups
 
 
 def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -471,14 +458,7 @@ class ZeroStage1(ZeroEngine):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         group, i = self._slot[p]
-        view = group.layout.view(group.grad_flat, i)
-        if view.dtype != p.dtype:
-            view.add_(p.grad)
-            p.grad = None
-        elif p.grad is not view:
-            # The gradient was set to None elsewhere; fold the fresh one back into the bucket.
-            view.copy_(p.grad)
-            p.grad = view
+        fold_grad_into(group.layout.view(group.grad_flat, i), p)
         if not self.sync:
             return
         self.events.append(("ready", group.name))
