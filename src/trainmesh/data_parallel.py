@@ -20,7 +20,7 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import TP_SHARDED, ParamPiece, global_norm, is_tp_sharded, norm_contributions, unscale_and_clip_
+from trainmesh.optim import TP_SHARDED, ParamPiece, clipped_update, is_tp_sharded, norm_contributions
 from trainmesh.precision import LossScaler, copy_masters_to_model, fp32_masters
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
@@ -201,23 +201,14 @@ class DataParallel:
         self.finish_gradient_sync()
         opt_params = self.masters or self.params
         grads = self._optimizer_grads(opt_params)
-        scaled = global_norm(norm_contributions(opt_params, self.comm.mesh.rank("tp")), self.comm, ("tp", "pp"))
-        norm = scaled / self.loss_scale
-        if not math.isfinite(norm.item()):
-            self.scaler.update(found_inf=True)
-            self.zero_grad()
-            return norm.item()
-        unscale_and_clip_(grads, norm, max_norm, self.loss_scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        if self.masters:
+        norm = clipped_update(self.optimizer, grads, norm_contributions(opt_params, self.comm.mesh.rank("tp")),
+                              self.comm, ("tp", "pp"), self.scaler, lr, max_norm)
+        if math.isfinite(norm) and self.masters:
             copy_masters_to_model(self.masters, self.params)
-            for m in self.masters:
-                m.grad = None
-        self.scaler.update(found_inf=False)
+        for m in self.masters:
+            m.grad = None
         self.zero_grad()
-        return norm.item()
+        return norm
 
     def _optimizer_grads(self, opt_params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Point the optimizer's parameters at the reduced gradients (a copy only if dtypes differ)."""

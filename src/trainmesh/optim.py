@@ -17,6 +17,7 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.config import Config
+from trainmesh.precision import LossScaler
 
 TP_SHARDED = "_trainmesh_tp_sharded"
 
@@ -96,3 +97,25 @@ def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, m
     elif loss_scale == 1.0:
         return
     torch._foreach_mul_(list(grads), coef)
+
+
+def clipped_update(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor],
+                   contributions: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str], scaler: LossScaler,
+                   lr: float, max_norm: float) -> float:
+    """One guarded optimizer step shared by every engine; returns the unscaled norm before clipping.
+
+    The norm of ``contributions`` is reduced over ``axes``, so every rank holds the same value: a
+    non-finite one (an fp16 overflow or a NaN on any rank) skips the update and backs the loss scale off
+    on every rank together. Otherwise ``grads`` are unscaled and clipped in one pass and the optimizer
+    steps at ``lr``. The caller copies masters back and zeroes gradients.
+    """
+    norm = global_norm(contributions, comm, axes) / scaler.scale
+    if not math.isfinite(norm.item()):
+        scaler.update(found_inf=True)
+        return norm.item()
+    unscale_and_clip_(grads, norm, max_norm, scaler.scale)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    scaler.update(found_inf=False)
+    return norm.item()

@@ -56,8 +56,8 @@ from trainmesh.comm import Comm
 from trainmesh.config import Config
 from trainmesh.data_parallel import fold_grad_into, split_buckets
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.optim import (TP_SHARDED, ParamPiece, build_adamw, global_norm, is_tp_sharded, norm_contributions,
-                             unscale_and_clip_)
+from trainmesh.optim import (TP_SHARDED, ParamPiece, build_adamw, clipped_update, is_tp_sharded,
+                             norm_contributions)
 from trainmesh.precision import LossScaler, dtype_of
 
 NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
@@ -336,21 +336,13 @@ class ZeroEngine:
         NaN on any rank) skips the update and backs the loss scale off on every rank together."""
         self.finish_gradient_sync()
         grads = self._optimizer_grads()
-        scaled = global_norm(norm_contributions(self.pieces, self.comm.mesh.rank("tp")), self.comm, NORM_AXES)
-        norm = scaled / self.loss_scale
-        if not math.isfinite(norm.item()):
-            self.scaler.update(found_inf=True)
-            self.zero_grad()
-            return norm.item()
-        unscale_and_clip_(grads, norm, max_norm, self.loss_scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self._copy_masters_to_shards()
-        self.after_update()
-        self.scaler.update(found_inf=False)
+        norm = clipped_update(self.optimizer, grads, norm_contributions(self.pieces, self.comm.mesh.rank("tp")),
+                              self.comm, NORM_AXES, self.scaler, lr, max_norm)
+        if math.isfinite(norm):
+            self._copy_masters_to_shards()
+            self.after_update()
         self.zero_grad()
-        return norm.item()
+        return norm
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Point each piece's gradient at its slice of the reduced gradient shard, in fp32: a view when the
