@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all bench-dp bench-tp bench-zero bench-pp bench-plan clean
+.PHONY: setup demo test test-all equivalence bench-dp bench-tp bench-zero bench-pp bench-plan clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,14 @@ demo: setup
 	$(BIN)/trainmesh train --nproc 2 --dp 2 --model tiny --steps 150 --global-batch 32 --eval-every 50
 
 test: setup
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q --durations=10
 
 test-all: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
+
+# Every layout's float64 equivalence test (slow ones included) and the table of its margins vs one process.
+equivalence: setup
+	$(BIN)/python -m pytest -q -k "single_process or one_process or divides_nothing or composes_with or planted or every_zero_stage" tests
 
 bench-dp: setup
 	$(BIN)/trainmesh bench dp --nproc 2 --dp 2 --model small --global-batch 16 --microbatches 2

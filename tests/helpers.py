@@ -1,9 +1,20 @@
 """What the equivalence tests share: train in this process as the single-process reference, train on N
-ranks, and compare per-step losses and final parameters."""
+ranks, and compare per-step losses and final parameters.
+
+Equivalence is proven in float64. A layout changes only the order in which sums are taken (a gradient
+reduced over ranks, a loss split over micro-batches or vocabulary shards); in float64 each such sum is
+off by at most about n·u·Σ|x| with u = 1.1e-16, and ten steps of AdamW can amplify a gradient difference δ
+into at most lr·δ/eps = 3e-3·δ/1e-8 per parameter. With δ ~ 1e-13 that is 3e-8 in the worst case and
+~1e-14 in practice (measured: |Δloss| 9e-16, |Δparam| 5e-15 at DP=2), so :data:`FP64_ATOL` = 1e-9 leaves
+five orders of magnitude for a machine's summation order and none for a real bug: the mutation tests
+(``test_equivalence_mutations.py``) perturb one reduction by 1e-6 and see this check fail. fp32 would hide
+such a bug under its own noise (its AdamW-amplified parameter differences reach 1e-5 on some CPUs).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -12,18 +23,27 @@ from trainmesh.mesh import Mesh
 from trainmesh.testing import run_ranks
 from trainmesh.train import full_state_dict, train
 
-LOSS_ATOL = 1e-5
-PARAM_ATOL = 1e-5
+FP64_ATOL = 1e-9
+
+EQUIVALENCE_TABLE: list[tuple[str, float, float]] = []  # (layout, |Δloss|, |Δparam|), printed by conftest
+
+Training = tuple[list[float], dict[str, torch.Tensor]]
 
 
-def train_single(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
+def in_fp64(cfg: Config) -> Config:
+    """The config an equivalence test runs: the same layout in float64 (gradients reduced in float64)."""
+    return dataclasses.replace(cfg, precision="fp64", reduce_dtype="auto")
+
+
+def train_single(cfg: Config) -> Training:
     """The reference: the same config as one process (dp=tp=pp=1, same global batch and micro-batches)."""
-    single = dataclasses.replace(cfg, nproc=1, dp=1, tp=1, pp=1, zero=0)
+    single = dataclasses.replace(cfg, nproc=1, dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
+                                 schedule="1f1b", virtual_stages=1, stage_layers="")
     result = train(single, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
     return result.losses, full_state_dict(result.run)
 
 
-def train_rank(cfgs: list[Config]) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+def train_rank(cfgs: list[Config]) -> list[Training]:
     """Runs on every rank: train each config in turn; returns losses and full parameters per config."""
     torch.set_num_threads(1)
     out = []
@@ -33,21 +53,48 @@ def train_rank(cfgs: list[Config]) -> list[tuple[list[float], dict[str, torch.Te
     return out
 
 
-def assert_same_training(reference, parallel, param_atol: float = PARAM_ATOL) -> None:
-    ref_losses, ref_params = reference
-    losses, params = parallel
-    assert len(losses) == len(ref_losses)
+def differences(reference: Training, parallel: Training) -> tuple[float, float]:
+    """Largest per-step |Δloss| and largest |Δparam| over every parameter."""
+    (ref_losses, ref_params), (losses, params) = reference, parallel
+    assert len(losses) == len(ref_losses), f"{len(losses)} steps vs the single process's {len(ref_losses)}"
+    assert params.keys() == ref_params.keys(), f"parameter names differ: {params.keys() ^ ref_params.keys()}"
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    param_diff = max((params[n].double() - ref_params[n].double()).abs().max().item() for n in ref_params)
+    return loss_diff, param_diff
+
+
+def assert_same_training(reference: Training, parallel: Training, loss_atol: float = FP64_ATOL,
+                         param_atol: float = FP64_ATOL) -> tuple[float, float]:
+    """Per-step losses and final parameters within the bounds; returns the two largest differences."""
+    (ref_losses, ref_params), (losses, params) = reference, parallel
+    loss_diff, param_diff = differences(reference, parallel)
     for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= LOSS_ATOL, f"step {step}: loss {a} vs single-process {b}"
-    assert params.keys() == ref_params.keys()
+        assert abs(a - b) <= loss_atol, f"step {step}: loss {a!r} vs single-process {b!r}"
     for name in ref_params:
-        diff = (params[name] - ref_params[name]).abs().max().item()
+        diff = (params[name].double() - ref_params[name].double()).abs().max().item()
         assert diff <= param_atol, f"{name}: max |diff| {diff} vs single process"
+    return loss_diff, param_diff
 
 
 def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0,
-                     param_atol: float = PARAM_ATOL) -> None:
-    """Every config trained on ``world_size`` ranks matches its single-process run (rank 0's view)."""
-    results = run_ranks(train_rank, world_size, cfgs, timeout=timeout)
+                     rank_fn: Callable[[list[Config]], list[Training]] = train_rank) -> list[tuple[float, float]]:
+    """Every config, run in float64 on ``world_size`` ranks by ``rank_fn``, matches its single-process run
+    within :data:`FP64_ATOL` (rank 0's view); returns (|Δloss|, |Δparam|) per config."""
+    cfgs = [in_fp64(cfg) for cfg in cfgs]
+    results = run_ranks(rank_fn, world_size, cfgs, timeout=timeout)
+    diffs = []
     for cfg, parallel in zip(cfgs, results[0]):
-        assert_same_training(train_single(cfg), parallel, param_atol)
+        diffs.append(assert_same_training(train_single(cfg), parallel))
+        EQUIVALENCE_TABLE.append((describe_layout(cfg), *diffs[-1]))
+    return diffs
+
+
+def describe_layout(cfg: Config) -> str:
+    """A short name for a layout, e.g. ``dp2 tp2 sp pp2 1f1b zero1 mb2``."""
+    parts = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "tp") if getattr(cfg, axis) > 1]
+    parts += ["sp"] if cfg.sequence_parallel else []
+    if cfg.pp > 1:
+        parts += [f"pp{cfg.pp}", cfg.schedule + (f" v{cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")]
+    parts += [f"zero{cfg.zero}"] if cfg.zero else []
+    parts += [f"mb{cfg.microbatches}"] if cfg.microbatches > 1 else []
+    return " ".join(parts + ([cfg.model] if cfg.model != "tiny" else [])) or "single"

@@ -11,11 +11,16 @@ from trainmesh.mesh import Mesh
 from trainmesh.testing import run_ranks
 from trainmesh.train import build, forward_backward, inject_fault, rank_batch, setup_process, train
 
-from helpers import train_rank
 
-# bf16 has an 8-bit mantissa: per-step losses of the tiny preset drift from fp32 by up to a few 1e-2.
+# bf16 has an 8-bit mantissa: per-step losses of the tiny preset drift from fp32 by up to a few 1e-2, and
+# one step of the tiny run (step 19) is sensitive enough that a 1-ulp change of the clip norm moves DP's
+# per-step max |bf16 - fp32| anywhere in 0.004-0.19 across machines (means 0.001-0.011 throughout). So the
+# curves are compared as 5-step running means (within 0.036 in every measured variant) and by their final
+# evaluation loss, never step by step.
 BF16_MAX_ABS_DIFF = 0.05
 BF16_MEAN_ABS_DIFF = 0.02
+BF16_VAL_ABS_DIFF = 0.05
+TRACKING_WINDOW = 5
 
 
 def _cfg(**kw) -> Config:
@@ -27,45 +32,44 @@ def _single(cfg: Config):
 
 
 @pytest.fixture(scope="module")
-def fp32_losses() -> list[float]:
-    """The single-process fp32 curve every bf16 run is held to."""
-    return _single(_cfg()).losses
+def fp32_run() -> tuple[list[float], float]:
+    """The single-process fp32 curve and final evaluation loss every bf16 run is held to."""
+    result = _single(_cfg())
+    return result.losses, result.val_loss
 
 
 def _running_mean(xs: list[float], window: int) -> list[float]:
     return [sum(xs[i:i + window]) / window for i in range(len(xs) - window + 1)]
 
 
-def _assert_tracks(fp32: list[float], bf16: list[float], what: str, window: int = 1) -> None:
-    """Mean per-step |bf16 - fp32| under BF16_MEAN_ABS_DIFF and the largest gap between the two curves'
-    ``window``-step running means under BF16_MAX_ABS_DIFF (``window`` 1: every step)."""
+def _assert_tracks(fp32_run: tuple[list[float], float], bf16_run: tuple[list[float], float], what: str) -> None:
+    """Mean per-step |bf16 - fp32| under BF16_MEAN_ABS_DIFF, the largest gap between the two curves'
+    TRACKING_WINDOW-step running means under BF16_MAX_ABS_DIFF, the final evaluation losses within
+    BF16_VAL_ABS_DIFF."""
+    (fp32, fp32_val), (bf16, bf16_val) = fp32_run, bf16_run
     assert len(bf16) == len(fp32)
+    assert abs(bf16_val - fp32_val) < BF16_VAL_ABS_DIFF, f"{what}: val loss {bf16_val} vs fp32 {fp32_val}"
     diffs = [abs(a - b) for a, b in zip(fp32, bf16)]
     assert sum(diffs) / len(diffs) < BF16_MEAN_ABS_DIFF, f"{what}: mean |bf16 - fp32| {sum(diffs) / len(diffs)}"
-    gaps = [abs(a - b) for a, b in zip(_running_mean(fp32, window), _running_mean(bf16, window))]
-    assert max(gaps) < BF16_MAX_ABS_DIFF, f"{what}: max |bf16 - fp32| over {window}-step means {max(gaps)}"
+    gaps = [abs(a - b) for a, b in zip(_running_mean(fp32, TRACKING_WINDOW), _running_mean(bf16, TRACKING_WINDOW))]
+    assert max(gaps) < BF16_MAX_ABS_DIFF, f"{what}: max |bf16 - fp32| over {TRACKING_WINDOW}-step means {max(gaps)}"
     assert bf16[-1] < bf16[0] - 1.5, f"{what}: loss {bf16[0]} -> {bf16[-1]}"
 
 
-def test_bf16_data_parallel_tracks_fp32(fp32_losses):
-    bf16 = run_ranks(train_rank, 2, [_cfg(nproc=2, dp=2, precision="bf16")], timeout=240)[0][0][0]
-    _assert_tracks(fp32_losses, bf16, "DP")
+def _losses_and_val(cfgs: list[Config]) -> list[tuple[list[float], float]]:
+    torch.set_num_threads(1)
+    return [(result.losses, result.val_loss) for result in map(train, cfgs)]
 
 
-# ZeRO's bf16 curve equals DP's bit for bit when clipping is off; with clipping on, its global norm is
-# summed over shards instead of whole tensors and may differ in the last bit. One step of the tiny run
-# (step 19) is that sensitive: scaling DP's own clip norm by 1 +- 1.2e-7 or 3.6e-7 moves its per-step
-# max |bf16 - fp32| anywhere in 0.004-0.11, ZeRO-1/3's in 0.004-0.18 (means 0.001-0.011 throughout), so a
-# per-step max is a coin toss; the 5-step running means stay within 0.036 in all of them.
-ZERO_TRACKING_WINDOW = 5
-
-
-def test_bf16_zero_tracks_fp32(fp32_losses):
-    """bf16 parameters with fp32 master shards, under ZeRO-1 and ZeRO-3 at N = 2 (#6)."""
-    stages = (1, 3)
-    runs = run_ranks(train_rank, 2, [_cfg(nproc=2, dp=2, zero=z, precision="bf16") for z in stages], timeout=300)
-    for stage, (bf16, _) in zip(stages, runs[0]):
-        _assert_tracks(fp32_losses, bf16, f"ZeRO-{stage}", window=ZERO_TRACKING_WINDOW)
+def test_bf16_data_parallel_and_zero_track_fp32(fp32_run):
+    """bf16 parameters with fp32 masters under DP, and fp32 master shards under ZeRO-1 and ZeRO-3, at N = 2.
+    (ZeRO's bf16 curve equals DP's bit for bit with clipping off; with clipping its global norm is summed
+    over shards and may differ from DP's in the last bit, which the window absorbs.)"""
+    stages = (0, 1, 3)
+    runs = run_ranks(_losses_and_val, 2, [_cfg(nproc=2, dp=2, zero=z, precision="bf16") for z in stages],
+                     timeout=300)
+    for stage, bf16_run in zip(stages, runs[0]):
+        _assert_tracks(fp32_run, bf16_run, f"ZeRO-{stage}" if stage else "DP")
 
 
 def _fp16_overflow_rank(cfg: Config, fault: str):

@@ -85,11 +85,11 @@ def expected_tp_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool) -> di
     its saved input slice again in backward; and the position-embedding gradient [T, d] is all-gathered
     and the 6L + 2 replicated d-vectors of the sequence region (LayerNorms, row biases) summed over tp.
     The cross-entropy all-reduces 3 floats per token (max, target logit, sum of exponentials), the
-    global gradient norm one float.
+    global gradient norm one float64 (summed in double precision whatever the training dtype).
     """
     ring, s = (tp - 1) / tp, 4 * micro_batch * m.seq_len * m.d_model
     n = 4 * m.n_layers + 2
-    out = {"cross_entropy": 2 * ring * 4 * 3 * micro_batch * m.seq_len, "grad_norm": 2 * ring * 4}
+    out = {"cross_entropy": 2 * ring * 4 * 3 * micro_batch * m.seq_len, "grad_norm": 2 * ring * 8}
     if not sp:
         return {**out, "all_reduce": n * 2 * ring * s}
     regather = 2 * m.n_layers + 1

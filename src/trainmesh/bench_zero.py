@@ -120,7 +120,7 @@ def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
         held = storage_bytes(run.engine.state_tensors())
         peak = _per_rank(run.engine.peak_state_bytes) if stage else None
         formula = model_state_bytes_formula(psi, cfg.dp, stage, cfg.precision != "fp32",
-                                            dtype_of(cfg.reduce_dtype).itemsize)
+                                            dtype_of(cfg.grad_dtype).itemsize)
         rows.append((stage, _per_rank(held), peak, formula))
         del run, step
         gc.collect()

@@ -56,10 +56,12 @@ class Config:
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce")
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
-                          "state (fp16 with dynamic loss scaling)", ("fp32", "bf16", "fp16"))
+                          "state (fp16 with dynamic loss scaling); fp64 for exact equivalence checks",
+                          ("fp32", "bf16", "fp16", "fp64"))
     recompute: str = _opt("none", "activation recomputation: full (each block) or selective (attention core)",
                           ("none", "selective", "full"))
-    reduce_dtype: str = _opt("fp32", "dtype gradients are accumulated and reduced in", ("fp32", "bf16", "fp16"))
+    reduce_dtype: str = _opt("auto", "dtype gradients are accumulated and reduced in (auto: fp32, or fp64 under "
+                             "--precision fp64)", ("auto", "fp32", "bf16", "fp16", "fp64"))
     # optimisation
     steps: int = _opt(50, "optimizer steps")
     global_batch: int = _opt(16, "sequences per optimizer step, over all data-parallel ranks")
@@ -109,6 +111,13 @@ class Config:
         except ValueError:
             raise ConfigError(f"--stage-layers {self.stage_layers!r} is not a comma-separated list of layer "
                               f"counts; write e.g. 1,3") from None
+
+    @property
+    def grad_dtype(self) -> str:
+        """``reduce_dtype`` resolved: gradients are never reduced in less than fp32 unless asked for."""
+        if self.reduce_dtype != "auto":
+            return self.reduce_dtype
+        return "fp64" if self.precision == "fp64" else "fp32"
 
     @property
     def world_size(self) -> int:

@@ -21,7 +21,7 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.metrics import model_state_tensors
 from trainmesh.optim import TP_SHARDED, ParamPiece, clipped_update, is_tp_sharded, norm_contributions
-from trainmesh.precision import LossScaler, copy_masters_to_model, fp32_masters
+from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype, masters
 
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
@@ -124,12 +124,12 @@ class DataParallel:
 
     @staticmethod
     def _make_masters(params: list[nn.Parameter]) -> list[nn.Parameter]:
-        if all(p.dtype == torch.float32 for p in params):
+        if all(p.dtype == master_dtype(p.dtype) for p in params):
             return []
-        masters = fp32_masters(params)
-        for m, p in zip(masters, params):
+        copies = masters(params)
+        for m, p in zip(copies, params):
             setattr(m, TP_SHARDED, is_tp_sharded(p))
-        return masters
+        return copies
 
     def _point_grads_at_buckets(self) -> None:
         """Gradients are views into the buckets wherever the dtypes agree."""

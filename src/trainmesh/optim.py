@@ -17,7 +17,7 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.config import Config
-from trainmesh.precision import LossScaler
+from trainmesh.precision import LossScaler, master_dtype
 
 TP_SHARDED = "_trainmesh_tp_sharded"
 
@@ -78,9 +78,10 @@ def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) 
     """L2 norm over all ranks of ``grads``, summing squares over ``axes`` (those that split the model)."""
     device = comm.mesh.device
     if grads:
-        sq = (torch.stack(torch._foreach_norm([g.float() for g in grads])) ** 2).sum()
+        norms = torch._foreach_norm([g.to(master_dtype(g.dtype)) for g in grads])
+        sq = (torch.stack(norms).double() ** 2).sum()
     else:
-        sq = torch.zeros((), device=device)
+        sq = torch.zeros((), dtype=torch.float64, device=device)
     sq = sq.reshape(1).to(device)
     for axis in axes:
         comm.all_reduce(sq, axis, op="grad_norm")

@@ -216,7 +216,8 @@ class Precision:
     activation: int
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+FULL_PRECISIONS = ("fp32", "fp64")  # parameters are their own master weights
 STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter tensor.
 
 
@@ -224,12 +225,12 @@ STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter t
 def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
     """Parameters and activations in ``precision``, gradients in ``reduce_dtype``.
 
-    fp32 training keeps Adam's two moments (K = 8); mixed precision adds fp32 master weights (K = 12)
-    [ZeRO, 3.1]. The ZeRO paper's 2 Psi of gradients assumes they are reduced in the low precision;
-    trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead.
+    fp32 training keeps Adam's two moments (K = 8; fp64: 16); mixed precision adds fp32 master weights
+    (K = 12) [ZeRO, 3.1]. The ZeRO paper's 2 Psi of gradients assumes they are reduced in the low
+    precision; trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead.
     """
-    return Precision(DTYPE_BYTES[precision], DTYPE_BYTES[reduce_dtype], 8 if precision == "fp32" else 12,
-                     DTYPE_BYTES[precision])
+    size = DTYPE_BYTES[precision]
+    return Precision(size, DTYPE_BYTES[reduce_dtype], 2 * size if precision in FULL_PRECISIONS else 12, size)
 
 
 @dataclass(frozen=True)
@@ -740,7 +741,8 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:
-    return cluster.peak_flops_fp32 if workload.precision == "fp32" else cluster.peak_flops
+    """fp64 counts at the fp32 peak: A100's and H100's fp64 tensor cores match their fp32 rate."""
+    return cluster.peak_flops_fp32 if workload.precision in FULL_PRECISIONS else cluster.peak_flops
 
 
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
@@ -929,7 +931,7 @@ LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatch
 def workload_of(cfg: Config) -> Workload:
     """The workload a :class:`~trainmesh.config.Config` trains: its model, global batch and dtypes."""
     model = cfg.model_config
-    return Workload(shape_from_config(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
+    return Workload(shape_from_config(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.grad_dtype)
 
 
 def layout_of(cfg: Config) -> Layout:

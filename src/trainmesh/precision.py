@@ -6,6 +6,11 @@ shard, under ZeRO) and fp32 moments, updates the masters, and copies them back i
 narrow exponent range needs the loss scaled up before backward (§3.2); the scale halves whenever any
 rank sees a non-finite gradient (the step is then skipped on every rank together) and doubles after
 ``growth_interval`` clean steps. bf16 has fp32's exponent range and needs no scaling.
+
+fp64 is a full precision like fp32 (parameters are their own masters): slow, and no accelerator's tensor
+cores run it, but its unit roundoff (1.1e-16) leaves the summation-order noise of a parallel layout far
+below any real divergence, so the equivalence tests train in it and assert a bound tighter than any
+machine's fp32 noise.
 """
 
 from __future__ import annotations
@@ -15,16 +20,22 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def fp32_masters(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-    """fp32 copies of ``params`` for the optimizer to own; the model keeps the low-precision originals."""
-    return [nn.Parameter(p.detach().float().clone()) for p in params]
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the optimizer, the norm and the loss work in: fp32 for low-precision training, else the
+    parameters' own dtype (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def masters(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """fp32 copies of low-precision ``params`` for the optimizer to own; the model keeps the originals."""
+    return [nn.Parameter(p.detach().to(master_dtype(p.dtype)).clone()) for p in params]
 
 
 @torch.no_grad()

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from trainmesh.comm import Comm, Pending
 from trainmesh.mesh import Mesh
 from trainmesh.optim import TP_SHARDED
+from trainmesh.precision import master_dtype
 
 AXIS = "tp"
 SEQ_DIM = -2
@@ -294,7 +295,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, comm: Comm) -> torch.Tensor:
         ctx.dtype = logits.dtype
-        logits = logits.float()
+        logits = logits.to(master_dtype(logits.dtype))
         vocab = logits.shape[-1]
         peak = logits.max(dim=-1).values
         comm.all_reduce(peak, AXIS, op="cross_entropy", reduce_op=dist.ReduceOp.MAX)

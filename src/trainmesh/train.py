@@ -115,7 +115,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
         engine = zero.build_engine(model, comm, cfg)
     else:
         engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
-                              bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.reduce_dtype),
+                              bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
                               scaler=LossScaler(enabled=cfg.precision == "fp16"))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
     return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
@@ -140,7 +140,7 @@ def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivati
     """
     if run.pipeline is not None:
         return run.pipeline.forward_backward(micro_batches, run.criterion, run.engine, saved)
-    total = torch.zeros((), device=run.mesh.device)
+    total = torch.zeros((), dtype=torch.float64, device=run.mesh.device)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else run.engine.no_sync():
@@ -164,7 +164,7 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
 def global_mean(run: Run, value: torch.Tensor) -> float:
     """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
     pipeline stage computes (the other stages pass zero)."""
-    total = log_all_reduce(value.detach().float().reshape(1).clone())
+    total = log_all_reduce(value.detach().double().reshape(1).clone())
     return total.item() / (run.mesh.size("dp") * run.mesh.size("tp"))
 
 

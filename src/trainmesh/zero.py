@@ -58,7 +58,7 @@ from trainmesh.data_parallel import fold_grad_into, split_buckets
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import (TP_SHARDED, ParamPiece, build_adamw, clipped_update, is_tp_sharded,
                              norm_contributions)
-from trainmesh.precision import LossScaler, dtype_of
+from trainmesh.precision import LossScaler, dtype_of, master_dtype
 
 NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
 
@@ -211,9 +211,9 @@ def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> 
                          f"or pass units that include the module holding them")
 
 
-def fp32_master(shard: torch.Tensor) -> torch.Tensor:
-    """The shard the optimizer updates: ``shard`` itself if fp32, else an fp32 copy of it."""
-    return shard if shard.dtype == torch.float32 else shard.detach().float()
+def master_shard(shard: torch.Tensor) -> torch.Tensor:
+    """The shard the optimizer updates: ``shard`` itself in fp32/fp64, else an fp32 copy of it."""
+    return shard if shard.dtype == master_dtype(shard.dtype) else shard.detach().to(master_dtype(shard.dtype))
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ class ZeroEngine:
         self.module, self.comm, self.axis, self.groups = module, comm, axis, groups
         self.scaler = LossScaler(enabled=cfg.precision == "fp16")
         for group in groups:
-            group.master = fp32_master(group.shard)
+            group.master = master_shard(group.shard)
         self.pieces, self._piece_slots = make_pieces(groups)
         self.optimizer = build_adamw(((f"piece{i}", p) for i, p in enumerate(self.pieces)), cfg, comm.mesh.device)
         self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
@@ -345,15 +345,14 @@ class ZeroEngine:
         return norm
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
-        """Point each piece's gradient at its slice of the reduced gradient shard, in fp32: a view when the
-        reduce dtype is fp32, else a copy made for this step (freed by :meth:`zero_grad`); returns the
-        fp32 gradient shards."""
-        fp32 = {g.name: g.grad_shard if g.grad_shard.dtype == torch.float32 else g.grad_shard.float()
-                for g in self.groups}
+        """Point each piece's gradient at its slice of the reduced gradient shard, in the masters' dtype: a
+        view when the reduce dtype is that dtype, else a copy made for this step (freed by
+        :meth:`zero_grad`); returns the gradient shards the optimizer reads."""
+        grads = {g.name: g.grad_shard.to(g.master.dtype) for g in self.groups}
         for piece, slot in zip(self.pieces, self._piece_slots):
-            piece.grad = fp32[slot.group.name][slot.start:slot.end].view(piece.shape)
+            piece.grad = grads[slot.group.name][slot.start:slot.end].view(piece.shape)
         self._note_peak()
-        return list(fp32.values())
+        return list(grads.values())
 
     @torch.no_grad()
     def _copy_masters_to_shards(self) -> None:
@@ -423,7 +422,7 @@ class ZeroStage1(ZeroEngine):
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> None:
         buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
-        grad_dtype = dtype_of(cfg.reduce_dtype)
+        grad_dtype = dtype_of(cfg.grad_dtype)
         super().__init__(module, comm, cfg, [self._group(i, b, comm, axis, grad_dtype)
                                              for i, b in enumerate(buckets)], axis)
         self.sync = True
@@ -485,7 +484,7 @@ class ZeroStage2(ZeroEngine):
                  axis: str = "dp") -> None:
         if groups is None:
             buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
-            groups = [self._group(f"bucket{i}", b, comm, axis, dtype_of(cfg.reduce_dtype))
+            groups = [self._group(f"bucket{i}", b, comm, axis, dtype_of(cfg.grad_dtype))
                       for i, b in enumerate(buckets)]
         super().__init__(module, comm, cfg, groups, axis)
         self._callback_queued = False
@@ -560,7 +559,7 @@ class ZeroStage3(ZeroStage2):
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp",
                  units: list[tuple[str, nn.Module]] | None = None) -> None:
         units = units if units is not None else default_units(module)
-        grad_dtype = dtype_of(cfg.reduce_dtype)
+        grad_dtype = dtype_of(cfg.grad_dtype)
         self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis, grad_dtype), k)
                       for k, (name, m) in enumerate(units)]
         super().__init__(module, comm, cfg, [u.group for u in reversed(self.units)], axis)

@@ -180,4 +180,5 @@ class GPT(nn.Module):
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over every position; the default criterion (TP swaps in a vocab-parallel one)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: loss in fp32
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

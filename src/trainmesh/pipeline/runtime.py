@@ -224,7 +224,7 @@ class PipelineRuntime:
                              f"{len(micro_batches)}; split the batch into --microbatches pieces")
         batch, seq = micro_batches[0][0].shape
         shape = (batch, seq // self.seq_shards, self.hidden_size)
-        loss = torch.zeros((), device=self.mesh.device)
+        loss = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
 
     def _execute(self, actions: Sequence[Action], step: _Step, engine: GradientSync | None) -> None:

@@ -1,0 +1,78 @@
+"""The equivalence check can fail: each case plants one real bug in a parallel run (inside the ranks only)
+and asserts that the float64 comparison with one process rejects it. A check whose bound hid these would
+prove nothing about the layouts it passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainmesh.train
+from trainmesh.comm import Comm
+from trainmesh.config import Config
+
+from trainmesh.testing import run_ranks
+
+from helpers import FP64_ATOL, check_equivalent, differences, in_fp64, train_rank, train_single
+
+
+def _perturb_contribution(method: str, scale: float = 1.0, shift: int = 0) -> None:
+    """Make rank 0's input to every dp-axis gradient ``method`` wrong: scaled by ``scale``, or rolled by
+    ``shift`` elements (a shard boundary off by that much)."""
+    original = getattr(Comm, method)
+    source_at = {"all_reduce": 0, "reduce_scatter": 1}[method]
+
+    def wrong(self, *args, **kwargs):
+        source, axis = args[source_at], args[source_at + 1]
+        if axis == "dp" and self.rank == 0 and kwargs.get("op", method) in (method, "grad_reduce_scatter"):
+            with torch.no_grad():
+                source.copy_(torch.roll(source, shift) * scale)
+        return original(self, *args, **kwargs)
+
+    setattr(Comm, method, wrong)
+
+
+def _drop_last_microbatch() -> None:
+    """Every rank trains its first micro-batch twice and never sees its last one."""
+    original = trainmesh.train.rank_batch
+
+    def dropped(*args, **kwargs):
+        micro = original(*args, **kwargs)
+        return [*micro[:-1], micro[0]]
+
+    trainmesh.train.rank_batch = dropped
+
+
+MUTATIONS = {
+    "a dp gradient contribution off by 1e-6 relative": lambda: _perturb_contribution("all_reduce", scale=1 + 1e-6),
+    "a ZeRO gradient shard off by one element": lambda: _perturb_contribution("reduce_scatter", shift=1),
+    "a dropped micro-batch": _drop_last_microbatch,
+}
+
+
+def mutated_rank(cfgs: list[Config], mutation: str) -> list:
+    MUTATIONS[mutation]()
+    return train_rank(cfgs)
+
+
+CASES = {
+    "a dp gradient contribution off by 1e-6 relative": Config(nproc=2, dp=2),
+    "a ZeRO gradient shard off by one element": Config(nproc=2, dp=2, zero=2),
+    "a dropped micro-batch": Config(nproc=2, dp=2, microbatches=2),
+}
+
+
+@pytest.mark.parametrize("mutation", list(CASES))
+def test_the_equivalence_check_rejects_a_planted_bug(mutation):
+    cfg = in_fp64(Config(**{**CASES[mutation].__dict__, "steps": 3, "global_batch": 8, "progress": False,
+                            "warmup_steps": 1}))
+    parallel = run_ranks(mutated_rank, 2, [cfg], mutation, timeout=240)[0][0]
+    loss_diff, param_diff = differences(train_single(cfg), parallel)
+    assert max(loss_diff, param_diff) > 100 * FP64_ATOL, (
+        f"{mutation}: |dloss| {loss_diff:.2e}, |dparam| {param_diff:.2e} would pass the equivalence check")
+
+
+def test_the_same_layouts_unmutated_pass():
+    """The control: without the planted bugs the same three layouts are equivalent."""
+    check_equivalent([Config(**{**cfg.__dict__, "steps": 3, "global_batch": 8, "progress": False,
+                                "warmup_steps": 1}) for cfg in CASES.values()], world_size=2)
