@@ -27,6 +27,7 @@ from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.data_parallel import DataParallel
+from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_from_env
 from trainmesh.metrics import (MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu, peak_device_bytes,
                                peak_tflops, storage_bytes)
@@ -85,7 +86,7 @@ def setup_process(cfg: Config) -> Mesh:
     """Join the process group (if several ranks), size the CPU thread pool, build the mesh.
 
     SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
-    reports a hang.
+    reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it.
     """
     _, world = world_from_env()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -95,6 +96,7 @@ def setup_process(cfg: Config) -> Mesh:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     device = pick_device(cfg.device)
     init_distributed(pick_backend(cfg.backend, device), device, cfg.collective_timeout)
+    start_heartbeat()
     return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout)
 
 
