@@ -5,12 +5,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainmesh import cli
-from trainmesh.comm import Comm
+from trainmesh.comm import Comm, format_ranks
+from trainmesh.launcher import RankProcess, _parse_ranks, _report_failure
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.testing import RankFailure, run_ranks
@@ -54,6 +57,116 @@ def test_hung_rank_is_named_with_its_stack_and_nothing_is_left(tmp_path):
     # start-up takes several seconds on a loaded machine; the report must follow the timeout within 5 s
     assert elapsed < 20 + timeout + 5
     assert _pids_with(marker) == []
+
+
+def _start(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainmesh.cli", "train", "--steps", "100000", "--out", str(out),
+                             "--no-progress", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _rank_pids(marker: str) -> dict[int, int]:
+    """Global rank -> pid of the ranks (not the launcher) of the run whose command line holds ``marker``."""
+    ranks = {}
+    for pid in _pids_with(marker):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks.update({int(e[5:]): pid for e in env if e.startswith(b"RANK=")})
+    return ranks
+
+
+def _wait_for_training(launcher: subprocess.Popen, out: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (out / "metrics.jsonl").exists():
+        assert launcher.poll() is None, launcher.communicate()[1]
+        assert time.monotonic() < deadline, "the run wrote no step within 60 s"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+def test_stopped_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path):
+    """SIGSTOP freezes a rank wherever it is; the healthy rank times out in whatever call it was in (counted
+    or not), and the report must still blame the stopped one."""
+    out = tmp_path / "stop-run"
+    timeout = 5
+    launcher = _start(out, "--nproc", "2", "--dp", "2", "--collective-timeout", str(timeout))
+    try:
+        _wait_for_training(launcher, out)
+        os.kill(_rank_pids(str(out))[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    headline = next(line for line in err.splitlines() if line.startswith("trainmesh:"))
+    assert headline.startswith("trainmesh: rank(s) [1] stopped responding (rank 1: its process is stopped"), err
+    assert "rank 0 failed waiting for collective" in headline
+    assert time.monotonic() - stopped < timeout + 10
+    assert _pids_with(str(out)) == []
+
+
+@pytest.mark.timeout(90)
+def test_rank_hung_mid_pipeline_is_named_with_the_peer_waiting_on_it(tmp_path):
+    """At step 3 rank 1 (the last stage) hangs; rank 0 has sent its 4 micro-batches forward and waits for the
+    first gradient back: the 13th message from rank 1 to rank 0 (4 per step)."""
+    result = trainmesh("train", "--nproc", "2", "--pp", "2", "--microbatches", "4", "--steps", "500",
+                       "--out", str(tmp_path / "r"), "--no-progress", "--collective-timeout", "4",
+                       env={"TRAINMESH_FAULT": "hang@1:3"}, timeout=80)
+    assert result.returncode != 0
+    assert ("trainmesh: rank 0 waited on rank(s) [1] for pp message 1->0 #13 (its recv from rank 1) and failed "
+            "(exit code 1); rank(s) [1] never arrived at it") in result.stderr, result.stderr
+    assert "in inject_fault" in result.stderr, "the hung rank's Python stack is missing from the report"
+
+
+def _post_messages() -> list[str]:
+    """Rank 0 sends twice to rank 1 in two batches; rank 1 sends once, then receives both, in one batch."""
+    mesh = setup_process(_cfg(dp=1, pp=2))
+    comm, rank = Comm(mesh), torch.distributed.get_rank()
+    t = torch.zeros(4)
+    if rank == 0:
+        posted = comm.send_recv([(t, 1)], []) + comm.send_recv([(t.clone(), 1)], [(torch.empty(4), 1)])
+    else:
+        posted = comm.send_recv([(t, 0)], [(torch.empty(4), 0), (torch.empty(4), 0)])
+    for p in posted:
+        p.wait()
+    return [p.desc for p in posted]
+
+
+@pytest.mark.timeout(120)
+def test_send_and_receive_of_one_message_carry_the_same_number():
+    rank0, rank1 = run_ranks(_post_messages, 2, timeout=90)
+    assert rank0 == ["rank 0: p2p pp/send 0->1 #1", "rank 0: p2p pp/send 0->1 #2", "rank 0: p2p pp/recv 1->0 #1"]
+    assert rank1 == ["rank 1: p2p pp/send 1->0 #1", "rank 1: p2p pp/recv 0->1 #1", "rank 1: p2p pp/recv 0->1 #2"]
+
+
+def _failed_rank(rank: int, *lines: str) -> RankProcess:
+    return RankProcess(rank, proc=None, tail=deque(lines))
+
+
+def test_report_follows_the_waits_to_the_rank_that_never_arrived(capsys):
+    """pp=4 x dp=2 (ranks 0-7): pipeline rank 2 of the first pipeline (global rank 4) hangs. Its pipeline
+    neighbours wait on it for messages, rank 0 waits on rank 2 (itself waiting), and its data-parallel
+    peer (rank 5) waits on it in a collective; ranks of the other stages did not fail yet."""
+    error = "trainmesh.comm.CollectiveError: rank {}: {} failed: Timed out waiting 4000ms\n"
+    failed = [_failed_rank(2, error.format(2, "p2p pp/recv 4->2 #9")),
+              _failed_rank(0, error.format(0, "p2p pp/recv 2->0 #9")),
+              _failed_rank(6, error.format(6, "p2p pp/send 6->4 #10")),
+              _failed_rank(5, error.format(5, "collective dp/all_reduce #31 (ranks 4-5)"))]
+    _report_failure(failed, [(rp, 1) for rp in failed], unresponsive={})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == [
+        "trainmesh: rank 2 waited on rank(s) [4] for pp message 4->2 #9 (its recv from rank 4) and failed "
+        "(exit code 1); rank(s) [4] never arrived at it",
+        "trainmesh: rank 6 waited on rank(s) [4] for pp message 6->4 #10 (its send to rank 4) and failed "
+        "(exit code 1); rank(s) [4] never arrived at it",
+        "trainmesh: collective dp/all_reduce #31 failed on rank(s) [5] (exit code 1 on rank 5); rank(s) [4] never "
+        "arrived at it; stopped all ranks"]
+
+
+@pytest.mark.parametrize("ranks", [[0], [0, 1, 2, 3], [0, 2, 4, 6], [0, 1, 5, 6, 7, 9]])
+def test_group_ranks_survive_the_error_message(ranks):
+    assert _parse_ranks(format_ranks(ranks)) == frozenset(ranks)
 
 
 def test_launcher_killed_leaves_no_rank_behind(tmp_path):

@@ -2,14 +2,14 @@
 
 ``trainmesh train --nproc N`` checks the whole configuration, then spawns N local ranks through
 :mod:`trainmesh.launcher`; each rank re-enters this same entry point with ``RANK`` set and trains. Under
-torchrun ``RANK`` is set from the start, so the command runs as a rank directly.
+torchrun ``RANK`` is set from the start, and under srun (more than one task) ``SLURM_PROCID``, so the
+command runs as a rank directly (:func:`trainmesh.mesh.world_env`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 from trainmesh.checkpoint import CheckpointError, check_resumable, export
 from trainmesh.config import Config, ConfigError, add_config_flags, config_from_args, validate
 from trainmesh.data import DataError, TokenData
+from trainmesh.mesh import world_env, world_from_env
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,13 +107,13 @@ def _cuda_devices() -> int:
 
 
 def _is_rank() -> bool:
-    return "RANK" in os.environ
+    return world_env().is_rank
 
 
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
     cfg = config_from_args(args)
-    world = int(os.environ["WORLD_SIZE"]) if _is_rank() else None
+    world = world_from_env()[1] if _is_rank() else None
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
@@ -130,7 +131,7 @@ def _planned(cfg: Config, world: int) -> Config:
         cfg, line = plan_config(cfg, world, _cuda_devices())
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if os.environ.get("RANK", "0") == "0":
+    if world_from_env()[0] == 0:
         print(line, flush=True)
     return cfg
 

@@ -12,6 +12,12 @@ ZeRO paper uses in §7): over a group of n ranks, for a tensor of S bytes each r
 so a run's counted volume can be checked against the theoretical optimum. A collective over an axis of
 size 1 is skipped and counts nothing. Scalars reduced only for logging go through :func:`log_all_reduce`
 and are not counted.
+
+A failed or timed-out operation raises :class:`CollectiveError` with a message the launcher's hang report
+parses (``trainmesh.launcher``): ``rank R: collective AXIS/OP #N (ranks 0,2) failed: ...`` for a
+collective, with the ranks of its group, and ``rank R: p2p AXIS/send R->P #N failed: ...`` (or ``recv``)
+for a point-to-point message, numbered per directed pair of ranks so that the send and the receive of one
+message carry the same number on both ends.
 """
 
 from __future__ import annotations
@@ -39,22 +45,40 @@ class _Done:
 _DONE = _Done()
 
 
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``0-3,8,12-15``: a group's ranks, short enough for an error message even in a large world."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 class Pending:
-    """A launched collective; :meth:`wait` re-raises a failure as :class:`CollectiveError` naming the op.
+    """A launched collective or message; :meth:`wait` re-raises a failure as :class:`CollectiveError`
+    naming the op, its number and (for a collective) the ranks of its group.
 
     The ranks of one axis group issue that axis's collectives in the same order, so the per-axis sequence
     number identifies the same call on each of them: a hang report can say which call the waiting ranks
-    were stuck in.
+    were stuck in, and which ranks of the group never reported it. The group's ranks are looked up only
+    when the operation fails.
     """
 
-    def __init__(self, work, desc: str) -> None:
-        self.work, self.desc = work, desc
+    def __init__(self, work, desc: str, group: dist.ProcessGroup | None = None, collective: bool = True) -> None:
+        self.work, self.desc, self.group, self.collective = work, desc, group, collective
 
     def wait(self) -> bool:
         try:
             return self.work.wait()
         except Exception as e:
-            raise CollectiveError(f"{self.desc} failed: {e}") from e
+            members = f" (ranks {format_ranks(_group_ranks(self.group))})" if self.collective else ""
+            raise CollectiveError(f"{self.desc}{members} failed: {e}") from e
 
 
 class Comm:
@@ -64,16 +88,24 @@ class Comm:
         self.mesh = mesh
         self.bytes: dict[tuple[str, str], float] = defaultdict(float)
         self.seq: dict[str, int] = defaultdict(int)
+        self.p2p_seq: dict[tuple[int, int], int] = defaultdict(int)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     def _describe(self, axis: str, op: str) -> str:
         self.seq[axis] += 1
         return f"rank {self.rank}: collective {axis}/{op} #{self.seq[axis]}"
 
+    def _describe_p2p(self, axis: str, kind: str, src: int, dst: int) -> str:
+        """Number a message on its directed pair of ranks: Gloo and NCCL match the sends and receives of one
+        pair in the order they are posted, so the n-th send src->dst is the n-th receive at dst from src,
+        whatever else either rank exchanges with other peers."""
+        self.p2p_seq[(src, dst)] += 1
+        return f"{axis}/{kind} {src}->{dst} #{self.p2p_seq[(src, dst)]}"
+
     def _issue(self, axis: str, op: str, nbytes: float, launch, async_op: bool):
         """Count, number and launch one collective; blocks unless ``async_op``."""
         self.bytes[(axis, op)] += nbytes
-        pending = Pending(launch(), self._describe(axis, op))
+        pending = Pending(launch(), self._describe(axis, op), self.mesh.group(axis))
         if async_op:
             return pending
         pending.wait()
@@ -126,15 +158,20 @@ class Comm:
         """Post point-to-point sends and receives together (``(tensor, global peer rank)`` pairs).
 
         Posting both directions in one batch lets neighbouring pipeline stages exchange activations and
-        gradients without either blocking first; returns the work handles to wait on.
+        gradients without either blocking first; returns the work handles to wait on, sends first, one per
+        operation where the backend gives one per operation (Gloo), else one for the whole batch (NCCL).
         """
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
         if not ops:
             return []
         self.bytes[(axis, op)] += sum(t.numel() * t.element_size() for t, _ in sends)
-        desc = self._describe(axis, op)
-        return [Pending(work, desc) for work in dist.batch_isend_irecv(ops)]
+        descs = [self._describe_p2p(axis, "send", self.rank, peer) for _, peer in sends]
+        descs += [self._describe_p2p(axis, "recv", peer, self.rank) for _, peer in recvs]
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(descs):
+            descs = [" + ".join(descs)]
+        return [Pending(work, f"rank {self.rank}: p2p {desc}", collective=False) for work, desc in zip(works, descs)]
 
     def totals(self) -> dict[str, float]:
         """Bytes sent so far per axis."""
@@ -148,11 +185,17 @@ class Comm:
         return {f"{axis}/{op}": nbytes for (axis, op), nbytes in sorted(self.bytes.items())}
 
 
+def _uncounted(op: str, group: dist.ProcessGroup | None, work) -> None:
+    """Wait for an unnumbered logging collective; a failure names it and its group like a counted one,
+    so a hang report can tell the ranks that were waiting in it from those that never arrived."""
+    Pending(work, f"rank {dist.get_rank()}: collective {'world' if group is None else 'group'}/{op}", group).wait()
+
+
 def log_all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None = None,
                    reduce_op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce a few logging scalars over ``group`` (the world by default), uncounted."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(values, op=reduce_op, group=group)
+        _uncounted("log_all_reduce", group, dist.all_reduce(values, op=reduce_op, group=group, async_op=True))
     return values
 
 
@@ -162,5 +205,5 @@ def log_all_gather(values: torch.Tensor) -> torch.Tensor:
         return values.unsqueeze(0)
     flat = values.reshape(-1)
     out = torch.empty(dist.get_world_size() * flat.numel(), dtype=values.dtype, device=values.device)
-    dist.all_gather_single(out, flat)
+    _uncounted("log_all_gather", None, dist.all_gather_single(out, flat, async_op=True))
     return out.view(dist.get_world_size(), *values.shape)

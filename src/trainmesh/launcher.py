@@ -5,6 +5,10 @@ kernel, so no port race), and every rank joins as a client; Gloo is told to use 
 so a local run listens on no external address. Ranks get the environment torchrun would give them
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), which is why the same entry point also runs unchanged
 under torchrun across machines.
+
+When a rank fails, the report blames, in order: a rank that stopped responding (its process stopped, or
+its heartbeat in the store silent), a rank that failed on its own, or the ranks the failed ranks were
+waiting on (in a numbered collective, or for a numbered point-to-point message) that never arrived.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ TERMINATE_GRACE_S = 3.0
 REPORT_GRACE_S = 1.5  # after one rank fails, time for the others to fail too and say where they were
 STACK_DUMP_S = 1.0  # time for ranks still running to print their stacks after SIGUSR1
 TAIL_LINES = 200
-COLLECTIVE_RE = re.compile(r"collective (\S+ #\d+) failed")
+HEARTBEAT_S = 0.5
+HEARTBEAT_STALE_S = 3.0  # a running rank's heartbeat thread writes every HEARTBEAT_S; this late, it is frozen
+HEARTBEAT_KEY = "trainmesh/heartbeat/{rank}"
+# the messages of trainmesh.comm.CollectiveError
+COLLECTIVE_RE = re.compile(r"collective (?P<name>\S+?(?: #\d+)?)(?: \(ranks (?P<ranks>[\d,-]+)\))? failed")
+P2P_RE = re.compile(r"p2p (?P<messages>\S+ \d+->\d+ #\d+(?: \+ \S+ \d+->\d+ #\d+)*) failed")
+MESSAGE_RE = re.compile(r"(\w+)/(send|recv) (\d+)->(\d+) #(\d+)")
 
 
 def _die_with_parent() -> None:
@@ -109,43 +119,129 @@ def _excerpt(rp: RankProcess) -> str:
     return tail[start:] if start >= 0 else tail
 
 
-def _collective(rp: RankProcess) -> str | None:
-    found = COLLECTIVE_RE.findall("".join(rp.tail))
-    return found[-1] if found else None
+@dataclass(frozen=True)
+class Wait:
+    """What a failed rank was waiting for, parsed from its :class:`~trainmesh.comm.CollectiveError`."""
+
+    rank: int
+    what: str  # "collective dp/all_reduce #33", or "pp message 1->0 #4 (its recv from rank 1)"
+    needs: frozenset[int]  # the ranks it needed: its collective's group, or the other end of its message(s)
 
 
-def _report_failure(ranks: Sequence[RankProcess], failed: RankProcess, rc: int) -> None:
-    """Say which rank failed and how; if it was a collective, which ranks never arrived at it."""
+def _parse_ranks(text: str) -> frozenset[int]:
+    """The inverse of :func:`trainmesh.comm.format_ranks`."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        ranks.update(range(int(first), int(last or first) + 1))
+    return frozenset(ranks)
+
+
+def _wait_of(rp: RankProcess, world: int) -> Wait | None:
+    """The last collective or message the rank reports as failed, with the ranks it was waiting on."""
+    text = "".join(rp.tail)
+    found = max((*COLLECTIVE_RE.finditer(text), *P2P_RE.finditer(text)), key=lambda m: m.start(), default=None)
+    if found is None:
+        return None
+    if found.re is COLLECTIVE_RE:
+        group = _parse_ranks(found["ranks"]) if found["ranks"] else frozenset(range(world))
+        return Wait(rp.rank, f"collective {found['name']}", group)
+    messages = MESSAGE_RE.findall(found["messages"])
+    needs = frozenset(int(src) if kind == "recv" else int(dst) for _, kind, src, dst, _ in messages)
+    what = " + ".join(f"{axis} message {src}->{dst} #{n} (its {kind} {'from' if kind == 'recv' else 'to'} rank "
+                      f"{src if kind == 'recv' else dst})" for axis, kind, src, dst, n in messages)
+    return Wait(rp.rank, what, needs)
+
+
+def _never_arrived(waits: dict[int, Wait]) -> dict[int, list[int]]:
+    """For each waiting rank, the ranks it needed that were not waiting for anything themselves: those are
+    where the hang is (a rank it needed that was itself waiting is a victim further down the chain)."""
+    return {rank: sorted(w.needs - waits.keys() - {rank}) for rank, w in waits.items()}
+
+
+def _stuck_reason(rp: RankProcess, age: float | None) -> str | None:
+    """Why a still-running rank counts as unresponsive, or None: its process is stopped (SIGSTOP, a
+    debugger), or its heartbeat thread has not written for HEARTBEAT_STALE_S (the whole process is frozen)."""
+    reasons = []
+    if _process_state(rp.proc.pid) in ("T", "t"):
+        reasons.append("its process is stopped")
+    if age is not None and age > HEARTBEAT_STALE_S:
+        reasons.append(f"no heartbeat for {age:.1f} s")
+    return "; ".join(reasons) or None
+
+
+def _process_state(pid: int) -> str | None:
+    """Linux: the one-letter state in /proc/PID/stat (R, S, D, T, ...); None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _unresponsive(ranks: Sequence[RankProcess], store: dist.TCPStore) -> dict[int, str]:
+    """Ranks still running that are stopped or frozen, with the reason; measured before the ranks are stopped."""
+    ages = heartbeat_ages(store, [rp.rank for rp in ranks])
+    found = {}
+    for rp in ranks:
+        if rp.proc.poll() is None and (reason := _stuck_reason(rp, ages.get(rp.rank))):
+            found[rp.rank] = reason
+    return found
+
+
+def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess, int]],
+                    unresponsive: dict[int, str]) -> tuple[RankProcess, int]:
+    """Say which rank is to blame and how; returns the failed rank whose exit code the launcher returns.
+
+    In order: a rank that stopped responding (whatever stopped it, SIGSTOP included: the ranks waiting on
+    it only time out, and may do so in any call); a rank that failed on its own rather than while waiting
+    for a peer (a peer that died makes the waiting ranks fail with "connection closed" too); else the
+    ranks that the failed ranks were waiting on in a collective or for a message and that never arrived.
+    """
     for rp in ranks:
         if rp.reader is not None:
             rp.reader.join(timeout=1.0)
-    collective = _collective(failed)
-    if collective:
-        waiting = [rp.rank for rp in ranks if _collective(rp) == collective]
-        missing = [rp.rank for rp in ranks if rp.rank not in waiting]
-        sys.stderr.write(f"trainmesh: collective {collective} failed on rank(s) {waiting} ({_describe(rc)} on rank "
-                         f"{failed.rank}); rank(s) {missing} never arrived at it; stopped all ranks\n")
-        shown = [rp for rp in ranks if rp.rank in missing] + [failed]
-    else:
-        sys.stderr.write(f"trainmesh: rank {failed.rank} failed ({_describe(rc)}); stopped the other ranks\n")
-        shown = [failed]
-    for rp in shown:
-        excerpt = _excerpt(rp)
+    waits = {rp.rank: w for rp, _ in failed if (w := _wait_of(rp, len(ranks)))}
+    first, first_rc = failed[0]
+    if unresponsive:
+        stuck = sorted(unresponsive)
+        waited = f" waiting for {waits[first.rank].what}" if first.rank in waits else ""
+        reasons = "; ".join(f"rank {r}: {why}" for r, why in unresponsive.items())
+        _write(f"trainmesh: rank(s) {stuck} stopped responding ({reasons}); rank {first.rank} failed{waited} "
+               f"({_describe(first_rc)}); stopped all ranks", [*stuck, first.rank], ranks)
+        return first, first_rc
+    on_its_own = [(rp, rc) for rp, rc in failed if rp.rank not in waits]
+    if on_its_own:
+        rp, rc = on_its_own[0]
+        _write(f"trainmesh: rank {rp.rank} failed ({_describe(rc)}); stopped the other ranks", [rp.rank], ranks)
+        return rp, rc
+    missing, rcs = _never_arrived(waits), {rp.rank: rc for rp, rc in failed}
+    lines, shown = [], []
+    for what in dict.fromkeys(w.what for w in waits.values() if missing[w.rank]):
+        waiting = sorted(r for r, w in waits.items() if w.what == what)
+        absent = sorted({r for w in waiting for r in missing[w]})
+        if what.startswith("collective "):
+            lines.append(f"trainmesh: {what} failed on rank(s) {waiting} ({_describe(rcs[waiting[0]])} on rank "
+                         f"{waiting[0]}); rank(s) {absent} never arrived at it")
+        else:
+            lines.append(f"trainmesh: rank {waiting[0]} waited on rank(s) {absent} for {what} and failed "
+                         f"({_describe(rcs[waiting[0]])}); rank(s) {absent} never arrived at it")
+        shown += [*absent, waiting[0]]
+    if not lines:
+        lines, shown = [f"trainmesh: rank {first.rank} failed waiting for {waits[first.rank].what} "
+                        f"({_describe(first_rc)}), as did rank(s) {sorted(waits)}"], [first.rank]
+    _write("\n".join(lines) + "; stopped all ranks", list(dict.fromkeys(shown)), ranks)
+    return first, first_rc
+
+
+def _write(headline: str, shown: Sequence[int], ranks: Sequence[RankProcess]) -> None:
+    """The report: the headline, then the last traceback or stack of each rank named in it."""
+    sys.stderr.write(headline + "\n")
+    for rp in ranks:
+        excerpt = _excerpt(rp) if rp.rank in shown else ""
         if excerpt:
             sys.stderr.write(f"--- rank {rp.rank} ---\n{excerpt}\n")
     sys.stderr.flush()
-
-
-def _root_cause(failed: list[tuple[RankProcess, int]]) -> tuple[RankProcess, int]:
-    """The failed rank to blame: one that failed on its own rather than in a collective with a peer that
-    had already died (whose error is only "connection closed by peer"); if all failed in collectives
-    (a hang, a timeout), the first of them."""
-    for rp, rc in failed:
-        if rp.reader is not None:
-            rp.reader.join(timeout=1.0)
-        if _collective(rp) is None:
-            return rp, rc
-    return failed[0]
 
 
 def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
@@ -158,6 +254,39 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
         rp.proc.send_signal(signal.SIGUSR1)
     if alive:
         time.sleep(STACK_DUMP_S)
+
+
+def start_heartbeat() -> None:
+    """In a rank started by :func:`launch` (or :func:`trainmesh.testing.run_ranks`): a daemon thread writes
+    the time into the launcher's store every HEARTBEAT_S seconds, over a connection of its own.
+
+    A rank that stops (SIGSTOP, a frozen process) stops writing, and the launcher can name it when the
+    other ranks time out waiting for it, wherever they were waiting. A rank that hangs in Python keeps
+    beating; the collective numbering in the waiting ranks' errors names that one.
+    """
+    if os.environ.get(STORE_CLIENT_ENV) != "1":
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    key = HEARTBEAT_KEY.format(rank=os.environ["RANK"])
+
+    def beat() -> None:
+        try:
+            while True:
+                store.set(key, repr(time.time()))
+                time.sleep(HEARTBEAT_S)
+        except (RuntimeError, OSError):
+            return  # the launcher is gone, and PR_SET_PDEATHSIG ends this rank
+
+    threading.Thread(target=beat, name="trainmesh-heartbeat", daemon=True).start()
+
+
+def heartbeat_ages(store: dist.TCPStore, ranks: Sequence[int]) -> dict[int, float]:
+    """Seconds since each rank's last heartbeat (ranks and launcher share one clock: one machine);
+    ranks that have not written one yet are left out."""
+    now = time.time()
+    keys = {r: HEARTBEAT_KEY.format(rank=r) for r in ranks}
+    return {r: now - float(store.get(key)) for r, key in keys.items() if store.check([key])}
 
 
 def launch(argv: Sequence[str], nproc: int) -> int:
@@ -180,14 +309,14 @@ def launch(argv: Sequence[str], nproc: int) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(ranks)
+        return _supervise(ranks, store)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         del store
 
 
-def _supervise(ranks: list[RankProcess]) -> int:
+def _supervise(ranks: list[RankProcess], store: dist.TCPStore) -> int:
     while True:
         running = False
         for rp in ranks:
@@ -197,9 +326,10 @@ def _supervise(ranks: list[RankProcess]) -> int:
             elif rc != 0:
                 _collect_stacks(ranks)
                 failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0)]
+                failed.sort(key=lambda f: f[0] is not rp)
+                unresponsive = _unresponsive(ranks, store)
                 _stop(ranks)
-                root, root_rc = _root_cause(failed)
-                _report_failure(ranks, root, root_rc)
+                _, root_rc = _report_failure(ranks, failed, unresponsive)
                 return root_rc if root_rc > 0 else 128 - root_rc
         if not running:
             for rp in ranks:

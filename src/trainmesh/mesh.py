@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +28,7 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = world_env().local_rank
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -38,9 +40,80 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@dataclass(frozen=True)
+class WorldEnv:
+    """Where this process sits in the job, as whoever started it said: ``env`` (torchrun, or
+    ``trainmesh train --nproc``: ``RANK``, ``WORLD_SIZE``, ...), ``slurm`` (one ``srun`` task per rank:
+    ``SLURM_PROCID``, ``SLURM_NTASKS``, ...), or ``single`` (nobody: one process)."""
+
+    source: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = ""  # slurm only; under ``env`` init_process_group reads MASTER_ADDR itself
+    master_port: int = 0
+
+    @property
+    def is_rank(self) -> bool:
+        """Started as one rank of a job (even of a world of one), not as the command that spawns them."""
+        return self.source != "single"
+
+
+def world_env(env: Mapping[str, str] = os.environ) -> WorldEnv:
+    """This process's place in the job; torchrun's variables win over SLURM's (``srun ... torchrun`` sets both)."""
+    if "RANK" in env:
+        world = int(env.get("WORLD_SIZE", "1"))
+        return WorldEnv("env", int(env["RANK"]), world, int(env.get("LOCAL_RANK", "0")),
+                        int(env.get("LOCAL_WORLD_SIZE", str(world))))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return _slurm_world(env)
+    return WorldEnv("single")
+
+
+def _slurm_world(env: Mapping[str, str]) -> WorldEnv:
+    """One rank per ``srun`` task. Rank 0 (task 0, on the first node of the step) hosts the rendezvous:
+    the first host of the step's node list, not ``SLURM_LAUNCH_NODE_IPADDR``, which is the login node when
+    srun runs from an ``salloc`` shell there (that address is the fallback when no node list is set). The
+    port is derived from the job id, so every task computes the same one without talking and two jobs
+    sharing a node rarely collide; ``MASTER_ADDR``/``MASTER_PORT`` override both."""
+    world = int(env["SLURM_NTASKS"])
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else env.get("SLURM_LAUNCH_NODE_IPADDR"))
+    if not addr:
+        raise RuntimeError("under srun, found neither SLURM_STEP_NODELIST/SLURM_JOB_NODELIST nor "
+                           "SLURM_LAUNCH_NODE_IPADDR to find rank 0's host; set MASTER_ADDR to it")
+    port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return WorldEnv("slurm", int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", "0")),
+                    _slurm_tasks_on_this_node(env, world), addr, port)
+
+
+def _slurm_tasks_on_this_node(env: Mapping[str, str], world: int) -> int:
+    """This node's task count from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``: 2 on each of the first 3
+    nodes, 1 on the fourth) at ``SLURM_NODEID``; else ``SLURM_NTASKS_PER_NODE``; else an even split."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if spec and "SLURM_NODEID" in env:
+        counts = []
+        for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", spec):
+            counts += [int(count)] * int(repeat or 1)
+        return counts[int(env["SLURM_NODEID"])]
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1")
+    return max(1, world // nodes)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: ``gpu[007-009,12],cpu1`` -> ``gpu007``, ``r[1-2]n[3-4]`` -> ``r1n3``
+    (what ``scontrol show hostnames | head -1`` prints, without needing scontrol on the node)."""
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist).group(0)
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
+
+
 def world_from_env() -> tuple[int, int]:
-    """(rank, world size) as set by ``trainmesh train --nproc`` or ``torchrun``; (0, 1) when unset."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    """(rank, world size) as set by ``trainmesh train --nproc``, ``torchrun`` or ``srun``; (0, 1) when unset."""
+    world = world_env()
+    return world.rank, world.world_size
 
 
 def init_distributed(backend: str, device: torch.device, timeout_s: float = 300.0) -> None:
@@ -48,16 +121,18 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float = 300.
 
     Ranks spawned by the trainmesh launcher are all *clients* of a store the launcher hosts on
     127.0.0.1, so no rank opens a rendezvous port of its own. Under torchrun the usual ``env://``
-    rendezvous applies.
+    rendezvous applies; under srun, rank 0 hosts it at the address and port :func:`world_env` derives.
     """
-    rank, world = world_from_env()
-    if world == 1 or dist.is_initialized():
+    world = world_env()
+    if world.world_size == 1 or dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs: dict = {"backend": backend, "rank": rank, "world_size": world, "timeout": timeout}
+    kwargs: dict = {"backend": backend, "rank": world.rank, "world_size": world.world_size, "timeout": timeout}
     if os.environ.get(STORE_CLIENT_ENV) == "1":
         kwargs["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        world_size=world, is_master=False, timeout=timeout)
+                                        world_size=world.world_size, is_master=False, timeout=timeout)
+    elif world.source == "slurm":
+        kwargs["init_method"] = f"tcp://{world.master_addr}:{world.master_port}"
     else:
         kwargs["init_method"] = "env://"
     if device.type == "cuda":

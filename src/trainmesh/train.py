@@ -27,7 +27,8 @@ from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.data_parallel import DataParallel
-from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_from_env
+from trainmesh.launcher import start_heartbeat
+from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu, peak_device_bytes,
                                peak_tflops, storage_bytes)
 from trainmesh.models.gpt import GPT, cross_entropy
@@ -85,16 +86,15 @@ def setup_process(cfg: Config) -> Mesh:
     """Join the process group (if several ranks), size the CPU thread pool, build the mesh.
 
     SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
-    reports a hang.
+    reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it.
     """
-    _, world = world_from_env()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     device = pick_device(cfg.device)
     init_distributed(pick_backend(cfg.backend, device), device, cfg.collective_timeout)
+    start_heartbeat()
     return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout)
 
 
