@@ -3,6 +3,7 @@ parallel), stages are cut as asked, gradients sync once per step, and timelines 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import random
@@ -59,6 +60,58 @@ def test_remaining_schedules_at_pp4_and_dp2_pp2_match_single_process():
 def test_pipeline_composes_with_zero_and_tensor_parallel():
     check_equivalent([_cfg(2, "1f1b", dp=2, zero=1), _cfg(2, "zb", dp=2, zero=2), _cfg(2, "1f1b", dp=2, zero=3),
                       _cfg(2, "zb", tp=2)], world_size=4, timeout=400)
+
+
+def test_zero3_with_zero_bubble_matches_single_process():
+    """ZeRO-3 gathers and frees each unit for the zero-bubble input- and weight-gradient passes apart."""
+    check_equivalent([_cfg(2, "zb", dp=2, zero=3)], world_size=4)
+
+
+@pytest.mark.slow
+def test_every_schedule_with_every_zero_stage_matches_single_process():
+    cfgs = [_cfg(2, name, dp=2, zero=z) for name in ("gpipe", "1f1b", "zb") for z in (1, 2, 3)]
+    check_equivalent(cfgs + [dataclasses.replace(_interleaved(2, dp=2), zero=z) for z in (1, 2, 3)],
+                     world_size=4, timeout=500)
+
+
+def _zero_step_events(cfgs: list[Config]) -> list[dict]:
+    """Per config, after one step's forwards and backwards: how often each ZeRO group was gathered per op
+    and reduce-scattered, the most model state held at once, and what is still gathered or held."""
+    torch.set_num_threads(1)
+    facts = []
+    for cfg in cfgs:
+        run = build(cfg, setup_process(cfg))
+        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        engine, counts, gathered, most = run.engine, collections.Counter(), set(), 0
+        for kind, name, *op in engine.events:
+            if kind in ("gather", "reduce_scatter"):
+                counts[(kind, name, *op)] += 1
+            gathered = gathered | {name} if kind == "gather" else gathered - {name} if kind == "free" else gathered
+            most = max(most, len(gathered))
+        units = getattr(engine, "units", [])
+        facts.append({"groups": [g.name for g in engine.groups], "counts": counts, "most_gathered": most,
+                      "gathered": [u.name for u in units if u.gathered],
+                      "grads_held": [g.name for g in engine.groups if g.grad_flat is not None]})
+    return facts
+
+
+def test_zero_under_zero_bubble_reduces_once_per_microbatch_and_frees_between_passes():
+    """The weight pass makes one autograd call per module, yet each group is reduce-scattered once per
+    micro-batch; ZeRO-3 gathers each unit once per pass (forward, input and weight gradient) and holds
+    two at a time (the one computing and the one prefetched), as under 1F1B's single backward."""
+    m = 4
+    cfgs = [_cfg(2, "zb", model="tiny-deep", zero=2, bucket_mb=0.1), _cfg(2, "zb", model="tiny-deep", zero=3),
+            _cfg(2, "1f1b", model="tiny-deep", zero=3)]
+    for facts in run_ranks(_zero_step_events, 2, cfgs, timeout=120):
+        zero2, zero3, zero3_1f1b = facts
+        assert len(zero2["groups"]) > 1
+        for f in (zero2, zero3):
+            assert all(f["counts"][("reduce_scatter", g)] == m for g in f["groups"]), f["counts"]
+            assert f["gathered"] == [] and f["grads_held"] == []
+        for unit in zero3["groups"]:
+            assert zero3["counts"][("gather", unit, "fwd_param_all_gather")] == m
+            assert zero3["counts"][("gather", unit, "bwd_param_all_gather")] == 2 * m
+        assert zero3["most_gathered"] == zero3_1f1b["most_gathered"] == 2
 
 
 # --- one step on real ranks: gradient sync, evaluation, measured timeline ----------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -182,6 +182,14 @@ class DataParallel:
             yield
         finally:
             self.sync = True
+
+    @contextlib.contextmanager
+    def backward_pass(self, input_only: bool = False) -> Iterator[None]:
+        """Buckets are all-reduced once per step, whatever the number of autograd calls: nothing to do."""
+        yield
+
+    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
+        """Every rank holds the full parameters: nothing to gather."""
 
     def finish_gradient_sync(self) -> None:
         """Launch buckets of parameters that got no gradient, then wait for every AllReduce."""

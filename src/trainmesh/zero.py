@@ -45,13 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
-
 from trainmesh.comm import Comm
 from trainmesh.config import Config
 from trainmesh.data_parallel import fold_grad_into, split_buckets
@@ -289,6 +287,15 @@ class ZeroEngine:
         """Stages 2 and 3 reduce-scatter every micro-batch (see the module docstring): nothing to defer."""
         yield
 
+    @contextlib.contextmanager
+    def backward_pass(self, input_only: bool = False) -> Iterator[None]:
+        """Mark the autograd calls inside as one micro-batch's backward (see :class:`ZeroStage2`); stage 1
+        reduces once per step, on the last micro-batch's gradients, so a pass needs nothing here."""
+        yield
+
+    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
+        """Stages 1 and 2 hold the full parameters: nothing to gather (see :class:`ZeroStage3`)."""
+
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.groups) and self.groups[self._next_launch].pending == 0:
             self._launch(self.groups[self._next_launch])
@@ -478,6 +485,13 @@ class ZeroStage2(ZeroEngine):
     it; a complete bucket is reduce-scattered at once, and landing it (adding the averaged shard to the
     persistent gradient shard) frees the buffer. At most two buckets' full gradients are alive: the one
     in flight and the one filling.
+
+    The end of a backward pass lands every reduce-scatter (launching the buckets that got no gradient,
+    so every rank issues the same collectives). That is the end of the autograd call, unless the calls
+    run inside :meth:`backward_pass`: the zero-bubble schedule (Qi et al. 2023, §2) splits a
+    micro-batch's backward into an input-gradient pass (``input_only``), which produces no parameter
+    gradient and so reduces nothing, and a weight-gradient pass of one autograd call per module, whose
+    gradients are reduced once when the pass ends rather than once per call.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, groups: list[Group] | None = None,
@@ -488,6 +502,7 @@ class ZeroStage2(ZeroEngine):
                       for i, b in enumerate(buckets)]
         super().__init__(module, comm, cfg, groups, axis)
         self._callback_queued = False
+        self._in_pass = self._input_only = False
         for group in self.groups:
             for p in group.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -498,13 +513,26 @@ class ZeroStage2(ZeroEngine):
         return Group(name, params, layout, flat, layout.shard_of(flat),
                      flat.new_zeros(layout.shard_numel, dtype=grad_dtype))
 
+    @contextlib.contextmanager
+    def backward_pass(self, input_only: bool = False) -> Iterator[None]:
+        """Treat the autograd calls inside as one backward pass, ended once on exit (not on an error,
+        after which the ranks' collectives no longer match anyway); ``input_only``: they compute no
+        parameter gradient."""
+        self._in_pass, self._input_only = True, input_only
+        try:
+            yield
+            self._end_of_backward()
+        finally:
+            self._in_pass = self._input_only = False
+
     def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
+        if not (self._callback_queued or self._in_pass):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        self._land_all()
+        if not self._input_only:
+            self._land_all()
         self._callback_queued = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -528,6 +556,39 @@ class ZeroStage2(ZeroEngine):
         super()._launch(group)
         for earlier in self._in_flight[:-1]:
             self._land(earlier)
+
+
+def _grad_tensors(values: object) -> list[torch.Tensor]:
+    """The tensors among a module's inputs or output that backward will reach."""
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _when_backward_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` (idempotent: once per tensor) as backward is about to go through the nodes that made
+    ``tensors``. A node pre-hook runs after the tensor hooks on those nodes' outputs, so when a unit's
+    output is the next unit's input, the next unit is freed (:func:`_when_all_have_grads`) before this
+    one is gathered and the one before it prefetched: two units at a time, not three."""
+    for t in tensors:
+        if t.grad_fn is not None:
+            t.grad_fn.register_prehook(lambda grads: fn())
+        else:
+            t.register_hook(lambda grad: fn())
+
+
+def _when_all_have_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once the gradient of every one of ``tensors`` has been computed (the graph's one
+    backward through them). ``register_multi_grad_hook(mode="all")`` would do, but refuses a leaf
+    input of ``torch.autograd.grad``, which a pipeline stage's received input is."""
+    left = [len(tensors)]
+
+    def hook(_grad: torch.Tensor) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            fn()
+
+    for t in tensors:
+        t.register_hook(hook)
 
 
 @dataclass
@@ -554,6 +615,13 @@ class ZeroStage3(ZeroStage2):
     gathers it again and prefetches the unit before it; once all its parameters' gradients are in, the
     unit is freed and its gradients reduce-scattered (stage 2's machinery, one group per unit). The
     order of collectives depends only on the model, so it is the same on every rank.
+
+    Under the zero-bubble split each unit is gathered three times per micro-batch, so that parameters
+    stay sharded between passes (4Ψ(N-1)/N bytes per micro-batch in place of 3Ψ(N-1)/N): for the
+    forward; for the input-gradient pass, by the hooks above, which produces no parameter gradient to
+    free the unit by, so it is freed once the gradient has reached the unit's inputs; and for the
+    weight-gradient pass, whose autograd calls start at module outputs inside the unit, where no output
+    hook sees them: the caller gathers their unit with :meth:`unshard_for_backward`.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp",
@@ -566,7 +634,7 @@ class ZeroStage3(ZeroStage2):
         self._unit_of = {u.group.name: u for u in self.units}
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
-            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, args, out))
             self._reshard(unit)
 
     @staticmethod
@@ -593,6 +661,8 @@ class ZeroStage3(ZeroStage2):
     def _reshard(self, unit: Unit) -> None:
         """Free the unit's full parameters (after any gather into them has finished)."""
         self._wait_gathered(unit)
+        if unit.gathered:
+            self.events.append(("free", unit.name))
         unit.group.flat.untyped_storage().resize_(0)
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
@@ -609,17 +679,33 @@ class ZeroStage3(ZeroStage2):
     def _pre_forward(self, unit: Unit) -> None:
         self._gather_now_and_prefetch(unit, +1, "fwd_param_all_gather")
 
-    def _post_forward(self, unit: Unit, output: object) -> None:
+    def _post_forward(self, unit: Unit, inputs: tuple, output: object) -> None:
         self._reshard(unit)
         self.events.append(("forward", unit.name))
-        tensors = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors and torch.is_grad_enabled():
-            register_multi_grad_hook(tensors, lambda grad, u=unit: self._pre_backward(u), mode="any")
+        if not torch.is_grad_enabled():
+            return
+        outputs, inputs = _grad_tensors(output), _grad_tensors(inputs)
+        if outputs:
+            _when_backward_reaches(outputs, lambda u=unit: self._pre_backward(u))
+        if inputs:
+            _when_all_have_grads(inputs, lambda u=unit: self._post_backward_inputs(u))
 
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_end_of_backward()
         self._gather_now_and_prefetch(unit, -1, "bwd_param_all_gather")
+
+    def _post_backward_inputs(self, unit: Unit) -> None:
+        """The gradient has gone through the unit to its inputs. An input-only pass needs the unit no more
+        (a full backward frees it when its parameters' gradients are in)."""
+        if self._input_only:
+            self._reshard(unit)
+
+    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
+        """Gather the unit(s) holding ``params`` for an autograd call that computes their gradients from
+        inside the unit, prefetching the unit before; each is freed once its gradients are all in, or
+        when the backward pass ends."""
+        for name in dict.fromkeys(self._slot[p][0].name for p in params):
+            self._gather_now_and_prefetch(self._unit_of[name], -1, "bwd_param_all_gather")
 
     def _on_group_ready(self, group: Group) -> None:
         self._reshard(self._unit_of[group.name])

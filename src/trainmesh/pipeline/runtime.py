@@ -16,6 +16,13 @@ with ``torch.autograd.grad`` on the retained graph, keeping the gradient of ever
 module's output; the weight gradient (BW) later back-propagates each of those into only that module's
 own parameters, so autograd skips the weight matmuls in BI and the activation path in BW, and the
 gradients land in ``.grad`` through the usual accumulate hooks.
+
+Each backward action (B, BI or BW) runs inside ``engine.backward_pass()``: BW makes one autograd call
+per module, and an engine that reduces gradients or frees gathered parameters at the end of a backward
+(ZeRO-2/3) must do so once per action, not once per call. BW visits the modules in reverse forward
+order, the order a plain backward produces gradients in, so buckets and ZeRO-3 units complete, are
+reduced and freed in the order they are launched; before each call ``engine.unshard_for_backward``
+gathers ZeRO-3 parameters, which no unit-output hook gathers for a call starting inside the unit.
 """
 
 from __future__ import annotations
@@ -58,12 +65,17 @@ WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
 
 
 class GradientSync(Protocol):
-    """What the runtime needs of the training engine (``DataParallel``, ZeRO): the loss scale, and a way
-    to accumulate gradients without synchronising them."""
+    """What the runtime needs of the training engine (``DataParallel``, ZeRO): the loss scale, a way to
+    accumulate gradients without synchronising them, a way to say that several autograd calls form one
+    backward pass, and a way to make parameters whole before an autograd call that starts inside a module."""
 
     loss_scale: float
 
     def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+    def backward_pass(self, input_only: bool = False) -> contextlib.AbstractContextManager: ...
+
+    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None: ...
 
 
 class _Posted:
@@ -330,17 +342,18 @@ class PipelineRuntime:
     def _backward(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
         stash = step.stash.pop((action.stage, action.microbatch))
         root, grad = self._root(action, step, stash)
-        with self._sync(action, engine):
+        with self._sync(action, engine), engine.backward_pass():
             torch.autograd.backward(root, grad)
         if stash.input is not None:
             step.values[("grad", action.stage, action.microbatch)] = stash.input.grad
 
-    def _backward_input(self, action: Action, step: _Step, _engine: GradientSync | None) -> None:
+    def _backward_input(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
         stash = step.stash[(action.stage, action.microbatch)]
         root, grad = self._root(action, step, stash)
         inputs = [stash.input] if stash.input is not None else []
-        grads = torch.autograd.grad(root, inputs + [z for z, _ in stash.leaves], grad,
-                                    retain_graph=True, allow_unused=True)
+        with engine.backward_pass(input_only=True):
+            grads = torch.autograd.grad(root, inputs + [z for z, _ in stash.leaves], grad,
+                                        retain_graph=True, allow_unused=True)
         if stash.input is not None:
             step.values[("grad", action.stage, action.microbatch)] = grads[0]
         stash.leaf_grads = grads[len(inputs):]
@@ -348,9 +361,11 @@ class PipelineRuntime:
 
     def _backward_weight(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
         stash = step.stash.pop((action.stage, action.microbatch))
-        with self._sync(action, engine):
-            for (z, params), grad in zip(stash.leaves, stash.leaf_grads, strict=True):
+        leaves = list(zip(stash.leaves, stash.leaf_grads, strict=True))
+        with self._sync(action, engine), engine.backward_pass():
+            for (z, params), grad in reversed(leaves):
                 if grad is not None:
+                    engine.unshard_for_backward(params)
                     # retain_graph: two modules' weight paths may share a node; the stash's release frees it.
                     torch.autograd.backward(z, grad, inputs=list(params), retain_graph=True)
 
