@@ -17,7 +17,8 @@ from pathlib import Path
 
 from trainmesh import runlock
 from trainmesh.checkpoint import CheckpointError, check_resumable, export
-from trainmesh.config import Config, ConfigError, add_config_flags, config_from_args, validate
+from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
+                              validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.mesh import STORE_CLIENT_ENV
 from trainmesh.metrics import MetricsError
@@ -132,10 +133,16 @@ def _is_rank() -> bool:
     return "RANK" in os.environ
 
 
+def _world_from_env() -> int:
+    """``WORLD_SIZE`` as torchrun (or the launcher) set it, checked like ``--nproc``."""
+    text = os.environ["WORLD_SIZE"]
+    return check_value("nproc", parse_flag("nproc", text), "environment WORLD_SIZE", written=text)
+
+
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
     cfg = config_from_args(args)
-    world = int(os.environ["WORLD_SIZE"]) if _is_rank() else None
+    world = _world_from_env() if _is_rank() else None
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
