@@ -66,9 +66,9 @@ def ensure_writable(path: Path, flag: str) -> None:
 
 def checkpoint_bytes(cfg: Config) -> int:
     """Predicted bytes of one checkpoint: every parameter once in its dtype, plus the optimizer state
-    (Adam's two moments, and fp32 master weights in mixed precision: K = 8 or 12 bytes per parameter,
-    [ZeRO, 3.1]); a checkpoint holds each piece once whatever the layout."""
-    b = precision_bytes(cfg.precision, cfg.reduce_dtype)
+    (Adam's two moments, and fp32 master weights in mixed precision: K = 8 bytes per parameter in fp32,
+    16 in fp64, 12 in bf16/fp16 [ZeRO, 3.1]); a checkpoint holds each piece once whatever the layout."""
+    b = precision_bytes(cfg.precision, cfg.grad_dtype)
     return cfg.model_config.n_params() * (b.param + b.optimizer)
 
 
