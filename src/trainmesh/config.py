@@ -253,21 +253,26 @@ def check_value(name: str, value: Any, source: str = "", written: str | None = N
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`Config` field; defaults are suppressed so only flags given on the line count.
+    """One flag per :class:`Config` field, listed under its TOML section; defaults are suppressed so only
+    flags given on the line count.
 
     Values stay text here: :func:`check_value` converts and checks them, the same way for a flag as for
     a TOML value, so both give the same message for the same mistake.
     """
     parser.add_argument("--config", metavar="TOML", help="TOML file of settings (flags override it)")
+    groups = {section: parser.add_argument_group(f"[{section}] settings") for section in SECTIONS}
     for f in fields(Config):
+        group = groups[SECTION_OF[f.name]]
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        low, high = f.metadata["low"], f.metadata["high"]
+        allowed = f"; {_range_text(low, high)}" if low or high else ""
+        help_text = f"{f.metadata['help']} (default: {f.default}{allowed})"
         if _type_of(f.name) is bool:
-            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
             continue
         choices = f.metadata["choices"]
-        metavar = "{" + ",".join(str(c) for c in choices) + "}" if choices else f.name.upper()
-        parser.add_argument(_flag(f.name), metavar=metavar, help=help_text, **kwargs)
+        metavar = "{" + ",".join(str(c) for c in choices if c != "") + "}" if choices else f.name.upper()
+        group.add_argument(_flag(f.name), metavar=metavar, help=help_text, **kwargs)
 
 
 def _read_toml(path: str) -> dict[str, Any]:
