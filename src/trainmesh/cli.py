@@ -75,7 +75,7 @@ def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     try:
         print(export(Path(args.checkpoint), to))
     except OSError as e:
-        raise ConfigError(f"export --to {to} failed: {e.strerror or e}") from None
+        raise ConfigError(f"exporting {args.checkpoint} to {to} failed: {e}") from None
     return 0
 
 
