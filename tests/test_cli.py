@@ -30,7 +30,7 @@ BAD = [
     (["--nproc", "2", "--dp", "4"], "world size 2 != dp*tp*pp"),
     (["--nproc", "4", "--dp", "2", "--tp", "2", "--global-batch", "6", "--microbatches", "2"],
      "not divisible by dp*microbatches"),
-    (["--model", "nope"], "invalid choice"),
+    (["--model", "nope"], "--model nope: choose tiny"),
     (["--nproc", "4096", "--dp", "4096"], "more local ranks than this machine"),
     (["--nproc", "3", "--tp", "3"], "tp=3 does not divide n_heads=4"),
     (["--pp", "3", "--nproc", "3"], "exceeds the 2 layers"),

@@ -9,15 +9,21 @@ command runs as a rank directly (:func:`trainmesh.mesh.world_env`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainmesh import runlock
 from trainmesh.checkpoint import CheckpointError, check_resumable, export
-from trainmesh.config import Config, ConfigError, add_config_flags, config_from_args, validate
+from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
+                              validate)
 from trainmesh.data import DataError, TokenData
-from trainmesh.mesh import world_env, world_from_env
+from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
+from trainmesh.metrics import MetricsError
+from trainmesh.rundir import check_run_dirs, default_out_dir
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,8 +57,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _export_target(to: Path) -> None:
+    """Refuse an ``export --to`` that cannot be written, before the checkpoint is read and assembled."""
+    if to.suffix != ".safetensors":
+        raise ConfigError(f"export --to {to}: export writes a safetensors file, so name it "
+                          f"{to.with_suffix('.safetensors')}")
+    if to.is_dir():
+        raise ConfigError(f"export --to {to} is a directory; name the .safetensors file to write")
+    if not to.parent.is_dir():
+        raise ConfigError(f"export --to {to}: directory {to.parent} does not exist; create it first")
+    if not os.access(to.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"export --to {to}: directory {to.parent} is not writable; choose another place")
+
+
 def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    print(export(Path(args.checkpoint), Path(args.to)))
+    to = Path(args.to)
+    _export_target(to)
+    try:
+        print(export(Path(args.checkpoint), to))
+    except OSError as e:
+        raise ConfigError(f"exporting {args.checkpoint} to {to} failed: {e}") from None
     return 0
 
 
@@ -110,10 +134,18 @@ def _is_rank() -> bool:
     return world_env().is_rank
 
 
+def _world_from_env() -> int:
+    """The world size as torchrun (or the launcher: ``WORLD_SIZE``) or srun (``SLURM_NTASKS``) set it,
+    checked like ``--nproc``."""
+    name = "WORLD_SIZE" if "RANK" in os.environ else "SLURM_NTASKS"
+    text = os.environ.get(name, "1")
+    return check_value("nproc", parse_flag("nproc", text), f"environment {name}", written=text)
+
+
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
     cfg = config_from_args(args)
-    world = world_from_env()[1] if _is_rank() else None
+    world = _world_from_env() if _is_rank() else None
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
@@ -140,17 +172,25 @@ def _with_out_dir(argv: Sequence[str], cfg: Config) -> tuple[list[str], Config]:
     """Fix the run directory before spawning so every rank (and the user) agrees on it."""
     if cfg.out:
         return list(argv), cfg
-    from trainmesh.train import default_out_dir
-
     out = default_out_dir()
     return [*argv, "--out", out], dataclasses.replace(cfg, out=out)
 
 
+def _owns_run_dirs() -> bool:
+    """Whether this process checks and locks the run's directories: the command the user started (which
+    spawns the ranks, or is the only one), or rank 0 under torchrun; never a rank this CLI spawned."""
+    return not _is_rank() or (world_env().rank == 0 and os.environ.get(STORE_CLIENT_ENV) != "1")
+
+
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = checked_config(args)
+    if not _owns_run_dirs():
+        return _train_here(cfg)
     if not _is_rank():
         argv, cfg = _with_out_dir(argv, cfg)
-        if cfg.nproc > 1 or cfg.max_restarts:
+    check_run_dirs(cfg)
+    with runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
+        if not _is_rank() and (cfg.nproc > 1 or cfg.max_restarts):
             from trainmesh.launcher import launch_with_restarts
             from trainmesh.train import FAULT_ENV
 
@@ -159,6 +199,11 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
                 argv = [*argv, *layout_flags(cfg)]
             return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
+        return _train_here(cfg)
+
+
+def _train_here(cfg: Config) -> int:
+    """Train as one rank in this process (the only one, or one of many under torchrun or the launcher)."""
     from trainmesh.mesh import shutdown_distributed
     from trainmesh.train import train
 
@@ -191,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export}
         return commands[args.command](args, argv)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, runlock.DirectoryInUse, MetricsError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 

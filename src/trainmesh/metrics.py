@@ -8,7 +8,9 @@ freed tensor not at all; it is the quantity the ZeRO paper's memory formulas pre
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import resource
 import sys
 import time
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from trainmesh.safe_io import replace_durably
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -99,30 +103,69 @@ def peak_device_bytes(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+class MetricsError(RuntimeError):
+    """A metrics file could not be written; the message names the file and the error."""
+
+
+def _drop_torn_tail(fd: int) -> None:
+    """Cut a last line that a crash left without its newline, so appended lines stay whole JSON."""
+    size = os.lseek(fd, 0, os.SEEK_END)
+    if not size or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start = max(0, size - 2**20)
+    tail = os.pread(fd, size - start, start)
+    os.ftruncate(fd, start + tail.rfind(b"\n") + 1 if b"\n" in tail else 0)
+
+
 class MetricsWriter:
-    """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``; a no-op off rank 0."""
+    """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``; a no-op off rank 0.
+
+    Each line goes to the file in one ``write`` call on an ``O_APPEND`` descriptor, so the file only ever
+    holds whole lines: a write the disk cannot take (``ENOSPC``) is cut back to the previous line's end
+    and raised as :class:`MetricsError` naming the file, and the run stops (see ``train``).
+    """
 
     def __init__(self, out_dir: str | None, enabled: bool, append: bool = False) -> None:
         """``append`` keeps the steps already written (a resumed or restarted run continues the file)."""
         self.enabled = enabled and bool(out_dir)
         self.dir = Path(out_dir) if out_dir else None
-        self._file: TextIO | None = None
+        self.path = self.dir / "metrics.jsonl" if self.dir else None
+        self._fd: int | None = None
         if self.enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._file = (self.dir / "metrics.jsonl").open("a" if append else "w")
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC),
+                                   0o644)
+                if append:
+                    _drop_torn_tail(self._fd)
+            except OSError as e:
+                raise MetricsError(f"opening {self.path} failed: {e.strerror or e}") from None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        if self._fd is None:
+            return
+        line = (json.dumps(record) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            if os.write(self._fd, line) != len(line):
+                raise OSError(errno.ENOSPC, f"only part of a {len(line)}-byte line was written")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise MetricsError(f"writing {self.path} failed: [Errno {e.errno}] {e.strerror}") from None
 
     def summary(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            (self.dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+            path = self.dir / "summary.json"
+            try:
+                replace_durably(path, (json.dumps(record, indent=2) + "\n").encode())
+            except OSError as e:
+                raise MetricsError(f"writing {path} failed: [Errno {e.errno}] {e.strerror}") from None
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class Progress:

@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -29,8 +29,8 @@ from trainmesh.data import TokenData, get_batch
 from trainmesh.data_parallel import DataParallel
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
-from trainmesh.metrics import (MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu, peak_device_bytes,
-                               peak_tflops, storage_bytes)
+from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,
+                               peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw, lr_at
 from trainmesh.pipeline.draw import draw_timeline
@@ -263,8 +263,34 @@ def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:
     return {k: round(v - before.get(k, 0.0)) for k, v in now.items() if v - before.get(k, 0.0)}
 
 
-def default_out_dir() -> str:
-    return os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
+def write_metrics(writer: MetricsWriter, record: dict[str, Any]) -> str:
+    """Write ``record``; the error if that failed ("" if not), for :func:`stop_if_metrics_failed`."""
+    try:
+        writer.write(record)
+    except MetricsError as e:
+        return str(e)
+    return ""
+
+
+def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgress) -> None:
+    """Stop every rank together if rank 0 could not write its metrics (``error``), after a final checkpoint
+    attempt: a run must not go on unrecorded, nor lose its weights to the full disk that stopped it.
+
+    Only rank 0 writes, so the others learn of it from one small all-reduce per step.
+    """
+    failed = log_all_reduce(torch.tensor([int(bool(error))], device=run.mesh.device),
+                            reduce_op=torch.distributed.ReduceOp.MAX)
+    if not failed.item():
+        return
+    note = "no --checkpoint-dir is set, so this run's weights are not saved"
+    if run.cfg.checkpoint_dir:
+        try:
+            saved = (checkpoint.step_dir(Path(run.cfg.checkpoint_dir), done.step) if checkpoint.due(run.cfg, done.step)
+                     else checkpoint.save(run, done))
+            note = f"{saved} holds step {done.step}; free space and continue with --resume"
+        except checkpoint.CheckpointError as e:
+            note = f"the final checkpoint failed too: {e}"
+    raise MetricsError(f"{error or 'rank 0 could not write its metrics'}; stopped after step {done.step}; {note}")
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
@@ -311,10 +337,12 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   **per_rank_stats(run, saved.bytes)}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             record["val_loss"] = evaluate(run)
-        writer.write(record)
+        metrics_error = write_metrics(writer, record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
+        done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive)
         if checkpoint.due(cfg, step + 1):
-            checkpoint.save(run, checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive))
+            checkpoint.save(run, done)
+        stop_if_metrics_failed(run, metrics_error, done)
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = evaluate(run)

@@ -1,0 +1,93 @@
+"""The directories a run writes (``--out`` and ``--checkpoint-dir``), checked before any rank starts.
+
+A run that trains for hours and then cannot save is the worst way to learn that a directory is read-only,
+lies under a regular file, or sits on a full disk; so each is created, a probe file is created and removed
+in it, and the checkpoint directory's free space is compared with one checkpoint's predicted size.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+from trainmesh.config import Config, ConfigError
+from trainmesh.plan import precision_bytes
+
+RUNS_ROOT = "runs"
+
+
+def default_out_dir(root: str = RUNS_ROOT) -> str:
+    """A new run directory ``runs/<timestamp>-<random>``, created here.
+
+    Creating it (``mkdir`` fails if the name exists) is what makes it unique: two runs started in the
+    same second draw different suffixes, and a collision, however unlikely, draws again.
+    """
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    while True:
+        path = Path(root) / f"{stamp}-{secrets.token_hex(3)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return str(path)
+
+
+def _file_above(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` (or ``path`` itself) that is not a directory."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def ensure_writable(path: Path, flag: str) -> None:
+    """Create directory ``path`` if needed and prove that a file can be created and removed in it."""
+    blocker = _file_above(path)
+    if blocker is not None:
+        where = "is a file" if blocker == path else f"lies under {blocker}, which is a file"
+        raise ConfigError(f"{flag} {path} {where}, not a directory; choose a directory for {flag}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".trainmesh-probe-{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+            probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} is not writable ({e.strerror or e}); choose a directory you can "
+                          f"write to for {flag}") from None
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+    """Predicted bytes of one checkpoint: every parameter once in its dtype, plus the optimizer state
+    (Adam's two moments, and fp32 master weights in mixed precision: K = 8 bytes per parameter in fp32,
+    16 in fp64, 12 in bf16/fp16 [ZeRO, 3.1]); a checkpoint holds each piece once whatever the layout."""
+    b = precision_bytes(cfg.precision, cfg.grad_dtype)
+    return cfg.model_config.n_params() * (b.param + b.optimizer)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def check_free_space(path: Path, need: int, flag: str) -> None:
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise ConfigError(f"{flag} {path} has {_mib(free)} free but one checkpoint needs about {_mib(need)}; free "
+                          f"space there or choose another {flag}")
+
+
+def check_run_dirs(cfg: Config) -> None:
+    """Before spawning: ``--out`` and ``--checkpoint-dir`` are writable directories, and the checkpoint
+    directory has room for one more checkpoint (the previous one stays until the new one is complete)."""
+    if cfg.out:
+        ensure_writable(Path(cfg.out), "--out")
+    if cfg.checkpoint_dir:
+        ensure_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
+        check_free_space(Path(cfg.checkpoint_dir), checkpoint_bytes(cfg), "--checkpoint-dir")
