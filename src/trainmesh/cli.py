@@ -134,18 +134,21 @@ def _is_rank() -> bool:
     return world_env().is_rank
 
 
-def _world_from_env() -> int:
+def _world_from_env() -> int | None:
     """The world size as torchrun (or the launcher: ``WORLD_SIZE``) or srun (``SLURM_NTASKS``) set it,
-    checked like ``--nproc``."""
-    name = "WORLD_SIZE" if "RANK" in os.environ else "SLURM_NTASKS"
+    checked like ``--nproc`` before anything parses it; None when this process is not a rank."""
+    name = "WORLD_SIZE" if "RANK" in os.environ else "SLURM_NTASKS" if "SLURM_PROCID" in os.environ else ""
+    if not name:
+        return None
     text = os.environ.get(name, "1")
-    return check_value("nproc", parse_flag("nproc", text), f"environment {name}", written=text)
+    world = check_value("nproc", parse_flag("nproc", text), f"environment {name}", written=text)
+    return world if _is_rank() else None
 
 
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
     cfg = config_from_args(args)
-    world = _world_from_env() if _is_rank() else None
+    world = _world_from_env()
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
