@@ -23,8 +23,9 @@ peak activation   :attr:`StepPeak.saved`: most bytes of saved    :func:`~trainme
                   tensors alive at once in a step (the           (the micro-batches in flight)
                   micro-batches a schedule keeps in flight)
 peak              :attr:`StepPeak.total`: most of model state    ``memory_per_rank(...).total``: model      25 %
-                  held + saved tensors alive at once in a step,  state + activations in flight + buffers
-                  the logits counted while the loss runs         + the logits while the loss runs
+                  held + saved tensors alive at once in a step,  state + activations in flight + the
+                  the logits counted while the loss runs         larger of the buffers and (pipeline
+                                                                 buffers + the logits while the loss runs)
 ================  ============================================  =========================================  =====
 
 ``max_rss_bytes`` is shown for reference only: it is mostly the Python and torch runtime (a few hundred
