@@ -16,7 +16,7 @@ import torch
 
 from trainmesh import cli
 from trainmesh.config import Config, config_from_args
-from trainmesh.metrics import SavedActivations
+from trainmesh.metrics import SavedActivations, device_peak, mfu, model_flops_per_token
 from trainmesh.models.gpt import GPT, PRESETS, cross_entropy
 from trainmesh.pipeline.schedules import (
     schedule_1f1b,
@@ -153,6 +153,28 @@ def test_activation_estimate_is_within_5_percent_of_the_saved_tensors(precision:
         cross_entropy(model(x), y)
     expected = activation_bytes(Workload(model_shape("tiny"), 4, 32, precision), Layout())
     assert expected == pytest.approx(saved.bytes, rel=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_last_stage_peak_holds_the_logits_while_the_loss_runs(precision: str) -> None:
+    """The head's output and, below fp32, the loss's fp32 copy of it are alive while the loss runs but not
+    saved for backward: they add to the last stage's peak once, and to none of its activations."""
+    model = GPT(PRESETS["tiny"]).to(dtype=dtype_of(precision))
+    logits = model(_tiny_batch(4)[0])
+    fp32_copy = 0 if precision == "fp32" else 4 * logits.numel()
+    work, layout = tiny(precision), Layout(pp=2, microbatches=2)
+    first, last = (memory_per_rank(work, layout, stage) for stage in (0, 1))
+    assert last.logits == logits.untyped_storage().nbytes() + fp32_copy
+    assert first.logits == 0
+    assert last.activations == activation_bytes(work, layout, stage=1)
+    assert last.total == last.model_state + last.activations + last.buffers + last.logits  # p2p buffers only
+    # ZeRO-3 frees each gathered unit after its forward: at the loss no buffer is in use, in backward no logits.
+    sharded = memory_per_rank(work, Layout(dp=2, zero=3))
+    assert 0 < sharded.logits < sharded.buffers
+    assert sharded.total == sharded.model_state + sharded.activations + sharded.buffers
+    # Split by tp: GPT-3's 51200-word vocabulary at b = 1 over t = 8.
+    gpt3 = memory_per_rank(Workload(GPT3, 8, 2048, precision), Layout(tp=8, pp=4, microbatches=8), stage=3)
+    assert gpt3.logits == (4 if precision == "fp32" else 2 + 4) * 2048 * 51200 // 8
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,6 +326,17 @@ def test_megatron_layouts_are_near_the_best_that_uses_the_same_techniques(name: 
 def test_megatron_layouts_predict_the_measured_throughput(name: str) -> None:
     work, cluster, layout, measured, _ = megatron_case(name)
     assert estimate(work, layout, cluster).tflops_per_device == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_planner_and_the_runtime_count_the_same_model_flops_over_the_same_peak(precision: str) -> None:
+    """The MFU a planned gpt2-124m step predicts is what ``train`` reports for that step time on an H100."""
+    work, cluster = Workload(model_shape("gpt2-124m"), 64, 1024, precision), make_cluster("h100-80gb", 8)
+    planned = estimate(work, Layout(dp=8, microbatches=8), cluster)
+    m, peak = PRESETS["gpt2-124m"], device_peak("NVIDIA H100 80GB HBM3").at(precision)
+    flops = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, m.seq_len)
+    assert planned.mfu == pytest.approx(mfu(planned.tokens_per_s, flops, 8, peak / 1e12), rel=1e-12)
+    assert peak == (cluster.peak_flops_fp32 if precision == "fp32" else cluster.peak_flops)
 
 
 def test_zero3_without_model_parallelism_scales_worse_than_ptd() -> None:

@@ -1,7 +1,7 @@
 """The planner against measurement: for DP, ZeRO-1..3, TP and PP layouts of the tiny GPT actually run here,
-the predicted model state per rank is within 5 % of what the run holds and the predicted activations and
-peak within 25 % (quantities as :mod:`trainmesh.bench_plan` defines them); ``--plan auto`` runs the
-layout it picks.
+the predicted model state per rank and one micro-batch's saved activations are within 5 % of what the run
+holds and the predicted peaks within 25 % (quantities and tolerances as :mod:`trainmesh.bench_plan` defines
+them); ``--plan auto`` runs the layout it picks.
 
 All layouts of one world run in one ``run_ranks`` call (a module fixture); world 2 covers every form,
 world 4 (DP x TP, DP x PP, TP x PP, ZeRO at N = 4) is marked slow.
@@ -45,6 +45,17 @@ def test_predicted_memory_matches_a_real_run_at_world_2(world2: list[Comparison]
 @pytest.mark.parametrize("name", MATRIX[4])
 def test_predicted_memory_matches_a_real_run_at_world_4(world4: list[Comparison], name: str) -> None:
     _check(world4, name)
+
+
+def test_pipeline_stages_together_save_what_the_whole_model_saves(world2: list[Comparison]) -> None:
+    """pp2-1f1b and dp2 both run micro-batches of 4 sequences: the activation bytes of the two stages add up
+    to the whole model's, the last stage's including the fp32 logits its loss saves. Only the token ids
+    differ: they are a view of the rank's (batch, seq + 1) int64 window, counted by its storage, which
+    holds 8 sequences under pp2 and 4 under dp2."""
+    whole = [r.measured["activation"] for r in world2 if r.layout == "dp2"]
+    stages = [r.measured["activation"] for r in world2 if r.layout == "pp2-1f1b"]
+    assert len(whole) == 1 and len(stages) == 2
+    assert sum(stages) - whole[0] == (8 - 4) * 33 * 8
 
 
 def test_model_state_prediction_is_exact_up_to_optimizer_step_counters(world2: list[Comparison]) -> None:

@@ -1,5 +1,6 @@
 """Faults and bad input: every one is detected, named, and stops or skips cleanly (docs/reliability.md)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -184,6 +185,21 @@ def test_launcher_killed_leaves_no_rank_behind(tmp_path):
     while _pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _pids_with(marker) == []
+
+
+def test_a_restarted_run_logs_each_step_once_and_marks_the_restart(tmp_path):
+    out = tmp_path / "run"
+    result = trainmesh("train", "--nproc", "2", "--dp", "2", "--steps", "7", "--global-batch", "8",
+                       "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-restarts", "1",
+                       "--no-progress", "--out", str(out), env={"TRAINMESH_FAULT": "kill@1:5"}, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "restart 1 of 1" in result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(7)), "a step replayed after the restart is logged twice"
+    # The checkpoint of step 4 is the latest before the kill at step 5: the first run's record of step 4
+    # gave way to the restarted run's, which says so.
+    assert [r["step"] for r in records if "restart" in r] == [4]
+    assert records[4]["restart"] == {"from_step": 4, "replayed_steps": 1}
 
 
 def _listening_addresses(pids: list[int]) -> set[str]:

@@ -149,9 +149,9 @@ def test_a_short_write_is_cut_back_to_whole_lines(tmp_path, monkeypatch):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'
 
 
-def test_appending_drops_a_torn_last_line(tmp_path):
+def test_resuming_drops_a_torn_last_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"ste')
-    writer = MetricsWriter(str(tmp_path), enabled=True, append=True)
+    writer = MetricsWriter(str(tmp_path), enabled=True, resume_from=2)
     writer.write({"step": 2})
     writer.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -1,5 +1,6 @@
 """Pure pieces, no processes: model presets, data sampling, LR schedule, byte accounting."""
 
+import json
 import math
 
 import pytest
@@ -9,6 +10,7 @@ from trainmesh.comm import Comm
 from trainmesh.config import Config
 from trainmesh.data import DataError, TokenData, get_batch, global_batch_offsets
 from trainmesh.mesh import Mesh
+from trainmesh.metrics import METRICS_FILE, MetricsWriter
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.optim import lr_at
 
@@ -63,3 +65,32 @@ def test_collectives_on_a_size_one_axis_are_free():
     out = torch.empty(10)
     comm.all_gather(out, t, "dp")
     assert torch.equal(out, t) and comm.totals() == {}
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_metrics_file_keeps_one_record_per_step_and_marks_the_restart(tmp_path):
+    crashed = MetricsWriter(str(tmp_path), enabled=True)
+    for step in range(6):
+        crashed.write({"step": step, "loss": 1.0})
+    crashed.close()
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"step": 6, "lo')  # a write the kill cut short
+    resumed = MetricsWriter(str(tmp_path), enabled=True, resume_from=3)
+    for step in (3, 4):
+        resumed.write({"step": step, "loss": 2.0})
+    resumed.close()
+    records = _records(tmp_path / METRICS_FILE)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["loss"] for r in records] == [1.0, 1.0, 1.0, 2.0, 2.0]
+    assert [r.get("restart") for r in records] == [None, None, None, {"from_step": 3, "replayed_steps": 3}, None]
+
+
+def test_a_new_run_starts_a_new_metrics_file(tmp_path):
+    for loss in (1.0, 2.0):
+        writer = MetricsWriter(str(tmp_path), enabled=True)
+        writer.write({"step": 0, "loss": loss})
+        writer.close()
+    assert _records(tmp_path / METRICS_FILE) == [{"step": 0, "loss": 2.0}]

@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -80,22 +81,72 @@ def max_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-# Dense bf16 tensor-core peaks (vendor datasheets, SXM parts), matched against torch's device name.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0}
+@dataclass(frozen=True)
+class DevicePeak:
+    """Dense peak FLOP/s of one device from its vendor datasheet (SXM parts): 16-bit (bf16/fp16) tensor
+    cores, and plain fp32 (torch leaves TF32 matmuls off by default)."""
+
+    half: float
+    fp32: float
+
+    def at(self, precision: str) -> float:
+        """The peak a run in ``precision`` can reach; 0 (unknown) for a precision not in the datasheet row."""
+        return {"bf16": self.half, "fp16": self.half, "fp32": self.fp32}.get(precision, 0.0)
 
 
-def peak_tflops(device: torch.device, override: float = 0.0) -> float:
-    """The per-device peak that MFU divides by: ``override`` if given, else the table; 0 if unknown."""
+# The one table of device peaks: MFU divides by it and the planner's cluster presets are built from it.
+# Keys are matched as substrings of torch.cuda.get_device_name(), in this order.
+DEVICE_PEAKS: dict[str, DevicePeak] = {
+    "H200": DevicePeak(989e12, 67e12),
+    "H100": DevicePeak(989e12, 67e12),
+    "A100": DevicePeak(312e12, 19.5e12),
+    "L40S": DevicePeak(362e12, 91.6e12),
+    "L4": DevicePeak(121e12, 30.3e12),
+    "A10G": DevicePeak(70e12, 31.2e12),
+}
+
+
+def device_peak(device_name: str) -> DevicePeak | None:
+    """The :data:`DEVICE_PEAKS` row of a device called ``device_name``; None if it is not in the table."""
+    return next((peak for key, peak in DEVICE_PEAKS.items() if key in device_name), None)
+
+
+def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> float:
+    """The per-device peak that MFU divides by: ``override`` if given, else the table's at ``precision``;
+    0 if unknown (a CPU, an unlisted GPU)."""
     if override > 0:
         return override
     if device.type != "cuda":
         return 0.0
-    name = torch.cuda.get_device_name(device)
-    return next((tf for key, tf in PEAK_BF16_TFLOPS.items() if key in name), 0.0)
+    peak = device_peak(torch.cuda.get_device_name(device))
+    return peak.at(precision) / 1e12 if peak is not None else 0.0
+
+
+def block_flops_per_token(d_model: int, d_ff: int, seq_len: int, gated_mlp: bool = False) -> int:
+    """Forward FLOPs of one transformer block per token: 2 per weight of its matmuls (4h^2 in attention,
+    2hf in the MLP, 3hf when gated) and 4sh for QK^T and AV (Narayanan et al., 2021, Megatron-LM, appendix
+    "FLOPs"). Biases, norms and the softmax are left out, as there."""
+    weights = 4 * d_model**2 + (3 if gated_mlp else 2) * d_model * d_ff
+    return 2 * weights + 4 * seq_len * d_model
+
+
+def head_flops_per_token(d_model: int, vocab_size: int) -> int:
+    """Forward FLOPs of the output projection per token (the V/(16lh) term of Megatron-LM's appendix)."""
+    return 2 * d_model * vocab_size
+
+
+def model_flops_per_token(n_layers: int, d_model: int, d_ff: int, vocab_size: int, seq_len: int,
+                          gated_mlp: bool = False) -> int:
+    """Training FLOPs per token that MFU counts: forward and backward (twice the forward) of every block and
+    the head, without recomputation (Chowdhery et al., 2022, PaLM, appendix B: 6N + 12LHQT); embedding
+    lookups are free. The planner's step FLOPs are built on the same functions."""
+    forward = n_layers * block_flops_per_token(d_model, d_ff, seq_len, gated_mlp) + head_flops_per_token(
+        d_model, vocab_size)
+    return 3 * forward
 
 
 def mfu(tokens_per_s: float, flops_per_token: int, world_size: int, peak: float) -> float | None:
-    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices (None if unknown)."""
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak (TFLOP/s) of all devices (None if unknown)."""
     return tokens_per_s * flops_per_token / (world_size * peak * 1e12) if peak > 0 else None
 
 
@@ -107,43 +158,74 @@ class MetricsError(RuntimeError):
     """A metrics file could not be written; the message names the file and the error."""
 
 
-def _drop_torn_tail(fd: int) -> None:
-    """Cut a last line that a crash left without its newline, so appended lines stay whole JSON."""
-    size = os.lseek(fd, 0, os.SEEK_END)
-    if not size or os.pread(fd, 1, size - 1) == b"\n":
-        return
-    start = max(0, size - 2**20)
-    tail = os.pread(fd, size - start, start)
-    os.ftruncate(fd, start + tail.rfind(b"\n") + 1 if b"\n" in tail else 0)
+METRICS_FILE = "metrics.jsonl"
+
+
+def keep_steps_before(path: Path, step: int) -> int:
+    """Rewrite the metrics file ``path`` keeping only the whole records of steps before ``step``; returns
+    how many records of ``step`` and later it dropped.
+
+    A run that crashed logged the steps after its last checkpoint, which the resumed run trains and logs
+    again; keeping both would give those steps two records. A last line without its newline (a write cut
+    short by the kill) is dropped too. The rewrite is atomic, so a crash during it leaves the old file.
+    """
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept, dropped = [], 0
+    for line in lines:
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if record["step"] < step:
+            kept.append(line)
+        else:
+            dropped += 1
+    replace_durably(path, b"".join(kept))
+    return dropped
 
 
 class MetricsWriter:
     """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``; a no-op off rank 0.
 
-    Each line goes to the file in one ``write`` call on an ``O_APPEND`` descriptor, so the file only ever
-    holds whole lines: a write the disk cannot take (``ENOSPC``) is cut back to the previous line's end
-    and raised as :class:`MetricsError` naming the file, and the run stops (see ``train``).
+    Each record is one ``os.write`` of a whole line to a file opened with ``O_APPEND``, never split over
+    buffer flushes, so a rank killed mid-run leaves whole lines behind; a write the disk cannot take
+    (``ENOSPC``) is cut back to the previous line's end and raised as :class:`MetricsError` naming the
+    file, and the run stops (see ``train``).
     """
 
-    def __init__(self, out_dir: str | None, enabled: bool, append: bool = False) -> None:
-        """``append`` keeps the steps already written (a resumed or restarted run continues the file)."""
+    def __init__(self, out_dir: str | None, enabled: bool, resume_from: int | None = None) -> None:
+        """``resume_from``: the step a resumed or restarted run starts at. The file is kept up to that step
+        (:func:`keep_steps_before`) and the first record written carries ``"restart": {"from_step": N,
+        "replayed_steps": K}`` (K records of the earlier attempt dropped), so every step has exactly one
+        record, the last run's. None starts a new file."""
         self.enabled = enabled and bool(out_dir)
         self.dir = Path(out_dir) if out_dir else None
-        self.path = self.dir / "metrics.jsonl" if self.dir else None
+        self.path = self.dir / METRICS_FILE if self.dir else None
         self._fd: int | None = None
+        self._restart: dict[str, int] | None = None
         if self.enabled:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC),
-                                   0o644)
-                if append:
-                    _drop_torn_tail(self._fd)
+                if resume_from is None:
+                    flags |= os.O_TRUNC
+                else:
+                    self._restart = {"from_step": resume_from,
+                                     "replayed_steps": keep_steps_before(self.path, resume_from)}
+                self._fd = os.open(self.path, flags, 0o644)
             except OSError as e:
                 raise MetricsError(f"opening {self.path} failed: {e.strerror or e}") from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fd is None:
             return
+        if self._restart is not None:
+            record, self._restart = {**record, "restart": self._restart}, None
         line = (json.dumps(record) + "\n").encode()
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:

@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
+                               model_flops_per_token)
 from trainmesh.models.gpt import PRESETS, ModelConfig
 
 if TYPE_CHECKING:
@@ -154,7 +156,7 @@ class Cluster:
         return self.inter_bw, self.inter_latency
 
 
-def _gpu_node(mem_bytes: int, peak_bf16: float, peak_fp32: float, nvlink: float, nic: float) -> Cluster:
+def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cluster:
     """One 8-GPU node from datasheet figures.
 
     Matmuls are assumed to reach 60% of peak (end to end Megatron-LM reaches 52% on A100 [NAR, 5.1],
@@ -162,18 +164,18 @@ def _gpu_node(mem_bytes: int, peak_bf16: float, peak_fp32: float, nvlink: float,
     is about 2 us over NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's
     own buffers and allocator fragmentation.
     """
-    return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak_bf16,
-                   peak_flops_fp32=peak_fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
+    return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
+                   peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, efficiency=0.6, reserved_bytes=2 * GIB)
 
 
-# Dense bf16 tensor-core and plain fp32 peaks, NVLink bandwidth per direction, one 200 Gb/s (A100) or
-# 400 Gb/s (H100/H200) NIC per GPU. "cpu" is a modest multi-core host per process, gloo over 10 GbE.
+# Peaks from metrics.DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
+# (H100/H200) NIC per GPU. "cpu" is a modest multi-core host per process, gloo over 10 GbE.
 CLUSTER_PRESETS: dict[str, Cluster] = {
-    "a100-40gb": _gpu_node(40 * GIB, 312e12, 19.5e12, 300e9, 25e9),
-    "a100-80gb": _gpu_node(80 * GIB, 312e12, 19.5e12, 300e9, 25e9),
-    "h100-80gb": _gpu_node(80 * GIB, 989e12, 67e12, 450e9, 50e9),
-    "h200-141gb": _gpu_node(141 * 10**9, 989e12, 67e12, 450e9, 50e9),
+    "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
+    "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
+    "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
+    "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=5e9, inter_bw=1.25e9, intra_latency=20e-6, inter_latency=50e-6, efficiency=0.3,
                    reserved_bytes=GIB),
@@ -416,7 +418,11 @@ def params_per_tp_rank(m: ModelShape, tp: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes one rank of ``stage`` holds at its peak."""
+    """Bytes one rank of ``stage`` holds at its peak: model state, activations in flight, and transients.
+
+    ``buffers`` are all communication buffers (:func:`buffer_bytes`), ``p2p`` the pipeline's part of them,
+    ``logits`` what the loss holds while it runs (:func:`logits_bytes`).
+    """
 
     stage: int
     params: int
@@ -424,14 +430,24 @@ class MemoryBreakdown:
     optimizer: int
     activations: int
     buffers: int
+    p2p: int
+    logits: int
 
     @property
     def model_state(self) -> int:
         return self.params + self.grads + self.optimizer
 
     @property
+    def transients(self) -> int:
+        """The larger of the two moments transients peak. The loss runs at the end of a micro-batch's
+        forward, when ZeRO holds no gathered unit (each is freed after its forward) and no gradient bucket
+        (they fill during backward), but a pipeline's receive may be posted: logits plus p2p buffers. In
+        backward the logits are gone and every buffer may be in use."""
+        return max(self.buffers, self.p2p + self.logits)
+
+    @property
     def total(self) -> int:
-        return self.model_state + self.activations + self.buffers
+        return self.model_state + self.activations + self.transients
 
 
 @functools.lru_cache(maxsize=4096)
@@ -536,6 +552,21 @@ def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     return total + (lay.microbatches if lay.schedule == "gpipe" else 1) * last
 
 
+def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """The logits alive while the last stage's loss runs (0 on other stages): the head's output in the
+    activation dtype, s b v / t elements, and the fp32 copy the loss computes in unless that dtype is fp32.
+
+    Neither is saved for backward (the loss saves its own fp32 result, which :func:`_stage_extras` counts
+    as [KOR, 4.3] does), so they are not activations in flight: they add to the peak for one micro-batch,
+    while the loss runs (:attr:`MemoryBreakdown.transients`).
+    """
+    if stage != layout.pp - 1:
+        return 0
+    sbv = workload.seq_len * micro_batch_size(workload, layout) * workload.model.vocab_size // layout.tp
+    copies = workload.dtype_bytes.activation + (0 if workload.precision == "fp32" else DTYPE_BYTES["fp32"])
+    return copies * sbv
+
+
 def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """Transient communication buffers.
 
@@ -543,8 +574,7 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     reduce-scatter [ZeRO, 5.3]. ZeRO-2 reduce-scatters gradients in constant-size buckets [ZeRO, 5.2 and
     6.2 "CB"]: the one filling and the one in flight, ``bucket_bytes`` of parameters each (a bucket holds
     at least one whole tensor), or all of the stage's gradients when they fit in those two. A pipeline
-    stage keeps one send and one receive buffer of a micro-batch's boundary activation, split by t
-    [NAR, 4.1 scatter/gather].
+    stage adds :func:`p2p_bytes`.
     """
     b = workload.dtype_bytes
     units = stage_units(workload.model, layout.tp, layout.pp, stage)
@@ -555,15 +585,21 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
         unit_grad = b.grad * min(buckets, sum(u.numel * n for u, n in units))
     else:
         unit_grad = b.grad * largest if layout.zero == 3 else 0
+    return gathered + unit_grad + p2p_bytes(workload, layout)
+
+
+def p2p_bytes(workload: Workload, layout: Layout) -> int:
+    """A pipeline stage's send and receive buffer of a micro-batch's boundary activation, split by t
+    [NAR, 4.1 scatter/gather]; 0 without a pipeline."""
     boundary = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
-    p2p = 2 * b.activation * boundary if layout.pp > 1 else 0
-    return gathered + unit_grad + p2p
+    return 2 * workload.dtype_bytes.activation * boundary if layout.pp > 1 else 0
 
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.dp, layout.zero, stage)
     acts = _activation_bytes(workload, layout, stage)
-    return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage))
+    return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
+                           p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
 
 
 def _stages(layout: Layout, stage: int | None) -> list[int]:
@@ -652,43 +688,34 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> 
     return p / (ideal + p)
 
 
-def layer_flops_per_token(m: ModelShape, seq_len: int) -> float:
-    """Forward FLOPs of one block per token: 2 per matmul weight, 4sh for QK^T and AV [NAR, app. FLOPs]."""
-    weights = 4 * m.d_model**2 + (3 if m.gated_mlp else 2) * m.d_model * m.d_ff
-    return 2 * weights + 4 * seq_len * m.d_model
-
-
 def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
     """Executed FLOPs of one block per token over forward and backward.
 
     Backward costs twice the forward, so 3x; full recomputation reruns the forward (4x, the 96 of
     [NAR, app. FLOPs]); selective recomputation reruns only QK^T and AV [KOR, sec. 5].
     """
-    fwd = layer_flops_per_token(m, seq_len)
+    fwd = block_flops_per_token(m.d_model, m.d_ff, seq_len, m.gated_mlp)
     return {"none": 3 * fwd, "selective": 3 * fwd + 4 * seq_len * m.d_model, "full": 4 * fwd}[recompute]
-
-
-def head_flops_per_token(m: ModelShape) -> float:
-    """Forward FLOPs of the output projection per token, the V/(16lh) term of [NAR, app. FLOPs]."""
-    return 2 * m.d_model * m.vocab_size
 
 
 def step_flops(workload: Workload, recompute: str = "none") -> float:
     """FLOPs of one step.
 
-    With ``recompute="none"`` these are the model FLOPs that MFU counts [PALM, app. B]; with the
-    layout's recompute, the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
+    With ``recompute="none"`` these are the model FLOPs that MFU counts [PALM, app. B], the ones
+    :func:`trainmesh.metrics.model_flops_per_token` gives the runtime's MFU; with the layout's recompute,
+    the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
     """
-    m = workload.model
-    blocks = m.n_layers * block_pass_flops_per_token(m, workload.seq_len, recompute)
-    return workload.global_batch * workload.seq_len * (blocks + 3 * head_flops_per_token(m))
+    m, s = workload.model, workload.seq_len
+    model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp)
+    rerun = m.n_layers * (block_pass_flops_per_token(m, s, recompute) - block_pass_flops_per_token(m, s, "none"))
+    return workload.global_batch * s * (model + rerun)
 
 
 def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """Seconds of one micro-batch's forward and backward on a rank of ``stage``; tp splits the work evenly."""
     m, s = workload.model, workload.seq_len
     tokens = s * micro_batch_size(workload, layout) / layout.tp
-    head = 3 * head_flops_per_token(m) if stage == layout.pp - 1 else 0.0
+    head = 3 * head_flops_per_token(m.d_model, m.vocab_size) if stage == layout.pp - 1 else 0.0
     blocks = (m.n_layers // layout.pp) * block_pass_flops_per_token(m, s, layout.recompute)
     return tokens * (blocks + head) / (peak_flops(workload, cluster) * cluster.efficiency)
 

@@ -30,6 +30,7 @@ from trainmesh.data_parallel import DataParallel
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,
+                               model_flops_per_token,
                                peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw, lr_at
@@ -300,13 +301,15 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     run = build(cfg, mesh)
     start = checkpoint.restore(run)
     rank, _ = world_from_env()
-    writer = MetricsWriter(cfg.out, enabled=rank == 0, append=cfg.resume)
+    writer = MetricsWriter(cfg.out, enabled=rank == 0, resume_from=start.step if cfg.resume else None)
     progress = Progress(cfg.steps, enabled=rank == 0 and cfg.progress)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
                      f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
-    tokens_per_step = cfg.global_batch * cfg.model_config.seq_len
-    peak = peak_tflops(mesh.device, cfg.peak_tflops)
+    shape = cfg.model_config
+    tokens_per_step = cfg.global_batch * shape.seq_len
+    flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len)
+    peak = peak_tflops(mesh.device, cfg.precision, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     losses, times = [], []
@@ -331,7 +334,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
                   "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                  "mfu": mfu(tokens_per_step / step_time, cfg.model_config.flops_per_token(), mesh.world_size, peak),
+                  "mfu": mfu(tokens_per_step / step_time, flops_per_token, mesh.world_size, peak),
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
@@ -350,7 +353,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     tokens_per_s = tokens_per_step * len(steady) / sum(steady)
     summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
                "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
-               "mfu": mfu(tokens_per_s, cfg.model_config.flops_per_token(), mesh.world_size, peak),
+               "mfu": mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                "world_size": mesh.world_size, **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
     writer.summary(summary)
     writer.close()

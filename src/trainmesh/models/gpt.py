@@ -41,12 +41,6 @@ class ModelConfig:
         per_block = (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
         return v * d + s * d + self.n_layers * per_block + 2 * d + d * v
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token, forward + backward: 6 per weight of every matmul plus the attention
-        scores and weighted sum, 12·L·d·T (Chowdhery et al., 2022, PaLM, App. B). Embedding lookups are free."""
-        matmul_weights = self.n_params() - (self.vocab_size + self.seq_len) * self.d_model
-        return 6 * matmul_weights + 12 * self.n_layers * self.d_model * self.seq_len
-
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32),

@@ -323,10 +323,13 @@ class PipelineRuntime:
         if s > 0:
             x = step.values.pop(("act", s - 1, mb)).requires_grad_(torch.is_grad_enabled())
         saving = step.saved.recording() if step.saved is not None and mb == 0 else contextlib.nullcontext()
-        with saving, self._recording_leaves() as leaves:
-            out = self.chunks[s](x)
-        if s == self.n_stages - 1:
-            out = step.criterion(out, y) / self.n_microbatches
+        last = s == self.n_stages - 1
+        with saving:  # the loss too: it saves the fp32 logits, as it does without a pipeline
+            with self._recording_leaves() as leaves:
+                out = self.chunks[s](x)
+            if last:
+                out = step.criterion(out, y) / self.n_microbatches
+        if last:
             step.loss += out.detach()
         else:
             step.values[("act", s, mb)] = out.detach()
