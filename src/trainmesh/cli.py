@@ -8,13 +8,14 @@ torchrun ``RANK`` is set from the start, so the command runs as a rank directly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainmesh.checkpoint import CheckpointError, check_resumable, export
+from trainmesh.checkpoint import RUN_ID_ENV, CheckpointError, check_resumable, claim, export
 from trainmesh.config import Config, ConfigError, add_config_flags, config_from_args, validate
 from trainmesh.data import DataError, TokenData
 
@@ -145,24 +146,31 @@ def _with_out_dir(argv: Sequence[str], cfg: Config) -> tuple[list[str], Config]:
     return [*argv, "--out", out], dataclasses.replace(cfg, out=out)
 
 
+def _launches_the_run() -> bool:
+    """Whether this process claims the checkpoint directory: the launcher (or the single process), or
+    rank 0 under torchrun; ranks our launcher started find the claim made (``TRAINMESH_RUN_ID``)."""
+    return not _is_rank() or (os.environ["RANK"] == "0" and RUN_ID_ENV not in os.environ)
+
+
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = checked_config(args)
-    if not _is_rank():
-        argv, cfg = _with_out_dir(argv, cfg)
-        if cfg.nproc > 1 or cfg.max_restarts:
-            from trainmesh.launcher import launch_with_restarts
-            from trainmesh.train import FAULT_ENV
+    with claim(cfg) if _launches_the_run() else contextlib.nullcontext():
+        if not _is_rank():
+            argv, cfg = _with_out_dir(argv, cfg)
+            if cfg.nproc > 1 or cfg.max_restarts:
+                from trainmesh.launcher import launch_with_restarts
+                from trainmesh.train import FAULT_ENV
 
-            if cfg.plan == "auto":
-                from trainmesh.plan import layout_flags
+                if cfg.plan == "auto":
+                    from trainmesh.plan import layout_flags
 
-                argv = [*argv, *layout_flags(cfg)]
-            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
-    from trainmesh.mesh import shutdown_distributed
-    from trainmesh.train import train
+                    argv = [*argv, *layout_flags(cfg)]
+                return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
+        from trainmesh.mesh import shutdown_distributed
+        from trainmesh.train import train
 
-    train(cfg)
-    shutdown_distributed()
+        train(cfg)
+        shutdown_distributed()
     return 0
 
 

@@ -314,7 +314,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         writer.write(record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
         if checkpoint.due(cfg, step + 1):
-            checkpoint.save(run, checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive))
+            checkpoint.save(run, checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id))
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = evaluate(run)
