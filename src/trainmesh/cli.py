@@ -155,22 +155,27 @@ def _launches_the_run() -> bool:
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cfg = checked_config(args)
     with claim(cfg) if _launches_the_run() else contextlib.nullcontext():
-        if not _is_rank():
-            argv, cfg = _with_out_dir(argv, cfg)
-            if cfg.nproc > 1 or cfg.max_restarts:
-                from trainmesh.launcher import launch_with_restarts
-                from trainmesh.train import FAULT_ENV
+        return _run_training(cfg, argv)
 
-                if cfg.plan == "auto":
-                    from trainmesh.plan import layout_flags
 
-                    argv = [*argv, *layout_flags(cfg)]
-                return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
-        from trainmesh.mesh import shutdown_distributed
-        from trainmesh.train import train
+def _run_training(cfg: Config, argv: Sequence[str]) -> int:
+    """Spawn the ranks (through the launcher), or train in this process if it is a rank or the only one."""
+    if not _is_rank():
+        argv, cfg = _with_out_dir(argv, cfg)
+        if cfg.nproc > 1 or cfg.max_restarts:
+            from trainmesh.launcher import launch_with_restarts
+            from trainmesh.train import FAULT_ENV
 
-        train(cfg)
-        shutdown_distributed()
+            if cfg.plan == "auto":
+                from trainmesh.plan import layout_flags
+
+                argv = [*argv, *layout_flags(cfg)]
+            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
+    from trainmesh.mesh import shutdown_distributed
+    from trainmesh.train import train
+
+    train(cfg)
+    shutdown_distributed()
     return 0
 
 
