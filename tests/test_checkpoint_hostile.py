@@ -25,10 +25,10 @@ import safetensors.torch
 import torch
 
 from trainmesh import checkpoint, cli, safe_io
-from trainmesh.checkpoint import (LOCK, RUN_ID_ENV, CheckpointDamaged, CheckpointError, read_manifest, read_tensors,
-                                  step_dir)
+from trainmesh.checkpoint import (LOCK, RUN_ID_ENV, CheckpointDamaged, CheckpointError, CheckpointMismatch,
+                                  read_manifest, read_tensors, step_dir)
 from trainmesh.config import Config
-from trainmesh.manifest import ManifestError, check_manifest
+from trainmesh.manifest import ManifestError, check_manifest, check_tiling
 from trainmesh.mesh import Mesh
 from trainmesh.train import build, full_state_dict, train
 
@@ -186,6 +186,7 @@ def _pieces_manifest(shape: list[int], pieces: list[tuple[list[int], list[int]]]
 def _check_time(manifest: dict) -> float:
     start = time.perf_counter()
     check_manifest(manifest, "step-00000000")
+    check_tiling(manifest)
     return time.perf_counter() - start
 
 
@@ -199,7 +200,7 @@ def test_many_pieces_validate_in_linear_time():
     assert t_line < 8 * t_quarter + 0.05, f"4x the pieces took {t_line / t_quarter:.1f}x the time"
     overlapping = _pieces_manifest([2, 10], [([0, 0], [2, 5]), ([0, 5], [1, 5]), ([1, 4], [1, 5])])
     with pytest.raises(ManifestError, match="overlap"):
-        check_manifest(overlapping, "step-00000000")
+        _check_time(overlapping)
 
 
 def _set(path: str, value):
@@ -228,6 +229,11 @@ MANIFEST_DAMAGE = {
     "huge shape": (lambda m: (m["tensors"]["model/head.weight"].__setitem__("shape", [2**40, 2**20]),
                               m["tensors"]["model/head.weight"]["pieces"][0].__setitem__("sizes", [2**40, 2**20])),
                    "bytes but the file has"),
+    "huge shape in a file claiming to hold it": (
+        lambda m: (m["tensors"]["model/head.weight"].__setitem__("shape", [2**40, 2**3]),
+                   m["tensors"]["model/head.weight"]["pieces"][0].__setitem__("sizes", [2**40, 2**3]),
+                   m["files"][SHARD].__setitem__("bytes", 2**46)),
+        f"bytes but was written with {2**46}"),
     "int64 dtype": (lambda m: m["tensors"]["model/head.weight"].__setitem__("dtype", "int64"),
                     "dtype \"int64\" is not one of"),
     "nan loss scale": (lambda m: m["loss_scaler"].__setitem__("scale", float("nan")), "loss_scaler.scale is NaN"),
@@ -497,7 +503,8 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
             pytest.fail(f"{label} hung")
         except CheckpointError as e:
             message = str(e)
-            assert "\n" not in message and str(step) in message, f"{label}: {message!r}"
+            names_a_file = f"{step}/" in message or isinstance(e, CheckpointMismatch) and str(step) in message
+            assert "\n" not in message and names_a_file, f"{label}: {message!r}"
             outcomes["refused"] += 1
         else:
             assert all(torch.equal(a, b) for a, b in zip(_snapshot(run), original)), f"{label} loaded other data"

@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
-from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, show
+from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import world_from_env
 from trainmesh.safe_io import (IntegrityError, LockHeld, acquire_lock, check_regular, fsync_dir, inside, read_regular,
                                read_verified, replace_durably, sha256_hex, write_durably, write_holder)
@@ -443,19 +443,24 @@ def due(cfg: Config, steps_done: int) -> bool:
 
 def read_manifest(path: Path) -> dict:
     """The manifest of checkpoint directory ``path`` once it has proved sound: :func:`parse_manifest`'s,
-    and every file it lists a regular file in ``path`` of the recorded size. Else :class:`CheckpointDamaged`."""
+    every file it lists a regular file in ``path`` of the recorded size, and then (the files' sizes bounding
+    the work) every tensor's pieces tiling it. Else :class:`CheckpointDamaged`."""
     manifest = parse_manifest(path)
     try:
         for name, entry in manifest["files"].items():
             check_regular(inside(path, name), entry["bytes"])
+        check_tiling(manifest)
     except IntegrityError as e:
         raise CheckpointDamaged(path, str(e)) from None
+    except ManifestError as e:
+        raise CheckpointDamaged(path, f"{path / MANIFEST}: {e}") from None
     return manifest
 
 
 def parse_manifest(path: Path) -> dict:
     """The manifest of ``path`` parsed as JSON only (nothing on disk is ever unpickled), matching its own
-    SHA-256 and inside the schema (:mod:`trainmesh.manifest`); its files are not looked at."""
+    SHA-256 and inside the schema (:mod:`trainmesh.manifest`); its files are not looked at (nor, since that
+    needs their sizes, whether its pieces tile their tensors)."""
     file = path / MANIFEST
     try:
         manifest = json.loads(read_regular(file, MANIFEST_LIMIT))

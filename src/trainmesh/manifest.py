@@ -88,7 +88,8 @@ def _text(value: Any, where: str, pattern: re.Pattern) -> str:
 def check_manifest(manifest: Any, step_name: str) -> None:
     """Raise :class:`ManifestError` unless ``manifest`` (parsed JSON) is a well-formed manifest of the
     checkpoint directory named ``step_name``; afterwards every value the reader uses has the type and
-    range it expects. Runs in time linear in the manifest and its tensors' sizes."""
+    range it expects. Linear in the manifest. Whether the pieces tile their tensors is
+    :func:`check_tiling`'s question, asked once the files are known to have the sizes listed here."""
     m = _dict(manifest, "the manifest", KEYS)
     step = _int(m["step"], "step")
     if step_name != f"step-{step:08d}":
@@ -150,7 +151,6 @@ def _check_tensors(tensors: dict, file_bytes: dict[str, int]) -> None:
     """Every tensor's entry, its pieces' boxes and keys, and that the pieces fit in their files' bytes."""
     used: dict[str, int] = defaultdict(int)
     seen: set[tuple[str, str]] = set()
-    boxes = {}
     for name, entry in tensors.items():
         _text(name, "a tensor name", TENSOR_NAME)
         entry = _dict(entry, f"tensor {name}", ("shape", "dtype", "pieces"))
@@ -165,18 +165,16 @@ def _check_tensors(tensors: dict, file_bytes: dict[str, int]) -> None:
         pieces = entry["pieces"]
         if not isinstance(pieces, list) or not pieces:
             raise ManifestError(f"tensor {name}: pieces is {show(pieces)}; it must be a non-empty list")
-        boxes[name] = (shape, [_check_piece(p, name, shape, file_bytes, seen) for p in pieces])
-        for piece, (_, sizes) in zip(pieces, boxes[name][1]):
-            used[piece["file"]] += math.prod(sizes) * ITEM_BYTES[dtype]
+        for piece in pieces:
+            _check_piece(piece, name, shape, file_bytes, seen)
+            used[piece["file"]] += math.prod(piece["sizes"]) * ITEM_BYTES[dtype]
     for file, nbytes in used.items():
         if nbytes > file_bytes[file]:
             raise ManifestError(f"the pieces in {file} need {nbytes} bytes but the file has {file_bytes[file]}")
-    for name, (shape, pieces) in boxes.items():
-        _check_tiling(name, shape, pieces)
 
 
 def _check_piece(piece: Any, name: str, shape: list[int], file_bytes: dict[str, int],
-                 seen: set[tuple[str, str]]) -> tuple[list[int], list[int]]:
+                 seen: set[tuple[str, str]]) -> None:
     """One piece: inside its tensor, in a listed file, under the key its box gives it, listed once."""
     where = f"a piece of {name}"
     if not isinstance(piece, dict) or piece.keys() != PIECE_KEYS:
@@ -195,18 +193,24 @@ def _check_piece(piece: Any, name: str, shape: list[int], file_bytes: dict[str, 
     if (piece["file"], key) in seen:
         raise ManifestError(f"{where}: key {show(key)} is listed twice")
     seen.add((piece["file"], key))
-    return offsets, sizes
 
 
-def _check_tiling(name: str, shape: list[int], pieces: list[tuple[list[int], list[int]]]) -> None:
-    """The pieces cover every element of the tensor exactly once. If their sizes add up to the tensor's,
-    an element marked twice leaves another unmarked (also with the byte map's wrap-around), so one
-    all-ones test settles both gaps and overlaps."""
+def check_tiling(manifest: dict) -> None:
+    """Raise :class:`ManifestError` unless the pieces of every tensor of ``manifest`` (which passed
+    :func:`check_manifest`, and whose files have the sizes it lists) cover it exactly once."""
+    for name, entry in manifest["tensors"].items():
+        _check_tiling(name, entry["shape"], entry["pieces"])
+
+
+def _check_tiling(name: str, shape: list[int], pieces: list[dict]) -> None:
+    """If the pieces' sizes add up to the tensor's, an element marked twice leaves another unmarked (also
+    with the byte map's wrap-around), so one all-ones test settles both gaps and overlaps. The sum is
+    checked first, so the map is no larger than the pieces' bytes in their files."""
     total = math.prod(shape)
-    if sum(math.prod(sizes) for _, sizes in pieces) != total:
+    if sum(math.prod(p["sizes"]) for p in pieces) != total:
         raise ManifestError(f"the pieces of {name} do not add up to its {total} elements")
     marks = np.zeros(shape, dtype=np.uint8)
-    for offsets, sizes in pieces:
-        marks[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+    for p in pieces:
+        marks[tuple(slice(o, o + s) for o, s in zip(p["offsets"], p["sizes"]))] += 1
     if not (marks == 1).all():
         raise ManifestError(f"the pieces of {name} overlap and leave a gap in its shape {shape}")
