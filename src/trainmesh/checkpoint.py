@@ -37,10 +37,26 @@ manifest, renames the directory to ``step-N`` and then atomically replaces the `
 (:mod:`trainmesh.safe_io`). A crash or a full disk at any point leaves the previous checkpoint and the
 pointer to it untouched. ``--resume`` tries ``latest``, then every other ``step-N``, newest first, and says
 which damaged ones it skipped.
+
+Trusting nothing read. Anyone who can write into ``--checkpoint-dir`` can also rewrite a manifest and its
+hashes, so before any value of a manifest is used it is checked against a schema (:mod:`trainmesh.manifest`:
+types, ranges, plain ``rank-N.safetensors`` file names, allowed dtypes, pieces tiling each tensor, sizes
+within the files' bytes, the step matching its directory's name), every file it names is checked to be a
+regular file inside the step directory with the recorded size before a byte of it is read
+(:mod:`trainmesh.safe_io`), and each generator state is checked when it is applied. Any damage is one
+line, ``checkpoint D/step-N is damaged: <file>: <what>``, and ``--resume`` goes back to an earlier
+checkpoint of the same run, or stops.
+
+Run identity. Every run has an id (a UUID) that its manifests record with a hash of its config. The
+process that launches a run holds ``D/trainmesh.lock`` (:func:`claim`) for the run's life, so a second live
+run on ``D`` is refused with the holder's pid; a fresh run refuses a ``D`` that holds another run's
+checkpoints unless ``--overwrite`` (which deletes them first), ``--resume`` continues the id of the run it
+resumes, and a fallback never loads a checkpoint of another run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -49,8 +65,9 @@ import re
 import shutil
 import sys
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,17 +79,21 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
+from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import world_from_env
-from trainmesh.safe_io import IntegrityError, fsync_dir, read_verified, replace_durably, sha256_hex, write_durably
+from trainmesh.safe_io import (IntegrityError, LockHeld, acquire_lock, check_regular, fsync_dir, inside, read_regular,
+                               read_verified, replace_durably, sha256_hex, write_durably, write_holder)
 from trainmesh.tensor_parallel import shard_boxes
 from trainmesh import zero
 
 if TYPE_CHECKING:
     from trainmesh.train import Run
 
-FORMAT, VERSION = "trainmesh-checkpoint", 1
-MANIFEST, LATEST = "manifest.json", "latest"
+MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
 STEP_DIR = re.compile(r"step-(\d{8})")
+LEFTOVER = re.compile(r"\.(tmp|replaced)-step-\d{8}")
+MANIFEST_LIMIT = 2**30
+RUN_ID_ENV = "TRAINMESH_RUN_ID"  # set by the launching process (:func:`claim`) for the ranks it starts
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DTYPES = {str(t).removeprefix("torch."): t
           for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)}
@@ -87,6 +108,17 @@ class CheckpointMismatch(CheckpointError):
     """A sound checkpoint that does not fit this run (another model): no older checkpoint would fit either."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """Checkpoint ``path`` cannot be used as it is on disk; ``detail`` names the file and what is wrong."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(f"checkpoint {path} is damaged: {' '.join(detail.split())}")
+
+
+class CheckpointOfAnotherRun(CheckpointError):
+    """A sound checkpoint written by a run other than the one being resumed: never a fallback."""
+
+
 @dataclass(frozen=True)
 class TrainingProgress:
     """The loop's state besides tensors: steps done and the non-finite step counters."""
@@ -94,6 +126,7 @@ class TrainingProgress:
     step: int = 0
     skipped_steps: int = 0
     bad_steps_in_a_row: int = 0
+    run_id: str = ""  # the run these steps belong to (recorded in each manifest's ``run``, not ``progress``)
 
 
 @dataclass
@@ -220,6 +253,7 @@ def rng_state(rank: int, device: torch.device) -> list[LocalTensor]:
 
 
 def set_rng_state(tensors: list[LocalTensor], device: torch.device) -> None:
+    """Apply loaded generator states; torch validates each (a replaced one raises ``RuntimeError``)."""
     for t in tensors:
         if t.name.endswith("/cpu"):
             torch.set_rng_state(t.views[0])
@@ -315,6 +349,10 @@ def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return {"file": path.name, "sha256": sha256_hex(data), "bytes": len(data)}
 
 
+def config_hash(cfg: Config) -> str:
+    return sha256_hex(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+
+
 def _content_hash(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     return sha256_hex(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
@@ -333,7 +371,9 @@ def _manifest(run: Run, progress: TrainingProgress, plans: list[list[dict]], wri
     scaler = run.engine.scaler
     cfg, mesh = run.cfg, run.mesh
     manifest = {
-        "format": FORMAT, "version": VERSION, "step": progress.step, "progress": dataclasses.asdict(progress),
+        "format": FORMAT, "version": VERSION, "step": progress.step,
+        "progress": {k: v for k, v in dataclasses.asdict(progress).items() if k != "run_id"},
+        "run": {"id": progress.run_id, "config_sha256": config_hash(cfg)},
         "loss_scaler": {"scale": scaler.scale, "clean_steps": scaler.clean_steps,
                         "skipped_steps": scaler.skipped_steps},
         "model": dataclasses.asdict(cfg.model_config), "config": dataclasses.asdict(cfg),
@@ -367,6 +407,8 @@ def save(run: Run, progress: TrainingProgress) -> Path:
     """
     start = time.perf_counter()
     rank, device = world_from_env()[0], run.mesh.device
+    if not progress.run_id:
+        progress = dataclasses.replace(progress, run_id=agreed_run_id(device))
     final = step_dir(Path(run.cfg.checkpoint_dir), progress.step)
     tmp = final.with_name(f".tmp-{final.name}")
     mine = _pieces(local_state(run) + rng_state(rank, device))
@@ -400,54 +442,74 @@ def due(cfg: Config, steps_done: int) -> bool:
 # --- reading -----------------------------------------------------------------------------------------
 
 def read_manifest(path: Path) -> dict:
-    """The manifest of checkpoint directory ``path``, checked against its own SHA-256 and for pieces that
-    tile every tensor exactly; parsed as JSON only (nothing on disk is ever unpickled)."""
+    """The manifest of checkpoint directory ``path`` once it has proved sound: :func:`parse_manifest`'s,
+    every file it lists a regular file in ``path`` of the recorded size, and then (the files' sizes bounding
+    the work) every tensor's pieces tiling it. Else :class:`CheckpointDamaged`."""
+    manifest = parse_manifest(path)
+    try:
+        for name, entry in manifest["files"].items():
+            check_regular(inside(path, name), entry["bytes"])
+        check_tiling(manifest)
+    except IntegrityError as e:
+        raise CheckpointDamaged(path, str(e)) from None
+    except ManifestError as e:
+        raise CheckpointDamaged(path, f"{path / MANIFEST}: {e}") from None
+    return manifest
+
+
+def parse_manifest(path: Path) -> dict:
+    """The manifest of ``path`` parsed as JSON only (nothing on disk is ever unpickled), matching its own
+    SHA-256 and inside the schema (:mod:`trainmesh.manifest`); its files are not looked at (nor, since that
+    needs their sizes, whether its pieces tile their tensors)."""
     file = path / MANIFEST
     try:
-        manifest = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: {path} is not a finished checkpoint") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}): it was damaged or replaced") from None
+        manifest = json.loads(read_regular(file, MANIFEST_LIMIT))
+    except IntegrityError as e:
+        raise CheckpointDamaged(path, str(e)) from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointDamaged(path, f"{file} is not valid JSON ({e}): it was damaged or replaced") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{file} is not a trainmesh checkpoint manifest (format {FORMAT} version {VERSION})")
+        raise CheckpointDamaged(path, f"{file} is not a trainmesh checkpoint manifest (format {FORMAT} version "
+                                      f"{VERSION})")
     if manifest.get("sha256") != _content_hash(manifest):
-        raise CheckpointError(f"{file} does not match its own SHA-256: it was edited or corrupted after it was written")
-    for name, entry in manifest["tensors"].items():
-        boxes = [Box(torch.Size(p["offsets"]), torch.Size(p["sizes"])) for p in entry["pieces"]]
-        if not _disjoint_cover(tuple(entry["shape"]), boxes) or any(p["file"] not in manifest["files"]
-                                                                     for p in entry["pieces"]):
-            raise CheckpointError(f"{file}: the pieces of {name} do not tile its shape {entry['shape']} exactly")
+        raise CheckpointDamaged(path, f"{file} does not match its own SHA-256: it was edited or corrupted after "
+                                      f"it was written")
+    try:
+        check_manifest(manifest, path.resolve().name)
+    except ManifestError as e:
+        raise CheckpointDamaged(path, f"{file}: {e}") from None
     return manifest
 
 
 def _verified_tensors(path: Path, name: str, files: dict) -> dict[str, torch.Tensor]:
     """The tensors of file ``name`` of checkpoint ``path``, parsed only after its bytes proved sound."""
     try:
-        data = read_verified(path / name, files[name]["sha256"], files[name]["bytes"])
+        data = read_verified(inside(path, name), files[name]["sha256"], files[name]["bytes"])
         return safetensors.torch.load(data)
     except IntegrityError as e:
-        raise CheckpointError(str(e)) from None
+        raise CheckpointDamaged(path, str(e)) from None
     except SafetensorError as e:
-        raise CheckpointError(f"{path / name} matches its SHA-256 but is not a safetensors file ({e})") from None
+        raise CheckpointDamaged(path, f"{path / name} matches its SHA-256 but is not a safetensors file "
+                                      f"({e})") from None
+
+
+Fault = Callable[[str], CheckpointError]
 
 
 def fill(wanted: list[LocalTensor], index: dict[str, dict], open_file: Callable[[str], dict[str, torch.Tensor]],
-         source: Path) -> None:
+         source: Path, fault: Fault) -> None:
     """Copy into each wanted tensor, box by box, its intersections with the pieces ``index`` lists, reading
-    each file once; then write the result into every live view."""
+    each file once; then write the result into every live view. What ``source`` lacks is ``fault(what)``:
+    another model for a weights file, damage for a checkpoint whose model config matched."""
     jobs: dict[str, list] = defaultdict(list)
     buffers = []
     for t in wanted:
         entry = index.get(t.name)
         if entry is None or tuple(entry["shape"]) != t.shape:
             there = "is missing" if entry is None else f"has shape {entry['shape']}"
-            raise CheckpointMismatch(f"{source} holds a different model: {t.name} {there} there, shape "
-                                     f"{list(t.shape)} here; use the --model it was written for, or another "
-                                     f"--checkpoint-dir to start afresh")
+            raise fault(f"{t.name} {there} there, shape {list(t.shape)} here")
         if entry["dtype"] not in DTYPES:
-            raise CheckpointError(f"{source}: {t.name} is stored as {entry['dtype']}; trainmesh reads "
-                                  f"{', '.join(DTYPES)}")
+            raise fault(f"{t.name} is stored as {show(entry['dtype'])}; trainmesh reads {', '.join(DTYPES)}")
         buf = torch.empty(sum(box_numel(b) for b in t.boxes), dtype=DTYPES[entry["dtype"]])
         base = 0
         for box in t.boxes:
@@ -464,8 +526,8 @@ def fill(wanted: list[LocalTensor], index: dict[str, dict], open_file: Callable[
         for key, saved, dst, common, dtype in file_jobs:
             src = tensors.get(key)
             if src is None or src.shape != saved.sizes or src.dtype != dtype:
-                raise CheckpointError(f"{source / name}: tensor {key} is missing or not the {dtype} of shape "
-                                      f"{list(saved.sizes)} that the manifest lists")
+                raise fault(f"{source / name}: tensor {key} is missing or not the {dtype} of shape "
+                            f"{list(saved.sizes)} that the manifest lists")
             dst.copy_(region(src, common, saved))
     with torch.no_grad():
         for t, buf in buffers:
@@ -483,17 +545,34 @@ def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
                                  f"--checkpoint-dir to start afresh")
 
 
-def load(run: Run, path: Path) -> dict:
+def _apply_rng(rng: list[LocalTensor], manifest: dict, path: Path, device: torch.device) -> None:
+    for t in rng:
+        try:
+            set_rng_state([t], device)
+        except RuntimeError as e:
+            file = path / manifest["tensors"][t.name]["pieces"][0]["file"]
+            raise CheckpointDamaged(path, f"{file}: {t.name} is not a valid generator state ({e})") from None
+
+
+def load(run: Run, path: Path, run_id: str | None = None) -> dict:
     """Read checkpoint ``path`` into this rank's part of ``run``, in ``run``'s own layout; returns the
-    manifest. Only reads (no collective): :func:`resume` agrees across ranks, then :func:`_apply` finishes."""
+    manifest. A checkpoint of a run other than ``run_id`` (if given) is refused before anything is loaded.
+    Only reads (no collective): :func:`resume` agrees across ranks, then :func:`_apply` finishes."""
     manifest = read_manifest(path)
+    if run_id and manifest["run"]["id"] != run_id:
+        raise CheckpointOfAnotherRun(f"checkpoint {path} belongs to run {manifest['run']['id']}, not to run "
+                                     f"{run_id} that is being resumed; it is not used")
     _check_model(manifest, run.cfg, path)
     rank, device = world_from_env()[0], run.mesh.device
     same_world = manifest["layout"]["world_size"] == run.mesh.world_size
     rng = rng_state(rank, device) if same_world else []
-    fill(local_state(run) + rng, manifest["tensors"], lambda name: _verified_tensors(path, name, manifest["files"]),
-         path)
-    set_rng_state(rng, device)
+    try:
+        fill(local_state(run) + rng, manifest["tensors"],
+             lambda name: _verified_tensors(path, name, manifest["files"]), path,
+             lambda what: CheckpointDamaged(path, f"{path / MANIFEST} lists the model this run has, but {what}"))
+    except OSError as e:  # reading a file that passed every check failed (permissions, an I/O error)
+        raise CheckpointDamaged(path, str(e)) from None
+    _apply_rng(rng, manifest, path, device)
     return manifest
 
 
@@ -505,7 +584,7 @@ def _apply(run: Run, manifest: dict) -> TrainingProgress:
             setattr(scaler, key, value)
     if isinstance(run.engine, zero.ZeroEngine):
         run.engine.after_update()
-    return TrainingProgress(**manifest["progress"])
+    return TrainingProgress(**manifest["progress"], run_id=manifest["run"]["id"])
 
 
 def _latest_name(root: Path) -> str | None:
@@ -523,32 +602,63 @@ def candidates(root: Path) -> list[Path]:
     return sorted(steps, key=lambda p: p.name != latest)
 
 
-def resume(run: Run) -> TrainingProgress | None:
-    """Load the newest sound checkpoint under ``--checkpoint-dir``; None if there is none (a collective).
+def _lock_record(root: Path) -> dict:
+    """What the last process to claim ``root`` wrote into its lock file ({} if nothing readable)."""
+    try:
+        record = json.loads(read_regular(root / LOCK, 4096))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
-    Every rank tries the same candidates in the same order; if any rank finds a file of one damaged, all
-    of them move on to the next, and rank 0 says what it skipped. A checkpoint of another model is an
-    error, not a reason to go back further.
+
+def run_to_continue(root: Path) -> str | None:
+    """The run that ``--resume`` continues in ``root``: the one that last claimed it (its lock file says),
+    else the one of the newest checkpoint whose manifest is sound (its shards may be damaged: the run is
+    still the one that wrote it); None if there is none."""
+    owner = _lock_record(root).get("run_id")
+    if isinstance(owner, str) and RUN_ID.fullmatch(owner):
+        return owner
+    for path in candidates(root):
+        try:
+            return parse_manifest(path)["run"]["id"]
+        except CheckpointError:
+            continue
+    return None
+
+
+def resume(run: Run) -> TrainingProgress | None:
+    """Load the newest sound checkpoint of this run under ``--checkpoint-dir``; None if there is none (a
+    collective).
+
+    The run is the one ``TRAINMESH_RUN_ID`` names (set by :func:`claim`), else :func:`run_to_continue`'s.
+    Every rank tries the same candidates in the same order; if any rank finds a file of one damaged (or the
+    checkpoint is another run's), all of them move on to the next, and rank 0 says what it skipped. A
+    checkpoint of another model is an error, not a reason to go back further.
     """
     start = time.perf_counter()
     root, device = Path(run.cfg.checkpoint_dir), run.mesh.device
+    run_id = os.environ.get(RUN_ID_ENV) or run_to_continue(root)
+    paths = candidates(root)
     tried = []
-    for path in candidates(root):
+    for i, path in enumerate(paths):
         try:
-            manifest, error = load(run, path), None
+            manifest, error = load(run, path, run_id), None
         except CheckpointMismatch:
             raise
-        except (CheckpointError, OSError) as e:
+        except CheckpointError as e:
             manifest, error = None, str(e)
+        except OSError as e:
+            manifest, error = None, str(CheckpointDamaged(path, str(e)))
         errors = [e for e in _all_gather_json(error, device) if e]
         if not errors:
             progress = _apply(run, manifest)
             _notice(f"resumed from {path} (step {progress.step}) in {time.perf_counter() - start:.2f} s")
             return progress
-        tried.append(f"{path.name}: {errors[0]}")
-        _notice(f"checkpoint {path} is damaged ({errors[0]}); falling back to the previous complete checkpoint")
+        tried.append(errors[0])
+        then = "falling back to the previous complete checkpoint" if i + 1 < len(paths) else "none is left to try"
+        _notice(f"{errors[0]}; {then}")
     if tried:
-        raise CheckpointError(f"no sound checkpoint in {root}: " + "; ".join(tried))
+        raise CheckpointError(f"no sound checkpoint of run {run_id} in {root}: " + "; ".join(tried))
     _notice(f"no checkpoint in {root} yet; starting at step 0")
     return None
 
@@ -568,22 +678,89 @@ def load_weights(run: Run, path: Path) -> None:
     index = {f"model/{k}": {"shape": list(t.shape), "dtype": _dtype_name(t.dtype),
                             "pieces": [{"key": k, "file": path.name, "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
              for k, t in full.items()}
-    fill([t for t in local_state(run) if t.name.startswith("model/")], index, lambda _: full, path)
+    fill([t for t in local_state(run) if t.name.startswith("model/")], index, lambda _: full, path,
+         lambda what: CheckpointMismatch(f"--init-from {path} holds a different model: {what}; use a file of "
+                                         f"--model {run.cfg.model}"))
     if isinstance(run.engine, zero.ZeroEngine):
         run.engine.after_update()
 
 
+def agreed_run_id(device: torch.device) -> str:
+    """``TRAINMESH_RUN_ID`` if the launching process set it, else a new id rank 0 draws (a collective)."""
+    return _all_gather_json(os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex, device)[0]
+
+
+def start_fresh(cfg: Config) -> None:
+    """Make ``--checkpoint-dir`` ready for a fresh run: a directory holding checkpoints (of another run) is
+    refused, or with ``--overwrite`` emptied of them first (step directories, leftovers of interrupted
+    saves and the ``latest`` pointer), so no step of the other run survives to be resumed or fallen back to."""
+    root = Path(cfg.checkpoint_dir)
+    existing = candidates(root)
+    if not existing:
+        return
+    if not cfg.overwrite:
+        more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
+        raise CheckpointError(f"{root} holds checkpoints of another run ({existing[0].name}{more}, run "
+                              f"{run_to_continue(root) or 'unknown'}); pass --resume to continue that run, "
+                              f"--overwrite to delete them and start afresh, or choose another --checkpoint-dir")
+    for p in root.iterdir():
+        if STEP_DIR.fullmatch(p.name) or LEFTOVER.fullmatch(p.name):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    (root / LATEST).unlink(missing_ok=True)
+    fsync_dir(root)
+
+
 def restore(run: Run) -> TrainingProgress:
-    """Where training starts: the latest checkpoint with ``--resume`` (if there is one), else the weights of
-    ``--init-from``, else step 0 as built."""
-    cfg = run.cfg
+    """Where training starts: the latest checkpoint of this run with ``--resume`` (if there is one), else
+    the weights of ``--init-from``, else step 0 as built; a fresh run first makes ``--checkpoint-dir`` its
+    own (:func:`start_fresh`). The progress returned carries the run's id, which every save records."""
+    cfg, device = run.cfg, run.mesh.device
     progress = resume(run) if cfg.resume else None
     if progress is not None and progress.step >= cfg.steps:
         raise CheckpointError(f"the checkpoint in {cfg.checkpoint_dir} is at step {progress.step}, which --steps "
                               f"{cfg.steps} has reached; pass a larger --steps to train further")
-    if progress is None and cfg.init_from:
+    if progress is not None:
+        return progress
+    if cfg.checkpoint_dir and not cfg.resume:
+        rank = world_from_env()[0]
+        _on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
+                       f"starting a fresh run in {cfg.checkpoint_dir}")
+    if cfg.init_from:
         load_weights(run, Path(cfg.init_from))
-    return progress or TrainingProgress()
+    return TrainingProgress(run_id=agreed_run_id(device))
+
+
+@contextlib.contextmanager
+def claim(cfg: Config) -> Iterator[str]:
+    """Hold ``--checkpoint-dir`` for the life of this run (``trainmesh.lock`` in it, by the process that
+    launches the ranks) and decide the run's id: the id of the run ``--resume`` continues, else a new one
+    for a fresh run (after :func:`start_fresh`). The ranks this process starts inherit the id in
+    ``TRAINMESH_RUN_ID``. A directory that another live run holds is an error naming that run's pid."""
+    if not cfg.checkpoint_dir:
+        yield ""
+        return
+    root = Path(cfg.checkpoint_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = acquire_lock(root / LOCK)
+    except LockHeld as e:
+        raise CheckpointError(f"{root} is in use by another live run (pid {show(e.holder.get('pid'))}, run "
+                              f"{show(e.holder.get('run_id'))}); wait for it to end, stop it, or choose another "
+                              f"--checkpoint-dir") from None
+    except OSError as e:
+        raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {e}") from None
+    try:
+        run_id = run_to_continue(root) if cfg.resume else None
+        if run_id is None:
+            if not cfg.resume:
+                start_fresh(cfg)
+            run_id = uuid.uuid4().hex
+        write_holder(fd, {"run_id": run_id})
+        os.environ[RUN_ID_ENV] = run_id
+        yield run_id
+    finally:
+        os.environ.pop(RUN_ID_ENV, None)
+        os.close(fd)
 
 
 def check_resumable(cfg: Config) -> None:
@@ -611,7 +788,8 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
             shape = tuple(entry["shape"])
             flat = torch.empty(math.prod(shape), dtype=DTYPES[entry["dtype"]])
             wanted.append(LocalTensor(name, shape, [whole(shape)], [flat]))
-    fill(wanted, manifest["tensors"], lambda name: _verified_tensors(path, name, manifest["files"]), path)
+    fill(wanted, manifest["tensors"], lambda name: _verified_tensors(path, name, manifest["files"]), path,
+         lambda what: CheckpointDamaged(path, what))
     return {t.name: t.views[0].view(t.shape) for t in wanted}
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainmesh import runlock
-from trainmesh.checkpoint import CheckpointError, check_resumable, export
+from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export
 from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
                               validate)
 from trainmesh.data import DataError, TokenData
@@ -180,8 +180,9 @@ def _with_out_dir(argv: Sequence[str], cfg: Config) -> tuple[list[str], Config]:
 
 
 def _owns_run_dirs() -> bool:
-    """Whether this process checks and locks the run's directories: the command the user started (which
-    spawns the ranks, or is the only one), or rank 0 under torchrun; never a rank this CLI spawned."""
+    """Whether this process checks and locks the run's directories and claims the checkpoint directory:
+    the command the user started (which spawns the ranks, or is the only one), or rank 0 under torchrun;
+    never a rank this CLI spawned."""
     return not _is_rank() or (world_env().rank == 0 and os.environ.get(STORE_CLIENT_ENV) != "1")
 
 
@@ -192,7 +193,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not _is_rank():
         argv, cfg = _with_out_dir(argv, cfg)
     check_run_dirs(cfg)
-    with runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
+    with claim(cfg), runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
         if not _is_rank() and (cfg.nproc > 1 or cfg.max_restarts):
             from trainmesh.launcher import launch_with_restarts
             from trainmesh.train import FAULT_ENV

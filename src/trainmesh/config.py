@@ -104,6 +104,8 @@ class Config:
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
                           "writes) with a fresh optimizer")
+    overwrite: bool = _opt(False, "start a fresh run in a --checkpoint-dir that holds another run's checkpoints, "
+                           "deleting them first (without it such a directory is refused)")
     max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
                              "R times; needs --checkpoint-dir", low=AT_LEAST_0)
     # [runtime]
@@ -375,9 +377,12 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
 
 def _validate_checkpoints(cfg: Config) -> None:
     needs_dir = [flag for flag, given in (("--resume", cfg.resume), ("--checkpoint-every", cfg.checkpoint_every),
-                                          ("--max-restarts", cfg.max_restarts)) if given]
+                                          ("--max-restarts", cfg.max_restarts), ("--overwrite", cfg.overwrite))
+                 if given]
     if needs_dir and not cfg.checkpoint_dir:
         raise ConfigError(f"{needs_dir[0]} works on checkpoints; set --checkpoint-dir DIR")
+    if cfg.overwrite and cfg.resume:
+        raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
 
 
 def _validate_model_split(cfg: Config) -> None:

@@ -341,7 +341,8 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore) -> int:
 def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          clear_on_restart: Sequence[str] = ()) -> int:
     """:func:`launch`, and after a failure launch every rank again with ``--resume`` (up to ``max_restarts``
-    times), so the run continues from its latest complete checkpoint; returns the last attempt's exit code.
+    times), so the run continues from its latest complete checkpoint (``--no-overwrite``: the first attempt
+    already cleared the directory); returns the last attempt's exit code.
 
     Restarted ranks run without the environment variables in ``clear_on_restart`` (the fault injection
     ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
@@ -355,6 +356,6 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          f"(restart {attempt} of {max_restarts})\n")
         for name in clear_on_restart:
             os.environ.pop(name, None)
-        rc = launch([*argv, "--resume"], nproc)
+        rc = launch([*argv, "--resume", "--no-overwrite"], nproc)
     return rc
 

@@ -8,18 +8,36 @@ durable (POSIX leaves directory entries out of a file's ``fsync``).
 
 Reading goes the other way: the bytes are read once, their SHA-256 and length are checked against what
 the writer recorded, and only those same bytes are handed on to be parsed, so nothing is parsed that was
-not verified (no window between checking a file and reading it again).
+not verified (no window between checking a file and reading it again). A file to be read must be a
+regular file reached without following a symbolic link: a FIFO would block the reader forever, a device
+such as ``/dev/zero`` would feed it without end, and a link could lead anywhere. Its size is compared with
+the expected one before a byte is read, so nothing larger is ever allocated.
+
+A run holds its checkpoint directory with an advisory lock (:func:`acquire_lock`), so two live runs never
+write into one directory.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import json
 import os
+import stat
 from pathlib import Path
 
 
 class IntegrityError(OSError):
     """A file is missing, short, or does not hold the bytes that were written; the message names it."""
+
+
+class LockHeld(OSError):
+    """Another live process holds the lock; ``holder`` is what it wrote into the lock file."""
+
+    def __init__(self, path: Path, holder: dict) -> None:
+        super().__init__(f"{path} is held by pid {holder.get('pid')}")
+        self.path, self.holder = path, holder
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -59,16 +77,131 @@ def replace_durably(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
-    """The bytes of ``path`` if they are exactly the ``nbytes`` bytes with digest ``sha256``."""
+def inside(directory: Path, name: str) -> Path:
+    """``directory / name`` if ``name`` is a plain file name that stays inside ``directory`` once resolved."""
+    path = directory / name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise IntegrityError(f"{directory}: {name!r} is not a plain file name")
+    if path.resolve().parent != directory.resolve():
+        raise IntegrityError(f"{path} leads outside {directory} (a symbolic link); a checkpoint holds only "
+                             f"regular files")
+    return path
+
+
+def _open_regular(path: Path) -> tuple[int, int]:
+    """A read-only descriptor of regular file ``path`` and its size; never follows a symbolic link at
+    ``path`` and never blocks (a FIFO is opened non-blocking, then refused)."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise IntegrityError(f"{path} is missing") from None
+    except OSError as e:
+        what = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+        raise IntegrityError(f"{path} {what}; a checkpoint holds only regular files") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise IntegrityError(f"{path} is {kind}, not a regular file")
+    return fd, os.fstat(fd).st_size
+
+
+def _size_mismatch(path: Path, size: int, nbytes: int) -> IntegrityError:
+    return IntegrityError(f"{path} has {size} bytes but was written with {nbytes}: it is truncated or was "
+                          f"overwritten (an interrupted copy or a torn write)")
+
+
+def _read_fd(fd: int, size: int) -> bytes:
+    with os.fdopen(fd, "rb") as f:
+        return f.read(size)
+
+
+def check_regular(path: Path, nbytes: int) -> None:
+    """Raise :class:`IntegrityError` unless ``path`` is a regular file of ``nbytes`` bytes (nothing is read)."""
+    fd, size = _open_regular(path)
+    os.close(fd)
+    if size != nbytes:
+        raise _size_mismatch(path, size, nbytes)
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of regular file ``path``, refused if it is larger than ``limit``."""
+    fd, size = _open_regular(path)
+    if size > limit:
+        os.close(fd)
+        raise IntegrityError(f"{path} has {size} bytes, more than the {limit} such a file can have")
+    return _read_fd(fd, size)
+
+
+def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
+    """The bytes of ``path`` if they are exactly the ``nbytes`` bytes with digest ``sha256``; the size is
+    checked before anything is read."""
+    fd, size = _open_regular(path)
+    if size != nbytes:
+        os.close(fd)
+        raise _size_mismatch(path, size, nbytes)
+    data = _read_fd(fd, nbytes)
     if len(data) != nbytes:
-        raise IntegrityError(f"{path} has {len(data)} bytes but was written with {nbytes}: it is truncated or was "
-                             f"overwritten (an interrupted copy or a torn write)")
+        raise _size_mismatch(path, len(data), nbytes)
     if sha256_hex(data) != sha256:
         raise IntegrityError(f"{path} does not match the SHA-256 recorded when it was written: the file was "
                              f"changed or corrupted on disk")
     return data
+
+
+def _alive(pid: object) -> bool:
+    if type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def acquire_lock(path: Path) -> int:
+    """Take the exclusive advisory lock ``path`` (``flock``); returns the descriptor, which holds the lock
+    until it is closed or this process dies. The file keeps what its last holder wrote
+    (:func:`write_holder`, which the new holder calls once it knows what to write).
+
+    The kernel drops a ``flock`` when its holder dies, so a lock file left by a dead run is simply taken.
+    If the lock is held but the pid written in it is dead (a descriptor that outlived its process), the
+    file is replaced by a new one; the inode check after locking makes two processes doing that at once
+    end with one holder. Raises :class:`LockHeld` if a live process holds it.
+    """
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            current = _holder(fd)
+            os.close(fd)
+            if _alive(current.get("pid")):
+                raise LockHeld(path, current) from None
+            path.unlink(missing_ok=True)
+            continue
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        return fd
+    raise LockHeld(path, {"pid": "unknown (the lock file keeps changing)"})
+
+
+def write_holder(fd: int, holder: dict) -> None:
+    """Replace what the lock file of ``fd`` says about its holder."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({**holder, "pid": os.getpid()}).encode(), 0)

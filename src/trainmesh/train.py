@@ -342,7 +342,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
             record["val_loss"] = evaluate(run)
         metrics_error = write_metrics(writer, record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
-        done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive)
+        done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
         if checkpoint.due(cfg, step + 1):
             checkpoint.save(run, done)
         stop_if_metrics_failed(run, metrics_error, done)
