@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from trainmesh import cli, launcher
+from trainmesh import cli, config, launcher
 from trainmesh.config import SECTIONS, Config, ConfigError, check_value, config_from_args, load_toml, validate
 
 
@@ -139,3 +139,8 @@ def test_world_size_from_the_environment_is_checked_too(monkeypatch):
     args = cli._parser().parse_args(["train"])
     with pytest.raises(ConfigError, match=r"^environment WORLD_SIZE: nproc = 2.5: must be a whole number$"):
         cli.checked_config(args)
+
+
+def test_every_setting_belongs_to_one_toml_section():
+    names = [name for section in SECTIONS.values() for name in section]
+    assert sorted(names) == sorted(f.name for f in fields(Config)) == sorted(config.SECTION_OF)

@@ -162,7 +162,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "init_from", "max_restarts"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
                 "peak_tflops", "out", "progress"),
 }
