@@ -13,8 +13,10 @@ waiting on (in a numbered collective, or for a numbered point-to-point message) 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
+import functools
 import os
 import re
 import signal
@@ -256,29 +258,41 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
         time.sleep(STACK_DUMP_S)
 
 
+@functools.cache
 def start_heartbeat() -> None:
     """In a rank started by :func:`launch` (or :func:`trainmesh.testing.run_ranks`): a daemon thread writes
     the time into the launcher's store every HEARTBEAT_S seconds, over a connection of its own.
 
     A rank that stops (SIGSTOP, a frozen process) stops writing, and the launcher can name it when the
     other ranks time out waiting for it, wherever they were waiting. A rank that hangs in Python keeps
-    beating; the collective numbering in the waiting ranks' errors names that one.
+    beating; the collective numbering in the waiting ranks' errors names that one. One thread per process
+    however many runs it trains (cached), stopped and joined at exit: a thread still inside the store's
+    C++ client while the interpreter tears down aborts the process ("terminate called without an active
+    exception").
     """
     if os.environ.get(STORE_CLIENT_ENV) != "1":
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     key = HEARTBEAT_KEY.format(rank=os.environ["RANK"])
+    stop = threading.Event()
 
     def beat() -> None:
         try:
-            while True:
+            while not stop.is_set():
                 store.set(key, repr(time.time()))
-                time.sleep(HEARTBEAT_S)
+                stop.wait(HEARTBEAT_S)
         except (RuntimeError, OSError):
             return  # the launcher is gone, and PR_SET_PDEATHSIG ends this rank
 
-    threading.Thread(target=beat, name="trainmesh-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="trainmesh-heartbeat", daemon=True)
+    thread.start()
+
+    def end() -> None:
+        stop.set()
+        thread.join(timeout=HEARTBEAT_S + 5)
+
+    atexit.register(end)
 
 
 def heartbeat_ages(store: dist.TCPStore, ranks: Sequence[int]) -> dict[int, float]:
