@@ -150,9 +150,13 @@ def _wait_of(rp: RankProcess, world: int) -> Wait | None:
         return Wait(rp.rank, f"collective {found['name']}", group)
     messages = MESSAGE_RE.findall(found["messages"])
     needs = frozenset(int(src) if kind == "recv" else int(dst) for _, kind, src, dst, _ in messages)
-    what = " + ".join(f"{axis} message {src}->{dst} #{n} (its {kind} {'from' if kind == 'recv' else 'to'} rank "
-                      f"{src if kind == 'recv' else dst})" for axis, kind, src, dst, n in messages)
-    return Wait(rp.rank, what, needs)
+    return Wait(rp.rank, " + ".join(_describe_message(*m) for m in messages), needs)
+
+
+def _describe_message(axis: str, kind: str, src: str, dst: str, n: str) -> str:
+    """``pp message 1->0 #13 (its recv from rank 1)``: the message, and which end of it the rank was."""
+    end = f"its recv from rank {src}" if kind == "recv" else f"its send to rank {dst}"
+    return f"{axis} message {src}->{dst} #{n} ({end})"
 
 
 def _never_arrived(waits: dict[int, Wait]) -> dict[int, list[int]]:
@@ -217,23 +221,31 @@ def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess
         rp, rc = on_its_own[0]
         _write(f"trainmesh: rank {rp.rank} failed ({_describe(rc)}); stopped the other ranks", [rp.rank], ranks)
         return rp, rc
-    missing, rcs = _never_arrived(waits), {rp.rank: rc for rp, rc in failed}
+    lines, shown = _never_arrived_lines(waits, {rp.rank: rc for rp, rc in failed})
+    if not lines:
+        lines, shown = [f"trainmesh: rank {first.rank} failed waiting for {waits[first.rank].what} "
+                        f"({_describe(first_rc)}), as did rank(s) {sorted(waits)}"], [first.rank]
+    _write("\n".join(lines) + "; stopped all ranks", shown, ranks)
+    return first, first_rc
+
+
+def _never_arrived_lines(waits: dict[int, Wait], rcs: dict[int, int]) -> tuple[list[str], list[int]]:
+    """One line per collective or message that some rank never arrived at, naming the ranks that waited
+    and those that never came; and the ranks whose stacks to show (the absent ones first)."""
+    missing = _never_arrived(waits)
     lines, shown = [], []
     for what in dict.fromkeys(w.what for w in waits.values() if missing[w.rank]):
         waiting = sorted(r for r, w in waits.items() if w.what == what)
         absent = sorted({r for w in waiting for r in missing[w]})
+        how = _describe(rcs[waiting[0]])
         if what.startswith("collective "):
-            lines.append(f"trainmesh: {what} failed on rank(s) {waiting} ({_describe(rcs[waiting[0]])} on rank "
-                         f"{waiting[0]}); rank(s) {absent} never arrived at it")
+            lines.append(f"trainmesh: {what} failed on rank(s) {waiting} ({how} on rank {waiting[0]}); "
+                         f"rank(s) {absent} never arrived at it")
         else:
-            lines.append(f"trainmesh: rank {waiting[0]} waited on rank(s) {absent} for {what} and failed "
-                         f"({_describe(rcs[waiting[0]])}); rank(s) {absent} never arrived at it")
-        shown += [*absent, waiting[0]]
-    if not lines:
-        lines, shown = [f"trainmesh: rank {first.rank} failed waiting for {waits[first.rank].what} "
-                        f"({_describe(first_rc)}), as did rank(s) {sorted(waits)}"], [first.rank]
-    _write("\n".join(lines) + "; stopped all ranks", list(dict.fromkeys(shown)), ranks)
-    return first, first_rc
+            lines.append(f"trainmesh: rank {waiting[0]} waited on rank(s) {absent} for {what} and failed ({how}); "
+                         f"rank(s) {absent} never arrived at it")
+        shown += [r for r in [*absent, waiting[0]] if r not in shown]
+    return lines, shown
 
 
 def _write(headline: str, shown: Sequence[int], ranks: Sequence[RankProcess]) -> None:
