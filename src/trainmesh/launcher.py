@@ -33,6 +33,10 @@ REPORT_GRACE_S = 1.5  # after one rank fails, time for the others to fail too an
 STACK_DUMP_S = 1.0  # time for ranks still running to print their stacks after SIGUSR1
 TAIL_LINES = 200
 COLLECTIVE_RE = re.compile(r"collective (\S+ #\d+) failed")
+# What a rank says when a peer went away under it, in a collective trainmesh names (COLLECTIVE_RE) or in
+# one it does not (logging reductions, object gathers, barriers): Gloo's and NCCL's own words.
+PEER_LOST_RE = re.compile(r"Connection closed by peer|Connection reset by peer|remote process exited|"
+                          r"NCCL communicator was aborted")
 
 
 def _die_with_parent() -> None:
@@ -114,6 +118,11 @@ def _collective(rp: RankProcess) -> str | None:
     return found[-1] if found else None
 
 
+def _lost_a_peer(rp: RankProcess) -> bool:
+    """Whether the rank failed because another one did: in a collective, or on a connection the peer closed."""
+    return _collective(rp) is not None or PEER_LOST_RE.search("".join(rp.tail)) is not None
+
+
 def _report_failure(ranks: Sequence[RankProcess], failed: RankProcess, rc: int) -> None:
     """Say which rank failed and how; if it was a collective, which ranks never arrived at it."""
     for rp in ranks:
@@ -126,6 +135,10 @@ def _report_failure(ranks: Sequence[RankProcess], failed: RankProcess, rc: int) 
         sys.stderr.write(f"trainmesh: collective {collective} failed on rank(s) {waiting} ({_describe(rc)} on rank "
                          f"{failed.rank}); rank(s) {missing} never arrived at it; stopped all ranks\n")
         shown = [rp for rp in ranks if rp.rank in missing] + [failed]
+    elif _lost_a_peer(failed):
+        sys.stderr.write(f"trainmesh: rank {failed.rank} failed ({_describe(rc)}) after losing a peer, and no rank "
+                         f"reported a failure of its own; stopped all ranks. Every rank's last words:\n")
+        shown = [failed] + [rp for rp in ranks if rp is not failed]
     else:
         sys.stderr.write(f"trainmesh: rank {failed.rank} failed ({_describe(rc)}); stopped the other ranks\n")
         shown = [failed]
@@ -137,13 +150,13 @@ def _report_failure(ranks: Sequence[RankProcess], failed: RankProcess, rc: int) 
 
 
 def _root_cause(failed: list[tuple[RankProcess, int]]) -> tuple[RankProcess, int]:
-    """The failed rank to blame: one that failed on its own rather than in a collective with a peer that
-    had already died (whose error is only "connection closed by peer"); if all failed in collectives
-    (a hang, a timeout), the first of them."""
+    """The failed rank to blame: one that failed on its own rather than because a peer had already died
+    (whose error is only "connection closed by peer", in a collective or point-to-point operation trainmesh
+    names or in one it does not); if all failed so (a hang, a timeout), the first of them."""
     for rp, rc in failed:
         if rp.reader is not None:
             rp.reader.join(timeout=1.0)
-        if _collective(rp) is None:
+        if not _lost_a_peer(rp):
             return rp, rc
     return failed[0]
 
