@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh import checkpoint, safe_io
-from trainmesh.checkpoint import (CheckpointError, CheckpointMismatch, TrainingProgress, flat_range_boxes,
+from trainmesh.checkpoint import (CheckpointError, CheckpointMismatch, flat_range_boxes,
                                   read_tensors, region, step_dir, whole)
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh, world_from_env

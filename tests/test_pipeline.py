@@ -76,7 +76,7 @@ def test_every_schedule_with_every_zero_stage_matches_single_process():
 
 def _zero_step_events(cfgs: list[Config]) -> list[dict]:
     """Per config, after one step's forwards and backwards: how often each ZeRO group was gathered per op
-    and reduce-scattered, the most model state held at once, and what is still gathered or held."""
+    and reduce-scattered, the most ZeRO-3 units gathered at once, and what is still gathered or held."""
     torch.set_num_threads(1)
     facts = []
     for cfg in cfgs:
@@ -86,7 +86,10 @@ def _zero_step_events(cfgs: list[Config]) -> list[dict]:
         for kind, name, *op in engine.events:
             if kind in ("gather", "reduce_scatter"):
                 counts[(kind, name, *op)] += 1
-            gathered = gathered | {name} if kind == "gather" else gathered - {name} if kind == "free" else gathered
+            if kind == "gather":
+                gathered.add(name)
+            elif kind == "free":
+                gathered.discard(name)
             most = max(most, len(gathered))
         units = getattr(engine, "units", [])
         facts.append({"groups": [g.name for g in engine.groups], "counts": counts, "most_gathered": most,

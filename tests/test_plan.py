@@ -354,6 +354,20 @@ def test_zero3_without_model_parallelism_scales_worse_than_ptd() -> None:
     assert ratio(1536, 1) > ratio(384, 4)
 
 
+def test_zero3_under_zero_bubble_gathers_once_more_per_microbatch() -> None:
+    """ZeRO-1 moves s + g, ZeRO-2 m*s + g, ZeRO-3 m*(2g + s), and under zero bubble m*(3g + s): the
+    weight-gradient pass gathers each unit apart from the input-gradient pass."""
+    work, cluster, m = Workload(GPT3, 64, 2048, "bf16"), A100_80, 4
+
+    def dp(zero: int, schedule: str) -> float:
+        return step_time(work, Layout(dp=2, pp=4, zero=zero, microbatches=m, schedule=schedule), cluster).dp_comm
+
+    scatter = (dp(2, "zb") - dp(1, "zb")) / (m - 1)
+    gather = dp(1, "zb") - scatter
+    assert dp(3, "1f1b") == pytest.approx(m * (2 * gather + scatter))
+    assert dp(3, "zb") == pytest.approx(m * (3 * gather + scatter))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Search, output, errors, command line
 # ---------------------------------------------------------------------------------------------------------

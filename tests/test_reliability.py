@@ -1,5 +1,6 @@
 """Faults and bad input: every one is detected, named, and stops or skips cleanly (docs/reliability.md)."""
 
+import collections
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmesh import cli
+from trainmesh import cli, launcher
 from trainmesh.comm import Comm, format_ranks
 from trainmesh.launcher import RankProcess, _parse_ranks, _report_failure
 from trainmesh.config import Config
@@ -42,6 +43,47 @@ def test_killed_rank_is_named_with_its_signal(tmp_path):
     assert result.returncode != 0
     assert "rank 1 failed (killed by signal SIGKILL)" in result.stderr
     assert time.monotonic() - start < 30
+
+
+def test_rank_failing_in_a_zero_bubble_pipeline_is_named_with_its_traceback(tmp_path):
+    result = trainmesh("train", "--nproc", "2", "--pp", "2", "--schedule", "zb", "--microbatches", "4",
+                       "--steps", "500", "--out", str(tmp_path / "r"), env={"TRAINMESH_FAULT": "raise@1:2"})
+    assert result.returncode != 0
+    report = result.stderr[result.stderr.index("trainmesh: rank"):]
+    assert report.startswith("trainmesh: rank 1 failed (exit code 1)")
+    assert "injected fault on rank 1 at step 2" in report
+
+
+# What the ranks printed when rank 1 raised inside the pipeline runtime while rank 0 waited in the logging
+# all-reduce of the loss, a reduction trainmesh does not name: rank 0 saw only Gloo's connection error.
+PEER_CLOSED = ["[rank0]: Traceback (most recent call last):\n",
+               '[rank0]:   File "trainmesh/comm.py", line 155, in log_all_reduce\n',
+               "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:64173. "
+               "This is typically caused by a remote worker crashing.\n"]
+RAISED = ["[rank1]: Traceback (most recent call last):\n",
+          '[rank1]:   File "trainmesh/pipeline/runtime.py", line 308, in _compute\n',
+          "[rank1]: RuntimeError: boom in F2s1\n"]
+
+
+def _rank_that_printed(rank: int, lines: list[str]) -> launcher.RankProcess:
+    return launcher.RankProcess(rank, proc=None, tail=collections.deque(lines))
+
+
+def test_rank_that_raised_is_blamed_not_a_peer_that_lost_the_connection(capsys):
+    ranks = [_rank_that_printed(0, PEER_CLOSED), _rank_that_printed(1, RAISED)]
+    launcher._report_failure(ranks, [(ranks[0], 1), (ranks[1], 1)], unresponsive={})
+    report = capsys.readouterr().err
+    assert report.startswith("trainmesh: rank 1 failed (exit code 1)")
+    assert "boom in F2s1" in report and "Connection closed" not in report
+
+
+def test_when_no_failed_rank_failed_on_its_own_every_rank_is_shown(capsys):
+    """The rank that raised is still exiting when the report is made: its traceback is shown all the same."""
+    ranks = [_rank_that_printed(0, PEER_CLOSED), _rank_that_printed(1, RAISED)]
+    launcher._report_failure(ranks, [(ranks[0], 1)], unresponsive={})
+    report = capsys.readouterr().err
+    assert report.startswith("trainmesh: rank 0 failed (exit code 1) after losing a peer")
+    assert "--- rank 1 ---" in report and "boom in F2s1" in report
 
 
 def test_hung_rank_is_named_with_its_stack_and_nothing_is_left(tmp_path):

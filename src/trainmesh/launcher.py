@@ -45,6 +45,10 @@ HEARTBEAT_KEY = "trainmesh/heartbeat/{rank}"
 COLLECTIVE_RE = re.compile(r"collective (?P<name>\S+?(?: #\d+)?)(?: \(ranks (?P<ranks>[\d,-]+)\))? failed")
 P2P_RE = re.compile(r"p2p (?P<messages>\S+ \d+->\d+ #\d+(?: \+ \S+ \d+->\d+ #\d+)*) failed")
 MESSAGE_RE = re.compile(r"(\w+)/(send|recv) (\d+)->(\d+) #(\d+)")
+# What a rank says when a peer went away under it, in a collective trainmesh names or in one it does not
+# (object gathers, barriers): Gloo's and NCCL's own words.
+PEER_LOST_RE = re.compile(r"Connection closed by peer|Connection reset by peer|remote process exited|"
+                          r"NCCL communicator was aborted")
 
 
 def _die_with_parent() -> None:
@@ -216,17 +220,27 @@ def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess
         _write(f"trainmesh: rank(s) {stuck} stopped responding ({reasons}); rank {first.rank} failed{waited} "
                f"({_describe(first_rc)}); stopped all ranks", [*stuck, first.rank], ranks)
         return first, first_rc
-    on_its_own = [(rp, rc) for rp, rc in failed if rp.rank not in waits]
+    on_its_own = [(rp, rc) for rp, rc in failed if rp.rank not in waits and not _lost_a_peer(rp)]
     if on_its_own:
         rp, rc = on_its_own[0]
         _write(f"trainmesh: rank {rp.rank} failed ({_describe(rc)}); stopped the other ranks", [rp.rank], ranks)
         return rp, rc
     lines, shown = _never_arrived_lines(waits, {rp.rank: rc for rp, rc in failed})
-    if not lines:
+    if not lines and first.rank not in waits:
+        lines = [f"trainmesh: rank {first.rank} failed ({_describe(first_rc)}) after losing a peer, and no rank "
+                 f"reported a failure of its own. Every rank's last words:"]
+        shown = [first.rank] + [rp.rank for rp in ranks if rp is not first]
+    elif not lines:
         lines, shown = [f"trainmesh: rank {first.rank} failed waiting for {waits[first.rank].what} "
                         f"({_describe(first_rc)}), as did rank(s) {sorted(waits)}"], [first.rank]
     _write("\n".join(lines) + "; stopped all ranks", shown, ranks)
     return first, first_rc
+
+
+def _lost_a_peer(rp: RankProcess) -> bool:
+    """Whether the rank failed only because a peer went away (Gloo's or NCCL's words for it), in a call
+    that trainmesh does not name (a named one is a :class:`Wait`)."""
+    return PEER_LOST_RE.search("".join(rp.tail)) is not None
 
 
 def _never_arrived_lines(waits: dict[int, Wait], rcs: dict[int, int]) -> tuple[list[str], list[int]]:

@@ -752,8 +752,9 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and all-gathers the updated
     parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
     micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
-    micro-batch). None of it is assumed hidden behind compute: that fits Megatron-LM's ZeRO-3
-    measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
+    micro-batch), and under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
+    :class:`trainmesh.zero.ZeroStage3`). None of it is assumed hidden behind compute: that fits
+    Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
     n, m, b = layout.dp, layout.microbatches, workload.dtype_bytes
     if n == 1:
@@ -764,7 +765,8 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     if layout.zero == 0:
         return all_reduce_time(b.grad * psi, n, link)
     gather, scatter = ring_gather_time(b.param * psi, n, link), ring_gather_time(b.grad * psi, n, link)
-    return {1: scatter + gather, 2: m * scatter + gather, 3: m * (2 * gather + scatter)}[layout.zero]
+    passes = 3 if layout.schedule == "zb" else 2
+    return {1: scatter + gather, 2: m * scatter + gather, 3: m * (passes * gather + scatter)}[layout.zero]
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:
