@@ -150,9 +150,10 @@ def _cfg(**layout) -> Config:
                   **layout)
 
 
-def test_llama_dp2_zero3_tp2_sp_and_pp2_match_single_process():
+def test_llama_dp2_zero3_tp2_sp_and_pp2_1f1b_zb_match_single_process():
     check_equivalent([_cfg(dp=2), _cfg(dp=2, zero=3), _cfg(tp=2), _cfg(tp=2, sequence_parallel=True),
-                      _cfg(pp=2, microbatches=4, schedule="1f1b")], world_size=2)
+                      _cfg(pp=2, microbatches=4, schedule="1f1b"), _cfg(pp=2, microbatches=4, schedule="zb")],
+                     world_size=2)
 
 
 def test_llama_dp2_tp2_matches_single_process():

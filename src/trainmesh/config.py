@@ -176,8 +176,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
     """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message."""
-    if cfg.model not in PRESET_NAMES:
-        raise ConfigError(f"unknown model preset {cfg.model!r}; choose one of {', '.join(PRESET_NAMES)}")
+    try:
+        spec_of(cfg.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name in ("nproc", "dp", "tp", "pp", "steps", "global_batch", "microbatches", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainmesh.models.spec import ModelShape
+from trainmesh.models.spec import ModelShape, stage_forward
 
 
 @dataclass(frozen=True)
@@ -206,15 +206,7 @@ class Llama(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.ln_f is not None:
-            x = self.ln_f(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        return stage_forward(self, x)
 
 
 TP_PLAN: dict[str, str] = {

@@ -17,7 +17,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
+
+
+def stage_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``embed -> blocks -> ln_f -> head``, skipping whatever this pipeline stage does not hold: a stage
+    without ``embed`` takes hidden states, one without ``head`` returns them."""
+    if model.embed is not None:
+        x = model.embed(x)
+    for block in model.blocks.values():
+        x = block(x)
+    if model.ln_f is not None:
+        x = model.ln_f(x)
+    if model.head is not None:
+        x = model.head(x)
+    return x
 
 
 def divisors(n: int) -> list[int]:
