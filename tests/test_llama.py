@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainmesh import checkpoint
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.models import SPECS, planner_shapes, preset, spec_of
@@ -19,7 +20,8 @@ from trainmesh.models.llama import Attention, Llama, LlamaConfig, apply_rotary, 
 from trainmesh.plan import model_shape, params_per_tp_rank
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import ShardSpec, shard_tensor
-from trainmesh.train import train
+from trainmesh.testing import run_ranks
+from trainmesh.train import build, full_state_dict, train
 
 from helpers import check_equivalent
 
@@ -96,7 +98,7 @@ def test_models_count_exactly_the_parameters_the_planner_counts():
         for name, cfg in spec.presets.items():
             assert cfg.n_params() == params_per_tp_rank(spec.shape(cfg), 1), name
             if cfg.n_params() < 10**7:  # built: the CPU-sized presets
-                assert sum(p.numel() for p in spec.build(cfg, 0).parameters()) == cfg.n_params(), name
+                assert sum(p.numel() for p in spec.builder(cfg, 0).parameters()) == cfg.n_params(), name
     for name, shape in planner_shapes().items():
         assert shape.n_params() == params_per_tp_rank(shape, 1), name
 
@@ -158,6 +160,24 @@ def test_llama_dp2_zero3_tp2_sp_and_pp2_1f1b_zb_match_single_process():
 
 def test_llama_dp2_tp2_matches_single_process():
     check_equivalent([_cfg(dp=2, tp=2, sequence_parallel=True, microbatches=2)], world_size=4)
+
+
+def _train_full_params(cfg: Config) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    return full_state_dict(train(cfg).run)
+
+
+def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
+    """The grouped qkv and the [gate | up] pair are stored by their place in the full tensors."""
+    cfg = dataclasses.replace(_cfg(tp=2, sequence_parallel=True), steps=2, checkpoint_dir=str(tmp_path))
+    trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
+    single = dataclasses.replace(cfg, nproc=1, tp=1, sequence_parallel=False, resume=True, steps=3)
+    run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert checkpoint.restore(run).step == 2
+    loaded = full_state_dict(run)
+    assert loaded.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 # --- command line --------------------------------------------------------------------------------------

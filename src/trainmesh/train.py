@@ -103,7 +103,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     """Build the model of ``cfg.model``'s family from the seed and apply the configured parallel forms to it."""
     comm = Comm(mesh)
     spec = spec_of(cfg.model)
-    model = spec.build(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
     check_agreement(cfg, model, mesh.device)
     criterion = parallelize(model, mesh, dict(spec.tp_plan), cfg.sequence_parallel, comm) or cross_entropy
     apply_recompute(model, cfg.recompute, spec.recompute)

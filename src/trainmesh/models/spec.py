@@ -135,6 +135,3 @@ class ModelSpec:
     recompute: RecomputeTargets
     shape: Callable[[Any], ModelShape]
     planner_presets: Mapping[str, Any] = field(default_factory=dict)
-
-    def build(self, config: Any, seed: int) -> nn.Module:
-        return self.builder(config, seed)
