@@ -16,7 +16,7 @@ from trainmesh import checkpoint
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.models import SPECS, planner_shapes, preset, spec_of
-from trainmesh.models.llama import Attention, Llama, LlamaConfig, apply_rotary, rotary_angles
+from trainmesh.models.llama import Attention, Llama, apply_rotary, rotary_angles
 from trainmesh.plan import model_shape, params_per_tp_rank
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import ShardSpec, shard_tensor
@@ -34,7 +34,7 @@ def test_rotary_preserves_norms_and_depends_only_on_relative_position():
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 16, 8, generator=gen, dtype=torch.float64)
     cos, sin = rotary_angles(16, 8, 10000.0, torch.float64, torch.device("cpu"))
-    rq, rk = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    rq = apply_rotary(q, cos, sin)
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1), rtol=0, atol=1e-12)
     # The same vectors placed at positions (i, j) and (i + 5, j + 5) give the same score.
     q0, k0 = q[0].expand(16, 8), k[0].expand(16, 8)
