@@ -407,7 +407,8 @@ def test_flat_ranges_become_boxes_holding_exactly_those_elements():
                            full.flatten()[a:b])
 
 
-@pytest.mark.parametrize("spec", [ShardSpec(0), ShardSpec(1), ShardSpec(0, chunks=3)], ids=str)
+@pytest.mark.parametrize("spec", [ShardSpec(0), ShardSpec(1), ShardSpec(0, chunks=3), ShardSpec(0, chunks=2)],
+                         ids=str)
 def test_tensor_parallel_boxes_are_where_shard_tensor_takes_each_shard_from(spec):
     full = torch.arange(24 * 8).view(24, 8)
     for rank in range(2):

@@ -33,6 +33,7 @@ BAD = [
     (["--model", "nope"], "--model nope: choose tiny"),
     (["--nproc", "4096", "--dp", "4096"], "more local ranks than this machine"),
     (["--nproc", "3", "--tp", "3"], "tp=3 does not divide n_heads=4"),
+    (["--model", "llama-tiny", "--nproc", "4", "--tp", "4"], "tp=4 exceeds n_kv_heads=2 of llama-tiny"),
     (["--pp", "3", "--nproc", "3"], "exceeds the 2 layers"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--config", "/nonexistent.toml"], "does not exist"),

@@ -401,7 +401,7 @@ def test_best_layout_says_how_to_fix_a_model_that_never_fits() -> None:
 @pytest.mark.parametrize(
     "fields,message",
     [
-        ({"tp": 3}, r"choose tp in \[1, 2, 4\]"),
+        ({"tp": 3}, r"choose tp in \{1, 2, 4\}"),
         ({"pp": 3}, r"choose pp\*virtual in \[1, 2\]"),
         ({"dp": 3}, r"choose dp\*microbatches in"),
         ({"pp": 2, "schedule": "interleaved"}, r"virtual > 1 goes with schedule='interleaved'"),

@@ -12,10 +12,10 @@ from trainmesh import parallelize
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import SavedActivations
+from trainmesh.models import GPT_PLAN
 from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
 from trainmesh.optim import is_tp_sharded
-from trainmesh.tensor_parallel import (GPT_PLAN, ShardSpec, load_full_state_dict, shard_tensor,
-                                       unsharded_state_dict)
+from trainmesh.tensor_parallel import ShardSpec, load_full_state_dict, shard_tensor, unsharded_state_dict
 from trainmesh.testing import run_ranks
 from trainmesh.train import build, forward_backward, rank_batch, setup_process
 

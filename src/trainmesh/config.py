@@ -17,7 +17,7 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
-from trainmesh.models.gpt import PRESETS, ModelConfig, preset
+from trainmesh.models import PRESET_NAMES, preset, spec_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,7 +52,7 @@ AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
 @dataclass(frozen=True)
 class Config:
     # [model]: model and data
-    model: str = _opt("tiny", "model preset", PRESETS)  # the live registry: a preset added later counts
+    model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small)", PRESET_NAMES)
     data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources)")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
     # [layout]: how each step is spread over ranks and held in memory
@@ -125,7 +125,8 @@ class Config:
     progress: bool = _opt(True, "print a progress line per step on rank 0")
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> Any:
+        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``)."""
         return preset(self.model)
 
     @property
@@ -340,10 +341,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(**values)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
     """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message."""
     for f in fields(Config):
@@ -390,11 +387,9 @@ def _validate_model_split(cfg: Config) -> None:
     if cfg.pp > m.n_layers:
         raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {cfg.model}; "
                           f"choose pp <= {m.n_layers}")
-    sizes = (("n_heads", m.n_heads), ("d_model", m.d_model), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size))
-    for what, size in sizes:
-        if size % cfg.tp:
-            valid = ", ".join(str(d) for d in _divisors(m.n_heads) if all(s % d == 0 for _, s in sizes))
-            raise ConfigError(f"tp={cfg.tp} does not divide {what}={size} of {cfg.model}; choose tp in {{{valid}}}")
+    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, cfg.model)
+    if problem:
+        raise ConfigError(problem)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over tensor-parallel ranks; "
                           "set --tp > 1 or drop --sequence-parallel")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
                                model_flops_per_token)
-from trainmesh.models.gpt import PRESETS, ModelConfig
+from trainmesh.models import ModelShape, planner_shapes, spec_of
 
 if TYPE_CHECKING:
     from trainmesh.config import Config
@@ -50,44 +50,6 @@ GIB = 2**30
 # ----------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs to know of a decoder-only transformer.
-
-    The defaults describe trainmesh's own GPT (GPT-2 layout, no dropout, attention through
-    ``scaled_dot_product_attention``, which never stores the s x s score matrix). ``bias=False`` means a
-    LLaMA-style model: no biases anywhere and RMSNorm (one weight vector per norm).
-    """
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_ff: int
-    vocab_size: int
-    seq_len: int
-    gated_mlp: bool = False
-    bias: bool = True
-    learned_positions: bool = True
-    dropout: bool = False
-    flash_attention: bool = True
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"choose n_heads in {_divisors(self.d_model)}"
-            )
-
-    def n_params(self) -> int:
-        """Total parameter count; equals ``ModelConfig.n_params()`` for the built-in GPT."""
-        return params_per_tp_rank(self, tp=1)
-
-
-def shape_from_config(cfg: ModelConfig) -> ModelShape:
-    """The planner's view of a built-in :class:`ModelConfig` (all flags at trainmesh GPT defaults)."""
-    return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size, cfg.seq_len)
-
-
 def _gpt3_like(n_layers: int, d_model: int, n_heads: int) -> ModelShape:
     """A Megatron GPT shape [NAR, Table 1]: d_ff = 4h, vocab 51200 (GPT-2's padded), sequence 2048,
     dropout, attention that stores its score matrix."""
@@ -96,10 +58,8 @@ def _gpt3_like(n_layers: int, d_model: int, n_heads: int) -> ModelShape:
 
 
 MODEL_PRESETS: dict[str, ModelShape] = {
-    **{name: shape_from_config(cfg) for name, cfg in PRESETS.items()},
-    # Planning-only shapes: trainmesh does not build these, so they live here rather than in gpt.py.
-    "llama-7b": ModelShape(32, 4096, 32, 11008, 32000, 2048, gated_mlp=True, bias=False,
-                           learned_positions=False),
+    **planner_shapes(),
+    # Planning-only shapes of a family trainmesh does not build (Megatron's GPT, with dropout).
     "gpt3-175b": _gpt3_like(96, 12288, 96),
     "megatron-530b": _gpt3_like(105, 20480, 128),
     "megatron-1t": _gpt3_like(128, 25600, 160),
@@ -311,10 +271,9 @@ def _divisors(n: int) -> list[int]:
 def check_layout(workload: Workload, layout: Layout) -> None:
     """Raise early, with the fix, when the layout cannot run this workload."""
     m, lay = workload.model, layout
-    for name, size in (("n_heads", m.n_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)):
-        if size % lay.tp:
-            valid = sorted(set(_divisors(m.n_heads)) & set(_divisors(m.d_ff)) & set(_divisors(m.vocab_size)))
-            raise ValueError(f"tp={lay.tp} does not divide {name}={size}; choose tp in {valid}")
+    problem = m.split_error(lay.tp, lay.pp)
+    if problem:
+        raise ValueError(problem)
     if lay.sequence_parallel and workload.seq_len % lay.tp:
         raise ValueError(f"sequence_parallel needs tp={lay.tp} to divide seq_len={workload.seq_len}")
     if m.n_layers % (lay.pp * lay.virtual):
@@ -371,7 +330,7 @@ def block_unit(m: ModelShape, tp: int) -> Unit:
     d, f, b = m.d_model, m.d_ff, m.bias
     mlp_in = [_linear(d, f, tp, b, True)] * (2 if m.gated_mlp else 1)
     return _sum(
-        [_norm(m), _linear(d, 3 * d, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+        [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
         + mlp_in
         + [_linear(f, d, tp, b, False)]
     )
@@ -384,8 +343,8 @@ def embed_unit(m: ModelShape, tp: int) -> Unit:
 
 
 def head_unit(m: ModelShape, tp: int) -> Unit:
-    """Untied, vocab-parallel output projection without bias."""
-    return Unit(m.d_model * m.vocab_size // tp, 1)
+    """Vocab-parallel output projection without bias; nothing of its own when tied to the embedding."""
+    return Unit(0, 0) if m.tied_embeddings else Unit(m.d_model * m.vocab_size // tp, 1)
 
 
 @functools.cache
@@ -401,7 +360,7 @@ def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit
 
 def largest_tensor(m: ModelShape, tp: int) -> int:
     """Elements of the largest parameter tensor one tp rank holds: a gradient bucket holds at least one."""
-    linears = [3 * m.d_model * m.d_model, m.d_model * m.d_ff, m.d_model * m.vocab_size]
+    linears = [m.d_model * m.qkv_width, m.d_model * m.d_ff, m.d_model * m.vocab_size]
     positions = m.seq_len * m.d_model if m.learned_positions else 0
     return max(max(linears) // tp, positions)
 
@@ -490,11 +449,13 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     # Norm inputs, qkv and MLP inputs, dropout masks: only sequence parallelism splits these.
     seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
     # Q, K, V, the attention projection's input, the MLP's inner activations: split by heads or columns.
+    # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
+    qkv_and_proj_input = e * sbh * (m.qkv_width + m.d_model) // m.d_model
     mlp_inner = (4 if m.gated_mlp else 2) * e * sbh * m.d_ff // m.d_model
     scores = m.n_heads * workload.seq_len * sbh // m.d_model
     stores_scores = recompute == "none" and not m.flash_attention
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
-    return seq_sharded // seq_split + (4 * e * sbh + mlp_inner + core) // t
+    return seq_sharded // seq_split + (qkv_and_proj_input + mlp_inner + core) // t
 
 
 def in_flight_chunks(layout: Layout, stage: int) -> int:
@@ -694,7 +655,7 @@ def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> f
     Backward costs twice the forward, so 3x; full recomputation reruns the forward (4x, the 96 of
     [NAR, app. FLOPs]); selective recomputation reruns only QK^T and AV [KOR, sec. 5].
     """
-    fwd = block_flops_per_token(m.d_model, m.d_ff, seq_len, m.gated_mlp)
+    fwd = block_flops_per_token(m.d_model, m.d_ff, seq_len, m.gated_mlp, m.qkv_width)
     return {"none": 3 * fwd, "selective": 3 * fwd + 4 * seq_len * m.d_model, "full": 4 * fwd}[recompute]
 
 
@@ -706,7 +667,7 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
     """
     m, s = workload.model, workload.seq_len
-    model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp)
+    model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp, m.qkv_width)
     rerun = m.n_layers * (block_pass_flops_per_token(m, s, recompute) - block_pass_flops_per_token(m, s, "none"))
     return workload.global_batch * s * (model + rerun)
 
@@ -844,11 +805,11 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
     """(dp, tp, pp) over exactly ``cluster.gpus`` ranks with each tp group inside one node."""
     m = workload.model
     for tp in _divisors(cluster.gpus_per_node):
-        if cluster.gpus % tp or m.n_heads % tp or m.d_ff % tp or m.vocab_size % tp:
+        if cluster.gpus % tp:
             continue
         for pp in _divisors(cluster.gpus // tp):
             dp = cluster.gpus // (tp * pp)
-            if m.n_layers % pp == 0 and workload.global_batch % dp == 0:
+            if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and not m.split_error(tp, pp):
                 yield dp, tp, pp
 
 
@@ -960,7 +921,7 @@ LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatch
 def workload_of(cfg: Config) -> Workload:
     """The workload a :class:`~trainmesh.config.Config` trains: its model, global batch and dtypes."""
     model = cfg.model_config
-    return Workload(shape_from_config(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.grad_dtype)
+    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.grad_dtype)
 
 
 def layout_of(cfg: Config) -> Layout:

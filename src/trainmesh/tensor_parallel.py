@@ -18,8 +18,8 @@ that region stay replicated but each rank sees only its slice of the sequence, s
 summed over ``tp`` (Megatron all-reduces its "sequence-parallel" LayerNorm gradients the same way).
 
 The model knows nothing of this: :func:`parallelize` takes a plain ``nn.Module`` and a plan mapping
-module-name patterns to styles (see :data:`STYLES`; :data:`GPT_PLAN` is the built-in GPT's), shards the
-full weights it finds in place, and gives back the loss to use. Activations are batch-first
+module-name patterns to styles (see :data:`STYLES`; each model family's plan is in its spec in
+:mod:`trainmesh.models`), shards the full weights it finds in place, and gives back the loss to use. Activations are batch-first
 ``[batch, seq, hidden]``, so the sequence is dimension -2.
 """
 
@@ -381,30 +381,18 @@ Style = Callable[[nn.Module, str, Comm, bool], nn.Module]
 STYLES: dict[str, Style] = {
     "colwise": _colwise,
     "colwise_qkv": functools.partial(_colwise, chunks=3),
+    "colwise_pair": functools.partial(_colwise, chunks=2),
     "rowwise": _rowwise,
     "vocab": _vocab,
     "sequence": _sequence,
     "sequence_scatter": _sequence_scatter,
 }
 """Plan styles: ``colwise``/``rowwise`` (Megatron's column/row-parallel linear), ``colwise_qkv`` (a fused
-``[q | k | v]`` linear, each rank taking its heads of each third), ``vocab`` (an embedding or output head
-split by vocabulary; a vocab-split head makes the loss the vocabulary-parallel cross-entropy),
+``[q | k | v]`` linear, each rank taking its heads of each third), ``colwise_pair`` (a fused ``[gate | up]``
+linear, split half by half), ``vocab`` (an embedding or output head split by vocabulary; a vocab-split
+head makes the loss the vocabulary-parallel cross-entropy),
 ``sequence`` (replicated, inside the sequence-parallel region: gradients summed over tp under SP) and
 ``sequence_scatter`` (replicated, output split along the sequence under SP)."""
-
-GPT_PLAN: Plan = {
-    "embed.tok": "vocab",
-    "embed.pos": "sequence_scatter",
-    "blocks.*.ln*": "sequence",
-    "blocks.*.attn.qkv": "colwise_qkv",
-    "blocks.*.attn.proj": "rowwise",
-    "blocks.*.mlp.fc": "colwise",
-    "blocks.*.mlp.proj": "rowwise",
-    "ln_f": "sequence",
-    "head": "vocab",
-}
-"""The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
-
 
 def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
     """Module name -> style for every module the plan names; every pattern must match, each module once."""

@@ -30,16 +30,16 @@ from trainmesh.data_parallel import DataParallel
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,
-                               model_flops_per_token,
-                               peak_device_bytes, peak_tflops, storage_bytes)
-from trainmesh.models.gpt import GPT, cross_entropy
+                               model_flops_per_token, peak_device_bytes, peak_tflops, storage_bytes)
+from trainmesh.models import spec_of
+from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw, lr_at
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.partition import gather_stages
 from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
-from trainmesh.tensor_parallel import GPT_PLAN, parallelize, unsharded_state_dict
+from trainmesh.tensor_parallel import parallelize, unsharded_state_dict
 from trainmesh import checkpoint, zero
 
 FAULT_ENV = "TRAINMESH_FAULT"
@@ -100,12 +100,13 @@ def setup_process(cfg: Config) -> Mesh:
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
-    """Build the model from the seed and apply the configured parallel form to it."""
+    """Build the model of ``cfg.model``'s family from the seed and apply the configured parallel forms to it."""
     comm = Comm(mesh)
-    model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    spec = spec_of(cfg.model)
+    model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
     check_agreement(cfg, model, mesh.device)
-    criterion = parallelize(model, mesh, GPT_PLAN, cfg.sequence_parallel, comm) or cross_entropy
-    apply_recompute(model, cfg.recompute)
+    criterion = parallelize(model, mesh, dict(spec.tp_plan), cfg.sequence_parallel, comm) or cross_entropy
+    apply_recompute(model, cfg.recompute, spec.recompute)
     if cfg.compile:
         for block in model.blocks.values():
             block.compile()
@@ -306,9 +307,10 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
                      f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
-    shape = cfg.model_config
+    shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len
-    flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len)
+    flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len,
+                                            shape.gated_mlp, shape.qkv_width)
     peak = peak_tflops(mesh.device, cfg.precision, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)

@@ -1,0 +1,67 @@
+"""The registry of model families: each is a :class:`~trainmesh.models.spec.ModelSpec`, looked up by preset
+name (``--model``). Registering a family here is all it takes for ``trainmesh train`` and ``plan`` to offer
+its presets; no parallel form names a model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainmesh.models import gpt, llama
+from trainmesh.models.spec import ModelShape, ModelSpec
+
+
+def gpt_shape(cfg: gpt.ModelConfig) -> ModelShape:
+    """The planner's view of a built-in GPT: every :class:`ModelShape` flag at its GPT-2-layout default."""
+    return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size, cfg.seq_len)
+
+
+GPT_PLAN: dict[str, str] = {
+    "embed.tok": "vocab",
+    "embed.pos": "sequence_scatter",
+    "blocks.*.ln*": "sequence",
+    "blocks.*.attn.qkv": "colwise_qkv",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+    "ln_f": "sequence",
+    "head": "vocab",
+}
+"""The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
+
+SPECS: tuple[ModelSpec, ...] = (
+    ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
+              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape),
+    ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
+              {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
+              planner_presets=llama.PLANNER_PRESETS),
+)
+
+PRESET_NAMES: tuple[str, ...] = tuple(name for spec in SPECS for name in spec.presets)
+"""Every preset ``trainmesh train`` can build."""
+
+
+def _find(name: str, planner: bool) -> tuple[ModelSpec, Any]:
+    for spec in SPECS:
+        presets = {**spec.presets, **spec.planner_presets} if planner else spec.presets
+        if name in presets:
+            return spec, presets[name]
+    names = [n for s in SPECS for n in (*s.presets, *(s.planner_presets if planner else ()))]
+    raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(names)}")
+
+
+def spec_of(name: str) -> ModelSpec:
+    """The family of a buildable preset, with the valid names in the error."""
+    return _find(name, planner=False)[0]
+
+
+def preset(name: str) -> Any:
+    """The config of a buildable preset, with the valid names in the error."""
+    return _find(name, planner=False)[1]
+
+
+def planner_shapes() -> dict[str, ModelShape]:
+    """Every preset's shape, planner-only ones included, by name."""
+    return {name: spec.shape(cfg) for spec in SPECS for name, cfg in {**spec.presets, **spec.planner_presets}.items()}
+
+
+__all__ = ["GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "spec_of", "preset", "planner_shapes"]

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.models.spec import stage_forward
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -51,14 +53,6 @@ PRESETS: dict[str, ModelConfig] = {
     # only the first 256 rows are ever used, but the FLOPs and memory are GPT-2's.
     "gpt2-124m": ModelConfig(n_layers=12, d_model=768, n_heads=12, d_ff=3072, vocab_size=50304, seq_len=1024),
 }
-
-
-def preset(name: str) -> ModelConfig:
-    """Look a preset up by name, with the list of valid names in the error."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
 class AttentionCore(nn.Module):
@@ -161,15 +155,7 @@ class GPT(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.ln_f is not None:
-            x = self.ln_f(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
+        return stage_forward(self, x)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

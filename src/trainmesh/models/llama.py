@@ -1,0 +1,224 @@
+"""A Llama-family decoder (Touvron et al., 2023; Llama 3, Grattafiori et al., 2024) as a plain ``nn.Module``.
+
+Pre-norm RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention and no biases. It keeps
+the stage contract of :class:`trainmesh.models.gpt.GPT` (``embed``, ``blocks`` keyed by layer index,
+``ln_f``, ``head``, each end possibly ``None`` on a pipeline stage), so pipeline partitioning, ZeRO units
+and sharded checkpoints work on it unchanged, and like the GPT it knows nothing of parallelism: attention
+derives its head counts from the widths of the tensors it receives, so a tensor-parallel rank holding
+``1/tp`` of the heads computes just those.
+
+Two layouts are chosen for tensor parallelism:
+
+* ``attn.qkv`` is one fused linear whose output rows are grouped by key/value head, Megatron-LM's GQA
+  layout: for each KV head ``g``, its ``n_heads / n_kv_heads`` query heads, then K_g, then V_g. Splitting
+  the rows evenly over tp therefore hands each rank whole groups, a query head always lands with the KV
+  head it attends with (query head ``j`` uses KV head ``j // group``, as in Hugging Face's ``repeat_kv``),
+  and one all-gather (under sequence parallelism) serves q, k and v.
+* ``mlp.gate_up`` is one fused ``[gate | up]`` linear, split by the plan chunk by chunk.
+
+Rotary embeddings use the "rotate half" pairing (dimension ``i`` with ``i + head_dim/2``) of Hugging Face's
+Llama. They are applied after the q/k projection, where a column-parallel linear has already gathered the
+whole sequence under sequence parallelism, so positions are always global token positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainmesh.models.spec import ModelShape, stage_forward
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+    seq_len: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    def shape(self) -> ModelShape:
+        """The planner's view: gated MLP, no biases, RMSNorm, no learned positions, GQA."""
+        return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
+                          gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
+                          tied_embeddings=self.tie_embeddings)
+
+    def n_params(self) -> int:
+        return self.shape().n_params()
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per matmul weight (the head counted even when tied, since its matmul
+        runs) plus 12·L·d·T for attention scores and weighted sum (Chowdhery et al., 2022, App. B)."""
+        matmul_weights = self.n_params() - self.vocab_size * self.d_model * (0 if self.tie_embeddings else 1)
+        return 6 * matmul_weights + 12 * self.n_layers * self.d_model * self.seq_len
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Sized like the tiny GPT (d 64, vocab 256, 4x MLP width in parameters) with 4 layers for pp tests.
+    "llama-tiny": LlamaConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
+                              seq_len=64, rope_theta=10000.0),
+    "llama-small": LlamaConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=688, vocab_size=256,
+                               seq_len=128, rope_theta=10000.0),
+}
+
+# Llama 3 / 3.1 shapes (Grattafiori et al., 2024, Table 3): 128,256-token vocabulary, 8 KV heads, untied
+# head, 8K context for the planner. Llama 1 7B (Touvron et al., 2023, Table 2) is multi-head, 32K vocabulary.
+PLANNER_PRESETS: dict[str, LlamaConfig] = {
+    "llama-7b": LlamaConfig(32, 4096, 32, 32, 11008, 32000, 2048, rope_theta=10000.0),
+    "llama3-8b": LlamaConfig(32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-70b": LlamaConfig(80, 8192, 64, 8, 28672, 128256, 8192),
+    "llama3-405b": LlamaConfig(126, 16384, 128, 8, 53248, 128256, 8192),
+}
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * g (Zhang & Sennrich, 2019), normalised in at least fp32 whatever the compute dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position p times frequency theta^(-2i/head_dim), each ``[seq_len, head_dim]`` with the
+    ``head_dim/2`` frequencies repeated for the two halves (Su et al., 2021, RoFormer, eq. 34)."""
+    wide = torch.promote_types(dtype, torch.float32)
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=wide, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=wide, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i + d/2}) of ``x`` (``[..., seq, head_dim]``) by its position's angle."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class AttentionCore(nn.Module):
+    """Causal softmax attention of query heads over their shared key/value heads; parameter-free, its own
+    module so that selective recomputation (Korthikanti et al., 2022, §5) redoes exactly this part,
+    including the repeated K and V."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim, self.group, self.theta = cfg.head_dim, cfg.group, cfg.rope_theta
+        self.core = AttentionCore()
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape  # the whole sequence even when x is a sequence-parallel slice
+        groups = qkv.view(b, t, -1, self.group + 2, self.head_dim)
+        q = groups[..., : self.group, :].reshape(b, t, -1, self.head_dim).transpose(1, 2)
+        k, v = (groups[..., i, :].transpose(1, 2) for i in (self.group, self.group + 1))
+        cos, sin = rotary_angles(t, self.head_dim, self.theta, q.dtype, q.device)
+        y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer, 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """``embed -> blocks -> ln_f -> head``; ``forward`` returns logits (hidden states on a middle stage)."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters(seed)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """N(0, 0.02) matrices, output projections (``o``, ``down``) scaled by 1/sqrt(2L) as in GPT-2, norm
+        gains 1, from a private generator so the weights depend on the seed alone in every layout."""
+        gen = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stage_forward(self, x)
+
+
+TP_PLAN: dict[str, str] = {
+    "embed": "vocab",
+    "blocks.*.*_norm": "sequence",
+    "blocks.*.attn.qkv": "colwise",
+    "blocks.*.attn.o": "rowwise",
+    "blocks.*.mlp.gate_up": "colwise_pair",
+    "blocks.*.mlp.down": "rowwise",
+    "ln_f": "sequence",
+    "head": "vocab",
+}
+"""Megatron-LM's split of a Llama: the grouped fused qkv by whole KV groups, ``o`` and ``down`` by input
+features, ``[gate | up]`` chunk by chunk, embedding and head by vocabulary; the RMSNorms replicated, in the
+sequence-parallel region under SP."""
