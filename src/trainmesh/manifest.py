@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmesh.models.gpt import ModelConfig
+from trainmesh.models import preset
 
 FORMAT, VERSION = "trainmesh-checkpoint", 2
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
@@ -109,6 +109,24 @@ def _check_progress(m: dict, step: int) -> None:
                             f"skipped_steps <= step")
 
 
+def _check_model_shape(model: Any, name: Any) -> None:
+    """``model`` holds exactly the fields of preset ``name``'s config (any family's), each of its type:
+    whole numbers at least 1, finite positive floats, booleans."""
+    _text(name, "config.model", re.compile(r"[\w.-]{1,64}"))
+    try:
+        expected = preset(name)
+    except ValueError:
+        raise ManifestError(f"config.model {show(name)} is not a model preset trainmesh knows") from None
+    for k, v in _dict(model, "model", tuple(f.name for f in dataclasses.fields(expected))).items():
+        kind = type(getattr(expected, k))
+        if kind is bool and type(v) is not bool:
+            raise ManifestError(f"model.{k} is {show(v)}; it must be true or false")
+        if kind is float and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
+            raise ManifestError(f"model.{k} is {show(v)}; it must be a finite number above 0")
+        if kind is int:
+            _int(v, f"model.{k}", 1)
+
+
 def _check_scalars(m: dict) -> None:
     """Loss scaler, model shape, layout, run identity and the recorded config."""
     scaler = _dict(m["loss_scaler"], "loss_scaler", SCALER_KEYS)
@@ -117,9 +135,7 @@ def _check_scalars(m: dict) -> None:
         raise ManifestError(f"loss_scaler.scale is {show(scale)}; it must be a finite number above 0")
     _int(scaler["clean_steps"], "loss_scaler.clean_steps")
     _int(scaler["skipped_steps"], "loss_scaler.skipped_steps")
-    model = _dict(m["model"], "model", tuple(f.name for f in dataclasses.fields(ModelConfig)))
-    for k, v in model.items():
-        _int(v, f"model.{k}", 1)
+    _check_model_shape(m["model"], _dict(m["config"], "config").get("model"))
     layout = {k: _int(v, f"layout.{k}", 0 if k == "zero" else 1, 3 if k == "zero" else 2**20)
               for k, v in _dict(m["layout"], "layout", LAYOUT_KEYS).items()}
     if layout["world_size"] != layout["dp"] * layout["tp"] * layout["pp"]:
@@ -127,8 +143,7 @@ def _check_scalars(m: dict) -> None:
     run = _dict(m["run"], "run", ("id", "config_sha256"))
     _text(run["id"], "run.id", RUN_ID)
     _text(run["config_sha256"], "run.config_sha256", HEX64)
-    config = _dict(m["config"], "config")
-    _text(config.get("model"), "config.model", re.compile(r"[\w.-]{1,64}"))
+    config = m["config"]
     odd = [k for k, v in config.items() if not isinstance(v, (str, int, float, bool, type(None)))]
     if odd:
         raise ManifestError(f"config.{show(odd[0])} is not a plain value")
