@@ -81,8 +81,9 @@ from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import world_from_env
-from trainmesh.safe_io import (IntegrityError, LockHeld, acquire_lock, check_regular, fsync_dir, inside, read_regular,
-                               read_verified, replace_durably, sha256_hex, write_durably, write_holder)
+from trainmesh import runlock
+from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
+                               replace_durably, sha256_hex, write_durably)
 from trainmesh.tensor_parallel import shard_boxes
 from trainmesh import zero
 
@@ -602,20 +603,11 @@ def candidates(root: Path) -> list[Path]:
     return sorted(steps, key=lambda p: p.name != latest)
 
 
-def _lock_record(root: Path) -> dict:
-    """What the last process to claim ``root`` wrote into its lock file ({} if nothing readable)."""
-    try:
-        record = json.loads(read_regular(root / LOCK, 4096))
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
 def run_to_continue(root: Path) -> str | None:
     """The run that ``--resume`` continues in ``root``: the one that last claimed it (its lock file says),
     else the one of the newest checkpoint whose manifest is sound (its shards may be damaged: the run is
     still the one that wrote it); None if there is none."""
-    owner = _lock_record(root).get("run_id")
+    owner = runlock.read_record(root / LOCK).get("run_id")
     if isinstance(owner, str) and RUN_ID.fullmatch(owner):
         return owner
     for path in candidates(root):
@@ -740,27 +732,25 @@ def claim(cfg: Config) -> Iterator[str]:
         yield ""
         return
     root = Path(cfg.checkpoint_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = acquire_lock(root / LOCK)
-    except LockHeld as e:
-        raise CheckpointError(f"{root} is in use by another live run (pid {show(e.holder.get('pid'))}, run "
-                              f"{show(e.holder.get('run_id'))}); wait for it to end, stop it, or choose another "
-                              f"--checkpoint-dir") from None
-    except OSError as e:
-        raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {e}") from None
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(runlock.hold(root, "--checkpoint-dir", LOCK, keep=True))
+        except runlock.DirectoryInUse as e:
+            raise CheckpointError(f"{root} is in use by another live run (pid {show(e.holder.get('pid'))}, run "
+                                  f"{show(e.holder.get('run_id'))}); wait for it to end, stop it, or choose "
+                                  f"another --checkpoint-dir") from None
+        except OSError as e:
+            raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {e}") from None
+        held.callback(os.environ.pop, RUN_ID_ENV, None)
         run_id = run_to_continue(root) if cfg.resume else None
         if run_id is None:
             if not cfg.resume:
                 start_fresh(cfg)
             run_id = uuid.uuid4().hex
-        write_holder(fd, {"run_id": run_id})
+        lock.note(run_id=run_id)
         os.environ[RUN_ID_ENV] = run_id
         yield run_id
-    finally:
-        os.environ.pop(RUN_ID_ENV, None)
-        os.close(fd)
 
 
 def check_resumable(cfg: Config) -> None:

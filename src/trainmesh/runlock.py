@@ -1,9 +1,12 @@
 """An advisory lock on a directory, held for a run's life, so two live runs never write the same files.
 
-The lock is ``fcntl.flock`` on ``DIR/.trainmesh.lock``: the kernel drops it when the holding process
-dies, however it dies, so a run killed with SIGKILL leaves no lock behind, only a file naming a dead pid,
-which the next run takes over. Where the file system refuses ``flock`` (some network mounts), the pid and
-host recorded in the file decide instead: a live pid on this host holds the directory, a dead one is stale.
+The lock is ``fcntl.flock`` on a file in the directory: the kernel drops it when the holding process dies,
+however it dies, so a run killed with SIGKILL leaves no lock behind, only a file naming a dead pid, which
+the next run takes over. The file holds a record: the holder's pid, host and start time, and what the
+caller notes (:meth:`Lock.note`; ``--checkpoint-dir`` notes its run id, which ``--resume`` continues).
+A lock still held although its record names a dead pid of this host (a descriptor that outlived its
+process) is taken over too. Where the file system refuses ``flock`` (some network mounts), the record
+decides instead: a live pid on this host holds the directory, anything else is stale.
 """
 
 from __future__ import annotations
@@ -16,35 +19,61 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+from trainmesh.safe_io import read_regular
 
 LOCK_NAME = ".trainmesh.lock"
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+RECORD_BYTES = 4096
+HOLDER = ("pid", "host", "started")
+TRIES = 3
 
 
 class DirectoryInUse(RuntimeError):
-    """Another live run holds the directory; the message names it and what to do."""
+    """Another live run holds the directory; ``holder`` is its record, the message names it and what to do."""
+
+    def __init__(self, message: str, holder: dict) -> None:
+        super().__init__(message)
+        self.holder = holder
 
 
-def _holder(path: Path) -> dict:
-    """What the lock file says about its holder, or ``{}`` if it says nothing readable."""
+def _parse(data: bytes) -> dict:
+    """A lock file's record, or ``{}`` if it says nothing readable (a half-written or hostile file)."""
     try:
-        record = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
+        record = json.loads(data or b"{}")
+    except (ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def read_record(path: Path) -> dict:
+    """What lock file ``path`` records ({} if nothing readable), read without holding the lock, without
+    following a symbolic link and without reading more than a record can be."""
+    try:
+        return _parse(read_regular(path, RECORD_BYTES))
+    except OSError:
+        return {}
+
+
+def _since(started: object) -> str:
+    """When a holder started, as the record says it; "?" where it says nothing a clock can show."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if type(started) in (int, float) else "?"
+    except (ValueError, OverflowError, OSError):
+        return "?"
 
 
 def _describe(holder: dict) -> str:
     if not holder:
         return "holder unknown"
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return f"pid {holder.get('pid')} on {holder.get('host')}, since {started}"
+    return f"pid {holder.get('pid')} on {holder.get('host')}, since {_since(holder.get('started'))}"
 
 
 def pid_alive(pid: object) -> bool:
     """Whether process ``pid`` exists on this host (a process of another user counts)."""
-    if not isinstance(pid, int) or pid <= 0:
+    if type(pid) is not int or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
@@ -55,63 +84,101 @@ def pid_alive(pid: object) -> bool:
     return True
 
 
-def _held_by_live_pid(holder: dict) -> bool:
+def _stale(holder: dict) -> bool:
+    """Whether ``holder`` names a dead process of this host (a record without a host, as older versions
+    wrote, is of this host); an unreadable record is a holder still writing it, so not stale."""
+    return (type(holder.get("pid")) is int and holder.get("host", socket.gethostname()) == socket.gethostname()
+            and not pid_alive(holder["pid"]))
+
+
+def _held_without_flock(holder: dict) -> bool:
     """Without flock: whether the recorded holder is a live process other than this one, on this host."""
     return (holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid()
             and pid_alive(holder.get("pid")))
 
 
 def _flock(fd: int) -> bool:
-    """Take the lock without waiting; False if another process holds it. Raises where flock is unsupported."""
+    """Take the lock without waiting; False if another process holds it (or, where flock is unsupported,
+    if the record names a live holder)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as e:
+        if e.errno not in NO_FLOCK:
+            raise
+        return not _held_without_flock(_parse(os.pread(fd, RECORD_BYTES, 0)))
     return True
 
 
-def _open_locked(path: Path) -> int | None:
-    """An fd of ``path`` holding its flock, or None if a live process holds it.
+def _is_at(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
-    A releasing run removes the file while it still holds the lock, so a lock taken on a file that is no
-    longer at ``path`` is on a dead inode and is retried on the new file.
+
+def _acquire(path: Path, flag: str) -> tuple[int, dict]:
+    """An fd of ``path`` holding its lock, and the record its last holder left.
+
+    A releasing run may remove the file while it still holds the lock, and a stale holder's file is
+    removed here, so a lock taken on a file that is no longer at ``path`` is on a dead inode and is retried
+    on the new file.
     """
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    for _ in range(TRIES):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
-            if not _flock(fd):
-                os.close(fd)
-                return None
-        except OSError as e:
-            if e.errno not in NO_FLOCK:
-                os.close(fd)
-                raise
-            if _held_by_live_pid(_holder(path)):
-                os.close(fd)
-                return None
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
+            locked = _flock(fd)
+            holder = _parse(os.pread(fd, RECORD_BYTES, 0))
+        except BaseException:
+            os.close(fd)
+            raise
+        if locked and _is_at(path, fd):
+            return fd, holder
         os.close(fd)
+        if not locked:
+            if not _stale(holder):
+                raise DirectoryInUse(f"{flag} {path.parent} is in use by another run ({_describe(holder)}); wait "
+                                     f"for it to finish or choose another {flag}", holder)
+            path.unlink(missing_ok=True)
+    churn = {"pid": "unknown (the lock file keeps changing)"}
+    raise DirectoryInUse(f"{flag} {path.parent} is in use: its lock file {path} keeps changing; wait for the "
+                         f"other runs to finish or choose another {flag}", churn)
+
+
+@dataclass
+class Lock:
+    """A held lock: its descriptor and the record in its file."""
+
+    fd: int
+    record: dict
+
+    def note(self, /, **fields: object) -> None:
+        """Make the record ``fields`` and this holder's pid, host and start time; where the file is kept,
+        the record outlasts the lock."""
+        self.record = {**fields, **{key: self.record[key] for key in HOLDER}}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(self.record).encode(), 0)
 
 
 @contextlib.contextmanager
-def hold(directory: Path, flag: str) -> Iterator[None]:
-    """Hold ``directory``'s lock for the ``with`` block; :class:`DirectoryInUse` if a live run holds it.
+def hold(directory: Path, flag: str, name: str = LOCK_NAME, keep: bool = False) -> Iterator[Lock]:
+    """Hold ``directory``'s lock (file ``name`` in it) for the ``with`` block; :class:`DirectoryInUse` if a
+    live run holds it.
 
-    ``flag`` (``--out``) names the setting in the message, which says which process holds it.
+    ``flag`` (``--out``) names the setting in the message, which says which process holds it. The new
+    record keeps what the last holder noted until :meth:`Lock.note` replaces it, so a caller that fails
+    before noting loses nothing. ``keep`` leaves the file (and its record) behind on release; otherwise it
+    is removed, while still locked.
     """
-    path = directory / LOCK_NAME
-    fd = _open_locked(path)
-    if fd is None:
-        raise DirectoryInUse(f"{flag} {directory} is in use by another run ({_describe(_holder(path))}); wait for "
-                             f"it to finish or choose another {flag}")
+    path = directory / name
+    fd, previous = _acquire(path, flag)
     try:
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        yield
+        lock = Lock(fd, {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        lock.note(**previous)
+        yield lock
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if not keep:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         os.close(fd)

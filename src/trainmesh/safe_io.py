@@ -12,17 +12,12 @@ not verified (no window between checking a file and reading it again). A file to
 regular file reached without following a symbolic link: a FIFO would block the reader forever, a device
 such as ``/dev/zero`` would feed it without end, and a link could lead anywhere. Its size is compared with
 the expected one before a byte is read, so nothing larger is ever allocated.
-
-A run holds its checkpoint directory with an advisory lock (:func:`acquire_lock`), so two live runs never
-write into one directory.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
-import json
 import os
 import stat
 from pathlib import Path
@@ -30,14 +25,6 @@ from pathlib import Path
 
 class IntegrityError(OSError):
     """A file is missing, short, or does not hold the bytes that were written; the message names it."""
-
-
-class LockHeld(OSError):
-    """Another live process holds the lock; ``holder`` is what it wrote into the lock file."""
-
-    def __init__(self, path: Path, holder: dict) -> None:
-        super().__init__(f"{path} is held by pid {holder.get('pid')}")
-        self.path, self.holder = path, holder
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -147,61 +134,3 @@ def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
         raise IntegrityError(f"{path} does not match the SHA-256 recorded when it was written: the file was "
                              f"changed or corrupted on disk")
     return data
-
-
-def _alive(pid: object) -> bool:
-    if type(pid) is not int or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _holder(fd: int) -> dict:
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
-        return {}
-    return holder if isinstance(holder, dict) else {}
-
-
-def acquire_lock(path: Path) -> int:
-    """Take the exclusive advisory lock ``path`` (``flock``); returns the descriptor, which holds the lock
-    until it is closed or this process dies. The file keeps what its last holder wrote
-    (:func:`write_holder`, which the new holder calls once it knows what to write).
-
-    The kernel drops a ``flock`` when its holder dies, so a lock file left by a dead run is simply taken.
-    If the lock is held but the pid written in it is dead (a descriptor that outlived its process), the
-    file is replaced by a new one; the inode check after locking makes two processes doing that at once
-    end with one holder. Raises :class:`LockHeld` if a live process holds it.
-    """
-    for _ in range(3):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            current = _holder(fd)
-            os.close(fd)
-            if _alive(current.get("pid")):
-                raise LockHeld(path, current) from None
-            path.unlink(missing_ok=True)
-            continue
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
-            os.close(fd)
-            continue
-        return fd
-    raise LockHeld(path, {"pid": "unknown (the lock file keeps changing)"})
-
-
-def write_holder(fd: int, holder: dict) -> None:
-    """Replace what the lock file of ``fd`` says about its holder."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({**holder, "pid": os.getpid()}).encode(), 0)
