@@ -16,11 +16,11 @@ import pytest
 from trainmesh.config import Config
 from trainmesh.mesh import first_host, world_env
 
-from helpers import train_single
+from helpers import FP64_ATOL, train_single
 
 STEPS, GLOBAL_BATCH = 3, 8
-TRAIN = ["-m", "trainmesh.cli", "train", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--no-progress"]
-LOSS_ATOL = 1e-5  # these runs are fp32 (the CLI's default), whatever precision the in-process suite uses
+TRAIN = ["-m", "trainmesh.cli", "train", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--no-progress",
+         "--precision", "fp64"]
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TRAINMESH_STORE_CLIENT", "TRAINMESH_FAULT")
 
@@ -57,10 +57,10 @@ def _losses(out: Path, world_size: int) -> list[float]:
 
 
 def _assert_single_process_losses(losses: list[float]) -> None:
-    reference, _ = train_single(Config(steps=STEPS, global_batch=GLOBAL_BATCH, progress=False))
+    reference, _ = train_single(Config(steps=STEPS, global_batch=GLOBAL_BATCH, progress=False, precision="fp64"))
     assert len(losses) == len(reference)
     for step, (a, b) in enumerate(zip(losses, reference)):
-        assert abs(a - b) <= LOSS_ATOL, f"step {step}: loss {a} vs single-process {b}"
+        assert abs(a - b) <= FP64_ATOL, f"step {step}: loss {a} vs single-process {b}"
 
 
 @pytest.mark.timeout(300)
