@@ -15,7 +15,7 @@ def _cfg(dp: int, microbatches: int, **kw) -> Config:
                   warmup_steps=2, **kw)
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dp_matches_single_process(dp):
     check_equivalent([_cfg(dp, 1), _cfg(dp, 2, bucket_mb=0.1)], world_size=dp)
 

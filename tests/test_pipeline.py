@@ -45,6 +45,7 @@ def test_every_schedule_at_pp2_matches_single_process():
                       _cfg(2, "zb", model="tiny-deep", stage_layers="3,5")], world_size=2)
 
 
+@pytest.mark.slow  # pp2 covers every schedule and dp2 x pp2 zb runs with ZeRO-3 in the default set
 def test_pp4_and_dp2_pp2_match_single_process():
     check_equivalent([_cfg(4, "1f1b", model="tiny-deep"), _cfg(2, "zb", dp=2, bucket_mb=0.05)], world_size=4)
 

@@ -43,6 +43,7 @@ def test_zero_matches_single_process_dp2():
     check_equivalent([*_stage_cfgs(2), _cfg(2, 3, 1)], world_size=2)
 
 
+@pytest.mark.slow  # dp2 (default set) covers every stage; dp4 adds a wider shard
 def test_zero_matches_single_process_dp4():
     check_equivalent(_stage_cfgs(4), world_size=4, timeout=400)
 

@@ -209,9 +209,12 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _train_here(cfg: Config) -> int:
     """Train as one rank in this process (the only one, or one of many under torchrun or the launcher)."""
     from trainmesh.mesh import shutdown_distributed
-    from trainmesh.train import train
+    from trainmesh.train import RunStopped, train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except RunStopped:
+        return 0  # another rank failed and reports it; this one only stopped with it
     shutdown_distributed()
     return 0
 

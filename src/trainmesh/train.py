@@ -274,11 +274,16 @@ def write_metrics(writer: MetricsWriter, record: dict[str, Any]) -> str:
     return ""
 
 
+class RunStopped(RuntimeError):
+    """This rank stopped because another one failed (it said why); the rank itself did nothing wrong."""
+
+
 def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgress) -> None:
     """Stop every rank together if rank 0 could not write its metrics (``error``), after a final checkpoint
     attempt: a run must not go on unrecorded, nor lose its weights to the full disk that stopped it.
 
-    Only rank 0 writes, so the others learn of it from one small all-reduce per step.
+    Only rank 0 writes, so the others learn of it from one small all-reduce per step; rank 0 raises
+    :class:`MetricsError` with the cause, the others :class:`RunStopped`, so the error is reported once.
     """
     failed = log_all_reduce(torch.tensor([int(bool(error))], device=run.mesh.device),
                             reduce_op=torch.distributed.ReduceOp.MAX)
@@ -292,7 +297,9 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
             note = f"{saved} holds step {done.step}; free space and continue with --resume"
         except checkpoint.CheckpointError as e:
             note = f"the final checkpoint failed too: {e}"
-    raise MetricsError(f"{error or 'rank 0 could not write its metrics'}; stopped after step {done.step}; {note}")
+    if run.mesh.global_rank() != 0:
+        raise RunStopped(f"rank 0 could not write its metrics; stopped after step {done.step}; {note}")
+    raise MetricsError(f"{error}; stopped after step {done.step}; {note}")
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:

@@ -4,6 +4,7 @@ its presets; no parallel form names a model class."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from trainmesh.models import gpt, llama
@@ -36,8 +37,21 @@ SPECS: tuple[ModelSpec, ...] = (
               planner_presets=llama.PLANNER_PRESETS),
 )
 
-PRESET_NAMES: tuple[str, ...] = tuple(name for spec in SPECS for name in spec.presets)
-"""Every preset ``trainmesh train`` can build."""
+class _PresetNames(Collection):
+    """Every preset ``trainmesh train`` can build, read from the registry at each use, so a preset added to
+    a family's table later (a user's, or a test's) is a valid ``--model`` too."""
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for spec in SPECS for name in spec.presets)
+
+    def __contains__(self, name: object) -> bool:
+        return any(name in spec.presets for spec in SPECS)
+
+    def __len__(self) -> int:
+        return sum(len(spec.presets) for spec in SPECS)
+
+
+PRESET_NAMES = _PresetNames()
 
 
 def _find(name: str, planner: bool) -> tuple[ModelSpec, Any]:
