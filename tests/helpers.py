@@ -14,8 +14,6 @@ such a bug under its own noise (its AdamW-amplified parameter differences reach 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
 import torch
 
 from trainmesh.config import Config
@@ -53,35 +51,36 @@ def train_rank(cfgs: list[Config]) -> list[Training]:
     return out
 
 
-def differences(reference: Training, parallel: Training) -> tuple[float, float]:
-    """Largest per-step |Δloss| and largest |Δparam| over every parameter."""
+def _per_item(reference: Training, parallel: Training) -> tuple[list[float], dict[str, float]]:
+    """|Δloss| of every step and max |Δ| of every parameter."""
     (ref_losses, ref_params), (losses, params) = reference, parallel
     assert len(losses) == len(ref_losses), f"{len(losses)} steps vs the single process's {len(ref_losses)}"
     assert params.keys() == ref_params.keys(), f"parameter names differ: {params.keys() ^ ref_params.keys()}"
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    param_diff = max((params[n].double() - ref_params[n].double()).abs().max().item() for n in ref_params)
-    return loss_diff, param_diff
+    return ([abs(a - b) for a, b in zip(losses, ref_losses)],
+            {n: (params[n].double() - ref_params[n].double()).abs().max().item() for n in ref_params})
 
 
-def assert_same_training(reference: Training, parallel: Training, loss_atol: float = FP64_ATOL,
-                         param_atol: float = FP64_ATOL) -> tuple[float, float]:
-    """Per-step losses and final parameters within the bounds; returns the two largest differences."""
-    (ref_losses, ref_params), (losses, params) = reference, parallel
-    loss_diff, param_diff = differences(reference, parallel)
-    for step, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert abs(a - b) <= loss_atol, f"step {step}: loss {a!r} vs single-process {b!r}"
-    for name in ref_params:
-        diff = (params[name].double() - ref_params[name].double()).abs().max().item()
-        assert diff <= param_atol, f"{name}: max |diff| {diff} vs single process"
-    return loss_diff, param_diff
+def differences(reference: Training, parallel: Training) -> tuple[float, float]:
+    """Largest per-step |Δloss| and largest |Δparam| over every parameter."""
+    loss_diffs, param_diffs = _per_item(reference, parallel)
+    return max(loss_diffs), max(param_diffs.values())
 
 
-def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0,
-                     rank_fn: Callable[[list[Config]], list[Training]] = train_rank) -> list[tuple[float, float]]:
-    """Every config, run in float64 on ``world_size`` ranks by ``rank_fn``, matches its single-process run
-    within :data:`FP64_ATOL` (rank 0's view); returns (|Δloss|, |Δparam|) per config."""
+def assert_same_training(reference: Training, parallel: Training) -> tuple[float, float]:
+    """Per-step losses and final parameters within :data:`FP64_ATOL`; returns the two largest differences."""
+    loss_diffs, param_diffs = _per_item(reference, parallel)
+    for step, diff in enumerate(loss_diffs):
+        assert diff <= FP64_ATOL, f"step {step}: loss {parallel[0][step]!r} vs single-process {reference[0][step]!r}"
+    for name, diff in param_diffs.items():
+        assert diff <= FP64_ATOL, f"{name}: max |diff| {diff} vs single process"
+    return max(loss_diffs), max(param_diffs.values())
+
+
+def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0) -> list[tuple[float, float]]:
+    """Every config, run in float64 on ``world_size`` ranks, matches its single-process run within
+    :data:`FP64_ATOL` (rank 0's view); returns (|Δloss|, |Δparam|) per config."""
     cfgs = [in_fp64(cfg) for cfg in cfgs]
-    results = run_ranks(rank_fn, world_size, cfgs, timeout=timeout)
+    results = run_ranks(train_rank, world_size, cfgs, timeout=timeout)
     diffs = []
     for cfg, parallel in zip(cfgs, results[0]):
         diffs.append(assert_same_training(train_single(cfg), parallel))
