@@ -23,6 +23,7 @@ from trainmesh.config import (Config, ConfigError, add_config_flags, check_value
 from trainmesh.data import DataError, TokenData
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.metrics import MetricsError
+from trainmesh.report import ReportError
 from trainmesh.rundir import check_run_dirs, default_out_dir
 
 
@@ -54,7 +55,19 @@ def _parser() -> argparse.ArgumentParser:
                                         "one safetensors file (load it back with train --init-from).")
     export.add_argument("checkpoint", help="a step-N checkpoint directory, or a --checkpoint-dir (its latest)")
     export.add_argument("--to", required=True, metavar="FILE", help="the .safetensors file to write")
+    report = sub.add_parser("report", help="plot a run's loss, throughput, memory and communication",
+                            description="Draw RUN_DIR/report.png from the run's metrics.jsonl (loss and eval loss, "
+                                        "tokens/s, peak memory per rank, communication per mesh axis) and print a "
+                                        "summary. Works on a finished, crashed or running run.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --out directory")
     return parser
+
+
+def _report(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.report import report
+
+    print(report(Path(args.run_dir)))
+    return 0
 
 
 def _export_target(to: Path) -> None:
@@ -153,9 +166,22 @@ def checked_config(args: argparse.Namespace) -> Config:
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
+        _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
         TokenData.load(cfg.data, cfg.model_config.seq_len)
         check_resumable(cfg)
     return cfg
+
+
+def _check_watch_packages(cfg: Config, explicit_tensorboard: bool) -> None:
+    """Refuse ``--wandb`` (and an explicit ``--tensorboard``) without its package before any rank starts;
+    TensorBoard is on by default, so without ``--tensorboard`` on the line a missing package only turns it off."""
+    from trainmesh.metrics import package_available
+
+    if cfg.wandb and not package_available("wandb"):
+        raise ConfigError(f"--wandb {cfg.wandb} needs the wandb package: pip install wandb, or drop --wandb")
+    if explicit_tensorboard and not package_available("tensorboard"):
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'trainmesh[watch]', "
+                          "or pass --no-tensorboard")
 
 
 def _planned(cfg: Config, world: int) -> Config:
@@ -241,9 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
-        commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export}
+        commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export,
+                    "report": _report}
         return commands[args.command](args, argv)
-    except (ConfigError, DataError, CheckpointError, runlock.DirectoryInUse, MetricsError) as e:
+    except (ConfigError, DataError, CheckpointError, runlock.DirectoryInUse, MetricsError, ReportError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 
