@@ -413,7 +413,7 @@ class Progress:
         from tqdm import tqdm
 
         return tqdm(total=self.total, initial=self.first - 1, file=self.stream, desc="step", dynamic_ncols=True,
-                    bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| {elapsed}<{remaining} | {postfix}")
+                    bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| {elapsed}<{remaining}{postfix}")
 
     def update(self, record: dict[str, Any]) -> None:
         """Show the metrics record of a finished step (its ``val_loss``, if any, becomes the latest)."""
