@@ -211,8 +211,8 @@ def test_terminal_progress_is_one_bar_with_eta_and_eval_loss_and_messages_leave_
     for step in range(1, 11):
         progress.update(_record(step, 5.0 - 0.1 * step, **({"val_loss": 4.25} if step == 5 else {})))
         if step == 6:
-            with progress.paused():
-                term.write("trainmesh: saved ckpt/step-00000006 (2 files, 1.6 MiB) in 0.06 s\n")
+            with progress.paused():  # a checkpoint notice, printed to stderr as checkpoint.save does
+                print("trainmesh: saved ckpt/step-00000006 (2 files, 1.6 MiB) in 0.06 s", file=sys.stderr)
     progress.close()
     progress.message("done: ...")
     screen = _screen(term.getvalue())

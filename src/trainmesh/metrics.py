@@ -405,11 +405,10 @@ class Progress:
         self.every = every or max(1, total // 20)
         self.start = time.perf_counter()
         self.val_loss: float | None = None
-        self._bar = self._terminal_bar() if self.enabled and stream.isatty() else None
+        self._bar: Any = None  # drawn at the first step, below the messages printed before it
+        self._terminal = self.enabled and stream.isatty() and package_available("tqdm")
 
     def _terminal_bar(self) -> Any:
-        if not package_available("tqdm"):
-            return None
         from tqdm import tqdm
 
         return tqdm(total=self.total, initial=self.first - 1, file=self.stream, desc="step", dynamic_ncols=True,
@@ -421,7 +420,9 @@ class Progress:
         if not self.enabled:
             return
         step = record["step"]
-        if self._bar is not None:
+        if self._terminal:
+            if self._bar is None:
+                self._bar = self._terminal_bar()
             self._bar.set_postfix_str(step_text(record, self.val_loss), refresh=False)
             self._bar.update(step - self._bar.n)
             return
@@ -434,15 +435,25 @@ class Progress:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Clear the bar while the body writes to the terminal; redraw it below what was written."""
+        """Clear the bar while the body writes to the terminal; redraw it below what was written, or, if the
+        body raised, leave it drawn on a line of its own so the error that follows starts on a fresh one.
+
+        What the body prints to stderr goes to the bar's stream meanwhile: under ``--nproc`` the launcher
+        relays rank 0's stderr through a pipe, so a notice sent there would reach the terminal after the bar
+        is redrawn, and land on the bar's line.
+        """
         if self._bar is None:
             yield
             return
         self._bar.clear()
+        self.stream.flush()  # tqdm leaves its last carriage return buffered; it must reach the terminal first
         try:
-            yield
-        finally:
-            self._bar.refresh()
+            with contextlib.redirect_stderr(self.stream):
+                yield
+        except BaseException:
+            self.close()
+            raise
+        self._bar.refresh()
 
     def message(self, text: str) -> None:
         """Print a line of its own (the bar, if any, is redrawn below it)."""
@@ -453,7 +464,7 @@ class Progress:
         """End the bar's line, so what follows starts on a fresh one."""
         if self._bar is not None:
             self._bar.close()
-            self._bar = None
+        self._bar, self._terminal = None, False
 
     def _print(self, text: str) -> None:
         if self.stream is not None:

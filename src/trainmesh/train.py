@@ -328,9 +328,10 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         metrics_error = write_metrics(writer, record)
         progress.update(record)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
-        with progress.paused():
-            if checkpoint.due(cfg, step + 1):
+        if checkpoint.due(cfg, step + 1):
+            with progress.paused():
                 checkpoint.save(run, done)
+        with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
     progress.close()
     if cfg.timeline:
