@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainmesh.bench.common import StepFn, compare, trainmesh_step
 from trainmesh.config import Config
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of

@@ -34,7 +34,7 @@ from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import COMPUTE_KINDS, ActionKind, Schedule
 from trainmesh.pipeline.simulate import Costs, Timeline, simulate
 from trainmesh.precision import dtype_of
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
 LATENCY_ROUNDS = 20

@@ -22,7 +22,7 @@ from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
 from trainmesh.tensor_parallel import ShardSpec, shard_tensor
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
 

@@ -34,7 +34,7 @@ from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import build, forward_backward, full_state_dict, rank_batch, setup_process
 from trainmesh.zero import default_units, model_state_bytes_formula
 
