@@ -40,13 +40,15 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
     bench = sub.add_parser("bench", help="benchmark a parallel form against its PyTorch counterpart")
-    bench.add_argument("form", choices=("dp", "zero", "pp", "tp"),
-                       help="dp: trainmesh DataParallel vs DistributedDataParallel; zero: trainmesh --zero 3 vs "
-                       "FSDP2 fully_shard, and each stage's memory vs formula; pp: each schedule's measured vs "
-                       "simulated bubble, and 1F1B vs torch Schedule1F1B; tp: trainmesh tensor parallel vs "
-                       "torch parallelize_module (ColwiseParallel/RowwiseParallel)")
-    bench.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per implementation")
+    bench.add_argument("form", choices=("dp", "zero", "pp", "tp", "all"),
+                       help="dp: trainmesh DataParallel vs DistributedDataParallel; zero: each ZeRO stage vs "
+                       "ZeroRedundancyOptimizer / FSDP2, and each stage's memory vs formula; pp: each schedule's "
+                       "measured vs simulated bubble, and vs torch's schedule of the same name; tp: trainmesh "
+                       "tensor parallel vs torch parallelize_module; all: every one of them, one launch each, "
+                       "into one table (results.json and results.md in --out)")
+    bench.add_argument("--rounds", type=int, default=7, help="alternating timed rounds per implementation")
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
+    bench.add_argument("--results", default="", help="write this bench's rows as JSON to this file")
     add_config_flags(bench)
     _add_schedule_parser(sub)
     _add_plan_parser(sub)
@@ -246,11 +248,18 @@ def _train_here(cfg: Config) -> int:
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.form == "all":
+        from trainmesh.bench.suite import run_all
+
+        cfg = config_from_args(args)
+        return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.rounds, args.steps_per_round,
+                       cfg.out or default_out_dir())
     cfg = checked_config(args)
     if not _is_rank() and cfg.nproc > 1:
         from trainmesh.launcher import launch
 
         return launch(argv, cfg.nproc)
+    from trainmesh.bench.common import write_results
     from trainmesh.bench.dp import bench_dp
     from trainmesh.bench.pp import bench_pp
     from trainmesh.bench.tp import bench_tp
@@ -258,7 +267,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from trainmesh.mesh import shutdown_distributed
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
-    bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
+    write_results(bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round), args.results)
     shutdown_distributed()
     return 0
 

@@ -27,7 +27,8 @@ from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.data_parallel import DataParallel
-from trainmesh.engine import MicroBatches, Run
+from trainmesh.engine import MicroBatches
+from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
