@@ -43,7 +43,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) + 0.5)
 
 
-def save_hf_llama(directory: Path, tie: bool = False, seed: int = 0) -> Path:
+def save_hf_llama(directory: Path, tie: bool = False, seed: int = 0, shard_size: str = "5GB") -> Path:
     """A random GQA Llama (hidden 64, 2 layers, 4 heads, 2 KV heads) written by ``save_pretrained``."""
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -52,7 +52,7 @@ def save_hf_llama(directory: Path, tie: bool = False, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).double()
     _randomize(model, seed)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, max_shard_size=shard_size)
     return directory
 
 
@@ -137,6 +137,15 @@ def test_llama_and_gpt2_import_gives_transformers_logits(tmp_path, fp64_llama):
         model = hf.load_hf(spec.builder(model_config, 7).double(), directory)
         with torch.no_grad():
             assert_same_logits(model(TOKENS), hf_logits(directory), f"{name} imported, one process")
+
+
+def test_sharded_safetensors_are_read_through_their_index(tmp_path, fp64_llama):
+    directory = save_hf_llama(tmp_path / "hf", shard_size="200KB")
+    assert not (directory / hf.WEIGHTS).exists() and len(hf.weight_files(directory)) > 1
+    spec, model_config = hf.check_weights(directory)
+    model = hf.load_hf(spec.builder(model_config, 7).double(), directory)
+    with torch.no_grad():
+        assert_same_logits(model(TOKENS), hf_logits(directory), "sharded llama imported, one process")
 
 
 def test_tied_llama_imports_and_exports_tied(tmp_path, fp64_llama):

@@ -674,7 +674,7 @@ def load_hf_weights(run: Run, path: Path) -> None:
     try:
         full = hf.read_hf(path)[2]
     except hf.HFError as e:
-        raise CheckpointError(f"--init-hf {e}") from None
+        raise CheckpointError(f"--init-hf: {e}") from None
     load_full(run, full, f"--init-hf {path}")
 
 
@@ -782,7 +782,7 @@ def check_resumable(cfg: Config) -> None:
         try:
             hf.check_weights(cfg.init_hf)
         except hf.HFError as e:
-            raise CheckpointError(f"--init-hf {e}") from None
+            raise CheckpointError(f"--init-hf: {e}") from None
     if not cfg.resume:
         return
     for path in candidates(Path(cfg.checkpoint_dir)):

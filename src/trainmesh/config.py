@@ -355,7 +355,7 @@ def _model_of_hf_dir(path: str, model: str | None) -> str:
     try:
         spec, hf_config = hf.read_config(path)
     except hf.HFError as e:
-        raise ConfigError(f"--init-hf {e}") from None
+        raise ConfigError(f"--init-hf: {e}") from None
     if model is not None and preset(model) != hf_config:
         raise ConfigError(f"--model {model} conflicts with --init-hf {path}, whose config.json gives the model's "
                           f"shape ({spec.family}: {hf_config}); drop --model")
@@ -400,7 +400,7 @@ def _validate_checkpoints(cfg: Config) -> None:
         try:
             family = hf.read_config(cfg.init_hf)[0].family
         except hf.HFError as e:
-            raise ConfigError(f"--init-hf {e}") from None
+            raise ConfigError(f"--init-hf: {e}") from None
         if spec_of(cfg.model).family != family:
             raise ConfigError(f"--model {cfg.model} is a {spec_of(cfg.model).family} model but --init-hf "
                               f"{cfg.init_hf} holds a {family} one; drop --model")
@@ -413,24 +413,30 @@ def _validate_checkpoints(cfg: Config) -> None:
         raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
 
 
+def _model_name(cfg: Config) -> str:
+    """How messages name the model: its preset, or the directory ``--init-hf`` took its shape from."""
+    return f"the model in {cfg.init_hf}" if cfg.init_hf else cfg.model
+
+
 def _validate_model_split(cfg: Config) -> None:
-    m = cfg.model_config
+    m, name = cfg.model_config, _model_name(cfg)
     if cfg.pp > m.n_layers:
-        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {cfg.model}; "
+        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {name}; "
                           f"choose pp <= {m.n_layers}")
-    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, cfg.model)
+    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, name)
     if problem:
         raise ConfigError(problem)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over tensor-parallel ranks; "
                           "set --tp > 1 or drop --sequence-parallel")
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
-        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {cfg.model}; "
+        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
 
 
 def _validate_pipeline(cfg: Config) -> None:
     """Pipeline settings that cannot run (schedules: Narayanan et al. 2021; Qi et al. 2023)."""
+    name = _model_name(cfg)
     p, v, m, n_layers = cfg.pp, cfg.virtual_stages, cfg.microbatches, cfg.model_config.n_layers
     if p == 1:
         for flag, given in (("--virtual-stages", v > 1), ("--stage-layers", cfg.stage_layers),
@@ -446,11 +452,11 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"set --microbatches to a multiple of {p} (got {m})")
     if n_layers < p * v:
         raise ConfigError(f"--pp {p} x --virtual-stages {v} = {p * v} stages need at least one layer each, but "
-                          f"{cfg.model} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
+                          f"{name} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
     counts = cfg.stage_layer_counts
     if counts and (len(counts) != p * v or min(counts) < 1 or sum(counts) != n_layers):
         raise ConfigError(f"--stage-layers {cfg.stage_layers} must give {p * v} counts (pp * virtual-stages), "
-                          f"each >= 1, summing to the {n_layers} layers of {cfg.model}")
+                          f"each >= 1, summing to the {n_layers} layers of {name}")
     if cfg.schedule == "zb" and cfg.compile:
         raise ConfigError("--schedule zb splits backward at module outputs, which torch.compile fuses away; "
                           "drop --compile or use --schedule 1f1b")
