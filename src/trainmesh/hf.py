@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / name for name in names]
 
 
-def _read_files(directory: Path, read: Any) -> dict[str, torch.Tensor]:
+def _read_files(directory: Path, read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for file in weight_files(directory):
         try:
@@ -204,7 +204,8 @@ def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
         if name not in weights or weights[name].shape != p.shape:
             there = "lacks it" if name not in weights else f"has shape {list(weights[name].shape)}"
             raise HFError(f"{path} does not fit this model: {name} of shape {list(p.shape)} here, {path} {there}; "
-                          f"build the model from read_config({str(path)!r}) ({spec.family})")
+                          f"build the model from read_config({str(path)!r}) ({spec.family}) and load before "
+                          f"parallelizing it")
         p.copy_(weights[name])
     return model
 
@@ -234,6 +235,7 @@ def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, mo
     config = _transformers().AutoConfig.for_model(spec.hf.model_type, architectures=[spec.hf.architecture],
                                                   **attributes)
     tensors = {k: v.detach().to("cpu").clone() for k, v in spec.hf.to_hf(model_config, weights).items()}
+    config.torch_dtype = next(iter(tensors.values())).dtype  # from_pretrained(dtype="auto") keeps it
     directory = Path(out)
     directory.mkdir(exist_ok=True)
     replace_durably(directory / WEIGHTS, safetensors.torch.save(tensors, metadata={"format": "pt"}))
