@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainmesh import runlock
-from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export
+from trainmesh import hf, runlock
+from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export, export_hf
 from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
                               validate)
 from trainmesh.data import DataError, TokenData
@@ -52,11 +52,17 @@ def _parser() -> argparse.ArgumentParser:
     add_config_flags(bench)
     _add_schedule_parser(sub)
     _add_plan_parser(sub)
-    export = sub.add_parser("export", help="write a checkpoint's weights as one plain .safetensors model file",
+    export = sub.add_parser("export", help="write a checkpoint's weights as one plain .safetensors model file "
+                                           "or a Hugging Face model directory",
                             description="Assemble the unsharded weights of a checkpoint written in any layout into "
-                                        "one safetensors file (load it back with train --init-from).")
+                                        "one safetensors file (load it back with train --init-from), or into a "
+                                        "Hugging Face model directory (train --init-hf, or transformers' "
+                                        "AutoModelForCausalLM.from_pretrained).")
     export.add_argument("checkpoint", help="a step-N checkpoint directory, or a --checkpoint-dir (its latest)")
-    export.add_argument("--to", required=True, metavar="FILE", help="the .safetensors file to write")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", metavar="FILE", help="the .safetensors file to write")
+    target.add_argument("--hf", metavar="DIR", help="the directory to write config.json and model.safetensors to "
+                        "(LlamaForCausalLM or GPT2LMHeadModel)")
     report = sub.add_parser("report", help="plot a run's loss, throughput, memory and communication",
                             description="Draw RUN_DIR/report.png from the run's metrics.jsonl (loss and eval loss, "
                                         "tokens/s, peak memory per rank, communication per mesh axis) and print a "
@@ -85,11 +91,26 @@ def _export_target(to: Path) -> None:
         raise ConfigError(f"export --to {to}: directory {to.parent} is not writable; choose another place")
 
 
+def _export_hf_target(out: Path) -> None:
+    """Refuse an ``export --hf`` directory that cannot be written or already holds a model."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export --hf {out} is a file; name the directory to write the model to")
+    if any((out / name).exists() for name in (hf.CONFIG, hf.WEIGHTS, hf.INDEX)):
+        raise ConfigError(f"export --hf {out} already holds a model; choose an empty or new directory")
+    if not out.parent.is_dir():
+        raise ConfigError(f"export --hf {out}: directory {out.parent} does not exist; create it first")
+    if not os.access(out if out.exists() else out.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"export --hf {out}: not writable; choose another place")
+
+
 def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    to = Path(args.to)
-    _export_target(to)
+    to = Path(args.hf or args.to)
+    if args.hf:
+        _export_hf_target(to)
+    else:
+        _export_target(to)
     try:
-        print(export(Path(args.checkpoint), to))
+        print(export_hf(Path(args.checkpoint), to) if args.hf else export(Path(args.checkpoint), to))
     except OSError as e:
         raise ConfigError(f"exporting {args.checkpoint} to {to} failed: {e}") from None
     return 0
