@@ -5,7 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainmesh.config import Config
 from trainmesh.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence, split_error
+
+from helpers import check_equivalent
 
 TOL = 1e-12  # fp64: the merge reorders sums of a few hundred terms
 
@@ -73,3 +76,16 @@ def test_split_errors_name_the_fix():
     message = split_error(96, 4, 4, 2, 1, "a2a")
     assert "n_kv_heads=2" in message and "{1, 2}" in message
     assert split_error(96, 2, 4, 2, 1, "a2a") is None
+
+
+# --- equivalence to one process (float64, helpers.FP64_ATOL) ---------------------------------------------
+
+def _cfg(**kw) -> Config:
+    base = {"nproc": 2, "cp": 2, "steps": 3, "global_batch": 4, "progress": False, "warmup_steps": 1, "seq_len": 96}
+    return Config(**{**base, **kw})
+
+
+def test_cp2_ring_and_a2a_match_single_process():
+    """GPT (learned positions) and Llama (RoPE, GQA), each through the ring and through the all-to-all."""
+    check_equivalent([_cfg(), _cfg(cp_impl="a2a"), _cfg(model="llama-tiny"), _cfg(model="llama-tiny", cp_impl="a2a")],
+                     world_size=2)
