@@ -89,3 +89,13 @@ def test_cp2_ring_and_a2a_match_single_process():
     """GPT (learned positions) and Llama (RoPE, GQA), each through the ring and through the all-to-all."""
     check_equivalent([_cfg(), _cfg(cp_impl="a2a"), _cfg(model="llama-tiny"), _cfg(model="llama-tiny", cp_impl="a2a")],
                      world_size=2)
+
+
+def test_cp2_with_dp_zero3_tp_sp_and_pp_match_single_process():
+    """cp composed with each other form, for both families: gradients reduced and ZeRO-3 sharded over dp x cp,
+    the sequence split over cp x tp under SP, the cp shard of activations sent between pipeline stages."""
+    world = {"nproc": 4, "microbatches": 2}
+    check_equivalent([_cfg(**world, dp=2, zero=3), _cfg(**world, dp=2, model="llama-tiny", recompute="selective"),
+                      _cfg(**world, tp=2, sequence_parallel=True, cp_impl="a2a"),
+                      _cfg(**world, tp=2, model="llama-tiny", sequence_parallel=True),
+                      _cfg(**world, pp=2), _cfg(**world, pp=2, model="llama-tiny", zero=1)], world_size=4, timeout=400)
