@@ -1,12 +1,16 @@
 """Context parallelism without processes: the ring's blockwise arithmetic against one
 ``scaled_dot_product_attention``, and the head-tail split of a sequence."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmesh.config import Config
+from trainmesh import config
+from trainmesh.config import Config, ConfigError, validate
 from trainmesh.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence, split_error
+from trainmesh.models import spec_of
 
 from helpers import check_equivalent
 
@@ -76,6 +80,13 @@ def test_split_errors_name_the_fix():
     message = split_error(96, 4, 4, 2, 1, "a2a")
     assert "n_kv_heads=2" in message and "{1, 2}" in message
     assert split_error(96, 2, 4, 2, 1, "a2a") is None
+
+
+def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
+    spec = dataclasses.replace(spec_of("tiny"), cp_plan={})
+    monkeypatch.setattr(config, "spec_of", lambda _name: spec)
+    with pytest.raises(ConfigError, match="names no attention core context parallelism can split"):
+        validate(Config(nproc=2, cp=2))
 
 
 # --- equivalence to one process (float64, helpers.FP64_ATOL) ---------------------------------------------
