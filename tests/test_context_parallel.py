@@ -110,3 +110,10 @@ def test_cp2_with_dp_zero3_tp_sp_and_pp_match_single_process():
                       _cfg(**world, tp=2, sequence_parallel=True, cp_impl="a2a"),
                       _cfg(**world, tp=2, model="llama-tiny", sequence_parallel=True),
                       _cfg(**world, pp=2), _cfg(**world, pp=2, model="llama-tiny", zero=1)], world_size=4, timeout=400)
+
+
+@pytest.mark.slow
+def test_cp4_ring_and_a2a_match_single_process():
+    cp4 = {"nproc": 4, "cp": 4}
+    check_equivalent([_cfg(**cp4), _cfg(**cp4, cp_impl="a2a"), _cfg(**cp4, model="llama-tiny")], world_size=4,
+                     timeout=400)

@@ -72,7 +72,7 @@ class Config:
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
-                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--tp/--pp/--zero/--microbatches/"
+                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
@@ -424,8 +424,6 @@ CP_UNSUPPORTED = (
     ("schedule", "zb", "--schedule zb splits backward at module outputs, which the ring's backward does not "
      "provide; use --schedule 1f1b"),
     ("compile", True, "--compile would trace the ring's point-to-point messages; drop --compile"),
-    ("plan", "auto", "--plan auto does not search cp yet; give --dp/--cp/--tp/--pp yourself (trainmesh plan "
-     "prints a layout with cp)"),
 )
 
 
