@@ -37,6 +37,7 @@ from trainmesh.plan import (
     auto_config,
     best_layout,
     bubble_fraction,
+    cp_attention_output,
     cp_bytes_per_micro,
     cp_degrees,
     enumerate_layouts,
@@ -550,8 +551,9 @@ def test_trainmesh_plan_reports_a_bad_shape_in_one_line(capsys: pytest.CaptureFi
 def test_context_parallel_divides_activations_and_counts_its_bytes():
     work = Workload(model_shape("llama-tiny"), 4, 64, "fp32")
     alone = micro_batch_activation_bytes(work, Layout())
-    for cp in (2, 4):
-        assert micro_batch_activation_bytes(work, Layout(cp=cp)) * cp == alone
+    for cp in (2, 4):  # all of it 1/cp, and the output the ring's attention keeps for its backward
+        extra = work.model.n_layers * cp_attention_output(work, Layout(cp=cp))
+        assert (micro_batch_activation_bytes(work, Layout(cp=cp)) - extra) * cp == alone
     m, kv = work.model, 2 * 4 * 32 * work.model.kv_heads * (work.model.d_model // work.model.n_heads) * 4
     assert cp_bytes_per_micro(work, Layout(cp=2)) == {"ring_kv": m.n_layers * kv, "ring_kv_grad": 3 * m.n_layers * kv}
     with pytest.raises(ValueError, match="a2a gives each of cp\\*tp=4 ranks whole heads"):

@@ -74,7 +74,7 @@ class Config:
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
-    zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
+    zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling); fp64 for exact equivalence checks",

@@ -281,7 +281,7 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout5 * out).sum(-1)
         dq = torch.zeros_like(out)
         kv = torch.stack([k, v])
-        sending: list = []
+        sent: list = []  # (message, its send): each message stays alive until its send completes
         for step in range(cp):
             dkv_in = torch.empty(kv.shape, dtype=out.dtype, device=kv.device) if step > 0 else None
             kv_in = torch.empty_like(kv) if step < cp - 1 else None
@@ -293,15 +293,13 @@ class _RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             dkv = torch.stack([g_k, g_v]) + (dkv_in if dkv_in is not None else 0)
-            sending += comm.send_recv([(dkv, nxt)], [], axis=AXIS, op="ring_kv_grad")
-            sending.append(dkv)
+            sent += [(dkv, w) for w in comm.send_recv([(dkv, nxt)], [], axis=AXIS, op="ring_kv_grad")]
             kv = kv_in if kv_in is not None else kv
         home = torch.empty(kv.shape, dtype=out.dtype, device=kv.device)
         for w in comm.send_recv([], [(home, prev)], axis=AXIS, op="ring_kv_grad"):
             w.wait()
-        for w in sending:
-            if not isinstance(w, torch.Tensor):
-                w.wait()
+        for _, w in sent:
+            w.wait()
         return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
 
 

@@ -476,7 +476,21 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     scores = m.n_heads * workload.seq_len * sbh // m.d_model
     stores_scores = recompute == "none" and not m.flash_attention
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
-    return seq_sharded // seq_split + (qkv_and_proj_input + mlp_inner + core) // t
+    return seq_sharded // seq_split + (qkv_and_proj_input + mlp_inner + core + cp_attention_output(workload, layout)) // t
+
+
+def cp_attention_output(workload: Workload, layout: Layout) -> int:
+    """What context-parallel attention keeps beside the projection's input (measured by ``bench.cp``): the
+    ring its merged output in the accumulation dtype (fp32 or wider) and its log-sum-exp; Ulysses the
+    core's output, still in head-split order. 0 without cp."""
+    if layout.cp == 1:
+        return 0
+    e = workload.dtype_bytes.activation
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+    if layout.cp_impl == "a2a":
+        return e * tokens * workload.model.d_model
+    wide = max(e, DTYPE_BYTES["fp32"])
+    return wide * tokens * (workload.model.d_model + workload.model.n_heads)
 
 
 def in_flight_chunks(layout: Layout, stage: int) -> int:
