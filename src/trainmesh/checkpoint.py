@@ -87,7 +87,7 @@ from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside,
 from trainmesh.tensor_parallel import shard_boxes
 
 if TYPE_CHECKING:
-    from trainmesh.engine import Run
+    from trainmesh.run import Run
 
 MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
 STEP_DIR = re.compile(r"step-(\d{8})")

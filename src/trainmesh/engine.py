@@ -1,31 +1,22 @@
-"""The one contract every training engine fulfils, and the :class:`Run` the loop and checkpoints share.
+"""The one contract every training engine fulfils.
 
 An engine is what a data-parallel form makes of a model: plain data parallelism
 (:class:`~trainmesh.data_parallel.DataParallel`) or ZeRO (:mod:`trainmesh.zero`). The training loop, the
 pipeline runtime and checkpoints talk to it only through :class:`Engine`, so a new form is one class that
-fulfils it, and neither the loop nor checkpoints test which form they hold. This module sits below
-``train`` and ``checkpoint`` so that both can name :class:`Run` without importing each other.
+fulfils it, and neither the loop nor checkpoints test which form they hold.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from trainmesh.comm import Comm
-from trainmesh.mesh import Mesh
 from trainmesh.optim import ParamPiece
 from trainmesh.precision import LossScaler
-
-if TYPE_CHECKING:
-    from trainmesh.config import Config
-    from trainmesh.data import TokenData
-    from trainmesh.pipeline.runtime import PipelineRuntime
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -72,17 +63,3 @@ class Engine(Protocol):
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of model state this rank holds, for memory accounting."""
-
-
-@dataclass
-class Run:
-    """Everything a step needs, built once by :func:`trainmesh.train.build`."""
-
-    cfg: Config
-    mesh: Mesh
-    comm: Comm
-    model: nn.Module
-    engine: Engine
-    criterion: Criterion
-    data: TokenData
-    pipeline: PipelineRuntime | None = None  # pp > 1: runs this rank's stage(s); ``model`` is its part

@@ -27,7 +27,8 @@ from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.data_parallel import DataParallel
-from trainmesh.engine import MicroBatches, Run
+from trainmesh.engine import MicroBatches
+from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import forward_backward, rank_batch
 
 StepFn = Callable[[int], None]

@@ -8,8 +8,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainmesh.bench.common import StepFn, compare, trainmesh_step
 from trainmesh.config import Config
-from trainmesh.engine import Run
-from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.run import Run
+from trainmesh.models import spec_of
+from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
 from trainmesh.train import build, rank_batch, setup_process
@@ -18,7 +19,7 @@ from trainmesh.train import build, rank_batch, setup_process
 def _ddp_step(run: Run) -> StepFn:
     """The same training step with torch DDP (same bucket size) and torch's own gradient clipping."""
     cfg, device = run.cfg, run.mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device, dtype_of(cfg.precision))
+    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
     optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)

@@ -66,7 +66,7 @@ from trainmesh.plan import (
     workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import forward_backward, rank_batch, train
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B and

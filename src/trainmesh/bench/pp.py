@@ -28,13 +28,13 @@ from trainmesh.bench.common import StepFn, compare, trainmesh_step
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
-from trainmesh.models.gpt import GPT
+from trainmesh.models import spec_of
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import COMPUTE_KINDS, ActionKind, Schedule
 from trainmesh.pipeline.simulate import Costs, Timeline, simulate
 from trainmesh.precision import dtype_of
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
 LATENCY_ROUNDS = 20
@@ -113,7 +113,7 @@ def _torch_1f1b_step(run: Run) -> StepFn:
     """The same training step with torch's ``PipelineStage`` + ``Schedule1F1B`` on the same partition."""
     cfg, mesh = run.cfg, run.mesh
     p, rank, device = mesh.size("pp"), mesh.rank("pp"), mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device, dtype_of(cfg.precision))
+    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
     module, _ = split_model(model, partition_model(model, p), rank, p)
     stage = PipelineStage(module, rank, p, device, group=mesh.group("pp"))
     schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=run.criterion)

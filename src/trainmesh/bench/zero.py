@@ -1,7 +1,7 @@
 """``trainmesh bench zero``: trainmesh ZeRO-3 against PyTorch FSDP2 (``fully_shard``), and each ZeRO
 stage's measured model state against the paper's formula.
 
-Both implementations train the same GPT from the same seed on the same batches and ranks, with the same
+Both implementations train the same model (any family, ``--model``) from the same seed on the same batches and ranks, with the same
 wrapping (:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head, each resharded
 after forward) and gradients reduce-scattered every micro-batch; timed rounds alternate
 (:func:`trainmesh.bench.common.compare`). Memory per rank is reported two ways:
@@ -22,6 +22,7 @@ import gc
 from pathlib import Path
 
 import torch
+from torch import nn
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -31,10 +32,11 @@ from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.models import spec_of
+from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
-from trainmesh.engine import Run
+from trainmesh.run import Run
 from trainmesh.train import build, forward_backward, full_state_dict, rank_batch, setup_process
 from trainmesh.zero import default_units, model_state_bytes_formula
 
@@ -72,10 +74,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def fsdp2_model(run: Run) -> tuple[GPT, torch.optim.Optimizer]:
-    """The same GPT under ``fully_shard`` over the ``dp`` axis, unit by unit, then the root."""
+def fsdp2_model(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The same model under ``fully_shard`` over the ``dp`` axis, unit by unit, then the root."""
     cfg, device = run.cfg, run.mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device)
+    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device)
     dp_mesh = run.mesh.device_mesh["dp"]
     for _, unit in default_units(model):
         fully_shard(unit, mesh=dp_mesh)
@@ -83,7 +85,7 @@ def fsdp2_model(run: Run) -> tuple[GPT, torch.optim.Optimizer]:
     return model, build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
 
 
-def _fsdp2_step(run: Run, model: GPT, optimizer: torch.optim.Optimizer) -> StepFn:
+def _fsdp2_step(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
     """The same step with FSDP2 and torch's own clipping; gradients kept (zeroed) between steps, as
     trainmesh keeps its gradient shards."""
     def step(i: int) -> None:
@@ -97,7 +99,7 @@ def _fsdp2_step(run: Run, model: GPT, optimizer: torch.optim.Optimizer) -> StepF
     return step
 
 
-def fsdp2_state_bytes(model: GPT, optimizer: torch.optim.Optimizer) -> int:
+def fsdp2_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Parameters + gradients + optimizer state FSDP2 holds on this rank (the DTensors' local shards)."""
     params = list(model.parameters())
     tensors = [_local(p) for p in params] + [_local(p.grad) for p in params if p.grad is not None]
