@@ -4,7 +4,8 @@ against the planner's prediction and the byte formulas. Prints; asserts nothing.
 Each run is a short ``trainmesh train`` of ``small`` at a long sequence (its learned position table sized
 to it) on cp local ranks; rank metrics come from its ``metrics.jsonl``: the activation bytes the first
 micro-batch saved (:class:`trainmesh.metrics.SavedActivations`), each rank's peak RSS, and the bytes
-:class:`trainmesh.comm.Comm` counted on the ``cp`` axis, set against :func:`trainmesh.plan.cp_bytes_per_micro`.
+:class:`trainmesh.comm.Comm` counted on the ``cp`` axis, set against :func:`trainmesh.plan.cp_bytes_per_micro`; then the planner's longest sequence that fits
+the activation bytes cp 1 measured, at each cp.
 """
 
 from __future__ import annotations
@@ -51,7 +52,20 @@ def bench_cp(seq_len: int, global_batch: int, degrees: tuple[int, ...]) -> str:
                 lines.append(f"{f'cp{cp} {impl}':<12}{measured / MIB:>10.1f}{predicted / MIB:>10.1f}"
                              f"{measured / base:>8.2f}{record['max_rss_bytes'][0] / MIB:>14.0f}"
                              f"{counted / MIB:>10.1f}{formula / MIB:>13.1f}")
+    lines += ["", f"longest sequence whose activations fit cp1's at {seq_len} tokens ({base / MIB:.0f} MiB), "
+                  f"planner: " + ", ".join(f"cp{cp} {longest_fitting(base, global_batch, cp):,}" for cp in degrees)]
     return "\n".join(lines)
+
+
+def longest_fitting(cap: int, global_batch: int, cp: int) -> int:
+    """The planner's longest sequence (a multiple of 2·cp·64 tokens) whose saved activations per rank fit
+    ``cap`` bytes at ``cp`` (ring)."""
+    step, seq = 2 * cp * 64, 0
+    while True:
+        cfg = Config(model="small", seq_len=seq + step, global_batch=global_batch, cp=cp)
+        if micro_batch_activation_bytes(workload_of(cfg), Layout(cp=cp)) > cap:
+            return seq
+        seq += step
 
 
 def main(argv: list[str] | None = None) -> None:
