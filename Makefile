@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ bench-dp: setup
 
 bench-tp: setup
 	$(BIN)/trainmesh bench tp --nproc 2 --tp 2 --model small --global-batch 16
+
+# Context parallelism: activation bytes, peak RSS and counted cp bytes per rank at cp 1, 2, 4 (ring and a2a)
+# on `small` at 4096 tokens, against the planner and the byte formulas.
+bench-cp: setup
+	$(BIN)/python -m trainmesh.bench.cp --seq-len 4096
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16

@@ -37,6 +37,11 @@ BAD = [
     (["--pp", "3", "--nproc", "3"], "exceeds the 2 layers"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--config", "/nonexistent.toml"], "does not exist"),
+    (["--nproc", "4", "--cp", "2"], "world size 4 != dp*cp*tp*pp"),
+    (["--nproc", "2", "--cp", "2", "--seq-len", "90"], "2*cp=4 equal chunks"),
+    (["--model", "llama-tiny", "--nproc", "4", "--cp", "2", "--tp", "2", "--cp-impl", "a2a"],
+     "n_heads=4 and n_kv_heads=2 do not divide by it; choose cp in {1} with tp=2"),
+    (["--nproc", "4", "--cp", "2", "--pp", "2", "--schedule", "zb"], "--cp 2 with --schedule zb"),
 ]
 
 

@@ -379,7 +379,7 @@ def _manifest(run: Run, progress: TrainingProgress, plans: list[list[dict]], wri
         "loss_scaler": {"scale": scaler.scale, "clean_steps": scaler.clean_steps,
                         "skipped_steps": scaler.skipped_steps},
         "model": dataclasses.asdict(cfg.model_config), "config": dataclasses.asdict(cfg),
-        "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero},
+        "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero},
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
     }

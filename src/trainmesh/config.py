@@ -8,6 +8,7 @@ how to fix them, before any rank is spawned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
+from trainmesh.context_parallel import split_error
 from trainmesh import hf
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 
@@ -56,17 +58,24 @@ class Config:
     model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small)", PRESET_NAMES)
     data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources)")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
+    seq_len: int = _opt(0, "tokens per sequence, overriding the preset's (a learned position table is sized to "
+                        "it); 0: the preset's", low=AT_LEAST_0)
     # [layout]: how each step is spread over ranks and held in memory
     nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1)
     dp: int = _opt(1, "data-parallel degree", low=AT_LEAST_1)
     tp: int = _opt(1, "tensor-parallel degree", low=AT_LEAST_1)
+    cp: int = _opt(1, "context-parallel degree: each sequence split over cp ranks (2*cp head-tail chunks)",
+                   low=AT_LEAST_1)
+    cp_impl: str = _opt("ring", "context-parallel attention: ring (K/V blocks passed around the cp ranks) or "
+                        "a2a (all-to-all to whole sequences for 1/cp of the heads, DeepSpeed-Ulysses)",
+                        ("ring", "a2a"))
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
-                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--tp/--pp/--zero/--microbatches/"
+                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
-    zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
+    zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling); fp64 for exact equivalence checks",
@@ -140,8 +149,10 @@ class Config:
     @property
     def model_config(self) -> Any:
         """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``);
-        with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family)."""
-        return hf.read_config(self.init_hf)[1] if self.init_hf else preset(self.model)
+        with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family);
+        ``--seq-len`` replaces its sequence length."""
+        base = hf.read_config(self.init_hf)[1] if self.init_hf else preset(self.model)
+        return dataclasses.replace(base, seq_len=self.seq_len) if self.seq_len else base
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
@@ -161,7 +172,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def micro_batch(self) -> int:
@@ -178,8 +189,8 @@ RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "data", "seed"),
-    "layout": ("nproc", "dp", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
+    "model": ("model", "data", "seed", "seq_len"),
+    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
@@ -383,6 +394,10 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     for f in fields(Config):
         check_value(f.name, getattr(cfg, f.name))
     world = cfg.nproc if world_size is None else world_size
+    if world != cfg.world_size and cfg.cp > 1:
+        raise ConfigError(
+            f"world size {world} != dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
+            f"set --nproc {cfg.world_size} or change --dp/--cp/--tp/--pp so their product is {world}")
     if world != cfg.world_size:
         raise ConfigError(
             f"world size {world} != dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
@@ -406,6 +421,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
                           f"so choose --min-lr <= --lr")
     _validate_checkpoints(cfg)
     _validate_model_split(cfg)
+    _validate_context_parallel(cfg)
     _validate_pipeline(cfg)
 
 
@@ -448,6 +464,33 @@ def _validate_model_split(cfg: Config) -> None:
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
         raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
+
+
+CP_UNSUPPORTED = (
+    ("schedule", "zb", "--schedule zb splits backward at module outputs, which the ring's backward does not "
+     "provide; use --schedule 1f1b"),
+    ("compile", True, "--compile would trace the ring's point-to-point messages; drop --compile"),
+)
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """What context parallelism cannot split (``context_parallel.split_error``) or does not support yet."""
+    if cfg.cp == 1:
+        return
+    spec, m = spec_of(cfg.model), cfg.model_config
+    if not spec.cp_plan:
+        raise ConfigError(f"--cp {cfg.cp}: the {spec.family} family of {cfg.model} names no attention core "
+                          f"context parallelism can split; use --cp 1")
+    shape = spec.shape(m)
+    problem = split_error(m.seq_len, cfg.cp, shape.n_heads, shape.kv_heads, cfg.tp, cfg.cp_impl)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.sequence_parallel and (m.seq_len // cfg.cp) % cfg.tp:
+        raise ConfigError(f"--sequence-parallel splits each cp rank's {m.seq_len // cfg.cp} tokens over tp={cfg.tp}, "
+                          f"which does not divide them; choose a seq_len that is a multiple of {2 * cfg.cp * cfg.tp}")
+    for name, value, why in CP_UNSUPPORTED:
+        if getattr(cfg, name) == value:
+            raise ConfigError(f"--cp {cfg.cp} with {why}")
 
 
 def _validate_pipeline(cfg: Config) -> None:

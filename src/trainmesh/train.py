@@ -26,11 +26,12 @@ from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
+from trainmesh.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.data_parallel import DataParallel
 from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
+from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
                                mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import spec_of
@@ -68,7 +69,7 @@ def setup_process(cfg: Config) -> Mesh:
     device = pick_device(cfg.device)
     init_distributed(pick_backend(cfg.backend, device), device, cfg.collective_timeout)
     start_heartbeat()
-    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout)
+    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout, cp=cfg.cp)
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
@@ -78,6 +79,8 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
     check_agreement(cfg.shared_settings(), model, mesh.device)
     criterion = parallelize(model, mesh, dict(spec.tp_plan), cfg.sequence_parallel, comm) or cross_entropy
+    if cfg.cp > 1:
+        apply_context_parallel(model, spec.cp_plan, comm, cfg.model_config.seq_len, cfg.cp_impl)
     apply_recompute(model, cfg.recompute, spec.recompute)
     if cfg.compile:
         for block in model.blocks.values():
@@ -89,7 +92,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                          seq_shards=cfg.tp if cfg.sequence_parallel else 1)
     make_optimizer = adamw_factory(mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     engine_args = dict(bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
-                       scaler=LossScaler(enabled=cfg.precision == "fp16"))
+                       scaler=LossScaler(enabled=cfg.precision == "fp16"), axis=GRAD_AXIS if cfg.cp > 1 else "dp")
     engine = (zero.build_engine(model, comm, cfg.zero, make_optimizer, **engine_args) if cfg.zero
               else DataParallel(model, comm, make_optimizer, **engine_args))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
@@ -130,6 +133,7 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
     cfg, mesh = run.cfg, run.mesh
     x, y = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step,
                      mesh.rank("dp"), mesh.size("dp"))
+    x, y = (shard_sequence(t, mesh.size("cp"), mesh.rank("cp")) for t in (x, y))
     if mesh.device.type == "cuda":
         x, y = x.pin_memory().to(mesh.device, non_blocking=True), y.pin_memory().to(mesh.device, non_blocking=True)
     return list(zip(x.chunk(cfg.microbatches), y.chunk(cfg.microbatches)))
@@ -137,9 +141,10 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
 
 def global_mean(run: Run, value: torch.Tensor) -> float:
     """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
-    pipeline stage computes (the other stages pass zero)."""
+    pipeline stage computes (the other stages pass zero); a cp rank's loss is the mean over its equal share
+    of every sequence's tokens, so the mean over cp ranks too is the mean over all tokens."""
     total = log_all_reduce(value.detach().double().reshape(1).clone())
-    return total.item() / (run.mesh.size("dp") * run.mesh.size("tp"))
+    return total.item() / (run.mesh.size("dp") * run.mesh.size("cp") * run.mesh.size("tp"))
 
 
 @torch.no_grad()
@@ -288,7 +293,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     progress = Progress(cfg.steps, start.step + 1, sys.stdout if rank == 0 else None, enabled=cfg.progress,
                         every=cfg.progress_every)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
-                     f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
+                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len

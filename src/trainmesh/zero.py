@@ -59,7 +59,7 @@ from trainmesh.precision import LossScaler, master_dtype
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
-NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
+NORM_AXES = ("tp", "pp")  # with the sharding axis: shards are disjoint there, so the squares are summed too
 
 
 def model_state_bytes_formula(psi: int, n: int, stage: int, mixed_precision: bool = False,
@@ -346,7 +346,7 @@ class ZeroEngine:
         self.finish_gradient_sync()
         grads = self._optimizer_grads()
         norm = clipped_update(self.optimizer, grads, norm_contributions(self.pieces, self.comm.mesh.rank("tp")),
-                              self.comm, NORM_AXES, self.scaler, lr, max_norm)
+                              self.comm, (self.axis, *NORM_AXES), self.scaler, lr, max_norm)
         if math.isfinite(norm):
             self._copy_masters_to_shards()
             self.after_update()

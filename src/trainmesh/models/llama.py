@@ -107,15 +107,33 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position p times frequency theta^(-2i/head_dim), each ``[seq_len, head_dim]`` with the
-    ``head_dim/2`` frequencies repeated for the two halves (Su et al., 2021, RoFormer, eq. 34)."""
+def rotary_angles_at(positions: torch.Tensor, head_dim: int, theta: float,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position p times frequency theta^(-2i/head_dim), each ``[len(positions), head_dim]`` with
+    the ``head_dim/2`` frequencies repeated for the two halves (Su et al., 2021, RoFormer, eq. 34)."""
     wide = torch.promote_types(dtype, torch.float32)
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=wide, device=device) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=wide, device=device), inv_freq)
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=wide, device=positions.device) / head_dim)
+    angles = torch.outer(positions.to(wide), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_angles_at` positions ``0 .. seq_len-1``."""
+    return rotary_angles_at(torch.arange(seq_len, device=device), head_dim, theta, dtype)
+
+
+class Rotary(nn.Module):
+    """The rotary angles of given position ids; a module (without parameters) so that a parallel form that
+    holds part of a sequence can hand it the tokens' global positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_angles_at(positions, self.head_dim, self.theta, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -140,6 +158,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.group, self.theta = cfg.head_dim, cfg.group, cfg.rope_theta
         self.core = AttentionCore()
+        self.rope = Rotary(cfg.head_dim, cfg.rope_theta)
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
@@ -149,7 +168,7 @@ class Attention(nn.Module):
         groups = qkv.view(b, t, -1, self.group + 2, self.head_dim)
         q = groups[..., : self.group, :].reshape(b, t, -1, self.head_dim).transpose(1, 2)
         k, v = (groups[..., i, :].transpose(1, 2) for i in (self.group, self.group + 1))
-        cos, sin = rotary_angles(t, self.head_dim, self.theta, q.dtype, q.device)
+        cos, sin = self.rope(torch.arange(t, device=q.device), q.dtype)
         y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 

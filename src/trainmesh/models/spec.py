@@ -167,3 +167,6 @@ class ModelSpec:
     shape: Callable[[Any], ModelShape]
     planner_presets: Mapping[str, Any] = field(default_factory=dict)
     hf: HFMapping | None = None
+    cp_plan: Mapping[str, str] = field(default_factory=dict)
+    """Context parallelism's view (``context_parallel.apply_context_parallel``): the attention cores
+    (``attention``) and the modules taking position ids (``positions``); empty: cp cannot split this family."""
