@@ -282,7 +282,7 @@ class _LoggingComm:
 def test_each_receive_is_waited_for_just_before_its_consumer():
     """GPipe's last stage posts all its receives at once; each forward must wait only for its own."""
     log: list[str] = []
-    mesh = Mesh({"pp": 2, "dp": 1, "tp": 1}, {"pp": 1, "dp": 0, "tp": 0}, torch.device("cpu"))
+    mesh = Mesh({"pp": 2, "dp": 1, "cp": 1, "tp": 1}, {"pp": 1, "dp": 0, "cp": 0, "tp": 0}, torch.device("cpu"))
     cfg = PRESETS["tiny"]
     _, chunks = split_model(GPT(cfg), [range(0, 1), range(1, 2)], rank=1, n_ranks=2)
     chunks[1].register_forward_pre_hook(lambda *_: log.append("F"))
@@ -294,7 +294,7 @@ def test_each_receive_is_waited_for_just_before_its_consumer():
 
 
 def test_a_stage_output_of_the_wrong_shape_is_not_sent():
-    mesh = Mesh({"pp": 2, "dp": 1, "tp": 1}, {"pp": 0, "dp": 0, "tp": 0}, torch.device("cpu"))
+    mesh = Mesh({"pp": 2, "dp": 1, "cp": 1, "tp": 1}, {"pp": 0, "dp": 0, "cp": 0, "tp": 0}, torch.device("cpu"))
     cfg = PRESETS["tiny"]
     _, chunks = split_model(GPT(cfg), [range(0, 1), range(1, 2)], rank=0, n_ranks=2)
     runtime = PipelineRuntime(chunks, _LoggingComm(mesh, []), "gpipe", 2, 1, cfg.d_model, torch.float32,
