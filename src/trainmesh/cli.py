@@ -24,6 +24,7 @@ from trainmesh.data import DataError, TokenData
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.metrics import MetricsError
 from trainmesh.rundir import check_run_dirs, default_out_dir
+from trainmesh.tokenizer import TokenizerError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,7 +55,60 @@ def _parser() -> argparse.ArgumentParser:
                                         "one safetensors file (load it back with train --init-from).")
     export.add_argument("checkpoint", help="a step-N checkpoint directory, or a --checkpoint-dir (its latest)")
     export.add_argument("--to", required=True, metavar="FILE", help="the .safetensors file to write")
+    _add_data_parsers(sub)
     return parser
+
+
+def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
+    """``tokenizer train`` and ``prepare``: the offline steps that turn text into token shards."""
+    tokenizer = sub.add_parser("tokenizer", help="train a tokenizer",
+                               description="Tokenizer tools (Hugging Face tokenizers, offline).")
+    tok_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer on local text",
+                                   description="Train a byte-level BPE (with an <|endoftext|> token) on local "
+                                               "text and save it as a tokenizer.json.")
+    tok_train.add_argument("--input", nargs="+", default=[], metavar="PATH",
+                           help="text, JSONL, Parquet files, saved HF datasets or directories of them "
+                                "(default: this Python's standard library sources)")
+    tok_train.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size (default: 8192)")
+    tok_train.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
+    prepare = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped token shards",
+                             description="Tokenize text in parallel worker processes into fixed-dtype token "
+                                         "shards and an index.json, for train --data DIR.")
+    prepare.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                         help="text files, JSONL (a 'text' field per line), Parquet (a 'text' column), a "
+                              "directory saved by HF datasets save_to_disk, or directories of these")
+    prepare.add_argument("--tokenizer", required=True, metavar="FILE",
+                         help="the tokenizer.json to tokenize with (trainmesh tokenizer train makes one)")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory for the shards")
+    prepare.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1),
+                         help="tokenizing processes (default: one per CPU core)")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 27,
+                         help="tokens per shard file, cut at a document end (default: 2**27)")
+    prepare.add_argument("--val-fraction", type=float, default=0.05,
+                         help="fraction of documents held out for validation, whole (default: 0.05)")
+
+
+def _tokenizer(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.data.sources import document_texts
+    from trainmesh.tokenizer import train_bpe
+
+    tok = train_bpe(document_texts(args.input), args.vocab_size, Path(args.out))
+    print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens; wrote {args.out}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.data.prepare import PrepareOptions, prepare
+
+    for flag, value, ok, want in (("--workers", args.workers, args.workers >= 1, "at least 1"),
+                                  ("--shard-tokens", args.shard_tokens, args.shard_tokens >= 1, "at least 1"),
+                                  ("--val-fraction", args.val_fraction, 0 < args.val_fraction < 1, "in (0, 1)")):
+        if not ok:
+            raise ConfigError(f"{flag} {value}: must be {want}")
+    prepare(PrepareOptions(tuple(args.input), args.tokenizer, args.out, args.workers, args.shard_tokens,
+                           args.val_fraction))
+    return 0
 
 
 def _export_target(to: Path) -> None:
@@ -153,7 +207,7 @@ def checked_config(args: argparse.Namespace) -> Config:
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
-        TokenData.load(cfg.data, cfg.model_config.seq_len)
+        TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
         check_resumable(cfg)
     return cfg
 
@@ -241,9 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
-        commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export}
+        commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export,
+                    "tokenizer": _tokenizer, "prepare": _prepare}
         return commands[args.command](args, argv)
-    except (ConfigError, DataError, CheckpointError, runlock.DirectoryInUse, MetricsError) as e:
+    except (ConfigError, DataError, TokenizerError, CheckpointError, runlock.DirectoryInUse, MetricsError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 

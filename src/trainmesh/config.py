@@ -8,6 +8,7 @@ how to fix them, before any rank is spawned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,9 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
+from trainmesh.data import data_vocab_size
 from trainmesh.models import PRESET_NAMES, preset, spec_of
+from trainmesh.tokenizer import padded_vocab
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,7 +56,11 @@ AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
 class Config:
     # [model]: model and data
     model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small)", PRESET_NAMES)
-    data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources)")
+    data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources), "
+                     "or a directory of token shards written by 'trainmesh prepare' (memory-mapped)")
+    tokenizer: str = _opt("", "tokenizer.json (Hugging Face) for text data; the model's vocabulary follows it, "
+                          "padded to a multiple of 64*tp (default: bytes, the preset's vocabulary; prepared "
+                          "data carries its own, and a --tokenizer given with it must be the same one)")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
     # [layout]: how each step is spread over ranks and held in memory
     nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1)
@@ -126,8 +133,12 @@ class Config:
 
     @property
     def model_config(self) -> Any:
-        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``)."""
-        return preset(self.model)
+        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``),
+        with the vocabulary of the data's tokenizer (padded, :func:`trainmesh.tokenizer.padded_vocab`) when it
+        has one."""
+        vocab = data_vocab_size(self.data, self.tokenizer)
+        base = preset(self.model)
+        return base if vocab is None else dataclasses.replace(base, vocab_size=padded_vocab(vocab, self.tp))
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
@@ -157,7 +168,7 @@ class Config:
 
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "data", "seed"),
+    "model": ("model", "data", "tokenizer", "seed"),
     "layout": ("nproc", "dp", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),

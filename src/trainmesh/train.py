@@ -119,7 +119,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
         engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
                               bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
                               scaler=LossScaler(enabled=cfg.precision == "fp16"))
-    data = TokenData.load(cfg.data, cfg.model_config.seq_len)
+    data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
     return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
 
 
@@ -184,6 +184,14 @@ def evaluate(run: Run) -> float:
         losses.append(global_mean(run, loss))
     run.model.train()
     return sum(losses) / len(losses)
+
+
+def perplexity(loss: float) -> float:
+    """exp of a mean cross-entropy in nats: the effective number of equally likely next tokens."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def draw_pipeline_timeline(run: Run, path: str) -> str:
@@ -349,6 +357,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   **per_rank_stats(run, saved.bytes)}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             record["val_loss"] = evaluate(run)
+            record["val_perplexity"] = perplexity(record["val_loss"])
         metrics_error = write_metrics(writer, record)
         progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
@@ -361,12 +370,14 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     steady = times[1:] or times
     tokens_per_s = tokens_per_step * len(steady) / sum(steady)
     summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
+               "val_perplexity": perplexity(val_loss),
                "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
                "mfu": mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                "world_size": mesh.world_size, **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
     writer.summary(summary)
     writer.close()
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
-    progress.message(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {val_loss:.4f}, "
+    progress.message(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {val_loss:.4f} "
+                     f"(perplexity {perplexity(val_loss):,.2f}), "
                      f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
     return TrainResult(losses, val_loss, summary, run)
