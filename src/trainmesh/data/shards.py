@@ -1,8 +1,8 @@
 """Token shards on disk: fixed-dtype binary files plus one small JSON index, memory-mapped for training.
 
-``trainmesh prepare`` writes them (:mod:`trainmesh.data.prepare`); ``train --data DIR`` maps them with
-``np.memmap``, so a rank's memory does not grow with the corpus: only the windows a step reads are paged
-in. Documents are held out for validation whole (``val-*.bin``), never cut at a byte offset.
+``trainmesh prepare`` writes them (:mod:`trainmesh.data.prepare`); ``train --data DIR`` memory-maps them
+as numpy arrays, so a rank's memory does not grow with the corpus: only the windows a step reads are
+paged in, and released again (:class:`ShardStream`). Documents are held out for validation whole (``val-*.bin``), never cut at a byte offset.
 
 The index records, per shard, its split, token and document counts and SHA-256, and for the corpus the
 tokenizer's hash and vocabulary size, the end-of-document id and the dtype (uint16 when the vocabulary
@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,26 +162,45 @@ def check_tokenizer(index: Index, tokenizer: str) -> None:
                         f"or drop --tokenizer")
 
 
+def _map(path: Path) -> mmap.mmap:
+    """A read-only mapping of ``path`` advised for random access: no readahead around each window."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
+
+
 class ShardStream:
     """One split's shards as a single memory-mapped token sequence: ``len()`` and slicing, as a tensor has.
 
     A slice that crosses a shard boundary is stitched from both (documents run on across shards as they
-    run on within one, separated by the end-of-document token)."""
+    run on within one, separated by the end-of-document token). A window is copied out and its pages are
+    then dropped from this process's mapping (``MADV_DONTNEED``; they stay in the kernel's page cache), so
+    a rank's resident memory stays flat however long it samples, rather than growing towards the corpus."""
 
     def __init__(self, index: Index, shards: tuple[Shard, ...]) -> None:
-        self.maps = [np.memmap(check_shard_file(index, s), dtype=index.dtype, mode="r", shape=(s.tokens,))
-                     for s in shards]
+        self.itemsize = index.dtype.itemsize
+        self.mmaps = [_map(check_shard_file(index, s)) for s in shards]
+        self.maps = [np.frombuffer(m, dtype=index.dtype) for m in self.mmaps]
         self.starts = np.cumsum([0] + [s.tokens for s in shards])
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def _release(self, i: int, start: int, stop: int) -> None:
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = start * self.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+        self.mmaps[i].madvise(mmap.MADV_DONTNEED, first, stop * self.itemsize - first)
+
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop, _ = window.indices(len(self))
         parts, i = [], int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
-            local = start - self.starts[i]
+            local = int(start - self.starts[i])
             take = min(stop - start, len(self.maps[i]) - local)
-            parts.append(self.maps[i][local:local + take])
+            parts.append(self.maps[i][local:local + take].astype(np.int64))
+            self._release(i, local, local + take)
             start, i = start + take, i + 1
-        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
