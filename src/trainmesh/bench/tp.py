@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.bench.common import StepFn, compare, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
 from trainmesh.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
@@ -110,7 +110,7 @@ def _first_losses(run: Run, model: nn.Module) -> tuple[float, float]:
     return mine, theirs
 
 
-def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
+def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     """trainmesh :func:`~trainmesh.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
         raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
@@ -119,13 +119,14 @@ def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]
     run = build(cfg, mesh)
     model = _torch_model(run)
     losses = _first_losses(run, model)
-    rates = compare({"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)},
-                    cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
+    steps = {"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)}
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
+    rss = rss_after(steps, rounds, steps_per_round)
+    result = Result("tp", f"trainmesh tp{cfg.tp}", "torch DTensor parallelize_module", rates["trainmesh"],
+                    rates["torch_tp"], rss["trainmesh"], rss["torch_tp"])
     if dist.get_rank() == 0:
         print(f"bench tp: model={cfg.model} tp={cfg.tp} global_batch={cfg.global_batch} "
               f"microbatches={cfg.microbatches} device={mesh.device.type}")
         print(f"  first-batch loss: trainmesh {losses[0]:.6f}, torch_tp {losses[1]:.6f}")
-        for name, rate in rates.items():
-            print(f"  {name:<10} {rate:12,.0f} tokens/s")
-        print(f"  ratio trainmesh/torch_tp = {rates['trainmesh'] / rates['torch_tp']:.3f}")
-    return rates
+        print(result.line())
+    return [result]

@@ -31,10 +31,10 @@ GPT_PLAN: dict[str, str] = {
 
 SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
-              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape),
+              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
-              planner_presets=llama.PLANNER_PRESETS),
+              planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING),
 )
 
 class _PresetNames(Collection):
