@@ -91,7 +91,7 @@ def test_two_rank_run_writes_metrics(tmp_path):
     import json
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in ("loss", "lr", "tokens_per_s", "step_time_s", "comm_bytes", "max_rss_bytes", "model_state_bytes"):
         assert key in records[0]
     assert len(records[0]["model_state_bytes"]) == 2

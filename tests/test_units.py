@@ -72,17 +72,17 @@ def _records(path):
 
 def test_a_resumed_metrics_file_keeps_one_record_per_step_and_marks_the_restart(tmp_path):
     crashed = MetricsWriter(str(tmp_path), enabled=True)
-    for step in range(6):
+    for step in range(1, 7):
         crashed.write({"step": step, "loss": 1.0})
     crashed.close()
     with open(tmp_path / METRICS_FILE, "a") as f:
-        f.write('{"step": 6, "lo')  # a write the kill cut short
-    resumed = MetricsWriter(str(tmp_path), enabled=True, resume_from=3)
-    for step in (3, 4):
+        f.write('{"step": 7, "lo')  # a write the kill cut short
+    resumed = MetricsWriter(str(tmp_path), enabled=True, resume_from=3)  # from the checkpoint of step 3
+    for step in (4, 5):
         resumed.write({"step": step, "loss": 2.0})
     resumed.close()
     records = _records(tmp_path / METRICS_FILE)
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in records] == [1.0, 1.0, 1.0, 2.0, 2.0]
     assert [r.get("restart") for r in records] == [None, None, None, {"from_step": 3, "replayed_steps": 3}, None]
 

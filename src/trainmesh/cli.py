@@ -23,6 +23,7 @@ from trainmesh.config import (Config, ConfigError, add_config_flags, check_value
 from trainmesh.data import DataError, TokenData
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.metrics import MetricsError
+from trainmesh.report import ReportError
 from trainmesh.rundir import check_run_dirs, default_out_dir
 from trainmesh.tokenizer import TokenizerError
 
@@ -63,8 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--to", metavar="FILE", help="the .safetensors file to write")
     target.add_argument("--hf", metavar="DIR", help="the directory to write config.json and model.safetensors to "
                         "(LlamaForCausalLM or GPT2LMHeadModel)")
+    report = sub.add_parser("report", help="plot a run's loss, throughput, memory and communication",
+                            description="Draw RUN_DIR/report.png from the run's metrics.jsonl (loss and eval loss, "
+                                        "tokens/s, peak memory per rank, communication per mesh axis) and print a "
+                                        "summary. Works on a finished, crashed or running run.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --out directory")
     _add_data_parsers(sub)
     return parser
+
+
+def _report(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.report import report
+
+    print(report(Path(args.run_dir)))
+    return 0
 
 
 def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
@@ -230,9 +243,22 @@ def checked_config(args: argparse.Namespace) -> Config:
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
+        _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
         TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
         check_resumable(cfg)
     return cfg
+
+
+def _check_watch_packages(cfg: Config, explicit_tensorboard: bool) -> None:
+    """Refuse ``--wandb`` (and an explicit ``--tensorboard``) without its package before any rank starts;
+    TensorBoard is on by default, so without ``--tensorboard`` on the line a missing package only turns it off."""
+    from trainmesh.metrics import package_available
+
+    if cfg.wandb and not package_available("wandb"):
+        raise ConfigError(f"--wandb {cfg.wandb} needs the wandb package: pip install wandb, or drop --wandb")
+    if explicit_tensorboard and not package_available("tensorboard"):
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'trainmesh[watch]', "
+                          "or pass --no-tensorboard")
 
 
 def _planned(cfg: Config, world: int) -> Config:
@@ -326,9 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export,
-                    "tokenizer": _tokenizer, "prepare": _prepare}
+                    "report": _report, "tokenizer": _tokenizer, "prepare": _prepare}
         return commands[args.command](args, argv)
-    except (ConfigError, DataError, TokenizerError, CheckpointError, runlock.DirectoryInUse, MetricsError) as e:
+    except (ConfigError, DataError, TokenizerError, CheckpointError, runlock.DirectoryInUse, MetricsError,
+            ReportError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 

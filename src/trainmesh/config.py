@@ -132,8 +132,17 @@ class Config:
                               low=AT_LEAST_1)
     peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)",
                                low=AT_LEAST_0)
-    out: str = _opt("", "run directory for metrics.jsonl and summary.json (default: runs/<timestamp>)")
-    progress: bool = _opt(True, "print a progress line per step on rank 0")
+    out: str = _opt("", "run directory for metrics.jsonl, summary.json and TensorBoard events (default: "
+                    "runs/<timestamp>); 'trainmesh report DIR' plots it")
+    progress: bool = _opt(True, "show training progress on rank 0: one bar redrawn in place on a terminal, else "
+                          "a line every --progress-every steps (the start line, checkpoint notices and the final "
+                          "summary print either way)")
+    progress_every: int = _opt(0, "steps between progress lines when output is not a terminal (0: a twentieth "
+                               "of --steps)", low=AT_LEAST_0)
+    tensorboard: bool = _opt(True, "write TensorBoard event files to --out (tensorboard --logdir DIR) when the "
+                             "tensorboard package is installed")
+    wandb: str = _opt("", "also log to this Weights & Biases project (needs the wandb package); offline under "
+                      "--out unless WANDB_MODE=online")
 
     @property
     def model_config(self) -> Any:
@@ -190,7 +199,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "beta2", "grad_clip", "eval_every", "eval_batches"),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
-                "peak_tflops", "out", "progress"),
+                "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 FIELDS = {f.name: f for f in fields(Config)}

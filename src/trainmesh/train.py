@@ -13,6 +13,7 @@ import faulthandler
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +31,8 @@ from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
-from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,
-                               model_flops_per_token, peak_device_bytes, peak_tflops, storage_bytes)
+from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
+                               mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import LRSchedule, adamw_factory
@@ -288,8 +289,12 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     run = build(cfg, mesh)
     start = checkpoint.restore(run)
     rank, _ = world_from_env()
-    writer = MetricsWriter(cfg.out, enabled=rank == 0, resume_from=start.step if cfg.resume else None)
-    progress = Progress(cfg.steps, enabled=rank == 0 and cfg.progress)
+    resume_from = start.step if cfg.resume else None
+    sinks = open_sinks(Path(cfg.out), cfg.tensorboard, cfg.wandb, cfg.__dict__, resume_from) if rank == 0 and cfg.out \
+        else []
+    writer = MetricsWriter(cfg.out, enabled=rank == 0, resume_from=resume_from, sinks=sinks)
+    progress = Progress(cfg.steps, start.step + 1, sys.stdout if rank == 0 else None, enabled=cfg.progress,
+                        every=cfg.progress_every)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
                      f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
@@ -313,13 +318,13 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
         undo_fault()
-        guard.observe(grad_norm, step)
+        guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         step_time = time.perf_counter() - t0
         losses.append(global_mean(run, loss))
         times.append(step_time)
-        record = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
                   "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
@@ -327,29 +332,34 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             record["val_loss"] = evaluate(run)
             record["val_perplexity"] = perplexity(record["val_loss"])
         metrics_error = write_metrics(writer, record)
-        progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
+        progress.update(record)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
         if checkpoint.due(cfg, step + 1):
-            checkpoint.save(run, done)
-        stop_if_metrics_failed(run, metrics_error, done)
+            with progress.paused():
+                checkpoint.save(run, done)
+        with progress.paused() if metrics_error else contextlib.nullcontext():
+            stop_if_metrics_failed(run, metrics_error, done)
+    progress.close()
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
-    val_loss = evaluate(run)
+    val_loss = record["val_loss"]  # the last step always evaluates
     steady = times[1:] or times
     tokens_per_s = tokens_per_step * len(steady) / sum(steady)
+    windows = LossWindows.of(losses)
     summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
                "val_perplexity": perplexity(val_loss),
+               "loss_window_steps": windows.steps, "first_window_loss": windows.first,
+               "last_window_loss": windows.last,
                "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
                "mfu": mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                "world_size": mesh.world_size, **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
     writer.summary(summary)
     writer.close()
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
-    progress.message(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {val_loss:.4f} "
-                     f"(perplexity {perplexity(val_loss):,.2f}), "
+    progress.message(f"done: {windows.text()}, val {val_loss:.4f} (perplexity {perplexity(val_loss):,.2f}), "
                      f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
     return TrainResult(losses, val_loss, summary, run)
