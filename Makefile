@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp bench-data clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ bench-pp: setup
 
 bench-plan: setup
 	$(BIN)/python -m trainmesh.bench.plan --model small
+
+# prepare tokens/s (1 and 2 workers), loader vs training tokens/s, trainer RSS vs corpus size; data in /tmp.
+# Sizes: make bench-data BENCH_DATA_ARGS="--large-gb 4"
+BENCH_DATA_ARGS ?=
+bench-data: setup
+	$(BIN)/python -m trainmesh.bench.data $(BENCH_DATA_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -541,6 +541,11 @@ def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
     there, name = manifest["model"], manifest["config"]["model"]
     differ = [f"{k} {there.get(k)} there, {v} here" for k, v in dataclasses.asdict(cfg.model_config).items()
               if there.get(k) != v]
+    if len(differ) == 1 and differ[0].startswith("vocab_size "):
+        raise CheckpointMismatch(f"{path} holds a model with vocabulary {there.get('vocab_size')}, and this run's "
+                                 f"tokenizer/data gives {cfg.model_config.vocab_size} (padded for tp={cfg.tp}); "
+                                 f"pass the tokenizer and data the checkpoint was trained with "
+                                 f"(--tokenizer {manifest['config'].get('tokenizer') or '(bytes)'})")
     if differ:
         raise CheckpointMismatch(f"{path} holds a different model ({name}: {', '.join(differ)}); "
                                  f"resume with --model {name}, or choose another "

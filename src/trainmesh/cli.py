@@ -25,6 +25,7 @@ from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.metrics import MetricsError
 from trainmesh.report import ReportError
 from trainmesh.rundir import check_run_dirs, default_out_dir
+from trainmesh.tokenizer import TokenizerError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                                         "tokens/s, peak memory per rank, communication per mesh axis) and print a "
                                         "summary. Works on a finished, crashed or running run.")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --out directory")
+    _add_data_parsers(sub)
     return parser
 
 
@@ -75,6 +77,58 @@ def _report(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.report import report
 
     print(report(Path(args.run_dir)))
+    return 0
+
+
+def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
+    """``tokenizer train`` and ``prepare``: the offline steps that turn text into token shards."""
+    tokenizer = sub.add_parser("tokenizer", help="train a tokenizer",
+                               description="Tokenizer tools (Hugging Face tokenizers, offline).")
+    tok_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer on local text",
+                                   description="Train a byte-level BPE (with an <|endoftext|> token) on local "
+                                               "text and save it as a tokenizer.json.")
+    tok_train.add_argument("--input", nargs="+", default=[], metavar="PATH",
+                           help="text, JSONL, Parquet files, saved HF datasets or directories of them "
+                                "(default: this Python's standard library sources)")
+    tok_train.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size (default: 8192)")
+    tok_train.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
+    prepare = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped token shards",
+                             description="Tokenize text in parallel worker processes into fixed-dtype token "
+                                         "shards and an index.json, for train --data DIR.")
+    prepare.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                         help="text files, JSONL (a 'text' field per line), Parquet (a 'text' column), a "
+                              "directory saved by HF datasets save_to_disk, or directories of these")
+    prepare.add_argument("--tokenizer", required=True, metavar="FILE",
+                         help="the tokenizer.json to tokenize with (trainmesh tokenizer train makes one)")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory for the shards")
+    prepare.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1),
+                         help="tokenizing processes (default: one per CPU core)")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 27,
+                         help="tokens per shard file, cut at a document end (default: 2**27)")
+    prepare.add_argument("--val-fraction", type=float, default=0.05,
+                         help="fraction of documents held out for validation, whole (default: 0.05)")
+
+
+def _tokenizer(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.data.sources import document_texts
+    from trainmesh.tokenizer import train_bpe
+
+    tok = train_bpe(document_texts(args.input), args.vocab_size, Path(args.out))
+    print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens; wrote {args.out}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.data.prepare import PrepareOptions, prepare
+
+    for flag, value, ok, want in (("--workers", args.workers, args.workers >= 1, "at least 1"),
+                                  ("--shard-tokens", args.shard_tokens, args.shard_tokens >= 1, "at least 1"),
+                                  ("--val-fraction", args.val_fraction, 0 < args.val_fraction < 1, "in (0, 1)")):
+        if not ok:
+            raise ConfigError(f"{flag} {value}: must be {want}")
+    prepare(PrepareOptions(tuple(args.input), args.tokenizer, args.out, args.workers, args.shard_tokens,
+                           args.val_fraction))
     return 0
 
 
@@ -190,7 +244,7 @@ def checked_config(args: argparse.Namespace) -> Config:
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
-        TokenData.load(cfg.data, cfg.model_config.seq_len)
+        TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
         check_resumable(cfg)
     return cfg
 
@@ -298,9 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export,
-                    "report": _report}
+                    "report": _report, "tokenizer": _tokenizer, "prepare": _prepare}
         return commands[args.command](args, argv)
-    except (ConfigError, DataError, CheckpointError, runlock.DirectoryInUse, MetricsError, ReportError) as e:
+    except (ConfigError, DataError, TokenizerError, CheckpointError, runlock.DirectoryInUse, MetricsError,
+            ReportError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 

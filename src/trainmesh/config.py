@@ -20,7 +20,9 @@ from typing import Any
 
 from trainmesh.context_parallel import split_error
 from trainmesh import hf
+from trainmesh.data import data_vocab_size
 from trainmesh.models import PRESET_NAMES, preset, spec_of
+from trainmesh.tokenizer import padded_vocab
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,7 +58,11 @@ AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
 class Config:
     # [model]: model and data
     model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small)", PRESET_NAMES)
-    data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources)")
+    data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources), "
+                     "or a directory of token shards written by 'trainmesh prepare' (memory-mapped)")
+    tokenizer: str = _opt("", "tokenizer.json (Hugging Face) for text data; the model's vocabulary follows it, "
+                          "padded to a multiple of 64*tp (default: bytes, the preset's vocabulary; prepared "
+                          "data carries its own, and a --tokenizer given with it must be the same one)")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
     seq_len: int = _opt(0, "tokens per sequence, overriding the preset's (a learned position table is sized to "
                         "it); 0: the preset's", low=AT_LEAST_0)
@@ -149,9 +155,16 @@ class Config:
     @property
     def model_config(self) -> Any:
         """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``);
-        with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family);
-        ``--seq-len`` replaces its sequence length."""
-        base = hf.read_config(self.init_hf)[1] if self.init_hf else preset(self.model)
+        with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family).
+        A preset's vocabulary follows the data's tokenizer when it has one (padded,
+        :func:`trainmesh.tokenizer.padded_vocab`); a Hugging Face model keeps its own. ``--seq-len`` replaces
+        the sequence length."""
+        if self.init_hf:
+            base = hf.read_config(self.init_hf)[1]
+        else:
+            vocab = data_vocab_size(self.data, self.tokenizer)
+            base = preset(self.model)
+            base = base if vocab is None else dataclasses.replace(base, vocab_size=padded_vocab(vocab, self.tp))
         return dataclasses.replace(base, seq_len=self.seq_len) if self.seq_len else base
 
     @property
@@ -189,7 +202,7 @@ RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "data", "seed", "seq_len"),
+    "model": ("model", "data", "tokenizer", "seed", "seq_len"),
     "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),

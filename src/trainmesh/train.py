@@ -95,7 +95,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                        scaler=LossScaler(enabled=cfg.precision == "fp16"), axis=GRAD_AXIS if cfg.cp > 1 else "dp")
     engine = (zero.build_engine(model, comm, cfg.zero, make_optimizer, **engine_args) if cfg.zero
               else DataParallel(model, comm, make_optimizer, **engine_args))
-    data = TokenData.load(cfg.data, cfg.model_config.seq_len)
+    data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
     return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
 
 
@@ -161,6 +161,14 @@ def evaluate(run: Run) -> float:
         losses.append(global_mean(run, loss))
     run.model.train()
     return sum(losses) / len(losses)
+
+
+def perplexity(loss: float) -> float:
+    """exp of a mean cross-entropy in nats: the effective number of equally likely next tokens."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def draw_pipeline_timeline(run: Run, path: str) -> str:
@@ -331,6 +339,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   **per_rank_stats(run, saved.bytes)}
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             record["val_loss"] = evaluate(run)
+            record["val_perplexity"] = perplexity(record["val_loss"])
         metrics_error = write_metrics(writer, record)
         progress.update(record)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
@@ -347,6 +356,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     tokens_per_s = tokens_per_step * len(steady) / sum(steady)
     windows = LossWindows.of(losses)
     summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
+               "val_perplexity": perplexity(val_loss),
                "loss_window_steps": windows.steps, "first_window_loss": windows.first,
                "last_window_loss": windows.last,
                "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
@@ -355,6 +365,6 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     writer.summary(summary)
     writer.close()
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
-    progress.message(f"done: {windows.text()}, val {val_loss:.4f}, {tokens_per_s:,.0f} tok/s{mfu_text}"
-                     + (f"; metrics in {cfg.out}" if cfg.out else ""))
+    progress.message(f"done: {windows.text()}, val {val_loss:.4f} (perplexity {perplexity(val_loss):,.2f}), "
+                     f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
     return TrainResult(losses, val_loss, summary, run)

@@ -1,0 +1,77 @@
+"""Training data: where tokens come from and how each step's batch is drawn.
+
+* :mod:`~trainmesh.data.text`: local text read into memory, as bytes or with ``--tokenizer`` (the default
+  corpus is this Python's standard library sources, so a first run needs no download);
+* :mod:`~trainmesh.data.prepare` and :mod:`~trainmesh.data.sources`: ``trainmesh prepare``, which tokenizes a
+  corpus of any size into shards;
+* :mod:`~trainmesh.data.shards`: the shards and their index, memory-mapped for training and checked first;
+* :mod:`~trainmesh.data.sampler`: each step's global batch as a pure function of ``(seed, step)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from trainmesh.data.sampler import TokenSequence, get_batch, global_batch_offsets
+from trainmesh.data.shards import ShardStream, check_tokenizer, is_prepared, read_index, verify_shard
+from trainmesh.data.text import VOCAB_SIZE, DataError, load_tokens, read_bytes, stdlib_sources
+
+VAL_FRACTION = 0.05
+
+
+def _enough(source: str, split: str, n: int, seq_len: int, fix: str) -> None:
+    if n < seq_len + 1:
+        raise DataError(f"{source} has {n} {split} tokens; training with seq_len={seq_len} needs at least "
+                        f"{seq_len + 1} ({fix})")
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """Train and validation token sequences and where they came from."""
+
+    train: TokenSequence
+    val: TokenSequence
+    source: str
+
+    @classmethod
+    def load(cls, path: str, seq_len: int, tokenizer: str = "", verify: bool = False) -> "TokenData":
+        """The data of ``--data`` (``""``: the default corpus): a directory ``trainmesh prepare`` wrote is
+        memory-mapped, anything else is text read into memory. ``verify`` checks every shard's hash and ids
+        (done once, before ranks start)."""
+        if is_prepared(path):
+            return cls._prepared(path, seq_len, tokenizer, verify)
+        tokens = load_tokens(path, tokenizer)
+        source = path or "the Python standard library sources"
+        need = 2 * (seq_len + 1)
+        if len(tokens) < need:
+            raise DataError(f"{source} has {len(tokens)} tokens; training with seq_len={seq_len} needs at "
+                            f"least {need} (one sequence each for training and validation)")
+        n_val = max(seq_len + 1, int(len(tokens) * VAL_FRACTION))
+        return cls(tokens[:-n_val], tokens[-n_val:], source)
+
+    @classmethod
+    def _prepared(cls, path: str, seq_len: int, tokenizer: str, verify: bool) -> "TokenData":
+        index = read_index(path)
+        check_tokenizer(index, tokenizer)
+        if verify:
+            for shard in index.shards:
+                verify_shard(index, shard)
+        train, val = ShardStream(index, index.split("train")), ShardStream(index, index.split("val"))
+        _enough(path, "training", len(train), seq_len, "prepare more text")
+        _enough(path, "held-out", len(val), seq_len, "prepare with a larger --val-fraction")
+        return cls(train, val, f"{path} ({len(train):,} tokens)")
+
+
+def data_vocab_size(path: str, tokenizer: str) -> int | None:
+    """The vocabulary the data's ids come from: the index's for prepared data, the tokenizer's for text
+    with ``--tokenizer``; None for bytes (the model preset's vocabulary stands)."""
+    if is_prepared(path):
+        return read_index(path).vocab_size
+    if tokenizer:
+        from trainmesh.tokenizer import tokenizer_vocab_size
+
+        return tokenizer_vocab_size(tokenizer)
+    return None
+
+
+__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch",
+           "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]

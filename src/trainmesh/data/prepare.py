@@ -1,0 +1,226 @@
+"""``trainmesh prepare``: tokenize a corpus once, in parallel worker processes, into token shards.
+
+The parent streams documents from the inputs (:mod:`trainmesh.data.sources`) in batches of about
+``BATCH_BYTES``; worker processes tokenize them; the parent writes the results in input order, so the
+output does not depend on the number of workers. At most two batches per worker are in flight, which
+bounds memory whatever the corpus size (``multiprocessing.Pool.imap`` would read the whole input ahead).
+Each document ends with the tokenizer's end-of-document token. Document ``k`` is held out for
+validation when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``: every ``1/f``-th document, the
+first included, so any corpus of two or more documents has both splits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
+from trainmesh.data.sources import input_files, input_size, pieces
+from trainmesh.data.text import DataError
+
+BATCH_BYTES = 1 << 20
+DEFAULT_SHARD_TOKENS = 1 << 27
+PLAIN_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    inputs: tuple[str, ...]
+    tokenizer: str
+    out: str
+    workers: int = max(1, os.cpu_count() or 1)
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    val_fraction: float = 0.05
+
+
+# --- workers ------------------------------------------------------------------------------------------
+
+_TOKENIZER: Any = None
+_DTYPE: np.dtype | None = None
+
+
+def _init_worker(tokenizer: str, dtype: str) -> None:
+    """Each worker loads the tokenizer once; its own thread pool is off, the processes are the parallelism."""
+    global _TOKENIZER, _DTYPE
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from trainmesh.tokenizer import load_tokenizer
+
+    _TOKENIZER, _DTYPE = load_tokenizer(tokenizer), np.dtype(dtype)
+
+
+def _tokenize(batch: list[tuple[str, bool]]) -> list[np.ndarray]:
+    """Token ids of each piece, the end-of-document id after each piece that ends a document."""
+    ids = _TOKENIZER.encode_batch([text for text, _ in batch])
+    eos = [_TOKENIZER.eos_id]
+    return [np.asarray(i + eos if ends else i, dtype=_DTYPE) for i, (_, ends) in zip(ids, batch)]
+
+
+# --- the parent ---------------------------------------------------------------------------------------
+
+class ProgressMeter:
+    """Input MB/s and ETA: a bar (tqdm) on a terminal, a plain line every ``PLAIN_EVERY_S`` otherwise."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream, self.done = total, stream, 0
+        self.start = self.last = time.perf_counter()
+        self.bar = None
+        if stream.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=stream)
+            except ImportError:
+                pass
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.perf_counter()
+        if now - self.last >= PLAIN_EVERY_S:
+            self.last = now
+            rate = self.done / (now - self.start)
+            eta = (self.total - self.done) / rate if rate else float("inf")
+            self.stream.write(f"prepare: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB, "
+                              f"{rate / 1e6:.2f} MB/s, ETA {eta:.0f} s\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class SplitWriter:
+    """Appends one split's tokens to shard files of about ``shard_tokens`` each, cut at document ends."""
+
+    root: Path
+    split: str
+    dtype: np.dtype
+    shard_tokens: int
+    shards: list[Shard] = field(default_factory=list)
+    _file: Any = None
+    _digest: Any = None
+    _tokens: int = 0
+    _docs: int = 0
+
+    def write(self, ids: np.ndarray, ends_document: bool) -> None:
+        if self._file is None:
+            name = f"{self.split}-{len(self.shards):05d}.bin"
+            self._file, self._digest, self._tokens, self._docs = open(self.root / name, "wb"), hashlib.sha256(), 0, 0
+        data = ids.astype(self.dtype, copy=False).tobytes()
+        self._file.write(data)
+        self._digest.update(data)
+        self._tokens += len(ids)
+        self._docs += ends_document
+        if ends_document and self._tokens >= self.shard_tokens:
+            self.close()
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        self.shards.append(Shard(Path(self._file.name).name, self.split, self._tokens, self._docs,
+                                 self._digest.hexdigest()))
+        self._file = None
+
+
+def _batches(files: list[Path]) -> Iterator[tuple[list[tuple[str, bool]], int]]:
+    """Pieces grouped into batches of about ``BATCH_BYTES`` of text, with the input bytes they consumed."""
+    batch, text_bytes, input_bytes = [], 0, 0
+    for f in files:
+        for p in pieces(f):
+            batch.append((p.text, p.ends_document))
+            text_bytes += len(p.text)
+            input_bytes += p.input_bytes
+            if text_bytes >= BATCH_BYTES:
+                yield batch, input_bytes
+                batch, text_bytes, input_bytes = [], 0, 0
+    if batch:
+        yield batch, input_bytes
+
+
+def _held_out(doc: int, fraction: float) -> bool:
+    return math.ceil((doc + 1) * fraction) > math.ceil(doc * fraction)
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"--out {out} exists and is not an empty directory; choose a new directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create --out {out}: {e.strerror}") from None
+
+
+def _results(opts: PrepareOptions, files: list[Path], dtype: np.dtype) -> Iterator[tuple[list[np.ndarray],
+                                                                                            list[bool], int]]:
+    """Tokenized batches in input order, at most two per worker in flight."""
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(opts.workers, _init_worker, (opts.tokenizer, dtype.str)) as pool:
+        pending: deque = deque()
+        for batch, consumed in _batches(files):
+            pending.append((pool.apply_async(_tokenize, (batch,)), [ends for _, ends in batch], consumed))
+            if len(pending) >= 2 * opts.workers:
+                job, ends, n = pending.popleft()
+                yield job.get(), ends, n
+        while pending:
+            job, ends, n = pending.popleft()
+            yield job.get(), ends, n
+
+
+def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
+    """Tokenize ``opts.inputs`` into shards and an index under ``opts.out`` (progress on ``stream``, default
+    stderr); returns the index."""
+    from trainmesh.tokenizer import load_tokenizer, tokenizer_sha256
+
+    stream = stream or sys.stderr
+    tok = load_tokenizer(opts.tokenizer)
+    if tok.eos_id is None:
+        raise DataError(f"tokenizer {opts.tokenizer or '(bytes)'} has no end-of-document token to put between "
+                        f"documents; train one with: trainmesh tokenizer train --out tok.json")
+    files = input_files(list(opts.inputs))
+    out = Path(opts.out)
+    _check_out_dir(out)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: SplitWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
+    meter = ProgressMeter(sum(input_size(f) for f in files), stream)
+    doc, t0 = 0, time.perf_counter()
+    for arrays, ends, consumed in _results(opts, files, dtype):
+        for ids, end in zip(arrays, ends):
+            writers["val" if _held_out(doc, opts.val_fraction) else "train"].write(ids, end)
+            doc += end
+        meter.add(consumed)
+    meter.close()
+    for w in writers.values():
+        w.close()
+    index = Index(out, dtype, tok.vocab_size, tok.eos_id, tokenizer_sha256(opts.tokenizer),
+                  str(Path(opts.tokenizer).resolve()), tuple(writers["train"].shards + writers["val"].shards))
+    _write_index(index)
+    summary = index.to_json()
+    seconds = time.perf_counter() - t0
+    tokens = sum(summary["tokens"].values())
+    stream.write(f"prepared {doc:,} documents, {tokens:,} tokens ({summary['tokens']['val']:,} held out) into "
+                 f"{len(index.shards)} shard(s) in {out} in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s, "
+                 f"{meter.done / seconds / 1e6:.2f} MB/s)\n")
+    return index
+
+
+def _write_index(index: Index) -> None:
+    tmp = index.root / (INDEX_FILE + ".tmp")
+    tmp.write_text(json.dumps(index.to_json(), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, index.root / INDEX_FILE)
+

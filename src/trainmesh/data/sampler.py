@@ -1,0 +1,38 @@
+"""The sampler that hands each data-parallel rank its slice of a global batch.
+
+The global batch of step ``s`` is a function of ``(seed, s)`` alone: start offsets drawn from a generator
+seeded with both, into one token sequence (a tensor held in memory, or memory-mapped shards). Sequences
+are packed: a window runs across document ends, marked by the end-of-document token, as in GPT-2 and
+Megatron-LM. A data-parallel rank takes a contiguous slice of the batch, so every layout sees the global
+batch a single process would see, and resuming at step ``s`` needs no loader state beyond ``s`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class TokenSequence(Protocol):
+    """A tensor of token ids, or :class:`trainmesh.data.shards.ShardStream`: a length and slices."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, window: slice) -> Any: ...
+
+
+def global_batch_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
+    """Start offsets of the ``global_batch`` sequences of ``step``: the same in every layout."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=gen)
+
+
+def get_batch(tokens: TokenSequence, seq_len: int, global_batch: int, seed: int, step: int,
+              dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's contiguous slice of the global batch: inputs and next-token targets."""
+    offsets = global_batch_offsets(len(tokens), seq_len, global_batch, seed, step)
+    per_rank = global_batch // dp_size
+    mine = offsets[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    window = torch.stack([torch.as_tensor(tokens[o:o + seq_len + 1]) for o in mine.tolist()]).long()
+    return window[:, :-1], window[:, 1:]

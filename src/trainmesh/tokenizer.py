@@ -1,0 +1,160 @@
+"""Tokenizers: bytes by default, or any Hugging Face ``tokenizer.json`` (``--tokenizer``).
+
+Bytes (vocabulary 256) need no training and accept any text, so a first run needs no setup. A subword
+tokenizer is read and trained with the ``tokenizers`` library (the ``data`` extra), imported only when a
+``tokenizer.json`` is used, so the core package trains without it. ``trainmesh tokenizer train`` trains a
+byte-level BPE (GPT-2's scheme: Radford et al., 2019, §2.2) on local text, offline.
+
+The model's vocabulary follows the tokenizer, padded up to a multiple of 64·tp as Megatron-LM does
+(``--make-vocab-size-divisible-by 128`` times tp): every tensor-parallel rank then holds an equal,
+matmul-friendly slice of the embedding and output head. The pad rows are never an input or a target.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+VOCAB_MULTIPLE = 64
+BYTE_VOCAB = 256
+EOS_TOKEN = "<|endoftext|>"
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+"""End-of-document tokens looked for, in this order, in a tokenizer that was not trained here."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used; the message names the file and the fix."""
+
+
+class Tokenizer(Protocol):
+    """What trainmesh needs of a tokenizer."""
+
+    vocab_size: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: the zero-setup default. It has no end-of-document token."""
+
+    vocab_size = BYTE_VOCAB
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` read from a ``tokenizer.json``, with its end-of-document token."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._tok = _read_hf(path)
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id: int | None = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None),
+                                       None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("a tokenizer.json needs the 'tokenizers' package; pip install 'trainmesh[data]'") \
+            from None
+    return tokenizers
+
+
+def _read_hf(path: str) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise TokenizerError(f"tokenizer {path} does not exist" if not p.exists() else
+                             f"tokenizer {path} is not a file; give the path of a tokenizer.json")
+    tokenizers = _tokenizers()
+    try:
+        return tokenizers.Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises a plain Exception for any malformed file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({first})") from None
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of ``path`` (a ``tokenizer.json``); ``""`` gives the byte tokenizer."""
+    return HFTokenizer(path) if path else ByteTokenizer()
+
+
+@functools.lru_cache(maxsize=16)
+def _vocab_cached(path: str, mtime_ns: int, size: int) -> int:
+    return HFTokenizer(path).vocab_size
+
+
+def tokenizer_vocab_size(path: str) -> int:
+    """The vocabulary size of ``path`` (256 for ``""``), read once per file version."""
+    if not path:
+        return BYTE_VOCAB
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return HFTokenizer(path).vocab_size  # raises the one-line error
+    return _vocab_cached(path, st.st_mtime_ns, st.st_size)
+
+
+def tokenizer_sha256(path: str) -> str:
+    """SHA-256 of the tokenizer file, which identifies it in a data index and a checkpoint; ``"bytes"`` for
+    the byte tokenizer."""
+    if not path:
+        return "bytes"
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise TokenizerError(f"cannot read tokenizer {path}: {e.strerror}") from None
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """``vocab_size`` rounded up to a multiple of 64·tp (Megatron-LM's padding; see the module docstring)."""
+    multiple = VOCAB_MULTIPLE * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> HFTokenizer:
+    """Train a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` included) on ``texts`` and save it
+    as a ``tokenizer.json`` at ``out``."""
+    tokenizers = _tokenizers()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise TokenizerError(f"--vocab-size {vocab_size} is smaller than the {len(alphabet)} byte tokens plus "
+                             f"{EOS_TOKEN}; choose at least {len(alphabet) + 1}")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                             initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(out))
+    return HFTokenizer(str(out))
+
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer", "padded_vocab",
+           "tokenizer_sha256", "tokenizer_vocab_size", "train_bpe"]
