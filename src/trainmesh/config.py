@@ -54,6 +54,8 @@ class Config:
     # [model]: model and data
     model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small)", PRESET_NAMES)
     data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources)")
+    tokenizer: str = _opt("", "Hugging Face tokenizer.json that turns text into tokens (default: bytes, vocabulary "
+                          "256); checkpoints record it and its SHA-256")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
     # [layout]: how each step is spread over ranks and held in memory
     nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1)
@@ -157,7 +159,7 @@ class Config:
 
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "data", "seed"),
+    "model": ("model", "data", "tokenizer", "seed"),
     "layout": ("nproc", "dp", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
