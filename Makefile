@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench-dp bench-tp bench-zero bench-pp bench-plan clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp clean
 
 setup: $(STAMP)
 
@@ -30,11 +30,21 @@ test-all: setup
 equivalence: setup
 	$(BIN)/python -m pytest -q -k "single_process or one_process or divides_nothing or composes_with or planted or every_zero_stage" tests
 
+# Every form beside its torch peer, one launch each: median (min-max) ratio over 7 alternating rounds,
+# peak RSS per side; the table also lands in runs/<timestamp>/results.md and results.json.
+bench: setup
+	$(BIN)/trainmesh bench all --nproc 2 --model small --global-batch 16
+
 bench-dp: setup
 	$(BIN)/trainmesh bench dp --nproc 2 --dp 2 --model small --global-batch 16 --microbatches 2
 
 bench-tp: setup
 	$(BIN)/trainmesh bench tp --nproc 2 --tp 2 --model small --global-batch 16
+
+# Context parallelism: activation bytes, peak RSS and counted cp bytes per rank at cp 1, 2, 4 (ring and a2a)
+# on `small` at 4096 tokens, against the planner and the byte formulas.
+bench-cp: setup
+	$(BIN)/python -m trainmesh.bench.cp --seq-len 4096
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16
@@ -43,7 +53,7 @@ bench-pp: setup
 	$(BIN)/trainmesh bench pp --nproc 2 --pp 2 --model small --global-batch 16 --microbatches 8
 
 bench-plan: setup
-	$(BIN)/python -m trainmesh.bench_plan --model small
+	$(BIN)/python -m trainmesh.bench.plan --model small
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

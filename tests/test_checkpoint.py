@@ -45,6 +45,7 @@ SAME_LAYOUT = {
 RESHARD = {
     "dp2-tp2": {"dp": 2, "tp": 2, "zero": 3, "sequence_parallel": True, "precision": "fp64"},
     "dp2-pp2": {"dp": 2, "pp": 2, "zero": 1, "microbatches": 2, "precision": "fp64"},
+    "dp2-cp2": {"dp": 2, "cp": 2, "zero": 3, "precision": "fp64"},  # ZeRO-3 shards over dp x cp
 }
 
 

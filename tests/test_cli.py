@@ -37,6 +37,11 @@ BAD = [
     (["--pp", "3", "--nproc", "3"], "exceeds the 2 layers"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--config", "/nonexistent.toml"], "does not exist"),
+    (["--nproc", "4", "--cp", "2"], "world size 4 != dp*cp*tp*pp"),
+    (["--nproc", "2", "--cp", "2", "--seq-len", "90"], "2*cp=4 equal chunks"),
+    (["--model", "llama-tiny", "--nproc", "4", "--cp", "2", "--tp", "2", "--cp-impl", "a2a"],
+     "n_heads=4 and n_kv_heads=2 do not divide by it; choose cp in {1} with tp=2"),
+    (["--nproc", "4", "--cp", "2", "--pp", "2", "--schedule", "zb"], "--cp 2 with --schedule zb"),
 ]
 
 
@@ -91,7 +96,7 @@ def test_two_rank_run_writes_metrics(tmp_path):
     import json
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in ("loss", "lr", "tokens_per_s", "step_time_s", "comm_bytes", "max_rss_bytes", "model_state_bytes"):
         assert key in records[0]
     assert len(records[0]["model_state_bytes"]) == 2

@@ -37,6 +37,9 @@ from trainmesh.plan import (
     auto_config,
     best_layout,
     bubble_fraction,
+    cp_attention_output,
+    cp_bytes_per_micro,
+    cp_degrees,
     enumerate_layouts,
     estimate,
     format_table,
@@ -543,3 +546,25 @@ def test_trainmesh_plan_prints_the_table_and_the_chosen_layout(capsys: pytest.Ca
 def test_trainmesh_plan_reports_a_bad_shape_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", "--layers", "2", "--hidden", "64", "--global-batch", "8", "--gpus", "2"]) == 2
     assert capsys.readouterr().err == "trainmesh: error: give --model or a whole shape; missing --heads --vocab --seq\n"
+
+
+def test_context_parallel_divides_activations_and_counts_its_bytes():
+    work = Workload(model_shape("llama-tiny"), 4, 64, "fp32")
+    alone = micro_batch_activation_bytes(work, Layout())
+    for cp in (2, 4):  # all of it 1/cp, and the output the ring's attention keeps for its backward
+        extra = work.model.n_layers * cp_attention_output(work, Layout(cp=cp))
+        assert (micro_batch_activation_bytes(work, Layout(cp=cp)) - extra) * cp == alone
+    m, kv = work.model, 2 * 4 * 32 * work.model.kv_heads * (work.model.d_model // work.model.n_heads) * 4
+    assert cp_bytes_per_micro(work, Layout(cp=2)) == {"ring_kv": m.n_layers * kv, "ring_kv_grad": 3 * m.n_layers * kv}
+    with pytest.raises(ValueError, match="a2a gives each of cp\\*tp=4 ranks whole heads"):
+        memory_per_rank(work, Layout(cp=4, cp_impl="a2a"))
+
+
+def test_plan_splits_a_long_sequence_over_cp_and_says_why():
+    """The acceptance case: Llama 3 8B at 128K tokens on 64 H100s only fits without cp by recomputing."""
+    work = workload_from("llama3-8b", 64, seq_len=131072)
+    cluster = make_cluster("h100-80gb", 64)
+    found = search(work, cluster)
+    assert found[0].layout.cp > 1
+    assert "why cp=" in format_table(work, cluster, found, top=1)
+    assert cp_degrees(workload_from("llama3-8b", 64), cluster) == [1]

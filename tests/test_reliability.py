@@ -237,10 +237,10 @@ def test_a_restarted_run_logs_each_step_once_and_marks_the_restart(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "restart 1 of 1" in result.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(7)), "a step replayed after the restart is logged twice"
-    # The checkpoint of step 4 is the latest before the kill at step 5: the first run's record of step 4
-    # gave way to the restarted run's, which says so.
-    assert [r["step"] for r in records if "restart" in r] == [4]
+    assert [r["step"] for r in records] == list(range(1, 8)), "a step replayed after the restart is logged twice"
+    # The checkpoint of step 4 is the latest before the kill in step 6 (loop index 5): the first run's
+    # record of step 5 gave way to the restarted run's, which says so.
+    assert [r["step"] for r in records if "restart" in r] == [5]
     assert records[4]["restart"] == {"from_step": 4, "replayed_steps": 1}
 
 
@@ -304,7 +304,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(precision):
 def test_consecutive_bad_steps_stop_the_run(monkeypatch):
     monkeypatch.setenv("TRAINMESH_FAULT", "nan@0:*")
     cfg = _cfg(nproc=1, dp=1, steps=10, max_bad_steps=3)
-    with pytest.raises(TrainingDiverged, match="3 consecutive steps up to step 2"):
+    with pytest.raises(TrainingDiverged, match="3 consecutive steps up to step 3"):
         train(cfg, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
 
 

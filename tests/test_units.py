@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from trainmesh.comm import Comm
-from trainmesh.config import Config
 from trainmesh.data import DataError, TokenData, get_batch, global_batch_offsets
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import METRICS_FILE, MetricsWriter
 from trainmesh.models.gpt import GPT, PRESETS
-from trainmesh.optim import lr_at
+from trainmesh.optim import LRSchedule
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
@@ -50,12 +49,12 @@ def test_short_file_is_rejected(tmp_path):
 
 
 def test_lr_warmup_then_cosine():
-    cfg = Config(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
-    assert lr_at(0, cfg) == pytest.approx(0.1)
-    assert lr_at(9, cfg) == pytest.approx(1.0)
-    assert lr_at(10, cfg) == pytest.approx(1.0)
-    assert lr_at(55, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at(100, cfg) == pytest.approx(0.1)
+    schedule = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=10, steps=100)
+    assert schedule.at(0) == pytest.approx(0.1)
+    assert schedule.at(9) == pytest.approx(1.0)
+    assert schedule.at(10) == pytest.approx(1.0)
+    assert schedule.at(55) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule.at(100) == pytest.approx(0.1)
 
 
 def test_collectives_on_a_size_one_axis_are_free():
@@ -73,17 +72,17 @@ def _records(path):
 
 def test_a_resumed_metrics_file_keeps_one_record_per_step_and_marks_the_restart(tmp_path):
     crashed = MetricsWriter(str(tmp_path), enabled=True)
-    for step in range(6):
+    for step in range(1, 7):
         crashed.write({"step": step, "loss": 1.0})
     crashed.close()
     with open(tmp_path / METRICS_FILE, "a") as f:
-        f.write('{"step": 6, "lo')  # a write the kill cut short
-    resumed = MetricsWriter(str(tmp_path), enabled=True, resume_from=3)
-    for step in (3, 4):
+        f.write('{"step": 7, "lo')  # a write the kill cut short
+    resumed = MetricsWriter(str(tmp_path), enabled=True, resume_from=3)  # from the checkpoint of step 3
+    for step in (4, 5):
         resumed.write({"step": step, "loss": 2.0})
     resumed.close()
     records = _records(tmp_path / METRICS_FILE)
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in records] == [1.0, 1.0, 1.0, 2.0, 2.0]
     assert [r.get("restart") for r in records] == [None, None, None, {"from_step": 3, "replayed_steps": 3}, None]
 

@@ -7,6 +7,7 @@ ZeRO paper uses in §7): over a group of n ranks, for a tensor of S bytes each r
 * all-gather:        (n-1)/n · S   (S = the gathered output)
 * reduce-scatter:    (n-1)/n · S   (S = the full input)
 * broadcast:         (n-1)/n · S   (pipelined ring)
+* all-to-all:        (n-1)/n · S   (S = the input; the slice for this rank itself stays)
 * send:              S
 
 so a run's counted volume can be checked against the theoretical optimum. A collective over an axis of
@@ -143,6 +144,16 @@ class Comm:
         return self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(),
                            lambda: dist.reduce_scatter_single(out, full, group=self.mesh.group(axis), async_op=True),
                            async_op)
+
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "all_to_all") -> None:
+        """Send slice i (along dim 0) of ``full`` to the rank at coordinate i of ``axis``; slice j of ``out``
+        is what that rank's coordinate j sent (DeepSpeed-Ulysses's exchange)."""
+        if self.mesh.size(axis) == 1:
+            out.copy_(full)
+            return
+        self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(),
+                    lambda: dist.all_to_all_single(out, full, group=self.mesh.group(axis), async_op=True),
+                    async_op=False)
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, op: str = "broadcast") -> None:
         """Copy ``t`` from the rank at coordinate ``src`` of ``axis`` to the others."""

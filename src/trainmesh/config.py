@@ -8,6 +8,7 @@ how to fix them, before any rank is spawned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,8 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
+from trainmesh.context_parallel import split_error
+from trainmesh import hf
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 
 if sys.version_info >= (3, 11):
@@ -57,17 +60,24 @@ class Config:
     tokenizer: str = _opt("", "Hugging Face tokenizer.json that turns text into tokens (default: bytes, vocabulary "
                           "256); checkpoints record it and its SHA-256")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
+    seq_len: int = _opt(0, "tokens per sequence, overriding the preset's (a learned position table is sized to "
+                        "it); 0: the preset's", low=AT_LEAST_0)
     # [layout]: how each step is spread over ranks and held in memory
     nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1)
     dp: int = _opt(1, "data-parallel degree", low=AT_LEAST_1)
     tp: int = _opt(1, "tensor-parallel degree", low=AT_LEAST_1)
+    cp: int = _opt(1, "context-parallel degree: each sequence split over cp ranks (2*cp head-tail chunks)",
+                   low=AT_LEAST_1)
+    cp_impl: str = _opt("ring", "context-parallel attention: ring (K/V blocks passed around the cp ranks) or "
+                        "a2a (all-to-all to whole sequences for 1/cp of the heads, DeepSpeed-Ulysses)",
+                        ("ring", "a2a"))
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
-                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--tp/--pp/--zero/--microbatches/"
+                     "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
-    zero: int = _opt(0, "ZeRO stage on the data-parallel axis", (0, 1, 2, 3))
+    zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", (0, 1, 2, 3))
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling); fp64 for exact equivalence checks",
@@ -106,6 +116,9 @@ class Config:
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
                           "writes) with a fresh optimizer")
+    init_hf: str = _opt("", "start from a local Hugging Face model directory (config.json and model.safetensors, "
+                        "as save_pretrained writes; never a hub id, nothing is downloaded) with a fresh optimizer; "
+                        "the model's family and shape come from its config.json, so --model is not needed")
     overwrite: bool = _opt(False, "start a fresh run in a --checkpoint-dir that holds another run's checkpoints, "
                            "deleting them first (without it such a directory is refused)")
     max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
@@ -123,13 +136,25 @@ class Config:
                               low=AT_LEAST_1)
     peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)",
                                low=AT_LEAST_0)
-    out: str = _opt("", "run directory for metrics.jsonl and summary.json (default: runs/<timestamp>)")
-    progress: bool = _opt(True, "print a progress line per step on rank 0")
+    out: str = _opt("", "run directory for metrics.jsonl, summary.json and TensorBoard events (default: "
+                    "runs/<timestamp>); 'trainmesh report DIR' plots it")
+    progress: bool = _opt(True, "show training progress on rank 0: one bar redrawn in place on a terminal, else "
+                          "a line every --progress-every steps (the start line, checkpoint notices and the final "
+                          "summary print either way)")
+    progress_every: int = _opt(0, "steps between progress lines when output is not a terminal (0: a twentieth "
+                               "of --steps)", low=AT_LEAST_0)
+    tensorboard: bool = _opt(True, "write TensorBoard event files to --out (tensorboard --logdir DIR) when the "
+                             "tensorboard package is installed")
+    wandb: str = _opt("", "also log to this Weights & Biases project (needs the wandb package); offline under "
+                      "--out unless WANDB_MODE=online")
 
     @property
     def model_config(self) -> Any:
-        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``)."""
-        return preset(self.model)
+        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``);
+        with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family);
+        ``--seq-len`` replaces its sequence length."""
+        base = hf.read_config(self.init_hf)[1] if self.init_hf else preset(self.model)
+        return dataclasses.replace(base, seq_len=self.seq_len) if self.seq_len else base
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
@@ -149,25 +174,32 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def micro_batch(self) -> int:
         """Sequences in one micro-batch on one data-parallel rank."""
         return self.global_batch // (self.dp * self.microbatches)
 
+    def shared_settings(self) -> dict[str, Any]:
+        """The fields every rank must agree on: all but each rank's own view of local resources."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in RANK_LOCAL_FIELDS}
+
+
+RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
+
 
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "data", "tokenizer", "seed"),
-    "layout": ("nproc", "dp", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
+    "model": ("model", "data", "tokenizer", "seed", "seq_len"),
+    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "max_restarts"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
-                "peak_tflops", "out", "progress"),
+                "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 FIELDS = {f.name: f for f in fields(Config)}
@@ -340,7 +372,23 @@ def config_from_args(args: argparse.Namespace) -> Config:
             text = getattr(args, f.name)
             values[f.name] = (check_value(f.name, text) if isinstance(text, bool) else
                               check_value(f.name, parse_flag(f.name, text), written=text))
+    if values.get("init_hf"):
+        values["model"] = _model_of_hf_dir(values["init_hf"], values.get("model"))
     return Config(**values)
+
+
+def _model_of_hf_dir(path: str, model: str | None) -> str:
+    """The ``model`` an ``--init-hf`` run records: the ``--model`` given if its shape is the directory's,
+    else (none given) the first preset of the directory's family, which names the family in checkpoints
+    while ``Config.model_config`` gives the shape. A ``--model`` of another shape is refused."""
+    try:
+        spec, hf_config = hf.read_config(path)
+    except hf.HFError as e:
+        raise ConfigError(f"--init-hf: {e}") from None
+    if model is not None and preset(model) != hf_config:
+        raise ConfigError(f"--model {model} conflicts with --init-hf {path}, whose config.json gives the model's "
+                          f"shape ({spec.family}: {hf_config}); drop --model")
+    return model if model is not None else next(iter(spec.presets))
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
@@ -348,6 +396,10 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     for f in fields(Config):
         check_value(f.name, getattr(cfg, f.name))
     world = cfg.nproc if world_size is None else world_size
+    if world != cfg.world_size and cfg.cp > 1:
+        raise ConfigError(
+            f"world size {world} != dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
+            f"set --nproc {cfg.world_size} or change --dp/--cp/--tp/--pp so their product is {world}")
     if world != cfg.world_size:
         raise ConfigError(
             f"world size {world} != dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
@@ -369,12 +421,23 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
-    _validate_model_split(cfg)
-    _validate_pipeline(cfg)
     _validate_checkpoints(cfg)
+    _validate_model_split(cfg)
+    _validate_context_parallel(cfg)
+    _validate_pipeline(cfg)
 
 
 def _validate_checkpoints(cfg: Config) -> None:
+    if cfg.init_hf and cfg.init_from:
+        raise ConfigError("--init-hf and --init-from both give the starting weights; pass one of them")
+    if cfg.init_hf:
+        try:
+            family = hf.read_config(cfg.init_hf)[0].family
+        except hf.HFError as e:
+            raise ConfigError(f"--init-hf: {e}") from None
+        if spec_of(cfg.model).family != family:
+            raise ConfigError(f"--model {cfg.model} is a {spec_of(cfg.model).family} model but --init-hf "
+                              f"{cfg.init_hf} holds a {family} one; drop --model")
     needs_dir = [flag for flag, given in (("--resume", cfg.resume), ("--checkpoint-every", cfg.checkpoint_every),
                                           ("--max-restarts", cfg.max_restarts), ("--overwrite", cfg.overwrite))
                  if given]
@@ -384,24 +447,57 @@ def _validate_checkpoints(cfg: Config) -> None:
         raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
 
 
+def _model_name(cfg: Config) -> str:
+    """How messages name the model: its preset, or the directory ``--init-hf`` took its shape from."""
+    return f"the model in {cfg.init_hf}" if cfg.init_hf else cfg.model
+
+
 def _validate_model_split(cfg: Config) -> None:
-    m = cfg.model_config
+    m, name = cfg.model_config, _model_name(cfg)
     if cfg.pp > m.n_layers:
-        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {cfg.model}; "
+        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {name}; "
                           f"choose pp <= {m.n_layers}")
-    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, cfg.model)
+    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, name)
     if problem:
         raise ConfigError(problem)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over tensor-parallel ranks; "
                           "set --tp > 1 or drop --sequence-parallel")
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
-        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {cfg.model}; "
+        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
+
+
+CP_UNSUPPORTED = (
+    ("schedule", "zb", "--schedule zb splits backward at module outputs, which the ring's backward does not "
+     "provide; use --schedule 1f1b"),
+    ("compile", True, "--compile would trace the ring's point-to-point messages; drop --compile"),
+)
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """What context parallelism cannot split (``context_parallel.split_error``) or does not support yet."""
+    if cfg.cp == 1:
+        return
+    spec, m = spec_of(cfg.model), cfg.model_config
+    if not spec.cp_plan:
+        raise ConfigError(f"--cp {cfg.cp}: the {spec.family} family of {cfg.model} names no attention core "
+                          f"context parallelism can split; use --cp 1")
+    shape = spec.shape(m)
+    problem = split_error(m.seq_len, cfg.cp, shape.n_heads, shape.kv_heads, cfg.tp, cfg.cp_impl)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.sequence_parallel and (m.seq_len // cfg.cp) % cfg.tp:
+        raise ConfigError(f"--sequence-parallel splits each cp rank's {m.seq_len // cfg.cp} tokens over tp={cfg.tp}, "
+                          f"which does not divide them; choose a seq_len that is a multiple of {2 * cfg.cp * cfg.tp}")
+    for name, value, why in CP_UNSUPPORTED:
+        if getattr(cfg, name) == value:
+            raise ConfigError(f"--cp {cfg.cp} with {why}")
 
 
 def _validate_pipeline(cfg: Config) -> None:
     """Pipeline settings that cannot run (schedules: Narayanan et al. 2021; Qi et al. 2023)."""
+    name = _model_name(cfg)
     p, v, m, n_layers = cfg.pp, cfg.virtual_stages, cfg.microbatches, cfg.model_config.n_layers
     if p == 1:
         for flag, given in (("--virtual-stages", v > 1), ("--stage-layers", cfg.stage_layers),
@@ -417,11 +513,11 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"set --microbatches to a multiple of {p} (got {m})")
     if n_layers < p * v:
         raise ConfigError(f"--pp {p} x --virtual-stages {v} = {p * v} stages need at least one layer each, but "
-                          f"{cfg.model} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
+                          f"{name} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
     counts = cfg.stage_layer_counts
     if counts and (len(counts) != p * v or min(counts) < 1 or sum(counts) != n_layers):
         raise ConfigError(f"--stage-layers {cfg.stage_layers} must give {p * v} counts (pp * virtual-stages), "
-                          f"each >= 1, summing to the {n_layers} layers of {cfg.model}")
+                          f"each >= 1, summing to the {n_layers} layers of {name}")
     if cfg.schedule == "zb" and cfg.compile:
         raise ConfigError("--schedule zb splits backward at module outputs, which torch.compile fuses away; "
                           "drop --compile or use --schedule 1f1b")

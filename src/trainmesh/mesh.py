@@ -1,7 +1,10 @@
-"""The device mesh: the world of ranks viewed as named axes ``pp x dp x tp``, one process group per axis.
+"""The device mesh: the world of ranks viewed as named axes ``pp x dp x cp x tp``, one process group per axis.
 
 ``tp`` is innermost so that a tensor-parallel group is made of consecutive ranks (on a GPU cluster: one
-node, where the bandwidth that tensor parallelism needs is), as Megatron-LM orders its groups.
+node, where the bandwidth that tensor parallelism needs is), as Megatron-LM orders its groups; ``cp``
+(context parallelism) comes next, as in Megatron-LM's ``tp-cp-ep-dp-pp`` order. Replicated parameters see
+different tokens on every dp and cp rank, so their gradients are reduced over the flattened ``dp_cp``
+axis, one group (Megatron's data-parallel-with-context-parallel group); with cp = 1 it is the dp group.
 A single-process run builds no process group at all: every axis has size 1 and the collectives in
 :mod:`trainmesh.comm` are skipped, so the same code path serves one rank and many.
 """
@@ -12,14 +15,15 @@ import datetime
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
+GRAD_AXIS = "dp_cp"  # dp x cp flattened: where gradients of replicated parameters are reduced
 STORE_CLIENT_ENV = "TRAINMESH_STORE_CLIENT"
 
 
@@ -148,27 +152,31 @@ class Mesh:
     coords: dict[str, int]
     device: torch.device
     device_mesh: DeviceMesh | None = None
+    flat_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None) -> "Mesh":
+    def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
+              cp: int = 1) -> "Mesh":
         """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis.
 
         ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
         world group's is, so the timeout is set on each axis group afterwards.
         """
-        sizes = {"pp": pp, "dp": dp, "tp": tp}
-        world = pp * dp * tp
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp}
+        world = pp * dp * cp * tp
         if world == 1:
-            return cls(sizes, {a: 0 for a in AXES}, device)
+            return cls(sizes, {a: 0 for a in (*AXES, GRAD_AXIS)}, device)
         if not dist.is_initialized() or dist.get_world_size() != world:
             have = dist.get_world_size() if dist.is_initialized() else 1
-            raise RuntimeError(f"mesh pp*dp*tp={world} needs a process group of that size, have {have}")
-        dm = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+            raise RuntimeError(f"mesh pp*dp*cp*tp={world} needs a process group of that size, have {have}")
+        dm = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=AXES)
+        flat = {GRAD_AXIS: dm["dp", "cp"]._flatten(GRAD_AXIS).get_group()} if cp > 1 else {}
         if timeout_s is not None:
-            for axis in AXES:
-                _set_pg_timeout(datetime.timedelta(seconds=timeout_s), dm.get_group(axis))
+            for group in [dm.get_group(axis) for axis in AXES] + list(flat.values()):
+                _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         coords = dict(zip(AXES, dm.get_coordinate()))
-        return cls(sizes, coords, device, dm)
+        coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
+        return cls(sizes, coords, device, dm, flat)
 
     def size(self, axis: str) -> int:
         return self.sizes[axis]
@@ -180,16 +188,19 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if self.device_mesh is None or self.sizes[axis] == 1:
             return None
+        if axis == GRAD_AXIS:
+            return self.flat_groups.get(axis) or self.device_mesh.get_group("dp")
         return self.device_mesh.get_group(axis)
 
     def global_rank(self, **coords: int) -> int:
         """Global rank of the mesh point that differs from this rank in the given coordinates."""
         point = {**self.coords, **coords}
-        return (point["pp"] * self.sizes["dp"] + point["dp"]) * self.sizes["tp"] + point["tp"]
+        return ((point["pp"] * self.sizes["dp"] + point["dp"]) * self.sizes["cp"] + point["cp"]) * self.sizes["tp"] \
+            + point["tp"]
 
     @property
     def world_size(self) -> int:
-        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["tp"]
+        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["cp"] * self.sizes["tp"]
 
 
 def shutdown_distributed() -> None:

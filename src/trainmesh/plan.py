@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from trainmesh.context_parallel import IMPLS as CP_IMPLS, split_error as cp_split_error
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
                                model_flops_per_token)
 from trainmesh.models import ModelShape, planner_shapes, spec_of
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
+LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
+MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
 GIB = 2**30
 
 
@@ -242,10 +245,14 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     bucket_bytes: int = 25 * 2**20
+    cp: int = 1
+    cp_impl: str = "ring"
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp, self.microbatches, self.virtual, self.bucket_bytes) < 1:
-            raise ValueError(f"dp, tp, pp, microbatches, virtual and bucket_bytes must be >= 1, got {self}")
+        if min(self.dp, self.tp, self.pp, self.cp, self.microbatches, self.virtual, self.bucket_bytes) < 1:
+            raise ValueError(f"dp, tp, pp, cp, microbatches, virtual and bucket_bytes must be >= 1, got {self}")
+        if self.cp_impl not in CP_IMPLS:
+            raise ValueError(f"unknown cp_impl {self.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} is not a ZeRO stage; choose 0, 1, 2 or 3")
         if self.schedule not in SCHEDULES:
@@ -261,7 +268,17 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks over which gradients are reduced and ZeRO shards: dp x cp (Megatron's dp-cp group)."""
+        return self.dp * self.cp
+
+
+def local_seq(workload: Workload, layout: Layout) -> int:
+    """Tokens of each sequence one rank holds: the sequence split over cp."""
+    return workload.seq_len // layout.cp
 
 
 def _divisors(n: int) -> list[int]:
@@ -274,8 +291,12 @@ def check_layout(workload: Workload, layout: Layout) -> None:
     problem = m.split_error(lay.tp, lay.pp)
     if problem:
         raise ValueError(problem)
-    if lay.sequence_parallel and workload.seq_len % lay.tp:
-        raise ValueError(f"sequence_parallel needs tp={lay.tp} to divide seq_len={workload.seq_len}")
+    problem = cp_split_error(workload.seq_len, lay.cp, m.n_heads, m.kv_heads, lay.tp, lay.cp_impl)
+    if problem:
+        raise ValueError(problem)
+    if lay.sequence_parallel and local_seq(workload, lay) % lay.tp:
+        raise ValueError(f"sequence_parallel needs tp={lay.tp} to divide the {local_seq(workload, lay)} tokens "
+                         f"of each sequence a cp rank holds")
     if m.n_layers % (lay.pp * lay.virtual):
         raise ValueError(
             f"n_layers={m.n_layers} is not divisible by pp*virtual={lay.pp * lay.virtual}; "
@@ -442,7 +463,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     """
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
-    sbh = workload.seq_len * micro_batch_size(workload, layout) * m.d_model
+    sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * m.d_model
     seq_split = t if layout.sequence_parallel else 1
     if recompute == "full":
         return e * sbh // seq_split
@@ -455,7 +476,21 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     scores = m.n_heads * workload.seq_len * sbh // m.d_model
     stores_scores = recompute == "none" and not m.flash_attention
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
-    return seq_sharded // seq_split + (qkv_and_proj_input + mlp_inner + core) // t
+    return seq_sharded // seq_split + (qkv_and_proj_input + mlp_inner + core + cp_attention_output(workload, layout)) // t
+
+
+def cp_attention_output(workload: Workload, layout: Layout) -> int:
+    """What context-parallel attention keeps beside the projection's input (measured by ``bench.cp``): the
+    ring its merged output in the accumulation dtype (fp32 or wider) and its log-sum-exp; Ulysses the
+    core's output, still in head-split order. 0 without cp."""
+    if layout.cp == 1:
+        return 0
+    e = workload.dtype_bytes.activation
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+    if layout.cp_impl == "a2a":
+        return e * tokens * workload.model.d_model
+    wide = max(e, DTYPE_BYTES["fp32"])
+    return wide * tokens * (workload.model.d_model + workload.model.n_heads)
 
 
 def in_flight_chunks(layout: Layout, stage: int) -> int:
@@ -482,7 +517,7 @@ def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, 
     (2 x e sbh) and the fp32 logits (4sbv/t) that the loss saves.
     """
     m, e, lay = workload.model, workload.dtype_bytes.activation, layout
-    sbh = workload.seq_len * micro_batch_size(workload, lay) * m.d_model
+    sbh = local_seq(workload, lay) * micro_batch_size(workload, lay) * m.d_model
     seq_split = lay.tp if lay.sequence_parallel else 1
     first = sbh // seq_split if stage == 0 and m.dropout else 0
     last = 2 * e * sbh // seq_split + 4 * sbh * m.vocab_size // (m.d_model * lay.tp) if stage == lay.pp - 1 else 0
@@ -523,7 +558,7 @@ def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """
     if stage != layout.pp - 1:
         return 0
-    sbv = workload.seq_len * micro_batch_size(workload, layout) * workload.model.vocab_size // layout.tp
+    sbv = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.vocab_size // layout.tp
     copies = workload.dtype_bytes.activation + (0 if workload.precision == "fp32" else DTYPE_BYTES["fp32"])
     return copies * sbv
 
@@ -552,12 +587,12 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 def p2p_bytes(workload: Workload, layout: Layout) -> int:
     """A pipeline stage's send and receive buffer of a micro-batch's boundary activation, split by t
     [NAR, 4.1 scatter/gather]; 0 without a pipeline."""
-    boundary = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
+    boundary = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
     return 2 * workload.dtype_bytes.activation * boundary if layout.pp > 1 else 0
 
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
-    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.dp, layout.zero, stage)
+    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.grad_ranks, layout.zero, stage)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
@@ -582,7 +617,7 @@ def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = No
     """Parameters + gradients + optimizer state of one rank (worst stage when ``stage`` is None)."""
     check_layout(workload, layout)
     lay = layout
-    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.dp, lay.zero, s)) for s in _stages(lay, stage))
+    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.grad_ranks, lay.zero, s)) for s in _stages(lay, stage))
 
 
 def activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
@@ -615,10 +650,11 @@ class TimeBreakdown:
     tp_comm: float
     pp_comm: float
     bubble: float
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble
+        return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble + self.cp_comm
 
 
 def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -675,7 +711,7 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
 def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """Seconds of one micro-batch's forward and backward on a rank of ``stage``; tp splits the work evenly."""
     m, s = workload.model, workload.seq_len
-    tokens = s * micro_batch_size(workload, layout) / layout.tp
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout) / layout.tp
     head = 3 * head_flops_per_token(m.d_model, m.vocab_size) if stage == layout.pp - 1 else 0.0
     blocks = (m.n_layers // layout.pp) * block_pass_flops_per_token(m, s, layout.recompute)
     return tokens * (blocks + head) / (peak_flops(workload, cluster) * cluster.efficiency)
@@ -688,7 +724,7 @@ def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     t = layout.tp
     if t == 1:
         return 0.0
-    sbh = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model
+    sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model
     nbytes, link = sbh * workload.dtype_bytes.activation, cluster.link(t)
     if layout.sequence_parallel:
         one = 2 * ring_gather_time(nbytes, t, link)
@@ -703,8 +739,49 @@ def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     if layout.pp == 1:
         return 0.0
     bw, alpha = cluster.link(layout.world)
-    nbytes = workload.seq_len * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
+    nbytes = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
     return 2 * layout.virtual * (alpha + nbytes * workload.dtype_bytes.activation / bw)
+
+
+def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
+    """Bytes one rank sends over cp for one micro-batch's forward and backward, per op, as
+    :class:`trainmesh.comm.Comm` counts them (``cp/ring_kv`` ...).
+
+    Ring: a layer's local K/V block (2 b (s/cp) kv_heads d_head elements) is sent cp-1 times forward, and
+    in backward cp-1 times again plus its gradient cp times (fp32 or wider: the accumulation dtype), i.e.
+    (cp-1)/cp of the layer's whole K/V per direction [Liu et al., 2023, Ring Attention]. a2a: q, k, v and
+    the output go through one all-to-all each way, (cp-1)/cp of each tensor [Jacobs et al., 2023, Ulysses].
+    """
+    m, lay, e = workload.model, layout, workload.dtype_bytes.activation
+    cp, layers = lay.cp, m.n_layers // lay.pp
+    if cp == 1:
+        return {}
+    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
+    head_dim = m.d_model // m.n_heads
+    kv = 2 * tokens * m.kv_heads * head_dim // lay.tp
+    if lay.cp_impl == "ring":
+        grad = max(e, DTYPE_BYTES["fp32"])
+        return {"ring_kv": layers * (cp - 1) * kv * e,
+                "ring_kv_grad": layers * ((cp - 1) * kv * e + cp * kv * grad)}
+    q_and_out = 2 * tokens * m.d_model // lay.tp
+    return {"all_to_all": layers * 2 * (cp - 1) / cp * (q_and_out + kv) * e}
+
+
+def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """Exposed cp communication of one micro-batch. The ring's messages overlap the attention of the block
+    at hand, so only what exceeds the attention's compute shows; the all-to-alls sit on the critical path."""
+    sent = sum(cp_bytes_per_micro(workload, layout).values())
+    if not sent:
+        return 0.0
+    bw, alpha = cluster.link(layout.tp * layout.cp)
+    layers = workload.model.n_layers // layout.pp
+    if layout.cp_impl == "a2a":
+        return 8 * layers * alpha + sent / bw
+    m, tokens = workload.model, local_seq(workload, layout) * micro_batch_size(workload, layout)
+    attention = 3 * 4 * tokens * workload.seq_len * m.d_model / layout.tp / 2  # causal: half the score matrix
+    hidden = layers * attention / (peak_flops(workload, cluster) * cluster.efficiency)
+    messages = layers * (3 * layout.cp - 2)
+    return max(0.0, messages * alpha + sent / bw - hidden)
 
 
 def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
@@ -717,7 +794,7 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     :class:`trainmesh.zero.ZeroStage3`). None of it is assumed hidden behind compute: that fits
     Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
-    n, m, b = layout.dp, layout.microbatches, workload.dtype_bytes
+    n, m, b = layout.grad_ranks, layout.microbatches, workload.dtype_bytes
     if n == 1:
         return 0.0
     units = stage_units(workload.model, layout.tp, layout.pp, stage)
@@ -751,7 +828,8 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
     bubble = (compute + tp + pp) * f / (1 - f)
     dp = max(dp_time(workload, layout, cluster, s) for s in stages)
-    return TimeBreakdown(compute, dp, tp, pp, bubble)
+    cp = m * _cp_time_per_micro(workload, layout, cluster)
+    return TimeBreakdown(compute, dp, tp, pp, bubble, cp)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -801,28 +879,43 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str,
             yield "interleaved", v
 
 
-def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, int]]:
-    """(dp, tp, pp) over exactly ``cluster.gpus`` ranks with each tp group inside one node."""
+def cp_degrees(workload: Workload, cluster: Cluster) -> list[int]:
+    """The cp sizes worth searching: 1, and from :data:`LONG_SEQUENCE` tokens on, every power of two that
+    splits the sequence into 2·cp chunks of at least :data:`MIN_CP_CHUNK` tokens (shorter chunks leave the
+    ring's messages nothing to hide behind)."""
+    if workload.seq_len < LONG_SEQUENCE:
+        return [1]
+    degrees, cp = [1], 2
+    while cp <= cluster.gpus and workload.seq_len % (2 * cp) == 0 and workload.seq_len // (2 * cp) >= MIN_CP_CHUNK:
+        degrees.append(cp)
+        cp *= 2
+    return degrees
+
+
+def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, cp, tp, pp) over exactly ``cluster.gpus`` ranks with each tp group inside one node."""
     m = workload.model
-    for tp in _divisors(cluster.gpus_per_node):
-        if cluster.gpus % tp:
-            continue
-        for pp in _divisors(cluster.gpus // tp):
-            dp = cluster.gpus // (tp * pp)
-            if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and not m.split_error(tp, pp):
-                yield dp, tp, pp
+    for cp in cp_degrees(workload, cluster):
+        for tp in _divisors(cluster.gpus_per_node):
+            if cluster.gpus % (tp * cp):
+                continue
+            for pp in _divisors(cluster.gpus // (tp * cp)):
+                dp = cluster.gpus // (tp * cp * pp)
+                if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and not m.split_error(tp, pp):
+                    yield dp, cp, tp, pp
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}."""
-    for dp, tp, pp in _meshes(workload, cluster):
+    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
+    :func:`cp_degrees` (ring attention)."""
+    for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
-        sps = (False, True) if tp > 1 and workload.seq_len % tp == 0 else (False,)
+        sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
             options = itertools.product(_schedules(pp, workload.model.n_layers, micro), (0, 1, 2, 3),
                                         RECOMPUTE, sps)
             for (schedule, v), zero, recompute, sp in options:
-                yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp)
+                yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp)
 
 
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
@@ -867,7 +960,7 @@ def _scaled(value: float, steps: tuple[str, ...], base: int) -> str:
 def _row(workload: Workload, e: Estimate) -> list[str]:
     lay = e.layout
     sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
-    layout = [lay.dp, lay.tp, lay.pp, lay.zero, micro_batch_size(workload, lay), lay.microbatches, sched,
+    layout = [lay.dp, lay.cp, lay.tp, lay.pp, lay.zero, micro_batch_size(workload, lay), lay.microbatches, sched,
               lay.recompute, "y" if lay.sequence_parallel else "n"]
     measures = [_scaled(e.memory.total, (" B", " KiB", " MiB", " GiB"), 1024), f"{e.time.total:.4g}",
                 f"{e.mfu:.1%}", f"{e.tokens_per_s:,.0f}"]
@@ -876,7 +969,7 @@ def _row(workload: Workload, e: Estimate) -> list[str]:
 
 def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
     """The ``top`` fastest layouts as a text table, then the chosen one."""
-    head = ["dp", "tp", "pp", "zero", "mbs", "m", "schedule", "recompute", "sp",
+    head = ["dp", "cp", "tp", "pp", "zero", "mbs", "m", "schedule", "recompute", "sp",
             "mem/rank", "step s", "MFU", "tokens/s"]
     rows = [head] + [_row(workload, e) for e in estimates[:top]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -884,7 +977,30 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
     title = (f"{params} params, batch {workload.global_batch} x {workload.seq_len}, {workload.precision}, "
              f"{cluster.gpus} devices of {cluster.mem_bytes / GIB:.0f} GiB: {len(estimates)} layouts fit")
     chosen = f"chosen: {estimates[0].layout}" if estimates else "chosen: none fits"
-    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen])
+    why = explain_cp(workload, estimates)
+    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen,
+                      *([why] if why else [])])
+
+
+def explain_cp(workload: Workload, estimates: list[Estimate]) -> str:
+    """Why the chosen layout splits sequences over cp (empty when it does not): the activations it saves
+    and the fastest layout without it."""
+    if not estimates or estimates[0].layout.cp == 1:
+        return ""
+    chosen = estimates[0]
+    cp = chosen.layout.cp
+    gib = (" B", " KiB", " MiB", " GiB", " TiB")
+    alone = activation_bytes(workload, dataclasses.replace(chosen.layout, cp=1))
+    text = (f"why cp={cp}: each rank holds {workload.seq_len // cp:,} of a sequence's {workload.seq_len:,} tokens, "
+            f"so its activations are {_scaled(chosen.memory.activations, gib, 1024)} instead of "
+            f"{_scaled(alone, gib, 1024)} with the same layout at cp=1; ")
+    without = next((e for e in estimates if e.layout.cp == 1), None)
+    if without is None:
+        return text + "no layout without cp fits"
+    lay = without.layout
+    return text + (f"the fastest layout without cp (dp={lay.dp} tp={lay.tp} pp={lay.pp} recompute={lay.recompute}) "
+                   f"is predicted {without.time.total:.3g} s/step against {chosen.time.total:.3g} s "
+                   f"({chosen.time.cp_comm:.3g} s of it cp traffic the attention does not hide)")
 
 
 def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
@@ -915,7 +1031,7 @@ def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top
 
 LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
                  "schedule": "schedule", "virtual": "virtual_stages", "recompute": "recompute",
-                 "sequence_parallel": "sequence_parallel"}  # Layout field -> Config field
+                 "sequence_parallel": "sequence_parallel", "cp": "cp", "cp_impl": "cp_impl"}  # Layout -> Config
 
 
 def workload_of(cfg: Config) -> Workload:
@@ -1015,9 +1131,10 @@ def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
     lay = chosen.layout
     sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
     mem = _scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
+    cp = f" cp={lay.cp} cp_impl={lay.cp_impl}" if lay.cp > 1 else ""
     return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
             f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
-            f"sequence_parallel={lay.sequence_parallel} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
+            f"sequence_parallel={lay.sequence_parallel}{cp} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
             f"{mem}/rank of {cluster.usable_bytes / GIB:.1f} GiB usable)")
 
 
@@ -1040,7 +1157,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
     for flag in SHAPE_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
     parser.add_argument("--precision", choices=list(DTYPE_BYTES), default="bf16")
     parser.add_argument("--reduce-dtype", choices=list(DTYPE_BYTES),
                         help="dtype gradients are held and reduced in (default: --precision)")
@@ -1078,7 +1195,7 @@ def workload_from(
 def plan_from_args(args: argparse.Namespace) -> str:
     """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns."""
     shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
-    workload = workload_from(args.model, args.global_batch, args.precision, args.reduce_dtype, **shape)
+    workload = workload_from(args.model, args.global_batch or args.gpus, args.precision, args.reduce_dtype, **shape)
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)

@@ -13,30 +13,33 @@ import faulthandler
 import math
 import os
 import signal
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
 from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
+from trainmesh.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.data_parallel import DataParallel
+from trainmesh.engine import MicroBatches
+from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
-from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,
-                               model_flops_per_token, peak_device_bytes, peak_tflops, storage_bytes)
+from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
+from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
+                               mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
-from trainmesh.optim import build_adamw, lr_at
+from trainmesh.optim import LRSchedule, adamw_factory
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.partition import gather_stages
-from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
+from trainmesh.pipeline.runtime import build_pipeline
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import parallelize, unsharded_state_dict
@@ -44,36 +47,6 @@ from trainmesh import checkpoint, zero
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
-
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-class Engine(Protocol):
-    """What a parallel form gives the loop: gradient synchronisation and the optimizer step."""
-
-    loss_scale: float
-
-    def no_sync(self) -> contextlib.AbstractContextManager: ...
-
-    def step(self, lr: float, max_norm: float) -> float: ...
-
-    def state_tensors(self) -> list[torch.Tensor]: ...
-
-
-@dataclass
-class Run:
-    """Everything a step needs, built once by :func:`build`."""
-
-    cfg: Config
-    mesh: Mesh
-    comm: Comm
-    model: nn.Module
-    engine: Engine
-    criterion: Criterion
-    data: TokenData
-    pipeline: PipelineRuntime | None = None  # pp > 1: runs this rank's stage(s); ``model`` is its part
-
 
 @dataclass
 class TrainResult:
@@ -96,7 +69,7 @@ def setup_process(cfg: Config) -> Mesh:
     device = pick_device(cfg.device)
     init_distributed(pick_backend(cfg.backend, device), device, cfg.collective_timeout)
     start_heartbeat()
-    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout)
+    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout, cp=cfg.cp)
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
@@ -104,21 +77,24 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     comm = Comm(mesh)
     spec = spec_of(cfg.model)
     model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
-    check_agreement(cfg, model, mesh.device)
+    check_agreement(cfg.shared_settings(), model, mesh.device)
     criterion = parallelize(model, mesh, dict(spec.tp_plan), cfg.sequence_parallel, comm) or cross_entropy
+    if cfg.cp > 1:
+        apply_context_parallel(model, spec.cp_plan, comm, cfg.model_config.seq_len, cfg.cp_impl)
     apply_recompute(model, cfg.recompute, spec.recompute)
     if cfg.compile:
         for block in model.blocks.values():
             block.compile()
     pipeline = None
     if cfg.pp > 1:
-        model, pipeline = build_pipeline(model, cfg, comm)
-    if cfg.zero:
-        engine = zero.build_engine(model, comm, cfg)
-    else:
-        engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
-                              bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
-                              scaler=LossScaler(enabled=cfg.precision == "fp16"))
+        model, pipeline = build_pipeline(model, comm, cfg.schedule, cfg.microbatches, spec.shape(cfg.model_config).d_model,
+                                         dtype_of(cfg.precision), cfg.virtual_stages, cfg.stage_layer_counts,
+                                         seq_shards=cfg.tp if cfg.sequence_parallel else 1)
+    make_optimizer = adamw_factory(mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    engine_args = dict(bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
+                       scaler=LossScaler(enabled=cfg.precision == "fp16"), axis=GRAD_AXIS if cfg.cp > 1 else "dp")
+    engine = (zero.build_engine(model, comm, cfg.zero, make_optimizer, **engine_args) if cfg.zero
+              else DataParallel(model, comm, make_optimizer, **engine_args))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
     return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
 
@@ -129,8 +105,7 @@ def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
     This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
     Forms that shard parameters assemble the full tensors here.
     """
-    gathered = run.engine.gathered() if isinstance(run.engine, zero.ZeroStage3) else contextlib.nullcontext()
-    with gathered:
+    with run.engine.gathered():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
     return gather_stages(state, run.comm) if run.pipeline is not None else state
 
@@ -158,6 +133,7 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
     cfg, mesh = run.cfg, run.mesh
     x, y = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step,
                      mesh.rank("dp"), mesh.size("dp"))
+    x, y = (shard_sequence(t, mesh.size("cp"), mesh.rank("cp")) for t in (x, y))
     if mesh.device.type == "cuda":
         x, y = x.pin_memory().to(mesh.device, non_blocking=True), y.pin_memory().to(mesh.device, non_blocking=True)
     return list(zip(x.chunk(cfg.microbatches), y.chunk(cfg.microbatches)))
@@ -165,9 +141,10 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
 
 def global_mean(run: Run, value: torch.Tensor) -> float:
     """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
-    pipeline stage computes (the other stages pass zero)."""
+    pipeline stage computes (the other stages pass zero); a cp rank's loss is the mean over its equal share
+    of every sequence's tokens, so the mean over cp ranks too is the mean over all tokens."""
     total = log_all_reduce(value.detach().double().reshape(1).clone())
-    return total.item() / (run.mesh.size("dp") * run.mesh.size("tp"))
+    return total.item() / (run.mesh.size("dp") * run.mesh.size("cp") * run.mesh.size("tp"))
 
 
 @torch.no_grad()
@@ -309,10 +286,14 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     run = build(cfg, mesh)
     start = checkpoint.restore(run)
     rank, _ = world_from_env()
-    writer = MetricsWriter(cfg.out, enabled=rank == 0, resume_from=start.step if cfg.resume else None)
-    progress = Progress(cfg.steps, enabled=rank == 0 and cfg.progress)
+    resume_from = start.step if cfg.resume else None
+    sinks = open_sinks(Path(cfg.out), cfg.tensorboard, cfg.wandb, cfg.__dict__, resume_from) if rank == 0 and cfg.out \
+        else []
+    writer = MetricsWriter(cfg.out, enabled=rank == 0, resume_from=resume_from, sinks=sinks)
+    progress = Progress(cfg.steps, start.step + 1, sys.stdout if rank == 0 else None, enabled=cfg.progress,
+                        every=cfg.progress_every)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
-                     f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
+                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len
@@ -320,6 +301,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                                             shape.gated_mlp, shape.qkv_width)
     peak = peak_tflops(mesh.device, cfg.precision, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
+    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     losses, times = [], []
     for step in range(start.step, cfg.steps):
@@ -330,16 +312,16 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch),
                                 saved if step == start.step else None)
-        lr = lr_at(step, cfg)
+        lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
         undo_fault()
-        guard.observe(grad_norm, step)
+        guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         step_time = time.perf_counter() - t0
         losses.append(global_mean(run, loss))
         times.append(step_time)
-        record = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
                   "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
@@ -347,26 +329,32 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             record["val_loss"] = evaluate(run)
         metrics_error = write_metrics(writer, record)
-        progress.update(step + 1, losses[-1], record["tokens_per_s"], step_time)
+        progress.update(record)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
         if checkpoint.due(cfg, step + 1):
-            checkpoint.save(run, done)
-        stop_if_metrics_failed(run, metrics_error, done)
+            with progress.paused():
+                checkpoint.save(run, done)
+        with progress.paused() if metrics_error else contextlib.nullcontext():
+            stop_if_metrics_failed(run, metrics_error, done)
+    progress.close()
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
-    val_loss = evaluate(run)
+    val_loss = record["val_loss"]  # the last step always evaluates
     steady = times[1:] or times
     tokens_per_s = tokens_per_step * len(steady) / sum(steady)
+    windows = LossWindows.of(losses)
     summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
+               "loss_window_steps": windows.steps, "first_window_loss": windows.first,
+               "last_window_loss": windows.last,
                "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
                "mfu": mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                "world_size": mesh.world_size, **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
     writer.summary(summary)
     writer.close()
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
-    progress.message(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {val_loss:.4f}, "
-                     f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
+    progress.message(f"done: {windows.text()}, val {val_loss:.4f}, {tokens_per_s:,.0f} tok/s{mfu_text}"
+                     + (f"; metrics in {cfg.out}" if cfg.out else ""))
     return TrainResult(losses, val_loss, summary, run)

@@ -31,10 +31,12 @@ GPT_PLAN: dict[str, str] = {
 
 SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
-              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape),
+              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
-              planner_presets=llama.PLANNER_PRESETS),
+              planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
+              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"}),
 )
 
 class _PresetNames(Collection):

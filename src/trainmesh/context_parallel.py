@@ -1,0 +1,408 @@
+"""Context parallelism: each sequence split over the ``cp`` axis, attention computed across the split.
+
+Everything in a transformer block but attention is per token, so a rank holding ``1/cp`` of every sequence
+computes those parts unchanged and its activations are ``1/cp`` of one process's. Attention needs every
+earlier token, and two ways of supplying them are implemented here:
+
+* **ring** (Liu et al., 2023, "Ring Attention with Blockwise Transformers"; Megatron-core's p2p CP): the
+  key/value blocks travel around the cp ring; each rank attends its queries to the block at hand while the
+  next one is in flight, and the partial results merge exactly through their log-sum-exp (the online
+  softmax of Milakov & Gimelshein, 2018, as FlashAttention uses it, Dao et al., 2022, Alg. 1). Backward
+  runs the ring again: K/V travel as in forward and their gradients travel with them, accumulating each
+  rank's contribution until they arrive home. Partial outputs, log-sum-exps and gradients are accumulated
+  in at least fp32.
+* **a2a** (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all trades the sequence split for a head
+  split, the model's own attention runs on whole sequences for ``1/cp`` of the heads, and a second
+  all-to-all trades back. Heads (and key/value heads) must divide by cp.
+
+Load balance under the causal mask (Megatron-core / torchtitan "head-tail"): each sequence is cut into
+``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp−1−r``, so every rank has the same number of
+visible query-key pairs. Tokens keep their global positions: :func:`apply_context_parallel` remaps the
+position ids the model's position modules receive (a learned table, a rotary embedding).
+
+The model knows nothing of this: like tensor parallelism, a plan of module-name patterns names the
+attention cores and position modules of a model family (``ModelSpec.cp_plan``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm
+
+AXIS = "cp"
+IMPLS = ("ring", "a2a")
+
+Starts = Sequence[int]
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --- which tokens a rank holds -----------------------------------------------------------------------
+
+def chunk_starts(seq_len: int, cp: int, rank: int) -> list[int]:
+    """Global start positions of the two chunks (of ``seq_len / (2·cp)`` tokens) cp rank ``rank`` holds."""
+    size = seq_len // (2 * cp)
+    return [rank * size, (2 * cp - 1 - rank) * size]
+
+
+def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of the tokens cp rank ``rank`` holds, in the order it holds them."""
+    size = seq_len // (2 * cp)
+    return torch.cat([torch.arange(s, s + size) for s in chunk_starts(seq_len, cp, rank)])
+
+
+def split_error(seq_len: int, cp: int, heads: int, kv_heads: int, tp: int, impl: str) -> str | None:
+    """Why ``cp`` cannot split a sequence of ``seq_len`` (and, for ``a2a``, the heads left to each tp rank);
+    None if it can."""
+    if seq_len % (2 * cp):
+        fits = [c for c in range(1, seq_len // 2 + 1) if seq_len % (2 * c) == 0][:8]
+        return (f"--cp {cp} splits each sequence into 2*cp={2 * cp} equal chunks, which seq_len={seq_len} is not "
+                f"divisible by; choose cp in {{{', '.join(map(str, fits))}}} or a seq_len that is a multiple "
+                f"of {2 * cp}")
+    if impl == "a2a" and (heads % (cp * tp) or kv_heads % (cp * tp)):
+        fits = [c for c in range(1, kv_heads + 1) if heads % (c * tp) == 0 and kv_heads % (c * tp) == 0]
+        what = f"n_heads={heads}" + (f" and n_kv_heads={kv_heads}" if kv_heads != heads else "")
+        return (f"--cp-impl a2a gives each of cp*tp={cp * tp} ranks whole heads, but {what} do not divide by it; "
+                f"choose cp in {{{', '.join(map(str, fits))}}} with tp={tp}, or --cp-impl ring")
+    return None
+
+
+# --- blockwise attention with log-sum-exp merging ----------------------------------------------------
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool,
+          device: torch.device) -> torch.Tensor | None | bool:
+    """Visibility of a key segment to a query segment: False (nothing visible: skip the pair), None (all
+    visible) or a boolean ``[q_len, k_len]`` mask (the causal diagonal)."""
+    if not causal or k_start + k_len - 1 <= q_start:
+        return None
+    if k_start > q_start + q_len - 1:
+        return False
+    q_pos = torch.arange(q_start, q_start + q_len, device=device)
+    k_pos = torch.arange(k_start, k_start + k_len, device=device)
+    return k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, h, t, d]`` queries as ``[b, kv_heads, h/kv_heads, t, d]``: query head j uses key head j // group."""
+    b, h, t, d = q.shape
+    return q.view(b, kv_heads, h // kv_heads, t, d)
+
+
+def _scores(q5: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    s = (q5 @ k.unsqueeze(2).transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+class Accumulator:
+    """Running softmax attention of one query segment: the normalised output so far and its log-sum-exp.
+
+    Merging a block's (output, lse) rescales both sides by ``exp(lse_side - lse_new)`` with
+    ``lse_new = logaddexp(lse, lse_block)``: the online softmax, exact in exact arithmetic."""
+
+    def __init__(self, q5: torch.Tensor) -> None:
+        self.out = torch.zeros(q5.shape, dtype=_wide(q5.dtype), device=q5.device)
+        self.lse = torch.full(q5.shape[:-1], float("-inf"), dtype=_wide(q5.dtype), device=q5.device)
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        new = torch.logaddexp(self.lse, lse)
+        safe = new.masked_fill(new == float("-inf"), 0.0)
+        self.out = self.out * (self.lse - safe).exp().unsqueeze(-1) + out * (lse - safe).exp().unsqueeze(-1)
+        self.lse = new
+
+
+def block_forward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of grouped queries ``q5`` over one key/value block: (output, lse), both wide."""
+    wide = _wide(q5.dtype)
+    s = _scores(q5.to(wide), k.to(wide), mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = (s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)).exp()
+    return p @ v.to(wide).unsqueeze(2), lse
+
+
+def block_backward(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   dout5: torch.Tensor, delta: torch.Tensor,
+                   lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq5, dk, dv) of one block's part of the attention, from the *final* lse of the queries and
+    ``delta = rowsum(dout · out)`` (Dao et al., 2022, Alg. 2; all wide)."""
+    wide = _wide(q5.dtype)
+    q5, k, v = q5.to(wide), k.to(wide), v.to(wide)
+    p = (_scores(q5, k, mask, scale) - lse.unsqueeze(-1)).exp()
+    dv = (p.transpose(-1, -2) @ dout5).sum(2)
+    ds = p * (dout5 @ v.unsqueeze(2).transpose(-1, -2) - delta.unsqueeze(-1))
+    dq5 = (ds @ k.unsqueeze(2)) * scale
+    dk = (ds.transpose(-1, -2) @ q5).sum(2) * scale
+    return dq5, dk, dv
+
+
+def _segments(x: torch.Tensor, starts: Starts) -> list[tuple[torch.Tensor, int]]:
+    """``x`` cut along the sequence (dim -2) into ``len(starts)`` equal contiguous segments, with their starts."""
+    return list(zip(x.chunk(len(starts), dim=-2), starts))
+
+
+def _pairs(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts, causal: bool):
+    """Every (query segment index, its q, key segment k, v, mask, key segment index) that sees something."""
+    q_len, k_len = q5.shape[-2] // len(q_starts), k.shape[-2] // len(k_starts)
+    for i, (qs, q0) in enumerate(_segments(q5, q_starts)):
+        for j, ((ks, k0), (vs, _)) in enumerate(zip(_segments(k, k_starts), _segments(v, k_starts))):
+            mask = _mask(q0, q_len, k0, k_len, causal, q5.device)
+            if mask is not False:
+                yield i, qs, ks, vs, mask, j
+
+
+def attend_block(accs: list[Accumulator], q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor,
+                 k_starts: Starts, causal: bool, scale: float) -> None:
+    """Merge the attention of every query segment to one key/value block into ``accs`` (fully masked
+    segment pairs are skipped)."""
+    for i, qs, ks, vs, mask, _ in _pairs(q5, q_starts, k, v, k_starts, causal):
+        accs[i].merge(*block_forward(qs, ks, vs, mask, scale))
+
+
+def block_grads(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts,
+                causal: bool, scale: float, dout5: torch.Tensor, delta: torch.Tensor,
+                lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq5, dk, dv) contributed by one key/value block, wide; the inverse of :func:`attend_block`."""
+    wide = _wide(q5.dtype)
+    dq = torch.zeros(q5.shape, dtype=wide, device=q5.device)
+    dk = torch.zeros(k.shape, dtype=wide, device=k.device)
+    dv = torch.zeros(v.shape, dtype=wide, device=v.device)
+    dq_segs, dk_segs, dv_segs = (x.chunk(n, dim=-2) for x, n in ((dq, len(q_starts)), (dk, len(k_starts)),
+                                                                 (dv, len(k_starts))))
+    dout_segs, delta_segs, lse_segs = (x.chunk(len(q_starts), dim=-1 if x.dim() == 4 else -2)
+                                       for x in (dout5, delta, lse))
+    for i, qs, ks, vs, mask, j in _pairs(q5, q_starts, k, v, k_starts, causal):
+        g_q, g_k, g_v = block_backward(qs, ks, vs, mask, scale, dout_segs[i], delta_segs[i], lse_segs[i])
+        dq_segs[i].add_(g_q)
+        dk_segs[j].add_(g_k)
+        dv_segs[j].add_(g_v)
+    return dq, dk, dv
+
+
+def _finish(accs: list[Accumulator]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([a.out for a in accs], dim=-2), torch.cat([a.lse for a in accs], dim=-1)
+
+
+def _ungroup(x5: torch.Tensor) -> torch.Tensor:
+    b, hk, g, t, d = x5.shape
+    return x5.reshape(b, hk * g, t, d)
+
+
+class _Blockwise(torch.autograd.Function):
+    """Attention of ``q`` over key/value blocks taken one at a time: the ring's arithmetic without the ring,
+    so that it can be checked against one ``scaled_dot_product_attention``. The blocks come as separate
+    tensor arguments (``k_1..k_n, v_1..v_n``) so that autograd gives each its gradient."""
+
+    @staticmethod
+    def forward(ctx, q, q_starts, k_starts, causal, *kv):
+        n = len(kv) // 2
+        scale = 1 / math.sqrt(q.shape[-1])
+        q5 = _grouped(q, kv[0].shape[1])
+        accs = [Accumulator(s) for s, _ in _segments(q5, q_starts)]
+        for k, v, starts in zip(kv[:n], kv[n:], k_starts):
+            attend_block(accs, q5, q_starts, k, v, starts, causal, scale)
+        out, lse = _finish(accs)
+        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.args = (q_starts, k_starts, causal, scale, n)
+        return _ungroup(out).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, *kv = ctx.saved_tensors
+        q_starts, k_starts, causal, scale, n = ctx.args
+        q5, dout5 = _grouped(q, kv[0].shape[1]), _grouped(dout, kv[0].shape[1]).to(out.dtype)
+        delta = (dout5 * out).sum(-1)
+        dq, dks, dvs = torch.zeros_like(out), [], []
+        for k, v, starts in zip(kv[:n], kv[n:], k_starts):
+            g_q, g_k, g_v = block_grads(q5, q_starts, k, v, starts, causal, scale, dout5, delta, lse)
+            dq += g_q
+            dks.append(g_k.to(k.dtype))
+            dvs.append(g_v.to(v.dtype))
+        return (_ungroup(dq).to(q.dtype), None, None, None, *dks, *dvs)
+
+
+def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blocks: Sequence[torch.Tensor],
+                        q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True) -> torch.Tensor:
+    """Attention of ``q`` ``[b, h, t, d]`` (its equal sequence segments starting at global positions
+    ``q_starts``) over key/value blocks ``[b, kv_heads, s, d]`` whose segments start at ``k_starts[i]``,
+    merged by log-sum-exp; backward by :func:`block_grads`. Differentiable in ``q`` and in every block."""
+    return _Blockwise.apply(q, q_starts, k_starts, causal, *k_blocks, *v_blocks)
+
+
+# --- the ring ------------------------------------------------------------------------------------------
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V blocks go round the cp ring (one isend/irecv pair per step, posted before the block
+    at hand is computed); backward: K/V go round again with their gradients travelling behind them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, causal):
+        mesh = comm.mesh
+        cp, r = mesh.size(AXIS), mesh.rank(AXIS)
+        seq = q.shape[-2] * cp
+        scale = 1 / math.sqrt(q.shape[-1])
+        q5 = _grouped(q, k.shape[1])
+        q_starts = chunk_starts(seq, cp, r)
+        nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
+        accs = [Accumulator(s) for s, _ in _segments(q5, q_starts)]
+        kv = torch.stack([k, v])
+        for step in range(cp):
+            works, incoming = [], None
+            if step < cp - 1:
+                incoming = torch.empty_like(kv)
+                works = comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="ring_kv")
+            attend_block(accs, q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal, scale)
+            for w in works:
+                w.wait()
+            kv = incoming if incoming is not None else kv
+        out, lse = _finish(accs)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
+        return _ungroup(out).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, causal, scale = ctx.comm, ctx.causal, ctx.scale
+        mesh = comm.mesh
+        cp, r = mesh.size(AXIS), mesh.rank(AXIS)
+        seq = q.shape[-2] * cp
+        nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
+        q5, dout5 = _grouped(q, k.shape[1]), _grouped(dout, k.shape[1]).to(out.dtype)
+        q_starts = chunk_starts(seq, cp, r)
+        delta = (dout5 * out).sum(-1)
+        dq = torch.zeros_like(out)
+        kv = torch.stack([k, v])
+        sent: list = []  # (message, its send): each message stays alive until its send completes
+        for step in range(cp):
+            dkv_in = torch.empty(kv.shape, dtype=out.dtype, device=kv.device) if step > 0 else None
+            kv_in = torch.empty_like(kv) if step < cp - 1 else None
+            recvs = [(t, prev) for t in (dkv_in, kv_in) if t is not None]
+            works = comm.send_recv([(kv, nxt)] if kv_in is not None else [], recvs, axis=AXIS, op="ring_kv_grad")
+            g_q, g_k, g_v = block_grads(q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal,
+                                        scale, dout5, delta, lse)
+            dq += g_q
+            for w in works:
+                w.wait()
+            dkv = torch.stack([g_k, g_v]) + (dkv_in if dkv_in is not None else 0)
+            sent += [(dkv, w) for w in comm.send_recv([(dkv, nxt)], [], axis=AXIS, op="ring_kv_grad")]
+            kv = kv_in if kv_in is not None else kv
+        home = torch.empty(kv.shape, dtype=out.dtype, device=kv.device)
+        for w in comm.send_recv([], [(home, prev)], axis=AXIS, op="ring_kv_grad"):
+            w.wait()
+        for _, w in sent:
+            w.wait()
+        return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True) -> torch.Tensor:
+    """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence,
+    whose keys/values ``[b, kv_heads, t, d]`` are spread over the cp ranks the same way."""
+    return _RingAttention.apply(q, k, v, comm, causal)
+
+
+# --- all-to-all (Ulysses) ---------------------------------------------------------------------------
+
+class _AllToAll(torch.autograd.Function):
+    """Rank r's slice i of dim 0 goes to rank i's slice r, forward and (being its own adjoint) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return _all_to_all(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.comm), None
+
+
+def _all_to_all(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    comm.all_to_all(out, x, AXIS)
+    return out
+
+
+def _natural_order(seq: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Where each position lies in the concatenation of every cp rank's tokens (rank order)."""
+    held = torch.cat([local_positions(seq, cp, r) for r in range(cp)])
+    return torch.argsort(held).to(device)
+
+
+def _heads_to_sequence(x: torch.Tensor, comm: Comm, order: torch.Tensor) -> torch.Tensor:
+    """``[b, h, t/cp, d]`` sequence-split -> ``[b, h/cp, t, d]`` head-split, positions in natural order."""
+    cp = comm.mesh.size(AXIS)
+    b, h, t, d = x.shape
+    parts = _AllToAll.apply(x.reshape(b, cp, h // cp, t, d).transpose(0, 1), comm)
+    return parts.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d).index_select(2, order)
+
+
+def _sequence_to_heads(y: torch.Tensor, comm: Comm, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_heads_to_sequence`."""
+    cp = comm.mesh.size(AXIS)
+    b, hc, seq, d = y.shape
+    held = torch.empty_like(order).scatter_(0, order, torch.arange(seq, device=order.device))
+    parts = y.index_select(2, held).reshape(b, hc, cp, seq // cp, d).permute(2, 0, 1, 3, 4)
+    return _AllToAll.apply(parts, comm).transpose(0, 1).reshape(b, cp * hc, seq // cp, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: Attention, comm: Comm) -> torch.Tensor:
+    """``core`` (the model's own attention) on whole sequences for 1/cp of the heads, between two all-to-alls."""
+    order = _natural_order(q.shape[-2] * comm.mesh.size(AXIS), comm.mesh.size(AXIS), q.device)
+    q, k, v = (_heads_to_sequence(x, comm, order) for x in (q, k, v))
+    return _sequence_to_heads(core(q, k, v), comm, order)
+
+
+# --- applying context parallelism to a plain model -----------------------------------------------------
+
+def _attention_style(module: nn.Module, comm: Comm, impl: str) -> None:
+    """Route an attention core's forward through the cp attention (on the instance, so recomputation
+    that wraps the core's ``forward`` afterwards checkpoints the cp attention)."""
+    if impl == "ring":
+        module.forward = lambda q, k, v: ring_attention(q, k, v, comm)
+    else:
+        core = module.forward
+        module.forward = lambda q, k, v: ulysses_attention(q, k, v, core, comm)
+
+
+def _positions_style(module: nn.Module, positions: torch.Tensor) -> None:
+    """A module taking position ids (``0..t-1`` of the local tokens) gets their global positions instead."""
+    module.register_forward_pre_hook(lambda _m, args: (positions.to(args[0].device)[args[0]], *args[1:]))
+
+
+def apply_context_parallel(model: nn.Module, plan: Mapping[str, str], comm: Comm, seq_len: int,
+                           impl: str = "ring") -> None:
+    """Make ``model`` compute on this cp rank's head-tail part of each ``seq_len`` sequence as if it had the
+    whole: ``plan`` maps module-name patterns to ``attention`` (a parameter-free core taking q, k, v) or
+    ``positions`` (a module taking position ids). Every pattern must match."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown cp implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    mesh = comm.mesh
+    positions = local_positions(seq_len, mesh.size(AXIS), mesh.rank(AXIS))
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(f"cp plan pattern {pattern!r} matches no module of the model")
+        for name in hits:
+            if style == "attention":
+                _attention_style(model.get_submodule(name), comm, impl)
+            elif style == "positions":
+                _positions_style(model.get_submodule(name), positions)
+            else:
+                raise ValueError(f"unknown cp plan style {style!r} for {pattern!r}; choose attention or positions")
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's tokens of ``[batch, seq]`` ids or targets (chunks ``rank`` and ``2·cp−1−rank``)."""
+    if cp == 1:
+        return x
+    return x.index_select(1, local_positions(x.shape[1], cp, rank).to(x.device))

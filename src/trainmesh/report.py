@@ -1,0 +1,243 @@
+"""``trainmesh report RUN_DIR``: one picture and a few lines of text from a run's ``metrics.jsonl``.
+
+The figure answers what a person asks of a run, one panel each: is the loss going down (train and eval),
+how fast is it (tokens/s, MFU), how much memory does each rank hold at its peak, and what does each mesh
+axis send per step. It reads only the run directory, so it works on a finished run, a crashed one, or a
+live one (the records written so far).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from trainmesh.metrics import METRICS_FILE, LossWindows
+
+REPORT_FILE = "report.png"
+MEMORY_KINDS = {"max_rss_bytes": "peak RSS", "peak_device_bytes": "peak device memory",
+                "model_state_bytes": "model state", "activation_bytes": "activations (1 micro-batch)"}
+TRAIN_COLOUR, EVAL_COLOUR, MFU_COLOUR = "#4c72b0", "#dd8452", "#55a868"
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on; the message says why."""
+
+
+@dataclass
+class History:
+    """The series a report draws, gathered from a run's records (one per step)."""
+
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    mfu: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)
+    memory: dict[str, list[int]] = field(default_factory=dict)  # kind -> per-rank peak over the run
+    comm: dict[str, dict[str, float]] = field(default_factory=dict)  # axis -> op -> mean bytes per step
+    restarts: list[int] = field(default_factory=list)  # the checkpoint step each restart resumed from
+
+    @classmethod
+    def of(cls, records: Sequence[dict[str, Any]]) -> "History":
+        h = cls()
+        comm_totals: dict[str, dict[str, float]] = {}
+        for r in records:
+            h.steps.append(r["step"])
+            h.loss.append(r["loss"])
+            h.tokens_per_s.append(r["tokens_per_s"])
+            if r.get("mfu") is not None:
+                h.mfu.append(r["mfu"])
+            if r.get("val_loss") is not None:
+                h.eval_steps.append(r["step"])
+                h.eval_loss.append(r["val_loss"])
+            if "restart" in r:
+                h.restarts.append(r["restart"]["from_step"])
+            for kind in MEMORY_KINDS:  # a run resumed at another world size has more or fewer ranks
+                h.memory[kind] = [max(a, b) for a, b in zip_longest(h.memory.get(kind, []), r.get(kind) or [],
+                                                                    fillvalue=0)]
+            for key, n in r.get("comm_bytes_by_op", {}).items():
+                axis, _, op = key.partition("/")
+                ops = comm_totals.setdefault(axis, {})
+                ops[op] = ops.get(op, 0.0) + n
+        h.memory = {kind: peaks for kind, peaks in h.memory.items() if any(peaks)}
+        h.comm = {axis: {op: n / len(records) for op, n in sorted(ops.items())} for axis, ops in sorted(comm_totals.items())}
+        return h
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Median tokens/s without the first step, which pays for warm-up (allocation, compilation)."""
+        return statistics.median(self.tokens_per_s[1:] or self.tokens_per_s)
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The whole records of ``run_dir/metrics.jsonl``, in step order; a torn last line (a killed run) is skipped."""
+    path = run_dir / METRICS_FILE
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir} is not a directory; give the run directory a training run wrote (--out)")
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ReportError(f"{run_dir} has no {METRICS_FILE}; give the run directory a training run wrote "
+                          f"(--out, default runs/<timestamp>)") from None
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and "loss" in record:
+            records.append(record)
+    if not records:
+        raise ReportError(f"{path} holds no step records yet; wait for the run's first step")
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _unit(n: float) -> tuple[float, str]:
+    """The binary unit that shows ``n`` bytes with one to four digits before the point."""
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return scale, name
+    return 1, "B"
+
+
+def _bytes(n: float) -> str:
+    scale, name = _unit(n)
+    return f"{n / scale:.1f} {name}" if scale > 1 else f"{n:.0f} B"
+
+
+def summary_text(h: History, run_dir: Path) -> str:
+    """What the figure shows, as lines to read in a terminal."""
+    windows = LossWindows.of(h.loss)
+    lines = [f"{run_dir}: steps {h.steps[0]}-{h.steps[-1]} ({len(h.steps)} records)",
+             f"  {windows.text()}"]
+    if h.eval_loss:
+        best = min(range(len(h.eval_loss)), key=h.eval_loss.__getitem__)
+        lines.append(f"  eval loss {h.eval_loss[-1]:.4f} at step {h.eval_steps[-1]} "
+                     f"(best {h.eval_loss[best]:.4f} at step {h.eval_steps[best]})")
+    mfu = f", MFU {statistics.median(h.mfu):.1%}" if h.mfu else ""
+    lines.append(f"  throughput {h.steady_tokens_per_s:,.0f} tok/s (median, first step left out){mfu}")
+    for kind, peaks in h.memory.items():
+        lines.append(f"  {MEMORY_KINDS[kind]} per rank: " + ", ".join(_bytes(n) for n in peaks))
+    for axis, ops in h.comm.items():
+        detail = ", ".join(f"{op} {_bytes(n)}" for op, n in ops.items())
+        lines.append(f"  {axis} sends {_bytes(sum(ops.values()))} per rank per step ({detail})")
+    if not h.comm:
+        lines.append("  no communication (one rank)")
+    if h.restarts:
+        lines.append("  resumed from the checkpoint of step " + ", ".join(map(str, h.restarts)))
+    return "\n".join(lines)
+
+
+def _moving_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start), to see a trend through step noise."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _draw_loss(ax: Any, h: History) -> None:
+    window = max(1, len(h.loss) // 20)
+    ax.plot(h.steps, h.loss, color=TRAIN_COLOUR, alpha=0.3, linewidth=1)
+    ax.plot(h.steps, _moving_mean(h.loss, window), color=TRAIN_COLOUR, linewidth=2,
+            label="train" if window == 1 else f"train (mean of {window} steps)")
+    if h.eval_loss:
+        ax.plot(h.eval_steps, h.eval_loss, "o-", color=EVAL_COLOUR, linewidth=2, label="eval")
+    for step in h.restarts:
+        ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+    ax.set(title="loss", xlabel="step", ylabel="cross-entropy")
+    ax.legend(frameon=False)
+
+
+def _draw_throughput(ax: Any, h: History) -> None:
+    window = max(1, len(h.tokens_per_s) // 20)
+    ax.plot(h.steps, h.tokens_per_s, color=TRAIN_COLOUR, alpha=0.3, linewidth=1)
+    ax.plot(h.steps, _moving_mean(h.tokens_per_s, window), color=TRAIN_COLOUR, linewidth=2)
+    ax.set(title=f"throughput: {h.steady_tokens_per_s:,.0f} tokens/s (median)", xlabel="step", ylabel="tokens/s")
+    ax.set_ylim(bottom=0, top=1.15 * max(h.tokens_per_s[1:] or h.tokens_per_s))
+    ax.yaxis.set_major_formatter("{x:,.0f}")
+    if h.mfu:
+        mfu_ax = ax.twinx()
+        mfu_ax.plot(h.steps[-len(h.mfu):], [100 * m for m in h.mfu], color=MFU_COLOUR, linewidth=1)
+        mfu_ax.set_ylabel("MFU %", color=MFU_COLOUR)
+        mfu_ax.set_ylim(bottom=0)
+
+
+def _draw_memory(ax: Any, h: History) -> None:
+    """Grouped bars on a log scale: a process's RSS can be a hundred times its model state, and both matter."""
+    ranks = max((len(p) for p in h.memory.values()), default=0)
+    scale, unit = _unit(max((max(p) for p in h.memory.values()), default=0))
+    width = 0.8 / max(1, len(h.memory))
+    for k, (kind, peaks) in enumerate(h.memory.items()):
+        xs = [r + (k - (len(h.memory) - 1) / 2) * width for r in range(len(peaks))]
+        bars = ax.bar(xs, [n / scale for n in peaks], width, label=MEMORY_KINDS[kind])
+        if ranks <= 8:
+            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
+    ax.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.set_yscale("log")
+    ax.set(title="peak memory per rank", ylabel=f"{unit} (log scale)")
+    ax.set_ylim(top=ax.get_ylim()[1] * 30)  # room for the labels and the legend above the tallest bar
+    ax.legend(frameon=False, fontsize=8, loc="upper center", ncols=2)
+
+
+def _draw_comm(ax: Any, h: History) -> None:
+    ax.set_title("communication per rank per step, by mesh axis")
+    if not h.comm:
+        ax.text(0.5, 0.5, "no communication (one rank)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    scale, unit = _unit(max(sum(ops.values()) for ops in h.comm.values()))
+    axes = list(h.comm)
+    left = [0.0] * len(axes)
+    for op in sorted({op for ops in h.comm.values() for op in ops}):
+        widths = [h.comm[axis].get(op, 0.0) / scale for axis in axes]
+        ax.barh(axes, widths, height=0.5, left=left, label=op)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.2f} {unit}", va="center", fontsize=8)
+    ax.set_xlim(right=1.25 * max(left))
+    ax.set_ylim(-1, len(axes))
+    ax.set(xlabel=f"{unit} sent per rank per step (ring volumes)")
+    ax.legend(frameon=False, fontsize=8, loc="lower right")
+
+
+def draw_report(h: History, path: Path, title: str) -> Path:
+    """Draw the four panels (loss, throughput, memory, communication) into one PNG at ``path``."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ReportError("trainmesh report draws with matplotlib: pip install 'trainmesh[watch]'") from None
+    figure = Figure(figsize=(13, 8.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    (loss, speed), (memory, comm) = figure.subplots(2, 2)
+    _draw_loss(loss, h)
+    _draw_throughput(speed, h)
+    _draw_memory(memory, h)
+    _draw_comm(comm, h)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def _title(run_dir: Path, h: History) -> str:
+    """The run directory, and the model and layout if ``summary.json`` (written at the end) says them."""
+    try:
+        cfg = json.loads((run_dir / "summary.json").read_text())["config"]
+        layout = f" — {cfg['model']}, dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} zero={cfg['zero']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        layout = ""
+    return f"{run_dir.resolve().name}{layout}, steps {h.steps[0]}-{h.steps[-1]}"
+
+
+def report(run_dir: Path) -> str:
+    """Write ``run_dir/report.png``; return the text summary and where the picture is."""
+    h = History.of(read_records(run_dir))
+    path = draw_report(h, run_dir / REPORT_FILE, _title(run_dir, h))
+    return f"{summary_text(h, run_dir)}\n  figure: {path}"
