@@ -238,6 +238,13 @@ MANIFEST_DAMAGE = {
                     "dtype \"int64\" is not one of"),
     "nan loss scale": (lambda m: m["loss_scaler"].__setitem__("scale", float("nan")), "loss_scaler.scale is NaN"),
     "pieces that leave a gap": (lambda m: _first_piece(m)["sizes"].__setitem__(0, 1), "do not add up"),
+    "unknown tokenizer kind": (lambda m: m.__setitem__("tokenizer", {"kind": "sentencepiece"}),
+                               "tokenizer.kind is \"sentencepiece\"; it must be one of bytes, file"),
+    "tokenizer without its hash": (lambda m: m.__setitem__("tokenizer", {"kind": "file", "path": "tok.json"}),
+                                   "tokenizer has keys missing [\"sha256\"]"),
+    "tokenizer path over two lines": (lambda m: m.__setitem__("tokenizer", {"kind": "file", "path": "a\nb",
+                                                                            "sha256": "0" * 64}),
+                                      "tokenizer.path is \"a\\nb\""),
 }
 
 

@@ -15,7 +15,9 @@ file per rank and ``manifest.json``. Every tensor of the training state has a *g
 For each tensor the manifest lists the pieces it was saved in: a box of the global tensor (offsets and
 sizes per dimension, as in DCP's ``ChunkStorageMetadata``), the file and the key holding it. The step
 (which fixes the data position, since batches are a function of ``(seed, step)``, and the learning rate),
-the loss scale, the non-finite step counters, the config and every file's SHA-256 and length go there too.
+the loss scale, the non-finite step counters, the config, the tokenizer (byte tokens, or a tokenizer file's
+path and SHA-256, so that generation decodes with the same one) and every file's SHA-256 and length go there
+too.
 
 Geometry. Each parallel form says where its local tensors lie: tensor parallelism gives the boxes of the
 full tensor its shard holds (:func:`trainmesh.tensor_parallel.shard_boxes`; three row blocks for a fused
@@ -87,6 +89,7 @@ from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
                                replace_durably, sha256_hex, write_durably)
 from trainmesh.tensor_parallel import shard_boxes
+from trainmesh.tokenizer import tokenizer_record
 
 if TYPE_CHECKING:
     from trainmesh.run import Run
@@ -379,6 +382,7 @@ def _manifest(run: Run, progress: TrainingProgress, plans: list[list[dict]], wri
         "loss_scaler": {"scale": scaler.scale, "clean_steps": scaler.clean_steps,
                         "skipped_steps": scaler.skipped_steps},
         "model": dataclasses.asdict(cfg.model_config), "config": dataclasses.asdict(cfg),
+        "tokenizer": tokenizer_record(cfg.tokenizer),
         "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero},
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
@@ -421,8 +425,8 @@ def save(run: Run, progress: TrainingProgress) -> Path:
         ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
         files = _on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
                                f"writing the shards of {final}")
-        manifest = _manifest(run, progress, plans, writers, files) if rank == 0 else {}
-        _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, device, f"publishing {final}")
+        _on_every_rank(lambda: _publish(tmp, final, _manifest(run, progress, plans, writers, files)) if rank == 0
+                       else None, device, f"publishing {final}")
     except CheckpointError as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

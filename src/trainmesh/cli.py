@@ -21,6 +21,7 @@ from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export
 from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
                               validate)
 from trainmesh.data import DataError, TokenData
+from trainmesh.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.metrics import MetricsError
 from trainmesh.report import ReportError
@@ -70,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                                         "summary. Works on a finished, crashed or running run.")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --out directory")
     _add_data_parsers(sub)
+    _add_generate_parser(sub)
     return parser
 
 
@@ -129,6 +131,37 @@ def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
             raise ConfigError(f"{flag} {value}: must be {want}")
     prepare(PrepareOptions(tuple(args.input), args.tokenizer, args.out, args.workers, args.shard_tokens,
                            args.val_fraction))
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="continue a prompt with the model of a checkpoint",
+                         description="Load a checkpoint saved in any layout into one process and continue a "
+                                     "prompt with its model (KV-cached decoding), in the run's tokenizer. The "
+                                     "text goes to stdout; what was loaded and the speed to stderr.")
+    gen.add_argument("--checkpoint-dir", required=True, metavar="DIR",
+                     help="a training run's --checkpoint-dir (its latest checkpoint), or one step-N directory")
+    gen.add_argument("--step", type=int, help="use the checkpoint of this step (default: the latest)")
+    gen.add_argument("--prompt", required=True, help="the text to continue; a prompt longer than the model's "
+                     "seq_len keeps its last seq_len tokens")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="divide the logits by this before sampling; 0: greedy (default: 0.8)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample among the k most likely tokens only (default: 0, all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample among the fewest most likely tokens "
+                     "whose probability reaches p only (nucleus sampling; default: 1, all)")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling; the same seed gives the same "
+                     "text (default: 0)")
+    gen.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use; refused unless it is the file "
+                     "the run trained with (default: the one the checkpoint records)")
+    gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="auto picks cuda when present (default: auto)")
+
+
+def _generate(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    print(args.prompt + generate_text(args.checkpoint_dir, args.prompt, args.max_new_tokens, sampling, args.step,
+                                      args.tokenizer, args.device))
     return 0
 
 
@@ -352,10 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export,
-                    "report": _report, "tokenizer": _tokenizer, "prepare": _prepare}
+                    "report": _report, "tokenizer": _tokenizer, "prepare": _prepare, "generate": _generate}
         return commands[args.command](args, argv)
     except (ConfigError, DataError, TokenizerError, CheckpointError, runlock.DirectoryInUse, MetricsError,
-            ReportError) as e:
+            ReportError, GenerateError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2
 

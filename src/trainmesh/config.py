@@ -62,7 +62,7 @@ class Config:
                      "or a directory of token shards written by 'trainmesh prepare' (memory-mapped)")
     tokenizer: str = _opt("", "tokenizer.json (Hugging Face) for text data; the model's vocabulary follows it, "
                           "padded to a multiple of 64*tp (default: bytes, the preset's vocabulary; prepared "
-                          "data carries its own, and a --tokenizer given with it must be the same one)")
+                          "data carries its own, and a --tokenizer given with it must be the same one); checkpoints record it and its SHA-256")
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
     seq_len: int = _opt(0, "tokens per sequence, overriding the preset's (a learned position table is sized to "
                         "it); 0: the preset's", low=AT_LEAST_0)

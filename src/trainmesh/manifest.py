@@ -36,6 +36,9 @@ MAX_DIMS = 8
 MAX_INT = 2**62
 KEYS = {"format", "version", "step", "progress", "loss_scaler", "model", "config", "layout", "run", "tensors",
         "files", "sha256"}
+OPTIONAL_KEYS = {"tokenizer"}  # absent in checkpoints written before it was recorded, which all used byte tokens
+TOKENIZER_KEYS = {"bytes": ("kind",), "file": ("kind", "path", "sha256")}
+TOKENIZER_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,4096}")
 PROGRESS_KEYS = ("step", "skipped_steps", "bad_steps_in_a_row")
 SCALER_KEYS = ("scale", "clean_steps", "skipped_steps")
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "zero")
@@ -58,11 +61,12 @@ def _int(value: Any, where: str, low: int = 0, high: int = MAX_INT) -> int:
     return value
 
 
-def _dict(value: Any, where: str, keys: set[str] | tuple[str, ...] | None = None) -> dict:
+def _dict(value: Any, where: str, keys: set[str] | tuple[str, ...] | None = None,
+          optional: set[str] | tuple[str, ...] = ()) -> dict:
     if not isinstance(value, dict):
         raise ManifestError(f"{where} is {show(value)}; it must be an object")
-    if keys is not None and set(value) != set(keys):
-        missing, extra = sorted(set(keys) - set(value)), sorted(set(value) - set(keys))
+    if keys is not None and not set(keys) <= set(value) <= set(keys) | set(optional):
+        missing, extra = sorted(set(keys) - set(value)), sorted(set(value) - set(keys) - set(optional))
         raise ManifestError(f"{where} has keys missing {show(missing)} or unexpected {show(extra)}")
     return value
 
@@ -90,12 +94,14 @@ def check_manifest(manifest: Any, step_name: str) -> None:
     checkpoint directory named ``step_name``; afterwards every value the reader uses has the type and
     range it expects. Linear in the manifest. Whether the pieces tile their tensors is
     :func:`check_tiling`'s question, asked once the files are known to have the sizes listed here."""
-    m = _dict(manifest, "the manifest", KEYS)
+    m = _dict(manifest, "the manifest", KEYS, OPTIONAL_KEYS)
     step = _int(m["step"], "step")
     if step_name != f"step-{step:08d}":
         raise ManifestError(f"step {step} is not the step of its directory {step_name}; it was moved or edited")
     _check_progress(m, step)
     _check_scalars(m)
+    if "tokenizer" in m:
+        _check_tokenizer(m["tokenizer"])
     files = _check_files(_dict(m["files"], "files"))
     _check_tensors(_dict(m["tensors"], "tensors"), files)
 
@@ -149,6 +155,17 @@ def _check_scalars(m: dict) -> None:
     odd = [k for k, v in config.items() if not isinstance(v, (str, int, float, bool, type(None)))]
     if odd:
         raise ManifestError(f"config.{show(odd[0])} is not a plain value")
+
+
+def _check_tokenizer(record: Any) -> None:
+    """``{"kind": "bytes"}``, or ``{"kind": "file"}`` with the tokenizer file's path and SHA-256."""
+    kind = _dict(record, "tokenizer").get("kind")
+    if kind not in TOKENIZER_KEYS:
+        raise ManifestError(f"tokenizer.kind is {show(kind)}; it must be one of {', '.join(TOKENIZER_KEYS)}")
+    _dict(record, "tokenizer", TOKENIZER_KEYS[kind])
+    if kind == "file":
+        _text(record["path"], "tokenizer.path", TOKENIZER_PATH)
+        _text(record["sha256"], "tokenizer.sha256", HEX64)
 
 
 def _check_files(files: dict) -> dict[str, int]:

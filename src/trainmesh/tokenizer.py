@@ -156,5 +156,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> HFTokenizer:
     return HFTokenizer(str(out))
 
 
+def tokenizer_record(path: str) -> dict[str, str]:
+    """What a checkpoint records of the tokenizer ``path`` (``""``: byte tokens), so that generation decodes
+    with the same one: the file's absolute path, for finding it again, and its SHA-256, for knowing it."""
+    if not path:
+        return {"kind": "bytes"}
+    return {"kind": "file", "path": str(Path(path).resolve()), "sha256": tokenizer_sha256(path)}
+
+
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer", "padded_vocab",
-           "tokenizer_sha256", "tokenizer_vocab_size", "train_bpe"]
+           "tokenizer_record", "tokenizer_sha256", "tokenizer_vocab_size", "train_bpe"]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.models.cache import KVCache, LayerCache, causal_attention
 from trainmesh.models.spec import HFIncompatible, HFMapping, stage_forward
 
 
@@ -62,7 +63,7 @@ class AttentionCore(nn.Module):
     activation recomputation (Korthikanti et al., 2022, §5) can recompute exactly this part."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return causal_attention(q, k, v)
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,13 +76,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         # Shapes come from qkv's output: under sequence parallelism x holds a slice of the sequence and
         # the tensor-parallel qkv gathers the whole of it.
         b, t, _ = qkv.shape
         q, k, v = qkv.chunk(3, dim=-1)
         q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            k, v = cache.extend(k, v)
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -104,8 +107,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 
@@ -117,8 +120,9 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Embed tokens at positions ``start, start + 1, ...`` (``start`` > 0 when a cache holds the earlier ones)."""
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
         return self.tok(idx) + self.pos(positions)
 
 
@@ -156,8 +160,8 @@ class GPT(nn.Module):
                 std = residual_std if name.endswith("proj.weight") else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return stage_forward(self, x)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return stage_forward(self, x, cache)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.models.cache import KVCache, LayerCache, causal_attention
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
@@ -150,7 +151,7 @@ class AttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return causal_attention(q, k, v)
 
 
 class Attention(nn.Module):
@@ -162,14 +163,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         b, t, _ = qkv.shape  # the whole sequence even when x is a sequence-parallel slice
         groups = qkv.view(b, t, -1, self.group + 2, self.head_dim)
         q = groups[..., : self.group, :].reshape(b, t, -1, self.head_dim).transpose(1, 2)
         k, v = (groups[..., i, :].transpose(1, 2) for i in (self.group, self.group + 1))
-        cos, sin = self.rope(torch.arange(t, device=q.device), q.dtype)
-        y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rope(torch.arange(start, start + t, device=q.device), q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -194,9 +199,17 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class TokenEmbedding(nn.Embedding):
+    """Token ids to vectors. Positions enter attention by rotation, so the ``start`` position that the stage
+    contract hands every embedding when decoding with a cache changes nothing here."""
+
+    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return super().forward(ids)
 
 
 class Llama(nn.Module):
@@ -205,7 +218,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed: nn.Module | None = TokenEmbedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -226,8 +239,8 @@ class Llama(nn.Module):
                 std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return stage_forward(self, x)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return stage_forward(self, x, cache)
 
 
 TP_PLAN: dict[str, str] = {

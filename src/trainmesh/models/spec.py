@@ -8,7 +8,9 @@ its recompute targets to ``recompute.apply_recompute``, so adding an architectur
 
 Every model a spec builds keeps the stage contract of :class:`trainmesh.models.gpt.GPT` that the pipeline
 relies on: top-level ``embed``, ``blocks`` (an ``nn.ModuleDict`` keyed by layer index), ``ln_f`` and
-``head``, any of ``embed``/``ln_f``/``head`` possibly ``None`` on a stage.
+``head``, any of ``embed``/``ln_f``/``head`` possibly ``None`` on a stage. For decoding with a
+:class:`~trainmesh.models.cache.KVCache`, ``embed`` also takes the position its tokens start at and each
+block the :class:`~trainmesh.models.cache.LayerCache` of its attention.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh.models.cache import KVCache
 
-def stage_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+
+def stage_forward(model: nn.Module, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
     """``embed -> blocks -> ln_f -> head``, skipping whatever this pipeline stage does not hold: a stage
-    without ``embed`` takes hidden states, one without ``head`` returns them."""
+    without ``embed`` takes hidden states, one without ``head`` returns them.
+
+    With a ``cache`` (decoding), ``x`` holds the tokens after the ``cache.length`` positions already
+    cached: the embedding is told where they start and each block reads and extends its layer's cache.
+    Without one, every module is called exactly as in training."""
     if model.embed is not None:
-        x = model.embed(x)
-    for block in model.blocks.values():
-        x = block(x)
+        x = model.embed(x) if cache is None else model.embed(x, cache.length)
+    for name, block in model.blocks.items():
+        x = block(x) if cache is None else block(x, cache.layers[name])
     if model.ln_f is not None:
         x = model.ln_f(x)
     if model.head is not None:

@@ -1,0 +1,64 @@
+"""A key/value cache for autoregressive decoding, and the causal attention that reads it.
+
+Decoding one token at a time would otherwise recompute every earlier position's keys and values at each
+step; with the cache a step runs the model on the new tokens only and their queries attend over the keys
+and values stored so far (Pope et al., 2022, "Efficiently Scaling Transformer Inference", §2). The model
+stays a plain module: ``forward(x, cache)`` with ``cache=None`` (training) is the uncached path, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LayerCache:
+    """One attention layer's keys and values (``[batch, kv_heads, position, head_dim]``) for the first
+    ``length`` positions, in buffers of ``max_len`` positions allocated on the first write."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' ``k`` and ``v``; returns the keys and values of every position so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} positions and {end} were asked for; start a new "
+                             f"cache with a shorter context")
+        if self._k is None:
+            self._k = k.new_empty(*k.shape[:2], self.max_len, k.shape[3])
+            self._v = v.new_empty(*v.shape[:2], self.max_len, v.shape[3])
+        self._k[:, :, self.length:end] = k
+        self._v[:, :, self.length:end] = v
+        self.length = end
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+
+class KVCache:
+    """A :class:`LayerCache` per block of a model (keyed like ``model.blocks``); ``length`` is the number
+    of positions already decoded, so the next tokens' positions start there."""
+
+    def __init__(self, model: nn.Module, max_len: int) -> None:
+        self.layers = {name: LayerCache(max_len) for name in model.blocks}
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.layers.values())).length
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention where the queries are the *last* ``q.shape[2]`` of the key positions.
+
+    Training passes equal lengths and takes SDPA's ``is_causal`` path. With a cache the keys also cover
+    earlier positions; SDPA's ``is_causal`` would then align the mask to the top left, so the query at
+    offset ``i`` gets an explicit mask admitting keys up to ``k_len - q_len + i``.
+    """
+    q_len, k_len = q.shape[2], k.shape[2]
+    if q_len == k_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
