@@ -131,6 +131,7 @@ def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
             raise ConfigError(f"{flag} {value}: must be {want}")
     prepare(PrepareOptions(tuple(args.input), args.tokenizer, args.out, args.workers, args.shard_tokens,
                            args.val_fraction))
+    return 0
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
