@@ -1,0 +1,358 @@
+"""The public API: parallel forms applied to any ``nn.Module`` by plain function calls, the CLI one user of it.
+
+Shaped like torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``::
+
+    mesh = tm.init_mesh(dp=2, tp=2)                               # torchrun's or trainmesh launch's env
+    model = tm.parallelize(LlamaForCausalLM(cfg), mesh, tp_plan=tm.plans.llama, zero=1)
+    opt = tm.optimizer(model, lr=3e-4)                            # sharded AdamW where ZeRO is on
+    loss = tm.train_step(model, opt, (inputs, targets))           # the global batch; each dp rank its slice
+
+:func:`parallelize` is the one place the forms are composed, in the order that makes each apply to what it
+expects: tensor parallelism by a plan of module-name patterns (it shards the full weights it finds), then
+recomputation of named block classes (wrapping the forwards of the modules TP left in place), then the
+pipeline cut (whole blocks per stage), and, in :func:`optimizer`, data parallelism or ZeRO over what this
+rank holds. A model trainmesh did not write joins by its :class:`~trainmesh.models.spec.StageLayout`, given
+or taken from its registered family's spec (:mod:`trainmesh.models`), which presents it in the stage
+contract without renaming a parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.data_parallel import DataParallel
+from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env
+from trainmesh.models import spec_for
+from trainmesh.models.gpt import cross_entropy
+from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
+from trainmesh.optim import param_groups
+from trainmesh.pipeline.partition import partition_model, split_model
+from trainmesh.pipeline.runtime import PipelineRuntime
+from trainmesh.pipeline.schedules import SCHEDULES
+from trainmesh.precision import DTYPES, LossScaler, dtype_of
+from trainmesh.recompute import MODES, Target, apply_recompute, recompute_modules
+from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
+from trainmesh.tensor_parallel import unsharded_state_dict
+from trainmesh import zero
+
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, device: str = "auto", backend: str = "auto",
+              timeout: float = 600.0) -> Mesh:
+    """Join the job this process was started in and return its ``pp x dp x tp`` mesh.
+
+    The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
+    without any); ``dp`` defaults to what ``tp`` and ``pp`` leave of it. ``device="auto"`` takes this
+    rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
+    ``timeout`` bounds every collective, in seconds.
+    """
+    world = world_env().world_size
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"tp={tp} x pp={pp} does not divide the world of {world} process(es); choose tp and pp "
+                         f"whose product divides {world}")
+    dp = world // (tp * pp) if dp is None else dp
+    if dp * tp * pp != world:
+        raise ValueError(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp}, but this job has {world} process(es); "
+                         f"start {dp * tp * pp} (trainmesh launch --nproc {dp * tp * pp}, or torchrun "
+                         f"--nproc-per-node {dp * tp * pp}) or change the sizes")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
+    dev = pick_device(device)
+    init_distributed(pick_backend(backend, dev), dev, timeout)
+    return Mesh.build(pp, dp, tp, dev, timeout)
+
+
+@dataclass(eq=False)
+class ParallelModel:
+    """What :func:`parallelize` returns: this rank's part of the model and how to run it.
+
+    ``module`` is that part (tensor-parallel shards, this pipeline stage's blocks), under the plain
+    model's parameter names; call the :class:`ParallelModel` for logits (a pipeline has no single
+    forward: use :func:`train_step`). ``criterion`` is the loss the layout needs (the vocabulary-parallel
+    cross-entropy when the plan splits the output head). ``engine`` is set by :func:`optimizer`.
+    """
+
+    module: nn.Module
+    mesh: Mesh
+    comm: Comm
+    criterion: Criterion
+    vocab_parallel: bool
+    zero: int
+    precision: str
+    microbatches: int
+    reduce_dtype: str = "auto"
+    bucket_mb: float = 25.0
+    pipeline: PipelineRuntime | None = None
+    engine: object | None = field(default=None, repr=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline-parallel model has no single forward on one rank; train it with "
+                               "trainmesh.train_step")
+        return self.module(x)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded parameters under the plain model's names, on every rank (a collective)."""
+        return full_state_dict(self)
+
+
+def _checked(value, allowed: Sequence, what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _keeps_contract(model: nn.Module) -> bool:
+    return all(hasattr(model, part) for part in CONTRACT) and isinstance(getattr(model, "blocks"), nn.ModuleDict)
+
+
+def _staged(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> nn.Module:
+    """The model in the stage contract: as it is if it keeps it, else :class:`Staged` by ``pipeline`` or by its
+    family's layout; a plain model that needs no pipeline stays as it is."""
+    layout = pipeline or (spec.layout(model) if spec is not None and spec.layout is not None else None)
+    if layout is None or (pipeline is None and _keeps_contract(model)):
+        return model
+    staged = Staged(model, layout)
+    if spec is not None:
+        spec.prepare(staged)
+    return staged
+
+
+def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dict | None, pipeline: StageLayout | None,
+              zero_stage: int, precision: str, recompute, schedule: str, microbatches: int, virtual_stages: int,
+              sequence_parallel: bool) -> None:
+    """Every setting that cannot run, as one line with the fix, before any weight is touched."""
+    tp, pp = mesh.size("tp"), mesh.size("pp")
+    _checked(zero_stage, (0, 1, 2, 3), "zero")
+    _checked(precision, tuple(DTYPES), "precision")
+    _checked(schedule, tuple(SCHEDULES), "schedule")
+    if isinstance(recompute, str):
+        _checked(recompute, MODES, "recompute")
+        if recompute != "none" and spec is None:
+            raise ValueError(f"recompute={recompute!r} needs the model's family to name its blocks; pass the "
+                             f"block classes instead, e.g. recompute=(MyBlock,)")
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches}; it must be at least 1")
+    if tp > 1 and tp_plan is None:
+        raise ValueError(f"tp={tp} needs a tp_plan (module-name patterns -> styles, e.g. tm.plans.llama) for "
+                         f"{type(model).__name__}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel splits the sequence over tensor-parallel ranks; use a mesh with tp > 1")
+    if pp > 1 and pipeline is None and not _keeps_contract(model) and (spec is None or spec.layout is None):
+        raise ValueError(f"pp={pp} needs to know where {type(model).__name__} keeps its blocks; pass "
+                         f"pipeline=tm.StageLayout(blocks='layers', pre='embed', post=('norm', 'head'))")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"schedule='interleaved' needs microbatches ({microbatches}) to be a multiple of pp={pp}")
+    if spec is not None:
+        problem = spec.shape(spec.config_of(model)).split_error(tp, pp, type(model).__name__)
+        if problem:
+            raise ValueError(problem)
+
+
+def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None = None,
+                sequence_parallel: bool = False, zero: int = 0, recompute: str | tuple[Target, ...] = "none",
+                pipeline: StageLayout | None = None, schedule: str = "1f1b", microbatches: int = 1,
+                virtual_stages: int = 1, stage_layers: Sequence[int] = (), precision: str = "fp32",
+                reduce_dtype: str = "auto", bucket_mb: float = 25.0, compile: bool = False,
+                comm: Comm | None = None) -> ParallelModel:
+    """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
+
+    Every rank must pass the same model (built from the same seed, or loaded from the same weights).
+    ``tp_plan``: module-name patterns -> :data:`trainmesh.tensor_parallel.STYLES` (default: the model
+    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism).
+    ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
+    ``pipeline``: where the blocks and the modules before and after them are (default: the family's
+    layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
+    ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
+    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
+    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block.
+    """
+    spec = spec_for(model)
+    plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
+    _validate(model, mesh, spec, plan, pipeline, zero, precision, recompute, schedule, microbatches, virtual_stages,
+              sequence_parallel)
+    comm = comm or Comm(mesh)
+    model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
+    criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
+    if isinstance(recompute, str):
+        apply_recompute(model, recompute, spec.recompute if spec is not None else {})
+    else:
+        recompute_modules(model, tuple(recompute))
+    if compile:
+        for block in model.blocks.values():
+            block.compile()
+    runtime = None
+    if mesh.size("pp") > 1:
+        model, runtime = _cut_pipeline(model, comm, schedule, microbatches, virtual_stages, stage_layers, precision,
+                                       sequence_parallel)
+    return ParallelModel(model, mesh, comm, criterion or cross_entropy, criterion is not None, zero, precision,
+                         microbatches, reduce_dtype, bucket_mb, runtime)
+
+
+def _hidden_size(model: nn.Module) -> int:
+    layout = getattr(model, "layout", None)
+    if isinstance(layout, StageLayout) and layout.hidden_size:
+        return layout.hidden_size
+    if hasattr(model, "cfg") and hasattr(model.cfg, "d_model"):
+        return model.cfg.d_model
+    raise ValueError(f"a pipeline passes [batch, seq, hidden] activations between stages; give "
+                     f"StageLayout(hidden_size=...) for {type(model).__name__}")
+
+
+def _cut_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: int, virtual_stages: int,
+                  stage_layers: Sequence[int], precision: str, sequence_parallel: bool
+                  ) -> tuple[nn.Module, PipelineRuntime]:
+    """Cut ``model`` to this rank's stage(s) and build the runtime that runs ``schedule`` over them."""
+    mesh = comm.mesh
+    n_ranks = mesh.size("pp")
+    hidden = _hidden_size(model)
+    layers = partition_model(model, n_ranks * virtual_stages, tuple(stage_layers))
+    part, chunks = split_model(model, layers, mesh.rank("pp"), n_ranks, virtual_stages)
+    runtime = PipelineRuntime(chunks, comm, schedule, microbatches, virtual_stages, hidden, dtype_of(precision),
+                              seq_shards=mesh.size("tp") if sequence_parallel else 1)
+    return part, runtime
+
+
+def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """ZeRO-3's units for a :class:`Staged` model, in forward order: the embedding, each block, the final
+    norm, the head (the default, one unit per top-level child, would make the whole body one unit)."""
+    if not isinstance(module, Staged):
+        return None
+    paths = module._paths
+    units = [(paths["embed"], module.embed)] if module.embed is not None else []
+    units += [(f"{paths['blocks']}.{k}", block) for k, block in module.blocks.items()]
+    units += [(paths[p], getattr(module, p)) for p in ("ln_f", "head") if getattr(module, p) is not None]
+    return [(name, m) for name, m in units if any(p.requires_grad for p in m.parameters())]
+
+
+@dataclass(eq=False)
+class Optimizer:
+    """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO).
+
+    ``lr`` is the learning rate the next :func:`train_step` uses (set it each step for a schedule);
+    ``grad_norm`` is the last step's global gradient norm before clipping.
+    """
+
+    engine: object
+    lr: float
+    grad_norm: float = math.nan
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+
+def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
+              weight_decay: float = 0.1, eps: float = 1e-8) -> Optimizer:
+    """AdamW for ``model`` (weight decay on matrices only, not on biases and norm gains), with the gradient
+    synchronisation of its layout: bucketed all-reduce over dp, or ZeRO stage ``model.zero``, whose
+    optimizer state (and gradients, and parameters) are sharded over dp. Call once, before training."""
+    if model.engine is not None:
+        raise RuntimeError("this model already has an optimizer; call trainmesh.optimizer once per model")
+    model.engine = _build_engine(model, lr, betas, weight_decay, eps)
+    return Optimizer(model.engine, lr)
+
+
+def _build_engine(model: ParallelModel, lr: float, betas: tuple[float, float], weight_decay: float, eps: float):
+    import dataclasses
+
+    from trainmesh.config import Config
+    from trainmesh.optim import build_adamw
+
+    cfg = dataclasses.replace(Config(), zero=model.zero, precision=model.precision, reduce_dtype=model.reduce_dtype,
+                              bucket_mb=model.bucket_mb, lr=lr, beta1=betas[0], beta2=betas[1],
+                              weight_decay=weight_decay)
+    if model.zero == 3:
+        return zero.ZeroStage3(model.module, model.comm, cfg, units=_zero3_units(model.module))
+    if model.zero:
+        return zero.build_engine(model.module, model.comm, cfg)
+    return DataParallel(model.module, model.comm, lambda named: build_adamw(named, cfg, model.mesh.device),
+                        bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
+                        scaler=LossScaler(enabled=model.precision == "fp16"))
+
+
+def forward_backward(model: ParallelModel, micro_batches: MicroBatches, criterion: Criterion,
+                     saved=None) -> torch.Tensor:
+    """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
+    returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
+    records the activation bytes of the first micro-batch's forward."""
+    engine = model.engine
+    if model.pipeline is not None:
+        return model.pipeline.forward_backward(micro_batches, criterion, engine, saved)
+    total = torch.zeros((), dtype=torch.float64, device=model.mesh.device)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else engine.no_sync():
+            with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
+                loss = criterion(model.module(x), y) / len(micro_batches)
+            (loss * engine.loss_scale).backward()
+        total += loss.detach()
+    return total
+
+
+def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
+    """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
+    pipeline stage computes (the other stages pass zero): the value one process computes."""
+    total = log_all_reduce(value.detach().double().reshape(1).clone())
+    return total.item() / (mesh.size("dp") * mesh.size("tp"))
+
+
+def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatches: int) -> MicroBatches:
+    """This dp rank's micro-batches of a global batch ``(inputs, targets)``, on the mesh's device."""
+    x, y = batch
+    dp = mesh.size("dp")
+    if x.shape[0] % (dp * microbatches):
+        raise ValueError(f"a global batch of {x.shape[0]} sequences does not split into dp={dp} x "
+                         f"microbatches={microbatches}; use a multiple of {dp * microbatches}")
+    x, y = (t.chunk(dp)[mesh.rank("dp")].to(mesh.device) for t in (x, y))
+    return list(zip(x.chunk(microbatches), y.chunk(microbatches)))
+
+
+def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+               loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0) -> float:
+    """One optimizer step on the global ``batch`` = ``(inputs, targets)``, the same tensors on every rank:
+    each dp rank takes its slice, split into ``microbatches`` (gradient accumulation; default: the
+    model's), the gradient is clipped to global norm ``max_norm`` (0: no clipping) and AdamW steps at
+    ``opt.lr``. Returns the mean loss over the global batch, the number one process would compute.
+
+    ``loss_fn(logits, targets)`` defaults to next-token cross-entropy (vocabulary-parallel where the plan
+    splits the head, whose logits no other loss could read).
+    """
+    if opt.engine is not model.engine:
+        raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    if loss_fn is not None and model.vocab_parallel:
+        raise ValueError("the tp plan splits the output head by vocabulary, so each rank holds a slice of the "
+                         "logits; use the default loss (loss_fn=None) or give the head another style")
+    m = microbatches or model.microbatches
+    if model.pipeline is not None and m != model.microbatches:
+        raise ValueError(f"the pipeline schedule was built for {model.microbatches} micro-batches; pass "
+                         f"microbatches={m} to parallelize instead")
+    loss = forward_backward(model, rank_slice(model.mesh, batch, m), loss_fn or model.criterion)
+    opt.grad_norm = model.engine.step(opt.lr, max_norm)
+    return global_mean(model.mesh, loss)
+
+
+def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor]:
+    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective).
+
+    This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
+    Forms that shard parameters assemble the full tensors here.
+    """
+    from trainmesh.pipeline.partition import gather_stages
+
+    engine = model.engine
+    gathered = engine.gathered() if isinstance(engine, zero.ZeroStage3) else contextlib.nullcontext()
+    with gathered:
+        state = {k: v.detach().clone() for k, v in unsharded_state_dict(model.module).items()}
+    return gather_stages(state, model.comm) if model.pipeline is not None else state
