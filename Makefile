@@ -43,7 +43,7 @@ bench-pp: setup
 	$(BIN)/trainmesh bench pp --nproc 2 --pp 2 --model small --global-batch 16 --microbatches 8
 
 bench-plan: setup
-	$(BIN)/python -m trainmesh.bench_plan --model small
+	$(BIN)/python -m trainmesh.bench.plan --model small
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from trainmesh.comm import Comm
-from trainmesh.config import Config
 from trainmesh.data import DataError, TokenData, get_batch, global_batch_offsets
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import METRICS_FILE, MetricsWriter
 from trainmesh.models.gpt import GPT, PRESETS
-from trainmesh.optim import lr_at
+from trainmesh.optim import LRSchedule
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
@@ -50,12 +49,12 @@ def test_short_file_is_rejected(tmp_path):
 
 
 def test_lr_warmup_then_cosine():
-    cfg = Config(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
-    assert lr_at(0, cfg) == pytest.approx(0.1)
-    assert lr_at(9, cfg) == pytest.approx(1.0)
-    assert lr_at(10, cfg) == pytest.approx(1.0)
-    assert lr_at(55, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at(100, cfg) == pytest.approx(0.1)
+    schedule = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=10, steps=100)
+    assert schedule.at(0) == pytest.approx(0.1)
+    assert schedule.at(9) == pytest.approx(1.0)
+    assert schedule.at(10) == pytest.approx(1.0)
+    assert schedule.at(55) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule.at(100) == pytest.approx(0.1)
 
 
 def test_collectives_on_a_size_one_axis_are_free():

@@ -10,17 +10,13 @@ the rank and the field.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import fields
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from trainmesh.comm import log_all_gather
-from trainmesh.config import Config
-
-# Fields that may legitimately differ between ranks (each rank's own view of local resources).
-RANK_LOCAL_FIELDS = {"nproc", "progress", "out"}
 
 
 class DisagreementError(RuntimeError):
@@ -31,21 +27,23 @@ def _hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
-def fingerprint(cfg: Config, model: nn.Module, world_size: int, backend: str) -> dict[str, int]:
-    """One hash per config field, one for the model structure and one for the world layout."""
-    values = {f"config field {f.name!r}": _hash(repr(getattr(cfg, f.name)))
-              for f in fields(Config) if f.name not in RANK_LOCAL_FIELDS}
+def fingerprint(settings: Mapping[str, object], model: nn.Module, world_size: int, backend: str) -> dict[str, int]:
+    """One hash per setting, one for the model structure and one for the world layout."""
+    values = {f"config field {name!r}": _hash(repr(value)) for name, value in settings.items()}
     structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
     values["model structure (parameter names, shapes, dtypes)"] = _hash(structure)
     values["world layout (world size, backend)"] = _hash(f"{world_size}:{backend}")
     return values
 
 
-def check_agreement(cfg: Config, model: nn.Module, device: torch.device) -> None:
-    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's."""
+def check_agreement(settings: Mapping[str, object], model: nn.Module, device: torch.device) -> None:
+    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's.
+
+    ``settings`` are the values every rank must share (the CLI passes its config without the fields that
+    are each rank's own view of local resources)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    names, mine = zip(*fingerprint(cfg, model, dist.get_world_size(), dist.get_backend()).items())
+    names, mine = zip(*fingerprint(settings, model, dist.get_world_size(), dist.get_backend()).items())
     table = log_all_gather(torch.tensor(mine, dtype=torch.int64, device=device)).cpu()
     for rank in range(1, table.shape[0]):
         differing = [name for name, a, b in zip(names, table[0].tolist(), table[rank].tolist()) if a != b]

@@ -85,10 +85,9 @@ from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
                                replace_durably, sha256_hex, write_durably)
 from trainmesh.tensor_parallel import shard_boxes
-from trainmesh import zero
 
 if TYPE_CHECKING:
-    from trainmesh.train import Run
+    from trainmesh.run import Run
 
 MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
 STEP_DIR = re.compile(r"step-(\d{8})")
@@ -583,8 +582,7 @@ def _apply(run: Run, manifest: dict) -> TrainingProgress:
     if scaler.enabled:
         for key, value in manifest["loss_scaler"].items():
             setattr(scaler, key, value)
-    if isinstance(run.engine, zero.ZeroEngine):
-        run.engine.after_update()
+    run.engine.after_update()
     return TrainingProgress(**manifest["progress"], run_id=manifest["run"]["id"])
 
 
@@ -673,8 +671,7 @@ def load_weights(run: Run, path: Path) -> None:
     fill([t for t in local_state(run) if t.name.startswith("model/")], index, lambda _: full, path,
          lambda what: CheckpointMismatch(f"--init-from {path} holds a different model: {what}; use a file of "
                                          f"--model {run.cfg.model}"))
-    if isinstance(run.engine, zero.ZeroEngine):
-        run.engine.after_update()
+    run.engine.after_update()
 
 
 def agreed_run_id(device: torch.device) -> str:

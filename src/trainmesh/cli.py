@@ -225,10 +225,10 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh.launcher import launch
 
         return launch(argv, cfg.nproc)
-    from trainmesh.bench import bench_dp
-    from trainmesh.bench_pp import bench_pp
-    from trainmesh.bench_tp import bench_tp
-    from trainmesh.bench_zero import bench_zero
+    from trainmesh.bench.dp import bench_dp
+    from trainmesh.bench.pp import bench_pp
+    from trainmesh.bench.tp import bench_tp
+    from trainmesh.bench.zero import bench_zero
     from trainmesh.mesh import shutdown_distributed
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]

@@ -154,6 +154,13 @@ class Config:
         """Sequences in one micro-batch on one data-parallel rank."""
         return self.global_batch // (self.dp * self.microbatches)
 
+    def shared_settings(self) -> dict[str, Any]:
+        """The fields every rank must agree on: all but each rank's own view of local resources."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in RANK_LOCAL_FIELDS}
+
+
+RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
+
 
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {

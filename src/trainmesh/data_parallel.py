@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +20,9 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import TP_SHARDED, ParamPiece, clipped_update, is_tp_sharded, norm_contributions
+from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
+                             norm_contributions)
 from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype, masters
-
-OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 
 
 @dataclass
@@ -234,6 +233,12 @@ class DataParallel:
     def state_tensors(self) -> list[torch.Tensor]:
         """What :func:`trainmesh.metrics.storage_bytes` counts as this rank's model state."""
         return model_state_tensors(self.module, self.optimizer) + self.masters + [b.flat for b in self.buckets]
+
+    def after_update(self) -> None:
+        """Nothing to do: every rank holds its parameters whole and checkpoints write them directly."""
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

@@ -9,14 +9,13 @@ parameter replicated over ``tp`` (a LayerNorm, say) contributes only on tp-rank 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.config import Config
 from trainmesh.precision import LossScaler, master_dtype
 
 TP_SHARDED = "_trainmesh_tp_sharded"
@@ -49,20 +48,39 @@ def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_adamw(named_params: Iterable[tuple[str, nn.Parameter]], cfg: Config, device: torch.device):
+OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+"""Builds a form's optimizer over the (named) tensors it updates: whole parameters, or ZeRO's shards."""
+
+
+def build_adamw(named_params: Iterable[tuple[str, nn.Parameter]], device: torch.device, lr: float,
+                betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1) -> torch.optim.Optimizer:
     """AdamW with the fused kernel on CUDA and the multi-tensor (foreach) one elsewhere."""
     fused = device.type == "cuda"
-    return torch.optim.AdamW(param_groups(named_params, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused, foreach=not fused)
+    return torch.optim.AdamW(param_groups(named_params, weight_decay), lr=lr, betas=betas, eps=1e-8,
+                             fused=fused, foreach=not fused)
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+def adamw_factory(device: torch.device, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                  weight_decay: float = 0.1) -> OptimizerFactory:
+    """:func:`build_adamw` with its settings bound, for a form to call on the tensors it shards."""
+    return lambda named: build_adamw(named, device, lr, betas, weight_decay)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at step ``steps``."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    steps: int
+
+    def at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:

@@ -14,29 +14,30 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
 from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.data_parallel import DataParallel
+from trainmesh.engine import MicroBatches
+from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes, mfu,
                                model_flops_per_token, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
-from trainmesh.optim import build_adamw, lr_at
+from trainmesh.optim import LRSchedule, adamw_factory
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.partition import gather_stages
-from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
+from trainmesh.pipeline.runtime import build_pipeline
 from trainmesh.precision import LossScaler, dtype_of
 from trainmesh.recompute import apply_recompute
 from trainmesh.tensor_parallel import parallelize, unsharded_state_dict
@@ -44,36 +45,6 @@ from trainmesh import checkpoint, zero
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
-
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-class Engine(Protocol):
-    """What a parallel form gives the loop: gradient synchronisation and the optimizer step."""
-
-    loss_scale: float
-
-    def no_sync(self) -> contextlib.AbstractContextManager: ...
-
-    def step(self, lr: float, max_norm: float) -> float: ...
-
-    def state_tensors(self) -> list[torch.Tensor]: ...
-
-
-@dataclass
-class Run:
-    """Everything a step needs, built once by :func:`build`."""
-
-    cfg: Config
-    mesh: Mesh
-    comm: Comm
-    model: nn.Module
-    engine: Engine
-    criterion: Criterion
-    data: TokenData
-    pipeline: PipelineRuntime | None = None  # pp > 1: runs this rank's stage(s); ``model`` is its part
-
 
 @dataclass
 class TrainResult:
@@ -104,7 +75,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     comm = Comm(mesh)
     spec = spec_of(cfg.model)
     model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
-    check_agreement(cfg, model, mesh.device)
+    check_agreement(cfg.shared_settings(), model, mesh.device)
     criterion = parallelize(model, mesh, dict(spec.tp_plan), cfg.sequence_parallel, comm) or cross_entropy
     apply_recompute(model, cfg.recompute, spec.recompute)
     if cfg.compile:
@@ -112,13 +83,14 @@ def build(cfg: Config, mesh: Mesh) -> Run:
             block.compile()
     pipeline = None
     if cfg.pp > 1:
-        model, pipeline = build_pipeline(model, cfg, comm)
-    if cfg.zero:
-        engine = zero.build_engine(model, comm, cfg)
-    else:
-        engine = DataParallel(model, comm, lambda named: build_adamw(named, cfg, mesh.device),
-                              bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
-                              scaler=LossScaler(enabled=cfg.precision == "fp16"))
+        model, pipeline = build_pipeline(model, comm, cfg.schedule, cfg.microbatches, spec.shape(cfg.model_config).d_model,
+                                         dtype_of(cfg.precision), cfg.virtual_stages, cfg.stage_layer_counts,
+                                         seq_shards=cfg.tp if cfg.sequence_parallel else 1)
+    make_optimizer = adamw_factory(mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    engine_args = dict(bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
+                       scaler=LossScaler(enabled=cfg.precision == "fp16"))
+    engine = (zero.build_engine(model, comm, cfg.zero, make_optimizer, **engine_args) if cfg.zero
+              else DataParallel(model, comm, make_optimizer, **engine_args))
     data = TokenData.load(cfg.data, cfg.model_config.seq_len)
     return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
 
@@ -129,8 +101,7 @@ def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
     This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
     Forms that shard parameters assemble the full tensors here.
     """
-    gathered = run.engine.gathered() if isinstance(run.engine, zero.ZeroStage3) else contextlib.nullcontext()
-    with gathered:
+    with run.engine.gathered():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
     return gather_stages(state, run.comm) if run.pipeline is not None else state
 
@@ -320,6 +291,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                                             shape.gated_mlp, shape.qkv_width)
     peak = peak_tflops(mesh.device, cfg.precision, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
+    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     losses, times = [], []
     for step in range(start.step, cfg.steps):
@@ -330,7 +302,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch),
                                 saved if step == start.step else None)
-        lr = lr_at(step, cfg)
+        lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
         undo_fault()
         guard.observe(grad_norm, step)

@@ -51,12 +51,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from trainmesh.comm import Comm
-from trainmesh.config import Config
 from trainmesh.data_parallel import fold_grad_into, split_buckets
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.optim import (TP_SHARDED, ParamPiece, build_adamw, clipped_update, is_tp_sharded,
+from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
-from trainmesh.precision import LossScaler, dtype_of, master_dtype
+from trainmesh.precision import LossScaler, master_dtype
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 NORM_AXES = ("dp", "tp", "pp")  # shards are disjoint over dp, so the norm's squares are summed there too
 
@@ -255,13 +256,14 @@ class ZeroEngine:
     Run backward on the loss times :attr:`loss_scale` (1 except in fp16).
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, groups: list[Group], axis: str) -> None:
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory, groups: list[Group],
+                 scaler: LossScaler | None, axis: str) -> None:
         self.module, self.comm, self.axis, self.groups = module, comm, axis, groups
-        self.scaler = LossScaler(enabled=cfg.precision == "fp16")
+        self.scaler = scaler or LossScaler(enabled=False)
         for group in groups:
             group.master = master_shard(group.shard)
         self.pieces, self._piece_slots = make_pieces(groups)
-        self.optimizer = build_adamw(((f"piece{i}", p) for i, p in enumerate(self.pieces)), cfg, comm.mesh.device)
+        self.optimizer = make_optimizer([(f"piece{i}", p) for i, p in enumerate(self.pieces)])
         self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
         self._next_launch = 0
         self._in_flight: list[Group] = []
@@ -378,6 +380,10 @@ class ZeroEngine:
         for _, work in gathers:
             work.wait()
 
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Stages 1 and 2 hold the full parameters."""
+        return contextlib.nullcontext()
+
     def zero_grad(self) -> None:
         for group in self.groups:
             group.grad_shard.zero_()
@@ -427,11 +433,12 @@ class ZeroStage1(ZeroEngine):
     this rank's slice of the bucket, which the step reads.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> None:
-        buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
-        grad_dtype = dtype_of(cfg.grad_dtype)
-        super().__init__(module, comm, cfg, [self._group(i, b, comm, axis, grad_dtype)
-                                             for i, b in enumerate(buckets)], axis)
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp") -> None:
+        buckets = split_buckets(list(reversed(trainable(module))), bucket_bytes)
+        groups = [self._group(i, b, comm, axis, reduce_dtype) for i, b in enumerate(buckets)]
+        super().__init__(module, comm, make_optimizer, groups, scaler, axis)
         self.sync = True
         for group in self.groups:
             for p in group.params:
@@ -494,13 +501,13 @@ class ZeroStage2(ZeroEngine):
     gradients are reduced once when the pass ends rather than once per call.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, groups: list[Group] | None = None,
-                 axis: str = "dp") -> None:
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp", groups: list[Group] | None = None) -> None:
         if groups is None:
-            buckets = split_buckets(list(reversed(trainable(module))), int(cfg.bucket_mb * 2**20))
-            groups = [self._group(f"bucket{i}", b, comm, axis, dtype_of(cfg.grad_dtype))
-                      for i, b in enumerate(buckets)]
-        super().__init__(module, comm, cfg, groups, axis)
+            buckets = split_buckets(list(reversed(trainable(module))), bucket_bytes)
+            groups = [self._group(f"bucket{i}", b, comm, axis, reduce_dtype) for i, b in enumerate(buckets)]
+        super().__init__(module, comm, make_optimizer, groups, scaler, axis)
         self._callback_queued = False
         self._in_pass = self._input_only = False
         for group in self.groups:
@@ -624,13 +631,15 @@ class ZeroStage3(ZeroStage2):
     hook sees them: the caller gathers their unit with :meth:`unshard_for_backward`.
     """
 
-    def __init__(self, module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp",
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp",
                  units: list[tuple[str, nn.Module]] | None = None) -> None:
         units = units if units is not None else default_units(module)
-        grad_dtype = dtype_of(cfg.grad_dtype)
-        self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis, grad_dtype), k)
+        self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis, reduce_dtype), k)
                       for k, (name, m) in enumerate(units)]
-        super().__init__(module, comm, cfg, [u.group for u in reversed(self.units)], axis)
+        groups = [u.group for u in reversed(self.units)]
+        super().__init__(module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis, groups)
         self._unit_of = {u.group.name: u for u in self.units}
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
@@ -735,11 +744,14 @@ class ZeroStage3(ZeroStage2):
                 self._reshard(unit)
 
 
-def build_engine(module: nn.Module, comm: Comm, cfg: Config, axis: str = "dp") -> ZeroEngine:
-    """The ZeRO engine of stage ``cfg.zero`` over ``axis``, with its own sharded AdamW (and fp32 master
-    shard when ``module``'s parameters are bf16/fp16)."""
+def build_engine(module: nn.Module, comm: Comm, stage: int, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp") -> ZeroEngine:
+    """The ZeRO engine of ``stage`` over ``axis``, with the optimizer ``make_optimizer`` builds over its
+    shards (and an fp32 master shard when ``module``'s parameters are bf16/fp16). Stage 3 communicates unit
+    by unit (:func:`default_units`), so ``bucket_bytes`` applies to stages 1 and 2."""
     stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
-    if cfg.zero not in stages:
-        raise ValueError(f"ZeRO stage {cfg.zero} does not exist; choose 1, 2 or 3 "
+    if stage not in stages:
+        raise ValueError(f"ZeRO stage {stage} does not exist; choose 1, 2 or 3 "
                          f"(stage 0 is plain data parallel: trainmesh.data_parallel.DataParallel)")
-    return stages[cfg.zero](module, comm, cfg, axis=axis)
+    return stages[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)

@@ -30,16 +30,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.config import Config
+from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
 from trainmesh.pipeline.schedules import (
@@ -52,30 +52,13 @@ from trainmesh.pipeline.schedules import (
     stage_to_rank,
 )
 from trainmesh.pipeline.simulate import Timeline, TimelineRecord
-from trainmesh.precision import dtype_of
 
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]
 
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
 WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
-
-
-class GradientSync(Protocol):
-    """What the runtime needs of the training engine (``DataParallel``, ZeRO): the loss scale, a way to
-    accumulate gradients without synchronising them, a way to say that several autograd calls form one
-    backward pass, and a way to make parameters whole before an autograd call that starts inside a module."""
-
-    loss_scale: float
-
-    def no_sync(self) -> contextlib.AbstractContextManager: ...
-
-    def backward_pass(self, input_only: bool = False) -> contextlib.AbstractContextManager: ...
-
-    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None: ...
 
 
 class _Posted:
@@ -207,7 +190,7 @@ class PipelineRuntime:
 
     # --- entry points --------------------------------------------------------------------------------
 
-    def forward_backward(self, micro_batches: MicroBatches, criterion: Criterion, engine: GradientSync,
+    def forward_backward(self, micro_batches: MicroBatches, criterion: Criterion, engine: Engine,
                          saved: SavedActivations | None = None) -> torch.Tensor:
         """One step's forwards and backwards; returns the mean loss on the last stage, 0 elsewhere.
         ``saved`` records micro-batch 0's activation bytes."""
@@ -239,7 +222,7 @@ class PipelineRuntime:
         loss = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
 
-    def _execute(self, actions: Sequence[Action], step: _Step, engine: GradientSync | None) -> None:
+    def _execute(self, actions: Sequence[Action], step: _Step, engine: Engine | None) -> None:
         if self.recording:
             self._start_clock()
         for is_comm, group in itertools.groupby(actions, key=lambda a: a.is_comm):
@@ -297,7 +280,7 @@ class PipelineRuntime:
             now = self._now()
             self.records += [TimelineRecord(self.rank, a, now, now) for a in group]
 
-    def _compute(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+    def _compute(self, action: Action, step: _Step, engine: Engine | None) -> None:
         for token in action_inputs(action, self.n_stages):
             posted = step.arrivals.pop(token, None)
             if posted is not None:
@@ -309,7 +292,7 @@ class PipelineRuntime:
         if self.recording:
             self.records.append(TimelineRecord(self.rank, action, start, self._now()))
 
-    def _sync(self, action: Action, engine: GradientSync | None) -> contextlib.AbstractContextManager:
+    def _sync(self, action: Action, engine: Engine | None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if action in self._syncing else engine.no_sync()
 
     def _recording_leaves(self) -> contextlib.AbstractContextManager[list[Leaf]]:
@@ -317,7 +300,7 @@ class PipelineRuntime:
             return contextlib.nullcontext([])
         return self._leaves.recording()
 
-    def _forward(self, action: Action, step: _Step, _engine: GradientSync | None) -> None:
+    def _forward(self, action: Action, step: _Step, _engine: Engine | None) -> None:
         s, mb = action.stage, action.microbatch
         x, y = step.micro_batches[mb]
         if s > 0:
@@ -342,7 +325,7 @@ class PipelineRuntime:
             return stash.output * step.loss_scale, None
         return stash.output, step.values.pop(("grad", action.stage + 1, action.microbatch))
 
-    def _backward(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+    def _backward(self, action: Action, step: _Step, engine: Engine | None) -> None:
         stash = step.stash.pop((action.stage, action.microbatch))
         root, grad = self._root(action, step, stash)
         with self._sync(action, engine), engine.backward_pass():
@@ -350,7 +333,7 @@ class PipelineRuntime:
         if stash.input is not None:
             step.values[("grad", action.stage, action.microbatch)] = stash.input.grad
 
-    def _backward_input(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+    def _backward_input(self, action: Action, step: _Step, engine: Engine | None) -> None:
         stash = step.stash[(action.stage, action.microbatch)]
         root, grad = self._root(action, step, stash)
         inputs = [stash.input] if stash.input is not None else []
@@ -362,7 +345,7 @@ class PipelineRuntime:
         stash.leaf_grads = grads[len(inputs):]
         stash.input = stash.output = None
 
-    def _backward_weight(self, action: Action, step: _Step, engine: GradientSync | None) -> None:
+    def _backward_weight(self, action: Action, step: _Step, engine: Engine | None) -> None:
         stash = step.stash.pop((action.stage, action.microbatch))
         leaves = list(zip(stash.leaves, stash.leaf_grads, strict=True))
         with self._sync(action, engine), engine.backward_pass():
@@ -373,14 +356,18 @@ class PipelineRuntime:
                     torch.autograd.backward(z, grad, inputs=list(params), retain_graph=True)
 
 
-def build_pipeline(model: nn.Module, cfg: Config, comm: Comm) -> tuple[nn.Module, PipelineRuntime]:
-    """Cut ``model`` in place to this rank's stage(s) (``--stage-layers``, else balanced by parameter count)
-    and build the runtime for ``--schedule``; returns the rank's part of the model and the runtime."""
+def build_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: int, hidden_size: int,
+                   dtype: torch.dtype, virtual_stages: int = 1, layers_per_stage: Sequence[int] = (),
+                   seq_shards: int = 1) -> tuple[nn.Module, PipelineRuntime]:
+    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameter
+    count) and build the runtime for ``schedule``; returns the rank's part of the model and the runtime.
+
+    ``hidden_size`` and ``dtype`` describe the activations sent between stages (of ``seq_shards`` sequence
+    shards under sequence parallelism), so receives can be posted before the sender has run."""
     mesh = comm.mesh
-    n_ranks, n_virtual = mesh.size(AXIS), cfg.virtual_stages
-    layers = partition_model(model, n_ranks * n_virtual, cfg.stage_layer_counts)
-    part, chunks = split_model(model, layers, mesh.rank(AXIS), n_ranks, n_virtual)
-    runtime = PipelineRuntime(chunks, comm, cfg.schedule, cfg.microbatches, n_virtual,
-                              cfg.model_config.d_model, dtype_of(cfg.precision),
-                              seq_shards=cfg.tp if cfg.sequence_parallel else 1)
+    n_ranks = mesh.size(AXIS)
+    layers = partition_model(model, n_ranks * virtual_stages, layers_per_stage)
+    part, chunks = split_model(model, layers, mesh.rank(AXIS), n_ranks, virtual_stages)
+    runtime = PipelineRuntime(chunks, comm, schedule, microbatches, virtual_stages, hidden_size, dtype,
+                              seq_shards=seq_shards)
     return part, runtime

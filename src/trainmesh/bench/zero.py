@@ -4,7 +4,7 @@ stage's measured model state against the paper's formula.
 Both implementations train the same GPT from the same seed on the same batches and ranks, with the same
 wrapping (:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head, each resharded
 after forward) and gradients reduce-scattered every micro-batch; timed rounds alternate
-(:func:`trainmesh.bench.compare`). Memory per rank is reported two ways:
+(:func:`trainmesh.bench.common.compare`). Memory per rank is reported two ways:
 
 * ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
   ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainmesh.bench import StepFn, compare
+from trainmesh.bench.common import StepFn, compare
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh
@@ -34,7 +34,8 @@ from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
-from trainmesh.train import Run, build, forward_backward, full_state_dict, rank_batch, setup_process
+from trainmesh.run import Run
+from trainmesh.train import build, forward_backward, full_state_dict, rank_batch, setup_process
 from trainmesh.zero import default_units, model_state_bytes_formula
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -59,7 +60,7 @@ def peak_rss(step: StepFn, first: int, count: int) -> int:
     return peak
 
 
-def _trainmesh_step(run: Run) -> StepFn:
+def trainmesh_step(run: Run) -> StepFn:
     def step(i: int) -> None:
         forward_backward(run, rank_batch(run, run.data.train, i, run.cfg.global_batch))
         run.engine.step(run.cfg.lr, run.cfg.grad_clip)
@@ -79,7 +80,7 @@ def fsdp2_model(run: Run) -> tuple[GPT, torch.optim.Optimizer]:
     for _, unit in default_units(model):
         fully_shard(unit, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    return model, build_adamw(model.named_parameters(), cfg, device)
+    return model, build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
 
 
 def _fsdp2_step(run: Run, model: GPT, optimizer: torch.optim.Optimizer) -> StepFn:
@@ -114,7 +115,7 @@ def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
     rows = []
     for stage in (0, 1, 2, 3):
         run = build(dataclasses.replace(cfg, zero=stage), mesh)
-        step = _trainmesh_step(run)
+        step = trainmesh_step(run)
         for i in range(steps):
             step(i)
         held = storage_bytes(run.engine.state_tensors())
@@ -153,7 +154,7 @@ def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, floa
     rows = stage_memory(cfg, mesh)
     run = build(cfg, mesh)
     model, optimizer = fsdp2_model(run)
-    steps = {"trainmesh": _trainmesh_step(run), "fsdp2": _fsdp2_step(run, model, optimizer)}
+    steps = {"trainmesh": trainmesh_step(run), "fsdp2": _fsdp2_step(run, model, optimizer)}
     rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
     held = {"trainmesh": _per_rank(storage_bytes(run.engine.state_tensors())),
             "fsdp2": _per_rank(fsdp2_state_bytes(model, optimizer))}

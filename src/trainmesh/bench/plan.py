@@ -1,7 +1,7 @@
 """The planner against measurement: memory per rank that :mod:`trainmesh.plan` predicts for a layout,
 next to what a real run of that layout measures here.
 
-``python -m trainmesh.bench_plan`` (``make bench-plan``) prints the table for the ``small`` preset;
+``python -m trainmesh.bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
 ``tests/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
 :func:`trainmesh.testing.run_ranks` call: each rank trains each layout with
 :func:`trainmesh.train.train` (which writes ``metrics.jsonl`` and ``summary.json``), then runs a few
@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from trainmesh.config import Config
 from trainmesh.metrics import storage_bytes
-from trainmesh.optim import lr_at
+from trainmesh.optim import LRSchedule
 from trainmesh.plan import (
     activation_bytes,
     layout_of,
@@ -66,7 +66,8 @@ from trainmesh.plan import (
     workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.train import Run, forward_backward, rank_batch, train
+from trainmesh.run import Run
+from trainmesh.train import forward_backward, rank_batch, train
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B and
 # GPipe), and their products. Each is Config fields over BASE.
@@ -196,7 +197,7 @@ def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
         for step in range(first_step, first_step + steps):
             forward_backward(measured, rank_batch(run, run.data.train, step, cfg.global_batch))
             peak.sample()
-            run.engine.step(lr_at(step, cfg), cfg.grad_clip)
+            run.engine.step(LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps).at(step), cfg.grad_clip)
             peak.sample()
     return peak
 
@@ -312,7 +313,7 @@ def _rows_json(rows: list[Comparison]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainmesh.bench_plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainmesh.bench.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="model preset (default: small)")
     parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
     parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")

@@ -5,7 +5,7 @@ embedding and output head split by vocabulary (the loss computed from the vocabu
 vocab-parallel cross-entropy, torch's ``loss_parallel``), ``qkv``/``fc`` column-parallel, both ``proj``
 row-parallel. torch's ``ColwiseParallel`` shards a weight's rows contiguously, so its copy of the model
 has the fused ``qkv`` rows reordered rank by rank as ``[q | k | v]`` of that rank's heads: the same
-function, sharded the same way. Timed rounds alternate (:func:`trainmesh.bench.compare`).
+function, sharded the same way. Timed rounds alternate (:func:`trainmesh.bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.nn.utils import get_total_norm
 
-from trainmesh.bench import StepFn, _trainmesh_step, compare
+from trainmesh.bench.common import StepFn, compare, trainmesh_step
 from trainmesh.config import Config, ConfigError
 from trainmesh.models.gpt import GPT, cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
 from trainmesh.tensor_parallel import ShardSpec, shard_tensor
-from trainmesh.train import Run, build, rank_batch, setup_process
+from trainmesh.run import Run
+from trainmesh.train import build, rank_batch, setup_process
 
 
 @torch.no_grad()
@@ -67,7 +68,8 @@ def _torch_tp_step(run: Run, model: GPT) -> StepFn:
     params = list(model.parameters())
     # foreach AdamW, like clipping, cannot mix DTensors and plain tensors in one call: one optimizer each.
     optimizers = [build_adamw([(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) == split],
-                              cfg, run.mesh.device) for split in (True, False)]
+                              run.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+                  for split in (True, False)]
 
     def step(i: int) -> None:
         micro = rank_batch(run, run.data.train, i, cfg.global_batch)
@@ -101,7 +103,7 @@ def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]
     run = build(cfg, mesh)
     model = _torch_model(run)
     losses = _first_losses(run, model)
-    rates = compare({"trainmesh": _trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)},
+    rates = compare({"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)},
                     cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
     if dist.get_rank() == 0:
         print(f"bench tp: model={cfg.model} tp={cfg.tp} global_batch={cfg.global_batch} "

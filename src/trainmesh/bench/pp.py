@@ -10,7 +10,7 @@ moves a message only once its receive is posted (the simulator lets it fly from 
 other load on the machine. ``uniform`` is the textbook figure (F=1, B=2 per stage, free communication).
 
 Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
-clipping, in alternating timed rounds (:func:`trainmesh.bench.compare`).
+clipping, in alternating timed rounds (:func:`trainmesh.bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from trainmesh.bench import StepFn, _trainmesh_step, compare
+from trainmesh.bench.common import StepFn, compare, trainmesh_step
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
@@ -34,7 +34,8 @@ from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import COMPUTE_KINDS, ActionKind, Schedule
 from trainmesh.pipeline.simulate import Costs, Timeline, simulate
 from trainmesh.precision import dtype_of
-from trainmesh.train import Run, build, rank_batch, setup_process
+from trainmesh.run import Run
+from trainmesh.train import build, rank_batch, setup_process
 
 LATENCY_ROUNDS = 20
 
@@ -80,7 +81,7 @@ def measured_costs(timelines: list[Timeline], n_stages: int, comm: float) -> Cos
 
 def _bubbles(run: Run, steps: int, latency: float) -> tuple[float, float, float]:
     """(measured, simulated with measured costs, uniform textbook) bubble fraction of ``run``'s schedule."""
-    pipeline, step = run.pipeline, _trainmesh_step(run)
+    pipeline, step = run.pipeline, trainmesh_step(run)
     step(0)
     timelines = []
     pipeline.recording = True
@@ -116,7 +117,7 @@ def _torch_1f1b_step(run: Run) -> StepFn:
     module, _ = split_model(model, partition_model(model, p), rank, p)
     stage = PipelineStage(module, rank, p, device, group=mesh.group("pp"))
     schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=run.criterion)
-    optimizer = build_adamw(module.named_parameters(), cfg, device)
+    optimizer = build_adamw(module.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     params = [q for q in module.parameters() if q.requires_grad]
 
     def step(i: int) -> None:
@@ -150,7 +151,7 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]
         measured, simulated, uniform = _bubbles(build(variant, mesh), rounds * steps_per_round, latency)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
     run = build(dataclasses.replace(cfg, schedule="1f1b", virtual_stages=1, stage_layers="", timeline=""), mesh)
-    rates = compare({"trainmesh_1f1b": _trainmesh_step(run), "torch_1f1b": _torch_1f1b_step(run)},
+    rates = compare({"trainmesh_1f1b": trainmesh_step(run), "torch_1f1b": _torch_1f1b_step(run)},
                     cfg.global_batch * m.seq_len, rounds, steps_per_round, mesh.device)
     lines += [f"  {name:<15} {rate:12,.0f} tokens/s" for name, rate in rates.items()]
     lines.append(f"  ratio trainmesh/torch 1F1B = {rates['trainmesh_1f1b'] / rates['torch_1f1b']:.3f}")
