@@ -21,32 +21,28 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.data_parallel import DataParallel
+from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env
 from trainmesh.models import spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
-from trainmesh.optim import param_groups
-from trainmesh.pipeline.partition import partition_model, split_model
-from trainmesh.pipeline.runtime import PipelineRuntime
+from trainmesh.optim import adamw_factory
+from trainmesh.pipeline.partition import gather_stages
+from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.pipeline.schedules import SCHEDULES
 from trainmesh.precision import DTYPES, LossScaler, dtype_of
 from trainmesh.recompute import MODES, Target, apply_recompute, recompute_modules
 from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
 from trainmesh.tensor_parallel import unsharded_state_dict
 from trainmesh import zero
-
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, device: str = "auto", backend: str = "auto",
               timeout: float = 600.0) -> Mesh:
@@ -93,7 +89,7 @@ class ParallelModel:
     reduce_dtype: str = "auto"
     bucket_mb: float = 25.0
     pipeline: PipelineRuntime | None = None
-    engine: object | None = field(default=None, repr=False)
+    engine: Engine | None = field(default=None, repr=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:
@@ -103,7 +99,7 @@ class ParallelModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters under the plain model's names, on every rank (a collective)."""
-        return full_state_dict(self)
+        return full_state_dict(self.module, self.engine, self.comm, pipelined=self.pipeline is not None)
 
 
 def _checked(value, allowed: Sequence, what: str) -> None:
@@ -149,7 +145,11 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
         raise ValueError("sequence_parallel splits the sequence over tensor-parallel ranks; use a mesh with tp > 1")
     if pp > 1 and pipeline is None and not _keeps_contract(model) and (spec is None or spec.layout is None):
         raise ValueError(f"pp={pp} needs to know where {type(model).__name__} keeps its blocks; pass "
-                         f"pipeline=tm.StageLayout(blocks='layers', pre='embed', post=('norm', 'head'))")
+                         f"pipeline=tm.StageLayout(blocks='layers', pre='embed', post=('norm', 'head'), "
+                         f"hidden_size=...)")
+    if pp > 1 and not _hidden_size(model, spec, pipeline):
+        raise ValueError(f"pp={pp} passes [batch, seq, hidden] activations between stages; give "
+                         f"StageLayout(hidden_size=...) for {type(model).__name__}")
     if virtual_stages > 1 and schedule != "interleaved":
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
     if schedule == "interleaved" and microbatches % pp:
@@ -183,6 +183,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     _validate(model, mesh, spec, plan, pipeline, zero, precision, recompute, schedule, microbatches, virtual_stages,
               sequence_parallel)
     comm = comm or Comm(mesh)
+    hidden = _hidden_size(model, spec, pipeline)
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
     if isinstance(recompute, str):
@@ -194,34 +195,19 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
             block.compile()
     runtime = None
     if mesh.size("pp") > 1:
-        model, runtime = _cut_pipeline(model, comm, schedule, microbatches, virtual_stages, stage_layers, precision,
-                                       sequence_parallel)
+        model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
+                                        dtype_of(precision), virtual_stages, tuple(stage_layers),
+                                        seq_shards=mesh.size("tp") if sequence_parallel else 1)
     return ParallelModel(model, mesh, comm, criterion or cross_entropy, criterion is not None, zero, precision,
                          microbatches, reduce_dtype, bucket_mb, runtime)
 
 
-def _hidden_size(model: nn.Module) -> int:
-    layout = getattr(model, "layout", None)
-    if isinstance(layout, StageLayout) and layout.hidden_size:
-        return layout.hidden_size
-    if hasattr(model, "cfg") and hasattr(model.cfg, "d_model"):
-        return model.cfg.d_model
-    raise ValueError(f"a pipeline passes [batch, seq, hidden] activations between stages; give "
-                     f"StageLayout(hidden_size=...) for {type(model).__name__}")
-
-
-def _cut_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: int, virtual_stages: int,
-                  stage_layers: Sequence[int], precision: str, sequence_parallel: bool
-                  ) -> tuple[nn.Module, PipelineRuntime]:
-    """Cut ``model`` to this rank's stage(s) and build the runtime that runs ``schedule`` over them."""
-    mesh = comm.mesh
-    n_ranks = mesh.size("pp")
-    hidden = _hidden_size(model)
-    layers = partition_model(model, n_ranks * virtual_stages, tuple(stage_layers))
-    part, chunks = split_model(model, layers, mesh.rank("pp"), n_ranks, virtual_stages)
-    runtime = PipelineRuntime(chunks, comm, schedule, microbatches, virtual_stages, hidden, dtype_of(precision),
-                              seq_shards=mesh.size("tp") if sequence_parallel else 1)
-    return part, runtime
+def _hidden_size(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> int:
+    """The width of the activations a pipeline passes between stages: the family's ``d_model``, else the
+    :class:`StageLayout`'s ``hidden_size`` (0: unknown)."""
+    if spec is not None:
+        return spec.shape(spec.config_of(model)).d_model
+    return pipeline.hidden_size if pipeline is not None else 0
 
 
 def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
@@ -254,50 +240,41 @@ class Optimizer:
 
 
 def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
-              weight_decay: float = 0.1, eps: float = 1e-8) -> Optimizer:
-    """AdamW for ``model`` (weight decay on matrices only, not on biases and norm gains), with the gradient
-    synchronisation of its layout: bucketed all-reduce over dp, or ZeRO stage ``model.zero``, whose
-    optimizer state (and gradients, and parameters) are sharded over dp. Call once, before training."""
+              weight_decay: float = 0.1) -> Optimizer:
+    """AdamW for ``model`` (weight decay on matrices only, not on biases and norm gains; eps 1e-8), with
+    the gradient synchronisation of its layout: bucketed all-reduce over dp, or ZeRO stage ``model.zero``,
+    whose optimizer state (and gradients, and parameters) are sharded over dp. Call once, before training."""
     if model.engine is not None:
         raise RuntimeError("this model already has an optimizer; call trainmesh.optimizer once per model")
-    model.engine = _build_engine(model, lr, betas, weight_decay, eps)
+    make_optimizer = adamw_factory(model.mesh.device, lr, betas, weight_decay)
+    reduce = model.reduce_dtype if model.reduce_dtype != "auto" else ("fp64" if model.precision == "fp64" else "fp32")
+    args = dict(bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(reduce),
+                scaler=LossScaler(enabled=model.precision == "fp16"))
+    units = _zero3_units(model.module)
+    if model.zero == 3 and units is not None:
+        model.engine = zero.ZeroStage3(model.module, model.comm, make_optimizer, **args, units=units)
+    elif model.zero:
+        model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
+    else:
+        model.engine = DataParallel(model.module, model.comm, make_optimizer, **args)
     return Optimizer(model.engine, lr)
 
 
-def _build_engine(model: ParallelModel, lr: float, betas: tuple[float, float], weight_decay: float, eps: float):
-    import dataclasses
-
-    from trainmesh.config import Config
-    from trainmesh.optim import build_adamw
-
-    cfg = dataclasses.replace(Config(), zero=model.zero, precision=model.precision, reduce_dtype=model.reduce_dtype,
-                              bucket_mb=model.bucket_mb, lr=lr, beta1=betas[0], beta2=betas[1],
-                              weight_decay=weight_decay)
-    if model.zero == 3:
-        return zero.ZeroStage3(model.module, model.comm, cfg, units=_zero3_units(model.module))
-    if model.zero:
-        return zero.build_engine(model.module, model.comm, cfg)
-    return DataParallel(model.module, model.comm, lambda named: build_adamw(named, cfg, model.mesh.device),
-                        bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
-                        scaler=LossScaler(enabled=model.precision == "fp16"))
-
-
-def forward_backward(model: ParallelModel, micro_batches: MicroBatches, criterion: Criterion,
-                     saved=None) -> torch.Tensor:
+def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
+                     micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
     returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
     records the activation bytes of the first micro-batch's forward."""
-    engine = model.engine
-    if model.pipeline is not None:
-        return model.pipeline.forward_backward(micro_batches, criterion, engine, saved)
-    total = torch.zeros((), dtype=torch.float64, device=model.mesh.device)
+    if pipeline is not None:
+        return pipeline.forward_backward(micro_batches, criterion, engine, saved)
+    total = torch.zeros((), dtype=torch.float64)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else engine.no_sync():
             with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
-                loss = criterion(model.module(x), y) / len(micro_batches)
+                loss = criterion(module(x), y) / len(micro_batches)
             (loss * engine.loss_scale).backward()
-        total += loss.detach()
+        total = total.to(loss.device) + loss.detach()
     return total
 
 
@@ -338,21 +315,20 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
     if model.pipeline is not None and m != model.microbatches:
         raise ValueError(f"the pipeline schedule was built for {model.microbatches} micro-batches; pass "
                          f"microbatches={m} to parallelize instead")
-    loss = forward_backward(model, rank_slice(model.mesh, batch, m), loss_fn or model.criterion)
+    if model.engine is None:
+        raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
+    loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m),
+                            loss_fn or model.criterion)
     opt.grad_norm = model.engine.step(opt.lr, max_norm)
     return global_mean(model.mesh, loss)
 
 
-def full_state_dict(model: ParallelModel) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipelined: bool) -> dict[str, torch.Tensor]:
     """The ordinary unsharded parameters under the plain model's names, on every rank (a collective).
 
     This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
     Forms that shard parameters assemble the full tensors here.
     """
-    from trainmesh.pipeline.partition import gather_stages
-
-    engine = model.engine
-    gathered = engine.gathered() if isinstance(engine, zero.ZeroStage3) else contextlib.nullcontext()
-    with gathered:
-        state = {k: v.detach().clone() for k, v in unsharded_state_dict(model.module).items()}
-    return gather_stages(state, model.comm) if model.pipeline is not None else state
+    with engine.gathered() if engine is not None else contextlib.nullcontext():
+        state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
+    return gather_stages(state, comm) if pipelined else state
