@@ -190,7 +190,7 @@ class Staged(nn.Module):
         """The module at ``part``'s path; None where a pipeline stage does not hold it."""
         module: nn.Module | None = self
         for name in (self._paths[part] or "").split("."):
-            module = getattr(module, name) if module is not None and name else None
+            module = module._modules.get(name) if module is not None and name else None
         return module
 
     def __getattr__(self, name: str):
