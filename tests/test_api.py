@@ -140,6 +140,34 @@ def test_hf_llama_at_more_layouts_matches_plain_torch():
     ], world=4)
 
 
+def save_at_tp2_sp_then_load_at_pp2(directory: str) -> tuple[list[float], list[float], int]:
+    """Train two steps at tp2 with SP, save, take a third step; load the checkpoint at pp2 and take the same
+    third step there. Returns both third-step losses and the step the load reported."""
+    torch.set_num_threads(1)
+    first = batches()
+    tp = tm.parallelize(hf_llama(), tm.init_mesh(tp=2), tp_plan=tm.plans.llama, sequence_parallel=True,
+                        precision="fp64", microbatches=MICRO, zero=1)
+    opt = tm.optimizer(tp, lr=LR)
+    for batch in first[:2]:
+        tm.train_step(tp, opt, batch, max_norm=MAX_NORM)
+    tm.save(tp, opt, directory, step=2)
+    after_tp = tm.train_step(tp, opt, first[2], max_norm=MAX_NORM)
+    torch.manual_seed(1)  # another init: everything must come from the checkpoint
+    config = hf_llama().config
+    pp = tm.parallelize(transformers.LlamaForCausalLM(config).double(), tm.init_mesh(pp=2), precision="fp64",
+                        microbatches=MICRO)
+    opt = tm.optimizer(pp, lr=LR)
+    step = tm.load(pp, opt, directory)
+    after_pp = tm.train_step(pp, opt, first[2], max_norm=MAX_NORM)
+    return after_tp, after_pp, step
+
+
+def test_a_checkpoint_saved_at_tp2_sp_zero1_resumes_at_pp2(tmp_path):
+    after_tp, after_pp, step = run_ranks(save_at_tp2_sp_then_load_at_pp2, 2, str(tmp_path), timeout=240)[0]
+    assert step == 2
+    assert abs(after_tp - after_pp) <= FP64_ATOL, f"step 3 after resharding: {after_pp} vs {after_tp}"
+
+
 # --- without processes --------------------------------------------------------------------------------
 
 def mesh_of(**sizes: int) -> Mesh:
@@ -207,6 +235,15 @@ def test_single_process_api_needs_no_environment_and_a_custom_loss_reads_whole_l
     assert max((v - ref_params[k]).abs().max().item() for k, v in model.state_dict().items()) <= FP64_ATOL
     with pytest.raises(ValueError, match="global batch of 5 sequences does not split"):
         tm.train_step(model, opt, (torch.zeros(5, 4, dtype=torch.long),) * 2)
+
+
+def test_hf_llama_trains_in_bf16_with_fp32_masters():
+    model = tm.parallelize(hf_llama(layers=2).float(), tm.init_mesh(), precision="bf16", microbatches=MICRO)
+    opt = tm.optimizer(model, lr=LR)
+    assert next(model.module.parameters()).dtype is torch.bfloat16
+    assert all(p.dtype is torch.float32 for g in opt.torch_optimizer.param_groups for p in g["params"])
+    losses = [tm.train_step(model, opt, batches()[0], max_norm=MAX_NORM) for _ in range(4)]
+    assert losses[-1] < losses[0] - 0.1, losses
 
 
 # --- the examples under trainmesh launch ----------------------------------------------------------------

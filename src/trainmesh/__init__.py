@@ -6,8 +6,8 @@ The public API (:mod:`trainmesh.api`): :func:`init_mesh`, :func:`parallelize`, :
 """
 
 from trainmesh import plans
-from trainmesh.api import Optimizer, ParallelModel, init_mesh, optimizer, parallelize, train_step
+from trainmesh.api import Optimizer, ParallelModel, init_mesh, load, optimizer, parallelize, save, train_step
 from trainmesh.models.spec import StageLayout
 
-__all__ = ["init_mesh", "parallelize", "optimizer", "train_step", "StageLayout",
-           "ParallelModel", "Optimizer", "plans"]
+__all__ = ["init_mesh", "parallelize", "optimizer", "train_step", "save", "load", "StageLayout", "ParallelModel",
+           "Optimizer", "plans"]

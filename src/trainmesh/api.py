@@ -23,6 +23,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,9 +41,10 @@ from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.pipeline.schedules import SCHEDULES
 from trainmesh.precision import DTYPES, LossScaler, dtype_of
 from trainmesh.recompute import MODES, Target, apply_recompute, recompute_modules
+from trainmesh.safe_io import sha256_hex
 from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
 from trainmesh.tensor_parallel import unsharded_state_dict
-from trainmesh import zero
+from trainmesh import checkpoint, zero
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, device: str = "auto", backend: str = "auto",
               timeout: float = 600.0) -> Mesh:
@@ -332,3 +334,32 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     with engine.gathered() if engine is not None else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
     return gather_stages(state, comm) if pipelined else state
+
+
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int) -> Path:
+    """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
+    collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
+    then names it. Returns the step directory."""
+    if opt.engine is not model.engine:
+        raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    mesh = model.mesh
+    settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
+    description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": {},
+                   "config": settings,
+                   "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "tp", "pp")},
+                              "zero": model.zero}}
+    return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
+                                 description)
+
+
+def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:
+    """Load a checkpoint :func:`save` wrote, in any layout, into ``model`` and ``opt`` in theirs (each rank
+    reads the parts it holds); ``directory`` is a ``step-N`` directory or the directory holding them (its
+    ``latest``). Returns the step it was saved at. A collective: an error on any rank is raised on all."""
+    if opt.engine is not model.engine:
+        raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    root = Path(directory)
+    path = root if (root / checkpoint.MANIFEST).exists() else next(iter(checkpoint.candidates(root)), None)
+    if path is None:
+        raise checkpoint.CheckpointError(f"{root} holds no checkpoint (no step-N directory, no manifest.json)")
+    return checkpoint.load_anywhere(model.module, model.engine, model.mesh, path).step
