@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench-dp bench-tp bench-zero bench-pp bench-plan clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ test-all: setup
 # Every layout's float64 equivalence test (slow ones included) and the table of its margins vs one process.
 equivalence: setup
 	$(BIN)/python -m pytest -q -k "single_process or one_process or divides_nothing or composes_with or planted or every_zero_stage" tests
+
+# Every form beside its torch peer, one launch each: median (min-max) ratio over 7 alternating rounds,
+# peak RSS per side; the table also lands in runs/<timestamp>/results.md and results.json.
+bench: setup
+	$(BIN)/trainmesh bench all --nproc 2 --model small --global-batch 16
 
 bench-dp: setup
 	$(BIN)/trainmesh bench dp --nproc 2 --dp 2 --model small --global-batch 16 --microbatches 2

@@ -33,12 +33,25 @@ def in_fp64(cfg: Config) -> Config:
     return dataclasses.replace(cfg, precision="fp64", reduce_dtype="auto")
 
 
+_REFERENCES: dict[str, Training] = {}  # single-process runs already trained in this pytest process
+
+
 def train_single(cfg: Config) -> Training:
-    """The reference: the same config as one process (dp=tp=pp=1, same global batch and micro-batches)."""
+    """The reference: the same config as one process (dp=tp=pp=1, same global batch and micro-batches).
+
+    Many layouts share one reference, and training is deterministic for a given thread count, so a run
+    that writes nothing besides its metrics is trained once per test session and thread count, and reused."""
     single = dataclasses.replace(cfg, nproc=1, dp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
                                  schedule="1f1b", virtual_stages=1, stage_layers="")
+    reusable = not (single.checkpoint_dir or single.init_from)
+    key = f"{torch.get_num_threads()} threads: {dataclasses.replace(single, out='')!r}"
+    if reusable and key in _REFERENCES:
+        return _REFERENCES[key]
     result = train(single, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    return result.losses, full_state_dict(result.run)
+    training = result.losses, full_state_dict(result.run)
+    if reusable:
+        _REFERENCES[key] = training
+    return training
 
 
 def train_rank(cfgs: list[Config]) -> list[Training]:

@@ -222,3 +222,25 @@ def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
     monkeypatch.setitem(PRESETS, "odd-seq", ModelConfig(2, 64, 4, 256, 256, seq_len=30))
     with pytest.raises(ConfigError, match="needs tp=4 to divide seq_len=30"):
         validate(Config(model="odd-seq", nproc=4, tp=4, sequence_parallel=True))
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_the_torch_peer_of_bench_tp_gets_each_familys_plan_with_fused_rows_per_rank(name):
+    """``trainmesh bench tp --model X`` translates X's own plan for torch: after the reorder, torch's
+    contiguous row split gives each rank exactly trainmesh's shard of every fused projection."""
+    from trainmesh.bench.tp import torch_tp_plan
+    from trainmesh.models import preset, spec_of
+
+    spec, tp = spec_of(name), 2
+    model = spec.builder(preset(name), 0)
+    original = copy.deepcopy(model)
+    styles = torch_tp_plan(model, dict(spec.tp_plan), tp)
+    fused = {n: s for n, s in spec.tp_plan.items() if s in ("colwise_qkv", "colwise_pair")}
+    assert fused and not any("norm" in n or n.startswith("ln") for n in styles)
+    for pattern, style in fused.items():
+        module_name = pattern.replace("*", "0")
+        chunks = 3 if style == "colwise_qkv" else 2
+        weight, before = model.get_submodule(module_name).weight, original.get_submodule(module_name).weight
+        for r in range(tp):
+            rows = weight.shape[0] // tp
+            assert torch.equal(weight[r * rows:(r + 1) * rows], shard_tensor(before, ShardSpec(0, chunks=chunks), r, tp))

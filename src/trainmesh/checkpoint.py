@@ -78,11 +78,13 @@ from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 
+from trainmesh import hf
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
 from trainmesh.engine import Engine
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.models import preset, spec_of
 from trainmesh.precision import LossScaler
 from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
@@ -693,15 +695,31 @@ def load_weights(run: Run, path: Path) -> None:
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"--init-from {path}: not a readable safetensors file ({e}); write one with "
                               f"'trainmesh export CKPT --to FILE'") from None
-    if sum(t.numel() for t in full.values()) != run.cfg.model_config.n_params():
-        raise CheckpointMismatch(f"--init-from {path} holds {sum(t.numel() for t in full.values()):,} parameters, "
-                                 f"--model {run.cfg.model} has {run.cfg.model_config.n_params():,}; use a file of "
-                                 f"this model")
+    load_full(run, full, f"--init-from {path}")
+
+
+def load_hf_weights(run: Run, path: Path) -> None:
+    """Start from the weights of a local Hugging Face directory (``--init-hf``), converted to our names by
+    the family's mapping (:mod:`trainmesh.hf`) and resharded like ``--init-from``'s."""
+    try:
+        full = hf.read_hf(path)[2]
+    except hf.HFError as e:
+        raise CheckpointError(f"--init-hf: {e}") from None
+    load_full(run, full, f"--init-hf {path}")
+
+
+def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
+    """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
+    under the plain model's names; ``source`` names where they came from in errors."""
+    n_params = sum(t.numel() for t in full.values())
+    if n_params != run.cfg.model_config.n_params():
+        raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, --model {run.cfg.model} has "
+                                 f"{run.cfg.model_config.n_params():,}; use weights of this model")
     index = {f"model/{k}": {"shape": list(t.shape), "dtype": _dtype_name(t.dtype),
-                            "pieces": [{"key": k, "file": path.name, "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
+                            "pieces": [{"key": k, "file": "weights", "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
              for k, t in full.items()}
-    fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, path,
-         lambda what: CheckpointMismatch(f"--init-from {path} holds a different model: {what}; use a file of "
+    fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, Path(source),
+         lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
                                          f"--model {run.cfg.model}"))
     run.engine.after_update()
 
@@ -748,6 +766,8 @@ def restore(run: Run) -> TrainingProgress:
                        f"starting a fresh run in {cfg.checkpoint_dir}")
     if cfg.init_from:
         load_weights(run, Path(cfg.init_from))
+    if cfg.init_hf:
+        load_hf_weights(run, Path(cfg.init_hf))
     return TrainingProgress(run_id=agreed_run_id(device))
 
 
@@ -783,9 +803,15 @@ def claim(cfg: Config) -> Iterator[str]:
 
 
 def check_resumable(cfg: Config) -> None:
-    """Before spawning: a checkpoint of another model (or a missing ``--init-from``) is a one-line error."""
+    """Before spawning: a checkpoint of another model (or a missing ``--init-from``, an ``--init-hf``
+    directory whose weights do not fit its config) is a one-line error."""
     if cfg.init_from and not Path(cfg.init_from).is_file():
         raise CheckpointError(f"--init-from {cfg.init_from} does not exist")
+    if cfg.init_hf:
+        try:
+            hf.check_weights(cfg.init_hf)
+        except hf.HFError as e:
+            raise CheckpointError(f"--init-hf: {e}") from None
     if not cfg.resume:
         return
     for path in candidates(Path(cfg.checkpoint_dir)):
@@ -812,13 +838,35 @@ def read_tensors(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return {t.name: t.views[0].view(t.shape) for t in wanted}
 
 
+def _step_to_export(source: Path) -> Path:
+    """``source`` if it is a ``step-N`` directory, else the checkpoint its ``latest`` names (or its newest)."""
+    return source if (source / MANIFEST).exists() else next(iter(candidates(source)), source)
+
+
 def export(source: Path, out: Path) -> str:
     """Write the weights of checkpoint ``source`` (a ``step-N`` directory, or a checkpoint directory: the
     one its ``latest`` names) to ``out`` as one plain safetensors file under the plain model's names."""
-    path = source if (source / MANIFEST).exists() else next(iter(candidates(source)), source)
+    path = _step_to_export(source)
     manifest = read_manifest(path)
     tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
     replace_durably(out, safetensors.torch.save(tensors, metadata={"format": "pt", "step": str(manifest["step"]),
                                                                    "model": manifest["config"]["model"]}))
     n_params = sum(t.numel() for t in tensors.values())
     return f"wrote {len(tensors)} tensors ({n_params:,} parameters, step {manifest['step']}) of {path} to {out}"
+
+
+def export_hf(source: Path, out: Path) -> str:
+    """Write the weights of checkpoint ``source`` (as for :func:`export`) to directory ``out`` as the
+    family's Hugging Face model (``config.json`` and ``model.safetensors``, :func:`trainmesh.hf.save_hf`), the
+    shape taken from the manifest, so ``AutoModelForCausalLM.from_pretrained(out)`` loads it."""
+    path = _step_to_export(source)
+    manifest = read_manifest(path)
+    model_config = type(preset(manifest["config"]["model"]))(**manifest["model"])
+    tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
+    try:
+        hf.save_hf(tensors, out, model_config)
+    except hf.HFError as e:
+        raise CheckpointError(f"export --hf: {e}") from None
+    family = spec_of(manifest["config"]["model"])
+    return (f"wrote {family.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
+            f"{manifest['step']}) of {path} to {out}")

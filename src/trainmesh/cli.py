@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainmesh import runlock
-from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export
+from trainmesh import hf, runlock
+from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export, export_hf
 from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
                               validate)
 from trainmesh.data import DataError, TokenData
@@ -39,22 +39,30 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
     bench = sub.add_parser("bench", help="benchmark a parallel form against its PyTorch counterpart")
-    bench.add_argument("form", choices=("dp", "zero", "pp", "tp"),
-                       help="dp: trainmesh DataParallel vs DistributedDataParallel; zero: trainmesh --zero 3 vs "
-                       "FSDP2 fully_shard, and each stage's memory vs formula; pp: each schedule's measured vs "
-                       "simulated bubble, and 1F1B vs torch Schedule1F1B; tp: trainmesh tensor parallel vs "
-                       "torch parallelize_module (ColwiseParallel/RowwiseParallel)")
-    bench.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per implementation")
+    bench.add_argument("form", choices=("dp", "zero", "pp", "tp", "all"),
+                       help="dp: trainmesh DataParallel vs DistributedDataParallel; zero: each ZeRO stage vs "
+                       "ZeroRedundancyOptimizer / FSDP2, and each stage's memory vs formula; pp: each schedule's "
+                       "measured vs simulated bubble, and vs torch's schedule of the same name; tp: trainmesh "
+                       "tensor parallel vs torch parallelize_module; all: every one of them, one launch each, "
+                       "into one table (results.json and results.md in --out)")
+    bench.add_argument("--rounds", type=int, default=7, help="alternating timed rounds per implementation")
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
+    bench.add_argument("--results", default="", help="write this bench's rows as JSON to this file")
     add_config_flags(bench)
     _add_launch_parser(sub)
     _add_schedule_parser(sub)
     _add_plan_parser(sub)
-    export = sub.add_parser("export", help="write a checkpoint's weights as one plain .safetensors model file",
+    export = sub.add_parser("export", help="write a checkpoint's weights as one plain .safetensors model file "
+                                           "or a Hugging Face model directory",
                             description="Assemble the unsharded weights of a checkpoint written in any layout into "
-                                        "one safetensors file (load it back with train --init-from).")
+                                        "one safetensors file (load it back with train --init-from), or into a "
+                                        "Hugging Face model directory (train --init-hf, or transformers' "
+                                        "AutoModelForCausalLM.from_pretrained).")
     export.add_argument("checkpoint", help="a step-N checkpoint directory, or a --checkpoint-dir (its latest)")
-    export.add_argument("--to", required=True, metavar="FILE", help="the .safetensors file to write")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to", metavar="FILE", help="the .safetensors file to write")
+    target.add_argument("--hf", metavar="DIR", help="the directory to write config.json and model.safetensors to "
+                        "(LlamaForCausalLM or GPT2LMHeadModel)")
     return parser
 
 
@@ -71,11 +79,26 @@ def _export_target(to: Path) -> None:
         raise ConfigError(f"export --to {to}: directory {to.parent} is not writable; choose another place")
 
 
+def _export_hf_target(out: Path) -> None:
+    """Refuse an ``export --hf`` directory that cannot be written or already holds a model."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export --hf {out} is a file; name the directory to write the model to")
+    if any((out / name).exists() for name in (hf.CONFIG, hf.WEIGHTS, hf.INDEX)):
+        raise ConfigError(f"export --hf {out} already holds a model; choose an empty or new directory")
+    if not out.parent.is_dir():
+        raise ConfigError(f"export --hf {out}: directory {out.parent} does not exist; create it first")
+    if not os.access(out if out.exists() else out.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"export --hf {out}: not writable; choose another place")
+
+
 def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    to = Path(args.to)
-    _export_target(to)
+    to = Path(args.hf or args.to)
+    if args.hf:
+        _export_hf_target(to)
+    else:
+        _export_target(to)
     try:
-        print(export(Path(args.checkpoint), to))
+        print(export_hf(Path(args.checkpoint), to) if args.hf else export(Path(args.checkpoint), to))
     except OSError as e:
         raise ConfigError(f"exporting {args.checkpoint} to {to} failed: {e}") from None
     return 0
@@ -246,11 +269,18 @@ def _train_here(cfg: Config) -> int:
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.form == "all":
+        from trainmesh.bench.suite import run_all
+
+        cfg = config_from_args(args)
+        return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.rounds, args.steps_per_round,
+                       cfg.out or default_out_dir())
     cfg = checked_config(args)
     if not _is_rank() and cfg.nproc > 1:
         from trainmesh.launcher import launch
 
         return launch(argv, cfg.nproc)
+    from trainmesh.bench.common import write_results
     from trainmesh.bench.dp import bench_dp
     from trainmesh.bench.pp import bench_pp
     from trainmesh.bench.tp import bench_tp
@@ -258,7 +288,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from trainmesh.mesh import shutdown_distributed
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
-    bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round)
+    write_results(bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round), args.results)
     shutdown_distributed()
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
+from trainmesh import hf
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 
 if sys.version_info >= (3, 11):
@@ -104,6 +105,9 @@ class Config:
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
                           "writes) with a fresh optimizer")
+    init_hf: str = _opt("", "start from a local Hugging Face model directory (config.json and model.safetensors, "
+                        "as save_pretrained writes; never a hub id, nothing is downloaded) with a fresh optimizer; "
+                        "the model's family and shape come from its config.json, so --model is not needed")
     overwrite: bool = _opt(False, "start a fresh run in a --checkpoint-dir that holds another run's checkpoints, "
                            "deleting them first (without it such a directory is refused)")
     max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
@@ -126,8 +130,9 @@ class Config:
 
     @property
     def model_config(self) -> Any:
-        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``)."""
-        return preset(self.model)
+        """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``);
+        with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family)."""
+        return hf.read_config(self.init_hf)[1] if self.init_hf else preset(self.model)
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
@@ -170,7 +175,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "max_restarts"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
                 "peak_tflops", "out", "progress"),
 }
@@ -345,7 +350,23 @@ def config_from_args(args: argparse.Namespace) -> Config:
             text = getattr(args, f.name)
             values[f.name] = (check_value(f.name, text) if isinstance(text, bool) else
                               check_value(f.name, parse_flag(f.name, text), written=text))
+    if values.get("init_hf"):
+        values["model"] = _model_of_hf_dir(values["init_hf"], values.get("model"))
     return Config(**values)
+
+
+def _model_of_hf_dir(path: str, model: str | None) -> str:
+    """The ``model`` an ``--init-hf`` run records: the ``--model`` given if its shape is the directory's,
+    else (none given) the first preset of the directory's family, which names the family in checkpoints
+    while ``Config.model_config`` gives the shape. A ``--model`` of another shape is refused."""
+    try:
+        spec, hf_config = hf.read_config(path)
+    except hf.HFError as e:
+        raise ConfigError(f"--init-hf: {e}") from None
+    if model is not None and preset(model) != hf_config:
+        raise ConfigError(f"--model {model} conflicts with --init-hf {path}, whose config.json gives the model's "
+                          f"shape ({spec.family}: {hf_config}); drop --model")
+    return model if model is not None else next(iter(spec.presets))
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
@@ -374,12 +395,22 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
+    _validate_checkpoints(cfg)
     _validate_model_split(cfg)
     _validate_pipeline(cfg)
-    _validate_checkpoints(cfg)
 
 
 def _validate_checkpoints(cfg: Config) -> None:
+    if cfg.init_hf and cfg.init_from:
+        raise ConfigError("--init-hf and --init-from both give the starting weights; pass one of them")
+    if cfg.init_hf:
+        try:
+            family = hf.read_config(cfg.init_hf)[0].family
+        except hf.HFError as e:
+            raise ConfigError(f"--init-hf: {e}") from None
+        if spec_of(cfg.model).family != family:
+            raise ConfigError(f"--model {cfg.model} is a {spec_of(cfg.model).family} model but --init-hf "
+                              f"{cfg.init_hf} holds a {family} one; drop --model")
     needs_dir = [flag for flag, given in (("--resume", cfg.resume), ("--checkpoint-every", cfg.checkpoint_every),
                                           ("--max-restarts", cfg.max_restarts), ("--overwrite", cfg.overwrite))
                  if given]
@@ -389,24 +420,30 @@ def _validate_checkpoints(cfg: Config) -> None:
         raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
 
 
+def _model_name(cfg: Config) -> str:
+    """How messages name the model: its preset, or the directory ``--init-hf`` took its shape from."""
+    return f"the model in {cfg.init_hf}" if cfg.init_hf else cfg.model
+
+
 def _validate_model_split(cfg: Config) -> None:
-    m = cfg.model_config
+    m, name = cfg.model_config, _model_name(cfg)
     if cfg.pp > m.n_layers:
-        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {cfg.model}; "
+        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {name}; "
                           f"choose pp <= {m.n_layers}")
-    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, cfg.model)
+    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, name)
     if problem:
         raise ConfigError(problem)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over tensor-parallel ranks; "
                           "set --tp > 1 or drop --sequence-parallel")
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
-        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {cfg.model}; "
+        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
 
 
 def _validate_pipeline(cfg: Config) -> None:
     """Pipeline settings that cannot run (schedules: Narayanan et al. 2021; Qi et al. 2023)."""
+    name = _model_name(cfg)
     p, v, m, n_layers = cfg.pp, cfg.virtual_stages, cfg.microbatches, cfg.model_config.n_layers
     if p == 1:
         for flag, given in (("--virtual-stages", v > 1), ("--stage-layers", cfg.stage_layers),
@@ -422,11 +459,11 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"set --microbatches to a multiple of {p} (got {m})")
     if n_layers < p * v:
         raise ConfigError(f"--pp {p} x --virtual-stages {v} = {p * v} stages need at least one layer each, but "
-                          f"{cfg.model} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
+                          f"{name} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
     counts = cfg.stage_layer_counts
     if counts and (len(counts) != p * v or min(counts) < 1 or sum(counts) != n_layers):
         raise ConfigError(f"--stage-layers {cfg.stage_layers} must give {p * v} counts (pp * virtual-stages), "
-                          f"each >= 1, summing to the {n_layers} layers of {cfg.model}")
+                          f"each >= 1, summing to the {n_layers} layers of {name}")
     if cfg.schedule == "zb" and cfg.compile:
         raise ConfigError("--schedule zb splits backward at module outputs, which torch.compile fuses away; "
                           "drop --compile or use --schedule 1f1b")

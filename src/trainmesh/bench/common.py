@@ -3,22 +3,93 @@
 Benchmarks run a trainmesh parallel form and its PyTorch counterpart in one run and print figures.
 
 Both implementations train the same model on the same batches on the same ranks. Timed rounds alternate
-between them, so slow drift of the machine (other load, thermal state) hits both alike; the figure is
-tokens per second over all timed steps. Nothing here asserts a speed: benchmarks print, tests check.
+between them, so slow drift of the machine (other load, thermal state) hits both alike, and each round's
+tokens/s ratio pairs two neighbouring measurements: the figure is the median of those per-round ratios,
+with their min and max, so one disturbed round moves neither end of the answer. Nothing here asserts a
+speed: benchmarks print, tests check.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import json
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from trainmesh.comm import log_all_gather
 from trainmesh.run import Run
 from trainmesh.train import forward_backward, rank_batch
 
 StepFn = Callable[[int], None]
+Rounds = dict[str, list[float]]  # tokens/s of each timed round, per implementation
+CLEAR_REFS = Path("/proc/self/clear_refs")
+STATUS = Path("/proc/self/status")
+RSS_STEPS = 3
+
+
+@dataclass
+class Result:
+    """One row of a benchmark: a trainmesh form beside its torch peer (``peer_tokens_per_s`` empty and
+    ``note`` saying why when the peer cannot run here)."""
+
+    form: str
+    ours: str
+    peer: str
+    tokens_per_s: list[float]
+    peer_tokens_per_s: list[float] = field(default_factory=list)
+    peak_rss: list[int] = field(default_factory=list)
+    peer_peak_rss: list[int] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ratios(self) -> list[float]:
+        """trainmesh / peer tokens/s of each round (the rounds alternate, so each pair shares a moment)."""
+        return [a / b for a, b in zip(self.tokens_per_s, self.peer_tokens_per_s)]
+
+    def summary(self) -> dict:
+        ratios = self.ratios
+        stats = ({"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+                 if ratios else {})
+        return {**asdict(self), **stats, "tokens_per_s_median": statistics.median(self.tokens_per_s)}
+
+    def line(self) -> str:
+        ratios = self.ratios
+        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios
+                 else "n/a")
+        rss = (f"  peak RSS {max(self.peak_rss) / 2**20:.0f} vs {max(self.peer_peak_rss) / 2**20:.0f} MiB"
+               if self.peak_rss and self.peer_peak_rss else "")
+        note = f"  ({self.note})" if self.note else ""
+        return (f"  {self.ours} / {self.peer}: ratio {ratio}, {statistics.median(self.tokens_per_s):,.0f} tokens/s"
+                f"{rss}{note}")
+
+
+def write_results(results: Sequence[Result], path: str) -> None:
+    """Rank 0 writes the rows as JSON, for ``trainmesh bench all`` to assemble."""
+    if path and dist.get_rank() == 0:
+        Path(path).write_text(json.dumps([r.summary() for r in results], indent=1))
+
+
+def peak_rss(step: StepFn, first: int, count: int = RSS_STEPS) -> int:
+    """Peak resident bytes over ``count`` steps. Before each step the heap's free memory is handed back
+    to the OS (glibc ``malloc_trim``) and the kernel's high-water mark is reset (Linux ``clear_refs``), so
+    the figure is what is resident during this implementation's steps, not what earlier work left behind."""
+    libc = ctypes.CDLL(None)
+    peak = 0
+    for i in range(first, first + count):
+        gc.collect()
+        libc.malloc_trim(0)
+        CLEAR_REFS.write_text("5")
+        step(i)
+        line = next(x for x in STATUS.read_text().splitlines() if x.startswith("VmHWM:"))
+        peak = max(peak, int(line.split()[1]) * 1024)
+    return peak
 
 
 def trainmesh_step(run: Run) -> StepFn:
@@ -41,12 +112,25 @@ def _timed(step: StepFn, first: int, count: int, device: torch.device) -> float:
 
 
 def compare(steps: dict[str, StepFn], tokens_per_step: int, rounds: int, steps_per_round: int,
-            device: torch.device) -> dict[str, float]:
-    """Tokens/s of each step function over alternating timed rounds, after one warm-up round each."""
-    elapsed = dict.fromkeys(steps, 0.0)
+            device: torch.device) -> Rounds:
+    """Tokens/s of each step function in each of ``rounds`` alternating timed rounds, after one warm-up
+    round each."""
+    per_round: Rounds = {name: [] for name in steps}
     for step in steps.values():
         _timed(step, 0, 2, device)
     for r in range(rounds):
         for name, step in steps.items():
-            elapsed[name] += _timed(step, 2 + r * steps_per_round, steps_per_round, device)
-    return {name: tokens_per_step * rounds * steps_per_round / t for name, t in elapsed.items()}
+            elapsed = _timed(step, 2 + r * steps_per_round, steps_per_round, device)
+            per_round[name].append(tokens_per_step * steps_per_round / elapsed)
+    return per_round
+
+
+def rss_after(steps: dict[str, StepFn], rounds: int, steps_per_round: int) -> dict[str, list[int]]:
+    """Peak RSS of every rank during a few untimed steps of each implementation, after the timed rounds."""
+    first = 2 + rounds * steps_per_round
+    return {name: all_ranks(peak_rss(step, first)) for name, step in steps.items()}
+
+
+def all_ranks(value: int) -> list[int]:
+    """``value`` of every rank, in rank order."""
+    return log_all_gather(torch.tensor([value], dtype=torch.int64)).reshape(-1).tolist()

@@ -6,10 +6,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.bench.common import StepFn, compare, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
 from trainmesh.config import Config
 from trainmesh.run import Run
-from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.models import spec_of
+from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
 from trainmesh.train import build, rank_batch, setup_process
@@ -18,7 +19,7 @@ from trainmesh.train import build, rank_batch, setup_process
 def _ddp_step(run: Run) -> StepFn:
     """The same training step with torch DDP (same bucket size) and torch's own gradient clipping."""
     cfg, device = run.cfg, run.mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device, dtype_of(cfg.precision))
+    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
     optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
@@ -36,19 +37,19 @@ def _ddp_step(run: Run) -> StepFn:
     return step
 
 
-def bench_dp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
+def bench_dp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
     if cfg.world_size < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
     mesh = setup_process(cfg)
     run = build(cfg, mesh)
-    tokens_per_step = cfg.global_batch * cfg.model_config.seq_len
-    rates = compare({"trainmesh": trainmesh_step(run), "torch_ddp": _ddp_step(run)}, tokens_per_step,
-                    rounds, steps_per_round, mesh.device)
+    steps = {"trainmesh": trainmesh_step(run), "torch_ddp": _ddp_step(run)}
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
+    rss = rss_after(steps, rounds, steps_per_round)
+    result = Result("dp", "trainmesh DataParallel", "torch DDP", rates["trainmesh"], rates["torch_ddp"],
+                    rss["trainmesh"], rss["torch_ddp"])
     if dist.get_rank() == 0:
         print(f"bench dp: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
               f"microbatches={cfg.microbatches} bucket_mb={cfg.bucket_mb} device={mesh.device.type}")
-        for name, rate in rates.items():
-            print(f"  {name:<10} {rate:12,.0f} tokens/s")
-        print(f"  ratio trainmesh/torch_ddp = {rates['trainmesh'] / rates['torch_ddp']:.3f}")
-    return rates
+        print(result.line())
+    return [result]

@@ -1,5 +1,6 @@
 """``trainmesh bench pp``: each pipeline schedule's measured bubble against the simulator's prediction,
-and trainmesh 1F1B against ``torch.distributed.pipelining.Schedule1F1B`` in tokens/s.
+and each schedule against ``torch.distributed.pipelining``'s class of the same name in tokens/s
+(``ScheduleGPipe``, ``Schedule1F1B``; the rows of the others say why they have no peer here).
 
 Bubble: every schedule trains a few recorded steps; the runtime times each action on a clock aligned
 across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
@@ -22,13 +23,13 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from trainmesh.bench.common import StepFn, compare, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
-from trainmesh.models.gpt import GPT
+from trainmesh.models import spec_of
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import COMPUTE_KINDS, ActionKind, Schedule
@@ -109,14 +110,22 @@ def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
     return out
 
 
-def _torch_1f1b_step(run: Run) -> StepFn:
-    """The same training step with torch's ``PipelineStage`` + ``Schedule1F1B`` on the same partition."""
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+NO_TORCH_PEER = {
+    "interleaved": "torch's ScheduleInterleaved1F1B needs several PipelineStages per rank; not wired here",
+    "zb": "torch's zero-bubble schedules need a split weight-gradient stage API; not wired here",
+}
+
+
+def _torch_step(run: Run) -> StepFn:
+    """The same training step with torch's ``PipelineStage`` and its schedule class of the same name as
+    ``run``'s, on the same partition."""
     cfg, mesh = run.cfg, run.mesh
     p, rank, device = mesh.size("pp"), mesh.rank("pp"), mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device, dtype_of(cfg.precision))
+    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
     module, _ = split_model(model, partition_model(model, p), rank, p)
     stage = PipelineStage(module, rank, p, device, group=mesh.group("pp"))
-    schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=run.criterion)
+    schedule = TORCH_SCHEDULES[cfg.schedule](stage, cfg.microbatches, loss_fn=run.criterion)
     optimizer = build_adamw(module.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     params = [q for q in module.parameters() if q.requires_grad]
 
@@ -132,29 +141,43 @@ def _torch_1f1b_step(run: Run) -> StepFn:
     return step
 
 
-def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
-    """Bubble per schedule (measured vs simulated) and trainmesh vs torch 1F1B tokens/s; prints on rank 0."""
+def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
+    """Bubble per schedule (measured vs simulated) and each schedule vs torch's class of the same name in
+    tokens/s; prints on rank 0."""
     if cfg.pp < 2 or cfg.dp * cfg.tp != 1:
         raise SystemExit("trainmesh bench pp compares pipelines alone: pass --nproc P --pp P with P >= 2")
     if cfg.microbatches < cfg.pp:
-        raise SystemExit(f"torch's Schedule1F1B needs --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
+        raise SystemExit(f"torch's pipeline schedules need --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
     mesh = setup_process(cfg)
     m = cfg.model_config
     latency = p2p_latency(mesh, (cfg.micro_batch, m.seq_len, m.d_model), dtype_of(cfg.precision))
     lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
              f"micro_batch={cfg.micro_batch} device={mesh.device.type}, p2p latency {latency * 1e3:.3f} ms",
              f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'uniform':>8}   (bubble fraction)"]
+    results = []
     for variant, label in _variants(cfg):
         if variant is None:
             lines.append(f"  {label}")
             continue
-        measured, simulated, uniform = _bubbles(build(variant, mesh), rounds * steps_per_round, latency)
+        run = build(variant, mesh)
+        measured, simulated, uniform = _bubbles(run, rounds * steps_per_round, latency)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
-    run = build(dataclasses.replace(cfg, schedule="1f1b", virtual_stages=1, stage_layers="", timeline=""), mesh)
-    rates = compare({"trainmesh_1f1b": trainmesh_step(run), "torch_1f1b": _torch_1f1b_step(run)},
-                    cfg.global_batch * m.seq_len, rounds, steps_per_round, mesh.device)
-    lines += [f"  {name:<15} {rate:12,.0f} tokens/s" for name, rate in rates.items()]
-    lines.append(f"  ratio trainmesh/torch 1F1B = {rates['trainmesh_1f1b'] / rates['torch_1f1b']:.3f}")
+        results.append(_versus_torch(run, label, rounds, steps_per_round))
+    lines += [r.line() for r in results]
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
-    return rates
+    return results
+
+
+def _versus_torch(run: Run, schedule: str, rounds: int, steps_per_round: int) -> Result:
+    """trainmesh's ``schedule`` against torch's class of the same name (or why there is none)."""
+    cfg = run.cfg
+    ours = f"trainmesh {schedule} pp{cfg.pp}"
+    peer = f"torch {TORCH_SCHEDULES[schedule].__name__}" if schedule in TORCH_SCHEDULES else "none"
+    steps = {"trainmesh": trainmesh_step(run)}
+    if schedule in TORCH_SCHEDULES:
+        steps["torch"] = _torch_step(run)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, run.mesh.device)
+    rss = rss_after(steps, rounds, steps_per_round)
+    return Result(f"pp {schedule}", ours, peer, rates["trainmesh"], rates.get("torch", []), rss["trainmesh"],
+                  rss.get("torch", []), NO_TORCH_PEER.get(schedule, ""))

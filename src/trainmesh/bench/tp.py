@@ -1,11 +1,13 @@
 """``trainmesh bench tp``: trainmesh tensor parallelism against PyTorch's ``parallelize_module``.
 
-Both train the same GPT from the same seed on the same batches and ranks with the same layout: the
-embedding and output head split by vocabulary (the loss computed from the vocabulary shards: trainmesh's
-vocab-parallel cross-entropy, torch's ``loss_parallel``), ``qkv``/``fc`` column-parallel, both ``proj``
-row-parallel. torch's ``ColwiseParallel`` shards a weight's rows contiguously, so its copy of the model
-has the fused ``qkv`` rows reordered rank by rank as ``[q | k | v]`` of that rank's heads: the same
-function, sharded the same way. Timed rounds alternate (:func:`trainmesh.bench.common.compare`).
+Both train the same model (any family, ``--model``) from the same seed on the same batches and ranks with
+the same layout, torch's plan translated from the family's own (:func:`torch_tp_plan`): the embedding and
+output head split by vocabulary (the loss computed from the vocabulary shards: trainmesh's vocab-parallel
+cross-entropy, torch's ``loss_parallel``), column- and row-parallel linears where the spec puts them.
+torch's ``ColwiseParallel`` shards a weight's rows contiguously, so in its copy of the model a fused
+projection split chunk by chunk (GPT's ``[q | k | v]``, Llama's ``[gate | up]``) has its rows reordered
+rank by rank: the same function, sharded the same way. Timed rounds alternate
+(:func:`trainmesh.bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -14,41 +16,55 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.bench.common import StepFn, compare, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
 from trainmesh.config import Config, ConfigError
-from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.models import spec_of
+from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
-from trainmesh.tensor_parallel import ShardSpec, shard_tensor
+from trainmesh.tensor_parallel import ShardSpec, match_plan, shard_tensor
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
 
+CHUNKS = {"colwise": 1, "colwise_qkv": 3, "colwise_pair": 2}  # trainmesh's column styles: chunks split apart
+
+
 @torch.no_grad()
-def _qkv_rows_by_rank(model: GPT, tp: int) -> None:
-    """Reorder each fused qkv's rows so that rank r's contiguous 1/tp is its heads of q, k and v."""
-    spec = ShardSpec(0, chunks=3)
-    for block in model.blocks.values():
-        for p in (block.attn.qkv.weight, block.attn.qkv.bias):
+def _rows_by_rank(linear: nn.Linear, chunks: int, tp: int) -> None:
+    """Reorder a fused linear's rows so that rank r's contiguous 1/tp is its part of every chunk."""
+    spec = ShardSpec(0, chunks=chunks)
+    for p in (linear.weight, linear.bias):
+        if p is not None:
             p.copy_(torch.cat([shard_tensor(p, spec, r, tp) for r in range(tp)]))
 
 
-def torch_tp_plan(model: GPT) -> dict:
-    """The Megatron layout in ``torch.distributed.tensor.parallel`` styles."""
-    plan = {"embed.tok": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(use_local_output=False)}
-    for i in model.blocks:
-        plan |= {f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
-                 f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()}
-    return plan
+def torch_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict:
+    """The family's trainmesh plan in ``torch.distributed.tensor.parallel`` styles (sequence-parallel
+    regions left out: the bench compares plain TP), fused column-parallel rows reordered for torch."""
+    styles = {}
+    for name, style in match_plan(model, plan).items():
+        module = model.get_submodule(name)
+        if style in CHUNKS:
+            if CHUNKS[style] > 1:
+                _rows_by_rank(module, CHUNKS[style], tp)
+            styles[name] = ColwiseParallel()
+        elif style == "rowwise":
+            styles[name] = RowwiseParallel()
+        elif style == "vocab":
+            styles[name] = (RowwiseParallel(input_layouts=Replicate()) if isinstance(module, nn.Embedding)
+                            else ColwiseParallel(use_local_output=False))
+    return styles
 
 
-def _torch_model(run: Run) -> GPT:
+def _torch_model(run: Run) -> nn.Module:
     cfg, mesh = run.cfg, run.mesh
-    model = GPT(cfg.model_config, seed=cfg.seed).to(mesh.device, dtype_of(cfg.precision))
-    _qkv_rows_by_rank(model, mesh.size("tp"))
-    return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model))
+    spec = spec_of(cfg.model)
+    model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model, dict(spec.tp_plan), mesh.size("tp")))
 
 
 def _clip_mixed_(params: list[torch.nn.Parameter], max_norm: float) -> None:
@@ -62,7 +78,7 @@ def _clip_mixed_(params: list[torch.nn.Parameter], max_norm: float) -> None:
     torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
 
 
-def _torch_tp_step(run: Run, model: GPT) -> StepFn:
+def _torch_tp_step(run: Run, model: nn.Module) -> StepFn:
     """The same step on DTensors: loss over vocabulary shards, clipping by the global norm, AdamW."""
     cfg = run.cfg
     params = list(model.parameters())
@@ -85,7 +101,7 @@ def _torch_tp_step(run: Run, model: GPT) -> StepFn:
 
 
 @torch.no_grad()
-def _first_losses(run: Run, model: GPT) -> tuple[float, float]:
+def _first_losses(run: Run, model: nn.Module) -> tuple[float, float]:
     """Both implementations' loss on the first batch before training: the same model gives the same loss."""
     x, y = rank_batch(run, run.data.train, 0, run.cfg.global_batch)[0]
     mine = run.criterion(run.model(x), y).item()
@@ -94,7 +110,7 @@ def _first_losses(run: Run, model: GPT) -> tuple[float, float]:
     return mine, theirs
 
 
-def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
+def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     """trainmesh :func:`~trainmesh.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
         raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
@@ -103,13 +119,14 @@ def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]
     run = build(cfg, mesh)
     model = _torch_model(run)
     losses = _first_losses(run, model)
-    rates = compare({"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)},
-                    cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
+    steps = {"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)}
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
+    rss = rss_after(steps, rounds, steps_per_round)
+    result = Result("tp", f"trainmesh tp{cfg.tp}", "torch DTensor parallelize_module", rates["trainmesh"],
+                    rates["torch_tp"], rss["trainmesh"], rss["torch_tp"])
     if dist.get_rank() == 0:
         print(f"bench tp: model={cfg.model} tp={cfg.tp} global_batch={cfg.global_batch} "
               f"microbatches={cfg.microbatches} device={mesh.device.type}")
         print(f"  first-batch loss: trainmesh {losses[0]:.6f}, torch_tp {losses[1]:.6f}")
-        for name, rate in rates.items():
-            print(f"  {name:<10} {rate:12,.0f} tokens/s")
-        print(f"  ratio trainmesh/torch_tp = {rates['trainmesh'] / rates['torch_tp']:.3f}")
-    return rates
+        print(result.line())
+    return [result]

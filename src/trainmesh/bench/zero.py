@@ -1,89 +1,96 @@
-"""``trainmesh bench zero``: trainmesh ZeRO-3 against PyTorch FSDP2 (``fully_shard``), and each ZeRO
-stage's measured model state against the paper's formula.
+"""``trainmesh bench zero``: each ZeRO stage against its PyTorch peer, and each stage's measured model
+state against the paper's formula.
 
-Both implementations train the same GPT from the same seed on the same batches and ranks, with the same
-wrapping (:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head, each resharded
-after forward) and gradients reduce-scattered every micro-batch; timed rounds alternate
+Peers: stage 1, ``ZeroRedundancyOptimizer`` (AdamW state sharded) under DDP; stage 2, FSDP2
+``fully_shard`` keeping parameters whole from forward to backward (``reshard_after_forward=False``);
+stage 3, FSDP2 ``fully_shard``. Both sides train the same model (any family, ``--model``) from the same
+seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh shards
+(:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head). Timed rounds alternate
 (:func:`trainmesh.bench.common.compare`). Memory per rank is reported two ways:
 
 * ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
   ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
   most it held at any point inside a step.
-* peak RSS over a few further untimed steps of each (Linux: :func:`peak_rss`). Both models live in the
-  one process, so both figures include the other's resident state; their difference is what each one
-  allocates transiently.
+* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh.bench.common.peak_rss`).
+  Both models live in the one process, so both figures include the other's resident state; their
+  difference is what each one allocates transiently.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import gc
-from pathlib import Path
 
 import torch
+from torch import nn
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
 
-from trainmesh.bench.common import StepFn, compare
-from trainmesh.comm import log_all_gather
+from trainmesh.bench.common import Result, StepFn, all_ranks, compare, rss_after, trainmesh_step
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.models.gpt import GPT, cross_entropy
+from trainmesh.models import spec_of
+from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
 from trainmesh.run import Run
-from trainmesh.train import build, forward_backward, full_state_dict, rank_batch, setup_process
+from trainmesh.train import build, full_state_dict, rank_batch, setup_process
 from trainmesh.zero import default_units, model_state_bytes_formula
 
-CLEAR_REFS = Path("/proc/self/clear_refs")
-STATUS = Path("/proc/self/status")
-RSS_STEPS = 3
 MemoryRow = tuple[int, list[int], list[int] | None, float]
-
-
-def peak_rss(step: StepFn, first: int, count: int) -> int:
-    """Peak resident bytes over ``count`` steps. Before each step the heap's free memory is handed back
-    to the OS (glibc ``malloc_trim``) and the kernel's high-water mark is reset (Linux ``clear_refs``), so
-    the figure is what is resident during this implementation's steps, not what earlier work left behind."""
-    libc = ctypes.CDLL(None)
-    peak = 0
-    for i in range(first, first + count):
-        gc.collect()
-        libc.malloc_trim(0)
-        CLEAR_REFS.write_text("5")
-        step(i)
-        line = next(x for x in STATUS.read_text().splitlines() if x.startswith("VmHWM:"))
-        peak = max(peak, int(line.split()[1]) * 1024)
-    return peak
-
-
-def trainmesh_step(run: Run) -> StepFn:
-    def step(i: int) -> None:
-        forward_backward(run, rank_batch(run, run.data.train, i, run.cfg.global_batch))
-        run.engine.step(run.cfg.lr, run.cfg.grad_clip)
-
-    return step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def fsdp2_model(run: Run) -> tuple[GPT, torch.optim.Optimizer]:
-    """The same GPT under ``fully_shard`` over the ``dp`` axis, unit by unit, then the root."""
-    cfg, device = run.cfg, run.mesh.device
-    model = GPT(cfg.model_config, seed=cfg.seed).to(device)
+def _plain_model(run: Run) -> nn.Module:
+    cfg = run.cfg
+    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(run.mesh.device, dtype_of(cfg.precision))
+
+
+def _adamw(run: Run, params) -> torch.optim.Optimizer:
+    cfg = run.cfg
+    return build_adamw(params, run.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+
+
+def fsdp2_model(run: Run, reshard_after_forward: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The same model under ``fully_shard`` over the ``dp`` axis, unit by unit, then the root; without
+    resharding after forward it keeps whole parameters from forward to backward, ZeRO-2's trade."""
+    model = _plain_model(run)
     dp_mesh = run.mesh.device_mesh["dp"]
     for _, unit in default_units(model):
-        fully_shard(unit, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return model, build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model, _adamw(run, model.named_parameters())
 
 
-def _fsdp2_step(run: Run, model: GPT, optimizer: torch.optim.Optimizer) -> StepFn:
+def _zero_redundancy_step(run: Run) -> StepFn:
+    """ZeRO-1's peer: DDP for the gradients, ``ZeroRedundancyOptimizer`` sharding AdamW's state."""
+    cfg = run.cfg
+    model = DistributedDataParallel(_plain_model(run), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
+                                    process_group=run.mesh.group("dp"))
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=run.mesh.group("dp"),
+                                        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+
+    def step(i: int) -> None:
+        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        for k, (x, y) in enumerate(micro):
+            with model.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
+                (cross_entropy(model(x), y) / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    return step
+
+
+def _fsdp2_step(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
     """The same step with FSDP2 and torch's own clipping; gradients kept (zeroed) between steps, as
     trainmesh keeps its gradient shards."""
     def step(i: int) -> None:
@@ -97,15 +104,11 @@ def _fsdp2_step(run: Run, model: GPT, optimizer: torch.optim.Optimizer) -> StepF
     return step
 
 
-def fsdp2_state_bytes(model: GPT, optimizer: torch.optim.Optimizer) -> int:
+def fsdp2_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Parameters + gradients + optimizer state FSDP2 holds on this rank (the DTensors' local shards)."""
     params = list(model.parameters())
     tensors = [_local(p) for p in params] + [_local(p.grad) for p in params if p.grad is not None]
     return storage_bytes(tensors + [_local(t) for t in optimizer_tensors(optimizer)])
-
-
-def _per_rank(value: int) -> list[int]:
-    return log_all_gather(torch.tensor([value], dtype=torch.int64)).reshape(-1).tolist()
 
 
 def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
@@ -119,10 +122,10 @@ def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
         for i in range(steps):
             step(i)
         held = storage_bytes(run.engine.state_tensors())
-        peak = _per_rank(run.engine.peak_state_bytes) if stage else None
+        peak = all_ranks(run.engine.peak_state_bytes) if stage else None
         formula = model_state_bytes_formula(psi, cfg.dp, stage, cfg.precision != "fp32",
                                             dtype_of(cfg.grad_dtype).itemsize)
-        rows.append((stage, _per_rank(held), peak, formula))
+        rows.append((stage, all_ranks(held), peak, formula))
         del run, step
         gc.collect()
     return rows
@@ -144,35 +147,47 @@ def _print_memory(cfg: Config, rows: list[MemoryRow]) -> None:
               f"in-step peak {_mb(peak) if peak else 'as held'}")
 
 
-def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> dict[str, float]:
-    """Memory of stages 0-3 vs formula, then trainmesh ``--zero 3`` vs FSDP2 (throughput and memory)."""
+def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
+    """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
+    ZeRO-3's model state and trained parameters beside FSDP2's."""
     if cfg.world_size < 2 or cfg.dp != cfg.world_size:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")
-    cfg = dataclasses.replace(cfg, zero=3)
     mesh = setup_process(cfg)
     rows = stage_memory(cfg, mesh)
-    run = build(cfg, mesh)
-    model, optimizer = fsdp2_model(run)
-    steps = {"trainmesh": trainmesh_step(run), "fsdp2": _fsdp2_step(run, model, optimizer)}
-    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
-    held = {"trainmesh": _per_rank(storage_bytes(run.engine.state_tensors())),
-            "fsdp2": _per_rank(fsdp2_state_bytes(model, optimizer))}
-    after_timed = 2 + rounds * steps_per_round
-    rss = {name: _per_rank(peak_rss(step, after_timed, RSS_STEPS)) for name, step in steps.items()}
+    tokens = cfg.global_batch * cfg.model_config.seq_len
+    results, lines = [], []
+    peers = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard after forward)",
+             3: "torch FSDP2 fully_shard"}
+    for stage, peer in peers.items():
+        run = build(dataclasses.replace(cfg, zero=stage), mesh)
+        if stage == 1:
+            peer_step = _zero_redundancy_step(run)
+        else:
+            model, optimizer = fsdp2_model(run, reshard_after_forward=stage == 3)
+            peer_step = _fsdp2_step(run, model, optimizer)
+        steps = {"trainmesh": trainmesh_step(run), "torch": peer_step}
+        rates = compare(steps, tokens, rounds, steps_per_round, mesh.device)
+        rss = rss_after(steps, rounds, steps_per_round)
+        results.append(Result(f"zero{stage}", f"trainmesh --zero {stage}", peer, rates["trainmesh"], rates["torch"],
+                              rss["trainmesh"], rss["torch"]))
+        if stage == 3:
+            lines += _versus_fsdp2(run, model, optimizer)
+        del run, steps, peer_step
+        gc.collect()
+    if dist.get_rank() == 0:
+        print(f"bench zero: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
+              f"microbatches={cfg.microbatches} device={mesh.device.type}")
+        _print_memory(cfg, rows)
+        print("\n".join([r.line() for r in results] + lines))
+    return results
+
+
+def _versus_fsdp2(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """ZeRO-3's held model state and trained parameters beside FSDP2's after the same steps."""
+    held = all_ranks(storage_bytes(run.engine.state_tensors())), all_ranks(fsdp2_state_bytes(model, optimizer))
     ours = full_state_dict(run)
     theirs = {name: p.full_tensor() for name, p in model.named_parameters()}
-    if dist.get_rank() == 0:
-        diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
-        print(f"bench zero: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
-              f"microbatches={cfg.microbatches} units={len(default_units(model))} device={mesh.device.type}")
-        _print_memory(cfg, rows)
-        print("  trainmesh --zero 3 vs torch FSDP2 fully_shard, alternating timed rounds:")
-        for name, rate in rates.items():
-            print(f"    {name:<10} {rate:12,.0f} tokens/s  model_state_bytes {_mb(held[name])}  "
-                  f"peak RSS {_mb(rss[name])}")
-        print(f"    ratio trainmesh/fsdp2 = {rates['trainmesh'] / rates['fsdp2']:.3f} tokens/s, "
-              f"{max(held['trainmesh']) / max(held['fsdp2']):.3f} model state, "
-              f"{max(rss['trainmesh']) / max(rss['fsdp2']):.3f} peak RSS")
-        print(f"    max |param diff| after the same steps: {diff:.2e}")
-    return rates
+    diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
+    return [f"  zero3 model_state_bytes {_mb(held[0])} vs fsdp2 {_mb(held[1])} "
+            f"(ratio {max(held[0]) / max(held[1]):.3f}); max |param diff| after the same steps: {diff:.2e}"]

@@ -44,11 +44,12 @@ def build_hf_llama(config: Any, seed: int) -> nn.Module:
 
 SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
-              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
+              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
               accepts=lambda model: isinstance(model, gpt.GPT)),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
-              planner_presets=llama.PLANNER_PRESETS, accepts=lambda model: isinstance(model, llama.Llama)),
+              planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
+              accepts=lambda model: isinstance(model, llama.Llama)),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
               accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
               prepare=hf_llama.add_rotary),

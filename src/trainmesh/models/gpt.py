@@ -13,13 +13,15 @@ that possible without special cases:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainmesh.models.spec import stage_forward
+from trainmesh.models.spec import HFIncompatible, HFMapping, stage_forward
 
 
 @dataclass(frozen=True)
@@ -162,3 +164,84 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over every position; the default criterion (TP swaps in a vocab-parallel one)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: loss in fp32
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# --- Hugging Face GPT2LMHeadModel ----------------------------------------------------------------------
+
+TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
+"""HF's names for the tanh approximation of GELU that :class:`MLP` computes: ``gelu_pytorch_tanh`` calls
+the same ``F.gelu(approximate="tanh")``, ``gelu_new`` (GPT-2's own) spells out the same formula."""
+
+
+def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
+    """Our config for a ``GPT2LMHeadModel`` config; anything this model would compute differently (the exact
+    erf GELU, another LayerNorm epsilon, attention scaled otherwise) is refused."""
+    differs = {
+        "activation_function": (hf.get("activation_function"), TANH_GELUS),
+        "layer_norm_epsilon": (hf.get("layer_norm_epsilon"), (1e-5,)),
+        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
+    }
+    for what, (there, ours) in differs.items():
+        if there not in ours:
+            raise HFIncompatible(f"{what} is {there!r}; trainmesh's GPT computes {ours[0]!r} (GPT-2 layout, "
+                                 f"tanh GELU), so this checkpoint cannot be imported")
+    d = hf["n_embd"]
+    return ModelConfig(n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d,
+                       vocab_size=hf["vocab_size"], seq_len=hf["n_positions"])
+
+
+def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``GPT2Config`` attributes of ours: untied head, no dropout (ours has none), no special tokens
+    (trainmesh trains on raw bytes), and the GELU our MLP computes."""
+    return {"n_layer": cfg.n_layers, "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": cfg.d_ff,
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "activation_function": TANH_GELUS[0],
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None}
+
+
+CONV1D = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+"""Our linears that GPT-2 stores as ``Conv1D`` (weight ``[in, out]``, the transpose of ``nn.Linear``'s)."""
+_HF_BLOCK = {"ln1": "ln_1", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "ln2": "ln_2",
+             "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+
+
+def _names(cfg: ModelConfig) -> dict[str, str]:
+    """Our name -> HF's for every tensor but the head. q, k and v share one ``[q | k | v]`` projection
+    in both, with heads in the same order, so nothing is re-laid out beyond the Conv1D transposes."""
+    names = {"embed.tok.weight": "transformer.wte.weight", "embed.pos.weight": "transformer.wpe.weight",
+             "ln_f.weight": "transformer.ln_f.weight", "ln_f.bias": "transformer.ln_f.bias"}
+    for i in range(cfg.n_layers):
+        for ours, theirs in _HF_BLOCK.items():
+            for kind in ("weight", "bias"):
+                names[f"blocks.{i}.{ours}.{kind}"] = f"transformer.h.{i}.{theirs}.{kind}"
+    return names
+
+
+def _hf_layout(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Transposed if ``name`` (ours) is a Conv1D weight in GPT-2 (the transpose is its own inverse)."""
+    return t.t().contiguous() if name.endswith(".weight") and name.rsplit(".", 1)[0].endswith(CONV1D) else t
+
+
+def _hf_tensor(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """``name``, or the same without ``transformer.`` as ``GPT2Model`` checkpoints (OpenAI's own) store it."""
+    return hf[name] if name in hf or not name.startswith("transformer.") else hf[name.removeprefix("transformer.")]
+
+
+def from_hf(cfg: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict from a GPT-2 one. Our head is its own weight: a tied checkpoint (GPT-2's usual, with
+    no ``lm_head.weight``) gives it a copy of the token embedding, which computes the same logits."""
+    out = {ours: _hf_layout(ours, _hf_tensor(hf, theirs)) for ours, theirs in _names(cfg).items()}
+    out["head.weight"] = hf["lm_head.weight"] if "lm_head.weight" in hf else out["embed.tok.weight"].clone()
+    return out
+
+
+def to_hf(cfg: ModelConfig, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``GPT2LMHeadModel`` state dict of ours, head untied (``tie_word_embeddings`` false)."""
+    out = {theirs: _hf_layout(name, ours[name]) for name, theirs in _names(cfg).items()}
+    return {**out, "lm_head.weight": ours["head.weight"]}
+
+
+HF_MAPPING = HFMapping("GPT2LMHeadModel", "gpt2", from_hf_config, to_hf_config, from_hf, to_hf,
+                       buffers=r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias")

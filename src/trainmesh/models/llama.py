@@ -24,13 +24,15 @@ whole sequence under sequence parallelism, so positions are always global token 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainmesh.models.spec import ModelShape, stage_forward
+from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
 @dataclass(frozen=True)
@@ -222,3 +224,104 @@ TP_PLAN: dict[str, str] = {
 """Megatron-LM's split of a Llama: the grouped fused qkv by whole KV groups, ``o`` and ``down`` by input
 features, ``[gate | up]`` chunk by chunk, embedding and head by vocabulary; the RMSNorms replicated, in the
 sequence-parallel region under SP."""
+
+
+# --- Hugging Face LlamaForCausalLM ---------------------------------------------------------------------
+
+def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
+    """Our config for a ``LlamaForCausalLM`` config; anything this model would compute differently (another
+    activation, biases, RoPE scaling, a head width other than hidden/heads) is refused."""
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    differs = {
+        "hidden_act": (hf.get("hidden_act"), "silu"),
+        "attention_bias": (bool(hf.get("attention_bias")), False),
+        "mlp_bias": (bool(hf.get("mlp_bias")), False),
+        "rope type": (rope_type, "default"),
+        "head_dim": (hf.get("head_dim") or d // heads, d // heads),
+    }
+    for what, (there, ours) in differs.items():
+        if there != ours:
+            raise HFIncompatible(f"{what} is {there!r}; trainmesh's Llama has {ours!r} (RMSNorm, SwiGLU, plain "
+                                 f"RoPE, no biases), so this checkpoint cannot be imported")
+    return LlamaConfig(n_layers=hf["num_hidden_layers"], d_model=d, n_heads=heads,
+                       n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
+                       vocab_size=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
+                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                       norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")))
+
+
+def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+    """The ``LlamaConfig`` attributes of ours; no special tokens, since trainmesh trains on raw bytes."""
+    return {"hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None}
+
+
+def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF's separate ``q_proj``/``k_proj``/``v_proj`` rows in our KV-group order: for each KV head ``g``,
+    the query heads ``g*group .. (g+1)*group-1`` that attend with it, then K_g, then V_g."""
+    d = q.shape[1]
+    groups = [q.reshape(cfg.n_kv_heads, cfg.group * cfg.head_dim, d),
+              k.reshape(cfg.n_kv_heads, cfg.head_dim, d), v.reshape(cfg.n_kv_heads, cfg.head_dim, d)]
+    return torch.cat(groups, dim=1).reshape(-1, d)
+
+
+def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse_qkv`."""
+    groups = qkv.reshape(cfg.n_kv_heads, cfg.group + 2, cfg.head_dim, qkv.shape[1])
+    q = groups[:, : cfg.group].reshape(-1, qkv.shape[1])
+    return q, groups[:, cfg.group].reshape(-1, qkv.shape[1]), groups[:, cfg.group + 1].reshape(-1, qkv.shape[1])
+
+
+def _layer_names(i: int) -> dict[str, str]:
+    """Our name -> HF's, for the one-to-one tensors of layer ``i``."""
+    ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+    return {ours + "attn_norm.weight": theirs + "input_layernorm.weight",
+            ours + "attn.o.weight": theirs + "self_attn.o_proj.weight",
+            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight",
+            ours + "mlp.down.weight": theirs + "mlp.down_proj.weight"}
+
+
+def _top_names(cfg: LlamaConfig) -> dict[str, str]:
+    names = {"embed.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
+    return names if cfg.tie_embeddings else {**names, "head.weight": "lm_head.weight"}
+
+
+def from_hf(cfg: LlamaConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict from a ``LlamaForCausalLM`` one. HF's q/k rows are already in the rotate-half order
+    our RoPE uses (the interleaved-pair permutation happens when Meta's weights are converted to HF's), so
+    only the fusion into KV groups and ``[gate | up]`` re-lays anything out. A tied checkpoint that also
+    stores ``lm_head.weight`` must store the embedding there."""
+    out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
+    head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
+    if head is not None and not head.is_meta and not torch.equal(head, out["embed.weight"]):
+        raise HFIncompatible("tie_word_embeddings is true but lm_head.weight differs from the embedding; set "
+                             "tie_word_embeddings to false in config.json to import both")
+    for i in range(cfg.n_layers):
+        out.update({ours: hf[theirs] for ours, theirs in _layer_names(i).items()})
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[f"blocks.{i}.attn.qkv.weight"] = fuse_qkv(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"],
+                                                      hf[attn + "v_proj.weight"])
+        out[f"blocks.{i}.mlp.gate_up.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+    return out
+
+
+def to_hf(cfg: LlamaConfig, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``LlamaForCausalLM`` state dict of ours (no ``lm_head.weight`` when tied: transformers ties it)."""
+    out = {theirs: ours[name] for name, theirs in _top_names(cfg).items()}
+    for i in range(cfg.n_layers):
+        out.update({theirs: ours[name] for name, theirs in _layer_names(i).items()})
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        q, k, v = split_qkv(cfg, ours[f"blocks.{i}.attn.qkv.weight"])
+        gate, up = ours[f"blocks.{i}.mlp.gate_up.weight"].chunk(2)
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+                    mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up})
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+HF_MAPPING = HFMapping("LlamaForCausalLM", "llama", from_hf_config, to_hf_config, from_hf, to_hf,
+                       buffers=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")

@@ -210,11 +210,44 @@ class Staged(nn.Module):
         return stage_forward(self, x)
 
 
+Tensors = Mapping[str, torch.Tensor]
+
+
+class HFIncompatible(ValueError):
+    """A Hugging Face config or state that a family cannot take, or a model it cannot be written as; the
+    message is one line saying what differs and what to do."""
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How a family meets Hugging Face transformers, as data and pure functions (no transformers import):
+
+    * ``architecture``/``model_type``: the ``architectures[0]`` and ``model_type`` of its ``config.json``;
+    * ``from_config(hf)``: our config from the HF config's attributes (``PretrainedConfig.to_dict()``, so
+      transformers has already filled in its defaults), or :class:`HFIncompatible` for anything our model
+      would compute differently;
+    * ``to_config(cfg)``: the HF config's attributes for one of ours (HFIncompatible where it has none);
+    * ``from_hf(cfg, tensors)`` / ``to_hf(cfg, tensors)``: full state dicts renamed and re-laid-out (fused
+      projections split or joined, transposed, tied weights dropped or copied), inverse of each other;
+    * ``buffers``: a regular expression of names that older checkpoints store but that are no weights (a
+      causal mask, RoPE frequencies); every other tensor of a checkpoint must be used.
+    """
+
+    architecture: str
+    model_type: str
+    from_config: Callable[[Mapping[str, Any]], Any]
+    to_config: Callable[[Any], dict[str, Any]]
+    from_hf: Callable[[Any, Tensors], dict[str, torch.Tensor]]
+    to_hf: Callable[[Any, Tensors], dict[str, torch.Tensor]]
+    buffers: str = ""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family: its presets, how to build one, its tensor-parallel plan (module-name patterns ->
     ``tensor_parallel.STYLES``), the module classes each recompute mode checkpoints (``full``: whole blocks;
-    ``selective``: the attention core), and its shape for the planner.
+    ``selective``: the attention core), its shape for the planner, and how it maps to a Hugging Face
+    architecture (:class:`HFMapping`, used by :mod:`trainmesh.hf`).
 
     ``planner_presets`` are shapes the planner knows but training on a CPU-sized machine would not build
     (an 8B model's weights alone exceed it); ``presets`` are the ones ``trainmesh train`` offers.
@@ -237,3 +270,5 @@ class ModelSpec:
     layout: Callable[[nn.Module], StageLayout] | None = None
     config_of: Callable[[nn.Module], Any] = lambda model: model.cfg
     prepare: Callable[[nn.Module], None] = lambda model: None
+
+    hf: HFMapping | None = None
