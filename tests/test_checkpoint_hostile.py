@@ -469,7 +469,7 @@ def _audit(event: str, args) -> None:
 
 
 def _snapshot(run) -> list[torch.Tensor]:
-    return [t.views[0].detach().clone() for t in checkpoint.local_state(run)]
+    return [t.views[0].detach().clone() for t in checkpoint.local_state(run.model, run.engine)]
 
 
 @pytest.mark.timeout(300)
@@ -505,7 +505,7 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
         try:
             with _deadline(5):
                 manifest = checkpoint.load(run, step)
-                progress = checkpoint._apply(run, manifest)
+                progress = checkpoint.apply_loaded(run.engine, manifest)
         except CaseTimeout:
             pytest.fail(f"{label} hung")
         except CheckpointError as e:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh import parallelize
+from trainmesh.tensor_parallel import parallelize
 from trainmesh.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import SavedActivations

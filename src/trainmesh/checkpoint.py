@@ -77,14 +77,17 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
+from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 
 from trainmesh import hf
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
+from trainmesh.engine import Engine
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
-from trainmesh.mesh import world_from_env
+from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.models import preset, spec_of
+from trainmesh.precision import LossScaler
 from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
                                replace_durably, sha256_hex, write_durably)
@@ -232,13 +235,14 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.load_state_dict(state)
 
 
-def local_state(run: Run) -> list[LocalTensor]:
-    """Every tensor of training state this rank holds, each placed in its global tensor."""
-    geometry = shard_boxes(run.model)
-    optimizer = run.engine.optimizer
+def local_state(model: nn.Module, engine: Engine) -> list[LocalTensor]:
+    """Every tensor of training state this rank holds (its part of ``model`` and ``engine``'s optimizer),
+    each placed in its global tensor."""
+    geometry = shard_boxes(model)
+    optimizer = engine.optimizer
     ensure_optimizer_state(optimizer)
     out = []
-    for piece in run.engine.param_pieces():
+    for piece in engine.param_pieces():
         shape, local = geometry[piece.name]
         boxes = flat_range_boxes(local, piece.start, piece.end)
         state = optimizer.state[piece.optim_param]
@@ -363,8 +367,18 @@ def _content_hash(manifest: dict) -> str:
     return sha256_hex(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _manifest(run: Run, progress: TrainingProgress, plans: list[list[dict]], writers: dict[str, int],
-              files: list[dict]) -> dict:
+def describe(cfg: Config, mesh: Mesh) -> dict:
+    """What a manifest records of a ``trainmesh train`` run besides its tensors: the model preset's shape,
+    the config and its hash, the layout, the tokenizer file (recorded with its hash when the manifest is
+    written, :func:`trainmesh.tokenizer.tokenizer_record`)."""
+    return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
+            "config": dataclasses.asdict(cfg), "tokenizer": cfg.tokenizer,
+            "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
+                       "zero": cfg.zero}}
+
+
+def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress, plans: list[list[dict]],
+              writers: dict[str, int], files: list[dict]) -> dict:
     tensors: dict[str, dict] = {}
     for rank, plan in enumerate(plans):
         for item in plan:
@@ -373,17 +387,14 @@ def _manifest(run: Run, progress: TrainingProgress, plans: list[list[dict]], wri
             entry = tensors.setdefault(item["name"], {"shape": item["shape"], "dtype": item["dtype"], "pieces": []})
             entry["pieces"].append({"key": item["key"], "file": files[rank]["file"], "offsets": item["offsets"],
                                     "sizes": item["sizes"]})
-    scaler = run.engine.scaler
-    cfg, mesh = run.cfg, run.mesh
     manifest = {
         "format": FORMAT, "version": VERSION, "step": progress.step,
         "progress": {k: v for k, v in dataclasses.asdict(progress).items() if k != "run_id"},
-        "run": {"id": progress.run_id, "config_sha256": config_hash(cfg)},
+        "run": {"id": progress.run_id, "config_sha256": description["config_sha256"]},
         "loss_scaler": {"scale": scaler.scale, "clean_steps": scaler.clean_steps,
                         "skipped_steps": scaler.skipped_steps},
-        "model": dataclasses.asdict(cfg.model_config), "config": dataclasses.asdict(cfg),
-        "tokenizer": tokenizer_record(cfg.tokenizer),
-        "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero},
+        "model": description["model"], "config": description["config"], "layout": description["layout"],
+        **({"tokenizer": tokenizer_record(description["tokenizer"])} if "tokenizer" in description else {}),
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
     }
@@ -406,18 +417,26 @@ def _publish(tmp: Path, final: Path, manifest: dict) -> None:
 
 
 def save(run: Run, progress: TrainingProgress) -> Path:
-    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective).
+    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective)."""
+    return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
+                      describe(run.cfg, run.mesh))
+
+
+def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
+               description: dict) -> Path:
+    """Save this rank's part of ``model`` and ``engine``'s optimizer after ``progress.step`` steps as
+    ``root/step-N`` (a collective); ``description`` (:func:`describe`) goes into the manifest.
 
     A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
     the one ``latest`` names.
     """
     start = time.perf_counter()
-    rank, device = world_from_env()[0], run.mesh.device
+    rank, device = world_from_env()[0], mesh.device
     if not progress.run_id:
         progress = dataclasses.replace(progress, run_id=agreed_run_id(device))
-    final = step_dir(Path(run.cfg.checkpoint_dir), progress.step)
+    final = step_dir(root, progress.step)
     tmp = final.with_name(f".tmp-{final.name}")
-    mine = _pieces(local_state(run) + rng_state(rank, device))
+    mine = _pieces(local_state(model, engine) + rng_state(rank, device))
     plans = _all_gather_json([item for item, _ in mine.values()], device)
     writers = assign_writers(plans)
     try:
@@ -425,8 +444,9 @@ def save(run: Run, progress: TrainingProgress) -> Path:
         ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
         files = _on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
                                f"writing the shards of {final}")
-        _on_every_rank(lambda: _publish(tmp, final, _manifest(run, progress, plans, writers, files)) if rank == 0
-                       else None, device, f"publishing {final}")
+        _on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
+                                                              files)) if rank == 0 else None,
+                       device, f"publishing {final}")
     except CheckpointError as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -568,32 +588,47 @@ def _apply_rng(rng: list[LocalTensor], manifest: dict, path: Path, device: torch
 def load(run: Run, path: Path, run_id: str | None = None) -> dict:
     """Read checkpoint ``path`` into this rank's part of ``run``, in ``run``'s own layout; returns the
     manifest. A checkpoint of a run other than ``run_id`` (if given) is refused before anything is loaded.
-    Only reads (no collective): :func:`resume` agrees across ranks, then :func:`_apply` finishes."""
+    Only reads (no collective): :func:`resume` agrees across ranks, then :func:`apply_loaded` finishes."""
     manifest = read_manifest(path)
     if run_id and manifest["run"]["id"] != run_id:
         raise CheckpointOfAnotherRun(f"checkpoint {path} belongs to run {manifest['run']['id']}, not to run "
                                      f"{run_id} that is being resumed; it is not used")
     _check_model(manifest, run.cfg, path)
-    rank, device = world_from_env()[0], run.mesh.device
-    same_world = manifest["layout"]["world_size"] == run.mesh.world_size
+    load_state(run.model, run.engine, run.mesh, path, manifest)
+    return manifest
+
+
+def load_state(model: nn.Module, engine: Engine, mesh: Mesh, path: Path, manifest: dict) -> None:
+    """Read checkpoint ``path`` (whose sound ``manifest`` is given) into this rank's part of ``model`` and
+    ``engine``'s optimizer, in their own layout (no collective): resharding is the boxes this layout holds
+    intersected with those the checkpoint's layout saved. Generator states are restored in the same world."""
+    rank, device = world_from_env()[0], mesh.device
+    same_world = manifest["layout"]["world_size"] == mesh.world_size
     rng = rng_state(rank, device) if same_world else []
     try:
-        fill(local_state(run) + rng, manifest["tensors"],
+        fill(local_state(model, engine) + rng, manifest["tensors"],
              lambda name: _verified_tensors(path, name, manifest["files"]), path,
              lambda what: CheckpointDamaged(path, f"{path / MANIFEST} lists the model this run has, but {what}"))
     except OSError as e:  # reading a file that passed every check failed (permissions, an I/O error)
         raise CheckpointDamaged(path, str(e)) from None
     _apply_rng(rng, manifest, path, device)
-    return manifest
 
 
-def _apply(run: Run, manifest: dict) -> TrainingProgress:
+def load_anywhere(model: nn.Module, engine: Engine, mesh: Mesh, path: Path) -> TrainingProgress:
+    """Load checkpoint ``path``, written in any layout, into this rank's part of ``model`` and ``engine`` (a
+    collective: a failure on any rank is raised on every rank); returns the progress it records."""
+    manifest = read_manifest(path)
+    _on_every_rank(lambda: load_state(model, engine, mesh, path, manifest), mesh.device, f"loading {path}")
+    return apply_loaded(engine, manifest)
+
+
+def apply_loaded(engine: Engine, manifest: dict) -> TrainingProgress:
     """The non-tensor state, and ZeRO stages 1-2's full parameters gathered from the loaded shards."""
-    scaler = run.engine.scaler
+    scaler = engine.scaler
     if scaler.enabled:
         for key, value in manifest["loss_scaler"].items():
             setattr(scaler, key, value)
-    run.engine.after_update()
+    engine.after_update()
     return TrainingProgress(**manifest["progress"], run_id=manifest["run"]["id"])
 
 
@@ -652,7 +687,7 @@ def resume(run: Run) -> TrainingProgress | None:
             manifest, error = None, str(CheckpointDamaged(path, str(e)))
         errors = [e for e in _all_gather_json(error, device) if e]
         if not errors:
-            progress = _apply(run, manifest)
+            progress = apply_loaded(run.engine, manifest)
             _notice(f"resumed from {path} (step {progress.step}) in {time.perf_counter() - start:.2f} s")
             return progress
         tried.append(errors[0])
@@ -695,7 +730,7 @@ def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     index = {f"model/{k}": {"shape": list(t.shape), "dtype": _dtype_name(t.dtype),
                             "pieces": [{"key": k, "file": "weights", "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
              for k, t in full.items()}
-    fill([t for t in local_state(run) if t.name.startswith("model/")], index, lambda _: full, Path(source),
+    fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, Path(source),
          lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
                                          f"--model {run.cfg.model}"))
     run.engine.after_update()

@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
     bench.add_argument("--results", default="", help="write this bench's rows as JSON to this file")
     add_config_flags(bench)
+    _add_launch_parser(sub)
     _add_schedule_parser(sub)
     _add_plan_parser(sub)
     export = sub.add_parser("export", help="write a checkpoint's weights as one plain .safetensors model file "
@@ -202,6 +203,31 @@ def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     except OSError as e:
         raise ConfigError(f"exporting {args.checkpoint} to {to} failed: {e}") from None
     return 0
+
+
+def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    launch = sub.add_parser("launch", help="run a Python training script as N local ranks",
+                            description="Run SCRIPT ARGS as N local ranks, each with the environment torchrun "
+                                        "gives (RANK, WORLD_SIZE, ...; trainmesh.init_mesh reads it), a rendezvous "
+                                        "on 127.0.0.1 only, and every rank stopped as soon as one fails, the "
+                                        "failing rank named with its traceback. Rank 0's output is shown.")
+    launch.add_argument("--nproc", default="1", metavar="N", help="ranks to start (default: 1)")
+    launch.add_argument("script", help="the Python file to run on every rank")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
+
+
+def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    from trainmesh.launcher import launch
+
+    nproc = check_value("nproc", parse_flag("nproc", args.nproc), written=args.nproc)
+    limit = max(8, 4 * (os.cpu_count() or 1)) if not _cuda_devices() else _cuda_devices()
+    if nproc > limit:
+        raise ConfigError(f"--nproc {nproc} is more local ranks than this machine can run (limit {limit}); use "
+                          f"torchrun across machines for more")
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"launch: script {script} does not exist or is not a file")
+    return launch(args.args, nproc, program=(str(script),))
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -386,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         commands = {"train": _train, "bench": _bench, "schedule": _schedule, "plan": _plan, "export": _export,
-                    "report": _report, "tokenizer": _tokenizer, "prepare": _prepare, "generate": _generate}
+                    "report": _report, "tokenizer": _tokenizer, "prepare": _prepare, "generate": _generate,
+                    "launch": _launch}
         return commands[args.command](args, argv)
     except (ConfigError, DataError, TokenizerError, CheckpointError, runlock.DirectoryInUse, MetricsError,
             ReportError, GenerateError) as e:

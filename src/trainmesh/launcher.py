@@ -329,12 +329,13 @@ def heartbeat_ages(store: dist.TCPStore, ranks: Sequence[int]) -> dict[int, floa
     return {r: now - float(store.get(key)) for r, key in keys.items() if store.check([key])}
 
 
-def launch(argv: Sequence[str], nproc: int) -> int:
-    """Run ``python -m trainmesh.cli *argv`` as ``nproc`` ranks; returns the exit code for the user."""
+def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh.cli")) -> int:
+    """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
+    user's script) as ``nproc`` ranks; returns the exit code for the user."""
     store, port = host_store()
     ranks: list[RankProcess] = []
     for rank in range(nproc):
-        proc = subprocess.Popen([sys.executable, "-m", "trainmesh.cli", *argv], env=rank_env(rank, nproc, port),
+        proc = subprocess.Popen([sys.executable, *program, *argv], env=rank_env(rank, nproc, port),
                                 stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=_die_with_parent)
         rp = RankProcess(rank, proc)

@@ -117,7 +117,11 @@ def _check_progress(m: dict, step: int) -> None:
 
 def _check_model_shape(model: Any, name: Any) -> None:
     """``model`` holds exactly the fields of preset ``name``'s config (any family's), each of its type:
-    whole numbers at least 1, finite positive floats, booleans."""
+    whole numbers at least 1, finite positive floats, booleans. A model the Python API trained has no preset
+    (``name`` is ""), and no fields: its tensors' names and shapes are what a load checks."""
+    if name == "":
+        _dict(model, "model", ())
+        return
     _text(name, "config.model", re.compile(r"[\w.-]{1,64}"))
     try:
         expected = preset(name)

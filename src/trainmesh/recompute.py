@@ -20,14 +20,34 @@ from torch.utils.checkpoint import checkpoint
 MODES = ("none", "selective", "full")
 
 
+Target = type[nn.Module] | str
+
+
 def _checkpointed(forward: Callable) -> Callable:
-    def run(*args):
-        return checkpoint(forward, *args, use_reentrant=False)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
 
 
-def apply_recompute(model: nn.Module, mode: str, targets: Mapping[str, tuple[type[nn.Module], ...]]) -> int:
+def _is_target(module: nn.Module, targets: tuple[Target, ...]) -> bool:
+    """A module of one of the classes, or whose class has one of the names (a class of a library that is
+    imported only when the model is, such as ``transformers``' ``"LlamaDecoderLayer"``)."""
+    names = {t for t in targets if isinstance(t, str)}
+    return isinstance(module, tuple(t for t in targets if not isinstance(t, str))) or type(module).__name__ in names
+
+
+def recompute_modules(model: nn.Module, targets: tuple[Target, ...]) -> int:
+    """Checkpoint every module of ``model`` that is one of ``targets``; returns how many were wrapped."""
+    wrapped = 0
+    for module in model.modules():
+        if _is_target(module, targets):
+            module.forward = _checkpointed(module.forward)
+            wrapped += 1
+    return wrapped
+
+
+def apply_recompute(model: nn.Module, mode: str, targets: Mapping[str, tuple[Target, ...]]) -> int:
     """Checkpoint every module of the classes ``targets[mode]`` names (``full``: the blocks; ``selective``:
     the attention cores) in ``model``; returns how many modules were wrapped."""
     if mode not in MODES:
@@ -36,9 +56,4 @@ def apply_recompute(model: nn.Module, mode: str, targets: Mapping[str, tuple[typ
         return 0
     if not targets.get(mode):
         raise ValueError(f"recompute {mode!r} names no module class for this model; give targets[{mode!r}]")
-    wrapped = 0
-    for module in model.modules():
-        if isinstance(module, targets[mode]):
-            module.forward = _checkpointed(module.forward)
-            wrapped += 1
-    return wrapped
+    return recompute_modules(model, targets[mode])

@@ -129,6 +129,32 @@ class _ScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, SEQ_DIM, ctx.comm), None
 
 
+class _CopyToTP(torch.autograd.Function):
+    """``f`` on its own: identity forward, all-reduce backward (entering a region of local column shards)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.comm), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Sequence-parallel ``f`` on its own: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return _all_gather(x, SEQ_DIM, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.comm), None
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """``f`` fused with the linear: forward ``x A^T + b``, all-gathering ``x`` along the sequence under SP;
     backward all-reduces the input gradient (reduce-scatters it under SP) while computing the weight's.
@@ -254,6 +280,21 @@ class ColumnParallelLinear(ShardedModule):
         return _ColumnParallelLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
 
 
+class LocalColumnLinear(ShardedModule):
+    """A column-parallel linear inside a module whose input :data:`STYLES` ``prepare_input`` already made
+    whole: a plain linear over this rank's output features, with no communication of its own (the module's
+    one ``f`` serves every such linear in it, as torchtitan's ``PrepareModuleInput`` does for separate
+    q/k/v projections)."""
+
+    def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
+        super().__init__(comm, sequence_parallel)
+        self._adopt("weight", linear.weight, ShardSpec(0))
+        self._adopt("bias", linear.bias, ShardSpec(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(ShardedModule):
     """``y = x A^T + b`` with ``A`` split by input features (``x`` arrives split); partial products are
     reduced, then the replicated bias is added once."""
@@ -351,6 +392,41 @@ def _rowwise(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     return RowParallelLinear(module, comm, sp)
 
 
+def _colwise_local(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    _require(module, (nn.Linear,), name, "colwise_local")
+    _require_divisible(module.out_features, comm.mesh.size(AXIS), "out_features", name)
+    return LocalColumnLinear(module, comm, sp)
+
+
+def _first_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor]:
+    """Where a module call's main input is: its first positional argument, else its first keyword
+    argument (Hugging Face layers call attention as ``self_attn(hidden_states=...)``)."""
+    if args:
+        return 0, args[0]
+    if not kwargs:
+        raise TypeError("a prepare_input module was called without arguments; it needs its input tensor")
+    key = next(iter(kwargs))
+    return key, kwargs[key]
+
+
+def _prepare_input(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    """A module (attention, MLP) whose column-parallel linears (``colwise_local``) all read its input: that
+    input is made whole once on entry, ``f`` (an all-reduce of its gradient), or under SP an all-gather
+    along the sequence (a reduce-scatter of its gradient). Runs before any other pre-hook on the module,
+    so hooks that read the input (the shape of the sequence) see the whole of it."""
+    entry = _GatherFromSequence if sp else _CopyToTP
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        where, x = _first_input(args, kwargs)
+        x = entry.apply(x, comm)
+        if where == 0:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, where: x}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    return module
+
+
 def _vocab(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     """An embedding table or an output head, split by vocabulary."""
     _require(module, (nn.Embedding, nn.Linear), name, "vocab")
@@ -382,6 +458,8 @@ STYLES: dict[str, Style] = {
     "colwise": _colwise,
     "colwise_qkv": functools.partial(_colwise, chunks=3),
     "colwise_pair": functools.partial(_colwise, chunks=2),
+    "colwise_local": _colwise_local,
+    "prepare_input": _prepare_input,
     "rowwise": _rowwise,
     "vocab": _vocab,
     "sequence": _sequence,
@@ -392,7 +470,10 @@ STYLES: dict[str, Style] = {
 linear, split half by half), ``vocab`` (an embedding or output head split by vocabulary; a vocab-split
 head makes the loss the vocabulary-parallel cross-entropy),
 ``sequence`` (replicated, inside the sequence-parallel region: gradients summed over tp under SP) and
-``sequence_scatter`` (replicated, output split along the sequence under SP)."""
+``sequence_scatter`` (replicated, output split along the sequence under SP), and a pair for models
+whose attention has separate q/k/v projections (Hugging Face's Llama): ``prepare_input`` on the attention
+or MLP module makes its input whole once (``f``; an all-gather along the sequence under SP) and
+``colwise_local`` on each linear inside it is a column shard with no communication of its own."""
 
 def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
     """Module name -> style for every module the plan names; every pattern must match, each module once."""

@@ -26,24 +26,18 @@ from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
-from trainmesh.context_parallel import apply_context_parallel, shard_sequence
-from trainmesh.data_parallel import DataParallel
+from trainmesh.context_parallel import shard_sequence
 from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
+from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
                                mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import spec_of
-from trainmesh.models.gpt import cross_entropy
-from trainmesh.optim import LRSchedule, adamw_factory
+from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
-from trainmesh.pipeline.partition import gather_stages
-from trainmesh.pipeline.runtime import build_pipeline
-from trainmesh.precision import LossScaler, dtype_of
-from trainmesh.recompute import apply_recompute
-from trainmesh.tensor_parallel import parallelize, unsharded_state_dict
-from trainmesh import checkpoint, zero
+from trainmesh.precision import dtype_of
+from trainmesh import api, checkpoint
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -73,41 +67,26 @@ def setup_process(cfg: Config) -> Mesh:
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
-    """Build the model of ``cfg.model``'s family from the seed and apply the configured parallel forms to it."""
+    """Build the model of ``cfg.model``'s family from the seed and apply the configured parallel forms to it
+    through the public API (:func:`trainmesh.api.parallelize`, :func:`trainmesh.api.optimizer`)."""
     comm = Comm(mesh)
     spec = spec_of(cfg.model)
     model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
     check_agreement(cfg.shared_settings(), model, mesh.device)
-    criterion = parallelize(model, mesh, dict(spec.tp_plan), cfg.sequence_parallel, comm) or cross_entropy
-    if cfg.cp > 1:
-        apply_context_parallel(model, spec.cp_plan, comm, cfg.model_config.seq_len, cfg.cp_impl)
-    apply_recompute(model, cfg.recompute, spec.recompute)
-    if cfg.compile:
-        for block in model.blocks.values():
-            block.compile()
-    pipeline = None
-    if cfg.pp > 1:
-        model, pipeline = build_pipeline(model, comm, cfg.schedule, cfg.microbatches, spec.shape(cfg.model_config).d_model,
-                                         dtype_of(cfg.precision), cfg.virtual_stages, cfg.stage_layer_counts,
-                                         seq_shards=cfg.tp if cfg.sequence_parallel else 1)
-    make_optimizer = adamw_factory(mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
-    engine_args = dict(bucket_bytes=int(cfg.bucket_mb * 2**20), reduce_dtype=dtype_of(cfg.grad_dtype),
-                       scaler=LossScaler(enabled=cfg.precision == "fp16"), axis=GRAD_AXIS if cfg.cp > 1 else "dp")
-    engine = (zero.build_engine(model, comm, cfg.zero, make_optimizer, **engine_args) if cfg.zero
-              else DataParallel(model, comm, make_optimizer, **engine_args))
+    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), sequence_parallel=cfg.sequence_parallel,
+                               zero=cfg.zero, recompute=cfg.recompute, schedule=cfg.schedule,
+                               microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
+                               stage_layers=cfg.stage_layer_counts, precision=cfg.precision,
+                               reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
+                               cp_impl=cfg.cp_impl, comm=comm)
+    engine = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay).engine
     data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
-    return Run(cfg, mesh, comm, model, engine, criterion, data, pipeline)
+    return Run(cfg, mesh, comm, parallel.module, engine, parallel.criterion, data, parallel.pipeline)
 
 
 def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
-    """The ordinary unsharded parameters under the plain model's names, on every rank.
-
-    This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
-    Forms that shard parameters assemble the full tensors here.
-    """
-    with run.engine.gathered():
-        state = {k: v.detach().clone() for k, v in unsharded_state_dict(run.model).items()}
-    return gather_stages(state, run.comm) if run.pipeline is not None else state
+    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective)."""
+    return api.full_state_dict(run.model, run.engine, run.comm, pipelined=run.pipeline is not None)
 
 
 def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivations | None = None) -> torch.Tensor:
@@ -115,17 +94,7 @@ def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivati
 
     ``saved``, if given, records the activation bytes of the first micro-batch's forward.
     """
-    if run.pipeline is not None:
-        return run.pipeline.forward_backward(micro_batches, run.criterion, run.engine, saved)
-    total = torch.zeros((), dtype=torch.float64, device=run.mesh.device)
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else run.engine.no_sync():
-            with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
-                loss = run.criterion(run.model(x), y) / len(micro_batches)
-            (loss * run.engine.loss_scale).backward()
-        total += loss.detach()
-    return total
+    return api.forward_backward(run.model, run.engine, run.pipeline, micro_batches, run.criterion, saved)
 
 
 def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> MicroBatches:
@@ -140,11 +109,8 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
 
 
 def global_mean(run: Run, value: torch.Tensor) -> float:
-    """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
-    pipeline stage computes (the other stages pass zero); a cp rank's loss is the mean over its equal share
-    of every sequence's tokens, so the mean over cp ranks too is the mean over all tokens."""
-    total = log_all_reduce(value.detach().double().reshape(1).clone())
-    return total.item() / (run.mesh.size("dp") * run.mesh.size("cp") * run.mesh.size("tp"))
+    """The loss one process would compute, from each rank's share (:func:`trainmesh.api.global_mean`)."""
+    return api.global_mean(run.mesh, value)
 
 
 @torch.no_grad()

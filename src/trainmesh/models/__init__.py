@@ -7,8 +7,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from typing import Any
 
-from trainmesh.models import gpt, llama
-from trainmesh.models.spec import ModelShape, ModelSpec
+import torch
+from torch import nn
+
+from trainmesh.models import gpt, hf_llama, llama
+from trainmesh.models.spec import ModelShape, ModelSpec, Staged, StageLayout
 
 
 def gpt_shape(cfg: gpt.ModelConfig) -> ModelShape:
@@ -29,14 +32,29 @@ GPT_PLAN: dict[str, str] = {
 }
 """The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
 
+def build_hf_llama(config: Any, seed: int) -> nn.Module:
+    """A ``transformers.LlamaForCausalLM`` of ``config``, initialised from ``seed`` (the global generator
+    is left as it was)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
 SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
-              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}),
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
+              accepts=lambda model: isinstance(model, gpt.GPT)),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
               planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
-              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"}),
+              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
+              accepts=lambda model: isinstance(model, llama.Llama)),
+    ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
+              accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
+              prepare=hf_llama.add_rotary),
 )
 
 class _PresetNames(Collection):
@@ -65,6 +83,11 @@ def _find(name: str, planner: bool) -> tuple[ModelSpec, Any]:
     raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(names)}")
 
 
+def spec_for(model: nn.Module) -> ModelSpec | None:
+    """The registered family ``model`` belongs to (its spec's ``accepts``), or None for a model of none."""
+    return next((spec for spec in SPECS if spec.accepts(model)), None)
+
+
 def spec_of(name: str) -> ModelSpec:
     """The family of a buildable preset, with the valid names in the error."""
     return _find(name, planner=False)[0]
@@ -80,4 +103,5 @@ def planner_shapes() -> dict[str, ModelShape]:
     return {name: spec.shape(cfg) for spec in SPECS for name, cfg in {**spec.presets, **spec.planner_presets}.items()}
 
 
-__all__ = ["GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "spec_of", "preset", "planner_shapes"]
+__all__ = ["GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
+           "spec_of", "preset", "planner_shapes"]

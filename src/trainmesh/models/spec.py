@@ -6,11 +6,13 @@ in the registry (:mod:`trainmesh.models`) and hands the spec's plan to ``tensor_
 its recompute targets to ``recompute.apply_recompute``, so adding an architecture touches no parallel form
 (torchtitan's ``TrainSpec`` registers its model families the same way).
 
-Every model a spec builds keeps the stage contract of :class:`trainmesh.models.gpt.GPT` that the pipeline
-relies on: top-level ``embed``, ``blocks`` (an ``nn.ModuleDict`` keyed by layer index), ``ln_f`` and
-``head``, any of ``embed``/``ln_f``/``head`` possibly ``None`` on a stage. For decoding with a
-:class:`~trainmesh.models.cache.KVCache`, ``embed`` also takes the position its tokens start at and each
-block the :class:`~trainmesh.models.cache.LayerCache` of its attention.
+Every model trainmesh parallelizes keeps the stage contract of :class:`trainmesh.models.gpt.GPT` that the
+pipeline relies on: top-level ``embed``, ``blocks`` (an ``nn.ModuleDict`` keyed by layer index), ``ln_f`` and
+``head``, any of ``embed``/``ln_f``/``head`` possibly ``None`` on a stage. A model written otherwise (a
+Hugging Face ``LlamaForCausalLM``: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``) is
+presented in that contract by :class:`Staged`, from a :class:`StageLayout` naming those modules. For decoding
+with a :class:`~trainmesh.models.cache.KVCache`, a family's own ``embed`` also takes the position its tokens
+start at and each block the :class:`~trainmesh.models.cache.LayerCache` of its attention.
 """
 
 from __future__ import annotations
@@ -123,7 +125,99 @@ class ModelShape:
         return self.n_layers * block + embed + norm + head
 
 
-RecomputeTargets = Mapping[str, tuple[type[nn.Module], ...]]
+RecomputeTargets = Mapping[str, tuple[type[nn.Module] | str, ...]]
+
+CONTRACT = ("embed", "blocks", "ln_f", "head")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where a model keeps the parts of the stage contract, as module paths: ``blocks`` the list of
+    transformer blocks (``"model.layers"``), ``pre`` what runs before them (the embedding), ``post`` what
+    runs after them (the final norm and the output head, at most two modules, in that order).
+
+    The model's computation must be ``post(blocks(pre(x)))`` with ``[batch, seq, hidden_size]``
+    activations between blocks; ``hidden_size`` is what a pipeline stage receives.
+    """
+
+    blocks: str
+    pre: str | None = None
+    post: tuple[str, ...] = ()
+    hidden_size: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.post) > 2:
+            raise ValueError(f"StageLayout.post names {len(self.post)} modules {list(self.post)}; give at most "
+                             f"two (the final norm, then the output head)")
+
+    def paths(self) -> dict[str, str | None]:
+        """Contract name -> module path (None: the model has no such part)."""
+        norm = self.post[0] if len(self.post) == 2 else None
+        head = self.post[-1] if self.post else None
+        return {"embed": self.pre, "blocks": self.blocks, "ln_f": norm, "head": head}
+
+
+def _set_path(root: nn.Module, path: str, value: nn.Module | None) -> None:
+    """Put ``value`` at ``path`` (the plain ``nn.Module`` assignment, past :class:`Staged`'s contract names)."""
+    parent, _, child = path.rpartition(".")
+    nn.Module.__setattr__(root.get_submodule(parent) if parent else root, child, value)
+
+
+class Staged(nn.Module):
+    """A model presented in the stage contract without renaming anything: it holds the model's own
+    children, so parameter names (and checkpoints, and TP plans) are the model's, and ``embed``,
+    ``blocks``, ``ln_f`` and ``head`` read and write the modules :class:`StageLayout` names. The block list
+    becomes an ``nn.ModuleDict`` keyed by layer index (the names a ``ModuleList`` gives them), so a stage can
+    hold any subset. ``forward`` is :func:`stage_forward`: each block is called with the hidden states only.
+    """
+
+    def __init__(self, model: nn.Module, layout: StageLayout) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "_paths", layout.paths())
+        object.__setattr__(self, "layout", layout)
+        for part, path in self._paths.items():
+            if path is not None:
+                self._module_at(path, part)
+        blocks = self.get_submodule(layout.blocks)
+        if not isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(f"StageLayout.blocks {layout.blocks!r} is a {type(blocks).__name__}; it must name the "
+                             f"nn.ModuleList (or ModuleDict) of the model's blocks")
+        _set_path(self, layout.blocks, nn.ModuleDict(dict(blocks.named_children())))
+
+    def _module_at(self, path: str, part: str) -> nn.Module:
+        try:
+            return self.get_submodule(path)
+        except AttributeError:
+            names = [n for n, _ in self.named_modules() if n and n.count(".") < 2]
+            raise ValueError(f"StageLayout names {path!r} as the {part}, but the model has no such module; "
+                             f"its modules include {', '.join(names[:8])}") from None
+
+    def _part(self, part: str) -> nn.Module | None:
+        """The module at ``part``'s path; None where a pipeline stage does not hold it."""
+        module: nn.Module | None = self
+        for name in (self._paths[part] or "").split("."):
+            module = module._modules.get(name) if module is not None and name else None
+        return module
+
+    def __getattr__(self, name: str):
+        if name in CONTRACT:
+            return self._part(name)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in CONTRACT:
+            super().__setattr__(name, value)
+        elif self._paths[name] is not None:
+            _set_path(self, self._paths[name], value)
+        elif value is not None:
+            raise ValueError(f"the model has no {name} in its StageLayout; it cannot be given one")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stage_forward(self, x)
+
+
 Tensors = Mapping[str, torch.Tensor]
 
 
@@ -165,6 +259,12 @@ class ModelSpec:
 
     ``planner_presets`` are shapes the planner knows but training on a CPU-sized machine would not build
     (an 8B model's weights alone exceed it); ``presets`` are the ones ``trainmesh train`` offers.
+
+    A family whose models do not keep the stage contract themselves (one trainmesh did not write) adds:
+    ``accepts``, which says whether a model object is of the family (``trainmesh.parallelize`` looks the
+    model up with it); ``layout``, which names its parts (:class:`StageLayout`) for :class:`Staged`;
+    ``config_of``, its config object (what ``shape`` reads); and ``prepare``, run on the :class:`Staged`
+    model before any parallel form, for what the model's own ``forward`` did around the blocks.
     """
 
     family: str
@@ -174,6 +274,11 @@ class ModelSpec:
     recompute: RecomputeTargets
     shape: Callable[[Any], ModelShape]
     planner_presets: Mapping[str, Any] = field(default_factory=dict)
+    accepts: Callable[[nn.Module], bool] = lambda model: False
+    layout: Callable[[nn.Module], StageLayout] | None = None
+    config_of: Callable[[nn.Module], Any] = lambda model: model.cfg
+    prepare: Callable[[nn.Module], None] = lambda model: None
+
     hf: HFMapping | None = None
     cp_plan: Mapping[str, str] = field(default_factory=dict)
     """Context parallelism's view (``context_parallel.apply_context_parallel``): the attention cores

@@ -1,0 +1,386 @@
+"""The public API: parallel forms applied to any ``nn.Module`` by plain function calls, the CLI one user of it.
+
+Shaped like torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``::
+
+    mesh = tm.init_mesh(dp=2, tp=2)                               # torchrun's or trainmesh launch's env
+    model = tm.parallelize(LlamaForCausalLM(cfg), mesh, tp_plan=tm.plans.llama, zero=1)
+    opt = tm.optimizer(model, lr=3e-4)                            # sharded AdamW where ZeRO is on
+    loss = tm.train_step(model, opt, (inputs, targets))           # the global batch; each dp rank its slice
+
+:func:`parallelize` is the one place the forms are composed, in the order that makes each apply to what it
+expects: tensor parallelism by a plan of module-name patterns (it shards the full weights it finds), then
+recomputation of named block classes (wrapping the forwards of the modules TP left in place), then the
+pipeline cut (whole blocks per stage), and, in :func:`optimizer`, data parallelism or ZeRO over what this
+rank holds. A model trainmesh did not write joins by its :class:`~trainmesh.models.spec.StageLayout`, given
+or taken from its registered family's spec (:mod:`trainmesh.models`), which presents it in the stage
+contract without renaming a parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.context_parallel import apply_context_parallel, shard_sequence, split_error
+from trainmesh.data_parallel import DataParallel
+from trainmesh.engine import Criterion, Engine, MicroBatches
+from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, pick_backend, pick_device, world_env
+from trainmesh.models import spec_for
+from trainmesh.models.gpt import cross_entropy
+from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
+from trainmesh.optim import adamw_factory
+from trainmesh.pipeline.partition import gather_stages
+from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
+from trainmesh.pipeline.schedules import SCHEDULES
+from trainmesh.precision import DTYPES, LossScaler, dtype_of
+from trainmesh.recompute import MODES, Target, apply_recompute, recompute_modules
+from trainmesh.safe_io import sha256_hex
+from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
+from trainmesh.tensor_parallel import unsharded_state_dict
+from trainmesh import checkpoint, zero
+
+def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
+              backend: str = "auto", timeout: float = 600.0) -> Mesh:
+    """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
+
+    The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
+    without any); ``dp`` defaults to what ``tp``, ``pp`` and ``cp`` (context parallelism) leave of it. ``device="auto"`` takes this
+    rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
+    ``timeout`` bounds every collective, in seconds.
+    """
+    world = world_env().world_size
+    model_parallel = tp * pp * cp
+    if min(tp, pp, cp) < 1 or world % model_parallel:
+        raise ValueError(f"tp={tp} x pp={pp} x cp={cp} does not divide the world of {world} process(es); choose "
+                         f"sizes whose product divides {world}")
+    dp = world // model_parallel if dp is None else dp
+    if dp * model_parallel != world:
+        n = dp * model_parallel
+        raise ValueError(f"dp={dp} x tp={tp} x pp={pp} x cp={cp} = {n}, but this job has {world} process(es); "
+                         f"start {n} (trainmesh launch --nproc {n}, or torchrun --nproc-per-node {n}) or change "
+                         f"the sizes")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
+    dev = pick_device(device)
+    init_distributed(pick_backend(backend, dev), dev, timeout)
+    return Mesh.build(pp, dp, tp, dev, timeout, cp=cp)
+
+
+@dataclass(eq=False)
+class ParallelModel:
+    """What :func:`parallelize` returns: this rank's part of the model and how to run it.
+
+    ``module`` is that part (tensor-parallel shards, this pipeline stage's blocks), under the plain
+    model's parameter names; call the :class:`ParallelModel` for logits (a pipeline has no single
+    forward: use :func:`train_step`). ``criterion`` is the loss the layout needs (the vocabulary-parallel
+    cross-entropy when the plan splits the output head). ``engine`` is set by :func:`optimizer`.
+    """
+
+    module: nn.Module
+    mesh: Mesh
+    comm: Comm
+    criterion: Criterion
+    vocab_parallel: bool
+    zero: int
+    precision: str
+    microbatches: int
+    reduce_dtype: str = "auto"
+    bucket_mb: float = 25.0
+    pipeline: PipelineRuntime | None = None
+    engine: Engine | None = field(default=None, repr=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is not None:
+            raise RuntimeError("a pipeline-parallel model has no single forward on one rank; train it with "
+                               "trainmesh.train_step")
+        return self.module(x)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded parameters under the plain model's names, on every rank (a collective)."""
+        return full_state_dict(self.module, self.engine, self.comm, pipelined=self.pipeline is not None)
+
+
+def _checked(value, allowed: Sequence, what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _keeps_contract(model: nn.Module) -> bool:
+    return all(hasattr(model, part) for part in CONTRACT) and isinstance(getattr(model, "blocks"), nn.ModuleDict)
+
+
+def _staged(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> nn.Module:
+    """The model in the stage contract: as it is if it keeps it, else :class:`Staged` by ``pipeline`` or by its
+    family's layout; a plain model that needs no pipeline stays as it is."""
+    layout = pipeline or (spec.layout(model) if spec is not None and spec.layout is not None else None)
+    if layout is None or (pipeline is None and _keeps_contract(model)):
+        return model
+    staged = Staged(model, layout)
+    if spec is not None:
+        spec.prepare(staged)
+    return staged
+
+
+def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dict | None, pipeline: StageLayout | None,
+              zero_stage: int, precision: str, recompute, schedule: str, microbatches: int, virtual_stages: int,
+              sequence_parallel: bool, cp_impl: str) -> None:
+    """Every setting that cannot run, as one line with the fix, before any weight is touched."""
+    tp, pp = mesh.size("tp"), mesh.size("pp")
+    _checked(zero_stage, (0, 1, 2, 3), "zero")
+    _checked(precision, tuple(DTYPES), "precision")
+    _checked(schedule, tuple(SCHEDULES), "schedule")
+    if isinstance(recompute, str):
+        _checked(recompute, MODES, "recompute")
+        if recompute != "none" and spec is None:
+            raise ValueError(f"recompute={recompute!r} needs the model's family to name its blocks; pass the "
+                             f"block classes instead, e.g. recompute=(MyBlock,)")
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches}; it must be at least 1")
+    if tp > 1 and tp_plan is None:
+        raise ValueError(f"tp={tp} needs a tp_plan (module-name patterns -> styles, e.g. tm.plans.llama) for "
+                         f"{type(model).__name__}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel splits the sequence over tensor-parallel ranks; use a mesh with tp > 1")
+    if pp > 1 and pipeline is None and not _keeps_contract(model) and (spec is None or spec.layout is None):
+        raise ValueError(f"pp={pp} needs to know where {type(model).__name__} keeps its blocks; pass "
+                         f"pipeline=tm.StageLayout(blocks='layers', pre='embed', post=('norm', 'head'), "
+                         f"hidden_size=...)")
+    if pp > 1 and not _hidden_size(model, spec, pipeline):
+        raise ValueError(f"pp={pp} passes [batch, seq, hidden] activations between stages; give "
+                         f"StageLayout(hidden_size=...) for {type(model).__name__}")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"schedule='interleaved' needs microbatches ({microbatches}) to be a multiple of pp={pp}")
+    if spec is not None:
+        problem = spec.shape(spec.config_of(model)).split_error(tp, pp, type(model).__name__)
+        if problem:
+            raise ValueError(problem)
+    cp = mesh.size("cp")
+    if cp > 1:
+        if spec is None or not spec.cp_plan:
+            raise ValueError(f"cp={cp} needs to know where {type(model).__name__} computes attention and takes "
+                             f"positions; context parallelism splits the built-in families (gpt, llama)")
+        shape = spec.shape(spec.config_of(model))
+        problem = split_error(shape.seq_len, cp, shape.n_heads, shape.kv_heads, tp, cp_impl)
+        if problem:
+            raise ValueError(problem)
+
+
+def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None = None,
+                sequence_parallel: bool = False, zero: int = 0, recompute: str | tuple[Target, ...] = "none",
+                pipeline: StageLayout | None = None, schedule: str = "1f1b", microbatches: int = 1,
+                virtual_stages: int = 1, stage_layers: Sequence[int] = (), precision: str = "fp32",
+                reduce_dtype: str = "auto", bucket_mb: float = 25.0, compile: bool = False,
+                cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
+    """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
+
+    Every rank must pass the same model (built from the same seed, or loaded from the same weights).
+    ``tp_plan``: module-name patterns -> :data:`trainmesh.tensor_parallel.STYLES` (default: the model
+    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism).
+    ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
+    ``pipeline``: where the blocks and the modules before and after them are (default: the family's
+    layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
+    ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
+    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
+    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block.
+    ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.context_parallel`);
+    each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
+    """
+    spec = spec_for(model)
+    plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
+    _validate(model, mesh, spec, plan, pipeline, zero, precision, recompute, schedule, microbatches, virtual_stages,
+              sequence_parallel, cp_impl)
+    comm = comm or Comm(mesh)
+    hidden = _hidden_size(model, spec, pipeline)
+    model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
+    criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
+    if mesh.size("cp") > 1:
+        apply_context_parallel(model, spec.cp_plan, comm, spec.shape(spec.config_of(model)).seq_len, cp_impl)
+    if isinstance(recompute, str):
+        apply_recompute(model, recompute, spec.recompute if spec is not None else {})
+    else:
+        recompute_modules(model, tuple(recompute))
+    if compile:
+        for block in model.blocks.values():
+            block.compile()
+    runtime = None
+    if mesh.size("pp") > 1:
+        model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
+                                        dtype_of(precision), virtual_stages, tuple(stage_layers),
+                                        seq_shards=mesh.size("tp") if sequence_parallel else 1)
+    return ParallelModel(model, mesh, comm, criterion or cross_entropy, criterion is not None, zero, precision,
+                         microbatches, reduce_dtype, bucket_mb, runtime)
+
+
+def _hidden_size(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> int:
+    """The width of the activations a pipeline passes between stages: the family's ``d_model``, else the
+    :class:`StageLayout`'s ``hidden_size`` (0: unknown)."""
+    if spec is not None:
+        return spec.shape(spec.config_of(model)).d_model
+    return pipeline.hidden_size if pipeline is not None else 0
+
+
+def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """ZeRO-3's units for a :class:`Staged` model, in forward order: the embedding, each block, the final
+    norm, the head (the default, one unit per top-level child, would make the whole body one unit)."""
+    if not isinstance(module, Staged):
+        return None
+    paths = module._paths
+    units = [(paths["embed"], module.embed)] if module.embed is not None else []
+    units += [(f"{paths['blocks']}.{k}", block) for k, block in module.blocks.items()]
+    units += [(paths[p], getattr(module, p)) for p in ("ln_f", "head") if getattr(module, p) is not None]
+    return [(name, m) for name, m in units if any(p.requires_grad for p in m.parameters())]
+
+
+@dataclass(eq=False)
+class Optimizer:
+    """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO).
+
+    ``lr`` is the learning rate the next :func:`train_step` uses (set it each step for a schedule);
+    ``grad_norm`` is the last step's global gradient norm before clipping.
+    """
+
+    engine: object
+    lr: float
+    grad_norm: float = math.nan
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+
+def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
+              weight_decay: float = 0.1) -> Optimizer:
+    """AdamW for ``model`` (weight decay on matrices only, not on biases and norm gains; eps 1e-8), with
+    the gradient synchronisation of its layout: bucketed all-reduce over dp, or ZeRO stage ``model.zero``,
+    whose optimizer state (and gradients, and parameters) are sharded over dp. Call once, before training."""
+    if model.engine is not None:
+        raise RuntimeError("this model already has an optimizer; call trainmesh.optimizer once per model")
+    make_optimizer = adamw_factory(model.mesh.device, lr, betas, weight_decay)
+    reduce = model.reduce_dtype if model.reduce_dtype != "auto" else ("fp64" if model.precision == "fp64" else "fp32")
+    args = dict(bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(reduce),
+                scaler=LossScaler(enabled=model.precision == "fp16"),
+                axis=GRAD_AXIS if model.mesh.size("cp") > 1 else "dp")
+    units = _zero3_units(model.module)
+    if model.zero == 3 and units is not None:
+        model.engine = zero.ZeroStage3(model.module, model.comm, make_optimizer, **args, units=units)
+    elif model.zero:
+        model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
+    else:
+        model.engine = DataParallel(model.module, model.comm, make_optimizer, **args)
+    return Optimizer(model.engine, lr)
+
+
+def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
+                     micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
+    """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
+    returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
+    records the activation bytes of the first micro-batch's forward."""
+    if pipeline is not None:
+        return pipeline.forward_backward(micro_batches, criterion, engine, saved)
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else engine.no_sync():
+            with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
+                loss = criterion(module(x), y) / len(micro_batches)
+            (loss * engine.loss_scale).backward()
+        total = total.to(loss.device) + loss.detach()
+    return total
+
+
+def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
+    """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
+    pipeline stage computes (the other stages pass zero); a cp rank's loss is the mean over its equal share
+    of every sequence's tokens, so the mean over cp ranks too is the mean over all tokens: the value one
+    process computes."""
+    total = log_all_reduce(value.detach().double().reshape(1).clone())
+    return total.item() / (mesh.size("dp") * mesh.size("cp") * mesh.size("tp"))
+
+
+def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatches: int) -> MicroBatches:
+    """This rank's micro-batches of a global batch ``(inputs, targets)``: its dp slice of the sequences, its
+    head-tail cp part of each, on the mesh's device."""
+    x, y = batch
+    dp = mesh.size("dp")
+    if x.shape[0] % (dp * microbatches):
+        raise ValueError(f"a global batch of {x.shape[0]} sequences does not split into dp={dp} x "
+                         f"microbatches={microbatches}; use a multiple of {dp * microbatches}")
+    x, y = (shard_sequence(t.chunk(dp)[mesh.rank("dp")], mesh.size("cp"), mesh.rank("cp")).to(mesh.device)
+            for t in (x, y))
+    return list(zip(x.chunk(microbatches), y.chunk(microbatches)))
+
+
+def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+               loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0) -> float:
+    """One optimizer step on the global ``batch`` = ``(inputs, targets)``, the same tensors on every rank:
+    each dp rank takes its slice, split into ``microbatches`` (gradient accumulation; default: the
+    model's), the gradient is clipped to global norm ``max_norm`` (0: no clipping) and AdamW steps at
+    ``opt.lr``. Returns the mean loss over the global batch, the number one process would compute.
+
+    ``loss_fn(logits, targets)`` defaults to next-token cross-entropy (vocabulary-parallel where the plan
+    splits the head, whose logits no other loss could read).
+    """
+    if opt.engine is not model.engine:
+        raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    if loss_fn is not None and model.vocab_parallel:
+        raise ValueError("the tp plan splits the output head by vocabulary, so each rank holds a slice of the "
+                         "logits; use the default loss (loss_fn=None) or give the head another style")
+    m = microbatches or model.microbatches
+    if model.pipeline is not None and m != model.microbatches:
+        raise ValueError(f"the pipeline schedule was built for {model.microbatches} micro-batches; pass "
+                         f"microbatches={m} to parallelize instead")
+    if model.engine is None:
+        raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
+    loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m),
+                            loss_fn or model.criterion)
+    opt.grad_norm = model.engine.step(opt.lr, max_norm)
+    return global_mean(model.mesh, loss)
+
+
+def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipelined: bool) -> dict[str, torch.Tensor]:
+    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective).
+
+    This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
+    Forms that shard parameters assemble the full tensors here.
+    """
+    with engine.gathered() if engine is not None else contextlib.nullcontext():
+        state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
+    return gather_stages(state, comm) if pipelined else state
+
+
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int) -> Path:
+    """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
+    collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
+    then names it. Returns the step directory."""
+    if opt.engine is not model.engine:
+        raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    mesh = model.mesh
+    settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
+    description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": {},
+                   "config": settings,
+                   "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "tp", "pp")},
+                              "zero": model.zero}}
+    return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
+                                 description)
+
+
+def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:
+    """Load a checkpoint :func:`save` wrote, in any layout, into ``model`` and ``opt`` in theirs (each rank
+    reads the parts it holds); ``directory`` is a ``step-N`` directory or the directory holding them (its
+    ``latest``). Returns the step it was saved at. A collective: an error on any rank is raised on all."""
+    if opt.engine is not model.engine:
+        raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    root = Path(directory)
+    path = root if (root / checkpoint.MANIFEST).exists() else next(iter(checkpoint.candidates(root)), None)
+    if path is None:
+        raise checkpoint.CheckpointError(f"{root} holds no checkpoint (no step-N directory, no manifest.json)")
+    return checkpoint.load_anywhere(model.module, model.engine, model.mesh, path).step
