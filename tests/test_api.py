@@ -172,7 +172,7 @@ def test_a_checkpoint_saved_at_tp2_sp_zero1_resumes_at_pp2(tmp_path):
 
 def mesh_of(**sizes: int) -> Mesh:
     """A mesh of these sizes seen from rank 0, for checks that refuse a layout before any collective."""
-    full = {"pp": 1, "dp": 1, "tp": 1, **sizes}
+    full = {"pp": 1, "dp": 1, "cp": 1, "tp": 1, **sizes}
     return Mesh(full, {a: 0 for a in full}, torch.device("cpu"))
 
 

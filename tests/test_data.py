@@ -19,7 +19,8 @@ from trainmesh.data import DataError, TokenData, get_batch
 from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.shards import INDEX_FILE, read_index
 from trainmesh.data.text import stdlib_sources
-from trainmesh.tokenizer import load_tokenizer, padded_vocab, tokenizer_sha256, train_bpe
+from trainmesh.generate import Sampling, generate_text
+from trainmesh.tokenizer import TokenizerError, load_tokenizer, padded_vocab, tokenizer_sha256, train_bpe
 
 pytest.importorskip("tokenizers")
 
@@ -172,8 +173,10 @@ def test_wrong_tokenizer_and_token_files_are_refused(tmp_path, tok, capsys):
         checkpoint._check_model(manifest, Config(), tmp_path)
 
 
-def test_tokenizer_train_prepare_train_from_the_command_line(tmp_path, capfd):
-    """The README's walk-through at small size: tokenizer train -> prepare -> train --data (two steps)."""
+def test_the_readme_walk_through_tokenizer_prepare_train_report_generate(tmp_path, capfd):
+    """The README's walk-through at small size, command by command: tokenizer train -> prepare -> train
+    --data (two steps, checkpointed) -> report -> generate, which decodes with the tokenizer the data was
+    prepared with (the checkpoint records it)."""
     docs = tmp_path / "corpus"
     docs.mkdir()
     for f in stdlib_sources()[:40]:
@@ -182,13 +185,23 @@ def test_tokenizer_train_prepare_train_from_the_command_line(tmp_path, capfd):
     assert cli.main(["tokenizer", "train", "--input", str(docs), "--vocab-size", "320", "--out", tok]) == 0
     assert cli.main(["prepare", "--input", str(docs), "--tokenizer", tok, "--out", str(tmp_path / "data"),
                      "--workers", "2"]) == 0
-    out = tmp_path / "run"
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     assert cli.main(["train", "--data", str(tmp_path / "data"), "--steps", "2", "--global-batch", "4",
-                     "--out", str(out), "--no-progress"]) == 0
+                     "--out", str(out), "--checkpoint-dir", str(ckpt), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["tokenizer"] == "" and summary["val_perplexity"] == pytest.approx(
         np.exp(summary["val_loss"]))
     assert "prepared" in capfd.readouterr().err
+    assert cli.main(["report", str(out)]) == 0
+    assert (out / "report.png").stat().st_size > 0
+    capfd.readouterr()
+    assert cli.main(["generate", "--checkpoint-dir", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
+    text = capfd.readouterr().out
+    assert text.startswith("def ") and len(text) > len("def ")
+    other = str(tmp_path / "other.json")
+    assert cli.main(["tokenizer", "train", "--input", str(docs), "--vocab-size", "300", "--out", other]) == 0
+    with pytest.raises(TokenizerError, match="SHA-256"):  # it recorded the prepared data's file, not bytes
+        generate_text(str(ckpt), "def ", 4, Sampling(0.0, 0, 1.0, 0), None, other, "cpu")
 
 
 def test_core_imports_and_loads_bytes_without_the_data_extra():

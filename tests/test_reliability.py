@@ -328,14 +328,14 @@ def _write(path, data: bytes):
                                   "missing config", "unknown flag", "bad toml key"])
 def test_bad_input_gives_one_line_error(tmp_path, capsys, case):
     if case == "empty file":
-        args, expect = ["--data", _write(tmp_path / "e.txt", b"")], "has 0 bytes"
+        args, expect = ["--data", _write(tmp_path / "e.txt", b"")], "has 0 tokens"
     elif case == "empty dir":
         (tmp_path / "d").mkdir()
         args, expect = ["--data", str(tmp_path / "d")], "contains no files"
     elif case == "too short":
         args, expect = ["--data", _write(tmp_path / "s.txt", b"hi there")], "needs at least 66"
     elif case == "not utf-8":
-        args, expect = ["--data", _write(tmp_path / "b.bin", b"ok" * 100 + b"\xff\xfe" + b"x" * 100)], \
+        args, expect = ["--data", _write(tmp_path / "b.txt", b"ok" * 100 + b"\xff\xfe" + b"x" * 100)], \
             "is not UTF-8 text (invalid byte 0xff at offset 200)"
     elif case == "dangling link":
         (tmp_path / "link").symlink_to(tmp_path / "gone")

@@ -31,7 +31,7 @@ def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1, zero: in
 
 def _mesh_at(tp: int, rank: int) -> Mesh:
     """This rank's view of a tp mesh, without processes: enough to shard weights (no collective runs)."""
-    return Mesh({"pp": 1, "dp": 1, "tp": tp}, {"pp": 0, "dp": 0, "tp": rank}, torch.device("cpu"))
+    return Mesh({"pp": 1, "dp": 1, "cp": 1, "tp": tp}, {"pp": 0, "dp": 0, "cp": 0, "tp": rank}, torch.device("cpu"))
 
 
 # --- equivalence with a single process ---------------------------------------------------------------

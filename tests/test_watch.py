@@ -166,7 +166,7 @@ def test_report_draws_a_png_and_summarises_the_run(run_dirs, capsys):
     assert "steps 1-8 (8 records)" in text
     assert "(mean of the first and last step)" in text
     assert re.search(r"eval loss \d\.\d{4} at step 8 \(best \d\.\d{4} at step \d\)", text)
-    assert re.search(r"peak RSS per rank: [\d.]+ MiB\n", text)
+    assert re.search(r"peak RSS per rank: [\d.]+ [KMG]iB\n", text)
     assert "no communication (one rank)" in text and "resumed from the checkpoint of step 6" in text
 
 

@@ -83,6 +83,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 from trainmesh import hf
 from trainmesh.comm import log_all_gather
 from trainmesh.config import Config
+from trainmesh.data import data_tokenizer
 from trainmesh.engine import Engine
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import Mesh, world_from_env
@@ -372,7 +373,7 @@ def describe(cfg: Config, mesh: Mesh) -> dict:
     the config and its hash, the layout, the tokenizer file (recorded with its hash when the manifest is
     written, :func:`trainmesh.tokenizer.tokenizer_record`)."""
     return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
-            "config": dataclasses.asdict(cfg), "tokenizer": cfg.tokenizer,
+            "config": dataclasses.asdict(cfg), "tokenizer": data_tokenizer(cfg.data, cfg.tokenizer),
             "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
                        "zero": cfg.zero}}
 

@@ -73,5 +73,13 @@ def data_vocab_size(path: str, tokenizer: str) -> int | None:
     return None
 
 
-__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch",
+def data_tokenizer(path: str, tokenizer: str) -> str:
+    """The tokenizer file the run's token ids come from: ``--tokenizer``, else the one prepared data was
+    tokenized with (its index records the path); "" for bytes. A checkpoint records it for decoding."""
+    if tokenizer or not is_prepared(path):
+        return tokenizer
+    return read_index(path).tokenizer_path
+
+
+__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_tokenizer", "data_vocab_size", "get_batch",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]
