@@ -32,7 +32,7 @@ from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.context_parallel import apply_context_parallel, shard_sequence, split_error
 from trainmesh.data_parallel import DataParallel
 from trainmesh.engine import Criterion, Engine, MicroBatches
-from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, pick_backend, pick_device, world_env
+from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
 from trainmesh.models import spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
@@ -70,6 +70,7 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
+    leave_at_exit()
     return Mesh.build(pp, dp, tp, dev, timeout, cp=cp)
 
 

@@ -11,6 +11,7 @@ A single-process run builds no process group at all: every axis has size 1 and t
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -201,6 +202,14 @@ class Mesh:
     @property
     def world_size(self) -> int:
         return self.sizes["pp"] * self.sizes["dp"] * self.sizes["cp"] * self.sizes["tp"]
+
+
+def leave_at_exit() -> None:
+    """Destroy the process group when the interpreter exits if the script has not: a process that exits
+    holding a Gloo group can abort in its destructors ("terminate called without an active exception").
+    No barrier, unlike :func:`shutdown_distributed`: a rank leaving after a failure must not wait for
+    peers that will never arrive."""
+    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
 
 def shutdown_distributed() -> None:
