@@ -30,7 +30,7 @@ from trainmesh.context_parallel import shard_sequence
 from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import Mesh, init_distributed, pick_backend, pick_device, world_env, world_from_env
+from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
                                mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import spec_of
@@ -51,19 +51,18 @@ class TrainResult:
 
 
 def setup_process(cfg: Config) -> Mesh:
-    """Join the process group (if several ranks), size the CPU thread pool, build the mesh.
+    """Join the process group and build the mesh as :func:`trainmesh.api.init_mesh` does, with what the
+    launcher needs besides.
 
     SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
     reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it.
     """
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
-    device = pick_device(cfg.device)
-    init_distributed(pick_backend(cfg.backend, device), device, cfg.collective_timeout)
+    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout)
     start_heartbeat()
-    return Mesh.build(cfg.pp, cfg.dp, cfg.tp, device, cfg.collective_timeout, cp=cfg.cp)
+    return mesh
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
