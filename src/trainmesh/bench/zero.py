@@ -196,12 +196,12 @@ def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
         steps = {"trainmesh": trainmesh_step(run), "torch": peer_step}
         rates = compare(steps, tokens, rounds, steps_per_round, mesh.device)
         rss = rss_after(steps, rounds, steps_per_round)
-        if stage > 1:
-            lines.append(_fsdp2_memory(stage, model, optimizer, peer_step, 2 + rounds * steps_per_round + RSS_STEPS))
         results.append(Result(f"zero{stage}", f"trainmesh --zero {stage}", peer, rates["trainmesh"], rates["torch"],
                               rss["trainmesh"], rss["torch"]))
         if stage == 3:
             lines += _versus_fsdp2(run, model, optimizer)
+        if stage > 1:
+            lines.append(_fsdp2_memory(stage, model, optimizer, peer_step, 2 + rounds * steps_per_round + RSS_STEPS))
         del run, steps, peer_step
         gc.collect()
     if dist.get_rank() == 0:
