@@ -27,14 +27,13 @@ import gc
 
 import torch
 from torch import nn
+from torch._C._profiler import _EventType
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
-
 from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action, MemoryProfile
 
 from trainmesh.bench.common import RSS_STEPS, Result, StepFn, all_ranks, compare, rss_after, trainmesh_step
 from trainmesh.config import Config
@@ -120,18 +119,23 @@ def fsdp2_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
 def allocated_peak(step: StepFn, i: int) -> int:
     """The most tensor memory allocated during ``step(i)`` above what was allocated when it began.
 
-    Read from the profiler's memory timeline (every tensor's creation and destruction, whatever made it),
-    so it counts trainmesh's and FSDP2's transient buffers and activations the same way.
+    Read from the profiler's allocation events, each of which carries the allocator's running total
+    (whatever made the tensor), so it counts trainmesh's and FSDP2's transient buffers and activations
+    the same way.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(i)
-    sizes = {Action.CREATE: 1, Action.DESTROY: -1}
-    live = peak = 0
-    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
-        live += sizes.get(action, 0) * size
-        peak = max(peak, live)
-    return peak
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
+        events.extend(event.children)
+    if not allocations:
+        return 0
+    allocations.sort()
+    start = allocations[0][2] - allocations[0][1]
+    return max(total for _, _, total in allocations) - start
 
 
 def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
