@@ -226,51 +226,56 @@ def _transfer_seconds(comm: Comm, kv: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def overlap_rank(seq_len: int, cp: int) -> dict[str, list[float]]:
-    """On every rank: per repetition, the ring's exposed wait, compute and the transfer time of its
-    messages, forward and backward; and the seconds of one forward + backward."""
+def _ring_parts(cp: int) -> dict[str, tuple[str, Callable[[int], bool], int]]:
+    """The timeline's parts: (pass, which steps, how many K/V-sized messages they wait on). Backward's ring
+    steps receive K/V and the dK/dV of the step before; its last message, the dK/dV of the last step,
+    arrives home after every block is done, with no compute left to hide it."""
+    return {"forward": ("forward", lambda step: True, cp - 1),
+            "backward": ("backward", lambda step: step < cp, 2 * (cp - 1)),
+            "bwd home": ("backward", lambda step: step == cp, 1)}
+
+
+def overlap_rank(seq_len: int, cp: int) -> dict[str, dict[str, list[float]]]:
+    """On every rank, per part of :func:`_ring_parts` and repetition: the ring's compute, its exposed wait
+    and the transfer time of the messages it waited on."""
     comm = Comm(api.init_mesh(cp=cp))
     q, k, v = _attention_inputs(seq_len, cp, dist.get_rank())
     grad = torch.randn_like(q)
-    out: dict[str, list[float]] = {key: [] for key in ("fwd_wait", "fwd_compute", "fwd_transfer", "bwd_wait",
-                                                        "bwd_compute", "bwd_transfer", "seconds")}
+    parts = _ring_parts(cp)
+    out = {part: {"compute": [], "wait": [], "transfer": []} for part in parts}
     for rep in range(REPEATS + 1):
         timeline = RingTimeline()
         message = _transfer_seconds(comm, torch.stack([k, v]).detach())
         dist.barrier()
-        t0 = time.perf_counter()
-        ring_attention(q, k, v, comm, timeline=timeline).backward(grad)
-        seconds = time.perf_counter() - t0
+        attention = ring_attention(q, k, v, comm, timeline=timeline)
+        dist.barrier()  # backward starts together: a rank's wait for a late peer's forward is not transfer
+        attention.backward(grad)
         if rep == 0:
             continue  # warm-up
-        out["seconds"].append(seconds)
-        for phase, messages in (("fwd", cp - 1), ("bwd", (cp - 1) + cp)):  # bwd: K/V, and dK/dV home
-            name = "forward" if phase == "fwd" else "backward"
-            out[f"{phase}_wait"].append(timeline.total("wait", name))
-            out[f"{phase}_compute"].append(timeline.total("compute", name))
-            out[f"{phase}_transfer"].append(messages * message)
+        for part, (phase, steps, messages) in parts.items():
+            for kind in ("compute", "wait"):
+                out[part][kind].append(sum(s for p, step, k, s in timeline.events
+                                           if p == phase and k == kind and steps(step)))
+            out[part]["transfer"].append(messages * message)
     return out
 
 
-def _hidden(ranks: list[dict[str, list[float]]], phase: str) -> list[float]:
-    """Per repetition, 1 − exposed wait / transfer time, summed over the ranks."""
-    reps = range(len(ranks[0]["seconds"]))
-    return [1 - sum(r[f"{phase}_wait"][i] for r in ranks) / sum(r[f"{phase}_transfer"][i] for r in ranks)
-            for i in reps]
-
-
 def bench_overlap(seq_len: int, degrees: tuple[int, ...], timeout: float) -> str:
-    lines = [f"ring timeline, small's attention (8 heads of 32) at {seq_len} tokens, forward + backward, "
-             f"sums over the ranks; median (min-max) of {REPEATS}:",
-             f"{'cp':<4}{'pass':<10}{'compute s':>22}{'exposed wait s':>24}{'transfer s':>24}{'hidden':>22}"]
+    lines = [f"ring timeline, small's attention (8 heads of 32) at {seq_len} tokens, sums over the ranks, "
+             f"median (min-max) of {REPEATS}; hidden = 1 - exposed wait / transfer (0 where the wait exceeds "
+             f"the transfer: a peer still computing):",
+             f"{'cp':<4}{'part':<10}{'compute s':>22}{'exposed wait s':>24}{'transfer s':>24}{'hidden':>20}"]
     for cp in (c for c in degrees if c > 1):
         ranks = run_ranks(overlap_rank, cp, seq_len, cp, timeout=timeout)
-        for phase, name in (("fwd", "forward"), ("bwd", "backward")):
-            per_rep = {key: [sum(r[f"{phase}_{key}"][i] for r in ranks) for i in range(REPEATS)]
-                       for key in ("compute", "wait", "transfer")}
-            lines.append(f"{cp:<4}{name:<10}{_spread(per_rep['compute'], '{:.3f}'):>22}"
-                         f"{_spread(per_rep['wait'], '{:.4f}'):>24}{_spread(per_rep['transfer'], '{:.4f}'):>24}"
-                         f"{_spread(_hidden(ranks, phase), '{:.2f}'):>22}")
+        parts = {**{part: {key: [sum(r[part][key][i] for r in ranks) for i in range(REPEATS)]
+                           for key in ("compute", "wait", "transfer")} for part in _ring_parts(cp)}}
+        parts["all"] = {key: [sum(p[key][i] for p in parts.values()) for i in range(REPEATS)]
+                        for key in ("compute", "wait", "transfer")}
+        for part, got in parts.items():
+            hidden = [max(0.0, 1 - w / t) for w, t in zip(got["wait"], got["transfer"])]
+            lines.append(f"{cp:<4}{part:<10}{_spread(got['compute'], '{:.3f}'):>22}"
+                         f"{_spread(got['wait'], '{:.4f}'):>24}{_spread(got['transfer'], '{:.4f}'):>24}"
+                         f"{_spread(hidden, '{:.2f}'):>20}")
     return "\n".join(lines)
 
 
