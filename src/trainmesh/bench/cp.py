@@ -217,11 +217,11 @@ def _transfer_seconds(comm: Comm, kv: torch.Tensor) -> float:
     running (all ranks start together)."""
     mesh = comm.mesh
     cp, r = mesh.size(AXIS), mesh.rank(AXIS)
+    nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
     incoming = torch.empty_like(kv)
     dist.barrier()
     t0 = time.perf_counter()
-    for w in comm.send_recv([(kv, mesh.global_rank(cp=(r + 1) % cp))], [(incoming, mesh.global_rank(cp=(r - 1) % cp))],
-                            axis=AXIS, op="calibrate"):
+    for w in comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="calibrate"):
         w.wait()
     return time.perf_counter() - t0
 
@@ -267,8 +267,8 @@ def bench_overlap(seq_len: int, degrees: tuple[int, ...], timeout: float) -> str
              f"{'cp':<4}{'part':<10}{'compute s':>22}{'exposed wait s':>24}{'transfer s':>24}{'hidden':>20}"]
     for cp in (c for c in degrees if c > 1):
         ranks = run_ranks(overlap_rank, cp, seq_len, cp, timeout=timeout)
-        parts = {**{part: {key: [sum(r[part][key][i] for r in ranks) for i in range(REPEATS)]
-                           for key in ("compute", "wait", "transfer")} for part in _ring_parts(cp)}}
+        parts = {part: {key: [sum(r[part][key][i] for r in ranks) for i in range(REPEATS)]
+                        for key in ("compute", "wait", "transfer")} for part in _ring_parts(cp)}
         parts["all"] = {key: [sum(p[key][i] for p in parts.values()) for i in range(REPEATS)]
                         for key in ("compute", "wait", "transfer")}
         for part, got in parts.items():
