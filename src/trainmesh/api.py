@@ -290,7 +290,8 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
     main loss is (:func:`trainmesh.models.moe.begin_step`); the returned loss includes them."""
     moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
-        return pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        return loss + moe.aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1

@@ -498,7 +498,10 @@ MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
 
 
 def _validate_moe(cfg: Config) -> None:
-    """The ``--moe-*`` settings: refused on a dense model, checked against the experts of an MoE one."""
+    """The ``--moe-*`` settings: refused on a dense model; an MoE model refuses a split sequence (SP, cp),
+    whose per-sequence balance statistics would need summing over the split, and the routing bias, which
+    checkpoints do not hold, where a run would resume (``Config._moe_config`` checks the settings against
+    the model's experts)."""
     if getattr(cfg.model_config, "moe", None) is None:
         given = [f for f in MOE_ONLY if getattr(cfg, f)] + (["moe_dropless"] if not cfg.moe_dropless else [])
         if given:
@@ -506,6 +509,15 @@ def _validate_moe(cfg: Config) -> None:
             raise ConfigError(f"{flag} configures mixture-of-experts layers, which "
                               f"{_model_name(cfg)} does not have; use an MoE model (moe-tiny, llama-moe-tiny) "
                               f"or drop it")
+    elif cfg.sequence_parallel or cfg.cp > 1:
+        flag = "--sequence-parallel" if cfg.sequence_parallel else f"--cp {cfg.cp}"
+        raise ConfigError(f"{flag} splits each sequence over ranks, and the MoE balance loss of {_model_name(cfg)} "
+                          f"is per sequence, which needs its statistics summed over that split (not wired yet); "
+                          f"drop {flag}")
+    elif cfg.moe_bias_rate and (cfg.resume or cfg.max_restarts):
+        raise ConfigError(f"--moe-bias-rate moves routing biases that checkpoints do not hold yet, so a resumed run "
+                          f"would restart them at 0; drop {'--resume' if cfg.resume else '--max-restarts'} or "
+                          f"--moe-bias-rate")
 
 
 def _model_name(cfg: Config) -> str:
