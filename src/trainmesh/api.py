@@ -33,7 +33,7 @@ from trainmesh.context_parallel import apply_context_parallel, shard_sequence, s
 from trainmesh.data_parallel import DataParallel
 from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
-from trainmesh.models import spec_for
+from trainmesh.models import moe, spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
 from trainmesh.optim import adamw_factory
@@ -284,9 +284,14 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
                      micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
     returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
-    records the activation bytes of the first micro-batch's forward."""
+    records the activation bytes of the first micro-batch's forward.
+
+    Mixture-of-experts layers back-propagate their aux losses themselves, scaled as each micro-batch's
+    main loss is (:func:`trainmesh.models.moe.begin_step`); the returned loss includes them."""
+    moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
-        return pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        return loss + moe.aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -295,7 +300,7 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
                 loss = criterion(module(x), y) / len(micro_batches)
             (loss * engine.loss_scale).backward()
         total = total.to(loss.device) + loss.detach()
-    return total
+    return total + moe.aux_loss_total(module) / len(micro_batches)
 
 
 def global_mean(mesh: Mesh, value: torch.Tensor) -> float:

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from trainmesh.models import gpt, hf_llama, llama
+from trainmesh.models.moe import MoEConfig
 from trainmesh.models.spec import ModelShape, ModelSpec, Staged, StageLayout
 
 
 def gpt_shape(cfg: gpt.ModelConfig) -> ModelShape:
-    """The planner's view of a built-in GPT: every :class:`ModelShape` flag at its GPT-2-layout default."""
-    return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size, cfg.seq_len)
+    """The planner's view of a built-in GPT (:meth:`trainmesh.models.gpt.ModelConfig.shape`)."""
+    return cfg.shape()
 
 
 GPT_PLAN: dict[str, str] = {
@@ -32,6 +33,23 @@ GPT_PLAN: dict[str, str] = {
 }
 """The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
 
+
+def without_mlp(plan: dict[str, str]) -> dict[str, str]:
+    """A family's plan for its mixture-of-experts models: the router and the experts stay whole on every tp
+    rank (expert parallelism, not tensor parallelism, is what splits experts), the rest as in ``plan``."""
+    return {pattern: style for pattern, style in plan.items() if ".mlp." not in pattern}
+
+
+def is_moe(cfg: object) -> bool:
+    return getattr(cfg, "moe", None) is not None
+
+
+def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
+    """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a checkpoint manifest's), its
+    MoE settings made a :class:`~trainmesh.models.moe.MoEConfig` again."""
+    moe = values.get("moe")
+    return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {})})
+
 def build_hf_llama(config: Any, seed: int) -> nn.Module:
     """A ``transformers.LlamaForCausalLM`` of ``config``, initialised from ``seed`` (the global generator
     is left as it was)."""
@@ -46,12 +64,21 @@ SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
-              accepts=lambda model: isinstance(model, gpt.GPT)),
+              accepts=lambda model: isinstance(model, gpt.GPT) and not is_moe(model.cfg)),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
               planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
               cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
-              accepts=lambda model: isinstance(model, llama.Llama)),
+              accepts=lambda model: isinstance(model, llama.Llama) and not is_moe(model.cfg)),
+    ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, without_mlp(GPT_PLAN),
+              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
+              accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
+    ModelSpec("llama-moe", llama.MOE_PRESETS, llama.Llama, without_mlp(llama.TP_PLAN),
+              {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
+              hf=llama.MIXTRAL_MAPPING,
+              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
+              accepts=lambda model: isinstance(model, llama.Llama) and is_moe(model.cfg)),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
               accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
               prepare=hf_llama.add_rotary),
@@ -103,5 +130,5 @@ def planner_shapes() -> dict[str, ModelShape]:
     return {name: spec.shape(cfg) for spec in SPECS for name, cfg in {**spec.presets, **spec.planner_presets}.items()}
 
 
-__all__ = ["GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
+__all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
            "spec_of", "preset", "planner_shapes"]

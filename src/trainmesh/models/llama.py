@@ -23,8 +23,9 @@ whole sequence under sequence parallelism, so positions are always global token 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
+from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head)."""
+    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head); with
+    ``moe``, the MLP of every layer after ``moe.n_dense_layers`` is a mixture of SwiGLU experts (Mixtral,
+    Qwen3-MoE, DeepSeek-V3)."""
 
     n_layers: int
     d_model: int
@@ -50,6 +54,7 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None
 
     @property
     def head_dim(self) -> int:
@@ -62,9 +67,12 @@ class LlamaConfig:
 
     def shape(self) -> ModelShape:
         """The planner's view: gated MLP, no biases, RMSNorm, no learned positions, GQA."""
+        m = self.moe
+        experts = {} if m is None else dict(n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
+                                            d_ff_expert=m.d_ff_expert, n_dense_layers=m.n_dense_layers)
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
-                          tied_embeddings=self.tie_embeddings)
+                          tied_embeddings=self.tie_embeddings, **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()
@@ -82,6 +90,14 @@ PRESETS: dict[str, LlamaConfig] = {
                               seq_len=64, rope_theta=10000.0),
     "llama-small": LlamaConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=688, vocab_size=256,
                                seq_len=128, rope_theta=10000.0),
+}
+
+MOE_PRESETS: dict[str, LlamaConfig] = {
+    # Eight SwiGLU experts of hidden 48, two per token, plus one shared expert (Qwen/DeepSeek-style), on a
+    # two-layer llama-tiny body.
+    "llama-moe-tiny": LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
+                                  seq_len=32, rope_theta=10000.0,
+                                  moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=48, n_shared_experts=1)),
 }
 
 # Llama 3 / 3.1 shapes (Grattafiori et al., 2024, Table 3): 128,256-token vocabulary, 8 KV heads, untied
@@ -181,23 +197,33 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) (Shazeer, 2020, "GLU Variants Improve Transformer")."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
+def mlp_of(cfg: LlamaConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: dense SwiGLU, or (an MoE model past its dense layers) SwiGLU experts with the
+    shared experts as one SwiGLU of their summed width."""
+    m = cfg.moe
+    if m is None or layer < m.n_dense_layers:
+        return SwiGLU(cfg.d_model, cfg.d_ff)
+    shared = SwiGLU(cfg.d_model, m.n_shared_experts * m.d_ff_expert) if m.n_shared_experts else None
+    return MoE(cfg.d_model, m, gated=True, shared=shared)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp_of(cfg, layer)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache)
@@ -219,7 +245,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Module | None = TokenEmbedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters(seed)
@@ -228,7 +254,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """N(0, 0.02) matrices, output projections (``o``, ``down``) scaled by 1/sqrt(2L) as in GPT-2, norm
+        """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in GPT-2, norm
         gains 1, from a private generator so the weights depend on the seed alone in every layout."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
@@ -236,7 +262,8 @@ class Llama(nn.Module):
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
+                residual = ("attn.o.weight", "mlp.down.weight", "shared.down.weight", "experts.w2")
+                std = residual_std if name.endswith(residual) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -310,12 +337,11 @@ def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _layer_names(i: int) -> dict[str, str]:
-    """Our name -> HF's, for the one-to-one tensors of layer ``i``."""
+    """Our name -> HF's, for the one-to-one tensors of layer ``i`` outside its MLP."""
     ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
     return {ours + "attn_norm.weight": theirs + "input_layernorm.weight",
             ours + "attn.o.weight": theirs + "self_attn.o_proj.weight",
-            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight",
-            ours + "mlp.down.weight": theirs + "mlp.down_proj.weight"}
+            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight"}
 
 
 def _top_names(cfg: LlamaConfig) -> dict[str, str]:
@@ -323,10 +349,27 @@ def _top_names(cfg: LlamaConfig) -> dict[str, str]:
     return names if cfg.tie_embeddings else {**names, "head.weight": "lm_head.weight"}
 
 
-def from_hf(cfg: LlamaConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict from a ``LlamaForCausalLM`` one. HF's q/k rows are already in the rotate-half order
-    our RoPE uses (the interleaved-pair permutation happens when Meta's weights are converted to HF's), so
-    only the fusion into KV groups and ``[gate | up]`` re-lays anything out. A tied checkpoint that also
+Tensors = Mapping[str, torch.Tensor]
+LayerMap = Callable[[LlamaConfig, Tensors, int], dict[str, torch.Tensor]]
+
+
+def dense_mlp_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
+    mlp = f"model.layers.{i}.mlp."
+    return {f"blocks.{i}.mlp.gate_up.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
+            f"blocks.{i}.mlp.down.weight": hf[mlp + "down_proj.weight"]}
+
+
+def dense_mlp_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.Tensor]:
+    mlp = f"model.layers.{i}.mlp."
+    gate, up = ours[f"blocks.{i}.mlp.gate_up.weight"].chunk(2)
+    return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up,
+            mlp + "down_proj.weight": ours[f"blocks.{i}.mlp.down.weight"]}
+
+
+def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, torch.Tensor]:
+    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps. HF's q/k rows are already in
+    the rotate-half order our RoPE uses (the interleaved-pair permutation happens when Meta's weights are
+    converted to HF's), so only the fusion into KV groups re-lays attention out. A tied checkpoint that also
     stores ``lm_head.weight`` must store the embedding there."""
     out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
     head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
@@ -335,25 +378,118 @@ def from_hf(cfg: LlamaConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch
                              "tie_word_embeddings to false in config.json to import both")
     for i in range(cfg.n_layers):
         out.update({ours: hf[theirs] for ours, theirs in _layer_names(i).items()})
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        attn = f"model.layers.{i}.self_attn."
         out[f"blocks.{i}.attn.qkv.weight"] = fuse_qkv(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"],
                                                       hf[attn + "v_proj.weight"])
-        out[f"blocks.{i}.mlp.gate_up.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+        out.update(mlp_from_hf(cfg, hf, i))
     return out
 
 
-def to_hf(cfg: LlamaConfig, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ``LlamaForCausalLM`` state dict of ours (no ``lm_head.weight`` when tied: transformers ties it)."""
+def _to_hf(cfg: LlamaConfig, ours: Tensors, mlp_to_hf: LayerMap) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_from_hf` (no ``lm_head.weight`` when tied: transformers ties it)."""
     out = {theirs: ours[name] for name, theirs in _top_names(cfg).items()}
     for i in range(cfg.n_layers):
         out.update({theirs: ours[name] for name, theirs in _layer_names(i).items()})
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        attn = f"model.layers.{i}.self_attn."
         q, k, v = split_qkv(cfg, ours[f"blocks.{i}.attn.qkv.weight"])
-        gate, up = ours[f"blocks.{i}.mlp.gate_up.weight"].chunk(2)
-        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
-                    mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up})
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+        out.update(mlp_to_hf(cfg, ours, i))
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def from_hf(cfg: LlamaConfig, hf: Tensors) -> dict[str, torch.Tensor]:
+    """Our state dict from a ``LlamaForCausalLM`` one (:func:`_from_hf`; ``gate``/``up`` fused)."""
+    return _from_hf(cfg, hf, dense_mlp_from_hf)
+
+
+def to_hf(cfg: LlamaConfig, ours: Tensors) -> dict[str, torch.Tensor]:
+    """The ``LlamaForCausalLM`` state dict of ours."""
+    return _to_hf(cfg, ours, dense_mlp_to_hf)
+
+
+ROTARY_BUFFERS = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
+
 HF_MAPPING = HFMapping("LlamaForCausalLM", "llama", from_hf_config, to_hf_config, from_hf, to_hf,
-                       buffers=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+                       buffers=ROTARY_BUFFERS)
+
+
+# --- Hugging Face MixtralForCausalLM -------------------------------------------------------------------
+
+def mixtral_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
+    """Our config for a ``MixtralForCausalLM`` config: a Llama whose every MLP is a softmax-routed mixture
+    of SwiGLU experts with renormalised top-k weights. Sliding-window attention and router jitter, which
+    our model does not compute, are refused."""
+    for what, ours in (("sliding_window", None), ("router_jitter_noise", 0.0)):
+        if hf.get(what) not in (ours, 0):
+            raise HFIncompatible(f"{what} is {hf.get(what)!r}; trainmesh's Llama has {ours!r}, so this Mixtral "
+                                 f"cannot be imported")
+    cfg = from_hf_config(hf)
+    moe = MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                    d_ff_expert=hf["intermediate_size"], aux_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    return dataclasses.replace(cfg, moe=moe)
+
+
+def mixtral_to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+    """The ``MixtralConfig`` attributes of ours; refused where Mixtral has no place for what ours computes
+    (shared experts, dense leading layers, sigmoid scores, unnormalised top-k)."""
+    m = cfg.moe
+    differs = {"n_shared_experts": (m.n_shared_experts, 0), "n_dense_layers": (m.n_dense_layers, 0),
+               "score": (m.score, "softmax"), "normalize_top_k": (m.normalize_top_k, True)}
+    for what, (here, theirs) in differs.items():
+        if here != theirs:
+            raise HFIncompatible(f"{what} is {here!r}; MixtralForCausalLM has {theirs!r}, so this model cannot be "
+                                 f"written as one")
+    attributes = {k: v for k, v in to_hf_config(cfg).items() if k not in ("attention_bias", "mlp_bias")}
+    return {**attributes, "intermediate_size": m.d_ff_expert, "num_local_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_coef, "sliding_window": None,
+            "router_jitter_noise": 0.0}
+
+
+def _expert_names(i: int, e: int) -> tuple[str, str, str]:
+    prefix = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+    return prefix + "w1.weight", prefix + "w3.weight", prefix + "w2.weight"
+
+
+def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s router and experts from Mixtral's checkpoint layout (``block_sparse_moe.gate``, and per
+    expert ``w1``/``w3`` ``[f, d]`` and ``w2`` ``[d, f]``, which ``save_pretrained`` writes), stacked into
+    our ``[E, d, f]``/``[E, f, d]`` experts; or from transformers' fused in-memory layout (``mlp.gate``,
+    ``mlp.experts.gate_up_proj`` ``[E, 2f, d]``, ``mlp.experts.down_proj`` ``[E, d, f]``)."""
+    ours, fused = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
+    if fused + "gate.weight" in hf:
+        w1, w3 = hf[fused + "experts.gate_up_proj"].transpose(1, 2).chunk(2, dim=2)
+        return {ours + "router.gate.weight": hf[fused + "gate.weight"], ours + "experts.w1": w1.contiguous(),
+                ours + "experts.w3": w3.contiguous(),
+                ours + "experts.w2": hf[fused + "experts.down_proj"].transpose(1, 2).contiguous()}
+    names = [_expert_names(i, e) for e in range(cfg.moe.n_experts)]
+    stacked = [torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3)]
+    return {ours + "router.gate.weight": hf[f"model.layers.{i}.block_sparse_moe.gate.weight"],
+            ours + "experts.w1": stacked[0], ours + "experts.w3": stacked[1], ours + "experts.w2": stacked[2]}
+
+
+def moe_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s experts in Mixtral's checkpoint layout (the inverse of :func:`moe_from_hf`). A routing
+    bias the aux-loss-free update has moved would change which experts Mixtral picks, so it is refused."""
+    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
+    if bias is not None and bias.count_nonzero():
+        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which Mixtral's router "
+                             "has no place for; train without --moe-bias-rate to export as MixtralForCausalLM")
+    out = {f"model.layers.{i}.block_sparse_moe.gate.weight": ours[f"blocks.{i}.mlp.router.gate.weight"]}
+    for e in range(cfg.moe.n_experts):
+        for name, key in zip(_expert_names(i, e), ("w1", "w3", "w2")):
+            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
+    return out
+
+
+def mixtral_from_hf(cfg: LlamaConfig, hf: Tensors) -> dict[str, torch.Tensor]:
+    """Our state dict from a ``MixtralForCausalLM`` one."""
+    return _from_hf(cfg, hf, moe_from_hf)
+
+
+def mixtral_to_hf(cfg: LlamaConfig, ours: Tensors) -> dict[str, torch.Tensor]:
+    """The ``MixtralForCausalLM`` state dict of ours, experts one by one as ``save_pretrained`` writes them."""
+    return _to_hf(cfg, ours, moe_to_hf)
+
+
+MIXTRAL_MAPPING = HFMapping("MixtralForCausalLM", "mixtral", mixtral_from_hf_config, mixtral_to_hf_config,
+                            mixtral_from_hf, mixtral_to_hf, buffers=ROTARY_BUFFERS)
