@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import check_equivalent
+from trainmesh.config import Config
 from trainmesh.expert_parallel import AllToAllDispatch
 from trainmesh.mesh import init_distributed
 from trainmesh.testing import run_ranks
@@ -82,3 +84,28 @@ def test_a_single_rank_dispatches_nothing():
     dispatcher = AllToAllDispatch(None)
     y, local_counts, handle = dispatcher.dispatch(x, counts)
     assert y is x and local_counts is counts and dispatcher.combine(y, handle) is y
+
+
+def _moe(**kw) -> Config:
+    base = {"model": "moe-tiny", "nproc": 2, "dp": 2, "ep": 2, "steps": 4, "global_batch": 8, "progress": False,
+            "warmup_steps": 1}
+    return Config(**{**base, **kw})
+
+
+def test_ep2_and_ep2_with_zero3_equal_one_process():
+    """Dropless MoE at ep2 (every rank half the experts, tokens by all-to-all) and under ZeRO-3 (expert
+    state sharded over the expert-data-parallel group, here of one rank) train as one process does."""
+    for loss_diff, param_diff in check_equivalent([_moe(), _moe(zero=3, model="llama-moe-tiny")], world_size=2):
+        assert loss_diff <= 1e-9 and param_diff <= 1e-9
+
+
+@pytest.mark.slow
+def test_ep_layouts_on_four_ranks_equal_one_process():
+    """ep4; dp4 x ep2 (experts reduced over a 2-rank expert-data-parallel group, ZeRO-1 and -2 sharding
+    over it); ep2 x tp2 with and without sequence parallelism; ep2 x pp2 (aux losses injected on both
+    stages)."""
+    four = {"nproc": 4, "dp": 4}
+    cfgs = [_moe(**four, ep=4), _moe(**four), _moe(**four, zero=1), _moe(**four, zero=2, model="llama-moe-tiny"),
+            _moe(nproc=4, tp=2), _moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny"),
+            _moe(nproc=4, pp=2, microbatches=2)]
+    check_equivalent(cfgs, world_size=4, timeout=600)

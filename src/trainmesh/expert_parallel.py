@@ -21,12 +21,15 @@ experts), both divided by the ``dp x cp`` size since the loss is the mean over e
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from trainmesh.models.moe import is_expert_param
 
 EP_AXIS = "ep"
 EXPERT_AXIS = "edp"  # expert data parallel: the ranks of dp x cp that hold the same experts
@@ -105,8 +108,24 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def is_expert(p: torch.Tensor) -> bool:
     """Whether ``p`` is a routed expert's parameter (as the MoE layer marks them), a slice of one included."""
-    from trainmesh.models.moe import is_expert_param
     return is_expert_param(p)
+
+
+def reduction_axis(p: torch.Tensor, axis: str) -> str:
+    """The axis ``p``'s gradient is reduced (and its ZeRO state sharded) over: the expert-data-parallel
+    one for a routed expert, else ``axis`` (``dp``, or ``dp_cp`` under context parallelism)."""
+    return EXPERT_AXIS if is_expert_param(p) else axis
+
+
+def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """ZeRO-3's units with each MoE layer's routed experts a unit of their own, right after the unit that
+    holds them: they are gathered over another group than the rest of their block."""
+    names = {id(m): name for name, m in model.named_modules()}
+    out = []
+    for name, unit in units:
+        out.append((name, unit))
+        out += [(f"{names[id(moe)]}.experts", moe.experts) for _, moe in expert_modules(unit)]
+    return out
 
 
 @torch.no_grad()
@@ -143,3 +162,47 @@ def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, group: dist
         dist.all_gather_into_tensor(out, local, group=group)
         state[name] = out
     return state
+
+
+def apply_expert_parallel(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+    """Shard every MoE layer of ``model`` to ep rank ``rank`` of ``size`` (nothing to do at ``size`` 1)."""
+    if size == 1:
+        return
+    for _, moe in expert_modules(model):
+        shard_experts(moe, rank, size, group)
+
+
+def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
+    """The family's tensor-parallel plan fitted to an MoE model: the MLP patterns that match nothing (every
+    layer's MLP is a mixture) are dropped, and the MoE layers stay replicated over tp; under sequence
+    parallelism each tp rank routes only its slice of the sequence, so the router's, the experts' and the
+    shared experts' gradients are summed over tp (the ``sequence`` style)."""
+    layers = [name for name, _ in expert_modules(model)]
+    if not layers:
+        return plan
+    names = [name for name, _ in model.named_modules() if name]
+    fitted = {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+    if sequence_parallel:
+        for layer in layers:
+            moe = model.get_submodule(layer)
+            parts = ["router", "experts"] + (["shared"] if getattr(moe, "shared", None) is not None else [])
+            fitted.update({f"{layer}.{part}": "sequence" for part in parts})
+    return fitted
+
+
+def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.Module) -> dict[str, tuple[torch.Size, list[Any]]]:
+    """A checkpoint's geometry (full shape and the boxes this rank holds, per parameter:
+    :func:`trainmesh.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
+    tensor: ``size`` times the experts, this rank's box at expert ``rank * E_local``. A checkpoint saved
+    at one ep then reads back at any other, or on one process, as the boxes intersect."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    out = dict(geometry)
+    for name, p in model.named_parameters():
+        rank, size = ep_place(p)
+        if size == 1 or name not in out:
+            continue
+        shape, boxes = out[name]
+        local = p.shape[0]
+        moved = [ChunkStorageMetadata(torch.Size([b.offsets[0] + rank * local, *b.offsets[1:]]), b.sizes) for b in boxes]
+        out[name] = (torch.Size([shape[0] * size, *shape[1:]]), moved)
+    return out
