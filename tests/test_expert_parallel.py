@@ -5,14 +5,20 @@ Every rank draws every rank's token copies and routing from one seed, so each ca
 outputs, gradients of the copies and gradients of its experts.
 """
 
+import dataclasses
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import check_equivalent
+from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
+from trainmesh.checkpoint import step_dir
 from trainmesh.config import Config
 from trainmesh.expert_parallel import AllToAllDispatch
-from trainmesh.mesh import init_distributed
+from trainmesh.mesh import Mesh, init_distributed
+from trainmesh.train import full_state_dict, train
 from trainmesh.testing import run_ranks
 
 D = 3
@@ -99,13 +105,52 @@ def test_ep2_and_ep2_with_zero3_equal_one_process():
         assert loss_diff <= 1e-9 and param_diff <= 1e-9
 
 
+FOUR = {"nproc": 4, "dp": 4}
+COMPOSED = {
+    "ep4 and dp4 x ep2 with ZeRO 0-2": [_moe(**FOUR, ep=4), _moe(**FOUR), _moe(**FOUR, zero=1),
+                                         _moe(**FOUR, zero=2, model="llama-moe-tiny")],
+    "ep2 x tp2": [_moe(nproc=4, tp=2), _moe(nproc=4, tp=2, model="llama-moe-tiny", recompute="full")],
+    "ep2 x tp2 sp": [_moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny")],
+    "ep2 x pp2": [_moe(nproc=4, pp=2, microbatches=2), _moe(nproc=4, pp=2, microbatches=2, zero=1,
+                                                            model="llama-moe-tiny")],
+}
+
+
 @pytest.mark.slow
-def test_ep_layouts_on_four_ranks_equal_one_process():
+@pytest.mark.parametrize("layouts", COMPOSED)
+def test_ep_layouts_on_four_ranks_equal_one_process(layouts):
     """ep4; dp4 x ep2 (experts reduced over a 2-rank expert-data-parallel group, ZeRO-1 and -2 sharding
-    over it); ep2 x tp2 with and without sequence parallelism; ep2 x pp2 (aux losses injected on both
-    stages)."""
-    four = {"nproc": 4, "dp": 4}
-    cfgs = [_moe(**four, ep=4), _moe(**four), _moe(**four, zero=1), _moe(**four, zero=2, model="llama-moe-tiny"),
-            _moe(nproc=4, tp=2), _moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny"),
-            _moe(nproc=4, pp=2, microbatches=2)]
-    check_equivalent(cfgs, world_size=4, timeout=600)
+    over it); ep2 x tp2 with and without sequence parallelism (and recompute); ep2 x pp2 (aux losses
+    injected on both stages, the logged loss summed over them)."""
+    check_equivalent(COMPOSED[layouts], world_size=4, timeout=600)
+
+
+def _checkpointed(root: Path, name: str, **kw) -> Config:
+    cfg = _moe(**{"precision": "fp64", "checkpoint_every": 2, "checkpoint_dir": str(root / name), **kw})
+    return dataclasses.replace(cfg, nproc=cfg.world_size)
+
+
+def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...]) -> None:
+    """Train at dp=ep=``saved_ep``, then resume its step-2 checkpoint at each of ``resumed_eps``
+    (dp=ep) and on one process: the experts' pieces are placed in the full tensors, so every layout reads
+    its own slices, and finishes as a single process trained straight through does."""
+    run_ranks(train_rank, saved_ep, [_checkpointed(root, "saved", dp=saved_ep, ep=saved_ep)], timeout=300)
+    for ep in (*resumed_eps, 1):
+        shutil.copytree(step_dir(root / "saved", 2), step_dir(root / f"ep{ep}", 2))
+        (root / f"ep{ep}" / "latest").write_text(step_dir(root, 2).name + "\n")
+    reference = train_single(in_fp64(_moe()))
+    for ep in resumed_eps:
+        resumed = run_ranks(train_rank, ep, [_checkpointed(root, f"ep{ep}", dp=ep, ep=ep, resume=True)], timeout=300)
+        losses, params = resumed[0][0]
+        assert_same_training((reference[0][2:], reference[1]), (losses, params))
+    single = train(_checkpointed(root, "ep1", dp=1, ep=1, resume=True), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert_same_training((reference[0][2:], reference[1]), (single.losses, full_state_dict(single.run)))
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
+    _resumes_everywhere(tmp_path, 2, ())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
+    _resumes_everywhere(tmp_path, 4, (2,))

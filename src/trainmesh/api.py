@@ -32,11 +32,11 @@ from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.context_parallel import apply_context_parallel, shard_sequence, split_error
 from trainmesh.data_parallel import DataParallel
 from trainmesh.engine import Criterion, Engine, MicroBatches
-from trainmesh.expert_parallel import apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan
+from trainmesh.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
+                                      split_sequence_stats)
 from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
-from trainmesh.models import spec_for
+from trainmesh.models import moe, spec_for
 from trainmesh.models.gpt import cross_entropy
-from trainmesh.models.moe import aux_loss_total, begin_step, update_expert_bias
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
 from trainmesh.optim import adamw_factory
 from trainmesh.pipeline.partition import gather_stages
@@ -220,6 +220,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
     apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
+    if sequence_parallel and mesh.size("tp") > 1:
+        split_sequence_stats(model, comm)
     if mesh.size("cp") > 1:
         apply_context_parallel(model, spec.cp_plan, comm, spec.shape(spec.config_of(model)).seq_len, cp_impl)
     if isinstance(recompute, str):
@@ -300,13 +302,16 @@ def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float]
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
                      micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
-    returns this rank's share of the loss (0 on pipeline stages without the head) plus the MoE aux losses
-    of the layers it ran (every stage its own, so the sum over stages is the model's). ``saved``, if given,
-    records the activation bytes of the first micro-batch's forward."""
-    begin_step(module, engine.loss_scale / len(micro_batches))
+    returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
+    records the activation bytes of the first micro-batch's forward.
+
+    Mixture-of-experts layers back-propagate their aux losses themselves, scaled as each micro-batch's
+    main loss is (:func:`trainmesh.models.moe.begin_step`); the returned loss includes them (on every
+    pipeline stage those of its own layers, so the sum over stages is the model's)."""
+    moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
         loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
-        return loss + aux_loss_total(module) / len(micro_batches)
+        return loss + moe.aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -315,7 +320,7 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
                 loss = criterion(module(x), y) / len(micro_batches)
             (loss * engine.loss_scale).backward()
         total = total.to(loss.device) + loss.detach()
-    return total + aux_loss_total(module) / len(micro_batches)
+    return total + moe.aux_loss_total(module) / len(micro_batches)
 
 
 def update_routing(module: nn.Module, mesh: Mesh) -> None:
@@ -327,7 +332,7 @@ def update_routing(module: nn.Module, mesh: Mesh) -> None:
     def global_counts(counts: torch.Tensor) -> torch.Tensor:
         counts = counts.to(mesh.device).clone()
         return log_all_reduce(counts, group) if group is not None else counts
-    update_expert_bias(module, global_counts)
+    moe.update_expert_bias(module, global_counts)
 
 
 def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
@@ -376,7 +381,8 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
     loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m),
                             loss_fn or model.criterion)
     opt.grad_norm = model.engine.step(opt.lr, max_norm)
-    update_routing(model.module, model.mesh)
+    if math.isfinite(opt.grad_norm):
+        update_routing(model.module, model.mesh)
     return global_mean(model.mesh, loss)
 
 

@@ -485,9 +485,12 @@ def _validate_model_split(cfg: Config) -> None:
 
 def _validate_expert_parallel(cfg: Config) -> None:
     """``--ep`` splits the experts of an MoE model over data-parallel ranks (inside dp x cp)."""
+    moe = getattr(cfg.model_config, "moe", None)
+    if moe is not None and cfg.cp > 1:
+        raise ConfigError(f"--cp {cfg.cp} splits every sequence, and the MoE layers of {_model_name(cfg)} compute "
+                          f"their balance loss per sequence, which is not summed over cp ranks yet; use --cp 1")
     if cfg.ep == 1:
         return
-    moe = getattr(cfg.model_config, "moe", None)
     if moe is None:
         raise ConfigError(f"--ep {cfg.ep} splits the experts of a mixture-of-experts model, and {_model_name(cfg)} "
                           f"is dense; use an MoE model (moe-tiny, llama-moe-tiny) or drop --ep")

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainmesh.models.moe import is_expert_param
+from trainmesh.comm import Comm
+from trainmesh.models.moe import SequenceSplit, is_expert_param
 
 EP_AXIS = "ep"
 EXPERT_AXIS = "edp"  # expert data parallel: the ranks of dp x cp that hold the same experts
@@ -206,3 +207,26 @@ def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.M
         moved = [ChunkStorageMetadata(torch.Size([b.offsets[0] + rank * local, *b.offsets[1:]]), b.sizes) for b in boxes]
         out[name] = (torch.Size([shape[0] * size, *shape[1:]]), moved)
     return out
+
+
+class _SumOverAxis(torch.autograd.Function):
+    """All-reduce (sum) over ``axis`` forward; the gradient passes through unchanged backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+        out = x.clone()
+        comm.all_reduce(out, axis, op="moe_sequence_stats")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+def split_sequence_stats(model: nn.Module, comm: Comm, axis: str = "tp") -> None:
+    """Under sequence parallelism each ``axis`` rank routes a slice of every sequence: the MoE layers'
+    per-sequence balance statistics, z-loss and expert counts are summed over ``axis`` so every rank holds
+    the whole sequence's values (the interface's :class:`~trainmesh.models.moe.SequenceSplit`)."""
+    split = SequenceSplit(comm.mesh.size(axis), lambda t: _SumOverAxis.apply(t, comm, axis))
+    for _, moe in expert_modules(model):
+        moe.split = split

@@ -287,7 +287,6 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                                 saved if step == start.step else None)
         lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
-        api.update_routing(run.model, mesh)
         undo_fault()
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
