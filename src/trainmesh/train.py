@@ -266,7 +266,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     progress = Progress(cfg.steps, start.step + 1, sys.stdout if rank == 0 else None, enabled=cfg.progress,
                         every=cfg.progress_every)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
-                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
+                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len

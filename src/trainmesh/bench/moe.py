@@ -7,7 +7,8 @@ RSS is that layout's. Per step it reports the token bytes each rank's dispatcher
 (:class:`trainmesh.expert_parallel.AllToAllDispatch` counts them; forward dispatch and combine and their
 backward, four transfers per MoE layer) against the formula: a rank's ``tokens x top-k`` copies of
 ``hidden x dtype bytes`` each, per direction, of which ``(ep-1)/ep`` leave the rank under even routing.
-Tokens/s is the median (min-max) over the timed steps. The GEMM comparison times
+Tokens/s is the median (min-max) over the timed steps; model state is rank 0's parameters, gradients and
+optimizer state (the experts' share of it shrinks as 1/ep). The GEMM comparison times
 :func:`trainmesh.models.moe.padded_matmul` (one batched GEMM) and :func:`~trainmesh.models.moe.looped_matmul`
 (one GEMM per expert) on the same sorted tokens, forward and backward, alternating rounds.
 """
@@ -22,7 +23,7 @@ import torch
 
 from trainmesh.config import Config
 from trainmesh.expert_parallel import expert_modules
-from trainmesh.metrics import max_rss_bytes
+from trainmesh.metrics import max_rss_bytes, storage_bytes
 from trainmesh.models.moe import MATMULS
 from trainmesh.testing import run_ranks
 
@@ -47,7 +48,8 @@ def _ep_rank(cfg: Config, steps: int) -> dict:
         run.engine.step(cfg.lr, cfg.grad_clip)
         times.append(time.perf_counter() - t0)
         sent.append(sum(d.sent_bytes for d in dispatchers) - before)
-    return {"sent": sent[1:], "times": times[1:], "rss": max_rss_bytes(), "layers": len(expert_modules(run.model))}
+    return {"sent": sent[1:], "times": times[1:], "rss": max_rss_bytes(), "layers": len(expert_modules(run.model)),
+            "state": storage_bytes(run.engine.state_tensors())}
 
 
 def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, global_batch: int) -> str:
@@ -58,7 +60,7 @@ def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, globa
     lines = [f"{model}, dp={world}, {global_batch} sequences of {m.seq_len} tokens per step, fp32, "
              f"{m.moe.n_experts} experts top-{m.moe.top_k}; per rank, median (min-max) over {steps - 1} timed steps:",
              f"{'layout':<8}{'a2a KiB/step':>14}{'formula KiB':>13}{'per direction KiB':>19}"
-             f"{'tokens/s':>24}{'peak RSS MiB':>20}"]
+             f"{'tokens/s':>24}{'model state KiB':>17}{'peak RSS MiB':>14}"]
     for ep in degrees:
         cfg = Config(**{**base.__dict__, "ep": ep})
         results = run_ranks(_ep_rank, world, cfg, steps, timeout=600)
@@ -69,8 +71,8 @@ def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, globa
         tps = [global_batch * m.seq_len / t for t in results[0]["times"]]
         rss = [r["rss"] / MIB for r in results]
         lines.append(f"{f'ep{ep}':<8}{statistics.median(sent) / 1024:>14.1f}{formula / 1024:>13.1f}"
-                     f"{per_direction / 1024:>19.1f}{_median_range(tps):>24}"
-                     f"{f'{min(rss):.0f}-{max(rss):.0f}':>20}")
+                     f"{per_direction / 1024:>19.1f}{_median_range(tps):>24}{results[0]['state'] / 1024:>17.0f}"
+                     f"{f'{min(rss):.0f}-{max(rss):.0f}':>14}")
     lines.append("(a2a: bytes sent to other ranks, 4 transfers per MoE layer per step: dispatch and combine, "
                  "forward and backward; formula: 4 x layers x per-direction volume x (ep-1)/ep)")
     return "\n".join(lines)
