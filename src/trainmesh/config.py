@@ -22,6 +22,7 @@ from trainmesh.context_parallel import split_error
 from trainmesh import hf
 from trainmesh.data import data_vocab_size
 from trainmesh.models import PRESET_NAMES, preset, spec_of
+from trainmesh.models.moe import MoEConfig
 from trainmesh.tokenizer import padded_vocab
 
 if sys.version_info >= (3, 11):
@@ -57,7 +58,8 @@ AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
 @dataclass(frozen=True)
 class Config:
     # [model]: model and data
-    model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small)", PRESET_NAMES)
+    model: str = _opt("tiny", "model preset (GPT: tiny, small, ...; Llama: llama-tiny, llama-small; "
+                      "mixtures of experts: moe-tiny, llama-moe-tiny)", PRESET_NAMES)
     data: str = _opt("", "text file or directory to train on (default: this Python's standard library sources), "
                      "or a directory of token shards written by 'trainmesh prepare' (memory-mapped)")
     tokenizer: str = _opt("", "tokenizer.json (Hugging Face) for text data; the model's vocabulary follows it, "
@@ -66,6 +68,20 @@ class Config:
     seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
     seq_len: int = _opt(0, "tokens per sequence, overriding the preset's (a learned position table is sized to "
                         "it); 0: the preset's", low=AT_LEAST_0)
+    # [moe]: mixture-of-experts models (moe-tiny, llama-moe-tiny, a Mixtral through --init-hf)
+    moe_experts: int = _opt(0, "routed experts per MoE layer, overriding the preset's (0: the preset's)", low=AT_LEAST_0)
+    moe_top_k: int = _opt(0, "experts each token is routed to, overriding the preset's (0: the preset's)",
+                          low=AT_LEAST_0)
+    moe_dropless: bool = _opt(True, "route every token to its top-k experts however uneven the load; "
+                              "--no-moe-dropless with --moe-capacity drops the copies beyond each expert's capacity")
+    moe_capacity: float = _opt(0.0, "capacity factor under --no-moe-dropless: each expert takes at most "
+                               "ceil(F * tokens * top-k / experts) token copies per micro-batch, first come first "
+                               "served (GShard); the dropped fraction is logged", low=AT_LEAST_0)
+    moe_aux_coef: float = _opt(0.01, "weight of the load-balancing loss (per-sequence Switch/GShard form, 1 "
+                               "when balanced)", low=AT_LEAST_0)
+    moe_z_coef: float = _opt(0.001, "weight of the router z-loss (ST-MoE)", low=AT_LEAST_0)
+    moe_bias_rate: float = _opt(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each step move every "
+                                "expert's routing bias by this much towards the mean load (0: off)", low=AT_LEAST_0)
     # [layout]: how each step is spread over ranks and held in memory
     nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1)
     dp: int = _opt(1, "data-parallel degree", low=AT_LEAST_1)
@@ -168,7 +184,25 @@ class Config:
             vocab = data_vocab_size(self.data, self.tokenizer)
             base = preset(self.model)
             base = base if vocab is None else dataclasses.replace(base, vocab_size=padded_vocab(vocab, self.tp))
+        if getattr(base, "moe", None) is not None:
+            base = dataclasses.replace(base, moe=self._moe_config(base.moe))
         return dataclasses.replace(base, seq_len=self.seq_len) if self.seq_len else base
+
+    def _moe_config(self, moe: MoEConfig) -> MoEConfig:
+        """The model's MoE layers with the ``--moe-*`` settings; one line naming the flag if they cannot run."""
+        experts, top_k = self.moe_experts or moe.n_experts, self.moe_top_k or moe.top_k
+        if top_k > experts:
+            raise ConfigError(f"--moe-top-k {top_k} exceeds the {experts} experts per layer of {self.model}; choose "
+                              f"--moe-top-k in 1..{experts} (or more experts with --moe-experts)")
+        if self.moe_dropless and self.moe_capacity:
+            below = " (below 1 it drops tokens even under perfect balance)" if self.moe_capacity < 1 else ""
+            raise ConfigError(f"--moe-capacity {self.moe_capacity:g} limits what each expert takes{below}, but "
+                              f"routing is dropless; pass --no-moe-dropless to drop tokens, or drop --moe-capacity")
+        if not self.moe_dropless and not self.moe_capacity:
+            raise ConfigError("--no-moe-dropless drops the tokens beyond each expert's capacity; give the capacity "
+                              "factor with --moe-capacity (e.g. 1.25)")
+        return dataclasses.replace(moe, n_experts=experts, top_k=top_k, capacity_factor=self.moe_capacity,
+                                   aux_coef=self.moe_aux_coef, z_coef=self.moe_z_coef, bias_rate=self.moe_bias_rate)
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:
@@ -214,6 +248,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
                 "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
+    "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 FIELDS = {f.name: f for f in fields(Config)}
@@ -436,6 +471,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
     _validate_checkpoints(cfg)
+    _validate_moe(cfg)
     _validate_model_split(cfg)
     _validate_expert_parallel(cfg)
     _validate_context_parallel(cfg)
@@ -460,6 +496,20 @@ def _validate_checkpoints(cfg: Config) -> None:
         raise ConfigError(f"{needs_dir[0]} works on checkpoints; set --checkpoint-dir DIR")
     if cfg.overwrite and cfg.resume:
         raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
+
+
+MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
+
+
+def _validate_moe(cfg: Config) -> None:
+    """The ``--moe-*`` settings: refused on a dense model, checked against the experts of an MoE one."""
+    if getattr(cfg.model_config, "moe", None) is None:
+        given = [f for f in MOE_ONLY if getattr(cfg, f)] + (["moe_dropless"] if not cfg.moe_dropless else [])
+        if given:
+            flag = "--no-moe-dropless" if given[0] == "moe_dropless" else _flag(given[0])
+            raise ConfigError(f"{flag} configures mixture-of-experts layers, which "
+                              f"{_model_name(cfg)} does not have; use an MoE model (moe-tiny, llama-moe-tiny) "
+                              f"or drop it")
 
 
 def _model_name(cfg: Config) -> str:

@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from trainmesh.models import SPECS
+from trainmesh.models import SPECS, is_moe
 from trainmesh.models.spec import HFIncompatible, ModelSpec
 from trainmesh.safe_io import replace_durably
 
@@ -211,9 +211,11 @@ def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
 
 
 def spec_of_config(cfg: Any) -> ModelSpec:
-    """The family whose presets have ``cfg``'s type (``gpt.ModelConfig``, ``llama.LlamaConfig``)."""
+    """The family whose presets have ``cfg``'s type (``gpt.ModelConfig``, ``llama.LlamaConfig``) and, like it,
+    mixtures of experts or not."""
     for spec in SPECS:
-        if any(type(p) is type(cfg) for p in (*spec.presets.values(), *spec.planner_presets.values())):
+        if any(type(p) is type(cfg) and is_moe(p) == is_moe(cfg)
+               for p in (*spec.presets.values(), *spec.planner_presets.values())):
             return spec
     raise HFError(f"{type(cfg).__name__} is no trainmesh model family's config")
 

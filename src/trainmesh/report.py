@@ -2,7 +2,8 @@
 
 The figure answers what a person asks of a run, one panel each: is the loss going down (train and eval),
 how fast is it (tokens/s, MFU), how much memory does each rank hold at its peak, and what does each mesh
-axis send per step. It reads only the run directory, so it works on a finished run, a crashed one, or a
+axis send per step; for a mixture of experts, also how the tokens spread over the experts of each layer
+and how even that is (max/mean load) with the fraction dropped. It reads only the run directory, so it works on a finished run, a crashed one, or a
 live one (the records written so far).
 """
 
@@ -41,6 +42,10 @@ class History:
     memory: dict[str, list[int]] = field(default_factory=dict)  # kind -> per-rank peak over the run
     comm: dict[str, dict[str, float]] = field(default_factory=dict)  # axis -> op -> mean bytes per step
     restarts: list[int] = field(default_factory=list)  # the checkpoint step each restart resumed from
+    moe_steps: list[int] = field(default_factory=list)
+    expert_tokens: dict[str, list[list[int]]] = field(default_factory=dict)  # MoE layer -> per step, per expert
+    balance: dict[str, list[float]] = field(default_factory=dict)  # MoE layer -> max/mean load per step
+    dropped: list[float] = field(default_factory=list)  # fraction of token copies dropped per step, all layers
 
     @classmethod
     def of(cls, records: Sequence[dict[str, Any]]) -> "History":
@@ -57,6 +62,8 @@ class History:
                 h.eval_loss.append(r["val_loss"])
             if "restart" in r:
                 h.restarts.append(r["restart"]["from_step"])
+            if r.get("moe"):
+                h._add_experts(r["step"], r["moe"])
             for kind in MEMORY_KINDS:  # a run resumed at another world size has more or fewer ranks
                 h.memory[kind] = [max(a, b) for a, b in zip_longest(h.memory.get(kind, []), r.get(kind) or [],
                                                                     fillvalue=0)]
@@ -67,6 +74,13 @@ class History:
         h.memory = {kind: peaks for kind, peaks in h.memory.items() if any(peaks)}
         h.comm = {axis: {op: n / len(records) for op, n in sorted(ops.items())} for axis, ops in sorted(comm_totals.items())}
         return h
+
+    def _add_experts(self, step: int, layers: dict[str, dict[str, Any]]) -> None:
+        self.moe_steps.append(step)
+        for name, layer in layers.items():
+            self.expert_tokens.setdefault(name, []).append(layer["expert_tokens"])
+            self.balance.setdefault(name, []).append(layer["balance"])
+        self.dropped.append(statistics.mean(layer["dropped_fraction"] for layer in layers.values()))
 
     @property
     def steady_tokens_per_s(self) -> float:
@@ -130,6 +144,10 @@ def summary_text(h: History, run_dir: Path) -> str:
         lines.append("  no communication (one rank)")
     if h.restarts:
         lines.append("  resumed from the checkpoint of step " + ", ".join(map(str, h.restarts)))
+    if h.balance:
+        loads = ", ".join(f"{name} {b[-1]:.2f}" for name, b in h.balance.items())
+        lines.append(f"  expert load max/mean at step {h.moe_steps[-1]}: {loads}; {h.dropped[-1]:.1%} of token copies "
+                     f"dropped")
     return "\n".join(lines)
 
 
@@ -207,16 +225,47 @@ def _draw_comm(ax: Any, h: History) -> None:
     ax.legend(frameon=False, fontsize=8, loc="lower right")
 
 
+def _draw_expert_load(ax: Any, h: History) -> None:
+    """Each expert's share of its layer's token copies over the steps, layers stacked (one row per expert):
+    a collapsed router shows as one bright row per layer, a balanced one as an even field at 1/E."""
+    rows, labels = [], []
+    for name, per_step in h.expert_tokens.items():
+        for e in range(len(per_step[0])):
+            rows.append([counts[e] / max(1, sum(counts)) for counts in per_step])
+            labels.append(f"{name} e{e}" if e == 0 else f"e{e}")
+    image = ax.imshow(rows, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0,
+                      extent=(h.moe_steps[0] - 0.5, h.moe_steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+    ax.set_yticks(range(len(rows)), labels, fontsize=6 if len(rows) > 16 else 8)
+    ax.set(title="expert load: share of each layer's token copies", xlabel="step")
+    ax.figure.colorbar(image, ax=ax, fraction=0.04)
+
+
+def _draw_balance(ax: Any, h: History) -> None:
+    for name, values in h.balance.items():
+        ax.plot(h.moe_steps, values, linewidth=1.5, label=name)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set(title=f"expert balance (max/mean load); dropped {h.dropped[-1]:.1%} at the last step", xlabel="step",
+           ylabel="max / mean tokens per expert")
+    ax.set_ylim(bottom=0)
+    ax.legend(frameon=False, fontsize=8)
+
+
 def draw_report(h: History, path: Path, title: str) -> Path:
-    """Draw the four panels (loss, throughput, memory, communication) into one PNG at ``path``."""
+    """Draw the four panels (loss, throughput, memory, communication), and for a mixture of experts the
+    expert load and balance, into one PNG at ``path``."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ReportError("trainmesh report draws with matplotlib: pip install 'trainmesh[watch]'") from None
-    figure = Figure(figsize=(13, 8.5), layout="constrained")
+    experts = bool(h.expert_tokens)
+    figure = Figure(figsize=(13, 12.5 if experts else 8.5), layout="constrained")
     FigureCanvasAgg(figure)
-    (loss, speed), (memory, comm) = figure.subplots(2, 2)
+    panels = figure.subplots(3 if experts else 2, 2)
+    (loss, speed), (memory, comm) = panels[:2]
+    if experts:
+        _draw_expert_load(panels[2][0], h)
+        _draw_balance(panels[2][1], h)
     _draw_loss(loss, h)
     _draw_throughput(speed, h)
     _draw_memory(memory, h)

@@ -30,10 +30,10 @@ from trainmesh.context_parallel import shard_sequence
 from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.mesh import GRAD_AXIS, Mesh, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
                                mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
-from trainmesh.models import spec_of
+from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.precision import dtype_of
@@ -198,6 +198,36 @@ class NonFiniteGuard:
                 f"(--max-bad-steps sets the limit)")
 
 
+def sum_over_data(run: Run, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the ranks that hold the same layers and saw other tokens (dp x cp); tp ranks
+    route the same tokens, pipeline stages hold other layers."""
+    if run.mesh.size(GRAD_AXIS) == 1:
+        return values
+    return log_all_reduce(values, group=run.mesh.group(GRAD_AXIS))
+
+
+def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
+    """Per MoE layer of this rank, over the step's global batch: token copies routed to each expert, the
+    fraction dropped by capacity, the mean balance and z losses (unweighted) and the balance (max/mean
+    expert load, 1 when even). One uncounted all-reduce; empty for a dense model."""
+    layers = list(moe.moe_layers(run.model))
+    if not layers:
+        return {}
+    rows = [torch.cat([layer.stats.counts.double().cpu(),
+                       torch.tensor([layer.stats.dropped, layer.stats.routed, layer.stats.aux_loss,
+                                     layer.stats.z_loss, layer.stats.forwards], dtype=torch.float64)])
+            for _, layer in layers]
+    sizes = [len(row) for row in rows]
+    summed = sum_over_data(run, torch.cat(rows).to(run.mesh.device)).cpu().split(sizes)
+    out = {}
+    for (name, _), row in zip(layers, summed):
+        counts, (dropped, routed, aux, z, forwards) = row[:-5], row[-5:].tolist()
+        out[name] = {"expert_tokens": [int(c) for c in counts.tolist()], "dropped_fraction": dropped / max(routed, 1),
+                     "aux_loss": aux / max(forwards, 1), "z_loss": z / max(forwards, 1),
+                     "balance": (counts.max() / counts.mean()).item() if routed else 1.0}
+    return out
+
+
 PER_RANK_STATS = ("max_rss_bytes", "model_state_bytes", "peak_device_bytes", "activation_bytes")
 
 
@@ -287,6 +317,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                                 saved if step == start.step else None)
         lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
+        if math.isfinite(grad_norm):
+            moe.update_expert_bias(run.model, lambda counts: sum_over_data(run, counts))
         undo_fault()
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
@@ -302,6 +334,9 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
+        experts = moe_metrics(run)
+        if experts:
+            record["moe"] = experts
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             record["val_loss"] = evaluate(run)
             record["val_perplexity"] = perplexity(record["val_loss"])

@@ -32,6 +32,16 @@ GPT_PLAN: dict[str, str] = {
 }
 """The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
 
+
+def without_mlp(plan: dict[str, str]) -> dict[str, str]:
+    """A family's plan for its mixture-of-experts models: the router and the experts stay whole on every tp
+    rank (expert parallelism, not tensor parallelism, is what splits experts), the rest as in ``plan``."""
+    return {pattern: style for pattern, style in plan.items() if ".mlp." not in pattern}
+
+
+def is_moe(cfg: object) -> bool:
+    return getattr(cfg, "moe", None) is not None
+
 def build_hf_llama(config: Any, seed: int) -> nn.Module:
     """A ``transformers.LlamaForCausalLM`` of ``config``, initialised from ``seed`` (the global generator
     is left as it was)."""
@@ -46,12 +56,21 @@ SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
-              accepts=lambda model: isinstance(model, gpt.GPT)),
+              accepts=lambda model: isinstance(model, gpt.GPT) and not is_moe(model.cfg)),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
               planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
               cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
-              accepts=lambda model: isinstance(model, llama.Llama)),
+              accepts=lambda model: isinstance(model, llama.Llama) and not is_moe(model.cfg)),
+    ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, without_mlp(GPT_PLAN),
+              {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
+              accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
+    ModelSpec("llama-moe", llama.MOE_PRESETS, llama.Llama, without_mlp(llama.TP_PLAN),
+              {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
+              hf=llama.MIXTRAL_MAPPING,
+              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
+              accepts=lambda model: isinstance(model, llama.Llama) and is_moe(model.cfg)),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
               accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
               prepare=hf_llama.add_rotary),

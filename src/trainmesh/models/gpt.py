@@ -73,6 +73,9 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-2 small's shape; the vocabulary is padded to a multiple of 128 as Megatron does. With byte tokens
     # only the first 256 rows are ever used, but the FLOPs and memory are GPT-2's.
     "gpt2-124m": ModelConfig(n_layers=12, d_model=768, n_heads=12, d_ff=3072, vocab_size=50304, seq_len=1024),
+}
+
+MOE_PRESETS: dict[str, ModelConfig] = {
     # tiny with its MLPs replaced by 8 GELU experts of a quarter the width, 2 per token (Switch/GShard-style
     # softmax router): as many active MLP weights per token as tiny has, four times as many in all.
     "moe-tiny": ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32,

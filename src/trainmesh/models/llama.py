@@ -23,8 +23,9 @@ whole sequence under sequence parallelism, so positions are always global token 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,9 @@ PRESETS: dict[str, LlamaConfig] = {
                               seq_len=64, rope_theta=10000.0),
     "llama-small": LlamaConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=688, vocab_size=256,
                                seq_len=128, rope_theta=10000.0),
+}
+
+MOE_PRESETS: dict[str, LlamaConfig] = {
     # Eight SwiGLU experts of hidden 48, two per token, plus one shared expert (Qwen/DeepSeek-style), on a
     # two-layer llama-tiny body.
     "llama-moe-tiny": LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
@@ -333,12 +337,11 @@ def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _layer_names(i: int) -> dict[str, str]:
-    """Our name -> HF's, for the one-to-one tensors of layer ``i``."""
+    """Our name -> HF's, for the one-to-one tensors of layer ``i`` outside its MLP."""
     ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
     return {ours + "attn_norm.weight": theirs + "input_layernorm.weight",
             ours + "attn.o.weight": theirs + "self_attn.o_proj.weight",
-            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight",
-            ours + "mlp.down.weight": theirs + "mlp.down_proj.weight"}
+            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight"}
 
 
 def _top_names(cfg: LlamaConfig) -> dict[str, str]:
@@ -346,10 +349,27 @@ def _top_names(cfg: LlamaConfig) -> dict[str, str]:
     return names if cfg.tie_embeddings else {**names, "head.weight": "lm_head.weight"}
 
 
-def from_hf(cfg: LlamaConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict from a ``LlamaForCausalLM`` one. HF's q/k rows are already in the rotate-half order
-    our RoPE uses (the interleaved-pair permutation happens when Meta's weights are converted to HF's), so
-    only the fusion into KV groups and ``[gate | up]`` re-lays anything out. A tied checkpoint that also
+Tensors = Mapping[str, torch.Tensor]
+LayerMap = Callable[[LlamaConfig, Tensors, int], dict[str, torch.Tensor]]
+
+
+def dense_mlp_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
+    mlp = f"model.layers.{i}.mlp."
+    return {f"blocks.{i}.mlp.gate_up.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
+            f"blocks.{i}.mlp.down.weight": hf[mlp + "down_proj.weight"]}
+
+
+def dense_mlp_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.Tensor]:
+    mlp = f"model.layers.{i}.mlp."
+    gate, up = ours[f"blocks.{i}.mlp.gate_up.weight"].chunk(2)
+    return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up,
+            mlp + "down_proj.weight": ours[f"blocks.{i}.mlp.down.weight"]}
+
+
+def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, torch.Tensor]:
+    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps. HF's q/k rows are already in
+    the rotate-half order our RoPE uses (the interleaved-pair permutation happens when Meta's weights are
+    converted to HF's), so only the fusion into KV groups re-lays attention out. A tied checkpoint that also
     stores ``lm_head.weight`` must store the embedding there."""
     out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
     head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
@@ -358,25 +378,118 @@ def from_hf(cfg: LlamaConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch
                              "tie_word_embeddings to false in config.json to import both")
     for i in range(cfg.n_layers):
         out.update({ours: hf[theirs] for ours, theirs in _layer_names(i).items()})
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        attn = f"model.layers.{i}.self_attn."
         out[f"blocks.{i}.attn.qkv.weight"] = fuse_qkv(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"],
                                                       hf[attn + "v_proj.weight"])
-        out[f"blocks.{i}.mlp.gate_up.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+        out.update(mlp_from_hf(cfg, hf, i))
     return out
 
 
-def to_hf(cfg: LlamaConfig, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ``LlamaForCausalLM`` state dict of ours (no ``lm_head.weight`` when tied: transformers ties it)."""
+def _to_hf(cfg: LlamaConfig, ours: Tensors, mlp_to_hf: LayerMap) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_from_hf` (no ``lm_head.weight`` when tied: transformers ties it)."""
     out = {theirs: ours[name] for name, theirs in _top_names(cfg).items()}
     for i in range(cfg.n_layers):
         out.update({theirs: ours[name] for name, theirs in _layer_names(i).items()})
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        attn = f"model.layers.{i}.self_attn."
         q, k, v = split_qkv(cfg, ours[f"blocks.{i}.attn.qkv.weight"])
-        gate, up = ours[f"blocks.{i}.mlp.gate_up.weight"].chunk(2)
-        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
-                    mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up})
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+        out.update(mlp_to_hf(cfg, ours, i))
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def from_hf(cfg: LlamaConfig, hf: Tensors) -> dict[str, torch.Tensor]:
+    """Our state dict from a ``LlamaForCausalLM`` one (:func:`_from_hf`; ``gate``/``up`` fused)."""
+    return _from_hf(cfg, hf, dense_mlp_from_hf)
+
+
+def to_hf(cfg: LlamaConfig, ours: Tensors) -> dict[str, torch.Tensor]:
+    """The ``LlamaForCausalLM`` state dict of ours."""
+    return _to_hf(cfg, ours, dense_mlp_to_hf)
+
+
+ROTARY_BUFFERS = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
+
 HF_MAPPING = HFMapping("LlamaForCausalLM", "llama", from_hf_config, to_hf_config, from_hf, to_hf,
-                       buffers=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+                       buffers=ROTARY_BUFFERS)
+
+
+# --- Hugging Face MixtralForCausalLM -------------------------------------------------------------------
+
+def mixtral_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
+    """Our config for a ``MixtralForCausalLM`` config: a Llama whose every MLP is a softmax-routed mixture
+    of SwiGLU experts with renormalised top-k weights. Sliding-window attention and router jitter, which
+    our model does not compute, are refused."""
+    for what, ours in (("sliding_window", None), ("router_jitter_noise", 0.0)):
+        if hf.get(what) not in (ours, 0):
+            raise HFIncompatible(f"{what} is {hf.get(what)!r}; trainmesh's Llama has {ours!r}, so this Mixtral "
+                                 f"cannot be imported")
+    cfg = from_hf_config(hf)
+    moe = MoEConfig(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                    d_ff_expert=hf["intermediate_size"], aux_coef=float(hf.get("router_aux_loss_coef", 0.01)))
+    return dataclasses.replace(cfg, moe=moe)
+
+
+def mixtral_to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+    """The ``MixtralConfig`` attributes of ours; refused where Mixtral has no place for what ours computes
+    (shared experts, dense leading layers, sigmoid scores, unnormalised top-k)."""
+    m = cfg.moe
+    differs = {"n_shared_experts": (m.n_shared_experts, 0), "n_dense_layers": (m.n_dense_layers, 0),
+               "score": (m.score, "softmax"), "normalize_top_k": (m.normalize_top_k, True)}
+    for what, (here, theirs) in differs.items():
+        if here != theirs:
+            raise HFIncompatible(f"{what} is {here!r}; MixtralForCausalLM has {theirs!r}, so this model cannot be "
+                                 f"written as one")
+    attributes = {k: v for k, v in to_hf_config(cfg).items() if k not in ("attention_bias", "mlp_bias")}
+    return {**attributes, "intermediate_size": m.d_ff_expert, "num_local_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_coef, "sliding_window": None,
+            "router_jitter_noise": 0.0}
+
+
+def _expert_names(i: int, e: int) -> tuple[str, str, str]:
+    prefix = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+    return prefix + "w1.weight", prefix + "w3.weight", prefix + "w2.weight"
+
+
+def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s router and experts from Mixtral's checkpoint layout (``block_sparse_moe.gate``, and per
+    expert ``w1``/``w3`` ``[f, d]`` and ``w2`` ``[d, f]``, which ``save_pretrained`` writes), stacked into
+    our ``[E, d, f]``/``[E, f, d]`` experts; or from transformers' fused in-memory layout (``mlp.gate``,
+    ``mlp.experts.gate_up_proj`` ``[E, 2f, d]``, ``mlp.experts.down_proj`` ``[E, d, f]``)."""
+    ours, fused = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
+    if fused + "gate.weight" in hf:
+        w1, w3 = hf[fused + "experts.gate_up_proj"].transpose(1, 2).chunk(2, dim=2)
+        return {ours + "router.gate.weight": hf[fused + "gate.weight"], ours + "experts.w1": w1.contiguous(),
+                ours + "experts.w3": w3.contiguous(),
+                ours + "experts.w2": hf[fused + "experts.down_proj"].transpose(1, 2).contiguous()}
+    names = [_expert_names(i, e) for e in range(cfg.moe.n_experts)]
+    stacked = [torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3)]
+    return {ours + "router.gate.weight": hf[f"model.layers.{i}.block_sparse_moe.gate.weight"],
+            ours + "experts.w1": stacked[0], ours + "experts.w3": stacked[1], ours + "experts.w2": stacked[2]}
+
+
+def moe_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s experts in Mixtral's checkpoint layout (the inverse of :func:`moe_from_hf`). A routing
+    bias the aux-loss-free update has moved would change which experts Mixtral picks, so it is refused."""
+    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
+    if bias is not None and bias.count_nonzero():
+        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which Mixtral's router "
+                             "has no place for; train without --moe-bias-rate to export as MixtralForCausalLM")
+    out = {f"model.layers.{i}.block_sparse_moe.gate.weight": ours[f"blocks.{i}.mlp.router.gate.weight"]}
+    for e in range(cfg.moe.n_experts):
+        for name, key in zip(_expert_names(i, e), ("w1", "w3", "w2")):
+            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
+    return out
+
+
+def mixtral_from_hf(cfg: LlamaConfig, hf: Tensors) -> dict[str, torch.Tensor]:
+    """Our state dict from a ``MixtralForCausalLM`` one."""
+    return _from_hf(cfg, hf, moe_from_hf)
+
+
+def mixtral_to_hf(cfg: LlamaConfig, ours: Tensors) -> dict[str, torch.Tensor]:
+    """The ``MixtralForCausalLM`` state dict of ours, experts one by one as ``save_pretrained`` writes them."""
+    return _to_hf(cfg, ours, moe_to_hf)
+
+
+MIXTRAL_MAPPING = HFMapping("MixtralForCausalLM", "mixtral", mixtral_from_hf_config, mixtral_to_hf_config,
+                            mixtral_from_hf, mixtral_to_hf, buffers=ROTARY_BUFFERS)
