@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
-from trainmesh.checkpoint import step_dir
+from trainmesh.checkpoint import load_hf_weights, step_dir
 from trainmesh.config import Config
 from trainmesh.expert_parallel import AllToAllDispatch
 from trainmesh.mesh import Mesh, init_distributed
-from trainmesh.train import full_state_dict, train
+from trainmesh.train import build, full_state_dict, setup_process, train
 from trainmesh.testing import run_ranks
 
 D = 3
@@ -154,3 +154,35 @@ def test_a_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
     _resumes_everywhere(tmp_path, 4, (2,))
+
+
+def _mixtral_config(directory: Path, **layout) -> Config:
+    return Config(model="llama-moe-tiny", init_hf=str(directory), precision="fp64", progress=False, **layout)
+
+
+def _mixtral_logits_rank(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(1)
+    cfg = _mixtral_config(directory, nproc=2, dp=2, ep=2)
+    run = build(cfg, setup_process(cfg))
+    load_hf_weights(run, directory)
+    with torch.no_grad():
+        return run.model(tokens)
+
+
+def test_a_hugging_face_mixtral_gives_the_same_logits_at_ep2_as_on_one_process(tmp_path):
+    """A MixtralForCausalLM (saved by transformers, experts one by one) loaded at ep2, each rank holding two
+    of its four experts: the logits of every rank are those of the same checkpoint on one process, which
+    the Mixtral import test holds to transformers' own logits."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(hf_cfg).double().save_pretrained(tmp_path)
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(1))
+    run = build(_mixtral_config(tmp_path), Mesh.build(1, 1, 1, torch.device("cpu")))
+    load_hf_weights(run, tmp_path)
+    with torch.no_grad():
+        reference = run.model(tokens)
+    for logits in run_ranks(_mixtral_logits_rank, 2, tmp_path, tokens, timeout=120):
+        assert (logits - reference).abs().max() < 1e-12
