@@ -209,6 +209,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block.
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
+    A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
+    (:mod:`trainmesh.expert_parallel`); the experts' gradients and ZeRO state then live on the
+    expert-data-parallel group.
     """
     spec = spec_for(model)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
