@@ -211,16 +211,17 @@ class Mesh:
         return mine
 
     def size(self, axis: str) -> int:
-        return self.sizes[axis]
+        """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1."""
+        return self.sizes.get(axis, 1) if axis in EP_AXES else self.sizes[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return self.coords[axis]
+        return self.coords.get(axis, 0) if axis in EP_AXES else self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        if self.device_mesh is None or self.sizes[axis] == 1:
+        if self.device_mesh is None or self.size(axis) == 1:
             return None
-        if axis == GRAD_AXIS or (axis == "edp" and self.sizes["ep"] == 1):
+        if axis == GRAD_AXIS or (axis == "edp" and self.size("ep") == 1):
             return self.flat_groups.get(GRAD_AXIS) or self.device_mesh.get_group("dp")
         if axis in EP_AXES:
             return self.flat_groups[axis]
