@@ -13,6 +13,7 @@ O(1); fp64 rounding over two layers moves them by about 1e-15 of their scale.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -273,3 +274,83 @@ def test_extra_tensors_are_refused(tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(hf.HFError, match="would not use .*q_norm"):
         hf.check_weights(directory)
+
+
+# --- MixtralForCausalLM: the Llama family's mixture of experts ---------------------------------------------
+
+def save_hf_mixtral(directory: Path, seed: int = 0) -> Path:
+    """A random Mixtral (hidden 64, 2 layers, GQA, 4 experts of hidden 32, top-2) by ``save_pretrained``,
+    which writes each expert's w1/w2/w3 separately."""
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64, rope_theta=5000.0,
+                                     rms_norm_eps=1e-6, initializer_range=0.2, router_aux_loss_coef=0.02)
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(cfg).double()
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def fp64_mixtral(monkeypatch, fp64_llama):
+    """Mixtral's RMSNorm, rotary angles and router softmax in the model's dtype (transformers computes each
+    in float32), with the Llama patches' code."""
+    from transformers.models.llama import modeling_llama as ml
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    def route(self, hidden):
+        hidden = hidden.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden, self.weight)
+        top, index = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True), index
+
+    monkeypatch.setattr(mm.MixtralRMSNorm, "forward", ml.LlamaRMSNorm.forward)
+    monkeypatch.setattr(mm.MixtralRotaryEmbedding, "forward", ml.LlamaRotaryEmbedding.forward)
+    monkeypatch.setattr(mm.MixtralTopKRouter, "forward", route)
+
+
+def mixtral_logits(directory: Path) -> torch.Tensor:
+    """transformers' logits with its experts run one by one (``eager``): its default grouped_mm path refuses
+    float64 on CPU."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="sdpa",
+                                                              experts_implementation="eager")
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def test_mixtral_conversion_round_trips_the_saved_tensors_bit_for_bit(tmp_path):
+    directory = save_hf_mixtral(tmp_path / "hf")
+    spec, model_config, ours = hf.read_hf(directory)
+    assert spec.family == "llama-moe" and model_config.moe.n_experts == 4 and model_config.moe.top_k == 2
+    assert ours["blocks.1.mlp.experts.w1"].shape == (4, 64, 32)
+    saved = load_file(directory / hf.WEIGHTS)
+    back = spec.hf.to_hf(model_config, ours)
+    assert back.keys() == saved.keys()
+    for name, tensor in back.items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+def test_mixtral_in_through_the_training_path_and_out_again_gives_transformers_logits(tmp_path, fp64_mixtral):
+    directory = save_hf_mixtral(tmp_path / "hf")
+    cfg = config_from_args(_args(init_hf=str(directory), precision="fp64", progress=False))
+    assert cfg.model == "llama-moe-tiny" and cfg.model_config.moe.d_ff_expert == 32
+    run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
+    checkpoint.restore(run)
+    expected = mixtral_logits(directory)
+    with torch.no_grad():
+        assert_same_logits(run.model(TOKENS), expected, "mixtral imported, one process")
+    out = hf.save_hf(run.model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    assert_same_logits(mixtral_logits(out), expected, "mixtral exported, reloaded")
+    ckpt = tmp_path / "ckpt"
+    checkpoint.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(ckpt))),
+                    checkpoint.TrainingProgress(0))
+    assert main(["export", str(ckpt), "--hf", str(tmp_path / "exported")]) == 0
+    assert_same_logits(mixtral_logits(tmp_path / "exported"), expected, "mixtral checkpoint exported, reloaded")
+
+
+def test_moe_models_mixtral_cannot_hold_are_refused_on_export(tmp_path):
+    shared = spec_of("llama-moe-tiny").presets["llama-moe-tiny"]
+    with pytest.raises(hf.HFError, match="n_shared_experts is 1; MixtralForCausalLM has 0"):
+        hf.save_hf(spec_of("llama-moe-tiny").builder(shared, 0), tmp_path / "out")

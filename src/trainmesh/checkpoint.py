@@ -87,7 +87,7 @@ from trainmesh.data import data_tokenizer
 from trainmesh.engine import Engine
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.models import preset, spec_of
+from trainmesh.models import config_from_dict, preset, spec_of
 from trainmesh.precision import LossScaler
 from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
@@ -875,7 +875,7 @@ def export_hf(source: Path, out: Path) -> str:
     shape taken from the manifest, so ``AutoModelForCausalLM.from_pretrained(out)`` loads it."""
     path = _step_to_export(source)
     manifest = read_manifest(path)
-    model_config = type(preset(manifest["config"]["model"]))(**manifest["model"])
+    model_config = config_from_dict(preset(manifest["config"]["model"]), manifest["model"])
     tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
     try:
         hf.save_hf(tensors, out, model_config)

@@ -244,7 +244,7 @@ def _draw_balance(ax: Any, h: History) -> None:
     for name, values in h.balance.items():
         ax.plot(h.moe_steps, values, linewidth=1.5, label=name)
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax.set(title=f"expert balance (max/mean load); dropped {h.dropped[-1]:.1%} at the last step", xlabel="step",
+    ax.set(title=f"expert balance; {h.dropped[-1]:.1%} dropped at the last step", xlabel="step",
            ylabel="max / mean tokens per expert")
     ax.set_ylim(bottom=0)
     ax.legend(frameon=False, fontsize=8)

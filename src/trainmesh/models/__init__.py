@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from trainmesh.models import gpt, hf_llama, llama
+from trainmesh.models.moe import MoEConfig
 from trainmesh.models.spec import ModelShape, ModelSpec, Staged, StageLayout
 
 
@@ -41,6 +42,13 @@ def without_mlp(plan: dict[str, str]) -> dict[str, str]:
 
 def is_moe(cfg: object) -> bool:
     return getattr(cfg, "moe", None) is not None
+
+
+def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
+    """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a checkpoint manifest's), its
+    MoE settings made a :class:`~trainmesh.models.moe.MoEConfig` again."""
+    moe = values.get("moe")
+    return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {})})
 
 def build_hf_llama(config: Any, seed: int) -> nn.Module:
     """A ``transformers.LlamaForCausalLM`` of ``config``, initialised from ``seed`` (the global generator
@@ -122,5 +130,5 @@ def planner_shapes() -> dict[str, ModelShape]:
     return {name: spec.shape(cfg) for spec in SPECS for name, cfg in {**spec.presets, **spec.planner_presets}.items()}
 
 
-__all__ = ["GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
+__all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
            "spec_of", "preset", "planner_shapes"]
