@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
 from trainmesh.checkpoint import load_hf_weights, step_dir
-from trainmesh.config import Config
+from trainmesh.config import Config, ConfigError, validate
 from trainmesh.expert_parallel import AllToAllDispatch
 from trainmesh.mesh import Mesh, init_distributed
 from trainmesh.train import build, full_state_dict, setup_process, train
@@ -83,6 +83,26 @@ def test_all_to_all_dispatch_equals_a_single_process_gather(world, n_experts, ro
         assert r["rows"][0] == rows[rank]
         assert max(r["y"], r["x_grad"], r["w_grad"]) < TOL, f"rank {rank}: {r}"
     assert results[-1]["rows"][1] == 0 if world == 4 else True
+
+
+EP_REFUSALS = {
+    "dense model": (dict(model="tiny"), "--ep 2 splits the experts of a mixture-of-experts model, and tiny is dense"),
+    "experts": (dict(nproc=3, dp=3, ep=3, global_batch=12), "--ep 3 does not divide the 8 experts per layer of moe-tiny; choose ep "
+                                           "in {1, 2, 4, 8}"),
+    "dp x cp": (dict(nproc=4, dp=2, tp=2, ep=4), "--ep 4 does not divide dp*cp = 2"),
+}
+
+
+@pytest.mark.parametrize("case", EP_REFUSALS)
+def test_bad_ep_settings_are_one_line_before_any_rank_starts(case):
+    settings, message = EP_REFUSALS[case]
+    with pytest.raises(ConfigError) as e:
+        validate(_moe(**settings))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sequence_parallel_moe_layouts_validate():
+    validate(_moe(nproc=4, tp=2, sequence_parallel=True))
 
 
 def test_a_single_rank_dispatches_nothing():

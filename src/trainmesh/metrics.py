@@ -211,7 +211,8 @@ class Sink(Protocol):
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The plottable numbers of one ``metrics.jsonl`` record under the tags every sink uses: one chart per
-    quantity, one series per rank (memory) or mesh axis (communication)."""
+    quantity, one series per rank (memory) or mesh axis (communication), and for each MoE layer its balance,
+    dropped fraction, aux and z losses and each expert's token copies."""
     out = {tag: float(record[key]) for key, tag in (
         ("loss", "train/loss"), ("val_loss", "eval/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
         ("loss_scale", "train/loss_scale"), ("tokens_per_s", "perf/tokens_per_s"),
@@ -222,6 +223,9 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         values = record.get(key) or []
         if any(values):
             out.update({f"memory/{key}/rank{r}": float(v) for r, v in enumerate(values)})
+    for layer, m in record.get("moe", {}).items():
+        out.update({f"moe/{layer}/{key}": float(m[key]) for key in ("balance", "dropped_fraction", "aux_loss", "z_loss")})
+        out.update({f"moe/{layer}/tokens/expert{e}": float(n) for e, n in enumerate(m["expert_tokens"])})
     return {tag: v for tag, v in out.items() if math.isfinite(v)}
 
 

@@ -145,7 +145,17 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(n_experts, d_model, d_ff)) if gated else None
         self.w2 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.reset_parameters()
         mark_experts(self)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Each expert's matrices as ``nn.Linear`` initialises its weight: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        (the model families re-initialise them with their own scheme)."""
+        for w in (self.w1, self.w3, self.w2):
+            if w is not None:
+                bound = 1 / math.sqrt(w.shape[1])
+                w.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         sizes, matmul = counts.tolist(), MATMULS[self.impl]
