@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp bench-data clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp bench-moe bench-data clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ bench-tp: setup
 # measured) and tokens/s there; the ring's hidden communication from its timeline; torch's context_parallel.
 bench-cp: setup
 	$(BIN)/python -m trainmesh.bench.cp --seq-len 4096
+
+# Expert parallelism on moe-tiny at ep 1, 2, 4 (4 ranks): counted all-to-all bytes per step vs the formula,
+# tokens/s and peak RSS per rank; then the experts' padded batched GEMM vs a per-expert loop.
+bench-moe: setup
+	$(BIN)/python -m trainmesh.bench.moe
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16

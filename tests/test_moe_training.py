@@ -147,9 +147,6 @@ REFUSALS = {
     "dropping without capacity": (dict(moe_dropless=False), "give the capacity factor with --moe-capacity"),
     "bias resumed without its state": (dict(moe_bias_rate=0.01, checkpoint_dir="ckpt", resume=True),
                                        "--moe-bias-rate moves routing biases that checkpoints do not hold yet"),
-    "sequence split": (dict(nproc=2, tp=2, sequence_parallel=True), "--sequence-parallel splits each sequence over "
-                                                                    "ranks, and the MoE balance loss of moe-tiny is "
-                                                                    "per sequence"),
     "context parallel": (dict(nproc=2, cp=2), "--cp 2 splits each sequence"),
     "moe flag on a dense model": (dict(model="tiny", moe_experts=4), "--moe-experts configures mixture-of-experts "
                                                                       "layers, which tiny does not have"),

@@ -94,6 +94,9 @@ class Config:
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
+    ep: int = _opt(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
+                   "ranks, tokens exchanged by all-to-all; ep divides dp*cp and the expert count, adds no ranks",
+                   low=AT_LEAST_1)
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
@@ -237,7 +240,7 @@ RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "data", "tokenizer", "seed", "seq_len"),
-    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
+    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "ep", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
@@ -470,6 +473,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     _validate_checkpoints(cfg)
     _validate_moe(cfg)
     _validate_model_split(cfg)
+    _validate_expert_parallel(cfg)
     _validate_context_parallel(cfg)
     _validate_pipeline(cfg)
 
@@ -498,8 +502,9 @@ MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
 
 
 def _validate_moe(cfg: Config) -> None:
-    """The ``--moe-*`` settings: refused on a dense model; an MoE model refuses a split sequence (SP, cp),
-    whose per-sequence balance statistics would need summing over the split, and the routing bias, which
+    """The ``--moe-*`` settings: refused on a dense model; an MoE model refuses a sequence split over cp,
+    whose per-sequence balance statistics would need summing over cp (under SP expert parallelism sums
+    them over tp), and the routing bias, which
     checkpoints do not hold, where a run would resume (``Config._moe_config`` checks the settings against
     the model's experts)."""
     if getattr(cfg.model_config, "moe", None) is None:
@@ -509,11 +514,10 @@ def _validate_moe(cfg: Config) -> None:
             raise ConfigError(f"{flag} configures mixture-of-experts layers, which "
                               f"{_model_name(cfg)} does not have; use an MoE model (moe-tiny, llama-moe-tiny) "
                               f"or drop it")
-    elif cfg.sequence_parallel or cfg.cp > 1:
-        flag = "--sequence-parallel" if cfg.sequence_parallel else f"--cp {cfg.cp}"
-        raise ConfigError(f"{flag} splits each sequence over ranks, and the MoE balance loss of {_model_name(cfg)} "
-                          f"is per sequence, which needs its statistics summed over that split (not wired yet); "
-                          f"drop {flag}")
+    elif cfg.cp > 1:
+        raise ConfigError(f"--cp {cfg.cp} splits each sequence over ranks, and the MoE balance loss of "
+                          f"{_model_name(cfg)} is per sequence, which needs its statistics summed over cp (wired for "
+                          f"--sequence-parallel only); drop --cp {cfg.cp}")
     elif cfg.moe_bias_rate and (cfg.resume or cfg.max_restarts):
         raise ConfigError(f"--moe-bias-rate moves routing biases that checkpoints do not hold yet, so a resumed run "
                           f"would restart them at 0; drop {'--resume' if cfg.resume else '--max-restarts'} or "
@@ -539,6 +543,27 @@ def _validate_model_split(cfg: Config) -> None:
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
         raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
+
+
+def _validate_expert_parallel(cfg: Config) -> None:
+    """``--ep`` splits the experts of an MoE model over data-parallel ranks (inside dp x cp)."""
+    if cfg.ep == 1:
+        return
+    moe = getattr(cfg.model_config, "moe", None)
+    if moe is None:
+        raise ConfigError(f"--ep {cfg.ep} splits the experts of a mixture-of-experts model, and {_model_name(cfg)} "
+                          f"is dense; use an MoE model (moe-tiny, llama-moe-tiny) or drop --ep")
+    if moe.n_experts % cfg.ep:
+        raise ConfigError(f"--ep {cfg.ep} does not divide the {moe.n_experts} experts per layer of {_model_name(cfg)}; "
+                          f"choose ep in {{{', '.join(str(d) for d in _divisors(moe.n_experts))}}}")
+    if (cfg.dp * cfg.cp) % cfg.ep:
+        raise ConfigError(f"--ep {cfg.ep} does not divide dp*cp = {cfg.dp * cfg.cp}: experts are split over "
+                          f"data-parallel ranks (ep folds inside dp x cp); choose ep in "
+                          f"{{{', '.join(str(d) for d in _divisors(cfg.dp * cfg.cp))}}} or raise --dp")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 CP_UNSUPPORTED = (

@@ -60,7 +60,7 @@ def setup_process(cfg: Config) -> Mesh:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
-    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout)
+    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep)
     start_heartbeat()
     return mesh
 
@@ -296,7 +296,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     progress = Progress(cfg.steps, start.step + 1, sys.stdout if rank == 0 else None, enabled=cfg.progress,
                         every=cfg.progress_every)
     progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
-                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp} zero={cfg.zero}, {mesh.world_size} rank(s), "
+                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len

@@ -233,16 +233,30 @@ class InjectAuxGrad(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_experts: int, top_k: int) -> torch.Tensor:
+def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_experts: int, top_k: int,
+                 split: "SequenceSplit | None" = None) -> torch.Tensor:
     """Mean over the ``batch`` sequences of ``sum_i f_i P_i``, where over one sequence's tokens
     ``f_i = E / (k T) * (copies routed to expert i)`` and ``P_i`` is the mean normalised score of expert i
     (DeepSeek-V3 eq. 17-20 without the coefficient); 1 when routing is perfectly even, E at collapse.
-    ``experts`` ``[B*T, k]`` and ``probs`` ``[B*T, E]`` hold the sequences one after the other."""
+    ``experts`` ``[B*T, k]`` and ``probs`` ``[B*T, E]`` hold the sequences one after the other. When each
+    process holds ``1/split.shards`` of every sequence, the per-sequence sums are taken over all of them."""
     chosen = F.one_hot(experts, n_experts).sum(1).to(probs.dtype).view(batch, -1, n_experts)
     tokens = chosen.shape[1]
-    f = chosen.sum(1) * (n_experts / (top_k * tokens))
-    p = probs.view(batch, tokens, n_experts).mean(1)
-    return (f * p).sum(-1).mean()
+    routed, scored = chosen.sum(1), probs.view(batch, tokens, n_experts).sum(1)
+    if split is not None:
+        routed, scored, tokens = split.total(routed).detach(), split.total(scored), tokens * split.shards
+    f = routed * (n_experts / (top_k * tokens))
+    return (f * scored / tokens).sum(-1).mean()
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Every sequence split over ``shards`` processes (sequence parallelism): ``total`` sums a tensor over
+    them in forward and passes the gradient through unchanged (each process back-propagates its own
+    tokens' part; the router's gradients are then summed over the processes by the parallel form)."""
+
+    shards: int
+    total: Callable[[torch.Tensor], torch.Tensor]
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -287,6 +301,7 @@ class MoE(nn.Module):
         self.shared = shared
         self.dispatcher: Dispatcher = LocalDispatch()
         self.aux_grad_scale = 1.0
+        self.split: SequenceSplit | None = None  # set by a parallel form that splits sequences
         self.stats = MoEStats(torch.zeros(cfg.n_experts, dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -323,12 +338,14 @@ class MoE(nn.Module):
                          batch: int, counts: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """``out`` carrying the aux losses' gradients; records this forward's statistics."""
         cfg = self.cfg
-        aux = balance_loss(experts, probs, batch, cfg.n_experts, cfg.top_k)
-        z = z_loss(logits)
+        aux = balance_loss(experts, probs, batch, cfg.n_experts, cfg.top_k, self.split)
+        z = z_loss(logits) if self.split is None else self.split.total(z_loss(logits)) / self.split.shards
         if torch.is_grad_enabled() and not _recomputing():
+            if self.split is not None:
+                counts, kept = self.split.total(counts), self.split.total(kept)
             s = self.stats
             s.counts = s.counts.to(counts.device) + counts.detach()
-            s.routed += experts.numel()
+            s.routed += experts.numel() * (self.split.shards if self.split is not None else 1)
             s.dropped += int(counts.sum() - kept.sum())
             s.aux_loss += aux.item()
             s.z_loss += z.item()
@@ -376,4 +393,4 @@ def update_expert_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.
 
 
 __all__ = ["MoE", "MoEConfig", "Router", "GroupedExperts", "Dispatcher", "LocalDispatch", "is_expert_param",
-           "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss"]
+           "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss", "SequenceSplit"]

@@ -1,0 +1,119 @@
+"""``make bench-moe``: expert parallelism's all-to-all volume, speed and memory at ep 1, 2 and 4, and the
+experts' grouped GEMM against a per-expert loop. Prints; asserts nothing.
+
+Every ep runs ``moe-tiny`` on the same 4 data-parallel ranks (ep folds inside dp, so the ranks, the tokens
+and the work stay the same; only where the experts live changes), each in fresh processes so that peak
+RSS is that layout's. Per step it reports the token bytes each rank's dispatchers sent to *other* ranks
+(:class:`trainmesh.expert_parallel.AllToAllDispatch` counts them; forward dispatch and combine and their
+backward, four transfers per MoE layer) against the formula: a rank's ``tokens x top-k`` copies of
+``hidden x dtype bytes`` each, per direction, of which ``(ep-1)/ep`` leave the rank under even routing.
+Tokens/s is the median (min-max) over the timed steps; model state is rank 0's parameters, gradients and
+optimizer state (the experts' share of it shrinks as 1/ep). The GEMM comparison times
+:func:`trainmesh.models.moe.padded_matmul` (one batched GEMM) and :func:`~trainmesh.models.moe.looped_matmul`
+(one GEMM per expert) on the same sorted tokens, forward and backward, alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from trainmesh.config import Config
+from trainmesh.expert_parallel import expert_modules
+from trainmesh.metrics import max_rss_bytes, storage_bytes
+from trainmesh.models.moe import MATMULS
+from trainmesh.testing import run_ranks
+
+MIB = 2**20
+
+
+def _median_range(values: list[float], fmt: str = "{:,.0f}") -> str:
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def _ep_rank(cfg: Config, steps: int) -> dict:
+    """Runs on every rank: ``steps`` training steps (the first untimed); per-step sent bytes and times."""
+    from trainmesh.train import build, forward_backward, rank_batch, setup_process
+    torch.set_num_threads(1)
+    run = build(cfg, setup_process(cfg))
+    dispatchers = [m.dispatcher for _, m in expert_modules(run.model) if hasattr(m.dispatcher, "sent_bytes")]
+    sent, times = [], []
+    for step in range(steps):
+        before = sum(d.sent_bytes for d in dispatchers)
+        t0 = time.perf_counter()
+        forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+        run.engine.step(cfg.lr, cfg.grad_clip)
+        times.append(time.perf_counter() - t0)
+        sent.append(sum(d.sent_bytes for d in dispatchers) - before)
+    return {"sent": sent[1:], "times": times[1:], "rss": max_rss_bytes(), "layers": len(expert_modules(run.model)),
+            "state": storage_bytes(run.engine.state_tensors())}
+
+
+def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, global_batch: int) -> str:
+    base = Config(model=model, nproc=world, dp=world, global_batch=global_batch, steps=steps, progress=False)
+    m = base.model_config
+    tokens = global_batch // world * m.seq_len
+    copy_bytes = m.d_model * 4
+    lines = [f"{model}, dp={world}, {global_batch} sequences of {m.seq_len} tokens per step, fp32, "
+             f"{m.moe.n_experts} experts top-{m.moe.top_k}; per rank, median (min-max) over {steps - 1} timed steps:",
+             f"{'layout':<8}{'a2a KiB/step':>14}{'formula KiB':>13}{'per direction KiB':>19}"
+             f"{'tokens/s':>24}{'model state KiB':>17}{'peak RSS MiB':>14}"]
+    for ep in degrees:
+        cfg = Config(**{**base.__dict__, "ep": ep})
+        results = run_ranks(_ep_rank, world, cfg, steps, timeout=600)
+        layers = results[0]["layers"]
+        per_direction = tokens * m.moe.top_k * copy_bytes
+        formula = 4 * layers * per_direction * (ep - 1) / ep
+        sent = [s for r in results for s in r["sent"]]
+        tps = [global_batch * m.seq_len / t for t in results[0]["times"]]
+        rss = [r["rss"] / MIB for r in results]
+        lines.append(f"{f'ep{ep}':<8}{statistics.median(sent) / 1024:>14.1f}{formula / 1024:>13.1f}"
+                     f"{per_direction / 1024:>19.1f}{_median_range(tps):>24}{results[0]['state'] / 1024:>17.0f}"
+                     f"{f'{min(rss):.0f}-{max(rss):.0f}':>14}")
+    lines.append("(a2a: bytes sent to other ranks, 4 transfers per MoE layer per step: dispatch and combine, "
+                 "forward and backward; formula: 4 x layers x per-direction volume x (ep-1)/ep)")
+    return "\n".join(lines)
+
+
+def _time_matmul(impl: str, x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> float:
+    xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+    t0 = time.perf_counter()
+    MATMULS[impl](xs, ws, counts).sum().backward()
+    return time.perf_counter() - t0
+
+
+def bench_grouped(copies: int, d: int, f: int, n_experts: int, rounds: int) -> str:
+    """One batched GEMM over padded experts vs one GEMM per expert, same sorted tokens, forward+backward."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.randint(n_experts, (copies,), generator=gen), minlength=n_experts).tolist()
+    x, w = torch.randn(copies, d, generator=gen), torch.randn(n_experts, d, f, generator=gen)
+    times: dict[str, list[float]] = {impl: [] for impl in MATMULS}
+    for _ in range(rounds):
+        for impl in MATMULS:
+            times[impl].append(_time_matmul(impl, x, w, counts))
+    ratio = [a / b for a, b in zip(times["loop"], times["padded"])]
+    cells = ", ".join(f"{impl} {_median_range([t * 1e3 for t in ts], '{:.2f}')} ms" for impl, ts in times.items())
+    return (f"{copies} copies, d={d} -> f={f}, {n_experts} experts (max {max(counts)} per expert): {cells}; "
+            f"loop/padded {_median_range(ratio, '{:.2f}')}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="moe-tiny")
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args(argv)
+    print(bench_ep(args.model, args.nproc, tuple(args.ep), args.steps, args.global_batch))
+    print("\ngrouped GEMM (padded batched matmul) vs a per-expert loop, fp32, forward+backward, median (min-max):")
+    for copies, d, f in ((512, 64, 64), (8192, 256, 512)):
+        print(bench_grouped(copies, d, f, 8, args.rounds))
+
+
+if __name__ == "__main__":
+    main()

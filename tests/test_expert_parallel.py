@@ -1,0 +1,208 @@
+"""Expert parallelism's all-to-all dispatch alone, against a single-process gather of the same routing.
+
+Every rank draws every rank's token copies and routing from one seed, so each can compute the reference
+(all copies in one place, each through its expert) and compare its own part of it, in float64: forward
+outputs, gradients of the copies and gradients of its experts.
+"""
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
+from trainmesh.checkpoint import load_hf_weights, step_dir
+from trainmesh.config import Config, ConfigError, validate
+from trainmesh.expert_parallel import AllToAllDispatch
+from trainmesh.mesh import Mesh, init_distributed
+from trainmesh.train import build, full_state_dict, setup_process, train
+from trainmesh.testing import run_ranks
+
+D = 3
+TOL = 1e-12
+
+
+def _routing(world: int, n_experts: int, rows: list[int], empty_experts: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each rank's global expert id per copy, sorted (as the router leaves them), never an ``empty`` expert."""
+    gen = torch.Generator().manual_seed(7)
+    allowed = torch.tensor([e for e in range(n_experts) if e not in empty_experts])
+    return [allowed[torch.randint(len(allowed), (n,), generator=gen)].sort().values for n in rows]
+
+
+def _experts_apply(x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` is ``tanh(x @ w[e])``: a non-linear map, so a copy sent to the wrong expert shows."""
+    return torch.tanh(torch.bmm(x.unsqueeze(1), w[experts]).squeeze(1))
+
+
+def _dispatch_rank(n_experts: int, rows: list[int], empty_experts: tuple[int, ...]) -> dict:
+    init_distributed("gloo", torch.device("cpu"))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = n_experts // world
+    gen = torch.Generator().manual_seed(11)
+    routing = _routing(world, n_experts, rows, empty_experts)
+    xs = [torch.randn(n, D, generator=gen, dtype=torch.float64) for n in rows]
+    grads_out = [torch.randn(n, D, generator=gen, dtype=torch.float64) for n in rows]
+    w_full = torch.randn(n_experts, D, D, generator=gen, dtype=torch.float64)
+
+    # the reference: every copy of every rank through its expert in one place
+    x_ref = torch.cat(xs).requires_grad_()
+    w_ref = w_full.clone().requires_grad_()
+    y_ref = _experts_apply(x_ref, torch.cat(routing), w_ref)
+    (y_ref * torch.cat(grads_out)).sum().backward()
+    mine = slice(sum(rows[:rank]), sum(rows[:rank + 1]))
+
+    # expert parallel: this rank's copies dispatched to the ranks holding their experts
+    dispatcher = AllToAllDispatch(dist.group.WORLD)
+    x = xs[rank].clone().requires_grad_()
+    w = w_full[rank * local:(rank + 1) * local].clone().requires_grad_()
+    counts = torch.bincount(routing[rank], minlength=n_experts)
+    x_local, local_counts, handle = dispatcher.dispatch(x, counts)
+    local_experts = torch.repeat_interleave(torch.arange(local), local_counts)
+    y = dispatcher.combine(_experts_apply(x_local, local_experts, w), handle)
+    (y * grads_out[rank]).sum().backward()
+    expected_counts = torch.stack([torch.bincount(r, minlength=n_experts) for r in routing]).sum(0)
+    return {"y": (y - y_ref[mine]).abs().max().item() if y.numel() else 0.0,
+            "x_grad": (x.grad - x_ref.grad[mine]).abs().max().item() if x.numel() else 0.0,
+            "w_grad": (w.grad - w_ref.grad[rank * local:(rank + 1) * local]).abs().max().item(),
+            "counts_ok": torch.equal(local_counts, expected_counts[rank * local:(rank + 1) * local]),
+            "sorted": bool((local_experts[1:] >= local_experts[:-1]).all()),
+            "rows": (y.shape[0], x_local.shape[0])}
+
+
+@pytest.mark.parametrize("world,n_experts,rows,empty", [
+    (2, 4, [9, 0], (1, 2)),       # rank 1 sends nothing; experts 1 (on rank 0) and 2 (on rank 1) get nothing
+    (4, 8, [5, 7, 0, 6], (0, 5, 6, 7)),  # rank 3 holds only experts that receive no token
+], ids=["ep2", "ep4"])
+def test_all_to_all_dispatch_equals_a_single_process_gather(world, n_experts, rows, empty):
+    results = run_ranks(_dispatch_rank, world, n_experts, rows, empty, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["counts_ok"] and r["sorted"], f"rank {rank}: {r}"
+        assert r["rows"][0] == rows[rank]
+        assert max(r["y"], r["x_grad"], r["w_grad"]) < TOL, f"rank {rank}: {r}"
+    assert results[-1]["rows"][1] == 0 if world == 4 else True
+
+
+EP_REFUSALS = {
+    "dense model": (dict(model="tiny"), "--ep 2 splits the experts of a mixture-of-experts model, and tiny is dense"),
+    "experts": (dict(nproc=3, dp=3, ep=3, global_batch=12), "--ep 3 does not divide the 8 experts per layer of moe-tiny; choose ep "
+                                           "in {1, 2, 4, 8}"),
+    "dp x cp": (dict(nproc=4, dp=2, tp=2, ep=4), "--ep 4 does not divide dp*cp = 2"),
+}
+
+
+@pytest.mark.parametrize("case", EP_REFUSALS)
+def test_bad_ep_settings_are_one_line_before_any_rank_starts(case):
+    settings, message = EP_REFUSALS[case]
+    with pytest.raises(ConfigError) as e:
+        validate(_moe(**settings))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sequence_parallel_moe_layouts_validate():
+    validate(_moe(nproc=4, tp=2, sequence_parallel=True))
+
+
+def test_a_single_rank_dispatches_nothing():
+    x, counts = torch.randn(4, D), torch.tensor([3, 0, 1])
+    dispatcher = AllToAllDispatch(None)
+    y, local_counts, handle = dispatcher.dispatch(x, counts)
+    assert y is x and local_counts is counts and dispatcher.combine(y, handle) is y
+
+
+def _moe(**kw) -> Config:
+    base = {"model": "moe-tiny", "nproc": 2, "dp": 2, "ep": 2, "steps": 4, "global_batch": 8, "progress": False,
+            "warmup_steps": 1}
+    return Config(**{**base, **kw})
+
+
+def test_ep2_and_ep2_with_zero3_equal_one_process():
+    """Dropless MoE at ep2 (every rank half the experts, tokens by all-to-all) and under ZeRO-3 (expert
+    state sharded over the expert-data-parallel group, here of one rank) train as one process does."""
+    for loss_diff, param_diff in check_equivalent([_moe(), _moe(zero=3, model="llama-moe-tiny")], world_size=2):
+        assert loss_diff <= 1e-9 and param_diff <= 1e-9
+
+
+FOUR = {"nproc": 4, "dp": 4}
+COMPOSED = {
+    "ep4 and dp4 x ep2 with ZeRO 0-2": [_moe(**FOUR, ep=4), _moe(**FOUR), _moe(**FOUR, zero=1),
+                                         _moe(**FOUR, zero=2, model="llama-moe-tiny")],
+    "ep2 x tp2": [_moe(nproc=4, tp=2), _moe(nproc=4, tp=2, model="llama-moe-tiny", recompute="full")],
+    "ep2 x tp2 sp": [_moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny")],
+    "ep2 x pp2": [_moe(nproc=4, pp=2, microbatches=2), _moe(nproc=4, pp=2, microbatches=2, zero=1,
+                                                            model="llama-moe-tiny")],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layouts", COMPOSED)
+def test_ep_layouts_on_four_ranks_equal_one_process(layouts):
+    """ep4; dp4 x ep2 (experts reduced over a 2-rank expert-data-parallel group, ZeRO-1 and -2 sharding
+    over it); ep2 x tp2 with and without sequence parallelism (and recompute); ep2 x pp2 (aux losses
+    injected on both stages, the logged loss summed over them)."""
+    check_equivalent(COMPOSED[layouts], world_size=4, timeout=600)
+
+
+def _checkpointed(root: Path, name: str, **kw) -> Config:
+    cfg = _moe(**{"precision": "fp64", "checkpoint_every": 2, "checkpoint_dir": str(root / name), **kw})
+    return dataclasses.replace(cfg, nproc=cfg.world_size)
+
+
+def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...]) -> None:
+    """Train at dp=ep=``saved_ep``, then resume its step-2 checkpoint at each of ``resumed_eps``
+    (dp=ep) and on one process: the experts' pieces are placed in the full tensors, so every layout reads
+    its own slices, and finishes as a single process trained straight through does."""
+    run_ranks(train_rank, saved_ep, [_checkpointed(root, "saved", dp=saved_ep, ep=saved_ep)], timeout=300)
+    for ep in (*resumed_eps, 1):
+        shutil.copytree(step_dir(root / "saved", 2), step_dir(root / f"ep{ep}", 2))
+        (root / f"ep{ep}" / "latest").write_text(step_dir(root, 2).name + "\n")
+    reference = train_single(in_fp64(_moe()))
+    for ep in resumed_eps:
+        resumed = run_ranks(train_rank, ep, [_checkpointed(root, f"ep{ep}", dp=ep, ep=ep, resume=True)], timeout=300)
+        losses, params = resumed[0][0]
+        assert_same_training((reference[0][2:], reference[1]), (losses, params))
+    single = train(_checkpointed(root, "ep1", dp=1, ep=1, resume=True), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert_same_training((reference[0][2:], reference[1]), (single.losses, full_state_dict(single.run)))
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
+    _resumes_everywhere(tmp_path, 2, ())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
+    _resumes_everywhere(tmp_path, 4, (2,))
+
+
+def _mixtral_config(directory: Path, **layout) -> Config:
+    return Config(model="llama-moe-tiny", init_hf=str(directory), precision="fp64", progress=False, **layout)
+
+
+def _mixtral_logits_rank(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(1)
+    cfg = _mixtral_config(directory, nproc=2, dp=2, ep=2)
+    run = build(cfg, setup_process(cfg))
+    load_hf_weights(run, directory)
+    with torch.no_grad():
+        return run.model(tokens)
+
+
+def test_a_hugging_face_mixtral_gives_the_same_logits_at_ep2_as_on_one_process(tmp_path):
+    """A MixtralForCausalLM (saved by transformers, experts one by one) loaded at ep2, each rank holding two
+    of its four experts: the logits of every rank are those of the same checkpoint on one process, which
+    the Mixtral import test holds to transformers' own logits."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(hf_cfg).double().save_pretrained(tmp_path)
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(1))
+    run = build(_mixtral_config(tmp_path), Mesh.build(1, 1, 1, torch.device("cpu")))
+    load_hf_weights(run, tmp_path)
+    with torch.no_grad():
+        reference = run.model(tokens)
+    for logits in run_ranks(_mixtral_logits_rank, 2, tmp_path, tokens, timeout=120):
+        assert (logits - reference).abs().max() < 1e-12
