@@ -196,6 +196,17 @@ def test_the_loaded_model_has_the_checkpoints_weights(byte_run):
     assert all(torch.equal(p, saved[f"model/{k}"]) for k, p in model.named_parameters())
 
 
+def test_a_mixture_of_experts_checkpoint_loads_as_its_moe_model(tmp_path):
+    """The manifest holds the MoE settings as a plain object; the model rebuilt from it has the same experts."""
+    root = _train(tmp_path / "moe", model="moe-tiny")
+    model, _ = load_model(step_dir(root, 2), torch.device("cpu"))
+    saved = read_tensors(step_dir(root, 2), "model/")
+    assert any("experts" in k for k, _ in model.named_parameters())
+    assert all(torch.equal(p, saved[f"model/{k}"]) for k, p in model.named_parameters())
+    cached = generate(model, [1, 2, 3], 6, 32)
+    assert len(cached) == 6 and cached == generate(model, [1, 2, 3], 6, 32, use_cache=False)
+
+
 def test_the_cli_continues_a_prompt_from_a_tensor_parallel_checkpoint(tmp_path, capsys):
     """Saved by two tensor-parallel ranks, generated in one process; the same seed gives the same text."""
     def trainmesh(*args: str) -> subprocess.CompletedProcess:

@@ -18,7 +18,6 @@ the same text on any device; temperature 0 is greedy.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.checkpoint import MANIFEST, CheckpointError, candidates, read_manifest, read_tensors, step_dir
-from trainmesh.models import preset, spec_of
+from trainmesh.models import config_from_dict, preset, spec_of
 from trainmesh.models.cache import KVCache
 from trainmesh.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_sha256
 
@@ -140,7 +139,7 @@ def load_model(path: Path, device: torch.device) -> tuple[nn.Module, dict]:
     dtype they were saved in, on ``device``, in eval mode; and the checkpoint's manifest."""
     manifest = read_manifest(path)
     name = manifest["config"]["model"]
-    shape = dataclasses.replace(preset(name), **manifest["model"])
+    shape = config_from_dict(preset(name), manifest["model"])
     weights = {k.removeprefix("model/"): t for k, t in read_tensors(path, "model/").items()}
     model = spec_of(name).builder(shape, 0)
     params = dict(model.named_parameters())

@@ -127,8 +127,16 @@ def _check_model_shape(model: Any, name: Any) -> None:
         expected = preset(name)
     except ValueError:
         raise ManifestError(f"config.model {show(name)} is not a model preset trainmesh knows") from None
-    for k, v in _dict(model, "model", tuple(f.name for f in dataclasses.fields(expected))).items():
+    fields = dataclasses.fields(expected)
+    # A field that defaults to None (``moe``) is a feature newer than some checkpoints: absent means off.
+    optional = tuple(f.name for f in fields if f.default is None)
+    required = tuple(f.name for f in fields if f.name not in optional)
+    for k, v in _dict(model, "model", required, optional).items():
         kind = type(getattr(expected, k))
+        if k in optional:
+            if (v is None) != (getattr(expected, k) is None) or not (v is None or isinstance(v, dict)):
+                raise ManifestError(f"model.{k} is {show(v)}; preset {name} has {getattr(expected, k)}")
+            continue
         if kind is bool and type(v) is not bool:
             raise ManifestError(f"model.{k} is {show(v)}; it must be true or false")
         if kind is float and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
