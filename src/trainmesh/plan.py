@@ -31,15 +31,13 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+from trainmesh.config import Config, resolve_reduce_dtype
 from trainmesh.context_parallel import IMPLS as CP_IMPLS, split_error as cp_split_error
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
                                model_flops_per_token)
 from trainmesh.models import ModelShape, planner_shapes, spec_of
-
-if TYPE_CHECKING:
-    from trainmesh.config import Config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -85,8 +83,12 @@ def model_shape(name: str) -> ModelShape:
 @dataclass(frozen=True)
 class Cluster:
     """Devices and links. Bandwidths are bytes/s per device in one direction (``inter_bw`` is one NIC's),
-    latencies are per ring hop, ``efficiency`` is the fraction of peak FLOP/s matmuls reach, and
-    ``reserved_bytes`` of each device's memory are not available to the model (runtime, fragmentation).
+    latencies are per ring hop, and ``reserved_bytes`` of each device's memory are not available to the
+    model (runtime, fragmentation).
+
+    How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
+    its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
+    (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
     """
 
     gpus: int
@@ -98,7 +100,9 @@ class Cluster:
     inter_bw: float
     intra_latency: float
     inter_latency: float
-    efficiency: float
+    gemm_efficiency: float
+    gemm_half_dim: int
+    comm_efficiency: float
     reserved_bytes: int
 
     def __post_init__(self) -> None:
@@ -113,23 +117,35 @@ class Cluster:
         return self.mem_bytes - self.reserved_bytes
 
     def link(self, span: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC beyond."""
+        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC
+        beyond."""
         if span <= self.gpus_per_node:
-            return self.intra_bw, self.intra_latency
-        return self.inter_bw, self.inter_latency
+            return self.intra_bw * self.comm_efficiency, self.intra_latency
+        return self.inter_bw * self.comm_efficiency, self.inter_latency
 
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cluster:
     """One 8-GPU node from datasheet figures.
 
-    Matmuls are assumed to reach 60% of peak (end to end Megatron-LM reaches 52% on A100 [NAR, 5.1],
-    including its bubble and communication, which the time model adds separately). NCCL's per-hop latency
-    is about 2 us over NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's
-    own buffers and allocator fragmentation.
+    The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
+    (``tests/test_plan.py`` holds the table and checks the fit). NCCL's per-hop latency is about 2 us over
+    NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's own buffers and
+    allocator fragmentation.
     """
+    gemm, half_dim, comm = GPU_EFFICIENCY
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
-                   inter_latency=10e-6, efficiency=0.6, reserved_bytes=2 * GIB)
+                   inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=half_dim, comm_efficiency=comm,
+                   reserved_bytes=2 * GIB)
+
+
+# (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the
+# ten rows of [NAR, Table 1] (1.7B to 1T parameters on up to 3072 A100-80GB): every row within 6 %. Large
+# matmuls reach 72 % of the 16-bit peak (225 of 312 TFLOP/s, what cuBLAS sustains with Megatron's fused
+# epilogues); a dimension of 160 halves that, so the attention core's head_dim-wide matmuls (64-160) run at
+# a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
+# No published table of that kind exists for H100/H200 here, so they take the A100 fit.
+GPU_EFFICIENCY = (0.72, 160, 0.7)
 
 
 # Peaks from metrics.DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
@@ -140,8 +156,8 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
     "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
-                   intra_bw=5e9, inter_bw=1.25e9, intra_latency=20e-6, inter_latency=50e-6, efficiency=0.3,
-                   reserved_bytes=GIB),
+                   intra_bw=5e9, inter_bw=1.25e9, intra_latency=20e-6, inter_latency=50e-6, gemm_efficiency=0.3,
+                   gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB),
 }
 
 
@@ -202,18 +218,20 @@ def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
 class Workload:
     """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
 
-    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in; None means ``precision``.
+    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in, ``auto`` resolved as ``train``
+    resolves it; both default to :class:`~trainmesh.config.Config`'s, so a plan holds for the run that
+    ``trainmesh train`` starts with the same flags.
     """
 
     model: ModelShape
     global_batch: int
     seq_len: int
-    precision: str = "bf16"
-    reduce_dtype: str | None = None
+    precision: str = Config.precision
+    reduce_dtype: str = Config.reduce_dtype
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("reduce_dtype", self.reduce_dtype)):
-            if value is not None and value not in DTYPE_BYTES:
+            if value not in DTYPE_BYTES and not (name == "reduce_dtype" and value == "auto"):
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(DTYPE_BYTES)}")
         if self.model.learned_positions and self.seq_len > self.model.seq_len:
             raise ValueError(
@@ -223,7 +241,11 @@ class Workload:
 
     @functools.cached_property
     def dtype_bytes(self) -> Precision:
-        return precision_bytes(self.precision, self.reduce_dtype or self.precision)
+        return precision_bytes(self.precision, self.grad_dtype)
+
+    @property
+    def grad_dtype(self) -> str:
+        return resolve_reduce_dtype(self.precision, self.reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -238,15 +260,15 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual: int = 1
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    bucket_bytes: int = 25 * 2**20
+    zero: int = Config.zero
+    microbatches: int = Config.microbatches
+    schedule: str = Config.schedule
+    virtual: int = Config.virtual_stages
+    recompute: str = Config.recompute
+    sequence_parallel: bool = Config.sequence_parallel
+    bucket_bytes: int = int(Config.bucket_mb * 2**20)
     cp: int = 1
-    cp_impl: str = "ring"
+    cp_impl: str = Config.cp_impl
 
     def __post_init__(self) -> None:
         if min(self.dp, self.tp, self.pp, self.cp, self.microbatches, self.virtual, self.bucket_bytes) < 1:
@@ -708,13 +730,62 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     return workload.global_batch * s * (model + rerun)
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """One matmul of a forward pass on one rank: its FLOPs and its (m, k, n) after the tp split."""
+
+    flops: float
+    dims: tuple[int, int, int]
+
+
+def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
+    """Fraction of peak a matmul of these dimensions reaches: ``gemm_efficiency`` times d / (d + d_half) per
+    dimension. Small dimensions leave tiles idle and make the matmul memory-bound, so a saturating curve in
+    each dimension is the simplest shape that does both (the "GEMM size" effect behind the rise of
+    throughput with model size [NAR, 5.1])."""
+    return cluster.gemm_efficiency * math.prod(d / (d + cluster.gemm_half_dim) for d in dims)
+
+
+def block_gemms(workload: Workload, layout: Layout) -> dict[str, Gemm]:
+    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]:
+    column-parallel q/k/v and MLP-in split their outputs by t, row-parallel projections their inputs; the
+    attention core multiplies head_dim-wide blocks (QK^T and AV, 4 b s_local s h / t FLOPs in all)."""
+    m, t = workload.model, layout.tp
+    s_local = local_seq(workload, layout)
+    tokens = s_local * micro_batch_size(workload, layout)
+    h, f = m.d_model, m.d_ff
+    mlp_in = (2 if m.gated_mlp else 1) * 2 * tokens * h * f / t
+    return {
+        "qkv": Gemm(2 * tokens * h * m.qkv_width / t, (tokens, h, m.qkv_width // t)),
+        "proj": Gemm(2 * tokens * h * h / t, (tokens, h // t, h)),
+        "mlp_in": Gemm(mlp_in, (tokens, h, f // t)),
+        "mlp_out": Gemm(2 * tokens * f * h / t, (tokens, f // t, h)),
+        "attention": Gemm(4 * tokens * workload.seq_len * h / t, (s_local, h // m.n_heads, workload.seq_len)),
+    }
+
+
+def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
+    return gemm.flops / (peak_flops(workload, cluster) * gemm_efficiency(cluster, gemm.dims))
+
+
 def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """Seconds of one micro-batch's forward and backward on a rank of ``stage``; tp splits the work evenly."""
-    m, s = workload.model, workload.seq_len
-    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout) / layout.tp
-    head = 3 * head_flops_per_token(m.d_model, m.vocab_size) if stage == layout.pp - 1 else 0.0
-    blocks = (m.n_layers // layout.pp) * block_pass_flops_per_token(m, s, layout.recompute)
-    return tokens * (blocks + head) / (peak_flops(workload, cluster) * cluster.efficiency)
+    """Seconds of one micro-batch's forward and backward on a rank of ``stage``: each matmul of
+    :func:`block_gemms` (and the head's on the last stage) at its own :func:`gemm_efficiency`, three times
+    (backward costs twice the forward), four under full recomputation, the attention core once more under
+    selective recomputation [KOR, sec. 5]."""
+    m = workload.model
+    passes = 4 if layout.recompute == "full" else 3
+    gemms = block_gemms(workload, layout)
+    block = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values())
+    if layout.recompute == "selective":
+        block += gemm_time(gemms["attention"], workload, cluster)
+    total = (m.n_layers // layout.pp) * block
+    if stage == layout.pp - 1:
+        tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+        head = Gemm(head_flops_per_token(m.d_model, m.vocab_size) * tokens / layout.tp,
+                    (tokens, m.d_model, m.vocab_size // layout.tp))
+        total += 3 * gemm_time(head, workload, cluster)
+    return total
 
 
 def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
@@ -777,9 +848,8 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     layers = workload.model.n_layers // layout.pp
     if layout.cp_impl == "a2a":
         return 8 * layers * alpha + sent / bw
-    m, tokens = workload.model, local_seq(workload, layout) * micro_batch_size(workload, layout)
-    attention = 3 * 4 * tokens * workload.seq_len * m.d_model / layout.tp / 2  # causal: half the score matrix
-    hidden = layers * attention / (peak_flops(workload, cluster) * cluster.efficiency)
+    attention = block_gemms(workload, layout)["attention"]
+    hidden = layers * 3 * gemm_time(attention, workload, cluster) / 2  # causal: half the score matrix
     messages = layers * (3 * layout.cp - 2)
     return max(0.0, messages * alpha + sent / bw - hidden)
 
@@ -815,7 +885,7 @@ def peak_flops(workload: Workload, cluster: Cluster) -> float:
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
     """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic.
 
-    Compute is executed FLOPs over peak times the cluster's assumed efficiency; tp and pp traffic sit on
+    Compute is each matmul's FLOPs at its own efficiency (:func:`micro_compute_time`); tp and pp traffic sit on
     the critical path; the bubble stretches the per-micro-batch time by f/(1-f) with f from
     :func:`bubble_fraction`.
     """
@@ -865,7 +935,7 @@ def estimate(
     return Estimate(layout, memory or memory_per_rank(workload, layout), time, mfu, tflops, tokens)
 
 
-# Larger micro-batches only lengthen the bubble here: the assumed matmul efficiency does not grow with them.
+# Larger micro-batches make larger matmuls (:func:`gemm_efficiency`) but a longer bubble and more activations.
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -918,18 +988,25 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
                 yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp)
 
 
-def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
-    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first.
+# Predicted step times this close to the fastest (relative) count as equal: the model is no more exact.
+TIE_TOLERANCE = 0.01
 
-    Ties (the model predicts equal times) go to fewer micro-batches, since larger matmuls run faster in
-    practice, then to less memory.
-    """
+
+def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
+    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first, except that
+    the layouts within :data:`TIE_TOLERANCE` of the fastest come first in order of memory per rank: among
+    equal times the one with the most headroom is chosen (a layout that barely fits is the first to fail
+    on fragmentation or a longer sequence)."""
     found = []
     for layout in enumerate_layouts(workload, cluster):
         memory = memory_per_rank(workload, layout)
         if memory.total <= cluster.usable_bytes:
             found.append(estimate(workload, layout, cluster, memory))
-    return sorted(found, key=lambda e: (e.time.total, e.layout.microbatches, e.memory.total))
+    found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
+    if not found:
+        return found
+    tied = sum(e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE) for e in found)
+    return sorted(found[:tied], key=lambda e: (e.memory.total, e.time.total)) + found[tied:]
 
 
 def best_layout(workload: Workload, cluster: Cluster) -> Layout:
@@ -967,8 +1044,10 @@ def _row(workload: Workload, e: Estimate) -> list[str]:
     return [str(c) for c in layout] + measures
 
 
-def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
-    """The ``top`` fastest layouts as a text table, then the chosen one."""
+def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20,
+                 model: str | None = None) -> str:
+    """The ``top`` fastest layouts as a text table, then the chosen one as the command that runs it
+    (:func:`train_command`; ``model`` is the preset's name, if the workload is one)."""
     head = ["dp", "cp", "tp", "pp", "zero", "mbs", "m", "schedule", "recompute", "sp",
             "mem/rank", "step s", "MFU", "tokens/s"]
     rows = [head] + [_row(workload, e) for e in estimates[:top]]
@@ -976,7 +1055,8 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
     params = _scaled(workload.model.n_params(), ("", "K", "M", "B", "T"), 1000)
     title = (f"{params} params, batch {workload.global_batch} x {workload.seq_len}, {workload.precision}, "
              f"{cluster.gpus} devices of {cluster.mem_bytes / GIB:.0f} GiB: {len(estimates)} layouts fit")
-    chosen = f"chosen: {estimates[0].layout}" if estimates else "chosen: none fits"
+    chosen = f"chosen: {train_command(workload, estimates[0].layout, cluster, model)}" if estimates \
+        else "chosen: none fits"
     why = explain_cp(workload, estimates)
     return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen,
                       *([why] if why else [])])
@@ -1037,7 +1117,7 @@ LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatch
 def workload_of(cfg: Config) -> Workload:
     """The workload a :class:`~trainmesh.config.Config` trains: its model, global batch and dtypes."""
     model = cfg.model_config
-    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.grad_dtype)
+    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -1054,14 +1134,47 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20, **fields)
 
 
+def train_flags(workload: Workload, layout: Layout) -> list[str]:
+    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
+    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
+    when it is not the default), then what differs from :class:`~trainmesh.config.Config`'s defaults."""
+    cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
+                             reduce_dtype=workload.reduce_dtype), layout)
+    skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
+    skip |= {"cp_impl"} if layout.cp == 1 else set()
+    skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
+    flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
+    defaults = Config()
+    extra = [f for field in ("bucket_mb", "precision", "reduce_dtype")
+             if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
+    return [*flags, "--global-batch", str(workload.global_batch), *extra]
+
+
+def _flag_of(cfg: Config, field: str) -> list[str]:
+    value, name = getattr(cfg, field), "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return [name if value else "--no-" + name[2:]]
+    return [name, f"{value:g}" if isinstance(value, float) else str(value)]
+
+
+def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: str | None = None) -> str:
+    """The command line that runs ``layout``: ``trainmesh train --nproc N ...`` on one node, the same flags
+    under ``torchrun`` on each node of several. ``--model`` (and ``--seq-len`` when it is not the preset's)
+    when the workload is preset ``model``; :func:`train_flags` for the rest."""
+    named = [] if model is None else ["--model", model]
+    if model is not None and workload.seq_len != model_shape(model).seq_len:
+        named += ["--seq-len", str(workload.seq_len)]
+    flags = train_flags(workload, layout)
+    if layout.world <= cluster.gpus_per_node:
+        return " ".join(["trainmesh", "train", *named, "--nproc", str(layout.world), *flags])
+    nodes = layout.world // cluster.gpus_per_node
+    return " ".join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
+                     "-m", "trainmesh.cli", "train", *named, *flags])
+
+
 def layout_flags(cfg: Config) -> list[str]:
     """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
-    flags = []
-    for field in LAYOUT_FIELDS.values():
-        value = getattr(cfg, field)
-        name = "--" + field.replace("_", "-")
-        flags += ([name if value else "--no-" + name[2:]] if isinstance(value, bool) else [name, str(value)])
-    return [*flags, "--plan", ""]
+    return [*(f for field in LAYOUT_FIELDS.values() for f in _flag_of(cfg, field)), "--plan", ""]
 
 
 # torch.cuda.get_device_name() substrings -> cluster presets; an unknown GPU is planned as an A100 with its
@@ -1158,9 +1271,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in SHAPE_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
-    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default="bf16")
-    parser.add_argument("--reduce-dtype", choices=list(DTYPE_BYTES),
-                        help="dtype gradients are held and reduced in (default: --precision)")
+    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default=Config.precision,
+                        help=f"as trainmesh train's (default: {Config.precision})")
+    parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
+                        help="dtype gradients are held and reduced in, as trainmesh train's (default: "
+                             f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--gpu", choices=list(CLUSTER_PRESETS), default="a100-80gb")
@@ -1173,7 +1288,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_from(
-    model: str | None, global_batch: int, precision: str = "bf16", reduce_dtype: str | None = None,
+    model: str | None, global_batch: int, precision: str = Config.precision, reduce_dtype: str = Config.reduce_dtype,
     **shape: int | None,
 ) -> Workload:
     """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
@@ -1200,5 +1315,7 @@ def plan_from_args(args: argparse.Namespace) -> str:
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)
     estimates = search(workload, cluster)
-    render = to_json if args.json else format_table
-    return render(workload, cluster, estimates, args.top)
+    if args.json:
+        return to_json(workload, cluster, estimates, args.top)
+    reshaped = any(v is not None for k, v in shape.items() if k != "seq_len")
+    return format_table(workload, cluster, estimates, args.top, None if reshaped else args.model)
