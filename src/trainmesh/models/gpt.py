@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
-from trainmesh.models.spec import HFIncompatible, HFMapping, stage_forward
+from trainmesh.models.moe import MoE, MoEConfig
+from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT: GPT-2 layout (pre-norm, learned positions, biases), untied output head."""
+    """Shape of a GPT: GPT-2 layout (pre-norm, learned positions, biases), untied output head; with ``moe``,
+    the MLP of every layer after ``moe.n_dense_layers`` is a mixture of GELU experts."""
 
     n_layers: int
     d_model: int
@@ -35,16 +37,32 @@ class ModelConfig:
     d_ff: int
     vocab_size: int
     seq_len: int
+    moe: MoEConfig | None = None
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def shape(self) -> ModelShape:
+        """The planner's view: every :class:`ModelShape` flag at its GPT-2-layout default."""
+        m = self.moe
+        experts = {} if m is None else dict(n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
+                                            d_ff_expert=m.d_ff_expert, n_dense_layers=m.n_dense_layers)
+        return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
+                          **experts)
+
     def n_params(self) -> int:
         """Exact parameter count of :class:`GPT` with this shape (the planner relies on it)."""
         d, f, v, s = self.d_model, self.d_ff, self.vocab_size, self.seq_len
-        per_block = (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-        return v * d + s * d + self.n_layers * per_block + 2 * d + d * v
+        mlp = (d * f + f) + (f * d + d)
+        per_block = (3 * d * d + 3 * d) + (d * d + d) + mlp + 4 * d
+        dense = v * d + s * d + self.n_layers * per_block + 2 * d + d * v
+        if self.moe is None:
+            return dense
+        m = self.moe
+        fs = m.n_shared_experts * m.d_ff_expert
+        moe = d * m.n_experts + m.n_experts * 2 * d * m.d_ff_expert + ((2 * d * fs + fs + d) if fs else 0)
+        return dense + (self.n_layers - m.n_dense_layers) * (moe - mlp)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -55,6 +73,10 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-2 small's shape; the vocabulary is padded to a multiple of 128 as Megatron does. With byte tokens
     # only the first 256 rows are ever used, but the FLOPs and memory are GPT-2's.
     "gpt2-124m": ModelConfig(n_layers=12, d_model=768, n_heads=12, d_ff=3072, vocab_size=50304, seq_len=1024),
+    # tiny with its MLPs replaced by 8 GELU experts of a quarter the width, 2 per token (Switch/GShard-style
+    # softmax router): as many active MLP weights per token as tiny has, four times as many in all.
+    "moe-tiny": ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32,
+                            moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=64, normalize_top_k=False)),
 }
 
 
@@ -90,22 +112,32 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fc = nn.Linear(d_model, d_ff)
+        self.proj = nn.Linear(d_ff, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def mlp_of(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: dense, or (an MoE model past its dense layers) GELU experts, with the shared
+    experts as one dense MLP of their summed width."""
+    m = cfg.moe
+    if m is None or layer < m.n_dense_layers:
+        return MLP(cfg.d_model, cfg.d_ff)
+    shared = MLP(cfg.d_model, m.n_shared_experts * m.d_ff_expert) if m.n_shared_experts else None
+    return MoE(cfg.d_model, m, gated=False, shared=shared)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp_of(cfg, layer)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), cache)
@@ -137,14 +169,15 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Module | None = Embedding(cfg)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.ln_f: nn.Module | None = nn.LayerNorm(cfg.d_model)
         self.head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters(seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """GPT-2 init (N(0, 0.02), residual projections scaled by 1/sqrt(2L)) from a private generator.
+        """GPT-2 init (N(0, 0.02), residual projections, experts' ``w2`` among them, scaled by 1/sqrt(2L))
+        from a private generator.
 
         A private generator makes the weights a function of the seed alone, identical on every rank and in
         every layout, without touching the global RNG that dropout or data code may use.
@@ -157,7 +190,7 @@ class GPT(nn.Module):
             elif p.dim() == 1:
                 p.fill_(1.0)
             else:
-                std = residual_std if name.endswith("proj.weight") else 0.02
+                std = residual_std if name.endswith(("proj.weight", "experts.w2")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -33,12 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
+from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head)."""
+    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head); with
+    ``moe``, the MLP of every layer after ``moe.n_dense_layers`` is a mixture of SwiGLU experts (Mixtral,
+    Qwen3-MoE, DeepSeek-V3)."""
 
     n_layers: int
     d_model: int
@@ -50,6 +53,7 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None
 
     @property
     def head_dim(self) -> int:
@@ -62,9 +66,12 @@ class LlamaConfig:
 
     def shape(self) -> ModelShape:
         """The planner's view: gated MLP, no biases, RMSNorm, no learned positions, GQA."""
+        m = self.moe
+        experts = {} if m is None else dict(n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
+                                            d_ff_expert=m.d_ff_expert, n_dense_layers=m.n_dense_layers)
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
-                          tied_embeddings=self.tie_embeddings)
+                          tied_embeddings=self.tie_embeddings, **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()
@@ -82,6 +89,11 @@ PRESETS: dict[str, LlamaConfig] = {
                               seq_len=64, rope_theta=10000.0),
     "llama-small": LlamaConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=688, vocab_size=256,
                                seq_len=128, rope_theta=10000.0),
+    # Eight SwiGLU experts of hidden 48, two per token, plus one shared expert (Qwen/DeepSeek-style), on a
+    # two-layer llama-tiny body.
+    "llama-moe-tiny": LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
+                                  seq_len=32, rope_theta=10000.0,
+                                  moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=48, n_shared_experts=1)),
 }
 
 # Llama 3 / 3.1 shapes (Grattafiori et al., 2024, Table 3): 128,256-token vocabulary, 8 KV heads, untied
@@ -181,23 +193,33 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) (Shazeer, 2020, "GLU Variants Improve Transformer")."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
+def mlp_of(cfg: LlamaConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: dense SwiGLU, or (an MoE model past its dense layers) SwiGLU experts with the
+    shared experts as one SwiGLU of their summed width."""
+    m = cfg.moe
+    if m is None or layer < m.n_dense_layers:
+        return SwiGLU(cfg.d_model, cfg.d_ff)
+    shared = SwiGLU(cfg.d_model, m.n_shared_experts * m.d_ff_expert) if m.n_shared_experts else None
+    return MoE(cfg.d_model, m, gated=True, shared=shared)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp_of(cfg, layer)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache)
@@ -219,7 +241,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Module | None = TokenEmbedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters(seed)
@@ -228,7 +250,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """N(0, 0.02) matrices, output projections (``o``, ``down``) scaled by 1/sqrt(2L) as in GPT-2, norm
+        """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in GPT-2, norm
         gains 1, from a private generator so the weights depend on the seed alone in every layout."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
@@ -236,7 +258,8 @@ class Llama(nn.Module):
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                std = residual_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else 0.02
+                residual = ("attn.o.weight", "mlp.down.weight", "shared.down.weight", "experts.w2")
+                std = residual_std if name.endswith(residual) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -58,6 +58,12 @@ class ModelShape:
     LLaMA-style model: no biases anywhere and RMSNorm (one weight vector per norm). ``n_kv_heads`` below
     ``n_heads`` is grouped-query attention (None: one key/value head per query head);
     ``tied_embeddings`` means the output head reuses the token embedding's weight.
+
+    A mixture of experts (``n_experts`` > 0, :mod:`trainmesh.models.moe`) replaces the MLP of every layer
+    after the first ``n_dense_layers`` by a router (``d x n_experts``, no bias), ``n_experts`` routed expert
+    MLPs of hidden size ``d_ff_expert`` (None: ``d_ff``; no biases; gated like the dense MLP) of which each
+    token uses ``top_k``, and ``n_shared_experts`` always-on ones, held as one dense MLP of hidden size
+    ``n_shared_experts * d_ff_expert`` (with the family's biases).
     """
 
     n_layers: int
@@ -73,6 +79,11 @@ class ModelShape:
     flash_attention: bool = True
     n_kv_heads: int | None = None
     tied_embeddings: bool = False
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    d_ff_expert: int | None = None
+    n_dense_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -114,15 +125,32 @@ class ModelShape:
                     f"use tp=1 and pp=1 or a model with untied embeddings")
         return None
 
+    @property
+    def expert_ff(self) -> int:
+        """Hidden size of one expert's MLP."""
+        return self.d_ff if self.d_ff_expert is None else self.d_ff_expert
+
+    def mlp_params(self, d_ff: int, biases: bool) -> int:
+        """One MLP of hidden size ``d_ff`` (gated: two input projections), with or without its biases."""
+        d, inputs = self.d_model, 2 if self.gated_mlp else 1
+        return (inputs + 1) * d * d_ff + ((inputs * d_ff + d) if biases and self.bias else 0)
+
+    def moe_params(self) -> int:
+        """One MoE layer: router, routed experts (no biases) and the shared experts' MLP."""
+        shared = self.mlp_params(self.n_shared_experts * self.expert_ff, True) if self.n_shared_experts else 0
+        return self.d_model * self.n_experts + self.n_experts * self.mlp_params(self.expert_ff, False) + shared
+
     def n_params(self) -> int:
         """Total parameter count: every block, the embeddings, the final norm and the (untied) head."""
-        d, f = self.d_model, self.d_ff
+        d = self.d_model
         norm = d * (2 if self.bias else 1)
-        biases = (self.qkv_width + d + f * (2 if self.gated_mlp else 1) + d) if self.bias else 0
-        block = 2 * norm + d * self.qkv_width + d * d + (3 if self.gated_mlp else 2) * d * f + biases
+        attention = d * self.qkv_width + d * d + ((self.qkv_width + d) if self.bias else 0)
+        dense = 2 * norm + attention + self.mlp_params(self.d_ff, True)
+        moe_layers = self.n_layers - self.n_dense_layers if self.n_experts else 0
+        blocks = self.n_layers * dense + moe_layers * (self.moe_params() - self.mlp_params(self.d_ff, True))
         embed = self.vocab_size * d + (self.seq_len * d if self.learned_positions else 0)
         head = 0 if self.tied_embeddings else d * self.vocab_size
-        return self.n_layers * block + embed + norm + head
+        return blocks + embed + norm + head
 
 
 RecomputeTargets = Mapping[str, tuple[type[nn.Module] | str, ...]]

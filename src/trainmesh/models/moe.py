@@ -1,0 +1,369 @@
+"""A mixture-of-experts layer that takes the place of a block's MLP, knowing nothing of parallelism.
+
+Each token's hidden state goes to ``top_k`` of ``n_experts`` expert MLPs picked by a learned router and
+comes back as the router-weighted sum of their outputs (Shazeer et al., 2017; GShard, Lepikhin et al., 2020;
+Switch, Fedus et al., 2021), plus the output of always-on shared experts if any (DeepSeekMoE, Dai et al.,
+2024). The token copies are sorted by expert with one stable sort, so each expert's tokens are one contiguous
+slice (what a grouped GEMM and an all-to-all both want), and put back by the inverse permutation.
+
+Where the token copies go is a :class:`Dispatcher`'s business: :class:`LocalDispatch` keeps them on this
+process; expert parallelism (``trainmesh.expert_parallel``) swaps in one that exchanges them between ranks.
+Nothing here imports ``torch.distributed``: the statistics the balancing needs over a whole batch
+(expert counts for the bias update) are handed in already reduced by the caller.
+
+Load balancing, all coefficients in :class:`MoEConfig`:
+
+* the auxiliary balance loss ``sum_i f_i P_i`` of Switch/GShard, computed per sequence and averaged over
+  sequences (DeepSeek-V3's sequence-wise form, Liu et al., 2024, eq. 17-20), so that it is the same number
+  however the batch is split over micro-batches and data-parallel ranks;
+* the router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al., 2022, eq. 5);
+* the auxiliary-loss-free bias (Wang et al., 2024; DeepSeek-V3 §2.1.2): a per-expert bias added to the
+  scores for the top-k choice only, moved by ``bias_rate`` against the sign of each expert's load error
+  after every optimizer step (:func:`update_expert_bias`).
+
+The aux terms enter backward through the layer's output (:class:`InjectAuxGrad`, as Megatron-core's
+``MoEAuxLossAutoScaler``), so whoever back-propagates the output back-propagates them too, pipeline stages
+included; the caller sets the gradient scale they get (:func:`begin_step`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERT_PARAM = "_trainmesh_expert"
+"""The attribute :class:`GroupedExperts` sets on its parameters (see :func:`is_expert_param`)."""
+
+SCORES = ("softmax", "sigmoid")
+IMPLS = ("loop", "padded")
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """True for a routed expert's weight (first dimension: the local experts), which expert parallelism
+    shards over ``ep`` and reduces over the expert-data-parallel group only; False for every other
+    parameter (the router and shared experts included)."""
+    return bool(getattr(p, EXPERT_PARAM, False))
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer's routing and balancing.
+
+    ``score``: ``softmax`` over all experts (Mixtral, Switch) or ``sigmoid`` per expert (DeepSeek-V3);
+    ``normalize_top_k`` rescales the chosen weights to sum to 1 (always on for sigmoid, whose scores do not
+    sum to 1). ``capacity_factor`` 0 is dropless; above 0 each expert takes at most
+    ``ceil(capacity_factor * tokens * top_k / n_experts)`` token copies per micro-batch, first come first
+    served, and the rest are dropped (the token keeps its residual path). ``aux_coef``, ``z_coef``:
+    weights of the balance and z losses; ``bias_rate``: gamma of the bias update (0: no update).
+    ``n_dense_layers``: the leading layers that keep the dense MLP (DeepSeek-V3: 3).
+    """
+
+    n_experts: int
+    top_k: int
+    d_ff_expert: int
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    score: str = "softmax"
+    normalize_top_k: bool = True
+    capacity_factor: float = 0.0
+    aux_coef: float = 0.01
+    z_coef: float = 0.0
+    bias_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self) -> str | None:
+        """What makes this configuration unusable, in one line with the fix; None if nothing does."""
+        if self.n_experts < 1:
+            return f"n_experts={self.n_experts}; an MoE layer needs at least one expert"
+        if not 1 <= self.top_k <= self.n_experts:
+            return (f"top_k={self.top_k} experts per token out of n_experts={self.n_experts}; choose top_k in "
+                    f"1..{self.n_experts}")
+        if self.score not in SCORES:
+            return f"router score {self.score!r}; choose one of {', '.join(SCORES)}"
+        if self.capacity_factor < 0 or self.aux_coef < 0 or self.z_coef < 0 or self.bias_rate < 0:
+            return "capacity_factor, aux_coef, z_coef and bias_rate must be at least 0"
+        return None
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor == 0
+
+    def capacity(self, tokens: int) -> int:
+        """Token copies one expert takes from ``tokens`` tokens (GShard's expert capacity)."""
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+
+
+def mark_experts(module: nn.Module) -> None:
+    for p in module.parameters():
+        setattr(p, EXPERT_PARAM, True)
+
+
+def padded_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows ``x`` (grouped by expert, ``counts[e]`` rows for expert ``e``) times their expert's ``w[e]`` as one
+    batched GEMM over ``[E, max(counts), d]``: one kernel whatever E, at the price of the padding rows."""
+    width = max(counts, default=0)
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                     torch.tensor(counts, device=x.device))
+    starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    padded = x.new_zeros(len(counts), width, x.shape[1]).index_put((expert, slot), x)
+    return torch.bmm(padded, w)[expert, slot]
+
+
+def looped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The same product as :func:`padded_matmul`, one GEMM per expert on its contiguous slice."""
+    pieces = [part @ w[e] for e, part in enumerate(x.split(counts))]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[-1])
+
+
+MATMULS: dict[str, Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]] = {
+    "loop": looped_matmul, "padded": padded_matmul}
+"""torch 2.13's ``torch.nn.functional.grouped_mm`` is no choice on CPU: it refuses float64 and its
+backward fails there, so the grouped products are a loop over slices or a padded batched GEMM."""
+
+
+class GroupedExperts(nn.Module):
+    """``E_local`` expert MLPs held as stacked weights: ``w1`` ``[E, d, f]``, ``w3`` ``[E, d, f]`` (gated only),
+    ``w2`` ``[E, f, d]``, no biases. ``forward`` takes token copies sorted by expert with their counts, so
+    expert parallelism can hand it any contiguous subset of experts."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, gated: bool, impl: str = "loop") -> None:
+        super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"expert matmul {impl!r}; choose one of {', '.join(IMPLS)}")
+        self.gated, self.impl = gated, impl
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_model, d_ff)) if gated else None
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        mark_experts(self)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        sizes, matmul = counts.tolist(), MATMULS[self.impl]
+        h = matmul(x, self.w1, sizes)
+        h = F.silu(h) * matmul(x, self.w3, sizes) if self.gated else F.gelu(h, approximate="tanh")
+        return matmul(h, self.w2, sizes)
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and picks ``top_k``: ``gate`` is ``nn.Linear(d, E)``; the
+    ``expert_bias`` buffer shifts the choice only, never the weights (DeepSeek-V3 eq. 16)."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(d_model, cfg.n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, d]`` -> (chosen experts ``[T, k]``, their weights ``[T, k]``, each token's scores
+        normalised over all experts ``[T, E]`` (the P of the balance loss), logits ``[T, E]``), in at
+        least float32."""
+        logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
+        scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
+        choice = (scores + self.expert_bias.to(scores.dtype)).detach() if self.cfg.bias_rate else scores.detach()
+        experts = choice.topk(self.cfg.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(-1, experts)
+        if self.cfg.normalize_top_k or self.cfg.score == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return experts, weights, probs, logits
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """Move each expert's bias by ``bias_rate`` towards the mean load: up if it took fewer tokens than
+        the mean of ``counts`` (``[E]``, over the whole global batch), down if more."""
+        mean = counts.double().mean()
+        self.expert_bias += self.cfg.bias_rate * torch.sign(mean - counts.double()).to(self.expert_bias.dtype)
+
+
+class Dispatcher(Protocol):
+    """Moves sorted token copies to the processes holding their experts and back (see MOE_INTERFACE)."""
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``x`` ``[N, d]`` sorted by global expert, ``counts`` ``[E]`` -> this rank's experts' copies sorted
+        by local expert, their counts ``[E_local]``, and a handle for :meth:`combine`."""
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The inverse of :meth:`dispatch`: ``[N, d]`` in the order of dispatch's ``x``."""
+
+
+class LocalDispatch:
+    """Every expert is on this process: dispatch and combine are the identity."""
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return x, counts, None
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        return y
+
+
+class InjectAuxGrad(torch.autograd.Function):
+    """Forward: ``output`` unchanged; backward: ``output``'s gradient as it is, and ``scale`` as the gradient
+    of the scalar ``aux`` (Megatron-core's MoEAuxLossAutoScaler), so the aux loss is back-propagated
+    with the main loss without being added to it."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_dtype = aux.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_experts: int, top_k: int) -> torch.Tensor:
+    """Mean over the ``batch`` sequences of ``sum_i f_i P_i``, where over one sequence's tokens
+    ``f_i = E / (k T) * (copies routed to expert i)`` and ``P_i`` is the mean normalised score of expert i
+    (DeepSeek-V3 eq. 17-20 without the coefficient); 1 when routing is perfectly even, E at collapse.
+    ``experts`` ``[B*T, k]`` and ``probs`` ``[B*T, E]`` hold the sequences one after the other."""
+    chosen = F.one_hot(experts, n_experts).sum(1).to(probs.dtype).view(batch, -1, n_experts)
+    tokens = chosen.shape[1]
+    f = chosen.sum(1) * (n_experts / (top_k * tokens))
+    p = probs.view(batch, tokens, n_experts).mean(1)
+    return (f * p).sum(-1).mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of the squared log-partition of the router logits."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+@dataclass
+class MoEStats:
+    """What one layer saw since :func:`begin_step`: copies routed to each expert (before any drop), copies
+    dropped, copies routed, and the (unweighted) aux and z losses summed over forwards."""
+
+    counts: torch.Tensor
+    dropped: int = 0
+    routed: int = 0
+    aux_loss: float = 0.0
+    z_loss: float = 0.0
+    forwards: int = 0
+
+
+def _recomputing() -> bool:
+    """True inside backward (activation recomputation re-running a forward), which must not count twice."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """The MoE layer: ``[B, S, d]`` -> ``[B, S, d]``, a drop-in for a block's MLP.
+
+    ``gated``: SwiGLU experts (the Llama family), else GELU MLPs (GPT). ``shared``: the always-on shared
+    experts as one dense MLP (the family's own), or None. ``impl``: how the experts' products run
+    (:data:`MATMULS`).
+    ``aux_grad_scale`` is the gradient the aux losses get per forward (1: as if added to the loss; the
+    training loop sets loss scale / micro-batches with :func:`begin_step`).
+    """
+
+    def __init__(self, d_model: int, cfg: MoEConfig, gated: bool, shared: nn.Module | None = None,
+                 impl: str = "loop") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(d_model, cfg)
+        self.experts = GroupedExperts(cfg.n_experts, d_model, cfg.d_ff_expert, gated, impl)
+        self.shared = shared
+        self.dispatcher: Dispatcher = LocalDispatch()
+        self.aux_grad_scale = 1.0
+        self.stats = MoEStats(torch.zeros(cfg.n_experts, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, shape = x.shape[0], x.shape
+        flat = x.reshape(-1, shape[-1])
+        experts, weights, probs, logits = self.router(flat)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.cfg.n_experts)
+        order = experts.reshape(-1).argsort(stable=True)
+        kept_counts, keep = counts, None
+        if not self.cfg.dropless:
+            kept_counts, keep = self._capacity_mask(counts, flat.shape[0])
+            order_kept = order[keep]
+        else:
+            order_kept = order
+        copies = flat[order_kept // self.cfg.top_k]
+        local, local_counts, handle = self.dispatcher.dispatch(copies, kept_counts)
+        y = self.dispatcher.combine(self.experts(local, local_counts), handle)
+        full = y.new_zeros(experts.numel(), shape[-1]).index_copy(0, order_kept, y)
+        out = (full.view(*experts.shape, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        out = self._with_aux_losses(out, experts, probs, logits, batch, counts, kept_counts)
+        return out.view(shape)
+
+    def _capacity_mask(self, counts: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts after dropping and which sorted copies survive: the first ``capacity`` of each expert."""
+        capacity = self.cfg.capacity(tokens)
+        starts = counts.cumsum(0) - counts
+        expert_sorted = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        slot = torch.arange(int(counts.sum()), device=counts.device) - starts[expert_sorted]
+        return counts.clamp(max=capacity), slot < capacity
+
+    def _with_aux_losses(self, out: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor,
+                         batch: int, counts: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """``out`` carrying the aux losses' gradients; records this forward's statistics."""
+        cfg = self.cfg
+        aux = balance_loss(experts, probs, batch, cfg.n_experts, cfg.top_k)
+        z = z_loss(logits)
+        if torch.is_grad_enabled() and not _recomputing():
+            s = self.stats
+            s.counts = s.counts.to(counts.device) + counts.detach()
+            s.routed += experts.numel()
+            s.dropped += int(counts.sum() - kept.sum())
+            s.aux_loss += aux.item()
+            s.z_loss += z.item()
+            s.forwards += 1
+        total = cfg.aux_coef * aux + cfg.z_coef * z
+        if torch.is_grad_enabled() and total.requires_grad:
+            out = InjectAuxGrad.apply(out, total, self.aux_grad_scale)
+        return out
+
+    def aux_total(self) -> float:
+        """This layer's weighted aux terms summed over the forwards since :func:`begin_step`."""
+        return self.cfg.aux_coef * self.stats.aux_loss + self.cfg.z_coef * self.stats.z_loss
+
+
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
+    """Every MoE layer of ``model`` with its module name."""
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, MoE))
+
+
+def begin_step(model: nn.Module, aux_grad_scale: float) -> None:
+    """Start a step: clear every layer's statistics and set the gradient its aux losses get per forward
+    (the factor the main loss of one micro-batch is multiplied by before backward: loss scale divided by
+    the micro-batch count)."""
+    for _, layer in moe_layers(model):
+        layer.stats = MoEStats(torch.zeros_like(layer.stats.counts))
+        layer.aux_grad_scale = aux_grad_scale
+
+
+def aux_loss_total(model: nn.Module) -> float:
+    """The weighted aux losses of every layer, summed over layers, over the forwards since
+    :func:`begin_step` (the caller divides by the micro-batch count, as for the main loss)."""
+    return sum(layer.aux_total() for _, layer in moe_layers(model))
+
+
+def update_expert_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+    """The aux-loss-free bias update of every layer with a ``bias_rate``, from this step's expert counts
+    summed over the global batch: ``reduce`` sums the stacked ``[layers, E]`` counts over the processes
+    that saw other tokens (identity on one process). Call after the optimizer step."""
+    layers = [layer for _, layer in moe_layers(model) if layer.cfg.bias_rate]
+    if not layers:
+        return
+    counts = reduce(torch.stack([layer.stats.counts for layer in layers]))
+    for layer, row in zip(layers, counts):
+        layer.router.update_bias(row)
+
+
+__all__ = ["MoE", "MoEConfig", "Router", "GroupedExperts", "Dispatcher", "LocalDispatch", "is_expert_param",
+           "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss"]
