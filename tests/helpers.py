@@ -41,7 +41,7 @@ def train_single(cfg: Config) -> Training:
 
     Many layouts share one reference, and training is deterministic for a given thread count, so a run
     that writes nothing besides its metrics is trained once per test session and thread count, and reused."""
-    single = dataclasses.replace(cfg, nproc=1, dp=1, cp=1, tp=1, pp=1, zero=0, sequence_parallel=False,
+    single = dataclasses.replace(cfg, nproc=1, dp=1, cp=1, tp=1, pp=1, ep=1, zero=0, sequence_parallel=False,
                                  schedule="1f1b", virtual_stages=1, stage_layers="")
     reusable = not (single.checkpoint_dir or single.init_from)
     key = f"{torch.get_num_threads()} threads: {dataclasses.replace(single, out='')!r}"
@@ -103,7 +103,7 @@ def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0
 
 def describe_layout(cfg: Config) -> str:
     """A short name for a layout, e.g. ``dp2 tp2 sp pp2 1f1b zero1 mb2``."""
-    parts = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "cp", "tp") if getattr(cfg, axis) > 1]
+    parts = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(cfg, axis) > 1]
     parts += [cfg.cp_impl] if cfg.cp > 1 else []
     parts += ["sp"] if cfg.sequence_parallel else []
     if cfg.pp > 1:

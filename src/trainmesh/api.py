@@ -32,9 +32,11 @@ from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.context_parallel import apply_context_parallel, shard_sequence, split_error
 from trainmesh.data_parallel import DataParallel
 from trainmesh.engine import Criterion, Engine, MicroBatches
+from trainmesh.expert_parallel import apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan
 from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
 from trainmesh.models import spec_for
 from trainmesh.models.gpt import cross_entropy
+from trainmesh.models.moe import aux_loss_total, begin_step, update_expert_bias
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
 from trainmesh.optim import adamw_factory
 from trainmesh.pipeline.partition import gather_stages
@@ -48,13 +50,14 @@ from trainmesh.tensor_parallel import unsharded_state_dict
 from trainmesh import checkpoint, zero
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
-              backend: str = "auto", timeout: float = 600.0) -> Mesh:
+              backend: str = "auto", timeout: float = 600.0, ep: int = 1) -> Mesh:
     """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
 
     The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
     without any); ``dp`` defaults to what ``tp``, ``pp`` and ``cp`` (context parallelism) leave of it. ``device="auto"`` takes this
     rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
-    ``timeout`` bounds every collective, in seconds.
+    ``timeout`` bounds every collective, in seconds. ``ep`` (expert parallelism) splits an MoE model's
+    experts over groups of ``ep`` data-parallel ranks (it divides ``dp * cp``; it adds no ranks).
     """
     world = world_env().world_size
     model_parallel = tp * pp * cp
@@ -62,6 +65,9 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
         raise ValueError(f"tp={tp} x pp={pp} x cp={cp} does not divide the world of {world} process(es); choose "
                          f"sizes whose product divides {world}")
     dp = world // model_parallel if dp is None else dp
+    if ep < 1 or (dp * cp) % ep:
+        raise ValueError(f"ep={ep} does not divide dp*cp={dp * cp}: the experts are split over data-parallel "
+                         f"ranks; choose ep dividing {dp * cp}")
     if dp * model_parallel != world:
         n = dp * model_parallel
         raise ValueError(f"dp={dp} x tp={tp} x pp={pp} x cp={cp} = {n}, but this job has {world} process(es); "
@@ -71,7 +77,7 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
     leave_at_exit()
-    return Mesh.build(pp, dp, tp, dev, timeout, cp=cp)
+    return Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep)
 
 
 @dataclass(eq=False)
@@ -164,6 +170,15 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
         problem = spec.shape(spec.config_of(model)).split_error(tp, pp, type(model).__name__)
         if problem:
             raise ValueError(problem)
+    ep = mesh.size("ep")
+    if ep > 1:
+        layers = expert_modules(model)
+        if not layers:
+            raise ValueError(f"ep={ep} splits the experts of MoE layers, and {type(model).__name__} has none; "
+                             f"use a mesh with ep=1")
+        n_experts = layers[0][1].experts.w1.shape[0]
+        if n_experts % ep:
+            raise ValueError(f"ep={ep} does not divide the {n_experts} experts per MoE layer; choose ep dividing it")
     cp = mesh.size("cp")
     if cp > 1:
         if spec is None or not spec.cp_plan:
@@ -197,11 +212,13 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     """
     spec = spec_for(model)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
+    plan = moe_tp_plan(plan, model, sequence_parallel) if plan is not None else None
     _validate(model, mesh, spec, plan, pipeline, zero, precision, recompute, schedule, microbatches, virtual_stages,
               sequence_parallel, cp_impl)
     comm = comm or Comm(mesh)
     hidden = _hidden_size(model, spec, pipeline)
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
+    apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
     if mesh.size("cp") > 1:
         apply_context_parallel(model, spec.cp_plan, comm, spec.shape(spec.config_of(model)).seq_len, cp_impl)
@@ -283,10 +300,13 @@ def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float]
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
                      micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
-    returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
+    returns this rank's share of the loss (0 on pipeline stages without the head) plus the MoE aux losses
+    of the layers it ran (every stage its own, so the sum over stages is the model's). ``saved``, if given,
     records the activation bytes of the first micro-batch's forward."""
+    begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
-        return pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        return loss + aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -295,7 +315,19 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
                 loss = criterion(module(x), y) / len(micro_batches)
             (loss * engine.loss_scale).backward()
         total = total.to(loss.device) + loss.detach()
-    return total
+    return total + aux_loss_total(module) / len(micro_batches)
+
+
+def update_routing(module: nn.Module, mesh: Mesh) -> None:
+    """After an optimizer step: the aux-loss-free bias update of every MoE layer (DeepSeek-V3), from the
+    step's per-expert counts summed over the data-parallel ranks (dp x cp), which routed other tokens; tp
+    ranks route the same tokens and pipeline stages hold other layers, so neither is summed over."""
+    group = mesh.group(GRAD_AXIS)
+
+    def global_counts(counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.to(mesh.device).clone()
+        return log_all_reduce(counts, group) if group is not None else counts
+    update_expert_bias(module, global_counts)
 
 
 def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
@@ -344,6 +376,7 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
     loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m),
                             loss_fn or model.criterion)
     opt.grad_norm = model.engine.step(opt.lr, max_norm)
+    update_routing(model.module, model.mesh)
     return global_mean(model.mesh, loss)
 
 
@@ -355,6 +388,7 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     """
     with engine.gathered() if engine is not None else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
+        state = gather_experts(state, module, comm.mesh.group("ep"))
     return gather_stages(state, comm) if pipelined else state
 
 

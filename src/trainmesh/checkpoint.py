@@ -92,6 +92,7 @@ from trainmesh.precision import LossScaler
 from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
                                replace_durably, sha256_hex, write_durably)
+from trainmesh.expert_parallel import place_experts
 from trainmesh.tensor_parallel import shard_boxes
 from trainmesh.tokenizer import tokenizer_record
 
@@ -239,7 +240,7 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def local_state(model: nn.Module, engine: Engine) -> list[LocalTensor]:
     """Every tensor of training state this rank holds (its part of ``model`` and ``engine``'s optimizer),
     each placed in its global tensor."""
-    geometry = shard_boxes(model)
+    geometry = place_experts(shard_boxes(model), model)
     optimizer = engine.optimizer
     ensure_optimizer_state(optimizer)
     out = []
@@ -375,7 +376,7 @@ def describe(cfg: Config, mesh: Mesh) -> dict:
     return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
             "config": dataclasses.asdict(cfg), "tokenizer": data_tokenizer(cfg.data, cfg.tokenizer),
             "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
-                       "zero": cfg.zero}}
+                       "ep": cfg.ep, "zero": cfg.zero}}
 
 
 def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress, plans: list[list[dict]],

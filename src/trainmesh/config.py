@@ -78,6 +78,9 @@ class Config:
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
+    ep: int = _opt(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
+                   "ranks, tokens exchanged by all-to-all; ep divides dp*cp and the expert count, adds no ranks",
+                   low=AT_LEAST_1)
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
@@ -209,7 +212,7 @@ RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "data", "tokenizer", "seed", "seq_len"),
-    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "plan", "zero", "bucket_mb", "precision", "recompute",
+    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "ep", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
@@ -440,6 +443,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
                           f"so choose --min-lr <= --lr")
     _validate_checkpoints(cfg)
     _validate_model_split(cfg)
+    _validate_expert_parallel(cfg)
     _validate_context_parallel(cfg)
     _validate_pipeline(cfg)
 
@@ -483,6 +487,27 @@ def _validate_model_split(cfg: Config) -> None:
     if cfg.sequence_parallel and m.seq_len % cfg.tp:
         raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
                           f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
+
+
+def _validate_expert_parallel(cfg: Config) -> None:
+    """``--ep`` splits the experts of an MoE model over data-parallel ranks (inside dp x cp)."""
+    if cfg.ep == 1:
+        return
+    moe = getattr(cfg.model_config, "moe", None)
+    if moe is None:
+        raise ConfigError(f"--ep {cfg.ep} splits the experts of a mixture-of-experts model, and {_model_name(cfg)} "
+                          f"is dense; use an MoE model (moe-tiny, llama-moe-tiny) or drop --ep")
+    if moe.n_experts % cfg.ep:
+        raise ConfigError(f"--ep {cfg.ep} does not divide the {moe.n_experts} experts per layer of {_model_name(cfg)}; "
+                          f"choose ep in {{{', '.join(str(d) for d in _divisors(moe.n_experts))}}}")
+    if (cfg.dp * cfg.cp) % cfg.ep:
+        raise ConfigError(f"--ep {cfg.ep} does not divide dp*cp = {cfg.dp * cfg.cp}: experts are split over "
+                          f"data-parallel ranks (ep folds inside dp x cp); choose ep in "
+                          f"{{{', '.join(str(d) for d in _divisors(cfg.dp * cfg.cp))}}} or raise --dp")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 CP_UNSUPPORTED = (

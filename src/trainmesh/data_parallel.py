@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.expert_parallel import EXPERT_AXIS, is_expert, reduction_axis
 from trainmesh.metrics import model_state_tensors
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
@@ -29,6 +30,7 @@ from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype,
 class Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor
+    axis: str = "dp"
     pending: int = 0
     work: object | None = None
     views: list[torch.Tensor] = field(default_factory=list)
@@ -48,6 +50,16 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
     return groups
 
 
+def axis_buckets(params: list[nn.Parameter], bucket_bytes: int, axis: str) -> list[tuple[str, list[nn.Parameter]]]:
+    """:func:`split_buckets` of ``params``, each bucket with the axis its gradients are reduced over: the
+    dense parameters' buckets (over ``axis``) first, then the routed experts' (over the expert-data-parallel
+    axis, :func:`trainmesh.expert_parallel.reduction_axis`), so no bucket mixes two groups."""
+    dense = [p for p in params if reduction_axis(p, axis) == axis]
+    experts = [p for p in params if reduction_axis(p, axis) != axis]
+    return [(axis, b) for b in split_buckets(dense, bucket_bytes) if b] + \
+           [(EXPERT_AXIS, b) for b in split_buckets(experts, bucket_bytes) if b]
+
+
 def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
     """Make ``view`` (a slice of a gradient bucket) hold ``p``'s accumulated gradient.
 
@@ -63,14 +75,15 @@ def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
         p.grad = view
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[Bucket]:
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None,
+                 axis: str = "dp") -> list[Bucket]:
     """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``, holding
-    gradients in ``dtype`` (default: each parameter's own)."""
-    groups = split_buckets(params, bucket_bytes)
+    gradients in ``dtype`` (default: each parameter's own), each reduced over ``axis`` or, for routed
+    experts, over the expert-data-parallel axis (:func:`axis_buckets`)."""
     buckets = []
-    for group in groups:
+    for bucket_axis, group in axis_buckets(params, bucket_bytes, axis):
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
-        bucket = Bucket(group, flat)
+        bucket = Bucket(group, flat, bucket_axis)
         offset = 0
         for p in group:
             bucket.views.append(flat[offset:offset + p.numel()].view_as(p))
@@ -106,7 +119,7 @@ class DataParallel:
         self.masters = self._make_masters(params)
         opt_params = self.masters if self.masters else params
         self.optimizer = make_optimizer([(n, q) for (n, _), q in zip(named, opt_params)])
-        self.buckets = make_buckets(list(reversed(params)), bucket_bytes, reduce_dtype)
+        self.buckets = make_buckets(list(reversed(params)), bucket_bytes, reduce_dtype, axis)
         self._slot: dict[nn.Parameter, tuple[int, int]] = {}
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
@@ -141,10 +154,11 @@ class DataParallel:
         return self.buckets[b].views[i]
 
     def _broadcast_parameters(self, params: list[nn.Parameter]) -> None:
-        """Start every rank from dp-rank 0's weights, whatever each rank initialised."""
+        """Start every rank from dp-rank 0's weights, whatever each rank initialised (a routed expert from
+        the first rank holding the same experts)."""
         with torch.no_grad():
             for p in params:
-                self.comm.broadcast(p.data, self.axis, op="init_broadcast")
+                self.comm.broadcast(p.data, reduction_axis(p, self.axis), op="init_broadcast")
 
     def _reset_pending(self) -> None:
         for bucket in self.buckets:
@@ -166,10 +180,12 @@ class DataParallel:
             self._launch(self._next_launch)
 
     def _launch(self, index: int) -> None:
+        """Average over every data-parallel rank's tokens: a routed expert's gradient already sums its
+        ep group's tokens, so its bucket too is divided by the ``dp x cp`` size, summed over ``edp``."""
         bucket = self.buckets[index]
         if self.comm.mesh.size(self.axis) > 1:
             bucket.flat.div_(self.comm.mesh.size(self.axis))
-        bucket.work = self.comm.all_reduce(bucket.flat, self.axis, async_op=True)
+        bucket.work = self.comm.all_reduce(bucket.flat, bucket.axis, async_op=True)
         self.events.append(("launch", index))
         self._next_launch = index + 1
 
@@ -202,14 +218,19 @@ class DataParallel:
         """Finish the AllReduce, unscale and clip by the global norm, update; returns the pre-clip norm.
 
         The norm is reduced over ``tp`` and ``pp`` (the axes that split a replicated model) but not over
-        ``dp``, whose ranks all hold the same averaged gradient. A non-finite norm (an overflow or NaN on
+        ``dp``, whose ranks all hold the same averaged gradient; routed experts' squares are summed over
+        ``ep`` too, whose ranks hold different experts. A non-finite norm (an overflow or NaN on
         any rank; every rank computes the same norm) skips the update on every rank together.
         """
         self.finish_gradient_sync()
         opt_params = self.masters or self.params
         grads = self._optimizer_grads(opt_params)
-        norm = clipped_update(self.optimizer, grads, norm_contributions(opt_params, self.comm.mesh.rank("tp")),
-                              self.comm, ("tp", "pp"), self.scaler, lr, max_norm)
+        tp_rank = self.comm.mesh.rank("tp")
+        experts = [is_expert(p) for p in self.params]
+        dense = norm_contributions([q for q, e in zip(opt_params, experts) if not e], tp_rank)
+        routed = norm_contributions([q for q, e in zip(opt_params, experts) if e], tp_rank)
+        norm = clipped_update(self.optimizer, grads, dense, self.comm, ("tp", "pp"), self.scaler, lr, max_norm,
+                              extra=(routed, ("ep", "tp", "pp")) if any(experts) else None)
         if math.isfinite(norm) and self.masters:
             copy_masters_to_model(self.masters, self.params)
         for m in self.masters:

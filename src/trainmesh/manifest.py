@@ -147,11 +147,13 @@ def _check_scalars(m: dict) -> None:
     _int(scaler["skipped_steps"], "loss_scaler.skipped_steps")
     _check_model_shape(m["model"], _dict(m["config"], "config").get("model"))
     raw = _dict(m["layout"], "layout")
-    keys = LAYOUT_KEYS + (("cp",) if "cp" in raw else ())  # checkpoints from before context parallelism: cp 1
+    keys = LAYOUT_KEYS + tuple(k for k in ("cp", "ep") if k in raw)  # checkpoints from before cp / ep: 1
     layout = {k: _int(v, f"layout.{k}", 0 if k == "zero" else 1, 3 if k == "zero" else 2**20)
               for k, v in _dict(raw, "layout", keys).items()}
     if layout["world_size"] != layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]:
         raise ManifestError(f"layout {show(layout)} has world_size != dp * cp * tp * pp")
+    if (layout["dp"] * layout.get("cp", 1)) % layout.get("ep", 1):
+        raise ManifestError(f"layout {show(layout)} has an ep that does not divide dp * cp")
     run = _dict(m["run"], "run", ("id", "config_sha256"))
     _text(run["id"], "run.id", RUN_ID)
     _text(run["config_sha256"], "run.config_sha256", HEX64)

@@ -5,7 +5,10 @@ node, where the bandwidth that tensor parallelism needs is), as Megatron-LM orde
 (context parallelism) comes next, as in Megatron-LM's ``tp-cp-ep-dp-pp`` order. Replicated parameters see
 different tokens on every dp and cp rank, so their gradients are reduced over the flattened ``dp_cp``
 axis, one group (Megatron's data-parallel-with-context-parallel group); with cp = 1 it is the dp group.
-A single-process run builds no process group at all: every axis has size 1 and the collectives in
+Expert parallelism folds inside ``dp_cp`` (Megatron-core and torchtitan fold it the same way): its ``ep``
+groups are runs of ``ep`` consecutive ``dp_cp`` coordinates, and the ranks of ``dp_cp`` that hold the same
+experts form the expert-data-parallel group ``edp`` (``dp*cp/ep`` ranks), where expert gradients are reduced;
+the world stays ``pp*dp*cp*tp``. A single-process run builds no process group at all: every axis has size 1 and the collectives in
 :mod:`trainmesh.comm` are skipped, so the same code path serves one rank and many.
 """
 
@@ -25,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # dp x cp flattened: where gradients of replicated parameters are reduced
+EP_AXES = ("ep", "edp")  # inside dp_cp: expert-parallel ranks, and the ranks holding the same experts
 STORE_CLIENT_ENV = "TRAINMESH_STORE_CLIENT"
 
 
@@ -157,16 +161,19 @@ class Mesh:
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
-              cp: int = 1) -> "Mesh":
+              cp: int = 1, ep: int = 1) -> "Mesh":
         """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis.
 
         ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
         world group's is, so the timeout is set on each axis group afterwards.
         """
-        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp}
+        if ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"ep={ep} must divide dp*cp={dp * cp}: expert parallelism folds inside the "
+                             f"data-parallel ranks; choose ep dividing {dp * cp}")
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": dp * cp // ep}
         world = pp * dp * cp * tp
         if world == 1:
-            return cls(sizes, {a: 0 for a in (*AXES, GRAD_AXIS)}, device)
+            return cls(sizes, {a: 0 for a in (*AXES, GRAD_AXIS, *EP_AXES)}, device)
         if not dist.is_initialized() or dist.get_world_size() != world:
             have = dist.get_world_size() if dist.is_initialized() else 1
             raise RuntimeError(f"mesh pp*dp*cp*tp={world} needs a process group of that size, have {have}")
@@ -177,7 +184,31 @@ class Mesh:
                 _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
-        return cls(sizes, coords, device, dm, flat)
+        coords["ep"], coords["edp"] = coords[GRAD_AXIS] % ep, coords[GRAD_AXIS] // ep
+        mesh = cls(sizes, coords, device, dm, flat)
+        if 1 < ep:
+            flat.update(mesh._expert_groups(timeout_s))
+        return mesh
+
+    def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
+        """This rank's ``ep`` and ``edp`` groups. Every rank creates every group (``new_group`` is collective
+        over the world), in the same order."""
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        ep, edp, mine = self.sizes["ep"], self.sizes["edp"], {}
+        for pp in range(self.sizes["pp"]):
+            for tp in range(self.sizes["tp"]):
+                def ranks(c: int) -> int:
+                    return self.global_rank(pp=pp, tp=tp, dp=c // self.sizes["cp"], cp=c % self.sizes["cp"])
+                groups = {"ep": [[ranks(e * ep + r) for r in range(ep)] for e in range(edp)],
+                          "edp": [[ranks(e * ep + r) for e in range(edp)] for r in range(ep)]}
+                for axis in EP_AXES:
+                    if self.sizes[axis] == 1:
+                        continue
+                    for members in groups[axis]:
+                        group = dist.new_group(members, **kwargs)
+                        if dist.get_rank() in members:
+                            mine[axis] = group
+        return mine
 
     def size(self, axis: str) -> int:
         return self.sizes[axis]
@@ -189,8 +220,10 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if self.device_mesh is None or self.sizes[axis] == 1:
             return None
-        if axis == GRAD_AXIS:
-            return self.flat_groups.get(axis) or self.device_mesh.get_group("dp")
+        if axis == GRAD_AXIS or (axis == "edp" and self.sizes["ep"] == 1):
+            return self.flat_groups.get(GRAD_AXIS) or self.device_mesh.get_group("dp")
+        if axis in EP_AXES:
+            return self.flat_groups[axis]
         return self.device_mesh.get_group(axis)
 
     def global_rank(self, **coords: int) -> int:

@@ -94,6 +94,11 @@ def norm_contributions(params: Iterable[nn.Parameter], tp_rank: int) -> list[tor
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) -> torch.Tensor:
     """L2 norm over all ranks of ``grads``, summing squares over ``axes`` (those that split the model)."""
+    return squared_norm(grads, comm, axes).sqrt()[0]
+
+
+def squared_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) -> torch.Tensor:
+    """Sum of squares over all ranks of ``grads`` (shape ``[1]``), summed over ``axes``."""
     device = comm.mesh.device
     if grads:
         norms = torch._foreach_norm([g.to(master_dtype(g.dtype)) for g in grads])
@@ -103,7 +108,7 @@ def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) 
     sq = sq.reshape(1).to(device)
     for axis in axes:
         comm.all_reduce(sq, axis, op="grad_norm")
-    return sq.sqrt()[0]
+    return sq
 
 
 def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float,
@@ -120,15 +125,20 @@ def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, m
 
 def clipped_update(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor],
                    contributions: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str], scaler: LossScaler,
-                   lr: float, max_norm: float) -> float:
+                   lr: float, max_norm: float,
+                   extra: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None) -> float:
     """One guarded optimizer step shared by every engine; returns the unscaled norm before clipping.
 
     The norm of ``contributions`` is reduced over ``axes``, so every rank holds the same value: a
     non-finite one (an fp16 overflow or a NaN on any rank) skips the update and backs the loss scale off
     on every rank together. Otherwise ``grads`` are unscaled and clipped in one pass and the optimizer
-    steps at ``lr``. The caller copies masters back and zeroes gradients.
+    steps at ``lr``. The caller copies masters back and zeroes gradients. ``extra``: more contributions
+    with the axes their squares are summed over (routed experts, held differently on each ep rank).
     """
-    norm = global_norm(contributions, comm, axes) / scaler.scale
+    sq = squared_norm(contributions, comm, axes)
+    if extra is not None:
+        sq = sq + squared_norm(extra[0], comm, extra[1])
+    norm = sq.sqrt()[0] / scaler.scale
     if not math.isfinite(norm.item()):
         scaler.update(found_inf=True)
         return norm.item()

@@ -60,7 +60,7 @@ def setup_process(cfg: Config) -> Mesh:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
-    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout)
+    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep)
     start_heartbeat()
     return mesh
 
@@ -287,6 +287,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                                 saved if step == start.step else None)
         lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
+        api.update_routing(run.model, mesh)
         undo_fault()
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":

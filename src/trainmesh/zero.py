@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from trainmesh.comm import Comm
-from trainmesh.data_parallel import fold_grad_into, split_buckets
+from trainmesh.data_parallel import axis_buckets, fold_grad_into
+from trainmesh.expert_parallel import reduction_axis, with_expert_units
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
@@ -163,6 +164,7 @@ class Group:
     pending: int = 0
     reduce_out: torch.Tensor | None = None
     reduce_work: object | None = None
+    axis: str = "dp"  # sharded and reduced over it: the engine's axis, or the expert-data-parallel one
 
 
 def flatten_params(params: list[nn.Parameter], comm: Comm, axis: str) -> tuple[FlatLayout, torch.Tensor]:
@@ -208,6 +210,13 @@ def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> 
     if missing:
         raise ValueError(f"parameters {missing} belong to no ZeRO-3 unit; move them into a submodule "
                          f"or pass units that include the module holding them")
+
+
+def own_params(units: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
+    """Each unit's trainable parameters less those of a unit listed after it inside it (the routed experts
+    of a block, :func:`trainmesh.expert_parallel.with_expert_units`), so every parameter is in one unit."""
+    owner = {id(p): k for k, (_, m) in enumerate(units) for p in trainable(m)}
+    return [[p for p in trainable(m) if owner[id(p)] == k] for k, (_, m) in enumerate(units)]
 
 
 def master_shard(shard: torch.Tensor) -> torch.Tensor:
@@ -306,7 +315,7 @@ class ZeroEngine:
         """Start the reduce-scatter of ``group``'s averaged full gradient into a fresh shard."""
         group.grad_flat.div_(self.dp)
         group.reduce_out = torch.empty_like(group.grad_shard)
-        group.reduce_work = self.comm.reduce_scatter(group.reduce_out, group.grad_flat, self.axis,
+        group.reduce_work = self.comm.reduce_scatter(group.reduce_out, group.grad_flat, group.axis,
                                                      op="grad_reduce_scatter", async_op=True)
         self.events.append(("reduce_scatter", group.name))
         self._in_flight.append(group)
@@ -375,7 +384,7 @@ class ZeroEngine:
         gathers = []
         for group in self.groups:
             source = group.shard.clone()
-            gathers.append((source, self.comm.all_gather(group.flat, source, self.axis, op="param_all_gather",
+            gathers.append((source, self.comm.all_gather(group.flat, source, group.axis, op="param_all_gather",
                                                          async_op=True)))
         for _, work in gathers:
             work.wait()
@@ -436,8 +445,8 @@ class ZeroStage1(ZeroEngine):
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
                  scaler: LossScaler | None = None, axis: str = "dp") -> None:
-        buckets = split_buckets(list(reversed(trainable(module))), bucket_bytes)
-        groups = [self._group(i, b, comm, axis, reduce_dtype) for i, b in enumerate(buckets)]
+        buckets = axis_buckets(list(reversed(trainable(module))), bucket_bytes, axis)
+        groups = [self._group(i, b, comm, a, reduce_dtype) for i, (a, b) in enumerate(buckets)]
         super().__init__(module, comm, make_optimizer, groups, scaler, axis)
         self.sync = True
         for group in self.groups:
@@ -450,7 +459,7 @@ class ZeroStage1(ZeroEngine):
         layout, flat = flatten_params(params, comm, axis)
         grad_flat = torch.zeros_like(flat, dtype=grad_dtype)
         return Group(f"bucket{index}", params, layout, flat, layout.shard_of(flat), layout.shard_of(grad_flat),
-                     grad_flat=grad_flat)
+                     grad_flat=grad_flat, axis=axis)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -505,8 +514,8 @@ class ZeroStage2(ZeroEngine):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
                  scaler: LossScaler | None = None, axis: str = "dp", groups: list[Group] | None = None) -> None:
         if groups is None:
-            buckets = split_buckets(list(reversed(trainable(module))), bucket_bytes)
-            groups = [self._group(f"bucket{i}", b, comm, axis, reduce_dtype) for i, b in enumerate(buckets)]
+            buckets = axis_buckets(list(reversed(trainable(module))), bucket_bytes, axis)
+            groups = [self._group(f"bucket{i}", b, comm, a, reduce_dtype) for i, (a, b) in enumerate(buckets)]
         super().__init__(module, comm, make_optimizer, groups, scaler, axis)
         self._callback_queued = False
         self._in_pass = self._input_only = False
@@ -518,7 +527,7 @@ class ZeroStage2(ZeroEngine):
     def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype) -> Group:
         layout, flat = flatten_params(params, comm, axis)
         return Group(name, params, layout, flat, layout.shard_of(flat),
-                     flat.new_zeros(layout.shard_numel, dtype=grad_dtype))
+                     flat.new_zeros(layout.shard_numel, dtype=grad_dtype), axis=axis)
 
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:
@@ -635,9 +644,10 @@ class ZeroStage3(ZeroStage2):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
                  scaler: LossScaler | None = None, axis: str = "dp",
                  units: list[tuple[str, nn.Module]] | None = None) -> None:
-        units = units if units is not None else default_units(module)
-        self.units = [Unit(name, m, self._group(name, trainable(m), comm, axis, reduce_dtype), k)
-                      for k, (name, m) in enumerate(units)]
+        units = with_expert_units(units if units is not None else default_units(module), module)
+        owned = own_params(units)
+        self.units = [Unit(name, m, self._group(name, params, comm, reduction_axis(params[0], axis), reduce_dtype), k)
+                      for k, ((name, m), params) in enumerate(zip(units, owned))]
         groups = [u.group for u in reversed(self.units)]
         super().__init__(module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis, groups)
         self._unit_of = {u.group.name: u for u in self.units}
@@ -650,7 +660,7 @@ class ZeroStage3(ZeroStage2):
     def _group(name: str, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype) -> Group:
         layout, flat = flatten_params(params, comm, axis)
         return Group(name, params, layout, flat, layout.shard_of(flat).clone(),
-                     flat.new_zeros(layout.shard_numel, dtype=grad_dtype))
+                     flat.new_zeros(layout.shard_numel, dtype=grad_dtype), axis=axis)
 
     def _unshard(self, unit: Unit, op: str) -> None:
         """Allocate the unit's full buffer and start gathering every rank's shard into it."""
@@ -658,7 +668,7 @@ class ZeroStage3(ZeroStage2):
             return
         flat = unit.group.flat
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        unit.gather_work = self.comm.all_gather(flat, unit.group.shard, self.axis, op=op, async_op=True)
+        unit.gather_work = self.comm.all_gather(flat, unit.group.shard, unit.group.axis, op=op, async_op=True)
         self.events.append(("gather", unit.name, op))
         self._note_peak()
 

@@ -1,0 +1,208 @@
+"""Expert parallelism: the routed experts of each MoE layer split over the ``ep`` ranks, tokens moved to them
+by all-to-all.
+
+The ``ep`` axis folds *inside* the data-parallel ranks (``dp x cp``), as Megatron-core and torchtitan fold
+it: ep rank ``r`` of ``P`` holds global experts ``[r E/P, (r+1) E/P)`` and every ep rank still trains on its
+own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAllTokenDispatcher``):
+
+1. the router sorts this rank's token copies by global expert and counts them per expert (``counts [E]``);
+2. :meth:`AllToAllDispatch.dispatch` sends each ep rank the copies for its experts: the per-expert counts
+   are exchanged first (an all-to-all of ``E`` integers), which gives every rank the split sizes of the
+   all-to-all of the copies themselves; what arrives is grouped by source rank, and one stable sort makes
+   it contiguous per local expert, as the grouped GEMM wants it;
+3. :meth:`AllToAllDispatch.combine` undoes the sort and sends every result back by the reverse all-to-all.
+
+Both all-to-alls are autograd functions whose backward is the all-to-all the other way (the gradient of a
+token copy goes back to the rank that sent it), so a rank's expert gradients are the sum over every ep
+rank's tokens. Parameters are therefore reduced over two groups: the dense ones over ``dp x cp`` as
+always, the experts over the *expert-data-parallel* group (the ``dp x cp / ep`` ranks holding the same
+experts), both divided by the ``dp x cp`` size since the loss is the mean over every rank's tokens.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainmesh.models.moe import is_expert_param
+
+EP_AXIS = "ep"
+EXPERT_AXIS = "edp"  # expert data parallel: the ranks of dp x cp that hold the same experts
+EP_SHARD = "_trainmesh_ep_shard"  # on a sliced expert parameter: (ep rank, ep size), split along dim 0
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with the given splits forward; the reverse all-to-all (splits swapped) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, dispatcher) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.dispatcher = (out_splits, in_splits), group, dispatcher
+        return dispatcher.exchange(x, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return ctx.dispatcher.exchange(grad.contiguous(), in_splits, out_splits), None, None, None, None
+
+
+class AllToAllDispatch:
+    """The MoE ``Dispatcher`` over an ep process group (``None`` or a group of one: nothing moves).
+
+    ``sent_bytes`` counts the token bytes this rank sent to *other* ranks (forward and backward), the
+    volume the planner's all-to-all formula predicts: every copy but those routed to this rank's own
+    experts crosses the network once per direction.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.sent_bytes = 0
+
+    def exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """Send ``in_splits[r]`` rows of ``x`` to rank ``r``; receive ``out_splits[r]`` rows from it."""
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        row = math.prod(x.shape[1:]) * x.element_size()
+        self.sent_bytes += (sum(in_splits) - in_splits[self.rank]) * row
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
+        return out
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``x [N, d]`` sorted by global expert, ``counts [E]``: the copies for this rank's experts sorted
+        by local expert, their counts ``[E/P]``, and the handle :meth:`combine` needs."""
+        if self.size == 1:
+            return x, counts, None
+        n_experts = counts.numel()
+        if n_experts % self.size:
+            raise ValueError(f"ep={self.size} does not divide the {n_experts} experts; choose ep dividing it")
+        local = n_experts // self.size
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        received = received.view(self.size, local)  # [source rank, local expert]
+        in_splits = counts.view(self.size, local).sum(1).tolist()
+        out_splits = received.sum(1).tolist()
+        y = _AllToAll.apply(x, out_splits, in_splits, self.group, self)
+        expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(self.size),
+                                                received.reshape(-1).to(x.device))
+        order = torch.sort(expert_of_row, stable=True).indices
+        return y.index_select(0, order), received.sum(0), (order, out_splits, in_splits)
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The inverse of :meth:`dispatch`: ``y`` in local-expert order back to the sender, in its order."""
+        if handle is None:
+            return y
+        order, out_splits, in_splits = handle
+        by_source = y.index_select(0, torch.argsort(order))
+        return _AllToAll.apply(by_source, in_splits, out_splits, self.group, self)
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules that hold routed experts (a ``dispatcher`` and stacked ``experts``), by name."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "dispatcher") and hasattr(m, "experts")]
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a routed expert's parameter (as the MoE layer marks them), a slice of one included."""
+    return is_expert_param(p)
+
+
+def reduction_axis(p: torch.Tensor, axis: str) -> str:
+    """The axis ``p``'s gradient is reduced (and its ZeRO state sharded) over: the expert-data-parallel
+    one for a routed expert, else ``axis`` (``dp``, or ``dp_cp`` under context parallelism)."""
+    return EXPERT_AXIS if is_expert_param(p) else axis
+
+
+def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """ZeRO-3's units with each MoE layer's routed experts a unit of their own, right after the unit that
+    holds them: they are gathered over another group than the rest of their block."""
+    names = {id(m): name for name, m in model.named_modules()}
+    out = []
+    for name, unit in units:
+        out.append((name, unit))
+        out += [(f"{names[id(moe)]}.experts", moe.experts) for _, moe in expert_modules(unit)]
+    return out
+
+
+@torch.no_grad()
+def shard_experts(moe: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+    """Keep ep rank ``rank``'s ``1/size`` of ``moe``'s routed experts (global experts
+    ``[rank E/size, (rank+1) E/size)``, the first dim of every stacked weight) and dispatch by all-to-all
+    over ``group``. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`)."""
+    experts = moe.experts
+    for name, p in list(experts.named_parameters(recurse=False)):
+        if p.shape[0] % size:
+            raise ValueError(f"ep={size} does not divide the {p.shape[0]} experts of {name}; choose ep dividing it")
+        local = p.shape[0] // size
+        piece = nn.Parameter(p[rank * local:(rank + 1) * local].clone(), requires_grad=p.requires_grad)
+        piece.__dict__.update(p.__dict__)
+        setattr(piece, EP_SHARD, (rank, size))
+        setattr(experts, name, piece)
+    moe.dispatcher = AllToAllDispatch(group)
+
+
+def ep_place(p: torch.Tensor) -> tuple[int, int]:
+    """``(ep rank, ep size)`` of a sliced expert parameter; ``(0, 1)`` for any whole parameter."""
+    return getattr(p, EP_SHARD, (0, 1))
+
+
+def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """``state`` with every sliced expert tensor of ``model`` replaced by all ep ranks' slices concatenated
+    along the expert dim (a collective over ``group``): the plain model's full tensor."""
+    for name, p in model.named_parameters():
+        rank, size = ep_place(p)
+        if size == 1 or name not in state:
+            continue
+        local = state[name].contiguous()
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local, group=group)
+        state[name] = out
+    return state
+
+
+def apply_expert_parallel(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+    """Shard every MoE layer of ``model`` to ep rank ``rank`` of ``size`` (nothing to do at ``size`` 1)."""
+    if size == 1:
+        return
+    for _, moe in expert_modules(model):
+        shard_experts(moe, rank, size, group)
+
+
+def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
+    """The family's tensor-parallel plan fitted to an MoE model: the MLP patterns that match nothing (every
+    layer's MLP is a mixture) are dropped, and the MoE layers stay replicated over tp; under sequence
+    parallelism each tp rank routes only its slice of the sequence, so the router's, the experts' and the
+    shared experts' gradients are summed over tp (the ``sequence`` style)."""
+    layers = [name for name, _ in expert_modules(model)]
+    if not layers:
+        return plan
+    names = [name for name, _ in model.named_modules() if name]
+    fitted = {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+    if sequence_parallel:
+        for layer in layers:
+            moe = model.get_submodule(layer)
+            parts = ["router", "experts"] + (["shared"] if getattr(moe, "shared", None) is not None else [])
+            fitted.update({f"{layer}.{part}": "sequence" for part in parts})
+    return fitted
+
+
+def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.Module) -> dict[str, tuple[torch.Size, list[Any]]]:
+    """A checkpoint's geometry (full shape and the boxes this rank holds, per parameter:
+    :func:`trainmesh.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
+    tensor: ``size`` times the experts, this rank's box at expert ``rank * E_local``. A checkpoint saved
+    at one ep then reads back at any other, or on one process, as the boxes intersect."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    out = dict(geometry)
+    for name, p in model.named_parameters():
+        rank, size = ep_place(p)
+        if size == 1 or name not in out:
+            continue
+        shape, boxes = out[name]
+        local = p.shape[0]
+        moved = [ChunkStorageMetadata(torch.Size([b.offsets[0] + rank * local, *b.offsets[1:]]), b.sizes) for b in boxes]
+        out[name] = (torch.Size([shape[0] * size, *shape[1:]]), moved)
+    return out
