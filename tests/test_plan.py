@@ -56,8 +56,12 @@ from trainmesh.plan import (
     model_state_bytes,
     plan_from_args,
     search,
+    step_flops,
     step_time,
     train_command,
+    STEP_SCALAR_BYTES,
+    active_params,
+    all_to_all_bytes_per_micro,
     TIE_TOLERANCE,
     to_json,
     with_layout,
@@ -630,7 +634,8 @@ def test_plan_splits_a_long_sequence_over_cp_and_says_why():
 
 @pytest.mark.parametrize(
     "model,gpus,batch,precision",
-    [("small", 4, 16, "fp32"), ("llama-small", 2, 8, "bf16"), ("gpt2-124m", 8, 64, "bf16"), ("tiny-deep", 4, 16, "fp64")],
+    [("small", 4, 16, "fp32"), ("llama-small", 2, 8, "bf16"), ("gpt2-124m", 8, 64, "bf16"), ("tiny-deep", 4, 16, "fp64"),
+     ("llama-moe-tiny", 4, 8, "fp32")],
 )
 def test_the_printed_command_parses_back_to_the_chosen_layout(model: str, gpus: int, batch: int,
                                                               precision: str) -> None:
@@ -641,3 +646,72 @@ def test_the_printed_command_parses_back_to_the_chosen_layout(model: str, gpus: 
         assert argv[:2] == ["trainmesh", "train"]
         cfg = config_from_args(cli._parser().parse_args(argv[1:]))
         assert layout_of(cfg) == found.layout and workload_of(cfg) == work and cfg.nproc == found.layout.world
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mixtures of experts: total vs active parameters, expert state per rank, all-to-all, the ep search
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7e9, 12.9e9), ("deepseek-v3", 671e9, 37e9)])
+def test_moe_presets_have_their_published_total_and_active_parameters(name: str, total: float, active: float) -> None:
+    """Mixtral's model card and DeepSeek-V3's report (whose attention is planned as plain MHA: within 5 %)."""
+    m = model_shape(name)
+    assert m.n_params() == pytest.approx(total, rel=0.01 if name == "mixtral-8x7b" else 0.005)
+    assert active_params(m) == pytest.approx(active, rel=0.01 if name == "mixtral-8x7b" else 0.05)
+
+
+def test_moe_model_flops_count_active_parameters_only() -> None:
+    """6 x active matmul weights + the attention scores per token [PALM, app. B]: the idle experts cost none."""
+    m = model_shape("mixtral-8x7b")
+    work = Workload(m, 8, 4096, "bf16")
+    norms = (2 * m.n_layers + 1) * m.d_model
+    weights = active_params(m) - m.vocab_size * m.d_model - norms  # the embedding lookup and norms are no matmul
+    assert step_flops(work) == 8 * 4096 * (6 * weights + 12 * m.n_layers * m.d_model * 4096)
+
+
+def _moe_small(dense_layers: int = 0) -> ModelShape:
+    return ModelShape(4, 64, 4, 176, 256, 64, gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=2,
+                      n_experts=8, top_k=2, n_shared_experts=1, d_ff_expert=48, n_dense_layers=dense_layers)
+
+
+@pytest.mark.parametrize("dp,ep,zero", [(4, 1, 0), (4, 2, 1), (4, 4, 2), (4, 2, 3), (8, 4, 3)])
+def test_expert_state_is_split_over_ep_and_sharded_over_the_expert_data_parallel_group(dp: int, ep: int,
+                                                                                        zero: int) -> None:
+    m = _moe_small()
+    work = Workload(m, 8, 64, "bf16", "bf16")  # 2 + 2 + 12 bytes per parameter
+    dense = m.n_params() - m.n_layers * m.n_experts * m.mlp_params(m.expert_ff, False)
+    experts = m.n_layers * m.n_experts // ep * m.mlp_params(m.expert_ff, False)  # exactly divisible here
+    shard = (2 * (zero >= 3) + 2 * (zero >= 2) + 12) / dp, (2 * (zero >= 3) + 2 * (zero >= 2) + 12) / (dp // ep)
+    whole = 2 * (zero < 3) + 2 * (zero < 2) + 12 * (zero < 1)
+    expected = dense * (whole + shard[0] * (zero > 0)) + experts * (whole + shard[1] * (zero > 0))
+    if zero == 0:
+        expected = 16 * (dense + experts)
+    steps = STEP_SCALAR_BYTES * (2 + m.n_layers * (2 + 3 + 1 + 3 + 3) + 1 + 1)
+    assert model_state_bytes(work, Layout(dp=dp, ep=ep, zero=zero)) == pytest.approx(expected + steps, abs=64)
+
+
+def test_all_to_all_moves_tokens_times_top_k_times_hidden_per_direction() -> None:
+    m = _moe_small(dense_layers=1)
+    work = Workload(m, 8, 64, "bf16")
+    one = 2 * 64 * m.top_k * m.d_model * 2 * (4 - 1) / 4  # mbs 2 sequences of 64 tokens, bf16, 3/4 leave
+    assert all_to_all_bytes_per_micro(work, Layout(dp=4, ep=4), 0) == 3 * 4 * one  # 3 MoE layers, 2 + 2 calls
+    assert all_to_all_bytes_per_micro(work, Layout(dp=4, ep=4, recompute="full"), 0) == 3 * 6 * one
+    assert all_to_all_bytes_per_micro(work, Layout(dp=4, ep=1), 0) == 0
+    assert step_time(work, Layout(dp=4, ep=4), make_cluster("h100-80gb", 4)).ep_comm > 0
+
+
+@pytest.mark.parametrize("fields,message", [({"dp": 4, "ep": 3}, r"ep=3 does not divide dp\*cp=4"),
+                                            ({"dp": 6, "ep": 3}, r"divides; the model has 8 experts")])
+def test_ep_that_cannot_split_the_experts_is_rejected_with_the_fix(fields: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        memory_per_rank(Workload(_moe_small(), 12, 64), Layout(**fields))
+
+
+def test_plan_splits_deepseek_v3_experts_over_ep_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """The acceptance case of issue 20: 671B parameters on 2048 H100s."""
+    assert cli.main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h100-80gb", "--top", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "(38.7B active)" in lines[0] and " ep " in lines[1]
+    ep = int(lines[-2].split("--ep ")[1].split()[0])
+    assert ep > 1 and lines[-1].startswith(f"why ep={ep}: each rank holds {256 // ep} of the 256 routed experts")
