@@ -404,7 +404,9 @@ def test_zero3_without_model_parallelism_scales_worse_than_ptd() -> None:
 def test_zero3_under_zero_bubble_gathers_once_more_per_microbatch() -> None:
     """ZeRO-1 moves s + g, ZeRO-2 m*s + g, ZeRO-3 m*(2g + s), and under zero bubble m*(3g + s): the
     weight-gradient pass gathers each unit apart from the input-gradient pass."""
-    work, cluster, m = Workload(GPT3, 64, 2048, "bf16"), A100_80, 4
+    # Without latency: ZeRO-3's one collective per unit adds a latency per unit, not bytes.
+    work, m = Workload(GPT3, 64, 2048, "bf16"), 4
+    cluster = dataclasses.replace(A100_80, intra_latency=0.0, inter_latency=0.0)
 
     def dp(zero: int, schedule: str) -> float:
         return step_time(work, Layout(dp=2, pp=4, zero=zero, microbatches=m, schedule=schedule), cluster).dp_comm
@@ -715,3 +717,12 @@ def test_plan_splits_deepseek_v3_experts_over_ep_and_says_why(capsys: pytest.Cap
     assert "(38.7B active)" in lines[0] and " ep " in lines[1]
     ep = int(lines[-2].split("--ep ")[1].split()[0])
     assert ep > 1 and lines[-1].startswith(f"why ep={ep}: each rank holds {256 // ep} of the 256 routed experts")
+
+
+def test_cpu_ranks_sharing_cores_compute_in_turn_and_fill_each_others_bubbles() -> None:
+    work, layout = Workload(model_shape("small"), 8, 128, "fp32"), Layout(pp=4, microbatches=2)
+    alone = step_time(work, layout, make_cluster("cpu", 4))
+    shared = step_time(work, layout, dataclasses.replace(make_cluster("cpu", 4), ranks_per_core=2.0))
+    assert shared.compute == pytest.approx(2 * alone.compute)
+    assert shared.bubble == pytest.approx(max(0.0, alone.compute + alone.bubble - shared.compute))
+    assert shared.bubble < alone.bubble

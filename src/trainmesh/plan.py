@@ -109,6 +109,7 @@ class Cluster:
     How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
     its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
     (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
+    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`).
     """
 
     gpus: int
@@ -124,6 +125,7 @@ class Cluster:
     gemm_half_dim: int
     comm_efficiency: float
     reserved_bytes: int
+    ranks_per_core: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -169,15 +171,18 @@ GPU_EFFICIENCY = (0.72, 160, 0.7)
 
 
 # Peaks from metrics.DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
-# (H100/H200) NIC per GPU. "cpu" is a modest multi-core host per process, gloo over 10 GbE.
+# (H100/H200) NIC per GPU. "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
+# ``python -m trainmesh.bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
+# 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
+# hand work over on the cores the ranks compute on); across hosts no better than that.
 CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
     "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
     "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
     "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
-                   intra_bw=5e9, inter_bw=1.25e9, intra_latency=20e-6, inter_latency=50e-6, gemm_efficiency=0.3,
-                   gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB),
+                   intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
+                   gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB),
 }
 
 
@@ -1014,7 +1019,7 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
     micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
     micro-batch), and under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
-    :class:`trainmesh.zero.ZeroStage3`). None of it is assumed hidden behind compute: that fits
+    :class:`trainmesh.zero.ZeroStage3`), each unit in a collective of its own (a latency per unit). None of it is assumed hidden behind compute: that fits
     Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
     lay, model = layout, workload.model
@@ -1034,6 +1039,9 @@ def _dp_group_time(units: tuple[tuple[Unit, int], ...], n: int, workload: Worklo
     if layout.zero == 0:
         return all_reduce_time(b.grad * psi, n, link)
     gather, scatter = ring_gather_time(b.param * psi, n, link), ring_gather_time(b.grad * psi, n, link)
+    if layout.zero == 3:  # one collective per unit: each pays its own latency
+        extra = (sum(k for _, k in units) - 1) * (n - 1) * link[1]
+        gather, scatter = gather + extra, scatter + extra
     passes = 3 if layout.schedule == "zb" else 2
     return {1: scatter + gather, 2: m * scatter + gather, 3: m * (passes * gather + scatter)}[layout.zero]
 
@@ -1048,7 +1056,9 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
 
     Compute is each matmul's FLOPs at its own efficiency (:func:`micro_compute_time`); tp and pp traffic sit on
     the critical path; the bubble stretches the per-micro-batch time by f/(1-f) with f from
-    :func:`bubble_fraction`.
+    :func:`bubble_fraction`. Where ranks share cores (``ranks_per_core`` r > 1: more CPU processes than
+    cores), computing takes r times as long, and a rank's bubble is time the others compute in, so only
+    what the bubble adds beyond that shows.
     """
     check_layout(workload, layout)
     stages = _stages(layout, None, workload.model)
@@ -1059,6 +1069,9 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     ep = m * max(_ep_time_per_micro(workload, layout, cluster, s) for s in stages)
     f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
     bubble = (compute + tp + pp + ep) * f / (1 - f)
+    if cluster.ranks_per_core > 1:  # cores shared: each rank's compute waits its turn, bubbles are filled
+        shared = compute * cluster.ranks_per_core
+        compute, bubble = shared, max(0.0, compute + bubble - shared)
     dp = max(dp_time(workload, layout, cluster, s) for s in stages)
     cp = m * _cp_time_per_micro(workload, layout, cluster)
     return TimeBreakdown(compute, dp, tp, pp, bubble, cp, ep)
@@ -1380,10 +1393,12 @@ GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb"}
 
 def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:
     """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU
-    processes sharing this host's physical memory (the ``cpu`` preset's figures otherwise)."""
+    processes sharing this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's
+    figures otherwise)."""
     if gpu_name is None:
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return make_cluster("cpu", world, mem_gb=host / world / GIB)
+        cpu = make_cluster("cpu", world, mem_gb=host / world / GIB)
+        return dataclasses.replace(cpu, ranks_per_core=max(1.0, world / (os.cpu_count() or 1)))
     preset = next((p for key, p in GPU_NAMES.items() if key in gpu_name), "a100-80gb")
     if preset == "a100-80gb" and gpu_mem_bytes is not None and gpu_mem_bytes < 60 * GIB:
         preset = "a100-40gb" if "A100" in gpu_name else preset
