@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
     parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")
     parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per layout (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per layout (the first is warm-up)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world")
     parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
     args = parser.parse_args(argv)
