@@ -77,6 +77,8 @@ PRESETS: dict[str, ModelConfig] = {
     # softmax router): as many active MLP weights per token as tiny has, four times as many in all.
     "moe-tiny": ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32,
                             moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=64, normalize_top_k=False)),
+    # GPT-2 XL's shape: the GPU check's larger model (24 GiB of fp32 weights, gradients and Adam state).
+    "gpt2-1.5b": ModelConfig(n_layers=48, d_model=1600, n_heads=25, d_ff=6400, vocab_size=50304, seq_len=1024),
 }
 
 
