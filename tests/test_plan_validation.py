@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh.bench.plan import MATRIX, Comparison, format_table, run_matrix
+from trainmesh.bench.plan import MATRIX, Comparison, format_table, run_matrix, spearman
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +77,9 @@ def test_plan_auto_runs_the_layout_it_chose(tmp_path: Path) -> None:
     cfg = summary["config"]
     assert cfg["dp"] * cfg["tp"] * cfg["pp"] == summary["world_size"] == 2
     assert f"dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} zero={cfg['zero']} " in chosen[0]
+
+
+def test_spearman_rank_correlation() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [5, 5, 6]) == pytest.approx(0.8660254, rel=1e-6)  # tied ranks take their mean

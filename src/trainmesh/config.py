@@ -215,10 +215,8 @@ class Config:
 
     @property
     def grad_dtype(self) -> str:
-        """``reduce_dtype`` resolved: gradients are never reduced in less than fp32 unless asked for."""
-        if self.reduce_dtype != "auto":
-            return self.reduce_dtype
-        return "fp64" if self.precision == "fp64" else "fp32"
+        """``reduce_dtype`` resolved (:func:`resolve_reduce_dtype`)."""
+        return resolve_reduce_dtype(self.precision, self.reduce_dtype)
 
     @property
     def world_size(self) -> int:
@@ -232,6 +230,14 @@ class Config:
     def shared_settings(self) -> dict[str, Any]:
         """The fields every rank must agree on: all but each rank's own view of local resources."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in RANK_LOCAL_FIELDS}
+
+
+def resolve_reduce_dtype(precision: str, reduce_dtype: str) -> str:
+    """The dtype gradients are reduced in: ``reduce_dtype``, or for ``auto`` never less than fp32 (fp64 under
+    fp64). The planner resolves it with this same function, so it plans what ``train`` runs."""
+    if reduce_dtype != "auto":
+        return reduce_dtype
+    return "fp64" if precision == "fp64" else "fp32"
 
 
 RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})

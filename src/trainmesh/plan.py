@@ -31,15 +31,13 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
+from trainmesh.config import Config, resolve_reduce_dtype
 from trainmesh.context_parallel import IMPLS as CP_IMPLS, split_error as cp_split_error
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
                                model_flops_per_token)
 from trainmesh.models import ModelShape, planner_shapes, spec_of
-
-if TYPE_CHECKING:
-    from trainmesh.config import Config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -60,12 +58,32 @@ def _gpt3_like(n_layers: int, d_model: int, n_heads: int) -> ModelShape:
                       flash_attention=False)
 
 
+def _llama_moe(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab: int, experts: int,
+               top_k: int, d_ff_expert: int, shared: int = 0, dense_layers: int = 0) -> ModelShape:
+    """A Llama-family mixture of experts (SwiGLU experts, RMSNorm, RoPE, untied head), planned at 4096
+    tokens per sequence, the pretraining length of DeepSeek-V3 and of Qwen3's first stage (``--seq``
+    changes it). Head size is d_model / n_heads here, as in every trainmesh shape."""
+    return ModelShape(n_layers, d_model, n_heads, d_ff, vocab, 4096, gated_mlp=True, bias=False,
+                      learned_positions=False, n_kv_heads=n_kv_heads, n_experts=experts, top_k=top_k,
+                      n_shared_experts=shared, d_ff_expert=d_ff_expert, n_dense_layers=dense_layers)
+
+
 MODEL_PRESETS: dict[str, ModelShape] = {
     **planner_shapes(),
     # Planning-only shapes of a family trainmesh does not build (Megatron's GPT, with dropout).
     "gpt3-175b": _gpt3_like(96, 12288, 96),
     "megatron-530b": _gpt3_like(105, 20480, 128),
     "megatron-1t": _gpt3_like(128, 25600, 160),
+    # Mixtures of experts, from the published Hugging Face configs: Mixtral-8x7B (Jiang et al., 2024; 46.7B
+    # total, 12.9B active), Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; its 128-wide heads at
+    # d 2048 are 64-wide here, which undercounts its attention by 0.45B parameters) and DeepSeek-V3
+    # (DeepSeek-AI, 2024; 671B / 37B; 256 routed experts and 1 shared, top-8, the first 3 layers dense; its
+    # multi-head latent attention is planned as plain multi-head attention of 128 heads, which has about
+    # its parameter count: 205M against 187M per layer).
+    "mixtral-8x7b": _llama_moe(32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2, d_ff_expert=14336),
+    "qwen3-30b-a3b": _llama_moe(48, 2048, 32, 4, 6144, 151936, experts=128, top_k=8, d_ff_expert=768),
+    "deepseek-v3": _llama_moe(61, 7168, 128, 128, 18432, 129280, experts=256, top_k=8, d_ff_expert=2048,
+                              shared=1, dense_layers=3),
 }
 
 
@@ -85,8 +103,13 @@ def model_shape(name: str) -> ModelShape:
 @dataclass(frozen=True)
 class Cluster:
     """Devices and links. Bandwidths are bytes/s per device in one direction (``inter_bw`` is one NIC's),
-    latencies are per ring hop, ``efficiency`` is the fraction of peak FLOP/s matmuls reach, and
-    ``reserved_bytes`` of each device's memory are not available to the model (runtime, fragmentation).
+    latencies are per ring hop, and ``reserved_bytes`` of each device's memory are not available to the
+    model (runtime, fragmentation).
+
+    How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
+    its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
+    (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
+    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`).
     """
 
     gpus: int
@@ -98,8 +121,11 @@ class Cluster:
     inter_bw: float
     intra_latency: float
     inter_latency: float
-    efficiency: float
+    gemm_efficiency: float
+    gemm_half_dim: int
+    comm_efficiency: float
     reserved_bytes: int
+    ranks_per_core: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -113,35 +139,50 @@ class Cluster:
         return self.mem_bytes - self.reserved_bytes
 
     def link(self, span: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC beyond."""
+        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC
+        beyond."""
         if span <= self.gpus_per_node:
-            return self.intra_bw, self.intra_latency
-        return self.inter_bw, self.inter_latency
+            return self.intra_bw * self.comm_efficiency, self.intra_latency
+        return self.inter_bw * self.comm_efficiency, self.inter_latency
 
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cluster:
     """One 8-GPU node from datasheet figures.
 
-    Matmuls are assumed to reach 60% of peak (end to end Megatron-LM reaches 52% on A100 [NAR, 5.1],
-    including its bubble and communication, which the time model adds separately). NCCL's per-hop latency
-    is about 2 us over NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's
-    own buffers and allocator fragmentation.
+    The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
+    (``tests/test_plan.py`` holds the table and checks the fit). NCCL's per-hop latency is about 2 us over
+    NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's own buffers and
+    allocator fragmentation.
     """
+    gemm, half_dim, comm = GPU_EFFICIENCY
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
-                   inter_latency=10e-6, efficiency=0.6, reserved_bytes=2 * GIB)
+                   inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=half_dim, comm_efficiency=comm,
+                   reserved_bytes=2 * GIB)
+
+
+# (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the
+# ten rows of [NAR, Table 1] (1.7B to 1T parameters on up to 3072 A100-80GB): every row within 6 %. Large
+# matmuls reach 72 % of the 16-bit peak (225 of 312 TFLOP/s, what cuBLAS sustains with Megatron's fused
+# epilogues); a dimension of 160 halves that, so the attention core's head_dim-wide matmuls (64-160) run at
+# a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
+# No published table of that kind exists for H100/H200 here, so they take the A100 fit.
+GPU_EFFICIENCY = (0.72, 160, 0.7)
 
 
 # Peaks from metrics.DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
-# (H100/H200) NIC per GPU. "cpu" is a modest multi-core host per process, gloo over 10 GbE.
+# (H100/H200) NIC per GPU. "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
+# ``python -m trainmesh.bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
+# 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
+# hand work over on the cores the ranks compute on); across hosts no better than that.
 CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
     "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
     "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
     "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
-                   intra_bw=5e9, inter_bw=1.25e9, intra_latency=20e-6, inter_latency=50e-6, efficiency=0.3,
-                   reserved_bytes=GIB),
+                   intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
+                   gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB),
 }
 
 
@@ -202,18 +243,20 @@ def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
 class Workload:
     """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
 
-    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in; None means ``precision``.
+    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in, ``auto`` resolved as ``train``
+    resolves it; both default to :class:`~trainmesh.config.Config`'s, so a plan holds for the run that
+    ``trainmesh train`` starts with the same flags.
     """
 
     model: ModelShape
     global_batch: int
     seq_len: int
-    precision: str = "bf16"
-    reduce_dtype: str | None = None
+    precision: str = Config.precision
+    reduce_dtype: str = Config.reduce_dtype
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("reduce_dtype", self.reduce_dtype)):
-            if value is not None and value not in DTYPE_BYTES:
+            if value not in DTYPE_BYTES and not (name == "reduce_dtype" and value == "auto"):
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(DTYPE_BYTES)}")
         if self.model.learned_positions and self.seq_len > self.model.seq_len:
             raise ValueError(
@@ -223,7 +266,11 @@ class Workload:
 
     @functools.cached_property
     def dtype_bytes(self) -> Precision:
-        return precision_bytes(self.precision, self.reduce_dtype or self.precision)
+        return precision_bytes(self.precision, self.grad_dtype)
+
+    @property
+    def grad_dtype(self) -> str:
+        return resolve_reduce_dtype(self.precision, self.reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -232,25 +279,31 @@ class Layout:
 
     ``microbatches`` is per data-parallel replica and step (gradient accumulation when pp = 1);
     ``virtual`` is the model chunks per pipeline rank of the interleaved schedule; ``bucket_bytes`` is
-    the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes).
+    the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
+    ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it).
+    The defaults are :class:`~trainmesh.config.Config`'s.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual: int = 1
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    bucket_bytes: int = 25 * 2**20
+    zero: int = Config.zero
+    microbatches: int = Config.microbatches
+    schedule: str = Config.schedule
+    virtual: int = Config.virtual_stages
+    recompute: str = Config.recompute
+    sequence_parallel: bool = Config.sequence_parallel
+    bucket_bytes: int = int(Config.bucket_mb * 2**20)
     cp: int = 1
-    cp_impl: str = "ring"
+    cp_impl: str = Config.cp_impl
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp, self.cp, self.microbatches, self.virtual, self.bucket_bytes) < 1:
-            raise ValueError(f"dp, tp, pp, cp, microbatches, virtual and bucket_bytes must be >= 1, got {self}")
+        if min(self.dp, self.tp, self.pp, self.cp, self.ep, self.microbatches, self.virtual, self.bucket_bytes) < 1:
+            raise ValueError(f"dp, tp, pp, cp, ep, microbatches, virtual and bucket_bytes must be >= 1, got {self}")
+        if self.grad_ranks % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp*cp={self.grad_ranks} (experts are split inside "
+                             f"the data-parallel group); choose ep in {_divisors(self.grad_ranks)}")
         if self.cp_impl not in CP_IMPLS:
             raise ValueError(f"unknown cp_impl {self.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
         if self.zero not in (0, 1, 2, 3):
@@ -297,6 +350,9 @@ def check_layout(workload: Workload, layout: Layout) -> None:
     if lay.sequence_parallel and local_seq(workload, lay) % lay.tp:
         raise ValueError(f"sequence_parallel needs tp={lay.tp} to divide the {local_seq(workload, lay)} tokens "
                          f"of each sequence a cp rank holds")
+    if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep):
+        raise ValueError(f"ep={lay.ep} needs an MoE model whose expert count it divides; the model has "
+                         f"{m.n_experts} experts" + (f"; choose ep in {_divisors(m.n_experts)}" if m.n_experts else ""))
     if m.n_layers % (lay.pp * lay.virtual):
         raise ValueError(
             f"n_layers={m.n_layers} is not divisible by pp*virtual={lay.pp * lay.virtual}; "
@@ -346,15 +402,38 @@ def _sum(units: list[Unit]) -> Unit:
     return Unit(sum(u.numel for u in units), sum(u.tensors for u in units))
 
 
-def block_unit(m: ModelShape, tp: int) -> Unit:
-    """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]."""
-    d, f, b = m.d_model, m.d_ff, m.bias
-    mlp_in = [_linear(d, f, tp, b, True)] * (2 if m.gated_mlp else 1)
-    return _sum(
-        [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
-        + mlp_in
-        + [_linear(f, d, tp, b, False)]
-    )
+def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[Unit]:
+    """An MLP of hidden size ``f``: input projection(s) column-parallel, output row-parallel [NAR, 2.3]."""
+    d = m.d_model
+    return [_linear(d, f, tp, bias, True)] * (2 if m.gated_mlp else 1) + [_linear(f, d, tp, bias, False)]
+
+
+def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
+    """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE
+    block (``moe``) holds here what every ep rank holds of it: the router (replicated) and the shared
+    experts' MLP in place of the dense one; its routed experts are :func:`expert_unit`."""
+    d, b = m.d_model, m.bias
+    attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+    if not moe:
+        return _sum(attention + _mlp(m, m.d_ff, tp, b))
+    shared = _mlp(m, m.n_shared_experts * m.expert_ff, tp, b) if m.n_shared_experts else []
+    return _sum(attention + [Unit(d * m.n_experts, 1)] + shared)
+
+
+def expert_unit(m: ModelShape, tp: int, ep: int) -> Unit:
+    """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked (one tensor per
+    projection), each split by tp like a dense MLP (Megatron-core's default expert tensor parallelism)."""
+    per_expert = m.mlp_params(m.expert_ff, False) // tp
+    return Unit(m.n_experts // ep * per_expert, 3 if m.gated_mlp else 2)
+
+
+def stage_blocks(m: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(dense, MoE) blocks on one rank of ``stage``: the first ``n_dense_layers`` of the model are dense."""
+    per = m.n_layers // pp
+    if not m.n_experts:
+        return per, 0
+    dense = max(0, min(m.n_dense_layers, (stage + 1) * per) - stage * per)
+    return dense, per - dense
 
 
 def embed_unit(m: ModelShape, tp: int) -> Unit:
@@ -376,19 +455,37 @@ def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit
     """
     first = ((embed_unit(m, tp), 1),) if stage == 0 else ()
     last = ((_norm(m), 1), (head_unit(m, tp), 1)) if stage == pp - 1 else ()
-    return ((block_unit(m, tp), m.n_layers // pp),) + first + last
+    dense, moe = stage_blocks(m, pp, stage)
+    blocks = ((block_unit(m, tp), dense),) if dense else ()
+    blocks += ((block_unit(m, tp, moe=True), moe),) if moe else ()
+    return blocks + first + last
 
 
-def largest_tensor(m: ModelShape, tp: int) -> int:
+def stage_expert_units(m: ModelShape, tp: int, pp: int, ep: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+    """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense model."""
+    moe = stage_blocks(m, pp, stage)[1]
+    return ((expert_unit(m, tp, ep), moe),) if moe else ()
+
+
+def largest_tensor(m: ModelShape, tp: int, ep: int = 1) -> int:
     """Elements of the largest parameter tensor one tp rank holds: a gradient bucket holds at least one."""
     linears = [m.d_model * m.qkv_width, m.d_model * m.d_ff, m.d_model * m.vocab_size]
+    experts = m.n_experts // ep * m.d_model * m.expert_ff if m.n_experts else 0
     positions = m.seq_len * m.d_model if m.learned_positions else 0
-    return max(max(linears) // tp, positions)
+    return max(max(linears + [experts]) // tp, positions)
 
 
 def params_per_tp_rank(m: ModelShape, tp: int) -> int:
-    """Parameters per tp rank of the whole model (all stages)."""
-    return sum(u.numel * n for u, n in stage_units(m, tp, 1, 0))
+    """Parameters per tp rank of the whole model (all stages, all experts)."""
+    units = stage_units(m, tp, 1, 0) + stage_expert_units(m, tp, 1, 1, 0)
+    return sum(u.numel * n for u, n in units)
+
+
+def active_params(m: ModelShape) -> int:
+    """Parameters one token's forward uses: all of a dense model; of an MoE model, ``top_k`` of each MoE
+    layer's ``n_experts`` routed experts (the shared ones always). FLOPs follow these, memory the total."""
+    idle = (m.n_experts - m.top_k) * m.mlp_params(m.expert_ff, False) if m.n_experts else 0
+    return m.n_params() - (m.n_layers - m.n_dense_layers) * idle
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -432,27 +529,30 @@ class MemoryBreakdown:
 
 @functools.lru_cache(maxsize=4096)
 def _model_state(
-    workload: Workload, tp: int, pp: int, dp: int, zero: int, stage: int
+    workload: Workload, tp: int, pp: int, dp: int, zero: int, stage: int, ep: int = 1
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank [ZeRO, sec. 5, Fig. 1].
 
     Unsharded each costs its bytes per element times Psi, together (2 + 2 + K) Psi in mixed precision.
     Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters, each
     over the dp ranks; a unit's shard is ceil(Psi_unit / dp) elements because the flat buffer is padded.
+    Routed experts are already split over ep, so ZeRO shards them over the dp / ep ranks that hold the
+    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do).
     Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
     """
-    b = workload.dtype_bytes
-    units = stage_units(workload.model, tp, pp, stage)
-    full = sum(u.numel * n for u, n in units)
-    shard = sum(-(-u.numel // dp) * n for u, n in units)
-    steps = STEP_SCALAR_BYTES * sum(u.tensors * n for u, n in units)
+    b, m = workload.dtype_bytes, workload.model
+    groups = ((stage_units(m, tp, pp, stage), dp), (stage_expert_units(m, tp, pp, ep, stage), dp // ep))
+    full = sum(u.numel * n for units, _ in groups for u, n in units)
+    shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
+    steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)
     params = b.param * (shard if zero >= 3 else full)
     grads = b.grad * (shard if zero >= 2 else full)
     optimizer = b.optimizer * (shard if zero >= 1 else full) + steps
     return params, grads, optimizer
 
 
-def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None) -> int:
+def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None,
+                           moe: bool = False) -> int:
     """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1].
 
     With dropout and 2-byte activations this is exactly sbh(34 + 5as/h) (eq. 1), sbh(10 + 24/t + 5as/(ht))
@@ -460,6 +560,9 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     5as/h term disappears with selective recomputation (eq. 6) or a fused attention kernel. Full
     recomputation keeps only each block's input, 2sbh (sec. 5), split by t under sequence parallelism.
     Other MLP widths and a gated MLP replace the two 4h-wide GeLU tensors by two (or four) f-wide ones.
+    An MoE block (``moe``) keeps its experts' inner tensors for the top_k copies of each token (and the
+    shared experts' for every token), the copies' inputs and outputs (2 top_k sbh, not split by tp: every
+    tp rank routes all its tokens; split only under sequence parallelism) and the router's scores (sbE).
     """
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
@@ -472,11 +575,14 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     # Q, K, V, the attention projection's input, the MLP's inner activations: split by heads or columns.
     # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
     qkv_and_proj_input = e * sbh * (m.qkv_width + m.d_model) // m.d_model
-    mlp_inner = (4 if m.gated_mlp else 2) * e * sbh * m.d_ff // m.d_model
+    width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
+    mlp_inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
+    routed = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model) // seq_split if moe else 0
     scores = m.n_heads * workload.seq_len * sbh // m.d_model
     stores_scores = recompute == "none" and not m.flash_attention
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
-    return seq_sharded // seq_split + (qkv_and_proj_input + mlp_inner + core + cp_attention_output(workload, layout)) // t
+    return seq_sharded // seq_split + routed + (qkv_and_proj_input + mlp_inner + core
+                                                + cp_attention_output(workload, layout)) // t
 
 
 def cp_attention_output(workload: Workload, layout: Layout) -> int:
@@ -524,10 +630,16 @@ def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, 
     return first, last
 
 
+def _stage_block_bytes(workload: Workload, layout: Layout, stage: int, recompute: str | None = None) -> int:
+    """What all blocks of ``stage`` keep for one micro-batch: its dense and its MoE blocks."""
+    dense, moe = stage_blocks(workload.model, layout.pp, stage)
+    return (dense * layer_activation_bytes(workload, layout, recompute)
+            + (moe * layer_activation_bytes(workload, layout, recompute, moe=True) if moe else 0))
+
+
 def _micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
-    layers = workload.model.n_layers // layout.pp
     first, last = _stage_extras(workload, layout, stage)
-    return layers * layer_activation_bytes(workload, layout) + first + last
+    return _stage_block_bytes(workload, layout, stage) + first + last
 
 
 def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
@@ -538,12 +650,13 @@ def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     once (all m under GPipe). Recomputation needs one block's full activations back while that block
     runs backward, so that working set is added once.
     """
-    m, lay = workload.model, layout
+    lay = layout
     chunks = in_flight_chunks(lay, stage)
-    per_layer = layer_activation_bytes(workload, lay)
-    working = layer_activation_bytes(workload, lay, "none") - per_layer if lay.recompute != "none" else 0
+    moe = stage_blocks(workload.model, lay.pp, stage)[1] > 0
+    working = (layer_activation_bytes(workload, lay, "none", moe) - layer_activation_bytes(workload, lay, None, moe)
+               if lay.recompute != "none" else 0)
     first, last = _stage_extras(workload, lay, stage)
-    total = chunks * (m.n_layers // (lay.pp * lay.virtual)) * per_layer + working
+    total = chunks * (_stage_block_bytes(workload, lay, stage) // lay.virtual) + working
     total += -(-chunks // lay.virtual) * first
     return total + (lay.microbatches if lay.schedule == "gpipe" else 1) * last
 
@@ -572,12 +685,12 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     at least one whole tensor), or all of the stage's gradients when they fit in those two. A pipeline
     stage adds :func:`p2p_bytes`.
     """
-    b = workload.dtype_bytes
-    units = stage_units(workload.model, layout.tp, layout.pp, stage)
+    b, m, lay = workload.dtype_bytes, workload.model, layout
+    units = stage_units(m, lay.tp, lay.pp, stage) + stage_expert_units(m, lay.tp, lay.pp, lay.ep, stage)
     largest = max(u.numel for u, _ in units)
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
     if layout.zero == 2:
-        buckets = max(2 * layout.bucket_bytes // b.param, largest_tensor(workload.model, layout.tp))
+        buckets = max(2 * layout.bucket_bytes // b.param, largest_tensor(workload.model, layout.tp, layout.ep))
         unit_grad = b.grad * min(buckets, sum(u.numel * n for u, n in units))
     else:
         unit_grad = b.grad * largest if layout.zero == 3 else 0
@@ -592,38 +705,47 @@ def p2p_bytes(workload: Workload, layout: Layout) -> int:
 
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
-    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.grad_ranks, layout.zero, stage)
+    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.grad_ranks, layout.zero, stage,
+                                            layout.ep)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
 
 
-def _stages(layout: Layout, stage: int | None) -> list[int]:
-    """The stage asked for, or the only two that can be worst.
+def _stages(layout: Layout, stage: int | None, model: ModelShape | None = None) -> list[int]:
+    """The stage asked for, or the only ones that can be worst.
 
     Middle stages hold the same blocks as the first or last, without the embeddings or head, and no
-    more micro-batches in flight than stage 0.
+    more micro-batches in flight than stage 0 -- except in an MoE model whose first stage holds dense
+    blocks: then the first stage of MoE blocks only is a candidate too.
     """
-    return [stage] if stage is not None else sorted({0, layout.pp - 1})
+    if stage is not None:
+        return [stage]
+    candidates = {0, layout.pp - 1}
+    if model is not None and model.n_experts and model.n_dense_layers:
+        candidates.add(min(layout.pp - 1, model.n_dense_layers // (model.n_layers // layout.pp)))
+    return sorted(candidates)
 
 
 def memory_per_rank(workload: Workload, layout: Layout, stage: int | None = None) -> MemoryBreakdown:
     """Memory of one rank of ``stage``, or of the worst stage when ``stage`` is None."""
     check_layout(workload, layout)
-    return max((_stage_memory(workload, layout, s) for s in _stages(layout, stage)), key=lambda mb: mb.total)
+    return max((_stage_memory(workload, layout, s) for s in _stages(layout, stage, workload.model)),
+               key=lambda mb: mb.total)
 
 
 def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
     """Parameters + gradients + optimizer state of one rank (worst stage when ``stage`` is None)."""
     check_layout(workload, layout)
     lay = layout
-    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.grad_ranks, lay.zero, s)) for s in _stages(lay, stage))
+    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.grad_ranks, lay.zero, s, lay.ep))
+               for s in _stages(lay, stage, workload.model))
 
 
 def activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
     """Peak activation bytes of one rank (worst stage when ``stage`` is None)."""
     check_layout(workload, layout)
-    return max(_activation_bytes(workload, layout, s) for s in _stages(layout, stage))
+    return max(_activation_bytes(workload, layout, s) for s in _stages(layout, stage, workload.model))
 
 
 def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
@@ -633,7 +755,7 @@ def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int 
     ``metrics.jsonl``; :func:`activation_bytes` is the peak over the micro-batches in flight.
     """
     check_layout(workload, layout)
-    return max(_micro_batch_activation_bytes(workload, layout, s) for s in _stages(layout, stage))
+    return max(_micro_batch_activation_bytes(workload, layout, s) for s in _stages(layout, stage, workload.model))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -651,10 +773,11 @@ class TimeBreakdown:
     pp_comm: float
     bubble: float
     cp_comm: float = 0.0
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble + self.cp_comm
+        return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble + self.cp_comm + self.ep_comm
 
 
 def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -704,17 +827,98 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     """
     m, s = workload.model, workload.seq_len
     model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp, m.qkv_width)
+    moe_layers = m.n_layers - m.n_dense_layers if m.n_experts else 0
+    model += 3 * moe_layers * (moe_block_flops_per_token(m, s) - block_flops_per_token(
+        m.d_model, m.d_ff, s, m.gated_mlp, m.qkv_width))
     rerun = m.n_layers * (block_pass_flops_per_token(m, s, recompute) - block_pass_flops_per_token(m, s, "none"))
+    if recompute == "full":
+        rerun = model / 3 - head_flops_per_token(m.d_model, m.vocab_size)  # every block's forward, once more
     return workload.global_batch * s * (model + rerun)
 
 
+def moe_block_flops_per_token(m: ModelShape, seq_len: int) -> int:
+    """Forward FLOPs of one MoE block per token: a dense block whose MLP is ``top_k`` routed plus the shared
+    experts (an MLP of their summed width), and the router's d x E matmul. Active parameters, not total."""
+    width = (m.top_k + m.n_shared_experts) * m.expert_ff
+    return block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width) + 2 * m.d_model * m.n_experts
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matmul of a forward pass on one rank: its FLOPs and its (m, k, n) after the tp split."""
+
+    flops: float
+    dims: tuple[int, int, int]
+
+
+def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
+    """Fraction of peak a matmul of these dimensions reaches: ``gemm_efficiency`` times d / (d + d_half) per
+    dimension. Small dimensions leave tiles idle and make the matmul memory-bound, so a saturating curve in
+    each dimension is the simplest shape that does both (the "GEMM size" effect behind the rise of
+    throughput with model size [NAR, 5.1])."""
+    return cluster.gemm_efficiency * math.prod(d / (d + cluster.gemm_half_dim) for d in dims)
+
+
+def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
+    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]:
+    column-parallel q/k/v and MLP-in split their outputs by t, row-parallel projections their inputs; the
+    attention core multiplies head_dim-wide blocks (QK^T and AV, 4 b s_local s h / t FLOPs in all).
+
+    An MoE block (``moe``) has the router's matmul and, in place of the MLP, its routed experts: with
+    balanced routing a rank runs top_k copies of each of its tokens through its n_experts / ep local experts,
+    so each expert's matmul takes ep x tokens x top_k / n_experts rows -- the reason ep makes expert
+    matmuls efficient -- and the shared experts as one MLP over every token."""
+    m, t = workload.model, layout.tp
+    s_local = local_seq(workload, layout)
+    tokens = s_local * micro_batch_size(workload, layout)
+    h = m.d_model
+    gemms = {
+        "qkv": Gemm(2 * tokens * h * m.qkv_width / t, (tokens, h, m.qkv_width // t)),
+        "proj": Gemm(2 * tokens * h * h / t, (tokens, h // t, h)),
+        "attention": Gemm(4 * tokens * workload.seq_len * h / t, (s_local, h // m.n_heads, workload.seq_len)),
+    }
+    inputs = 2 if m.gated_mlp else 1
+    if not moe:
+        return gemms | _mlp_gemms("mlp", tokens, tokens, m.d_ff, inputs, h, t)
+    rows = max(1, layout.ep * tokens * m.top_k // m.n_experts)
+    gemms["router"] = Gemm(2 * tokens * h * m.n_experts, (tokens, h, m.n_experts))
+    gemms |= _mlp_gemms("experts", tokens * m.top_k, rows, m.expert_ff, inputs, h, t)
+    if m.n_shared_experts:
+        gemms |= _mlp_gemms("shared", tokens, tokens, m.n_shared_experts * m.expert_ff, inputs, h, t)
+    return gemms
+
+
+def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t: int) -> dict[str, Gemm]:
+    """An MLP's input and output matmuls over ``tokens`` rows in all, ``rows`` per matmul."""
+    return {f"{name}_in": Gemm(inputs * 2 * tokens * h * f / t, (rows, h, f // t)),
+            f"{name}_out": Gemm(2 * tokens * f * h / t, (rows, f // t, h))}
+
+
+def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
+    return gemm.flops / (peak_flops(workload, cluster) * gemm_efficiency(cluster, gemm.dims))
+
+
 def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """Seconds of one micro-batch's forward and backward on a rank of ``stage``; tp splits the work evenly."""
-    m, s = workload.model, workload.seq_len
-    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout) / layout.tp
-    head = 3 * head_flops_per_token(m.d_model, m.vocab_size) if stage == layout.pp - 1 else 0.0
-    blocks = (m.n_layers // layout.pp) * block_pass_flops_per_token(m, s, layout.recompute)
-    return tokens * (blocks + head) / (peak_flops(workload, cluster) * cluster.efficiency)
+    """Seconds of one micro-batch's forward and backward on a rank of ``stage``: each matmul of
+    :func:`block_gemms` (and the head's on the last stage) at its own :func:`gemm_efficiency`, three times
+    (backward costs twice the forward), four under full recomputation, the attention core once more under
+    selective recomputation [KOR, sec. 5]."""
+    m = workload.model
+    passes = 4 if layout.recompute == "full" else 3
+
+    def block(moe: bool) -> float:
+        gemms = block_gemms(workload, layout, moe)
+        rerun = gemm_time(gemms["attention"], workload, cluster) if layout.recompute == "selective" else 0.0
+        return passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
+
+    dense, moe = stage_blocks(m, layout.pp, stage)
+    total = dense * block(False) + (moe * block(True) if moe else 0.0)
+    if stage == layout.pp - 1:
+        tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+        head = Gemm(head_flops_per_token(m.d_model, m.vocab_size) * tokens / layout.tp,
+                    (tokens, m.d_model, m.vocab_size // layout.tp))
+        total += 3 * gemm_time(head, workload, cluster)
+    return total
 
 
 def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
@@ -777,11 +981,35 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     layers = workload.model.n_layers // layout.pp
     if layout.cp_impl == "a2a":
         return 8 * layers * alpha + sent / bw
-    m, tokens = workload.model, local_seq(workload, layout) * micro_batch_size(workload, layout)
-    attention = 3 * 4 * tokens * workload.seq_len * m.d_model / layout.tp / 2  # causal: half the score matrix
-    hidden = layers * attention / (peak_flops(workload, cluster) * cluster.efficiency)
+    attention = block_gemms(workload, layout)["attention"]
+    hidden = layers * 3 * gemm_time(attention, workload, cluster) / 2  # causal: half the score matrix
     messages = layers * (3 * layout.cp - 2)
     return max(0.0, messages * alpha + sent / bw - hidden)
+
+
+def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -> float:
+    """Bytes one rank of ``stage`` sends over ep for one micro-batch: every MoE layer dispatches and
+    combines top_k copies of each token (tokens x top_k x d x activation bytes per direction, of which
+    (ep-1)/ep leave the rank) twice forward and twice backward, twice more when the forward is recomputed.
+    Each tp rank sends its 1/t share of the copies (Megatron-core's dispatcher under expert tp)."""
+    m, lay = workload.model, layout
+    moe = stage_blocks(m, lay.pp, stage)[1]
+    if lay.ep == 1 or not moe:
+        return 0.0
+    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
+    one = tokens * m.top_k * m.d_model * workload.dtype_bytes.activation / lay.tp * (lay.ep - 1) / lay.ep
+    return moe * (6 if lay.recompute == "full" else 4) * one
+
+
+def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """The all-to-alls of :func:`all_to_all_bytes_per_micro` on the critical path, each ep - 1 messages.
+    The ep group is ep ranks tp apart inside the data-parallel group, so it spans tp x ep ranks."""
+    sent = all_to_all_bytes_per_micro(workload, layout, stage)
+    if not sent:
+        return 0.0
+    bw, alpha = cluster.link(layout.tp * layout.ep)
+    calls = stage_blocks(workload.model, layout.pp, stage)[1] * (6 if layout.recompute == "full" else 4)
+    return calls * (layout.ep - 1) * alpha + sent / bw
 
 
 def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
@@ -791,18 +1019,29 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
     micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
     micro-batch), and under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
-    :class:`trainmesh.zero.ZeroStage3`). None of it is assumed hidden behind compute: that fits
+    :class:`trainmesh.zero.ZeroStage3`), each unit in a collective of its own (a latency per unit). None of it is assumed hidden behind compute: that fits
     Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
-    n, m, b = layout.grad_ranks, layout.microbatches, workload.dtype_bytes
-    if n == 1:
+    lay, model = layout, workload.model
+    experts = stage_expert_units(model, lay.tp, lay.pp, lay.ep, stage)
+    dense = _dp_group_time(stage_units(model, lay.tp, lay.pp, stage), lay.grad_ranks, workload, lay, cluster)
+    return dense + _dp_group_time(experts, lay.grad_ranks // lay.ep, workload, lay, cluster)
+
+
+def _dp_group_time(units: tuple[tuple[Unit, int], ...], n: int, workload: Workload, layout: Layout,
+                   cluster: Cluster) -> float:
+    """:func:`dp_time` of ``units`` reduced over ``n`` ranks (the expert-data-parallel group for experts)."""
+    m, b = layout.microbatches, workload.dtype_bytes
+    if n == 1 or not units:
         return 0.0
-    units = stage_units(workload.model, layout.tp, layout.pp, stage)
     psi = sum((-(-u.numel // n) * n if layout.zero else u.numel) * k for u, k in units)
-    link = cluster.link(layout.tp * n)
+    link = cluster.link(layout.world // layout.pp)
     if layout.zero == 0:
         return all_reduce_time(b.grad * psi, n, link)
     gather, scatter = ring_gather_time(b.param * psi, n, link), ring_gather_time(b.grad * psi, n, link)
+    if layout.zero == 3:  # one collective per unit: each pays its own latency
+        extra = (sum(k for _, k in units) - 1) * (n - 1) * link[1]
+        gather, scatter = gather + extra, scatter + extra
     passes = 3 if layout.schedule == "zb" else 2
     return {1: scatter + gather, 2: m * scatter + gather, 3: m * (passes * gather + scatter)}[layout.zero]
 
@@ -815,21 +1054,27 @@ def peak_flops(workload: Workload, cluster: Cluster) -> float:
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
     """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic.
 
-    Compute is executed FLOPs over peak times the cluster's assumed efficiency; tp and pp traffic sit on
+    Compute is each matmul's FLOPs at its own efficiency (:func:`micro_compute_time`); tp and pp traffic sit on
     the critical path; the bubble stretches the per-micro-batch time by f/(1-f) with f from
-    :func:`bubble_fraction`.
+    :func:`bubble_fraction`. Where ranks share cores (``ranks_per_core`` r > 1: more CPU processes than
+    cores), computing takes r times as long, and a rank's bubble is time the others compute in, so only
+    what the bubble adds beyond that shows.
     """
     check_layout(workload, layout)
-    stages = _stages(layout, None)
+    stages = _stages(layout, None, workload.model)
     m = layout.microbatches
     compute = m * max(micro_compute_time(workload, layout, cluster, s) for s in stages)
     tp = m * _tp_time_per_micro(workload, layout, cluster)
     pp = m * _pp_time_per_micro(workload, layout, cluster)
+    ep = m * max(_ep_time_per_micro(workload, layout, cluster, s) for s in stages)
     f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
-    bubble = (compute + tp + pp) * f / (1 - f)
+    bubble = (compute + tp + pp + ep) * f / (1 - f)
+    if cluster.ranks_per_core > 1:  # cores shared: each rank's compute waits its turn, bubbles are filled
+        shared = compute * cluster.ranks_per_core
+        compute, bubble = shared, max(0.0, compute + bubble - shared)
     dp = max(dp_time(workload, layout, cluster, s) for s in stages)
     cp = m * _cp_time_per_micro(workload, layout, cluster)
-    return TimeBreakdown(compute, dp, tp, pp, bubble, cp)
+    return TimeBreakdown(compute, dp, tp, pp, bubble, cp, ep)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -865,7 +1110,7 @@ def estimate(
     return Estimate(layout, memory or memory_per_rank(workload, layout), time, mfu, tflops, tokens)
 
 
-# Larger micro-batches only lengthen the bubble here: the assumed matmul efficiency does not grow with them.
+# Larger micro-batches make larger matmuls (:func:`gemm_efficiency`) but a longer bubble and more activations.
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 
@@ -905,31 +1150,44 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
                     yield dp, cp, tp, pp
 
 
+def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
+    """The ep sizes an MoE model can take in a dp x cp group of ``grad_ranks``: those dividing both the
+    group and the expert count; [1] for a dense model."""
+    return [e for e in _divisors(grad_ranks) if model.n_experts % e == 0] if model.n_experts else [1]
+
+
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
-    :func:`cp_degrees` (ring attention)."""
+    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
             options = itertools.product(_schedules(pp, workload.model.n_layers, micro), (0, 1, 2, 3),
-                                        RECOMPUTE, sps)
-            for (schedule, v), zero, recompute, sp in options:
-                yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp)
+                                        RECOMPUTE, sps, ep_degrees(workload.model, dp * cp))
+            for (schedule, v), zero, recompute, sp, ep in options:
+                yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep)
+
+
+# Predicted step times this close to the fastest (relative) count as equal: the model is no more exact.
+TIE_TOLERANCE = 0.01
 
 
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
-    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first.
-
-    Ties (the model predicts equal times) go to fewer micro-batches, since larger matmuls run faster in
-    practice, then to less memory.
-    """
+    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first, except that
+    the layouts within :data:`TIE_TOLERANCE` of the fastest come first in order of memory per rank: among
+    equal times the one with the most headroom is chosen (a layout that barely fits is the first to fail
+    on fragmentation or a longer sequence)."""
     found = []
     for layout in enumerate_layouts(workload, cluster):
         memory = memory_per_rank(workload, layout)
         if memory.total <= cluster.usable_bytes:
             found.append(estimate(workload, layout, cluster, memory))
-    return sorted(found, key=lambda e: (e.time.total, e.layout.microbatches, e.memory.total))
+    found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
+    if not found:
+        return found
+    tied = sum(e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE) for e in found)
+    return sorted(found[:tied], key=lambda e: (e.memory.total, e.time.total)) + found[tied:]
 
 
 def best_layout(workload: Workload, cluster: Cluster) -> Layout:
@@ -960,26 +1218,32 @@ def _scaled(value: float, steps: tuple[str, ...], base: int) -> str:
 def _row(workload: Workload, e: Estimate) -> list[str]:
     lay = e.layout
     sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
-    layout = [lay.dp, lay.cp, lay.tp, lay.pp, lay.zero, micro_batch_size(workload, lay), lay.microbatches, sched,
-              lay.recompute, "y" if lay.sequence_parallel else "n"]
+    layout = [lay.dp, lay.cp, lay.tp, lay.pp, *([lay.ep] if workload.model.n_experts else []), lay.zero,
+              micro_batch_size(workload, lay), lay.microbatches, sched, lay.recompute,
+              "y" if lay.sequence_parallel else "n"]
     measures = [_scaled(e.memory.total, (" B", " KiB", " MiB", " GiB"), 1024), f"{e.time.total:.4g}",
                 f"{e.mfu:.1%}", f"{e.tokens_per_s:,.0f}"]
     return [str(c) for c in layout] + measures
 
 
-def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
-    """The ``top`` fastest layouts as a text table, then the chosen one."""
-    head = ["dp", "cp", "tp", "pp", "zero", "mbs", "m", "schedule", "recompute", "sp",
-            "mem/rank", "step s", "MFU", "tokens/s"]
+def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20,
+                 model: str | None = None) -> str:
+    """The ``top`` fastest layouts as a text table, then the chosen one as the command that runs it
+    (:func:`train_command`; ``model`` is the preset's name, if the workload is one)."""
+    head = ["dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "mbs", "m", "schedule",
+            "recompute", "sp", "mem/rank", "step s", "MFU", "tokens/s"]
     rows = [head] + [_row(workload, e) for e in estimates[:top]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    params = _scaled(workload.model.n_params(), ("", "K", "M", "B", "T"), 1000)
+    m = workload.model
+    params = _scaled(m.n_params(), ("", "K", "M", "B", "T"), 1000)
+    if m.n_experts:
+        params += f" ({_scaled(active_params(m), ('', 'K', 'M', 'B', 'T'), 1000)} active)"
     title = (f"{params} params, batch {workload.global_batch} x {workload.seq_len}, {workload.precision}, "
              f"{cluster.gpus} devices of {cluster.mem_bytes / GIB:.0f} GiB: {len(estimates)} layouts fit")
-    chosen = f"chosen: {estimates[0].layout}" if estimates else "chosen: none fits"
-    why = explain_cp(workload, estimates)
-    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen,
-                      *([why] if why else [])])
+    chosen = f"chosen: {train_command(workload, estimates[0].layout, cluster, model)}" if estimates \
+        else "chosen: none fits"
+    whys = [why for why in (explain_cp(workload, estimates), explain_ep(workload, estimates)) if why]
+    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen, *whys])
 
 
 def explain_cp(workload: Workload, estimates: list[Estimate]) -> str:
@@ -1001,6 +1265,29 @@ def explain_cp(workload: Workload, estimates: list[Estimate]) -> str:
     return text + (f"the fastest layout without cp (dp={lay.dp} tp={lay.tp} pp={lay.pp} recompute={lay.recompute}) "
                    f"is predicted {without.time.total:.3g} s/step against {chosen.time.total:.3g} s "
                    f"({chosen.time.cp_comm:.3g} s of it cp traffic the attention does not hide)")
+
+
+def explain_ep(workload: Workload, estimates: list[Estimate]) -> str:
+    """Why the chosen layout splits the experts over ep (empty when it does not): the expert state it
+    saves, the larger expert matmuls, and the fastest layout without it."""
+    if not estimates or estimates[0].layout.ep == 1:
+        return ""
+    chosen, m = estimates[0], workload.model
+    lay, gib = chosen.layout, (" B", " KiB", " MiB", " GiB", " TiB")
+    alone = dataclasses.replace(lay, ep=1)
+    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay) * m.top_k
+    text = (f"why ep={lay.ep}: each rank holds {m.n_experts // lay.ep} of the {m.n_experts} routed experts of each "
+            f"MoE layer, so its model state is {_scaled(chosen.memory.model_state, gib, 1024)} instead of "
+            f"{_scaled(memory_per_rank(workload, alone).model_state, gib, 1024)} with the same layout at ep=1, "
+            f"and each expert's matmuls take {lay.ep * tokens // m.n_experts:,} token rows per micro-batch "
+            f"instead of {max(1, tokens // m.n_experts):,}; ")
+    without = next((e for e in estimates if e.layout.ep == 1), None)
+    if without is None:
+        return text + "no layout without ep fits"
+    other = without.layout
+    return text + (f"the fastest layout without ep (dp={other.dp} tp={other.tp} pp={other.pp} zero={other.zero}) is "
+                   f"predicted {without.time.total:.3g} s/step against {chosen.time.total:.3g} s "
+                   f"({chosen.time.ep_comm:.3g} s of it all-to-all)")
 
 
 def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
@@ -1031,13 +1318,14 @@ def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top
 
 LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
                  "schedule": "schedule", "virtual": "virtual_stages", "recompute": "recompute",
-                 "sequence_parallel": "sequence_parallel", "cp": "cp", "cp_impl": "cp_impl"}  # Layout -> Config
+                 "sequence_parallel": "sequence_parallel", "cp": "cp", "cp_impl": "cp_impl",
+                 "ep": "ep"}  # Layout -> Config
 
 
 def workload_of(cfg: Config) -> Workload:
     """The workload a :class:`~trainmesh.config.Config` trains: its model, global batch and dtypes."""
     model = cfg.model_config
-    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.grad_dtype)
+    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -1054,14 +1342,48 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
     return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20, **fields)
 
 
+def train_flags(workload: Workload, layout: Layout) -> list[str]:
+    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
+    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
+    when it is not the default), then what differs from :class:`~trainmesh.config.Config`'s defaults."""
+    cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
+                             reduce_dtype=workload.reduce_dtype), layout)
+    skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
+    skip |= {"cp_impl"} if layout.cp == 1 else set()
+    skip |= {"ep"} if not workload.model.n_experts else set()
+    skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
+    flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
+    defaults = Config()
+    extra = [f for field in ("bucket_mb", "precision", "reduce_dtype")
+             if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
+    return [*flags, "--global-batch", str(workload.global_batch), *extra]
+
+
+def _flag_of(cfg: Config, field: str) -> list[str]:
+    value, name = getattr(cfg, field), "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return [name if value else "--no-" + name[2:]]
+    return [name, f"{value:g}" if isinstance(value, float) else str(value)]
+
+
+def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: str | None = None) -> str:
+    """The command line that runs ``layout``: ``trainmesh train --nproc N ...`` on one node, the same flags
+    under ``torchrun`` on each node of several. ``--model`` (and ``--seq-len`` when it is not the preset's)
+    when the workload is preset ``model``; :func:`train_flags` for the rest."""
+    named = [] if model is None else ["--model", model]
+    if model is not None and workload.seq_len != model_shape(model).seq_len:
+        named += ["--seq-len", str(workload.seq_len)]
+    flags = train_flags(workload, layout)
+    if layout.world <= cluster.gpus_per_node:
+        return " ".join(["trainmesh", "train", *named, "--nproc", str(layout.world), *flags])
+    nodes = layout.world // cluster.gpus_per_node
+    return " ".join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
+                     "-m", "trainmesh.cli", "train", *named, *flags])
+
+
 def layout_flags(cfg: Config) -> list[str]:
     """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
-    flags = []
-    for field in LAYOUT_FIELDS.values():
-        value = getattr(cfg, field)
-        name = "--" + field.replace("_", "-")
-        flags += ([name if value else "--no-" + name[2:]] if isinstance(value, bool) else [name, str(value)])
-    return [*flags, "--plan", ""]
+    return [*(f for field in LAYOUT_FIELDS.values() for f in _flag_of(cfg, field)), "--plan", ""]
 
 
 # torch.cuda.get_device_name() substrings -> cluster presets; an unknown GPU is planned as an A100 with its
@@ -1071,10 +1393,12 @@ GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb"}
 
 def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:
     """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU
-    processes sharing this host's physical memory (the ``cpu`` preset's figures otherwise)."""
+    processes sharing this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's
+    figures otherwise)."""
     if gpu_name is None:
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return make_cluster("cpu", world, mem_gb=host / world / GIB)
+        cpu = make_cluster("cpu", world, mem_gb=host / world / GIB)
+        return dataclasses.replace(cpu, ranks_per_core=max(1.0, world / (os.cpu_count() or 1)))
     preset = next((p for key, p in GPU_NAMES.items() if key in gpu_name), "a100-80gb")
     if preset == "a100-80gb" and gpu_mem_bytes is not None and gpu_mem_bytes < 60 * GIB:
         preset = "a100-40gb" if "A100" in gpu_name else preset
@@ -1132,9 +1456,10 @@ def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
     sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
     mem = _scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
     cp = f" cp={lay.cp} cp_impl={lay.cp_impl}" if lay.cp > 1 else ""
+    ep = f" ep={lay.ep}" if lay.ep > 1 else ""
     return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
             f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
-            f"sequence_parallel={lay.sequence_parallel}{cp} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
+            f"sequence_parallel={lay.sequence_parallel}{cp}{ep} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
             f"{mem}/rank of {cluster.usable_bytes / GIB:.1f} GiB usable)")
 
 
@@ -1158,9 +1483,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in SHAPE_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
-    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default="bf16")
-    parser.add_argument("--reduce-dtype", choices=list(DTYPE_BYTES),
-                        help="dtype gradients are held and reduced in (default: --precision)")
+    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default=Config.precision,
+                        help=f"as trainmesh train's (default: {Config.precision})")
+    parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
+                        help="dtype gradients are held and reduced in, as trainmesh train's (default: "
+                             f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--gpu", choices=list(CLUSTER_PRESETS), default="a100-80gb")
@@ -1173,7 +1500,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_from(
-    model: str | None, global_batch: int, precision: str = "bf16", reduce_dtype: str | None = None,
+    model: str | None, global_batch: int, precision: str = Config.precision, reduce_dtype: str = Config.reduce_dtype,
     **shape: int | None,
 ) -> Workload:
     """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
@@ -1200,5 +1527,7 @@ def plan_from_args(args: argparse.Namespace) -> str:
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)
     estimates = search(workload, cluster)
-    render = to_json if args.json else format_table
-    return render(workload, cluster, estimates, args.top)
+    if args.json:
+        return to_json(workload, cluster, estimates, args.top)
+    reshaped = any(v is not None for k, v in shape.items() if k != "seq_len")
+    return format_table(workload, cluster, estimates, args.top, None if reshaped else args.model)

@@ -1,5 +1,5 @@
-"""The planner against measurement: memory per rank that :mod:`trainmesh.plan` predicts for a layout,
-next to what a real run of that layout measures here.
+"""The planner against measurement: memory per rank and step time that :mod:`trainmesh.plan` predicts for a
+layout, next to what a real run of that layout measures here.
 
 ``python -m trainmesh.bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
 ``tests/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
@@ -28,6 +28,13 @@ peak              :attr:`StepPeak.total`: most of model state    ``memory_per_ra
                                                                  buffers + the logits while the loss runs)
 ================  ============================================  =========================================  =====
 
+Step time: the median (min-max) of rank 0's ``step_time_s`` over the steps after the first, against
+:func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto`` plans
+with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
+the layout ``--plan auto`` picks at each world beside the matrix (unless it is one of them) to say how its
+measured tokens/s compares with the fastest measured. The step times are only meaningful with nothing
+else running (run it under the shared CPU lock).
+
 ``max_rss_bytes`` is shown for reference only: it is mostly the Python and torch runtime (a few hundred
 MiB per process), which no layout changes, and it is the process's peak so far, so it includes the
 layouts run before in the same process. On the last stage, the activations include what the loss saves
@@ -46,6 +53,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
+import statistics
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -59,10 +68,13 @@ from trainmesh.metrics import storage_bytes
 from trainmesh.optim import LRSchedule
 from trainmesh.plan import (
     activation_bytes,
+    auto_config,
     layout_of,
+    local_cluster,
     memory_per_rank,
     micro_batch_activation_bytes,
     model_state_bytes,
+    step_time,
     workload_of,
 )
 from trainmesh.testing import run_ranks
@@ -208,14 +220,19 @@ def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
 
 
 def measure_rank(cfgs: list[Config]) -> list[dict[str, object]]:
-    """Runs on every rank: train each config, then measure its step peak. Rank 0 adds the run's summary."""
+    """Runs on every rank: train each config, then measure its step peak. Rank 0 adds the run's summary and
+    its step times after the first step (which pays for warm-up)."""
     torch.set_num_threads(1)
     out = []
     for cfg in cfgs:
         result = train(cfg)
         peak = step_peak(result.run, cfg.steps)
-        summary = json.loads(Path(cfg.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
-        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
+        rank0 = dist.get_rank() == 0
+        summary = json.loads(Path(cfg.out, "summary.json").read_text()) if rank0 else None
+        records = [json.loads(line) for line in Path(cfg.out, "metrics.jsonl").read_text().splitlines()] if rank0 else []
+        times = [r["step_time_s"] for r in records if "step_time_s" in r][1:]
+        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary,
+                    "step_times": times})
     return out
 
 
@@ -234,6 +251,13 @@ class Comparison:
     predicted: dict[str, int]
     measured: dict[str, int]
     max_rss_bytes: int
+    predicted_step_s: float = 0.0
+    step_times: tuple[float, ...] = ()
+    tokens_per_step: int = 0
+
+    @property
+    def measured_step_s(self) -> float:
+        return statistics.median(self.step_times)
 
     def error(self, quantity: str) -> float:
         """predicted / measured - 1."""
@@ -267,23 +291,42 @@ def compare(name: str, cfg: Config, per_rank: list[dict[str, object]]) -> list[C
                     "peak_activation": max(per_rank[r]["peak_activation_bytes"] for r in ranks),
                     "peak": max(per_rank[r]["peak_bytes"] for r in ranks)}
         rows.append(Comparison(name, cfg.world_size, stage, predicted(cfg, stage), measured,
-                               max(summary["max_rss_bytes"][r] for r in ranks)))
+                               max(summary["max_rss_bytes"][r] for r in ranks), predicted_step(cfg),
+                               tuple(per_rank[0]["step_times"]), cfg.global_batch * workload_of(cfg).seq_len))
     return rows
 
 
+def predicted_step(cfg: Config) -> float:
+    """Seconds per step the planner predicts for ``cfg`` on this machine, as ``--plan auto`` sees it."""
+    return step_time(workload_of(cfg), layout_of(cfg), local_cluster(cfg.world_size)).total
+
+
 def matrix_configs(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
-                   global_batch: int = 8) -> dict[str, Config]:
-    """The :data:`MATRIX` layouts of ``world`` (or those named) as configs writing under ``out_dir``."""
+                   global_batch: int = 8, steps: int = 2, auto: bool = False) -> dict[str, Config]:
+    """The :data:`MATRIX` layouts of ``world`` (or those named) as configs writing under ``out_dir``, with
+    the layout ``--plan auto`` picks as ``auto`` when ``auto`` and it is none of them."""
     layouts = MATRIX[world]
     chosen = list(layouts) if names is None else list(names)
-    return {name: Config(model=model, nproc=world, global_batch=global_batch, out=str(Path(out_dir, name)),
-                         **BASE, **layouts[name]) for name in chosen}
+    base = {**BASE, "steps": steps}
+    cfgs = {name: Config(model=model, nproc=world, global_batch=global_batch, out=str(Path(out_dir, name)),
+                         **base, **layouts[name]) for name in chosen}
+    if auto and not auto_choice(cfgs.values(), model, world, global_batch):
+        planned = auto_config(Config(model=model, nproc=world, global_batch=global_batch, **base), world,
+                              local_cluster(world))[0]
+        cfgs["auto"] = dataclasses.replace(planned, out=str(Path(out_dir, f"auto-{world}")))
+    return cfgs
+
+
+def auto_choice(cfgs: Iterable[Config], model: str, world: int, global_batch: int) -> Config | None:
+    """The config among ``cfgs`` running the layout ``--plan auto`` picks at ``world``, if any."""
+    planned = auto_config(Config(model=model, nproc=world, global_batch=global_batch), world, local_cluster(world))[0]
+    return next((c for c in cfgs if layout_of(c) == layout_of(planned)), None)
 
 
 def run_matrix(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
-               global_batch: int = 8, timeout: float = 600.0) -> list[Comparison]:
+               global_batch: int = 8, timeout: float = 600.0, steps: int = 2, auto: bool = False) -> list[Comparison]:
     """Run the layouts of ``world`` in one :func:`~trainmesh.testing.run_ranks` call and compare each."""
-    cfgs = matrix_configs(model, world, out_dir, names, global_batch)
+    cfgs = matrix_configs(model, world, out_dir, names, global_batch, steps, auto)
     results = run_ranks(measure_rank, world, list(cfgs.values()), timeout=timeout)
     return [row for k, (name, cfg) in enumerate(cfgs.items())
             for row in compare(name, cfg, [rank[k] for rank in results])]
@@ -313,6 +356,48 @@ def format_table(rows: list[Comparison]) -> str:
     return "\n".join(lines)
 
 
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank): 1 when both order the layouts alike."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    norm = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / norm if norm else 1.0
+
+
+def format_step_table(rows: list[Comparison], auto: dict[int, str]) -> str:
+    """Predicted vs measured ms per step of each layout, its measured tokens/s, the rank correlation per
+    world, and where ``--plan auto``'s choice (``auto``: world -> layout name) lands among them."""
+    lines = [f"{'layout':<10} {'world':>5}  {'pred ms':>8}  {'meas ms median (min-max)':>26}  {'tokens/s':>9}"]
+    for world in sorted({r.world for r in rows}):
+        mine = [r for r in rows if r.world == world and r.stage == 0]
+        for r in mine:
+            spread = f"{r.measured_step_s * 1e3:.0f} ({min(r.step_times) * 1e3:.0f}-{max(r.step_times) * 1e3:.0f})"
+            lines.append(f"{r.layout:<10} {world:>5}  {r.predicted_step_s * 1e3:8.0f}  {spread:>26}  "
+                         f"{r.tokens_per_step / r.measured_step_s:9,.0f}")
+        rho = spearman([r.predicted_step_s for r in mine], [r.measured_step_s for r in mine])
+        lines.append(f"world {world}: Spearman rank correlation of predicted and measured step time {rho:+.2f}")
+        if world in auto:
+            fastest = min(mine, key=lambda r: r.measured_step_s)
+            chosen = next(r for r in mine if r.layout == auto[world])
+            ratio = fastest.measured_step_s / chosen.measured_step_s
+            lines.append(f"world {world}: --plan auto runs {auto[world]}: {ratio:.1%} of the fastest measured "
+                         f"tokens/s ({fastest.layout})")
+    return "\n".join(lines)
+
+
 def _rows_json(rows: list[Comparison]) -> str:
     return json.dumps([dataclasses.asdict(r) | {"error": {q: r.error(q) for q in TOLERANCE}} for r in rows], indent=2)
 
@@ -323,15 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
     parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per layout (the first is warm-up)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world")
     parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
     args = parser.parse_args(argv)
-    rows = []
+    rows, auto = [], {}
     with tempfile.TemporaryDirectory() as out_dir:
         for world in args.world:
             names = [n for n in MATRIX[world] if args.layouts is None or n in args.layouts]
-            if names:
-                rows += run_matrix(args.model, world, out_dir, names, args.global_batch, args.timeout)
+            if not names:
+                continue
+            cfgs = matrix_configs(args.model, world, out_dir, names, args.global_batch, args.steps, auto=True)
+            planned = auto_choice(cfgs.values(), args.model, world, args.global_batch)
+            auto[world] = next(name for name, cfg in cfgs.items() if cfg is planned)
+            rows += run_matrix(args.model, world, out_dir, names, args.global_batch, args.timeout, args.steps, True)
     if args.json:
         print(_rows_json(rows))
         return 0
@@ -340,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     failed = [f for row in rows for f in row.failures()]
     print("\n".join(["outside tolerance:", *failed]) if failed else "all within tolerance")
+    print(f"\nstep time: predicted (trainmesh.plan.step_time on local_cluster) vs measured (rank 0, steps 2-{args.steps})")
+    print(format_step_table(rows, auto))
     return 0
 
 
