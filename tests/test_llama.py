@@ -96,13 +96,11 @@ def test_tp_shard_of_the_grouped_qkv_holds_whole_kv_groups():
 def test_models_count_exactly_the_parameters_the_planner_counts():
     for spec in SPECS:
         for name, cfg in spec.presets.items():
-            if not spec.shape(cfg).n_experts:  # the planner's count of experts comes with its MoE units
-                assert cfg.n_params() == params_per_tp_rank(spec.shape(cfg), 1), name
+            assert cfg.n_params() == params_per_tp_rank(spec.shape(cfg), 1), name
             if cfg.n_params() < 10**7:  # built: the CPU-sized presets
                 assert sum(p.numel() for p in spec.builder(cfg, 0).parameters()) == cfg.n_params(), name
     for name, shape in planner_shapes().items():
-        if not shape.n_experts:
-            assert shape.n_params() == params_per_tp_rank(shape, 1), name
+        assert shape.n_params() == params_per_tp_rank(shape, 1), name
 
 
 def test_llama3_shapes_have_their_published_parameter_counts():
