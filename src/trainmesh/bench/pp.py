@@ -39,13 +39,14 @@ from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
 LATENCY_ROUNDS = 20
+FIT_FRACTIONS = (0.25, 0.5, 1.0)
 
 
-def p2p_latency(mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype) -> float:
-    """Seconds for one activation to reach the next pipeline rank while every rank sends one (the
-    slowest rank's mean over a ring exchange), as the simulator's ``Costs.comm``."""
+def p2p_seconds(mesh: Mesh, numel: int, dtype: torch.dtype) -> float:
+    """Seconds for one ``numel`` message to reach the next pipeline rank while every rank sends one (the
+    slowest rank's mean over a ring exchange)."""
     comm, p, r = Comm(mesh), mesh.size("pp"), mesh.rank("pp")
-    send = torch.zeros(shape, dtype=dtype, device=mesh.device)
+    send = torch.zeros(numel, dtype=dtype, device=mesh.device)
     recv = torch.empty_like(send)
     peers = [(send, mesh.global_rank(pp=(r + 1) % p))], [(recv, mesh.global_rank(pp=(r - 1) % p))]
     for _ in range(2):
@@ -60,27 +61,47 @@ def p2p_latency(mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype) -> float
     return log_all_reduce(mean, mesh.group("pp"), dist.ReduceOp.MAX).item()
 
 
+def p2p_fit(mesh: Mesh, numel: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(latency s, bandwidth B/s): a least-squares line through the time of messages of a quarter, half and
+    all of ``numel`` elements, measured once per run for the simulator's transfer term
+    (:meth:`~trainmesh.pipeline.simulate.Costs.transfer`). A non-positive slope (noise swamping the size
+    effect) leaves all of the time to the latency."""
+    numels = [max(1, int(numel * f)) for f in FIT_FRACTIONS]
+    times = [p2p_seconds(mesh, n, dtype) for n in numels]
+    sizes = [n * dtype.itemsize for n in numels]
+    mean_size, mean_time = statistics.fmean(sizes), statistics.fmean(times)
+    slope = (sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times))
+             / sum((b - mean_size) ** 2 for b in sizes))
+    if slope <= 0:
+        return mean_time, float("inf")
+    return max(mean_time - slope * mean_size, 0.0), 1.0 / slope
+
+
 def measured_costs(timelines: list[Timeline], n_stages: int, comm: float) -> Costs:
-    """Median measured duration of each compute kind per global stage (a median, so an action that another
-    process preempted does not count); B stands for BI + BW where absent."""
+    """Mean measured duration of each compute kind per global stage, and of posting one message; B stands
+    for BI + BW where absent. A mean, not a median: a preempted action lengthens the measured step, and
+    the simulated one must carry the same total work to be comparable."""
     durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
+    posts = []
     for timeline in timelines:
         for record in timeline.records:
             if record.action.kind in COMPUTE_KINDS:
                 durations[(record.action.kind, record.action.stage)].append(record.duration)
+            else:
+                posts.append(record.duration)
 
     def per_stage(kind: ActionKind) -> tuple[float, ...] | None:
         if (kind, 0) not in durations:
             return None
-        return tuple(max(statistics.median(durations[(kind, s)]), 1e-9) for s in range(n_stages))
+        return tuple(max(statistics.fmean(durations[(kind, s)]), 1e-9) for s in range(n_stages))
 
     bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
     backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
     return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
-                 comm=comm)
+                 comm=comm, post=statistics.fmean(posts) if posts else 0.0)
 
 
-def _bubbles(run: Run, steps: int, latency: float) -> tuple[float, float, float]:
+def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float]:
     """(measured, simulated with measured costs, uniform textbook) bubble fraction of ``run``'s schedule."""
     pipeline, step = run.pipeline, trainmesh_step(run)
     step(0)
@@ -91,7 +112,7 @@ def _bubbles(run: Run, steps: int, latency: float) -> tuple[float, float, float]
         timelines.append(pipeline.gather_timeline())
     pipeline.recording = False
     schedule: Schedule = pipeline.schedule
-    costs = measured_costs(timelines, pipeline.n_stages, latency)
+    costs = measured_costs(timelines, pipeline.n_stages, transfer)
     measured = statistics.median(t.bubble_fraction for t in timelines)
     return measured, simulate(schedule, costs).bubble_fraction, simulate(schedule).bubble_fraction
 
@@ -149,10 +170,14 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     if cfg.microbatches < cfg.pp:
         raise SystemExit(f"torch's pipeline schedules need --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
     mesh = setup_process(cfg)
-    m = cfg.model_config
-    latency = p2p_latency(mesh, (cfg.micro_batch, m.seq_len, m.d_model), dtype_of(cfg.precision))
+    m, dtype = cfg.model_config, dtype_of(cfg.precision)
+    numel = cfg.micro_batch * m.seq_len * m.d_model
+    latency, bandwidth = p2p_fit(mesh, numel, dtype)
+    transfer = Costs.transfer(latency, bandwidth, numel * dtype.itemsize)
     lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
-             f"micro_batch={cfg.micro_batch} device={mesh.device.type}, p2p latency {latency * 1e3:.3f} ms",
+             f"micro_batch={cfg.micro_batch} device={mesh.device.type} threads/rank={torch.get_num_threads()}; "
+             f"p2p latency {latency * 1e3:.3f} ms + {bandwidth / 1e9:.2f} GB/s = {transfer * 1e3:.3f} ms "
+             f"per activation",
              f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'uniform':>8}   (bubble fraction)"]
     results = []
     for variant, label in _variants(cfg):
@@ -160,7 +185,7 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
             lines.append(f"  {label}")
             continue
         run = build(variant, mesh)
-        measured, simulated, uniform = _bubbles(run, rounds * steps_per_round, latency)
+        measured, simulated, uniform = _bubbles(run, rounds * steps_per_round, transfer)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
         results.append(_versus_torch(run, label, rounds, steps_per_round))
     lines += [r.line() for r in results]

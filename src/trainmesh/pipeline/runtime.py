@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,15 +63,27 @@ WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
 
 
 class _Posted:
-    """Work handles of posted point-to-point operations; holds the tensors being sent until they are gone."""
+    """One part of a batch of point-to-point operations handed to the communication thread: its sends
+    (part 0) or one of its receives (part 1 + i). Holds the tensors being sent until they are gone."""
 
-    def __init__(self, works: list, sending: Sequence[torch.Tensor] = ()) -> None:
-        self.works, self.sending = works, list(sending)
+    def __init__(self, batch: Future[list[list]], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
+        self.batch, self.part, self.sending = batch, part, list(sending)
 
     def wait(self) -> None:
-        for work in self.works:
+        for work in self.batch.result()[self.part]:
             work.wait()
-        self.works, self.sending = [], []
+        self.sending = []
+
+
+def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]],
+                recvs: list[tuple[torch.Tensor, int]]) -> list[list]:
+    """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
+    handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
+    for the whole batch, which every part then waits for."""
+    works = comm.send_recv(sends, recvs, axis=AXIS)
+    if len(works) != len(sends) + len(recvs):
+        return [works] * (1 + len(recvs))
+    return [works[:len(sends)], *([w] for w in works[len(sends):])]
 
 
 @dataclass
@@ -187,6 +200,7 @@ class PipelineRuntime:
         self.recording = False
         self.records: list[TimelineRecord] = []
         self._origin = 0.0
+        self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmesh-pp-comm")
 
     # --- entry points --------------------------------------------------------------------------------
 
@@ -252,6 +266,7 @@ class PipelineRuntime:
         return self.mesh.global_rank(pp=stage_to_rank(action.peer_stage, self.n_ranks))
 
     def _post(self, group: list[Action], step: _Step) -> None:
+        start = self._now() if self.recording else 0.0
         sends, recvs, arriving = [], [], []
         for action in group:
             if action.kind in SEND_KINDS:
@@ -268,17 +283,15 @@ class PipelineRuntime:
                 step.values[token] = buffer
                 recvs.append((buffer, self._peer(action)))
                 arriving.append(token)
-        works = self.comm.send_recv(sends, recvs, axis=AXIS)
-        # Gloo gives one handle per operation, in order, so each receive is waited for alone; a coalesced
-        # batch (NCCL) gives one handle for the whole batch.
-        per_op = len(works) == len(sends) + len(recvs)
+        batch = self._comm_thread.submit(_post_batch, self.comm, sends, recvs)
         for i, token in enumerate(arriving):
-            step.arrivals[token] = _Posted([works[len(sends) + i]] if per_op else works)
+            step.arrivals[token] = _Posted(batch, 1 + i)
         if sends:
-            step.sends.append(_Posted(works[:len(sends)] if per_op else works, [t for t, _ in sends]))
-        if self.recording:
-            now = self._now()
-            self.records += [TimelineRecord(self.rank, a, now, now) for a in group]
+            step.sends.append(_Posted(batch, 0, [t for t, _ in sends]))
+        if self.recording:  # the group's posting time, shared evenly by its actions
+            each = (self._now() - start) / len(group)
+            self.records += [TimelineRecord(self.rank, a, start + i * each, start + (i + 1) * each)
+                             for i, a in enumerate(group)]
 
     def _compute(self, action: Action, step: _Step, engine: Engine | None) -> None:
         for token in action_inputs(action, self.n_stages):

@@ -9,7 +9,9 @@ Execution model:
 * verification treats a SEND and its matching RECV as a rendezvous (both ranks must have reached
   them), the strictest semantics a runtime may face, so a schedule that passes also runs with
   asynchronous sends and receives, under which every action can only start earlier. Timing uses
-  either semantics (``blocking_comm``), with ``Costs.comm`` as the message latency.
+  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from its
+  SEND being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
+  posting one SEND or RECV (host work that is neither compute nor idle waiting).
 
 Bubble fraction = idle / total over ranks = ``1 - sum(busy) / (p · makespan)``, busy counting
 compute only (communication is not useful work).
@@ -47,13 +49,18 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Costs:
     """Duration of each action kind. ``backward_input``/``backward_weight`` default to half of
-    ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2)."""
+    ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2).
+
+    ``comm`` is one message's transfer time (build it from a latency/bandwidth fit with
+    :meth:`transfer`); ``post`` is what posting one SEND or RECV costs the posting rank's host thread.
+    Both are zero by default: the setting of the textbook bubble formulas."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
     backward_input: Cost | None = None
     backward_weight: Cost | None = None
     comm: float = 0.0
+    post: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight"):
@@ -63,8 +70,17 @@ class Costs:
                 raise ValueError(
                     f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
                 )
-        if self.comm < 0:
-            raise ValueError(f"Costs.comm must be >= 0, got {self.comm}")
+        for name in ("comm", "post"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}")
+
+    @staticmethod
+    def transfer(latency: float, bandwidth: float, nbytes: int) -> float:
+        """Seconds for one ``nbytes`` message under the latency/bandwidth (alpha-beta) model (Hockney 1994):
+        ``latency + nbytes / bandwidth``, bandwidth in bytes per second."""
+        if latency < 0 or bandwidth <= 0:
+            raise ValueError(f"need latency >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
+        return latency + nbytes / bandwidth
 
     def duration(self, action: Action) -> float:
         if action.is_comm:
@@ -346,23 +362,25 @@ class _Run:
         if inputs_at is None or self._head(peer) != recv:
             return False
         start = max(self.free_at[rank], self.free_at[peer], inputs_at)
-        end = start + self.costs.duration(send)
+        end = start + self.costs.duration(send) + self.costs.post
         self._finish(rank, send, start, end)
         self._finish(peer, recv, start, end)
         self._deliver(peer, recv, end)
         return True
 
     def _post(self, rank: int, comm: Action) -> bool:
-        """Post an isend/irecv: it returns at once; a send's data reaches its peer ``comm`` later."""
+        """Post an isend/irecv: the rank is busy ``post``; a send's data reaches its peer ``comm`` after
+        the send was posted (or when posting ends, if that is later)."""
         start = self.free_at[rank]
-        if comm.kind in _RECV_FOR:
+        if comm.kind in _RECV_FOR:  # a SEND: it needs its tensor
             inputs_at = self._inputs_ready_at(rank, comm)
             if inputs_at is None:
                 return False
             start = max(start, inputs_at)
             recv = _partner(comm)
-            self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, start + self.costs.duration(comm))
-        self._finish(rank, comm, start, start)
+            arrival = start + max(self.costs.duration(comm), self.costs.post)
+            self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, arrival)
+        self._finish(rank, comm, start, start + self.costs.post)
         return True
 
     def _finish(self, rank: int, action: Action, start: float, end: float) -> None:
