@@ -19,12 +19,16 @@ compute only (communication is not useful work).
 
 from __future__ import annotations
 
-from collections import Counter
+import json
+import statistics
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from trainmesh.pipeline.schedules import (
     Action,
+    COMPUTE_KINDS,
     ActionKind,
     Token,
     action_inputs,
@@ -81,6 +85,21 @@ class Costs:
         if latency < 0 or bandwidth <= 0:
             raise ValueError(f"need latency >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
         return latency + nbytes / bandwidth
+
+    def save(self, path: str | Path) -> Path:
+        """Write the costs as JSON, for ``trainmesh schedule --costs``."""
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Costs:
+        """Costs written by :meth:`save` (``trainmesh train --timeline`` writes them beside its picture)."""
+        try:
+            fields = json.loads(Path(path).read_text())
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"cannot read pipeline costs from {path}: {e}; write them with "
+                             "trainmesh train --timeline PNG (they land in PNG's .costs.json)") from e
 
     def duration(self, action: Action) -> float:
         if action.is_comm:
@@ -187,6 +206,30 @@ class Timeline:
                     held -= 1
             peaks.append(peak)
         return tuple(peaks)
+
+
+def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float) -> Costs:
+    """Mean measured duration of each compute kind per global stage, and of posting one message; B stands
+    for BI + BW where absent. A mean, not a median: a preempted action lengthens the measured step, and
+    the simulated one must carry the same total work to be comparable."""
+    durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
+    posts = []
+    for timeline in timelines:
+        for record in timeline.records:
+            if record.action.kind in COMPUTE_KINDS:
+                durations[(record.action.kind, record.action.stage)].append(record.duration)
+            else:
+                posts.append(record.duration)
+
+    def per_stage(kind: ActionKind) -> tuple[float, ...] | None:
+        if (kind, 0) not in durations:
+            return None
+        return tuple(max(statistics.fmean(durations[(kind, s)]), 1e-9) for s in range(n_stages))
+
+    bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
+    backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
+    return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
+                 comm=comm, post=statistics.fmean(posts) if posts else 0.0)
 
 
 def simulate(
