@@ -476,11 +476,12 @@ def test_posting_occupies_the_rank_and_the_transfer_delays_the_consumer():
 
 
 def test_measured_costs_recover_the_costs_of_a_timeline_and_round_trip(tmp_path):
-    costs = Costs(forward=(1.0, 2.0), backward_input=(1.5, 3.0), backward_weight=(0.5, 1.0), comm=0.25, post=0.125)
-    timeline = simulate([hoist_receives(a) for a in build_schedule("zb", 2, 4)], costs)
+    costs = Costs(forward=(1.0, 2.0), backward_input=(1.5, 3.0), backward_weight=(0.5, 1.0), comm=0.25, post=0.125,
+                  dispatch=0.0625)
+    timeline = simulate([hoist_receives(a) for a in build_schedule("zb", 2, 8)], costs)
     measured = measured_costs([timeline, timeline], 2, comm=0.25)
     assert measured == Costs(forward=(1.0, 2.0), backward=(2.0, 4.0), backward_input=(1.5, 3.0),
-                             backward_weight=(0.5, 1.0), comm=0.25, post=0.125)
+                             backward_weight=(0.5, 1.0), comm=0.25, post=0.125, dispatch=0.0625)
     assert Costs.load(measured.save(tmp_path / "costs.json")) == measured
     (tmp_path / "bad.json").write_text("{\"forwards\": 1}")
     with pytest.raises(ValueError, match="trainmesh train --timeline"):

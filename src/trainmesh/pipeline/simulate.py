@@ -11,7 +11,8 @@ Execution model:
   asynchronous sends and receives, under which every action can only start earlier. Timing uses
   either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from its
   SEND being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
-  posting one SEND or RECV (host work that is neither compute nor idle waiting).
+  posting one SEND or RECV (host work that is neither compute nor idle waiting); every action of a
+  rank starts ``Costs.dispatch`` after the previous one ends at the earliest (the runtime's own work).
 
 Bubble fraction = idle / total over ranks = ``1 - sum(busy) / (p · makespan)``, busy counting
 compute only (communication is not useful work).
@@ -56,8 +57,9 @@ class Costs:
     ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2).
 
     ``comm`` is one message's transfer time (build it from a latency/bandwidth fit with
-    :meth:`transfer`); ``post`` is what posting one SEND or RECV costs the posting rank's host thread.
-    Both are zero by default: the setting of the textbook bubble formulas."""
+    :meth:`transfer`); ``post`` is what posting one SEND or RECV costs the posting rank's host thread;
+    ``dispatch`` the host time between two actions of a rank (the runtime's own Python). All are zero by
+    default: the setting of the textbook bubble formulas."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
@@ -65,6 +67,7 @@ class Costs:
     backward_weight: Cost | None = None
     comm: float = 0.0
     post: float = 0.0
+    dispatch: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight"):
@@ -74,7 +77,7 @@ class Costs:
                 raise ValueError(
                     f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
                 )
-        for name in ("comm", "post"):
+        for name in ("comm", "post", "dispatch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -211,10 +214,14 @@ class Timeline:
 def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float) -> Costs:
     """Mean measured duration of each compute kind per global stage, and of posting one message; B stands
     for BI + BW where absent. A mean, not a median: a preempted action lengthens the measured step, and
-    the simulated one must carry the same total work to be comparable."""
+    the simulated one must carry the same total work to be comparable. The dispatch time is the median gap
+    between a rank's consecutive actions: most gaps are the runtime's own work, the few long ones waits."""
     durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
-    posts = []
+    posts, gaps = [], []
     for timeline in timelines:
+        for rank in range(timeline.n_ranks):
+            records = timeline.rank_records(rank)
+            gaps += [after.start - before.end for before, after in zip(records, records[1:])]
         for record in timeline.records:
             if record.action.kind in COMPUTE_KINDS:
                 durations[(record.action.kind, record.action.stage)].append(record.duration)
@@ -229,7 +236,8 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float) ->
     bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
     backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
     return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
-                 comm=comm, post=statistics.fmean(posts) if posts else 0.0)
+                 comm=comm, post=statistics.fmean(posts) if posts else 0.0,
+                 dispatch=max(statistics.median(gaps), 0.0) if gaps else 0.0)
 
 
 def simulate(
@@ -392,7 +400,7 @@ class _Run:
         inputs_at = self._inputs_ready_at(rank, action)
         if inputs_at is None:
             return False
-        start = max(self.free_at[rank], inputs_at)
+        start = max(self.free_at[rank] + self.costs.dispatch, inputs_at)
         end = start + self.costs.duration(action)
         self._finish(rank, action, start, end)
         self._deliver(rank, action, end)
@@ -414,7 +422,7 @@ class _Run:
     def _post(self, rank: int, comm: Action) -> bool:
         """Post an isend/irecv: the rank is busy ``post``; a send's data reaches its peer ``comm`` after
         the send was posted (or when posting ends, if that is later)."""
-        start = self.free_at[rank]
+        start = self.free_at[rank] + self.costs.dispatch
         if comm.kind in _RECV_FOR:  # a SEND: it needs its tensor
             inputs_at = self._inputs_ready_at(rank, comm)
             if inputs_at is None:
