@@ -41,8 +41,9 @@ bench-dp: setup
 bench-tp: setup
 	$(BIN)/trainmesh bench tp --nproc 2 --tp 2 --model small --global-batch 16
 
-# Context parallelism: activation bytes, peak RSS and counted cp bytes per rank at cp 1, 2, 4 (ring and a2a)
-# on `small` at 4096 tokens, against the planner and the byte formulas.
+# Context parallelism on `small` at cp 1, 2, 4: activation bytes, peak RSS and counted cp bytes per rank at
+# 4096 tokens vs the planner and the byte formulas; the longest sequence under 128 MiB per rank (planner vs
+# measured) and tokens/s there; the ring's hidden communication from its timeline; torch's context_parallel.
 bench-cp: setup
 	$(BIN)/python -m trainmesh.bench.cp --seq-len 4096
 

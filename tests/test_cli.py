@@ -42,6 +42,7 @@ BAD = [
     (["--model", "llama-tiny", "--nproc", "4", "--cp", "2", "--tp", "2", "--cp-impl", "a2a"],
      "n_heads=4 and n_kv_heads=2 do not divide by it; choose cp in {1} with tp=2"),
     (["--nproc", "4", "--cp", "2", "--pp", "2", "--schedule", "zb"], "--cp 2 with --schedule zb"),
+    (["--nproc", "2", "--cp", "2", "--compile"], "--cp 2 with --compile would trace the ring"),
 ]
 
 

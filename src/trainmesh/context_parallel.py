@@ -26,9 +26,12 @@ attention cores and position modules of a model family (``ModelSpec.cp_plan``).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -239,12 +242,35 @@ def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blo
 
 # --- the ring ------------------------------------------------------------------------------------------
 
+@dataclass
+class RingTimeline:
+    """Seconds each ring step spent on its blockwise attention (``compute``) and, after it, waiting for the
+    next block's transfer (``wait``): the wait is the part of the transfer that compute did not hide.
+    Backward's extra step ``cp`` is the wait for the key/value gradients to arrive home."""
+
+    events: list[tuple[str, int, str, float]] = field(default_factory=list)  # (pass, step, kind, seconds)
+
+    def total(self, kind: str, phase: str | None = None) -> float:
+        """Seconds of ``kind`` (``compute`` or ``wait``), in ``phase`` (``forward``/``backward``) or both."""
+        return sum(s for p, _, k, s in self.events if k == kind and phase in (None, p))
+
+
+@contextlib.contextmanager
+def _timed(timeline: RingTimeline | None, phase: str, step: int, kind: str) -> Iterator[None]:
+    if timeline is None:
+        yield
+        return
+    start = time.perf_counter()
+    yield
+    timeline.events.append((phase, step, kind, time.perf_counter() - start))
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: K/V blocks go round the cp ring (one isend/irecv pair per step, posted before the block
     at hand is computed); backward: K/V go round again with their gradients travelling behind them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal):
+    def forward(ctx, q, k, v, comm, causal, timeline):
         mesh = comm.mesh
         cp, r = mesh.size(AXIS), mesh.rank(AXIS)
         seq = q.shape[-2] * cp
@@ -259,19 +285,22 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 works = comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="ring_kv")
-            attend_block(accs, q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal, scale)
-            for w in works:
-                w.wait()
+            with _timed(timeline, "forward", step, "compute"):
+                attend_block(accs, q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal,
+                             scale)
+            with _timed(timeline, "forward", step, "wait"):
+                for w in works:
+                    w.wait()
             kv = incoming if incoming is not None else kv
         out, lse = _finish(accs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.causal, ctx.scale = comm, causal, scale
+        ctx.comm, ctx.causal, ctx.scale, ctx.timeline = comm, causal, scale, timeline
         return _ungroup(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, causal, scale = ctx.comm, ctx.causal, ctx.scale
+        comm, causal, scale, timeline = ctx.comm, ctx.causal, ctx.scale, ctx.timeline
         mesh = comm.mesh
         cp, r = mesh.size(AXIS), mesh.rank(AXIS)
         seq = q.shape[-2] * cp
@@ -287,26 +316,31 @@ class _RingAttention(torch.autograd.Function):
             kv_in = torch.empty_like(kv) if step < cp - 1 else None
             recvs = [(t, prev) for t in (dkv_in, kv_in) if t is not None]
             works = comm.send_recv([(kv, nxt)] if kv_in is not None else [], recvs, axis=AXIS, op="ring_kv_grad")
-            g_q, g_k, g_v = block_grads(q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal,
-                                        scale, dout5, delta, lse)
-            dq += g_q
-            for w in works:
-                w.wait()
+            with _timed(timeline, "backward", step, "compute"):
+                g_q, g_k, g_v = block_grads(q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp),
+                                            causal, scale, dout5, delta, lse)
+                dq += g_q
+            with _timed(timeline, "backward", step, "wait"):
+                for w in works:
+                    w.wait()
             dkv = torch.stack([g_k, g_v]) + (dkv_in if dkv_in is not None else 0)
             sent += [(dkv, w) for w in comm.send_recv([(dkv, nxt)], [], axis=AXIS, op="ring_kv_grad")]
             kv = kv_in if kv_in is not None else kv
         home = torch.empty(kv.shape, dtype=out.dtype, device=kv.device)
-        for w in comm.send_recv([], [(home, prev)], axis=AXIS, op="ring_kv_grad"):
-            w.wait()
-        for _, w in sent:
-            w.wait()
-        return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
+        with _timed(timeline, "backward", cp, "wait"):
+            for w in comm.send_recv([], [(home, prev)], axis=AXIS, op="ring_kv_grad"):
+                w.wait()
+            for _, w in sent:
+                w.wait()
+        return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True,
+                   timeline: RingTimeline | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence,
-    whose keys/values ``[b, kv_heads, t, d]`` are spread over the cp ranks the same way."""
-    return _RingAttention.apply(q, k, v, comm, causal)
+    whose keys/values ``[b, kv_heads, t, d]`` are spread over the cp ranks the same way; ``timeline``, if
+    given, records each ring step's compute and wait."""
+    return _RingAttention.apply(q, k, v, comm, causal, timeline)
 
 
 # --- all-to-all (Ulysses) ---------------------------------------------------------------------------

@@ -1,27 +1,77 @@
-"""``make bench-cp``: context parallelism's memory and communication per rank at cp 1, 2 and 4, measured
-against the planner's prediction and the byte formulas. Prints; asserts nothing.
+"""``make bench-cp``: context parallelism on ``small`` at cp 1, 2 and 4, measured against the planner and
+the byte formulas. Prints; asserts nothing.
 
-Each run is a short ``trainmesh train`` of ``small`` at a long sequence (its learned position table sized
-to it) on cp local ranks; rank metrics come from its ``metrics.jsonl``: the activation bytes the first
-micro-batch saved (:class:`trainmesh.metrics.SavedActivations`), each rank's peak RSS, and the bytes
-:class:`trainmesh.comm.Comm` counted on the ``cp`` axis, set against :func:`trainmesh.plan.cp_bytes_per_micro`; then the planner's longest sequence that fits
-the activation bytes cp 1 measured, at each cp.
+Four parts (``--parts`` picks some):
+
+* ``memory``: a short ``trainmesh train`` per layout at a long sequence (its learned position table sized to
+  it); from its ``metrics.jsonl``: the activation bytes the first micro-batch saved
+  (:class:`trainmesh.metrics.SavedActivations`) against :func:`trainmesh.plan.micro_batch_activation_bytes`,
+  each rank's peak RSS, and the bytes :class:`trainmesh.comm.Comm` counted on the ``cp`` axis against
+  :func:`trainmesh.plan.cp_bytes_per_micro`.
+* ``fit``: the longest sequence whose step fits a per-rank memory cap, as the planner answers it
+  (:func:`trainmesh.plan.memory_per_rank`) and as real steps measure it (the largest tensor memory held at
+  once in a step, :class:`trainmesh.bench.plan.StepPeak`: the quantity the planner models), found by
+  bisection on multiples of ``2·cp·16`` tokens starting from the planner's answer; then tokens/s of each cp
+  at its own longest sequence, i.e. at the same memory per rank.
+* ``overlap``: the ring's timeline (:class:`trainmesh.context_parallel.RingTimeline`) at ``small``'s attention
+  shape: each step's blockwise compute and its wait for the K/V transfer posted before that compute. The
+  transfer time is measured apart (the same message between the same ranks, nothing to hide it behind);
+  hidden fraction = 1 − exposed wait / transfer time of all the ring's messages.
+* ``torch``: torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``) on the same
+  attention on two Gloo ranks, against trainmesh's ring; where torch cannot run it, the error it raised.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+
+from trainmesh import api
+from trainmesh.bench.common import trainmesh_step
+from trainmesh.bench.plan import step_peak
+from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.config import Config
-from trainmesh.plan import Layout, cp_bytes_per_micro, micro_batch_activation_bytes, workload_of
+from trainmesh.context_parallel import AXIS, RingTimeline, ring_attention
+from trainmesh.mesh import Mesh
+from trainmesh.models import spec_of
+from trainmesh.plan import (
+    Layout,
+    cp_bytes_per_micro,
+    layout_of,
+    memory_per_rank,
+    micro_batch_activation_bytes,
+    workload_of,
+)
+from trainmesh.testing import run_ranks
+from trainmesh.train import build
 
 MIB = 2**20
+PARTS = ("memory", "fit", "overlap", "torch")
+FIT_UNIT = 16  # the measured search's resolution: multiples of 2·cp·FIT_UNIT tokens
+REPEATS = 5  # timed repetitions of every measurement; medians with min-max are quoted
+FIT_STEPS = 3  # timed steps at the longest sequence (the longest steps of the bench)
 
+
+def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:
+    """``median (min-max)``."""
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+# --- memory: activation bytes, peak RSS and cp bytes per rank -------------------------------------------
 
 def _run(cfg_args: list[str], out: Path) -> dict:
     """One short training run; its first step's metrics record."""
@@ -30,7 +80,7 @@ def _run(cfg_args: list[str], out: Path) -> dict:
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def bench_cp(seq_len: int, global_batch: int, degrees: tuple[int, ...]) -> str:
+def bench_memory(seq_len: int, global_batch: int, degrees: tuple[int, ...]) -> str:
     lines = [f"small, {global_batch} sequences of {seq_len} tokens, fp32, one step; per rank (rank 0):",
              f"{'layout':<12}{'act MiB':>10}{'plan MiB':>10}{'vs cp1':>8}{'peak RSS MiB':>14}"
              f"{'cp MiB':>10}{'formula MiB':>13}"]
@@ -52,29 +102,243 @@ def bench_cp(seq_len: int, global_batch: int, degrees: tuple[int, ...]) -> str:
                 lines.append(f"{f'cp{cp} {impl}':<12}{measured / MIB:>10.1f}{predicted / MIB:>10.1f}"
                              f"{measured / base:>8.2f}{record['max_rss_bytes'][0] / MIB:>14.0f}"
                              f"{counted / MIB:>10.1f}{formula / MIB:>13.1f}")
-    lines += ["", f"longest sequence whose activations fit cp1's at {seq_len} tokens ({base / MIB:.0f} MiB), "
-                  f"planner: " + ", ".join(f"cp{cp} {longest_fitting(base, global_batch, cp):,}" for cp in degrees)]
     return "\n".join(lines)
 
 
-def longest_fitting(cap: int, global_batch: int, cp: int) -> int:
-    """The planner's longest sequence (a multiple of 2·cp·64 tokens) whose saved activations per rank fit
-    ``cap`` bytes at ``cp`` (ring)."""
-    step, seq = 2 * cp * 64, 0
-    while True:
-        cfg = Config(model="small", seq_len=seq + step, global_batch=global_batch, cp=cp)
-        if micro_batch_activation_bytes(workload_of(cfg), Layout(cp=cp)) > cap:
-            return seq
-        seq += step
+# --- fit: the longest sequence under a memory cap -----------------------------------------------------
+
+def largest_fitting(fits: Callable[[int], bool], unit: int, guess: int) -> int:
+    """The largest multiple of ``unit`` for which ``fits`` (monotone: true up to some length, false after)
+    holds, 0 if none: from ``guess``, gallop outwards (from 1/16 of it, doubling) until the answer is
+    bracketed, then bisect."""
+    lo, hi = 0, None  # lo fits (0 trivially), hi does not; both in units
+    n, step = max(1, guess // unit), max(1, guess // unit // 16)
+    while hi is None or hi - lo > 1:
+        if fits(n * unit):
+            lo = n
+        else:
+            hi = n
+        if hi is None:
+            n, step = n + step, 2 * step
+        elif lo == 0 and n > 1 and n - step > 0:
+            n, step = n - step, 2 * step
+        else:
+            n = (lo + hi) // 2
+    return lo * unit
+
+
+def _small(seq_len: int, cp: int, **kw) -> Config:
+    return Config(model="small", seq_len=seq_len, global_batch=1, cp=cp, nproc=cp, steps=1, warmup_steps=1,
+                  eval_batches=1, progress=False, **kw)
+
+
+def planned_peak(seq_len: int, cp: int) -> int:
+    """The planner's memory per rank of one ``small`` step at ``seq_len`` tokens over ``cp`` ranks (ring)."""
+    cfg = _small(seq_len, cp)
+    return memory_per_rank(workload_of(cfg), layout_of(cfg)).total
+
+
+def longest_fitting(cap: int, cp: int) -> int:
+    """The planner's longest sequence (a multiple of 2·cp) whose step fits ``cap`` bytes per rank at ``cp``."""
+    return largest_fitting(lambda seq: planned_peak(seq, cp) <= cap, 2 * cp, 1024)
+
+
+def _sync() -> None:
+    """Line the ranks up (one process: nothing to do), so a timed span starts and ends together."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _measured_peak(seq_len: int, cp: int, mesh: Mesh) -> int:
+    """The most tensor memory (model state + saved activations + logits) any rank held at once in one real
+    step of ``small`` at ``seq_len`` tokens, after a first step has allocated the gradients and the
+    optimizer's state: every rank gets the same answer."""
+    run = build(_small(seq_len, cp), mesh)
+    trainmesh_step(run)(0)
+    peak = step_peak(run, 1, steps=1).total
+    del run
+    gc.collect()
+    return int(log_all_reduce(torch.tensor([peak], dtype=torch.float64), reduce_op=dist.ReduceOp.MAX).item())
+
+
+def _tokens_per_s(seq_len: int, cp: int, mesh: Mesh) -> list[float]:
+    """tokens/s of each of :data:`FIT_STEPS` steps of ``small`` at ``seq_len`` tokens, after one warm-up step."""
+    step = trainmesh_step(build(_small(seq_len, cp), mesh))
+    step(0)
+    rates = []
+    for i in range(1, FIT_STEPS + 1):
+        _sync()
+        t0 = time.perf_counter()
+        step(i)
+        _sync()
+        rates.append(seq_len / (time.perf_counter() - t0))
+    return rates
+
+
+def fit_rank(cp: int, cap: int) -> dict:
+    """On every rank of a cp job: the measured longest sequence under ``cap`` and tokens/s there."""
+    mesh = api.init_mesh(cp=cp)
+    probes: dict[int, int] = {}
+
+    def fits(seq_len: int) -> bool:
+        probes[seq_len] = _measured_peak(seq_len, cp, mesh)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"cp{cp}: {seq_len} tokens hold {probes[seq_len] / MIB:.1f} MiB", file=sys.stderr, flush=True)
+        return probes[seq_len] <= cap
+
+    longest = largest_fitting(fits, 2 * cp * FIT_UNIT, longest_fitting(cap, cp))
+    return {"longest": longest, "probes": probes, "tokens_per_s": _tokens_per_s(longest, cp, mesh)}
+
+
+def bench_fit(cap: int, degrees: tuple[int, ...], timeout: float) -> str:
+    lines = [f"longest sequence whose step fits {cap / MIB:.0f} MiB per rank (model state + activations + "
+             f"logits), ring, global batch 1:",
+             f"{'cp':<4}{'planner':>9}{'measured':>10}{'(resolution)':>14}{'probes':>8}   tokens/s at that length "
+             f"(median, min-max of {FIT_STEPS} steps)"]
+    for cp in degrees:
+        got = run_ranks(fit_rank, cp, cp, cap, timeout=timeout)[0]
+        lines.append(f"{cp:<4}{longest_fitting(cap, cp):>9,}{got['longest']:>10,}{2 * cp * FIT_UNIT:>14}"
+                     f"{len(got['probes']):>8}   {_spread(got['tokens_per_s'])}")
+    return "\n".join(lines)
+
+
+# --- overlap: the ring's timeline -------------------------------------------------------------------
+
+def _attention_inputs(seq_len: int, cp: int, seed: int) -> list[torch.Tensor]:
+    """q, k, v at ``small``'s attention shape (8 heads of 32) for ``seq_len / cp`` tokens."""
+    shape = spec_of("small").shape(Config(model="small").model_config)
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, shape.n_heads, seq_len // cp, shape.d_model // shape.n_heads, generator=gen,
+                        requires_grad=True) for _ in range(3)]
+
+
+def _transfer_seconds(comm: Comm, kv: torch.Tensor) -> float:
+    """One ring message of ``kv``'s size to the next cp rank and from the previous, with nothing else
+    running (all ranks start together)."""
+    mesh = comm.mesh
+    cp, r = mesh.size(AXIS), mesh.rank(AXIS)
+    nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
+    incoming = torch.empty_like(kv)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for w in comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="calibrate"):
+        w.wait()
+    return time.perf_counter() - t0
+
+
+def _ring_parts(cp: int) -> dict[str, tuple[str, Callable[[int], bool], int]]:
+    """The timeline's parts: (pass, which steps, how many K/V-sized messages they wait on). Backward's ring
+    steps receive K/V and the dK/dV of the step before; its last message, the dK/dV of the last step,
+    arrives home after every block is done, with no compute left to hide it."""
+    return {"forward": ("forward", lambda step: True, cp - 1),
+            "backward": ("backward", lambda step: step < cp, 2 * (cp - 1)),
+            "bwd home": ("backward", lambda step: step == cp, 1)}
+
+
+def overlap_rank(seq_len: int, cp: int) -> dict[str, dict[str, list[float]]]:
+    """On every rank, per part of :func:`_ring_parts` and repetition: the ring's compute, its exposed wait
+    and the transfer time of the messages it waited on."""
+    comm = Comm(api.init_mesh(cp=cp))
+    q, k, v = _attention_inputs(seq_len, cp, dist.get_rank())
+    grad = torch.randn_like(q)
+    parts = _ring_parts(cp)
+    out = {part: {"compute": [], "wait": [], "transfer": []} for part in parts}
+    for rep in range(REPEATS + 1):
+        timeline = RingTimeline()
+        message = _transfer_seconds(comm, torch.stack([k, v]).detach())
+        dist.barrier()
+        attention = ring_attention(q, k, v, comm, timeline=timeline)
+        dist.barrier()  # backward starts together: a rank's wait for a late peer's forward is not transfer
+        attention.backward(grad)
+        if rep == 0:
+            continue  # warm-up
+        for part, (phase, steps, messages) in parts.items():
+            for kind in ("compute", "wait"):
+                out[part][kind].append(sum(s for p, step, k, s in timeline.events
+                                           if p == phase and k == kind and steps(step)))
+            out[part]["transfer"].append(messages * message)
+    return out
+
+
+def bench_overlap(seq_len: int, degrees: tuple[int, ...], timeout: float) -> str:
+    lines = [f"ring timeline, small's attention (8 heads of 32) at {seq_len} tokens, sums over the ranks, "
+             f"median (min-max) of {REPEATS}; hidden = 1 - exposed wait / transfer (0 where the wait exceeds "
+             f"the transfer: a peer still computing):",
+             f"{'cp':<4}{'part':<10}{'compute s':>22}{'exposed wait s':>24}{'transfer s':>24}{'hidden':>20}"]
+    for cp in (c for c in degrees if c > 1):
+        ranks = run_ranks(overlap_rank, cp, seq_len, cp, timeout=timeout)
+        parts = {part: {key: [sum(r[part][key][i] for r in ranks) for i in range(REPEATS)]
+                        for key in ("compute", "wait", "transfer")} for part in _ring_parts(cp)}
+        parts["all"] = {key: [sum(p[key][i] for p in parts.values()) for i in range(REPEATS)]
+                        for key in ("compute", "wait", "transfer")}
+        for part, got in parts.items():
+            hidden = [max(0.0, 1 - w / t) for w, t in zip(got["wait"], got["transfer"])]
+            lines.append(f"{cp:<4}{part:<10}{_spread(got['compute'], '{:.3f}'):>22}"
+                         f"{_spread(got['wait'], '{:.4f}'):>24}{_spread(got['transfer'], '{:.4f}'):>24}"
+                         f"{_spread(hidden, '{:.2f}'):>20}")
+    return "\n".join(lines)
+
+
+# --- torch: torch's own context_parallel ------------------------------------------------------------
+
+def _timed_attention(attend: Callable[[], torch.Tensor]) -> list[float]:
+    """Seconds of each of :data:`REPEATS` forward + backward passes of ``attend``, after one warm-up."""
+    times = []
+    for rep in range(REPEATS + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        attend().sum().backward()
+        dist.barrier()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def torch_cp_rank(seq_len: int) -> dict:
+    """On two ranks: seconds per forward + backward of causal attention over ``seq_len`` tokens through
+    trainmesh's ring and through torch's ``context_parallel`` (or the error torch raised)."""
+    comm = Comm(api.init_mesh(cp=2))
+    q, k, v = _attention_inputs(seq_len, 2, dist.get_rank())
+    ours = _timed_attention(lambda: ring_attention(q, k, v, comm))
+    whole = _attention_inputs(seq_len, 1, seed=2)  # the same whole sequence on both ranks
+    try:
+        with context_parallel(init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)),
+                              buffers=[t.detach() for t in whole], buffer_seq_dims=[2, 2, 2]):
+            theirs = _timed_attention(lambda: F.scaled_dot_product_attention(*whole, is_causal=True))
+    except Exception as e:  # what torch raises where it cannot run is the finding
+        return {"ours": ours, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    return {"ours": ours, "theirs": theirs}
+
+
+def bench_torch(seq_len: int, timeout: float) -> str:
+    got = run_ranks(torch_cp_rank, 2, seq_len, timeout=timeout)[0]
+    ours = [seq_len / s for s in got["ours"]]
+    lines = [f"causal attention over {seq_len} tokens at cp 2, forward + backward, tokens/s (median, min-max of "
+             f"{REPEATS}):", f"  trainmesh ring: {_spread(ours)}"]
+    if "error" in got:
+        lines.append(f"  torch context_parallel {torch.__version__} on CPU/Gloo: does not run: {got['error']}")
+        lines.append("  (compared instead: each cp at its own longest sequence under the same memory, `fit` above)")
+    else:
+        lines.append(f"  torch context_parallel: {_spread([seq_len / s for s in got['theirs']])}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=4096, help="sequence of `memory`, `overlap` and `torch`")
     parser.add_argument("--global-batch", type=int, default=1)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cap-mib", type=int, default=128, help="per-rank memory cap of `fit`")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per multi-rank run")
     args = parser.parse_args(argv)
-    print(bench_cp(args.seq_len, args.global_batch, tuple(args.cp)))
+    degrees = tuple(args.cp)
+    sections = {"memory": lambda: bench_memory(args.seq_len, args.global_batch, degrees),
+                "fit": lambda: bench_fit(args.cap_mib * MIB, degrees, args.timeout),
+                "overlap": lambda: bench_overlap(args.seq_len, degrees, args.timeout),
+                "torch": lambda: bench_torch(args.seq_len, args.timeout)}
+    for part in args.parts:
+        print(sections[part](), end="\n\n", flush=True)
 
 
 if __name__ == "__main__":

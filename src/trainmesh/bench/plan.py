@@ -70,7 +70,7 @@ from trainmesh.run import Run
 from trainmesh.train import forward_backward, rank_batch, train
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B and
-# GPipe), and their products. Each is Config fields over BASE.
+# GPipe), CP (ring and all-to-all), and their products. Each is Config fields over BASE.
 MATRIX: dict[int, dict[str, dict[str, object]]] = {
     2: {
         "dp2": {"dp": 2},
@@ -81,6 +81,8 @@ MATRIX: dict[int, dict[str, dict[str, object]]] = {
         "tp2-sp": {"tp": 2, "sequence_parallel": True},
         "pp2-1f1b": {"pp": 2, "microbatches": 2},
         "pp2-gpipe": {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
+        "cp2-ring": {"cp": 2},
+        "cp2-a2a": {"cp": 2, "cp_impl": "a2a"},
     },
     4: {
         "dp4": {"dp": 4},
@@ -91,6 +93,9 @@ MATRIX: dict[int, dict[str, dict[str, object]]] = {
         "dp2-tp2": {"dp": 2, "tp": 2},
         "dp2-pp2": {"dp": 2, "pp": 2, "microbatches": 2},
         "tp2-pp2": {"tp": 2, "pp": 2, "microbatches": 2},
+        "cp4-ring": {"cp": 4},
+        "cp4-a2a": {"cp": 4, "cp_impl": "a2a"},
+        "dp2-cp2": {"dp": 2, "cp": 2},
     },
 }
 BASE: dict[str, object] = {"steps": 2, "warmup_steps": 1, "eval_batches": 1, "progress": False}
@@ -253,7 +258,7 @@ def predicted(cfg: Config, stage: int) -> dict[str, int]:
 def compare(name: str, cfg: Config, per_rank: list[dict[str, object]]) -> list[Comparison]:
     """One :class:`Comparison` per pipeline stage from every rank's :func:`measure_rank` result for ``cfg``."""
     summary = per_rank[0]["summary"]
-    ranks_per_stage = cfg.dp * cfg.tp
+    ranks_per_stage = cfg.dp * cfg.cp * cfg.tp
     rows = []
     for stage in range(cfg.pp):
         ranks = range(stage * ranks_per_stage, (stage + 1) * ranks_per_stage)

@@ -55,6 +55,8 @@ PRESETS: dict[str, ModelConfig] = {
     # GPT-2 small's shape; the vocabulary is padded to a multiple of 128 as Megatron does. With byte tokens
     # only the first 256 rows are ever used, but the FLOPs and memory are GPT-2's.
     "gpt2-124m": ModelConfig(n_layers=12, d_model=768, n_heads=12, d_ff=3072, vocab_size=50304, seq_len=1024),
+    # GPT-2 XL's shape: the GPU check's larger model (24 GiB of fp32 weights, gradients and Adam state).
+    "gpt2-1.5b": ModelConfig(n_layers=48, d_model=1600, n_heads=25, d_ff=6400, vocab_size=50304, seq_len=1024),
 }
 
 

@@ -1,0 +1,124 @@
+"""The GPU path measured in one go: the cases of ``docs/performance.md``, each a short ``trainmesh train`` run,
+their tokens/s, MFU and peak memory printed as one Markdown table and appended to that page with the date,
+the GPU and the torch version.
+
+Sized to finish in about 10 minutes on one GPU (``scripts/gpu_check.sh`` runs the NCCL check first, then
+this). On a machine without a GPU, ``--device cpu --model tiny --larger-model tiny --steps 3 --no-write``
+runs every case through the same path, which is how the script itself is checked where no GPU is lent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of the check: what it shows, the flags beyond the common ones, and the model it trains."""
+
+    name: str
+    flags: tuple[str, ...]
+    larger: bool = False
+
+
+# bf16 autocast, torch.compile per block, SDPA (flash on CUDA at bf16) and fused AdamW (trainmesh picks the
+# fused kernel on CUDA) are common to every case; each case adds the form it measures.
+CASES = (
+    Case("bf16 + compile (flash SDPA, fused AdamW)", ()),
+    Case("+ ZeRO-1", ("--zero", "1")),
+    Case("+ full recompute", ("--recompute", "full")),
+    Case("larger model, ZeRO-3 over every GPU", ("--zero", "3"), larger=True),
+)
+
+
+def train_command(case: Case, args: argparse.Namespace, gpus: int, out: Path) -> list[str]:
+    """The ``trainmesh train`` line of one case: data parallel over every GPU, micro-batch 16 per GPU."""
+    model = args.larger_model if case.larger else args.model
+    compile_flag = ["--compile"] if args.device == "cuda" else []
+    return [sys.executable, "-m", "trainmesh.cli", "train", "--nproc", str(gpus), "--dp", str(gpus),
+            "--model", model, "--precision", "bf16", "--reduce-dtype", "bf16", "--device", args.device,
+            *compile_flag, "--steps", str(args.steps), "--global-batch", str(args.batch_per_gpu * gpus),
+            "--warmup-steps", str(min(5, args.steps - 1)), "--eval-batches", "1", "--out", str(out),
+            "--no-progress", *case.flags]
+
+
+def run_case(case: Case, args: argparse.Namespace, gpus: int, work: Path) -> dict:
+    """Runs one case and returns its row; a failed run is a row that says so rather than an abort, so one
+    out-of-memory case does not cost the figures of the others."""
+    out = work / f"case{CASES.index(case)}"
+    cmd = train_command(case, args, gpus, out)
+    print("$", " ".join(cmd[1:]), flush=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"case": case.name, "error": f"exit {done.returncode}: {tail[0]}"}
+    s = json.loads((out / "summary.json").read_text())
+    return {"case": case.name, "model": args.larger_model if case.larger else args.model,
+            "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
+            "peak_gib": max(s["peak_device_bytes"]) / 2**30, "rss_gib": max(s["max_rss_bytes"]) / 2**30,
+            "loss": f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"}
+
+
+def table(rows: list[dict], gpus: int) -> str:
+    """The Markdown table of the cases (MFU against the dense bf16 peak of the GPU, 'n/a' where unknown)."""
+    lines = ["| case | model | GPUs | tokens/s | MFU | peak device memory / GPU | loss |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | | {gpus} | failed: {r['error']} | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        lines.append(f"| {r['case']} | {r['model']} | {gpus} | {r['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{r['peak_gib']:.2f} GiB | {r['loss']} |")
+    return "\n".join(lines)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" else "CPU (script check, not a measurement)"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--model", default="gpt2-124m")
+    p.add_argument("--larger-model", default="gpt2-1.5b")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-per-gpu", type=int, default=16)
+    p.add_argument("--write", default=str(ROOT / "docs" / "performance.md"),
+                   help="page the dated table is appended to")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no CUDA device; install a CUDA build of torch, or check the script "
+                 "itself with --device cpu --model tiny --larger-model tiny --steps 3 --no-write")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 1
+    with tempfile.TemporaryDirectory() as work:
+        rows = [run_case(case, args, gpus, Path(work)) for case in CASES]
+    header = (f"### {datetime.date.today().isoformat()}: {device_name(args.device)} x{gpus}, "
+              f"torch {torch.__version__}, {args.steps} steps, micro-batch {args.batch_per_gpu} per GPU")
+    text = f"{header}\n\n{table(rows, gpus)}\n"
+    print(text)
+    if not args.no_write:
+        with open(args.write, "a") as f:
+            f.write(f"\n{text}")
+        print(f"appended to {args.write}")
+
+
+if __name__ == "__main__":
+    main()
