@@ -285,6 +285,27 @@ def test_zero2_reduce_scatters_buckets_during_backward(one_step):
     assert full_grads_held == [], "a full gradient bucket outlived its reduce-scatter"
 
 
+def _in_step_peaks(cfgs: list[Config]) -> list[int]:
+    """The most model state each config's engine held at any point of one training step."""
+    torch.set_num_threads(1)
+    mesh = setup_process(cfgs[0])
+    peaks = []
+    for cfg in cfgs:
+        run = build(cfg, mesh)
+        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        run.engine.step(cfg.lr, cfg.grad_clip)
+        peaks.append(run.engine.peak_state_bytes)
+    return peaks
+
+
+def test_zero2_in_step_peak_falls_below_zero1_with_one_bucket_for_every_gradient():
+    """With the default 25 MB bucket every gradient of tiny fits in one bucket: stage 2 must still never
+    hold them all at once (stage 1 does, by design), so its peak falls below stage 1's."""
+    stage1, stage2 = run_ranks(_in_step_peaks, 2, [_cfg(2, 1), _cfg(2, 2)])[0]
+    assert stage2 < stage1, f"stage 2 peaked at {stage2} bytes, stage 1 at {stage1}"
+    assert stage2 <= model_state_bytes_formula(PSI, 2, 2) + 4 * PSI / 2, "more than one shard of full gradients"
+
+
 # --- pure pieces: layouts, formulas, wrapping policy, config errors -----------------------------------
 
 

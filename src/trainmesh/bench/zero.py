@@ -10,7 +10,10 @@ seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh sha
 
 * ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
   ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
-  most it held at any point inside a step.
+  most model state it held at any point inside a step.
+* the in-step peak of every tensor (model state, activations, communication buffers), for each stage and
+  for both FSDP2 peers alike: the held state plus the most allocated above it during one step, from
+  ``torch.profiler``'s memory timeline.
 * peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh.bench.common.peak_rss`).
   Both models live in the one process, so both figures include the other's resident state; their
   difference is what each one allocates transiently.
@@ -24,13 +27,15 @@ import gc
 
 import torch
 from torch import nn
+from torch._C._profiler import _EventType
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
-from trainmesh.bench.common import Result, StepFn, all_ranks, compare, rss_after, trainmesh_step
+from trainmesh.bench.common import RSS_STEPS, Result, StepFn, all_ranks, compare, rss_after, trainmesh_step
 from trainmesh.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import optimizer_tensors, storage_bytes
@@ -42,7 +47,7 @@ from trainmesh.run import Run
 from trainmesh.train import build, full_state_dict, rank_batch, setup_process
 from trainmesh.zero import default_units, model_state_bytes_formula
 
-MemoryRow = tuple[int, list[int], list[int] | None, float]
+MemoryRow = tuple[int, list[int], list[int] | None, list[int], float]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -111,9 +116,32 @@ def fsdp2_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
     return storage_bytes(tensors + [_local(t) for t in optimizer_tensors(optimizer)])
 
 
+def allocated_peak(step: StepFn, i: int) -> int:
+    """The most tensor memory allocated during ``step(i)`` above what was allocated when it began.
+
+    Read from the profiler's allocation events, each of which carries the allocator's running total
+    (whatever made the tensor), so it counts trainmesh's and FSDP2's transient buffers and activations
+    the same way.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(i)
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
+        events.extend(event.children)
+    if not allocations:
+        return 0
+    allocations.sort()
+    start = allocations[0][2] - allocations[0][1]
+    return max(total for _, _, total in allocations) - start
+
+
 def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
-    """(stage, model_state_bytes per rank after ``steps`` steps, in-step peak per rank (ZeRO engines
-    track it; plain DP holds the same all step), formula)."""
+    """(stage, model_state_bytes per rank after ``steps`` steps, in-step peak of model state per rank
+    (ZeRO engines track it; plain DP holds the same all step), in-step peak of every tensor per rank,
+    formula)."""
     psi = cfg.model_config.n_params()
     rows = []
     for stage in (0, 1, 2, 3):
@@ -122,10 +150,13 @@ def stage_memory(cfg: Config, mesh: Mesh, steps: int = 2) -> list[MemoryRow]:
         for i in range(steps):
             step(i)
         held = storage_bytes(run.engine.state_tensors())
+        if stage:
+            run.engine.peak_state_bytes = held
+        tensor_peak = held + allocated_peak(step, steps)
         peak = all_ranks(run.engine.peak_state_bytes) if stage else None
         formula = model_state_bytes_formula(psi, cfg.dp, stage, cfg.precision != "fp32",
                                             dtype_of(cfg.grad_dtype).itemsize)
-        rows.append((stage, all_ranks(held), peak, formula))
+        rows.append((stage, all_ranks(held), peak, all_ranks(tensor_peak), formula))
         del run, step
         gc.collect()
     return rows
@@ -140,11 +171,11 @@ def _mb(values: list[int] | float) -> str:
 def _print_memory(cfg: Config, rows: list[MemoryRow]) -> None:
     psi = cfg.model_config.n_params()
     print(f"  model state per rank vs ZeRO formula (fp32: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; "
-          f"Ψ={psi:,}, N={cfg.dp}):")
-    for stage, held, peak, formula in rows:
+          f"Ψ={psi:,}, N={cfg.dp}); in-step peaks of model state and of every tensor (activations too):")
+    for stage, held, peak, tensor_peak, formula in rows:
         ratio = max(held) / formula
-        print(f"    stage {stage}: measured {_mb(held)}  formula {_mb(formula)}  ratio {ratio:.5f}  "
-              f"in-step peak {_mb(peak) if peak else 'as held'}")
+        print(f"    stage {stage}: held {_mb(held)}  formula {_mb(formula)}  ratio {ratio:.5f}  "
+              f"in-step peak: model state {_mb(peak) if peak else 'as held'}, all tensors {_mb(tensor_peak)}")
 
 
 def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
@@ -173,6 +204,8 @@ def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
                               rss["trainmesh"], rss["torch"]))
         if stage == 3:
             lines += _versus_fsdp2(run, model, optimizer)
+        if stage > 1:
+            lines.append(_fsdp2_memory(stage, model, optimizer, peer_step, 2 + rounds * steps_per_round + RSS_STEPS))
         del run, steps, peer_step
         gc.collect()
     if dist.get_rank() == 0:
@@ -181,6 +214,15 @@ def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
         _print_memory(cfg, rows)
         print("\n".join([r.line() for r in results] + lines))
     return results
+
+
+def _fsdp2_memory(stage: int, model: nn.Module, optimizer: torch.optim.Optimizer, step: StepFn, i: int) -> str:
+    """FSDP2's held model state and in-step peak of every tensor, measured as :func:`stage_memory` does."""
+    held = fsdp2_state_bytes(model, optimizer)
+    peak = held + allocated_peak(step, i)
+    mode = "fully_shard" if stage == 3 else "no reshard after forward"
+    return (f"  fsdp2 ({mode}, zero{stage}'s peer): held {_mb(all_ranks(held))}  "
+            f"in-step peak, all tensors {_mb(all_ranks(peak))}")
 
 
 def _versus_fsdp2(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
