@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -348,5 +349,10 @@ def test_train_draws_the_measured_timeline(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"timeline of the last step drawn to {png}" in result.stdout
     assert png.read_bytes().startswith(PNG_SIGNATURE)
+    simulated = re.search(r"simulated from its measured costs (\d\.\d{4})", result.stdout).group(1)
+    again = _trainmesh("schedule", "--pp", "2", "--microbatches", "4", "--schedule", "zb",
+                       "--costs", str(png.with_suffix(".costs.json")))
+    assert again.returncode == 0, again.stderr
+    assert f"bubble fraction {simulated}" in again.stdout  # trainmesh schedule predicts the drawn step alike
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["comm_bytes"]["pp"] > 0

@@ -15,11 +15,12 @@ from trainmesh.pipeline.schedules import (
     action_inputs,
     action_output,
     build_schedule,
+    hoist_receives,
     rank_stages,
     required_messages,
     stage_to_rank,
 )
-from trainmesh.pipeline.simulate import Costs, ScheduleError, Timeline, TimelineRecord, simulate
+from trainmesh.pipeline.simulate import Costs, ScheduleError, Timeline, TimelineRecord, measured_costs, simulate
 
 F, B, BI, BW = ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -461,3 +462,27 @@ def test_schedule_command_draws_png(tmp_path):
 def test_schedule_command_passes_on_argument_errors():
     with pytest.raises(ValueError, match="multiple of n_stages"):
         schedule_command(4, 6, "interleaved", 2, None)
+
+
+def test_posting_occupies_the_rank_and_the_transfer_delays_the_consumer():
+    """GPipe pp=2 m=1 with F=1, B=2: rank 0's send is posted 1..2 (post 1 > comm 0.5, so the activation
+    lands at 2), rank 1 runs F 2..3, B 3..5 and posts its send 5..6; rank 0's B runs 6..8."""
+    schedule = [hoist_receives(a) for a in build_schedule("gpipe", 2, 1)]
+    timeline = simulate(schedule, Costs(comm=0.5, post=1.0))
+    assert timeline.makespan == pytest.approx(8.0)
+    assert Costs.transfer(1e-3, 1e9, 10**6) == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        Costs.transfer(1e-3, 0.0, 10)
+
+
+def test_measured_costs_recover_the_costs_of_a_timeline_and_round_trip(tmp_path):
+    costs = Costs(forward=(1.0, 2.0), backward_input=(1.5, 3.0), backward_weight=(0.5, 1.0), comm=0.25, post=0.125,
+                  dispatch=0.0625)
+    timeline = simulate([hoist_receives(a) for a in build_schedule("zb", 2, 8)], costs)
+    measured = measured_costs([timeline, timeline], 2, comm=0.25)
+    assert measured == Costs(forward=(1.0, 2.0), backward=(2.0, 4.0), backward_input=(1.5, 3.0),
+                             backward_weight=(0.5, 1.0), comm=0.25, post=0.125, dispatch=0.0625)
+    assert Costs.load(measured.save(tmp_path / "costs.json")) == measured
+    (tmp_path / "bad.json").write_text("{\"forwards\": 1}")
+    with pytest.raises(ValueError, match="trainmesh train --timeline"):
+        Costs.load(tmp_path / "bad.json")

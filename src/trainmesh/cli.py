@@ -261,13 +261,15 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:
     schedule.add_argument("--virtual", type=int, default=1, help="model chunks per rank, interleaved only "
                           "(default: 1)")
     schedule.add_argument("--png", help="draw the timeline (ranks x time, coloured by action) to this file")
+    schedule.add_argument("--costs", help="simulate with the measured costs (JSON) that trainmesh train --timeline "
+                          "writes beside its picture, instead of F=1, B=2 and free communication")
 
 
 def _schedule(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.pipeline.draw import schedule_command
 
     try:
-        print(schedule_command(args.pp, args.microbatches, args.schedule, args.virtual, args.png))
+        print(schedule_command(args.pp, args.microbatches, args.schedule, args.virtual, args.png, args.costs))
     except (ValueError, ImportError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2

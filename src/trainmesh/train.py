@@ -36,6 +36,7 @@ from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progres
 from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
+from trainmesh.pipeline.simulate import Costs, measured_costs, simulate
 from trainmesh.precision import dtype_of
 from trainmesh import api, checkpoint
 
@@ -137,13 +138,20 @@ def perplexity(loss: float) -> float:
 
 
 def draw_pipeline_timeline(run: Run, path: str) -> str:
-    """Draw the recorded step's measured pipeline timeline (rank 0 of the world draws its pipeline's)."""
+    """Draw the recorded step's measured pipeline timeline (rank 0 of the world draws its pipeline's), and
+    write its measured costs beside it, so ``trainmesh schedule --costs`` simulates the same step."""
     timeline = run.pipeline.gather_timeline()
+    *_, transfer = run.pipeline.transfer_seconds(run.cfg.micro_batch, run.cfg.model_config.seq_len)
     if run.mesh.global_rank() != 0:
         return ""
     cfg = run.cfg
+    costs = measured_costs([timeline], run.pipeline.n_stages, transfer).save(Path(path).with_suffix(".costs.json"))
+    simulated = simulate(run.pipeline.schedule, Costs.load(costs)).bubble_fraction
     title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
-    return f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}"
+    return (f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}: measured "
+            f"bubble {timeline.bubble_fraction:.4f}, simulated from its measured costs {simulated:.4f} "
+            f"(trainmesh schedule --pp {cfg.pp} --microbatches {cfg.microbatches} --schedule {cfg.schedule} "
+            f"--virtual {cfg.virtual_stages} --costs {costs})")
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:

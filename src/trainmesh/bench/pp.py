@@ -1,14 +1,14 @@
 """``trainmesh bench pp``: each pipeline schedule's measured bubble against the simulator's prediction,
 and each schedule against ``torch.distributed.pipelining``'s class of the same name in tokens/s
-(``ScheduleGPipe``, ``Schedule1F1B``; the rows of the others say why they have no peer here).
+(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``; the zb row says why it has none).
 
 Bubble: every schedule trains a few recorded steps; the runtime times each action on a clock aligned
 across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
 of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). The prediction
-simulates the same action lists with the measured duration of each (action kind, stage) and the measured
-point-to-point latency, so the difference between the two is what the simulator does not model: Gloo
-moves a message only once its receive is posted (the simulator lets it fly from the send), host dispatch,
-other load on the machine. ``uniform`` is the textbook figure (F=1, B=2 per stage, free communication).
+simulates the same action lists with the mean measured duration of each (action kind, stage), the mean
+time a rank spends posting a message, and a transfer time from a latency/bandwidth fit of the link measured
+once per run, so the difference between the two is what the simulator does not model: host dispatch
+between actions, a message delayed by a busy receiver, other load on the machine. ``uniform`` is the textbook figure (F=1, B=2 per stage, free communication).
 
 Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
 clipping, in alternating timed rounds (:func:`trainmesh.bench.common.compare`).
@@ -18,69 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
-from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.config import Config, ConfigError, validate
-from trainmesh.mesh import Mesh
 from trainmesh.models import spec_of
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
-from trainmesh.pipeline.schedules import COMPUTE_KINDS, ActionKind, Schedule
-from trainmesh.pipeline.simulate import Costs, Timeline, simulate
+from trainmesh.pipeline.schedules import Schedule
+from trainmesh.pipeline.simulate import measured_costs, simulate
 from trainmesh.precision import dtype_of
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
-LATENCY_ROUNDS = 20
-
-
-def p2p_latency(mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype) -> float:
-    """Seconds for one activation to reach the next pipeline rank while every rank sends one (the
-    slowest rank's mean over a ring exchange), as the simulator's ``Costs.comm``."""
-    comm, p, r = Comm(mesh), mesh.size("pp"), mesh.rank("pp")
-    send = torch.zeros(shape, dtype=dtype, device=mesh.device)
-    recv = torch.empty_like(send)
-    peers = [(send, mesh.global_rank(pp=(r + 1) % p))], [(recv, mesh.global_rank(pp=(r - 1) % p))]
-    for _ in range(2):
-        for work in comm.send_recv(*peers):
-            work.wait()
-    dist.barrier(group=mesh.group("pp"))
-    start = time.perf_counter()
-    for _ in range(LATENCY_ROUNDS):
-        for work in comm.send_recv(*peers):
-            work.wait()
-    mean = torch.tensor([(time.perf_counter() - start) / LATENCY_ROUNDS])
-    return log_all_reduce(mean, mesh.group("pp"), dist.ReduceOp.MAX).item()
-
-
-def measured_costs(timelines: list[Timeline], n_stages: int, comm: float) -> Costs:
-    """Median measured duration of each compute kind per global stage (a median, so an action that another
-    process preempted does not count); B stands for BI + BW where absent."""
-    durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
-    for timeline in timelines:
-        for record in timeline.records:
-            if record.action.kind in COMPUTE_KINDS:
-                durations[(record.action.kind, record.action.stage)].append(record.duration)
-
-    def per_stage(kind: ActionKind) -> tuple[float, ...] | None:
-        if (kind, 0) not in durations:
-            return None
-        return tuple(max(statistics.median(durations[(kind, s)]), 1e-9) for s in range(n_stages))
-
-    bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
-    backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
-    return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
-                 comm=comm)
-
-
-def _bubbles(run: Run, steps: int, latency: float) -> tuple[float, float, float]:
+def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float]:
     """(measured, simulated with measured costs, uniform textbook) bubble fraction of ``run``'s schedule."""
     pipeline, step = run.pipeline, trainmesh_step(run)
     step(0)
@@ -91,7 +45,7 @@ def _bubbles(run: Run, steps: int, latency: float) -> tuple[float, float, float]
         timelines.append(pipeline.gather_timeline())
     pipeline.recording = False
     schedule: Schedule = pipeline.schedule
-    costs = measured_costs(timelines, pipeline.n_stages, latency)
+    costs = measured_costs(timelines, pipeline.n_stages, transfer)
     measured = statistics.median(t.bubble_fraction for t in timelines)
     return measured, simulate(schedule, costs).bubble_fraction, simulate(schedule).bubble_fraction
 
@@ -110,29 +64,33 @@ def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
     return out
 
 
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 NO_TORCH_PEER = {
-    "interleaved": "torch's ScheduleInterleaved1F1B needs several PipelineStages per rank; not wired here",
-    "zb": "torch's zero-bubble schedules need a split weight-gradient stage API; not wired here",
+    "zb": "torch's zero-bubble classes (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) need 2+ stages "
+          "per rank; trainmesh zb is ZB-H1 with one, so torch has no schedule of the same shape",
 }
+BUBBLE_STEPS = 10
+"""Recorded steps per schedule for the bubble: its median settles well before the timed rounds' count."""
 
 
 def _torch_step(run: Run) -> StepFn:
-    """The same training step with torch's ``PipelineStage`` and its schedule class of the same name as
-    ``run``'s, on the same partition."""
+    """The same training step with torch's ``PipelineStage`` (one per model chunk) and its schedule class of
+    the same name as ``run``'s, on the same partition."""
     cfg, mesh = run.cfg, run.mesh
-    p, rank, device = mesh.size("pp"), mesh.rank("pp"), mesh.device
+    p, rank, device, v = mesh.size("pp"), mesh.rank("pp"), mesh.device, cfg.virtual_stages
     model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
-    module, _ = split_model(model, partition_model(model, p), rank, p)
-    stage = PipelineStage(module, rank, p, device, group=mesh.group("pp"))
-    schedule = TORCH_SCHEDULES[cfg.schedule](stage, cfg.microbatches, loss_fn=run.criterion)
+    module, chunks = split_model(model, partition_model(model, p * v), rank, p, v)
+    stages = [PipelineStage(chunk, s, p * v, device, group=mesh.group("pp")) for s, chunk in sorted(chunks.items())]
+    schedule = TORCH_SCHEDULES[cfg.schedule](stages if v > 1 else stages[0], cfg.microbatches,
+                                             loss_fn=run.criterion)
+    first, last = 0 in chunks, p * v - 1 in chunks
     optimizer = build_adamw(module.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     params = [q for q in module.parameters() if q.requires_grad]
 
     def step(i: int) -> None:
         micro = rank_batch(run, run.data.train, i, cfg.global_batch)
         x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
-        schedule.step(*((x,) if rank == 0 else ()), target=y if rank == p - 1 else None, return_outputs=False)
+        schedule.step(*((x,) if first else ()), target=y if last else None, return_outputs=False)
         grads = [q.grad for q in params]
         unscale_and_clip_(grads, global_norm(grads, run.comm, ("pp",)), cfg.grad_clip)
         optimizer.step()
@@ -149,18 +107,20 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     if cfg.microbatches < cfg.pp:
         raise SystemExit(f"torch's pipeline schedules need --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
     mesh = setup_process(cfg)
-    m = cfg.model_config
-    latency = p2p_latency(mesh, (cfg.micro_batch, m.seq_len, m.d_model), dtype_of(cfg.precision))
     lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
-             f"micro_batch={cfg.micro_batch} device={mesh.device.type}, p2p latency {latency * 1e3:.3f} ms",
+             f"micro_batch={cfg.micro_batch} device={mesh.device.type} threads/rank={torch.get_num_threads()}",
              f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'uniform':>8}   (bubble fraction)"]
-    results = []
+    results, transfer = [], None
     for variant, label in _variants(cfg):
         if variant is None:
             lines.append(f"  {label}")
             continue
         run = build(variant, mesh)
-        measured, simulated, uniform = _bubbles(run, rounds * steps_per_round, latency)
+        if transfer is None:  # the link is measured once per run, with the first pipeline's activations
+            latency, bandwidth, transfer = run.pipeline.transfer_seconds(cfg.micro_batch, cfg.model_config.seq_len)
+            lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {bandwidth / 1e9:.2f} GB/s: "
+                            f"{transfer * 1e3:.3f} ms per activation")
+        measured, simulated, uniform = _bubbles(run, BUBBLE_STEPS, transfer)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
         results.append(_versus_torch(run, label, rounds, steps_per_round))
     lines += [r.line() for r in results]

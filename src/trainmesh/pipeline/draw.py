@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainmesh.pipeline.schedules import ActionKind, build_schedule
-from trainmesh.pipeline.simulate import Timeline, TimelineRecord, simulate
+from trainmesh.pipeline.schedules import ActionKind, build_schedule, hoist_receives
+from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord, simulate
 
 COLOURS = {
     ActionKind.F: "#4c72b0",
@@ -92,24 +92,29 @@ def draw_timeline(timeline: Timeline, path_png: str | Path, title: str | None = 
     return path
 
 
-def schedule_command(pp: int, microbatches: int, schedule: str, virtual: int, png: str | None) -> str:
+def schedule_command(pp: int, microbatches: int, schedule: str, virtual: int, png: str | None,
+                     costs: str | None = None) -> str:
     """Text for ``trainmesh schedule``: each rank's compute order, busy/idle, peak activations.
 
     Simulated with F=1, B=2 (BI=BW=1) per stage or chunk and free communication, the setting in
-    which the textbook bubble formulas hold; draws the timeline to ``png`` when given.
+    which the textbook bubble formulas hold, or with the measured ``costs`` (seconds) that
+    ``trainmesh train --timeline`` writes, which reproduces that run's simulated bubble (the lists are
+    the runtime's, receives hoisted); draws the timeline to ``png`` when given.
     """
-    actions = build_schedule(schedule, pp, microbatches, virtual)
-    timeline = simulate(actions)
+    actions = [hoist_receives(a) for a in build_schedule(schedule, pp, microbatches, virtual)]  # as the runtime runs them
+    timeline = simulate(actions, Costs() if costs is None else Costs.load(costs))
+    unit = "" if costs is None else " s"
+    setting = ("F=1, B=2, BI=BW=1 per stage, or per chunk when interleaved; comm free" if costs is None
+               else f"measured costs from {costs}")
     lines = [
-        f"schedule {schedule!r}: pp={pp}, microbatches={microbatches}, virtual={virtual} "
-        f"(F=1, B=2, BI=BW=1 per stage, or per chunk when interleaved; comm free)",
+        f"schedule {schedule!r}: pp={pp}, microbatches={microbatches}, virtual={virtual} ({setting})",
         "peak act: most microbatches (per chunk when interleaved) whose activations a rank holds at once",
-        f"{'rank':>4}  {'busy':>6}  {'idle':>6}  {'peak act':>8}  compute order (send/recv omitted)",
+        f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'peak act':>8}  compute order (send/recv omitted)",
     ]
     for rank, (busy, peak) in enumerate(zip(timeline.busy_times, timeline.peak_activations, strict=True)):
         order = " ".join(str(a) for a in actions[rank] if a.is_compute)
-        lines.append(f"{rank:>4}  {busy:>6g}  {timeline.makespan - busy:>6g}  {peak:>8}  {order}")
-    lines.append(f"makespan {timeline.makespan:g}, bubble fraction {timeline.bubble_fraction:.4f}")
+        lines.append(f"{rank:>4}  {busy:>8.4g}  {timeline.makespan - busy:>8.4g}  {peak:>8}  {order}")
+    lines.append(f"makespan {timeline.makespan:.4g}{unit}, bubble fraction {timeline.bubble_fraction:.4f}")
     if png is not None:
         path = draw_timeline(timeline, png, title=f"{schedule} pp={pp} m={microbatches} v={virtual}")
         lines.append(f"timeline drawn to {path}")

@@ -2,9 +2,11 @@
 
 The runtime decides nothing about order: it walks the rank's list and does what each action says.
 Consecutive SEND/RECV actions are posted together as one batch of asynchronous point-to-point
-operations (``Comm.send_recv``, counted as ``pp/p2p``); a compute action first waits for the messages
-it consumes, so communication overlaps whatever compute lies between a RECV and its consumer, and
-sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
+operations (``Comm.send_recv``, counted as ``pp/p2p``) by a dedicated communication thread: Gloo copies
+a send into the socket on the thread that posts it, which stalled compute by up to several ms per message
+(a tenth of a step's idle time for interleaved 1F1B at pp=2, measured). A compute action first waits for
+the messages it consumes, so communication overlaps whatever compute lies between a RECV and its
+consumer, and sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
 until matched (see :func:`~trainmesh.pipeline.schedules._insert_communication`), so posting them
 earlier and waiting later cannot deadlock either.
 
@@ -29,8 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
@@ -49,28 +54,94 @@ from trainmesh.pipeline.schedules import (
     action_inputs,
     action_output,
     build_schedule,
+    hoist_receives,
     stage_to_rank,
 )
-from trainmesh.pipeline.simulate import Timeline, TimelineRecord
+from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord
 
 Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]
 
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
-RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
 WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
+GIL_SWITCH_INTERVAL = 2e-4
+"""Seconds the compute thread may keep the GIL from the communication thread during a step (Python's
+default is 5 ms: a message posted between two actions left ~3 ms late, measured on a small GPT)."""
+
+
+@contextlib.contextmanager
+def _gil_switch_interval(seconds: float) -> Iterator[None]:
+    """Python's GIL switch interval set to ``seconds`` inside the block, restored after it."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+LATENCY_ROUNDS = 20
+FIT_FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def p2p_seconds(comm: Comm, numel: int, dtype: torch.dtype) -> float:
+    """Seconds for one ``numel`` message to reach the next pipeline rank while every rank sends one (the
+    slowest rank's mean over a ring exchange)."""
+    mesh = comm.mesh
+    p, r = mesh.size(AXIS), mesh.rank(AXIS)
+    send = torch.zeros(numel, dtype=dtype, device=mesh.device)
+    recv = torch.empty_like(send)
+    peers = [(send, mesh.global_rank(**{AXIS: (r + 1) % p}))], [(recv, mesh.global_rank(**{AXIS: (r - 1) % p}))]
+    for _ in range(2):
+        for work in comm.send_recv(*peers, axis=AXIS):
+            work.wait()
+    dist.barrier(group=mesh.group(AXIS))
+    start = time.perf_counter()
+    for _ in range(LATENCY_ROUNDS):
+        for work in comm.send_recv(*peers, axis=AXIS):
+            work.wait()
+    mean = torch.tensor([(time.perf_counter() - start) / LATENCY_ROUNDS])
+    return log_all_reduce(mean, mesh.group(AXIS), dist.ReduceOp.MAX).item()
+
+
+def p2p_fit(comm: Comm, numel: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(latency s, bandwidth B/s): a least-squares line through the time of messages of a quarter, half and
+    all of ``numel`` elements, measured once per run for the simulator's transfer term
+    (:meth:`~trainmesh.pipeline.simulate.Costs.transfer`). A non-positive slope (noise swamping the size
+    effect) leaves all of the time to the latency."""
+    numels = [max(1, int(numel * f)) for f in FIT_FRACTIONS]
+    times = [p2p_seconds(comm, n, dtype) for n in numels]
+    sizes = [n * dtype.itemsize for n in numels]
+    mean_size, mean_time = statistics.fmean(sizes), statistics.fmean(times)
+    slope = (sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times))
+             / sum((b - mean_size) ** 2 for b in sizes))
+    if slope <= 0:
+        return mean_time, float("inf")
+    return max(mean_time - slope * mean_size, 0.0), 1.0 / slope
 
 
 class _Posted:
-    """Work handles of posted point-to-point operations; holds the tensors being sent until they are gone."""
+    """One part of a batch of point-to-point operations handed to the communication thread: its sends
+    (part 0) or one of its receives (part 1 + i). Holds the tensors being sent until they are gone."""
 
-    def __init__(self, works: list, sending: Sequence[torch.Tensor] = ()) -> None:
-        self.works, self.sending = works, list(sending)
+    def __init__(self, batch: Future[list[list]], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
+        self.batch, self.part, self.sending = batch, part, list(sending)
 
     def wait(self) -> None:
-        for work in self.works:
+        for work in self.batch.result()[self.part]:
             work.wait()
-        self.works, self.sending = [], []
+        self.sending = []
+
+
+def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]],
+                recvs: list[tuple[torch.Tensor, int]]) -> list[list]:
+    """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
+    handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
+    for the whole batch, which every part then waits for."""
+    works = comm.send_recv(sends, recvs, axis=AXIS)
+    if len(works) != len(sends) + len(recvs):
+        return [works] * (1 + len(recvs))
+    return [works[:len(sends)], *([w] for w in works[len(sends):])]
 
 
 @dataclass
@@ -135,29 +206,6 @@ def last_weight_gradients(actions: Sequence[Action]) -> frozenset[Action]:
     return frozenset(last.values())
 
 
-def hoist_receives(actions: Sequence[Action]) -> list[Action]:
-    """Move every RECV up past the compute actions before it, to just after the previous comm action.
-
-    Gloo (like a rendezvous protocol) starts moving a message only once its receive is posted, so a RECV
-    posted right before its consumer costs a full transfer; posted earlier, the transfer overlaps that
-    compute. Comm actions keep their order, so messages still match FIFO, and the lists stay
-    deadlock-free even with blocking sends: the argument of
-    :func:`~trainmesh.pipeline.schedules._insert_communication` only needs each rank to meet its messages
-    in key order, with every compute after the receives it consumes (the tests simulate it).
-    """
-    out: list[Action] = []
-    after_last_comm = 0
-    for action in actions:
-        if action.kind in RECV_KINDS:
-            out.insert(after_last_comm, action)
-            after_last_comm += 1
-        else:
-            out.append(action)
-            if action.is_comm:
-                after_last_comm = len(out)
-    return out
-
-
 def forward_only(actions: Sequence[Action]) -> list[Action]:
     """The forward part of a training list, for evaluation. Dropping the backward computes and their
     messages keeps the lists deadlock-free: the remaining messages keep their global order."""
@@ -187,6 +235,7 @@ class PipelineRuntime:
         self.recording = False
         self.records: list[TimelineRecord] = []
         self._origin = 0.0
+        self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmesh-pp-comm")
 
     # --- entry points --------------------------------------------------------------------------------
 
@@ -201,8 +250,20 @@ class PipelineRuntime:
     def evaluate(self, micro_batches: MicroBatches, criterion: Criterion) -> torch.Tensor:
         """Forward-only pass (call under ``torch.no_grad``); the mean loss on the last stage, 0 elsewhere."""
         step = self._new_step(micro_batches, criterion, 1.0, None)
-        self._execute(self.eval_actions, step, None)
+        recording, self.recording = self.recording, False  # the recorded training step's timeline is kept
+        try:
+            self._execute(self.eval_actions, step, None)
+        finally:
+            self.recording = recording
         return step.loss
+
+    def transfer_seconds(self, micro_batch: int, seq_len: int) -> tuple[float, float, float]:
+        """Measure the link once (a collective over ``pp``): (latency s, bandwidth B/s, seconds for one
+        activation of a ``micro_batch x seq_len`` micro-batch), the simulator's ``Costs.comm``. The probe
+        messages go through a comm of their own, so the run's byte counts stay those of training."""
+        numel = micro_batch * (seq_len // self.seq_shards) * self.hidden_size
+        latency, bandwidth = p2p_fit(Comm(self.mesh), numel, self.dtype)
+        return latency, bandwidth, Costs.transfer(latency, bandwidth, numel * self.dtype.itemsize)
 
     def gather_timeline(self) -> Timeline:
         """The last recorded step of every rank of this pipeline (a collective over ``pp``)."""
@@ -225,14 +286,15 @@ class PipelineRuntime:
     def _execute(self, actions: Sequence[Action], step: _Step, engine: Engine | None) -> None:
         if self.recording:
             self._start_clock()
-        for is_comm, group in itertools.groupby(actions, key=lambda a: a.is_comm):
-            if is_comm:
-                self._post(list(group), step)
-            else:
-                for action in group:
-                    self._compute(action, step, engine)
-        for posted in step.sends:
-            posted.wait()
+        with _gil_switch_interval(GIL_SWITCH_INTERVAL):
+            for is_comm, group in itertools.groupby(actions, key=lambda a: a.is_comm):
+                if is_comm:
+                    self._post(list(group), step)
+                else:
+                    for action in group:
+                        self._compute(action, step, engine)
+            for posted in step.sends:
+                posted.wait()
         left = [*step.values, *step.arrivals, *step.stash]
         if left:
             raise RuntimeError(f"trainmesh bug: pipeline step ended with unconsumed values {left[:4]}")
@@ -252,6 +314,7 @@ class PipelineRuntime:
         return self.mesh.global_rank(pp=stage_to_rank(action.peer_stage, self.n_ranks))
 
     def _post(self, group: list[Action], step: _Step) -> None:
+        start = self._now() if self.recording else 0.0
         sends, recvs, arriving = [], [], []
         for action in group:
             if action.kind in SEND_KINDS:
@@ -268,17 +331,15 @@ class PipelineRuntime:
                 step.values[token] = buffer
                 recvs.append((buffer, self._peer(action)))
                 arriving.append(token)
-        works = self.comm.send_recv(sends, recvs, axis=AXIS)
-        # Gloo gives one handle per operation, in order, so each receive is waited for alone; a coalesced
-        # batch (NCCL) gives one handle for the whole batch.
-        per_op = len(works) == len(sends) + len(recvs)
+        batch = self._comm_thread.submit(_post_batch, self.comm, sends, recvs)
         for i, token in enumerate(arriving):
-            step.arrivals[token] = _Posted([works[len(sends) + i]] if per_op else works)
+            step.arrivals[token] = _Posted(batch, 1 + i)
         if sends:
-            step.sends.append(_Posted(works[:len(sends)] if per_op else works, [t for t, _ in sends]))
-        if self.recording:
-            now = self._now()
-            self.records += [TimelineRecord(self.rank, a, now, now) for a in group]
+            step.sends.append(_Posted(batch, 0, [t for t, _ in sends]))
+        if self.recording:  # the group's posting time, shared evenly by its actions
+            each = (self._now() - start) / len(group)
+            self.records += [TimelineRecord(self.rank, a, start + i * each, start + (i + 1) * each)
+                             for i, a in enumerate(group)]
 
     def _compute(self, action: Action, step: _Step, engine: Engine | None) -> None:
         for token in action_inputs(action, self.n_stages):

@@ -423,3 +423,26 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, n_virtual: int
             f"schedule (or pass n_virtual=1)"
         )
     return SCHEDULES[name](n_stages, n_microbatches)
+
+
+def hoist_receives(actions: Sequence[Action]) -> list[Action]:
+    """Move every RECV up past the compute actions before it, to just after the previous comm action.
+
+    Gloo (like a rendezvous protocol) starts moving a message only once its receive is posted, so a RECV
+    posted right before its consumer costs a full transfer; posted earlier, the transfer overlaps that
+    compute. Comm actions keep their order, so messages still match FIFO, and the lists stay
+    deadlock-free even with blocking sends: the argument of
+    :func:`~trainmesh.pipeline.schedules._insert_communication` only needs each rank to meet its messages
+    in key order, with every compute after the receives it consumes (the tests simulate it).
+    """
+    out: list[Action] = []
+    after_last_comm = 0
+    for action in actions:
+        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            out.insert(after_last_comm, action)
+            after_last_comm += 1
+        else:
+            out.append(action)
+            if action.is_comm:
+                after_last_comm = len(out)
+    return out

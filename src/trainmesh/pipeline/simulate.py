@@ -9,7 +9,10 @@ Execution model:
 * verification treats a SEND and its matching RECV as a rendezvous (both ranks must have reached
   them), the strictest semantics a runtime may face, so a schedule that passes also runs with
   asynchronous sends and receives, under which every action can only start earlier. Timing uses
-  either semantics (``blocking_comm``), with ``Costs.comm`` as the message latency.
+  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from its
+  SEND being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
+  posting one SEND or RECV (host work that is neither compute nor idle waiting); every action of a
+  rank starts ``Costs.dispatch`` after the previous one ends at the earliest (the runtime's own work).
 
 Bubble fraction = idle / total over ranks = ``1 - sum(busy) / (p · makespan)``, busy counting
 compute only (communication is not useful work).
@@ -17,12 +20,16 @@ compute only (communication is not useful work).
 
 from __future__ import annotations
 
-from collections import Counter
+import json
+import statistics
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from trainmesh.pipeline.schedules import (
     Action,
+    COMPUTE_KINDS,
     ActionKind,
     Token,
     action_inputs,
@@ -47,13 +54,20 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True)
 class Costs:
     """Duration of each action kind. ``backward_input``/``backward_weight`` default to half of
-    ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2)."""
+    ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2).
+
+    ``comm`` is one message's transfer time (build it from a latency/bandwidth fit with
+    :meth:`transfer`); ``post`` is what posting one SEND or RECV costs the posting rank's host thread;
+    ``dispatch`` the host time between two actions of a rank (the runtime's own Python). All are zero by
+    default: the setting of the textbook bubble formulas."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
     backward_input: Cost | None = None
     backward_weight: Cost | None = None
     comm: float = 0.0
+    post: float = 0.0
+    dispatch: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight"):
@@ -63,8 +77,32 @@ class Costs:
                 raise ValueError(
                     f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
                 )
-        if self.comm < 0:
-            raise ValueError(f"Costs.comm must be >= 0, got {self.comm}")
+        for name in ("comm", "post", "dispatch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}")
+
+    @staticmethod
+    def transfer(latency: float, bandwidth: float, nbytes: int) -> float:
+        """Seconds for one ``nbytes`` message under the latency/bandwidth (alpha-beta) model (Hockney 1994):
+        ``latency + nbytes / bandwidth``, bandwidth in bytes per second."""
+        if latency < 0 or bandwidth <= 0:
+            raise ValueError(f"need latency >= 0 and bandwidth > 0, got {latency} s and {bandwidth} B/s")
+        return latency + nbytes / bandwidth
+
+    def save(self, path: str | Path) -> Path:
+        """Write the costs as JSON, for ``trainmesh schedule --costs``."""
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Costs:
+        """Costs written by :meth:`save` (``trainmesh train --timeline`` writes them beside its picture)."""
+        try:
+            fields = json.loads(Path(path).read_text())
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"cannot read pipeline costs from {path}: {e}; write them with "
+                             "trainmesh train --timeline PNG (they land in PNG's .costs.json)") from e
 
     def duration(self, action: Action) -> float:
         if action.is_comm:
@@ -171,6 +209,35 @@ class Timeline:
                     held -= 1
             peaks.append(peak)
         return tuple(peaks)
+
+
+def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float) -> Costs:
+    """Mean measured duration of each compute kind per global stage, and of posting one message; B stands
+    for BI + BW where absent. A mean, not a median: a preempted action lengthens the measured step, and
+    the simulated one must carry the same total work to be comparable. The dispatch time is the median gap
+    between a rank's consecutive actions: most gaps are the runtime's own work, the few long ones waits."""
+    durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
+    posts, gaps = [], []
+    for timeline in timelines:
+        for rank in range(timeline.n_ranks):
+            records = timeline.rank_records(rank)
+            gaps += [after.start - before.end for before, after in zip(records, records[1:])]
+        for record in timeline.records:
+            if record.action.kind in COMPUTE_KINDS:
+                durations[(record.action.kind, record.action.stage)].append(record.duration)
+            else:
+                posts.append(record.duration)
+
+    def per_stage(kind: ActionKind) -> tuple[float, ...] | None:
+        if (kind, 0) not in durations:
+            return None
+        return tuple(max(statistics.fmean(durations[(kind, s)]), 1e-9) for s in range(n_stages))
+
+    bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
+    backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
+    return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
+                 comm=comm, post=statistics.fmean(posts) if posts else 0.0,
+                 dispatch=max(statistics.median(gaps), 0.0) if gaps else 0.0)
 
 
 def simulate(
@@ -333,7 +400,7 @@ class _Run:
         inputs_at = self._inputs_ready_at(rank, action)
         if inputs_at is None:
             return False
-        start = max(self.free_at[rank], inputs_at)
+        start = max(self.free_at[rank] + self.costs.dispatch, inputs_at)
         end = start + self.costs.duration(action)
         self._finish(rank, action, start, end)
         self._deliver(rank, action, end)
@@ -346,23 +413,25 @@ class _Run:
         if inputs_at is None or self._head(peer) != recv:
             return False
         start = max(self.free_at[rank], self.free_at[peer], inputs_at)
-        end = start + self.costs.duration(send)
+        end = start + self.costs.duration(send) + self.costs.post
         self._finish(rank, send, start, end)
         self._finish(peer, recv, start, end)
         self._deliver(peer, recv, end)
         return True
 
     def _post(self, rank: int, comm: Action) -> bool:
-        """Post an isend/irecv: it returns at once; a send's data reaches its peer ``comm`` later."""
-        start = self.free_at[rank]
-        if comm.kind in _RECV_FOR:
+        """Post an isend/irecv: the rank is busy ``post``; a send's data reaches its peer ``comm`` after
+        the send was posted (or when posting ends, if that is later)."""
+        start = self.free_at[rank] + self.costs.dispatch
+        if comm.kind in _RECV_FOR:  # a SEND: it needs its tensor
             inputs_at = self._inputs_ready_at(rank, comm)
             if inputs_at is None:
                 return False
             start = max(start, inputs_at)
             recv = _partner(comm)
-            self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, start + self.costs.duration(comm))
-        self._finish(rank, comm, start, start)
+            arrival = start + max(self.costs.duration(comm), self.costs.post)
+            self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, arrival)
+        self._finish(rank, comm, start, start + self.costs.post)
         return True
 
     def _finish(self, rank: int, action: Action, start: float, end: float) -> None:
