@@ -326,16 +326,18 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
     return total + moe.aux_loss_total(module) / len(micro_batches)
 
 
+def sum_over_data(mesh: Mesh, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the ranks that hold the same layers and saw other tokens (dp x cp): tp ranks
+    route the same tokens and pipeline stages hold other layers, so neither is summed over."""
+    if mesh.size(GRAD_AXIS) == 1:
+        return values
+    return log_all_reduce(values.to(mesh.device), group=mesh.group(GRAD_AXIS))
+
+
 def update_routing(module: nn.Module, mesh: Mesh) -> None:
     """After an optimizer step: the aux-loss-free bias update of every MoE layer (DeepSeek-V3), from the
-    step's per-expert counts summed over the data-parallel ranks (dp x cp), which routed other tokens; tp
-    ranks route the same tokens and pipeline stages hold other layers, so neither is summed over."""
-    group = mesh.group(GRAD_AXIS)
-
-    def global_counts(counts: torch.Tensor) -> torch.Tensor:
-        counts = counts.to(mesh.device).clone()
-        return log_all_reduce(counts, group) if group is not None else counts
-    moe.update_expert_bias(module, global_counts)
+    step's per-expert counts summed over the data-parallel ranks (:func:`sum_over_data`)."""
+    moe.update_expert_bias(module, lambda counts: sum_over_data(mesh, counts))
 
 
 def global_mean(mesh: Mesh, value: torch.Tensor) -> float:

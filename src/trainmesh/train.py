@@ -30,7 +30,7 @@ from trainmesh.context_parallel import shard_sequence
 from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import GRAD_AXIS, Mesh, world_from_env
+from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
                                mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
 from trainmesh.models import moe, spec_of
@@ -206,14 +206,6 @@ class NonFiniteGuard:
                 f"(--max-bad-steps sets the limit)")
 
 
-def sum_over_data(run: Run, values: torch.Tensor) -> torch.Tensor:
-    """``values`` summed over the ranks that hold the same layers and saw other tokens (dp x cp); tp ranks
-    route the same tokens, pipeline stages hold other layers."""
-    if run.mesh.size(GRAD_AXIS) == 1:
-        return values
-    return log_all_reduce(values, group=run.mesh.group(GRAD_AXIS))
-
-
 def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
     """Per MoE layer of this rank, over the step's global batch: token copies routed to each expert, the
     fraction dropped by capacity, the mean balance and z losses (unweighted) and the balance (max/mean
@@ -226,7 +218,7 @@ def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
                                      layer.stats.z_loss, layer.stats.forwards], dtype=torch.float64)])
             for _, layer in layers]
     sizes = [len(row) for row in rows]
-    summed = sum_over_data(run, torch.cat(rows).to(run.mesh.device)).cpu().split(sizes)
+    summed = api.sum_over_data(run.mesh, torch.cat(rows)).cpu().split(sizes)
     out = {}
     for (name, _), row in zip(layers, summed):
         counts, (dropped, routed, aux, z, forwards) = row[:-5], row[-5:].tolist()
@@ -326,7 +318,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         lr = schedule.at(step)
         grad_norm = run.engine.step(lr, cfg.grad_clip)
         if math.isfinite(grad_norm):
-            moe.update_expert_bias(run.model, lambda counts: sum_over_data(run, counts))
+            api.update_routing(run.model, run.mesh)
         undo_fault()
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
