@@ -62,6 +62,8 @@ from trainmesh.plan import (
     STEP_SCALAR_BYTES,
     active_params,
     all_to_all_bytes_per_micro,
+    block_gemms,
+    params_per_tp_rank,
     TIE_TOLERANCE,
     to_json,
     with_layout,
@@ -701,6 +703,28 @@ def test_all_to_all_moves_tokens_times_top_k_times_hidden_per_direction() -> Non
     assert all_to_all_bytes_per_micro(work, Layout(dp=4, ep=4, recompute="full"), 0) == 3 * 6 * one
     assert all_to_all_bytes_per_micro(work, Layout(dp=4, ep=1), 0) == 0
     assert step_time(work, Layout(dp=4, ep=4), make_cluster("h100-80gb", 4)).ep_comm > 0
+
+
+def test_tp_splits_the_dense_part_of_an_moe_model_and_keeps_its_experts_whole() -> None:
+    """The MoE families leave the MoE layer out of their tp plans (no expert tensor parallelism): tp halves
+    attention, embedding and head; the router, shared and routed experts stay whole on every tp rank, and
+    their matmuls and all-to-all carry every token of the rank (a 1/tp slice only under SP)."""
+    m = _moe_small()
+    work = Workload(m, 8, 64, "bf16", "bf16")  # 2 + 2 + 12 bytes per parameter
+    norms = (2 * m.n_layers + 1) * m.d_model
+    moe = m.n_layers * (m.d_model * m.n_experts + (m.n_experts + m.n_shared_experts) * m.mlp_params(m.expert_ff, False))
+    split = m.n_params() - moe - norms
+    assert params_per_tp_rank(m, 1) == m.n_params()
+    assert params_per_tp_rank(m, 2) == split // 2 + moe + norms
+    assert model_state_bytes(work, Layout()) - model_state_bytes(work, Layout(tp=2)) == 16 * split // 2
+    one, two, sp = (block_gemms(work, lay, moe=True) for lay in (Layout(), Layout(tp=2),
+                                                                 Layout(tp=2, sequence_parallel=True)))
+    assert two["qkv"].flops == sp["qkv"].flops == one["qkv"].flops / 2
+    for name in ("router", "experts_in", "experts_out", "shared_in", "shared_out"):
+        assert two[name].flops == one[name].flops == 2 * sp[name].flops, name
+    def a2a(**fields: object) -> float:
+        return all_to_all_bytes_per_micro(work, Layout(dp=2, ep=2, **fields), 0)
+    assert a2a() == a2a(tp=2) == 2 * a2a(tp=2, sequence_parallel=True) > 0
 
 
 @pytest.mark.parametrize("fields,message", [({"dp": 4, "ep": 3}, r"ep=3 does not divide dp\*cp=4"),

@@ -374,6 +374,15 @@ def micro_batch_size(workload: Workload, layout: Layout) -> int:
     return workload.global_batch // (layout.dp * layout.microbatches)
 
 
+def moe_tokens(workload: Workload, layout: Layout) -> int:
+    """Tokens one tp rank routes through each MoE layer per micro-batch. The MoE layer is whole on every tp
+    rank, so without sequence parallelism each tp rank routes all of its micro-batch's tokens (the same
+    work on every tp rank); under sequence parallelism the MoE layer sits in the sequence-split region
+    and each tp rank routes only its 1/tp slice of every sequence (``trainmesh.models.moe.SequenceSplit``)."""
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+    return tokens // layout.tp if layout.sequence_parallel else tokens
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Parameters per rank
 # ----------------------------------------------------------------------------------------------------------
@@ -410,21 +419,22 @@ def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[Unit]:
 
 def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
     """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE
-    block (``moe``) holds here what every ep rank holds of it: the router (replicated) and the shared
-    experts' MLP in place of the dense one; its routed experts are :func:`expert_unit`."""
+    block (``moe``) holds here what every ep rank holds of it: the router and the shared experts' MLP in
+    place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
+    out: ``trainmesh.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
     attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
     if not moe:
         return _sum(attention + _mlp(m, m.d_ff, tp, b))
-    shared = _mlp(m, m.n_shared_experts * m.expert_ff, tp, b) if m.n_shared_experts else []
+    shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, b) if m.n_shared_experts else []
     return _sum(attention + [Unit(d * m.n_experts, 1)] + shared)
 
 
-def expert_unit(m: ModelShape, tp: int, ep: int) -> Unit:
+def expert_unit(m: ModelShape, ep: int) -> Unit:
     """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked (one tensor per
-    projection), each split by tp like a dense MLP (Megatron-core's default expert tensor parallelism)."""
-    per_expert = m.mlp_params(m.expert_ff, False) // tp
-    return Unit(m.n_experts // ep * per_expert, 3 if m.gated_mlp else 2)
+    projection), each whole: trainmesh splits experts over ep only, never over tp (no expert tensor
+    parallelism, unlike Megatron-core's default expert tp = tp), so every tp rank holds the same experts."""
+    return Unit(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
 
 
 def stage_blocks(m: ModelShape, pp: int, stage: int) -> tuple[int, int]:
@@ -461,10 +471,11 @@ def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit
     return blocks + first + last
 
 
-def stage_expert_units(m: ModelShape, tp: int, pp: int, ep: int, stage: int) -> tuple[tuple[Unit, int], ...]:
-    """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense model."""
+def stage_expert_units(m: ModelShape, pp: int, ep: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+    """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense
+    model. The same at every tp: experts are whole on each tp rank (:func:`expert_unit`)."""
     moe = stage_blocks(m, pp, stage)[1]
-    return ((expert_unit(m, tp, ep), moe),) if moe else ()
+    return ((expert_unit(m, ep), moe),) if moe else ()
 
 
 def largest_tensor(m: ModelShape, tp: int, ep: int = 1) -> int:
@@ -472,12 +483,12 @@ def largest_tensor(m: ModelShape, tp: int, ep: int = 1) -> int:
     linears = [m.d_model * m.qkv_width, m.d_model * m.d_ff, m.d_model * m.vocab_size]
     experts = m.n_experts // ep * m.d_model * m.expert_ff if m.n_experts else 0
     positions = m.seq_len * m.d_model if m.learned_positions else 0
-    return max(max(linears + [experts]) // tp, positions)
+    return max(max(linears) // tp, experts, positions)
 
 
 def params_per_tp_rank(m: ModelShape, tp: int) -> int:
     """Parameters per tp rank of the whole model (all stages, all experts)."""
-    units = stage_units(m, tp, 1, 0) + stage_expert_units(m, tp, 1, 1, 0)
+    units = stage_units(m, tp, 1, 0) + stage_expert_units(m, 1, 1, 0)
     return sum(u.numel * n for u, n in units)
 
 
@@ -541,7 +552,7 @@ def _model_state(
     Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
     """
     b, m = workload.dtype_bytes, workload.model
-    groups = ((stage_units(m, tp, pp, stage), dp), (stage_expert_units(m, tp, pp, ep, stage), dp // ep))
+    groups = ((stage_units(m, tp, pp, stage), dp), (stage_expert_units(m, pp, ep, stage), dp // ep))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
     shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
     steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)
@@ -561,8 +572,9 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     recomputation keeps only each block's input, 2sbh (sec. 5), split by t under sequence parallelism.
     Other MLP widths and a gated MLP replace the two 4h-wide GeLU tensors by two (or four) f-wide ones.
     An MoE block (``moe``) keeps its experts' inner tensors for the top_k copies of each token (and the
-    shared experts' for every token), the copies' inputs and outputs (2 top_k sbh, not split by tp: every
-    tp rank routes all its tokens; split only under sequence parallelism) and the router's scores (sbE).
+    shared experts' for every token), the copies' inputs and outputs (2 top_k sbh) and the router's scores
+    (sbE), none of it split by tp: the experts are whole on every tp rank, which routes all its tokens
+    (only sequence parallelism splits them: :func:`moe_tokens`).
     """
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
@@ -572,12 +584,13 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
         return e * sbh // seq_split
     # Norm inputs, qkv and MLP inputs, dropout masks: only sequence parallelism splits these.
     seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
-    # Q, K, V, the attention projection's input, the MLP's inner activations: split by heads or columns.
+    # Q, K, V, the attention projection's input, a dense MLP's inner activations: split by heads or columns.
     # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
     qkv_and_proj_input = e * sbh * (m.qkv_width + m.d_model) // m.d_model
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
-    mlp_inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
-    routed = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model) // seq_split if moe else 0
+    inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
+    experts = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model + inner) // seq_split
+    mlp_inner, routed = (0, experts) if moe else (inner, 0)
     scores = m.n_heads * workload.seq_len * sbh // m.d_model
     stores_scores = recompute == "none" and not m.flash_attention
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
@@ -686,7 +699,7 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     stage adds :func:`p2p_bytes`.
     """
     b, m, lay = workload.dtype_bytes, workload.model, layout
-    units = stage_units(m, lay.tp, lay.pp, stage) + stage_expert_units(m, lay.tp, lay.pp, lay.ep, stage)
+    units = stage_units(m, lay.tp, lay.pp, stage) + stage_expert_units(m, lay.pp, lay.ep, stage)
     largest = max(u.numel for u, _ in units)
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
     if layout.zero == 2:
@@ -867,7 +880,9 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     An MoE block (``moe``) has the router's matmul and, in place of the MLP, its routed experts: with
     balanced routing a rank runs top_k copies of each of its tokens through its n_experts / ep local experts,
     so each expert's matmul takes ep x tokens x top_k / n_experts rows -- the reason ep makes expert
-    matmuls efficient -- and the shared experts as one MLP over every token."""
+    matmuls efficient -- and the shared experts as one MLP over every token. None of these is split by tp
+    (the experts are whole on every tp rank); the tokens are :func:`moe_tokens`, all of the micro-batch's
+    on every tp rank without sequence parallelism, a 1/tp slice under it."""
     m, t = workload.model, layout.tp
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
@@ -880,11 +895,12 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     inputs = 2 if m.gated_mlp else 1
     if not moe:
         return gemms | _mlp_gemms("mlp", tokens, tokens, m.d_ff, inputs, h, t)
-    rows = max(1, layout.ep * tokens * m.top_k // m.n_experts)
-    gemms["router"] = Gemm(2 * tokens * h * m.n_experts, (tokens, h, m.n_experts))
-    gemms |= _mlp_gemms("experts", tokens * m.top_k, rows, m.expert_ff, inputs, h, t)
+    routed = moe_tokens(workload, layout)
+    rows = max(1, layout.ep * routed * m.top_k // m.n_experts)
+    gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts))
+    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1)
     if m.n_shared_experts:
-        gemms |= _mlp_gemms("shared", tokens, tokens, m.n_shared_experts * m.expert_ff, inputs, h, t)
+        gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
     return gemms
 
 
@@ -991,13 +1007,14 @@ def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -
     """Bytes one rank of ``stage`` sends over ep for one micro-batch: every MoE layer dispatches and
     combines top_k copies of each token (tokens x top_k x d x activation bytes per direction, of which
     (ep-1)/ep leave the rank) twice forward and twice backward, twice more when the forward is recomputed.
-    Each tp rank sends its 1/t share of the copies (Megatron-core's dispatcher under expert tp)."""
+    Each tp rank dispatches the copies of its own :func:`moe_tokens` over its own ep group: all of its
+    micro-batch's tokens without sequence parallelism (every tp rank sends the same copies), a 1/tp
+    slice under it."""
     m, lay = workload.model, layout
     moe = stage_blocks(m, lay.pp, stage)[1]
     if lay.ep == 1 or not moe:
         return 0.0
-    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
-    one = tokens * m.top_k * m.d_model * workload.dtype_bytes.activation / lay.tp * (lay.ep - 1) / lay.ep
+    one = moe_tokens(workload, lay) * m.top_k * m.d_model * workload.dtype_bytes.activation * (lay.ep - 1) / lay.ep
     return moe * (6 if lay.recompute == "full" else 4) * one
 
 
@@ -1023,7 +1040,7 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
     lay, model = layout, workload.model
-    experts = stage_expert_units(model, lay.tp, lay.pp, lay.ep, stage)
+    experts = stage_expert_units(model, lay.pp, lay.ep, stage)
     dense = _dp_group_time(stage_units(model, lay.tp, lay.pp, stage), lay.grad_ranks, workload, lay, cluster)
     return dense + _dp_group_time(experts, lay.grad_ranks // lay.ep, workload, lay, cluster)
 
@@ -1275,7 +1292,7 @@ def explain_ep(workload: Workload, estimates: list[Estimate]) -> str:
     chosen, m = estimates[0], workload.model
     lay, gib = chosen.layout, (" B", " KiB", " MiB", " GiB", " TiB")
     alone = dataclasses.replace(lay, ep=1)
-    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay) * m.top_k
+    tokens = moe_tokens(workload, lay) * m.top_k
     text = (f"why ep={lay.ep}: each rank holds {m.n_experts // lay.ep} of the {m.n_experts} routed experts of each "
             f"MoE layer, so its model state is {_scaled(chosen.memory.model_state, gib, 1024)} instead of "
             f"{_scaled(memory_per_rank(workload, alone).model_state, gib, 1024)} with the same layout at ep=1, "
