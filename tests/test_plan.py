@@ -527,9 +527,11 @@ def test_workload_from_names_the_missing_shape_flags() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_zero2_buffers_two_gradient_buckets_or_the_whole_gradient_when_it_fits() -> None:
+def test_zero2_buffers_two_gradient_buckets_of_at_most_a_2n_th_of_the_gradient() -> None:
     work = tiny("fp32")
-    assert memory_per_rank(work, Layout(dp=2, zero=2)).buffers == 4 * TINY_PSI  # one 25 MiB bucket holds it all
+    # A 25 MiB bucket would hold tiny's whole gradient; stage 2 caps each at 1/(2N) of it, so two hold 1/N.
+    assert memory_per_rank(work, Layout(dp=2, zero=2)).buffers == 4 * TINY_PSI // 2
+    assert memory_per_rank(work, Layout(dp=4, zero=2)).buffers == 4 * TINY_PSI // 4
     # Buckets of 1024 fp32 parameters: a bucket still holds a whole tensor, the largest being 64 x 256.
     assert memory_per_rank(work, Layout(dp=2, zero=2, bucket_bytes=4096)).buffers == 4 * 64 * 256
 

@@ -694,8 +694,9 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 
     ZeRO-3 gathers the current and the prefetched unit and holds one unit's full gradient before the
     reduce-scatter [ZeRO, 5.3]. ZeRO-2 reduce-scatters gradients in constant-size buckets [ZeRO, 5.2 and
-    6.2 "CB"]: the one filling and the one in flight, ``bucket_bytes`` of parameters each (a bucket holds
-    at least one whole tensor), or all of the stage's gradients when they fit in those two. A pipeline
+    6.2 "CB"]: the one filling and the one in flight, ``bucket_bytes`` of parameters each but at most
+    1/(2N) of the stage's gradients (``zero.stage2_bucket_bytes``, so that stage 2 never holds them all at
+    once), and at least one whole tensor. A pipeline
     stage adds :func:`p2p_bytes`.
     """
     b, m, lay = workload.dtype_bytes, workload.model, layout
@@ -703,8 +704,10 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     largest = max(u.numel for u, _ in units)
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
     if layout.zero == 2:
-        buckets = max(2 * layout.bucket_bytes // b.param, largest_tensor(workload.model, layout.tp, layout.ep))
-        unit_grad = b.grad * min(buckets, sum(u.numel * n for u, n in units))
+        stage_elems = sum(u.numel * n for u, n in units)
+        bucket_bytes = min(layout.bucket_bytes, b.grad * stage_elems // (2 * layout.grad_ranks))  # the runtime's cap
+        buckets = max(2 * bucket_bytes // b.param, largest_tensor(workload.model, layout.tp, layout.ep))
+        unit_grad = b.grad * min(buckets, stage_elems)
     else:
         unit_grad = b.grad * largest if layout.zero == 3 else 0
     return gathered + unit_grad + p2p_bytes(workload, layout)
