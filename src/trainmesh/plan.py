@@ -1278,13 +1278,8 @@ def explain_cp(workload: Workload, estimates: list[Estimate]) -> str:
     text = (f"why cp={cp}: each rank holds {workload.seq_len // cp:,} of a sequence's {workload.seq_len:,} tokens, "
             f"so its activations are {_scaled(chosen.memory.activations, gib, 1024)} instead of "
             f"{_scaled(alone, gib, 1024)} with the same layout at cp=1; ")
-    without = next((e for e in estimates if e.layout.cp == 1), None)
-    if without is None:
-        return text + "no layout without cp fits"
-    lay = without.layout
-    return text + (f"the fastest layout without cp (dp={lay.dp} tp={lay.tp} pp={lay.pp} recompute={lay.recompute}) "
-                   f"is predicted {without.time.total:.3g} s/step against {chosen.time.total:.3g} s "
-                   f"({chosen.time.cp_comm:.3g} s of it cp traffic the attention does not hide)")
+    return _beside_fastest_without("cp", estimates, text, "recompute",
+                                   f"{chosen.time.cp_comm:.3g} s of it cp traffic the attention does not hide")
 
 
 def explain_ep(workload: Workload, estimates: list[Estimate]) -> str:
@@ -1301,13 +1296,18 @@ def explain_ep(workload: Workload, estimates: list[Estimate]) -> str:
             f"{_scaled(memory_per_rank(workload, alone).model_state, gib, 1024)} with the same layout at ep=1, "
             f"and each expert's matmuls take {lay.ep * tokens // m.n_experts:,} token rows per micro-batch "
             f"instead of {max(1, tokens // m.n_experts):,}; ")
-    without = next((e for e in estimates if e.layout.ep == 1), None)
+    return _beside_fastest_without("ep", estimates, text, "zero", f"{chosen.time.ep_comm:.3g} s of it all-to-all")
+
+
+def _beside_fastest_without(axis: str, estimates: list[Estimate], text: str, knob: str, traffic: str) -> str:
+    """``text`` and the fastest layout with ``axis`` at 1 beside the chosen one, whose time includes
+    ``traffic`` (the exposed communication of that axis)."""
+    without = next((e for e in estimates if getattr(e.layout, axis) == 1), None)
     if without is None:
-        return text + "no layout without ep fits"
-    other = without.layout
-    return text + (f"the fastest layout without ep (dp={other.dp} tp={other.tp} pp={other.pp} zero={other.zero}) is "
-                   f"predicted {without.time.total:.3g} s/step against {chosen.time.total:.3g} s "
-                   f"({chosen.time.ep_comm:.3g} s of it all-to-all)")
+        return text + f"no layout without {axis} fits"
+    lay = without.layout
+    return text + (f"the fastest layout without {axis} (dp={lay.dp} tp={lay.tp} pp={lay.pp} "
+                   f"{knob}={getattr(lay, knob)}) is predicted {without.time.total:.3g} s/step against {estimates[0].time.total:.3g} s ({traffic})")
 
 
 def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
-from trainmesh.models.moe import MoE, MoEConfig
+from trainmesh.models.moe import MoEConfig, layer_mlp
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
@@ -126,23 +126,13 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
-def mlp_of(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: dense, or (an MoE model past its dense layers) GELU experts, with the shared
-    experts as one dense MLP of their summed width."""
-    m = cfg.moe
-    if m is None or layer < m.n_dense_layers:
-        return MLP(cfg.d_model, cfg.d_ff)
-    shared = MLP(cfg.d_model, m.n_shared_experts * m.d_ff_expert) if m.n_shared_experts else None
-    return MoE(cfg.d_model, m, gated=False, shared=shared)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = mlp_of(cfg, layer)
+        self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, MLP, gated=False)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), cache)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
-from trainmesh.models.moe import MoE, MoEConfig
+from trainmesh.models.moe import MoEConfig, layer_mlp
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
 
@@ -207,23 +207,13 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-def mlp_of(cfg: LlamaConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s MLP: dense SwiGLU, or (an MoE model past its dense layers) SwiGLU experts with the
-    shared experts as one SwiGLU of their summed width."""
-    m = cfg.moe
-    if m is None or layer < m.n_dense_layers:
-        return SwiGLU(cfg.d_model, cfg.d_ff)
-    shared = SwiGLU(cfg.d_model, m.n_shared_experts * m.d_ff_expert) if m.n_shared_experts else None
-    return MoE(cfg.d_model, m, gated=True, shared=shared)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = mlp_of(cfg, layer)
+        self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, SwiGLU, gated=True)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache)

@@ -360,6 +360,17 @@ class MoE(nn.Module):
         return self.cfg.aux_coef * self.stats.aux_loss + self.cfg.z_coef * self.stats.z_loss
 
 
+def layer_mlp(d_model: int, d_ff: int, cfg: MoEConfig | None, layer: int,
+              dense: Callable[[int, int], nn.Module], gated: bool) -> nn.Module:
+    """Layer ``layer``'s MLP in a family whose dense MLP is ``dense(d_model, width)``: that MLP, or (an MoE
+    model past its dense layers) experts of the same kind, with the shared experts as one ``dense`` of
+    their summed width."""
+    if cfg is None or layer < cfg.n_dense_layers:
+        return dense(d_model, d_ff)
+    shared = dense(d_model, cfg.n_shared_experts * cfg.d_ff_expert) if cfg.n_shared_experts else None
+    return MoE(d_model, cfg, gated=gated, shared=shared)
+
+
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
     """Every MoE layer of ``model`` with its module name."""
     return ((name, m) for name, m in model.named_modules() if isinstance(m, MoE))
@@ -393,4 +404,4 @@ def update_expert_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.
 
 
 __all__ = ["MoE", "MoEConfig", "Router", "GroupedExperts", "Dispatcher", "LocalDispatch", "is_expert_param",
-           "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss", "SequenceSplit"]
+           "layer_mlp", "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss", "SequenceSplit"]
