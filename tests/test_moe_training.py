@@ -1,5 +1,5 @@
 """Mixture-of-experts models in training: the loss falls on one process and is the one-process loss at dp2
-(float64, aux terms and the bias update included); a router collapsed onto one expert is spread out by
+and cp2 (float64, aux terms and the bias update included); a router collapsed onto one expert is spread out by
 the balance loss, and separately by the bias update; the per-step expert metrics and their report plot;
 bad settings refused in one line before any rank starts."""
 
@@ -16,9 +16,10 @@ from trainmesh.metrics import scalars
 from trainmesh.models import moe
 from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.report import report
-from trainmesh.train import train
+from trainmesh.testing import run_ranks
+from trainmesh.train import full_state_dict, moe_metrics, train
 
-from helpers import check_equivalent
+from helpers import EQUIVALENCE_TABLE, assert_same_training, check_equivalent, describe_layout, in_fp64, train_single
 
 
 def _cfg(**kw) -> Config:
@@ -62,6 +63,34 @@ def test_tp2_and_pp2_equal_one_process() -> None:
     stage back-propagates and reports its own layers' aux losses."""
     check_equivalent([_cfg(nproc=2, tp=2, moe_z_coef=0.01),
                       _cfg(nproc=2, pp=2, microbatches=2, moe_z_coef=0.01, moe_bias_rate=0.01)], world_size=2)
+
+
+def _train_with_metrics(cfg: Config) -> tuple[tuple[list[float], dict[str, torch.Tensor]], dict]:
+    """Runs on every rank: the training and the last step's expert metrics over the global batch."""
+    torch.set_num_threads(1)
+    result = train(cfg)
+    return (result.losses, full_state_dict(result.run)), moe_metrics(result.run)
+
+
+def test_cp2_equals_one_process_and_counts_each_token_once() -> None:
+    """Each cp rank routes two chunks of every sequence: the balance loss's per-sequence statistics and the
+    z-loss are summed over cp (and their gradient scaled to the average over cp that the router's gradient
+    gets), while the expert counts are left to the metrics' and the bias update's own sum over dp x cp."""
+    cfg = in_fp64(_cfg(nproc=2, cp=2, moe_z_coef=0.01, moe_bias_rate=0.01))
+    training, metrics = run_ranks(_train_with_metrics, 2, cfg, timeout=240)[0]
+    EQUIVALENCE_TABLE.append((describe_layout(cfg), *assert_same_training(train_single(cfg), training)))
+    assert [sum(layer["expert_tokens"]) for layer in metrics.values()] == [8 * 32 * 2] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layouts", [
+    (2, [_cfg(nproc=2, cp=2, ep=2), _cfg(nproc=2, cp=2, cp_impl="a2a", model="llama-moe-tiny", moe_z_coef=0.01)]),
+    (4, [_cfg(nproc=4, cp=2, tp=2, sequence_parallel=True, model="llama-moe-tiny", moe_z_coef=0.01),
+         _cfg(nproc=4, cp=2, tp=2, sequence_parallel=True, ep=2, microbatches=2, moe_bias_rate=0.01)])])
+def test_cp_composed_with_ep_and_sequence_parallel_equals_one_process(world, layouts) -> None:
+    """cp2 x ep2 (the ep group is the two cp ranks: each routes its own chunks), a2a attention, and cp2 x tp2
+    with SP, where a sequence's statistics are summed over the four ranks that share it."""
+    check_equivalent(layouts, world_size=world, timeout=600)
 
 
 def test_a_resumed_run_continues_exactly(tmp_path) -> None:
@@ -147,7 +176,6 @@ REFUSALS = {
     "dropping without capacity": (dict(moe_dropless=False), "give the capacity factor with --moe-capacity"),
     "bias resumed without its state": (dict(moe_bias_rate=0.01, checkpoint_dir="ckpt", resume=True),
                                        "--moe-bias-rate moves routing biases that checkpoints do not hold yet"),
-    "context parallel": (dict(nproc=2, cp=2), "--cp 2 splits each sequence"),
     "moe flag on a dense model": (dict(model="tiny", moe_experts=4), "--moe-experts configures mixture-of-experts "
                                                                       "layers, which tiny does not have"),
 }

@@ -223,8 +223,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
     apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
-    if sequence_parallel and mesh.size("tp") > 1:
-        split_sequence_stats(model, comm)
+    split_axes = tuple(axis for axis, on in (("tp", sequence_parallel), ("cp", True)) if on and mesh.size(axis) > 1)
+    if split_axes:
+        split_sequence_stats(model, comm, split_axes)
     if mesh.size("cp") > 1:
         apply_context_parallel(model, spec.cp_plan, comm, spec.shape(spec.config_of(model)).seq_len, cp_impl)
     if isinstance(recompute, str):

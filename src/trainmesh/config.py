@@ -508,9 +508,7 @@ MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
 
 
 def _validate_moe(cfg: Config) -> None:
-    """The ``--moe-*`` settings: refused on a dense model; an MoE model refuses a sequence split over cp,
-    whose per-sequence balance statistics would need summing over cp (under SP expert parallelism sums
-    them over tp), and the routing bias, which
+    """The ``--moe-*`` settings: refused on a dense model; an MoE model refuses the routing bias, which
     checkpoints do not hold, where a run would resume (``Config._moe_config`` checks the settings against
     the model's experts)."""
     if getattr(cfg.model_config, "moe", None) is None:
@@ -520,10 +518,6 @@ def _validate_moe(cfg: Config) -> None:
             raise ConfigError(f"{flag} configures mixture-of-experts layers, which "
                               f"{_model_name(cfg)} does not have; use an MoE model (moe-tiny, llama-moe-tiny) "
                               f"or drop it")
-    elif cfg.cp > 1:
-        raise ConfigError(f"--cp {cfg.cp} splits each sequence over ranks, and the MoE balance loss of "
-                          f"{_model_name(cfg)} is per sequence, which needs its statistics summed over cp (wired for "
-                          f"--sequence-parallel only); drop --cp {cfg.cp}")
     elif cfg.moe_bias_rate and (cfg.resume or cfg.max_restarts):
         raise ConfigError(f"--moe-bias-rate moves routing biases that checkpoints do not hold yet, so a resumed run "
                           f"would restart them at 0; drop {'--resume' if cfg.resume else '--max-restarts'} or "

@@ -210,23 +210,39 @@ def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.M
 
 
 class _SumOverAxis(torch.autograd.Function):
-    """All-reduce (sum) over ``axis`` forward; the gradient passes through unchanged backward."""
+    """All-reduce (sum) over ``axis`` forward; backward, the gradient times ``grad_scale``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, comm: Comm, axis: str, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
         out = x.clone()
         comm.all_reduce(out, axis, op="moe_sequence_stats")
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
+        return grad * ctx.grad_scale, None, None, None
 
 
-def split_sequence_stats(model: nn.Module, comm: Comm, axis: str = "tp") -> None:
-    """Under sequence parallelism each ``axis`` rank routes a slice of every sequence: the MoE layers'
-    per-sequence balance statistics, z-loss and expert counts are summed over ``axis`` so every rank holds
-    the whole sequence's values (the interface's :class:`~trainmesh.models.moe.SequenceSplit`)."""
-    split = SequenceSplit(comm.mesh.size(axis), lambda t: _SumOverAxis.apply(t, comm, axis))
+def split_sequence_stats(model: nn.Module, comm: Comm, axes: tuple[str, ...]) -> None:
+    """Each rank of ``axes`` holds a slice of every sequence (``tp`` under sequence parallelism, ``cp``
+    under context parallelism, or both): the MoE layers' per-sequence balance statistics and z-loss are
+    summed over all of them, so every rank holds the whole sequence's values (the interface's
+    :class:`~trainmesh.models.moe.SequenceSplit`); the expert counts over ``tp`` only, since the metrics
+    and the bias update sum them over dp x cp themselves.
+
+    Backward, each rank keeps the gradient of its own tokens' part. The router's gradients are summed over
+    tp (the ``sequence`` style), so a tp rank's part is right as it is; they are averaged over cp with
+    every replicated parameter's (dp x cp), as suits the main loss, whose mean over a cp rank's 1/cp of
+    the tokens is cp times that rank's share of the whole, so a cp rank's part is scaled by cp to match."""
+    scale = {"tp": 1.0, "cp": float(comm.mesh.size("cp"))}
+
+    def summed(t: torch.Tensor, over: tuple[str, ...]) -> torch.Tensor:
+        for axis in over:
+            t = _SumOverAxis.apply(t, comm, axis, scale[axis])
+        return t
+
+    split = SequenceSplit(math.prod(comm.mesh.size(axis) for axis in axes), lambda t: summed(t, axes),
+                          lambda t: summed(t, tuple(axis for axis in axes if axis == "tp")))
     for _, moe in expert_modules(model):
         moe.split = split

@@ -251,12 +251,15 @@ def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_exper
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """Every sequence split over ``shards`` processes (sequence parallelism): ``total`` sums a tensor over
-    them in forward and passes the gradient through unchanged (each process back-propagates its own
-    tokens' part; the router's gradients are then summed over the processes by the parallel form)."""
+    """Every sequence split over ``shards`` processes (sequence or context parallelism): ``total`` sums a
+    per-sequence statistic over them in forward, and backward gives each process the gradient of its own
+    tokens' part, scaled as the parallel form then reduces the router's gradients over the processes.
+    ``total_counts`` sums the expert counts over those of the processes that the caller's own sum of the
+    counts (metrics, bias update) does not cover, so no token is counted twice."""
 
     shards: int
     total: Callable[[torch.Tensor], torch.Tensor]
+    total_counts: Callable[[torch.Tensor], torch.Tensor]
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -342,10 +345,10 @@ class MoE(nn.Module):
         z = z_loss(logits) if self.split is None else self.split.total(z_loss(logits)) / self.split.shards
         if torch.is_grad_enabled() and not _recomputing():
             if self.split is not None:
-                counts, kept = self.split.total(counts), self.split.total(kept)
+                counts, kept = self.split.total_counts(counts), self.split.total_counts(kept)
             s = self.stats
             s.counts = s.counts.to(counts.device) + counts.detach()
-            s.routed += experts.numel() * (self.split.shards if self.split is not None else 1)
+            s.routed += int(counts.sum())
             s.dropped += int(counts.sum() - kept.sum())
             s.aux_loss += aux.item()
             s.z_loss += z.item()
