@@ -183,11 +183,15 @@ def _pieces_manifest(shape: list[int], pieces: list[tuple[list[int], list[int]]]
         "files": {SHARD: {"sha256": "0" * 64, "bytes": 4 * math.prod(shape) + 10**6}}, "sha256": "0" * 64}
 
 
-def _check_time(manifest: dict) -> float:
-    start = time.perf_counter()
-    check_manifest(manifest, "step-00000000")
-    check_tiling(manifest)
-    return time.perf_counter() - start
+def _check_time(manifest: dict, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` checks: a scheduler's pause inflates one run, never all of them."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        check_manifest(manifest, "step-00000000")
+        check_tiling(manifest)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def test_many_pieces_validate_in_linear_time():
@@ -197,7 +201,8 @@ def test_many_pieces_validate_in_linear_time():
     quarter = _pieces_manifest([5_000], [([i], [1]) for i in range(5_000)])
     t_line, t_grid, t_quarter = _check_time(line), _check_time(grid), _check_time(quarter)
     assert t_line < 1.0 and t_grid < 1.0, (t_line, t_grid)
-    assert t_line < 8 * t_quarter + 0.05, f"4x the pieces took {t_line / t_quarter:.1f}x the time"
+    # Linear is 4x the time of a quarter, quadratic 16x: 10x sits between with room for noise.
+    assert t_line < 10 * t_quarter + 0.05, f"4x the pieces took {t_line / t_quarter:.1f}x the time"
     overlapping = _pieces_manifest([2, 10], [([0, 0], [2, 5]), ([0, 5], [1, 5]), ([1, 4], [1, 5])])
     with pytest.raises(ManifestError, match="overlap"):
         _check_time(overlapping)
