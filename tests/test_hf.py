@@ -52,10 +52,15 @@ def save_hf_llama(directory: Path, tie: bool = False, seed: int = 0, shard_size:
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    rope_theta=5000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie,
                                    initializer_range=0.2)
+    return _save_random(transformers.LlamaForCausalLM, cfg, directory, seed, shard_size=shard_size)
+
+
+def _save_random(model_class, cfg, directory: Path, seed: int, shard_size: str | None = None) -> Path:
+    """A float64 ``model_class`` of ``cfg`` with random weights from ``seed``, written by ``save_pretrained``."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).double()
+    model = model_class(cfg).double()
     _randomize(model, seed)
-    model.save_pretrained(directory, max_shard_size=shard_size)
+    model.save_pretrained(directory, **({"max_shard_size": shard_size} if shard_size else {}))
     return directory
 
 
@@ -63,11 +68,7 @@ def save_hf_gpt2(directory: Path, seed: int = 0, **overrides) -> Path:
     """A random GPT-2 (hidden 64, 2 layers, 4 heads) with GPT-2's tied head, written by ``save_pretrained``."""
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32,
                                   initializer_range=0.2, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.GPT2LMHeadModel(cfg).double()
-    _randomize(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return _save_random(transformers.GPT2LMHeadModel, cfg, directory, seed)
 
 
 @pytest.fixture
@@ -285,11 +286,7 @@ def save_hf_mixtral(directory: Path, seed: int = 0) -> Path:
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                      num_experts_per_tok=2, max_position_embeddings=64, rope_theta=5000.0,
                                      rms_norm_eps=1e-6, initializer_range=0.2, router_aux_loss_coef=0.02)
-    torch.manual_seed(seed)
-    model = transformers.MixtralForCausalLM(cfg).double()
-    _randomize(model, seed)
-    model.save_pretrained(directory)
-    return directory
+    return _save_random(transformers.MixtralForCausalLM, cfg, directory, seed)
 
 
 @pytest.fixture
