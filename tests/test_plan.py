@@ -603,8 +603,9 @@ def test_trainmesh_plan_prints_the_table_and_the_chosen_layout(capsys: pytest.Ca
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "1024 devices of 80 GiB" in lines[0] and "mem/rank" in lines[1] and "tokens/s" in lines[1]
-    assert lines[-1].startswith("chosen: torchrun --nnodes 128 --nproc-per-node 8 -m trainmesh.cli train "
-                                "--model gpt3-175b ") and len(lines) == 2 + 20 + 1
+    assert lines[-1].startswith("chosen: torchrun --nnodes 128 --nproc-per-node 8 -m trainmesh.cli train --dp ")
+    assert lines[-1].endswith("# gpt3-175b is a planning shape trainmesh does not build: these flags lay out your "
+                              "own model of it") and len(lines) == 2 + 20 + 1
     assert cli.main([*argv, "--json", "--top", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["layouts"]) == 3 and out["chosen"] == out["layouts"][0]
@@ -641,17 +642,31 @@ def test_plan_splits_a_long_sequence_over_cp_and_says_why():
 @pytest.mark.parametrize(
     "model,gpus,batch,precision",
     [("small", 4, 16, "fp32"), ("llama-small", 2, 8, "bf16"), ("gpt2-124m", 8, 64, "bf16"), ("tiny-deep", 4, 16, "fp64"),
-     ("llama-moe-tiny", 4, 8, "fp32")],
+     ("llama-moe-tiny", 4, 8, "fp32"), ("llama3-8b", 8, 64, "bf16"), ("mixtral-8x7b", 16, 16, "bf16")],
 )
 def test_the_printed_command_parses_back_to_the_chosen_layout(model: str, gpus: int, batch: int,
                                                               precision: str) -> None:
+    """Full-sized presets too: the line ``plan`` prints for Llama 3 8B or Mixtral is one ``train`` accepts
+    (on one node or, past 8 GPUs, under ``torchrun``)."""
     work = workload_from(model, batch, precision)
     cluster = make_cluster("h100-80gb" if precision == "bf16" else "cpu", gpus)
     for found in search(work, cluster)[:40]:
         argv = train_command(work, found.layout, cluster, model).split()
-        assert argv[:2] == ["trainmesh", "train"]
-        cfg = config_from_args(cli._parser().parse_args(argv[1:]))
-        assert layout_of(cfg) == found.layout and workload_of(cfg) == work and cfg.nproc == found.layout.world
+        assert argv[:2] == ["trainmesh", "train"] or argv[:6] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "-m"]
+        cfg = config_from_args(cli._parser().parse_args(argv[argv.index("train"):]))
+        assert layout_of(cfg) == found.layout and workload_of(cfg) == work
+        assert cfg.nproc == found.layout.world or argv[0] == "torchrun"
+
+
+def test_a_planning_only_shape_prints_layout_flags_without_a_model_train_refuses() -> None:
+    """Qwen3-30B-A3B's 128-wide heads at hidden 2048 are no trainmesh model: no ``--model`` for it."""
+    work = workload_from("qwen3-30b-a3b", 8, "bf16")
+    cluster = make_cluster("h100-80gb", 8)
+    line = train_command(work, search(work, cluster)[0].layout, cluster, "qwen3-30b-a3b")
+    command, comment = line.split("  # ")
+    assert "--model" not in command and "qwen3-30b-a3b is a planning shape" in comment
+    cfg = config_from_args(cli._parser().parse_args(command.split()[1:]))
+    assert layout_of(cfg) == search(work, cluster)[0].layout
 
 
 # ---------------------------------------------------------------------------------------------------------

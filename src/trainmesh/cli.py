@@ -305,10 +305,20 @@ def checked_config(args: argparse.Namespace) -> Config:
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
     if not _is_rank():
+        _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
         TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
         check_resumable(cfg)
     return cfg
+
+
+def _check_fits(cfg: Config) -> None:
+    """Refuse a model whose state alone exceeds this machine's memory per rank, before any rank starts."""
+    from trainmesh.plan import state_fit_problem
+
+    problem = state_fit_problem(cfg, cfg.nproc, _cuda_devices())
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_watch_packages(cfg: Config, explicit_tensorboard: bool) -> None:

@@ -37,7 +37,7 @@ from trainmesh.config import Config, resolve_reduce_dtype
 from trainmesh.context_parallel import IMPLS as CP_IMPLS, split_error as cp_split_error
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
                                model_flops_per_token)
-from trainmesh.models import ModelShape, planner_shapes, spec_of
+from trainmesh.models import PRESET_NAMES, ModelShape, planner_shapes, spec_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -74,13 +74,12 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "gpt3-175b": _gpt3_like(96, 12288, 96),
     "megatron-530b": _gpt3_like(105, 20480, 128),
     "megatron-1t": _gpt3_like(128, 25600, 160),
-    # Mixtures of experts, from the published Hugging Face configs: Mixtral-8x7B (Jiang et al., 2024; 46.7B
-    # total, 12.9B active), Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; its 128-wide heads at
+    # Mixtures of experts trainmesh does not build, from the published Hugging Face configs (Mixtral-8x7B is
+    # a buildable llama-moe preset): Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; its 128-wide heads at
     # d 2048 are 64-wide here, which undercounts its attention by 0.45B parameters) and DeepSeek-V3
     # (DeepSeek-AI, 2024; 671B / 37B; 256 routed experts and 1 shared, top-8, the first 3 layers dense; its
     # multi-head latent attention is planned as plain multi-head attention of 128 heads, which has about
     # its parameter count: 205M against 187M per layer).
-    "mixtral-8x7b": _llama_moe(32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2, d_ff_expert=14336),
     "qwen3-30b-a3b": _llama_moe(48, 2048, 32, 4, 6144, 151936, experts=128, top_k=8, d_ff_expert=768),
     "deepseek-v3": _llama_moe(61, 7168, 128, 128, 18432, 129280, experts=256, top_k=8, d_ff_expert=2048,
                               shared=1, dense_layers=3),
@@ -1389,16 +1388,23 @@ def _flag_of(cfg: Config, field: str) -> list[str]:
 def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: str | None = None) -> str:
     """The command line that runs ``layout``: ``trainmesh train --nproc N ...`` on one node, the same flags
     under ``torchrun`` on each node of several. ``--model`` (and ``--seq-len`` when it is not the preset's)
-    when the workload is preset ``model``; :func:`train_flags` for the rest."""
-    named = [] if model is None else ["--model", model]
-    if model is not None and workload.seq_len != model_shape(model).seq_len:
+    when the workload is preset ``model``; :func:`train_flags` for the rest. A planning-only shape (a model
+    ``train`` does not build, such as DeepSeek-V3's latent attention) gets the layout's flags and a comment
+    saying so, rather than a ``--model`` that ``train`` would refuse."""
+    buildable = model is not None and model in PRESET_NAMES
+    named = ["--model", model] if buildable else []
+    if buildable and workload.seq_len != model_shape(model).seq_len:
         named += ["--seq-len", str(workload.seq_len)]
     flags = train_flags(workload, layout)
     if layout.world <= cluster.gpus_per_node:
-        return " ".join(["trainmesh", "train", *named, "--nproc", str(layout.world), *flags])
-    nodes = layout.world // cluster.gpus_per_node
-    return " ".join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
-                     "-m", "trainmesh.cli", "train", *named, *flags])
+        line = ["trainmesh", "train", *named, "--nproc", str(layout.world), *flags]
+    else:
+        nodes = layout.world // cluster.gpus_per_node
+        line = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
+                "-m", "trainmesh.cli", "train", *named, *flags]
+    if model is not None and not buildable:
+        line += ["  #", f"{model} is a planning shape trainmesh does not build: these flags lay out your own model of it"]
+    return " ".join(line)
 
 
 def layout_flags(cfg: Config) -> list[str]:
@@ -1461,6 +1467,19 @@ def this_machine(world: int, use_cuda: bool) -> Cluster:
     import torch
 
     return local_cluster(world, torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+
+
+def state_fit_problem(cfg: Config, world: int, cuda_devices: int = 0) -> str | None:
+    """Why ``cfg``'s layout cannot hold even its model state (weights, gradients, optimizer) in this
+    machine's memory per rank, or None. Checked before ranks are spawned, so a full-sized preset on a
+    small machine is refused in one line instead of each rank being killed for memory."""
+    cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
+    state = model_state_bytes(workload_of(cfg), layout_of(cfg))
+    if state <= cluster.mem_bytes:
+        return None
+    return (f"--model {cfg.model} at this layout needs {state / GIB:.1f} GiB of model state on each rank, more "
+            f"than the {cluster.mem_bytes / GIB:.1f} GiB each of the {world} rank(s) has here; shard it over "
+            f"more ranks (--zero 3, --tp, --pp), pick a smaller preset, or see trainmesh plan --model {cfg.model}")
 
 
 def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config, str]:

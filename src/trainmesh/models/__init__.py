@@ -76,7 +76,7 @@ SPECS: tuple[ModelSpec, ...] = (
               accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
     ModelSpec("llama-moe", llama.MOE_PRESETS, llama.Llama, without_mlp(llama.TP_PLAN),
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
-              hf=llama.MIXTRAL_MAPPING,
+              planner_presets=llama.MOE_PLANNER_PRESETS, hf=llama.MIXTRAL_MAPPING,
               cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
               accepts=lambda model: isinstance(model, llama.Llama) and is_moe(model.cfg)),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
@@ -85,29 +85,28 @@ SPECS: tuple[ModelSpec, ...] = (
 )
 
 class _PresetNames(Collection):
-    """Every preset ``trainmesh train`` can build, read from the registry at each use, so a preset added to
-    a family's table later (a user's, or a test's) is a valid ``--model`` too."""
+    """Every preset ``trainmesh train`` can build (full-sized ones included), read from the registry at each
+    use, so a preset added to a family's table later (a user's, or a test's) is a valid ``--model`` too."""
 
     def __iter__(self) -> Iterator[str]:
-        return (name for spec in SPECS for name in spec.presets)
+        return (name for spec in SPECS for name in (*spec.presets, *spec.planner_presets))
 
     def __contains__(self, name: object) -> bool:
-        return any(name in spec.presets for spec in SPECS)
+        return any(name in spec.presets or name in spec.planner_presets for spec in SPECS)
 
     def __len__(self) -> int:
-        return sum(len(spec.presets) for spec in SPECS)
+        return sum(len(spec.presets) + len(spec.planner_presets) for spec in SPECS)
 
 
 PRESET_NAMES = _PresetNames()
 
 
-def _find(name: str, planner: bool) -> tuple[ModelSpec, Any]:
+def _find(name: str) -> tuple[ModelSpec, Any]:
     for spec in SPECS:
-        presets = {**spec.presets, **spec.planner_presets} if planner else spec.presets
+        presets = {**spec.presets, **spec.planner_presets}
         if name in presets:
             return spec, presets[name]
-    names = [n for s in SPECS for n in (*s.presets, *(s.planner_presets if planner else ()))]
-    raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(names)}")
+    raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
 
 
 def spec_for(model: nn.Module) -> ModelSpec | None:
@@ -117,12 +116,12 @@ def spec_for(model: nn.Module) -> ModelSpec | None:
 
 def spec_of(name: str) -> ModelSpec:
     """The family of a buildable preset, with the valid names in the error."""
-    return _find(name, planner=False)[0]
+    return _find(name)[0]
 
 
 def preset(name: str) -> Any:
     """The config of a buildable preset, with the valid names in the error."""
-    return _find(name, planner=False)[1]
+    return _find(name)[1]
 
 
 def planner_shapes() -> dict[str, ModelShape]:

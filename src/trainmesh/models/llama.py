@@ -110,6 +110,14 @@ PLANNER_PRESETS: dict[str, LlamaConfig] = {
 }
 
 
+# Mixtral-8x7B (Jiang et al., 2024; its Hugging Face config): 46.7B parameters, 12.9B active; planned at
+# 4096 tokens, as the MoE shapes of the planner.
+MOE_PLANNER_PRESETS: dict[str, LlamaConfig] = {
+    "mixtral-8x7b": LlamaConfig(32, 4096, 32, 8, 14336, 32000, 4096, rope_theta=1e6,
+                                moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=14336)),
+}
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * g (Zhang & Sennrich, 2019), normalised in at least fp32 whatever the compute dtype."""
 

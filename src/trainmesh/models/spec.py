@@ -285,8 +285,9 @@ class ModelSpec:
     ``selective``: the attention core), its shape for the planner, and how it maps to a Hugging Face
     architecture (:class:`HFMapping`, used by :mod:`trainmesh.hf`).
 
-    ``planner_presets`` are shapes the planner knows but training on a CPU-sized machine would not build
-    (an 8B model's weights alone exceed it); ``presets`` are the ones ``trainmesh train`` offers.
+    ``presets`` are the sizes the tests and examples train on a CPU; ``planner_presets`` are full-sized
+    published shapes (an 8B model's weights alone exceed a CPU machine's memory), which ``trainmesh train``
+    builds too, so that the layout ``trainmesh plan`` prints for one is a command that runs.
 
     A family whose models do not keep the stage contract themselves (one trainmesh did not write) adds:
     ``accepts``, which says whether a model object is of the family (``trainmesh.parallelize`` looks the
