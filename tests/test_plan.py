@@ -61,6 +61,7 @@ from trainmesh.plan import (
     train_command,
     STEP_SCALAR_BYTES,
     active_params,
+    all_reduce_time,
     all_to_all_bytes_per_micro,
     block_gemms,
     params_per_tp_rank,
@@ -694,6 +695,24 @@ def test_moe_model_flops_count_active_parameters_only() -> None:
 def _moe_small(dense_layers: int = 0) -> ModelShape:
     return ModelShape(4, 64, 4, 176, 256, 64, gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=2,
                       n_experts=8, top_k=2, n_shared_experts=1, d_ff_expert=48, n_dense_layers=dense_layers)
+
+
+def test_moe_blocks_pay_the_attention_half_of_tp_traffic_and_under_sp_the_expert_gradient_sum() -> None:
+    """The MoE layer is whole on every tp rank: no activation collective of its own, but under SP each tp
+    rank's tokens give the router and experts a different gradient, summed over tp every micro-batch."""
+    cluster = make_cluster("h100-80gb", 8)
+    moe, dense = _moe_small(), dataclasses.replace(_moe_small(), n_experts=0, top_k=0, n_shared_experts=0)
+    moe_work, dense_work = Workload(moe, 8, 64, "bf16"), Workload(dense, 8, 64, "bf16")
+    plain = Layout(dp=4, tp=2, pp=1, zero=0, microbatches=1, schedule="1f1b", virtual=1, recompute="none",
+                   sequence_parallel=False, ep=2)
+    dense_layout = dataclasses.replace(plain, ep=1)
+    dense_tp = step_time(dense_work, dense_layout, cluster).tp_comm
+    assert step_time(moe_work, plain, cluster).tp_comm == pytest.approx(dense_tp / 2)
+    sp, dense_sp = (dataclasses.replace(x, sequence_parallel=True) for x in (plain, dense_layout))
+    per_layer = 8 // 2 * 3 * 64 * 48 + 64 * 8 + 3 * 64 * 48  # 4 routed experts, the router, the shared expert
+    grads = all_reduce_time(4 * per_layer * moe_work.dtype_bytes.grad, 2, cluster.link(2))
+    dense_sp_tp = step_time(dense_work, dense_sp, cluster).tp_comm
+    assert step_time(moe_work, sp, cluster).tp_comm == pytest.approx(dense_sp_tp / 2 + grads)
 
 
 @pytest.mark.parametrize("dp,ep,zero", [(4, 1, 0), (4, 2, 1), (4, 4, 2), (4, 2, 3), (8, 4, 3)])

@@ -423,10 +423,14 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
     out: ``trainmesh.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
     attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
-    if not moe:
-        return _sum(attention + _mlp(m, m.d_ff, tp, b))
-    shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, b) if m.n_shared_experts else []
-    return _sum(attention + [Unit(d * m.n_experts, 1)] + shared)
+    return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
+
+
+def router_and_shared(m: ModelShape) -> Unit:
+    """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on
+    every tp rank."""
+    shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, m.bias) if m.n_shared_experts else []
+    return _sum([Unit(m.d_model * m.n_experts, 1)] + shared)
 
 
 def expert_unit(m: ModelShape, ep: int) -> Unit:
@@ -939,21 +943,29 @@ def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, sta
     return total
 
 
-def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """Each block all-reduces its sbh output twice forward and twice backward (twice more when the
+def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Each dense block all-reduces its sbh output twice forward and twice backward (twice more when the
     forward is recomputed) [NAR, 2.3]; sequence parallelism turns each into an all-gather plus a
-    reduce-scatter of the same volume [KOR, 4.2.2]."""
-    t = layout.tp
+    reduce-scatter of the same volume [KOR, 4.2.2]. An MoE block has only its attention's half: its router
+    and experts are whole on every tp rank, so the MoE layer needs no tp collective of activations; under
+    sequence parallelism each tp rank routes its own tokens through them, so their gradients are summed
+    over tp after every micro-batch's backward (``tensor_parallel.sum_grad_over_tp``)."""
+    t, model = layout.tp, workload.model
     if t == 1:
         return 0.0
-    sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model
+    sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * model.d_model
     nbytes, link = sbh * workload.dtype_bytes.activation, cluster.link(t)
     if layout.sequence_parallel:
         one = 2 * ring_gather_time(nbytes, t, link)
     else:
         one = all_reduce_time(nbytes, t, link)
     count = 6 if layout.recompute == "full" else 4
-    return count * one * (workload.model.n_layers // layout.pp)
+    dense, moe = stage_blocks(model, layout.pp, stage)
+    activations = count * one * (dense + moe / 2)
+    if not (moe and layout.sequence_parallel):
+        return activations
+    replicated = moe * (expert_unit(model, layout.ep).numel + router_and_shared(model).numel)
+    return activations + all_reduce_time(replicated * workload.dtype_bytes.grad, t, link)
 
 
 def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
@@ -1083,7 +1095,7 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     stages = _stages(layout, None, workload.model)
     m = layout.microbatches
     compute = m * max(micro_compute_time(workload, layout, cluster, s) for s in stages)
-    tp = m * _tp_time_per_micro(workload, layout, cluster)
+    tp = m * max(_tp_time_per_micro(workload, layout, cluster, s) for s in stages)
     pp = m * _pp_time_per_micro(workload, layout, cluster)
     ep = m * max(_ep_time_per_micro(workload, layout, cluster, s) for s in stages)
     f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
