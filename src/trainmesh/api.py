@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,8 @@ from trainmesh.recompute import MODES, Target, apply_recompute, recompute_module
 from trainmesh.safe_io import sha256_hex
 from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
 from trainmesh.tensor_parallel import unsharded_state_dict
-from trainmesh import checkpoint, zero
+from trainmesh import checkpoint, runlock, zero
+from trainmesh.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
               backend: str = "auto", timeout: float = 600.0, ep: int = 1) -> Mesh:
@@ -102,6 +104,7 @@ class ParallelModel:
     bucket_mb: float = 25.0
     pipeline: PipelineRuntime | None = None
     engine: Engine | None = field(default=None, repr=False)
+    saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:
@@ -407,9 +410,15 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
 def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int) -> Path:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
-    then names it. Returns the step directory."""
+    then names it. Returns the step directory.
+
+    From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
+    its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
+    write one directory: a directory another live run holds is refused on every rank before anything is
+    written, naming the holder."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    hold_directory(model, Path(directory))
     mesh = model.mesh
     settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
     description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": {},
@@ -418,6 +427,35 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int)
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
                                  description)
+
+
+def hold_directory(model: ParallelModel, root: Path) -> None:
+    """Rank 0 takes ``root``'s lock for ``model``'s life, once; a collective that raises
+    :class:`~trainmesh.checkpoint.CheckpointError` on every rank if another live run holds it. The lock is
+    taken by one process, as ``trainmesh train`` takes it in the process that launches the ranks."""
+    if root.resolve() in model.saves_to:
+        return
+    held = contextlib.ExitStack()
+
+    def take() -> None:
+        if world_env().rank != 0:
+            return
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(runlock.hold(root, "directory", checkpoint.LOCK))
+        except runlock.DirectoryInUse as e:
+            pid, run = e.holder.get("pid"), e.holder.get("run_id")
+            whose = (" (this process)" if pid == os.getpid() else "") + (f", run {show(run)}" if run else "")
+            raise checkpoint.CheckpointError(
+                f"checkpoint directory {root} is in use by another live run: pid {show(pid)} on host "
+                f"{show(e.holder.get('host'))}{whose}; wait for it to end, stop it, or save to another "
+                f"directory") from None
+        except OSError as e:
+            raise checkpoint.CheckpointError(f"checkpoint directory {root} cannot be used: {e}") from None
+
+    checkpoint.on_every_rank(take, model.mesh.device, f"locking checkpoint directory {root}")
+    weakref.finalize(model, held.close)
+    model.saves_to.add(root.resolve())
 
 
 def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:

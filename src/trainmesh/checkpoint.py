@@ -284,7 +284,7 @@ def _all_gather_json(obj: Any, device: torch.device) -> list[Any]:
     return [json.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 
-def _on_every_rank(action: Callable[[], Any], device: torch.device, what: str) -> list[Any]:
+def on_every_rank(action: Callable[[], Any], device: torch.device, what: str) -> list[Any]:
     """Run ``action`` on every rank and return every rank's result; if it failed on any rank, raise on all
     of them, naming the ranks and their errors, so no rank is left waiting in a collective."""
     try:
@@ -442,11 +442,11 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
     plans = _all_gather_json([item for item, _ in mine.values()], device)
     writers = assign_writers(plans)
     try:
-        _on_every_rank(lambda: _fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
+        on_every_rank(lambda: _fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
         ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
-        files = _on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
+        files = on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
                                f"writing the shards of {final}")
-        _on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
+        on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
                                                               files)) if rank == 0 else None,
                        device, f"publishing {final}")
     except CheckpointError as e:
@@ -620,7 +620,7 @@ def load_anywhere(model: nn.Module, engine: Engine, mesh: Mesh, path: Path) -> T
     """Load checkpoint ``path``, written in any layout, into this rank's part of ``model`` and ``engine`` (a
     collective: a failure on any rank is raised on every rank); returns the progress it records."""
     manifest = read_manifest(path)
-    _on_every_rank(lambda: load_state(model, engine, mesh, path, manifest), mesh.device, f"loading {path}")
+    on_every_rank(lambda: load_state(model, engine, mesh, path, manifest), mesh.device, f"loading {path}")
     return apply_loaded(engine, manifest)
 
 
@@ -776,7 +776,7 @@ def restore(run: Run) -> TrainingProgress:
         return progress
     if cfg.checkpoint_dir and not cfg.resume:
         rank = world_from_env()[0]
-        _on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
+        on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
                        f"starting a fresh run in {cfg.checkpoint_dir}")
     if cfg.init_from:
         load_weights(run, Path(cfg.init_from))
