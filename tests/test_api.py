@@ -267,6 +267,24 @@ def test_a_checkpoint_directory_is_held_by_the_model_saving_there_until_it_is_go
     assert tm.save(*second, directory, step=3).name == "step-00000003"
 
 
+def test_a_parallelized_hf_model_refuses_its_own_forward_and_state_and_saves_through_the_parallel_model(tmp_path):
+    """parallelize works in place (as torchtitan and FSDP2 do): the original object's forward and state_dict
+    (hence save_pretrained) would see the rewired layers, so they are refused naming what to use; its
+    save_pretrained with the ParallelModel's full state writes a model transformers reloads as trained."""
+    model = hf_llama(layers=1)
+    x = batches()[0][0]
+    parallel = tm.parallelize(model, mesh_of(), precision="fp64")
+    tm.train_step(parallel, tm.optimizer(parallel, lr=LR), batches()[0])
+    for use in (lambda: model(input_ids=x), lambda: model.save_pretrained(tmp_path / "refused")):
+        with pytest.raises(RuntimeError, match=r"taken apart by trainmesh.parallelize .*pm.state_dict\(\)"):
+            use()
+    assert not list((tmp_path / "refused").glob("*.safetensors"))
+    model.save_pretrained(tmp_path / "saved", state_dict=parallel.state_dict())
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float64)
+    with torch.no_grad():
+        assert (reloaded(input_ids=x).logits - parallel(x)).abs().max() <= FP64_ATOL
+
+
 def test_hf_llama_trains_in_bf16_with_fp32_masters():
     model = tm.parallelize(hf_llama(layers=2).float(), tm.init_mesh(), precision="bf16", microbatches=MICRO)
     opt = tm.optimizer(model, lr=LR)

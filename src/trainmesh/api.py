@@ -135,7 +135,26 @@ def _staged(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | No
     staged = Staged(model, layout)
     if spec is not None:
         spec.prepare(staged)
+    _retire(model)
     return staged
+
+
+def _retire(model: nn.Module) -> None:
+    """Make the object the user passed refuse to run or give its state: the :class:`Staged` model now owns
+    its children (its block list is a ``ModuleDict``, its weights get sharded, a pipeline stage drops the
+    blocks of other stages), so its own forward would fail obscurely and its ``state_dict`` (hence
+    ``save_pretrained``) would silently hold shards. Like torchtitan's ``parallelize_*`` and FSDP2's
+    ``fully_shard``, :func:`parallelize` works in place; the returned :class:`ParallelModel` is the model."""
+    message = (f"this {type(model).__name__} was taken apart by trainmesh.parallelize (its layers now belong to "
+               f"the ParallelModel it returned, possibly sharded); use that instead: call it or train_step, "
+               f"pm.state_dict() for the full weights (a collective), tm.save/tm.load; for a Hugging Face model, "
+               f"save_pretrained(out, state_dict=pm.state_dict()) on one rank")
+
+    def refuse(*_) -> None:
+        raise RuntimeError(message)
+
+    model.register_forward_pre_hook(refuse)
+    model.register_state_dict_pre_hook(refuse)
 
 
 def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dict | None, pipeline: StageLayout | None,
@@ -200,6 +219,14 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                 reduce_dtype: str = "auto", bucket_mb: float = 25.0, compile: bool = False,
                 cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
     """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
+
+    As with torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``, ``model`` is changed in place: its
+    modules move into the returned :class:`ParallelModel` (whose ``module`` is ``model`` itself for a model
+    already in trainmesh's stage contract). A model presented through a :class:`StageLayout` (a Hugging Face
+    model) then refuses, with a message saying what to use, to run its forward or give its ``state_dict``
+    (so ``save_pretrained`` without ``state_dict=``): both would otherwise see shards or missing layers. Get
+    the full weights with ``ParallelModel.state_dict()`` (a collective); for a Hugging Face model, save
+    them with ``model.save_pretrained(out, state_dict=pm.state_dict())`` on one rank.
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
     ``tp_plan``: module-name patterns -> :data:`trainmesh.tensor_parallel.STYLES` (default: the model
