@@ -4,7 +4,9 @@ SP, pp2 (1F1B) and dp2 x tp2 exactly as a plain single-process PyTorch loop trai
 loss and final parameters within FP64_ATOL); settings that cannot run are refused before any work; the
 examples run under ``trainmesh launch``."""
 
+import gc
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import trainmesh as tm
+from trainmesh import checkpoint, runlock
 from trainmesh.mesh import Mesh
 from trainmesh.models import Staged, spec_for
 from trainmesh.testing import run_ranks
@@ -235,6 +238,51 @@ def test_single_process_api_needs_no_environment_and_a_custom_loss_reads_whole_l
     assert max((v - ref_params[k]).abs().max().item() for k, v in model.state_dict().items()) <= FP64_ATOL
     with pytest.raises(ValueError, match="global batch of 5 sequences does not split"):
         tm.train_step(model, opt, (torch.zeros(5, 4, dtype=torch.long),) * 2)
+
+
+def test_a_checkpoint_directory_is_held_by_the_model_saving_there_until_it_is_gone(tmp_path):
+    """tm.save takes the lock trainmesh train holds on --checkpoint-dir: a directory a live run holds (a CLI
+    run, another model) is refused before anything is written, naming the directory and the holder."""
+    def saving() -> tuple[tm.ParallelModel, tm.Optimizer]:
+        model = tm.parallelize(custom_module(), mesh_of(), precision="fp64")
+        return model, tm.optimizer(model, lr=LR)
+
+    cli_dir, directory = tmp_path / "cli", tmp_path / "api"
+    cli_dir.mkdir()
+    with runlock.hold(cli_dir, "--checkpoint-dir", checkpoint.LOCK) as cli_run:
+        cli_run.note(run_id="0123abcd")
+        with pytest.raises(checkpoint.CheckpointError, match=rf"{re.escape(str(cli_dir))} is in use by another live run: pid "
+                                                             rf"{os.getpid()} on host .*, run \"0123abcd\""):
+            tm.save(*saving(), cli_dir, step=1)
+        assert sorted(p.name for p in cli_dir.iterdir()) == [checkpoint.LOCK]
+
+    first, second = saving(), saving()
+    tm.save(*first, directory, step=1)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{re.escape(str(directory))} is in use"):
+        tm.save(*second, directory, step=2)
+    tm.save(*first, directory, step=2)
+    assert sorted(p.name for p in directory.glob("step-*")) == ["step-00000001", "step-00000002"]
+    del first
+    gc.collect()
+    assert tm.save(*second, directory, step=3).name == "step-00000003"
+
+
+def test_a_parallelized_hf_model_refuses_its_own_forward_and_state_and_saves_through_the_parallel_model(tmp_path):
+    """parallelize works in place (as torchtitan and FSDP2 do): the original object's forward and state_dict
+    (hence save_pretrained) would see the rewired layers, so they are refused naming what to use; its
+    save_pretrained with the ParallelModel's full state writes a model transformers reloads as trained."""
+    model = hf_llama(layers=1)
+    x = batches()[0][0]
+    parallel = tm.parallelize(model, mesh_of(), precision="fp64")
+    tm.train_step(parallel, tm.optimizer(parallel, lr=LR), batches()[0])
+    for use in (lambda: model(input_ids=x), lambda: model.save_pretrained(tmp_path / "refused")):
+        with pytest.raises(RuntimeError, match=r"taken apart by trainmesh.parallelize .*pm.state_dict\(\)"):
+            use()
+    assert not list((tmp_path / "refused").glob("*.safetensors"))
+    model.save_pretrained(tmp_path / "saved", state_dict=parallel.state_dict())
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float64)
+    with torch.no_grad():
+        assert (reloaded(input_ids=x).logits - parallel(x)).abs().max() <= FP64_ATOL
 
 
 def test_hf_llama_trains_in_bf16_with_fp32_masters():

@@ -12,6 +12,9 @@ from trainmesh.config import Config, ConfigError, validate
 from trainmesh.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence, split_error
 from trainmesh.models import spec_of
 
+from trainmesh.mesh import Mesh, init_distributed
+from trainmesh.testing import run_ranks
+
 from helpers import check_equivalent
 
 TOL = 1e-12  # fp64: the merge reorders sums of a few hundred terms
@@ -94,6 +97,26 @@ def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
 def _cfg(**kw) -> Config:
     base = {"nproc": 2, "cp": 2, "steps": 3, "global_batch": 4, "progress": False, "warmup_steps": 1, "seq_len": 96}
     return Config(**{**base, **kw})
+
+
+def _grad_and_expert_group_ranks() -> list[dict[str, list[int]]]:
+    """Each axis group's global ranks as this rank sees them, on a cp2 x tp2 mesh with ep2 and a pp2 x cp2 one."""
+    import torch.distributed as dist
+    init_distributed("gloo", torch.device("cpu"))
+    meshes = [Mesh.build(pp=1, dp=1, tp=2, device=torch.device("cpu"), timeout_s=60, cp=2, ep=2),
+              Mesh.build(pp=2, dp=1, tp=1, device=torch.device("cpu"), timeout_s=60, cp=2)]
+    return [{axis: dist.get_process_group_ranks(mesh.group(axis)) for axis in ("dp_cp", "ep", "cp")
+             if mesh.group(axis) is not None} for mesh in meshes]
+
+
+def test_the_dp_cp_group_holds_the_ranks_sharing_pp_and_tp():
+    """The gradient group is built with public ``new_group`` calls: at cp2 x tp2 its ranks are strided by tp,
+    at pp2 x cp2 they stay inside a stage; ep folds inside it."""
+    seen = run_ranks(_grad_and_expert_group_ranks, 4, timeout=60)
+    for rank, (cp_tp, pp_cp) in enumerate(seen):
+        assert cp_tp == {"dp_cp": [rank % 2, rank % 2 + 2], "ep": [rank % 2, rank % 2 + 2],
+                         "cp": [rank % 2, rank % 2 + 2]}
+        assert pp_cp == {"dp_cp": [rank // 2 * 2, rank // 2 * 2 + 1], "cp": [rank // 2 * 2, rank // 2 * 2 + 1]}
 
 
 def test_cp2_ring_and_a2a_match_single_process():

@@ -150,30 +150,33 @@ def _checkpointed(root: Path, name: str, **kw) -> Config:
     return dataclasses.replace(cfg, nproc=cfg.world_size)
 
 
-def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...]) -> None:
+def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...], **kw) -> None:
     """Train at dp=ep=``saved_ep``, then resume its step-2 checkpoint at each of ``resumed_eps``
     (dp=ep) and on one process: the experts' pieces are placed in the full tensors, so every layout reads
-    its own slices, and finishes as a single process trained straight through does."""
-    run_ranks(train_rank, saved_ep, [_checkpointed(root, "saved", dp=saved_ep, ep=saved_ep)], timeout=300)
+    its own slices, and finishes as a single process trained straight through does (the routing biases,
+    with ``moe_bias_rate``, among the final state compared)."""
+    run_ranks(train_rank, saved_ep, [_checkpointed(root, "saved", dp=saved_ep, ep=saved_ep, **kw)], timeout=300)
     for ep in (*resumed_eps, 1):
         shutil.copytree(step_dir(root / "saved", 2), step_dir(root / f"ep{ep}", 2))
         (root / f"ep{ep}" / "latest").write_text(step_dir(root, 2).name + "\n")
-    reference = train_single(in_fp64(_moe()))
+    reference = train_single(in_fp64(_moe(**kw)))
     for ep in resumed_eps:
-        resumed = run_ranks(train_rank, ep, [_checkpointed(root, f"ep{ep}", dp=ep, ep=ep, resume=True)], timeout=300)
+        resumed = run_ranks(train_rank, ep, [_checkpointed(root, f"ep{ep}", dp=ep, ep=ep, resume=True, **kw)],
+                            timeout=300)
         losses, params = resumed[0][0]
         assert_same_training((reference[0][2:], reference[1]), (losses, params))
-    single = train(_checkpointed(root, "ep1", dp=1, ep=1, resume=True), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    single = train(_checkpointed(root, "ep1", dp=1, ep=1, resume=True, **kw),
+                   mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
     assert_same_training((reference[0][2:], reference[1]), (single.losses, full_state_dict(single.run)))
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_on_one_process(tmp_path):
-    _resumes_everywhere(tmp_path, 2, ())
+def test_a_checkpoint_saved_at_ep2_resumes_on_one_process_with_its_routing_bias(tmp_path):
+    _resumes_everywhere(tmp_path, 2, (), moe_bias_rate=0.05)
 
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
-    _resumes_everywhere(tmp_path, 4, (2,))
+    _resumes_everywhere(tmp_path, 4, (2,), moe_bias_rate=0.05)
 
 
 def _mixtral_config(directory: Path, **layout) -> Config:

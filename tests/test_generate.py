@@ -197,12 +197,16 @@ def test_the_loaded_model_has_the_checkpoints_weights(byte_run):
 
 
 def test_a_mixture_of_experts_checkpoint_loads_as_its_moe_model(tmp_path):
-    """The manifest holds the MoE settings as a plain object; the model rebuilt from it has the same experts."""
-    root = _train(tmp_path / "moe", model="moe-tiny")
+    """The manifest holds the MoE settings as a plain object; the model rebuilt from it has the same experts
+    and routes with the biases training moved."""
+    root = _train(tmp_path / "moe", model="moe-tiny", moe_bias_rate=0.01)
     model, _ = load_model(step_dir(root, 2), torch.device("cpu"))
     saved = read_tensors(step_dir(root, 2), "model/")
     assert any("experts" in k for k, _ in model.named_parameters())
     assert all(torch.equal(p, saved[f"model/{k}"]) for k, p in model.named_parameters())
+    biases = {k: b for k, b in model.named_buffers() if k.endswith("expert_bias")}
+    assert biases and all(b.count_nonzero() for b in biases.values())
+    assert all(torch.equal(b, read_tensors(step_dir(root, 2), "buffer/")[f"buffer/{k}"]) for k, b in biases.items())
     cached = generate(model, [1, 2, 3], 6, 32)
     assert len(cached) == 6 and cached == generate(model, [1, 2, 3], 6, 32, use_cache=False)
 

@@ -26,7 +26,7 @@ from trainmesh import checkpoint, hf
 from trainmesh.cli import main
 from trainmesh.config import Config, ConfigError, config_from_args, validate
 from trainmesh.mesh import Mesh
-from trainmesh.models import gpt, llama, spec_of
+from trainmesh.models import gpt, llama, moe, spec_of
 from trainmesh.testing import run_ranks
 from trainmesh.train import build, setup_process
 
@@ -345,6 +345,19 @@ def test_mixtral_in_through_the_training_path_and_out_again_gives_transformers_l
                     checkpoint.TrainingProgress(0))
     assert main(["export", str(ckpt), "--hf", str(tmp_path / "exported")]) == 0
     assert_same_logits(mixtral_logits(tmp_path / "exported"), expected, "mixtral checkpoint exported, reloaded")
+
+
+def test_a_checkpoint_with_a_moved_routing_bias_is_refused_on_export_hf(tmp_path, capsys):
+    """The checkpoint holds the bias --moe-bias-rate moved; Mixtral's router has no place for it."""
+    directory = save_hf_mixtral(tmp_path / "hf")
+    cfg = config_from_args(_args(init_hf=str(directory), precision="fp64", progress=False, moe_bias_rate=0.01,
+                                 checkpoint_dir=str(tmp_path / "ckpt")))
+    run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
+    for _, layer in moe.moe_layers(run.model):
+        layer.router.expert_bias[0] = 0.01
+    checkpoint.save(run, checkpoint.TrainingProgress(0))
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported")]) != 0
+    assert "--moe-bias-rate" in capsys.readouterr().err and not (tmp_path / "exported").exists()
 
 
 def test_moe_models_mixtral_cannot_hold_are_refused_on_export(tmp_path):

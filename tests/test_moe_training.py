@@ -174,8 +174,6 @@ REFUSALS = {
                                                            "1 it drops tokens even under perfect balance), but "
                                                            "routing is dropless; pass --no-moe-dropless"),
     "dropping without capacity": (dict(moe_dropless=False), "give the capacity factor with --moe-capacity"),
-    "bias resumed without its state": (dict(moe_bias_rate=0.01, checkpoint_dir="ckpt", resume=True),
-                                       "--moe-bias-rate moves routing biases that checkpoints do not hold yet"),
     "moe flag on a dense model": (dict(model="tiny", moe_experts=4), "--moe-experts configures mixture-of-experts "
                                                                       "layers, which tiny does not have"),
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,8 @@ from trainmesh.recompute import MODES, Target, apply_recompute, recompute_module
 from trainmesh.safe_io import sha256_hex
 from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
 from trainmesh.tensor_parallel import unsharded_state_dict
-from trainmesh import checkpoint, zero
+from trainmesh import checkpoint, runlock, zero
+from trainmesh.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
               backend: str = "auto", timeout: float = 600.0, ep: int = 1) -> Mesh:
@@ -102,6 +104,7 @@ class ParallelModel:
     bucket_mb: float = 25.0
     pipeline: PipelineRuntime | None = None
     engine: Engine | None = field(default=None, repr=False)
+    saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:
@@ -132,7 +135,26 @@ def _staged(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | No
     staged = Staged(model, layout)
     if spec is not None:
         spec.prepare(staged)
+    _retire(model)
     return staged
+
+
+def _retire(model: nn.Module) -> None:
+    """Make the object the user passed refuse to run or give its state: the :class:`Staged` model now owns
+    its children (its block list is a ``ModuleDict``, its weights get sharded, a pipeline stage drops the
+    blocks of other stages), so its own forward would fail obscurely and its ``state_dict`` (hence
+    ``save_pretrained``) would silently hold shards. Like torchtitan's ``parallelize_*`` and FSDP2's
+    ``fully_shard``, :func:`parallelize` works in place; the returned :class:`ParallelModel` is the model."""
+    message = (f"this {type(model).__name__} was taken apart by trainmesh.parallelize (its layers now belong to "
+               f"the ParallelModel it returned, possibly sharded); use that instead: call it or train_step, "
+               f"pm.state_dict() for the full weights (a collective), tm.save/tm.load; for a Hugging Face model, "
+               f"save_pretrained(out, state_dict=pm.state_dict()) on one rank")
+
+    def refuse(*_) -> None:
+        raise RuntimeError(message)
+
+    model.register_forward_pre_hook(refuse)
+    model.register_state_dict_pre_hook(refuse)
 
 
 def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dict | None, pipeline: StageLayout | None,
@@ -197,6 +219,14 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                 reduce_dtype: str = "auto", bucket_mb: float = 25.0, compile: bool = False,
                 cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
     """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
+
+    As with torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``, ``model`` is changed in place: its
+    modules move into the returned :class:`ParallelModel` (whose ``module`` is ``model`` itself for a model
+    already in trainmesh's stage contract). A model presented through a :class:`StageLayout` (a Hugging Face
+    model) then refuses, with a message saying what to use, to run its forward or give its ``state_dict``
+    (so ``save_pretrained`` without ``state_dict=``): both would otherwise see shards or missing layers. Get
+    the full weights with ``ParallelModel.state_dict()`` (a collective); for a Hugging Face model, save
+    them with ``model.save_pretrained(out, state_dict=pm.state_dict())`` on one rank.
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
     ``tp_plan``: module-name patterns -> :data:`trainmesh.tensor_parallel.STYLES` (default: the model
@@ -407,9 +437,15 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
 def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int) -> Path:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
-    then names it. Returns the step directory."""
+    then names it. Returns the step directory.
+
+    From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
+    its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
+    write one directory: a directory another live run holds is refused on every rank before anything is
+    written, naming the holder."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    hold_directory(model, Path(directory))
     mesh = model.mesh
     settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
     description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": {},
@@ -418,6 +454,35 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int)
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
                                  description)
+
+
+def hold_directory(model: ParallelModel, root: Path) -> None:
+    """Rank 0 takes ``root``'s lock for ``model``'s life, once; a collective that raises
+    :class:`~trainmesh.checkpoint.CheckpointError` on every rank if another live run holds it. The lock is
+    taken by one process, as ``trainmesh train`` takes it in the process that launches the ranks."""
+    if root.resolve() in model.saves_to:
+        return
+    held = contextlib.ExitStack()
+
+    def take() -> None:
+        if world_env().rank != 0:
+            return
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            held.enter_context(runlock.hold(root, "directory", checkpoint.LOCK))
+        except runlock.DirectoryInUse as e:
+            pid, run = e.holder.get("pid"), e.holder.get("run_id")
+            whose = (" (this process)" if pid == os.getpid() else "") + (f", run {show(run)}" if run else "")
+            raise checkpoint.CheckpointError(
+                f"checkpoint directory {root} is in use by another live run: pid {show(pid)} on host "
+                f"{show(e.holder.get('host'))}{whose}; wait for it to end, stop it, or save to another "
+                f"directory") from None
+        except OSError as e:
+            raise checkpoint.CheckpointError(f"checkpoint directory {root} cannot be used: {e}") from None
+
+    checkpoint.on_every_rank(take, model.mesh.device, f"locking checkpoint directory {root}")
+    weakref.finalize(model, held.close)
+    model.saves_to.add(root.resolve())
 
 
 def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:

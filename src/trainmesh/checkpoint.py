@@ -8,6 +8,9 @@ file per rank and ``manifest.json``. Every tensor of the training state has a *g
   masters; the bf16/fp16 parameters are exactly those rounded (that is how every step makes them), so
   they are not stored and are rebuilt bit for bit on load;
 * ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``, ``optim/<param>/step``: AdamW's state;
+* ``buffer/<layer>.router.expert_bias``: the routing bias of each MoE layer whose aux-loss-free update is
+  on (``bias_rate``), training state that is not a weight (so not exported as one); every rank holding the
+  layer holds it whole (the router is replicated over ep, tp and dp), so any layout reads it back;
 * ``rng/<rank>/cpu`` (and ``cuda``): each rank's generator state, restored when the world size is the one
   that saved it (training itself draws nothing from these generators; in another layout there is no
   rank whose stream would continue).
@@ -87,7 +90,7 @@ from trainmesh.data import data_tokenizer
 from trainmesh.engine import Engine
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.models import config_from_dict, preset, spec_of
+from trainmesh.models import config_from_dict, moe, preset, spec_of
 from trainmesh.precision import LossScaler
 from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
@@ -251,7 +254,16 @@ def local_state(model: nn.Module, engine: Engine) -> list[LocalTensor]:
         out.append(LocalTensor(f"model/{piece.name}", tuple(shape), boxes, [piece.master, piece.param]))
         out += [LocalTensor(f"optim/{piece.name}/{k}", tuple(shape), boxes, [state[k].view(-1)]) for k in MOMENTS]
         out.append(LocalTensor(f"optim/{piece.name}/step", (), [SCALAR], [state["step"].view(-1)]))
-    return out
+    return out + routing_state(model)
+
+
+def routing_state(model: nn.Module) -> list[LocalTensor]:
+    """The routing bias of every MoE layer of ``model`` that the aux-loss-free update moves: without it a
+    resumed run would route as if the bias were back at 0. Layers without the update keep theirs at 0 and
+    save nothing, so checkpoints written before biases were saved still load."""
+    return [LocalTensor(f"buffer/{name}.router.expert_bias", tuple(layer.router.expert_bias.shape),
+                        [whole(tuple(layer.router.expert_bias.shape))], [layer.router.expert_bias.view(-1)])
+            for name, layer in moe.moe_layers(model) if layer.cfg.bias_rate]
 
 
 def rng_state(rank: int, device: torch.device) -> list[LocalTensor]:
@@ -284,7 +296,7 @@ def _all_gather_json(obj: Any, device: torch.device) -> list[Any]:
     return [json.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 
-def _on_every_rank(action: Callable[[], Any], device: torch.device, what: str) -> list[Any]:
+def on_every_rank(action: Callable[[], Any], device: torch.device, what: str) -> list[Any]:
     """Run ``action`` on every rank and return every rank's result; if it failed on any rank, raise on all
     of them, naming the ranks and their errors, so no rank is left waiting in a collective."""
     try:
@@ -442,11 +454,11 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
     plans = _all_gather_json([item for item, _ in mine.values()], device)
     writers = assign_writers(plans)
     try:
-        _on_every_rank(lambda: _fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
+        on_every_rank(lambda: _fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
         ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
-        files = _on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
+        files = on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
                                f"writing the shards of {final}")
-        _on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
+        on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
                                                               files)) if rank == 0 else None,
                        device, f"publishing {final}")
     except CheckpointError as e:
@@ -620,7 +632,7 @@ def load_anywhere(model: nn.Module, engine: Engine, mesh: Mesh, path: Path) -> T
     """Load checkpoint ``path``, written in any layout, into this rank's part of ``model`` and ``engine`` (a
     collective: a failure on any rank is raised on every rank); returns the progress it records."""
     manifest = read_manifest(path)
-    _on_every_rank(lambda: load_state(model, engine, mesh, path, manifest), mesh.device, f"loading {path}")
+    on_every_rank(lambda: load_state(model, engine, mesh, path, manifest), mesh.device, f"loading {path}")
     return apply_loaded(engine, manifest)
 
 
@@ -776,7 +788,7 @@ def restore(run: Run) -> TrainingProgress:
         return progress
     if cfg.checkpoint_dir and not cfg.resume:
         rank = world_from_env()[0]
-        _on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
+        on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
                        f"starting a fresh run in {cfg.checkpoint_dir}")
     if cfg.init_from:
         load_weights(run, Path(cfg.init_from))
@@ -876,7 +888,8 @@ def export_hf(source: Path, out: Path) -> str:
     path = _step_to_export(source)
     manifest = read_manifest(path)
     model_config = config_from_dict(preset(manifest["config"]["model"]), manifest["model"])
-    tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
+    tensors = {name.split("/", 1)[1]: t for prefix in ("model/", "buffer/") for name, t in
+               read_tensors(path, prefix).items()}  # a routing bias moved in training is refused by the mapping
     try:
         hf.save_hf(tensors, out, model_config)
     except hf.HFError as e:

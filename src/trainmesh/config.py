@@ -508,9 +508,8 @@ MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
 
 
 def _validate_moe(cfg: Config) -> None:
-    """The ``--moe-*`` settings: refused on a dense model; an MoE model refuses the routing bias, which
-    checkpoints do not hold, where a run would resume (``Config._moe_config`` checks the settings against
-    the model's experts)."""
+    """The ``--moe-*`` settings: refused on a dense model (``Config._moe_config`` checks them against the
+    model's experts)."""
     if getattr(cfg.model_config, "moe", None) is None:
         given = [f for f in MOE_ONLY if getattr(cfg, f)] + (["moe_dropless"] if not cfg.moe_dropless else [])
         if given:
@@ -518,10 +517,6 @@ def _validate_moe(cfg: Config) -> None:
             raise ConfigError(f"{flag} configures mixture-of-experts layers, which "
                               f"{_model_name(cfg)} does not have; use an MoE model (moe-tiny, llama-moe-tiny) "
                               f"or drop it")
-    elif cfg.moe_bias_rate and (cfg.resume or cfg.max_restarts):
-        raise ConfigError(f"--moe-bias-rate moves routing biases that checkpoints do not hold yet, so a resumed run "
-                          f"would restart them at 0; drop {'--resume' if cfg.resume else '--max-restarts'} or "
-                          f"--moe-bias-rate")
 
 
 def _model_name(cfg: Config) -> str:

@@ -141,9 +141,11 @@ def load_model(path: Path, device: torch.device) -> tuple[nn.Module, dict]:
     name = manifest["config"]["model"]
     shape = config_from_dict(preset(name), manifest["model"])
     weights = {k.removeprefix("model/"): t for k, t in read_tensors(path, "model/").items()}
+    routing = {k.removeprefix("buffer/"): t for k, t in read_tensors(path, "buffer/").items()}
     model = spec_of(name).builder(shape, 0)
-    params = dict(model.named_parameters())
-    wrong = sorted(set(params) ^ set(weights)) or [k for k in params if params[k].shape != weights[k].shape]
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    wrong = (sorted(set(params) ^ set(weights)) or [k for k in params if params[k].shape != weights[k].shape]
+             or [k for k, t in routing.items() if k not in buffers or buffers[k].shape != t.shape])
     if wrong:
         raise CheckpointError(f"checkpoint {path} does not hold the weights of its model {name} "
                               f"({wrong[0]} differs); it was not written by trainmesh train")
@@ -152,6 +154,8 @@ def load_model(path: Path, device: torch.device) -> tuple[nn.Module, dict]:
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(weights[k])
+        for k, t in routing.items():
+            buffers[k].copy_(t)
     return model.eval(), manifest
 
 

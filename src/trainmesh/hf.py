@@ -231,12 +231,12 @@ def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, mo
     if spec.hf is None:
         raise HFError(f"trainmesh's {spec.family} has no Hugging Face architecture to be written as")
     try:
-        attributes = spec.hf.to_config(model_config)
+        attributes, converted = spec.hf.to_config(model_config), spec.hf.to_hf(model_config, weights)
     except HFIncompatible as e:
         raise HFError(str(e)) from None
     config = _transformers().AutoConfig.for_model(spec.hf.model_type, architectures=[spec.hf.architecture],
                                                   **attributes)
-    tensors = {k: v.detach().to("cpu").clone() for k, v in spec.hf.to_hf(model_config, weights).items()}
+    tensors = {k: v.detach().to("cpu").clone() for k, v in converted.items()}
     config.torch_dtype = next(iter(tensors.values())).dtype  # from_pretrained(dtype="auto") keeps it
     directory = Path(out)
     directory.mkdir(exist_ok=True)

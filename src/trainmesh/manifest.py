@@ -29,7 +29,8 @@ from trainmesh.models import preset
 FORMAT, VERSION = "trainmesh-checkpoint", 2
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
 FILE_NAME = re.compile(r"rank-\d{5,9}\.safetensors")
-TENSOR_NAME = re.compile(r"(model|optim)/[\w.]{1,200}(/(exp_avg|exp_avg_sq|step))?|rng/\d{1,9}/(cpu|cuda)")
+TENSOR_NAME = re.compile(r"(model|optim)/[\w.]{1,200}(/(exp_avg|exp_avg_sq|step))?|buffer/[\w.]{1,200}|"
+                         r"rng/\d{1,9}/(cpu|cuda)")
 HEX64 = re.compile(r"[0-9a-f]{64}")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MAX_DIMS = 8

@@ -178,17 +178,32 @@ class Mesh:
             have = dist.get_world_size() if dist.is_initialized() else 1
             raise RuntimeError(f"mesh pp*dp*cp*tp={world} needs a process group of that size, have {have}")
         dm = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=AXES)
-        flat = {GRAD_AXIS: dm["dp", "cp"]._flatten(GRAD_AXIS).get_group()} if cp > 1 else {}
         if timeout_s is not None:
-            for group in [dm.get_group(axis) for axis in AXES] + list(flat.values()):
+            for group in [dm.get_group(axis) for axis in AXES]:
                 _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
         coords["ep"], coords["edp"] = coords[GRAD_AXIS] % ep, coords[GRAD_AXIS] // ep
-        mesh = cls(sizes, coords, device, dm, flat)
-        if 1 < ep:
-            flat.update(mesh._expert_groups(timeout_s))
+        mesh = cls(sizes, coords, device, dm)
+        if cp > 1:
+            mesh.flat_groups.update(mesh._grad_groups(timeout_s))
+        if ep > 1:
+            mesh.flat_groups.update(mesh._expert_groups(timeout_s))
         return mesh
+
+    def _grad_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
+        """This rank's ``dp_cp`` group: the ``dp*cp`` ranks sharing its ``pp`` and ``tp`` coordinates, in
+        ``dp_cp`` coordinate order. Built with the public ``new_group`` (every rank creates every group, in
+        the same order) rather than ``DeviceMesh._flatten``, a private API that has changed between releases."""
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        mine = {}
+        for pp in range(self.sizes["pp"]):
+            for tp in range(self.sizes["tp"]):
+                members = self._grad_axis_ranks(pp, tp)
+                group = dist.new_group(members, **kwargs)
+                if dist.get_rank() in members:
+                    mine[GRAD_AXIS] = group
+        return mine
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
         """This rank's ``ep`` and ``edp`` groups. Every rank creates every group (``new_group`` is collective
@@ -197,10 +212,9 @@ class Mesh:
         ep, edp, mine = self.sizes["ep"], self.sizes["edp"], {}
         for pp in range(self.sizes["pp"]):
             for tp in range(self.sizes["tp"]):
-                def ranks(c: int) -> int:
-                    return self.global_rank(pp=pp, tp=tp, dp=c // self.sizes["cp"], cp=c % self.sizes["cp"])
-                groups = {"ep": [[ranks(e * ep + r) for r in range(ep)] for e in range(edp)],
-                          "edp": [[ranks(e * ep + r) for e in range(edp)] for r in range(ep)]}
+                ranks = self._grad_axis_ranks(pp, tp)
+                groups = {"ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
+                          "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]}
                 for axis in EP_AXES:
                     if self.sizes[axis] == 1:
                         continue
@@ -209,6 +223,11 @@ class Mesh:
                         if dist.get_rank() in members:
                             mine[axis] = group
         return mine
+
+    def _grad_axis_ranks(self, pp: int, tp: int) -> list[int]:
+        """Global ranks of the ``dp_cp`` axis at (``pp``, ``tp``), indexed by their ``dp_cp`` coordinate."""
+        cp = self.sizes["cp"]
+        return [self.global_rank(pp=pp, tp=tp, dp=c // cp, cp=c % cp) for c in range(self.sizes[GRAD_AXIS])]
 
     def size(self, axis: str) -> int:
         """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1."""
