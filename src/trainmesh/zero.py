@@ -411,11 +411,33 @@ class ZeroEngine:
         while self._next_launch < len(self.groups):
             group = self.groups[self._next_launch]
             if group.grad_flat is None:
-                group.grad_flat = group.grad_shard.new_zeros(group.layout.padded)
+                self._stage_grads(group)
             self._launch(group)
         for group in list(self._in_flight):
             self._land(group)
         self._reset_pending()
+
+    def _stage_grads(self, group: Group) -> None:
+        """Copy the gradients ``group``'s parameters hold into a fresh full flat buffer (zeros where a
+        parameter got none), then drop them; the reduce-scatters in flight land first, so that one
+        group's full gradient is staged at a time."""
+        self._land_in_flight()
+        flat = group.grad_shard.new_empty(group.layout.padded)
+        flat[group.layout.numel:].zero_()
+        held = [(view, p.grad) for view, p in zip(group.layout.views(flat), group.params) if p.grad is not None]
+        if len(held) < len(group.params):
+            flat.zero_()
+        if held:
+            torch._foreach_copy_([view for view, _ in held], [grad for _, grad in held])
+        group.grad_flat = flat
+        self._note_peak()
+        for p in group.params:
+            p.grad = None
+
+    def _land_in_flight(self) -> None:
+        """Stages 2 and 3 land every reduce-scatter in flight before staging another group's gradient."""
+        for group in list(self._in_flight):
+            self._land(group)
 
     def finish_gradient_sync(self) -> None:
         """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
@@ -585,11 +607,12 @@ def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world
 class ZeroStage2(ZeroEngine):
     """P_os+g (§5.2): full parameters; gradients reduce-scattered into a 1/N shard during backward.
 
-    A post-accumulate-grad hook copies each gradient into its bucket's transient flat buffer and drops
-    it; a complete bucket is reduce-scattered at once, into the persistent gradient shard itself on a
-    step's first pass (added to it from a buffer after that), and landing it frees the full buffer. The
-    reduce-scatter overlaps backward until the next bucket's first gradient arrives, when it is landed,
-    so one bucket's full gradient is alive at a time (two only where backward fills buckets out of order).
+    A post-accumulate-grad hook counts each gradient in; once a bucket has them all they are copied into
+    its transient flat buffer and dropped, and the bucket is reduce-scattered at once, into the
+    persistent gradient shard itself on a step's first pass (added to it from a buffer after that), and
+    landing it frees the full buffer. The reduce-scatter overlaps backward until the next bucket is
+    complete, when it is landed, so one bucket's flat buffer is alive at a time (two only where backward
+    fills buckets out of order).
 
     The end of a backward pass lands every reduce-scatter (launching the buckets that got no gradient,
     so every rank issues the same collectives). That is the end of the autograd call, unless the calls
@@ -643,26 +666,19 @@ class ZeroStage2(ZeroEngine):
         self._callback_queued = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Count ``p``'s gradient in; once its group has them all, stage them (:meth:`_stage_grads`) and
+        launch the reduce-scatters now in order. Until then each gradient stays the tensor autograd made:
+        a group's full buffer exists only from its last gradient to its reduce-scatter's landing, as FSDP2
+        holds its unsharded gradients, rather than from its first gradient on."""
         self._queue_end_of_backward()
-        group, i = self._slot[p]
-        if group.grad_flat is None:
-            self._land_in_flight()
-            group.grad_flat = group.grad_shard.new_zeros(group.layout.padded)
-            self._note_peak()
-        group.layout.view(group.grad_flat, i).copy_(p.grad)
-        p.grad = None
+        group, _ = self._slot[p]
+        self._note_peak()
         group.pending -= 1
         self.events.append(("ready", group.name))
         if group.pending == 0:
             self._on_group_ready(group)
+            self._stage_grads(group)
         self._launch_ready()
-
-    def _land_in_flight(self) -> None:
-        """Land the reduce-scatters in flight before another bucket's full gradient is allocated: the
-        launched one has overlapped the backward since it completed, and landing it now frees its full
-        gradient, so at most one bucket's full gradient exists at a time."""
-        for group in list(self._in_flight):
-            self._land(group)
 
     def _reduce_target(self, group: Group) -> torch.Tensor:
         """The gradient shard itself while it is still empty (the first pass of a step): the sum lands
