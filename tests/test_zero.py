@@ -240,6 +240,7 @@ def _one_step_events(cfgs: list[Config]) -> dict[int, tuple]:
     out = {}
     for cfg in cfgs:
         run = build(cfg, mesh)
+        run.engine.peak_state_bytes = 0
         forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
         events = list(run.engine.events)
         units = [u.name for u in getattr(run.engine, "units", [])]
@@ -292,6 +293,7 @@ def _in_step_peaks(cfgs: list[Config]) -> list[int]:
     peaks = []
     for cfg in cfgs:
         run = build(cfg, mesh)
+        run.engine.peak_state_bytes = 0
         forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
         run.engine.step(cfg.lr, cfg.grad_clip)
         peaks.append(run.engine.peak_state_bytes)

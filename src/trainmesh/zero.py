@@ -345,7 +345,7 @@ class ZeroEngine:
         self._in_flight: list[Group] = []
         self._reset_pending()
         self.events: list[tuple[str, ...]] = []
-        self.peak_state_bytes = 0
+        self.peak_state_bytes: int | None = None
 
     @property
     def dp(self) -> int:
@@ -524,8 +524,11 @@ class ZeroEngine:
                 + optimizer_tensors(self.optimizer))
 
     def _note_peak(self) -> None:
-        """Track the most model state held at any point of a step (transient buffers included)."""
-        self.peak_state_bytes = max(self.peak_state_bytes, storage_bytes(self.state_tensors()))
+        """Track the most model state held at any point of a step (transient buffers included), while
+        :attr:`peak_state_bytes` is a number: set it (to the state held now, say) to start tracking. Each
+        sample walks every state tensor, several times per unit, so it is off (``None``) by default."""
+        if self.peak_state_bytes is not None:
+            self.peak_state_bytes = max(self.peak_state_bytes, storage_bytes(self.state_tensors()))
 
 
 class ZeroStage1(ZeroEngine):
