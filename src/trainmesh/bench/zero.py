@@ -235,12 +235,12 @@ def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
         if stage == 3:
             early = _param_diff(run, model)
         steps = {"trainmesh": ours, "torch": peer_step}
-        rates = compare(steps, tokens, rounds, steps_per_round, mesh.device)
+        rates = compare(steps, tokens, rounds, steps_per_round, mesh.device, warmup=0)  # the memory steps warmed
         rss = rss_after(steps, rounds, steps_per_round)
         results.append(Result(f"zero{stage}", f"trainmesh --zero {stage}", peer, rates["trainmesh"], rates["torch"],
                               rss["trainmesh"], rss["torch"]))
         if stage == 3:
-            lines.append(_versus_fsdp2(run, model, optimizer, early, 4 + rounds * steps_per_round + RSS_STEPS))
+            lines.append(_versus_fsdp2(run, model, optimizer, early, 2 + rounds * steps_per_round + RSS_STEPS))
         del run, steps, ours, peer_step
         gc.collect()
     if dist.get_rank() == 0:
