@@ -268,6 +268,7 @@ def test_zero3_prefetches_overlaps_and_frees(one_step):
     for k in range(1, len(units)):
         prefetch = events.index(("gather", units[k - 1], "bwd_param_all_gather"))
         assert prefetch < events.index(("reduce_scatter", units[k])), f"{units[k - 1]} not prefetched in backward"
+        assert events[prefetch + 1] == ("ready", units[k]), f"{units[k - 1]} not prefetched by {units[k]}'s gradients"
     kinds = [e[0] for e in events]
     assert kinds.index("reduce_scatter") < len(kinds) - 1 - kinds[::-1].index("ready"), "no overlap with backward"
     assert still_gathered == [] and full_grads_held == [], "parameters or full gradients kept after backward"
@@ -292,6 +293,7 @@ def _in_step_peaks(cfgs: list[Config]) -> list[int]:
     peaks = []
     for cfg in cfgs:
         run = build(cfg, mesh)
+        run.engine.peak_state_bytes = 0
         forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
         run.engine.step(cfg.lr, cfg.grad_clip)
         peaks.append(run.engine.peak_state_bytes)

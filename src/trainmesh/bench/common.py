@@ -112,12 +112,12 @@ def _timed(step: StepFn, first: int, count: int, device: torch.device) -> float:
 
 
 def compare(steps: dict[str, StepFn], tokens_per_step: int, rounds: int, steps_per_round: int,
-            device: torch.device) -> Rounds:
-    """Tokens/s of each step function in each of ``rounds`` alternating timed rounds, after one warm-up
-    round each."""
+            device: torch.device, warmup: int = 2) -> Rounds:
+    """Tokens/s of each step function in each of ``rounds`` alternating timed rounds, after ``warmup``
+    untimed steps each (0 where the caller has run some already)."""
     per_round: Rounds = {name: [] for name in steps}
     for step in steps.values():
-        _timed(step, 0, 2, device)
+        _timed(step, 0, warmup, device)
     for r in range(rounds):
         for name, step in steps.items():
             elapsed = _timed(step, 2 + r * steps_per_round, steps_per_round, device)

@@ -1,13 +1,14 @@
 """``make bench-cp``: context parallelism on ``small`` at cp 1, 2 and 4, measured against the planner and
 the byte formulas. Prints; asserts nothing.
 
-Four parts (``--parts`` picks some):
+Four parts (``--parts`` picks some), run by one job of cp ranks per degree, each part after the other in the
+same warm processes (:func:`cp_rank`):
 
-* ``memory``: a short ``trainmesh train`` per layout at a long sequence (its learned position table sized to
-  it); from its ``metrics.jsonl``: the activation bytes the first micro-batch saved
+* ``memory``: one training step per layout at a long sequence (its learned position table sized to it), as
+  ``trainmesh train`` takes its first: the activation bytes the first micro-batch saved
   (:class:`trainmesh.metrics.SavedActivations`) against :func:`trainmesh.plan.micro_batch_activation_bytes`,
-  each rank's peak RSS, and the bytes :class:`trainmesh.comm.Comm` counted on the ``cp`` axis against
-  :func:`trainmesh.plan.cp_bytes_per_micro`.
+  the peak RSS during the step, and the bytes :class:`trainmesh.comm.Comm` counted on the ``cp`` axis
+  against :func:`trainmesh.plan.cp_bytes_per_micro`.
 * ``fit``: the longest sequence whose step fits a per-rank memory cap, as the planner answers it
   (:func:`trainmesh.plan.memory_per_rank`) and as real steps measure it (the largest tensor memory held at
   once in a step, :class:`trainmesh.bench.plan.StepPeak`: the quantity the planner models), found by
@@ -25,14 +26,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,12 +38,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
 from trainmesh import api
-from trainmesh.bench.common import trainmesh_step
+from trainmesh.bench.common import peak_rss, trainmesh_step
 from trainmesh.bench.plan import step_peak
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.context_parallel import AXIS, RingTimeline, ring_attention
 from trainmesh.mesh import Mesh
+from trainmesh.metrics import SavedActivations
 from trainmesh.models import spec_of
 from trainmesh.plan import (
     Layout,
@@ -57,7 +55,7 @@ from trainmesh.plan import (
     workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.train import build
+from trainmesh.train import build, forward_backward, rank_batch
 
 MIB = 2**20
 PARTS = ("memory", "fit", "overlap", "torch")
@@ -73,35 +71,45 @@ def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:
 
 # --- memory: activation bytes, peak RSS and cp bytes per rank -------------------------------------------
 
-def _run(cfg_args: list[str], out: Path) -> dict:
-    """One short training run; its first step's metrics record."""
-    subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", *cfg_args, "--out", str(out), "--no-progress"],
-                   check=True)
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+def _impls(cp: int) -> tuple[str, ...]:
+    return ("ring", "a2a") if cp > 1 else ("ring",)
 
 
-def bench_memory(seq_len: int, global_batch: int, degrees: tuple[int, ...]) -> str:
+def memory_rank(seq_len: int, global_batch: int, cp: int, impl: str, mesh: Mesh) -> dict[str, int]:
+    """On every rank: one training step of ``small`` at ``seq_len`` tokens, as ``trainmesh train`` takes its
+    first: the activation bytes its first micro-batch saved, the peak RSS during the step (the process's
+    high-water mark reset first, :func:`trainmesh.bench.common.peak_rss`) and the bytes counted on ``cp``."""
+    cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, nproc=cp, cp_impl=impl,
+                 steps=1, eval_batches=1, progress=False)
+    run = build(cfg, mesh)
+    saved = SavedActivations(run.model.parameters())
+    before = run.comm.totals().get(AXIS, 0)
+
+    def step(i: int) -> None:
+        forward_backward(run, rank_batch(run, run.data.train, i, cfg.global_batch), saved)
+        run.engine.step(cfg.lr, cfg.grad_clip)
+
+    rss = peak_rss(step, 0, count=1)
+    return {"activation_bytes": saved.bytes, "peak_rss": rss, "cp_bytes": int(run.comm.totals().get(AXIS, 0) - before)}
+
+
+def format_memory(seq_len: int, global_batch: int, got: dict[int, dict[str, dict[str, int]]]) -> str:
+    """The ``memory`` table from rank 0's :func:`memory_rank` of each cp degree and implementation."""
     lines = [f"small, {global_batch} sequences of {seq_len} tokens, fp32, one step; per rank (rank 0):",
              f"{'layout':<12}{'act MiB':>10}{'plan MiB':>10}{'vs cp1':>8}{'peak RSS MiB':>14}"
              f"{'cp MiB':>10}{'formula MiB':>13}"]
     base = None
-    with tempfile.TemporaryDirectory() as tmp:
-        for cp in degrees:
-            for impl in ("ring", "a2a") if cp > 1 else ("ring",):
-                args = ["--model", "small", "--seq-len", str(seq_len), "--global-batch", str(global_batch),
-                        "--steps", "1", "--eval-batches", "1", "--nproc", str(cp), "--cp", str(cp),
-                        "--cp-impl", impl]
-                record = _run(args, Path(tmp, f"cp{cp}-{impl}"))
-                cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, cp_impl=impl)
-                layout = Layout(cp=cp, cp_impl=impl)
-                predicted = micro_batch_activation_bytes(workload_of(cfg), layout)
-                measured = record["activation_bytes"][0]
-                base = base or measured
-                counted = record["comm_bytes"].get("cp", 0)
-                formula = sum(cp_bytes_per_micro(workload_of(cfg), layout).values())
-                lines.append(f"{f'cp{cp} {impl}':<12}{measured / MIB:>10.1f}{predicted / MIB:>10.1f}"
-                             f"{measured / base:>8.2f}{record['max_rss_bytes'][0] / MIB:>14.0f}"
-                             f"{counted / MIB:>10.1f}{formula / MIB:>13.1f}")
+    for cp, impls in got.items():
+        for impl, record in impls.items():
+            cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, cp_impl=impl)
+            layout = Layout(cp=cp, cp_impl=impl)
+            predicted = micro_batch_activation_bytes(workload_of(cfg), layout)
+            measured = record["activation_bytes"]
+            base = base or measured
+            formula = sum(cp_bytes_per_micro(workload_of(cfg), layout).values())
+            lines.append(f"{f'cp{cp} {impl}':<12}{measured / MIB:>10.1f}{predicted / MIB:>10.1f}"
+                         f"{measured / base:>8.2f}{record['peak_rss'] / MIB:>14.0f}"
+                         f"{record['cp_bytes'] / MIB:>10.1f}{formula / MIB:>13.1f}")
     return "\n".join(lines)
 
 
@@ -175,9 +183,8 @@ def _tokens_per_s(seq_len: int, cp: int, mesh: Mesh) -> list[float]:
     return rates
 
 
-def fit_rank(cp: int, cap: int) -> dict:
+def fit_rank(cp: int, cap: int, mesh: Mesh) -> dict:
     """On every rank of a cp job: the measured longest sequence under ``cap`` and tokens/s there."""
-    mesh = api.init_mesh(cp=cp)
     probes: dict[int, int] = {}
 
     def fits(seq_len: int) -> bool:
@@ -190,15 +197,15 @@ def fit_rank(cp: int, cap: int) -> dict:
     return {"longest": longest, "probes": probes, "tokens_per_s": _tokens_per_s(longest, cp, mesh)}
 
 
-def bench_fit(cap: int, degrees: tuple[int, ...], timeout: float) -> str:
+def format_fit(cap: int, got: dict[int, dict]) -> str:
+    """The ``fit`` table from rank 0's :func:`fit_rank` of each cp degree."""
     lines = [f"longest sequence whose step fits {cap / MIB:.0f} MiB per rank (model state + activations + "
              f"logits), ring, global batch 1:",
              f"{'cp':<4}{'planner':>9}{'measured':>10}{'(resolution)':>14}{'probes':>8}   tokens/s at that length "
              f"(median, min-max of {FIT_STEPS} steps)"]
-    for cp in degrees:
-        got = run_ranks(fit_rank, cp, cp, cap, timeout=timeout)[0]
-        lines.append(f"{cp:<4}{longest_fitting(cap, cp):>9,}{got['longest']:>10,}{2 * cp * FIT_UNIT:>14}"
-                     f"{len(got['probes']):>8}   {_spread(got['tokens_per_s'])}")
+    for cp, fit in got.items():
+        lines.append(f"{cp:<4}{longest_fitting(cap, cp):>9,}{fit['longest']:>10,}{2 * cp * FIT_UNIT:>14}"
+                     f"{len(fit['probes']):>8}   {_spread(fit['tokens_per_s'])}")
     return "\n".join(lines)
 
 
@@ -235,10 +242,10 @@ def _ring_parts(cp: int) -> dict[str, tuple[str, Callable[[int], bool], int]]:
             "bwd home": ("backward", lambda step: step == cp, 1)}
 
 
-def overlap_rank(seq_len: int, cp: int) -> dict[str, dict[str, list[float]]]:
+def overlap_rank(seq_len: int, cp: int, mesh: Mesh) -> dict[str, dict[str, list[float]]]:
     """On every rank, per part of :func:`_ring_parts` and repetition: the ring's compute, its exposed wait
     and the transfer time of the messages it waited on."""
-    comm = Comm(api.init_mesh(cp=cp))
+    comm = Comm(mesh)
     q, k, v = _attention_inputs(seq_len, cp, dist.get_rank())
     grad = torch.randn_like(q)
     parts = _ring_parts(cp)
@@ -260,13 +267,13 @@ def overlap_rank(seq_len: int, cp: int) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def bench_overlap(seq_len: int, degrees: tuple[int, ...], timeout: float) -> str:
+def format_overlap(seq_len: int, got: dict[int, list[dict]]) -> str:
+    """The ``overlap`` table from every rank's :func:`overlap_rank` of each cp degree above 1."""
     lines = [f"ring timeline, small's attention (8 heads of 32) at {seq_len} tokens, sums over the ranks, "
              f"median (min-max) of {REPEATS}; hidden = 1 - exposed wait / transfer (0 where the wait exceeds "
              f"the transfer: a peer still computing):",
              f"{'cp':<4}{'part':<10}{'compute s':>22}{'exposed wait s':>24}{'transfer s':>24}{'hidden':>20}"]
-    for cp in (c for c in degrees if c > 1):
-        ranks = run_ranks(overlap_rank, cp, seq_len, cp, timeout=timeout)
+    for cp, ranks in got.items():
         parts = {part: {key: [sum(r[part][key][i] for r in ranks) for i in range(REPEATS)]
                         for key in ("compute", "wait", "transfer")} for part in _ring_parts(cp)}
         parts["all"] = {key: [sum(p[key][i] for p in parts.values()) for i in range(REPEATS)]
@@ -294,10 +301,10 @@ def _timed_attention(attend: Callable[[], torch.Tensor]) -> list[float]:
     return times
 
 
-def torch_cp_rank(seq_len: int) -> dict:
+def torch_cp_rank(seq_len: int, mesh: Mesh) -> dict:
     """On two ranks: seconds per forward + backward of causal attention over ``seq_len`` tokens through
     trainmesh's ring and through torch's ``context_parallel`` (or the error torch raised)."""
-    comm = Comm(api.init_mesh(cp=2))
+    comm = Comm(mesh)
     q, k, v = _attention_inputs(seq_len, 2, dist.get_rank())
     ours = _timed_attention(lambda: ring_attention(q, k, v, comm))
     whole = _attention_inputs(seq_len, 1, seed=2)  # the same whole sequence on both ranks
@@ -310,8 +317,8 @@ def torch_cp_rank(seq_len: int) -> dict:
     return {"ours": ours, "theirs": theirs}
 
 
-def bench_torch(seq_len: int, timeout: float) -> str:
-    got = run_ranks(torch_cp_rank, 2, seq_len, timeout=timeout)[0]
+def format_torch(seq_len: int, got: dict) -> str:
+    """The ``torch`` lines from rank 0's :func:`torch_cp_rank`."""
     ours = [seq_len / s for s in got["ours"]]
     lines = [f"causal attention over {seq_len} tokens at cp 2, forward + backward, tokens/s (median, min-max of "
              f"{REPEATS}):", f"  trainmesh ring: {_spread(ours)}"]
@@ -323,6 +330,25 @@ def bench_torch(seq_len: int, timeout: float) -> str:
     return "\n".join(lines)
 
 
+def cp_rank(cp: int, parts: tuple[str, ...], seq_len: int, global_batch: int, cap: int, impl: str = "ring") -> dict:
+    """On every rank of one job of ``cp`` ranks: each of ``parts`` that measures at this degree, one after
+    another in the same warm processes (one start-up, one data load per degree). ``memory`` measures
+    ``impl`` only, first, so that its peak RSS is a fresh process's, as each layout's own ``trainmesh train``
+    would see it."""
+    mesh = api.init_mesh(cp=cp)
+    out: dict = {}
+    if "memory" in parts:
+        out["memory"] = memory_rank(seq_len, global_batch, cp, impl, mesh)
+        gc.collect()
+    if "fit" in parts:
+        out["fit"] = fit_rank(cp, cap, mesh)
+    if "overlap" in parts and cp > 1:
+        out["overlap"] = overlap_rank(seq_len, cp, mesh)
+    if "torch" in parts and cp == 2:
+        out["torch"] = torch_cp_rank(seq_len, mesh)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096, help="sequence of `memory`, `overlap` and `torch`")
@@ -332,12 +358,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per multi-rank run")
     args = parser.parse_args(argv)
-    degrees = tuple(args.cp)
-    sections = {"memory": lambda: bench_memory(args.seq_len, args.global_batch, degrees),
-                "fit": lambda: bench_fit(args.cap_mib * MIB, degrees, args.timeout),
-                "overlap": lambda: bench_overlap(args.seq_len, degrees, args.timeout),
-                "torch": lambda: bench_torch(args.seq_len, args.timeout)}
-    for part in args.parts:
+    parts, cap = tuple(args.parts), args.cap_mib * MIB
+    degrees = sorted(set(args.cp) | ({2} if "torch" in parts else set()))
+    ranks = {cp: run_ranks(cp_rank, cp, cp, parts, args.seq_len, args.global_batch, cap, timeout=args.timeout)
+             for cp in degrees}
+    chosen = [cp for cp in degrees if cp in args.cp]
+    memory = {cp: {"ring": ranks[cp][0].get("memory")} for cp in chosen}
+    for cp in chosen if "memory" in parts else []:
+        for impl in _impls(cp)[1:]:
+            memory[cp][impl] = run_ranks(cp_rank, cp, cp, ("memory",), args.seq_len, args.global_batch, cap, impl,
+                                         timeout=args.timeout)[0]["memory"]
+    sections = {"memory": lambda: format_memory(args.seq_len, args.global_batch, memory),
+                "fit": lambda: format_fit(cap, {cp: ranks[cp][0]["fit"] for cp in chosen}),
+                "overlap": lambda: format_overlap(args.seq_len, {cp: [r["overlap"] for r in ranks[cp]]
+                                                                 for cp in chosen if cp > 1}),
+                "torch": lambda: format_torch(args.seq_len, ranks[2][0]["torch"])}
+    for part in parts:
         print(sections[part](), end="\n\n", flush=True)
 
 
