@@ -9,8 +9,8 @@ Execution model:
 * verification treats a SEND and its matching RECV as a rendezvous (both ranks must have reached
   them), the strictest semantics a runtime may face, so a schedule that passes also runs with
   asynchronous sends and receives, under which every action can only start earlier. Timing uses
-  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from its
-  SEND being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
+  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from the
+  later of its SEND and RECV being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
   posting one SEND or RECV (host work that is neither compute nor idle waiting); every action of a
   rank starts ``Costs.dispatch`` after the previous one ends at the earliest (the runtime's own work).
 
@@ -374,9 +374,9 @@ def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microb
 class _Run:
     """Dataflow execution of a placed, complete schedule; a deadlock raises ScheduleError.
 
-    ``lone`` actions take ``Costs.lone`` times their duration. ``blocking``: a SEND and its RECV rendezvous (both ranks busy for the latency), like
-    ``dist.send``/``dist.recv``. Otherwise both only post the operation (``isend``/``irecv``) and
-    return at once; the data lands ``comm`` after the SEND was posted and its consumer waits for it.
+    ``lone`` actions take ``Costs.lone`` times their duration. ``blocking``: a SEND and its RECV
+    rendezvous (both ranks busy for the latency), like ``dist.send``/``dist.recv``. Otherwise both only post the operation (``isend``/``irecv``) and
+    return at once; the data lands ``comm`` after both are posted and its consumer waits for it.
     Start times are a max over the rank's free time and input times, so the result does not depend
     on the order in which ranks are stepped.
     """
@@ -394,6 +394,7 @@ class _Run:
         self.position = [0] * self.n_ranks
         self.free_at = [0.0] * self.n_ranks
         self.ready: dict[tuple[int, Token], float] = {}
+        self.posted: dict[Action, float] = {}
         self.records: list[TimelineRecord] = []
 
     def timeline(self) -> Timeline:
@@ -454,16 +455,20 @@ class _Run:
         return True
 
     def _post(self, rank: int, comm: Action) -> bool:
-        """Post an isend/irecv: the rank is busy ``post``; a send's data reaches its peer ``comm`` after
-        the send was posted (or when posting ends, if that is later)."""
+        """Post an isend/irecv: the rank is busy ``post``. The data moves once both sides are posted (Gloo,
+        like any rendezvous protocol, sends only into a posted receive) and reaches the peer ``comm`` after
+        the later of the two (or when posting ends, if that is later)."""
         start = self.free_at[rank] + self.costs.dispatch
         if comm.kind in _RECV_FOR:  # a SEND: it needs its tensor
             inputs_at = self._inputs_ready_at(rank, comm)
             if inputs_at is None:
                 return False
             start = max(start, inputs_at)
-            recv = _partner(comm)
-            arrival = start + max(self.costs.duration(comm), self.costs.post)
+        self.posted[comm] = start
+        send, recv = (comm, _partner(comm)) if comm.kind in _RECV_FOR else (_partner(comm), comm)
+        if send in self.posted and recv in self.posted:
+            both = max(self.posted[send], self.posted[recv])
+            arrival = max(both + self.costs.duration(comm), self.posted[send] + self.costs.post)
             self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, arrival)
         self._finish(rank, comm, start, start + self.costs.post)
         return True
