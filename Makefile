@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-plan bench-cp bench-moe bench-data clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-cp bench-moe bench-data clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,9 @@ bench-zero: setup
 
 bench-pp: setup
 	$(BIN)/trainmesh bench pp --nproc 2 --pp 2 --model small --global-batch 16 --microbatches 8
+
+bench-pp4: setup
+	$(BIN)/trainmesh bench pp --nproc 4 --pp 4 --model small-deep --global-batch 16 --microbatches 8
 
 bench-plan: setup
 	$(BIN)/python -m trainmesh.bench.plan --model small

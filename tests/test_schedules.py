@@ -222,6 +222,38 @@ def test_comm_latency_costs_time():
     assert simulate(schedule, Costs(comm=0.5), blocking_comm=True).makespan >= slow.makespan
 
 
+def test_a_message_moves_only_once_its_receive_is_posted():
+    """Gloo sends only into a posted receive: GPipe's second activation, sent at t=2, reaches stage 1
+    ``comm`` after its RECV is posted (t=2.5, after F0s1) unless the receive was hoisted before F0s1."""
+    schedule = build_schedule("gpipe", 2, 2)
+    assert schedule[1].index(Action(ActionKind.RECV_F, 1, 1)) > schedule[1].index(Action(F, 0, 1))
+    costs = Costs(forward=1.0, backward=2.0, comm=0.5)
+
+    def second_forward_start(lists) -> float:
+        return next(r.start for r in simulate(lists, costs).records if r.action == Action(F, 1, 1))
+
+    assert second_forward_start(schedule) == pytest.approx(3.0)
+    assert second_forward_start([hoist_receives(actions) for actions in schedule]) == pytest.approx(2.5)
+
+
+def test_lone_actions_borrow_the_idle_cores_and_the_simulator_times_them():
+    from trainmesh.pipeline.runtime import lone_actions
+    schedule = [hoist_receives(actions) for actions in build_schedule("1f1b", 2, 8)]
+    lone = lone_actions(schedule)
+    assert lone == {Action(F, 0, 0), Action(B, 0, 1), Action(B, 7, 0)}
+    plain = simulate(schedule, Costs())
+    fast = simulate(schedule, Costs(lone=0.5))
+    durations = {r.action: r.duration for r in fast.records if r.action.is_compute}
+    assert all(durations[a] == pytest.approx(0.5 * plain_d) for a, plain_d in
+               ((r.action, r.duration) for r in plain.records if r.action in lone))
+    assert fast.makespan < plain.makespan
+    measured = measured_costs([fast], 2, 0.0, lone)
+    assert measured.lone == pytest.approx(0.5)
+    assert measured.forward == pytest.approx((1.0, 1.0)) and measured.backward == pytest.approx((2.0, 2.0))
+    with pytest.raises(ValueError, match="lone must be > 0"):
+        Costs(lone=0.0)
+
+
 # --- activation memory -----------------------------------------------------------------------------
 
 

@@ -87,12 +87,19 @@ def host_store() -> tuple[dist.TCPStore, int]:
     return store, port
 
 
+OMP_SPIN = "10000"
+"""Spins an idle OpenMP worker makes before sleeping (GNU's default, 300000, is ~10 ms): a pipeline rank that
+ran an action on a waiting neighbour's core (:func:`trainmesh.pipeline.runtime.lone_actions`) would keep
+spinning on that core while the neighbour computes again, slowing it by a third (small GPT, measured)."""
+
+
 def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             STORE_CLIENT_ENV: "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+            "OMP_NUM_THREADS": threads, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", OMP_SPIN),
+            "PYTHONUNBUFFERED": "1"}
 
 
 def _describe(rc: int) -> str:

@@ -145,7 +145,7 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
     if run.mesh.global_rank() != 0:
         return ""
     cfg = run.cfg
-    costs = measured_costs([timeline], run.pipeline.n_stages, transfer).save(Path(path).with_suffix(".costs.json"))
+    costs = measured_costs([timeline], run.pipeline.n_stages, transfer, run.pipeline.lone).save(Path(path).with_suffix(".costs.json"))
     simulated = simulate(run.pipeline.schedule, Costs.load(costs)).bubble_fraction
     title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
     return (f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}: measured "

@@ -45,7 +45,7 @@ def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float
         timelines.append(pipeline.gather_timeline())
     pipeline.recording = False
     schedule: Schedule = pipeline.schedule
-    costs = measured_costs(timelines, pipeline.n_stages, transfer)
+    costs = measured_costs(timelines, pipeline.n_stages, transfer, pipeline.lone)
     measured = statistics.median(t.bubble_fraction for t in timelines)
     return measured, simulate(schedule, costs).bubble_fraction, simulate(schedule).bubble_fraction
 

@@ -70,6 +70,8 @@ PRESETS: dict[str, ModelConfig] = {
     # tiny with 8 layers, for pipeline tests: pp=4 with 2 interleaved chunks per rank needs 8 stages.
     "tiny-deep": ModelConfig(n_layers=8, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32),
     "small": ModelConfig(n_layers=4, d_model=256, n_heads=8, d_ff=1024, vocab_size=256, seq_len=128),
+    # small with 8 layers, for the pipeline bench at pp=4: 2 interleaved chunks per rank need 8 stages.
+    "small-deep": ModelConfig(n_layers=8, d_model=256, n_heads=8, d_ff=1024, vocab_size=256, seq_len=128),
     # GPT-2 small's shape; the vocabulary is padded to a multiple of 128 as Megatron does. With byte tokens
     # only the first 256 rows are ever used, but the FLOPs and memory are GPT-2's.
     "gpt2-124m": ModelConfig(n_layers=12, d_model=768, n_heads=12, d_ff=3072, vocab_size=50304, seq_len=1024),

@@ -9,8 +9,8 @@ Execution model:
 * verification treats a SEND and its matching RECV as a rendezvous (both ranks must have reached
   them), the strictest semantics a runtime may face, so a schedule that passes also runs with
   asynchronous sends and receives, under which every action can only start earlier. Timing uses
-  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from its
-  SEND being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
+  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from the
+  later of its SEND and RECV being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
   posting one SEND or RECV (host work that is neither compute nor idle waiting); every action of a
   rank starts ``Costs.dispatch`` after the previous one ends at the earliest (the runtime's own work).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,7 +59,9 @@ class Costs:
     ``comm`` is one message's transfer time (build it from a latency/bandwidth fit with
     :meth:`transfer`); ``post`` is what posting one SEND or RECV costs the posting rank's host thread;
     ``dispatch`` the host time between two actions of a rank (the runtime's own Python). All are zero by
-    default: the setting of the textbook bubble formulas."""
+    default: the setting of the textbook bubble formulas. ``lone`` multiplies the duration of an action
+    no other rank computes during (:func:`concurrency`), which a runtime sharing one host between its
+    ranks runs on the idle ranks' cores too (measured by :func:`measured_costs`; 1: no such borrowing)."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
@@ -68,6 +70,7 @@ class Costs:
     comm: float = 0.0
     post: float = 0.0
     dispatch: float = 0.0
+    lone: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight"):
@@ -77,6 +80,8 @@ class Costs:
                 raise ValueError(
                     f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
                 )
+        if self.lone <= 0:
+            raise ValueError(f"Costs.lone must be > 0 (a duration multiplier), got {self.lone}")
         for name in ("comm", "post", "dispatch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be >= 0, got {getattr(self, name)}")
@@ -211,19 +216,25 @@ class Timeline:
         return tuple(peaks)
 
 
-def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float) -> Costs:
+def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
+                   lone: Collection[Action] = frozenset()) -> Costs:
     """Mean measured duration of each compute kind per global stage, and of posting one message; B stands
     for BI + BW where absent. A mean, not a median: a preempted action lengthens the measured step, and
     the simulated one must carry the same total work to be comparable. The dispatch time is the median gap
-    between a rank's consecutive actions: most gaps are the runtime's own work, the few long ones waits."""
+    between a rank's consecutive actions: most gaps are the runtime's own work, the few long ones waits.
+    The ``lone`` actions (run on borrowed cores) stay out of those means; ``Costs.lone`` is their mean
+    duration over the mean of their kind and stage."""
     durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
+    alone: list[TimelineRecord] = []
     posts, gaps = [], []
     for timeline in timelines:
         for rank in range(timeline.n_ranks):
             records = timeline.rank_records(rank)
             gaps += [after.start - before.end for before, after in zip(records, records[1:])]
         for record in timeline.records:
-            if record.action.kind in COMPUTE_KINDS:
+            if record.action in lone:
+                alone.append(record)
+            elif record.action.kind in COMPUTE_KINDS:
                 durations[(record.action.kind, record.action.stage)].append(record.duration)
             else:
                 posts.append(record.duration)
@@ -233,11 +244,31 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float) ->
             return None
         return tuple(max(statistics.fmean(durations[(kind, s)]), 1e-9) for s in range(n_stages))
 
+    ratios = [r.duration / statistics.fmean(durations[(r.action.kind, r.action.stage)]) for r in alone
+              if durations[(r.action.kind, r.action.stage)]]
+    for record in alone:  # a kind and stage that only ever runs alone keeps its own time
+        if not durations[(record.action.kind, record.action.stage)]:
+            durations[(record.action.kind, record.action.stage)].append(record.duration)
     bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
     backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
     return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
                  comm=comm, post=statistics.fmean(posts) if posts else 0.0,
-                 dispatch=max(statistics.median(gaps), 0.0) if gaps else 0.0)
+                 dispatch=max(statistics.median(gaps), 0.0) if gaps else 0.0,
+                 lone=statistics.fmean(ratios) if ratios else 1.0)
+
+
+def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
+    """How many ranks compute during each compute action (itself included) when every stage costs the
+    same (F=1, B=2): where the schedule leaves an action alone on its host, its rank may borrow the cores
+    of the idle ranks (:class:`~trainmesh.pipeline.runtime.PipelineRuntime`). Uniform costs, not measured
+    ones, so every rank derives the same answer from the action lists alone, before any step has run."""
+    n_ranks = len(schedule)
+    n_total = n_ranks * (max((a.stage // n_ranks for actions in schedule for a in actions), default=0) + 1)
+    timeline = _Run(schedule, Costs(), n_total, blocking=False).timeline()  # also runs forward-only lists
+    computing = [r for r in timeline.records if r.action.is_compute]
+    return {record.action: 1 + len({other.rank for other in computing if other.rank != record.rank
+                                    and other.start < record.end and record.start < other.end})
+            for record in computing}
 
 
 def simulate(
@@ -271,8 +302,9 @@ def simulate(
     n_total = n_ranks * n_virtual
     _check_placement(schedule, n_total, n_microbatches)
     _check_complete(schedule, n_total, n_microbatches)
-    strict = _Run(schedule, costs, n_total, blocking=True).timeline()
-    return strict if blocking_comm else _Run(schedule, costs, n_total, blocking=False).timeline()
+    lone = frozenset() if costs.lone == 1.0 else frozenset(a for a, n in concurrency(schedule).items() if n == 1)
+    strict = _Run(schedule, costs, n_total, blocking=True, lone=lone).timeline()
+    return strict if blocking_comm else _Run(schedule, costs, n_total, blocking=False, lone=lone).timeline()
 
 
 def _check_placement(schedule: Sequence[Sequence[Action]], n_total: int, n_microbatches: int) -> None:
@@ -342,17 +374,19 @@ def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microb
 class _Run:
     """Dataflow execution of a placed, complete schedule; a deadlock raises ScheduleError.
 
-    ``blocking``: a SEND and its RECV rendezvous (both ranks busy for the latency), like
-    ``dist.send``/``dist.recv``. Otherwise both only post the operation (``isend``/``irecv``) and
-    return at once; the data lands ``comm`` after the SEND was posted and its consumer waits for it.
+    ``lone`` actions take ``Costs.lone`` times their duration. ``blocking``: a SEND and its RECV
+    rendezvous (both ranks busy for the latency), like ``dist.send``/``dist.recv``. Otherwise both only post the operation (``isend``/``irecv``) and
+    return at once; the data lands ``comm`` after both are posted and its consumer waits for it.
     Start times are a max over the rank's free time and input times, so the result does not depend
     on the order in which ranks are stepped.
     """
 
     def __init__(
-        self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool
+        self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool,
+        lone: Collection[Action] = frozenset(),
     ) -> None:
         self.schedule = schedule
+        self.lone = lone
         self.costs = costs
         self.n_total = n_total
         self.blocking = blocking
@@ -360,6 +394,7 @@ class _Run:
         self.position = [0] * self.n_ranks
         self.free_at = [0.0] * self.n_ranks
         self.ready: dict[tuple[int, Token], float] = {}
+        self.posted: dict[Action, float] = {}
         self.records: list[TimelineRecord] = []
 
     def timeline(self) -> Timeline:
@@ -401,7 +436,7 @@ class _Run:
         if inputs_at is None:
             return False
         start = max(self.free_at[rank] + self.costs.dispatch, inputs_at)
-        end = start + self.costs.duration(action)
+        end = start + self.costs.duration(action) * (self.costs.lone if action in self.lone else 1.0)
         self._finish(rank, action, start, end)
         self._deliver(rank, action, end)
         return True
@@ -420,16 +455,20 @@ class _Run:
         return True
 
     def _post(self, rank: int, comm: Action) -> bool:
-        """Post an isend/irecv: the rank is busy ``post``; a send's data reaches its peer ``comm`` after
-        the send was posted (or when posting ends, if that is later)."""
+        """Post an isend/irecv: the rank is busy ``post``. The data moves once both sides are posted (Gloo,
+        like any rendezvous protocol, sends only into a posted receive) and reaches the peer ``comm`` after
+        the later of the two (or when posting ends, if that is later)."""
         start = self.free_at[rank] + self.costs.dispatch
         if comm.kind in _RECV_FOR:  # a SEND: it needs its tensor
             inputs_at = self._inputs_ready_at(rank, comm)
             if inputs_at is None:
                 return False
             start = max(start, inputs_at)
-            recv = _partner(comm)
-            arrival = start + max(self.costs.duration(comm), self.costs.post)
+        self.posted[comm] = start
+        send, recv = (comm, _partner(comm)) if comm.kind in _RECV_FOR else (_partner(comm), comm)
+        if send in self.posted and recv in self.posted:
+            both = max(self.posted[send], self.posted[recv])
+            arrival = max(both + self.costs.duration(comm), self.posted[send] + self.costs.post)
             self._deliver(stage_to_rank(recv.stage, self.n_ranks), recv, arrival)
         self._finish(rank, comm, start, start + self.costs.post)
         return True
