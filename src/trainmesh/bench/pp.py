@@ -16,6 +16,7 @@ clipping, in alternating timed rounds (:func:`trainmesh.bench.common.compare`).
 
 from __future__ import annotations
 
+import math
 import dataclasses
 import statistics
 
@@ -118,8 +119,8 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
         run = build(variant, mesh)
         if transfer is None:  # the link is measured once per run, with the first pipeline's activations
             latency, bandwidth, transfer = run.pipeline.transfer_seconds(cfg.micro_batch, cfg.model_config.seq_len)
-            lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {bandwidth / 1e9:.2f} GB/s: "
-                            f"{transfer * 1e3:.3f} ms per activation")
+            rate = f"{bandwidth / 1e9:.2f} GB/s" if math.isfinite(bandwidth) else "no size effect above the noise"
+            lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {rate}: {transfer * 1e3:.3f} ms per activation")
         measured, simulated, uniform = _bubbles(run, BUBBLE_STEPS, transfer)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
         results.append(_versus_torch(run, label, rounds, steps_per_round))
