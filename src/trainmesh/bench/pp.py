@@ -16,8 +16,8 @@ clipping, in alternating timed rounds (:func:`trainmesh.bench.common.compare`).
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 import statistics
 
 import torch

@@ -30,8 +30,8 @@ gathers ZeRO-3 parameters, which no unit-output hook gathers for a call starting
 from __future__ import annotations
 
 import contextlib
-import os
 import itertools
+import os
 import statistics
 import sys
 import time
