@@ -35,7 +35,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,17 +72,18 @@ default is 5 ms: a message posted between two actions left ~3 ms late, measured 
 
 
 @contextlib.contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to ``threads`` inside the block (None: left alone)."""
-    if threads is None:
+def _temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any) -> Iterator[None]:
+    """A process-wide setting (``get``/``set_``) at ``value`` inside the block, restored after it; None leaves
+    it alone. Used for Python's GIL switch interval and torch's intra-op thread count during a step."""
+    if value is None:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        set_(before)
 
 
 def lone_actions(schedule: Sequence[Sequence[Action]]) -> frozenset[Action]:
@@ -92,17 +93,6 @@ def lone_actions(schedule: Sequence[Sequence[Action]]) -> frozenset[Action]:
     first backward and the first stage's last backward run alone, 15 % of the step, 1.5-1.7x faster on two
     threads (small GPT, measured); torch's schedules leave that core idle."""
     return frozenset(action for action, n in concurrency(schedule).items() if n == 1)
-
-
-@contextlib.contextmanager
-def _gil_switch_interval(seconds: float) -> Iterator[None]:
-    """Python's GIL switch interval set to ``seconds`` inside the block, restored after it."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 LATENCY_ROUNDS = 20
@@ -321,13 +311,13 @@ class PipelineRuntime:
                  threads: dict[Action, int]) -> None:
         if self.recording:
             self._start_clock()
-        with _gil_switch_interval(GIL_SWITCH_INTERVAL):
+        with _temporarily(sys.getswitchinterval, sys.setswitchinterval, GIL_SWITCH_INTERVAL):
             for is_comm, group in itertools.groupby(actions, key=lambda a: a.is_comm):
                 if is_comm:
                     self._post(list(group), step)
                 else:
                     for action in group:
-                        with _intra_op_threads(threads.get(action)):
+                        with _temporarily(torch.get_num_threads, torch.set_num_threads, threads.get(action)):
                             self._compute(action, step, engine)
             for posted in step.sends:
                 posted.wait()
