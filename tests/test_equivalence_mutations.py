@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trainmesh.train
+import trainmesh.zero
 from trainmesh.comm import Comm
 from trainmesh.config import Config
 
@@ -16,20 +17,31 @@ from trainmesh.testing import run_ranks
 from helpers import FP64_ATOL, check_equivalent, differences, in_fp64, train_rank, train_single
 
 
-def _perturb_contribution(method: str, scale: float = 1.0, shift: int = 0) -> None:
-    """Make rank 0's input to every dp-axis gradient ``method`` wrong: scaled by ``scale``, or rolled by
-    ``shift`` elements (a shard boundary off by that much)."""
-    original = getattr(Comm, method)
-    source_at = {"all_reduce": 0, "reduce_scatter": 1}[method]
+def _perturb_contribution(scale: float) -> None:
+    """Make rank 0's input to every dp-axis gradient all-reduce wrong: scaled by ``scale``."""
+    original = Comm.all_reduce
 
-    def wrong(self, *args, **kwargs):
-        source, axis = args[source_at], args[source_at + 1]
-        if axis == "dp" and self.rank == 0 and kwargs.get("op", method) in (method, "grad_reduce_scatter"):
+    def wrong(self, tensor, axis, *args, **kwargs):
+        if axis == "dp" and self.rank == 0 and kwargs.get("op", "all_reduce") == "all_reduce":
             with torch.no_grad():
-                source.copy_(torch.roll(source, shift) * scale)
-        return original(self, *args, **kwargs)
+                tensor.mul_(scale)
+        return original(self, tensor, axis, *args, **kwargs)
 
-    setattr(Comm, method, wrong)
+    Comm.all_reduce = wrong
+
+
+def _shift_zero_gradients(shift: int) -> None:
+    """Make rank 0's gradients entering every ZeRO reduce-scatter over dp rolled by ``shift`` elements (a shard
+    boundary off by that much), whichever way the shards are exchanged (:func:`trainmesh.zero.reduce_scatter_shards`)."""
+    original = trainmesh.zero.reduce_scatter_shards
+
+    def wrong(comm, out, full, axis, op):
+        if axis == "dp" and comm.rank == 0:
+            with torch.no_grad():
+                full.copy_(torch.roll(full, shift))
+        return original(comm, out, full, axis, op)
+
+    trainmesh.zero.reduce_scatter_shards = wrong
 
 
 def _drop_last_microbatch() -> None:
@@ -44,8 +56,8 @@ def _drop_last_microbatch() -> None:
 
 
 MUTATIONS = {
-    "a dp gradient contribution off by 1e-6 relative": lambda: _perturb_contribution("all_reduce", scale=1 + 1e-6),
-    "a ZeRO gradient shard off by one element": lambda: _perturb_contribution("reduce_scatter", shift=1),
+    "a dp gradient contribution off by 1e-6 relative": lambda: _perturb_contribution(scale=1 + 1e-6),
+    "a ZeRO gradient shard off by one element": lambda: _shift_zero_gradients(shift=1),
     "a dropped micro-batch": _drop_last_microbatch,
 }
 
