@@ -20,7 +20,15 @@ from trainmesh.pipeline.schedules import (
     required_messages,
     stage_to_rank,
 )
-from trainmesh.pipeline.simulate import Costs, ScheduleError, Timeline, TimelineRecord, measured_costs, simulate
+from trainmesh.pipeline.simulate import (
+    Costs,
+    ScheduleError,
+    Timeline,
+    TimelineRecord,
+    measured_costs,
+    replayed_bubble,
+    simulate,
+)
 
 F, B, BI, BW = ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -518,3 +526,22 @@ def test_measured_costs_recover_the_costs_of_a_timeline_and_round_trip(tmp_path)
     (tmp_path / "bad.json").write_text("{\"forwards\": 1}")
     with pytest.raises(ValueError, match="trainmesh train --timeline"):
         Costs.load(tmp_path / "bad.json")
+
+
+def test_replaying_recorded_durations_reproduces_each_steps_bubble_which_mean_costs_underestimate():
+    """Steps whose actions vary around their mean (as measured on a shared CPU) idle longer than a step of
+    mean durations: the replay reproduces each recorded step's bubble exactly, the mean costs fall short."""
+    schedule = [hoist_receives(a) for a in build_schedule("1f1b", 2, 8)]
+    base = Costs(forward=1.0, backward=2.0, comm=0.05, post=0.01, dispatch=0.02)
+    rng = random.Random(0)
+
+    class Varied(Costs):
+        def duration(self, action: Action) -> float:
+            return base.duration(action) * (1.0 if action.is_comm else rng.uniform(0.7, 1.3))
+
+    steps = [simulate(schedule, Varied(comm=0.05, post=0.01, dispatch=0.02)) for _ in range(5)]
+    costs = measured_costs(steps, 2, comm=0.05)
+    assert replayed_bubble(schedule, costs, steps[:1]) == pytest.approx(steps[0].bubble_fraction, abs=1e-12)
+    measured = sorted(t.bubble_fraction for t in steps)[2]
+    assert replayed_bubble(schedule, costs, steps) == pytest.approx(measured, abs=1e-12)
+    assert simulate(schedule, costs).bubble_fraction < measured - 0.01

@@ -4,11 +4,14 @@ and each schedule against ``torch.distributed.pipelining``'s class of the same n
 
 Bubble: every schedule trains a few recorded steps; the runtime times each action on a clock aligned
 across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
-of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). The prediction
-simulates the same action lists with the mean measured duration of each (action kind, stage), the mean
-time a rank spends posting a message, and a transfer time from a latency/bandwidth fit of the link measured
-once per run, so the difference between the two is what the simulator does not model: host dispatch
-between actions, a message delayed by a busy receiver, other load on the machine. ``uniform`` is the textbook figure (F=1, B=2 per stage, free communication).
+of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). Two predictions
+stand beside it. ``simulated`` runs the same action lists with the mean measured duration of each (action
+kind, stage), the mean time a rank spends posting a message, and a transfer time from a latency/bandwidth
+fit of the link measured once per run. ``replayed`` runs them with each recorded step's own durations
+(:func:`~trainmesh.pipeline.simulate.replayed_bubble`): the gap from measured to replayed is waiting the
+simulator does not model (a message delayed by a busy host, a late post), the gap from replayed to
+simulated is the durations' variation, which mean costs cannot show. ``uniform`` is the textbook figure
+(F=1, B=2 per stage, free communication).
 
 Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
 clipping, in alternating timed rounds (:func:`trainmesh.bench.common.compare`).
@@ -30,13 +33,14 @@ from trainmesh.models import spec_of
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
-from trainmesh.pipeline.simulate import measured_costs, simulate
+from trainmesh.pipeline.simulate import measured_costs, replayed_bubble, simulate
 from trainmesh.precision import dtype_of
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
-def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float]:
-    """(measured, simulated with measured costs, uniform textbook) bubble fraction of ``run``'s schedule."""
+def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float, float]:
+    """(measured, simulated with the measured mean costs, simulated with each recorded step's own durations,
+    uniform textbook) bubble fraction of ``run``'s schedule."""
     pipeline, step = run.pipeline, trainmesh_step(run)
     step(0)
     timelines = []
@@ -48,7 +52,8 @@ def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float
     schedule: Schedule = pipeline.schedule
     costs = measured_costs(timelines, pipeline.n_stages, transfer, pipeline.lone)
     measured = statistics.median(t.bubble_fraction for t in timelines)
-    return measured, simulate(schedule, costs).bubble_fraction, simulate(schedule).bubble_fraction
+    replayed = replayed_bubble(schedule, costs, timelines)
+    return measured, simulate(schedule, costs).bubble_fraction, replayed, simulate(schedule).bubble_fraction
 
 
 def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
@@ -110,7 +115,7 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     mesh = setup_process(cfg)
     lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
              f"micro_batch={cfg.micro_batch} device={mesh.device.type} threads/rank={torch.get_num_threads()}",
-             f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'uniform':>8}   (bubble fraction)"]
+             f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'replayed':>9} {'uniform':>8}   (bubble fraction)"]
     results, transfer = [], None
     for variant, label in _variants(cfg):
         if variant is None:
@@ -121,8 +126,9 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
             latency, bandwidth, transfer = run.pipeline.transfer_seconds(cfg.micro_batch, cfg.model_config.seq_len)
             rate = f"{bandwidth / 1e9:.2f} GB/s" if math.isfinite(bandwidth) else "no size effect above the noise"
             lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {rate}: {transfer * 1e3:.3f} ms per activation")
-        measured, simulated, uniform = _bubbles(run, BUBBLE_STEPS, transfer)
-        lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {uniform:>8.3f}")
+        measured, simulated, replayed, uniform = _bubbles(run, BUBBLE_STEPS, transfer)
+        lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {replayed:>9.3f} "
+                     f"{uniform:>8.3f}")
         results.append(_versus_torch(run, label, rounds, steps_per_round))
     lines += [r.line() for r in results]
     if dist.get_rank() == 0:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from trainmesh.pipeline.schedules import (
@@ -255,6 +255,31 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
                  comm=comm, post=statistics.fmean(posts) if posts else 0.0,
                  dispatch=max(statistics.median(gaps), 0.0) if gaps else 0.0,
                  lone=statistics.fmean(ratios) if ratios else 1.0)
+
+
+@dataclass(frozen=True)
+class _Replayed(Costs):
+    """Costs whose compute actions take the durations in ``taken`` (one recorded step, :func:`replayed_bubble`)."""
+
+    taken: Mapping[Action, float] = field(default_factory=dict)
+
+    def duration(self, action: Action) -> float:
+        return self.taken[action] if action in self.taken else super().duration(action)
+
+
+def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timelines: Sequence[Timeline]) -> float:
+    """The median over recorded steps of the bubble simulated with every compute action taking the time it
+    took in that step, the other costs (messages, posting, dispatch) being ``costs``'s.
+
+    Mean costs (:func:`measured_costs`) predict a step whose actions all last their kind's mean, but a
+    pipeline waits on its slowest path, so actions that vary from one micro-batch to the next (±10-20 % on
+    a CPU shared with communication threads, measured) make the real step longer. Replaying each step's own
+    durations keeps that variation, so what is left between this figure and the measured one is waiting the
+    simulator does not model (a message delayed on its way, a late post), not the durations."""
+    fields = {name: getattr(replace(costs, lone=1.0), name) for name in Costs.__dataclass_fields__}
+    return statistics.median(
+        simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute}))
+        .bubble_fraction for t in timelines)
 
 
 def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
