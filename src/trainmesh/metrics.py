@@ -76,7 +76,7 @@ class SavedActivations:
         storage = t.untyped_storage()
         if storage.data_ptr() not in {p.untyped_storage().data_ptr() for p in self._exclude}:
             self._seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()  # not t: a saved output would hold its own node, and the graph with it, under retain_graph
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["SavedActivations"]:

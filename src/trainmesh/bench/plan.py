@@ -81,8 +81,8 @@ from trainmesh.testing import run_ranks
 from trainmesh.run import Run
 from trainmesh.train import forward_backward, rank_batch, train
 
-# The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B and
-# GPipe), CP (ring and all-to-all), and their products. Each is Config fields over BASE.
+# The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B,
+# GPipe and ZB-H1), CP (ring and all-to-all), and their products. Each is Config fields over BASE.
 MATRIX: dict[int, dict[str, dict[str, object]]] = {
     2: {
         "dp2": {"dp": 2},
@@ -93,6 +93,7 @@ MATRIX: dict[int, dict[str, dict[str, object]]] = {
         "tp2-sp": {"tp": 2, "sequence_parallel": True},
         "pp2-1f1b": {"pp": 2, "microbatches": 2},
         "pp2-gpipe": {"pp": 2, "microbatches": 4, "schedule": "gpipe"},
+        "pp2-zb": {"pp": 2, "microbatches": 4, "schedule": "zb"},
         "cp2-ring": {"cp": 2},
         "cp2-a2a": {"cp": 2, "cp_impl": "a2a"},
     },
@@ -168,7 +169,7 @@ class StepPeak:
             self.live += storage.nbytes()
         self._refs[key] += 1
         self.sample()
-        return _Saved(t, key, self)
+        return _Saved(t.detach(), key, self)  # no grad_fn: a saved output would hold its own node alive
 
     def _released(self, key: int) -> None:
         self.sample()
