@@ -36,7 +36,7 @@ from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progres
 from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
-from trainmesh.pipeline.simulate import Costs, measured_costs, simulate
+from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
 from trainmesh.precision import dtype_of
 from trainmesh import api, checkpoint
 
@@ -147,10 +147,12 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
     cfg = run.cfg
     costs = measured_costs([timeline], run.pipeline.n_stages, transfer, run.pipeline.lone).save(Path(path).with_suffix(".costs.json"))
     simulated = simulate(run.pipeline.schedule, Costs.load(costs)).bubble_fraction
+    replayed = replayed_bubble(run.pipeline.schedule, Costs.load(costs), [timeline])
     title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
     return (f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}: measured "
             f"bubble {timeline.bubble_fraction:.4f}, simulated from its measured costs {simulated:.4f} "
-            f"(trainmesh schedule --pp {cfg.pp} --microbatches {cfg.microbatches} --schedule {cfg.schedule} "
+            f"({replayed:.4f} with each action's own measured duration; "
+            f"trainmesh schedule --pp {cfg.pp} --microbatches {cfg.microbatches} --schedule {cfg.schedule} "
             f"--virtual {cfg.virtual_stages} --costs {costs})")
 
 
