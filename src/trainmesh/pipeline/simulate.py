@@ -24,7 +24,7 @@ import json
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainmesh.pipeline.schedules import (
@@ -276,7 +276,7 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
     a CPU shared with communication threads, measured) make the real step longer. Replaying each step's own
     durations keeps that variation, so what is left between this figure and the measured one is waiting the
     simulator does not model (a message delayed on its way, a late post), not the durations."""
-    fields = {name: getattr(replace(costs, lone=1.0), name) for name in Costs.__dataclass_fields__}
+    fields = {**asdict(costs), "lone": 1.0}  # a recorded duration is what the action took, borrowed cores or not
     return statistics.median(
         simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute}))
         .bubble_fraction for t in timelines)
