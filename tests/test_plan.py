@@ -176,16 +176,20 @@ def test_measuring_saved_activations_keeps_no_graph_alive_under_retain_graph() -
     behind it, alive for good: the measured ZB-H1 peaks were 28-76 % above what the runtime holds."""
     from trainmesh.bench.plan import StepPeak
 
+    def graph_tensors() -> set[int]:
+        gc.collect()
+        return {id(t) for t in gc.get_objects() if type(t) is torch.Tensor and t.grad_fn is not None}
+
     model = GPT(PRESETS["tiny"])
     x, y = _tiny_batch(2)
     peak = StepPeak(model.parameters, lambda: 0)
+    before = graph_tensors()  # whatever other tests left alive
     for recording in (SavedActivations(model.parameters()).recording(), peak.recording()):
         with recording:
             loss = cross_entropy(model(x), y)
         torch.autograd.backward(loss, retain_graph=True)
         del loss
-        gc.collect()
-        assert not [t for t in gc.get_objects() if type(t) is torch.Tensor and t.grad_fn is not None]
+        assert not graph_tensors() - before
     assert peak.live == 0 and peak.saved > 0
 
 
