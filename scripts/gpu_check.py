@@ -2,7 +2,7 @@
 their tokens/s, MFU and peak memory printed as one Markdown table and appended to that page with the date,
 the GPU and the torch version.
 
-Sized to finish in about 10 minutes on one GPU (``scripts/gpu_check.sh`` runs the NCCL check first, then
+Sized to finish in about 5 minutes on one GPU (``scripts/gpu_check.sh`` runs the NCCL check first, then
 this). On a machine without a GPU, ``--device cpu --model tiny --larger-model tiny --steps 3 --no-write``
 runs every case through the same path, which is how the script itself is checked where no GPU is lent.
 """
@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,16 +27,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Case:
-    """One run of the check: what it shows, the flags beyond the common ones, and the model it trains."""
+    """One run of the check: what it shows, the flags beyond the common ones, the model it trains, and
+    whether it compiles."""
 
     name: str
     flags: tuple[str, ...]
     larger: bool = False
+    compile: bool = True
 
 
-# bf16 autocast, torch.compile per block, SDPA (flash on CUDA at bf16) and fused AdamW (trainmesh picks the
-# fused kernel on CUDA) are common to every case; each case adds the form it measures.
+# bf16 autocast, SDPA (flash on CUDA at bf16) and fused AdamW (trainmesh picks the fused kernel on CUDA) are
+# common to every case, and torch.compile per block to all but the first, which shows what compiling buys;
+# each case adds the form it measures.
 CASES = (
+    Case("bf16 eager (flash SDPA, fused AdamW)", (), compile=False),
     Case("bf16 + compile (flash SDPA, fused AdamW)", ()),
     Case("+ ZeRO-1", ("--zero", "1")),
     Case("+ full recompute", ("--recompute", "full")),
@@ -46,7 +51,7 @@ CASES = (
 def train_command(case: Case, args: argparse.Namespace, gpus: int, out: Path) -> list[str]:
     """The ``trainmesh train`` line of one case: data parallel over every GPU, micro-batch 16 per GPU."""
     model = args.larger_model if case.larger else args.model
-    compile_flag = ["--compile"] if args.device == "cuda" else []
+    compile_flag = ["--compile"] if case.compile else []
     return [sys.executable, "-m", "trainmesh.cli", "train", "--nproc", str(gpus), "--dp", str(gpus),
             "--model", model, "--precision", "bf16", "--reduce-dtype", "bf16", "--device", args.device,
             *compile_flag, "--steps", str(args.steps), "--global-batch", str(args.batch_per_gpu * gpus),
@@ -55,32 +60,47 @@ def train_command(case: Case, args: argparse.Namespace, gpus: int, out: Path) ->
 
 
 def run_case(case: Case, args: argparse.Namespace, gpus: int, work: Path) -> dict:
-    """Runs one case and returns its row; a failed run is a row that says so rather than an abort, so one
-    out-of-memory case does not cost the figures of the others."""
-    out = work / f"case{CASES.index(case)}"
+    """Runs one case and returns its row; a failed or timed-out run is a row that says so rather than an
+    abort, so one out-of-memory case or one slow compile does not cost the figures of the others. The
+    case's whole output goes to ``--logs`` when given, for the failures a one-line row cannot explain."""
+    index = CASES.index(case)
+    out = work / f"case{index}"
     cmd = train_command(case, args, gpus, out)
     print("$", " ".join(cmd[1:]), flush=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"case": case.name, "error": f"no result within {args.timeout} s"}
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        (Path(args.logs) / f"case{index}.log").write_text(f"$ {' '.join(cmd)}\n{done.stdout}\n{done.stderr}")
     if done.returncode:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"case": case.name, "error": f"exit {done.returncode}: {tail[0]}"}
     s = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    median = statistics.median(r["tokens_per_s"] for r in steps) if steps else s["tokens_per_s"]
     return {"case": case.name, "model": args.larger_model if case.larger else args.model,
-            "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"],
+            "tokens_per_s": s["tokens_per_s"], "median_tokens_per_s": median,
+            "mfu": s["mfu"] and s["mfu"] * median / s["tokens_per_s"],
             "peak_gib": max(s["peak_device_bytes"]) / 2**30, "rss_gib": max(s["max_rss_bytes"]) / 2**30,
             "loss": f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"}
 
 
 def table(rows: list[dict], gpus: int) -> str:
-    """The Markdown table of the cases (MFU against the dense bf16 peak of the GPU, 'n/a' where unknown)."""
-    lines = ["| case | model | GPUs | tokens/s | MFU | peak device memory / GPU | loss |", "|---|---|---|---|---|---|---|"]
+    """The Markdown table of the cases: tokens/s over every step after the first (the one that compiles),
+    the median step's tokens/s, which a slow recompile or evaluation pause does not move, and the MFU of that
+    median step against the GPU's dense bf16 peak ('n/a' where unknown)."""
+    lines = ["| case | model | GPUs | tokens/s | median step tokens/s | MFU | peak device memory / GPU | loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | {gpus} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['case']} | | {gpus} | failed: {r['error']} | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        lines.append(f"| {r['case']} | {r['model']} | {gpus} | {r['tokens_per_s']:,.0f} | {mfu} | "
+        lines.append(f"| {r['case']} | {r['model']} | {gpus} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['median_tokens_per_s']:,.0f} | {mfu} | "
                      f"{r['peak_gib']:.2f} GiB | {r['loss']} |")
     return "\n".join(lines)
 
@@ -96,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--larger-model", default="gpt2-1.5b")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-per-gpu", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=300, help="seconds one case may take, compile included")
+    p.add_argument("--logs", default="", help="folder for each case's whole output")
     p.add_argument("--write", default=str(ROOT / "docs" / "performance.md"),
                    help="page the dated table is appended to")
     p.add_argument("--no-write", action="store_true", help="print the table only")
@@ -109,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
                  "itself with --device cpu --model tiny --larger-model tiny --steps 3 --no-write")
     gpus = torch.cuda.device_count() if args.device == "cuda" else 1
     with tempfile.TemporaryDirectory() as work:
-        rows = [run_case(case, args, gpus, Path(work)) for case in CASES]
+        rows = []
+        for case in CASES:
+            rows.append(run_case(case, args, gpus, Path(work)))
+            print(table(rows[-1:], gpus).splitlines()[-1], flush=True)
     header = (f"### {datetime.date.today().isoformat()}: {device_name(args.device)} x{gpus}, "
               f"torch {torch.__version__}, {args.steps} steps, micro-batch {args.batch_per_gpu} per GPU")
     text = f"{header}\n\n{table(rows, gpus)}\n"

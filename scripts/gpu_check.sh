@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU check, about 10 minutes on one GPU: NCCL init and an all-reduce, then scripts/gpu_check.py (bf16
-# gpt2-124m compiled with flash SDPA and fused AdamW, the same under ZeRO-1 and under full recompute, and
-# gpt2-1.5b under ZeRO-3): tokens/s, MFU and peak memory, appended to docs/performance.md with the date,
-# GPU and torch version. Run from the repo root with a python3 that has a CUDA build of torch:
-#   bash scripts/gpu_check.sh [STEPS]
+# GPU check, about 5 minutes on one GPU: NCCL init and an all-reduce, then scripts/gpu_check.py (bf16
+# gpt2-124m eager and compiled with flash SDPA and fused AdamW, the same under ZeRO-1 and under full
+# recompute, and gpt2-1.5b under ZeRO-3): tokens/s, MFU and peak memory, appended to docs/performance.md with
+# the date, GPU and torch version. Run from the repo root with a python3 that has a CUDA build of torch;
+# arguments go to gpu_check.py (e.g. --steps 30 --timeout 120 --logs DIR):
+#   bash scripts/gpu_check.sh [ARGS...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${1:-40}
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -16,5 +16,5 @@ echo "torch $($PY -c 'import torch; print(torch.__version__)'), $NGPU GPU(s)"
 echo "== NCCL init and all-reduce on $NGPU rank(s)"
 $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" scripts/nccl_check.py
 
-echo "== training cases, $STEPS steps each"
-$PY scripts/gpu_check.py --steps "$STEPS"
+echo "== NCCL done; training cases"
+$PY scripts/gpu_check.py "$@"

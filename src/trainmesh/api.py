@@ -236,7 +236,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
     ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
     ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
-    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block.
+    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward.
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
     A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
@@ -264,7 +264,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
         recompute_modules(model, tuple(recompute))
     if compile:
         for block in model.blocks.values():
-            block.compile()
+            # The forward, not the module's call: the hooks other forms put around a block (ZeRO-3's
+            # gather and free, the zero-bubble schedule's) communicate and keep Python records, which
+            # Dynamo would trace, break its graph on and recompile for; they run eagerly around it.
+            block.forward = torch.compile(block.forward)
     runtime = None
     if mesh.size("pp") > 1:
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
