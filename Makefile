@@ -30,7 +30,7 @@ test-all: setup
 equivalence: setup
 	$(BIN)/python -m pytest -q -k "single_process or one_process or divides_nothing or composes_with or planted or every_zero_stage" tests
 
-# Every form beside its torch peer, one launch each: median (min-max) ratio over 7 alternating rounds,
+# Every form beside its torch peer, one launch each: median (min-max) ratio over 35 timed pairs of steps,
 # peak RSS per side; the table also lands in runs/<timestamp>/results.md and results.json.
 bench: setup
 	$(BIN)/trainmesh bench all --nproc 2 --model small --global-batch 16

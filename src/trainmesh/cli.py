@@ -48,8 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                        "measured vs simulated bubble, and vs torch's schedule of the same name; tp: trainmesh "
                        "tensor parallel vs torch parallelize_module; all: every one of them, one launch each, "
                        "into one table (results.json and results.md in --out)")
-    bench.add_argument("--rounds", type=int, default=7, help="alternating timed rounds per implementation")
-    bench.add_argument("--steps-per-round", type=int, default=5, help="timed steps in each round")
+    bench.add_argument("--pairs", type=int, default=35, help="timed pairs of steps, one step of each implementation")
     bench.add_argument("--results", default="", help="write this bench's rows as JSON to this file")
     add_config_flags(bench)
     _add_launch_parser(sub)
@@ -399,7 +398,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh.bench.suite import run_all
 
         cfg = config_from_args(args)
-        return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.rounds, args.steps_per_round,
+        return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.pairs,
                        cfg.out or default_out_dir())
     cfg = checked_config(args)
     if not _is_rank() and cfg.nproc > 1:
@@ -414,7 +413,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from trainmesh.mesh import shutdown_distributed
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
-    write_results(bench_form(cfg, rounds=args.rounds, steps_per_round=args.steps_per_round), args.results)
+    write_results(bench_form(cfg, pairs=args.pairs), args.results)
     shutdown_distributed()
     return 0
 

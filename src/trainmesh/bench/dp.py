@@ -37,15 +37,15 @@ def _ddp_step(run: Run) -> StepFn:
     return step
 
 
-def bench_dp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
+def bench_dp(cfg: Config, pairs: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
     if cfg.world_size < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
     mesh = setup_process(cfg)
     run = build(cfg, mesh)
     steps = {"trainmesh": trainmesh_step(run), "torch_ddp": _ddp_step(run)}
-    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
-    rss = rss_after(steps, rounds, steps_per_round)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
+    rss = rss_after(steps, pairs)
     result = Result("dp", "trainmesh DataParallel", "torch DDP", rates["trainmesh"], rates["torch_ddp"],
                     rss["trainmesh"], rss["torch_ddp"])
     if dist.get_rank() == 0:

@@ -14,7 +14,7 @@ simulated is the durations' variation, which mean costs cannot show. ``uniform``
 (F=1, B=2 per stage, free communication).
 
 Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
-clipping, in alternating timed rounds (:func:`trainmesh.bench.common.compare`).
+clipping, their steps timed in pairs, one of each (:func:`trainmesh.bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ NO_TORCH_PEER = {
           "per rank; trainmesh zb is ZB-H1 with one, so torch has no schedule of the same shape",
 }
 BUBBLE_STEPS = 10
-"""Recorded steps per schedule for the bubble: its median settles well before the timed rounds' count."""
+"""Recorded steps per schedule for the bubble: its median settles well before the timed pairs' count."""
 
 
 def _torch_step(run: Run) -> StepFn:
@@ -105,7 +105,7 @@ def _torch_step(run: Run) -> StepFn:
     return step
 
 
-def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
+def bench_pp(cfg: Config, pairs: int) -> list[Result]:
     """Bubble per schedule (measured vs simulated) and each schedule vs torch's class of the same name in
     tokens/s; prints on rank 0."""
     if cfg.pp < 2 or cfg.dp * cfg.tp != 1:
@@ -129,14 +129,14 @@ def bench_pp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
         measured, simulated, replayed, uniform = _bubbles(run, BUBBLE_STEPS, transfer)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {replayed:>9.3f} "
                      f"{uniform:>8.3f}")
-        results.append(_versus_torch(run, label, rounds, steps_per_round))
+        results.append(_versus_torch(run, label, pairs))
     lines += [r.line() for r in results]
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
     return results
 
 
-def _versus_torch(run: Run, schedule: str, rounds: int, steps_per_round: int) -> Result:
+def _versus_torch(run: Run, schedule: str, pairs: int) -> Result:
     """trainmesh's ``schedule`` against torch's class of the same name (or why there is none)."""
     cfg = run.cfg
     ours = f"trainmesh {schedule} pp{cfg.pp}"
@@ -144,7 +144,7 @@ def _versus_torch(run: Run, schedule: str, rounds: int, steps_per_round: int) ->
     steps = {"trainmesh": trainmesh_step(run)}
     if schedule in TORCH_SCHEDULES:
         steps["torch"] = _torch_step(run)
-    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, run.mesh.device)
-    rss = rss_after(steps, rounds, steps_per_round)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, run.mesh.device)
+    rss = rss_after(steps, pairs)
     return Result(f"pp {schedule}", ours, peer, rates["trainmesh"], rates.get("torch", []), rss["trainmesh"],
                   rss.get("torch", []), NO_TORCH_PEER.get(schedule, ""))

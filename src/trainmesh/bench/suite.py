@@ -37,7 +37,7 @@ def machine() -> str:
     return f"{cpu} ({os.cpu_count()} cores){gpu}, torch {torch.__version__}"
 
 
-def run_all(nproc: int, model: str, global_batch: int, rounds: int, steps_per_round: int, out: str) -> int:
+def run_all(nproc: int, model: str, global_batch: int, pairs: int, out: str) -> int:
     """Run every form's bench; print and write the table; 1 if any form failed (the others still run)."""
     rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,14 +45,14 @@ def run_all(nproc: int, model: str, global_batch: int, rounds: int, steps_per_ro
             results = Path(tmp, f"{form}.json")
             argv = [sys.executable, "-m", "trainmesh.cli", "bench", form, "--nproc", str(nproc),
                     *(a.format(n=nproc) for a in layout), "--model", model, "--global-batch", str(global_batch),
-                    "--rounds", str(rounds), "--steps-per-round", str(steps_per_round), "--results", str(results)]
+                    "--pairs", str(pairs), "--results", str(results)]
             print(f"bench all: {' '.join(argv[3:-2])}", flush=True)
             if subprocess.run(argv).returncode != 0 or not results.exists():
                 failed.append(form)
                 continue
             rows += json.loads(results.read_text())
-    header = (f"trainmesh vs torch peers: model {model}, {nproc} ranks, global batch {global_batch}, {rounds} "
-              f"rounds x {steps_per_round} steps; {machine()}; {datetime.date.today().isoformat()}")
+    header = (f"trainmesh vs torch peers: model {model}, {nproc} ranks, global batch {global_batch}, {pairs} "
+              f"timed pairs of steps; {machine()}; {datetime.date.today().isoformat()}")
     table = markdown_table(rows)
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, "results.json").write_text(json.dumps({"header": header, "rows": rows, "failed": failed}, indent=1))
@@ -68,7 +68,7 @@ def _mib(values: list[int]) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One row per form: the median trainmesh/peer tokens/s ratio over the rounds with its min and max,
+    """One row per form: the median trainmesh/peer tokens/s ratio over the timed pairs with its min and max,
     trainmesh's median tokens/s, and the largest per-rank peak RSS of each side."""
     lines = ["| form | trainmesh | peer | ratio median (min-max) | trainmesh tokens/s | peak RSS MiB (ours / peer) | note |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -6,7 +6,7 @@ output head split by vocabulary (the loss computed from the vocabulary shards: t
 cross-entropy, torch's ``loss_parallel``), column- and row-parallel linears where the spec puts them.
 torch's ``ColwiseParallel`` shards a weight's rows contiguously, so in its copy of the model a fused
 projection split chunk by chunk (GPT's ``[q | k | v]``, Llama's ``[gate | up]``) has its rows reordered
-rank by rank: the same function, sharded the same way. Timed rounds alternate
+rank by rank: the same function, sharded the same way. Steps are timed in pairs, one of each
 (:func:`trainmesh.bench.common.compare`).
 """
 
@@ -110,7 +110,7 @@ def _first_losses(run: Run, model: nn.Module) -> tuple[float, float]:
     return mine, theirs
 
 
-def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
+def bench_tp(cfg: Config, pairs: int) -> list[Result]:
     """trainmesh :func:`~trainmesh.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
         raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
@@ -120,8 +120,8 @@ def bench_tp(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
     model = _torch_model(run)
     losses = _first_losses(run, model)
     steps = {"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)}
-    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, rounds, steps_per_round, mesh.device)
-    rss = rss_after(steps, rounds, steps_per_round)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
+    rss = rss_after(steps, pairs)
     result = Result("tp", f"trainmesh tp{cfg.tp}", "torch DTensor parallelize_module", rates["trainmesh"],
                     rates["torch_tp"], rss["trainmesh"], rss["torch_tp"])
     if dist.get_rank() == 0:

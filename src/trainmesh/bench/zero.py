@@ -5,8 +5,8 @@ Peers: stage 1, ``ZeroRedundancyOptimizer`` (AdamW state sharded) under DDP; sta
 ``fully_shard`` keeping parameters whole from forward to backward (``reshard_after_forward=False``);
 stage 3, FSDP2 ``fully_shard``. Both sides train the same model (any family, ``--model``) from the same
 seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh shards
-(:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head). Timed rounds alternate
-(:func:`trainmesh.bench.common.compare`). Memory per rank is reported two ways:
+(:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head). Steps are timed in pairs,
+one of each (:func:`trainmesh.bench.common.compare`). Memory per rank is reported two ways:
 
 * ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
   ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
@@ -199,7 +199,7 @@ PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard a
          3: "torch FSDP2 fully_shard"}
 
 
-def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
+def bench_zero(cfg: Config, pairs: int) -> list[Result]:
     """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
     ZeRO-3's model state and trained parameters beside FSDP2's.
 
@@ -235,12 +235,12 @@ def bench_zero(cfg: Config, rounds: int, steps_per_round: int) -> list[Result]:
         if stage == 3:
             early = _param_diff(run, model)
         steps = {"trainmesh": ours, "torch": peer_step}
-        rates = compare(steps, tokens, rounds, steps_per_round, mesh.device, warmup=0)  # the memory steps warmed
-        rss = rss_after(steps, rounds, steps_per_round)
+        rates = compare(steps, tokens, pairs, mesh.device, warmup=0)  # the memory steps warmed
+        rss = rss_after(steps, pairs)
         results.append(Result(f"zero{stage}", f"trainmesh --zero {stage}", peer, rates["trainmesh"], rates["torch"],
                               rss["trainmesh"], rss["torch"]))
         if stage == 3:
-            lines.append(_versus_fsdp2(run, model, optimizer, early, 2 + rounds * steps_per_round + RSS_STEPS))
+            lines.append(_versus_fsdp2(run, model, optimizer, early, 2 + pairs + RSS_STEPS))
         del run, steps, ours, peer_step
         gc.collect()
     if dist.get_rank() == 0:
