@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh.bench.plan import MATRIX, Comparison, format_table, run_matrix, spearman
+from trainmesh.bench.plan import MATRIX, STEPS_PER_VISIT, Comparison, format_table, run_matrix, spearman
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> list[Comparison]:
-    return run_matrix("tiny", 2, str(tmp_path_factory.mktemp("plan-world2")), timeout=240)
+    return run_matrix("tiny", 2, str(tmp_path_factory.mktemp("plan-world2")), timeout=240, timed_rounds=1)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory: pytest.TempPathFactory) -> list[Comparison]:
-    return run_matrix("tiny", 4, str(tmp_path_factory.mktemp("plan-world4")), timeout=400)
+    return run_matrix("tiny", 4, str(tmp_path_factory.mktemp("plan-world4")), timeout=400, timed_rounds=0)
 
 
 def _check(rows: list[Comparison], name: str) -> None:
@@ -45,6 +45,12 @@ def test_predicted_memory_matches_a_real_run_at_world_2(world2: list[Comparison]
 @pytest.mark.parametrize("name", MATRIX[4])
 def test_predicted_memory_matches_a_real_run_at_world_4(world4: list[Comparison], name: str) -> None:
     _check(world4, name)
+
+
+def test_every_layout_of_a_world_is_timed_in_the_same_rounds(world2: list[Comparison]) -> None:
+    """One round visits every layout for STEPS_PER_VISIT steps, after each has trained and been measured."""
+    assert {len(r.step_times) for r in world2} == {STEPS_PER_VISIT}
+    assert all(t > 0 for r in world2 for t in r.step_times)
 
 
 def test_pipeline_stages_together_save_what_the_whole_model_saves(world2: list[Comparison]) -> None:

@@ -103,7 +103,8 @@ def trainmesh_step(run: Run) -> StepFn:
     return step
 
 
-def _timed(step: StepFn, first: int, count: int, device: torch.device) -> float:
+def timed(step: StepFn, first: int, count: int, device: torch.device) -> float:
+    """Seconds for steps ``first`` .. ``first + count - 1`` on every rank, from a barrier to a barrier."""
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(first, first + count):
@@ -121,10 +122,10 @@ def compare(steps: dict[str, StepFn], tokens_per_step: int, pairs: int, device: 
     reversed from one pair to the next so that none always runs first."""
     rates: Rates = {name: [] for name in steps}
     for step in steps.values():
-        _timed(step, 0, warmup, device)
+        timed(step, 0, warmup, device)
     for k in range(pairs):
         for name in list(steps)[::1 if k % 2 == 0 else -1]:
-            rates[name].append(tokens_per_step / _timed(steps[name], 2 + k, 1, device))
+            rates[name].append(tokens_per_step / timed(steps[name], 2 + k, 1, device))
     return rates
 
 

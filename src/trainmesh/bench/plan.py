@@ -28,7 +28,8 @@ peak              :attr:`StepPeak.total`: most of model state    ``memory_per_ra
                                                                  buffers + the logits while the loss runs)
 ================  ============================================  =========================================  =====
 
-Step time: the median (min-max) of rank 0's ``step_time_s`` over the steps after the first, against
+Step time: the median (min-max) of rank 0's times of ``TIMED_ROUNDS * STEPS_PER_VISIT`` steps per layout,
+taken in rounds that visit every layout of the world in turn (:func:`interleaved_step_times`), against
 :func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto`` plans
 with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
 the layout ``--plan auto`` picks at each world beside the matrix (unless it is one of them) to say how its
@@ -63,6 +64,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainmesh.bench.common import timed, trainmesh_step
 from trainmesh.config import Config
 from trainmesh.metrics import storage_bytes
 from trainmesh.optim import LRSchedule
@@ -113,6 +115,11 @@ MATRIX: dict[int, dict[str, dict[str, object]]] = {
 }
 BASE: dict[str, object] = {"steps": 2, "warmup_steps": 1, "eval_batches": 1, "progress": False}
 PEAK_STEPS = 2
+TIMED_ROUNDS, STEPS_PER_VISIT = 6, 2
+"""Step times come from rounds that visit every layout of a world for ``STEPS_PER_VISIT`` steps, the order
+reversed each round, not from each layout's own training run: run one after the other, layouts drifted apart
+by up to 20 % on the project's 2-core machine (dp2 and dp2-zero1, the same work, at 208 and 172 ms per
+step), and that drift, not the layouts, decided which was fastest."""
 TOLERANCE = {"model_state": 0.05, "activation": 0.05, "peak_activation": 0.25, "peak": 0.25}
 
 
@@ -220,21 +227,34 @@ def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
     return peak
 
 
-def measure_rank(cfgs: list[Config]) -> list[dict[str, object]]:
-    """Runs on every rank: train each config, then measure its step peak. Rank 0 adds the run's summary and
-    its step times after the first step (which pays for warm-up)."""
+def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object]]:
+    """Runs on every rank: train each config, then measure its step peak; rank 0 adds the run's summary.
+    Then every layout's step times over ``timed_rounds`` rounds (:func:`interleaved_step_times`)."""
     torch.set_num_threads(1)
-    out = []
+    out, runs = [], []
     for cfg in cfgs:
         result = train(cfg)
         peak = step_peak(result.run, cfg.steps)
-        rank0 = dist.get_rank() == 0
-        summary = json.loads(Path(cfg.out, "summary.json").read_text()) if rank0 else None
-        records = [json.loads(line) for line in Path(cfg.out, "metrics.jsonl").read_text().splitlines()] if rank0 else []
-        times = [r["step_time_s"] for r in records if "step_time_s" in r][1:]
-        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary,
-                    "step_times": times})
+        summary = json.loads(Path(cfg.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
+        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
+        runs.append(result.run)
+    first = max(cfg.steps for cfg in cfgs) + PEAK_STEPS
+    for row, times in zip(out, interleaved_step_times(runs, first, timed_rounds)):
+        row["step_times"] = times
     return out
+
+
+def interleaved_step_times(runs: list[Run], first_step: int, rounds: int) -> list[list[float]]:
+    """Seconds of each of ``rounds * STEPS_PER_VISIT`` steps of every run (barrier to barrier), taken in
+    rounds that visit every run in turn, the order reversed each round, so that the machine's drift falls
+    on all layouts alike."""
+    steps = [trainmesh_step(run) for run in runs]
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for k in range(len(runs))[::1 if r % 2 == 0 else -1]:
+            for i in range(STEPS_PER_VISIT):
+                times[k].append(timed(steps[k], first_step + r * STEPS_PER_VISIT + i, 1, runs[k].mesh.device))
+    return times
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -325,10 +345,11 @@ def auto_choice(cfgs: Iterable[Config], model: str, world: int, global_batch: in
 
 
 def run_matrix(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
-               global_batch: int = 8, timeout: float = 600.0, steps: int = 2, auto: bool = False) -> list[Comparison]:
+               global_batch: int = 8, timeout: float = 600.0, steps: int = 2, auto: bool = False,
+               timed_rounds: int = TIMED_ROUNDS) -> list[Comparison]:
     """Run the layouts of ``world`` in one :func:`~trainmesh.testing.run_ranks` call and compare each."""
     cfgs = matrix_configs(model, world, out_dir, names, global_batch, steps, auto)
-    results = run_ranks(measure_rank, world, list(cfgs.values()), timeout=timeout)
+    results = run_ranks(measure_rank, world, list(cfgs.values()), timed_rounds, timeout=timeout)
     return [row for k, (name, cfg) in enumerate(cfgs.items())
             for row in compare(name, cfg, [rank[k] for rank in results])]
 
@@ -409,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
     parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")
     parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per layout (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps of each layout's training run, "
+                        "before its memory is measured and its steps timed")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world")
     parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
     args = parser.parse_args(argv)
@@ -431,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     failed = [f for row in rows for f in row.failures()]
     print("\n".join(["outside tolerance:", *failed]) if failed else "all within tolerance")
-    print(f"\nstep time: predicted (trainmesh.plan.step_time on local_cluster) vs measured (rank 0, steps 2-{args.steps})")
+    print(f"\nstep time: predicted (trainmesh.plan.step_time on local_cluster) vs measured (rank 0, "
+          f"{TIMED_ROUNDS} rounds of {STEPS_PER_VISIT} steps over every layout)")
     print(format_step_table(rows, auto))
     return 0
 
