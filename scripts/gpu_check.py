@@ -83,7 +83,7 @@ def run_case(case: Case, args: argparse.Namespace, gpus: int, work: Path) -> dic
     median = statistics.median(r["tokens_per_s"] for r in steps) if steps else s["tokens_per_s"]
     return {"case": case.name, "model": args.larger_model if case.larger else args.model,
             "tokens_per_s": s["tokens_per_s"], "median_tokens_per_s": median,
-            "mfu": s["mfu"] and s["mfu"] * median / s["tokens_per_s"],
+            "mfu": None if s["mfu"] is None else s["mfu"] * median / s["tokens_per_s"],
             "peak_gib": max(s["peak_device_bytes"]) / 2**30, "rss_gib": max(s["max_rss_bytes"]) / 2**30,
             "loss": f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}"}
 

@@ -115,18 +115,28 @@ def timed(step: StepFn, first: int, count: int, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def alternating_times(steps: Sequence[StepFn], first_step: int, rounds: int, per_visit: int,
+                      device: torch.device) -> list[list[float]]:
+    """Seconds of each timed step of each of ``steps`` (barrier to barrier), in ``rounds`` rounds that visit
+    every one for ``per_visit`` steps, the order reversed each round, so that none always runs first and the
+    machine's drift falls on all alike. Round r runs steps ``first_step + r * per_visit`` onwards of each."""
+    times: list[list[float]] = [[] for _ in steps]
+    for r in range(rounds):
+        for k in range(len(steps))[::1 if r % 2 == 0 else -1]:
+            for i in range(per_visit):
+                times[k].append(timed(steps[k], first_step + r * per_visit + i, 1, device))
+    return times
+
+
 def compare(steps: dict[str, StepFn], tokens_per_step: int, pairs: int, device: torch.device,
             warmup: int = 2) -> Rates:
     """Tokens/s of each step function in each of ``pairs`` timed pairs, after ``warmup`` untimed steps each
     (0 where the caller has run some already). Pair k runs step ``2 + k`` of every implementation, the order
-    reversed from one pair to the next so that none always runs first."""
-    rates: Rates = {name: [] for name in steps}
+    reversed from one pair to the next (:func:`alternating_times`)."""
     for step in steps.values():
         timed(step, 0, warmup, device)
-    for k in range(pairs):
-        for name in list(steps)[::1 if k % 2 == 0 else -1]:
-            rates[name].append(tokens_per_step / timed(steps[name], 2 + k, 1, device))
-    return rates
+    times = alternating_times(list(steps.values()), 2, pairs, 1, device)
+    return {name: [tokens_per_step / t for t in ts] for name, ts in zip(steps, times)}
 
 
 def rss_after(steps: dict[str, StepFn], pairs: int) -> dict[str, list[int]]:

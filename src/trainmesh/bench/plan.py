@@ -29,9 +29,9 @@ peak              :attr:`StepPeak.total`: most of model state    ``memory_per_ra
 ================  ============================================  =========================================  =====
 
 Step time: the median (min-max) of rank 0's times of ``TIMED_ROUNDS * STEPS_PER_VISIT`` steps per layout,
-taken in rounds that visit every layout of the world in turn (:func:`interleaved_step_times`), against
-:func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto`` plans
-with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
+taken in rounds that visit every layout of the world in turn (:func:`~trainmesh.bench.common.alternating_times`),
+against :func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto``
+plans with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
 the layout ``--plan auto`` picks at each world beside the matrix (unless it is one of them) to say how its
 measured tokens/s compares with the fastest measured. The step times are only meaningful with nothing
 else running (run it under the shared CPU lock).
@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainmesh.bench.common import timed, trainmesh_step
+from trainmesh.bench.common import alternating_times, trainmesh_step
 from trainmesh.config import Config
 from trainmesh.metrics import storage_bytes
 from trainmesh.optim import LRSchedule
@@ -229,7 +229,8 @@ def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
 
 def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object]]:
     """Runs on every rank: train each config, then measure its step peak; rank 0 adds the run's summary.
-    Then every layout's step times over ``timed_rounds`` rounds (:func:`interleaved_step_times`)."""
+    Then every layout's step times over ``timed_rounds`` rounds that visit each layout in turn
+    (:func:`~trainmesh.bench.common.alternating_times`)."""
     torch.set_num_threads(1)
     out, runs = [], []
     for cfg in cfgs:
@@ -239,22 +240,11 @@ def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object
         out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
         runs.append(result.run)
     first = max(cfg.steps for cfg in cfgs) + PEAK_STEPS
-    for row, times in zip(out, interleaved_step_times(runs, first, timed_rounds)):
-        row["step_times"] = times
+    times = alternating_times([trainmesh_step(run) for run in runs], first, timed_rounds, STEPS_PER_VISIT,
+                              runs[0].mesh.device)
+    for row, layout_times in zip(out, times):
+        row["step_times"] = layout_times
     return out
-
-
-def interleaved_step_times(runs: list[Run], first_step: int, rounds: int) -> list[list[float]]:
-    """Seconds of each of ``rounds * STEPS_PER_VISIT`` steps of every run (barrier to barrier), taken in
-    rounds that visit every run in turn, the order reversed each round, so that the machine's drift falls
-    on all layouts alike."""
-    steps = [trainmesh_step(run) for run in runs]
-    times: list[list[float]] = [[] for _ in runs]
-    for r in range(rounds):
-        for k in range(len(runs))[::1 if r % 2 == 0 else -1]:
-            for i in range(STEPS_PER_VISIT):
-                times[k].append(timed(steps[k], first_step + r * STEPS_PER_VISIT + i, 1, runs[k].mesh.device))
-    return times
 
 
 # ----------------------------------------------------------------------------------------------------------
