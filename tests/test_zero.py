@@ -81,6 +81,12 @@ def test_compiled_zero3_compiles_each_block_once_and_computes_what_eager_does():
     assert losses(True) == pytest.approx(losses(False), rel=1e-12)
 
 
+def test_compiled_zero3_at_dp2_matches_single_process():
+    """--compile across ranks: each block's compiled forward between stage 3's eager gather/free hooks
+    trains, in float64, as one process does."""
+    check_equivalent([_cfg(2, 3, 2, compile=True)], world_size=2)
+
+
 @pytest.mark.parametrize("stage,precision,reduce_dtype", [(1, "bf16", "fp32"), (2, "bf16", "bf16"),
                                                           (3, "bf16", "fp32"), (3, "fp16", "fp32")])
 def test_mixed_precision_zero_in_one_process_trains_like_plain_dp(stage, precision, reduce_dtype):
