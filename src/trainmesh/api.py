@@ -78,8 +78,9 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
-    leave_at_exit()
-    return Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep)
+    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep)
+    leave_at_exit(mesh)
+    return mesh
 
 
 @dataclass(eq=False)

