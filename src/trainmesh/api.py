@@ -237,7 +237,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
     ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
     ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
-    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward.
+    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
+    and the loss.
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
     A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
@@ -269,12 +270,17 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
             # gather and free, the zero-bubble schedule's) communicate and keep Python records, which
             # Dynamo would trace, break its graph on and recompile for; they run eagerly around it.
             block.forward = torch.compile(block.forward)
+    loss = criterion or cross_entropy
+    if compile and criterion is None:
+        # Fused into one pass over the logits each way: eager upcasts bf16 logits to an fp32 copy, then
+        # reads and writes fp32 tensors of that size again for the softmax and for its gradient.
+        loss = torch.compile(loss)
     runtime = None
     if mesh.size("pp") > 1:
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
                                         dtype_of(precision), virtual_stages, tuple(stage_layers),
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
-    return ParallelModel(model, mesh, comm, criterion or cross_entropy, criterion is not None, zero, precision,
+    return ParallelModel(model, mesh, comm, loss, criterion is not None, zero, precision,
                          microbatches, reduce_dtype, bucket_mb, runtime)
 
 
