@@ -157,6 +157,10 @@ class Config:
                                    "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging)")
     max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient",
                               low=AT_LEAST_1)
+    profile_steps: int = _opt(0, "trace the last K steps with torch.profiler: each rank writes profile/rank<R>.json "
+                              "under --out (Perfetto or chrome://tracing opens it) and rank 0 prints the ops that "
+                              "took the most time and, on a GPU, how busy the device was; profiled steps run slower",
+                              low=AT_LEAST_0)
     peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)",
                                low=AT_LEAST_0)
     out: str = _opt("", "run directory for metrics.jsonl, summary.json and TensorBoard events (default: "
@@ -253,7 +257,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
               "beta2", "grad_clip", "eval_every", "eval_batches"),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
-                "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
+                "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
     "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

@@ -36,6 +36,7 @@ from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progres
 from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
+from trainmesh.profiling import StepProfiler
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
 from trainmesh.precision import dtype_of
 from trainmesh import api, checkpoint
@@ -309,8 +310,11 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     saved = SavedActivations(run.model.parameters())
     schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
+    profiler = StepProfiler(cfg.steps - cfg.profile_steps, mesh.device) if cfg.profile_steps else None
     losses, times = [], []
     for step in range(start.step, cfg.steps):
+        if profiler is not None:
+            profiler.before(step)
         undo_fault = inject_fault(run, step, rank)
         if run.pipeline is not None:
             run.pipeline.recording = bool(cfg.timeline) and step == cfg.steps - 1
@@ -352,6 +356,10 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
     progress.close()
+    summary_of_profile = profiler.finish(Path(cfg.out) / "profile" / f"rank{rank}.json" if cfg.out else None) \
+        if profiler is not None else ""
+    if summary_of_profile:
+        progress.message(summary_of_profile)
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = record["val_loss"]  # the last step always evaluates

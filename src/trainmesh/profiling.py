@@ -1,0 +1,69 @@
+"""A ``torch.profiler`` trace of a run's last steps, and where their time went.
+
+MFU says how far a run is from the device's peak, a trace says where the rest went: which kernels took the
+device's time, and how much of the wall clock the device sat idle waiting on the host. As torchtitan's
+profiling does, every rank writes its own trace (Chrome trace format: Perfetto or ``chrome://tracing`` opens
+it); rank 0 prints the ops that took the most time. Profiled steps run somewhat slower than the others
+(every op is recorded), so profile a few steps at the end of a run, not the ones whose speed is reported.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+TOP_OPS = 15
+
+
+class StepProfiler:
+    """Starts ``torch.profiler`` before step ``first`` (or the first step run, if later) and stops it after
+    the last step (:meth:`finish`)."""
+
+    def __init__(self, first: int, device: torch.device) -> None:
+        self.first, self.device = first, device
+        self._prof: profile | None = None
+        self._start = 0.0
+
+    def before(self, step: int) -> None:
+        if step >= self.first and self._prof is None:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._prof = profile(activities=activities)
+            self._prof.start()
+            self._start = time.perf_counter()
+
+    def finish(self, trace: Path | None) -> str:
+        """Stop, write the trace to ``trace`` (if given) and return the summary: the top ops by their own
+        time on the device (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time
+        in which some kernel ran."""
+        if self._prof is None:
+            return ""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall_us = (time.perf_counter() - self._start) * 1e6
+        self._prof.stop()
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            self._prof.export_chrome_trace(str(trace))
+        on_device = self.device.type == "cuda"
+        table = self._prof.key_averages().table(
+            sort_by="self_device_time_total" if on_device else "self_cpu_time_total", row_limit=TOP_OPS)
+        if not on_device:
+            return table
+        kernels = [(e.time_range.start, e.time_range.end) for e in self._prof.events()
+                   if e.device_type == DeviceType.CUDA]
+        return f"{table}\ndevice busy {busy_us(kernels) / wall_us:.1%} of the profiled {wall_us / 1e3:,.1f} ms"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: time in which at least one kernel ran, with
+    kernels overlapping on several streams counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
