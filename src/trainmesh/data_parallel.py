@@ -239,9 +239,16 @@ class DataParallel:
         return norm
 
     def _optimizer_grads(self, opt_params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Point the optimizer's parameters at the reduced gradients (a copy only if dtypes differ)."""
-        for p, q in zip(self.params, opt_params):
-            q.grad = self._view(p).to(q.dtype)
+        """Point the optimizer's parameters at the reduced gradients: views of the buckets where dtypes agree,
+        else views of each bucket converted whole (fp32 masters of bf16 buckets), one copy per bucket rather
+        than one per parameter: 150 kernel launches fewer per gpt2-124m step."""
+        owner = dict(zip(self.params, opt_params))
+        for bucket in self.buckets:
+            flat = bucket.flat.to(owner[bucket.params[0]].dtype)
+            offset = 0
+            for p in bucket.params:
+                owner[p].grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
         return [q.grad for q in opt_params]
 
     def param_pieces(self) -> list[ParamPiece]:

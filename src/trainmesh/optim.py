@@ -114,16 +114,19 @@ def squared_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str])
     return sq
 
 
-def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float,
+def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float,
                       loss_scale: float = 1.0) -> None:
     """Divide ``grads`` by the loss scale and clip them to global norm ``max_norm`` (0: no clipping), in
-    one pass; ``total_norm`` is the norm of the *unscaled* gradients."""
-    coef = torch.ones((), device=total_norm.device) / loss_scale
+    one pass; ``total_norm`` is the norm of the *unscaled* gradients.
+
+    The factor is a Python number (the norm is on the host already, to decide whether to skip the step):
+    ``_foreach_mul_`` by a 0-dim device tensor falls back to one kernel per gradient on CUDA, 1.8 ms of
+    host time per gpt2-124m step against one multi-tensor kernel for a number."""
+    coef = 1.0 / loss_scale
     if max_norm > 0:
-        coef = coef * torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    elif loss_scale == 1.0:
-        return
-    torch._foreach_mul_(list(grads), coef)
+        coef *= min(max_norm / (total_norm + 1e-6), 1.0)
+    if coef != 1.0:
+        torch._foreach_mul_(list(grads), coef)
 
 
 def clipped_update(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor],
@@ -141,13 +144,13 @@ def clipped_update(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tenso
     sq = squared_norm(contributions, comm, axes)
     if extra is not None:
         sq = sq + squared_norm(extra[0], comm, extra[1])
-    norm = sq.sqrt()[0] / scaler.scale
-    if not math.isfinite(norm.item()):
+    norm = (sq.sqrt()[0] / scaler.scale).item()
+    if not math.isfinite(norm):
         scaler.update(found_inf=True)
-        return norm.item()
+        return norm
     unscale_and_clip_(grads, norm, max_norm, scaler.scale)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     scaler.update(found_inf=False)
-    return norm.item()
+    return norm

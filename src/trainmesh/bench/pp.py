@@ -98,7 +98,7 @@ def _torch_step(run: Run) -> StepFn:
         x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
         schedule.step(*((x,) if first else ()), target=y if last else None, return_outputs=False)
         grads = [q.grad for q in params]
-        unscale_and_clip_(grads, global_norm(grads, run.comm, ("pp",)), cfg.grad_clip)
+        unscale_and_clip_(grads, global_norm(grads, run.comm, ("pp",)).item(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
