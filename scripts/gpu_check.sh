@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, about 5 minutes on one GPU: NCCL init and an all-reduce, then scripts/gpu_check.py (bf16
-# gpt2-124m eager and compiled with flash SDPA and fused AdamW, the same under ZeRO-1 and under full
+# gpt2-124m eager and compiled with fused SDPA attention and fused AdamW, the same under ZeRO-1 and under full
 # recompute, and gpt2-1.5b under ZeRO-3): tokens/s, MFU and peak memory, appended to docs/performance.md with
 # the date, GPU and torch version. Run from the repo root with a python3 that has a CUDA build of torch;
 # arguments go to gpu_check.py (e.g. --steps 30 --timeout 120 --logs DIR):

@@ -32,12 +32,13 @@ def test_every_gpu_check_case_is_a_valid_train_command(gpus: int, tmp_path: Path
         validate(cfg, world_size=gpus, cuda_devices=gpus)
         assert (cfg.device, cfg.precision, cfg.compile, cfg.dp) == ("cuda", "bf16", case.compile, gpus), case.name
         assert cfg.model == (args.larger_model if case.larger else args.model)
+        assert cfg.global_batch == gpus * (args.larger_batch_per_gpu if case.larger else args.batch_per_gpu)
 
 
 def test_the_table_marks_a_failed_case_and_unknown_mfu() -> None:
     gpu_check = load_script()
     rows = [{"case": "a", "error": "exit 1: CUDA out of memory"},
-            {"case": "b", "model": "m", "tokens_per_s": 1234.5, "median_tokens_per_s": 1300.0, "mfu": None,
-             "peak_gib": 1.5, "loss": "1 -> 0.5"}]
+            {"case": "b", "model": "m", "micro_batch": 8, "tokens_per_s": 1234.5, "median_tokens_per_s": 1300.0,
+             "mfu": None, "peak_gib": 1.5, "loss": "1 -> 0.5"}]
     text = gpu_check.table(rows, 1)
-    assert "failed: exit 1: CUDA out of memory" in text and "| b | m | 1 | 1,234 | 1,300 | n/a | 1.50 GiB |" in text
+    assert "failed: exit 1: CUDA out of memory" in text and "| b | m | 1 | 8 | 1,234 | 1,300 | n/a | 1.50 GiB |" in text
