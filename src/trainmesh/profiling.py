@@ -20,13 +20,15 @@ TOP_OPS = 15
 
 
 class StepProfiler:
-    """Starts ``torch.profiler`` before step ``first`` (or the first step run, if later) and stops it after
-    the last step (:meth:`finish`)."""
+    """Profiles steps ``first`` (or the first step run, if later) to ``last``: started by :meth:`before` the
+    first, stopped by :meth:`after` the last, once its time is taken and before the evaluation that ends a
+    run (whose recompiles and new shapes would swamp a few steps)."""
 
-    def __init__(self, first: int, device: torch.device) -> None:
-        self.first, self.device = first, device
+    def __init__(self, first: int, last: int, device: torch.device) -> None:
+        self.first, self.last, self.device = first, last, device
         self._prof: profile | None = None
         self._start = 0.0
+        self._wall_us = 0.0
 
     def before(self, step: int) -> None:
         if step >= self.first and self._prof is None:
@@ -35,16 +37,19 @@ class StepProfiler:
             self._prof.start()
             self._start = time.perf_counter()
 
+    def after(self, step: int) -> None:
+        if step == self.last and self._prof is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._wall_us = (time.perf_counter() - self._start) * 1e6
+            self._prof.stop()
+
     def finish(self, trace: Path | None) -> str:
-        """Stop, write the trace to ``trace`` (if given) and return the summary: the top ops by their own
-        time on the device (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time
-        in which some kernel ran."""
+        """Write the trace to ``trace`` (if given) and return the summary: the top ops by their own time on
+        the device (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time in which
+        some kernel ran."""
         if self._prof is None:
-            return ""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        wall_us = (time.perf_counter() - self._start) * 1e6
-        self._prof.stop()
+            return "profile: no step ran (the run had already reached --steps)"
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
             self._prof.export_chrome_trace(str(trace))
@@ -55,7 +60,8 @@ class StepProfiler:
             return table
         kernels = [(e.time_range.start, e.time_range.end) for e in self._prof.events()
                    if e.device_type == DeviceType.CUDA]
-        return f"{table}\ndevice busy {busy_us(kernels) / wall_us:.1%} of the profiled {wall_us / 1e3:,.1f} ms"
+        return (f"{table}\ndevice busy {busy_us(kernels) / self._wall_us:.1%} of the profiled "
+                f"{self._wall_us / 1e3:,.1f} ms")
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:

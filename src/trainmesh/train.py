@@ -310,7 +310,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     saved = SavedActivations(run.model.parameters())
     schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
-    profiler = StepProfiler(cfg.steps - cfg.profile_steps, mesh.device) if cfg.profile_steps else None
+    profiler = StepProfiler(cfg.steps - cfg.profile_steps, cfg.steps - 1, mesh.device) if cfg.profile_steps \
+        else None
     losses, times = [], []
     for step in range(start.step, cfg.steps):
         if profiler is not None:
@@ -331,6 +332,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
         step_time = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.after(step)
         losses.append(global_mean(run, loss))
         times.append(step_time)
         record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
@@ -356,10 +359,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
     progress.close()
-    summary_of_profile = profiler.finish(Path(cfg.out) / "profile" / f"rank{rank}.json" if cfg.out else None) \
-        if profiler is not None else ""
-    if summary_of_profile:
-        progress.message(summary_of_profile)
+    if profiler is not None:
+        progress.message(profiler.finish(Path(cfg.out) / "profile" / f"rank{rank}.json" if cfg.out else None))
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = record["val_loss"]  # the last step always evaluates
