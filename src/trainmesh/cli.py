@@ -381,15 +381,14 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _train_here(cfg: Config) -> int:
-    """Train as one rank in this process (the only one, or one of many under torchrun or the launcher)."""
-    from trainmesh.mesh import shutdown_distributed
+    """Train as one rank in this process (the only one, or one of many under torchrun or the launcher); the
+    process group is left at exit (:func:`trainmesh.mesh.leave_at_exit`)."""
     from trainmesh.train import RunStopped, train
 
     try:
         train(cfg)
     except RunStopped:
-        return 0  # another rank failed and reports it; this one only stopped with it
-    shutdown_distributed()
+        pass  # another rank failed and reports it; this one only stopped with it
     return 0
 
 
@@ -410,11 +409,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from trainmesh.bench.pp import bench_pp
     from trainmesh.bench.tp import bench_tp
     from trainmesh.bench.zero import bench_zero
-    from trainmesh.mesh import shutdown_distributed
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
     write_results(bench_form(cfg, pairs=args.pairs), args.results)
-    shutdown_distributed()
     return 0
 
 

@@ -317,7 +317,8 @@ def _record_uncaught_exceptions() -> None:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process group cleanly; a rank that exits holding it can abort in Gloo's destructors."""
+    """Leave the process group now, for a process whose exit runs no ``atexit`` handler (a multiprocessing
+    child ends by ``os._exit``), so :func:`leave_at_exit` would not."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
