@@ -83,13 +83,17 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dty
     buckets = []
     for bucket_axis, group in axis_buckets(params, bucket_bytes, axis):
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
-        bucket = Bucket(group, flat, bucket_axis)
-        offset = 0
-        for p in group:
-            bucket.views.append(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        buckets.append(bucket)
+        buckets.append(Bucket(group, flat, bucket_axis, views=flat_views(flat, group)))
     return buckets
+
+
+def flat_views(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat``, one per parameter in order, each shaped like its parameter."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
 
 
 class DataParallel:
@@ -245,10 +249,8 @@ class DataParallel:
         owner = dict(zip(self.params, opt_params))
         for bucket in self.buckets:
             flat = bucket.flat.to(owner[bucket.params[0]].dtype)
-            offset = 0
-            for p in bucket.params:
-                owner[p].grad = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+            for p, view in zip(bucket.params, flat_views(flat, bucket.params)):
+                owner[p].grad = view
         return [q.grad for q in opt_params]
 
     def param_pieces(self) -> list[ParamPiece]:

@@ -36,9 +36,9 @@ from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progres
 from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
-from trainmesh.profiling import StepProfiler
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
 from trainmesh.precision import dtype_of
+from trainmesh.profiling import StepProfiler
 from trainmesh import api, checkpoint
 
 FAULT_ENV = "TRAINMESH_FAULT"
