@@ -152,6 +152,9 @@ def test_buckets_fire_once_per_step_evaluation_and_measured_timeline():
                     if a.is_compute]
         assert sorted(map(str, compute)) == sorted(map(str, expected))
         assert 0 < timeline.bubble_fraction < 1
+        sends = {r.action for r in timeline.records if r.action.kind in (ActionKind.SEND_F, ActionKind.SEND_B)}
+        assert set(timeline.sent) == sends, f"{cfg.schedule}: every send's leaving time is recorded"
+        assert min(timeline.transfers(0.0).values()) >= 0
         single = dataclasses.replace(cfg, nproc=1, pp=1, virtual_stages=1)
         reference = evaluate(build(single, Mesh.build(1, 1, 1, torch.device("cpu"))))
         assert facts[0]["val_loss"] == pytest.approx(reference, abs=1e-5)

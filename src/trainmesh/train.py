@@ -149,7 +149,7 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
     costs = measured_costs([timeline], run.pipeline.n_stages, transfer, run.pipeline.lone).save(Path(path).with_suffix(".costs.json"))
     saved = Costs.load(costs)  # the figure trainmesh schedule --costs will print, rounding included
     simulated = simulate(run.pipeline.schedule, saved).bubble_fraction
-    replayed = replayed_bubble(run.pipeline.schedule, saved, [timeline])
+    replayed = replayed_bubble(run.pipeline.schedule, saved, [timeline], link=transfer)
     title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
     return (f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}: measured "
             f"bubble {timeline.bubble_fraction:.4f}, simulated from its measured costs {simulated:.4f} "

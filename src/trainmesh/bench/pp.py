@@ -6,10 +6,12 @@ Bubble: every schedule trains a few recorded steps; the runtime times each actio
 across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
 of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). Two predictions
 stand beside it. ``simulated`` runs the same action lists with the mean measured duration of each (action
-kind, stage), the mean time a rank spends posting a message, and a transfer time from a latency/bandwidth
-fit of the link measured once per run. ``replayed`` runs them with each recorded step's own durations
+kind, stage), the mean time a rank spends posting a message, and the mean time a message took in the
+recorded steps (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`: the wait for its send to leave a
+busy host, plus the idle link's time from a latency/bandwidth fit measured once per run). ``replayed`` runs
+them with each recorded step's own durations and message times
 (:func:`~trainmesh.pipeline.simulate.replayed_bubble`): the gap from measured to replayed is waiting the
-simulator does not model (a message delayed by a busy host, a late post), the gap from replayed to
+simulator does not model (a late post, a receive read late), the gap from replayed to
 simulated is the durations' variation, which mean costs cannot show. ``uniform`` is the textbook figure
 (F=1, B=2 per stage, free communication).
 
@@ -38,9 +40,9 @@ from trainmesh.precision import dtype_of
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
-def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float, float]:
+def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
     """(measured, simulated with the measured mean costs, simulated with each recorded step's own durations,
-    uniform textbook) bubble fraction of ``run``'s schedule."""
+    uniform textbook) bubble fraction of ``run``'s schedule, and the mean time a message took in its steps."""
     pipeline, step = run.pipeline, trainmesh_step(run)
     step(0)
     timelines = []
@@ -52,8 +54,8 @@ def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float
     schedule: Schedule = pipeline.schedule
     costs = measured_costs(timelines, pipeline.n_stages, transfer, pipeline.lone)
     measured = statistics.median(t.bubble_fraction for t in timelines)
-    replayed = replayed_bubble(schedule, costs, timelines)
-    return measured, simulate(schedule, costs).bubble_fraction, replayed, simulate(schedule).bubble_fraction
+    replayed = replayed_bubble(schedule, costs, timelines, link=transfer)
+    return measured, simulate(schedule, costs).bubble_fraction, replayed, simulate(schedule).bubble_fraction, costs.comm
 
 
 def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
@@ -115,7 +117,8 @@ def bench_pp(cfg: Config, pairs: int) -> list[Result]:
     mesh = setup_process(cfg)
     lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
              f"micro_batch={cfg.micro_batch} device={mesh.device.type} threads/rank={torch.get_num_threads()}",
-             f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'replayed':>9} {'uniform':>8}   (bubble fraction)"]
+             f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'replayed':>9} {'uniform':>8} {'message':>8}"
+             f"   (bubble fractions; message: mean ms a message took in the steps)"]
     results, transfer = [], None
     for variant, label in _variants(cfg):
         if variant is None:
@@ -126,9 +129,9 @@ def bench_pp(cfg: Config, pairs: int) -> list[Result]:
             latency, bandwidth, transfer = run.pipeline.transfer_seconds(cfg.micro_batch, cfg.model_config.seq_len)
             rate = f"{bandwidth / 1e9:.2f} GB/s" if math.isfinite(bandwidth) else "no size effect above the noise"
             lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {rate}: {transfer * 1e3:.3f} ms per activation")
-        measured, simulated, replayed, uniform = _bubbles(run, BUBBLE_STEPS, transfer)
+        measured, simulated, replayed, uniform, message = _bubbles(run, BUBBLE_STEPS, transfer)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {replayed:>9.3f} "
-                     f"{uniform:>8.3f}")
+                     f"{uniform:>8.3f} {message * 1e3:>8.3f}")
         results.append(_versus_torch(run, label, pairs))
     lines += [r.line() for r in results]
     if dist.get_rank() == 0:

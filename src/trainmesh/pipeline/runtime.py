@@ -135,28 +135,35 @@ def p2p_fit(comm: Comm, numel: int, dtype: torch.dtype) -> tuple[float, float]:
     return max(mean_time - slope * mean_size, 0.0), 1.0 / slope
 
 
+Posting = tuple[list[list], float]
+"""A posted batch's work handles, split as [sends, receive 0, receive 1, ...], and when posting returned."""
+
+
 class _Posted:
     """One part of a batch of point-to-point operations handed to the communication thread: its sends
     (part 0) or one of its receives (part 1 + i). Holds the tensors being sent until they are gone."""
 
-    def __init__(self, batch: Future[list[list]], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, batch: Future[Posting], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
         self.batch, self.part, self.sending = batch, part, list(sending)
 
     def wait(self) -> None:
-        for work in self.batch.result()[self.part]:
+        for work in self.batch.result()[0][self.part]:
             work.wait()
         self.sending = []
 
 
 def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]],
-                recvs: list[tuple[torch.Tensor, int]]) -> list[list]:
+                recvs: list[tuple[torch.Tensor, int]]) -> Posting:
     """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
     handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
-    for the whole batch, which every part then waits for."""
+    for the whole batch, which every part then waits for. The time posting returned is when Gloo had
+    copied the sends into the socket (it does so on the posting thread once the peer's receive is posted):
+    the simulator's measured transfer time (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
     works = comm.send_recv(sends, recvs, axis=AXIS)
+    posted = time.perf_counter()
     if len(works) != len(sends) + len(recvs):
-        return [works] * (1 + len(recvs))
-    return [works[:len(sends)], *([w] for w in works[len(sends):])]
+        return [works] * (1 + len(recvs)), posted
+    return [works[:len(sends)], *([w] for w in works[len(sends):])], posted
 
 
 @dataclass
@@ -258,6 +265,8 @@ class PipelineRuntime:
         self._leaves = _LeafOutputs(m for c in chunks.values() for m in c.modules()) if split else None
         self.recording = False
         self.records: list[TimelineRecord] = []
+        self._sending: list[tuple[list[Action], Future[Posting]]] = []
+        """The recorded step's SEND actions, by the batch that posted them, for :attr:`Timeline.sent`."""
         self._origin = 0.0
         self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmesh-pp-comm")
 
@@ -291,9 +300,11 @@ class PipelineRuntime:
 
     def gather_timeline(self) -> Timeline:
         """The last recorded step of every rank of this pipeline (a collective over ``pp``)."""
+        sent = {a: batch.result()[1] - self._origin for actions, batch in self._sending for a in actions}
         per_rank: list = [None] * self.n_ranks
-        dist.all_gather_object(per_rank, self.records, group=self.mesh.group(AXIS))
-        return Timeline.from_records(itertools.chain.from_iterable(per_rank), self.n_ranks)
+        dist.all_gather_object(per_rank, (self.records, sent), group=self.mesh.group(AXIS))
+        return Timeline.from_records(itertools.chain.from_iterable(r for r, _ in per_rank), self.n_ranks,
+                                     {a: t for _, s in per_rank for a, t in s.items()})
 
     # --- execution -----------------------------------------------------------------------------------
 
@@ -328,7 +339,7 @@ class PipelineRuntime:
     def _start_clock(self) -> None:
         """Align the ranks' clocks at a barrier, so records of different ranks share one time axis."""
         dist.barrier(group=self.mesh.group(AXIS))
-        self.records = []
+        self.records, self._sending = [], []
         self._origin = time.perf_counter()
 
     def _now(self) -> float:
@@ -363,6 +374,7 @@ class PipelineRuntime:
         if sends:
             step.sends.append(_Posted(batch, 0, [t for t, _ in sends]))
         if self.recording:  # the group's posting time, shared evenly by its actions
+            self._sending.append(([a for a in group if a.kind in SEND_KINDS], batch))
             each = (self._now() - start) / len(group)
             self.records += [TimelineRecord(self.rank, a, start + i * each, start + (i + 1) * each)
                              for i, a in enumerate(group)]

@@ -149,10 +149,14 @@ class TimelineRecord:
 
 @dataclass(frozen=True)
 class Timeline:
-    """What ran where and when. Build it with :meth:`from_records` so records are sorted."""
+    """What ran where and when. Build it with :meth:`from_records` so records are sorted.
+
+    ``sent``: when each SEND's data had been handed to the transport (a runtime's measurement: the moment its
+    send returned on the communication thread), on the records' clock; empty for a simulated timeline."""
 
     records: tuple[TimelineRecord, ...]
     n_ranks: int
+    sent: Mapping[Action, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.n_ranks < 1:
@@ -164,12 +168,24 @@ class Timeline:
                 raise ValueError(f"record {record} ends before it starts; check the clock used to measure it")
 
     @classmethod
-    def from_records(cls, records: Iterable[TimelineRecord], n_ranks: int | None = None) -> Timeline:
+    def from_records(cls, records: Iterable[TimelineRecord], n_ranks: int | None = None,
+                     sent: Mapping[Action, float] | None = None) -> Timeline:
         """Sort by (rank, start); ``n_ranks`` defaults to the highest rank seen + 1."""
         ordered = tuple(sorted(records, key=lambda r: (r.rank, r.start, r.end)))
         if n_ranks is None:
             n_ranks = max((r.rank for r in ordered), default=0) + 1
-        return cls(ordered, n_ranks)
+        return cls(ordered, n_ranks, dict(sent or {}))
+
+    def transfers(self, link: float) -> dict[Action, float]:
+        """Each measured message's transfer time (keyed by its SEND), the simulator's ``Costs.comm`` for it:
+        from the later of its SEND and RECV being posted until its send returned, plus ``link``, the time
+        one message takes on an idle link (:meth:`Costs.transfer`). On a host whose cores all compute, the
+        send waits for a core before Gloo copies it into the socket: 1-5 ms against the idle link's 0.3 ms
+        for a small GPT's activation at pp=2 on 2 cores (measured), which is most of what a replay with the
+        idle link's time leaves unexplained."""
+        posted = {r.action: r.start for r in self.records if r.action.is_comm}
+        return {send: max(at - max(posted[send], posted.get(_partner(send), posted[send])), 0.0) + link
+                for send, at in self.sent.items() if send in posted}
 
     def rank_records(self, rank: int) -> tuple[TimelineRecord, ...]:
         return tuple(r for r in self.records if r.rank == rank)
@@ -223,10 +239,13 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
     the simulated one must carry the same total work to be comparable. The dispatch time is the median gap
     between a rank's consecutive actions: most gaps are the runtime's own work, the few long ones waits.
     The ``lone`` actions (run on borrowed cores) stay out of those means; ``Costs.lone`` is their mean
-    duration over the mean of their kind and stage."""
+    duration over the mean of their kind and stage. ``comm`` is one message's time on an idle link; where
+    the timelines record when their sends left (:attr:`Timeline.sent`), ``Costs.comm`` is the mean of
+    their messages' :meth:`Timeline.transfers` instead, the time messages took inside the step."""
     durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
     alone: list[TimelineRecord] = []
     posts, gaps = [], []
+    transfers = [t for timeline in timelines for t in timeline.transfers(comm).values()]
     for timeline in timelines:
         for rank in range(timeline.n_ranks):
             records = timeline.rank_records(rank)
@@ -252,24 +271,32 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
     bi, bw = per_stage(ActionKind.BI), per_stage(ActionKind.BW)
     backward = per_stage(ActionKind.B) or tuple(i + w for i, w in zip(bi, bw))
     return Costs(forward=per_stage(ActionKind.F), backward=backward, backward_input=bi, backward_weight=bw,
-                 comm=comm, post=statistics.fmean(posts) if posts else 0.0,
+                 comm=statistics.fmean(transfers) if transfers else comm,
+                 post=statistics.fmean(posts) if posts else 0.0,
                  dispatch=max(statistics.median(gaps), 0.0) if gaps else 0.0,
                  lone=statistics.fmean(ratios) if ratios else 1.0)
 
 
 @dataclass(frozen=True)
 class _Replayed(Costs):
-    """Costs whose compute actions take the durations in ``taken`` (one recorded step, :func:`replayed_bubble`)."""
+    """Costs whose compute actions take the durations in ``taken`` and whose messages the transfer times in
+    ``transfers`` (keyed by SEND), of one recorded step (:func:`replayed_bubble`)."""
 
     taken: Mapping[Action, float] = field(default_factory=dict)
+    transfers: Mapping[Action, float] = field(default_factory=dict)
 
     def duration(self, action: Action) -> float:
+        if action.is_comm:
+            send = action if action.kind in _RECV_FOR else _partner(action)
+            return self.transfers.get(send, self.comm)
         return self.taken[action] if action in self.taken else super().duration(action)
 
 
-def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timelines: Sequence[Timeline]) -> float:
+def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timelines: Sequence[Timeline],
+                    link: float | None = None) -> float:
     """The median over recorded steps of the bubble simulated with every compute action taking the time it
-    took in that step, the other costs (messages, posting, dispatch) being ``costs``'s.
+    took in that step and, given the idle ``link`` time, every message its :meth:`Timeline.transfers` of that
+    step; the other costs (posting, dispatch, messages without a record) being ``costs``'s.
 
     Mean costs (:func:`measured_costs`) predict a step whose actions all last their kind's mean, but a
     pipeline waits on its slowest path, so actions that vary from one micro-batch to the next (±10-20 % on
@@ -278,7 +305,8 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
     simulator does not model (a message delayed on its way, a late post), not the durations."""
     fields = {**asdict(costs), "lone": 1.0}  # a recorded duration is what the action took, borrowed cores or not
     return statistics.median(
-        simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute}))
+        simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute},
+                                     transfers=t.transfers(link) if link is not None else {}))
         .bubble_fraction for t in timelines)
 
 
