@@ -180,7 +180,7 @@ class Timeline:
         """Each measured message's transfer time (keyed by its SEND), the simulator's ``Costs.comm`` for it:
         from the later of its SEND and RECV being posted until its send returned, plus ``link``, the time
         one message takes on an idle link (:meth:`Costs.transfer`). On a host whose cores all compute, the
-        send waits for a core before Gloo copies it into the socket: 1-5 ms against the idle link's 0.3 ms
+        send waits for a core before Gloo copies it into the socket: 1-5 ms against the idle link's 0.3-0.5 ms
         for a small GPT's activation at pp=2 on 2 cores (measured), which is most of what a replay with the
         idle link's time leaves unexplained."""
         posted = {r.action: r.start for r in self.records if r.action.is_comm}
@@ -302,7 +302,7 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
     pipeline waits on its slowest path, so actions that vary from one micro-batch to the next (±10-20 % on
     a CPU shared with communication threads, measured) make the real step longer. Replaying each step's own
     durations keeps that variation, so what is left between this figure and the measured one is waiting the
-    simulator does not model (a message delayed on its way, a late post), not the durations."""
+    simulator does not model (a late post, a receive read late), not the durations or the messages."""
     fields = {**asdict(costs), "lone": 1.0}  # a recorded duration is what the action took, borrowed cores or not
     return statistics.median(
         simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute},
