@@ -265,8 +265,9 @@ class PipelineRuntime:
         self._leaves = _LeafOutputs(m for c in chunks.values() for m in c.modules()) if split else None
         self.recording = False
         self.records: list[TimelineRecord] = []
+        self.sent: dict[Action, float] = {}
+        """When each SEND of the recorded step left (:attr:`Timeline.sent`), on the records' clock."""
         self._sending: list[tuple[list[Action], Future[Posting]]] = []
-        """The recorded step's SEND actions, by the batch that posted them, for :attr:`Timeline.sent`."""
         self._origin = 0.0
         self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmesh-pp-comm")
 
@@ -300,9 +301,8 @@ class PipelineRuntime:
 
     def gather_timeline(self) -> Timeline:
         """The last recorded step of every rank of this pipeline (a collective over ``pp``)."""
-        sent = {a: batch.result()[1] - self._origin for actions, batch in self._sending for a in actions}
         per_rank: list = [None] * self.n_ranks
-        dist.all_gather_object(per_rank, (self.records, sent), group=self.mesh.group(AXIS))
+        dist.all_gather_object(per_rank, (self.records, self.sent), group=self.mesh.group(AXIS))
         return Timeline.from_records(itertools.chain.from_iterable(r for r, _ in per_rank), self.n_ranks,
                                      {a: t for _, s in per_rank for a, t in s.items()})
 
@@ -332,6 +332,9 @@ class PipelineRuntime:
                             self._compute(action, step, engine)
             for posted in step.sends:
                 posted.wait()
+        if self.recording:  # timestamps only: the batches hold the sent tensors, which must not outlive the step
+            self.sent = {a: batch.result()[1] - self._origin for actions, batch in self._sending for a in actions}
+            self._sending = []
         left = [*step.values, *step.arrivals, *step.stash]
         if left:
             raise RuntimeError(f"trainmesh bug: pipeline step ended with unconsumed values {left[:4]}")
@@ -339,7 +342,7 @@ class PipelineRuntime:
     def _start_clock(self) -> None:
         """Align the ranks' clocks at a barrier, so records of different ranks share one time axis."""
         dist.barrier(group=self.mesh.group(AXIS))
-        self.records, self._sending = [], []
+        self.records, self.sent, self._sending = [], {}, []
         self._origin = time.perf_counter()
 
     def _now(self) -> float:
@@ -374,7 +377,8 @@ class PipelineRuntime:
         if sends:
             step.sends.append(_Posted(batch, 0, [t for t, _ in sends]))
         if self.recording:  # the group's posting time, shared evenly by its actions
-            self._sending.append(([a for a in group if a.kind in SEND_KINDS], batch))
+            if sends:
+                self._sending.append(([a for a in group if a.kind in SEND_KINDS], batch))
             each = (self._now() - start) / len(group)
             self.records += [TimelineRecord(self.rank, a, start + i * each, start + (i + 1) * each)
                              for i, a in enumerate(group)]
