@@ -353,7 +353,7 @@ def test_train_draws_the_measured_timeline(tmp_path):
     assert f"timeline of the last step drawn to {png}" in result.stdout
     assert png.read_bytes().startswith(PNG_SIGNATURE)
     simulated = re.search(r"simulated from its measured costs (\d\.\d{4})", result.stdout).group(1)
-    assert re.search(r"\(0\.\d{4} with each action's own measured duration;", result.stdout)
+    assert re.search(r"\(0\.\d{4} with each action's and message's own measured time;", result.stdout)
     again = _trainmesh("schedule", "--pp", "2", "--microbatches", "4", "--schedule", "zb",
                        "--costs", str(png.with_suffix(".costs.json")))
     assert again.returncode == 0, again.stderr

@@ -153,7 +153,7 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
     title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
     return (f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}: measured "
             f"bubble {timeline.bubble_fraction:.4f}, simulated from its measured costs {simulated:.4f} "
-            f"({replayed:.4f} with each action's own measured duration; "
+            f"({replayed:.4f} with each action's and message's own measured time; "
             f"trainmesh schedule --pp {cfg.pp} --microbatches {cfg.microbatches} --schedule {cfg.schedule} "
             f"--virtual {cfg.virtual_stages} --costs {costs})")
 
