@@ -11,6 +11,7 @@ import pytest
 from trainmesh.pipeline.draw import draw_timeline, schedule_command
 from trainmesh.pipeline.schedules import (
     SCHEDULES,
+    SEND_KINDS,
     Action,
     ActionKind,
     action_inputs,
@@ -32,8 +33,6 @@ from trainmesh.pipeline.simulate import (
 )
 
 F, B, BI, BW = ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW
-SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-PARTNER_KIND = {SEND_F: RECV_F, RECV_F: SEND_F, SEND_B: RECV_B, RECV_B: SEND_B}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -550,29 +549,24 @@ def test_replaying_recorded_durations_reproduces_each_steps_bubble_which_mean_co
     assert simulate(schedule, costs).bubble_fraction < measured - 0.01
 
 
-def partner(message: Action) -> Action:
-    """The peer's side of a message (SEND_F3s1 <-> RECV_F3s2)."""
-    return Action(PARTNER_KIND[message.kind], message.microbatch, message.peer_stage)
-
-
 def test_messages_take_their_measured_time_in_the_replay_and_their_mean_in_the_costs():
     """A step whose messages each take their own time (a send waiting for a busy host's core) is replayed
     exactly once the timeline records when each send left; its mean is the costs' ``comm``; the idle link's
     time alone predicts a shorter step."""
     schedule = [hoist_receives(a) for a in build_schedule("interleaved", 2, 8, 2)]
     rng = random.Random(1)
-    took = {a: rng.uniform(0.1, 0.6) for acts in schedule for a in acts if a.kind in (SEND_F, SEND_B)}
+    took = {a: rng.uniform(0.1, 0.6) for acts in schedule for a in acts if a.kind in SEND_KINDS}
 
     class Messages(Costs):
         def duration(self, action: Action) -> float:
             if not action.is_comm:
                 return super().duration(action)
-            return took[action if action.kind in (SEND_F, SEND_B) else partner(action)]
+            return took[action if action.kind in SEND_KINDS else action.partner]
 
     step = simulate(schedule, Messages(post=0.01, dispatch=0.02))
     link = 0.05
     posted = {r.action: r.start for r in step.records if r.action.is_comm}
-    sent = {send: max(posted[send], posted[partner(send)]) + t - link for send, t in took.items()}
+    sent = {send: max(posted[send], posted[send.partner]) + t - link for send, t in took.items()}
     recorded = Timeline.from_records(step.records, 2, sent)
     assert recorded.transfers(link) == pytest.approx(took)
     costs = measured_costs([recorded], 4, comm=link)

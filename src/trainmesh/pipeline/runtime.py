@@ -50,6 +50,7 @@ from trainmesh.mesh import Mesh, world_env
 from trainmesh.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
 from trainmesh.pipeline.schedules import (
+    SEND_KINDS,
     Action,
     ActionKind,
     Token,
@@ -63,7 +64,6 @@ from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord, concurr
 
 Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]
 
-SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
 WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
 GIL_SWITCH_INTERVAL = 2e-4

@@ -56,6 +56,9 @@ class ActionKind(str, enum.Enum):
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW})
 COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+_PARTNER_KIND = {ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.RECV_F: ActionKind.SEND_F,
+                 ActionKind.SEND_B: ActionKind.RECV_B, ActionKind.RECV_B: ActionKind.SEND_B}
 BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.BI})
 """Kinds that produce the input gradient, i.e. what the previous stage's backward waits for."""
 
@@ -99,6 +102,11 @@ class Action:
         if self.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
             return self.stage - 1
         raise ValueError(f"{self} is a compute action; only SEND_*/RECV_* actions have a peer stage")
+
+    @property
+    def partner(self) -> Action:
+        """The action on the peer rank that completes a comm action (SEND_F3s1 <-> RECV_F3s2)."""
+        return Action(_PARTNER_KIND[self.kind], self.microbatch, self.peer_stage)
 
 
 def stage_to_rank(stage: int, n_ranks: int) -> int:

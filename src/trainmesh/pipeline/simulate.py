@@ -30,6 +30,7 @@ from pathlib import Path
 from trainmesh.pipeline.schedules import (
     Action,
     COMPUTE_KINDS,
+    SEND_KINDS,
     ActionKind,
     Token,
     action_inputs,
@@ -41,8 +42,6 @@ from trainmesh.pipeline.schedules import (
 Cost = float | tuple[float, ...]
 """Seconds (or any unit) for one action: one value for all stages, or one per global stage."""
 
-_RECV_FOR = {ActionKind.SEND_F: ActionKind.RECV_F, ActionKind.SEND_B: ActionKind.RECV_B}
-_SEND_FOR = {recv: send for send, recv in _RECV_FOR.items()}
 _COMPUTE_ORDER = (ActionKind.F, ActionKind.B, ActionKind.BI, ActionKind.BW)
 _SPLIT_BACKWARD = (ActionKind.BI, ActionKind.BW)
 
@@ -184,7 +183,7 @@ class Timeline:
         for a small GPT's activation at pp=2 on 2 cores (measured), which is most of what a replay with the
         idle link's time leaves unexplained."""
         posted = {r.action: r.start for r in self.records if r.action.is_comm}
-        return {send: max(at - max(posted[send], posted.get(_partner(send), posted[send])), 0.0) + link
+        return {send: max(at - max(posted[send], posted.get(send.partner, posted[send])), 0.0) + link
                 for send, at in self.sent.items() if send in posted}
 
     def rank_records(self, rank: int) -> tuple[TimelineRecord, ...]:
@@ -287,7 +286,7 @@ class _Replayed(Costs):
 
     def duration(self, action: Action) -> float:
         if action.is_comm:
-            send = action if action.kind in _RECV_FOR else _partner(action)
+            send = action if action.kind in SEND_KINDS else action.partner
             return self.transfers.get(send, self.comm)
         return self.taken[action] if action in self.taken else super().duration(action)
 
@@ -478,11 +477,11 @@ class _Run:
             return self._compute(rank, action)
         if not self.blocking:
             return self._post(rank, action)
-        if action.kind in _RECV_FOR:
+        if action.kind in SEND_KINDS:
             return self._rendezvous(rank, action)
         peer = stage_to_rank(action.peer_stage, self.n_ranks)
         send = self._head(peer)
-        return send == _partner(action) and self._rendezvous(peer, send)
+        return send == action.partner and self._rendezvous(peer, send)
 
     def _compute(self, rank: int, action: Action) -> bool:
         inputs_at = self._inputs_ready_at(rank, action)
@@ -496,7 +495,7 @@ class _Run:
 
     def _rendezvous(self, rank: int, send: Action) -> bool:
         peer = stage_to_rank(send.peer_stage, self.n_ranks)
-        recv = _partner(send)
+        recv = send.partner
         inputs_at = self._inputs_ready_at(rank, send)
         if inputs_at is None or self._head(peer) != recv:
             return False
@@ -512,13 +511,13 @@ class _Run:
         like any rendezvous protocol, sends only into a posted receive) and reaches the peer ``comm`` after
         the later of the two (or when posting ends, if that is later)."""
         start = self.free_at[rank] + self.costs.dispatch
-        if comm.kind in _RECV_FOR:  # a SEND: it needs its tensor
+        if comm.kind in SEND_KINDS:  # it needs its tensor
             inputs_at = self._inputs_ready_at(rank, comm)
             if inputs_at is None:
                 return False
             start = max(start, inputs_at)
         self.posted[comm] = start
-        send, recv = (comm, _partner(comm)) if comm.kind in _RECV_FOR else (_partner(comm), comm)
+        send, recv = (comm, comm.partner) if comm.kind in SEND_KINDS else (comm.partner, comm)
         if send in self.posted and recv in self.posted:
             both = max(self.posted[send], self.posted[recv])
             arrival = max(both + self.costs.duration(comm), self.posted[send] + self.costs.post)
@@ -546,13 +545,7 @@ class _Run:
             return f"rank {rank} is stuck at {action} waiting for {producers}, which comes later in its list"
         peer = stage_to_rank(action.peer_stage, self.n_ranks)
         peer_head = self._head(peer)
-        if peer_head == _partner(action):
+        if peer_head == action.partner:
             return f"rank {rank} is stuck at {action}; its partner {peer_head} on rank {peer} cannot run yet"
         at = f"is at {peer_head}" if peer_head is not None else "has finished its list"
-        return f"rank {rank} is stuck at {action} until rank {peer} reaches {_partner(action)}, but it {at}"
-
-
-def _partner(comm: Action) -> Action:
-    """The action on the peer rank that completes ``comm`` (SEND_F3s1 <-> RECV_F3s2)."""
-    kind = _RECV_FOR.get(comm.kind) or _SEND_FOR[comm.kind]
-    return Action(kind, comm.microbatch, comm.peer_stage)
+        return f"rank {rank} is stuck at {action} until rank {peer} reaches {action.partner}, but it {at}"
