@@ -188,7 +188,7 @@ class _Step:
     loss: torch.Tensor
     values: dict[Token, torch.Tensor] = field(default_factory=dict)
     arrivals: dict[Token, _Posted] = field(default_factory=dict)
-    sends: list[_Posted] = field(default_factory=list)
+    sends: list[tuple[list[Action], _Posted]] = field(default_factory=list)  # each batch's SENDs
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
 
 
@@ -267,7 +267,6 @@ class PipelineRuntime:
         self.records: list[TimelineRecord] = []
         self.sent: dict[Action, float] = {}
         """When each SEND of the recorded step left (:attr:`Timeline.sent`), on the records' clock."""
-        self._sending: list[tuple[list[Action], Future[Posting]]] = []
         self._origin = 0.0
         self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmesh-pp-comm")
 
@@ -330,11 +329,10 @@ class PipelineRuntime:
                     for action in group:
                         with _temporarily(torch.get_num_threads, torch.set_num_threads, threads.get(action)):
                             self._compute(action, step, engine)
-            for posted in step.sends:
+            for _, posted in step.sends:
                 posted.wait()
-        if self.recording:  # timestamps only: the batches hold the sent tensors, which must not outlive the step
-            self.sent = {a: batch.result()[1] - self._origin for actions, batch in self._sending for a in actions}
-            self._sending = []
+        if self.recording:
+            self.sent = {a: posted.batch.result()[1] - self._origin for actions, posted in step.sends for a in actions}
         left = [*step.values, *step.arrivals, *step.stash]
         if left:
             raise RuntimeError(f"trainmesh bug: pipeline step ended with unconsumed values {left[:4]}")
@@ -342,7 +340,7 @@ class PipelineRuntime:
     def _start_clock(self) -> None:
         """Align the ranks' clocks at a barrier, so records of different ranks share one time axis."""
         dist.barrier(group=self.mesh.group(AXIS))
-        self.records, self.sent, self._sending = [], {}, []
+        self.records, self.sent = [], {}
         self._origin = time.perf_counter()
 
     def _now(self) -> float:
@@ -375,10 +373,8 @@ class PipelineRuntime:
         for i, token in enumerate(arriving):
             step.arrivals[token] = _Posted(batch, 1 + i)
         if sends:
-            step.sends.append(_Posted(batch, 0, [t for t, _ in sends]))
+            step.sends.append(([a for a in group if a.kind in SEND_KINDS], _Posted(batch, 0, [t for t, _ in sends])))
         if self.recording:  # the group's posting time, shared evenly by its actions
-            if sends:
-                self._sending.append(([a for a in group if a.kind in SEND_KINDS], batch))
             each = (self._now() - start) / len(group)
             self.records += [TimelineRecord(self.rank, a, start + i * each, start + (i + 1) * each)
                              for i, a in enumerate(group)]
