@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 import sys
 
 import pytest
@@ -28,6 +29,7 @@ from trainmesh.pipeline.simulate import (
     Timeline,
     TimelineRecord,
     measured_costs,
+    predicted_bubble,
     replayed_bubble,
     simulate,
 )
@@ -547,6 +549,19 @@ def test_replaying_recorded_durations_reproduces_each_steps_bubble_which_mean_co
     measured = sorted(t.bubble_fraction for t in steps)[2]
     assert replayed_bubble(schedule, costs, steps) == pytest.approx(measured, abs=1e-12)
     assert simulate(schedule, costs).bubble_fraction < measured - 0.01
+
+
+def test_each_steps_own_costs_predict_a_bubble_that_pooled_costs_underestimate_when_the_slow_stage_moves():
+    """Two steps of GPipe pp=2 whose slow stage swaps (a shared host preempting one rank, then the other):
+    each step's own means reproduce its bubble, so their median is the measured one; pooled over the two
+    steps the stages look balanced and the simulated bubble falls short."""
+    schedule = [hoist_receives(a) for a in build_schedule("gpipe", 2, 8)]
+    steps = [simulate(schedule, Costs(forward=f, backward=tuple(2 * x for x in f), comm=0.05, post=0.01))
+             for f in ((1.0, 1.5), (1.5, 1.0), (1.0, 1.5))]
+    measured = statistics.median(t.bubble_fraction for t in steps)
+    assert predicted_bubble(schedule, steps, 2, link=0.05) == pytest.approx(measured, abs=1e-12)
+    pooled = simulate(schedule, measured_costs(steps[:2], 2, comm=0.05)).bubble_fraction
+    assert pooled < predicted_bubble(schedule, steps[:2], 2, link=0.05) - 0.05
 
 
 def test_messages_take_their_measured_time_in_the_replay_and_their_mean_in_the_costs():

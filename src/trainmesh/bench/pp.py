@@ -5,10 +5,11 @@ and each schedule against ``torch.distributed.pipelining``'s class of the same n
 Bubble: every schedule trains a few recorded steps; the runtime times each action on a clock aligned
 across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
 of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). Two predictions
-stand beside it. ``simulated`` runs the same action lists with the mean measured duration of each (action
-kind, stage), the mean time a rank spends posting a message, and the mean time a message took in the
-recorded steps (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`: the wait for its send to leave a
-busy host, plus the idle link's time from a latency/bandwidth fit measured once per run). ``replayed`` runs
+stand beside it. ``simulated`` runs the same action lists with each recorded step's mean measured duration
+of each (action kind, stage), mean time a rank spends posting a message, and mean time a message took
+(:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`: the wait for its send to leave a busy host, plus
+the idle link's time from a latency/bandwidth fit measured once per run), the median over steps
+(:func:`~trainmesh.pipeline.simulate.predicted_bubble`). ``replayed`` runs
 them with each recorded step's own durations and message times
 (:func:`~trainmesh.pipeline.simulate.replayed_bubble`): the gap from measured to replayed is waiting the
 simulator does not model (a late post, a receive read late), the gap from replayed to
@@ -35,13 +36,13 @@ from trainmesh.models import spec_of
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
-from trainmesh.pipeline.simulate import measured_costs, replayed_bubble, simulate
+from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate
 from trainmesh.precision import dtype_of
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
 def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
-    """(measured, simulated with the measured mean costs, simulated with each recorded step's own durations,
+    """(measured, simulated with each step's mean costs, simulated with each recorded step's own durations,
     uniform textbook) bubble fraction of ``run``'s schedule, and the mean time a message took in its steps."""
     pipeline, step = run.pipeline, trainmesh_step(run)
     step(0)
@@ -54,8 +55,9 @@ def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float
     schedule: Schedule = pipeline.schedule
     costs = measured_costs(timelines, pipeline.n_stages, transfer, pipeline.lone)
     measured = statistics.median(t.bubble_fraction for t in timelines)
+    predicted = predicted_bubble(schedule, timelines, pipeline.n_stages, transfer, pipeline.lone)
     replayed = replayed_bubble(schedule, costs, timelines, link=transfer)
-    return measured, simulate(schedule, costs).bubble_fraction, replayed, simulate(schedule).bubble_fraction, costs.comm
+    return measured, predicted, replayed, simulate(schedule).bubble_fraction, costs.comm
 
 
 def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
