@@ -1,0 +1,69 @@
+"""Shared-memory all-reduce among the ranks of one host: the same sums as Gloo's, in rank order, with Gloo
+taking over where the ranks are not on one host or cannot make the segment."""
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainmesh import shm
+from trainmesh.comm import HOST_MIN_BYTES, Comm
+from trainmesh.mesh import Mesh, init_distributed
+from trainmesh.testing import run_ranks
+
+PER_CHUNK = shm.SLOT_BYTES // 4
+CASES = [  # (numel, dtype): several chunks with a short last one, uneven rank slices, half precision, small
+    (2 * PER_CHUNK + 12_345, torch.float32),
+    (300_001, torch.float64),
+    (700_001, torch.bfloat16),
+    (1_000, torch.float32),
+]
+
+
+def _tensor(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + numel)).to(dtype)
+
+
+def _sum_cases(obstacle: str) -> tuple[list[torch.Tensor], bool]:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if obstacle == "hosts":  # every rank claims a host of its own
+        shm._host_id = lambda: f"host-{rank}"
+    elif obstacle == "no /dev/shm" and rank == 0:  # the segment cannot be created
+        shm.SHM_DIR = Path("/nonexistent/shm")
+    init_distributed("gloo", torch.device("cpu"))
+    comm = Comm(Mesh.build(1, dist.get_world_size(), 1, torch.device("cpu")))
+    sums = []
+    for numel, dtype in CASES:
+        t = _tensor(rank, numel, dtype)
+        comm.all_reduce(t, "dp", async_op=True).wait()
+        sums.append(t)
+    return sums, comm.hosts["dp"] is not None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_all_reduce_gives_every_rank_the_rank_ordered_sum_and_leaves_no_file(world):
+    before = set(shm.SHM_DIR.glob("trainmesh-*"))
+    results = run_ranks(_sum_cases, world, "", timeout=120)
+    assert all(through_host for _, through_host in results)
+    for i, (numel, dtype) in enumerate(CASES):
+        expected = functools.reduce(torch.add, [_tensor(r, numel, dtype) for r in range(world)])
+        for sums, _ in results:
+            if numel * dtype.itemsize >= HOST_MIN_BYTES:
+                assert torch.equal(sums[i], expected), f"{numel} x {dtype}"
+            else:  # Gloo's own order of summation
+                torch.testing.assert_close(sums[i], expected)
+    assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
+
+
+@pytest.mark.parametrize("obstacle", ["hosts", "no /dev/shm"])
+def test_ranks_on_different_hosts_or_without_a_segment_sum_through_gloo(obstacle):
+    results = run_ranks(_sum_cases, 2, obstacle, timeout=120)
+    assert not any(through_host for _, through_host in results)
+    for i, (numel, dtype) in enumerate(CASES):
+        expected = _tensor(0, numel, dtype).double() + _tensor(1, numel, dtype).double()
+        torch.testing.assert_close(results[0][0][i].double(), expected, atol=0.02 if dtype == torch.bfloat16 else 1e-5,
+                                   rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
