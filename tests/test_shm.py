@@ -67,3 +67,38 @@ def test_ranks_on_different_hosts_or_without_a_segment_sum_through_gloo(obstacle
         expected = _tensor(0, numel, dtype).double() + _tensor(1, numel, dtype).double()
         torch.testing.assert_close(results[0][0][i].double(), expected, atol=0.02 if dtype == torch.bfloat16 else 1e-5,
                                    rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
+
+
+def _exchange(depth: int, timeout_s: float) -> tuple[list[float], str]:
+    """Rank 0 sends three tensors (two batches) through a channel ``depth`` deep; rank 1 posts their three
+    receives at once and waits for them last first. Then each waits for a message the other never sends."""
+    torch.set_num_threads(1)
+    init_distributed("gloo", torch.device("cpu"))
+    mesh = Mesh.build(2, 1, 1, torch.device("cpu"), timeout_s=timeout_s)
+    comm, rank = Comm(mesh), dist.get_rank()
+    assert comm.open_channels("pp", [(0, 1), (1, 0)], depth, 4 * 1000)
+    sent = [torch.full((1000,), float(i)) for i in range(3)]
+    buffers = [torch.empty(1000) for _ in sent]
+    if rank == 0:
+        for batch in (sent[:2], sent[2:]):
+            for work in comm.send_recv([(t, 1) for t in batch], []):
+                work.wait()
+    else:
+        for work in reversed(comm.send_recv([], [(b, 0) for b in buffers])):
+            work.wait()
+    try:
+        comm.send_recv([], [(torch.empty(1000), 1 - rank)])[0].wait()
+    except Exception as e:  # noqa: BLE001 - the test checks its message
+        return [b[0].item() for b in buffers], str(e)
+    return [b[0].item() for b in buffers], "no error"
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_channel_fills_receives_in_the_order_they_were_posted_and_times_out_naming_the_message(depth):
+    """A receive waited for before an earlier one still gets its own message (the earlier one is filled on
+    the way); a full ring holds the sender back until the receiver drains it; a message that never comes
+    fails after the mesh's timeout with the message's number."""
+    (_, error0), (values, error1) = run_ranks(_exchange, 2, depth, 2.0, timeout=60)
+    assert values == [0.0, 1.0, 2.0]
+    assert error0.startswith("rank 0: p2p pp/recv 1->0 #1 failed: Timed out waiting 2000ms"), error0
+    assert error1.startswith("rank 1: p2p pp/recv 0->1 #4 failed: Timed out waiting 2000ms"), error1

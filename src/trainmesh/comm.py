@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.mesh import Mesh
-from trainmesh.shm import HostAllReduce
+from trainmesh.shm import WAIT_S, Channel, HostAllReduce, open_channels
 
 
 class CollectiveError(RuntimeError):
@@ -63,6 +63,19 @@ class _Ran:
     def wait(self) -> bool:
         if self.error is not None:
             raise self.error
+        return True
+
+
+class _Deferred:
+    """The work handle of an operation run by the first :meth:`wait` (a receive from a shared channel)."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run: Callable[[], None] | None = run
+
+    def wait(self) -> bool:
+        if self.run is not None:
+            run, self.run = self.run, None
+            run()
         return True
 
 
@@ -112,6 +125,7 @@ class Comm:
         self.p2p_seq: dict[tuple[int, int], int] = defaultdict(int)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.hosts: dict[str, HostAllReduce | None] = {}
+        self.channels: dict[tuple[int, int], Channel] = {}
 
     def _describe(self, axis: str, op: str) -> str:
         self.seq[axis] += 1
@@ -205,18 +219,37 @@ class Comm:
         Posting both directions in one batch lets neighbouring pipeline stages exchange activations and
         gradients without either blocking first; returns the work handles to wait on, sends first, one per
         operation where the backend gives one per operation (Gloo), else one for the whole batch (NCCL).
+        A message between ranks with a :meth:`open_channels` channel goes through it instead: a send is
+        copied there at once, a receive copied out when waited for.
         """
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        if not ops:
+        messages = [(dist.isend, t, peer, self.channels.get((self.rank, peer))) for t, peer in sends]
+        messages += [(dist.irecv, t, peer, self.channels.get((peer, self.rank))) for t, peer in recvs]
+        if not messages:
             return []
         self.bytes[(axis, op)] += sum(t.numel() * t.element_size() for t, _ in sends)
         descs = [self._describe_p2p(axis, "send", self.rank, peer) for _, peer in sends]
         descs += [self._describe_p2p(axis, "recv", peer, self.rank) for _, peer in recvs]
-        works = dist.batch_isend_irecv(ops)
-        if len(works) != len(descs):
-            descs = [" + ".join(descs)]
-        return [Pending(work, f"rank {self.rank}: p2p {desc}", collective=False) for work, desc in zip(works, descs)]
+        shared = [ch is not None and t.numel() * t.element_size() <= ch.slot_bytes for _, t, _, ch in messages]
+        gloo = [dist.P2POp(f, t, peer) for (f, t, peer, _), s in zip(messages, shared) if not s]
+        works = dist.batch_isend_irecv(gloo) if gloo else []
+        if len(works) != len(gloo):  # one handle for the whole batch (NCCL, which has no channels)
+            return [Pending(works[0], f"rank {self.rank}: p2p {' + '.join(descs)}", collective=False)]
+        posted = iter(works)
+        handles = [(_Ran(ch.send, t) if f is dist.isend else _Deferred(ch.post_recv(t))) if s else next(posted)
+                   for (f, t, _, ch), s in zip(messages, shared)]
+        return [Pending(work, f"rank {self.rank}: p2p {desc}", collective=False) for work, desc in zip(handles, descs)]
+
+    def open_channels(self, axis: str, pairs: Sequence[tuple[int, int]], depth: int, slot_bytes: int) -> bool:
+        """Channels through shared memory for the directed ``pairs`` of global ranks of ``axis`` (a collective
+        over it; the same pairs on every rank), each holding ``depth`` messages of up to ``slot_bytes`` in
+        flight, a receive waiting at most the mesh's timeout; False, on every rank alike, where they cannot be
+        made (ranks on several hosts, a GPU)."""
+        if self.mesh.device.type != "cpu" or self.mesh.size(axis) == 1:
+            return False
+        channels = open_channels(self.mesh.group(axis), list(pairs), depth, slot_bytes,
+                                 self.mesh.timeout_s or WAIT_S)
+        self.channels.update(channels or {})
+        return channels is not None
 
     def totals(self) -> dict[str, float]:
         """Bytes sent so far per axis."""

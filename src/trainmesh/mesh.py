@@ -162,6 +162,8 @@ class Mesh:
     device: torch.device
     device_mesh: DeviceMesh | None = None
     flat_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    timeout_s: float | None = None
+    """What bounds a wait for another rank (``Mesh.build``'s ``timeout_s``; None: torch's default)."""
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
@@ -188,7 +190,7 @@ class Mesh:
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
         coords["ep"], coords["edp"] = coords[GRAD_AXIS] % ep, coords[GRAD_AXIS] // ep
-        mesh = cls(sizes, coords, device, dm)
+        mesh = cls(sizes, coords, device, dm, timeout_s=timeout_s)
         if cp > 1:
             mesh.flat_groups.update(mesh._grad_groups(timeout_s))
         if ep > 1:

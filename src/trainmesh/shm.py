@@ -1,4 +1,5 @@
-"""All-reduce through one shared-memory segment, for the ranks of a group that all run on one CPU host.
+"""Collectives and messages through shared memory, for the ranks of a group that all run on one CPU host:
+:class:`HostAllReduce` for large sums, :class:`Channel` for pipeline messages.
 
 Gloo moves every collective through TCP sockets, even between processes of one machine: the kernel copies
 each byte into and out of a socket buffer, on cores the ranks also compute on. Through a segment every rank
@@ -11,7 +12,7 @@ Medians on 2 ranks of a 2-core host (fp32, 40 calls each, Gloo over loopback vs 
 
 DeepSpeed reduces among one host's CPU ranks the same way.
 
-The segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has
+The all-reduce's segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has
 finished a chunk may write its next chunk into the other set while a slower rank still reads this one,
 so two barriers per chunk suffice (after the writes, after the sums). Sums run in rank order
 (``x0 + x1 + ...``), so every rank gets the same bits whatever the timing. The segment's file is removed as
@@ -20,8 +21,15 @@ soon as every rank has mapped it, so a rank that dies later leaves nothing behin
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import functools
 import socket
+import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,33 +60,10 @@ class HostAllReduce:
 
     @classmethod
     def open(cls, group: dist.ProcessGroup) -> HostAllReduce | None:
-        """Map one segment on every rank of ``group`` (a collective over it); None, on every rank alike,
-        where the ranks are on different hosts or any of them cannot map the segment."""
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        hosts: list = [None] * size
-        dist.all_gather_object(hosts, _host_id(), group=group)
-        if len(set(hosts)) > 1:
-            return None
-        name = [f"trainmesh-{uuid.uuid4().hex}" if rank == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
-        path = SHM_DIR / name[0]
-        segment = cls._map(path, 2 * size * SLOT_BYTES) if rank == 0 else None
-        created = _agree(rank != 0 or segment is not None, group)  # the file exists before the others open it
-        if rank != 0 and created:
-            segment = cls._map(path, 2 * size * SLOT_BYTES, create=False)
-        mapped = _agree(segment is not None, group)
-        if rank == 0:
-            path.unlink(missing_ok=True)
-        return cls(group, segment) if mapped else None
-
-    @staticmethod
-    def _map(path: Path, nbytes: int, create: bool = True) -> torch.Tensor | None:
-        if not create and not path.exists():
-            return None
-        try:
-            return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-        except (OSError, RuntimeError):
-            return None
+        """Map a segment on every rank of ``group`` (a collective over it); None, on every rank alike, where
+        the ranks span hosts or cannot map it."""
+        segment = open_segment(group, 2 * dist.get_world_size(group) * SLOT_BYTES)
+        return cls(group, segment) if segment is not None else None
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum contiguous ``t`` over the group, in place, chunk by chunk."""
@@ -104,8 +89,168 @@ class HostAllReduce:
                 x[bounds[k]:bounds[k + 1]].copy_(slots[k, bounds[k]:bounds[k + 1]])
 
 
+def open_segment(group: dist.ProcessGroup, nbytes: int,
+                 prepare: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    """``nbytes`` of memory shared by every rank of ``group`` (a collective over it), zeroed, and
+    ``prepare``d by its first rank before any other maps it; None on every rank alike where the ranks are
+    on different hosts or any of them cannot map it. The file is gone once every rank has mapped it."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    hosts: list = [None] * size
+    dist.all_gather_object(hosts, _host_id(), group=group)
+    if len(set(hosts)) > 1:
+        return None
+    name = [f"trainmesh-{uuid.uuid4().hex}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+    path = SHM_DIR / name[0]
+    segment = _map(path, nbytes) if rank == 0 else None
+    if segment is not None and prepare is not None:
+        try:
+            prepare(segment)
+        except OSError:
+            segment = None
+    created = _agree(rank != 0 or segment is not None, group)  # the file exists before the others open it
+    if rank != 0 and created:
+        segment = _map(path, nbytes, create=False)
+    mapped = _agree(segment is not None, group)
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    return segment if mapped else None
+
+
+def _map(path: Path, nbytes: int, create: bool = True) -> torch.Tensor | None:
+    if not create and not path.exists():
+        return None
+    try:
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+
+
 def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
     """True on every rank of ``group`` when ``ok`` is true on all of them (a collective)."""
     flag = torch.tensor([int(ok)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+SEM_BYTES = 64
+"""Room for one POSIX ``sem_t`` (32 bytes on 64-bit glibc), padded to a cache line."""
+WAIT_S = 300.0
+"""How long a message may be waited for when the caller gives no bound (``init_distributed``'s default)."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's process-shared semaphores (``sem_init``, ``sem_post``, ``sem_timedwait``); None where it
+    has none (macOS has no unnamed ones): messages then go through Gloo."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if not all(hasattr(libc, f) for f in ("sem_init", "sem_post", "sem_timedwait")):
+        return None
+    return libc
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Semaphore:
+    """A POSIX semaphore at ``address`` in a segment that several processes map: a wait blocks in the kernel
+    (no spinning on cores the ranks compute on) until a post from any of them, and orders the memory
+    written before the post before the reads after the wait."""
+
+    def __init__(self, address: int) -> None:
+        self.address = ctypes.c_void_p(address)
+
+    def init(self, value: int) -> None:
+        if _libc().sem_init(self.address, 1, value) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def post(self) -> None:
+        if _libc().sem_post(self.address) != 0:
+            raise OSError(ctypes.get_errno(), "sem_post failed")
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        when = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        while _libc().sem_timedwait(self.address, ctypes.byref(when)) != 0:
+            error = ctypes.get_errno()
+            if error == errno.ETIMEDOUT:
+                raise TimeoutError(f"Timed out waiting {timeout_s * 1e3:.0f}ms for the peer's message in shared memory")
+            if error != errno.EINTR:
+                raise OSError(error, "sem_timedwait failed")
+
+
+class Channel:
+    """Messages from one rank to another through a ring of ``depth`` slots in a shared segment, in the order
+    they were sent: the sender copies into a free slot and posts ``filled``; the receiver waits for it,
+    copies out into the buffer of its oldest posted receive and posts ``free``. Both copies run on the calling thread, so a message leaves and lands at
+    once, with no communication thread waiting for a core."""
+
+    HEADER = 2 * SEM_BYTES
+
+    def __init__(self, region: torch.Tensor, depth: int, slot_bytes: int, timeout_s: float) -> None:
+        self.filled, self.free = Semaphore(region.data_ptr()), Semaphore(region.data_ptr() + SEM_BYTES)
+        self.slots = region[self.HEADER:].view(depth, slot_bytes)
+        self.depth, self.slot_bytes, self.timeout_s = depth, slot_bytes, timeout_s
+        self.sent = self.received = 0
+        self.posted: deque[torch.Tensor] = deque()  # receives posted, not yet filled
+
+    @classmethod
+    def nbytes(cls, depth: int, slot_bytes: int) -> int:
+        return cls.HEADER + depth * slot_bytes
+
+    @classmethod
+    def prepare(cls, region: torch.Tensor, depth: int) -> None:
+        """Set up the semaphores (once, by the segment's creator, before any peer maps it)."""
+        Semaphore(region.data_ptr()).init(0)
+        Semaphore(region.data_ptr() + SEM_BYTES).init(depth)
+
+    def send(self, t: torch.Tensor) -> None:
+        self.free.wait(self.timeout_s)
+        self.slots[self.sent % self.depth, :_nbytes(t)].copy_(_as_bytes(t))
+        self.sent += 1
+        self.filled.post()
+
+    def post_recv(self, t: torch.Tensor) -> Callable[[], None]:
+        """Claim the next message for ``t``; returns what fills it, which also fills every receive posted
+        before it: messages land in the order their receives were posted, whatever order they are waited in."""
+        self.posted.append(t)
+        last = self.received + len(self.posted)
+        return lambda: self._receive_until(last)
+
+    def _receive_until(self, count: int) -> None:
+        while self.received < count:
+            t = self.posted.popleft()
+            self.filled.wait(self.timeout_s)
+            _as_bytes(t).copy_(self.slots[self.received % self.depth, :_nbytes(t)])
+            self.received += 1
+            self.free.post()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def open_channels(group: dist.ProcessGroup, pairs: list[tuple[int, int]], depth: int, slot_bytes: int,
+                  timeout_s: float = WAIT_S) -> dict[tuple[int, int], Channel] | None:
+    """A :class:`Channel` for each directed pair ``(sender, receiver)`` of global ranks of ``group`` (the
+    same list on every rank), in one segment (a collective over ``group``); None on every rank alike where
+    the ranks span hosts, the C library has no shared semaphores, or the segment cannot be mapped."""
+    if _libc() is None:
+        return None
+    slot_bytes = -(-slot_bytes // 64) * 64  # each slot starts on a cache line
+    each = Channel.nbytes(depth, slot_bytes)
+
+    def prepare(segment: torch.Tensor) -> None:
+        for i in range(len(pairs)):
+            Channel.prepare(segment[i * each:(i + 1) * each], depth)
+
+    segment = open_segment(group, each * len(pairs), prepare)
+    if segment is None:
+        return None
+    return {pair: Channel(segment[i * each:(i + 1) * each], depth, slot_bytes, timeout_s)
+            for i, pair in enumerate(pairs)}
