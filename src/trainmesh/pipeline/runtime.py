@@ -335,10 +335,9 @@ class PipelineRuntime:
         ranks of a 2-core host computed (measured), which lengthened every wait on it."""
         if self._shared is not None:
             return
-        rank = [self.mesh.global_rank(pp=r) for r in range(self.n_ranks)]
-        pairs = dict.fromkeys(pair for r in range(self.n_ranks) for a, b in [(r, (r + 1) % self.n_ranks)]
-                              for pair in ((rank[a], rank[b]), (rank[b], rank[a])))
-        sends = Counter((r, a.peer_stage % self.n_ranks) for r, actions in enumerate(self.schedule)
+        ring = [self.mesh.global_rank(pp=r) for r in range(self.n_ranks)]
+        pairs = dict.fromkeys(pair for a, b in zip(ring, ring[1:] + ring[:1]) for pair in ((a, b), (b, a)))
+        sends = Counter((r, stage_to_rank(a.peer_stage, self.n_ranks)) for r, actions in enumerate(self.schedule)
                         for a in actions if a.kind in SEND_KINDS)
         self._shared = self.comm.open_channels(AXIS, list(pairs), max(sends.values(), default=1),
                                                numel * self.dtype.itemsize)
