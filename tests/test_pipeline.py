@@ -19,7 +19,7 @@ from trainmesh.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.pipeline.partition import balanced_partition, explicit_partition, partition_model, split_model
 from trainmesh.pipeline.runtime import PipelineRuntime, forward_only, hoist_receives, last_weight_gradients
-from trainmesh.pipeline.schedules import SCHEDULES, ActionKind, build_schedule
+from trainmesh.pipeline.schedules import SCHEDULES, SEND_KINDS, ActionKind, build_schedule
 from trainmesh.pipeline.simulate import simulate
 from trainmesh.testing import run_ranks
 from trainmesh.train import build, evaluate, forward_backward, rank_batch, setup_process
@@ -152,7 +152,7 @@ def test_buckets_fire_once_per_step_evaluation_and_measured_timeline():
                     if a.is_compute]
         assert sorted(map(str, compute)) == sorted(map(str, expected))
         assert 0 < timeline.bubble_fraction < 1
-        sends = {r.action for r in timeline.records if r.action.kind in (ActionKind.SEND_F, ActionKind.SEND_B)}
+        sends = {r.action for r in timeline.records if r.action.kind in SEND_KINDS}
         assert set(timeline.sent) == sends, f"{cfg.schedule}: every send's leaving time is recorded"
         assert min(timeline.transfers(0.0).values()) >= 0
         single = dataclasses.replace(cfg, nproc=1, pp=1, virtual_stages=1)

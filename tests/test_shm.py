@@ -1,5 +1,6 @@
-"""Shared-memory all-reduce among the ranks of one host: the same sums as Gloo's, in rank order, with Gloo
-taking over where the ranks are not on one host or cannot make the segment."""
+"""Shared memory among the ranks of one host: the all-reduce gives the same sums as Gloo's, in rank order,
+with Gloo taking over where the ranks are not on one host or cannot make the segment; a channel delivers
+messages in the order their receives were posted and times out naming the message."""
 
 import functools
 import os

@@ -165,7 +165,7 @@ class Comm:
     def _through_host(self, t: torch.Tensor, reduce_op) -> bool:
         """Whether ``t``'s sum may go through shared memory: every rank of a collective decides alike."""
         return (self.mesh.device.type == "cpu" and reduce_op == dist.ReduceOp.SUM and t.is_contiguous()
-                and t.dtype.is_floating_point and t.numel() * t.element_size() >= HOST_MIN_BYTES)
+                and t.dtype.is_floating_point and t.nbytes >= HOST_MIN_BYTES)
 
     def _host(self, axis: str) -> HostAllReduce | None:
         """The axis's shared segment, mapped at its first large sum (None where its ranks span hosts)."""
@@ -229,7 +229,7 @@ class Comm:
         self.bytes[(axis, op)] += sum(t.numel() * t.element_size() for t, _ in sends)
         descs = [self._describe_p2p(axis, "send", self.rank, peer) for _, peer in sends]
         descs += [self._describe_p2p(axis, "recv", peer, self.rank) for _, peer in recvs]
-        shared = [ch is not None and t.numel() * t.element_size() <= ch.slot_bytes for _, t, _, ch in messages]
+        shared = [ch is not None and t.nbytes <= ch.slot_bytes for _, t, _, ch in messages]
         gloo = [dist.P2POp(f, t, peer) for (f, t, peer, _), s in zip(messages, shared) if not s]
         works = dist.batch_isend_irecv(gloo) if gloo else []
         if len(works) != len(gloo):  # one handle for the whole batch (NCCL, which has no channels)

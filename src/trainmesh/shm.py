@@ -136,7 +136,7 @@ def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
 SEM_BYTES = 64
 """Room for one POSIX ``sem_t`` (32 bytes on 64-bit glibc), padded to a cache line."""
 WAIT_S = 300.0
-"""How long a message may be waited for when the caller gives no bound (``init_distributed``'s default)."""
+"""How long a message may be waited for on a mesh built without a timeout (``init_distributed``'s default)."""
 
 
 @functools.cache
@@ -183,13 +183,13 @@ class Semaphore:
 class Channel:
     """Messages from one rank to another through a ring of ``depth`` slots in a shared segment, in the order
     they were sent: the sender copies into a free slot and posts ``filled``; the receiver waits for it,
-    copies out into the buffer of its oldest posted receive and posts ``free``. Both copies run on the calling thread, so a message leaves and lands at
-    once, with no communication thread waiting for a core."""
+    copies out into the buffer of its oldest posted receive and posts ``free``. Both copies run on the
+    calling thread, so a message leaves and lands at once, with no communication thread waiting for a core."""
 
     HEADER = 2 * SEM_BYTES
 
     def __init__(self, region: torch.Tensor, depth: int, slot_bytes: int, timeout_s: float) -> None:
-        self.filled, self.free = Semaphore(region.data_ptr()), Semaphore(region.data_ptr() + SEM_BYTES)
+        self.filled, self.free = self._semaphores(region)
         self.slots = region[self.HEADER:].view(depth, slot_bytes)
         self.depth, self.slot_bytes, self.timeout_s = depth, slot_bytes, timeout_s
         self.sent = self.received = 0
@@ -202,12 +202,18 @@ class Channel:
     @classmethod
     def prepare(cls, region: torch.Tensor, depth: int) -> None:
         """Set up the semaphores (once, by the segment's creator, before any peer maps it)."""
-        Semaphore(region.data_ptr()).init(0)
-        Semaphore(region.data_ptr() + SEM_BYTES).init(depth)
+        filled, free = cls._semaphores(region)
+        filled.init(0)
+        free.init(depth)
+
+    @staticmethod
+    def _semaphores(region: torch.Tensor) -> tuple[Semaphore, Semaphore]:
+        """The region's header: ``filled`` (messages waiting), then ``free`` (slots free)."""
+        return Semaphore(region.data_ptr()), Semaphore(region.data_ptr() + SEM_BYTES)
 
     def send(self, t: torch.Tensor) -> None:
         self.free.wait(self.timeout_s)
-        self.slots[self.sent % self.depth, :_nbytes(t)].copy_(_as_bytes(t))
+        self.slots[self.sent % self.depth, :t.nbytes].copy_(_as_bytes(t))
         self.sent += 1
         self.filled.post()
 
@@ -222,13 +228,9 @@ class Channel:
         while self.received < count:
             t = self.posted.popleft()
             self.filled.wait(self.timeout_s)
-            _as_bytes(t).copy_(self.slots[self.received % self.depth, :_nbytes(t)])
+            _as_bytes(t).copy_(self.slots[self.received % self.depth, :t.nbytes])
             self.received += 1
             self.free.post()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +238,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def open_channels(group: dist.ProcessGroup, pairs: list[tuple[int, int]], depth: int, slot_bytes: int,
-                  timeout_s: float = WAIT_S) -> dict[tuple[int, int], Channel] | None:
+                  timeout_s: float) -> dict[tuple[int, int], Channel] | None:
     """A :class:`Channel` for each directed pair ``(sender, receiver)`` of global ranks of ``group`` (the
     same list on every rank), in one segment (a collective over ``group``); None on every rank alike where
     the ranks span hosts, the C library has no shared semaphores, or the segment cannot be mapped."""

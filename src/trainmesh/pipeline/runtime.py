@@ -145,8 +145,9 @@ Posting = tuple[list[list], float]
 
 
 class _Posted:
-    """One part of a batch of point-to-point operations handed to the communication thread: its sends
-    (part 0) or one of its receives (part 1 + i). Holds the tensors being sent until they are gone."""
+    """One part of a batch of point-to-point operations, posted by the communication thread or (through
+    shared-memory channels) at once: its sends (part 0) or one of its receives (part 1 + i). Holds the
+    tensors being sent until they are gone."""
 
     def __init__(self, batch: Future[Posting], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
         self.batch, self.part, self.sending = batch, part, list(sending)
@@ -161,9 +162,10 @@ def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]],
                 recvs: list[tuple[torch.Tensor, int]]) -> Posting:
     """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
     handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
-    for the whole batch, which every part then waits for. The time posting returned is when Gloo had
-    copied the sends into the socket (it does so on the posting thread once the peer's receive is posted):
-    the simulator's measured transfer time (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
+    for the whole batch, which every part then waits for. The time posting returned is when the sends had
+    left: Gloo copies them into the socket on the posting thread once the peer's receive is posted, a
+    channel into its slot; the simulator's measured transfer time
+    (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
     works = comm.send_recv(sends, recvs, axis=AXIS)
     posted = time.perf_counter()
     if len(works) != len(sends) + len(recvs):

@@ -151,7 +151,7 @@ class Timeline:
     """What ran where and when. Build it with :meth:`from_records` so records are sorted.
 
     ``sent``: when each SEND's data had been handed to the transport (a runtime's measurement: the moment its
-    send returned on the communication thread), on the records' clock; empty for a simulated timeline."""
+    send returned on the thread that posted it), on the records' clock; empty for a simulated timeline."""
 
     records: tuple[TimelineRecord, ...]
     n_ranks: int
