@@ -1,9 +1,11 @@
 """Shared memory among the ranks of one host: the all-reduce gives the same sums as Gloo's, in rank order,
-with Gloo taking over where the ranks are not on one host or cannot make the segment; a channel delivers
-messages in the order their receives were posted and times out naming the message."""
+divided as asked, with Gloo taking over where the ranks are not on one host or cannot make the segment, and
+a rank that never comes to a sum makes the others' time out naming it; a channel delivers messages in the
+order their receives were posted and times out naming the message."""
 
 import functools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -11,16 +13,18 @@ import torch
 import torch.distributed as dist
 
 from trainmesh import shm
-from trainmesh.comm import HOST_MIN_BYTES, Comm
+from trainmesh.comm import Comm
 from trainmesh.mesh import Mesh, init_distributed
 from trainmesh.testing import run_ranks
 
 PER_CHUNK = shm.SLOT_BYTES // 4
-CASES = [  # (numel, dtype): several chunks with a short last one, uneven rank slices, half precision, small
-    (2 * PER_CHUNK + 12_345, torch.float32),
-    (300_001, torch.float64),
-    (700_001, torch.bfloat16),
-    (1_000, torch.float32),
+CASES = [  # (numel, dtype, divisor): several chunks with a short last one, uneven rank slices, half precision,
+    # small, a gradient norm's one square
+    (2 * PER_CHUNK + 12_345, torch.float32, 1),
+    (300_001, torch.float64, 1),
+    (700_001, torch.bfloat16, 1),
+    (1_000, torch.float32, 3),
+    (1, torch.float64, 1),
 ]
 
 
@@ -38,9 +42,9 @@ def _sum_cases(obstacle: str) -> tuple[list[torch.Tensor], bool]:
     init_distributed("gloo", torch.device("cpu"))
     comm = Comm(Mesh.build(1, dist.get_world_size(), 1, torch.device("cpu")))
     sums = []
-    for numel, dtype in CASES:
+    for numel, dtype, divisor in CASES:
         t = _tensor(rank, numel, dtype)
-        comm.all_reduce(t, "dp", async_op=True).wait()
+        comm.all_reduce(t, "dp", async_op=True, divisor=divisor).wait()
         sums.append(t)
     return sums, comm.hosts["dp"] is not None
 
@@ -50,13 +54,10 @@ def test_host_all_reduce_gives_every_rank_the_rank_ordered_sum_and_leaves_no_fil
     before = set(shm.SHM_DIR.glob("trainmesh-*"))
     results = run_ranks(_sum_cases, world, "", timeout=120)
     assert all(through_host for _, through_host in results)
-    for i, (numel, dtype) in enumerate(CASES):
-        expected = functools.reduce(torch.add, [_tensor(r, numel, dtype) for r in range(world)])
+    for i, (numel, dtype, divisor) in enumerate(CASES):
+        expected = functools.reduce(torch.add, [_tensor(r, numel, dtype) for r in range(world)]) / divisor
         for sums, _ in results:
-            if numel * dtype.itemsize >= HOST_MIN_BYTES:
-                assert torch.equal(sums[i], expected), f"{numel} x {dtype}"
-            else:  # Gloo's own order of summation
-                torch.testing.assert_close(sums[i], expected)
+            assert torch.equal(sums[i], expected), f"{numel} x {dtype} / {divisor}"
     assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
 
 
@@ -64,8 +65,8 @@ def test_host_all_reduce_gives_every_rank_the_rank_ordered_sum_and_leaves_no_fil
 def test_ranks_on_different_hosts_or_without_a_segment_sum_through_gloo(obstacle):
     results = run_ranks(_sum_cases, 2, obstacle, timeout=120)
     assert not any(through_host for _, through_host in results)
-    for i, (numel, dtype) in enumerate(CASES):
-        expected = _tensor(0, numel, dtype).double() + _tensor(1, numel, dtype).double()
+    for i, (numel, dtype, divisor) in enumerate(CASES):
+        expected = (_tensor(0, numel, dtype).double() + _tensor(1, numel, dtype).double()) / divisor
         torch.testing.assert_close(results[0][0][i].double(), expected, atol=0.02 if dtype == torch.bfloat16 else 1e-5,
                                    rtol=0.02 if dtype == torch.bfloat16 else 1e-5)
 
@@ -103,3 +104,27 @@ def test_a_channel_fills_receives_in_the_order_they_were_posted_and_times_out_na
     assert values == [0.0, 1.0, 2.0]
     assert error0.startswith("rank 0: p2p pp/recv 1->0 #1 failed: Timed out waiting 2000ms"), error0
     assert error1.startswith("rank 1: p2p pp/recv 0->1 #4 failed: Timed out waiting 2000ms"), error1
+
+
+def _sum_alone(timeout_s: float) -> str:
+    """Both ranks sum once (which maps the segment); then rank 0 sums again, alone, while rank 1 waits as long
+    before it leaves (its exit waits for rank 0 under the same timeout)."""
+    torch.set_num_threads(1)
+    init_distributed("gloo", torch.device("cpu"))
+    comm = Comm(Mesh.build(1, 2, 1, torch.device("cpu"), timeout_s=timeout_s))
+    comm.all_reduce(torch.ones(4), "dp")
+    if dist.get_rank() == 1:
+        time.sleep(timeout_s)
+        return "no error"
+    try:
+        comm.all_reduce(torch.ones(4), "dp", op="grad_norm")
+    except Exception as e:  # noqa: BLE001 - the test checks its message
+        return str(e)
+    return "no error"
+
+
+def test_a_sum_a_peer_never_joins_times_out_naming_it():
+    """The segment's barrier waits the mesh's timeout for a peer, then fails like a Gloo collective would:
+    with the collective's name and number."""
+    error, _ = run_ranks(_sum_alone, 2, 2.0, timeout=60)
+    assert "dp/grad_norm" in error and "Timed out waiting 2000ms" in error, error

@@ -45,18 +45,19 @@ class _Done:
 
 
 _DONE = _Done()
-HOST_MIN_BYTES = 2**20
-"""Smallest sum sent through shared memory: at 256 KB Gloo's one round trip still matched the segment's
-two barriers, at 1 MB it took twice as long (:mod:`trainmesh.shm`)."""
+
+
+def _raise(error: Exception) -> None:
+    raise error
 
 
 class _Ran:
     """The work handle of an operation run at once: :meth:`wait` raises what it raised."""
 
-    def __init__(self, run: Callable[[torch.Tensor], None], t: torch.Tensor) -> None:
+    def __init__(self, run: Callable[..., None], *args: object) -> None:
         self.error: Exception | None = None
         try:
-            run(t)
+            run(*args)
         except Exception as e:  # noqa: BLE001 - re-raised by wait(), named by Pending
             self.error = e
 
@@ -141,7 +142,12 @@ class Comm:
     def _issue(self, axis: str, op: str, nbytes: float, launch, async_op: bool):
         """Count, number and launch one collective; blocks unless ``async_op``."""
         self.bytes[(axis, op)] += nbytes
-        pending = Pending(launch(), self._describe(axis, op), self.mesh.group(axis))
+        desc = self._describe(axis, op)
+        try:
+            work = launch()
+        except Exception as e:  # noqa: BLE001 - failed at once (mapping a segment with a peer gone): named too
+            work = _Ran(_raise, e)
+        pending = Pending(work, desc, self.mesh.group(axis))
         if async_op:
             return pending
         pending.wait()
@@ -152,25 +158,41 @@ class Comm:
         return (n - 1) / n
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "all_reduce",
-                   async_op: bool = False, reduce_op=dist.ReduceOp.SUM):
-        """Sum ``t`` in place over ``axis``; ``op`` names the purpose in the accounting (e.g. grad_norm).
-        A large CPU sum over ranks of one host goes through shared memory (:mod:`trainmesh.shm`), at once."""
+                   async_op: bool = False, reduce_op=dist.ReduceOp.SUM, divisor: int = 1):
+        """Sum ``t`` in place over ``axis``, then divide it by ``divisor``; ``op`` names the purpose in the
+        accounting (e.g. grad_norm). A CPU sum over ranks of one host goes through shared memory
+        (:mod:`trainmesh.shm`), at once, each rank dividing the part it sums; through Gloo ``t`` is divided
+        first (the same bits for a power-of-two divisor)."""
         if self.mesh.size(axis) == 1:
+            if divisor != 1:
+                t.div_(divisor)
             return _DONE
+        return self._issue(axis, op, 2 * self._ring(axis) * t.numel() * t.element_size(),
+                           lambda: self._sum(t, axis, reduce_op, divisor), async_op)
+
+    def _sum(self, t: torch.Tensor, axis: str, reduce_op, divisor: int):
+        """Launch :meth:`all_reduce`'s sum: through the axis's shared segment at once where it may (mapping
+        the segment at the axis's first sum), else through Gloo."""
         host = self._host(axis) if self._through_host(t, reduce_op) else None
-        launch = ((lambda: _Ran(host.all_reduce, t)) if host is not None
-                  else lambda: dist.all_reduce(t, op=reduce_op, group=self.mesh.group(axis), async_op=True))
-        return self._issue(axis, op, 2 * self._ring(axis) * t.numel() * t.element_size(), launch, async_op)
+        if host is not None:
+            return _Ran(host.all_reduce, t, divisor)
+        if divisor != 1:
+            t.div_(divisor)
+        return dist.all_reduce(t, op=reduce_op, group=self.mesh.group(axis), async_op=True)
 
     def _through_host(self, t: torch.Tensor, reduce_op) -> bool:
-        """Whether ``t``'s sum may go through shared memory: every rank of a collective decides alike."""
+        """Whether ``t``'s sum may go through shared memory, at any size (the segment's two semaphore barriers
+        beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.shm`): every rank decides alike.
+        Not under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's."""
         return (self.mesh.device.type == "cpu" and reduce_op == dist.ReduceOp.SUM and t.is_contiguous()
-                and t.dtype.is_floating_point and t.nbytes >= HOST_MIN_BYTES)
+                and t.dtype.is_floating_point and dist.get_debug_level() == dist.DebugLevel.OFF)
 
     def _host(self, axis: str) -> HostAllReduce | None:
-        """The axis's shared segment, mapped at its first large sum (None where its ranks span hosts)."""
+        """The axis's shared segment, mapped at its first sum (None where its ranks span hosts; None too after
+        mapping it failed, a peer gone, so the run's later sums fail through Gloo at once, not one by one)."""
         if axis not in self.hosts:
-            self.hosts[axis] = HostAllReduce.open(self.mesh.group(axis))
+            self.hosts[axis] = None
+            self.hosts[axis] = HostAllReduce.open(self.mesh.group(axis), self.mesh.timeout_s or WAIT_S)
         return self.hosts[axis]
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, axis: str, op: str = "all_gather",

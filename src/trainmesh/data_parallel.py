@@ -187,9 +187,8 @@ class DataParallel:
         """Average over every data-parallel rank's tokens: a routed expert's gradient already sums its
         ep group's tokens, so its bucket too is divided by the ``dp x cp`` size, summed over ``edp``."""
         bucket = self.buckets[index]
-        if self.comm.mesh.size(self.axis) > 1:
-            bucket.flat.div_(self.comm.mesh.size(self.axis))
-        bucket.work = self.comm.all_reduce(bucket.flat, bucket.axis, async_op=True)
+        bucket.work = self.comm.all_reduce(bucket.flat, bucket.axis, async_op=True,
+                                           divisor=self.comm.mesh.size(self.axis))
         self.events.append(("launch", index))
         self._next_launch = index + 1
 

@@ -1,20 +1,24 @@
 """Collectives and messages through shared memory, for the ranks of a group that all run on one CPU host:
-:class:`HostAllReduce` for large sums, :class:`Channel` for pipeline messages.
+:class:`HostAllReduce` for sums, :class:`Channel` for pipeline messages.
 
 Gloo moves every collective through TCP sockets, even between processes of one machine: the kernel copies
 each byte into and out of a socket buffer, on cores the ranks also compute on. Through a segment every rank
 maps, a rank writes its tensor once, sums its own 1/n of every rank's copy and reads the others' sums.
-Medians on 2 ranks of a 2-core host (fp32, 40 calls each, Gloo over loopback vs this):
+Medians on 2 ranks of a 2-core host (fp32, 40 calls each, Gloo over loopback vs this; the range of three
+runs; Gloo's small sums took either about 0.45 or about 2 ms, run to run):
 
-    size      16 KB   256 KB   1 MB    4 MB    13 MB
-    Gloo      0.52    0.69     2.20    4.15    10.5 ms
-    segment   0.73    0.74     0.96    1.88     6.2 ms
+    size      32 B        16 KB       256 KB      1 MB        4 MB        13 MB
+    Gloo      0.43-0.56   0.47-1.26   0.62-2.19   1.88-2.42   3.30-4.13   10.1-11.3 ms
+    segment   0.18-0.20   0.15-0.26   0.20-0.25   0.37-0.52   0.96-1.48    3.4-5.0 ms
+
+With Gloo barriers instead of the segment's semaphores the segment took 0.73 ms at 16 KB and 6.2 ms at 13 MB.
 
 DeepSpeed reduces among one host's CPU ranks the same way.
 
 The all-reduce's segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has
 finished a chunk may write its next chunk into the other set while a slower rank still reads this one,
-so two barriers per chunk suffice (after the writes, after the sums). Sums run in rank order
+so two barriers per chunk suffice (after the writes, after the sums), each on the segment's own semaphores
+(a Gloo barrier cost 0.2-0.5 ms). Sums run in rank order
 (``x0 + x1 + ...``), so every rank gets the same bits whatever the timing. The segment's file is removed as
 soon as every rank has mapped it, so a rank that dies later leaves nothing behind in ``/dev/shm``.
 """
@@ -47,90 +51,6 @@ def _host_id() -> str:
     group falls back to Gloo)."""
     boot = Path("/proc/sys/kernel/random/boot_id")
     return f"{socket.gethostname()}:{boot.read_text().strip() if boot.exists() else ''}"
-
-
-class HostAllReduce:
-    """Sums tensors in place over ``group`` through a shared segment; build it with :meth:`open`."""
-
-    def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor) -> None:
-        self.group = group
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.slots = segment.view(2, self.size, SLOT_BYTES)
-        self.calls = 0
-
-    @classmethod
-    def open(cls, group: dist.ProcessGroup) -> HostAllReduce | None:
-        """Map a segment on every rank of ``group`` (a collective over it); None, on every rank alike, where
-        the ranks span hosts or cannot map it."""
-        segment = open_segment(group, 2 * dist.get_world_size(group) * SLOT_BYTES)
-        return cls(group, segment) if segment is not None else None
-
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum contiguous ``t`` over the group, in place, chunk by chunk."""
-        flat = t.view(-1)
-        per_chunk = SLOT_BYTES // t.element_size()
-        for start in range(0, flat.numel(), per_chunk):
-            self._chunk(flat[start:start + per_chunk])
-
-    def _chunk(self, x: torch.Tensor) -> None:
-        slots = self.slots[self.calls % 2].view(x.dtype)[:, :x.numel()]
-        self.calls += 1
-        bounds = [x.numel() * k // self.size for k in range(self.size + 1)]
-        mine = slice(bounds[self.rank], bounds[self.rank + 1])
-        slots[self.rank].copy_(x)
-        dist.barrier(group=self.group)
-        torch.add(slots[0, mine], slots[1, mine], out=x[mine])
-        for k in range(2, self.size):
-            x[mine].add_(slots[k, mine])
-        slots[self.rank, mine].copy_(x[mine])
-        dist.barrier(group=self.group)
-        for k in range(self.size):
-            if k != self.rank:
-                x[bounds[k]:bounds[k + 1]].copy_(slots[k, bounds[k]:bounds[k + 1]])
-
-
-def open_segment(group: dist.ProcessGroup, nbytes: int,
-                 prepare: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
-    """``nbytes`` of memory shared by every rank of ``group`` (a collective over it), zeroed, and
-    ``prepare``d by its first rank before any other maps it; None on every rank alike where the ranks are
-    on different hosts or any of them cannot map it. The file is gone once every rank has mapped it."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    hosts: list = [None] * size
-    dist.all_gather_object(hosts, _host_id(), group=group)
-    if len(set(hosts)) > 1:
-        return None
-    name = [f"trainmesh-{uuid.uuid4().hex}" if rank == 0 else None]
-    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
-    path = SHM_DIR / name[0]
-    segment = _map(path, nbytes) if rank == 0 else None
-    if segment is not None and prepare is not None:
-        try:
-            prepare(segment)
-        except OSError:
-            segment = None
-    created = _agree(rank != 0 or segment is not None, group)  # the file exists before the others open it
-    if rank != 0 and created:
-        segment = _map(path, nbytes, create=False)
-    mapped = _agree(segment is not None, group)
-    if rank == 0:
-        path.unlink(missing_ok=True)
-    return segment if mapped else None
-
-
-def _map(path: Path, nbytes: int, create: bool = True) -> torch.Tensor | None:
-    if not create and not path.exists():
-        return None
-    try:
-        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    except (OSError, RuntimeError):
-        return None
-
-
-def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
-    """True on every rank of ``group`` when ``ok`` is true on all of them (a collective)."""
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 SEM_BYTES = 64
@@ -175,9 +95,135 @@ class Semaphore:
         while _libc().sem_timedwait(self.address, ctypes.byref(when)) != 0:
             error = ctypes.get_errno()
             if error == errno.ETIMEDOUT:
-                raise TimeoutError(f"Timed out waiting {timeout_s * 1e3:.0f}ms for the peer's message in shared memory")
+                raise TimeoutError(f"Timed out waiting {timeout_s * 1e3:.0f}ms for a peer in shared memory")
             if error != errno.EINTR:
                 raise OSError(error, "sem_timedwait failed")
+
+
+class HostAllReduce:
+    """Sums tensors in place over ``group`` through a shared segment; build it with :meth:`open`.
+
+    The segment starts with one semaphore per (barrier parity, rank), then the two slot sets. A barrier posts
+    every other rank's semaphore of its parity and waits on its own as often: no rank can be two barriers
+    ahead of another (it would need that rank's posts for the barrier between), so posts for the next barrier
+    land on the other parity and are never counted towards this one."""
+
+    def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, timeout_s: float) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.arrivals = self._semaphores(segment, self.size)
+        self.slots = segment[self.header(self.size):].view(2, self.size, SLOT_BYTES)
+        self.timeout_s = timeout_s
+        self.calls = self.barriers = 0
+
+    @staticmethod
+    def header(size: int) -> int:
+        """Bytes before the slots: the barrier semaphores, rounded up to a page."""
+        return -(-2 * size * SEM_BYTES // 4096) * 4096
+
+    @staticmethod
+    def _semaphores(segment: torch.Tensor, size: int) -> list[list[Semaphore]]:
+        """``[parity][rank]``: the semaphore on which ``rank`` waits for the others at barriers of that parity."""
+        return [[Semaphore(segment.data_ptr() + (parity * size + r) * SEM_BYTES) for r in range(size)]
+                for parity in range(2)]
+
+    @classmethod
+    def open(cls, group: dist.ProcessGroup, timeout_s: float) -> HostAllReduce | None:
+        """Map a segment on every rank of ``group`` (a collective over it); None, on every rank alike, where
+        the ranks span hosts, the C library has no shared semaphores, or the segment cannot be mapped. A
+        barrier waits ``timeout_s`` for a peer before it raises."""
+        if _libc() is None:
+            return None
+        size = dist.get_world_size(group)
+
+        def prepare(segment: torch.Tensor) -> None:
+            for semaphores in cls._semaphores(segment, size):
+                for semaphore in semaphores:
+                    semaphore.init(0)
+
+        segment = open_segment(group, cls.header(size) + 2 * size * SLOT_BYTES, prepare)
+        return cls(group, segment, timeout_s) if segment is not None else None
+
+    def all_reduce(self, t: torch.Tensor, divisor: int = 1) -> None:
+        """Sum contiguous ``t`` over the group, in place, chunk by chunk, divided by ``divisor``: each rank
+        divides the part it summed, while it is still in cache, rather than every rank its whole tensor
+        before the sum (the same bits where the divisor is a power of two)."""
+        flat = t.view(-1)
+        per_chunk = SLOT_BYTES // t.element_size()
+        for start in range(0, flat.numel(), per_chunk):
+            self._chunk(flat[start:start + per_chunk], divisor)
+
+    def _chunk(self, x: torch.Tensor, divisor: int) -> None:
+        slots = self.slots[self.calls % 2].view(x.dtype)[:, :x.numel()]
+        self.calls += 1
+        bounds = [x.numel() * k // self.size for k in range(self.size + 1)]
+        mine = slice(bounds[self.rank], bounds[self.rank + 1])
+        slots[self.rank].copy_(x)
+        self._barrier()
+        torch.add(slots[0, mine], slots[1, mine], out=x[mine])
+        for k in range(2, self.size):
+            x[mine].add_(slots[k, mine])
+        if divisor != 1:
+            x[mine].div_(divisor)
+        slots[self.rank, mine].copy_(x[mine])
+        self._barrier()
+        for k in range(self.size):
+            if k != self.rank:
+                x[bounds[k]:bounds[k + 1]].copy_(slots[k, bounds[k]:bounds[k + 1]])
+
+    def _barrier(self) -> None:
+        """Every rank of the group has reached this barrier; what each wrote before it is visible after it."""
+        mine = self.arrivals[self.barriers % 2]
+        self.barriers += 1
+        for r, semaphore in enumerate(mine):
+            if r != self.rank:
+                semaphore.post()
+        for _ in range(self.size - 1):
+            mine[self.rank].wait(self.timeout_s)
+
+
+def open_segment(group: dist.ProcessGroup, nbytes: int,
+                 prepare: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    """``nbytes`` of memory shared by every rank of ``group`` (a collective over it), zeroed, and
+    ``prepare``d by its first rank before any other maps it; None on every rank alike where the ranks are
+    on different hosts or any of them cannot map it. The file is gone once every rank has mapped it."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    hosts: list = [None] * size
+    dist.all_gather_object(hosts, _host_id(), group=group)
+    if len(set(hosts)) > 1:
+        return None
+    name = [f"trainmesh-{uuid.uuid4().hex}" if rank == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+    path = SHM_DIR / name[0]
+    segment = _map(path, nbytes) if rank == 0 else None
+    if segment is not None and prepare is not None:
+        try:
+            prepare(segment)
+        except OSError:
+            segment = None
+    created = _agree(rank != 0 or segment is not None, group)  # the file exists before the others open it
+    if rank != 0 and created:
+        segment = _map(path, nbytes, create=False)
+    mapped = _agree(segment is not None, group)
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    return segment if mapped else None
+
+
+def _map(path: Path, nbytes: int, create: bool = True) -> torch.Tensor | None:
+    if not create and not path.exists():
+        return None
+    try:
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+
+
+def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
+    """True on every rank of ``group`` when ``ok`` is true on all of them (a collective)."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 class Channel:
