@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.comm import log_all_gather
+from trainmesh.models import spec_of
+from trainmesh.precision import dtype_of
 from trainmesh.run import Run
 from trainmesh.train import forward_backward, rank_batch
 
@@ -93,6 +95,12 @@ def peak_rss(step: StepFn, first: int, count: int = RSS_STEPS) -> int:
         line = next(x for x in STATUS.read_text().splitlines() if x.startswith("VmHWM:"))
         peak = max(peak, int(line.split()[1]) * 1024)
     return peak
+
+
+def fresh_model(run: Run) -> torch.nn.Module:
+    """``run``'s model as built from its seed, for a torch peer (or a bound) to train beside it."""
+    cfg = run.cfg
+    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(run.mesh.device, dtype_of(cfg.precision))
 
 
 def trainmesh_step(run: Run) -> StepFn:

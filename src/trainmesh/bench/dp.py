@@ -1,25 +1,25 @@
-"""trainmesh's data parallelism beside torch's ``DistributedDataParallel`` (same model, batches, bucket size)."""
+"""trainmesh's data parallelism beside torch's ``DistributedDataParallel`` (same model, batches, bucket size),
+and the bound on that ratio: each rank's share of the step with no gradient synchronisation at all."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
 from trainmesh.config import Config
 from trainmesh.run import Run
-from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
-from trainmesh.precision import dtype_of
 from trainmesh.train import build, rank_batch, setup_process
 
 
 def _ddp_step(run: Run) -> StepFn:
     """The same training step with torch DDP (same bucket size) and torch's own gradient clipping."""
     cfg, device = run.cfg, run.mesh.device
-    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
+    model = fresh_model(run)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
     optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
@@ -37,19 +37,41 @@ def _ddp_step(run: Run) -> StepFn:
     return step
 
 
+def unsynchronised_step(run: Run, model: nn.Module) -> StepFn:
+    """Each rank's share of ``run``'s step on ``model`` (a copy of its own), the gradients never
+    synchronised: the same micro-batches, clipping and AdamW. No data parallelism computes less, so its speed
+    over DDP's bounds what any can reach on these kernels and this machine."""
+    cfg, device = run.cfg, run.mesh.device
+    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+
+    def step(i: int) -> None:
+        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        for x, y in micro:
+            (cross_entropy(model(x), y) / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    return step
+
+
 def bench_dp(cfg: Config, pairs: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
     if cfg.world_size < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
     mesh = setup_process(cfg)
     run = build(cfg, mesh)
-    steps = {"trainmesh": trainmesh_step(run), "torch_ddp": _ddp_step(run)}
+    steps = {"trainmesh": trainmesh_step(run), "torch_ddp": _ddp_step(run),
+             "unsynchronised": unsynchronised_step(run, fresh_model(run))}
     rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
     rss = rss_after(steps, pairs)
-    result = Result("dp", "trainmesh DataParallel", "torch DDP", rates["trainmesh"], rates["torch_ddp"],
-                    rss["trainmesh"], rss["torch_ddp"])
+    results = [Result("dp", "trainmesh DataParallel", "torch DDP", rates["trainmesh"], rates["torch_ddp"],
+                      rss["trainmesh"], rss["torch_ddp"]),
+               Result("dp bound", "no gradient sync (bound)", "torch DDP", rates["unsynchronised"], rates["torch_ddp"],
+                      rss["unsynchronised"], rss["torch_ddp"],
+                      "each rank's step with no synchronisation at all: the most any data parallelism gains here")]
     if dist.get_rank() == 0:
         print(f"bench dp: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
               f"microbatches={cfg.microbatches} bucket_mb={cfg.bucket_mb} device={mesh.device.type}")
-        print(result.line())
-    return [result]
+        print("\n".join(r.line() for r in results))
+    return results

@@ -30,14 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
 from trainmesh.config import Config, ConfigError, validate
-from trainmesh.models import spec_of
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
 from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate
-from trainmesh.precision import dtype_of
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
 
@@ -88,7 +86,7 @@ def _torch_step(run: Run) -> StepFn:
     the same name as ``run``'s, on the same partition."""
     cfg, mesh = run.cfg, run.mesh
     p, rank, device, v = mesh.size("pp"), mesh.rank("pp"), mesh.device, cfg.virtual_stages
-    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
+    model = fresh_model(run)
     module, chunks = split_model(model, partition_model(model, p * v), rank, p, v)
     stages = [PipelineStage(chunk, s, p * v, device, group=mesh.group("pp")) for s, chunk in sorted(chunks.items())]
     schedule = TORCH_SCHEDULES[cfg.schedule](stages if v > 1 else stages[0], cfg.microbatches,

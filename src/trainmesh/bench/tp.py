@@ -19,12 +19,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.bench.common import Result, StepFn, compare, rss_after, trainmesh_step
+from trainmesh.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
 from trainmesh.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
-from trainmesh.precision import dtype_of
 from trainmesh.tensor_parallel import ShardSpec, match_plan, shard_tensor
 from trainmesh.run import Run
 from trainmesh.train import build, rank_batch, setup_process
@@ -61,10 +60,9 @@ def torch_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict:
 
 
 def _torch_model(run: Run) -> nn.Module:
-    cfg, mesh = run.cfg, run.mesh
-    spec = spec_of(cfg.model)
-    model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
-    return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model, dict(spec.tp_plan), mesh.size("tp")))
+    model, mesh = fresh_model(run), run.mesh
+    plan = dict(spec_of(run.cfg.model).tp_plan)
+    return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model, plan, mesh.size("tp")))
 
 
 def _clip_mixed_(params: list[torch.nn.Parameter], max_norm: float) -> None:

@@ -37,10 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from trainmesh.bench.common import RSS_STEPS, Result, StepFn, all_ranks, compare, rss_after, trainmesh_step
+from trainmesh.bench.common import (RSS_STEPS, Result, StepFn, all_ranks, compare, fresh_model, rss_after,
+                                    trainmesh_step)
 from trainmesh.config import Config
 from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
@@ -52,11 +52,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _plain_model(run: Run) -> nn.Module:
-    cfg = run.cfg
-    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(run.mesh.device, dtype_of(cfg.precision))
-
-
 def _adamw(run: Run, params) -> torch.optim.Optimizer:
     cfg = run.cfg
     return build_adamw(params, run.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
@@ -65,7 +60,7 @@ def _adamw(run: Run, params) -> torch.optim.Optimizer:
 def fsdp2_model(run: Run, reshard_after_forward: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The same model under ``fully_shard`` over the ``dp`` axis, unit by unit, then the root; without
     resharding after forward it keeps whole parameters from forward to backward, ZeRO-2's trade."""
-    model = _plain_model(run)
+    model = fresh_model(run)
     dp_mesh = run.mesh.device_mesh["dp"]
     for _, unit in default_units(model):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
@@ -76,7 +71,7 @@ def fsdp2_model(run: Run, reshard_after_forward: bool = True) -> tuple[nn.Module
 def _zero_redundancy_step(run: Run) -> StepFn:
     """ZeRO-1's peer: DDP for the gradients, ``ZeroRedundancyOptimizer`` sharding AdamW's state."""
     cfg = run.cfg
-    model = DistributedDataParallel(_plain_model(run), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
+    model = DistributedDataParallel(fresh_model(run), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                     process_group=run.mesh.group("dp"))
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=run.mesh.group("dp"),
                                         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
