@@ -35,11 +35,11 @@ def _shift_zero_gradients(shift: int) -> None:
     boundary off by that much), whichever way the shards are exchanged (:func:`trainmesh.zero.reduce_scatter_shards`)."""
     original = trainmesh.zero.reduce_scatter_shards
 
-    def wrong(comm, out, full, axis, op):
+    def wrong(comm, out, full, axis, op, **kwargs):
         if axis == "dp" and comm.rank == 0:
             with torch.no_grad():
                 full.copy_(torch.roll(full, shift))
-        return original(comm, out, full, axis, op)
+        return original(comm, out, full, axis, op, **kwargs)
 
     trainmesh.zero.reduce_scatter_shards = wrong
 

@@ -61,6 +61,43 @@ def test_host_all_reduce_gives_every_rank_the_rank_ordered_sum_and_leaves_no_fil
     assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
 
 
+GATHER_CASES = [  # (numel per rank, dtype): several chunks of either collective, uneven, half precision, tiny
+    (PER_CHUNK + 12_345, torch.float32),
+    (3_001, torch.bfloat16),
+    (1, torch.float64),
+]
+
+
+def _gather_scatter_cases() -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """Each rank all-gathers its shard, and reduce-scatters its full tensor (divided by 3)."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    init_distributed("gloo", torch.device("cpu"))
+    world = dist.get_world_size()
+    comm = Comm(Mesh.build(1, world, 1, torch.device("cpu")))
+    gathered, scattered = [], []
+    for numel, dtype in GATHER_CASES:
+        out = torch.empty(world * numel, dtype=dtype)
+        comm.all_gather(out, _tensor(rank, numel, dtype), "dp")
+        gathered.append(out)
+        mine = torch.empty(numel, dtype=dtype)
+        comm.reduce_scatter(mine, _tensor(rank, world * numel, dtype), "dp", divisor=3)
+        scattered.append(mine)
+    return gathered, scattered, comm.hosts["dp"] is not None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_all_gather_and_reduce_scatter_give_each_rank_its_part_in_rank_order(world):
+    results = run_ranks(_gather_scatter_cases, world, timeout=120)
+    for i, (numel, dtype) in enumerate(GATHER_CASES):
+        shards = torch.cat([_tensor(r, numel, dtype) for r in range(world)])
+        sums = functools.reduce(torch.add, [_tensor(r, world * numel, dtype) for r in range(world)]) / 3
+        for rank, (gathered, scattered, through_host) in enumerate(results):
+            assert through_host
+            assert torch.equal(gathered[i], shards), f"all-gather {numel} x {dtype}"
+            assert torch.equal(scattered[i], sums[rank * numel:(rank + 1) * numel]), f"reduce-scatter {numel} x {dtype}"
+
+
 @pytest.mark.parametrize("obstacle", ["hosts", "no /dev/shm"])
 def test_ranks_on_different_hosts_or_without_a_segment_sum_through_gloo(obstacle):
     results = run_ranks(_sum_cases, 2, obstacle, timeout=120)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.mesh import Mesh
-from trainmesh.shm import WAIT_S, Channel, HostAllReduce, open_channels
+from trainmesh.shm import WAIT_S, Channel, HostCollectives, open_channels
 
 
 class CollectiveError(RuntimeError):
@@ -125,7 +125,7 @@ class Comm:
         self.seq: dict[str, int] = defaultdict(int)
         self.p2p_seq: dict[tuple[int, int], int] = defaultdict(int)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.hosts: dict[str, HostAllReduce | None] = {}
+        self.hosts: dict[str, HostCollectives | None] = {}
         self.channels: dict[tuple[int, int], Channel] = {}
 
     def _describe(self, axis: str, op: str) -> str:
@@ -171,49 +171,74 @@ class Comm:
                            lambda: self._sum(t, axis, reduce_op, divisor), async_op)
 
     def _sum(self, t: torch.Tensor, axis: str, reduce_op, divisor: int):
-        """Launch :meth:`all_reduce`'s sum: through the axis's shared segment at once where it may (mapping
-        the segment at the axis's first sum), else through Gloo."""
-        host = self._host(axis) if self._through_host(t, reduce_op) else None
+        """Launch :meth:`all_reduce`'s sum: through the axis's shared segment at once where it may, else
+        through Gloo."""
+        host = self._host_for(axis, t) if reduce_op == dist.ReduceOp.SUM else None
         if host is not None:
             return _Ran(host.all_reduce, t, divisor)
         if divisor != 1:
             t.div_(divisor)
         return dist.all_reduce(t, op=reduce_op, group=self.mesh.group(axis), async_op=True)
 
-    def _through_host(self, t: torch.Tensor, reduce_op) -> bool:
-        """Whether ``t``'s sum may go through shared memory, at any size (the segment's two semaphore barriers
-        beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.shm`): every rank decides alike.
-        Not under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's."""
-        return (self.mesh.device.type == "cpu" and reduce_op == dist.ReduceOp.SUM and t.is_contiguous()
-                and t.dtype.is_floating_point and dist.get_debug_level() == dist.DebugLevel.OFF)
+    def shares_host(self, axis: str) -> bool:
+        """Whether ``axis``'s float collectives go through one host's shared segment, at any size (its two
+        semaphore barriers beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.shm`); every rank
+        answers alike, mapping the segment the first time (a collective over the axis). Not on GPUs, nor
+        under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's."""
+        return (self.mesh.size(axis) > 1 and self.mesh.device.type == "cpu"
+                and dist.get_debug_level() == dist.DebugLevel.OFF and self._host(axis) is not None)
 
-    def _host(self, axis: str) -> HostAllReduce | None:
-        """The axis's shared segment, mapped at its first sum (None where its ranks span hosts; None too after
-        mapping it failed, a peer gone, so the run's later sums fail through Gloo at once, not one by one)."""
+    def _host_for(self, axis: str, *tensors: torch.Tensor) -> HostCollectives | None:
+        """The axis's shared segment where ``tensors`` (contiguous, floating point) may go through it."""
+        if all(t.is_contiguous() and t.dtype.is_floating_point for t in tensors) and self.shares_host(axis):
+            return self._host(axis)
+        return None
+
+    def _host(self, axis: str) -> HostCollectives | None:
+        """The axis's shared segment, mapped at its first use (None where its ranks span hosts; None too after
+        mapping it failed, a peer gone, so the run's later collectives fail through Gloo at once, not one by
+        one)."""
         if axis not in self.hosts:
             self.hosts[axis] = None
-            self.hosts[axis] = HostAllReduce.open(self.mesh.group(axis), self.mesh.timeout_s or WAIT_S)
+            self.hosts[axis] = HostCollectives.open(self.mesh.group(axis), self.mesh.timeout_s or WAIT_S)
         return self.hosts[axis]
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, axis: str, op: str = "all_gather",
                    async_op: bool = False):
-        """Concatenate every rank's ``shard`` along dim 0 into ``out``."""
+        """Concatenate every rank's ``shard`` along dim 0 into ``out`` (through the host's segment where the
+        axis's ranks share one, as :meth:`all_reduce`)."""
         if self.mesh.size(axis) == 1:
             out.copy_(shard.reshape(out.shape))
             return _DONE
-        return self._issue(axis, op, self._ring(axis) * out.numel() * out.element_size(),
-                           lambda: dist.all_gather_single(out, shard, group=self.mesh.group(axis), async_op=True),
-                           async_op)
+
+        def launch():
+            host = self._host_for(axis, out, shard)
+            if host is not None:
+                return _Ran(host.all_gather, out, shard)
+            return dist.all_gather_single(out, shard, group=self.mesh.group(axis), async_op=True)
+
+        return self._issue(axis, op, self._ring(axis) * out.numel() * out.element_size(), launch, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "reduce_scatter",
-                       async_op: bool = False):
-        """Sum ``full`` over ``axis`` and keep this rank's 1/n slice (along dim 0) in ``out``."""
+                       async_op: bool = False, divisor: int = 1):
+        """Sum ``full`` over ``axis``, divided by ``divisor``, and keep this rank's 1/n slice (along dim 0) in
+        ``out`` (through the host's segment where the axis's ranks share one, as :meth:`all_reduce`; through
+        Gloo ``full`` is divided first)."""
         if self.mesh.size(axis) == 1:
             out.copy_(full.reshape(out.shape))
+            if divisor != 1:
+                out.div_(divisor)
             return _DONE
-        return self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(),
-                           lambda: dist.reduce_scatter_single(out, full, group=self.mesh.group(axis), async_op=True),
-                           async_op)
+
+        def launch():
+            host = self._host_for(axis, out, full)
+            if host is not None:
+                return _Ran(host.reduce_scatter, out, full, divisor)
+            if divisor != 1:
+                full.div_(divisor)
+            return dist.reduce_scatter_single(out, full, group=self.mesh.group(axis), async_op=True)
+
+        return self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(), launch, async_op)
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "all_to_all") -> None:
         """Send slice i (along dim 0) of ``full`` to the rank at coordinate i of ``axis``; slice j of ``out``

@@ -1,5 +1,5 @@
 """Collectives and messages through shared memory, for the ranks of a group that all run on one CPU host:
-:class:`HostAllReduce` for sums, :class:`Channel` for pipeline messages.
+:class:`HostCollectives` for sums, all-gathers and reduce-scatters, :class:`Channel` for pipeline messages.
 
 Gloo moves every collective through TCP sockets, even between processes of one machine: the kernel copies
 each byte into and out of a socket buffer, on cores the ranks also compute on. Through a segment every rank
@@ -15,10 +15,10 @@ With Gloo barriers instead of the segment's semaphores the segment took 0.73 ms 
 
 DeepSpeed reduces among one host's CPU ranks the same way.
 
-The all-reduce's segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has
-finished a chunk may write its next chunk into the other set while a slower rank still reads this one,
-so two barriers per chunk suffice (after the writes, after the sums), each on the segment's own semaphores
-(a Gloo barrier cost 0.2-0.5 ms). Sums run in rank order
+The segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has finished a
+chunk may write its next chunk into the other set while a slower rank still reads this one. An all-gather or
+a reduce-scatter needs one barrier per chunk (after the writes), an all-reduce two (after the writes, after
+the sums), each on the segment's own semaphores (a Gloo barrier cost 0.2-0.5 ms). Sums run in rank order
 (``x0 + x1 + ...``), so every rank gets the same bits whatever the timing. The segment's file is removed as
 soon as every rank has mapped it, so a rank that dies later leaves nothing behind in ``/dev/shm``.
 """
@@ -100,7 +100,7 @@ class Semaphore:
                 raise OSError(error, "sem_timedwait failed")
 
 
-class HostAllReduce:
+class HostCollectives:
     """Sums tensors in place over ``group`` through a shared segment; build it with :meth:`open`.
 
     The segment starts with one semaphore per (barrier parity, rank), then the two slot sets. A barrier posts
@@ -128,7 +128,7 @@ class HostAllReduce:
                 for parity in range(2)]
 
     @classmethod
-    def open(cls, group: dist.ProcessGroup, timeout_s: float) -> HostAllReduce | None:
+    def open(cls, group: dist.ProcessGroup, timeout_s: float) -> HostCollectives | None:
         """Map a segment on every rank of ``group`` (a collective over it); None, on every rank alike, where
         the ranks span hosts, the C library has no shared semaphores, or the segment cannot be mapped. A
         barrier waits ``timeout_s`` for a peer before it raises."""
@@ -153,9 +153,42 @@ class HostAllReduce:
         for start in range(0, flat.numel(), per_chunk):
             self._chunk(flat[start:start + per_chunk], divisor)
 
-    def _chunk(self, x: torch.Tensor, divisor: int) -> None:
-        slots = self.slots[self.calls % 2].view(x.dtype)[:, :x.numel()]
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """Every rank's contiguous ``shard`` into contiguous ``out``, rank r's at slice r, chunk by chunk."""
+        flat, whole = shard.view(-1), out.view(self.size, -1)
+        per_chunk = SLOT_BYTES // shard.element_size()
+        for start in range(0, flat.numel(), per_chunk):
+            part = flat[start:start + per_chunk]
+            slots = self._next_slots(part.dtype, part.numel())
+            slots[self.rank].copy_(part)
+            self._barrier()
+            whole[:, start:start + part.numel()].copy_(slots)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, divisor: int = 1) -> None:
+        """Into contiguous ``out``, the sum over the group of slice ``rank`` of every rank's contiguous ``full``
+        (``size`` slices of ``out``'s length), divided by ``divisor``, chunk by chunk: each rank writes its
+        chunk of every slice, then sums the chunks of its own slice in rank order."""
+        mine, slices = out.view(-1), full.view(self.size, -1)
+        per_chunk = SLOT_BYTES // (self.size * full.element_size())
+        for start in range(0, mine.numel(), per_chunk):
+            part = mine[start:start + per_chunk]
+            slots = self._next_slots(part.dtype, self.size * part.numel()).view(self.size, self.size, -1)
+            slots[self.rank].copy_(slices[:, start:start + part.numel()])
+            self._barrier()
+            torch.add(slots[0, self.rank], slots[1, self.rank], out=part)
+            for k in range(2, self.size):
+                part.add_(slots[k, self.rank])
+            if divisor != 1:
+                part.div_(divisor)
+
+    def _next_slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Every rank's slot of the next chunk's set, as ``numel`` elements of ``dtype`` each."""
+        slots = self.slots[self.calls % 2].view(dtype)[:, :numel]
         self.calls += 1
+        return slots
+
+    def _chunk(self, x: torch.Tensor, divisor: int) -> None:
+        slots = self._next_slots(x.dtype, x.numel())
         bounds = [x.numel() * k // self.size for k in range(self.size + 1)]
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         slots[self.rank].copy_(x)

@@ -199,11 +199,13 @@ class Exchange:
 
 def exchanges_directly(comm: Comm, axis: str) -> bool:
     """Whether ``axis``'s all-gathers and reduce-scatters go point to point (:func:`gather_shards`,
-    :func:`reduce_scatter_shards`): on Gloo. Its all-gather receives into a fresh buffer of the whole
-    output and copies it out, and its reduce-scatter all-reduces a copy of the whole input (twice the
-    bytes of a reduce-scatter: 4.1 ms against 1.6 ms point to point for a 3 MiB unit of ``small`` on two
-    ranks here), so each holds a whole unit's extra copy while it runs. NCCL writes in place."""
-    return comm.mesh.size(axis) > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
+    :func:`reduce_scatter_shards`): on Gloo between hosts. Gloo's all-gather receives into a fresh buffer of
+    the whole output and copies it out, and its reduce-scatter all-reduces a copy of the whole input (twice
+    the bytes of a reduce-scatter: 4.1 ms against 1.6 ms point to point for a 3 MiB unit of ``small`` on two
+    ranks here), so each holds a whole unit's extra copy while it runs. NCCL writes in place, and so does
+    one host's shared segment (:meth:`~trainmesh.comm.Comm.shares_host`)."""
+    return (comm.mesh.size(axis) > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
+            and not comm.shares_host(axis))
 
 
 def _peers(comm: Comm, axis: str) -> list[tuple[int, int]]:
@@ -227,12 +229,15 @@ def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str
                                    [(flat[j * size:(j + 1) * size], rank) for j, rank in peers], axis=axis, op=op))
 
 
-def reduce_scatter_shards(comm: Comm, out: torch.Tensor, full: torch.Tensor, axis: str, op: str):
-    """Start summing ``full`` over ``axis`` into ``out``, this rank's slice; returns the handle to wait on.
-    On Gloo every rank sends each other rank its slice and adds the N-1 slices it receives to its own when
-    waited on: (N-1)·S bytes sent, N-1 slices of receive buffer, no copy of the whole input."""
+def reduce_scatter_shards(comm: Comm, out: torch.Tensor, full: torch.Tensor, axis: str, op: str, divisor: int = 1):
+    """Start summing ``full`` over ``axis``, divided by ``divisor``, into ``out``, this rank's slice; returns
+    the handle to wait on. Point to point every rank sends each other rank its slice (divided first) and adds
+    the N-1 slices it receives to its own when waited on: (N-1)·S bytes sent, N-1 slices of receive buffer,
+    no copy of the whole input."""
     if not exchanges_directly(comm, axis):
-        return comm.reduce_scatter(out, full, axis, op=op, async_op=True)
+        return comm.reduce_scatter(out, full, axis, op=op, async_op=True, divisor=divisor)
+    if divisor != 1:
+        full.div_(divisor)
     size, me = out.numel(), comm.mesh.rank(axis)
     peers = _peers(comm, axis)
     received = [torch.empty_like(out) for _ in peers]
@@ -379,11 +384,10 @@ class ZeroEngine:
             self._launch(self.groups[self._next_launch])
 
     def _launch(self, group: Group) -> None:
-        """Start the reduce-scatter of ``group``'s averaged full gradient into a fresh shard."""
-        group.grad_flat.div_(self.dp)
+        """Start the reduce-scatter of ``group``'s full gradient, averaged, into a fresh shard."""
         group.reduce_out = self._reduce_target(group)
         group.reduce_work = reduce_scatter_shards(self.comm, group.reduce_out, group.grad_flat, group.axis,
-                                                  "grad_reduce_scatter")
+                                                  "grad_reduce_scatter", divisor=self.dp)
         self.events.append(("reduce_scatter", group.name))
         self._in_flight.append(group)
         self._next_launch += 1
