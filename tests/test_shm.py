@@ -3,6 +3,7 @@ divided as asked, with Gloo taking over where the ranks are not on one host or c
 a rank that never comes to a sum makes the others' time out naming it; a channel delivers messages in the
 order their receives were posted and times out naming the message."""
 
+import errno
 import functools
 import os
 import time
@@ -39,6 +40,10 @@ def _sum_cases(obstacle: str) -> tuple[list[torch.Tensor], bool]:
         shm._host_id = lambda: f"host-{rank}"
     elif obstacle == "no /dev/shm" and rank == 0:  # the segment cannot be created
         shm.SHM_DIR = Path("/nonexistent/shm")
+    elif obstacle == "full /dev/shm" and rank == 0:  # its space cannot be reserved (a write would SIGBUS)
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        shm.os.posix_fallocate = full
     init_distributed("gloo", torch.device("cpu"))
     comm = Comm(Mesh.build(1, dist.get_world_size(), 1, torch.device("cpu")))
     sums = []
@@ -98,10 +103,12 @@ def test_host_all_gather_and_reduce_scatter_give_each_rank_its_part_in_rank_orde
             assert torch.equal(scattered[i], sums[rank * numel:(rank + 1) * numel]), f"reduce-scatter {numel} x {dtype}"
 
 
-@pytest.mark.parametrize("obstacle", ["hosts", "no /dev/shm"])
+@pytest.mark.parametrize("obstacle", ["hosts", "no /dev/shm", "full /dev/shm"])
 def test_ranks_on_different_hosts_or_without_a_segment_sum_through_gloo(obstacle):
+    before = set(shm.SHM_DIR.glob("trainmesh-*"))
     results = run_ranks(_sum_cases, 2, obstacle, timeout=120)
     assert not any(through_host for _, through_host in results)
+    assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
     for i, (numel, dtype, divisor) in enumerate(CASES):
         expected = (_tensor(0, numel, dtype).double() + _tensor(1, numel, dtype).double()) / divisor
         torch.testing.assert_close(results[0][0][i].double(), expected, atol=0.02 if dtype == torch.bfloat16 else 1e-5,

@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import os
 import socket
 import time
 import uuid
@@ -244,12 +245,25 @@ def open_segment(group: dist.ProcessGroup, nbytes: int,
 
 
 def _map(path: Path, nbytes: int, create: bool = True) -> torch.Tensor | None:
+    """Map ``path``'s ``nbytes``. The creator reserves them first: a mapping of a sparse file on a full tmpfs
+    (Docker's ``/dev/shm`` is 64 MiB) succeeds, and the first write past the space left kills the rank with
+    SIGBUS; a reservation that fails leaves the group on Gloo instead."""
     if not create and not path.exists():
         return None
     try:
+        if create:
+            _reserve(path, nbytes)
         return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError):  # open_segment removes the file
         return None
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
 
 
 def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
