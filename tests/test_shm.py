@@ -1,7 +1,8 @@
 """Shared memory among the ranks of one host: the all-reduce gives the same sums as Gloo's, in rank order,
 divided as asked, with Gloo taking over where the ranks are not on one host or cannot make the segment, and
-a rank that never comes to a sum makes the others' time out naming it; a channel delivers messages in the
-order their receives were posted and times out naming the message."""
+a rank that never comes to a sum makes the others' time out naming it; all-gathers and reduce-scatters give
+each rank its part; a channel delivers messages in the order their receives were posted and times out naming
+the message, and opening channels fails as a named collective."""
 
 import errno
 import functools
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import trainmesh.comm
 from trainmesh import shm
 from trainmesh.comm import Comm
 from trainmesh.mesh import Mesh, init_distributed
@@ -172,3 +174,26 @@ def test_a_sum_a_peer_never_joins_times_out_naming_it():
     with the collective's name and number."""
     error, _ = run_ranks(_sum_alone, 2, 2.0, timeout=60)
     assert "dp/grad_norm" in error and "Timed out waiting 2000ms" in error, error
+
+
+def _open_channels_failing() -> str:
+    """Both ranks open channels whose mapping fails at once, as a Gloo collective inside it would fail when a
+    peer stopped."""
+    init_distributed("gloo", torch.device("cpu"))
+    comm = Comm(Mesh.build(2, 1, 1, torch.device("cpu")))
+
+    def stuck(*args: object) -> None:
+        raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+    trainmesh.comm.open_channels = stuck
+    try:
+        comm.open_channels("pp", [(0, 1), (1, 0)], 1, 64)
+    except Exception as e:  # noqa: BLE001 - the test checks its message
+        return str(e)
+    return "no error"
+
+
+def test_a_rank_failing_while_it_opens_channels_names_the_collective():
+    """Mapping the channels' segment is a collective: a rank stuck there says which, as in any collective."""
+    for rank, error in enumerate(run_ranks(_open_channels_failing, 2, timeout=60)):
+        assert error.startswith(f"rank {rank}: collective pp/open_channels #1 (ranks 0-1) failed: Timed out"), error

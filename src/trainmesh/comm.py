@@ -290,13 +290,17 @@ class Comm:
         """Channels through shared memory for the directed ``pairs`` of global ranks of ``axis`` (a collective
         over it; the same pairs on every rank), each holding ``depth`` messages of up to ``slot_bytes`` in
         flight, a receive waiting at most the mesh's timeout; False, on every rank alike, where they cannot be
-        made (ranks on several hosts, a GPU)."""
+        made (ranks on several hosts, a GPU). Numbered and named like a collective, so a rank that fails while
+        mapping them (a peer stopped) says what it waited for."""
         if self.mesh.device.type != "cpu" or self.mesh.size(axis) == 1:
             return False
-        channels = open_channels(self.mesh.group(axis), list(pairs), depth, slot_bytes,
-                                 self.mesh.timeout_s or WAIT_S)
-        self.channels.update(channels or {})
-        return channels is not None
+        opened: list[dict[tuple[int, int], Channel] | None] = []
+        group = self.mesh.group(axis)
+        Pending(_Ran(lambda: opened.append(open_channels(group, list(pairs), depth, slot_bytes,
+                                                          self.mesh.timeout_s or WAIT_S))),
+                self._describe(axis, "open_channels"), group).wait()
+        self.channels.update(opened[0] or {})
+        return opened[0] is not None
 
     def totals(self) -> dict[str, float]:
         """Bytes sent so far per axis."""
