@@ -102,7 +102,7 @@ class Semaphore:
 
 
 class HostCollectives:
-    """Sums tensors in place over ``group`` through a shared segment; build it with :meth:`open`.
+    """Sums, all-gathers and reduce-scatters over ``group`` through a shared segment; build it with :meth:`open`.
 
     The segment starts with one semaphore per (barrier parity, rank), then the two slot sets. A barrier posts
     every other rank's semaphore of its parity and waits on its own as often: no rank can be two barriers
@@ -110,7 +110,6 @@ class HostCollectives:
     land on the other parity and are never counted towards this one."""
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, timeout_s: float) -> None:
-        self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.arrivals = self._semaphores(segment, self.size)
         self.slots = segment[self.header(self.size):].view(2, self.size, SLOT_BYTES)
@@ -176,11 +175,7 @@ class HostCollectives:
             slots = self._next_slots(part.dtype, self.size * part.numel()).view(self.size, self.size, -1)
             slots[self.rank].copy_(slices[:, start:start + part.numel()])
             self._barrier()
-            torch.add(slots[0, self.rank], slots[1, self.rank], out=part)
-            for k in range(2, self.size):
-                part.add_(slots[k, self.rank])
-            if divisor != 1:
-                part.div_(divisor)
+            _sum_in_rank_order(part, slots[:, self.rank], divisor)
 
     def _next_slots(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Every rank's slot of the next chunk's set, as ``numel`` elements of ``dtype`` each."""
@@ -194,11 +189,7 @@ class HostCollectives:
         mine = slice(bounds[self.rank], bounds[self.rank + 1])
         slots[self.rank].copy_(x)
         self._barrier()
-        torch.add(slots[0, mine], slots[1, mine], out=x[mine])
-        for k in range(2, self.size):
-            x[mine].add_(slots[k, mine])
-        if divisor != 1:
-            x[mine].div_(divisor)
+        _sum_in_rank_order(x[mine], slots[:, mine], divisor)
         slots[self.rank, mine].copy_(x[mine])
         self._barrier()
         for k in range(self.size):
@@ -214,6 +205,15 @@ class HostCollectives:
                 semaphore.post()
         for _ in range(self.size - 1):
             mine[self.rank].wait(self.timeout_s)
+
+
+def _sum_in_rank_order(out: torch.Tensor, parts: torch.Tensor, divisor: int) -> None:
+    """``out = (parts[0] + parts[1] + ...) / divisor``, in that order, so every rank gets the same bits."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+    if divisor != 1:
+        out.div_(divisor)
 
 
 def open_segment(group: dist.ProcessGroup, nbytes: int,
