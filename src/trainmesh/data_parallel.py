@@ -14,6 +14,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -94,6 +95,22 @@ def flat_views(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> list[torch
         views.append(flat[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
     return views
+
+
+class Syncing(Protocol):
+    sync: bool
+    """False while gradients only accumulate locally: the post-accumulate hooks then launch nothing."""
+
+
+@contextlib.contextmanager
+def accumulating_locally(engine: Syncing) -> Iterator[None]:
+    """An engine's ``no_sync``: gradients accumulate locally inside (for all but the last micro-batch of a
+    step), and the reduction is launched once, by the backward that follows with ``sync`` set again."""
+    engine.sync = False
+    try:
+        yield
+    finally:
+        engine.sync = True
 
 
 class DataParallel:
@@ -192,14 +209,8 @@ class DataParallel:
         self.events.append(("launch", index))
         self._next_launch = index + 1
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (for all but the last micro-batch of a step)."""
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return accumulating_locally(self)
 
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:

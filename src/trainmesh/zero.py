@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainmesh.comm import Comm
-from trainmesh.data_parallel import axis_buckets, fold_grad_into
+from trainmesh.data_parallel import accumulating_locally, axis_buckets, fold_grad_into
 from trainmesh.expert_parallel import reduction_axis, with_expert_units
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
@@ -563,14 +563,8 @@ class ZeroStage1(ZeroEngine):
         return Group(f"bucket{index}", params, layout, flat, layout.shard_of(flat), layout.shard_of(grad_flat),
                      grad_flat=grad_flat, axis=axis)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (for all but the last micro-batch of a step)."""
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return accumulating_locally(self)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         group, i = self._slot[p]
