@@ -7,6 +7,7 @@ the message, and opening channels fails as a named collective."""
 import errno
 import functools
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import trainmesh.comm
 from trainmesh import shm
 from trainmesh.comm import Comm
 from trainmesh.mesh import Mesh, init_distributed
-from trainmesh.testing import run_ranks
+from trainmesh.launcher import launch
+from trainmesh.testing import RankFailure, run_ranks
 
 PER_CHUNK = shm.SLOT_BYTES // 4
 CASES = [  # (numel, dtype, divisor): several chunks with a short last one, uneven rank slices, half precision,
@@ -197,3 +199,58 @@ def test_a_rank_failing_while_it_opens_channels_names_the_collective():
     """Mapping the channels' segment is a collective: a rank stuck there says which, as in any collective."""
     for rank, error in enumerate(run_ranks(_open_channels_failing, 2, timeout=60)):
         assert error.startswith(f"rank {rank}: collective pp/open_channels #1 (ranks 0-1) failed: Timed out"), error
+
+
+def _segment_failing() -> str:
+    """Both ranks fail in the collective right after the first one created the segment's file, as they
+    would when a peer stopped there."""
+    init_distributed("gloo", torch.device("cpu"))
+
+    def stuck(ok: bool, group: object) -> bool:
+        raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+    shm._agree = stuck
+    try:
+        shm.open_segment(dist.group.WORLD, 4096)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_segment_whose_opening_fails_leaves_no_file():
+    """A file left in /dev/shm keeps its memory until reboot (32 MiB a segment for 2 ranks)."""
+    before = set(shm.SHM_DIR.glob("trainmesh-*"))
+    errors = run_ranks(_segment_failing, 2, timeout=60)
+    assert all("Timed out" in e for e in errors), errors
+    assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
+
+
+def _killed_after_creating() -> None:
+    """Rank 0 is killed right after creating the segment's file, before the ranks could unlink it."""
+    init_distributed("gloo", torch.device("cpu"))
+    if dist.get_rank() == 0:
+        shm._agree = lambda ok, group: os.kill(os.getpid(), signal.SIGKILL)
+    shm.open_segment(dist.group.WORLD, 4096)
+
+
+KILLED_AFTER_CREATING = """
+import os, signal, torch, torch.distributed as dist
+from trainmesh import shm
+from trainmesh.mesh import init_distributed
+init_distributed("gloo", torch.device("cpu"))
+if dist.get_rank() == 0:
+    shm._agree = lambda ok, group: os.kill(os.getpid(), signal.SIGKILL)
+shm.open_segment(dist.group.WORLD, 4096)
+"""
+
+
+def test_what_started_the_ranks_removes_the_file_of_a_segment_whose_creator_was_killed(tmp_path):
+    """The tests' run_ranks and the launcher each name the segments after their job and remove what is left."""
+    before = set(shm.SHM_DIR.glob("trainmesh-*"))
+    with pytest.raises(RankFailure, match="rank 0 failed"):
+        run_ranks(_killed_after_creating, 2, timeout=60)
+    assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AFTER_CREATING)
+    assert launch([], 2, program=(str(script),)) != 0
+    assert set(shm.SHM_DIR.glob("trainmesh-*")) == before

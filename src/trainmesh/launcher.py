@@ -25,12 +25,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from trainmesh import shm
 from trainmesh.mesh import STORE_CLIENT_ENV
 
 POLL_S = 0.05
@@ -96,11 +98,13 @@ SCHED_IDLE: the steps of gpipe, 1F1B and interleaved at pp=2 were the same withi
 spins and 2-7 % longer at the default, with SCHED_IDLE workers or without (paired in one process)."""
 
 
-def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+def rank_env(rank: int, nproc: int, port: int, job: str) -> dict[str, str]:
+    """``job`` names the run's shared-memory segments (:func:`trainmesh.shm.remove_segments`)."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             STORE_CLIENT_ENV: "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            shm.JOB_ENV: job,
             "OMP_NUM_THREADS": threads, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", OMP_SPIN),
             "PYTHONUNBUFFERED": "1"}
 
@@ -343,9 +347,10 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
     user's script) as ``nproc`` ranks; returns the exit code for the user."""
     store, port = host_store()
+    job = uuid.uuid4().hex[:12]
     ranks: list[RankProcess] = []
     for rank in range(nproc):
-        proc = subprocess.Popen([sys.executable, *program, *argv], env=rank_env(rank, nproc, port),
+        proc = subprocess.Popen([sys.executable, *program, *argv], env=rank_env(rank, nproc, port, job),
                                 stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=_die_with_parent)
         rp = RankProcess(rank, proc)
@@ -365,6 +370,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
         for s, handler in previous.items():
             signal.signal(s, handler)
         del store
+        shm.remove_segments(job)  # every rank has ended: _supervise returns only then
 
 
 def _supervise(ranks: list[RankProcess], store: dist.TCPStore) -> int:

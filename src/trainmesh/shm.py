@@ -44,6 +44,23 @@ SLOT_BYTES = 8 * 2**20
 """Bytes of one rank's slot, the largest chunk reduced at once: a segment holds 2 x ranks slots (32 MiB
 for 2 ranks), within Docker's default 64 MiB ``/dev/shm`` up to 4 ranks."""
 SHM_DIR = Path("/dev/shm")
+JOB_ENV = "TRAINMESH_JOB"
+"""Set by what starts the ranks (the launcher, the tests' ``run_ranks``): segments are named after the job, so
+that it can remove the file of a segment whose first rank was killed before unlinking it
+(:func:`remove_segments`)."""
+
+
+def _segment_name() -> str:
+    job = os.environ.get(JOB_ENV)
+    return f"trainmesh-{job}-{uuid.uuid4().hex}" if job else f"trainmesh-{uuid.uuid4().hex}"
+
+
+def remove_segments(job: str) -> None:
+    """Remove the segment files job ``job``'s ranks left behind; call it once they have all ended. A rank
+    unlinks its segment's file as soon as every rank has mapped it, but one killed in between cannot, and
+    the file would hold its memory (32 MiB for 2 ranks) until the machine reboots."""
+    for path in SHM_DIR.glob(f"trainmesh-{job}-*"):
+        path.unlink(missing_ok=True)
 
 
 def _host_id() -> str:
@@ -226,21 +243,23 @@ def open_segment(group: dist.ProcessGroup, nbytes: int,
     dist.all_gather_object(hosts, _host_id(), group=group)
     if len(set(hosts)) > 1:
         return None
-    name = [f"trainmesh-{uuid.uuid4().hex}" if rank == 0 else None]
+    name = [_segment_name() if rank == 0 else None]
     dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
     path = SHM_DIR / name[0]
-    segment = _map(path, nbytes) if rank == 0 else None
-    if segment is not None and prepare is not None:
-        try:
-            prepare(segment)
-        except OSError:
-            segment = None
-    created = _agree(rank != 0 or segment is not None, group)  # the file exists before the others open it
-    if rank != 0 and created:
-        segment = _map(path, nbytes, create=False)
-    mapped = _agree(segment is not None, group)
-    if rank == 0:
-        path.unlink(missing_ok=True)
+    try:
+        segment = _map(path, nbytes) if rank == 0 else None
+        if segment is not None and prepare is not None:
+            try:
+                prepare(segment)
+            except OSError:
+                segment = None
+        created = _agree(rank != 0 or segment is not None, group)  # the file exists before the others open it
+        if rank != 0 and created:
+            segment = _map(path, nbytes, create=False)
+        mapped = _agree(segment is not None, group)
+    finally:  # also when a peer failed in between: a file left behind holds its memory until reboot
+        if rank == 0:
+            path.unlink(missing_ok=True)
     return segment if mapped else None
 
 

@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 
 from trainmesh.launcher import host_store, rank_env
 from trainmesh.mesh import shutdown_distributed
+from trainmesh.shm import remove_segments
 
 
 class RankFailure(AssertionError):
@@ -60,10 +62,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """Run ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value, in rank order."""
     ctx = _context()
     store, port = host_store()
+    job = uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory() as result_dir:
         procs = []
         for rank in range(world_size):
-            env = rank_env(rank, world_size, port)
+            env = rank_env(rank, world_size, port, job)
             p = ctx.Process(target=_rank_main, args=(fn, args, env, result_dir, rank), daemon=True)
             p.start()
             procs.append(p)
@@ -72,6 +75,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         finally:
             _kill_all(procs)
             del store
+            remove_segments(job)
         return [torch.load(Path(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
