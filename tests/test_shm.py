@@ -7,7 +7,6 @@ the message, and opening channels fails as a named collective."""
 import errno
 import functools
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -225,15 +224,8 @@ def test_a_segment_whose_opening_fails_leaves_no_file():
     assert set(shm.SHM_DIR.glob("trainmesh-*")) == before
 
 
-def _killed_after_creating() -> None:
-    """Rank 0 is killed right after creating the segment's file, before the ranks could unlink it."""
-    init_distributed("gloo", torch.device("cpu"))
-    if dist.get_rank() == 0:
-        shm._agree = lambda ok, group: os.kill(os.getpid(), signal.SIGKILL)
-    shm.open_segment(dist.group.WORLD, 4096)
-
-
 KILLED_AFTER_CREATING = """
+# Rank 0 is killed right after creating the segment's file, before the ranks could unlink it.
 import os, signal, torch, torch.distributed as dist
 from trainmesh import shm
 from trainmesh.mesh import init_distributed
@@ -242,6 +234,10 @@ if dist.get_rank() == 0:
     shm._agree = lambda ok, group: os.kill(os.getpid(), signal.SIGKILL)
 shm.open_segment(dist.group.WORLD, 4096)
 """
+
+
+def _killed_after_creating() -> None:
+    exec(KILLED_AFTER_CREATING, {})
 
 
 def test_what_started_the_ranks_removes_the_file_of_a_segment_whose_creator_was_killed(tmp_path):

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -347,7 +346,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
     user's script) as ``nproc`` ranks; returns the exit code for the user."""
     store, port = host_store()
-    job = uuid.uuid4().hex[:12]
+    job = shm.new_job()
     ranks: list[RankProcess] = []
     for rank in range(nproc):
         proc = subprocess.Popen([sys.executable, *program, *argv], env=rank_env(rank, nproc, port, job),

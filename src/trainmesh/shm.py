@@ -50,6 +50,11 @@ that it can remove the file of a segment whose first rank was killed before unli
 (:func:`remove_segments`)."""
 
 
+def new_job() -> str:
+    """A fresh job id for :data:`JOB_ENV`."""
+    return uuid.uuid4().hex[:12]
+
+
 def _segment_name() -> str:
     job = os.environ.get(JOB_ENV)
     return f"trainmesh-{job}-{uuid.uuid4().hex}" if job else f"trainmesh-{uuid.uuid4().hex}"

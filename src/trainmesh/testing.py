@@ -14,7 +14,6 @@ import os
 import tempfile
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from trainmesh.launcher import host_store, rank_env
 from trainmesh.mesh import shutdown_distributed
-from trainmesh.shm import remove_segments
+from trainmesh.shm import new_job, remove_segments
 
 
 class RankFailure(AssertionError):
@@ -62,7 +61,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """Run ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value, in rank order."""
     ctx = _context()
     store, port = host_store()
-    job = uuid.uuid4().hex[:12]
+    job = new_job()
     with tempfile.TemporaryDirectory() as result_dir:
         procs = []
         for rank in range(world_size):
