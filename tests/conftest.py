@@ -1,10 +1,20 @@
 """Shared fixtures: every test runs with one CPU thread per process so ranks don't fight over cores; the
-float64 equivalence margins measured in this session are printed as a table at the end."""
+float64 equivalence margins measured in this session are printed as a table at the end.
+
+Ranks exchange through torch.distributed, not one host's shared memory (``TRAINMESH_HOST_TRANSPORT=off``,
+inherited by every rank the tests start), so that the equivalence tests prove the calls NCCL runs on GPUs;
+the tests of the shared-memory path set ``auto`` themselves (``test_shm.py``, ``test_host_transport.py``).
+Set the variable to ``auto`` before pytest to run the whole suite through shared memory instead."""
+
+import os
 
 import pytest
 import torch
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL
+from trainmesh.shm import TRANSPORT_ENV
+
+os.environ.setdefault(TRANSPORT_ENV, "off")
 
 
 @pytest.fixture(autouse=True)

@@ -357,7 +357,7 @@ def test_a_checkpoint_of_another_model_is_refused(saved, tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "holds a different model (tiny: n_layers 2 there, 4 here" in lines[0], result.stderr
-    assert "resume with --model tiny" in lines[0]
+    assert "resume without --model/--init-hf to continue it" in lines[0]
 
 
 # --- restarts (issue #9) -----------------------------------------------------------------------------

@@ -27,20 +27,20 @@ def test_help_documents_every_flag(capsys):
 
 
 BAD = [
-    (["--nproc", "2", "--dp", "4"], "world size 2 != dp*tp*pp"),
+    (["--nproc", "2", "--dp", "4"], "world size 2 != dp*cp*tp*pp"),
     (["--nproc", "4", "--dp", "2", "--tp", "2", "--global-batch", "6", "--microbatches", "2"],
      "not divisible by dp*microbatches"),
     (["--model", "nope"], "--model nope: choose tiny"),
     (["--nproc", "4096", "--dp", "4096"], "more local ranks than this machine"),
-    (["--nproc", "3", "--tp", "3"], "tp=3 does not divide n_heads=4"),
-    (["--model", "llama-tiny", "--nproc", "4", "--tp", "4"], "tp=4 exceeds n_kv_heads=2 of llama-tiny"),
+    (["--nproc", "3", "--tp", "3"], "--tp 3 does not divide n_heads=4"),
+    (["--model", "llama-tiny", "--nproc", "4", "--tp", "4"], "--tp 4 exceeds n_kv_heads=2 of llama-tiny"),
     (["--pp", "3", "--nproc", "3"], "exceeds the 2 layers"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--config", "/nonexistent.toml"], "does not exist"),
     (["--nproc", "4", "--cp", "2"], "world size 4 != dp*cp*tp*pp"),
     (["--nproc", "2", "--cp", "2", "--seq-len", "90"], "2*cp=4 equal chunks"),
     (["--model", "llama-tiny", "--nproc", "4", "--cp", "2", "--tp", "2", "--cp-impl", "a2a"],
-     "n_heads=4 and n_kv_heads=2 do not divide by it; choose cp in {1} with tp=2"),
+     "n_heads=4 and n_kv_heads=2 do not divide by it; choose cp in {1} with --tp 2"),
     (["--nproc", "4", "--cp", "2", "--pp", "2", "--schedule", "zb"], "--cp 2 with --schedule zb"),
     (["--nproc", "2", "--cp", "2", "--compile"], "--cp 2 with --compile would trace the ring"),
     (["--model", "llama3-405b", "--nproc", "2", "--dp", "2", "--zero", "3"],
@@ -68,8 +68,8 @@ def test_bad_config_exit_code_from_the_shell(tmp_path):
     result = trainmesh("train", "--nproc", "2", "--dp", "4", "--out", str(tmp_path / "run"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "trainmesh: error: world size 2 != dp*tp*pp = 4*1*1 = 4; set --nproc 4 or change --dp/--tp/--pp "
-        "so their product is 2"]
+        "trainmesh: error: world size 2 != dp*cp*tp*pp = 4*1*1*1 = 4; launch 4 rank(s) (--nproc 4) or change "
+        "--dp/--cp/--tp/--pp so their product is 2"]
     assert not (tmp_path / "run").exists()
 
 

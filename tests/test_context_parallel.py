@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 from trainmesh import config
 from trainmesh.config import Config, ConfigError, validate
-from trainmesh.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence, split_error
+from trainmesh.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence
+from trainmesh.layout import Layout, LayoutError
+from trainmesh.layout import validate as validate_layout
+from trainmesh.models.spec import ModelShape
 from trainmesh.models import spec_of
 
 from trainmesh.mesh import Mesh, init_distributed
@@ -78,11 +81,15 @@ def test_head_tail_split_balances_causal_work_and_covers_the_sequence():
 
 
 def test_split_errors_name_the_fix():
-    assert "2*cp=4" in split_error(90, 2, 4, 4, 1, "ring")
-    assert split_error(96, 2, 4, 4, 1, "ring") is None
-    message = split_error(96, 4, 4, 2, 1, "a2a")
-    assert "n_kv_heads=2" in message and "{1, 2}" in message
-    assert split_error(96, 2, 4, 2, 1, "a2a") is None
+    def shape(seq_len: int, kv_heads: int) -> ModelShape:
+        return ModelShape(2, 64, 4, 256, 256, seq_len, n_kv_heads=kv_heads)
+
+    with pytest.raises(LayoutError, match=r"2\*cp=4"):
+        validate_layout(Layout(cp=2), shape(90, 4))
+    validate_layout(Layout(cp=2), shape(96, 4))
+    with pytest.raises(LayoutError, match=r"n_kv_heads=2 do not divide by it; choose cp in \{1, 2\}"):
+        validate_layout(Layout(cp=4, cp_impl="a2a"), shape(96, 2))
+    validate_layout(Layout(cp=2, cp_impl="a2a"), shape(96, 2))
 
 
 def test_a_family_without_a_cp_plan_is_refused(monkeypatch):

@@ -45,14 +45,15 @@ def _shift_zero_gradients(shift: int) -> None:
 
 
 def _drop_last_microbatch() -> None:
-    """Every rank trains its first micro-batch twice and never sees its last one."""
-    original = trainmesh.train.rank_batch
+    """Every rank trains its first micro-batch twice and never sees its last one (in the one batch slicer that
+    the command line's loop and a script's ``train_step`` share)."""
+    original = trainmesh.api.rank_slice
 
     def dropped(*args, **kwargs):
         micro = original(*args, **kwargs)
         return [*micro[:-1], micro[0]]
 
-    trainmesh.train.rank_batch = dropped
+    trainmesh.api.rank_slice = dropped
 
 
 MUTATIONS = {

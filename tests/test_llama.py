@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from trainmesh import checkpoint
 from trainmesh.config import Config, ConfigError, validate
+from trainmesh.layout import Layout, LayoutError
+from trainmesh.layout import validate as validate_layout
 from trainmesh.mesh import Mesh
 from trainmesh.models import SPECS, planner_shapes, preset, spec_of
 from trainmesh.models.llama import Attention, Llama, apply_rotary, rotary_angles
@@ -115,13 +117,14 @@ def test_tied_embeddings_share_one_tensor_and_are_refused_under_tp_and_pp():
     model = Llama(cfg)
     assert model.head.weight is model.embed.weight
     assert sum(p.numel() for p in model.parameters()) == cfg.n_params() == TINY.n_params() - 256 * 64
-    assert cfg.shape().split_error(1, 1) is None
-    assert "shares the embedding's weight" in cfg.shape().split_error(2, 1, "tied")
-    assert "shares the embedding's weight" in cfg.shape().split_error(1, 2, "tied")
+    validate_layout(Layout(), cfg.shape())
+    for sizes in (dict(tp=2), dict(pp=2)):
+        with pytest.raises(LayoutError, match="of tied shares the embedding's weight"):
+            validate_layout(Layout(**sizes), cfg.shape(), name="tied")
 
 
 def test_tp_beyond_the_kv_heads_is_refused_with_the_valid_choices():
-    with pytest.raises(ConfigError, match=r"^tp=4 exceeds n_kv_heads=2 of llama-tiny .*; choose tp in \{1, 2\}$"):
+    with pytest.raises(ConfigError, match=r"^--tp 4 exceeds n_kv_heads=2 of llama-tiny .*; choose tp in \{1, 2\}$"):
         validate(Config(model="llama-tiny", nproc=4, tp=4))
     validate(Config(model="llama-tiny", nproc=2, tp=2))
     assert spec_of("llama-tiny").family == "llama" and spec_of("tiny").family == "gpt"

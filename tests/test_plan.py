@@ -494,13 +494,13 @@ def test_best_layout_says_how_to_fix_a_model_that_never_fits() -> None:
     "fields,message",
     [
         ({"tp": 3}, r"choose tp in \{1, 2, 4\}"),
-        ({"pp": 3}, r"choose pp\*virtual in \[1, 2\]"),
+        ({"pp": 3}, r"pp=3 exceeds the 2 layers of the model; choose pp <= 2"),
         ({"dp": 3}, r"choose dp\*microbatches in"),
-        ({"pp": 2, "schedule": "interleaved"}, r"virtual > 1 goes with schedule='interleaved'"),
-        ({"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual": 3}, r"choose pp\*virtual"),
-        ({"pp": 2, "microbatches": 1, "schedule": "interleaved", "virtual": 2}, r"divisible by pp"),
-        ({"sequence_parallel": True}, r"needs tp > 1"),
-        ({"schedule": "1f1f"}, r"choose one of gpipe, 1f1b, interleaved, zb"),
+        ({"pp": 2, "schedule": "interleaved"}, r"schedule='interleaved' .*set virtual_stages >= 2"),
+        ({"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual": 3}, r"choose pp \* virtual_stages <= 2"),
+        ({"pp": 2, "microbatches": 1, "schedule": "interleaved", "virtual": 2}, r"microbatches to a multiple of 2"),
+        ({"sequence_parallel": True}, r"set tp > 1"),
+        ({"schedule": "1f1f"}, r"choose gpipe, 1f1b, interleaved or zb"),
     ],
 )
 def test_invalid_layouts_are_rejected_with_the_fix(fields: dict[str, object], message: str) -> None:
@@ -650,7 +650,7 @@ def test_context_parallel_divides_activations_and_counts_its_bytes():
         assert (micro_batch_activation_bytes(work, Layout(cp=cp)) - extra) * cp == alone
     m, kv = work.model, 2 * 4 * 32 * work.model.kv_heads * (work.model.d_model // work.model.n_heads) * 4
     assert cp_bytes_per_micro(work, Layout(cp=2)) == {"ring_kv": m.n_layers * kv, "ring_kv_grad": 3 * m.n_layers * kv}
-    with pytest.raises(ValueError, match="a2a gives each of cp\\*tp=4 ranks whole heads"):
+    with pytest.raises(ValueError, match="a2a' gives each of cp\\*tp=4 ranks whole heads"):
         memory_per_rank(work, Layout(cp=4, cp_impl="a2a"))
 
 
@@ -787,8 +787,8 @@ def test_tp_splits_the_dense_part_of_an_moe_model_and_keeps_its_experts_whole() 
     assert a2a() == a2a(tp=2) == 2 * a2a(tp=2, sequence_parallel=True) > 0
 
 
-@pytest.mark.parametrize("fields,message", [({"dp": 4, "ep": 3}, r"ep=3 does not divide dp\*cp=4"),
-                                            ({"dp": 6, "ep": 3}, r"divides; the model has 8 experts")])
+@pytest.mark.parametrize("fields,message", [({"dp": 4, "ep": 3}, r"ep=3 does not divide dp\*cp = 4"),
+                                            ({"dp": 6, "ep": 3}, r"ep=3 does not divide the 8 experts")])
 def test_ep_that_cannot_split_the_experts_is_rejected_with_the_fix(fields: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         memory_per_rank(Workload(_moe_small(), 12, 64), Layout(**fields))

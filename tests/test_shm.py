@@ -2,7 +2,8 @@
 divided as asked, with Gloo taking over where the ranks are not on one host or cannot make the segment, and
 a rank that never comes to a sum makes the others' time out naming it; all-gathers and reduce-scatters give
 each rank its part; a channel delivers messages in the order their receives were posted and times out naming
-the message, and opening channels fails as a named collective."""
+the message, and opening channels fails as a named collective; ``TRAINMESH_HOST_TRANSPORT=off`` keeps every
+sum on Gloo, and a value other than auto or off is refused naming the variable."""
 
 import errno
 import functools
@@ -32,6 +33,12 @@ CASES = [  # (numel, dtype, divisor): several chunks with a short last one, unev
 ]
 
 
+@pytest.fixture(autouse=True)
+def _host_transport(monkeypatch):
+    """These tests are about the shared segment, which the suite otherwise turns off (``conftest.py``)."""
+    monkeypatch.setenv(shm.TRANSPORT_ENV, "auto")
+
+
 def _tensor(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + numel)).to(dtype)
 
@@ -47,6 +54,8 @@ def _sum_cases(obstacle: str) -> tuple[list[torch.Tensor], bool]:
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
         shm.os.posix_fallocate = full
+    elif obstacle == "transport off":
+        os.environ[shm.TRANSPORT_ENV] = "off"
     init_distributed("gloo", torch.device("cpu"))
     comm = Comm(Mesh.build(1, dist.get_world_size(), 1, torch.device("cpu")))
     sums = []
@@ -54,7 +63,7 @@ def _sum_cases(obstacle: str) -> tuple[list[torch.Tensor], bool]:
         t = _tensor(rank, numel, dtype)
         comm.all_reduce(t, "dp", async_op=True, divisor=divisor).wait()
         sums.append(t)
-    return sums, comm.hosts["dp"] is not None
+    return sums, comm.transport == "shm+torch.distributed"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -91,7 +100,7 @@ def _gather_scatter_cases() -> tuple[list[torch.Tensor], list[torch.Tensor], boo
         mine = torch.empty(numel, dtype=dtype)
         comm.reduce_scatter(mine, _tensor(rank, world * numel, dtype), "dp", divisor=3)
         scattered.append(mine)
-    return gathered, scattered, comm.hosts["dp"] is not None
+    return gathered, scattered, comm.transport == "shm+torch.distributed"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -106,7 +115,7 @@ def test_host_all_gather_and_reduce_scatter_give_each_rank_its_part_in_rank_orde
             assert torch.equal(scattered[i], sums[rank * numel:(rank + 1) * numel]), f"reduce-scatter {numel} x {dtype}"
 
 
-@pytest.mark.parametrize("obstacle", ["hosts", "no /dev/shm", "full /dev/shm"])
+@pytest.mark.parametrize("obstacle", ["hosts", "no /dev/shm", "full /dev/shm", "transport off"])
 def test_ranks_on_different_hosts_or_without_a_segment_sum_through_gloo(obstacle):
     before = set(shm.SHM_DIR.glob("trainmesh-*"))
     results = run_ranks(_sum_cases, 2, obstacle, timeout=120)

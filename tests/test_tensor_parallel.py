@@ -220,7 +220,7 @@ def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
     with pytest.raises(ConfigError, match="set --tp > 1 or drop --sequence-parallel"):
         validate(Config(sequence_parallel=True))
     monkeypatch.setitem(PRESETS, "odd-seq", ModelConfig(2, 64, 4, 256, 256, seq_len=30))
-    with pytest.raises(ConfigError, match="needs tp=4 to divide seq_len=30"):
+    with pytest.raises(ConfigError, match="splits the 30 tokens of each sequence over --tp 4, which does not divide"):
         validate(Config(model="odd-seq", nproc=4, tp=4, sequence_parallel=True))
 
 

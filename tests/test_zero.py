@@ -378,5 +378,5 @@ def test_wrapping_policy_rejects_uncovered_and_shared_parameters():
 
 def test_zero_rejects_an_unknown_stage_with_the_fix():
     comm = Comm(Mesh.build(1, 1, 1, torch.device("cpu")))
-    with pytest.raises(ValueError, match="choose 1, 2 or 3"):
+    with pytest.raises(ValueError, match=r"^zero=4: choose 0, 1, 2 or 3$"):
         build_engine(GPT(TINY), comm, 4, lambda named: torch.optim.AdamW([p for _, p in named]))

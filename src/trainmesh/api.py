@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm, log_all_reduce
-from trainmesh.context_parallel import apply_context_parallel, shard_sequence, split_error
-from trainmesh.data_parallel import DataParallel
+from trainmesh.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
+from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
 from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
@@ -42,9 +42,8 @@ from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
 from trainmesh.optim import adamw_factory
 from trainmesh.pipeline.partition import gather_stages
 from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
-from trainmesh.pipeline.schedules import SCHEDULES
-from trainmesh.precision import DTYPES, LossScaler, dtype_of
-from trainmesh.recompute import MODES, Target, apply_recompute, recompute_modules
+from trainmesh.precision import LossScaler, dtype_of
+from trainmesh.recompute import Target, apply_recompute, recompute_modules
 from trainmesh.safe_io import sha256_hex
 from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
 from trainmesh.tensor_parallel import unsharded_state_dict
@@ -62,19 +61,9 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     experts over groups of ``ep`` data-parallel ranks (it divides ``dp * cp``; it adds no ranks).
     """
     world = world_env().world_size
-    model_parallel = tp * pp * cp
-    if min(tp, pp, cp) < 1 or world % model_parallel:
-        raise ValueError(f"tp={tp} x pp={pp} x cp={cp} does not divide the world of {world} process(es); choose "
-                         f"sizes whose product divides {world}")
-    dp = world // model_parallel if dp is None else dp
-    if ep < 1 or (dp * cp) % ep:
-        raise ValueError(f"ep={ep} does not divide dp*cp={dp * cp}: the experts are split over data-parallel "
-                         f"ranks; choose ep dividing {dp * cp}")
-    if dp * model_parallel != world:
-        n = dp * model_parallel
-        raise ValueError(f"dp={dp} x tp={tp} x pp={pp} x cp={cp} = {n}, but this job has {world} process(es); "
-                         f"start {n} (trainmesh launch --nproc {n}, or torchrun --nproc-per-node {n}) or change "
-                         f"the sizes")
+    if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
+        dp = max(1, world // max(1, tp * pp * cp))
+    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep), world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
@@ -105,6 +94,7 @@ class ParallelModel:
     bucket_mb: float = 25.0
     pipeline: PipelineRuntime | None = None
     engine: Engine | None = field(default=None, repr=False)
+    description: tuple[dict, dict] = field(default=({}, {"family": "", "source": "model"}), repr=False)
     saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +106,6 @@ class ParallelModel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded parameters under the plain model's names, on every rank (a collective)."""
         return full_state_dict(self.module, self.engine, self.comm, pipelined=self.pipeline is not None)
-
-
-def _checked(value, allowed: Sequence, what: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what}={value!r} is not one of {', '.join(map(str, allowed))}")
 
 
 def _keeps_contract(model: nn.Module) -> bool:
@@ -159,58 +144,32 @@ def _retire(model: nn.Module) -> None:
 
 
 def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dict | None, pipeline: StageLayout | None,
-              zero_stage: int, precision: str, recompute, schedule: str, microbatches: int, virtual_stages: int,
-              sequence_parallel: bool, cp_impl: str) -> None:
-    """Every setting that cannot run, as one line with the fix, before any weight is touched."""
-    tp, pp = mesh.size("tp"), mesh.size("pp")
-    _checked(zero_stage, (0, 1, 2, 3), "zero")
-    _checked(precision, tuple(DTYPES), "precision")
-    _checked(schedule, tuple(SCHEDULES), "schedule")
-    if isinstance(recompute, str):
-        _checked(recompute, MODES, "recompute")
-        if recompute != "none" and spec is None:
-            raise ValueError(f"recompute={recompute!r} needs the model's family to name its blocks; pass the "
-                             f"block classes instead, e.g. recompute=(MyBlock,)")
-    if microbatches < 1:
-        raise ValueError(f"microbatches={microbatches}; it must be at least 1")
+              layout: Layout, recompute: str | tuple[Target, ...]) -> None:
+    """Every setting that cannot run, as one line with the fix, before any weight is touched: what the API
+    needs to know of a model it did not write, then the layout's rules (:func:`trainmesh.layout.validate`)
+    on the model's shape where its family gives one."""
+    name, tp, pp, cp, ep = type(model).__name__, mesh.size("tp"), mesh.size("pp"), mesh.size("cp"), mesh.size("ep")
+    if isinstance(recompute, str) and recompute != "none" and spec is None:
+        raise ValueError(f"recompute={recompute!r} needs the model's family to name its blocks; pass the "
+                         f"block classes instead, e.g. recompute=(MyBlock,)")
     if tp > 1 and tp_plan is None:
-        raise ValueError(f"tp={tp} needs a tp_plan (module-name patterns -> styles, e.g. tm.plans.llama) for "
-                         f"{type(model).__name__}")
-    if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel splits the sequence over tensor-parallel ranks; use a mesh with tp > 1")
+        raise ValueError(f"tp={tp} needs a tp_plan (module-name patterns -> styles, e.g. tm.plans.llama) for {name}")
     if pp > 1 and pipeline is None and not _keeps_contract(model) and (spec is None or spec.layout is None):
-        raise ValueError(f"pp={pp} needs to know where {type(model).__name__} keeps its blocks; pass "
+        raise ValueError(f"pp={pp} needs to know where {name} keeps its blocks; pass "
                          f"pipeline=tm.StageLayout(blocks='layers', pre='embed', post=('norm', 'head'), "
                          f"hidden_size=...)")
     if pp > 1 and not _hidden_size(model, spec, pipeline):
         raise ValueError(f"pp={pp} passes [batch, seq, hidden] activations between stages; give "
-                         f"StageLayout(hidden_size=...) for {type(model).__name__}")
-    if virtual_stages > 1 and schedule != "interleaved":
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
-    if schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"schedule='interleaved' needs microbatches ({microbatches}) to be a multiple of pp={pp}")
-    if spec is not None:
-        problem = spec.shape(spec.config_of(model)).split_error(tp, pp, type(model).__name__)
-        if problem:
-            raise ValueError(problem)
-    ep = mesh.size("ep")
-    if ep > 1:
+                         f"StageLayout(hidden_size=...) for {name}")
+    if cp > 1 and (spec is None or not spec.cp_plan):
+        raise ValueError(f"cp={cp} needs to know where {name} computes attention and takes positions; context "
+                         f"parallelism splits the built-in families (gpt, llama)")
+    if spec is None and ep > 1:  # no shape: the experts are counted from the modules that hold them
         layers = expert_modules(model)
-        if not layers:
-            raise ValueError(f"ep={ep} splits the experts of MoE layers, and {type(model).__name__} has none; "
-                             f"use a mesh with ep=1")
-        n_experts = layers[0][1].experts.w1.shape[0]
-        if n_experts % ep:
-            raise ValueError(f"ep={ep} does not divide the {n_experts} experts per MoE layer; choose ep dividing it")
-    cp = mesh.size("cp")
-    if cp > 1:
-        if spec is None or not spec.cp_plan:
-            raise ValueError(f"cp={cp} needs to know where {type(model).__name__} computes attention and takes "
-                             f"positions; context parallelism splits the built-in families (gpt, llama)")
-        shape = spec.shape(spec.config_of(model))
-        problem = split_error(shape.seq_len, cp, shape.n_heads, shape.kv_heads, tp, cp_impl)
+        problem = experts_problem(ep, layers[0][1].experts.w1.shape[0] if layers else 0, keyword, name)
         if problem:
             raise ValueError(problem)
+    validate(layout, spec.shape(spec.config_of(model)) if spec is not None else None, name=name)
 
 
 def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None = None,
@@ -248,10 +207,15 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     spec = spec_for(model)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel) if plan is not None else None
-    _validate(model, mesh, spec, plan, pipeline, zero, precision, recompute, schedule, microbatches, virtual_stages,
-              sequence_parallel, cp_impl)
+    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep")}, zero=zero,
+                    sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
+                    microbatches=microbatches, stage_layers=tuple(stage_layers),
+                    recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
+                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, compile=compile)
+    _validate(model, mesh, spec, plan, pipeline, layout, recompute)
     comm = comm or Comm(mesh)
     hidden = _hidden_size(model, spec, pipeline)
+    description = checkpoint.describe_model(model)
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
     apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
@@ -281,7 +245,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                                         dtype_of(precision), virtual_stages, tuple(stage_layers),
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
     return ParallelModel(model, mesh, comm, loss, criterion is not None, zero, precision,
-                         microbatches, reduce_dtype, bucket_mb, runtime)
+                         microbatches, reduce_dtype, bucket_mb, runtime, description=description)
 
 
 def _hidden_size(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> int:
@@ -336,10 +300,8 @@ def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float]
     units = _zero3_units(model.module)
     if model.zero == 3 and units is not None:
         model.engine = zero.ZeroStage3(model.module, model.comm, make_optimizer, **args, units=units)
-    elif model.zero:
-        model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
     else:
-        model.engine = DataParallel(model.module, model.comm, make_optimizer, **args)
+        model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
     return Optimizer(model.engine, lr)
 
 
@@ -390,25 +352,37 @@ def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
     return total.item() / (mesh.size("dp") * mesh.size("cp") * mesh.size("tp"))
 
 
-def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatches: int) -> MicroBatches:
-    """This rank's micro-batches of a global batch ``(inputs, targets)``: its dp slice of the sequences, its
-    head-tail cp part of each, on the mesh's device."""
+def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatches: int,
+               dp_sliced: bool = False) -> MicroBatches:
+    """This rank's micro-batches of a global batch ``(inputs, targets)``: its dp slice of the sequences (the
+    batch is that slice already with ``dp_sliced``, as a data loader that reads only this rank's share
+    gives it), its head-tail cp part of each, on the mesh's device."""
     x, y = batch
-    dp = mesh.size("dp")
+    dp = 1 if dp_sliced else mesh.size("dp")
     if x.shape[0] % (dp * microbatches):
-        raise ValueError(f"a global batch of {x.shape[0]} sequences does not split into dp={dp} x "
+        what = "this rank's slice of" if dp_sliced else "a global batch of"
+        raise ValueError(f"{what} {x.shape[0]} sequences does not split into dp={dp} x "
                          f"microbatches={microbatches}; use a multiple of {dp * microbatches}")
-    x, y = (shard_sequence(t.chunk(dp)[mesh.rank("dp")], mesh.size("cp"), mesh.rank("cp")).to(mesh.device)
-            for t in (x, y))
+    if not dp_sliced:
+        x, y = (t.chunk(dp)[mesh.rank("dp")] for t in (x, y))
+    x, y = (shard_sequence(t, mesh.size("cp"), mesh.rank("cp")) for t in (x, y))
+    if mesh.device.type == "cuda":
+        x, y = (t.pin_memory().to(mesh.device, non_blocking=True) for t in (x, y))
+    else:
+        x, y = x.to(mesh.device), y.to(mesh.device)
     return list(zip(x.chunk(microbatches), y.chunk(microbatches)))
 
 
 def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
-               loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0) -> float:
+               loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0, *,
+               dp_sliced: bool = False, saved=None) -> float:
     """One optimizer step on the global ``batch`` = ``(inputs, targets)``, the same tensors on every rank:
-    each dp rank takes its slice, split into ``microbatches`` (gradient accumulation; default: the
-    model's), the gradient is clipped to global norm ``max_norm`` (0: no clipping) and AdamW steps at
-    ``opt.lr``. Returns the mean loss over the global batch, the number one process would compute.
+    each dp rank takes its slice (or ``batch`` is that slice, with ``dp_sliced``), split into
+    ``microbatches`` (gradient accumulation; default: the model's), the gradient is clipped to global norm
+    ``max_norm`` (0: no clipping) and AdamW steps at ``opt.lr``. Returns the mean loss over the global
+    batch, the number one process would compute; ``opt.grad_norm`` is the step's gradient norm (not finite:
+    the step was skipped on every rank). ``saved`` (:class:`~trainmesh.metrics.SavedActivations`) records
+    the activation bytes of the first micro-batch.
 
     ``loss_fn(logits, targets)`` defaults to next-token cross-entropy (vocabulary-parallel where the plan
     splits the head, whose logits no other loss could read).
@@ -424,8 +398,8 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
                          f"microbatches={m} to parallelize instead")
     if model.engine is None:
         raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
-    loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m),
-                            loss_fn or model.criterion)
+    loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m, dp_sliced),
+                            loss_fn or model.criterion, saved)
     opt.grad_norm = model.engine.step(opt.lr, max_norm)
     if math.isfinite(opt.grad_norm):
         update_routing(model.module, model.mesh)
@@ -458,8 +432,9 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int)
     hold_directory(model, Path(directory))
     mesh = model.mesh
     settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
-    description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": {},
-                   "config": settings,
+    config, source = model.description
+    description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": config,
+                   "model_source": source, "config": settings,
                    "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "tp", "pp")},
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),

@@ -72,7 +72,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,7 +90,8 @@ from trainmesh.data import data_tokenizer
 from trainmesh.engine import Engine
 from trainmesh.manifest import FORMAT, RUN_ID, VERSION, ManifestError, check_manifest, check_tiling, show
 from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.models import config_from_dict, moe, preset, spec_of
+from trainmesh.models import config_from_dict, family, moe, preset, register_preset, spec_for, spec_of
+from trainmesh.models.spec import HFIncompatible, ModelSpec
 from trainmesh.precision import LossScaler
 from trainmesh import runlock
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
@@ -381,14 +382,81 @@ def _content_hash(manifest: dict) -> str:
     return sha256_hex(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
+def model_source(cfg: Config) -> str:
+    """How runs, summaries and reports name the model of a ``trainmesh train`` run: its preset, or for an
+    ``--init-hf`` import the architecture and the directory it came from (``LlamaForCausalLM from DIR``)."""
+    if not cfg.init_hf:
+        return cfg.model
+    architecture = spec_of(cfg.model).hf.architecture
+    return f"{architecture} from {cfg.init_hf}"
+
+
 def describe(cfg: Config, mesh: Mesh) -> dict:
-    """What a manifest records of a ``trainmesh train`` run besides its tensors: the model preset's shape,
-    the config and its hash, the layout, the tokenizer file (recorded with its hash when the manifest is
-    written, :func:`trainmesh.tokenizer.tokenizer_record`)."""
+    """What a manifest records of a ``trainmesh train`` run besides its tensors: the model (its family, its
+    config and where it came from), the config and its hash, the layout, the tokenizer file (recorded with
+    its hash when the manifest is written, :func:`trainmesh.tokenizer.tokenizer_record`)."""
     return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
+            "model_source": {"family": spec_of(cfg.model).family, "source": model_source(cfg)},
             "config": dataclasses.asdict(cfg), "tokenizer": data_tokenizer(cfg.data, cfg.tokenizer),
             "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
                        "ep": cfg.ep, "zero": cfg.zero}}
+
+
+def describe_model(model: nn.Module) -> tuple[dict, dict]:
+    """What a manifest records of a model a script parallelized (:func:`trainmesh.save`): its config in its
+    trainmesh family's terms (what ``trainmesh train --resume``, ``generate`` and ``export`` build) and its
+    source: the family and how to name the model. A model held in Hugging Face's classes also records its
+    HF config, since its tensors carry HF's names; a model of no family records neither."""
+    spec = spec_for(model)
+    if spec is None:
+        return {}, {"family": "", "source": type(model).__name__}
+    cfg = spec.config_of(model)
+    if not callable(getattr(cfg, "to_dict", None)):  # a trainmesh family's own config
+        return dataclasses.asdict(cfg), {"family": spec.family, "source": f"{type(model).__name__} ({spec.family})"}
+    hf_config = json.loads(json.dumps(cfg.to_dict(), default=str))
+    source = (hf_config.get("architectures") or [type(model).__name__])[0]
+    origin = hf_config.get("_name_or_path")
+    source += f" from {origin}" if origin else ""
+    try:
+        family = hf.family_of(hf_config)
+        ours = dataclasses.asdict(family.hf.from_config(hf_config))
+    except (hf.HFError, HFIncompatible):
+        return {}, {"family": "", "source": source, "hf_config": hf_config}
+    return ours, {"family": family.family, "source": source, "hf_config": hf_config}
+
+
+def recorded_model(manifest: dict, path: Path) -> tuple[ModelSpec, Any]:
+    """The trainmesh family and model config a checkpoint describes (older checkpoints name a preset)."""
+    source = manifest.get("model_source")
+    if source is None:
+        name = manifest["config"].get("model")
+        return spec_of(name), config_from_dict(preset(name), manifest["model"])
+    if not source["family"]:
+        raise CheckpointError(f"{path} holds a {source['source']}, which is of no trainmesh model family; load it "
+                              f"with trainmesh.load into the same model")
+    spec = family(source["family"])
+    like = next(iter({**spec.presets, **spec.planner_presets}.values()))
+    return spec, config_from_dict(like, manifest["model"])
+
+
+def recorded_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """The full weights (and routing buffers, under ``buffer/`` names' tails) of checkpoint ``path`` under
+    the names of its trainmesh family's model, translated from Hugging Face's names where a script saved a
+    model held in HF's classes."""
+    spec, cfg = recorded_model(manifest, path)
+    tensors = {name.split("/", 1)[1]: t for prefix in ("model/", "buffer/")
+               for name, t in read_tensors(path, prefix).items()}
+    if "hf_config" not in manifest.get("model_source", {}):
+        return tensors
+    try:
+        return hf.to_trainmesh(spec, cfg, tensors, str(path))
+    except hf.HFError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def source_name(manifest: dict) -> str:
+    """How a checkpoint's model is named to a person."""
+    return manifest.get("model_source", {}).get("source") or manifest["config"].get("model") or "model"
 
 
 def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress, plans: list[list[dict]],
@@ -407,7 +475,8 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
         "run": {"id": progress.run_id, "config_sha256": description["config_sha256"]},
         "loss_scaler": {"scale": scaler.scale, "clean_steps": scaler.clean_steps,
                         "skipped_steps": scaler.skipped_steps},
-        "model": description["model"], "config": description["config"], "layout": description["layout"],
+        "model": description["model"], "model_source": description["model_source"],
+        "config": description["config"], "layout": description["layout"],
         **({"tokenizer": tokenizer_record(description["tokenizer"])} if "tokenizer" in description else {}),
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
@@ -576,7 +645,7 @@ def fill(wanted: list[LocalTensor], index: dict[str, dict], open_file: Callable[
 
 
 def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
-    there, name = manifest["model"], manifest["config"]["model"]
+    there, name = manifest["model"], source_name(manifest)
     differ = [f"{k} {there.get(k)} there, {v} here" for k, v in dataclasses.asdict(cfg.model_config).items()
               if there.get(k) != v]
     if len(differ) == 1 and differ[0].startswith("vocab_size "):
@@ -586,7 +655,7 @@ def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
                                  f"(--tokenizer {manifest['config'].get('tokenizer') or '(bytes)'})")
     if differ:
         raise CheckpointMismatch(f"{path} holds a different model ({name}: {', '.join(differ)}); "
-                                 f"resume with --model {name}, or choose another "
+                                 f"resume without --model/--init-hf to continue it, or choose another "
                                  f"--checkpoint-dir to start afresh")
 
 
@@ -619,13 +688,45 @@ def load_state(model: nn.Module, engine: Engine, mesh: Mesh, path: Path, manifes
     rank, device = world_from_env()[0], mesh.device
     same_world = manifest["layout"]["world_size"] == mesh.world_size
     rng = rng_state(rank, device) if same_world else []
+    index, open_file = manifest["tensors"], lambda name: _verified_tensors(path, name, manifest["files"])
+    if "hf_config" in manifest.get("model_source", {}) and not _holds_names_of(model, manifest):
+        index, open_file = _in_family_names(path, manifest)
     try:
-        fill(local_state(model, engine) + rng, manifest["tensors"],
-             lambda name: _verified_tensors(path, name, manifest["files"]), path,
+        fill(local_state(model, engine) + rng, index, open_file, path,
              lambda what: CheckpointDamaged(path, f"{path / MANIFEST} lists the model this run has, but {what}"))
     except OSError as e:  # reading a file that passed every check failed (permissions, an I/O error)
         raise CheckpointDamaged(path, str(e)) from None
     _apply_rng(rng, manifest, path, device)
+
+
+def _holds_names_of(model: nn.Module, manifest: dict) -> bool:
+    """Whether ``model``'s parameters are named as the checkpoint's (a model held in Hugging Face's classes
+    loading a checkpoint of one, as a script does) rather than as its trainmesh family's."""
+    return all(f"model/{name}" in manifest["tensors"] for name, _ in model.named_parameters())
+
+
+def _in_family_names(path: Path, manifest: dict) -> tuple[dict, Callable[[str], dict[str, torch.Tensor]]]:
+    """The training state of a checkpoint a script saved from a model held in Hugging Face's classes, under
+    its trainmesh family's names (``trainmesh train --resume`` builds that family's model): parameters and
+    both Adam moments translated by the family's mapping alike (they are laid out as the parameters), step
+    counters and generator states as they are. Read whole, in one piece per tensor, on each rank."""
+    spec, cfg = recorded_model(manifest, path)
+    full = read_tensors(path)
+    params = [name.removeprefix("model/") for name in full if name.startswith("model/")]
+    out = {k: t for k, t in full.items() if k.startswith(("rng/", "buffer/"))}
+    for form in ("model/{}", "optim/{}/exp_avg", "optim/{}/exp_avg_sq"):
+        tensors = {name: full[form.format(name)] for name in params}
+        try:
+            renamed = hf.to_trainmesh(spec, cfg, tensors, str(path))
+        except hf.HFError as e:
+            raise CheckpointMismatch(str(e)) from None
+        out.update({form.format(name): t for name, t in renamed.items()})
+    step = full[f"optim/{params[0]}/step"]
+    out.update({f"optim/{name}/step": step for name in renamed})
+    index = {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype),
+                    "pieces": [{"key": name, "file": "translated", "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
+             for name, t in out.items()}
+    return index, lambda _: out
 
 
 def load_anywhere(model: nn.Module, engine: Engine, mesh: Mesh, path: Path) -> TrainingProgress:
@@ -828,6 +929,30 @@ def claim(cfg: Config) -> Iterator[str]:
         yield run_id
 
 
+MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef",
+                  "moe_z_coef", "moe_bias_rate")
+"""The settings besides ``model`` that shape a ``trainmesh train`` run's model."""
+
+
+def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
+    """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``:
+    its model, registered as a preset named by its source (``LlamaForCausalLM from DIR``, a model a script
+    saved), so the run needs neither the preset nor the directory it first came from; and the recorded
+    settings that shaped it, except those in ``given`` (set on the command line). Empty without one."""
+    for path in candidates(root):
+        try:
+            manifest = read_manifest(path)
+            spec, cfg = recorded_model(manifest, path)
+        except CheckpointError:
+            continue
+        name = source_name(manifest)
+        register_preset(spec, name, cfg)
+        recorded = manifest["config"]
+        settings = {k: recorded[k] for k in MODEL_SETTINGS if k in recorded and k not in given}
+        return {**settings, "model": name, "init_hf": "", **({} if "seq_len" in given else {"seq_len": 0})}
+    return {}
+
+
 def check_resumable(cfg: Config) -> None:
     """Before spawning: a checkpoint of another model (or a missing ``--init-from``, an ``--init-hf``
     directory whose weights do not fit its config) is a one-line error."""
@@ -876,7 +1001,7 @@ def export(source: Path, out: Path) -> str:
     manifest = read_manifest(path)
     tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
     replace_durably(out, safetensors.torch.save(tensors, metadata={"format": "pt", "step": str(manifest["step"]),
-                                                                   "model": manifest["config"]["model"]}))
+                                                                   "model": source_name(manifest)}))
     n_params = sum(t.numel() for t in tensors.values())
     return f"wrote {len(tensors)} tensors ({n_params:,} parameters, step {manifest['step']}) of {path} to {out}"
 
@@ -887,13 +1012,11 @@ def export_hf(source: Path, out: Path) -> str:
     shape taken from the manifest, so ``AutoModelForCausalLM.from_pretrained(out)`` loads it."""
     path = _step_to_export(source)
     manifest = read_manifest(path)
-    model_config = config_from_dict(preset(manifest["config"]["model"]), manifest["model"])
-    tensors = {name.split("/", 1)[1]: t for prefix in ("model/", "buffer/") for name, t in
-               read_tensors(path, prefix).items()}  # a routing bias moved in training is refused by the mapping
+    spec, model_config = recorded_model(manifest, path)
+    tensors = recorded_weights(path, manifest)  # a routing bias moved in training is refused by the mapping
     try:
         hf.save_hf(tensors, out, model_config)
     except hf.HFError as e:
         raise CheckpointError(f"export --hf: {e}") from None
-    family = spec_of(manifest["config"]["model"])
-    return (f"wrote {family.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
+    return (f"wrote {spec.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
             f"{manifest['step']}) of {path} to {out}")

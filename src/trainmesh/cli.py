@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainmesh import hf, runlock
-from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export, export_hf
-from trainmesh.config import (Config, ConfigError, add_config_flags, check_value, config_from_args, parse_flag,
-                              validate)
+from trainmesh import hf, runlock, shm
+from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export, export_hf, model_settings
+from trainmesh.config import (Config, ConfigError, add_config_flags, check_local_ranks, check_value, config_from_args,
+                              load_toml, parse_flag, validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
@@ -219,10 +219,7 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.launcher import launch
 
     nproc = check_value("nproc", parse_flag("nproc", args.nproc), written=args.nproc)
-    limit = max(8, 4 * (os.cpu_count() or 1)) if not _cuda_devices() else _cuda_devices()
-    if nproc > limit:
-        raise ConfigError(f"--nproc {nproc} is more local ranks than this machine can run (limit {limit}); use "
-                          f"torchrun across machines for more")
+    check_local_ranks(nproc, _cuda_devices() > 0, _cuda_devices())
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"launch: script {script} does not exist or is not a file")
@@ -299,16 +296,33 @@ def _world_from_env() -> int | None:
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
     cfg = config_from_args(args)
+    given = set(vars(args)) | (set(load_toml(args.config)) if getattr(args, "config", None) else set())
+    if cfg.resume and cfg.checkpoint_dir and not given & {"model", "init_hf"}:
+        cfg = dataclasses.replace(cfg, **model_settings(Path(cfg.checkpoint_dir), given))
     world = _world_from_env()
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
+    _export_host_transport(cfg)
     if not _is_rank():
         _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
         TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
         check_resumable(cfg)
     return cfg
+
+
+def _export_host_transport(cfg: Config) -> None:
+    """``--host-transport off`` as ``TRAINMESH_HOST_TRANSPORT=off``, the one setting the comms read
+    (:func:`trainmesh.shm.enabled`): the launcher's ranks inherit this process's environment, and under torchrun
+    each rank parses the flag itself. ``auto`` leaves the environment's say; a value there that is neither is
+    refused here, before any rank starts."""
+    if cfg.host_transport == "off":
+        os.environ[shm.TRANSPORT_ENV] = "off"
+    try:
+        shm.enabled()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_fits(cfg: Config) -> None:

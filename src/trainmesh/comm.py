@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from trainmesh.mesh import Mesh
-from trainmesh.shm import WAIT_S, Channel, HostCollectives, open_channels
+from trainmesh.shm import WAIT_S, Channel, HostCollectives, enabled, open_channels
 
 
 class CollectiveError(RuntimeError):
@@ -127,6 +127,16 @@ class Comm:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.hosts: dict[str, HostCollectives | None] = {}
         self.channels: dict[tuple[int, int], Channel] = {}
+        self.host_transport = enabled()  # read once: a bad TRAINMESH_HOST_TRANSPORT fails every rank at build
+
+    @property
+    def transport(self) -> str:
+        """What this comm's collectives and messages went through, for a run's summary:
+        ``shm+torch.distributed`` once it mapped one host's segment or channels (its float collectives and
+        pipeline messages go there, the rest through torch.distributed), else ``torch.distributed``, the path
+        of GPUs, of ranks on several hosts and of ``TRAINMESH_HOST_TRANSPORT=off``."""
+        shared = self.channels or any(host is not None for host in self.hosts.values())
+        return "shm+torch.distributed" if shared else "torch.distributed"
 
     def _describe(self, axis: str, op: str) -> str:
         self.seq[axis] += 1
@@ -184,8 +194,9 @@ class Comm:
         """Whether ``axis``'s float collectives go through one host's shared segment, at any size (its two
         semaphore barriers beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.shm`); every rank
         answers alike, mapping the segment the first time (a collective over the axis). Not on GPUs, nor
-        under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's."""
-        return (self.mesh.size(axis) > 1 and self.mesh.device.type == "cpu"
+        under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's, nor
+        under ``TRAINMESH_HOST_TRANSPORT=off`` (:func:`trainmesh.shm.enabled`)."""
+        return (self.mesh.size(axis) > 1 and self.mesh.device.type == "cpu" and self.host_transport
                 and dist.get_debug_level() == dist.DebugLevel.OFF and self._host(axis) is not None)
 
     def _host_for(self, axis: str, *tensors: torch.Tensor) -> HostCollectives | None:
@@ -290,9 +301,9 @@ class Comm:
         """Channels through shared memory for the directed ``pairs`` of global ranks of ``axis`` (a collective
         over it; the same pairs on every rank), each holding ``depth`` messages of up to ``slot_bytes`` in
         flight, a receive waiting at most the mesh's timeout; False, on every rank alike, where they cannot be
-        made (ranks on several hosts, a GPU). Numbered and named like a collective, so a rank that fails while
-        mapping them (a peer stopped) says what it waited for."""
-        if self.mesh.device.type != "cpu" or self.mesh.size(axis) == 1:
+        made (ranks on several hosts, a GPU, ``TRAINMESH_HOST_TRANSPORT=off``). Numbered and named like a
+        collective, so a rank that fails while mapping them (a peer stopped) says what it waited for."""
+        if self.mesh.device.type != "cpu" or self.mesh.size(axis) == 1 or not self.host_transport:
             return False
         opened: list[dict[tuple[int, int], Channel] | None] = []
         group = self.mesh.group(axis)

@@ -18,11 +18,14 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
-from trainmesh.context_parallel import split_error
 from trainmesh import hf
 from trainmesh.data import data_vocab_size
+from trainmesh.layout import (CP_IMPLS, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, Layout,
+                              LayoutError, resolve_reduce_dtype)
+from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 from trainmesh.models.moe import MoEConfig
+from trainmesh.shm import TRANSPORTS
 from trainmesh.tokenizer import padded_vocab
 
 if sys.version_info >= (3, 11):
@@ -90,7 +93,7 @@ class Config:
                    low=AT_LEAST_1)
     cp_impl: str = _opt("ring", "context-parallel attention: ring (K/V blocks passed around the cp ranks) or "
                         "a2a (all-to-all to whole sequences for 1/cp of the heads, DeepSpeed-Ulysses)",
-                        ("ring", "a2a"))
+                        CP_IMPLS)
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
@@ -100,19 +103,20 @@ class Config:
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
-    zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", (0, 1, 2, 3))
+    zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", ZERO_STAGES)
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling); fp64 for exact equivalence checks",
-                          ("fp32", "bf16", "fp16", "fp64"))
+                          PRECISIONS)
     recompute: str = _opt("none", "activation recomputation: full (each block) or selective (attention core)",
-                          ("none", "selective", "full"))
+                          RECOMPUTE)
     reduce_dtype: str = _opt("auto", "dtype gradients are accumulated and reduced in (auto: fp32, or fp64 under "
-                             "--precision fp64)", ("auto", "fp32", "bf16", "fp16", "fp64"))
+                             "--precision fp64)", REDUCE_DTYPES)
     # [pipeline]: used when pp > 1
     schedule: str = _opt("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages "
-                         "chunks per rank) or zb (zero-bubble ZB-H1)", ("gpipe", "1f1b", "interleaved", "zb"))
-    virtual_stages: int = _opt(1, "model chunks per pipeline rank (interleaved schedule)", low=AT_LEAST_1)
+                         "chunks per rank) or zb (zero-bubble ZB-H1)", SCHEDULES)
+    virtual_stages: int = _opt(1, "model chunks per pipeline rank: at least 2 with --schedule interleaved, "
+                             "1 with any other", low=AT_LEAST_1)
     stage_layers: str = _opt("", "layers of each pipeline stage in model order, comma-separated (one per "
                              "stage, pp * virtual-stages of them), e.g. 1,3; default: balanced by parameter count")
     timeline: str = _opt("", "draw the last step's measured pipeline timeline (ranks x time) to this PNG")
@@ -155,6 +159,13 @@ class Config:
                                      "report of which rank(s) did not arrive", low=ABOVE_0)
     debug_collectives: bool = _opt(False, "check every collective's op and shapes across ranks "
                                    "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging)")
+    host_transport: str = _opt("auto", "how the ranks of one CPU host exchange: auto sums, gathers and passes "
+                               "pipeline messages through shared memory (trainmesh.shm) where an axis's ranks share "
+                               "the host; off sends every collective and message through torch.distributed, the "
+                               "path NCCL runs on GPUs (TRAINMESH_HOST_TRANSPORT=off in the environment does the "
+                               "same). auto is the default because it is faster: tiny on 2 ranks of a 2-core "
+                               "CPU trained 49k/27k/28k tokens/s at dp2/tp2/pp2 against 42k/15k/19k with off "
+                               "(docs/performance.md)", TRANSPORTS)
     max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient",
                               low=AT_LEAST_1)
     profile_steps: int = _opt(0, "trace the last K steps with torch.profiler: each rank writes profile/rank<R>.json "
@@ -218,8 +229,14 @@ class Config:
                               f"counts; write e.g. 1,3") from None
 
     @property
+    def layout(self) -> Layout:
+        """The layout settings, as :func:`trainmesh.layout.validate` and the planner read them."""
+        values = {f.name: getattr(self, f.name) for f in fields(Layout)}
+        return Layout(**{**values, "stage_layers": self.stage_layer_counts})
+
+    @property
     def grad_dtype(self) -> str:
-        """``reduce_dtype`` resolved (:func:`resolve_reduce_dtype`)."""
+        """``reduce_dtype`` resolved (:func:`trainmesh.layout.resolve_reduce_dtype`)."""
         return resolve_reduce_dtype(self.precision, self.reduce_dtype)
 
     @property
@@ -236,14 +253,6 @@ class Config:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in RANK_LOCAL_FIELDS}
 
 
-def resolve_reduce_dtype(precision: str, reduce_dtype: str) -> str:
-    """The dtype gradients are reduced in: ``reduce_dtype``, or for ``auto`` never less than fp32 (fp64 under
-    fp64). The planner resolves it with this same function, so it plans what ``train`` runs."""
-    if reduce_dtype != "auto":
-        return reduce_dtype
-    return "fp64" if precision == "fp64" else "fp32"
-
-
 RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 
 
@@ -256,7 +265,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
-    "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "max_bad_steps",
+    "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "host_transport",
+                "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
     "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
 }
@@ -451,23 +461,22 @@ def _model_of_hf_dir(path: str, model: str | None) -> str:
 
 
 def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
-    """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message."""
+    """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message.
+
+    The layout's rules are :func:`trainmesh.layout.validate`'s, spelled as flags; the model's shape they read
+    needs the checkpoint and MoE settings checked first (``--init-hf`` gives it, ``--moe-*`` change it)."""
     for f in fields(Config):
         check_value(f.name, getattr(cfg, f.name))
-    world = cfg.nproc if world_size is None else world_size
-    if world != cfg.world_size and cfg.cp > 1:
-        raise ConfigError(
-            f"world size {world} != dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
-            f"set --nproc {cfg.world_size} or change --dp/--cp/--tp/--pp so their product is {world}")
-    if world != cfg.world_size:
-        raise ConfigError(
-            f"world size {world} != dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.world_size}; "
-            f"set --nproc {cfg.world_size} or change --dp/--tp/--pp so their product is {world}")
-    limit = cuda_devices if cfg.device == "cuda" else max(8, 4 * (os.cpu_count() or 1))
-    if world_size is None and cfg.nproc > limit:
-        where = f"{cuda_devices} CUDA device(s)" if cfg.device == "cuda" else f"{os.cpu_count()} CPU core(s)"
-        raise ConfigError(f"--nproc {cfg.nproc} is more local ranks than this machine's {where} can run "
-                          f"(limit {limit}); use torchrun across machines for more")
+    _validate_checkpoints(cfg)
+    _validate_moe(cfg)
+    _validate_family(cfg)
+    try:
+        validate_layout(cfg.layout, spec_of(cfg.model).shape(cfg.model_config),
+                        cfg.nproc if world_size is None else world_size, spell=flag_spelling, name=_model_name(cfg))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    if world_size is None:
+        check_local_ranks(cfg.nproc, cfg.device == "cuda", cuda_devices)
     per_step = cfg.dp * cfg.microbatches
     if cfg.global_batch % per_step:
         raise ConfigError(
@@ -480,12 +489,16 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
-    _validate_checkpoints(cfg)
-    _validate_moe(cfg)
-    _validate_model_split(cfg)
-    _validate_expert_parallel(cfg)
-    _validate_context_parallel(cfg)
-    _validate_pipeline(cfg)
+
+
+def check_local_ranks(nproc: int, cuda: bool, cuda_devices: int) -> None:
+    """Refuse more local ranks than this machine can run: one per CUDA device on GPUs, a few per core on CPUs
+    (ranks beyond that only time-slice, or wait on each other's collectives)."""
+    limit = cuda_devices if cuda else max(8, 4 * (os.cpu_count() or 1))
+    if nproc > limit:
+        where = f"{cuda_devices} CUDA device(s)" if cuda else f"{os.cpu_count()} CPU core(s)"
+        raise ConfigError(f"--nproc {nproc} is more local ranks than this machine's {where} can run "
+                          f"(limit {limit}); use torchrun across machines for more")
 
 
 def _validate_checkpoints(cfg: Config) -> None:
@@ -528,93 +541,9 @@ def _model_name(cfg: Config) -> str:
     return f"the model in {cfg.init_hf}" if cfg.init_hf else cfg.model
 
 
-def _validate_model_split(cfg: Config) -> None:
-    m, name = cfg.model_config, _model_name(cfg)
-    if cfg.pp > m.n_layers:
-        raise ConfigError(f"--pp {cfg.pp} exceeds the {m.n_layers} layers of {name}; "
-                          f"choose pp <= {m.n_layers}")
-    problem = spec_of(cfg.model).shape(m).split_error(cfg.tp, cfg.pp, name)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise ConfigError("--sequence-parallel splits the sequence over tensor-parallel ranks; "
-                          "set --tp > 1 or drop --sequence-parallel")
-    if cfg.sequence_parallel and m.seq_len % cfg.tp:
-        raise ConfigError(f"--sequence-parallel needs tp={cfg.tp} to divide seq_len={m.seq_len} of {name}; "
-                          f"choose tp dividing {m.seq_len} or drop --sequence-parallel")
-
-
-def _validate_expert_parallel(cfg: Config) -> None:
-    """``--ep`` splits the experts of an MoE model over data-parallel ranks (inside dp x cp)."""
-    if cfg.ep == 1:
-        return
-    moe = getattr(cfg.model_config, "moe", None)
-    if moe is None:
-        raise ConfigError(f"--ep {cfg.ep} splits the experts of a mixture-of-experts model, and {_model_name(cfg)} "
-                          f"is dense; use an MoE model (moe-tiny, llama-moe-tiny) or drop --ep")
-    if moe.n_experts % cfg.ep:
-        raise ConfigError(f"--ep {cfg.ep} does not divide the {moe.n_experts} experts per layer of {_model_name(cfg)}; "
-                          f"choose ep in {{{', '.join(str(d) for d in _divisors(moe.n_experts))}}}")
-    if (cfg.dp * cfg.cp) % cfg.ep:
-        raise ConfigError(f"--ep {cfg.ep} does not divide dp*cp = {cfg.dp * cfg.cp}: experts are split over "
-                          f"data-parallel ranks (ep folds inside dp x cp); choose ep in "
-                          f"{{{', '.join(str(d) for d in _divisors(cfg.dp * cfg.cp))}}} or raise --dp")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-CP_UNSUPPORTED = (
-    ("schedule", "zb", "--schedule zb splits backward at module outputs, which the ring's backward does not "
-     "provide; use --schedule 1f1b"),
-    ("compile", True, "--compile would trace the ring's point-to-point messages; drop --compile"),
-)
-
-
-def _validate_context_parallel(cfg: Config) -> None:
-    """What context parallelism cannot split (``context_parallel.split_error``) or does not support yet."""
-    if cfg.cp == 1:
-        return
-    spec, m = spec_of(cfg.model), cfg.model_config
-    if not spec.cp_plan:
+def _validate_family(cfg: Config) -> None:
+    """``--cp`` needs the model's family to name the attention cores and position inputs it splits."""
+    spec = spec_of(cfg.model)
+    if cfg.cp > 1 and not spec.cp_plan:
         raise ConfigError(f"--cp {cfg.cp}: the {spec.family} family of {cfg.model} names no attention core "
                           f"context parallelism can split; use --cp 1")
-    shape = spec.shape(m)
-    problem = split_error(m.seq_len, cfg.cp, shape.n_heads, shape.kv_heads, cfg.tp, cfg.cp_impl)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.sequence_parallel and (m.seq_len // cfg.cp) % cfg.tp:
-        raise ConfigError(f"--sequence-parallel splits each cp rank's {m.seq_len // cfg.cp} tokens over tp={cfg.tp}, "
-                          f"which does not divide them; choose a seq_len that is a multiple of {2 * cfg.cp * cfg.tp}")
-    for name, value, why in CP_UNSUPPORTED:
-        if getattr(cfg, name) == value:
-            raise ConfigError(f"--cp {cfg.cp} with {why}")
-
-
-def _validate_pipeline(cfg: Config) -> None:
-    """Pipeline settings that cannot run (schedules: Narayanan et al. 2021; Qi et al. 2023)."""
-    name = _model_name(cfg)
-    p, v, m, n_layers = cfg.pp, cfg.virtual_stages, cfg.microbatches, cfg.model_config.n_layers
-    if p == 1:
-        for flag, given in (("--virtual-stages", v > 1), ("--stage-layers", cfg.stage_layers),
-                            ("--timeline", cfg.timeline)):
-            if given:
-                raise ConfigError(f"{flag} is a pipeline setting and --pp is 1; set --pp > 1 or drop {flag}")
-        return
-    if v > 1 and cfg.schedule != "interleaved":
-        raise ConfigError(f"--virtual-stages {v} needs --schedule interleaved ({cfg.schedule} holds one stage "
-                          f"per rank); use --schedule interleaved or --virtual-stages 1")
-    if cfg.schedule == "interleaved" and m % p:
-        raise ConfigError(f"--schedule interleaved sends micro-batches through the chunks in groups of pp={p}; "
-                          f"set --microbatches to a multiple of {p} (got {m})")
-    if n_layers < p * v:
-        raise ConfigError(f"--pp {p} x --virtual-stages {v} = {p * v} stages need at least one layer each, but "
-                          f"{name} has {n_layers}; choose pp * virtual-stages <= {n_layers}")
-    counts = cfg.stage_layer_counts
-    if counts and (len(counts) != p * v or min(counts) < 1 or sum(counts) != n_layers):
-        raise ConfigError(f"--stage-layers {cfg.stage_layers} must give {p * v} counts (pp * virtual-stages), "
-                          f"each >= 1, summing to the {n_layers} layers of {name}")
-    if cfg.schedule == "zb" and cfg.compile:
-        raise ConfigError("--schedule zb splits backward at module outputs, which torch.compile fuses away; "
-                          "drop --compile or use --schedule 1f1b")

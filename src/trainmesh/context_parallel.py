@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
+from trainmesh.layout import CP_IMPLS
 
 AXIS = "cp"
-IMPLS = ("ring", "a2a")
 
 Starts = Sequence[int]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,22 +57,6 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions of the tokens cp rank ``rank`` holds, in the order it holds them."""
     size = seq_len // (2 * cp)
     return torch.cat([torch.arange(s, s + size) for s in chunk_starts(seq_len, cp, rank)])
-
-
-def split_error(seq_len: int, cp: int, heads: int, kv_heads: int, tp: int, impl: str) -> str | None:
-    """Why ``cp`` cannot split a sequence of ``seq_len`` (and, for ``a2a``, the heads left to each tp rank);
-    None if it can."""
-    if seq_len % (2 * cp):
-        fits = [c for c in range(1, seq_len // 2 + 1) if seq_len % (2 * c) == 0][:8]
-        return (f"--cp {cp} splits each sequence into 2*cp={2 * cp} equal chunks, which seq_len={seq_len} is not "
-                f"divisible by; choose cp in {{{', '.join(map(str, fits))}}} or a seq_len that is a multiple "
-                f"of {2 * cp}")
-    if impl == "a2a" and (heads % (cp * tp) or kv_heads % (cp * tp)):
-        fits = [c for c in range(1, kv_heads + 1) if heads % (c * tp) == 0 and kv_heads % (c * tp) == 0]
-        what = f"n_heads={heads}" + (f" and n_kv_heads={kv_heads}" if kv_heads != heads else "")
-        return (f"--cp-impl a2a gives each of cp*tp={cp * tp} ranks whole heads, but {what} do not divide by it; "
-                f"choose cp in {{{', '.join(map(str, fits))}}} with tp={tp}, or --cp-impl ring")
-    return None
 
 
 # --- blockwise attention with log-sum-exp merging ----------------------------------------------------
@@ -417,8 +401,8 @@ def apply_context_parallel(model: nn.Module, plan: Mapping[str, str], comm: Comm
     """Make ``model`` compute on this cp rank's head-tail part of each ``seq_len`` sequence as if it had the
     whole: ``plan`` maps module-name patterns to ``attention`` (a parameter-free core taking q, k, v) or
     ``positions`` (a module taking position ids). Every pattern must match."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown cp implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    if impl not in CP_IMPLS:
+        raise ValueError(f"unknown cp implementation {impl!r}; choose one of {', '.join(CP_IMPLS)}")
     mesh = comm.mesh
     positions = local_positions(seq_len, mesh.size(AXIS), mesh.rank(AXIS))
     names = [n for n, _ in model.named_modules() if n]

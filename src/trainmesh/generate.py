@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainmesh.checkpoint import MANIFEST, CheckpointError, candidates, read_manifest, read_tensors, step_dir
-from trainmesh.models import config_from_dict, preset, spec_of
+from trainmesh.checkpoint import (MANIFEST, CheckpointError, candidates, read_manifest, recorded_model, recorded_weights,
+                                  source_name, step_dir)
 from trainmesh.models.cache import KVCache
 from trainmesh.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_sha256
 
@@ -138,17 +138,16 @@ def load_model(path: Path, device: torch.device) -> tuple[nn.Module, dict]:
     """The plain model of checkpoint ``path`` (written in any layout), with its saved weights, in the
     dtype they were saved in, on ``device``, in eval mode; and the checkpoint's manifest."""
     manifest = read_manifest(path)
-    name = manifest["config"]["model"]
-    shape = config_from_dict(preset(name), manifest["model"])
-    weights = {k.removeprefix("model/"): t for k, t in read_tensors(path, "model/").items()}
-    routing = {k.removeprefix("buffer/"): t for k, t in read_tensors(path, "buffer/").items()}
-    model = spec_of(name).builder(shape, 0)
+    spec, shape = recorded_model(manifest, path)
+    model = spec.builder(shape, 0)
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    wrong = (sorted(set(params) ^ set(weights)) or [k for k in params if params[k].shape != weights[k].shape]
-             or [k for k, t in routing.items() if k not in buffers or buffers[k].shape != t.shape])
+    tensors = recorded_weights(path, manifest)
+    weights = {k: t for k, t in tensors.items() if k not in buffers}
+    routing = {k: t for k, t in tensors.items() if k in buffers}
+    wrong = sorted(set(params) ^ set(weights)) or [k for k in params if params[k].shape != weights[k].shape]
     if wrong:
-        raise CheckpointError(f"checkpoint {path} does not hold the weights of its model {name} "
-                              f"({wrong[0]} differs); it was not written by trainmesh train")
+        raise CheckpointError(f"checkpoint {path} does not hold the weights of its model {source_name(manifest)} "
+                              f"({wrong[0]} differs); it was not written by trainmesh")
     dtype = next(iter(weights.values())).dtype
     model.to(device, dtype)
     with torch.no_grad():
@@ -199,7 +198,7 @@ def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, sa
     path = checkpoint_path(Path(checkpoint_dir), step)
     model, manifest = load_model(path, _device(device))
     tok, tok_name = tokenizer_of(manifest, path, tokenizer)
-    name, seq_len = manifest["config"]["model"], manifest["model"]["seq_len"]
+    name, seq_len = source_name(manifest), manifest["model"]["seq_len"]
     ids = tok.encode(prompt)
     if len(ids) > seq_len:
         _notice(f"the prompt is {len(ids)} tokens and {name} sees {seq_len}; it continues the last {seq_len}")

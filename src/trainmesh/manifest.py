@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmesh.models import preset
+from trainmesh.models import family, preset
 
 FORMAT, VERSION = "trainmesh-checkpoint", 2
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
@@ -37,7 +37,9 @@ MAX_DIMS = 8
 MAX_INT = 2**62
 KEYS = {"format", "version", "step", "progress", "loss_scaler", "model", "config", "layout", "run", "tensors",
         "files", "sha256"}
-OPTIONAL_KEYS = {"tokenizer"}  # absent in checkpoints written before it was recorded, which all used byte tokens
+OPTIONAL_KEYS = {"tokenizer", "model_source"}  # absent in older checkpoints: byte tokens, the model named by preset
+SOURCE_KEYS = ("family", "source")
+SOURCE_TEXT = re.compile(r"[^\x00-\x1f\x7f]{1,4200}")
 TOKENIZER_KEYS = {"bytes": ("kind",), "file": ("kind", "path", "sha256")}
 TOKENIZER_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,4096}")
 PROGRESS_KEYS = ("step", "skipped_steps", "bad_steps_in_a_row")
@@ -116,18 +118,39 @@ def _check_progress(m: dict, step: int) -> None:
                             f"skipped_steps <= step")
 
 
-def _check_model_shape(model: Any, name: Any) -> None:
-    """``model`` holds exactly the fields of preset ``name``'s config (any family's), each of its type:
-    whole numbers at least 1, finite positive floats, booleans. A model the Python API trained has no preset
-    (``name`` is ""), and no fields: its tensors' names and shapes are what a load checks."""
+def _expected_model(m: dict) -> tuple[Any, str]:
+    """The config ``m["model"]`` must match the fields of, and how to name it: the family's (any preset of
+    it) where the manifest records the model's source, else the preset ``config.model`` names. None for a
+    model of no family (one the Python API trained): its tensors' names and shapes are what a load checks."""
+    if "model_source" in m:
+        source = _dict(m["model_source"], "model_source", SOURCE_KEYS, ("hf_config",))
+        _text(source["source"], "model_source.source", SOURCE_TEXT)
+        if "hf_config" in source:
+            _dict(source["hf_config"], "model_source.hf_config")
+        if source["family"] == "":
+            return None, ""
+        try:
+            spec = family(_text(source["family"], "model_source.family", re.compile(r"[\w.-]{1,64}")))
+        except ValueError:
+            raise ManifestError(f"model_source.family {show(source['family'])} is no model family trainmesh "
+                                f"knows") from None
+        return next(iter({**spec.presets, **spec.planner_presets}.values())), f"family {spec.family}"
+    name = _dict(m["config"], "config").get("model")
     if name == "":
-        _dict(model, "model", ())
-        return
+        return None, ""
     _text(name, "config.model", re.compile(r"[\w.-]{1,64}"))
     try:
-        expected = preset(name)
+        return preset(name), f"preset {name}"
     except ValueError:
         raise ManifestError(f"config.model {show(name)} is not a model preset trainmesh knows") from None
+
+
+def _check_model_shape(model: Any, expected: Any, name: str) -> None:
+    """``model`` holds exactly the fields of config ``expected`` (``name``), each of its type: whole numbers
+    at least 1, finite positive floats, booleans; ``{}`` where ``expected`` is None."""
+    if expected is None:
+        _dict(model, "model", ())
+        return
     fields = dataclasses.fields(expected)
     # A field that defaults to None (``moe``) is a feature newer than some checkpoints: absent means off.
     optional = tuple(f.name for f in fields if f.default is None)
@@ -136,7 +159,7 @@ def _check_model_shape(model: Any, name: Any) -> None:
         kind = type(getattr(expected, k))
         if k in optional:
             if (v is None) != (getattr(expected, k) is None) or not (v is None or isinstance(v, dict)):
-                raise ManifestError(f"model.{k} is {show(v)}; preset {name} has {getattr(expected, k)}")
+                raise ManifestError(f"model.{k} is {show(v)}; {name} has {getattr(expected, k)}")
             continue
         if kind is bool and type(v) is not bool:
             raise ManifestError(f"model.{k} is {show(v)}; it must be true or false")
@@ -154,7 +177,7 @@ def _check_scalars(m: dict) -> None:
         raise ManifestError(f"loss_scaler.scale is {show(scale)}; it must be a finite number above 0")
     _int(scaler["clean_steps"], "loss_scaler.clean_steps")
     _int(scaler["skipped_steps"], "loss_scaler.skipped_steps")
-    _check_model_shape(m["model"], _dict(m["config"], "config").get("model"))
+    _check_model_shape(m["model"], *_expected_model(m))
     raw = _dict(m["layout"], "layout")
     keys = LAYOUT_KEYS + tuple(k for k in ("cp", "ep") if k in raw)  # checkpoints from before cp / ep: 1
     layout = {k: _int(v, f"layout.{k}", 0 if k == "zero" else 1, 3 if k == "zero" else 2**20)

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainmesh.layout import Layout, validate
+
 AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # dp x cp flattened: where gradients of replicated parameters are reduced
 EP_AXES = ("ep", "edp")  # inside dp_cp: expert-parallel ranks, and the ranks holding the same experts
@@ -173,9 +175,7 @@ class Mesh:
         ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
         world group's is, so the timeout is set on each axis group afterwards.
         """
-        if ep < 1 or (dp * cp) % ep:
-            raise ValueError(f"ep={ep} must divide dp*cp={dp * cp}: expert parallelism folds inside the "
-                             f"data-parallel ranks; choose ep dividing {dp * cp}")
+        validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep))
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": dp * cp // ep}
         world = pp * dp * cp * tp
         if world == 1:

@@ -33,14 +33,13 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from trainmesh.config import Config, resolve_reduce_dtype
-from trainmesh.context_parallel import IMPLS as CP_IMPLS, split_error as cp_split_error
+from trainmesh.config import Config
+from trainmesh.layout import (RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, resolve_reduce_dtype,
+                              validate)
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
                                model_flops_per_token)
 from trainmesh.models import PRESET_NAMES, ModelShape, planner_shapes, spec_of
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-RECOMPUTE = ("none", "selective", "full")
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
 MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
 GIB = 2**30
@@ -243,15 +242,15 @@ class Workload:
     """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
 
     ``reduce_dtype`` is the dtype gradients are accumulated and reduced in, ``auto`` resolved as ``train``
-    resolves it; both default to :class:`~trainmesh.config.Config`'s, so a plan holds for the run that
-    ``trainmesh train`` starts with the same flags.
+    resolves it; both default to :class:`trainmesh.layout.Layout`'s (the command line's too), so a plan holds
+    for the run that ``trainmesh train`` starts with the same flags.
     """
 
     model: ModelShape
     global_batch: int
     seq_len: int
-    precision: str = Config.precision
-    reduce_dtype: str = Config.reduce_dtype
+    precision: str = Settings.precision
+    reduce_dtype: str = Settings.reduce_dtype
 
     def __post_init__(self) -> None:
         for name, value in (("precision", self.precision), ("reduce_dtype", self.reduce_dtype)):
@@ -262,6 +261,11 @@ class Workload:
                 f"seq_len={self.seq_len} exceeds the model's {self.model.seq_len} learned positions; "
                 f"lower seq_len or raise the model's seq_len"
             )
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """The model at this workload's sequence length, as the layout's rules read it."""
+        return dataclasses.replace(self.model, seq_len=self.seq_len)
 
     @functools.cached_property
     def dtype_bytes(self) -> Precision:
@@ -280,43 +284,36 @@ class Layout:
     ``virtual`` is the model chunks per pipeline rank of the interleaved schedule; ``bucket_bytes`` is
     the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
     ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it).
-    The defaults are :class:`~trainmesh.config.Config`'s.
+    The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
+    (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = Config.zero
-    microbatches: int = Config.microbatches
-    schedule: str = Config.schedule
-    virtual: int = Config.virtual_stages
-    recompute: str = Config.recompute
-    sequence_parallel: bool = Config.sequence_parallel
+    zero: int = Settings.zero
+    microbatches: int = Settings.microbatches
+    schedule: str = Settings.schedule
+    virtual: int = Settings.virtual_stages
+    recompute: str = Settings.recompute
+    sequence_parallel: bool = Settings.sequence_parallel
     bucket_bytes: int = int(Config.bucket_mb * 2**20)
     cp: int = 1
-    cp_impl: str = Config.cp_impl
+    cp_impl: str = Settings.cp_impl
     ep: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.pp, self.cp, self.ep, self.microbatches, self.virtual, self.bucket_bytes) < 1:
-            raise ValueError(f"dp, tp, pp, cp, ep, microbatches, virtual and bucket_bytes must be >= 1, got {self}")
-        if self.grad_ranks % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide dp*cp={self.grad_ranks} (experts are split inside "
-                             f"the data-parallel group); choose ep in {_divisors(self.grad_ranks)}")
-        if self.cp_impl not in CP_IMPLS:
-            raise ValueError(f"unknown cp_impl {self.cp_impl!r}; choose one of {', '.join(CP_IMPLS)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero} is not a ZeRO stage; choose 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
-        if (self.schedule == "interleaved") != (self.virtual > 1):
-            raise ValueError(
-                "virtual > 1 goes with schedule='interleaved' and only with it; set both or neither"
-            )
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1; set tp or drop sequence_parallel")
+        if self.bucket_bytes < 1:
+            raise LayoutError(f"bucket_bytes={self.bucket_bytes}: must be at least 1")
+        validate(self.settings)
+
+    @property
+    def settings(self) -> Settings:
+        """This layout as :mod:`trainmesh.layout` states it, for its rules."""
+        return Settings(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
+                        sequence_parallel=self.sequence_parallel, schedule=self.schedule,
+                        virtual_stages=self.virtual, microbatches=self.microbatches, recompute=self.recompute,
+                        cp_impl=self.cp_impl)
 
     @property
     def world(self) -> int:
@@ -337,21 +334,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@functools.lru_cache(maxsize=2**16)  # every estimate of a layout checks it again; a search checks thousands
 def check_layout(workload: Workload, layout: Layout) -> None:
-    """Raise early, with the fix, when the layout cannot run this workload."""
+    """Raise early, with the fix, when the layout cannot run this workload: the layout's rules on the model
+    (at the workload's sequence length), then what the estimates assume (whole stages of equal depth, whole
+    micro-batches)."""
     m, lay = workload.model, layout
-    problem = m.split_error(lay.tp, lay.pp)
-    if problem:
-        raise ValueError(problem)
-    problem = cp_split_error(workload.seq_len, lay.cp, m.n_heads, m.kv_heads, lay.tp, lay.cp_impl)
-    if problem:
-        raise ValueError(problem)
-    if lay.sequence_parallel and local_seq(workload, lay) % lay.tp:
-        raise ValueError(f"sequence_parallel needs tp={lay.tp} to divide the {local_seq(workload, lay)} tokens "
-                         f"of each sequence a cp rank holds")
-    if lay.ep > 1 and (not m.n_experts or m.n_experts % lay.ep):
-        raise ValueError(f"ep={lay.ep} needs an MoE model whose expert count it divides; the model has "
-                         f"{m.n_experts} experts" + (f"; choose ep in {_divisors(m.n_experts)}" if m.n_experts else ""))
+    validate(lay.settings, workload.shape)
     if m.n_layers % (lay.pp * lay.virtual):
         raise ValueError(
             f"n_layers={m.n_layers} is not divisible by pp*virtual={lay.pp * lay.virtual}; "
@@ -361,11 +350,6 @@ def check_layout(workload: Workload, layout: Layout) -> None:
         raise ValueError(
             f"global_batch={workload.global_batch} is not divisible by dp*microbatches="
             f"{lay.dp * lay.microbatches}; choose dp*microbatches in {_divisors(workload.global_batch)}"
-        )
-    if lay.schedule == "interleaved" and (lay.pp < 2 or lay.microbatches % lay.pp):
-        raise ValueError(
-            f"the interleaved schedule needs pp >= 2 and microbatches divisible by pp [NAR, 2.2.2]; "
-            f"got pp={lay.pp}, microbatches={lay.microbatches}"
         )
 
 
@@ -1177,8 +1161,17 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
                 continue
             for pp in _divisors(cluster.gpus // (tp * cp)):
                 dp = cluster.gpus // (tp * cp * pp)
-                if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and not m.split_error(tp, pp):
+                if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and _splits(m, tp, pp):
                     yield dp, cp, tp, pp
+
+
+def _splits(model: ModelShape, tp: int, pp: int) -> bool:
+    """Whether tp x pp can split ``model`` by the layout's rules (whole heads per tp rank, untied embeddings)."""
+    try:
+        validate(Settings(tp=tp, pp=pp), model)
+    except LayoutError:
+        return False
+    return True
 
 
 def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
@@ -1189,15 +1182,28 @@ def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
-    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`."""
+    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`; a combination the layout's rules refuse
+    (the zero-bubble schedule with cp) is skipped."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
-            options = itertools.product(_schedules(pp, workload.model.n_layers, micro), (0, 1, 2, 3),
+            options = itertools.product(_schedules(pp, workload.model.n_layers, micro), ZERO_STAGES,
                                         RECOMPUTE, sps, ep_degrees(workload.model, dp * cp))
             for (schedule, v), zero, recompute, sp, ep in options:
-                yield Layout(dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep)
+                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep)
+                if candidate is not None:
+                    yield candidate
+
+
+def _candidate(workload: Workload, *args: object, **kwargs: object) -> Layout | None:
+    """``Layout(*args, **kwargs)`` if it keeps the layout's rules for ``workload``, else None."""
+    try:
+        layout = Layout(*args, **kwargs)
+        check_layout(workload, layout)
+    except LayoutError:
+        return None
+    return layout
 
 
 # Predicted step times this close to the fastest (relative) count as equal: the model is no more exact.
@@ -1444,24 +1450,23 @@ def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | 
     return make_cluster(preset, world, mem_gb=mem_gb)
 
 
-def runnable_layouts(cfg: Config, world: int, cluster: Cluster, cuda_devices: int = 0) -> Iterator[Estimate]:
+def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Estimate]:
     """What :func:`search` finds for ``cfg``'s workload on ``cluster``, fastest first, keeping only the
-    layouts :func:`trainmesh.config.validate` accepts for ``cfg`` on ``world`` ranks (the runtime's own
-    restrictions: pipeline flags without a pipeline, schedules it cannot run with ``cfg``'s other settings)."""
-    from trainmesh.config import ConfigError, validate
-
-    for found in search(workload_of(cfg), cluster):
+    layouts the layout's rules (:func:`trainmesh.layout.validate`) accept with ``cfg``'s other settings on
+    ``world`` ranks: pipeline flags without a pipeline, a schedule that cannot run with ``--compile``."""
+    work = workload_of(cfg)
+    for found in search(work, cluster):
         try:
-            validate(with_layout(cfg, found.layout), world_size=world, cuda_devices=cuda_devices)
-        except ConfigError:
+            validate(with_layout(cfg, found.layout).layout, work.model, world)
+        except LayoutError:
             continue
         yield found
 
 
-def auto_config(cfg: Config, world: int, cluster: Cluster, cuda_devices: int = 0) -> tuple[Config, Estimate]:
+def auto_config(cfg: Config, world: int, cluster: Cluster) -> tuple[Config, Estimate]:
     """``cfg`` with the fastest predicted layout that fits ``cluster`` (``world`` ranks) and that the
     runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how the layout was chosen."""
-    best = next(runnable_layouts(cfg, world, cluster, cuda_devices), None)
+    best = next(runnable_layouts(cfg, world, cluster), None)
     if best is None:
         work = workload_of(cfg)
         raise ValueError(
@@ -1497,7 +1502,7 @@ def state_fit_problem(cfg: Config, world: int, cuda_devices: int = 0) -> str | N
 def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config, str]:
     """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
     cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
-    planned, chosen = auto_config(cfg, world, cluster, cuda_devices)
+    planned, chosen = auto_config(cfg, world, cluster)
     return planned, describe_choice(chosen, cluster)
 
 

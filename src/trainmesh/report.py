@@ -54,7 +54,7 @@ class History:
         for r in records:
             h.steps.append(r["step"])
             h.loss.append(r["loss"])
-            h.tokens_per_s.append(r["tokens_per_s"])
+            h.tokens_per_s.append(r.get("tokens_per_s") or 0.0)  # a script's RunLog.log may not count tokens
             if r.get("mfu") is not None:
                 h.mfu.append(r["mfu"])
             if r.get("val_loss") is not None:
@@ -178,7 +178,7 @@ def _draw_throughput(ax: Any, h: History) -> None:
     ax.plot(h.steps, h.tokens_per_s, color=TRAIN_COLOUR, alpha=0.3, linewidth=1)
     ax.plot(h.steps, _moving_mean(h.tokens_per_s, window), color=TRAIN_COLOUR, linewidth=2)
     ax.set(title=f"throughput: {h.steady_tokens_per_s:,.0f} tokens/s (median)", xlabel="step", ylabel="tokens/s")
-    ax.set_ylim(bottom=0, top=1.15 * max(h.tokens_per_s[1:] or h.tokens_per_s))
+    ax.set_ylim(bottom=0, top=1.15 * max(h.tokens_per_s[1:] or h.tokens_per_s) or 1.0)
     ax.yaxis.set_major_formatter("{x:,.0f}")
     if h.mfu:
         mfu_ax = ax.twinx()
@@ -278,8 +278,10 @@ def draw_report(h: History, path: Path, title: str) -> Path:
 def _title(run_dir: Path, h: History) -> str:
     """The run directory, and the model and layout if ``summary.json`` (written at the end) says them."""
     try:
-        cfg = json.loads((run_dir / "summary.json").read_text())["config"]
-        layout = f" — {cfg['model']}, dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} zero={cfg['zero']}"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        cfg = summary["config"]
+        layout = (f" — {summary.get('model') or cfg['model']}, dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} "
+                  f"zero={cfg['zero']}")
     except (OSError, ValueError, KeyError, TypeError):
         layout = ""
     return f"{run_dir.resolve().name}{layout}, steps {h.steps[0]}-{h.steps[-1]}"

@@ -6,6 +6,7 @@ It sits below ``train`` and ``checkpoint`` so that both can name it without impo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -16,16 +17,42 @@ from trainmesh.engine import Criterion, Engine
 from trainmesh.mesh import Mesh
 from trainmesh.pipeline.runtime import PipelineRuntime
 
+if TYPE_CHECKING:
+    from trainmesh.api import Optimizer, ParallelModel
+
 
 @dataclass
 class Run:
-    """Everything a step needs, built once by :func:`trainmesh.train.build`."""
+    """Everything a step needs, built once by :func:`trainmesh.train.build`: the public API's parallel model
+    and optimizer (what a script holds), the settings and the data."""
 
     cfg: Config
-    mesh: Mesh
-    comm: Comm
-    model: nn.Module
-    engine: Engine
-    criterion: Criterion
+    parallel: ParallelModel
+    opt: Optimizer
     data: TokenData
-    pipeline: PipelineRuntime | None = None  # pp > 1: runs this rank's stage(s); ``model`` is its part
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.parallel.mesh
+
+    @property
+    def comm(self) -> Comm:
+        return self.parallel.comm
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's part of the model (its pipeline stage's blocks, its tensor-parallel shards)."""
+        return self.parallel.module
+
+    @property
+    def engine(self) -> Engine:
+        return self.parallel.engine
+
+    @property
+    def criterion(self) -> Criterion:
+        return self.parallel.criterion
+
+    @property
+    def pipeline(self) -> PipelineRuntime | None:
+        """pp > 1: runs this rank's stage(s)."""
+        return self.parallel.pipeline

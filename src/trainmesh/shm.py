@@ -50,6 +50,23 @@ that it can remove the file of a segment whose first rank was killed before unli
 (:func:`remove_segments`)."""
 
 
+TRANSPORT_ENV = "TRAINMESH_HOST_TRANSPORT"
+"""``auto`` (the default) or ``off``; ``--host-transport off`` sets it for every rank (``trainmesh.cli``)."""
+TRANSPORTS = ("auto", "off")
+
+
+def enabled() -> bool:
+    """Whether one host's ranks may sum, gather and message through shared memory (:data:`TRANSPORT_ENV`
+    ``auto``). ``off`` sends everything through torch.distributed, the calls NCCL runs on GPUs, so that a
+    CPU run (the float64 equivalence tests) proves that path. An environment variable, because it must be the
+    same on every rank, spawned or under torchrun, and reach code that builds a ``Comm`` without a config."""
+    setting = os.environ.get(TRANSPORT_ENV, "auto")
+    if setting not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={setting!r} is not one of {', '.join(TRANSPORTS)}; set it to auto "
+                         f"(shared memory between one host's ranks) or off (everything through torch.distributed)")
+    return setting == "auto"
+
+
 def new_job() -> str:
     """A fresh job id for :data:`JOB_ENV`."""
     return uuid.uuid4().hex[:12]

@@ -13,7 +13,6 @@ import faulthandler
 import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,13 +25,13 @@ from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.config import Config
 from trainmesh.data import TokenData, get_batch
-from trainmesh.context_parallel import shard_sequence
 from trainmesh.engine import MicroBatches
 from trainmesh.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.metrics import (LossWindows, MetricsError, MetricsWriter, Progress, SavedActivations, max_rss_bytes,
-                               mfu, model_flops_per_token, open_sinks, peak_device_bytes, peak_tflops, storage_bytes)
+from trainmesh.metrics import (LossWindows, MetricsError, SavedActivations, max_rss_bytes, mfu, model_flops_per_token,
+                               peak_device_bytes, peak_tflops, storage_bytes)
+from trainmesh.runlog import RunLog
 from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
@@ -80,9 +79,9 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                stage_layers=cfg.stage_layer_counts, precision=cfg.precision,
                                reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
                                cp_impl=cfg.cp_impl, comm=comm)
-    engine = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay).engine
+    opt = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
-    return Run(cfg, mesh, comm, parallel.module, engine, parallel.criterion, data, parallel.pipeline)
+    return Run(cfg, parallel, opt, data)
 
 
 def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
@@ -98,15 +97,15 @@ def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivati
     return api.forward_backward(run.model, run.engine, run.pipeline, micro_batches, run.criterion, saved)
 
 
+def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read)."""
+    cfg, mesh = run.cfg, run.mesh
+    return get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step, mesh.rank("dp"), mesh.size("dp"))
+
+
 def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> MicroBatches:
     """This rank's micro-batches of the global batch of ``step``, on the rank's device."""
-    cfg, mesh = run.cfg, run.mesh
-    x, y = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step,
-                     mesh.rank("dp"), mesh.size("dp"))
-    x, y = (shard_sequence(t, mesh.size("cp"), mesh.rank("cp")) for t in (x, y))
-    if mesh.device.type == "cuda":
-        x, y = x.pin_memory().to(mesh.device, non_blocking=True), y.pin_memory().to(mesh.device, non_blocking=True)
-    return list(zip(x.chunk(cfg.microbatches), y.chunk(cfg.microbatches)))
+    return api.rank_slice(run.mesh, rank_share(run, tokens, step, global_batch), run.cfg.microbatches, dp_sliced=True)
 
 
 def global_mean(run: Run, value: torch.Tensor) -> float:
@@ -249,10 +248,10 @@ def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:
     return {k: round(v - before.get(k, 0.0)) for k, v in now.items() if v - before.get(k, 0.0)}
 
 
-def write_metrics(writer: MetricsWriter, record: dict[str, Any]) -> str:
-    """Write ``record``; the error if that failed ("" if not), for :func:`stop_if_metrics_failed`."""
+def write_metrics(log: RunLog, record: dict[str, Any]) -> str:
+    """Write and show ``record``; the error if that failed ("" if not), for :func:`stop_if_metrics_failed`."""
     try:
-        writer.write(record)
+        log.log(**record)
     except MetricsError as e:
         return str(e)
     return ""
@@ -294,12 +293,11 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     start = checkpoint.restore(run)
     rank, _ = world_from_env()
     resume_from = start.step if cfg.resume else None
-    sinks = open_sinks(Path(cfg.out), cfg.tensorboard, cfg.wandb, cfg.__dict__, resume_from) if rank == 0 and cfg.out \
-        else []
-    writer = MetricsWriter(cfg.out, enabled=rank == 0, resume_from=resume_from, sinks=sinks)
-    progress = Progress(cfg.steps, start.step + 1, sys.stdout if rank == 0 else None, enabled=cfg.progress,
-                        every=cfg.progress_every)
-    progress.message(f"trainmesh: {cfg.model} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
+    log = RunLog(cfg.out, cfg.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.__dict__,
+                 name=checkpoint.model_source(cfg), tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                 progress=cfg.progress, progress_every=cfg.progress_every, lock=False)
+    progress = log.progress
+    progress.message(f"trainmesh: {log.name} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
                      f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     shape = spec_of(cfg.model).shape(cfg.model_config)
@@ -321,12 +319,10 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
             run.pipeline.recording = bool(cfg.timeline) and step == cfg.steps - 1
         t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
-        loss = forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch),
-                                saved if step == start.step else None)
-        lr = schedule.at(step)
-        grad_norm = run.engine.step(lr, cfg.grad_clip)
-        if math.isfinite(grad_norm):
-            api.update_routing(run.model, run.mesh)
+        run.opt.lr = lr = schedule.at(step)
+        loss = api.train_step(run.parallel, run.opt, rank_share(run, run.data.train, step, cfg.global_batch),
+                              max_norm=cfg.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
+        grad_norm = run.opt.grad_norm
         undo_fault()
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
@@ -334,7 +330,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         step_time = time.perf_counter() - t0
         if profiler is not None:
             profiler.after(step)
-        losses.append(global_mean(run, loss))
+        losses.append(loss)
         times.append(step_time)
         record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
                   "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
@@ -350,8 +346,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
             record["val_loss"] = evaluate(run)
             record["val_perplexity"] = perplexity(record["val_loss"])
-        metrics_error = write_metrics(writer, record)
-        progress.update(record)
+        metrics_error = write_metrics(log, record)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
         if checkpoint.due(cfg, step + 1):
             with progress.paused():
@@ -373,10 +368,11 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                "last_window_loss": windows.last,
                "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
                "mfu": mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
-               "world_size": mesh.world_size, **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
-    writer.summary(summary)
-    writer.close()
+               "world_size": mesh.world_size, "transport": run.comm.transport,
+               **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
+    summary = log.summary(**summary)
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     progress.message(f"done: {windows.text()}, val {val_loss:.4f} (perplexity {perplexity(val_loss):,.2f}), "
                      f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
+    log.close()
     return TrainResult(losses, val_loss, summary, run)

@@ -52,8 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainmesh.comm import Comm
-from trainmesh.data_parallel import accumulating_locally, axis_buckets, fold_grad_into
+from trainmesh.data_parallel import DataParallel, accumulating_locally, axis_buckets, fold_grad_into
 from trainmesh.expert_parallel import reduction_axis, with_expert_units
+from trainmesh.layout import Layout, validate
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
@@ -903,12 +904,11 @@ class ZeroStage3(ZeroStage2):
 
 def build_engine(module: nn.Module, comm: Comm, stage: int, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
-                 scaler: LossScaler | None = None, axis: str = "dp") -> ZeroEngine:
-    """The ZeRO engine of ``stage`` over ``axis``, with the optimizer ``make_optimizer`` builds over its
-    shards (and an fp32 master shard when ``module``'s parameters are bf16/fp16). Stage 3 communicates unit
-    by unit (:func:`default_units`), so ``bucket_bytes`` applies to stages 1 and 2."""
-    stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
-    if stage not in stages:
-        raise ValueError(f"ZeRO stage {stage} does not exist; choose 1, 2 or 3 "
-                         f"(stage 0 is plain data parallel: trainmesh.data_parallel.DataParallel)")
-    return stages[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)
+                 scaler: LossScaler | None = None, axis: str = "dp") -> ZeroEngine | DataParallel:
+    """The engine of ZeRO ``stage`` over ``axis`` (stage 0: plain data parallelism), with the optimizer
+    ``make_optimizer`` builds over its shards (and an fp32 master shard when ``module``'s parameters are
+    bf16/fp16). Stage 3 communicates unit by unit (:func:`default_units`), so ``bucket_bytes`` applies to
+    stages 0 to 2. The stage is checked by the layout's rules, as every front door checks it."""
+    validate(Layout(zero=stage))
+    engines = {0: DataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+    return engines[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)

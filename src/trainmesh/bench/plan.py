@@ -81,7 +81,8 @@ from trainmesh.plan import (
 )
 from trainmesh.testing import run_ranks
 from trainmesh.run import Run
-from trainmesh.train import forward_backward, rank_batch, train
+from trainmesh.train import rank_batch, train
+from trainmesh import api
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B,
 # GPipe and ZB-H1), CP (ring and all-to-all), and their products. Each is Config fields over BASE.
@@ -217,10 +218,10 @@ def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
         with peak.holding(logits):
             return run.criterion(logits, targets)
 
-    measured = dataclasses.replace(run, criterion=criterion)
     with peak.recording():
         for step in range(first_step, first_step + steps):
-            forward_backward(measured, rank_batch(run, run.data.train, step, cfg.global_batch))
+            micro = rank_batch(run, run.data.train, step, cfg.global_batch)
+            api.forward_backward(run.model, run.engine, run.pipeline, micro, criterion)
             peak.sample()
             run.engine.step(LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps).at(step), cfg.grad_clip)
             peak.sample()

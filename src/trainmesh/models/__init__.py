@@ -124,10 +124,28 @@ def preset(name: str) -> Any:
     return _find(name)[1]
 
 
+def family(name: str) -> ModelSpec:
+    """The registered family called ``name`` (a checkpoint records its model's family by this name)."""
+    for spec in SPECS:
+        if spec.family == name:
+            return spec
+    raise ValueError(f"unknown model family {name!r}; trainmesh has {', '.join(s.family for s in SPECS)}")
+
+
+def register_preset(spec: ModelSpec, name: str, cfg: Any) -> None:
+    """Make ``name`` a buildable preset of ``spec``'s family with config ``cfg``, for this process: how a model
+    that is no preset (an ``--init-hf`` import, a model a script saved) is named and built by ``trainmesh
+    train``. Re-registering a name with the same config is a no-op; with another, an error."""
+    presets = {**spec.presets, **spec.planner_presets}
+    if name in presets and presets[name] != cfg:
+        raise ValueError(f"model preset {name!r} exists with another config; choose another name")
+    spec.presets[name] = cfg
+
+
 def planner_shapes() -> dict[str, ModelShape]:
     """Every preset's shape, planner-only ones included, by name."""
     return {name: spec.shape(cfg) for spec in SPECS for name, cfg in {**spec.presets, **spec.planner_presets}.items()}
 
 
 __all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
-           "spec_of", "preset", "planner_shapes"]
+           "spec_of", "preset", "planner_shapes", "family", "register_preset"]

@@ -105,25 +105,10 @@ class ModelShape:
         return self.d_model + 2 * self.kv_heads * (self.d_model // self.n_heads)
 
     def tp_sizes(self) -> dict[str, int]:
-        """Sizes that tensor parallelism splits, so tp must divide each; key/value heads first, since under
-        grouped-query attention they are the fewest (every tp rank needs whole heads)."""
+        """Sizes that tensor parallelism splits, so tp must divide each (:mod:`trainmesh.layout` says so); key/value
+        heads first, since under grouped-query attention they are the fewest (every tp rank needs whole heads)."""
         sizes = {"n_kv_heads": self.kv_heads} if self.kv_heads != self.n_heads else {}
         return {**sizes, "n_heads": self.n_heads, "d_ff": self.d_ff, "vocab_size": self.vocab_size}
-
-    def split_error(self, tp: int, pp: int, name: str = "the model") -> str | None:
-        """Why ``tp`` x ``pp`` cannot split this model, called ``name``, in one line with the valid choices;
-        None if they can. Megatron-LM likewise refuses a tp that does not divide the KV heads."""
-        sizes = self.tp_sizes()
-        valid = [d for d in divisors(min(sizes.values())) if all(s % d == 0 for s in sizes.values())]
-        for what, size in sizes.items():
-            if size % tp:
-                why = f"exceeds {what}={size} of {name} (each tp rank needs at least one)" if tp > size \
-                    else f"does not divide {what}={size} of {name}"
-                return f"tp={tp} {why}; choose tp in {{{', '.join(map(str, valid))}}}"
-        if self.tied_embeddings and (tp > 1 or pp > 1):
-            return (f"the output head of {name} shares the embedding's weight, which tp/pp would split apart; "
-                    f"use tp=1 and pp=1 or a model with untied embeddings")
-        return None
 
     @property
     def expert_ff(self) -> int:

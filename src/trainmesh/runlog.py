@@ -1,0 +1,134 @@
+"""A run directory as a public object: what ``trainmesh train`` writes, for any training loop.
+
+:class:`RunLog` is the one writer of a run's ``metrics.jsonl``, ``summary.json``, TensorBoard events
+(and W&B) and progress line; ``trainmesh train`` uses it, and so can a script on the public API::
+
+    with tm.RunLog("runs/mine", steps=100, model=model) as log:   # model: what tm.parallelize returned
+        for step in range(100):
+            loss = tm.train_step(model, opt, batch(step))
+            log.log(step + 1, loss=loss, tokens=batch_tokens)
+
+so ``trainmesh report runs/mine`` reads a script's run as it reads the command line's. Every rank may
+call it; only global rank 0 writes, prints and holds the directory's lock (the one ``trainmesh train``
+holds on ``--out``), so two live runs never write one directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainmesh import runlock
+from trainmesh.mesh import world_env
+from trainmesh.metrics import LossWindows, MetricsError, MetricsWriter, Progress, open_sinks
+
+if TYPE_CHECKING:
+    from trainmesh.api import ParallelModel
+
+
+def _layout(model: ParallelModel | None) -> dict[str, Any]:
+    """The layout a report's title names, from the model's mesh."""
+    if model is None:
+        return {}
+    sizes = {axis: model.mesh.size(axis) for axis in ("dp", "cp", "tp", "pp", "ep")}
+    return {**sizes, "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
+
+
+class RunLog:
+    """Metrics, summary, TensorBoard events and progress of one training run in directory ``out``.
+
+    ``steps``: the run's last step (for the progress line's ETA); ``first_step``: the step this process
+    starts at (a resumed run's); ``resume_from``: the step a resumed run's checkpoint holds (the records
+    after it, of the attempt that died, are dropped; None starts the files afresh). ``model``: the
+    :class:`~trainmesh.api.ParallelModel`, whose name, layout and counted communication are recorded.
+    ``config``: what the summary records as the run's settings. ``lock``: hold ``out``'s lock (False where
+    the launching process already holds it, as ``trainmesh train``'s does).
+    """
+
+    def __init__(self, out: str | Path, steps: int = 0, *, first_step: int = 1, resume_from: int | None = None,
+                 model: ParallelModel | None = None, config: dict[str, Any] | None = None, name: str = "",
+                 tensorboard: bool = True, wandb: str = "", progress: bool = True, progress_every: int = 0,
+                 lock: bool = True) -> None:
+        self.out, self.model, self.steps = Path(out), model, steps
+        self.writes = world_env().rank == 0 and bool(str(out))
+        self.name = name or (model.description[1]["source"] if model is not None else "")
+        self.config = {**_layout(model), "model": self.name, **(config or {})}
+        self._held = contextlib.ExitStack()
+        if self.writes and lock:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._held.enter_context(runlock.hold(self.out, "--out"))
+        sinks = open_sinks(self.out, tensorboard, wandb, self.config, resume_from) if self.writes else []
+        self.writer = MetricsWriter(str(self.out), enabled=self.writes, resume_from=resume_from, sinks=sinks)
+        self.progress = Progress(steps, first_step, sys.stdout if world_env().rank == 0 else None, enabled=progress,
+                                 every=progress_every)
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self._last = time.perf_counter()
+        self._comm_before = self._comm()
+        self._summarized = False
+
+    def _comm(self) -> dict[str, float]:
+        return self.model.comm.snapshot() if self.model is not None else {}
+
+    def log(self, step: int, loss: float, tokens: int = 0, **metrics: Any) -> None:
+        """Record step ``step`` (1-based, the steps done): its ``loss``, the time since the last record,
+        ``tokens`` trained on (for tokens/s) and any other ``metrics`` (JSON values; ``val_loss`` is shown
+        in the progress line). Raises :class:`~trainmesh.metrics.MetricsError` if the record cannot be
+        written (a full disk), after which the run should stop."""
+        now = time.perf_counter()
+        step_time, self._last = metrics.pop("step_time_s", now - self._last), now
+        record: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": step_time}
+        if tokens:
+            record["tokens_per_s"] = tokens / step_time
+        if self.model is not None and "comm_bytes_by_op" not in metrics:
+            comm = self._comm()
+            record["comm_bytes_by_op"] = {k: round(v - self._comm_before.get(k, 0.0)) for k, v in comm.items()
+                                          if v - self._comm_before.get(k, 0.0)}
+            self._comm_before = comm
+        record.update(metrics)
+        self.losses.append(loss)
+        self.times.append(step_time)
+        self.writer.write(record)
+        self.progress.update(record)
+
+    def message(self, text: str) -> None:
+        """Print a line of its own on rank 0 (the progress bar, if any, is redrawn below it)."""
+        self.progress.message(text)
+
+    def summary(self, **fields: Any) -> dict[str, Any]:
+        """Write ``summary.json``: the model's name, the loss windows and mean step time of what was logged,
+        the settings, and ``fields``; returns it."""
+        windows = LossWindows.of(self.losses) if self.losses else None
+        steady = self.times[1:] or self.times
+        record: dict[str, Any] = {"model": self.name, "steps": self.steps or len(self.losses)}
+        if windows is not None:
+            record.update(first_loss=self.losses[0], final_loss=self.losses[-1], loss_window_steps=windows.steps,
+                          first_window_loss=windows.first, last_window_loss=windows.last,
+                          mean_step_time_s=sum(steady) / len(steady))
+        record.update(fields)
+        record.setdefault("config", self.config)
+        self.writer.summary(record)
+        self._summarized = True
+        return record
+
+    def close(self) -> None:
+        """End the progress line, close the files and sinks and release the directory."""
+        self.progress.close()
+        self.writer.close()
+        self._held.close()
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, kind: type | None, *_: Any) -> None:
+        try:
+            if kind is None and self.losses and not self._summarized:
+                self.summary()
+        finally:
+            self.close()
+
+
+__all__ = ["RunLog", "MetricsError"]
