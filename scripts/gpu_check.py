@@ -57,7 +57,7 @@ def train_command(case: Case, args: argparse.Namespace, gpus: int, out: Path) ->
     """The ``trainmesh train`` line of one case: data parallel over every GPU, one micro-batch per GPU."""
     model = args.larger_model if case.larger else args.model
     compile_flag = ["--compile"] if case.compile else []
-    return [sys.executable, "-m", "trainmesh.cli", "train", "--nproc", str(gpus), "--dp", str(gpus),
+    return [sys.executable, "-m", "trainmesh", "train", "--nproc", str(gpus), "--dp", str(gpus),
             "--model", model, "--precision", "bf16", "--reduce-dtype", "bf16", "--device", args.device,
             *compile_flag, "--steps", str(args.steps), "--global-batch", str(micro_batch(case, args) * gpus),
             "--warmup-steps", str(min(5, args.steps - 1)), "--eval-batches", "1", "--out", str(out),

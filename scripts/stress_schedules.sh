@@ -12,7 +12,7 @@ for schedule in gpipe 1f1b interleaved zb; do
   [ "$schedule" = interleaved ] && extra=(--model tiny-deep --virtual-stages 2)
   ok=0
   for i in $(seq 1 "$n"); do
-    if "$py" -m trainmesh.cli train --nproc 2 --pp 2 --schedule "$schedule" --microbatches 4 --global-batch 8 \
+    if "$py" -m trainmesh train --nproc 2 --pp 2 --schedule "$schedule" --microbatches 4 --global-batch 8 \
         --steps 3 --no-progress --out "$out/$schedule-$i" "${extra[@]}" >/dev/null 2>"$out/$schedule-$i.err"; then
       ok=$((ok + 1))
     else

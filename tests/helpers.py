@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import torch
 
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.testing import run_ranks
-from trainmesh.train import full_state_dict, train
+from trainmesh.app.train import full_state_dict, train
 
 FP64_ATOL = 1e-9
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import trainmesh as tm
-from trainmesh import checkpoint, runlock
+from trainmesh import checkpoint
+from trainmesh.tracking import runlock
 from trainmesh.mesh import Mesh
 from trainmesh.models import Staged, spec_for
 from trainmesh.testing import run_ranks
@@ -300,7 +301,7 @@ def test_hf_llama_trains_in_bf16_with_fp32_masters():
 def launch(script: str, nproc: int, *args: str) -> list[float]:
     """Run an example under ``trainmesh launch``; the losses rank 0 printed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "trainmesh.cli", "launch", "--nproc", str(nproc),
+    out = subprocess.run([sys.executable, "-m", "trainmesh", "launch", "--nproc", str(nproc),
                           str(ROOT / "examples" / script), *args], capture_output=True, text=True, env=env,
                          timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -324,7 +325,7 @@ def test_the_hf_llama_example_at_world_4(args):
 def test_launch_names_the_failing_rank_with_its_traceback(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise RuntimeError('rank one broke')\n")
-    out = subprocess.run([sys.executable, "-m", "trainmesh.cli", "launch", "--nproc", "2", str(script)],
+    out = subprocess.run([sys.executable, "-m", "trainmesh", "launch", "--nproc", "2", str(script)],
                          capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode != 0

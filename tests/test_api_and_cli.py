@@ -22,7 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.enviro
 
 
 def trainmesh(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True, env=ENV,
+    out = subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True, env=ENV,
                          cwd=cwd, timeout=timeout)
     assert out.returncode == 0, f"trainmesh {' '.join(args)} failed:\n{out.stderr[-3000:]}"
     return out

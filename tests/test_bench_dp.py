@@ -2,11 +2,11 @@
 
 import torch
 
-from trainmesh.bench.common import fresh_model, trainmesh_step
-from trainmesh.bench.dp import unsynchronised_step
-from trainmesh.config import Config
+from trainmesh.app.bench.common import fresh_model, trainmesh_step
+from trainmesh.app.bench.dp import unsynchronised_step
+from trainmesh.app.config import Config
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, setup_process
+from trainmesh.app.train import build, setup_process
 
 
 def _two_steps_each() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:

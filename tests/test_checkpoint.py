@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 
 from trainmesh import checkpoint, safe_io
-from trainmesh.checkpoint import (CheckpointError, CheckpointMismatch, flat_range_boxes,
-                                  read_tensors, region, step_dir, whole)
-from trainmesh.config import Config
+from trainmesh.app import checkpoints
+from trainmesh.checkpoint import CheckpointError, CheckpointMismatch, read_tensors, step_dir
+from trainmesh.checkpoint.store import flat_range_boxes, region, whole
+from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.tensor_parallel import ShardSpec, shard_tensor, spec_boxes
+from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor, spec_boxes
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, full_state_dict, setup_process, train
+from trainmesh.app.train import build, full_state_dict, setup_process, train
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL
 
@@ -84,8 +85,8 @@ def _training_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def _load_and_resave(cfg: Config, mesh: Mesh, resaved: Path) -> dict[str, torch.Tensor]:
     """Load ``cfg``'s checkpoint into its layout, save it straight back to ``resaved``; the full parameters."""
     run = build(cfg, mesh)
-    progress = checkpoint.restore(run)
-    checkpoint.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(resaved))), progress)
+    progress = checkpoints.restore(run)
+    checkpoints.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(resaved))), progress)
     return full_state_dict(run)
 
 
@@ -104,7 +105,7 @@ def _train_and_reshard(root: Path, same: dict[str, Config], reshard: dict[str, C
         loaded = _load_and_resave(cfg, setup_process(cfg), root / f"{name}-resaved")
         out["resharded"][name] = (loaded, train(cfg).losses)
     run = build(imported, setup_process(imported))
-    checkpoint.restore(run)
+    checkpoints.restore(run)
     out["imported"] = full_state_dict(run)
     return out
 
@@ -235,7 +236,7 @@ def test_export_writes_the_plain_model_and_init_from_loads_it_in_another_layout(
     _exact(exported, out["trained"]["dp4"][1])
     _exact(out["imported"], exported)
     again = tmp_path / "again.safetensors"
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "export", str(step_dir(root / "dp4", 10)),
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "export", str(step_dir(root / "dp4", 10)),
                              "--to", str(again)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "wrote 29 tensors" in result.stdout
@@ -290,7 +291,7 @@ def _forge_hashes(step: Path, shard: Path, data: bytes) -> None:
     shard.write_bytes(data)
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["files"][shard.name] = {"sha256": safe_io.sha256_hex(data), "bytes": len(data)}
-    manifest["sha256"] = checkpoint._content_hash(manifest)
+    manifest["sha256"] = checkpoint.store.content_hash(manifest)
     (step / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -327,7 +328,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_previous_checkpoint(saved,
     cfg = dataclasses.replace(_cfg(tmp_path, "ckpt", resume=True), steps=6)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     capsys.readouterr()
-    assert checkpoint.resume(run).step == 2
+    assert checkpoints.resume(run).step == 2
     err = capsys.readouterr().err
     assert "step-00000004 is damaged" in err and message in err and "falling back" in err
     _exact(full_state_dict(run), _model(read_tensors(step_dir(saved, 2))))
@@ -350,8 +351,8 @@ def test_a_save_torn_by_a_crash_is_ignored_and_replaced(saved, tmp_path):
 def test_a_checkpoint_of_another_model_is_refused(saved, tmp_path):
     cfg = _cfg(saved.parent, "ckpt", model="tiny-deep", resume=True)
     with pytest.raises(CheckpointMismatch, match="holds a different model .*n_layers 2 there, 8 here"):
-        checkpoint.restore(build(cfg, Mesh.build(1, 1, 1, torch.device("cpu"))))
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--model", "small", "--resume",
+        checkpoints.restore(build(cfg, Mesh.build(1, 1, 1, torch.device("cpu"))))
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--model", "small", "--resume",
                              "--checkpoint-dir", str(saved), "--out", str(tmp_path / "run")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
@@ -364,7 +365,7 @@ def test_a_checkpoint_of_another_model_is_refused(saved, tmp_path):
 
 def _trainmesh_timed(args: list[str], env: dict) -> tuple[int, list[tuple[float, str]]]:
     """Run the CLI; its exit code and stderr lines, each with the time it arrived."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainmesh.cli", *args], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     lines = [(time.monotonic(), line.rstrip()) for line in proc.stderr]
     return proc.wait(timeout=300), lines

@@ -25,13 +25,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainmesh import checkpoint, cli, safe_io
-from trainmesh.checkpoint import (LOCK, RUN_ID_ENV, CheckpointDamaged, CheckpointError, CheckpointMismatch,
-                                  read_manifest, read_tensors, step_dir)
-from trainmesh.config import Config
-from trainmesh.manifest import ManifestError, check_manifest, check_tiling
+from trainmesh import checkpoint, safe_io
+from trainmesh.app import checkpoints
+from trainmesh.app import cli
+from trainmesh.checkpoint import (LOCK, CheckpointDamaged, CheckpointError, CheckpointMismatch, read_manifest,
+                                  read_tensors, step_dir)
+from trainmesh.checkpoint.store import RUN_ID_ENV
+from trainmesh.app.config import Config
+from trainmesh.checkpoint.manifest import ManifestError, check_manifest, check_tiling
 from trainmesh.mesh import Mesh
-from trainmesh.train import build, full_state_dict, train
+from trainmesh.app.train import build, full_state_dict, train
 
 SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"
 OTHER_RUN = "0123456789abcdef0123456789abcdef"
@@ -65,7 +68,7 @@ def _edit(step: Path, change) -> None:
     """Apply ``change`` to the manifest of ``step`` and re-hash it, as someone with write access could."""
     manifest = json.loads((step / MANIFEST).read_text())
     change(manifest)
-    manifest["sha256"] = checkpoint._content_hash(manifest)
+    manifest["sha256"] = checkpoint.store.content_hash(manifest)
     (step / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -97,7 +100,7 @@ def _resumed_falls_back_to_step_2(root: Path, capsys) -> str:
     """Resume from ``root`` (step 4 damaged): lands on step 2, equal to it; the notice rank 0 printed."""
     run = build(_cfg(root, resume=True, steps=6), _mesh())
     capsys.readouterr()
-    assert checkpoint.resume(run).step == 2
+    assert checkpoints.resume(run).step == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "is damaged" in line]
     assert len(lines) == 1 and "falling back to the previous complete checkpoint" in lines[0], err
@@ -298,10 +301,10 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(ckpt, 
     owner = read_manifest(step_dir(ckpt, 4))["run"]["id"]
     with pytest.raises(CheckpointError, match=f"holds checkpoints of another run .step-00000004 and 1 more, run "
                                               f"{owner}.; pass --resume .* --overwrite"):
-        with checkpoint.claim(_cfg(ckpt)):
+        with checkpoints.claim(_cfg(ckpt)):
             pass
     with pytest.raises(CheckpointError, match="holds checkpoints of another run"):
-        checkpoint.restore(build(_cfg(ckpt), _mesh()))
+        checkpoints.restore(build(_cfg(ckpt), _mesh()))
     code = cli.main(["train", "--steps", "2", "--global-batch", "4", "--checkpoint-dir", str(ckpt),
                      "--out", str(ckpt.parent / "run")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -312,7 +315,7 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(ckpt, 
 def test_overwrite_deletes_the_other_runs_checkpoints_before_the_fresh_run(ckpt):
     old = read_manifest(step_dir(ckpt, 4))["run"]["id"]
     (ckpt / ".tmp-step-00000006").mkdir()
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--steps", "2", "--global-batch", "4",
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--steps", "2", "--global-batch", "4",
                              "--warmup-steps", "1", "--checkpoint-dir", str(ckpt), "--overwrite", "--no-progress",
                              "--out", str(ckpt.parent / "run")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -325,9 +328,9 @@ def test_overwrite_deletes_the_other_runs_checkpoints_before_the_fresh_run(ckpt)
 def test_resume_continues_the_run_id_and_never_falls_back_to_another_run(ckpt, capsys):
     owner = read_manifest(step_dir(ckpt, 4))["run"]["id"]
     run = build(_cfg(ckpt, resume=True, steps=6), _mesh())
-    progress = checkpoint.restore(run)
+    progress = checkpoints.restore(run)
     assert (progress.step, progress.run_id) == (4, owner)
-    with checkpoint.claim(_cfg(ckpt, resume=True, steps=6)) as claimed:
+    with checkpoints.claim(_cfg(ckpt, resume=True, steps=6)) as claimed:
         assert claimed == owner == os.environ[RUN_ID_ENV]
     # the issue's case: step 2 (the latest) belongs to this run and is damaged; step 4 is another run's
     (ckpt / "latest").write_text("step-00000002\n")
@@ -336,18 +339,18 @@ def test_resume_continues_the_run_id_and_never_falls_back_to_another_run(ckpt, c
     (step_dir(ckpt, 2) / SHARD).write_bytes(b"damaged")
     capsys.readouterr()
     with pytest.raises(CheckpointError) as error:
-        checkpoint.restore(build(_cfg(ckpt, resume=True, steps=6), _mesh()))
+        checkpoints.restore(build(_cfg(ckpt, resume=True, steps=6), _mesh()))
     text = str(error.value)
     assert "\n" not in text and text.startswith(f"no sound checkpoint of run {owner} in {ckpt}")
     assert f"checkpoint {step_dir(ckpt, 4)} belongs to run {OTHER_RUN}, not to run {owner}" in text
 
 
 def test_a_second_live_run_on_the_directory_is_refused_naming_the_first_ones_pid(ckpt):
-    with checkpoint.claim(_cfg(ckpt, resume=True)):
+    with checkpoints.claim(_cfg(ckpt, resume=True)):
         with pytest.raises(CheckpointError, match=f"is in use by another live run .pid {os.getpid()}, run "):
-            with checkpoint.claim(_cfg(ckpt, resume=True)):
+            with checkpoints.claim(_cfg(ckpt, resume=True)):
                 pass
-        result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--resume", "--steps", "6",
+        result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--resume", "--steps", "6",
                                  "--global-batch", "4", "--checkpoint-dir", str(ckpt), "--out",
                                  str(ckpt.parent / "run")], capture_output=True, text=True, timeout=120)
     lines = result.stderr.strip().splitlines()
@@ -363,14 +366,14 @@ def _dead_pid() -> int:
 
 def test_a_stale_lock_of_a_dead_process_is_taken_over(ckpt):
     (ckpt / LOCK).write_text(json.dumps({"pid": _dead_pid(), "run_id": OTHER_RUN}))
-    with checkpoint.claim(_cfg(ckpt, resume=True)) as run_id:
+    with checkpoints.claim(_cfg(ckpt, resume=True)) as run_id:
         assert run_id == OTHER_RUN, "the lock file's record names the run to continue"
     # held by a descriptor that outlived its process (the pid in the file is dead): replaced
     fd = os.open(ckpt / LOCK, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, json.dumps({"pid": _dead_pid()}).encode().ljust(200), 0)
     try:
-        with checkpoint.claim(_cfg(ckpt, resume=True)):
+        with checkpoints.claim(_cfg(ckpt, resume=True)):
             assert json.loads((ckpt / LOCK).read_text())["pid"] == os.getpid()
     finally:
         os.close(fd)
@@ -438,7 +441,7 @@ def _mutate_manifest(rng: random.Random, text: str) -> tuple[bytes, str]:
     else:
         what = _mutate_json(rng, manifest, list(PLANTED))
     if rng.random() < 0.9:
-        manifest["sha256"] = checkpoint._content_hash(manifest)
+        manifest["sha256"] = checkpoint.store.content_hash(manifest)
     return json.dumps(manifest).encode(), what
 
 
@@ -492,7 +495,7 @@ def _audit(event: str, args) -> None:
 
 
 def _snapshot(run) -> list[torch.Tensor]:
-    return [t.views[0].detach().clone() for t in checkpoint.local_state(run.model, run.engine)]
+    return [t.views[0].detach().clone() for t in checkpoint.store.local_state(run.model, run.engine)]
 
 
 @pytest.mark.timeout(300)
@@ -505,7 +508,7 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
     outside = _outside_copy(ckpt)
     _plant(step, outside)
     run = build(_cfg(ckpt, resume=True, steps=6), _mesh())
-    checkpoint.load(run, step)
+    checkpoints.load(run, step)
     original, original_rng = _snapshot(run), torch.get_rng_state()
     text, shard = (step / MANIFEST).read_text(), (step / SHARD).read_bytes()
     sys.addaudithook(_audit)
@@ -518,7 +521,7 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
             (step / SHARD).write_bytes(data)
             manifest = json.loads(text)
             manifest["files"][SHARD] = {"sha256": safe_io.sha256_hex(data), "bytes": len(data)}
-            manifest["sha256"] = checkpoint._content_hash(manifest)
+            manifest["sha256"] = checkpoint.store.content_hash(manifest)
             (step / MANIFEST).write_text(json.dumps(manifest))
         else:
             data, what = _mutate_manifest(rng, text)
@@ -527,8 +530,8 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
         label = f"case {case} ({'header' if case % 4 == 3 else 'manifest'} {what})"
         try:
             with _deadline(5):
-                manifest = checkpoint.load(run, step)
-                progress = checkpoint.apply_loaded(run.engine, manifest)
+                manifest = checkpoints.load(run, step)
+                progress = checkpoint.load.apply_loaded(run.engine, manifest)
         except CaseTimeout:
             pytest.fail(f"{label} hung")
         except CheckpointError as e:

@@ -9,12 +9,13 @@ from dataclasses import fields
 
 import pytest
 
-from trainmesh import cli, launcher
-from trainmesh.config import Config
+from trainmesh.app import cli
+from trainmesh import launcher
+from trainmesh.app.config import Config
 
 
 def trainmesh(*args: str, env: dict | None = None, timeout: float = 120):
-    return subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 

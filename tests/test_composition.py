@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 
 from helpers import check_equivalent
 

@@ -6,8 +6,9 @@ from dataclasses import fields
 
 import pytest
 
-from trainmesh import cli, config, launcher
-from trainmesh.config import SECTIONS, Config, ConfigError, check_value, config_from_args, load_toml, validate
+from trainmesh.app import cli, config
+from trainmesh import launcher
+from trainmesh.app.config import SECTIONS, Config, ConfigError, check_value, config_from_args, load_toml, validate
 
 
 def from_flags(*argv: str) -> Config:

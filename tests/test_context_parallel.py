@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmesh import config
-from trainmesh.config import Config, ConfigError, validate
-from trainmesh.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence
+from trainmesh.app import config
+from trainmesh.app.config import Config, ConfigError, validate
+from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence
 from trainmesh.layout import Layout, LayoutError
 from trainmesh.layout import validate as validate_layout
 from trainmesh.models.spec import ModelShape

@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from trainmesh import checkpoint, cli
-from trainmesh.config import Config
+from trainmesh import checkpoint
+from trainmesh.app import checkpoints
+from trainmesh.app import cli
+from trainmesh.app.config import Config
 from trainmesh.data import DataError, TokenData, get_batch
 from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.shards import INDEX_FILE, read_index
 from trainmesh.data.text import stdlib_sources
-from trainmesh.generate import Sampling, generate_text
-from trainmesh.tokenizer import TokenizerError, load_tokenizer, padded_vocab, tokenizer_sha256, train_bpe
+from trainmesh.app.generate import Sampling, generate_text
+from trainmesh.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab, tokenizer_sha256, train_bpe
 
 pytest.importorskip("tokenizers")
 
@@ -170,7 +172,7 @@ def test_wrong_tokenizer_and_token_files_are_refused(tmp_path, tok, capsys):
     manifest = {"model": {**vars(Config().model_config), "vocab_size": 320}, "config": {"model": "tiny",
                                                                                         "tokenizer": tok}}
     with pytest.raises(checkpoint.CheckpointMismatch, match="vocabulary 320.*gives 256.*--tokenizer"):
-        checkpoint._check_model(manifest, Config(), tmp_path)
+        checkpoints._check_model(manifest, Config(), tmp_path)
 
 
 def test_the_readme_walk_through_tokenizer_prepare_train_report_generate(tmp_path, capfd):
@@ -206,9 +208,9 @@ def test_the_readme_walk_through_tokenizer_prepare_train_report_generate(tmp_pat
 
 def test_core_imports_and_loads_bytes_without_the_data_extra():
     blocked = "import sys; [sys.modules.__setitem__(m, None) for m in ('tokenizers', 'pyarrow', 'datasets', 'tqdm')]"
-    code = (f"{blocked}; import trainmesh.cli, trainmesh.train; from trainmesh.data import TokenData; "
+    code = (f"{blocked}; import trainmesh.app.cli, trainmesh.app.train; from trainmesh.data import TokenData; "
             "d = TokenData.load('', 32); assert d.train.dtype.itemsize == 1; "
-            "from trainmesh.tokenizer import load_tokenizer, TokenizerError\n"
+            "from trainmesh.data.tokenizer import load_tokenizer, TokenizerError\n"
             "try:\n    load_tokenizer(sys.argv[1])\nexcept TokenizerError as e:\n    print(e)")
     marker = Path(__file__)
     done = subprocess.run([sys.executable, "-c", code, str(marker)], capture_output=True, text=True, timeout=120,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, forward_backward, rank_batch, setup_process
+from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
 from helpers import check_equivalent, differences, train_rank, train_single
 

@@ -12,8 +12,8 @@ For every markdown file, failures named by file and line:
   (``examples/x.py``, ``scripts/x.sh``) exists;
 * each relative link ``[x](path#anchor)`` resolves to a file, and the anchor to a heading of a markdown target.
 
-Nothing is spawned: the parser is built in-process (``trainmesh.cli._parser``) and its ``--help`` rendered once
-per subcommand; without ``_parser`` the checks fall back to one ``python -m trainmesh.cli SUB --help`` per
+Nothing is spawned: the parser is built in-process (``trainmesh.app.cli._parser``) and its ``--help`` rendered once
+per subcommand; without ``_parser`` the checks fall back to one ``python -m trainmesh SUB --help`` per
 subcommand. ``...`` in a command stands for "more flags" and is skipped.
 """
 
@@ -307,7 +307,7 @@ def simple_commands(line: str) -> list[list[str]]:
 @lru_cache(maxsize=None)
 def cli_parser() -> argparse.ArgumentParser | None:
     """``trainmesh``'s own parser, built in-process, or None if the CLI no longer offers ``_parser``."""
-    from trainmesh import cli
+    from trainmesh.app import cli
 
     return cli._parser() if hasattr(cli, "_parser") else None
 
@@ -322,10 +322,10 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 @lru_cache(maxsize=None)
 def help_text(words: tuple[str, ...]) -> str | None:
     """``trainmesh WORDS --help``'s text, or None if WORDS name no subcommand. In-process when the parser is
-    available, else one ``python -m trainmesh.cli WORDS --help`` per distinct subcommand."""
+    available, else one ``python -m trainmesh WORDS --help`` per distinct subcommand."""
     parser = cli_parser()
     if parser is None:
-        run = subprocess.run([sys.executable, "-m", "trainmesh.cli", *words, "--help"], capture_output=True,
+        run = subprocess.run([sys.executable, "-m", "trainmesh", *words, "--help"], capture_output=True,
                              text=True, timeout=120, cwd=ROOT)
         return run.stdout if run.returncode == 0 else None
     for word in words:
@@ -404,7 +404,7 @@ def value_problem(words: tuple[str, ...], namespace: argparse.Namespace) -> str 
     if words[:1] not in (("train",), ("bench",)):
         return None
     try:
-        from trainmesh.config import FIELDS, ConfigError, check_value, parse_flag
+        from trainmesh.app.config import FIELDS, ConfigError, check_value, parse_flag
     except ImportError:
         return None
     for name in FIELDS:
@@ -428,11 +428,11 @@ def make_targets() -> frozenset[str]:
 
 
 def trainmesh_at(words: list[str]) -> int | None:
-    """Where ``trainmesh`` (any path to it, or ``-m trainmesh.cli``) is in a simple command's words."""
+    """Where ``trainmesh`` (any path to it, or ``-m trainmesh``) is in a simple command's words."""
     for i, word in enumerate(words):
         if "install" in words[:i]:
             return None  # pip install trainmesh
-        if Path(word).name == "trainmesh" or (word == "trainmesh.cli" and i and words[i - 1] == "-m"):
+        if Path(word).name == "trainmesh" or (word == "trainmesh" and i and words[i - 1] == "-m"):
             return i
     return None
 

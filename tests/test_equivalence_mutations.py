@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainmesh.train
-import trainmesh.zero
+import trainmesh.app.train
+import trainmesh.parallel.zero
 from trainmesh.comm import Comm
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 
 from trainmesh.testing import run_ranks
 
@@ -32,8 +32,8 @@ def _perturb_contribution(scale: float) -> None:
 
 def _shift_zero_gradients(shift: int) -> None:
     """Make rank 0's gradients entering every ZeRO reduce-scatter over dp rolled by ``shift`` elements (a shard
-    boundary off by that much), whichever way the shards are exchanged (:func:`trainmesh.zero.reduce_scatter_shards`)."""
-    original = trainmesh.zero.reduce_scatter_shards
+    boundary off by that much), whichever way the shards are exchanged (:func:`trainmesh.parallel.zero.reduce_scatter_shards`)."""
+    original = trainmesh.parallel.zero.reduce_scatter_shards
 
     def wrong(comm, out, full, axis, op, **kwargs):
         if axis == "dp" and comm.rank == 0:
@@ -41,7 +41,7 @@ def _shift_zero_gradients(shift: int) -> None:
                 full.copy_(torch.roll(full, shift))
         return original(comm, out, full, axis, op, **kwargs)
 
-    trainmesh.zero.reduce_scatter_shards = wrong
+    trainmesh.parallel.zero.reduce_scatter_shards = wrong
 
 
 def _drop_last_microbatch() -> None:

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
-from trainmesh.checkpoint import load_hf_weights, step_dir
-from trainmesh.config import Config, ConfigError, validate
-from trainmesh.expert_parallel import AllToAllDispatch
+from trainmesh.app.checkpoints import load_hf_weights
+from trainmesh.checkpoint import step_dir
+from trainmesh.app.config import Config, ConfigError, validate
+from trainmesh.parallel.expert_parallel import AllToAllDispatch
 from trainmesh.mesh import Mesh, init_distributed
-from trainmesh.train import build, full_state_dict, setup_process, train
+from trainmesh.app.train import build, full_state_dict, setup_process, train
 from trainmesh.testing import run_ranks
 
 D = 3

@@ -15,16 +15,17 @@ import pytest
 import torch
 
 from helpers import FP64_ATOL
-from trainmesh import checkpoint, cli
+from trainmesh import checkpoint
+from trainmesh.app import cli
 from trainmesh.checkpoint import CheckpointError, read_tensors, step_dir
-from trainmesh.config import Config
-from trainmesh.generate import (GREEDY, GenerateError, Sampling, checkpoint_path, filter_logits, generate,
+from trainmesh.app.config import Config
+from trainmesh.app.generate import (GREEDY, GenerateError, Sampling, checkpoint_path, filter_logits, generate,
                                 generate_text, load_model, next_token)
 from trainmesh.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.models.cache import KVCache
-from trainmesh.tokenizer import TokenizerError, tokenizer_sha256
-from trainmesh.train import train
+from trainmesh.data.tokenizer import TokenizerError, tokenizer_sha256
+from trainmesh.app.train import train
 
 FAMILIES = ["tiny", "llama-tiny"]
 
@@ -152,7 +153,7 @@ def test_a_checkpoint_from_before_tokenizers_were_recorded_is_byte_tokens(byte_r
     path = step_dir(root, 2) / "manifest.json"
     manifest = json.loads(path.read_text())
     del manifest["tokenizer"]
-    manifest["sha256"] = checkpoint._content_hash(manifest)
+    manifest["sha256"] = checkpoint.store.content_hash(manifest)
     path.write_text(json.dumps(manifest))
     assert generate_text(str(root), "def ", 8, GREEDY) == generate_text(str(byte_run), "def ", 8, GREEDY)
     with pytest.raises(TokenizerError, match="was trained on byte tokens"):
@@ -214,7 +215,7 @@ def test_a_mixture_of_experts_checkpoint_loads_as_its_moe_model(tmp_path):
 def test_the_cli_continues_a_prompt_from_a_tensor_parallel_checkpoint(tmp_path, capsys):
     """Saved by two tensor-parallel ranks, generated in one process; the same seed gives the same text."""
     def trainmesh(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True,
                               timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     root = tmp_path / "ckpt"

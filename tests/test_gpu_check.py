@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh.cli import _parser
-from trainmesh.config import config_from_args, validate
+from trainmesh.app.cli import _parser
+from trainmesh.app.config import config_from_args, validate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 
@@ -27,7 +27,7 @@ def test_every_gpu_check_case_is_a_valid_train_command(gpus: int, tmp_path: Path
     gpu_check = load_script()
     args = gpu_check.parse_args([])
     for case in gpu_check.CASES:
-        argv = gpu_check.train_command(case, args, gpus, tmp_path / "run")[3:]  # drop python -m trainmesh.cli
+        argv = gpu_check.train_command(case, args, gpus, tmp_path / "run")[3:]  # drop python -m trainmesh
         cfg = config_from_args(_parser().parse_args(argv))
         validate(cfg, world_size=gpus, cuda_devices=gpus)
         assert (cfg.device, cfg.precision, cfg.compile, cfg.dp) == ("cuda", "bf16", case.compile, gpus), case.name

@@ -22,13 +22,15 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainmesh import checkpoint, hf
-from trainmesh.cli import main
-from trainmesh.config import Config, ConfigError, config_from_args, validate
+from trainmesh import checkpoint
+from trainmesh.app import checkpoints
+from trainmesh.models import hf
+from trainmesh.app.cli import main
+from trainmesh.app.config import Config, ConfigError, config_from_args, validate
 from trainmesh.mesh import Mesh
 from trainmesh.models import gpt, llama, moe, spec_of
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, setup_process
+from trainmesh.app.train import build, setup_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,7 +160,7 @@ def test_tied_llama_imports_and_exports_tied(tmp_path, fp64_llama):
     directory = save_hf_llama(tmp_path / "hf", tie=True)
     cfg = Config(init_hf=str(directory), model="llama-tiny", precision="fp64", progress=False)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    checkpoint.restore(run)
+    checkpoints.restore(run)
     assert run.model.head.weight is run.model.embed.weight
     with torch.no_grad():
         assert_same_logits(run.model(TOKENS), hf_logits(directory), "tied llama imported, one process")
@@ -179,7 +181,7 @@ def _import_and_save(cfgs: list[Config]) -> list[tuple[int, int, torch.Tensor | 
     out = []
     for cfg in cfgs:
         run = build(cfg, mesh)
-        start = checkpoint.restore(run)
+        start = checkpoints.restore(run)
         captured = []
 
         def capture(logits, targets, criterion=run.criterion):
@@ -188,7 +190,7 @@ def _import_and_save(cfgs: list[Config]) -> list[tuple[int, int, torch.Tensor | 
 
         with torch.no_grad():
             run.pipeline.evaluate([(TOKENS, TOKENS.roll(-1, 1))], capture)
-        checkpoint.save(run, start)
+        checkpoints.save(run, start)
         out.append((mesh.rank("pp"), mesh.rank("tp"), captured[0] if captured else None))
     return out
 
@@ -333,7 +335,7 @@ def test_mixtral_in_through_the_training_path_and_out_again_gives_transformers_l
     cfg = config_from_args(_args(init_hf=str(directory), precision="fp64", progress=False))
     assert cfg.model == "llama-moe-tiny" and cfg.model_config.moe.d_ff_expert == 32
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    checkpoint.restore(run)
+    checkpoints.restore(run)
     expected = mixtral_logits(directory)
     with torch.no_grad():
         assert_same_logits(run.model(TOKENS), expected, "mixtral imported, one process")
@@ -341,7 +343,7 @@ def test_mixtral_in_through_the_training_path_and_out_again_gives_transformers_l
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     assert_same_logits(mixtral_logits(out), expected, "mixtral exported, reloaded")
     ckpt = tmp_path / "ckpt"
-    checkpoint.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(ckpt))),
+    checkpoints.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(ckpt))),
                     checkpoint.TrainingProgress(0))
     assert main(["export", str(ckpt), "--hf", str(tmp_path / "exported")]) == 0
     assert_same_logits(mixtral_logits(tmp_path / "exported"), expected, "mixtral checkpoint exported, reloaded")
@@ -355,7 +357,7 @@ def test_a_checkpoint_with_a_moved_routing_bias_is_refused_on_export_hf(tmp_path
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     for _, layer in moe.moe_layers(run.model):
         layer.router.expert_bias[0] = 0.01
-    checkpoint.save(run, checkpoint.TrainingProgress(0))
+    checkpoints.save(run, checkpoint.TrainingProgress(0))
     assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "exported")]) != 0
     assert "--moe-bias-rate" in capsys.readouterr().err and not (tmp_path / "exported").exists()
 

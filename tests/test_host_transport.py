@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh import cli
-from trainmesh.config import Config
+from trainmesh.app import cli
+from trainmesh.app.config import Config
 from trainmesh.shm import TRANSPORT_ENV
 from trainmesh.testing import run_ranks
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import trainmesh as tm
-from trainmesh import cli, launcher
+from trainmesh.app import cli
+from trainmesh import launcher
 from trainmesh.layout import Layout, LayoutError, flag, keyword, validate
 from trainmesh.mesh import Mesh
 from trainmesh.models import preset, spec_of
@@ -178,7 +179,7 @@ def test_model_rules_read_the_shape_and_name_the_model():
 def test_the_interleaved_schedule_without_virtual_stages_is_one_line_from_the_shell(tmp_path):
     """The regression: the planner's memory check met the layout before validation did and printed a
     20-line traceback ending in ``virtual > 1 goes with schedule='interleaved'``."""
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--schedule", "interleaved", "--pp", "2",
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--schedule", "interleaved", "--pp", "2",
                              "--nproc", "2", "--dp", "1", "--microbatches", "2", "--out", str(tmp_path / "run")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

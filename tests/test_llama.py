@@ -12,18 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmesh import checkpoint
-from trainmesh.config import Config, ConfigError, validate
+from trainmesh.app import checkpoints
+from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.layout import Layout, LayoutError
 from trainmesh.layout import validate as validate_layout
 from trainmesh.mesh import Mesh
 from trainmesh.models import SPECS, planner_shapes, preset, spec_of
 from trainmesh.models.llama import Attention, Llama, apply_rotary, rotary_angles
 from trainmesh.plan import model_shape, params_per_tp_rank
-from trainmesh.recompute import apply_recompute
-from trainmesh.tensor_parallel import ShardSpec, shard_tensor
+from trainmesh.parallel.recompute import apply_recompute
+from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, full_state_dict, train
+from trainmesh.app.train import build, full_state_dict, train
 
 from helpers import check_equivalent
 
@@ -176,7 +176,7 @@ def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
     single = dataclasses.replace(cfg, nproc=1, tp=1, sequence_parallel=False, resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
-    assert checkpoint.restore(run).step == 2
+    assert checkpoints.restore(run).step == 2
     loaded = full_state_dict(run)
     assert loaded.keys() == trained.keys()
     for name, tensor in trained.items():
@@ -186,7 +186,7 @@ def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
 # --- command line --------------------------------------------------------------------------------------
 
 def _trainmesh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True,
                           timeout=120, env=os.environ.copy())
 
 

@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-from trainmesh.config import Config, ConfigError, validate
+from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import scalars
 from trainmesh.models import moe
 from trainmesh.models.moe import MoE, MoEConfig
-from trainmesh.report import report
+from trainmesh.tracking.report import report
 from trainmesh.testing import run_ranks
-from trainmesh.train import full_state_dict, moe_metrics, train
+from trainmesh.app.train import full_state_dict, moe_metrics, train
 
 from helpers import EQUIVALENCE_TABLE, assert_same_training, check_equivalent, describe_layout, in_fp64, train_single
 

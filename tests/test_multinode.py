@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.mesh import first_host, world_env
 
 from helpers import FP64_ATOL, train_single
 
 STEPS, GLOBAL_BATCH = 3, 8
-TRAIN = ["-m", "trainmesh.cli", "train", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--no-progress",
+TRAIN = ["-m", "trainmesh", "train", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--no-progress",
          "--precision", "fp64"]
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TRAINMESH_STORE_CLIENT", "TRAINMESH_FAULT")

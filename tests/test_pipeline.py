@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from trainmesh.config import Config, ConfigError, validate
+from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.pipeline.partition import balanced_partition, explicit_partition, partition_model, split_model
@@ -22,7 +22,7 @@ from trainmesh.pipeline.runtime import PipelineRuntime, forward_only, hoist_rece
 from trainmesh.pipeline.schedules import SCHEDULES, SEND_KINDS, ActionKind, build_schedule
 from trainmesh.pipeline.simulate import simulate
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, evaluate, forward_backward, rank_batch, setup_process
+from trainmesh.app.train import build, evaluate, forward_backward, rank_batch, setup_process
 
 from helpers import check_equivalent
 
@@ -335,7 +335,7 @@ def test_bad_pipeline_config_is_rejected_with_the_fix(kw, message):
 
 
 def _trainmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -15,8 +15,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from trainmesh import cli
-from trainmesh.config import Config, config_from_args
+from trainmesh.app import cli
+from trainmesh.app.config import Config, config_from_args
 from trainmesh.metrics import SavedActivations, device_peak, mfu, model_flops_per_token
 from trainmesh.models import ModelShape
 from trainmesh.models.gpt import GPT, PRESETS, cross_entropy
@@ -174,7 +174,7 @@ def test_measuring_saved_activations_keeps_no_graph_alive_under_retain_graph() -
     """Zero bubble's input-gradient pass keeps the graph (``retain_graph``) for its weight-gradient pass.
     A pack hook that held a node's own saved output (GELU's, attention's) kept that node, and the graph
     behind it, alive for good: the measured ZB-H1 peaks were 28-76 % above what the runtime holds."""
-    from trainmesh.bench.plan import StepPeak
+    from trainmesh.app.bench.plan import StepPeak
 
     def graph_tensors() -> set[int]:
         gc.collect()
@@ -628,7 +628,7 @@ def test_trainmesh_plan_prints_the_table_and_the_chosen_layout(capsys: pytest.Ca
     assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "1024 devices of 80 GiB" in lines[0] and "mem/rank" in lines[1] and "tokens/s" in lines[1]
-    assert lines[-1].startswith("chosen: torchrun --nnodes 128 --nproc-per-node 8 -m trainmesh.cli train --dp ")
+    assert lines[-1].startswith("chosen: torchrun --nnodes 128 --nproc-per-node 8 -m trainmesh train --dp ")
     assert lines[-1].endswith("# gpt3-175b is a planning shape trainmesh does not build: these flags lay out your "
                               "own model of it") and len(lines) == 2 + 20 + 1
     assert cli.main([*argv, "--json", "--top", "3"]) == 0

@@ -1,6 +1,6 @@
 """The planner against measurement: for DP, ZeRO-1..3, TP and PP layouts of the tiny GPT actually run here,
 the predicted model state per rank and one micro-batch's saved activations are within 5 % of what the run
-holds and the predicted peaks within 25 % (quantities and tolerances as :mod:`trainmesh.bench.plan` defines
+holds and the predicted peaks within 25 % (quantities and tolerances as :mod:`trainmesh.app.bench.plan` defines
 them); ``--plan auto`` runs the layout it picks.
 
 All layouts of one world run in one ``run_ranks`` call (a module fixture); world 2 covers every form,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh.bench.plan import MATRIX, STEPS_PER_VISIT, Comparison, format_table, run_matrix, spearman
+from trainmesh.app.bench.plan import MATRIX, STEPS_PER_VISIT, Comparison, format_table, run_matrix, spearman
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_model_state_prediction_is_exact_up_to_optimizer_step_counters(world2: l
 
 def test_plan_auto_runs_the_layout_it_chose(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--plan", "auto", "--nproc", "2",
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--plan", "auto", "--nproc", "2",
                              "--steps", "2", "--eval-batches", "1", "--global-batch", "8", "--out", str(out)],
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr

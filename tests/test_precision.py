@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, forward_backward, inject_fault, rank_batch, setup_process, train
+from trainmesh.app.train import build, forward_backward, inject_fault, rank_batch, setup_process, train
 
 
 # bf16 has an 8-bit mantissa: per-step losses of the tiny preset drift from fp32 by up to a few 1e-2, and

@@ -15,7 +15,7 @@ def test_busy_time_counts_overlapping_kernels_once():
 
 def test_profiled_run_writes_a_trace_per_rank_and_prints_the_top_ops(tmp_path):
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--nproc", "2", "--dp", "2", "--model",
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2", "--model",
                              "tiny", "--steps", "3", "--profile-steps", "2", "--out", str(out), "--no-progress"],
                             capture_output=True, text=True, timeout=180, env=dict(os.environ))
     assert result.returncode == 0, result.stderr

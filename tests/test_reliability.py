@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainmesh import cli, launcher
+from trainmesh.app import cli
+from trainmesh import launcher
 from trainmesh.comm import Comm, format_ranks
 from trainmesh.launcher import RankProcess, _parse_ranks, _report_failure
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.testing import RankFailure, run_ranks
-from trainmesh.train import TrainingDiverged, build, forward_backward, inject_fault, rank_batch, setup_process, train
+from trainmesh.app.train import TrainingDiverged, build, forward_backward, inject_fault, rank_batch, setup_process, train
 
 
 def trainmesh(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "trainmesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -103,7 +104,7 @@ def test_hung_rank_is_named_with_its_stack_and_nothing_is_left(tmp_path):
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainmesh.cli", "train", "--steps", "100000", "--out", str(out),
+    return subprocess.Popen([sys.executable, "-m", "trainmesh", "train", "--steps", "100000", "--out", str(out),
                              "--no-progress", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -214,7 +215,7 @@ def test_group_ranks_survive_the_error_message(ranks):
 
 def test_launcher_killed_leaves_no_rank_behind(tmp_path):
     marker = str(tmp_path / "orphan-run")
-    launcher = subprocess.Popen([sys.executable, "-m", "trainmesh.cli", "train", "--nproc", "2", "--dp", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2",
                                  "--steps", "100000", "--out", marker, "--no-progress"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -252,7 +253,7 @@ def _listening_addresses(pids: list[int]) -> set[str]:
 
 def test_local_run_listens_on_loopback_only(tmp_path):
     marker = str(tmp_path / "socket-run")
-    launcher = subprocess.Popen([sys.executable, "-m", "trainmesh.cli", "train", "--nproc", "2", "--dp", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2",
                                  "--steps", "100000", "--out", marker, "--no-progress"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh import cli, launcher, rundir, runlock
+from trainmesh.app import cli, rundir
+from trainmesh import launcher
+from trainmesh.tracking import runlock
 from trainmesh import metrics as metrics_module
-from trainmesh.config import Config, ConfigError
+from trainmesh.app.config import Config, ConfigError
 from trainmesh.metrics import MetricsError, MetricsWriter
 
 
@@ -162,7 +164,7 @@ def test_full_disk_mid_run_stops_every_rank_after_a_final_checkpoint(tmp_path):
     out, ck = tmp_path / "run", tmp_path / "ck"
     out.mkdir()
     (out / "metrics.jsonl").symlink_to("/dev/full")
-    result = subprocess.run([sys.executable, "-m", "trainmesh.cli", "train", "--nproc", "2", "--dp", "2", "--steps",
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2", "--steps",
                              "5", "--global-batch", "4", "--out", str(out), "--checkpoint-dir", str(ck)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh.tensor_parallel import parallelize
-from trainmesh.config import Config, ConfigError, validate
+from trainmesh.parallel.tensor_parallel import parallelize
+from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import SavedActivations
 from trainmesh.models import GPT_PLAN
 from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
 from trainmesh.optim import is_tp_sharded
-from trainmesh.tensor_parallel import ShardSpec, load_full_state_dict, shard_tensor, unsharded_state_dict
+from trainmesh.parallel.tensor_parallel import ShardSpec, load_full_state_dict, shard_tensor, unsharded_state_dict
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, forward_backward, rank_batch, setup_process
+from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
 from helpers import check_equivalent
 
@@ -228,7 +228,7 @@ def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
 def test_the_torch_peer_of_bench_tp_gets_each_familys_plan_with_fused_rows_per_rank(name):
     """``trainmesh bench tp --model X`` translates X's own plan for torch: after the reorder, torch's
     contiguous row split gives each rank exactly trainmesh's shard of every fused projection."""
-    from trainmesh.bench.tp import torch_tp_plan
+    from trainmesh.app.bench.tp import torch_tp_plan
     from trainmesh.models import preset, spec_of
 
     spec, tp = spec_of(name), 2

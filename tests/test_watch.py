@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 
-from trainmesh import cli, metrics
-from trainmesh.config import Config
+from trainmesh.app import cli
+from trainmesh import metrics
+from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import METRICS_FILE, LossWindows, MetricsWriter, Progress, TensorBoardSink
-from trainmesh.report import REPORT_FILE, ReportError, report
-from trainmesh.train import train
+from trainmesh.tracking.report import REPORT_FILE, ReportError, report
+from trainmesh.app.train import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -248,7 +249,7 @@ sys.modules.update(dict.fromkeys(("tensorboard", "tqdm", "matplotlib", "rich", "
 
 def test_training_needs_none_of_the_watch_packages(tmp_path):
     code = BLOCK + f"""
-from trainmesh import cli
+from trainmesh.app import cli
 assert cli.main(["train", "--steps", "2", "--global-batch", "2", "--eval-batches", "1", "--out", {str(tmp_path)!r}]) == 0
 assert cli.main(["report", {str(tmp_path)!r}]) == 2
 """

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm, log_all_reduce
-from trainmesh.context_parallel import apply_context_parallel, shard_sequence
+from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.layout import Layout, experts_problem, keyword, validate
-from trainmesh.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
+from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
 from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
 from trainmesh.models import moe, spec_for
@@ -43,12 +43,14 @@ from trainmesh.optim import adamw_factory
 from trainmesh.pipeline.partition import gather_stages
 from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.precision import LossScaler, dtype_of
-from trainmesh.recompute import Target, apply_recompute, recompute_modules
+from trainmesh.parallel.recompute import Target, apply_recompute, recompute_modules
 from trainmesh.safe_io import sha256_hex
-from trainmesh.tensor_parallel import parallelize as apply_tensor_parallel
-from trainmesh.tensor_parallel import unsharded_state_dict
-from trainmesh import checkpoint, runlock, zero
-from trainmesh.manifest import show
+from trainmesh.parallel.tensor_parallel import parallelize as apply_tensor_parallel
+from trainmesh.parallel.tensor_parallel import unsharded_state_dict
+from trainmesh import checkpoint
+from trainmesh.tracking import runlock
+from trainmesh.parallel import zero
+from trainmesh.checkpoint.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
               backend: str = "auto", timeout: float = 600.0, ep: int = 1) -> Mesh:
@@ -189,7 +191,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     them with ``model.save_pretrained(out, state_dict=pm.state_dict())`` on one rank.
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
-    ``tp_plan``: module-name patterns -> :data:`trainmesh.tensor_parallel.STYLES` (default: the model
+    ``tp_plan``: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES` (default: the model
     family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism).
     ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
     ``pipeline``: where the blocks and the modules before and after them are (default: the family's
@@ -198,10 +200,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
     and the loss.
-    ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.context_parallel`);
+    ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.parallel.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
     A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
-    (:mod:`trainmesh.expert_parallel`); the experts' gradients and ZeRO state then live on the
+    (:mod:`trainmesh.parallel.expert_parallel`); the experts' gradients and ZeRO state then live on the
     expert-data-parallel group.
     """
     spec = spec_for(model)

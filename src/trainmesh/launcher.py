@@ -342,7 +342,7 @@ def heartbeat_ages(store: dist.TCPStore, ranks: Sequence[int]) -> dict[int, floa
     return {r: now - float(store.get(key)) for r, key in keys.items() if store.check([key])}
 
 
-def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh.cli")) -> int:
+def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh")) -> int:
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
     user's script) as ``nproc`` ranks; returns the exit code for the user."""
     store, port = host_store()

@@ -1,7 +1,7 @@
 """One layout of a training run and the rules it must keep, each written once for every front door.
 
 A layout (how one step is spread over ranks and held in memory) reaches trainmesh three ways: the command
-line's flags and TOML file (:mod:`trainmesh.config`), the Python API's keyword arguments
+line's flags and TOML file (:mod:`trainmesh.app.config`), the Python API's keyword arguments
 (``trainmesh.init_mesh``/``parallelize``), and the planner's candidates (:mod:`trainmesh.plan`). Each front door
 builds a :class:`Layout` and calls :func:`validate`, which raises :class:`LayoutError` with one line that names
 the setting and the fix. The line is spelled for the caller's audience by a :data:`Spell`: :func:`flag` for
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.pipeline.schedules import SCHEDULES as SCHEDULE_BUILDERS
-from trainmesh.recompute import MODES
+from trainmesh.parallel.recompute import MODES
 
 ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = tuple(SCHEDULE_BUILDERS)

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.layout import (RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, resolve_reduce_dtype,
                               validate)
 from trainmesh.metrics import (DEVICE_PEAKS, DevicePeak, block_flops_per_token, head_flops_per_token,
@@ -170,7 +170,7 @@ GPU_EFFICIENCY = (0.72, 160, 0.7)
 
 # Peaks from metrics.DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
 # (H100/H200) NIC per GPU. "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
-# ``python -m trainmesh.bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
+# ``python -m trainmesh.app.bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
 # 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
 # hand work over on the cores the ranks compute on); across hosts no better than that.
 CLUSTER_PRESETS: dict[str, Cluster] = {
@@ -404,7 +404,7 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
     """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE
     block (``moe``) holds here what every ep rank holds of it: the router and the shared experts' MLP in
     place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
-    out: ``trainmesh.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
+    out: ``trainmesh.parallel.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
     attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
@@ -1034,7 +1034,7 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
     micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
     micro-batch), and under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
-    :class:`trainmesh.zero.ZeroStage3`), each unit in a collective of its own (a latency per unit). None of it is assumed hidden behind compute: that fits
+    :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own (a latency per unit). None of it is assumed hidden behind compute: that fits
     Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
     lay, model = layout, workload.model
@@ -1360,7 +1360,7 @@ LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatch
 
 
 def workload_of(cfg: Config) -> Workload:
-    """The workload a :class:`~trainmesh.config.Config` trains: its model, global batch and dtypes."""
+    """The workload a :class:`~trainmesh.app.config.Config` trains: its model, global batch and dtypes."""
     model = cfg.model_config
     return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
 
@@ -1382,7 +1382,7 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
     """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
     (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
-    when it is not the default), then what differs from :class:`~trainmesh.config.Config`'s defaults."""
+    when it is not the default), then what differs from :class:`~trainmesh.app.config.Config`'s defaults."""
     cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
                              reduce_dtype=workload.reduce_dtype), layout)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
@@ -1419,7 +1419,7 @@ def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: s
     else:
         nodes = layout.world // cluster.gpus_per_node
         line = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
-                "-m", "trainmesh.cli", "train", *named, *flags]
+                "-m", "trainmesh", "train", *named, *flags]
     if model is not None and not buildable:
         line += ["  #", f"{model} is a planning shape trainmesh does not build: these flags lay out your own model of it"]
     return " ".join(line)

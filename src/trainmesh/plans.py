@@ -1,4 +1,4 @@
-"""Tensor-parallel plans by model family: module-name patterns -> :data:`trainmesh.tensor_parallel.STYLES`,
+"""Tensor-parallel plans by model family: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES`,
 for ``trainmesh.parallelize(model, mesh, tp_plan=...)``. A plan for another architecture is a dict like
 these; every pattern must match a module and no module may match twice."""
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmesh import runlock
+from trainmesh.tracking import runlock
 from trainmesh.mesh import world_env
 from trainmesh.metrics import LossWindows, MetricsError, MetricsWriter, Progress, open_sinks
 

@@ -51,7 +51,7 @@ that it can remove the file of a segment whose first rank was killed before unli
 
 
 TRANSPORT_ENV = "TRAINMESH_HOST_TRANSPORT"
-"""``auto`` (the default) or ``off``; ``--host-transport off`` sets it for every rank (``trainmesh.cli``)."""
+"""``auto`` (the default) or ``off``; ``--host-transport off`` sets it for every rank (``trainmesh.app.cli``)."""
 TRANSPORTS = ("auto", "off")
 
 

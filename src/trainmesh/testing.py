@@ -53,7 +53,7 @@ def _context() -> mp.context.BaseContext:
     spends about 1.5 s of CPU importing them, the bulk of a small multi-rank test on a 2-core machine.
     The server itself never computes (no thread pools started before the fork), so forking it is safe."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "trainmesh.train"])
+    ctx.set_forkserver_preload(["torch", "trainmesh.app.train"])
     return ctx
 
 

@@ -67,7 +67,7 @@ def data_vocab_size(path: str, tokenizer: str) -> int | None:
     if is_prepared(path):
         return read_index(path).vocab_size
     if tokenizer:
-        from trainmesh.tokenizer import tokenizer_vocab_size
+        from trainmesh.data.tokenizer import tokenizer_vocab_size
 
         return tokenizer_vocab_size(tokenizer)
     return None

@@ -55,7 +55,7 @@ def _init_worker(tokenizer: str, dtype: str) -> None:
     """Each worker loads the tokenizer once; its own thread pool is off, the processes are the parallelism."""
     global _TOKENIZER, _DTYPE
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from trainmesh.tokenizer import load_tokenizer
+    from trainmesh.data.tokenizer import load_tokenizer
 
     _TOKENIZER, _DTYPE = load_tokenizer(tokenizer), np.dtype(dtype)
 
@@ -185,7 +185,7 @@ def _results(opts: PrepareOptions, files: list[Path], dtype: np.dtype) -> Iterat
 def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     """Tokenize ``opts.inputs`` into shards and an index under ``opts.out`` (progress on ``stream``, default
     stderr); returns the index."""
-    from trainmesh.tokenizer import load_tokenizer, tokenizer_sha256
+    from trainmesh.data.tokenizer import load_tokenizer, tokenizer_sha256
 
     stream = stream or sys.stderr
     tok = load_tokenizer(opts.tokenizer)

@@ -154,7 +154,7 @@ def check_tokenizer(index: Index, tokenizer: str) -> None:
     """A ``--tokenizer`` given with prepared data must be the one the data was tokenized with."""
     if not tokenizer:
         return
-    from trainmesh.tokenizer import tokenizer_sha256
+    from trainmesh.data.tokenizer import tokenizer_sha256
 
     if tokenizer_sha256(tokenizer) != index.tokenizer_sha256:
         raise DataError(f"tokenizer {tokenizer} is not the one {index.root} was prepared with "

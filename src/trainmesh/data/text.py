@@ -107,7 +107,7 @@ def load_tokens(path: str = "", tokenizer: str = "") -> torch.Tensor:
     if not tokenizer:
         raw = b"".join(docs)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    from trainmesh.tokenizer import load_tokenizer
+    from trainmesh.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     eos = [] if tok.eos_id is None else [tok.eos_id]

@@ -7,7 +7,7 @@ Switch, Fedus et al., 2021), plus the output of always-on shared experts if any 
 slice (what a grouped GEMM and an all-to-all both want), and put back by the inverse permutation.
 
 Where the token copies go is a :class:`Dispatcher`'s business: :class:`LocalDispatch` keeps them on this
-process; expert parallelism (``trainmesh.expert_parallel``) swaps in one that exchanges them between ranks.
+process; expert parallelism (``trainmesh.parallel.expert_parallel``) swaps in one that exchanges them between ranks.
 Nothing here imports ``torch.distributed``: the statistics the balancing needs over a whole batch
 (expert counts for the bias update) are handed in already reduced by the caller.
 

@@ -268,7 +268,7 @@ class ModelSpec:
     """One model family: its presets, how to build one, its tensor-parallel plan (module-name patterns ->
     ``tensor_parallel.STYLES``), the module classes each recompute mode checkpoints (``full``: whole blocks;
     ``selective``: the attention core), its shape for the planner, and how it maps to a Hugging Face
-    architecture (:class:`HFMapping`, used by :mod:`trainmesh.hf`).
+    architecture (:class:`HFMapping`, used by :mod:`trainmesh.models.hf`).
 
     ``presets`` are the sizes the tests and examples train on a CPU; ``planner_presets`` are full-sized
     published shapes (an 8B model's weights alone exceed a CPU machine's memory), which ``trainmesh train``

@@ -32,7 +32,7 @@ from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
 from trainmesh.data.text import text_documents
 from trainmesh.models import preset
-from trainmesh.tokenizer import tokenizer_sha256, train_bpe
+from trainmesh.data.tokenizer import tokenizer_sha256, train_bpe
 
 MB = 10**6
 GB = 10**9
@@ -95,7 +95,7 @@ def bench_loader(data: str, steps: int) -> float:
 
 def train_summary(data: str, out: Path, steps: int) -> tuple[dict, float]:
     """``trainmesh train --model small`` on ``data`` in its own process: its summary and wall seconds."""
-    cmd = [sys.executable, "-m", "trainmesh.cli", "train", "--model", "small", "--global-batch", "16",
+    cmd = [sys.executable, "-m", "trainmesh", "train", "--model", "small", "--global-batch", "16",
            "--steps", str(steps), "--out", str(out), "--no-progress", "--data", data]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

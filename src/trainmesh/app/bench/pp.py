@@ -17,7 +17,7 @@ simulated is the durations' variation, which mean costs cannot show. ``uniform``
 (F=1, B=2 per stage, free communication).
 
 Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
-clipping, their steps timed in pairs, one of each (:func:`trainmesh.bench.common.compare`).
+clipping, their steps timed in pairs, one of each (:func:`trainmesh.app.bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainmesh.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
-from trainmesh.config import Config, ConfigError, validate
+from trainmesh.app.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
+from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
 from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate
-from trainmesh.run import Run
-from trainmesh.train import build, rank_batch, setup_process
+from trainmesh.app.run import Run
+from trainmesh.app.train import build, rank_batch, setup_process
 
 def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
     """(measured, simulated with each step's mean costs, simulated with each recorded step's own durations,

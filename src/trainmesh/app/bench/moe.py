@@ -4,7 +4,7 @@ experts' grouped GEMM against a per-expert loop. Prints; asserts nothing.
 Every ep runs ``moe-tiny`` on the same 4 data-parallel ranks (ep folds inside dp, so the ranks, the tokens
 and the work stay the same; only where the experts live changes), each in fresh processes so that peak
 RSS is that layout's. Per step it reports the token bytes each rank's dispatchers sent to *other* ranks
-(:class:`trainmesh.expert_parallel.AllToAllDispatch` counts them; forward dispatch and combine and their
+(:class:`trainmesh.parallel.expert_parallel.AllToAllDispatch` counts them; forward dispatch and combine and their
 backward, four transfers per MoE layer) against the formula: a rank's ``tokens x top-k`` copies of
 ``hidden x dtype bytes`` each, per direction, of which ``(ep-1)/ep`` leave the rank under even routing.
 Tokens/s is the median (min-max) over the timed steps; model state is rank 0's parameters, gradients and
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from trainmesh.config import Config
-from trainmesh.expert_parallel import expert_modules
+from trainmesh.app.config import Config
+from trainmesh.parallel.expert_parallel import expert_modules
 from trainmesh.metrics import max_rss_bytes, storage_bytes
 from trainmesh.models.moe import MATMULS
 from trainmesh.testing import run_ranks
@@ -36,7 +36,7 @@ def _median_range(values: list[float], fmt: str = "{:,.0f}") -> str:
 
 def _ep_rank(cfg: Config, steps: int) -> dict:
     """Runs on every rank: ``steps`` training steps (the first untimed); per-step sent bytes and times."""
-    from trainmesh.train import build, forward_backward, rank_batch, setup_process
+    from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
     torch.set_num_threads(1)
     run = build(cfg, setup_process(cfg))
     dispatchers = [m.dispatcher for _, m in expert_modules(run.model) if hasattr(m.dispatcher, "sent_bytes")]

@@ -193,7 +193,7 @@ def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool)
 
 def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.Module) -> dict[str, tuple[torch.Size, list[Any]]]:
     """A checkpoint's geometry (full shape and the boxes this rank holds, per parameter:
-    :func:`trainmesh.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
+    :func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
     tensor: ``size`` times the experts, this rank's box at expert ``rank * E_local``. A checkpoint saved
     at one ep then reads back at any other, or on one process, as the boxes intersect."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.data import TokenData
 from trainmesh.engine import Criterion, Engine
 from trainmesh.mesh import Mesh
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Run:
-    """Everything a step needs, built once by :func:`trainmesh.train.build`: the public API's parallel model
+    """Everything a step needs, built once by :func:`trainmesh.app.train.build`: the public API's parallel model
     and optimizer (what a script holds), the settings and the data."""
 
     cfg: Config

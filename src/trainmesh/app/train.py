@@ -23,10 +23,10 @@ import torch
 
 from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.data import TokenData, get_batch
 from trainmesh.engine import MicroBatches
-from trainmesh.run import Run
+from trainmesh.app.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.metrics import (LossWindows, MetricsError, SavedActivations, max_rss_bytes, mfu, model_flops_per_token,
@@ -39,6 +39,7 @@ from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, 
 from trainmesh.precision import dtype_of
 from trainmesh.profiling import StepProfiler
 from trainmesh import api, checkpoint
+from trainmesh.app import checkpoints
 
 FAULT_ENV = "TRAINMESH_FAULT"
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
@@ -275,8 +276,8 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
     note = "no --checkpoint-dir is set, so this run's weights are not saved"
     if run.cfg.checkpoint_dir:
         try:
-            saved = (checkpoint.step_dir(Path(run.cfg.checkpoint_dir), done.step) if checkpoint.due(run.cfg, done.step)
-                     else checkpoint.save(run, done))
+            saved = (checkpoint.step_dir(Path(run.cfg.checkpoint_dir), done.step) if checkpoints.due(run.cfg, done.step)
+                     else checkpoints.save(run, done))
             note = f"{saved} holds step {done.step}; free space and continue with --resume"
         except checkpoint.CheckpointError as e:
             note = f"the final checkpoint failed too: {e}"
@@ -290,11 +291,11 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     steps run here); rank 0 writes metrics under ``cfg.out`` and prints progress."""
     mesh = mesh or setup_process(cfg)
     run = build(cfg, mesh)
-    start = checkpoint.restore(run)
+    start = checkpoints.restore(run)
     rank, _ = world_from_env()
     resume_from = start.step if cfg.resume else None
     log = RunLog(cfg.out, cfg.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.__dict__,
-                 name=checkpoint.model_source(cfg), tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                 name=checkpoints.model_source(cfg), tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                  progress=cfg.progress, progress_every=cfg.progress_every, lock=False)
     progress = log.progress
     progress.message(f"trainmesh: {log.name} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
@@ -348,9 +349,9 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
             record["val_perplexity"] = perplexity(record["val_loss"])
         metrics_error = write_metrics(log, record)
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
-        if checkpoint.due(cfg, step + 1):
+        if checkpoints.due(cfg, step + 1):
             with progress.paused():
-                checkpoint.save(run, done)
+                checkpoints.save(run, done)
         with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
     progress.close()

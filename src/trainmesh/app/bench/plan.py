@@ -1,10 +1,10 @@
 """The planner against measurement: memory per rank and step time that :mod:`trainmesh.plan` predicts for a
 layout, next to what a real run of that layout measures here.
 
-``python -m trainmesh.bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
+``python -m trainmesh.app.bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
 ``tests/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
 :func:`trainmesh.testing.run_ranks` call: each rank trains each layout with
-:func:`trainmesh.train.train` (which writes ``metrics.jsonl`` and ``summary.json``), then runs a few
+:func:`trainmesh.app.train.train` (which writes ``metrics.jsonl`` and ``summary.json``), then runs a few
 more steps of the same run with :class:`StepPeak` recording.
 
 The planner predicts each pipeline stage, so layouts are compared stage by stage, measured values taken
@@ -29,7 +29,7 @@ peak              :attr:`StepPeak.total`: most of model state    ``memory_per_ra
 ================  ============================================  =========================================  =====
 
 Step time: the median (min-max) of rank 0's times of ``TIMED_ROUNDS * STEPS_PER_VISIT`` steps per layout,
-taken in rounds that visit every layout of the world in turn (:func:`~trainmesh.bench.common.alternating_times`),
+taken in rounds that visit every layout of the world in turn (:func:`~trainmesh.app.bench.common.alternating_times`),
 against :func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto``
 plans with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
 the layout ``--plan auto`` picks at each world beside the matrix (unless it is one of them) to say how its
@@ -64,8 +64,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainmesh.bench.common import alternating_times, trainmesh_step
-from trainmesh.config import Config
+from trainmesh.app.bench.common import alternating_times, trainmesh_step
+from trainmesh.app.config import Config
 from trainmesh.metrics import storage_bytes
 from trainmesh.optim import LRSchedule
 from trainmesh.plan import (
@@ -80,8 +80,8 @@ from trainmesh.plan import (
     workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.run import Run
-from trainmesh.train import rank_batch, train
+from trainmesh.app.run import Run
+from trainmesh.app.train import rank_batch, train
 from trainmesh import api
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B,
@@ -231,7 +231,7 @@ def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
 def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object]]:
     """Runs on every rank: train each config, then measure its step peak; rank 0 adds the run's summary.
     Then every layout's step times over ``timed_rounds`` rounds that visit each layout in turn
-    (:func:`~trainmesh.bench.common.alternating_times`)."""
+    (:func:`~trainmesh.app.bench.common.alternating_times`)."""
     torch.set_num_threads(1)
     out, runs = [], []
     for cfg in cfgs:
@@ -416,7 +416,7 @@ def _rows_json(rows: list[Comparison]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainmesh.bench.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainmesh.app.bench.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="model preset (default: small)")
     parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
     parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")

@@ -7,7 +7,7 @@ cross-entropy, torch's ``loss_parallel``), column- and row-parallel linears wher
 torch's ``ColwiseParallel`` shards a weight's rows contiguously, so in its copy of the model a fused
 projection split chunk by chunk (GPT's ``[q | k | v]``, Llama's ``[gate | up]``) has its rows reordered
 rank by rank: the same function, sharded the same way. Steps are timed in pairs, one of each
-(:func:`trainmesh.bench.common.compare`).
+(:func:`trainmesh.app.bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
-from trainmesh.config import Config, ConfigError
+from trainmesh.app.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
+from trainmesh.app.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
-from trainmesh.tensor_parallel import ShardSpec, match_plan, shard_tensor
-from trainmesh.run import Run
-from trainmesh.train import build, rank_batch, setup_process
+from trainmesh.parallel.tensor_parallel import ShardSpec, match_plan, shard_tensor
+from trainmesh.app.run import Run
+from trainmesh.app.train import build, rank_batch, setup_process
 
 
 CHUNKS = {"colwise": 1, "colwise_qkv": 3, "colwise_pair": 2}  # trainmesh's column styles: chunks split apart
@@ -109,7 +109,7 @@ def _first_losses(run: Run, model: nn.Module) -> tuple[float, float]:
 
 
 def bench_tp(cfg: Config, pairs: int) -> list[Result]:
-    """trainmesh :func:`~trainmesh.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
+    """trainmesh :func:`~trainmesh.parallel.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
         raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
                           "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")

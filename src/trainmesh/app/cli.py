@@ -16,17 +16,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainmesh import hf, runlock, shm
-from trainmesh.checkpoint import CheckpointError, check_resumable, claim, export, export_hf, model_settings
-from trainmesh.config import (Config, ConfigError, add_config_flags, check_local_ranks, check_value, config_from_args,
+from trainmesh.models import hf
+from trainmesh.tracking import runlock
+from trainmesh import shm
+from trainmesh.app.checkpoints import check_resumable, claim, model_settings
+from trainmesh.checkpoint import CheckpointError, export, export_hf
+from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_local_ranks, check_value, config_from_args,
                               load_toml, parse_flag, validate)
 from trainmesh.data import DataError, TokenData
-from trainmesh.generate import GenerateError, Sampling, generate_text
+from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.metrics import MetricsError
-from trainmesh.report import ReportError
-from trainmesh.rundir import check_run_dirs, default_out_dir
-from trainmesh.tokenizer import TokenizerError
+from trainmesh.tracking.report import ReportError
+from trainmesh.app.rundir import check_run_dirs, default_out_dir
+from trainmesh.data.tokenizer import TokenizerError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    from trainmesh.report import report
+    from trainmesh.tracking.report import report
 
     print(report(Path(args.run_dir)))
     return 0
@@ -114,7 +117,7 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _tokenizer(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.data.sources import document_texts
-    from trainmesh.tokenizer import train_bpe
+    from trainmesh.data.tokenizer import train_bpe
 
     tok = train_bpe(document_texts(args.input), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens; wrote {args.out}")
@@ -384,7 +387,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with claim(cfg), runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
         if not _is_rank() and (cfg.nproc > 1 or cfg.max_restarts):
             from trainmesh.launcher import launch_with_restarts
-            from trainmesh.train import FAULT_ENV
+            from trainmesh.app.train import FAULT_ENV
 
             if cfg.plan == "auto":
                 from trainmesh.plan import layout_flags
@@ -397,7 +400,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _train_here(cfg: Config) -> int:
     """Train as one rank in this process (the only one, or one of many under torchrun or the launcher); the
     process group is left at exit (:func:`trainmesh.mesh.leave_at_exit`)."""
-    from trainmesh.train import RunStopped, train
+    from trainmesh.app.train import RunStopped, train
 
     try:
         train(cfg)
@@ -408,7 +411,7 @@ def _train_here(cfg: Config) -> int:
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.form == "all":
-        from trainmesh.bench.suite import run_all
+        from trainmesh.app.bench.suite import run_all
 
         cfg = config_from_args(args)
         return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.pairs,
@@ -418,11 +421,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh.launcher import launch
 
         return launch(argv, cfg.nproc)
-    from trainmesh.bench.common import write_results
-    from trainmesh.bench.dp import bench_dp
-    from trainmesh.bench.pp import bench_pp
-    from trainmesh.bench.tp import bench_tp
-    from trainmesh.bench.zero import bench_zero
+    from trainmesh.app.bench.common import write_results
+    from trainmesh.app.bench.dp import bench_dp
+    from trainmesh.app.bench.pp import bench_pp
+    from trainmesh.app.bench.tp import bench_tp
+    from trainmesh.app.bench.zero import bench_zero
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
     write_results(bench_form(cfg, pairs=args.pairs), args.results)

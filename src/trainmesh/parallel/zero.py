@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainmesh.comm import Comm
-from trainmesh.data_parallel import DataParallel, accumulating_locally, axis_buckets, fold_grad_into
-from trainmesh.expert_parallel import reduction_axis, with_expert_units
+from trainmesh.parallel.data_parallel import DataParallel, accumulating_locally, axis_buckets, fold_grad_into
+from trainmesh.parallel.expert_parallel import reduction_axis, with_expert_units
 from trainmesh.layout import Layout, validate
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
@@ -287,7 +287,7 @@ def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> 
 
 def own_params(units: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
     """Each unit's trainable parameters less those of a unit listed after it inside it (the routed experts
-    of a block, :func:`trainmesh.expert_parallel.with_expert_units`), so every parameter is in one unit."""
+    of a block, :func:`trainmesh.parallel.expert_parallel.with_expert_units`), so every parameter is in one unit."""
     owner = {id(p): k for k, (_, m) in enumerate(units) for p in trainable(m)}
     return [[p for p in trainable(m) if owner[id(p)] == k] for k, (_, m) in enumerate(units)]
 
@@ -334,7 +334,7 @@ class ZeroEngine:
     """What the stages share: the sharded AdamW, gradient reduce-scatter in order, the step, accounting.
 
     Groups are reduce-scattered in index order on every rank (a group that is ready early waits for the
-    ones before it), so the collectives match across ranks, as in :class:`~trainmesh.data_parallel.DataParallel`.
+    ones before it), so the collectives match across ranks, as in :class:`~trainmesh.parallel.data_parallel.DataParallel`.
     Run backward on the loss times :attr:`loss_scale` (1 except in fp16).
     """
 

@@ -2,7 +2,7 @@
 
 Each form runs as its own ``trainmesh bench FORM`` launch (so one form's memory and threads never
 disturb another's figures) on the same ranks, model and global batch, and hands back its rows
-(:class:`trainmesh.bench.common.Result`) as JSON. The table goes to the terminal and, with the machine,
+(:class:`trainmesh.app.bench.common.Result`) as JSON. The table goes to the terminal and, with the machine,
 torch version and date, to ``results.json`` and ``results.md`` in the run directory.
 """
 
@@ -43,7 +43,7 @@ def run_all(nproc: int, model: str, global_batch: int, pairs: int, out: str) -> 
     with tempfile.TemporaryDirectory() as tmp:
         for form, layout in FORMS.items():
             results = Path(tmp, f"{form}.json")
-            argv = [sys.executable, "-m", "trainmesh.cli", "bench", form, "--nproc", str(nproc),
+            argv = [sys.executable, "-m", "trainmesh", "bench", form, "--nproc", str(nproc),
                     *(a.format(n=nproc) for a in layout), "--model", model, "--global-batch", str(global_batch),
                     "--pairs", str(pairs), "--results", str(results)]
             print(f"bench all: {' '.join(argv[3:-2])}", flush=True)

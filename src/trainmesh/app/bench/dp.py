@@ -8,12 +8,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
-from trainmesh.config import Config
-from trainmesh.run import Run
+from trainmesh.app.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
+from trainmesh.app.config import Config
+from trainmesh.app.run import Run
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
-from trainmesh.train import build, rank_batch, setup_process
+from trainmesh.app.train import build, rank_batch, setup_process
 
 
 def _ddp_step(run: Run) -> StepFn:
@@ -56,7 +56,7 @@ def unsynchronised_step(run: Run, model: nn.Module) -> StepFn:
 
 
 def bench_dp(cfg: Config, pairs: int) -> list[Result]:
-    """trainmesh :class:`~trainmesh.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
+    """trainmesh :class:`~trainmesh.parallel.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
     if cfg.world_size < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
     mesh = setup_process(cfg)

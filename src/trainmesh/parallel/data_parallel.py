@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.expert_parallel import EXPERT_AXIS, is_expert, reduction_axis
+from trainmesh.parallel.expert_parallel import EXPERT_AXIS, is_expert, reduction_axis
 from trainmesh.metrics import model_state_tensors
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
@@ -54,7 +54,7 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 def axis_buckets(params: list[nn.Parameter], bucket_bytes: int, axis: str) -> list[tuple[str, list[nn.Parameter]]]:
     """:func:`split_buckets` of ``params``, each bucket with the axis its gradients are reduced over: the
     dense parameters' buckets (over ``axis``) first, then the routed experts' (over the expert-data-parallel
-    axis, :func:`trainmesh.expert_parallel.reduction_axis`), so no bucket mixes two groups."""
+    axis, :func:`trainmesh.parallel.expert_parallel.reduction_axis`), so no bucket mixes two groups."""
     dense = [p for p in params if reduction_axis(p, axis) == axis]
     experts = [p for p in params if reduction_axis(p, axis) != axis]
     return [(axis, b) for b in split_buckets(dense, bucket_bytes) if b] + \

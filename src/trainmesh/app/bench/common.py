@@ -29,8 +29,8 @@ import torch.distributed as dist
 from trainmesh.comm import log_all_gather
 from trainmesh.models import spec_of
 from trainmesh.precision import dtype_of
-from trainmesh.run import Run
-from trainmesh.train import forward_backward, rank_batch
+from trainmesh.app.run import Run
+from trainmesh.app.train import forward_backward, rank_batch
 
 StepFn = Callable[[int], None]
 Rates = dict[str, list[float]]  # tokens/s of each timed pair's step, per implementation

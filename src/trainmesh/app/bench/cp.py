@@ -11,10 +11,10 @@ same warm processes (:func:`cp_rank`):
   against :func:`trainmesh.plan.cp_bytes_per_micro`.
 * ``fit``: the longest sequence whose step fits a per-rank memory cap, as the planner answers it
   (:func:`trainmesh.plan.memory_per_rank`) and as real steps measure it (the largest tensor memory held at
-  once in a step, :class:`trainmesh.bench.plan.StepPeak`: the quantity the planner models), found by
+  once in a step, :class:`trainmesh.app.bench.plan.StepPeak`: the quantity the planner models), found by
   bisection on multiples of ``2·cp·16`` tokens starting from the planner's answer; then tokens/s of each cp
   at its own longest sequence, i.e. at the same memory per rank.
-* ``overlap``: the ring's timeline (:class:`trainmesh.context_parallel.RingTimeline`) at ``small``'s attention
+* ``overlap``: the ring's timeline (:class:`trainmesh.parallel.context_parallel.RingTimeline`) at ``small``'s attention
   shape: each step's blockwise compute and its wait for the K/V transfer posted before that compute. The
   transfer time is measured apart (the same message between the same ranks, nothing to hide it behind);
   hidden fraction = 1 − exposed wait / transfer time of all the ring's messages.
@@ -38,11 +38,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
 from trainmesh import api
-from trainmesh.bench.common import peak_rss, trainmesh_step
-from trainmesh.bench.plan import step_peak
+from trainmesh.app.bench.common import peak_rss, trainmesh_step
+from trainmesh.app.bench.plan import step_peak
 from trainmesh.comm import Comm, log_all_reduce
-from trainmesh.config import Config
-from trainmesh.context_parallel import AXIS, RingTimeline, ring_attention
+from trainmesh.app.config import Config
+from trainmesh.parallel.context_parallel import AXIS, RingTimeline, ring_attention
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import SavedActivations
 from trainmesh.models import spec_of
@@ -55,7 +55,7 @@ from trainmesh.plan import (
     workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.train import build, forward_backward, rank_batch
+from trainmesh.app.train import build, forward_backward, rank_batch
 
 MIB = 2**20
 PARTS = ("memory", "fit", "overlap", "torch")
@@ -78,7 +78,7 @@ def _impls(cp: int) -> tuple[str, ...]:
 def memory_rank(seq_len: int, global_batch: int, cp: int, impl: str, mesh: Mesh) -> dict[str, int]:
     """On every rank: one training step of ``small`` at ``seq_len`` tokens, as ``trainmesh train`` takes its
     first: the activation bytes its first micro-batch saved, the peak RSS during the step (the process's
-    high-water mark reset first, :func:`trainmesh.bench.common.peak_rss`) and the bytes counted on ``cp``."""
+    high-water mark reset first, :func:`trainmesh.app.bench.common.peak_rss`) and the bytes counted on ``cp``."""
     cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, nproc=cp, cp_impl=impl,
                  steps=1, eval_batches=1, progress=False)
     run = build(cfg, mesh)

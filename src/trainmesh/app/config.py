@@ -18,7 +18,7 @@ from pathlib import Path
 from collections.abc import Collection
 from typing import Any
 
-from trainmesh import hf
+from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
 from trainmesh.layout import (CP_IMPLS, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, Layout,
                               LayoutError, resolve_reduce_dtype)
@@ -26,7 +26,7 @@ from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 from trainmesh.models.moe import MoEConfig
 from trainmesh.shm import TRANSPORTS
-from trainmesh.tokenizer import padded_vocab
+from trainmesh.data.tokenizer import padded_vocab
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -191,7 +191,7 @@ class Config:
         """The preset's config, of its family's type (``models.gpt.ModelConfig``, ``models.llama.LlamaConfig``);
         with ``--init-hf``, the one its ``config.json`` describes (``model`` then names a preset of that family).
         A preset's vocabulary follows the data's tokenizer when it has one (padded,
-        :func:`trainmesh.tokenizer.padded_vocab`); a Hugging Face model keeps its own. ``--seq-len`` replaces
+        :func:`trainmesh.data.tokenizer.padded_vocab`); a Hugging Face model keeps its own. ``--seq-len`` replaces
         the sequence length."""
         if self.init_hf:
             base = hf.read_config(self.init_hf)[1]

@@ -13,7 +13,7 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from trainmesh.config import Config, ConfigError
+from trainmesh.app.config import Config, ConfigError
 from trainmesh.plan import precision_bytes
 
 RUNS_ROOT = "runs"

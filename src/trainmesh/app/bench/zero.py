@@ -5,8 +5,8 @@ Peers: stage 1, ``ZeroRedundancyOptimizer`` (AdamW state sharded) under DDP; sta
 ``fully_shard`` keeping parameters whole from forward to backward (``reshard_after_forward=False``);
 stage 3, FSDP2 ``fully_shard``. Both sides train the same model (any family, ``--model``) from the same
 seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh shards
-(:func:`trainmesh.zero.default_units`: embeddings, each block, final norm, head). Steps are timed in pairs,
-one of each (:func:`trainmesh.bench.common.compare`). Memory per rank is reported two ways:
+(:func:`trainmesh.parallel.zero.default_units`: embeddings, each block, final norm, head). Steps are timed in pairs,
+one of each (:func:`trainmesh.app.bench.common.compare`). Memory per rank is reported two ways:
 
 * ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
   ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
@@ -14,7 +14,7 @@ one of each (:func:`trainmesh.bench.common.compare`). Memory per rank is reporte
 * the in-step peak of every tensor (model state, activations, communication buffers), for each stage and
   for both FSDP2 peers alike: the held state plus the most allocated above it during one step, from
   ``torch.profiler``'s memory timeline.
-* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh.bench.common.peak_rss`).
+* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh.app.bench.common.peak_rss`).
   Both models live in the one process, so both figures include the other's resident state; their
   difference is what each one allocates transiently.
 """
@@ -37,16 +37,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from trainmesh.bench.common import (RSS_STEPS, Result, StepFn, all_ranks, compare, fresh_model, rss_after,
+from trainmesh.app.bench.common import (RSS_STEPS, Result, StepFn, all_ranks, compare, fresh_model, rss_after,
                                     trainmesh_step)
-from trainmesh.config import Config
+from trainmesh.app.config import Config
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
-from trainmesh.run import Run
-from trainmesh.train import build, full_state_dict, rank_batch, setup_process
-from trainmesh.zero import default_units, model_state_bytes_formula
+from trainmesh.app.run import Run
+from trainmesh.app.train import build, full_state_dict, rank_batch, setup_process
+from trainmesh.parallel.zero import default_units, model_state_bytes_formula
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t

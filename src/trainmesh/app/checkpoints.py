@@ -1,0 +1,317 @@
+"""What ``trainmesh train`` does with checkpoints: when to save, which run to resume, where a fresh run starts,
+the lock on ``--checkpoint-dir``, and the model ``--resume`` takes from the checkpoint it continues.
+
+Run identity. Every run has an id (a UUID) that its manifests record with a hash of its config. The
+process that launches a run holds ``D/trainmesh.lock`` (:func:`claim`) for the run's life, so a second live
+run on ``D`` is refused with the holder's pid; a fresh run refuses a ``D`` that holds another run's
+checkpoints unless ``--overwrite`` (which deletes them first), ``--resume`` continues the id of the run it
+resumes, and a fallback never loads a checkpoint of another run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+from trainmesh.models import hf
+from trainmesh.app.config import Config
+from trainmesh.data import data_tokenizer
+from trainmesh.checkpoint.manifest import RUN_ID, show
+from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.models import register_preset, spec_of
+from trainmesh.tracking import runlock
+from trainmesh.safe_io import (fsync_dir, sha256_hex)
+from trainmesh.checkpoint.store import (RUN_ID_ENV, agreed_run_id, LATEST, LOCK, STEP_DIR, LEFTOVER, CheckpointError, CheckpointMismatch, CheckpointDamaged, CheckpointOfAnotherRun, TrainingProgress, local_state, all_gather_json, on_every_rank, dtype_name, notice, save_state, read_manifest, parse_manifest, fill, candidates)
+from trainmesh.checkpoint.source import (recorded_model, source_name)
+from trainmesh.checkpoint.load import (load_state, apply_loaded)
+
+if TYPE_CHECKING:
+    from trainmesh.app.run import Run
+
+
+
+
+def config_hash(cfg: Config) -> str:
+    return sha256_hex(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+
+
+def model_source(cfg: Config) -> str:
+    """How runs, summaries and reports name the model of a ``trainmesh train`` run: its preset, or for an
+    ``--init-hf`` import the architecture and the directory it came from (``LlamaForCausalLM from DIR``)."""
+    if not cfg.init_hf:
+        return cfg.model
+    architecture = spec_of(cfg.model).hf.architecture
+    return f"{architecture} from {cfg.init_hf}"
+
+
+def describe(cfg: Config, mesh: Mesh) -> dict:
+    """What a manifest records of a ``trainmesh train`` run besides its tensors: the model (its family, its
+    config and where it came from), the config and its hash, the layout, the tokenizer file (recorded with
+    its hash when the manifest is written, :func:`trainmesh.data.tokenizer.tokenizer_record`)."""
+    return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
+            "model_source": {"family": spec_of(cfg.model).family, "source": model_source(cfg)},
+            "config": dataclasses.asdict(cfg), "tokenizer": data_tokenizer(cfg.data, cfg.tokenizer),
+            "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
+                       "ep": cfg.ep, "zero": cfg.zero}}
+
+
+def save(run: Run, progress: TrainingProgress) -> Path:
+    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective)."""
+    return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
+                      describe(run.cfg, run.mesh))
+
+
+def due(cfg: Config, steps_done: int) -> bool:
+    """Whether to save after ``steps_done`` steps: every ``--checkpoint-every`` steps and at the end."""
+    every = cfg.checkpoint_every
+    return bool(cfg.checkpoint_dir) and ((every > 0 and steps_done % every == 0) or steps_done == cfg.steps)
+
+
+def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
+    there, name = manifest["model"], source_name(manifest)
+    differ = [f"{k} {there.get(k)} there, {v} here" for k, v in dataclasses.asdict(cfg.model_config).items()
+              if there.get(k) != v]
+    if len(differ) == 1 and differ[0].startswith("vocab_size "):
+        raise CheckpointMismatch(f"{path} holds a model with vocabulary {there.get('vocab_size')}, and this run's "
+                                 f"tokenizer/data gives {cfg.model_config.vocab_size} (padded for tp={cfg.tp}); "
+                                 f"pass the tokenizer and data the checkpoint was trained with "
+                                 f"(--tokenizer {manifest['config'].get('tokenizer') or '(bytes)'})")
+    if differ:
+        raise CheckpointMismatch(f"{path} holds a different model ({name}: {', '.join(differ)}); "
+                                 f"resume without --model/--init-hf to continue it, or choose another "
+                                 f"--checkpoint-dir to start afresh")
+
+
+def load(run: Run, path: Path, run_id: str | None = None) -> dict:
+    """Read checkpoint ``path`` into this rank's part of ``run``, in ``run``'s own layout; returns the
+    manifest. A checkpoint of a run other than ``run_id`` (if given) is refused before anything is loaded.
+    Only reads (no collective): :func:`resume` agrees across ranks, then :func:`apply_loaded` finishes."""
+    manifest = read_manifest(path)
+    if run_id and manifest["run"]["id"] != run_id:
+        raise CheckpointOfAnotherRun(f"checkpoint {path} belongs to run {manifest['run']['id']}, not to run "
+                                     f"{run_id} that is being resumed; it is not used")
+    _check_model(manifest, run.cfg, path)
+    load_state(run.model, run.engine, run.mesh, path, manifest)
+    return manifest
+
+
+def run_to_continue(root: Path) -> str | None:
+    """The run that ``--resume`` continues in ``root``: the one that last claimed it (its lock file says),
+    else the one of the newest checkpoint whose manifest is sound (its shards may be damaged: the run is
+    still the one that wrote it); None if there is none."""
+    owner = runlock.read_record(root / LOCK).get("run_id")
+    if isinstance(owner, str) and RUN_ID.fullmatch(owner):
+        return owner
+    for path in candidates(root):
+        try:
+            return parse_manifest(path)["run"]["id"]
+        except CheckpointError:
+            continue
+    return None
+
+
+def resume(run: Run) -> TrainingProgress | None:
+    """Load the newest sound checkpoint of this run under ``--checkpoint-dir``; None if there is none (a
+    collective).
+
+    The run is the one ``TRAINMESH_RUN_ID`` names (set by :func:`claim`), else :func:`run_to_continue`'s.
+    Every rank tries the same candidates in the same order; if any rank finds a file of one damaged (or the
+    checkpoint is another run's), all of them move on to the next, and rank 0 says what it skipped. A
+    checkpoint of another model is an error, not a reason to go back further.
+    """
+    start = time.perf_counter()
+    root, device = Path(run.cfg.checkpoint_dir), run.mesh.device
+    run_id = os.environ.get(RUN_ID_ENV) or run_to_continue(root)
+    paths = candidates(root)
+    tried = []
+    for i, path in enumerate(paths):
+        try:
+            manifest, error = load(run, path, run_id), None
+        except CheckpointMismatch:
+            raise
+        except CheckpointError as e:
+            manifest, error = None, str(e)
+        except OSError as e:
+            manifest, error = None, str(CheckpointDamaged(path, str(e)))
+        errors = [e for e in all_gather_json(error, device) if e]
+        if not errors:
+            progress = apply_loaded(run.engine, manifest)
+            notice(f"resumed from {path} (step {progress.step}) in {time.perf_counter() - start:.2f} s")
+            return progress
+        tried.append(errors[0])
+        then = "falling back to the previous complete checkpoint" if i + 1 < len(paths) else "none is left to try"
+        notice(f"{errors[0]}; {then}")
+    if tried:
+        raise CheckpointError(f"no sound checkpoint of run {run_id} in {root}: " + "; ".join(tried))
+    notice(f"no checkpoint in {root} yet; starting at step 0")
+    return None
+
+
+def load_weights(run: Run, path: Path) -> None:
+    """Start from the weights of a plain (unsharded) safetensors model file; every rank reads from it the
+    parts it holds, so it works in any layout. The optimizer starts afresh."""
+    try:
+        full = safetensors.torch.load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"--init-from {path}: not a readable safetensors file ({e}); write one with "
+                              f"'trainmesh export CKPT --to FILE'") from None
+    load_full(run, full, f"--init-from {path}")
+
+
+def load_hf_weights(run: Run, path: Path) -> None:
+    """Start from the weights of a local Hugging Face directory (``--init-hf``), converted to our names by
+    the family's mapping (:mod:`trainmesh.models.hf`) and resharded like ``--init-from``'s."""
+    try:
+        full = hf.read_hf(path)[2]
+    except hf.HFError as e:
+        raise CheckpointError(f"--init-hf: {e}") from None
+    load_full(run, full, f"--init-hf {path}")
+
+
+def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
+    """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
+    under the plain model's names; ``source`` names where they came from in errors."""
+    n_params = sum(t.numel() for t in full.values())
+    if n_params != run.cfg.model_config.n_params():
+        raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, --model {run.cfg.model} has "
+                                 f"{run.cfg.model_config.n_params():,}; use weights of this model")
+    index = {f"model/{k}": {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                            "pieces": [{"key": k, "file": "weights", "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
+             for k, t in full.items()}
+    fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, Path(source),
+         lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
+                                         f"--model {run.cfg.model}"))
+    run.engine.after_update()
+
+
+
+def start_fresh(cfg: Config) -> None:
+    """Make ``--checkpoint-dir`` ready for a fresh run: a directory holding checkpoints (of another run) is
+    refused, or with ``--overwrite`` emptied of them first (step directories, leftovers of interrupted
+    saves and the ``latest`` pointer), so no step of the other run survives to be resumed or fallen back to."""
+    root = Path(cfg.checkpoint_dir)
+    existing = candidates(root)
+    if not existing:
+        return
+    if not cfg.overwrite:
+        more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
+        raise CheckpointError(f"{root} holds checkpoints of another run ({existing[0].name}{more}, run "
+                              f"{run_to_continue(root) or 'unknown'}); pass --resume to continue that run, "
+                              f"--overwrite to delete them and start afresh, or choose another --checkpoint-dir")
+    for p in root.iterdir():
+        if STEP_DIR.fullmatch(p.name) or LEFTOVER.fullmatch(p.name):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    (root / LATEST).unlink(missing_ok=True)
+    fsync_dir(root)
+
+
+def restore(run: Run) -> TrainingProgress:
+    """Where training starts: the latest checkpoint of this run with ``--resume`` (if there is one), else
+    the weights of ``--init-from``, else step 0 as built; a fresh run first makes ``--checkpoint-dir`` its
+    own (:func:`start_fresh`). The progress returned carries the run's id, which every save records."""
+    cfg, device = run.cfg, run.mesh.device
+    progress = resume(run) if cfg.resume else None
+    if progress is not None and progress.step >= cfg.steps:
+        raise CheckpointError(f"the checkpoint in {cfg.checkpoint_dir} is at step {progress.step}, which --steps "
+                              f"{cfg.steps} has reached; pass a larger --steps to train further")
+    if progress is not None:
+        return progress
+    if cfg.checkpoint_dir and not cfg.resume:
+        rank = world_from_env()[0]
+        on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
+                       f"starting a fresh run in {cfg.checkpoint_dir}")
+    if cfg.init_from:
+        load_weights(run, Path(cfg.init_from))
+    if cfg.init_hf:
+        load_hf_weights(run, Path(cfg.init_hf))
+    return TrainingProgress(run_id=agreed_run_id(device))
+
+
+@contextlib.contextmanager
+def claim(cfg: Config) -> Iterator[str]:
+    """Hold ``--checkpoint-dir`` for the life of this run (``trainmesh.lock`` in it, by the process that
+    launches the ranks) and decide the run's id: the id of the run ``--resume`` continues, else a new one
+    for a fresh run (after :func:`start_fresh`). The ranks this process starts inherit the id in
+    ``TRAINMESH_RUN_ID``. A directory that another live run holds is an error naming that run's pid."""
+    if not cfg.checkpoint_dir:
+        yield ""
+        return
+    root = Path(cfg.checkpoint_dir)
+    with contextlib.ExitStack() as held:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(runlock.hold(root, "--checkpoint-dir", LOCK, keep=True))
+        except runlock.DirectoryInUse as e:
+            raise CheckpointError(f"{root} is in use by another live run (pid {show(e.holder.get('pid'))}, run "
+                                  f"{show(e.holder.get('run_id'))}); wait for it to end, stop it, or choose "
+                                  f"another --checkpoint-dir") from None
+        except OSError as e:
+            raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {e}") from None
+        held.callback(os.environ.pop, RUN_ID_ENV, None)
+        run_id = run_to_continue(root) if cfg.resume else None
+        if run_id is None:
+            if not cfg.resume:
+                start_fresh(cfg)
+            run_id = uuid.uuid4().hex
+        lock.note(run_id=run_id)
+        os.environ[RUN_ID_ENV] = run_id
+        yield run_id
+
+
+MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef",
+                  "moe_z_coef", "moe_bias_rate")
+
+
+"""The settings besides ``model`` that shape a ``trainmesh train`` run's model."""
+
+
+def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
+    """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``:
+    its model, registered as a preset named by its source (``LlamaForCausalLM from DIR``, a model a script
+    saved), so the run needs neither the preset nor the directory it first came from; and the recorded
+    settings that shaped it, except those in ``given`` (set on the command line). Empty without one."""
+    for path in candidates(root):
+        try:
+            manifest = read_manifest(path)
+            spec, cfg = recorded_model(manifest, path)
+        except CheckpointError:
+            continue
+        name = source_name(manifest)
+        register_preset(spec, name, cfg)
+        recorded = manifest["config"]
+        settings = {k: recorded[k] for k in MODEL_SETTINGS if k in recorded and k not in given}
+        return {**settings, "model": name, "init_hf": "", **({} if "seq_len" in given else {"seq_len": 0})}
+    return {}
+
+
+def check_resumable(cfg: Config) -> None:
+    """Before spawning: a checkpoint of another model (or a missing ``--init-from``, an ``--init-hf``
+    directory whose weights do not fit its config) is a one-line error."""
+    if cfg.init_from and not Path(cfg.init_from).is_file():
+        raise CheckpointError(f"--init-from {cfg.init_from} does not exist")
+    if cfg.init_hf:
+        try:
+            hf.check_weights(cfg.init_hf)
+        except hf.HFError as e:
+            raise CheckpointError(f"--init-hf: {e}") from None
+    if not cfg.resume:
+        return
+    for path in candidates(Path(cfg.checkpoint_dir)):
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        _check_model(manifest, cfg, path)
+        return

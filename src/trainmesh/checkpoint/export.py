@@ -1,0 +1,45 @@
+"""A checkpoint written in any layout, out as one plain safetensors file or as a Hugging Face model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import safetensors.torch
+
+from trainmesh.models import hf
+from trainmesh.safe_io import replace_durably
+from trainmesh.checkpoint.store import (MANIFEST, CheckpointError, read_manifest, candidates, read_tensors)
+from trainmesh.checkpoint.source import (recorded_model, recorded_weights, source_name)
+
+
+def _step_to_export(source: Path) -> Path:
+    """``source`` if it is a ``step-N`` directory, else the checkpoint its ``latest`` names (or its newest)."""
+    return source if (source / MANIFEST).exists() else next(iter(candidates(source)), source)
+
+
+def export(source: Path, out: Path) -> str:
+    """Write the weights of checkpoint ``source`` (a ``step-N`` directory, or a checkpoint directory: the
+    one its ``latest`` names) to ``out`` as one plain safetensors file under the plain model's names."""
+    path = _step_to_export(source)
+    manifest = read_manifest(path)
+    tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
+    replace_durably(out, safetensors.torch.save(tensors, metadata={"format": "pt", "step": str(manifest["step"]),
+                                                                   "model": source_name(manifest)}))
+    n_params = sum(t.numel() for t in tensors.values())
+    return f"wrote {len(tensors)} tensors ({n_params:,} parameters, step {manifest['step']}) of {path} to {out}"
+
+
+def export_hf(source: Path, out: Path) -> str:
+    """Write the weights of checkpoint ``source`` (as for :func:`export`) to directory ``out`` as the
+    family's Hugging Face model (``config.json`` and ``model.safetensors``, :func:`trainmesh.models.hf.save_hf`), the
+    shape taken from the manifest, so ``AutoModelForCausalLM.from_pretrained(out)`` loads it."""
+    path = _step_to_export(source)
+    manifest = read_manifest(path)
+    spec, model_config = recorded_model(manifest, path)
+    tensors = recorded_weights(path, manifest)  # a routing bias moved in training is refused by the mapping
+    try:
+        hf.save_hf(tensors, out, model_config)
+    except hf.HFError as e:
+        raise CheckpointError(f"export --hf: {e}") from None
+    return (f"wrote {spec.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
+            f"{manifest['step']}) of {path} to {out}")

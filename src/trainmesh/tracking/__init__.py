@@ -1,0 +1,1 @@
+"""A run's records: metrics, summary, TensorBoard events, progress, the run directory's lock, reports."""
