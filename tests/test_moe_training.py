@@ -12,7 +12,7 @@ import torch
 
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.mesh import Mesh
-from trainmesh.metrics import scalars
+from trainmesh.tracking.records import scalars
 from trainmesh.models import moe
 from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.tracking.report import report

@@ -14,9 +14,9 @@ import pytest
 from trainmesh.app import cli, rundir
 from trainmesh import launcher
 from trainmesh.tracking import runlock
-from trainmesh import metrics as metrics_module
+from trainmesh.tracking import records as metrics_module
 from trainmesh.app.config import Config, ConfigError
-from trainmesh.metrics import MetricsError, MetricsWriter
+from trainmesh.tracking.records import MetricsError, MetricsWriter
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import torch
 from trainmesh.comm import Comm
 from trainmesh.data import DataError, TokenData, get_batch, global_batch_offsets
 from trainmesh.mesh import Mesh
-from trainmesh.metrics import METRICS_FILE, MetricsWriter
+from trainmesh.tracking.records import METRICS_FILE, MetricsWriter
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.optim import LRSchedule
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from trainmesh.app import cli
-from trainmesh import metrics
+from trainmesh.tracking import records as metrics
 from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
-from trainmesh.metrics import METRICS_FILE, LossWindows, MetricsWriter, Progress, TensorBoardSink
+from trainmesh.tracking.records import METRICS_FILE, LossWindows, MetricsWriter, Progress, TensorBoardSink
 from trainmesh.tracking.report import REPORT_FILE, ReportError, report
 from trainmesh.app.train import train
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainmesh.tracking import runlock
 from trainmesh.mesh import world_env
-from trainmesh.metrics import LossWindows, MetricsError, MetricsWriter, Progress, open_sinks
+from trainmesh.tracking.records import LossWindows, MetricsError, MetricsWriter, Progress, open_sinks
 
 if TYPE_CHECKING:
     from trainmesh.api import ParallelModel
@@ -76,7 +76,7 @@ class RunLog:
     def log(self, step: int, loss: float, tokens: int = 0, **metrics: Any) -> None:
         """Record step ``step`` (1-based, the steps done): its ``loss``, the time since the last record,
         ``tokens`` trained on (for tokens/s) and any other ``metrics`` (JSON values; ``val_loss`` is shown
-        in the progress line). Raises :class:`~trainmesh.metrics.MetricsError` if the record cannot be
+        in the progress line). Raises :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be
         written (a full disk), after which the run should stop."""
         now = time.perf_counter()
         step_time, self._last = metrics.pop("step_time_s", now - self._last), now

@@ -26,7 +26,7 @@ from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_l
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
-from trainmesh.metrics import MetricsError
+from trainmesh.tracking.records import MetricsError
 from trainmesh.tracking.report import ReportError
 from trainmesh.app.rundir import check_run_dirs, default_out_dir
 from trainmesh.data.tokenizer import TokenizerError
@@ -340,7 +340,7 @@ def _check_fits(cfg: Config) -> None:
 def _check_watch_packages(cfg: Config, explicit_tensorboard: bool) -> None:
     """Refuse ``--wandb`` (and an explicit ``--tensorboard``) without its package before any rank starts;
     TensorBoard is on by default, so without ``--tensorboard`` on the line a missing package only turns it off."""
-    from trainmesh.metrics import package_available
+    from trainmesh.tracking.records import package_available
 
     if cfg.wandb and not package_available("wandb"):
         raise ConfigError(f"--wandb {cfg.wandb} needs the wandb package: pip install wandb, or drop --wandb")

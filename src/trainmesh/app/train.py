@@ -29,8 +29,9 @@ from trainmesh.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.metrics import (LossWindows, MetricsError, SavedActivations, max_rss_bytes, mfu, model_flops_per_token,
-                               peak_device_bytes, peak_tflops, storage_bytes)
+from trainmesh.metrics import (SavedActivations, max_rss_bytes, mfu, model_flops_per_token, peak_device_bytes,
+                               peak_tflops, storage_bytes)
+from trainmesh.tracking.records import LossWindows, MetricsError
 from trainmesh.runlog import RunLog
 from trainmesh.models import moe, spec_of
 from trainmesh.optim import LRSchedule

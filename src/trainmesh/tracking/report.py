@@ -17,7 +17,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from trainmesh.metrics import METRICS_FILE, LossWindows
+from trainmesh.tracking.records import METRICS_FILE, LossWindows
 
 REPORT_FILE = "report.png"
 MEMORY_KINDS = {"max_rss_bytes": "peak RSS", "peak_device_bytes": "peak device memory",

@@ -1,0 +1,337 @@
+"""A run's records: ``metrics.jsonl`` (one JSON line per step) and the sinks fed from it (TensorBoard,
+W&B), ``summary.json``, and the progress line rank 0 prints.
+
+Steps count from 1 everywhere a person reads them: ``metrics.jsonl``, progress lines, TensorBoard and
+checkpoint directories. Step N is the N-th optimizer step; its record is written once it is done, so the
+record of step N and the checkpoint ``step-N`` describe the same weights, and a run resumed from
+``step-N`` logs step N+1 next. (Inside the loop, data sampling and the learning-rate schedule take the
+0-based index N-1.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib.util
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+
+from trainmesh.safe_io import replace_durably
+
+
+class MetricsError(RuntimeError):
+    """A metrics file could not be written; the message names the file and the error."""
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def keep_steps_through(path: Path, step: int) -> int:
+    """Rewrite the metrics file ``path`` keeping only the whole records of steps up to ``step``; returns
+    how many records of later steps it dropped.
+
+    A run that crashed logged the steps after its last checkpoint, which the resumed run trains and logs
+    again; keeping both would give those steps two records. A last line without its newline (a write cut
+    short by the kill) is dropped too. The rewrite is atomic, so a crash during it leaves the old file.
+    """
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept, dropped = [], 0
+    for line in lines:
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            continue
+        if record["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    replace_durably(path, b"".join(kept))
+    return dropped
+
+
+class Sink(Protocol):
+    """Somewhere besides ``metrics.jsonl`` that each step's record goes (TensorBoard, W&B)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The plottable numbers of one ``metrics.jsonl`` record under the tags every sink uses: one chart per
+    quantity, one series per rank (memory) or mesh axis (communication), and for each MoE layer its balance,
+    dropped fraction, aux and z losses and each expert's token copies."""
+    out = {tag: float(record[key]) for key, tag in (
+        ("loss", "train/loss"), ("val_loss", "eval/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+        ("loss_scale", "train/loss_scale"), ("tokens_per_s", "perf/tokens_per_s"),
+        ("step_time_s", "perf/step_time_s"), ("mfu", "perf/mfu")) if record.get(key) is not None}
+    for axis, n in record.get("comm_bytes", {}).items():
+        out[f"comm_bytes/{axis}"] = float(n)
+    for key in ("max_rss_bytes", "peak_device_bytes", "model_state_bytes", "activation_bytes"):
+        values = record.get(key) or []
+        if any(values):
+            out.update({f"memory/{key}/rank{r}": float(v) for r, v in enumerate(values)})
+    for layer, m in record.get("moe", {}).items():
+        out.update({f"moe/{layer}/{key}": float(m[key]) for key in ("balance", "dropped_fraction", "aux_loss", "z_loss")})
+        out.update({f"moe/{layer}/tokens/expert{e}": float(n) for e, n in enumerate(m["expert_tokens"])})
+    return {tag: v for tag, v in out.items() if math.isfinite(v)}
+
+
+def package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+class TensorBoardSink:
+    """TensorBoard event files in the run directory (``tensorboard --logdir RUN_DIR``).
+
+    A resumed run passes ``purge_step``, the first step it logs: TensorBoard then hides the events the
+    interrupted attempt wrote for that step and later, as ``metrics.jsonl`` drops their records.
+    """
+
+    FLUSH_SECS = 10  # a live dashboard lags the run by at most this
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(log_dir), purge_step=purge_step, flush_secs=self.FLUSH_SECS)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for tag, value in scalars(record).items():
+            self._writer.add_scalar(tag, value, global_step=record["step"])
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run of ``project``, kept under the run directory.
+
+    Offline unless ``WANDB_MODE`` says otherwise: a run must not stall or fail on a cluster node without
+    network or credentials; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later, and
+    ``WANDB_MODE=online`` (after ``wandb login``) streams it live.
+    """
+
+    def __init__(self, project: str, run_dir: Path, config: dict[str, Any]) -> None:
+        import wandb
+
+        self._run = wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config,
+                               mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._run.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def open_sinks(run_dir: Path, tensorboard: bool, wandb_project: str, config: dict[str, Any],
+               resume_from: int | None = None) -> list[Sink]:
+    """The sinks a run asked for: TensorBoard if ``tensorboard`` and the package is installed (it is on by
+    default, so its absence is not an error), W&B if ``wandb_project`` is given (the CLI has checked that
+    ``wandb`` is installed before spawning any rank)."""
+    sinks: list[Sink] = []
+    if tensorboard and package_available("tensorboard"):
+        sinks.append(TensorBoardSink(run_dir, None if resume_from is None else resume_from + 1))
+    if wandb_project:
+        sinks.append(WandbSink(wandb_project, run_dir, config))
+    return sinks
+
+
+class MetricsWriter:
+    """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``, and hands each record to its
+    sinks; a no-op off rank 0.
+
+    Each record is one ``os.write`` of a whole line to a file opened with ``O_APPEND``, never split over
+    buffer flushes, so a rank killed mid-run leaves whole lines behind; a write the disk cannot take
+    (``ENOSPC``) is cut back to the previous line's end and raised as :class:`MetricsError` naming the
+    file, and the run stops (see ``train``).
+    """
+
+    def __init__(self, out_dir: str | None, enabled: bool, resume_from: int | None = None,
+                 sinks: Sequence[Sink] = ()) -> None:
+        """``resume_from``: the step a resumed or restarted run's checkpoint holds. The file is kept up to
+        that step (:func:`keep_steps_through`) and the first record written (step ``resume_from + 1``)
+        carries ``"restart": {"from_step": N, "replayed_steps": K}`` (K records of the earlier attempt
+        dropped), so every step has exactly one record, the last run's. None starts a new file."""
+        self.enabled = enabled and bool(out_dir)
+        self.dir = Path(out_dir) if out_dir else None
+        self.path = self.dir / METRICS_FILE if self.dir else None
+        self.sinks = list(sinks) if self.enabled else []
+        self._fd: int | None = None
+        self._restart: dict[str, int] | None = None
+        if self.enabled:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                if resume_from is None:
+                    flags |= os.O_TRUNC
+                else:
+                    self._restart = {"from_step": resume_from,
+                                     "replayed_steps": keep_steps_through(self.path, resume_from)}
+                self._fd = os.open(self.path, flags, 0o644)
+            except OSError as e:
+                raise MetricsError(f"opening {self.path} failed: {e.strerror or e}") from None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        if self._restart is not None:
+            record, self._restart = {**record, "restart": self._restart}, None
+        line = (json.dumps(record) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            if os.write(self._fd, line) != len(line):
+                raise OSError(errno.ENOSPC, f"only part of a {len(line)}-byte line was written")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)
+            raise MetricsError(f"writing {self.path} failed: [Errno {e.errno}] {e.strerror}") from None
+        for sink in self.sinks:
+            sink.write(record)
+
+    def summary(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            path = self.dir / "summary.json"
+            try:
+                replace_durably(path, (json.dumps(record, indent=2) + "\n").encode())
+            except OSError as e:
+                raise MetricsError(f"writing {path} failed: [Errno {e.errno}] {e.strerror}") from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+@dataclass(frozen=True)
+class LossWindows:
+    """Mean loss over the first and the last ``steps`` steps of a run (a tenth of them, at least one), so
+    that one noisy step at either end does not read as progress or its absence."""
+
+    steps: int
+    first: float
+    last: float
+
+    FRACTION = 0.1
+
+    @classmethod
+    def of(cls, losses: Sequence[float]) -> "LossWindows":
+        k = max(1, round(len(losses) * cls.FRACTION))
+        return cls(k, sum(losses[:k]) / k, sum(losses[-k:]) / k)
+
+    def text(self) -> str:
+        which = "step" if self.steps == 1 else f"{self.steps} steps"
+        return f"loss {self.first:.4f} -> {self.last:.4f} (mean of the first and last {which})"
+
+
+def clock(seconds: float) -> str:
+    """``H:MM:SS`` of a duration, as progress lines show elapsed time and ETA."""
+    return str(timedelta(seconds=round(seconds)))
+
+
+def step_text(record: dict[str, Any], val_loss: float | None) -> str:
+    """A step's numbers as progress lines show them; ``val_loss`` is the latest evaluation's."""
+    val = f" | val {val_loss:.4f}" if val_loss is not None else ""
+    return (f"loss {record['loss']:.4f}{val} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"{record['step_time_s'] * 1000:.0f} ms/step")
+
+
+class Progress:
+    """What rank 0 prints while training: per-step progress, and messages (start, checkpoints, summary).
+
+    On a terminal with ``tqdm`` installed the progress is one bar redrawn in place, with elapsed time and
+    ETA; otherwise (a log file, a pipe, no tqdm) a plain line every ``every`` steps and at the last step.
+    ``enabled=False`` (``--no-progress``) drops only the per-step output; messages always print. Anything
+    else that writes to the terminal mid-run (a checkpoint notice on stderr) does so inside
+    :meth:`paused`, which takes the bar off the line first and draws it again after.
+    """
+
+    def __init__(self, total: int, first: int, stream: TextIO | None, enabled: bool = True, every: int = 0) -> None:
+        """``first``: the step this run starts at (later than 1 when resumed); ``stream``: where to print
+        (None on every rank but 0); ``every``: steps between plain lines (0: a twentieth of the run)."""
+        self.total, self.first, self.stream = total, first, stream
+        self.enabled = enabled and stream is not None
+        self.every = every or max(1, total // 20)
+        self.start = time.perf_counter()
+        self.val_loss: float | None = None
+        self._bar: Any = None  # drawn at the first step, below the messages printed before it
+        self._terminal = self.enabled and stream.isatty() and package_available("tqdm")
+
+    def _terminal_bar(self) -> Any:
+        from tqdm import tqdm
+
+        return tqdm(total=self.total, initial=self.first - 1, file=self.stream, desc="step", dynamic_ncols=True,
+                    bar_format="{desc} {n_fmt}/{total_fmt} |{bar:20}| {elapsed}<{remaining}{postfix}")
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Show the metrics record of a finished step (its ``val_loss``, if any, becomes the latest)."""
+        self.val_loss = record.get("val_loss", self.val_loss)
+        if not self.enabled:
+            return
+        step = record["step"]
+        if self._terminal:
+            if self._bar is None:
+                self._bar = self._terminal_bar()
+            self._bar.set_postfix_str(step_text(record, self.val_loss), refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        if step % self.every and step not in (self.first, self.total):
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / (step - self.first + 1) * (self.total - step)
+        self._print(f"step {step:>{len(str(self.total))}}/{self.total} | {step_text(record, self.val_loss)} | "
+                    f"elapsed {clock(elapsed)} | ETA {clock(eta)}")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Clear the bar while the body writes to the terminal; redraw it below what was written, or, if the
+        body raised, leave it drawn on a line of its own so the error that follows starts on a fresh one.
+
+        What the body prints to stderr goes to the bar's stream meanwhile: under ``--nproc`` the launcher
+        relays rank 0's stderr through a pipe, so a notice sent there would reach the terminal after the bar
+        is redrawn, and land on the bar's line.
+        """
+        if self._bar is None:
+            yield
+            return
+        self._bar.clear()
+        self.stream.flush()  # tqdm leaves its last carriage return buffered; it must reach the terminal first
+        try:
+            with contextlib.redirect_stderr(self.stream):
+                yield
+        except BaseException:
+            self.close()
+            raise
+        self._bar.refresh()
+
+    def message(self, text: str) -> None:
+        """Print a line of its own (the bar, if any, is redrawn below it)."""
+        with self.paused():
+            self._print(text)
+
+    def close(self) -> None:
+        """End the bar's line, so what follows starts on a fresh one."""
+        if self._bar is not None:
+            self._bar.close()
+        self._bar, self._terminal = None, False
+
+    def _print(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
