@@ -45,12 +45,12 @@ bench-tp: setup
 # 4096 tokens vs the planner and the byte formulas; the longest sequence under 128 MiB per rank (planner vs
 # measured) and tokens/s there; the ring's hidden communication from its timeline; torch's context_parallel.
 bench-cp: setup
-	$(BIN)/python -m trainmesh.app.bench.cp --seq-len 4096
+	$(BIN)/python -m trainmesh_bench.cp --seq-len 4096
 
 # Expert parallelism on moe-tiny at ep 1, 2, 4 (4 ranks): counted all-to-all bytes per step vs the formula,
 # tokens/s and peak RSS per rank; then the experts' padded batched GEMM vs a per-expert loop.
 bench-moe: setup
-	$(BIN)/python -m trainmesh.app.bench.moe
+	$(BIN)/python -m trainmesh_bench.moe
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16
@@ -62,13 +62,13 @@ bench-pp4: setup
 	$(BIN)/trainmesh bench pp --nproc 4 --pp 4 --model small-deep --global-batch 16 --microbatches 8
 
 bench-plan: setup
-	$(BIN)/python -m trainmesh.app.bench.plan --model small
+	$(BIN)/python -m trainmesh_bench.plan --model small
 
 # prepare tokens/s (1 and 2 workers), loader vs training tokens/s, trainer RSS vs corpus size; data in /tmp.
 # Sizes: make bench-data BENCH_DATA_ARGS="--large-gb 4"
 BENCH_DATA_ARGS ?=
 bench-data: setup
-	$(BIN)/python -m trainmesh.app.bench.data $(BENCH_DATA_ARGS)
+	$(BIN)/python -m trainmesh_bench.data $(BENCH_DATA_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,20 @@ def test_an_init_hf_run_resumes_with_resume_alone_and_is_named_by_its_source(tmp
     assert summary["model"] == "LlamaForCausalLM from llama" and summary["steps"] == 3
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
         [1, 2, 3]
+
+
+def test_a_script_under_torchrun_writes_a_run_and_a_checkpoint_the_command_line_reads(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                          str(ROOT / "examples" / "train_hf_llama.py"), "--tp", "2", "--steps", "2", "--layers", "2",
+                          "--out", "run", "--checkpoint-dir", "ckpt"],
+                         capture_output=True, text=True, env={**env, "GLOO_SOCKET_IFNAME": "lo"}, cwd=tmp_path,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "steps 1-2" in trainmesh("report", "run", cwd=tmp_path).stdout
+    text = trainmesh("generate", "--checkpoint-dir", "ckpt", "--prompt", "x", "--max-new-tokens", "2", cwd=tmp_path)
+    assert "step 2" in text.stderr

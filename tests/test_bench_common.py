@@ -3,8 +3,8 @@ reversed from pair to pair; the figure is the median of the per-pair ratios."""
 
 import torch
 
-from trainmesh.app.bench import common
-from trainmesh.app.bench.common import Result, compare
+from trainmesh_bench import common
+from trainmesh_bench.common import Result, compare
 
 
 def test_compare_times_one_step_of_each_per_pair_on_the_same_batch_in_alternating_order(monkeypatch):

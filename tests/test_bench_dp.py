@@ -2,11 +2,10 @@
 
 import torch
 
-from trainmesh.app.bench.common import fresh_model, trainmesh_step
-from trainmesh.app.bench.dp import unsynchronised_step
 from trainmesh.app.config import Config
 from trainmesh.testing import run_ranks
-from trainmesh.app.train import build, setup_process
+from trainmesh_bench.common import build, fresh_model, init_mesh, trainmesh_step
+from trainmesh_bench.dp import unsynchronised_step
 
 
 def _two_steps_each() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -14,14 +13,14 @@ def _two_steps_each() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torc
     bound's model after the same two steps."""
     torch.set_num_threads(1)
     cfg = Config(nproc=1, dp=1, model="tiny", global_batch=8, microbatches=2, progress=False)
-    run = build(cfg, setup_process(cfg))
-    start = [p.detach().clone() for p in fresh_model(run).parameters()]
-    model = fresh_model(run)
-    real, bound = trainmesh_step(run), unsynchronised_step(run, model)
+    bench = build(cfg, init_mesh(cfg))
+    start = [p.detach().clone() for p in fresh_model(bench).parameters()]
+    model = fresh_model(bench)
+    real, bound = trainmesh_step(bench), unsynchronised_step(bench, model)
     for i in range(2):
         real(i)
         bound(i)
-    return start, [p.detach() for p in run.model.parameters()], [p.detach() for p in model.parameters()]
+    return start, [p.detach() for p in bench.model.module.parameters()], [p.detach() for p in model.parameters()]
 
 
 def test_the_bound_trains_each_rank_as_its_data_parallel_step_does():

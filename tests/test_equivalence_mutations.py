@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import trainmesh.app.train
-import trainmesh.parallel.zero
+import trainmesh.parallel.zero.flat
 from trainmesh.comm import Comm
 from trainmesh.app.config import Config
 
@@ -32,8 +32,10 @@ def _perturb_contribution(scale: float) -> None:
 
 def _shift_zero_gradients(shift: int) -> None:
     """Make rank 0's gradients entering every ZeRO reduce-scatter over dp rolled by ``shift`` elements (a shard
-    boundary off by that much), whichever way the shards are exchanged (:func:`trainmesh.parallel.zero.reduce_scatter_shards`)."""
-    original = trainmesh.parallel.zero.reduce_scatter_shards
+    boundary off by that much), whichever way the shards are exchanged
+    (:func:`trainmesh.parallel.zero.flat.reduce_scatter_shards`: patched on its module, where every stage looks
+    it up when it calls it)."""
+    original = trainmesh.parallel.zero.flat.reduce_scatter_shards
 
     def wrong(comm, out, full, axis, op, **kwargs):
         if axis == "dp" and comm.rank == 0:
@@ -41,7 +43,7 @@ def _shift_zero_gradients(shift: int) -> None:
                 full.copy_(torch.roll(full, shift))
         return original(comm, out, full, axis, op, **kwargs)
 
-    trainmesh.parallel.zero.reduce_scatter_shards = wrong
+    trainmesh.parallel.zero.flat.reduce_scatter_shards = wrong
 
 
 def _drop_last_microbatch() -> None:

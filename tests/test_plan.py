@@ -1,6 +1,6 @@
 """The planner against hand-computed accounting and the published numbers it must reproduce.
 
-Pure functions only: no processes, no tensors. Sources are cited as in ``trainmesh/plan.py``.
+Pure functions only: no processes, no tensors. Sources are cited as in ``trainmesh/plan/``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch
 
 from trainmesh.app import cli
 from trainmesh.app.config import Config, config_from_args
-from trainmesh.metrics import SavedActivations, device_peak, mfu, model_flops_per_token
+from trainmesh.app.planning import (add_plan_arguments, auto_config, layout_flags, layout_of, plan_from_args,
+                                    train_command, with_layout, workload_from, workload_of)
+from trainmesh.metrics import SavedActivations, mfu, model_flops_per_token
 from trainmesh.models import ModelShape
 from trainmesh.models.gpt import GPT, PRESETS, cross_entropy
 from trainmesh.pipeline.schedules import (
@@ -35,8 +37,6 @@ from trainmesh.plan import (
     Layout,
     Workload,
     activation_bytes,
-    add_plan_arguments,
-    auto_config,
     best_layout,
     bubble_fraction,
     cp_attention_output,
@@ -47,30 +47,24 @@ from trainmesh.plan import (
     format_table,
     in_flight_chunks,
     layer_activation_bytes,
-    layout_flags,
-    layout_of,
     local_cluster,
     make_cluster,
     memory_per_rank,
     micro_batch_activation_bytes,
     model_shape,
     model_state_bytes,
-    plan_from_args,
     search,
     step_flops,
     step_time,
-    train_command,
     STEP_SCALAR_BYTES,
     active_params,
     all_reduce_time,
     all_to_all_bytes_per_micro,
     block_gemms,
     params_per_tp_rank,
+    device_peak,
     TIE_TOLERANCE,
     to_json,
-    with_layout,
-    workload_from,
-    workload_of,
 )
 
 TINY_PSI = 134912
@@ -174,7 +168,7 @@ def test_measuring_saved_activations_keeps_no_graph_alive_under_retain_graph() -
     """Zero bubble's input-gradient pass keeps the graph (``retain_graph``) for its weight-gradient pass.
     A pack hook that held a node's own saved output (GELU's, attention's) kept that node, and the graph
     behind it, alive for good: the measured ZB-H1 peaks were 28-76 % above what the runtime holds."""
-    from trainmesh.app.bench.plan import StepPeak
+    from trainmesh_bench.plan import StepPeak
 
     def graph_tensors() -> set[int]:
         gc.collect()
@@ -511,8 +505,9 @@ def test_invalid_layouts_are_rejected_with_the_fix(fields: dict[str, object], me
 def test_table_and_json_show_the_chosen_layout() -> None:
     work, cluster = Workload(model_shape("small"), 16, 128, "bf16"), make_cluster("cpu", 4)
     found = search(work, cluster)
-    table = format_table(work, cluster, found, top=5, model="small")
-    assert table.splitlines()[-1] == f"chosen: {train_command(work, found[0].layout, cluster, 'small')}"
+    command = train_command(work, found[0].layout, cluster, "small")
+    table = format_table(work, cluster, found, command, top=5)
+    assert table.splitlines()[-1] == f"chosen: {command}"
     assert "MFU" in table
     data = json.loads(to_json(work, cluster, found, top=5))
     assert Layout(**data["chosen"]["layout"]) == found[0].layout
@@ -660,7 +655,7 @@ def test_plan_splits_a_long_sequence_over_cp_and_says_why():
     cluster = make_cluster("h100-80gb", 64)
     found = search(work, cluster)
     assert found[0].layout.cp > 1
-    assert "why cp=" in format_table(work, cluster, found, top=1)
+    assert "why cp=" in format_table(work, cluster, found, train_command(work, found[0].layout, cluster), top=1)
     assert cp_degrees(workload_from("llama3-8b", 64), cluster) == [1]
 
 

@@ -1,6 +1,6 @@
 """The planner against measurement: for DP, ZeRO-1..3, TP and PP layouts of the tiny GPT actually run here,
 the predicted model state per rank and one micro-batch's saved activations are within 5 % of what the run
-holds and the predicted peaks within 25 % (quantities and tolerances as :mod:`trainmesh.app.bench.plan` defines
+holds and the predicted peaks within 25 % (quantities and tolerances as :mod:`trainmesh_bench.plan` defines
 them); ``--plan auto`` runs the layout it picks.
 
 All layouts of one world run in one ``run_ranks`` call (a module fixture); world 2 covers every form,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmesh.app.bench.plan import MATRIX, STEPS_PER_VISIT, Comparison, format_table, run_matrix, spearman
+from trainmesh_bench.plan import MATRIX, STEPS_PER_VISIT, Comparison, format_table, run_matrix, spearman
 
 
 @pytest.fixture(scope="module")

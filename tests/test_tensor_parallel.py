@@ -228,7 +228,7 @@ def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
 def test_the_torch_peer_of_bench_tp_gets_each_familys_plan_with_fused_rows_per_rank(name):
     """``trainmesh bench tp --model X`` translates X's own plan for torch: after the reorder, torch's
     contiguous row split gives each rank exactly trainmesh's shard of every fused projection."""
-    from trainmesh.app.bench.tp import torch_tp_plan
+    from trainmesh_bench.tp import torch_tp_plan
     from trainmesh.models import preset, spec_of
 
     spec, tp = spec_of(name), 2

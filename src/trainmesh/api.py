@@ -420,10 +420,12 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     return gather_stages(state, comm) if pipelined else state
 
 
-def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int) -> Path:
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "") -> Path:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
-    then names it. Returns the step directory.
+    then names it. Returns the step directory. The checkpoint records the model (its family and config,
+    so ``trainmesh generate``, ``export`` and ``train --resume`` build it), the layout, and ``tokenizer``
+    (a ``tokenizer.json`` the token ids came from; "" for byte tokens), which ``generate`` decodes with.
 
     From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
     its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
@@ -433,11 +435,12 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int)
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     hold_directory(model, Path(directory))
     mesh = model.mesh
-    settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
+    settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches,
+                "tokenizer": tokenizer}
     config, source = model.description
     description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": config,
-                   "model_source": source, "config": settings,
-                   "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "tp", "pp")},
+                   "model_source": source, "config": settings, "tokenizer": tokenizer,
+                   "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
                                  description)

@@ -89,12 +89,10 @@ def host_store() -> tuple[dist.TCPStore, int]:
 
 
 OMP_SPIN = "10000"
-"""Spins an idle OpenMP worker makes before sleeping (GNU's default, 300000, is ~10 ms): a pipeline rank that
-ran an action on a waiting neighbour's core (:func:`trainmesh.pipeline.runtime.lone_actions`) would keep
-spinning on that core while the neighbour computes again, slowing it by a third (small GPT, measured).
-Re-measured against 3,000 and 30,000 spins, and against GNU's default with the borrowed workers moved to
-SCHED_IDLE: the steps of gpipe, 1F1B and interleaved at pp=2 were the same within noise from 3,000 to 30,000
-spins and 2-7 % longer at the default, with SCHED_IDLE workers or without (paired in one process)."""
+"""Spins an idle OpenMP worker makes before sleeping (GNU's default, 300000, spins ~10 ms): a pipeline rank
+that ran an action on a waiting neighbour's core (:func:`trainmesh.pipeline.runtime.lone_actions`) would
+keep spinning on that core while the neighbour computes again, slowing it. Any count from 3,000 to 30,000
+does as well; the default does worse (docs/performance.md)."""
 
 
 def rank_env(rank: int, nproc: int, port: int, job: str) -> dict[str, str]:

@@ -287,15 +287,13 @@ def _leave(mesh: Mesh) -> None:
     GIL to free them; if that happens while the interpreter is being torn down, the process aborts
     ("terminate called without an active exception"). Gloo's barrier completes only after the work queued
     on its group before it, so a barrier on every group of the mesh lets that work finish, and a short
-    sleep then hands the GIL to the worker threads waiting for it. With a 4 MB all-reduce left unwaited at
-    exit, 6 runs of 8 aborted with no wait, 2 of 12 with the barriers alone, none of 36 with both.
+    sleep then hands the GIL to the worker threads waiting for it; only both together stopped the aborts.
 
     A monitored barrier over the world, bounded by :data:`EXIT_WAIT_S`, comes first, so a rank whose peers
     have gone does not wait for them a collective timeout long; a rank that ends by an uncaught exception
     waits for nobody. Under the trainmesh launcher such a rank then leaves at once with exit code 1, its
-    traceback written: the interpreter's teardown after it aborted such a rank 1 time in 25 (SIGABRT,
-    "terminate called without an active exception") once its peers waited for it in shared memory rather
-    than in Gloo, and the launcher then named the abort, not the failure.
+    traceback written: the interpreter's teardown could otherwise abort it the same way, and the launcher
+    would name the abort, not the failure.
     """
     if not dist.is_initialized():
         return

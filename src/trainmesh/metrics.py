@@ -12,10 +12,10 @@ import contextlib
 import resource
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
+from trainmesh.hardware import device_peak
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -75,39 +75,10 @@ def max_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-@dataclass(frozen=True)
-class DevicePeak:
-    """Dense peak FLOP/s of one device from its vendor datasheet (SXM parts): 16-bit (bf16/fp16) tensor
-    cores, and plain fp32 (torch leaves TF32 matmuls off by default)."""
-
-    half: float
-    fp32: float
-
-    def at(self, precision: str) -> float:
-        """The peak a run in ``precision`` can reach; 0 (unknown) for a precision not in the datasheet row."""
-        return {"bf16": self.half, "fp16": self.half, "fp32": self.fp32}.get(precision, 0.0)
-
-
-# The one table of device peaks: MFU divides by it and the planner's cluster presets are built from it.
-# Keys are matched as substrings of torch.cuda.get_device_name(), in this order.
-DEVICE_PEAKS: dict[str, DevicePeak] = {
-    "H200": DevicePeak(989e12, 67e12),
-    "H100": DevicePeak(989e12, 67e12),
-    "A100": DevicePeak(312e12, 19.5e12),
-    "L40S": DevicePeak(362e12, 91.6e12),
-    "L4": DevicePeak(121e12, 30.3e12),
-    "A10G": DevicePeak(70e12, 31.2e12),
-}
-
-
-def device_peak(device_name: str) -> DevicePeak | None:
-    """The :data:`DEVICE_PEAKS` row of a device called ``device_name``; None if it is not in the table."""
-    return next((peak for key, peak in DEVICE_PEAKS.items() if key in device_name), None)
-
-
 def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> float:
-    """The per-device peak that MFU divides by: ``override`` if given, else the table's at ``precision``;
-    0 if unknown (a CPU, an unlisted GPU)."""
+    """The per-device peak that MFU divides by: ``override`` if given, else the row of the one table of
+    device peaks (:data:`trainmesh.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an
+    unlisted GPU)."""
     if override > 0:
         return override
     if device.type != "cuda":

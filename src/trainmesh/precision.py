@@ -67,10 +67,3 @@ class LossScaler:
         if self.clean_steps % self.growth_interval == 0:
             self.scale *= self.growth
 
-
-def local_found_inf(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """1.0 if any of this rank's gradients holds an inf or NaN, else 0.0 (to be max-reduced)."""
-    if not grads:
-        return torch.zeros(1)
-    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-    return (~finite).float().reshape(1)

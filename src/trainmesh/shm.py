@@ -3,22 +3,14 @@
 
 Gloo moves every collective through TCP sockets, even between processes of one machine: the kernel copies
 each byte into and out of a socket buffer, on cores the ranks also compute on. Through a segment every rank
-maps, a rank writes its tensor once, sums its own 1/n of every rank's copy and reads the others' sums.
-Medians on 2 ranks of a 2-core host (fp32, 40 calls each, Gloo over loopback vs this; the range of three
-runs; Gloo's small sums took either about 0.45 or about 2 ms, run to run):
-
-    size      32 B        16 KB       256 KB      1 MB        4 MB        13 MB
-    Gloo      0.43-0.56   0.47-1.26   0.62-2.19   1.88-2.42   3.30-4.13   10.1-11.3 ms
-    segment   0.18-0.20   0.15-0.26   0.20-0.25   0.37-0.52   0.96-1.48    3.4-5.0 ms
-
-With Gloo barriers instead of the segment's semaphores the segment took 0.73 ms at 16 KB and 6.2 ms at 13 MB.
-
-DeepSpeed reduces among one host's CPU ranks the same way.
+maps, a rank writes its tensor once, sums its own 1/n of every rank's copy and reads the others' sums:
+a fraction of Gloo's time at every size on a 2-core host (docs/performance.md, "Shared-memory collectives
+against Gloo"). DeepSpeed reduces among one host's CPU ranks the same way.
 
 The segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has finished a
 chunk may write its next chunk into the other set while a slower rank still reads this one. An all-gather or
 a reduce-scatter needs one barrier per chunk (after the writes), an all-reduce two (after the writes, after
-the sums), each on the segment's own semaphores (a Gloo barrier cost 0.2-0.5 ms). Sums run in rank order
+the sums), each on the segment's own semaphores, which cost a fraction of a Gloo barrier. Sums run in rank order
 (``x0 + x1 + ...``), so every rank gets the same bits whatever the timing. The segment's file is removed as
 soon as every rank has mapped it, so a rank that dies later leaves nothing behind in ``/dev/shm``.
 """

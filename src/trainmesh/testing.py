@@ -50,7 +50,7 @@ def _kill_all(procs: list[mp.Process]) -> None:
 
 def _context() -> mp.context.BaseContext:
     """Ranks fork from a server process that has imported torch and trainmesh once: a spawned rank
-    spends about 1.5 s of CPU importing them, the bulk of a small multi-rank test on a 2-core machine.
+    spends over a second of CPU importing them, the bulk of a small multi-rank test.
     The server itself never computes (no thread pools started before the fork), so forking it is safe."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "trainmesh.app.train"])

@@ -230,7 +230,7 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from trainmesh.plan import add_plan_arguments
+    from trainmesh.app.planning import add_plan_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="predict memory and step time of every layout; pick the best",
                                       description="Predict, before launching, which layouts fit in memory and "
@@ -238,7 +238,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    from trainmesh.plan import plan_from_args
+    from trainmesh.app.planning import plan_from_args
 
     try:
         print(plan_from_args(args))
@@ -330,7 +330,7 @@ def _export_host_transport(cfg: Config) -> None:
 
 def _check_fits(cfg: Config) -> None:
     """Refuse a model whose state alone exceeds this machine's memory per rank, before any rank starts."""
-    from trainmesh.plan import state_fit_problem
+    from trainmesh.app.planning import state_fit_problem
 
     problem = state_fit_problem(cfg, cfg.nproc, _cuda_devices())
     if problem:
@@ -351,7 +351,7 @@ def _check_watch_packages(cfg: Config, explicit_tensorboard: bool) -> None:
 
 def _planned(cfg: Config, world: int) -> Config:
     """``--plan auto``: the planner's fastest layout that fits this world and validates; rank 0 prints it."""
-    from trainmesh.plan import plan_config
+    from trainmesh.app.planning import plan_config
 
     try:
         cfg, line = plan_config(cfg, world, _cuda_devices())
@@ -390,7 +390,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             from trainmesh.app.train import FAULT_ENV
 
             if cfg.plan == "auto":
-                from trainmesh.plan import layout_flags
+                from trainmesh.app.planning import layout_flags
 
                 argv = [*argv, *layout_flags(cfg)]
             return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
@@ -411,7 +411,7 @@ def _train_here(cfg: Config) -> int:
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.form == "all":
-        from trainmesh.app.bench.suite import run_all
+        from trainmesh_bench.suite import run_all
 
         cfg = config_from_args(args)
         return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.pairs,
@@ -421,11 +421,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh.launcher import launch
 
         return launch(argv, cfg.nproc)
-    from trainmesh.app.bench.common import write_results
-    from trainmesh.app.bench.dp import bench_dp
-    from trainmesh.app.bench.pp import bench_pp
-    from trainmesh.app.bench.tp import bench_tp
-    from trainmesh.app.bench.zero import bench_zero
+    from trainmesh_bench.common import write_results
+    from trainmesh_bench.dp import bench_dp
+    from trainmesh_bench.pp import bench_pp
+    from trainmesh_bench.tp import bench_tp
+    from trainmesh_bench.zero import bench_zero
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
     write_results(bench_form(cfg, pairs=args.pairs), args.results)

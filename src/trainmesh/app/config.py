@@ -163,9 +163,9 @@ class Config:
                                "pipeline messages through shared memory (trainmesh.shm) where an axis's ranks share "
                                "the host; off sends every collective and message through torch.distributed, the "
                                "path NCCL runs on GPUs (TRAINMESH_HOST_TRANSPORT=off in the environment does the "
-                               "same). auto is the default because it is faster: tiny on 2 ranks of a 2-core "
-                               "CPU trained 49k/27k/28k tokens/s at dp2/tp2/pp2 against 42k/15k/19k with off "
-                               "(docs/performance.md)", TRANSPORTS)
+                               "same). auto is the default because it is faster on one host, 1.2x to 1.9x on "
+                               "small models (docs/performance.md); the run's summary.json records which was used",
+                               TRANSPORTS)
     max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient",
                               low=AT_LEAST_1)
     profile_steps: int = _opt(0, "trace the last K steps with torch.profiler: each rank writes profile/rank<R>.json "

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainmesh.app.config import Config, ConfigError
-from trainmesh.plan import precision_bytes
+from trainmesh.state_bytes import precision_bytes
 
 RUNS_ROOT = "runs"
 

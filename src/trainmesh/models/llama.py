@@ -77,12 +77,6 @@ class LlamaConfig:
     def n_params(self) -> int:
         return self.shape().n_params()
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (the head counted even when tied, since its matmul
-        runs) plus 12·L·d·T for attention scores and weighted sum (Chowdhery et al., 2022, App. B)."""
-        matmul_weights = self.n_params() - self.vocab_size * self.d_model * (0 if self.tie_embeddings else 1)
-        return 6 * matmul_weights + 12 * self.n_layers * self.d_model * self.seq_len
-
 
 PRESETS: dict[str, LlamaConfig] = {
     # Sized like the tiny GPT (d 64, vocab 256, 4x MLP width in parameters) with 4 layers for pp tests.

@@ -3,11 +3,10 @@
 The runtime decides nothing about order: it walks the rank's list and does what each action says.
 Consecutive SEND/RECV actions are posted together as one batch of asynchronous point-to-point
 operations (``Comm.send_recv``, counted as ``pp/p2p``) by a dedicated communication thread: Gloo copies
-a send into the socket on the thread that posts it, which stalled compute by up to several ms per message
-(a tenth of a step's idle time for interleaved 1F1B at pp=2, measured). When every rank of the pipeline
-runs on one CPU host, messages go through shared-memory channels instead (:func:`trainmesh.shm.open_channels`),
-copied on the compute thread itself, where no thread waits for a core: a message's time inside a step fell
-from ~2 ms to ~0.3 ms at pp=2 on 2 cores, and 1F1B's bubble from 0.14 to 0.11 (measured). A compute action first waits for
+a send into the socket on the thread that posts it, which would stall compute. When every rank of the
+pipeline runs on one CPU host, messages go through shared-memory channels instead
+(:func:`trainmesh.shm.open_channels`), copied on the compute thread itself, where no thread waits for a
+core (a message's time inside a step fell several-fold, docs/performance.md). A compute action first waits for
 the messages it consumes, so communication overlaps whatever compute lies between a RECV and its
 consumer, and sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
 until matched (see :func:`~trainmesh.pipeline.schedules._insert_communication`), so posting them
@@ -72,8 +71,8 @@ Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]
 FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
 WEIGHT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.BW})
 GIL_SWITCH_INTERVAL = 2e-4
-"""Seconds the compute thread may keep the GIL from the communication thread during a step (Python's
-default is 5 ms: a message posted between two actions left ~3 ms late, measured on a small GPT)."""
+"""Seconds the compute thread may keep the GIL from the communication thread during a step: at Python's
+default of 5 ms, a message posted between two actions leaves milliseconds late."""
 
 
 @contextlib.contextmanager
@@ -94,9 +93,8 @@ def _temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any
 def lone_actions(schedule: Sequence[Sequence[Action]]) -> frozenset[Action]:
     """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`).
     When the pipeline's ranks share one host and nothing else runs there, such an action may use the whole
-    host's cores: the other ranks are waiting. At pp=2 on two cores, 1F1B's first forward, the last stage's
-    first backward and the first stage's last backward run alone, 15 % of the step, 1.5-1.7x faster on two
-    threads (small GPT, measured); torch's schedules leave that core idle."""
+    host's cores: the other ranks are waiting (at pp=2, 1F1B's first forward, the last stage's first backward
+    and the first stage's last backward). torch's schedules leave that core idle."""
     return frozenset(action for action, n in concurrency(schedule).items() if n == 1)
 
 
@@ -333,8 +331,8 @@ class PipelineRuntime:
         """At the first step (a collective over ``pp``), when every rank of the pipeline is on one CPU host:
         a shared-memory channel each way between neighbouring ranks, as deep as the most messages one rank
         sends another in a step, its slots one activation each. Messages then leave and land on the compute
-        thread at once; through Gloo a send waited 1-5 ms for a core on the communication thread while both
-        ranks of a 2-core host computed (measured), which lengthened every wait on it."""
+        thread at once; through Gloo a send waits for a core on the communication thread while every rank of
+        the host computes, which lengthens every wait on it."""
         if self._shared is not None:
             return
         ring = [self.mesh.global_rank(pp=r) for r in range(self.n_ranks)]

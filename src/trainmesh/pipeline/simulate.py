@@ -179,9 +179,8 @@ class Timeline:
         """Each measured message's transfer time (keyed by its SEND), the simulator's ``Costs.comm`` for it:
         from the later of its SEND and RECV being posted until its send returned, plus ``link``, the time
         one message takes on an idle link (:meth:`Costs.transfer`). On a host whose cores all compute, the
-        send waits for a core before Gloo copies it into the socket: 1-5 ms against the idle link's 0.3-0.5 ms
-        for a small GPT's activation at pp=2 on 2 cores (measured), which is most of what a replay with the
-        idle link's time leaves unexplained."""
+        send waits for a core before Gloo copies it into the socket, several times the idle link's time: most
+        of what a replay with the idle link's time alone leaves unexplained."""
         posted = {r.action: r.start for r in self.records if r.action.is_comm}
         return {send: max(at - max(posted[send], posted.get(send.partner, posted[send])), 0.0) + link
                 for send, at in self.sent.items() if send in posted}
@@ -282,9 +281,7 @@ def predicted_bubble(schedule: Sequence[Sequence[Action]], timelines: Sequence[T
 
     Per step, not pooled: a pipeline runs at the pace of its slowest stage, and on a host whose ranks share
     cores which stage is slowest changes from step to step (whichever rank the OS preempted), so means pooled
-    over steps even the stages out and predict too small a bubble. Measured at pp=4 on 2 cores (``small-deep``,
-    10 steps): the busiest rank computed 1.05-1.06x the ranks' mean in a median step, but 1.02-1.045x over the
-    pooled steps, and which rank was busiest changed from step to step."""
+    over steps even the stages out and predict too small a bubble (docs/performance.md, ``make bench-pp4``)."""
     return statistics.median(simulate(schedule, measured_costs([t], n_stages, link, lone)).bubble_fraction
                              for t in timelines)
 
@@ -311,8 +308,8 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
     step; the other costs (posting, dispatch, messages without a record) being ``costs``'s.
 
     Mean costs (:func:`measured_costs`) predict a step whose actions all last their kind's mean, but a
-    pipeline waits on its slowest path, so actions that vary from one micro-batch to the next (±10-20 % on
-    a CPU shared with communication threads, measured) make the real step longer. Replaying each step's own
+    pipeline waits on its slowest path, so actions that vary from one micro-batch to the next (as they do
+    on a CPU shared with communication threads) make the real step longer. Replaying each step's own
     durations keeps that variation, so what is left between this figure and the measured one is waiting the
     simulator does not model (a late post, a receive read late), not the durations or the messages."""
     fields = {**asdict(costs), "lone": 1.0}  # a recorded duration is what the action took, borrowed cores or not

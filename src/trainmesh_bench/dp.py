@@ -8,24 +8,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.app.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
 from trainmesh.app.config import Config
-from trainmesh.app.run import Run
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
-from trainmesh.app.train import build, rank_batch, setup_process
+from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+                                    trainmesh_step)
 
 
-def _ddp_step(run: Run) -> StepFn:
+def _ddp_step(bench: Bench) -> StepFn:
     """The same training step with torch DDP (same bucket size) and torch's own gradient clipping."""
-    cfg, device = run.cfg, run.mesh.device
-    model = fresh_model(run)
+    cfg, device = bench.cfg, bench.mesh.device
+    model = fresh_model(bench)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
     optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
 
     def step(i: int) -> None:
-        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        micro = bench.micro_batches(i)
         for k, (x, y) in enumerate(micro):
             ctx = ddp.no_sync() if k < len(micro) - 1 else torch.enable_grad()
             with ctx:
@@ -37,15 +36,15 @@ def _ddp_step(run: Run) -> StepFn:
     return step
 
 
-def unsynchronised_step(run: Run, model: nn.Module) -> StepFn:
-    """Each rank's share of ``run``'s step on ``model`` (a copy of its own), the gradients never
+def unsynchronised_step(bench: Bench, model: nn.Module) -> StepFn:
+    """Each rank's share of ``bench``'s step on ``model`` (a copy of its own), the gradients never
     synchronised: the same micro-batches, clipping and AdamW. No data parallelism computes less, so its speed
     over DDP's bounds what any can reach on these kernels and this machine."""
-    cfg, device = run.cfg, run.mesh.device
+    cfg, device = bench.cfg, bench.mesh.device
     optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
 
     def step(i: int) -> None:
-        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        micro = bench.micro_batches(i)
         for x, y in micro:
             (cross_entropy(model(x), y) / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -59,10 +58,10 @@ def bench_dp(cfg: Config, pairs: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.parallel.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
     if cfg.world_size < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
-    mesh = setup_process(cfg)
-    run = build(cfg, mesh)
-    steps = {"trainmesh": trainmesh_step(run), "torch_ddp": _ddp_step(run),
-             "unsynchronised": unsynchronised_step(run, fresh_model(run))}
+    mesh = init_mesh(cfg)
+    bench = build(cfg, mesh)
+    steps = {"trainmesh": trainmesh_step(bench), "torch_ddp": _ddp_step(bench),
+             "unsynchronised": unsynchronised_step(bench, fresh_model(bench))}
     rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
     rss = rss_after(steps, pairs)
     results = [Result("dp", "trainmesh DataParallel", "torch DDP", rates["trainmesh"], rates["torch_ddp"],

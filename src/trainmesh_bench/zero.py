@@ -6,7 +6,7 @@ Peers: stage 1, ``ZeroRedundancyOptimizer`` (AdamW state sharded) under DDP; sta
 stage 3, FSDP2 ``fully_shard``. Both sides train the same model (any family, ``--model``) from the same
 seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh shards
 (:func:`trainmesh.parallel.zero.default_units`: embeddings, each block, final norm, head). Steps are timed in pairs,
-one of each (:func:`trainmesh.app.bench.common.compare`). Memory per rank is reported two ways:
+one of each (:func:`trainmesh_bench.common.compare`). Memory per rank is reported two ways:
 
 * ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
   ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
@@ -14,7 +14,7 @@ one of each (:func:`trainmesh.app.bench.common.compare`). Memory per rank is rep
 * the in-step peak of every tensor (model state, activations, communication buffers), for each stage and
   for both FSDP2 peers alike: the held state plus the most allocated above it during one step, from
   ``torch.profiler``'s memory timeline.
-* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh.app.bench.common.peak_rss`).
+* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh_bench.common.peak_rss`).
   Both models live in the one process, so both figures include the other's resident state; their
   difference is what each one allocates transiently.
 """
@@ -37,47 +37,45 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from trainmesh.app.bench.common import (RSS_STEPS, Result, StepFn, all_ranks, compare, fresh_model, rss_after,
-                                    trainmesh_step)
 from trainmesh.app.config import Config
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.precision import dtype_of
-from trainmesh.app.run import Run
-from trainmesh.app.train import build, full_state_dict, rank_batch, setup_process
 from trainmesh.parallel.zero import default_units, model_state_bytes_formula
+from trainmesh_bench.common import (RSS_STEPS, Bench, Result, StepFn, all_ranks, build, compare, fresh_model,
+                                    init_mesh, rss_after, trainmesh_step)
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _adamw(run: Run, params) -> torch.optim.Optimizer:
-    cfg = run.cfg
-    return build_adamw(params, run.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+def _adamw(bench: Bench, params) -> torch.optim.Optimizer:
+    cfg = bench.cfg
+    return build_adamw(params, bench.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
 
 
-def fsdp2_model(run: Run, reshard_after_forward: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+def fsdp2_model(bench: Bench, reshard_after_forward: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The same model under ``fully_shard`` over the ``dp`` axis, unit by unit, then the root; without
     resharding after forward it keeps whole parameters from forward to backward, ZeRO-2's trade."""
-    model = fresh_model(run)
-    dp_mesh = run.mesh.device_mesh["dp"]
+    model = fresh_model(bench)
+    dp_mesh = bench.mesh.device_mesh["dp"]
     for _, unit in default_units(model):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    return model, _adamw(run, model.named_parameters())
+    return model, _adamw(bench, model.named_parameters())
 
 
-def _zero_redundancy_step(run: Run) -> StepFn:
+def _zero_redundancy_step(bench: Bench) -> StepFn:
     """ZeRO-1's peer: DDP for the gradients, ``ZeroRedundancyOptimizer`` sharding AdamW's state."""
-    cfg = run.cfg
-    model = DistributedDataParallel(fresh_model(run), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
-                                    process_group=run.mesh.group("dp"))
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=run.mesh.group("dp"),
+    cfg, group = bench.cfg, bench.mesh.group("dp")
+    model = DistributedDataParallel(fresh_model(bench), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
+                                    process_group=group)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group,
                                         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
     def step(i: int) -> None:
-        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        micro = bench.micro_batches(i)
         for k, (x, y) in enumerate(micro):
             with model.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
                 (cross_entropy(model(x), y) / len(micro)).backward()
@@ -88,14 +86,14 @@ def _zero_redundancy_step(run: Run) -> StepFn:
     return step
 
 
-def _fsdp2_step(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
+def _fsdp2_step(bench: Bench, model: nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
     """The same step with FSDP2 and torch's own clipping; gradients kept (zeroed) between steps, as
     trainmesh keeps its gradient shards."""
     def step(i: int) -> None:
-        micro = rank_batch(run, run.data.train, i, run.cfg.global_batch)
+        micro = bench.micro_batches(i)
         for x, y in micro:
             (cross_entropy(model(x), y) / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), bench.cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
@@ -155,9 +153,9 @@ def step_memory(step: StepFn, held: Callable[[], int], before_peak: Callable[[in
     return now, now + allocated_peak(step, 1)
 
 
-def trainmesh_memory(cfg: Config, run: Run, step: StepFn) -> MemoryRow:
-    """:func:`step_memory` of trainmesh's engine at ``run.cfg.zero``, with the model state it peaked at."""
-    engine, stage = run.engine, run.cfg.zero
+def trainmesh_memory(cfg: Config, bench: Bench, step: StepFn) -> MemoryRow:
+    """:func:`step_memory` of trainmesh's engine at ``bench.cfg.zero``, with the model state it peaked at."""
+    engine, stage = bench.model.engine, bench.cfg.zero
 
     def track_peak(held: int) -> None:
         engine.peak_state_bytes = held
@@ -209,34 +207,34 @@ def bench_zero(cfg: Config, pairs: int) -> list[Result]:
     if cfg.world_size < 2 or cfg.dp != cfg.world_size:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")
-    mesh = setup_process(cfg)
-    run = build(dataclasses.replace(cfg, zero=0), mesh)
-    rows = [trainmesh_memory(cfg, run, trainmesh_step(run))]
-    del run
+    mesh = init_mesh(cfg)
+    bench = build(dataclasses.replace(cfg, zero=0), mesh)
+    rows = [trainmesh_memory(cfg, bench, trainmesh_step(bench))]
+    del bench
     gc.collect()
     tokens = cfg.global_batch * cfg.model_config.seq_len
     results, lines = [], []
     for stage, peer in PEERS.items():
-        run = build(dataclasses.replace(cfg, zero=stage), mesh)
-        ours = trainmesh_step(run)
+        bench = build(dataclasses.replace(cfg, zero=stage), mesh)
+        ours = trainmesh_step(bench)
         if stage == 1:
-            peer_step = _zero_redundancy_step(run)
+            peer_step = _zero_redundancy_step(bench)
         else:
-            model, optimizer = fsdp2_model(run, reshard_after_forward=stage == 3)
-            peer_step = _fsdp2_step(run, model, optimizer)
-        rows.append(trainmesh_memory(cfg, run, ours))
+            model, optimizer = fsdp2_model(bench, reshard_after_forward=stage == 3)
+            peer_step = _fsdp2_step(bench, model, optimizer)
+        rows.append(trainmesh_memory(cfg, bench, ours))
         if stage > 1:
             lines.append(_fsdp2_memory(stage, model, optimizer, peer_step))
         if stage == 3:
-            early = _param_diff(run, model)
+            early = _param_diff(bench, model)
         steps = {"trainmesh": ours, "torch": peer_step}
         rates = compare(steps, tokens, pairs, mesh.device, warmup=0)  # the memory steps warmed
         rss = rss_after(steps, pairs)
         results.append(Result(f"zero{stage}", f"trainmesh --zero {stage}", peer, rates["trainmesh"], rates["torch"],
                               rss["trainmesh"], rss["torch"]))
         if stage == 3:
-            lines.append(_versus_fsdp2(run, model, optimizer, early, 2 + pairs + RSS_STEPS))
-        del run, steps, ours, peer_step
+            lines.append(_versus_fsdp2(bench, model, optimizer, early, 2 + pairs + RSS_STEPS))
+        del bench, steps, ours, peer_step
         gc.collect()
     if dist.get_rank() == 0:
         print(f"bench zero: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
@@ -254,16 +252,17 @@ def _fsdp2_memory(stage: int, model: nn.Module, optimizer: torch.optim.Optimizer
             f"in-step peak, all tensors {_mb(all_ranks(peak))}")
 
 
-def _param_diff(run: Run, model: nn.Module) -> float:
+def _param_diff(bench: Bench, model: nn.Module) -> float:
     """The largest difference between ZeRO-3's parameters and FSDP2's (a collective)."""
-    ours = full_state_dict(run)
+    ours = bench.model.state_dict()
     theirs = {name: p.full_tensor() for name, p in model.named_parameters()}
     return max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
 
 
-def _versus_fsdp2(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, early: float, steps: int) -> str:
+def _versus_fsdp2(bench: Bench, model: nn.Module, optimizer: torch.optim.Optimizer, early: float, steps: int) -> str:
     """ZeRO-3's held model state and trained parameters beside FSDP2's after the same steps."""
-    held = all_ranks(storage_bytes(run.engine.state_tensors())), all_ranks(fsdp2_state_bytes(model, optimizer))
+    held = (all_ranks(storage_bytes(bench.model.engine.state_tensors())),
+            all_ranks(fsdp2_state_bytes(model, optimizer)))
     return (f"  zero3 model_state_bytes {_mb(held[0])} vs fsdp2 {_mb(held[1])} "
             f"(ratio {max(held[0]) / max(held[1]):.3f}); max |param diff| after the same 2 steps: {early:.2e}, "
-            f"after {steps}: {_param_diff(run, model):.2e} (fp32 rounding amplified by training, as in float64)")
+            f"after {steps}: {_param_diff(bench, model):.2e} (fp32 rounding amplified by training, as in float64)")

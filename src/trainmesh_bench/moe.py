@@ -26,6 +26,7 @@ from trainmesh.parallel.expert_parallel import expert_modules
 from trainmesh.metrics import max_rss_bytes, storage_bytes
 from trainmesh.models.moe import MATMULS
 from trainmesh.testing import run_ranks
+from trainmesh_bench.common import build, init_mesh, trainmesh_step
 
 MIB = 2**20
 
@@ -36,20 +37,19 @@ def _median_range(values: list[float], fmt: str = "{:,.0f}") -> str:
 
 def _ep_rank(cfg: Config, steps: int) -> dict:
     """Runs on every rank: ``steps`` training steps (the first untimed); per-step sent bytes and times."""
-    from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
     torch.set_num_threads(1)
-    run = build(cfg, setup_process(cfg))
-    dispatchers = [m.dispatcher for _, m in expert_modules(run.model) if hasattr(m.dispatcher, "sent_bytes")]
+    bench = build(cfg, init_mesh(cfg))
+    model, train_step = bench.model, trainmesh_step(bench)
+    dispatchers = [m.dispatcher for _, m in expert_modules(model.module) if hasattr(m.dispatcher, "sent_bytes")]
     sent, times = [], []
     for step in range(steps):
         before = sum(d.sent_bytes for d in dispatchers)
         t0 = time.perf_counter()
-        forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
-        run.engine.step(cfg.lr, cfg.grad_clip)
+        train_step(step)
         times.append(time.perf_counter() - t0)
         sent.append(sum(d.sent_bytes for d in dispatchers) - before)
-    return {"sent": sent[1:], "times": times[1:], "rss": max_rss_bytes(), "layers": len(expert_modules(run.model)),
-            "state": storage_bytes(run.engine.state_tensors())}
+    return {"sent": sent[1:], "times": times[1:], "rss": max_rss_bytes(), "layers": len(expert_modules(model.module)),
+            "state": storage_bytes(model.engine.state_tensors())}
 
 
 def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, global_batch: int) -> str:

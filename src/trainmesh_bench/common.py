@@ -1,4 +1,5 @@
-"""What every benchmark shares: a trainmesh step, and timed pairs of steps of two implementations.
+"""What every benchmark shares: a trainmesh model built from the CLI's settings through the public API, its
+training step, and timed pairs of steps of two implementations.
 
 Benchmarks run a trainmesh parallel form and its PyTorch counterpart in one run and print figures.
 
@@ -26,11 +27,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import trainmesh as tm
+from trainmesh import api
+from trainmesh.app.config import Config
 from trainmesh.comm import log_all_gather
+from trainmesh.data import TokenData, get_batch
+from trainmesh.mesh import Mesh
+from trainmesh.metrics import SavedActivations
 from trainmesh.models import spec_of
 from trainmesh.precision import dtype_of
-from trainmesh.app.run import Run
-from trainmesh.app.train import forward_backward, rank_batch
 
 StepFn = Callable[[int], None]
 Rates = dict[str, list[float]]  # tokens/s of each timed pair's step, per implementation
@@ -97,16 +102,66 @@ def peak_rss(step: StepFn, first: int, count: int = RSS_STEPS) -> int:
     return peak
 
 
-def fresh_model(run: Run) -> torch.nn.Module:
-    """``run``'s model as built from its seed, for a torch peer (or a bound) to train beside it."""
-    cfg = run.cfg
-    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(run.mesh.device, dtype_of(cfg.precision))
+@dataclass
+class Bench:
+    """One trainmesh training setup a benchmark measures: the settings it was built from, the public API's
+    parallel model and optimizer (what a script holds), and the data its batches are drawn from."""
+
+    cfg: Config
+    model: tm.ParallelModel
+    opt: tm.Optimizer
+    data: TokenData
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.model.mesh
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This dp rank's share of the global batch of ``step``, as ``trainmesh train`` draws it (only its
+        sequences are read), so that every implementation trains on the same tokens."""
+        cfg, mesh = self.cfg, self.mesh
+        return get_batch(self.data.train, cfg.model_config.seq_len, cfg.global_batch, cfg.seed, step,
+                         mesh.rank("dp"), mesh.size("dp"))
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of ``step`` on its device: what a torch peer feeds its model."""
+        return api.rank_slice(self.mesh, self.batch(step), self.cfg.microbatches, dp_sliced=True)
 
 
-def trainmesh_step(run: Run) -> StepFn:
+def init_mesh(cfg: Config) -> Mesh:
+    """Join the job and build the mesh of ``cfg``'s layout (:func:`trainmesh.init_mesh`)."""
+    return tm.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep)
+
+
+def model_of(cfg: Config, device: torch.device) -> torch.nn.Module:
+    """``cfg.model`` as its family builds it from ``cfg.seed``, on ``device`` in ``cfg.precision``."""
+    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
+
+
+def build(cfg: Config, mesh: Mesh) -> Bench:
+    """``cfg``'s model with its parallel forms applied through the public API (:func:`trainmesh.parallelize`,
+    :func:`trainmesh.optimizer`), as ``trainmesh train`` builds it, and its data."""
+    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model).tp_plan),
+                           sequence_parallel=cfg.sequence_parallel, zero=cfg.zero, recompute=cfg.recompute,
+                           schedule=cfg.schedule, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
+                           stage_layers=cfg.stage_layer_counts, precision=cfg.precision,
+                           reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
+                           cp_impl=cfg.cp_impl)
+    opt = tm.optimizer(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    return Bench(cfg, model, opt, TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer))
+
+
+def fresh_model(bench: Bench) -> torch.nn.Module:
+    """``bench``'s model as built from its seed, for a torch peer (or a bound) to train beside it."""
+    return model_of(bench.cfg, bench.mesh.device)
+
+
+def trainmesh_step(bench: Bench, saved: SavedActivations | None = None) -> StepFn:
+    """Step ``i`` of ``bench`` as ``trainmesh train`` takes it (:func:`trainmesh.train_step` on this rank's share
+    of batch ``i``, clipped to ``--grad-clip``); ``saved`` records the first micro-batch's activations."""
     def step(i: int) -> None:
-        forward_backward(run, rank_batch(run, run.data.train, i, run.cfg.global_batch))
-        run.engine.step(run.cfg.lr, run.cfg.grad_clip)
+        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True,
+                      saved=saved)
 
     return step
 

@@ -7,7 +7,7 @@ cross-entropy, torch's ``loss_parallel``), column- and row-parallel linears wher
 torch's ``ColwiseParallel`` shards a weight's rows contiguously, so in its copy of the model a fused
 projection split chunk by chunk (GPT's ``[q | k | v]``, Llama's ``[gate | up]``) has its rows reordered
 rank by rank: the same function, sharded the same way. Steps are timed in pairs, one of each
-(:func:`trainmesh.app.bench.common.compare`).
+(:func:`trainmesh_bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.app.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
 from trainmesh.app.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.optim import build_adamw
 from trainmesh.parallel.tensor_parallel import ShardSpec, match_plan, shard_tensor
-from trainmesh.app.run import Run
-from trainmesh.app.train import build, rank_batch, setup_process
+from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+                                    trainmesh_step)
 
 
 CHUNKS = {"colwise": 1, "colwise_qkv": 3, "colwise_pair": 2}  # trainmesh's column styles: chunks split apart
@@ -59,9 +58,10 @@ def torch_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict:
     return styles
 
 
-def _torch_model(run: Run) -> nn.Module:
-    model, mesh = fresh_model(run), run.mesh
-    plan = dict(spec_of(run.cfg.model).tp_plan)
+def _torch_model(bench: Bench) -> nn.Module:
+    """``bench``'s model under ``parallelize_module`` with its family's plan in torch's styles."""
+    model, mesh = fresh_model(bench), bench.mesh
+    plan = dict(spec_of(bench.cfg.model).tp_plan)
     return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model, plan, mesh.size("tp")))
 
 
@@ -76,17 +76,17 @@ def _clip_mixed_(params: list[torch.nn.Parameter], max_norm: float) -> None:
     torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
 
 
-def _torch_tp_step(run: Run, model: nn.Module) -> StepFn:
+def _torch_tp_step(bench: Bench, model: nn.Module) -> StepFn:
     """The same step on DTensors: loss over vocabulary shards, clipping by the global norm, AdamW."""
-    cfg = run.cfg
+    cfg = bench.cfg
     params = list(model.parameters())
     # foreach AdamW, like clipping, cannot mix DTensors and plain tensors in one call: one optimizer each.
     optimizers = [build_adamw([(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) == split],
-                              run.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+                              bench.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
                   for split in (True, False)]
 
     def step(i: int) -> None:
-        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        micro = bench.micro_batches(i)
         with loss_parallel():
             for x, y in micro:
                 (cross_entropy(model(x), y) / len(micro)).backward()
@@ -99,10 +99,10 @@ def _torch_tp_step(run: Run, model: nn.Module) -> StepFn:
 
 
 @torch.no_grad()
-def _first_losses(run: Run, model: nn.Module) -> tuple[float, float]:
+def _first_losses(bench: Bench, model: nn.Module) -> tuple[float, float]:
     """Both implementations' loss on the first batch before training: the same model gives the same loss."""
-    x, y = rank_batch(run, run.data.train, 0, run.cfg.global_batch)[0]
-    mine = run.criterion(run.model(x), y).item()
+    x, y = bench.micro_batches(0)[0]
+    mine = bench.model.criterion(bench.model(x), y).item()
     with loss_parallel():
         theirs = cross_entropy(model(x), y).full_tensor().item()
     return mine, theirs
@@ -113,11 +113,11 @@ def bench_tp(cfg: Config, pairs: int) -> list[Result]:
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
         raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
                           "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")
-    mesh = setup_process(cfg)
-    run = build(cfg, mesh)
-    model = _torch_model(run)
-    losses = _first_losses(run, model)
-    steps = {"trainmesh": trainmesh_step(run), "torch_tp": _torch_tp_step(run, model)}
+    mesh = init_mesh(cfg)
+    bench = build(cfg, mesh)
+    model = _torch_model(bench)
+    losses = _first_losses(bench, model)
+    steps = {"trainmesh": trainmesh_step(bench), "torch_tp": _torch_tp_step(bench, model)}
     rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
     rss = rss_after(steps, pairs)
     result = Result("tp", f"trainmesh tp{cfg.tp}", "torch DTensor parallelize_module", rates["trainmesh"],

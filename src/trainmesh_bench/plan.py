@@ -1,11 +1,12 @@
 """The planner against measurement: memory per rank and step time that :mod:`trainmesh.plan` predicts for a
 layout, next to what a real run of that layout measures here.
 
-``python -m trainmesh.app.bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
+``python -m trainmesh_bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
 ``tests/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
 :func:`trainmesh.testing.run_ranks` call: each rank trains each layout with
-:func:`trainmesh.app.train.train` (which writes ``metrics.jsonl`` and ``summary.json``), then runs a few
-more steps of the same run with :class:`StepPeak` recording.
+:func:`trainmesh.app.train.train` (``trainmesh train`` itself, which writes ``metrics.jsonl`` and
+``summary.json``), then runs a few more steps of the model and optimizer it trained with :class:`StepPeak`
+recording.
 
 The planner predicts each pipeline stage, so layouts are compared stage by stage, measured values taken
 as the largest over the ranks of that stage. The quantities, per rank:
@@ -29,7 +30,7 @@ peak              :attr:`StepPeak.total`: most of model state    ``memory_per_ra
 ================  ============================================  =========================================  =====
 
 Step time: the median (min-max) of rank 0's times of ``TIMED_ROUNDS * STEPS_PER_VISIT`` steps per layout,
-taken in rounds that visit every layout of the world in turn (:func:`~trainmesh.app.bench.common.alternating_times`),
+taken in rounds that visit every layout of the world in turn (:func:`~trainmesh_bench.common.alternating_times`),
 against :func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto``
 plans with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
 the layout ``--plan auto`` picks at each world beside the matrix (unless it is one of them) to say how its
@@ -64,25 +65,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainmesh.app.bench.common import alternating_times, trainmesh_step
+from trainmesh import api
 from trainmesh.app.config import Config
+from trainmesh.app.train import TrainResult, train
 from trainmesh.metrics import storage_bytes
 from trainmesh.optim import LRSchedule
+from trainmesh.app.planning import auto_config, layout_of, workload_of
 from trainmesh.plan import (
     activation_bytes,
-    auto_config,
-    layout_of,
     local_cluster,
     memory_per_rank,
     micro_batch_activation_bytes,
     model_state_bytes,
     step_time,
-    workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.app.run import Run
-from trainmesh.app.train import rank_batch, train
-from trainmesh import api
+from trainmesh_bench.common import Bench, alternating_times, trainmesh_step
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B,
 # GPipe and ZB-H1), CP (ring and all-to-all), and their products. Each is Config fields over BASE.
@@ -160,8 +158,9 @@ class StepPeak:
         self.live = self.held = self.saved = self.total = 0
 
     @classmethod
-    def of(cls, run: Run) -> "StepPeak":
-        return cls(run.model.parameters, lambda: storage_bytes(run.engine.state_tensors()))
+    def of(cls, model: api.ParallelModel) -> "StepPeak":
+        """A tracker of ``model``'s saved activations and its engine's model state."""
+        return cls(model.module.parameters, lambda: storage_bytes(model.engine.state_tensors()))
 
     def sample(self) -> None:
         self.saved = max(self.saved, self.live)
@@ -208,41 +207,48 @@ class StepPeak:
             self.held -= extra
 
 
-def step_peak(run: Run, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
-    """Run ``steps`` more optimizer steps of ``run`` from ``first_step`` under a :class:`StepPeak`, which
-    also counts the logits the loss receives while it runs."""
-    peak = StepPeak.of(run)
-    cfg = run.cfg
+def step_peak(bench: Bench, first_step: int, steps: int = PEAK_STEPS) -> StepPeak:
+    """Run ``steps`` more optimizer steps of ``bench`` from ``first_step`` under a :class:`StepPeak`, which
+    also counts the logits the loss receives while it runs. Forward and backward run apart from the optimizer
+    step (:func:`trainmesh.api.forward_backward`) so that the peak is sampled between them, at ``trainmesh
+    train``'s learning rate of each step."""
+    model, cfg = bench.model, bench.cfg
+    peak = StepPeak.of(model)
+    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
 
     def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with peak.holding(logits):
-            return run.criterion(logits, targets)
+            return model.criterion(logits, targets)
 
     with peak.recording():
         for step in range(first_step, first_step + steps):
-            micro = rank_batch(run, run.data.train, step, cfg.global_batch)
-            api.forward_backward(run.model, run.engine, run.pipeline, micro, criterion)
+            api.forward_backward(model.module, model.engine, model.pipeline, bench.micro_batches(step), criterion)
             peak.sample()
-            run.engine.step(LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps).at(step), cfg.grad_clip)
+            model.engine.step(schedule.at(step), cfg.grad_clip)
             peak.sample()
     return peak
+
+
+def trained(cfg: Config, result: TrainResult) -> Bench:
+    """The model, optimizer and data ``trainmesh train`` trained under ``cfg``, to measure further steps of."""
+    return Bench(cfg, result.run.parallel, result.run.opt, result.run.data)
 
 
 def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object]]:
     """Runs on every rank: train each config, then measure its step peak; rank 0 adds the run's summary.
     Then every layout's step times over ``timed_rounds`` rounds that visit each layout in turn
-    (:func:`~trainmesh.app.bench.common.alternating_times`)."""
+    (:func:`~trainmesh_bench.common.alternating_times`)."""
     torch.set_num_threads(1)
-    out, runs = [], []
+    out, benches = [], []
     for cfg in cfgs:
-        result = train(cfg)
-        peak = step_peak(result.run, cfg.steps)
+        bench = trained(cfg, train(cfg))
+        peak = step_peak(bench, cfg.steps)
         summary = json.loads(Path(cfg.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
         out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
-        runs.append(result.run)
+        benches.append(bench)
     first = max(cfg.steps for cfg in cfgs) + PEAK_STEPS
-    times = alternating_times([trainmesh_step(run) for run in runs], first, timed_rounds, STEPS_PER_VISIT,
-                              runs[0].mesh.device)
+    times = alternating_times([trainmesh_step(bench) for bench in benches], first, timed_rounds, STEPS_PER_VISIT,
+                              benches[0].mesh.device)
     for row, layout_times in zip(out, times):
         row["step_times"] = layout_times
     return out
@@ -416,7 +422,7 @@ def _rows_json(rows: list[Comparison]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainmesh.app.bench.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainmesh_bench.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="model preset (default: small)")
     parser.add_argument("--world", type=int, nargs="+", choices=sorted(MATRIX), default=sorted(MATRIX))
     parser.add_argument("--layouts", nargs="+", help="only these layouts of the matrix")

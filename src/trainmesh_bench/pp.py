@@ -17,7 +17,7 @@ simulated is the durations' variation, which mean costs cannot show. ``uniform``
 (F=1, B=2 per stage, free communication).
 
 Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
-clipping, their steps timed in pairs, one of each (:func:`trainmesh.app.bench.common.compare`).
+clipping, their steps timed in pairs, one of each (:func:`trainmesh_bench.common.compare`).
 """
 
 from __future__ import annotations
@@ -30,19 +30,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainmesh.app.bench.common import Result, StepFn, compare, fresh_model, rss_after, trainmesh_step
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
 from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate
-from trainmesh.app.run import Run
-from trainmesh.app.train import build, rank_batch, setup_process
+from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+                                    trainmesh_step)
 
-def _bubbles(run: Run, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
+def _bubbles(bench: Bench, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
     """(measured, simulated with each step's mean costs, simulated with each recorded step's own durations,
-    uniform textbook) bubble fraction of ``run``'s schedule, and the mean time a message took in its steps."""
-    pipeline, step = run.pipeline, trainmesh_step(run)
+    uniform textbook) bubble fraction of ``bench``'s schedule, and the mean time a message took in its steps."""
+    pipeline, step = bench.model.pipeline, trainmesh_step(bench)
     step(0)
     timelines = []
     pipeline.recording = True
@@ -81,26 +80,26 @@ BUBBLE_STEPS = 10
 """Recorded steps per schedule for the bubble: its median settles well before the timed pairs' count."""
 
 
-def _torch_step(run: Run) -> StepFn:
+def _torch_step(bench: Bench) -> StepFn:
     """The same training step with torch's ``PipelineStage`` (one per model chunk) and its schedule class of
-    the same name as ``run``'s, on the same partition."""
-    cfg, mesh = run.cfg, run.mesh
+    the same name as ``bench``'s, on the same partition."""
+    cfg, mesh = bench.cfg, bench.mesh
     p, rank, device, v = mesh.size("pp"), mesh.rank("pp"), mesh.device, cfg.virtual_stages
-    model = fresh_model(run)
+    model = fresh_model(bench)
     module, chunks = split_model(model, partition_model(model, p * v), rank, p, v)
     stages = [PipelineStage(chunk, s, p * v, device, group=mesh.group("pp")) for s, chunk in sorted(chunks.items())]
     schedule = TORCH_SCHEDULES[cfg.schedule](stages if v > 1 else stages[0], cfg.microbatches,
-                                             loss_fn=run.criterion)
+                                             loss_fn=bench.model.criterion)
     first, last = 0 in chunks, p * v - 1 in chunks
     optimizer = build_adamw(module.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     params = [q for q in module.parameters() if q.requires_grad]
 
     def step(i: int) -> None:
-        micro = rank_batch(run, run.data.train, i, cfg.global_batch)
+        micro = bench.micro_batches(i)
         x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
         schedule.step(*((x,) if first else ()), target=y if last else None, return_outputs=False)
         grads = [q.grad for q in params]
-        unscale_and_clip_(grads, global_norm(grads, run.comm, ("pp",)).item(), cfg.grad_clip)
+        unscale_and_clip_(grads, global_norm(grads, bench.model.comm, ("pp",)).item(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
@@ -114,7 +113,7 @@ def bench_pp(cfg: Config, pairs: int) -> list[Result]:
         raise SystemExit("trainmesh bench pp compares pipelines alone: pass --nproc P --pp P with P >= 2")
     if cfg.microbatches < cfg.pp:
         raise SystemExit(f"torch's pipeline schedules need --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
-    mesh = setup_process(cfg)
+    mesh = init_mesh(cfg)
     lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
              f"micro_batch={cfg.micro_batch} device={mesh.device.type} threads/rank={torch.get_num_threads()}",
              f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'replayed':>9} {'uniform':>8} {'message':>8}"
@@ -124,30 +123,30 @@ def bench_pp(cfg: Config, pairs: int) -> list[Result]:
         if variant is None:
             lines.append(f"  {label}")
             continue
-        run = build(variant, mesh)
+        bench = build(variant, mesh)
         if transfer is None:  # the link is measured once per run, with the first pipeline's activations
-            latency, bandwidth, transfer = run.pipeline.transfer_seconds(cfg.micro_batch, cfg.model_config.seq_len)
+            latency, bandwidth, transfer = bench.model.pipeline.transfer_seconds(cfg.micro_batch, cfg.model_config.seq_len)
             rate = f"{bandwidth / 1e9:.2f} GB/s" if math.isfinite(bandwidth) else "no size effect above the noise"
             lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {rate}: {transfer * 1e3:.3f} ms per activation")
-        measured, simulated, replayed, uniform, message = _bubbles(run, BUBBLE_STEPS, transfer)
+        measured, simulated, replayed, uniform, message = _bubbles(bench, BUBBLE_STEPS, transfer)
         lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {replayed:>9.3f} "
                      f"{uniform:>8.3f} {message * 1e3:>8.3f}")
-        results.append(_versus_torch(run, label, pairs))
+        results.append(_versus_torch(bench, label, pairs))
     lines += [r.line() for r in results]
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
     return results
 
 
-def _versus_torch(run: Run, schedule: str, pairs: int) -> Result:
+def _versus_torch(bench: Bench, schedule: str, pairs: int) -> Result:
     """trainmesh's ``schedule`` against torch's class of the same name (or why there is none)."""
-    cfg = run.cfg
+    cfg = bench.cfg
     ours = f"trainmesh {schedule} pp{cfg.pp}"
     peer = f"torch {TORCH_SCHEDULES[schedule].__name__}" if schedule in TORCH_SCHEDULES else "none"
-    steps = {"trainmesh": trainmesh_step(run)}
+    steps = {"trainmesh": trainmesh_step(bench)}
     if schedule in TORCH_SCHEDULES:
-        steps["torch"] = _torch_step(run)
-    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, run.mesh.device)
+        steps["torch"] = _torch_step(bench)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, bench.mesh.device)
     rss = rss_after(steps, pairs)
     return Result(f"pp {schedule}", ours, peer, rates["trainmesh"], rates.get("torch", []), rss["trainmesh"],
                   rss.get("torch", []), NO_TORCH_PEER.get(schedule, ""))

@@ -11,7 +11,7 @@ same warm processes (:func:`cp_rank`):
   against :func:`trainmesh.plan.cp_bytes_per_micro`.
 * ``fit``: the longest sequence whose step fits a per-rank memory cap, as the planner answers it
   (:func:`trainmesh.plan.memory_per_rank`) and as real steps measure it (the largest tensor memory held at
-  once in a step, :class:`trainmesh.app.bench.plan.StepPeak`: the quantity the planner models), found by
+  once in a step, :class:`trainmesh_bench.plan.StepPeak`: the quantity the planner models), found by
   bisection on multiples of ``2·cp·16`` tokens starting from the planner's answer; then tokens/s of each cp
   at its own longest sequence, i.e. at the same memory per rank.
 * ``overlap``: the ring's timeline (:class:`trainmesh.parallel.context_parallel.RingTimeline`) at ``small``'s attention
@@ -38,24 +38,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
 from trainmesh import api
-from trainmesh.app.bench.common import peak_rss, trainmesh_step
-from trainmesh.app.bench.plan import step_peak
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.app.config import Config
 from trainmesh.parallel.context_parallel import AXIS, RingTimeline, ring_attention
 from trainmesh.mesh import Mesh
 from trainmesh.metrics import SavedActivations
 from trainmesh.models import spec_of
+from trainmesh.app.planning import layout_of, workload_of
 from trainmesh.plan import (
     Layout,
     cp_bytes_per_micro,
-    layout_of,
     memory_per_rank,
     micro_batch_activation_bytes,
-    workload_of,
 )
 from trainmesh.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, rank_batch
+from trainmesh_bench.common import build, peak_rss, trainmesh_step
+from trainmesh_bench.plan import step_peak
 
 MIB = 2**20
 PARTS = ("memory", "fit", "overlap", "torch")
@@ -78,19 +76,15 @@ def _impls(cp: int) -> tuple[str, ...]:
 def memory_rank(seq_len: int, global_batch: int, cp: int, impl: str, mesh: Mesh) -> dict[str, int]:
     """On every rank: one training step of ``small`` at ``seq_len`` tokens, as ``trainmesh train`` takes its
     first: the activation bytes its first micro-batch saved, the peak RSS during the step (the process's
-    high-water mark reset first, :func:`trainmesh.app.bench.common.peak_rss`) and the bytes counted on ``cp``."""
+    high-water mark reset first, :func:`trainmesh_bench.common.peak_rss`) and the bytes counted on ``cp``."""
     cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, nproc=cp, cp_impl=impl,
                  steps=1, eval_batches=1, progress=False)
-    run = build(cfg, mesh)
-    saved = SavedActivations(run.model.parameters())
-    before = run.comm.totals().get(AXIS, 0)
-
-    def step(i: int) -> None:
-        forward_backward(run, rank_batch(run, run.data.train, i, cfg.global_batch), saved)
-        run.engine.step(cfg.lr, cfg.grad_clip)
-
-    rss = peak_rss(step, 0, count=1)
-    return {"activation_bytes": saved.bytes, "peak_rss": rss, "cp_bytes": int(run.comm.totals().get(AXIS, 0) - before)}
+    bench = build(cfg, mesh)
+    saved = SavedActivations(bench.model.module.parameters())
+    before = bench.model.comm.totals().get(AXIS, 0)
+    rss = peak_rss(trainmesh_step(bench, saved), 0, count=1)
+    return {"activation_bytes": saved.bytes, "peak_rss": rss,
+            "cp_bytes": int(bench.model.comm.totals().get(AXIS, 0) - before)}
 
 
 def format_memory(seq_len: int, global_batch: int, got: dict[int, dict[str, dict[str, int]]]) -> str:
@@ -161,10 +155,10 @@ def _measured_peak(seq_len: int, cp: int, mesh: Mesh) -> int:
     """The most tensor memory (model state + saved activations + logits) any rank held at once in one real
     step of ``small`` at ``seq_len`` tokens, after a first step has allocated the gradients and the
     optimizer's state: every rank gets the same answer."""
-    run = build(_small(seq_len, cp), mesh)
-    trainmesh_step(run)(0)
-    peak = step_peak(run, 1, steps=1).total
-    del run
+    bench = build(_small(seq_len, cp), mesh)
+    trainmesh_step(bench)(0)
+    peak = step_peak(bench, 1, steps=1).total
+    del bench
     gc.collect()
     return int(log_all_reduce(torch.tensor([peak], dtype=torch.float64), reduce_op=dist.ReduceOp.MAX).item())
 

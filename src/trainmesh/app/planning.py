@@ -1,0 +1,230 @@
+"""The planner (:mod:`trainmesh.plan`) wired to the command line: a run's :class:`~trainmesh.app.config.Config`
+as a workload and a layout and back, the ``trainmesh train`` command a plan prints, ``--plan auto``, and the
+``trainmesh plan`` command. Here because it needs :class:`Config`, which the planner itself does not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Iterator
+
+from trainmesh.app.config import Config
+from trainmesh.layout import LayoutError, validate
+from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
+from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, format_table,
+                            local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search, to_json)
+from trainmesh.state_bytes import DTYPE_BYTES
+
+
+LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
+                 "schedule": "schedule", "virtual": "virtual_stages", "recompute": "recompute",
+                 "sequence_parallel": "sequence_parallel", "cp": "cp", "cp_impl": "cp_impl",
+                 "ep": "ep"}  # Layout -> Config
+
+
+def workload_of(cfg: Config) -> Workload:
+    """The workload a :class:`~trainmesh.app.config.Config` trains: its model, global batch and dtypes."""
+    model = cfg.model_config
+    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The layout a config runs. Without a pipeline the schedule means nothing and is taken as 1F1B."""
+    fields = {name: getattr(cfg, field) for name, field in LAYOUT_FIELDS.items()}
+    if cfg.pp == 1:
+        fields.update(schedule="1f1b", virtual=1)
+    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+
+
+def with_layout(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` running ``layout`` instead of its own (on ``layout.world`` local ranks)."""
+    fields = {field: getattr(layout, name) for name, field in LAYOUT_FIELDS.items()}
+    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20, **fields)
+
+
+def train_flags(workload: Workload, layout: Layout) -> list[str]:
+    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
+    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
+    when it is not the default), then what differs from :class:`~trainmesh.app.config.Config`'s defaults."""
+    cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
+                             reduce_dtype=workload.reduce_dtype), layout)
+    skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
+    skip |= {"cp_impl"} if layout.cp == 1 else set()
+    skip |= {"ep"} if not workload.model.n_experts else set()
+    skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
+    flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
+    defaults = Config()
+    extra = [f for field in ("bucket_mb", "precision", "reduce_dtype")
+             if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
+    return [*flags, "--global-batch", str(workload.global_batch), *extra]
+
+
+def _flag_of(cfg: Config, field: str) -> list[str]:
+    value, name = getattr(cfg, field), "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return [name if value else "--no-" + name[2:]]
+    return [name, f"{value:g}" if isinstance(value, float) else str(value)]
+
+
+def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: str | None = None) -> str:
+    """The command line that runs ``layout``: ``trainmesh train --nproc N ...`` on one node, the same flags
+    under ``torchrun`` on each node of several. ``--model`` (and ``--seq-len`` when it is not the preset's)
+    when the workload is preset ``model``; :func:`train_flags` for the rest. A planning-only shape (a model
+    ``train`` does not build, such as DeepSeek-V3's latent attention) gets the layout's flags and a comment
+    saying so, rather than a ``--model`` that ``train`` would refuse."""
+    buildable = model is not None and model in PRESET_NAMES
+    named = ["--model", model] if buildable else []
+    if buildable and workload.seq_len != model_shape(model).seq_len:
+        named += ["--seq-len", str(workload.seq_len)]
+    flags = train_flags(workload, layout)
+    if layout.world <= cluster.gpus_per_node:
+        line = ["trainmesh", "train", *named, "--nproc", str(layout.world), *flags]
+    else:
+        nodes = layout.world // cluster.gpus_per_node
+        line = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
+                "-m", "trainmesh", "train", *named, *flags]
+    if model is not None and not buildable:
+        line += ["  #", f"{model} is a planning shape trainmesh does not build: these flags lay out your own model of it"]
+    return " ".join(line)
+
+
+def layout_flags(cfg: Config) -> list[str]:
+    """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
+    return [*(f for field in LAYOUT_FIELDS.values() for f in _flag_of(cfg, field)), "--plan", ""]
+
+
+def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Estimate]:
+    """What :func:`search` finds for ``cfg``'s workload on ``cluster``, fastest first, keeping only the
+    layouts the layout's rules (:func:`trainmesh.layout.validate`) accept with ``cfg``'s other settings on
+    ``world`` ranks: pipeline flags without a pipeline, a schedule that cannot run with ``--compile``."""
+    work = workload_of(cfg)
+    for found in search(work, cluster):
+        try:
+            validate(with_layout(cfg, found.layout).layout, work.model, world)
+        except LayoutError:
+            continue
+        yield found
+
+
+def auto_config(cfg: Config, world: int, cluster: Cluster) -> tuple[Config, Estimate]:
+    """``cfg`` with the fastest predicted layout that fits ``cluster`` (``world`` ranks) and that the
+    runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how the layout was chosen."""
+    best = next(runnable_layouts(cfg, world, cluster), None)
+    if best is None:
+        work = workload_of(cfg)
+        raise ValueError(
+            f"--plan auto: no layout of {cfg.model} ({work.model.n_params():,} parameters) at global batch "
+            f"{cfg.global_batch} fits in {cluster.usable_bytes / GIB:.1f} usable GiB on each of {world} "
+            f"rank(s) and runs with these settings; add ranks, lower --global-batch, or set the layout by hand"
+        )
+    return with_layout(cfg, best.layout), best
+
+
+def this_machine(world: int, use_cuda: bool) -> Cluster:
+    """:func:`local_cluster` of this machine: its first GPU's name and memory when ``use_cuda``."""
+    if not use_cuda:
+        return local_cluster(world)
+    import torch
+
+    return local_cluster(world, torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+
+
+def state_fit_problem(cfg: Config, world: int, cuda_devices: int = 0) -> str | None:
+    """Why ``cfg``'s layout cannot hold even its model state (weights, gradients, optimizer) in this
+    machine's memory per rank, or None. Checked before ranks are spawned, so a full-sized preset on a
+    small machine is refused in one line instead of each rank being killed for memory."""
+    cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
+    state = model_state_bytes(workload_of(cfg), layout_of(cfg))
+    if state <= cluster.mem_bytes:
+        return None
+    return (f"--model {cfg.model} at this layout needs {state / GIB:.1f} GiB of model state on each rank, more "
+            f"than the {cluster.mem_bytes / GIB:.1f} GiB each of the {world} rank(s) has here; shard it over "
+            f"more ranks (--zero 3, --tp, --pp), pick a smaller preset, or see trainmesh plan --model {cfg.model}")
+
+
+def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config, str]:
+    """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
+    cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
+    planned, chosen = auto_config(cfg, world, cluster)
+    return planned, describe_choice(chosen, cluster)
+
+
+def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
+    """The one line ``--plan auto`` prints: the layout it runs and why."""
+    lay = chosen.layout
+    sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
+    mem = scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
+    cp = f" cp={lay.cp} cp_impl={lay.cp_impl}" if lay.cp > 1 else ""
+    ep = f" ep={lay.ep}" if lay.ep > 1 else ""
+    return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
+            f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
+            f"sequence_parallel={lay.sequence_parallel}{cp}{ep} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
+            f"{mem}/rank of {cluster.usable_bytes / GIB:.1f} GiB usable)")
+
+
+SHAPE_FLAGS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "ffn": "d_ff",
+               "vocab": "vocab_size", "seq": "seq_len"}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``trainmesh plan``: a model preset or explicit shape (``--ffn`` defaults to 4 * hidden),
+    the batch, and a cluster preset whose figures explicit flags override.
+
+    ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
+    ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`.
+    """
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    for flag in SHAPE_FLAGS:
+        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
+    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
+    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default=Config.precision,
+                        help=f"as trainmesh train's (default: {Config.precision})")
+    parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
+                        help="dtype gradients are held and reduced in, as trainmesh train's (default: "
+                             f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--gpu", choices=list(CLUSTER_PRESETS), default="a100-80gb")
+    parser.add_argument("--mem-gb", type=float, help="memory per device in GiB (overrides --gpu)")
+    parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (overrides --gpu)")
+    parser.add_argument("--intra-gbps", type=float, help="intra-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--inter-gbps", type=float, help="inter-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--top", type=int, default=20, help="rows to print")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def workload_from(
+    model: str | None, global_batch: int, precision: str = Config.precision, reduce_dtype: str = Config.reduce_dtype,
+    **shape: int | None,
+) -> Workload:
+    """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
+
+    ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
+    """
+    given = {k: v for k, v in shape.items() if v is not None}
+    if model is not None:
+        resolved = dataclasses.replace(model_shape(model), **given)
+    else:
+        flags = {field: flag for flag, field in SHAPE_FLAGS.items() if field != "d_ff"}
+        missing = [f"--{flag}" for field, flag in flags.items() if field not in given]
+        if missing:
+            raise ValueError(f"give --model or a whole shape; missing {' '.join(missing)}")
+        resolved = ModelShape(**{"d_ff": 4 * given["d_model"], **given})
+    return Workload(resolved, global_batch, resolved.seq_len, precision, reduce_dtype)
+
+
+def plan_from_args(args: argparse.Namespace) -> str:
+    """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns."""
+    shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
+    workload = workload_from(args.model, args.global_batch or args.gpus, args.precision, args.reduce_dtype, **shape)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
+                           peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
+                           inter_gbps=args.inter_gbps)
+    estimates = search(workload, cluster)
+    if args.json:
+        return to_json(workload, cluster, estimates, args.top)
+    reshaped = any(v is not None for k, v in shape.items() if k != "seq_len")
+    model = None if reshaped else args.model
+    command = train_command(workload, estimates[0].layout, cluster, model) if estimates else None
+    return format_table(workload, cluster, estimates, command, args.top)

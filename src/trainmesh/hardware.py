@@ -1,0 +1,177 @@
+"""The one catalogue of devices: per-device peak FLOP/s from datasheets, and the clusters the planner
+prices layouts on (presets, resized or overridden from the command line, or this machine's).
+
+Measurement (:func:`trainmesh.metrics.peak_tflops`, for MFU) and the planner read the same
+:data:`DEVICE_PEAKS`, so a device is described once. This module imports only the standard library:
+it sits below both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """Dense peak FLOP/s of one device from its vendor datasheet (SXM parts): 16-bit (bf16/fp16) tensor
+    cores, and plain fp32 (torch leaves TF32 matmuls off by default)."""
+
+    half: float
+    fp32: float
+
+    def at(self, precision: str) -> float:
+        """The peak a run in ``precision`` can reach; 0 (unknown) for a precision not in the datasheet row."""
+        return {"bf16": self.half, "fp16": self.half, "fp32": self.fp32}.get(precision, 0.0)
+
+
+# The one table of device peaks: MFU divides by it and the planner's cluster presets are built from it.
+# Keys are matched as substrings of torch.cuda.get_device_name(), in this order.
+DEVICE_PEAKS: dict[str, DevicePeak] = {
+    "H200": DevicePeak(989e12, 67e12),
+    "H100": DevicePeak(989e12, 67e12),
+    "A100": DevicePeak(312e12, 19.5e12),
+    "L40S": DevicePeak(362e12, 91.6e12),
+    "L4": DevicePeak(121e12, 30.3e12),
+    "A10G": DevicePeak(70e12, 31.2e12),
+}
+
+
+def device_peak(device_name: str) -> DevicePeak | None:
+    """The :data:`DEVICE_PEAKS` row of a device called ``device_name``; None if it is not in the table."""
+    return next((peak for key, peak in DEVICE_PEAKS.items() if key in device_name), None)
+
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and links. Bandwidths are bytes/s per device in one direction (``inter_bw`` is one NIC's),
+    latencies are per ring hop, and ``reserved_bytes`` of each device's memory are not available to the
+    model (runtime, fragmentation).
+
+    How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
+    its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
+    (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
+    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`).
+    """
+
+    gpus: int
+    gpus_per_node: int
+    mem_bytes: int
+    peak_flops: float
+    peak_flops_fp32: float
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float
+    inter_latency: float
+    gemm_efficiency: float
+    gemm_half_dim: int
+    comm_efficiency: float
+    reserved_bytes: int
+    ranks_per_core: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(
+                f"gpus={self.gpus} is not a whole number of nodes of {self.gpus_per_node}; "
+                f"use a multiple of gpus_per_node"
+            )
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.mem_bytes - self.reserved_bytes
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC
+        beyond."""
+        if span <= self.gpus_per_node:
+            return self.intra_bw * self.comm_efficiency, self.intra_latency
+        return self.inter_bw * self.comm_efficiency, self.inter_latency
+
+
+def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cluster:
+    """One 8-GPU node from datasheet figures.
+
+    The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
+    (``tests/test_plan.py`` holds the table and checks the fit). NCCL's per-hop latency is about 2 us over
+    NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's own buffers and
+    allocator fragmentation.
+    """
+    gemm, half_dim, comm = GPU_EFFICIENCY
+    return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
+                   peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
+                   inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=half_dim, comm_efficiency=comm,
+                   reserved_bytes=2 * GIB)
+
+
+# (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the
+# ten rows of [NAR, Table 1] (1.7B to 1T parameters on up to 3072 A100-80GB): every row within 6 %. Large
+# matmuls reach 72 % of the 16-bit peak (225 of 312 TFLOP/s, what cuBLAS sustains with Megatron's fused
+# epilogues); a dimension of 160 halves that, so the attention core's head_dim-wide matmuls (64-160) run at
+# a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
+# No published table of that kind exists for H100/H200 here, so they take the A100 fit.
+GPU_EFFICIENCY = (0.72, 160, 0.7)
+
+
+# Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
+# (H100/H200) NIC per GPU. "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
+# ``python -m trainmesh_bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
+# 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
+# hand work over on the cores the ranks compute on); across hosts no better than that.
+CLUSTER_PRESETS: dict[str, Cluster] = {
+    "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
+    "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
+    "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
+    "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
+    "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
+                   intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
+                   gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB),
+}
+
+
+def make_cluster(
+    gpu: str,
+    gpus: int,
+    gpus_per_node: int | None = None,
+    *,
+    mem_gb: float | None = None,
+    peak_tflops: float | None = None,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+) -> Cluster:
+    """A preset resized to ``gpus`` devices, with any explicit figure (GiB, TFLOP/s, GB/s) overriding it."""
+    try:
+        base = CLUSTER_PRESETS[gpu]
+    except KeyError:
+        raise ValueError(f"unknown gpu preset {gpu!r}; choose one of {', '.join(CLUSTER_PRESETS)}") from None
+    per_node = gpus_per_node or min(gpus, base.gpus_per_node)
+    overrides = {
+        "mem_bytes": None if mem_gb is None else int(mem_gb * GIB),
+        "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
+        "intra_bw": None if intra_gbps is None else intra_gbps * 1e9,
+        "inter_bw": None if inter_gbps is None else inter_gbps * 1e9,
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(base, gpus=gpus, gpus_per_node=per_node, **given)
+
+
+# torch.cuda.get_device_name() substrings -> cluster presets; an unknown GPU is planned as an A100 with its
+# own memory size.
+GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb"}
+
+
+def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:
+    """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU
+    processes sharing this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's
+    figures otherwise)."""
+    if gpu_name is None:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        cpu = make_cluster("cpu", world, mem_gb=host / world / GIB)
+        return dataclasses.replace(cpu, ranks_per_core=max(1.0, world / (os.cpu_count() or 1)))
+    preset = next((p for key, p in GPU_NAMES.items() if key in gpu_name), "a100-80gb")
+    if preset == "a100-80gb" and gpu_mem_bytes is not None and gpu_mem_bytes < 60 * GIB:
+        preset = "a100-40gb" if "A100" in gpu_name else preset
+    mem_gb = None if gpu_mem_bytes is None else gpu_mem_bytes / GIB
+    return make_cluster(preset, world, mem_gb=mem_gb)

@@ -1,0 +1,250 @@
+"""What the ZeRO stages share (:class:`ZeroEngine`): the sharded optimizer, the gradient reduce-scatters
+issued in one order on every rank, the step, and the accounting of the model state held.
+
+Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, whose K = 12 counts the fp32 master copy as
+optimizer state). Parameters, gathered units and activations are bf16/fp16. Each rank keeps an fp32
+*master* copy of its shard only, which the pieces view, so master weights and moments are both 1/N.
+Gradients are accumulated and reduce-scattered in ``reduce_dtype`` (fp32 by default: each micro-batch's
+low-precision gradient is added into an fp32 buffer, as DataParallel's main-grad path does); the step
+reads them in fp32 (a per-step copy if the reduce dtype is narrower), unscales and clips them there,
+updates the masters and casts them into the low-precision shard, which is then all-gathered (stages 1-2)
+or kept as the shard that the next forward gathers (stage 3). fp16 scales the loss
+(:class:`~trainmesh.precision.LossScaler`); the global norm is reduced over every axis, so all ranks see
+the same verdict and skip an overflowing step and back the scale off together. In fp32 the shard itself
+is the master copy and the gradient shard is the optimizer's gradient: nothing is copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from trainmesh.comm import Comm
+from trainmesh.metrics import optimizer_tensors, storage_bytes
+from trainmesh.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
+from trainmesh.parallel.zero import flat
+from trainmesh.parallel.zero.flat import Group, make_pieces, master_shard
+from trainmesh.precision import LossScaler
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+NORM_AXES = ("tp", "pp")  # with the sharding axis: shards are disjoint there, so the squares are summed too
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters the engines shard and the optimizer updates: frozen ones stay whole and unsynced."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class ZeroEngine:
+    """What the stages share: the sharded AdamW, gradient reduce-scatter in order, the step, accounting.
+
+    Groups are reduce-scattered in index order on every rank (a group that is ready early waits for the
+    ones before it), so the collectives match across ranks, as in
+    :class:`~trainmesh.parallel.data_parallel.DataParallel`.
+    Run backward on the loss times :attr:`loss_scale` (1 except in fp16).
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory, groups: list[Group],
+                 scaler: LossScaler | None, axis: str) -> None:
+        self.module, self.comm, self.axis, self.groups = module, comm, axis, groups
+        self.scaler = scaler or LossScaler(enabled=False)
+        for group in groups:
+            group.master = master_shard(group.shard)
+        self.pieces, self._piece_slots = make_pieces(groups)
+        self.optimizer = make_optimizer([(f"piece{i}", p) for i, p in enumerate(self.pieces)])
+        self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
+        self._next_launch = 0
+        self._in_flight: list[Group] = []
+        self._reset_pending()
+        self.events: list[tuple[str, ...]] = []
+        self.peak_state_bytes: int | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.comm.mesh.size(self.axis)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def _reset_pending(self) -> None:
+        for group in self.groups:
+            group.pending = len(group.params)
+        self._next_launch = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stages 2 and 3 reduce-scatter every micro-batch (:mod:`~trainmesh.parallel.zero.stage2`): nothing
+        to defer."""
+        yield
+
+    @contextlib.contextmanager
+    def backward_pass(self, input_only: bool = False) -> Iterator[None]:
+        """Mark the autograd calls inside as one micro-batch's backward (see
+        :class:`~trainmesh.parallel.zero.stage2.ZeroStage2`); stage 1 reduces once per step, on the last
+        micro-batch's gradients, so a pass needs nothing here."""
+        yield
+
+    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
+        """Stages 1 and 2 hold the full parameters: nothing to gather (see
+        :class:`~trainmesh.parallel.zero.stage3.ZeroStage3`)."""
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.groups) and self.groups[self._next_launch].pending == 0:
+            self._launch(self.groups[self._next_launch])
+
+    def _launch(self, group: Group) -> None:
+        """Start the reduce-scatter of ``group``'s full gradient, averaged, into a fresh shard."""
+        group.reduce_out = self._reduce_target(group)
+        group.reduce_work = flat.reduce_scatter_shards(self.comm, group.reduce_out, group.grad_flat, group.axis,
+                                                       "grad_reduce_scatter", divisor=self.dp)
+        self.events.append(("reduce_scatter", group.name))
+        self._in_flight.append(group)
+        self._next_launch += 1
+        self._note_peak()
+
+    def _reduce_target(self, group: Group) -> torch.Tensor:
+        """Where ``group``'s reduce-scatter writes: a fresh buffer that :meth:`_store` folds in."""
+        return torch.empty_like(group.grad_shard)
+
+    def _land(self, group: Group) -> None:
+        """Wait for ``group``'s reduce-scatter and fold the result into its gradient shard."""
+        group.reduce_work.wait()
+        self._store(group, group.reduce_out)
+        group.reduce_out = group.reduce_work = None
+        self._in_flight.remove(group)
+
+    def _store(self, group: Group, reduced: torch.Tensor) -> None:
+        if reduced is not group.grad_shard:
+            group.grad_shard.add_(reduced)
+        group.shard_empty = False
+        group.grad_flat = None
+
+    def _land_all(self) -> None:
+        """Launch the groups that got no gradient (zeros, so every rank issues the same collectives), land all."""
+        while self._next_launch < len(self.groups):
+            group = self.groups[self._next_launch]
+            if group.grad_flat is None:
+                self._stage_grads(group)
+            self._launch(group)
+        self._land_in_flight()
+        self._reset_pending()
+
+    def _stage_grads(self, group: Group) -> None:
+        """Copy the gradients ``group``'s parameters hold into a fresh full flat buffer (zeros where a
+        parameter got none), then drop them; the reduce-scatters in flight land first, so that one
+        group's full gradient is staged at a time."""
+        self._land_in_flight()
+        full = group.grad_shard.new_empty(group.layout.padded)
+        full[group.layout.numel:].zero_()
+        held = [(view, p.grad) for view, p in zip(group.layout.views(full), group.params) if p.grad is not None]
+        if len(held) < len(group.params):
+            full.zero_()
+        if held:
+            torch._foreach_copy_([view for view, _ in held], [grad for _, grad in held])
+        group.grad_flat = full
+        self._note_peak()
+        for p in group.params:
+            p.grad = None
+
+    def _land_in_flight(self) -> None:
+        """Wait for every reduce-scatter in flight and fold each into its gradient shard."""
+        for group in list(self._in_flight):
+            self._land(group)
+
+    def finish_gradient_sync(self) -> None:
+        """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
+
+    def step(self, lr: float, max_norm: float) -> float:
+        """Finish gradient sync, unscale and clip the shards by the whole model's norm, update, re-gather;
+        returns the (unscaled) norm before clipping. Shards are disjoint, so the squares are summed over
+        ``dp`` as well; every rank then holds the same norm, so a non-finite one (an fp16 overflow or a
+        NaN on any rank) skips the update and backs the loss scale off on every rank together."""
+        self.finish_gradient_sync()
+        grads = self._optimizer_grads()
+        norm = clipped_update(self.optimizer, grads, norm_contributions(self.pieces, self.comm.mesh.rank("tp")),
+                              self.comm, (self.axis, *NORM_AXES), self.scaler, lr, max_norm)
+        if math.isfinite(norm):
+            self._copy_masters_to_shards()
+            self.after_update()
+        self.zero_grad()
+        return norm
+
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        """Point each piece's gradient at its slice of the reduced gradient shard, in the masters' dtype: a
+        view when the reduce dtype is that dtype, else a copy made for this step (freed by
+        :meth:`zero_grad`); returns the gradient shards the optimizer reads."""
+        grads = {g.name: g.grad_shard.to(g.master.dtype) for g in self.groups}
+        for piece, slot in zip(self.pieces, self._piece_slots):
+            piece.grad = grads[slot.group.name][slot.start:slot.end].view(piece.shape)
+        self._note_peak()
+        return list(grads.values())
+
+    @torch.no_grad()
+    def _copy_masters_to_shards(self) -> None:
+        """Round the updated fp32 masters into the low-precision parameter shards (nothing to do in fp32)."""
+        for group in self.groups:
+            if group.master is not group.shard:
+                group.shard.copy_(group.master)
+
+    def after_update(self) -> None:
+        """All-gather the updated shards into the full parameters (stages 1 and 2, §5.1)."""
+        gathers = []
+        for group in self.groups:
+            source = group.shard.clone()
+            work = flat.gather_shards(self.comm, group.flat, source, group.axis, "param_all_gather")
+            gathers.append((source, work))
+        for _, work in gathers:
+            work.wait()
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Stages 1 and 2 hold the full parameters."""
+        return contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.grad_shard.zero_()
+            group.shard_empty = True
+        self._release_optimizer_grads()
+        self.events.clear()
+
+    def _release_optimizer_grads(self) -> None:
+        for piece in self.pieces:
+            piece.grad = None
+
+    def param_pieces(self) -> list[ParamPiece]:
+        """This rank's shard of each parameter, for checkpoints: elements ``[start, end)`` of the parameter
+        flattened, as the optimizer's piece (the fp32 master) and as the same slice of the parameter shard.
+
+        After writing into them, call :meth:`after_update` so that stages 1-2 gather the full parameters.
+        """
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        pieces = iter(self.pieces)
+        out = []
+        for group in self.groups:
+            lo = group.layout.rank * group.layout.shard_numel
+            for i, start, end in group.layout.pieces():
+                base = lo - group.layout.offsets[i]
+                piece = next(pieces)
+                out.append(ParamPiece(names[id(group.params[i])], start + base, end + base, piece.detach().view(-1),
+                                      group.shard[start:end], piece))
+        return out
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of model state this rank holds now: a freed buffer has an empty storage."""
+        params = list(self.module.parameters())
+        held = [t for g in self.groups for t in (g.flat, g.shard, g.master, g.grad_shard, g.grad_flat, g.reduce_out)]
+        return (params + [p.grad for p in params] + [q.grad for q in self.pieces] + held
+                + optimizer_tensors(self.optimizer))
+
+    def _note_peak(self) -> None:
+        """Track the most model state held at any point of a step (transient buffers included), while
+        :attr:`peak_state_bytes` is a number: set it (to the state held now, say) to start tracking. Each
+        sample walks every state tensor, several times per unit, so it is off (``None``) by default."""
+        if self.peak_state_bytes is not None:
+            self.peak_state_bytes = max(self.peak_state_bytes, storage_bytes(self.state_tensors()))
+

@@ -1,0 +1,77 @@
+"""ZeRO stage 1, P_os (§5.1): each rank keeps AdamW state for its 1/N of the elements only.
+
+The optimizer state is the largest part of the model state (K = 12 of 16 bytes per parameter in mixed
+precision), and sharding it costs no more communication than plain data parallelism: gradients are
+accumulated in full as in DP, reduce-scattered bucket by bucket as the last micro-batch's backward produces
+them, each rank updates its shard, and the updated parameters are all-gathered, the same 2Ψ(N-1)/N bytes
+as DP's all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from trainmesh.comm import Comm
+from trainmesh.optim import OptimizerFactory
+from trainmesh.parallel.data_parallel import accumulating_locally, axis_buckets, fold_grad_into
+from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, ZeroEngine, trainable
+from trainmesh.parallel.zero.flat import Group, flatten_params
+from trainmesh.precision import LossScaler
+
+
+class ZeroStage1(ZeroEngine):
+    """P_os (§5.1): full parameters and gradients, AdamW state for this rank's shard only.
+
+    Gradients accumulate into full flat buckets in the reduce dtype (views where it is the parameters'
+    dtype, as in DP; otherwise each gradient is added in and dropped); on the last micro-batch each
+    bucket is reduce-scattered as soon as backward completes it, and the averaged shard is copied over
+    this rank's slice of the bucket, which the step reads.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp") -> None:
+        buckets = axis_buckets(list(reversed(trainable(module))), bucket_bytes, axis)
+        groups = [self._group(i, b, comm, a, reduce_dtype) for i, (a, b) in enumerate(buckets)]
+        super().__init__(module, comm, make_optimizer, groups, scaler, axis)
+        self.sync = True
+        for group in self.groups:
+            for p in group.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.zero_grad()
+
+    @staticmethod
+    def _group(index: int, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype) -> Group:
+        layout, flat = flatten_params(params, comm, axis)
+        grad_flat = torch.zeros_like(flat, dtype=grad_dtype)
+        return Group(f"bucket{index}", params, layout, flat, layout.shard_of(flat), layout.shard_of(grad_flat),
+                     grad_flat=grad_flat, axis=axis)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return accumulating_locally(self)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        group, i = self._slot[p]
+        fold_grad_into(group.layout.view(group.grad_flat, i), p)
+        if not self.sync:
+            return
+        self.events.append(("ready", group.name))
+        group.pending -= 1
+        self._launch_ready()
+
+    def _store(self, group: Group, reduced: torch.Tensor) -> None:
+        group.grad_shard.copy_(reduced)
+
+    def finish_gradient_sync(self) -> None:
+        self._land_all()
+
+    def zero_grad(self) -> None:
+        for group in self.groups:
+            group.grad_flat.zero_()
+            for p, view in zip(group.params, group.layout.views(group.grad_flat)):
+                p.grad = view if view.dtype == p.dtype else None
+        self._release_optimizer_grads()
+        self.events.clear()
+

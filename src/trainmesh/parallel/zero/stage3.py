@@ -1,0 +1,268 @@
+"""ZeRO stage 3, P_os+g+p (§5.3): parameters, too, are kept as 1/N shards.
+
+The model is split into units (:func:`default_units`). A unit's parameters are all-gathered in one
+collective before its forward and again before its backward, and freed after each; the next unit's gather
+is issued while the current one computes; its gradients are reduce-scattered as soon as backward has
+produced them all. So only the units in use are whole at any time, for 1.5x DP's communication
+(:func:`~trainmesh.parallel.zero.formulas.step_comm_bytes_formula`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from trainmesh.comm import Comm
+from trainmesh.optim import OptimizerFactory
+from trainmesh.parallel.expert_parallel import reduction_axis, with_expert_units
+from trainmesh.parallel.zero import flat
+from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, trainable
+from trainmesh.parallel.zero.flat import Group, sharded_group
+from trainmesh.parallel.zero.stage2 import ZeroStage2
+from trainmesh.precision import LossScaler
+
+
+def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The stage-3 wrapping policy: each top-level child is a unit, each block of a ModuleDict/ModuleList
+    its own; for :class:`~trainmesh.models.gpt.GPT`: ``embed``, every block, ``ln_f``, ``head``.
+
+    Units are returned in registration order, which the prefetch takes as the forward order (a unit run
+    out of that order is simply gathered on the spot).
+    """
+    units: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+            units += [(f"{name}.{sub}", c) for sub, c in child.named_children()]
+        else:
+            units.append((name, child))
+    units = [(name, m) for name, m in units if trainable(m)]
+    _check_units_cover(model, units)
+    return units
+
+
+def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+    """Refuse units that leave a trainable parameter out (it would be neither sharded nor reduced) or share
+    one (it would be flattened into two buffers, and its two views would diverge)."""
+    owner: dict[int, str] = {}
+    for unit_name, module in units:
+        for p in module.parameters():
+            if id(p) in owner:
+                raise ValueError(f"a parameter is shared by units {owner[id(p)]} and {unit_name}; "
+                                 f"put both modules in one unit")
+            owner[id(p)] = unit_name
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    if missing:
+        raise ValueError(f"parameters {missing} belong to no ZeRO-3 unit; move them into a submodule "
+                         f"or pass units that include the module holding them")
+
+
+def own_params(units: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
+    """Each unit's trainable parameters less those of a unit listed after it inside it (the routed experts
+    of a block, :func:`trainmesh.parallel.expert_parallel.with_expert_units`), so every parameter is in one unit."""
+    owner = {id(p): k for k, (_, m) in enumerate(units) for p in trainable(m)}
+    return [[p for p in trainable(m) if owner[id(p)] == k] for k, (_, m) in enumerate(units)]
+
+
+def _grad_tensors(values: object) -> list[torch.Tensor]:
+    """The tensors among a module's inputs or output that backward will reach."""
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return [t for t in values if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _when_backward_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` (idempotent: once per tensor) as backward is about to go through the nodes that made
+    ``tensors``. A node pre-hook runs after the tensor hooks on those nodes' outputs, so when a unit's
+    output is the next unit's input, the next unit is freed (:func:`_when_all_have_grads`) before this
+    one is gathered and the one before it prefetched: two units at a time, not three."""
+    for t in tensors:
+        if t.grad_fn is not None:
+            t.grad_fn.register_prehook(lambda grads: fn())
+        else:
+            t.register_hook(lambda grad: fn())
+
+
+def _when_all_have_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once the gradient of every one of ``tensors`` has been computed (the graph's one
+    backward through them). ``register_multi_grad_hook(mode="all")`` would do, but refuses a leaf
+    input of ``torch.autograd.grad``, which a pipeline stage's received input is."""
+    left = [len(tensors)]
+
+    def hook(_grad: torch.Tensor) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            fn()
+
+    for t in tensors:
+        t.register_hook(hook)
+
+
+@dataclass
+class Unit:
+    """A stage-3 wrapping unit: a module whose parameters are gathered and freed together."""
+
+    name: str
+    module: nn.Module
+    group: Group
+    order: int
+    gather_work: object | None = None
+    grad_elements: int = 0  # of this backward's gradients in so far
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the full parameters are allocated (gathered, or a gather is in flight)."""
+        return self.group.flat.untyped_storage().nbytes() > 0
+
+
+class ZeroStage3(ZeroStage2):
+    """P_os+g+p (§5.3): parameters sharded too; each unit is gathered for its forward and its backward.
+
+    Forward: a pre-hook gathers the unit (waiting on its prefetch) and issues the next unit's gather;
+    a post-hook frees it and hooks its outputs. Backward: the first gradient reaching a unit's outputs
+    gathers it again and prefetches the unit before it; once all its parameters' gradients are in, the
+    unit is freed and its gradients reduce-scattered (stage 2's machinery, one group per unit). The
+    order of collectives depends only on the model, so it is the same on every rank.
+
+    Under the zero-bubble split each unit is gathered three times per micro-batch, so that parameters
+    stay sharded between passes (4Ψ(N-1)/N bytes per micro-batch in place of 3Ψ(N-1)/N): for the
+    forward; for the input-gradient pass, by the hooks above, which produces no parameter gradient to
+    free the unit by, so it is freed once the gradient has reached the unit's inputs; and for the
+    weight-gradient pass, whose autograd calls start at module outputs inside the unit, where no output
+    hook sees them: the caller gathers their unit with :meth:`unshard_for_backward`.
+    """
+
+    def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
+                 scaler: LossScaler | None = None, axis: str = "dp",
+                 units: list[tuple[str, nn.Module]] | None = None) -> None:
+        units = with_expert_units(units if units is not None else default_units(module), module)
+        owned = own_params(units)
+        self.units = [Unit(name, m, sharded_group(name, params, comm, reduction_axis(params[0], axis), reduce_dtype,
+                                                  own_shard=True), k)
+                      for k, ((name, m), params) in enumerate(zip(units, owned))]
+        groups = [u.group for u in reversed(self.units)]
+        super().__init__(module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis, groups)
+        self._unit_of = {u.group.name: u for u in self.units}
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, args, out))
+            self._reshard(unit)
+
+    def _unshard(self, unit: Unit, op: str) -> None:
+        """Allocate the unit's full buffer and start gathering every rank's shard into it."""
+        if unit.gathered:
+            return
+        full = unit.group.flat
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        unit.gather_work = flat.gather_shards(self.comm, full, unit.group.shard, unit.group.axis, op)
+        self.events.append(("gather", unit.name, op))
+        self._note_peak()
+
+    def _wait_gathered(self, unit: Unit) -> None:
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+
+    def _reshard(self, unit: Unit) -> None:
+        """Free the unit's full parameters (after any gather into them has finished)."""
+        self._wait_gathered(unit)
+        if unit.gathered:
+            self.events.append(("free", unit.name))
+        unit.group.flat.untyped_storage().resize_(0)
+
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        k = unit.order + step
+        return self.units[k] if 0 <= k < len(self.units) else None
+
+    def _gather_now_and_prefetch(self, unit: Unit, step: int, op: str) -> None:
+        self._unshard(unit, op)
+        self._wait_gathered(unit)
+        following = self._neighbour(unit, step)
+        if following is not None:
+            self._unshard(following, op)
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self._gather_now_and_prefetch(unit, +1, "fwd_param_all_gather")
+
+    def _post_forward(self, unit: Unit, inputs: tuple, output: object) -> None:
+        self._reshard(unit)
+        self.events.append(("forward", unit.name))
+        if not torch.is_grad_enabled():
+            return
+        outputs, inputs = _grad_tensors(output), _grad_tensors(inputs)
+        if outputs:
+            _when_backward_reaches(outputs, lambda u=unit: self._pre_backward(u))
+        if inputs:
+            _when_all_have_grads(inputs, lambda u=unit: self._post_backward_inputs(u))
+
+    def _pre_backward(self, unit: Unit) -> None:
+        """Gather the unit for its backward. The unit before it is prefetched once half of this unit's
+        gradient has come in (:meth:`_on_grad_ready`), except in an input-only pass, which computes none."""
+        self._queue_end_of_backward()
+        if self._input_only:
+            self._gather_now_and_prefetch(unit, -1, "bwd_param_all_gather")
+        else:
+            self._unshard(unit, "bwd_param_all_gather")
+            self._wait_gathered(unit)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Stage 2's handling, then the backward prefetch once half of the unit's gradient elements are in.
+
+        Backward is the step's memory peak: its first unit starts with every activation saved. Its
+        activations are freed as fast as its gradients arrive, so by half of its gradient the unit has
+        released far more than the prefetch's buffer (on ``small``, its MLP's 10 MiB against 3 MiB), and the
+        gather still overlaps the other half of its backward. Prefetching at the unit's start instead
+        holds three units' buffers (this one's parameters and gradient, the next one's parameters) on top
+        of every activation."""
+        unit = self._unit_of[self._slot[p][0].name]
+        unit.grad_elements += p.numel()
+        following = self._neighbour(unit, -1)
+        if following is not None and 2 * unit.grad_elements >= unit.group.layout.numel:
+            self._unshard(following, "bwd_param_all_gather")
+        super()._on_grad_ready(p)
+
+    def _post_backward_inputs(self, unit: Unit) -> None:
+        """The gradient has gone through the unit to its inputs. An input-only pass needs the unit no more
+        (a full backward frees it when its parameters' gradients are in)."""
+        if self._input_only:
+            self._reshard(unit)
+
+    def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
+        """Gather the unit(s) holding ``params`` for an autograd call that computes their gradients from
+        inside the unit, prefetching the unit before; each is freed once its gradients are all in, or
+        when the backward pass ends."""
+        for name in dict.fromkeys(self._slot[p][0].name for p in params):
+            self._gather_now_and_prefetch(self._unit_of[name], -1, "bwd_param_all_gather")
+
+    def _on_group_ready(self, group: Group) -> None:
+        unit = self._unit_of[group.name]
+        unit.grad_elements = 0
+        self._reshard(unit)
+
+    def _end_of_backward(self) -> None:
+        super()._end_of_backward()
+        for unit in self.units:
+            unit.grad_elements = 0
+            self._reshard(unit)
+
+    def after_update(self) -> None:
+        """Nothing to gather: the next forward gathers each unit from its updated shard."""
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit.
+
+        A collective: every dp rank must enter it.
+        """
+        for unit in self.units:
+            self._unshard(unit, "state_dict_all_gather")
+        try:
+            for unit in self.units:
+                self._wait_gathered(unit)
+            yield
+        finally:
+            for unit in self.units:
+                self._reshard(unit)
+

@@ -1,0 +1,51 @@
+"""Predict, before launching, whether a layout fits in memory and how long one step takes; pick the best.
+
+Every estimate is a plain function of (model shape, workload, layout, cluster), so the same functions that
+rank layouts can be checked against measured memory and step times. Each formula cites its source:
+
+* [ZeRO]  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
+* [KOR]   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022.
+* [NAR]   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+          Megatron-LM", 2021; "app. FLOPs" is its appendix deriving F = 96Bslh^2(1 + s/6h + V/16lh).
+* [ZB]    Qi et al., "Zero Bubble Pipeline Parallelism", 2023.
+* [THA]   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH", 2005.
+* [PALM]  Chowdhery et al., "PaLM", 2022, appendix B (model FLOPs utilization).
+
+Conventions the estimates share with the trainmesh runtime (change them together):
+
+* Ranks are ordered tp fastest, then dp, then pp (Megatron's default), so a tp group is ``tp``
+  consecutive ranks, a dp group spans ``tp * dp`` and a pipeline spans the whole world.
+* A ZeRO unit is one top-level piece of :class:`trainmesh.models.gpt.GPT` (``embed``, each block,
+  ``ln_f``, ``head``); each unit's flat shard is padded up to a multiple of the dp size.
+* A pipeline stage owns ``n_layers / pp`` consecutive blocks (``virtual`` chunks of them when
+  interleaved); stage 0 also owns the embeddings, the last stage ``ln_f`` and the head.
+
+Modules by concern (the devices and clusters are :mod:`trainmesh.hardware`): :mod:`.presets` (named
+model shapes), :mod:`.workload` (workload and layout), :mod:`.memory`, :mod:`.timing`, :mod:`.ranking`
+(this package's entry points: every layout, estimated, ranked) and :mod:`.table` (output). ``trainmesh plan`` and
+``--plan auto`` are wired to a run's configuration in :mod:`trainmesh.app.planning`.
+"""
+
+from __future__ import annotations
+
+from trainmesh.hardware import (CLUSTER_PRESETS, Cluster, DEVICE_PEAKS, DevicePeak, GIB, GPU_EFFICIENCY, device_peak,
+                                local_cluster, make_cluster)
+from trainmesh.plan.presets import (MODEL_PRESETS, PLANNING_SHAPES, model_shape)
+from trainmesh.plan.workload import (Layout, Workload, check_layout, micro_batch_size)
+from trainmesh.plan.memory import (MemoryBreakdown, STEP_SCALAR_BYTES, activation_bytes, active_params,
+                                   cp_attention_output, in_flight_chunks, layer_activation_bytes, memory_per_rank,
+                                   micro_batch_activation_bytes, model_state_bytes, params_per_tp_rank)
+from trainmesh.plan.timing import (TimeBreakdown, all_reduce_time, all_to_all_bytes_per_micro, block_gemms,
+                                   bubble_fraction, cp_bytes_per_micro, step_flops, step_time)
+from trainmesh.plan.ranking import (Estimate, TIE_TOLERANCE, best_layout, cp_degrees, enumerate_layouts, estimate,
+                                    search)
+from trainmesh.plan.table import (format_table, scaled, to_json)
+
+__all__ = ["CLUSTER_PRESETS", "Cluster", "DEVICE_PEAKS", "DevicePeak", "Estimate", "GIB", "GPU_EFFICIENCY", "Layout",
+           "MODEL_PRESETS", "MemoryBreakdown", "PLANNING_SHAPES", "STEP_SCALAR_BYTES", "TIE_TOLERANCE",
+           "TimeBreakdown", "Workload", "activation_bytes", "active_params", "all_reduce_time",
+           "all_to_all_bytes_per_micro", "best_layout", "block_gemms", "bubble_fraction", "check_layout",
+           "cp_attention_output", "cp_bytes_per_micro", "cp_degrees", "device_peak", "enumerate_layouts", "estimate",
+           "format_table", "in_flight_chunks", "layer_activation_bytes", "local_cluster", "make_cluster",
+           "memory_per_rank", "micro_batch_activation_bytes", "micro_batch_size", "model_shape", "model_state_bytes",
+           "params_per_tp_rank", "scaled", "search", "step_flops", "step_time", "to_json"]

@@ -1,0 +1,394 @@
+"""Memory of one rank: the parameters it holds of each ZeRO unit, its model state under ZeRO, the
+activations it keeps for backward, and its transient buffers, stage by stage of the pipeline (units and
+stages as the conventions of :mod:`trainmesh.plan` state them).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from trainmesh.models.spec import ModelShape
+from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size
+from trainmesh.state_bytes import DTYPE_BYTES, STEP_SCALAR_BYTES, sharded_state_bytes
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Parameters one rank holds of one ZeRO unit after tensor parallelism: elements and tensors."""
+
+    numel: int
+    tensors: int
+
+
+def _norm(m: ModelShape) -> Unit:
+    """LayerNorm (weight and bias) or RMSNorm (weight only); replicated across tp ranks."""
+    return Unit(m.d_model * (2 if m.bias else 1), 2 if m.bias else 1)
+
+
+def _linear(n_in: int, n_out: int, tp: int, bias: bool, bias_sharded: bool) -> Unit:
+    """A Megatron-sharded linear: weight split by tp, column-parallel bias split, row-parallel bias not."""
+    bias_numel = (n_out // tp if bias_sharded else n_out) if bias else 0
+    return Unit(n_in * n_out // tp + bias_numel, 2 if bias else 1)
+
+
+def _sum(units: list[Unit]) -> Unit:
+    return Unit(sum(u.numel for u in units), sum(u.tensors for u in units))
+
+
+def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[Unit]:
+    """An MLP of hidden size ``f``: input projection(s) column-parallel, output row-parallel [NAR, 2.3]."""
+    d = m.d_model
+    return [_linear(d, f, tp, bias, True)] * (2 if m.gated_mlp else 1) + [_linear(f, d, tp, bias, False)]
+
+
+def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
+    """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE
+    block (``moe``) holds here what every ep rank holds of it: the router and the shared experts' MLP in
+    place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
+    out: ``trainmesh.parallel.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
+    d, b = m.d_model, m.bias
+    attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+    return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
+
+
+def router_and_shared(m: ModelShape) -> Unit:
+    """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on
+    every tp rank."""
+    shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, m.bias) if m.n_shared_experts else []
+    return _sum([Unit(m.d_model * m.n_experts, 1)] + shared)
+
+
+def expert_unit(m: ModelShape, ep: int) -> Unit:
+    """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked (one tensor per
+    projection), each whole: trainmesh splits experts over ep only, never over tp (no expert tensor
+    parallelism, unlike Megatron-core's default expert tp = tp), so every tp rank holds the same experts."""
+    return Unit(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
+
+
+def stage_blocks(m: ModelShape, pp: int, stage: int) -> tuple[int, int]:
+    """(dense, MoE) blocks on one rank of ``stage``: the first ``n_dense_layers`` of the model are dense."""
+    per = m.n_layers // pp
+    if not m.n_experts:
+        return per, 0
+    dense = max(0, min(m.n_dense_layers, (stage + 1) * per) - stage * per)
+    return dense, per - dense
+
+
+def embed_unit(m: ModelShape, tp: int) -> Unit:
+    """Vocab-parallel token table plus the replicated learned positions."""
+    positions = m.seq_len * m.d_model if m.learned_positions else 0
+    return Unit(m.vocab_size * m.d_model // tp + positions, 2 if m.learned_positions else 1)
+
+
+def head_unit(m: ModelShape, tp: int) -> Unit:
+    """Vocab-parallel output projection without bias; nothing of its own when tied to the embedding."""
+    return Unit(0, 0) if m.tied_embeddings else Unit(m.d_model * m.vocab_size // tp, 1)
+
+
+@functools.cache
+def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+    """(unit, how many) one rank of ``stage`` holds; interleaving changes which blocks, not how many.
+
+    Cached: a search asks for the same few stages of one model thousands of times.
+    """
+    first = ((embed_unit(m, tp), 1),) if stage == 0 else ()
+    last = ((_norm(m), 1), (head_unit(m, tp), 1)) if stage == pp - 1 else ()
+    dense, moe = stage_blocks(m, pp, stage)
+    blocks = ((block_unit(m, tp), dense),) if dense else ()
+    blocks += ((block_unit(m, tp, moe=True), moe),) if moe else ()
+    return blocks + first + last
+
+
+def stage_expert_units(m: ModelShape, pp: int, ep: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+    """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense
+    model. The same at every tp: experts are whole on each tp rank (:func:`expert_unit`)."""
+    moe = stage_blocks(m, pp, stage)[1]
+    return ((expert_unit(m, ep), moe),) if moe else ()
+
+
+def largest_tensor(m: ModelShape, tp: int, ep: int = 1) -> int:
+    """Elements of the largest parameter tensor one tp rank holds: a gradient bucket holds at least one."""
+    linears = [m.d_model * m.qkv_width, m.d_model * m.d_ff, m.d_model * m.vocab_size]
+    experts = m.n_experts // ep * m.d_model * m.expert_ff if m.n_experts else 0
+    positions = m.seq_len * m.d_model if m.learned_positions else 0
+    return max(max(linears) // tp, experts, positions)
+
+
+def params_per_tp_rank(m: ModelShape, tp: int) -> int:
+    """Parameters per tp rank of the whole model (all stages, all experts)."""
+    units = stage_units(m, tp, 1, 0) + stage_expert_units(m, 1, 1, 0)
+    return sum(u.numel * n for u, n in units)
+
+
+def active_params(m: ModelShape) -> int:
+    """Parameters one token's forward uses: all of a dense model; of an MoE model, ``top_k`` of each MoE
+    layer's ``n_experts`` routed experts (the shared ones always). FLOPs follow these, memory the total."""
+    idle = (m.n_experts - m.top_k) * m.mlp_params(m.expert_ff, False) if m.n_experts else 0
+    return m.n_params() - (m.n_layers - m.n_dense_layers) * idle
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank of ``stage`` holds at its peak: model state, activations in flight, and transients.
+
+    ``buffers`` are all communication buffers (:func:`buffer_bytes`), ``p2p`` the pipeline's part of them,
+    ``logits`` what the loss holds while it runs (:func:`logits_bytes`).
+    """
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    p2p: int
+    logits: int
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def transients(self) -> int:
+        """The larger of the two moments transients peak. The loss runs at the end of a micro-batch's
+        forward, when ZeRO holds no gathered unit (each is freed after its forward) and no gradient bucket
+        (they fill during backward), but a pipeline's receive may be posted: logits plus p2p buffers. In
+        backward the logits are gone and every buffer may be in use."""
+        return max(self.buffers, self.p2p + self.logits)
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.transients
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_state(
+    workload: Workload, tp: int, pp: int, dp: int, zero: int, stage: int, ep: int = 1
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.state_bytes.sharded_state_bytes` of
+    its units over the dp ranks, plus AdamW's step scalars. A unit's shard is ceil(Psi_unit / dp) elements
+    because the flat buffer is padded.
+    Routed experts are already split over ep, so ZeRO shards them over the dp / ep ranks that hold the
+    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do).
+    Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
+    """
+    b, m = workload.dtype_bytes, workload.model
+    groups = ((stage_units(m, tp, pp, stage), dp), (stage_expert_units(m, pp, ep, stage), dp // ep))
+    full = sum(u.numel * n for units, _ in groups for u, n in units)
+    shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
+    steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)
+    params, grads, optimizer = sharded_state_bytes(full, shard, zero, b)
+    return params, grads, optimizer + steps
+
+
+def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None,
+                           moe: bool = False) -> int:
+    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1].
+
+    With dropout and 2-byte activations this is exactly sbh(34 + 5as/h) (eq. 1), sbh(10 + 24/t + 5as/(ht))
+    under tensor parallelism (eq. 2), sbh/t (34 + 5as/h) with sequence parallelism (eq. 3), and the
+    5as/h term disappears with selective recomputation (eq. 6) or a fused attention kernel. Full
+    recomputation keeps only each block's input, 2sbh (sec. 5), split by t under sequence parallelism.
+    Other MLP widths and a gated MLP replace the two 4h-wide GeLU tensors by two (or four) f-wide ones.
+    An MoE block (``moe``) keeps its experts' inner tensors for the top_k copies of each token (and the
+    shared experts' for every token), the copies' inputs and outputs (2 top_k sbh) and the router's scores
+    (sbE), none of it split by tp: the experts are whole on every tp rank, which routes all its tokens
+    (only sequence parallelism splits them: :func:`moe_tokens`).
+    """
+    m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
+    recompute = recompute or layout.recompute
+    sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * m.d_model
+    seq_split = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return e * sbh // seq_split
+    # Norm inputs, qkv and MLP inputs, dropout masks: only sequence parallelism splits these.
+    seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
+    # Q, K, V, the attention projection's input, a dense MLP's inner activations: split by heads or columns.
+    # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
+    qkv_and_proj_input = e * sbh * (m.qkv_width + m.d_model) // m.d_model
+    width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
+    inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
+    experts = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model + inner) // seq_split
+    mlp_inner, routed = (0, experts) if moe else (inner, 0)
+    scores = m.n_heads * workload.seq_len * sbh // m.d_model
+    stores_scores = recompute == "none" and not m.flash_attention
+    core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
+    return seq_sharded // seq_split + routed + (qkv_and_proj_input + mlp_inner + core
+                                                + cp_attention_output(workload, layout)) // t
+
+
+def cp_attention_output(workload: Workload, layout: Layout) -> int:
+    """What context-parallel attention keeps beside the projection's input (measured by ``bench.cp``): the
+    ring its merged output in the accumulation dtype (fp32 or wider) and its log-sum-exp; Ulysses the
+    core's output, still in head-split order. 0 without cp."""
+    if layout.cp == 1:
+        return 0
+    e = workload.dtype_bytes.activation
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+    if layout.cp_impl == "a2a":
+        return e * tokens * workload.model.d_model
+    wide = max(e, DTYPE_BYTES["fp32"])
+    return wide * tokens * (workload.model.d_model + workload.model.n_heads)
+
+
+def in_flight_chunks(layout: Layout, stage: int) -> int:
+    """Micro-batch chunks (n_layers / (pp * virtual) blocks each) whose activations ``stage`` holds at once.
+
+    GPipe keeps all m micro-batches; 1F1B keeps min(p - stage, m); ZB-H1 defers weight gradients, so
+    every stage keeps min(p, m), 1F1B's peak [ZB, 3.1]; Megatron's interleaved schedule runs
+    2(p - stage - 1) + (v - 1)p warm-up chunks plus one, so stage 0 holds L(1 + (p - 1)/(pv)) blocks'
+    worth [NAR, 2.2.2; KOR, 4.2.2]. These are the peaks ``Timeline.peak_activations`` of
+    :mod:`trainmesh.pipeline.simulate` reports for those schedules.
+    """
+    p, m, v = layout.pp, layout.microbatches, layout.virtual
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved":
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return min(p if layout.schedule == "zb" else p - stage, m)
+
+
+def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
+    """(first, last): what one micro-batch saves outside the blocks on ``stage`` [KOR, sec. 4.3].
+
+    Stage 0 keeps the embedding dropout masks (sbh); the last stage keeps the final norm and head inputs
+    (2 x e sbh) and the fp32 logits (4sbv/t) that the loss saves.
+    """
+    m, e, lay = workload.model, workload.dtype_bytes.activation, layout
+    sbh = local_seq(workload, lay) * micro_batch_size(workload, lay) * m.d_model
+    seq_split = lay.tp if lay.sequence_parallel else 1
+    first = sbh // seq_split if stage == 0 and m.dropout else 0
+    last = 2 * e * sbh // seq_split + 4 * sbh * m.vocab_size // (m.d_model * lay.tp) if stage == lay.pp - 1 else 0
+    return first, last
+
+
+def _stage_block_bytes(workload: Workload, layout: Layout, stage: int, recompute: str | None = None) -> int:
+    """What all blocks of ``stage`` keep for one micro-batch: its dense and its MoE blocks."""
+    dense, moe = stage_blocks(workload.model, layout.pp, stage)
+    return (dense * layer_activation_bytes(workload, layout, recompute)
+            + (moe * layer_activation_bytes(workload, layout, recompute, moe=True) if moe else 0))
+
+
+def _micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    first, last = _stage_extras(workload, layout, stage)
+    return _stage_block_bytes(workload, layout, stage) + first + last
+
+
+def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3].
+
+    Blocks in flight times the per-block cost, plus :func:`_stage_extras`: stage 0's for every
+    micro-batch in flight, the last stage's for one micro-batch since its backward follows its forward at
+    once (all m under GPipe). Recomputation needs one block's full activations back while that block
+    runs backward, so that working set is added once.
+    """
+    lay = layout
+    chunks = in_flight_chunks(lay, stage)
+    moe = stage_blocks(workload.model, lay.pp, stage)[1] > 0
+    working = (layer_activation_bytes(workload, lay, "none", moe) - layer_activation_bytes(workload, lay, None, moe)
+               if lay.recompute != "none" else 0)
+    first, last = _stage_extras(workload, lay, stage)
+    total = chunks * (_stage_block_bytes(workload, lay, stage) // lay.virtual) + working
+    total += -(-chunks // lay.virtual) * first
+    return total + (lay.microbatches if lay.schedule == "gpipe" else 1) * last
+
+
+def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """The logits alive while the last stage's loss runs (0 on other stages): the head's output in the
+    activation dtype, s b v / t elements, and the fp32 copy the loss computes in unless that dtype is fp32.
+
+    Neither is saved for backward (the loss saves its own fp32 result, which :func:`_stage_extras` counts
+    as [KOR, 4.3] does), so they are not activations in flight: they add to the peak for one micro-batch,
+    while the loss runs (:attr:`MemoryBreakdown.transients`).
+    """
+    if stage != layout.pp - 1:
+        return 0
+    sbv = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.vocab_size // layout.tp
+    copies = workload.dtype_bytes.activation + (0 if workload.precision == "fp32" else DTYPE_BYTES["fp32"])
+    return copies * sbv
+
+
+def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
+    """Transient communication buffers.
+
+    ZeRO-3 gathers the current and the prefetched unit and holds one unit's full gradient before the
+    reduce-scatter [ZeRO, 5.3]. ZeRO-2 reduce-scatters gradients in constant-size buckets [ZeRO, 5.2 and
+    6.2 "CB"]: the one filling and the one in flight, ``bucket_bytes`` of parameters each but at most
+    1/(2N) of the stage's gradients (``zero.stage2_bucket_bytes``, so that stage 2 never holds them all at
+    once), and at least one whole tensor. A pipeline
+    stage adds :func:`p2p_bytes`.
+    """
+    b, m, lay = workload.dtype_bytes, workload.model, layout
+    units = stage_units(m, lay.tp, lay.pp, stage) + stage_expert_units(m, lay.pp, lay.ep, stage)
+    largest = max(u.numel for u, _ in units)
+    gathered = 2 * b.param * largest if layout.zero >= 3 else 0
+    if layout.zero == 2:
+        stage_elems = sum(u.numel * n for u, n in units)
+        bucket_bytes = min(layout.bucket_bytes, b.grad * stage_elems // (2 * layout.grad_ranks))  # the runtime's cap
+        buckets = max(2 * bucket_bytes // b.param, largest_tensor(workload.model, layout.tp, layout.ep))
+        unit_grad = b.grad * min(buckets, stage_elems)
+    else:
+        unit_grad = b.grad * largest if layout.zero == 3 else 0
+    return gathered + unit_grad + p2p_bytes(workload, layout)
+
+
+def p2p_bytes(workload: Workload, layout: Layout) -> int:
+    """A pipeline stage's send and receive buffer of a micro-batch's boundary activation, split by t
+    [NAR, 4.1 scatter/gather]; 0 without a pipeline."""
+    boundary = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
+    return 2 * workload.dtype_bytes.activation * boundary if layout.pp > 1 else 0
+
+
+def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
+    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.grad_ranks, layout.zero, stage,
+                                            layout.ep)
+    acts = _activation_bytes(workload, layout, stage)
+    return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
+                           p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
+
+
+def candidate_stages(layout: Layout, stage: int | None, model: ModelShape | None = None) -> list[int]:
+    """The stage asked for, or the only ones that can be worst.
+
+    Middle stages hold the same blocks as the first or last, without the embeddings or head, and no
+    more micro-batches in flight than stage 0 -- except in an MoE model whose first stage holds dense
+    blocks: then the first stage of MoE blocks only is a candidate too.
+    """
+    if stage is not None:
+        return [stage]
+    candidates = {0, layout.pp - 1}
+    if model is not None and model.n_experts and model.n_dense_layers:
+        candidates.add(min(layout.pp - 1, model.n_dense_layers // (model.n_layers // layout.pp)))
+    return sorted(candidates)
+
+
+def memory_per_rank(workload: Workload, layout: Layout, stage: int | None = None) -> MemoryBreakdown:
+    """Memory of one rank of ``stage``, or of the worst stage when ``stage`` is None."""
+    check_layout(workload, layout)
+    return max((_stage_memory(workload, layout, s) for s in candidate_stages(layout, stage, workload.model)),
+               key=lambda mb: mb.total)
+
+
+def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
+    """Parameters + gradients + optimizer state of one rank (worst stage when ``stage`` is None)."""
+    check_layout(workload, layout)
+    lay = layout
+    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.grad_ranks, lay.zero, s, lay.ep))
+               for s in candidate_stages(lay, stage, workload.model))
+
+
+def activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
+    """Peak activation bytes of one rank (worst stage when ``stage`` is None)."""
+    check_layout(workload, layout)
+    return max(_activation_bytes(workload, layout, s) for s in candidate_stages(layout, stage, workload.model))
+
+
+def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
+    """Bytes one micro-batch's forward saves for backward on one rank of ``stage`` (worst when None): its
+    blocks, over all of the rank's chunks, plus :func:`_stage_extras`. This is what
+    :class:`trainmesh.metrics.SavedActivations` measures of micro-batch 0, ``activation_bytes`` in
+    ``metrics.jsonl``; :func:`activation_bytes` is the peak over the micro-batches in flight.
+    """
+    check_layout(workload, layout)
+    return max(_micro_batch_activation_bytes(workload, layout, s) for s in candidate_stages(layout, stage, workload.model))

@@ -1,0 +1,161 @@
+"""The layout search: every layout the cluster can run, each estimated (:func:`estimate`), the ones that fit
+ranked by predicted step time (:func:`search`, :func:`best_layout`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator
+
+from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, validate
+from trainmesh.models.spec import ModelShape, divisors
+from trainmesh.hardware import GIB, Cluster
+from trainmesh.plan.memory import MemoryBreakdown, memory_per_rank
+from trainmesh.plan.timing import TimeBreakdown, peak_flops, step_flops, step_time
+from trainmesh.plan.workload import Layout, Workload, check_layout
+
+LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
+MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout with its worst-stage memory and predicted step.
+
+    ``mfu`` counts model FLOPs only [PALM, app. B]; ``tflops_per_device`` counts executed FLOPs,
+    recomputation included, as Megatron-LM reports throughput [NAR, 5.1].
+    """
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    mfu: float
+    tflops_per_device: float
+    tokens_per_s: float
+
+
+def estimate(
+    workload: Workload, layout: Layout, cluster: Cluster, memory: MemoryBreakdown | None = None
+) -> Estimate:
+    """Memory and time of one layout (``memory`` may be passed in when already computed)."""
+    time = step_time(workload, layout, cluster)
+    t = time.total
+    mfu = step_flops(workload) / (t * layout.world * peak_flops(workload, cluster))
+    tflops = step_flops(workload, layout.recompute) / (t * layout.world) / 1e12
+    tokens = workload.global_batch * workload.seq_len / t
+    return Estimate(layout, memory or memory_per_rank(workload, layout), time, mfu, tflops, tokens)
+
+
+# Larger micro-batches make larger matmuls (:func:`gemm_efficiency`) but a longer bubble and more activations.
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield from (("gpipe", 1), ("1f1b", 1), ("zb", 1))
+    for v in (2, 4):
+        if n_layers % (pp * v) == 0 and microbatches % pp == 0:
+            yield "interleaved", v
+
+
+def cp_degrees(workload: Workload, cluster: Cluster) -> list[int]:
+    """The cp sizes worth searching: 1, and from :data:`LONG_SEQUENCE` tokens on, every power of two that
+    splits the sequence into 2·cp chunks of at least :data:`MIN_CP_CHUNK` tokens (shorter chunks leave the
+    ring's messages nothing to hide behind)."""
+    if workload.seq_len < LONG_SEQUENCE:
+        return [1]
+    degrees, cp = [1], 2
+    while cp <= cluster.gpus and workload.seq_len % (2 * cp) == 0 and workload.seq_len // (2 * cp) >= MIN_CP_CHUNK:
+        degrees.append(cp)
+        cp *= 2
+    return degrees
+
+
+def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, cp, tp, pp) over exactly ``cluster.gpus`` ranks with each tp group inside one node."""
+    m = workload.model
+    for cp in cp_degrees(workload, cluster):
+        for tp in divisors(cluster.gpus_per_node):
+            if cluster.gpus % (tp * cp):
+                continue
+            for pp in divisors(cluster.gpus // (tp * cp)):
+                dp = cluster.gpus // (tp * cp * pp)
+                if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and _splits(m, tp, pp):
+                    yield dp, cp, tp, pp
+
+
+def _splits(model: ModelShape, tp: int, pp: int) -> bool:
+    """Whether tp x pp can split ``model`` by the layout's rules (whole heads per tp rank, untied embeddings)."""
+    try:
+        validate(Settings(tp=tp, pp=pp), model)
+    except LayoutError:
+        return False
+    return True
+
+
+def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
+    """The ep sizes an MoE model can take in a dp x cp group of ``grad_ranks``: those dividing both the
+    group and the expert count; [1] for a dense model."""
+    return [e for e in divisors(grad_ranks) if model.n_experts % e == 0] if model.n_experts else [1]
+
+
+def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
+    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
+    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`; a combination the layout's rules refuse
+    (the zero-bubble schedule with cp) is skipped."""
+    for dp, cp, tp, pp in _meshes(workload, cluster):
+        per_replica = workload.global_batch // dp
+        sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
+        for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
+            options = itertools.product(_schedules(pp, workload.model.n_layers, micro), ZERO_STAGES,
+                                        RECOMPUTE, sps, ep_degrees(workload.model, dp * cp))
+            for (schedule, v), zero, recompute, sp, ep in options:
+                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep)
+                if candidate is not None:
+                    yield candidate
+
+
+def _candidate(workload: Workload, *args: object, **kwargs: object) -> Layout | None:
+    """``Layout(*args, **kwargs)`` if it keeps the layout's rules for ``workload``, else None."""
+    try:
+        layout = Layout(*args, **kwargs)
+        check_layout(workload, layout)
+    except LayoutError:
+        return None
+    return layout
+
+
+# Predicted step times this close to the fastest (relative) count as equal: the model is no more exact.
+TIE_TOLERANCE = 0.01
+
+
+def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
+    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first, except that
+    the layouts within :data:`TIE_TOLERANCE` of the fastest come first in order of memory per rank: among
+    equal times the one with the most headroom is chosen (a layout that barely fits is the first to fail
+    on fragmentation or a longer sequence)."""
+    found = []
+    for layout in enumerate_layouts(workload, cluster):
+        memory = memory_per_rank(workload, layout)
+        if memory.total <= cluster.usable_bytes:
+            found.append(estimate(workload, layout, cluster, memory))
+    found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
+    if not found:
+        return found
+    tied = sum(e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE) for e in found)
+    return sorted(found[:tied], key=lambda e: (e.memory.total, e.time.total)) + found[tied:]
+
+
+def best_layout(workload: Workload, cluster: Cluster) -> Layout:
+    """The fastest layout that fits; what ``trainmesh train --plan auto`` runs."""
+    found = search(workload, cluster)
+    if not found:
+        raise ValueError(
+            f"no layout of {workload.model.n_params():,} parameters fits in {cluster.usable_bytes / GIB:.1f} "
+            f"usable GiB on {cluster.gpus} devices; add devices, lower global_batch or seq_len, or use a "
+            f"smaller model"
+        )
+    return found[0].layout

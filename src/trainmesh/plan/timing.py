@@ -1,0 +1,343 @@
+"""Time of one step: each matmul at its own efficiency, the collectives of every axis (tp, cp, ep, pp, dp)
+on the critical path, and the pipeline's bubble. Communication is assumed not to overlap compute, except
+where noted (the ring's messages behind attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainmesh.metrics import block_flops_per_token, head_flops_per_token, model_flops_per_token
+from trainmesh.models.spec import ModelShape
+from trainmesh.hardware import Cluster
+from trainmesh.plan.memory import (Unit, candidate_stages, expert_unit, router_and_shared, stage_blocks,
+                                   stage_expert_units, stage_units)
+from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens
+from trainmesh.state_bytes import DTYPE_BYTES, FULL_PRECISIONS
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one step on the critical path; communication is assumed not to overlap compute."""
+
+    compute: float
+    dp_comm: float
+    tp_comm: float
+    pp_comm: float
+    bubble: float
+    cp_comm: float = 0.0
+    ep_comm: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble + self.cp_comm + self.ep_comm
+
+
+def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """Ring all-gather or reduce-scatter of ``nbytes`` in total: (n-1)(alpha + S/(n B)) [THA]."""
+    bw, alpha = link
+    return (n - 1) * (alpha + nbytes / (n * bw)) if n > 1 else 0.0
+
+
+def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """The faster of ring, 2(n-1)(alpha + S/(nB)), and binomial tree, 2 ceil(log2 n)(alpha + S/B) [THA]."""
+    if n == 1:
+        return 0.0
+    bw, alpha = link
+    tree = 2 * math.ceil(math.log2(n)) * (alpha + nbytes / bw)
+    return min(2 * ring_gather_time(nbytes, n, link), tree)
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+    """Idle fraction of the pipeline's time, in closed form, equal to what
+    ``simulate(schedule_*(...)).bubble_fraction`` of :mod:`trainmesh.pipeline` gives for uniform stages,
+    which can replace it once stage costs are measured.
+
+    GPipe and 1F1B: (p-1)/(m+p-1) [NAR, 2.2.1]; interleaving divides the bubble by v [NAR, 2.2.2];
+    ZB-H1 shrinks it to (p-1)(T_F + T_B - T_W), a third of 1F1B's when T_F = T_B = T_W [ZB, 3.1].
+    """
+    p, m = pp - 1, microbatches
+    ideal = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
+    return p / (ideal + p)
+
+
+def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
+    """Executed FLOPs of one block per token over forward and backward.
+
+    Backward costs twice the forward, so 3x; full recomputation reruns the forward (4x, the 96 of
+    [NAR, app. FLOPs]); selective recomputation reruns only QK^T and AV [KOR, sec. 5].
+    """
+    fwd = block_flops_per_token(m.d_model, m.d_ff, seq_len, m.gated_mlp, m.qkv_width)
+    return {"none": 3 * fwd, "selective": 3 * fwd + 4 * seq_len * m.d_model, "full": 4 * fwd}[recompute]
+
+
+def step_flops(workload: Workload, recompute: str = "none") -> float:
+    """FLOPs of one step.
+
+    With ``recompute="none"`` these are the model FLOPs that MFU counts [PALM, app. B], the ones
+    :func:`trainmesh.metrics.model_flops_per_token` gives the runtime's MFU; with the layout's recompute,
+    the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
+    """
+    m, s = workload.model, workload.seq_len
+    model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp, m.qkv_width)
+    moe_layers = m.n_layers - m.n_dense_layers if m.n_experts else 0
+    model += 3 * moe_layers * (moe_block_flops_per_token(m, s) - block_flops_per_token(
+        m.d_model, m.d_ff, s, m.gated_mlp, m.qkv_width))
+    rerun = m.n_layers * (block_pass_flops_per_token(m, s, recompute) - block_pass_flops_per_token(m, s, "none"))
+    if recompute == "full":
+        rerun = model / 3 - head_flops_per_token(m.d_model, m.vocab_size)  # every block's forward, once more
+    return workload.global_batch * s * (model + rerun)
+
+
+def moe_block_flops_per_token(m: ModelShape, seq_len: int) -> int:
+    """Forward FLOPs of one MoE block per token: a dense block whose MLP is ``top_k`` routed plus the shared
+    experts (an MLP of their summed width), and the router's d x E matmul. Active parameters, not total."""
+    width = (m.top_k + m.n_shared_experts) * m.expert_ff
+    return block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width) + 2 * m.d_model * m.n_experts
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matmul of a forward pass on one rank: its FLOPs and its (m, k, n) after the tp split."""
+
+    flops: float
+    dims: tuple[int, int, int]
+
+
+def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
+    """Fraction of peak a matmul of these dimensions reaches: ``gemm_efficiency`` times d / (d + d_half) per
+    dimension. Small dimensions leave tiles idle and make the matmul memory-bound, so a saturating curve in
+    each dimension is the simplest shape that does both (the "GEMM size" effect behind the rise of
+    throughput with model size [NAR, 5.1])."""
+    return cluster.gemm_efficiency * math.prod(d / (d + cluster.gemm_half_dim) for d in dims)
+
+
+def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
+    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]:
+    column-parallel q/k/v and MLP-in split their outputs by t, row-parallel projections their inputs; the
+    attention core multiplies head_dim-wide blocks (QK^T and AV, 4 b s_local s h / t FLOPs in all).
+
+    An MoE block (``moe``) has the router's matmul and, in place of the MLP, its routed experts: with
+    balanced routing a rank runs top_k copies of each of its tokens through its n_experts / ep local experts,
+    so each expert's matmul takes ep x tokens x top_k / n_experts rows -- the reason ep makes expert
+    matmuls efficient -- and the shared experts as one MLP over every token. None of these is split by tp
+    (the experts are whole on every tp rank); the tokens are :func:`moe_tokens`, all of the micro-batch's
+    on every tp rank without sequence parallelism, a 1/tp slice under it."""
+    m, t = workload.model, layout.tp
+    s_local = local_seq(workload, layout)
+    tokens = s_local * micro_batch_size(workload, layout)
+    h = m.d_model
+    gemms = {
+        "qkv": Gemm(2 * tokens * h * m.qkv_width / t, (tokens, h, m.qkv_width // t)),
+        "proj": Gemm(2 * tokens * h * h / t, (tokens, h // t, h)),
+        "attention": Gemm(4 * tokens * workload.seq_len * h / t, (s_local, h // m.n_heads, workload.seq_len)),
+    }
+    inputs = 2 if m.gated_mlp else 1
+    if not moe:
+        return gemms | _mlp_gemms("mlp", tokens, tokens, m.d_ff, inputs, h, t)
+    routed = moe_tokens(workload, layout)
+    rows = max(1, layout.ep * routed * m.top_k // m.n_experts)
+    gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts))
+    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1)
+    if m.n_shared_experts:
+        gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
+    return gemms
+
+
+def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t: int) -> dict[str, Gemm]:
+    """An MLP's input and output matmuls over ``tokens`` rows in all, ``rows`` per matmul."""
+    return {f"{name}_in": Gemm(inputs * 2 * tokens * h * f / t, (rows, h, f // t)),
+            f"{name}_out": Gemm(2 * tokens * f * h / t, (rows, f // t, h))}
+
+
+def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
+    return gemm.flops / (peak_flops(workload, cluster) * gemm_efficiency(cluster, gemm.dims))
+
+
+def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Seconds of one micro-batch's forward and backward on a rank of ``stage``: each matmul of
+    :func:`block_gemms` (and the head's on the last stage) at its own :func:`gemm_efficiency`, three times
+    (backward costs twice the forward), four under full recomputation, the attention core once more under
+    selective recomputation [KOR, sec. 5]."""
+    m = workload.model
+    passes = 4 if layout.recompute == "full" else 3
+
+    def block(moe: bool) -> float:
+        gemms = block_gemms(workload, layout, moe)
+        rerun = gemm_time(gemms["attention"], workload, cluster) if layout.recompute == "selective" else 0.0
+        return passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
+
+    dense, moe = stage_blocks(m, layout.pp, stage)
+    total = dense * block(False) + (moe * block(True) if moe else 0.0)
+    if stage == layout.pp - 1:
+        tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+        head = Gemm(head_flops_per_token(m.d_model, m.vocab_size) * tokens / layout.tp,
+                    (tokens, m.d_model, m.vocab_size // layout.tp))
+        total += 3 * gemm_time(head, workload, cluster)
+    return total
+
+
+def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Each dense block all-reduces its sbh output twice forward and twice backward (twice more when the
+    forward is recomputed) [NAR, 2.3]; sequence parallelism turns each into an all-gather plus a
+    reduce-scatter of the same volume [KOR, 4.2.2]. An MoE block has only its attention's half: its router
+    and experts are whole on every tp rank, so the MoE layer needs no tp collective of activations; under
+    sequence parallelism each tp rank routes its own tokens through them, so their gradients are summed
+    over tp after every micro-batch's backward (``tensor_parallel.sum_grad_over_tp``)."""
+    t, model = layout.tp, workload.model
+    if t == 1:
+        return 0.0
+    sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * model.d_model
+    nbytes, link = sbh * workload.dtype_bytes.activation, cluster.link(t)
+    if layout.sequence_parallel:
+        one = 2 * ring_gather_time(nbytes, t, link)
+    else:
+        one = all_reduce_time(nbytes, t, link)
+    count = 6 if layout.recompute == "full" else 4
+    dense, moe = stage_blocks(model, layout.pp, stage)
+    activations = count * one * (dense + moe / 2)
+    if not (moe and layout.sequence_parallel):
+        return activations
+    replicated = moe * (expert_unit(model, layout.ep).numel + router_and_shared(model).numel)
+    return activations + all_reduce_time(replicated * workload.dtype_bytes.grad, t, link)
+
+
+def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """One activation forward and one gradient backward per chunk boundary, split by t [NAR, 4.1]."""
+    if layout.pp == 1:
+        return 0.0
+    bw, alpha = cluster.link(layout.world)
+    nbytes = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
+    return 2 * layout.virtual * (alpha + nbytes * workload.dtype_bytes.activation / bw)
+
+
+def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
+    """Bytes one rank sends over cp for one micro-batch's forward and backward, per op, as
+    :class:`trainmesh.comm.Comm` counts them (``cp/ring_kv`` ...).
+
+    Ring: a layer's local K/V block (2 b (s/cp) kv_heads d_head elements) is sent cp-1 times forward, and
+    in backward cp-1 times again plus its gradient cp times (fp32 or wider: the accumulation dtype), i.e.
+    (cp-1)/cp of the layer's whole K/V per direction [Liu et al., 2023, Ring Attention]. a2a: q, k, v and
+    the output go through one all-to-all each way, (cp-1)/cp of each tensor [Jacobs et al., 2023, Ulysses].
+    """
+    m, lay, e = workload.model, layout, workload.dtype_bytes.activation
+    cp, layers = lay.cp, m.n_layers // lay.pp
+    if cp == 1:
+        return {}
+    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
+    head_dim = m.d_model // m.n_heads
+    kv = 2 * tokens * m.kv_heads * head_dim // lay.tp
+    if lay.cp_impl == "ring":
+        grad = max(e, DTYPE_BYTES["fp32"])
+        return {"ring_kv": layers * (cp - 1) * kv * e,
+                "ring_kv_grad": layers * ((cp - 1) * kv * e + cp * kv * grad)}
+    q_and_out = 2 * tokens * m.d_model // lay.tp
+    return {"all_to_all": layers * 2 * (cp - 1) / cp * (q_and_out + kv) * e}
+
+
+def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """Exposed cp communication of one micro-batch. The ring's messages overlap the attention of the block
+    at hand, so only what exceeds the attention's compute shows; the all-to-alls sit on the critical path."""
+    sent = sum(cp_bytes_per_micro(workload, layout).values())
+    if not sent:
+        return 0.0
+    bw, alpha = cluster.link(layout.tp * layout.cp)
+    layers = workload.model.n_layers // layout.pp
+    if layout.cp_impl == "a2a":
+        return 8 * layers * alpha + sent / bw
+    attention = block_gemms(workload, layout)["attention"]
+    hidden = layers * 3 * gemm_time(attention, workload, cluster) / 2  # causal: half the score matrix
+    messages = layers * (3 * layout.cp - 2)
+    return max(0.0, messages * alpha + sent / bw - hidden)
+
+
+def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -> float:
+    """Bytes one rank of ``stage`` sends over ep for one micro-batch: every MoE layer dispatches and
+    combines top_k copies of each token (tokens x top_k x d x activation bytes per direction, of which
+    (ep-1)/ep leave the rank) twice forward and twice backward, twice more when the forward is recomputed.
+    Each tp rank dispatches the copies of its own :func:`moe_tokens` over its own ep group: all of its
+    micro-batch's tokens without sequence parallelism (every tp rank sends the same copies), a 1/tp
+    slice under it."""
+    m, lay = workload.model, layout
+    moe = stage_blocks(m, lay.pp, stage)[1]
+    if lay.ep == 1 or not moe:
+        return 0.0
+    one = moe_tokens(workload, lay) * m.top_k * m.d_model * workload.dtype_bytes.activation * (lay.ep - 1) / lay.ep
+    return moe * (6 if lay.recompute == "full" else 4) * one
+
+
+def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """The all-to-alls of :func:`all_to_all_bytes_per_micro` on the critical path, each ep - 1 messages.
+    The ep group is ep ranks tp apart inside the data-parallel group, so it spans tp x ep ranks."""
+    sent = all_to_all_bytes_per_micro(workload, layout, stage)
+    if not sent:
+        return 0.0
+    bw, alpha = cluster.link(layout.tp * layout.ep)
+    calls = stage_blocks(workload.model, layout.pp, stage)[1] * (6 if layout.recompute == "full" else 4)
+    return calls * (layout.ep - 1) * alpha + sent / bw
+
+
+def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Data-parallel traffic of one step [ZeRO, sec. 7].
+
+    ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and all-gathers the updated
+    parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
+    micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
+    micro-batch), and under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
+    :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own (a latency per unit). None of it is assumed hidden behind compute: that fits
+    Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
+    """
+    lay, model = layout, workload.model
+    experts = stage_expert_units(model, lay.pp, lay.ep, stage)
+    dense = _dp_group_time(stage_units(model, lay.tp, lay.pp, stage), lay.grad_ranks, workload, lay, cluster)
+    return dense + _dp_group_time(experts, lay.grad_ranks // lay.ep, workload, lay, cluster)
+
+
+def _dp_group_time(units: tuple[tuple[Unit, int], ...], n: int, workload: Workload, layout: Layout,
+                   cluster: Cluster) -> float:
+    """:func:`dp_time` of ``units`` reduced over ``n`` ranks (the expert-data-parallel group for experts)."""
+    m, b = layout.microbatches, workload.dtype_bytes
+    if n == 1 or not units:
+        return 0.0
+    psi = sum((-(-u.numel // n) * n if layout.zero else u.numel) * k for u, k in units)
+    link = cluster.link(layout.world // layout.pp)
+    if layout.zero == 0:
+        return all_reduce_time(b.grad * psi, n, link)
+    gather, scatter = ring_gather_time(b.param * psi, n, link), ring_gather_time(b.grad * psi, n, link)
+    if layout.zero == 3:  # one collective per unit: each pays its own latency
+        extra = (sum(k for _, k in units) - 1) * (n - 1) * link[1]
+        gather, scatter = gather + extra, scatter + extra
+    passes = 3 if layout.schedule == "zb" else 2
+    return {1: scatter + gather, 2: m * scatter + gather, 3: m * (passes * gather + scatter)}[layout.zero]
+
+
+def peak_flops(workload: Workload, cluster: Cluster) -> float:
+    """fp64 counts at the fp32 peak: A100's and H100's fp64 tensor cores match their fp32 rate."""
+    return cluster.peak_flops_fp32 if workload.precision in FULL_PRECISIONS else cluster.peak_flops
+
+
+def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
+    """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic.
+
+    Compute is each matmul's FLOPs at its own efficiency (:func:`micro_compute_time`); tp and pp traffic sit on
+    the critical path; the bubble stretches the per-micro-batch time by f/(1-f) with f from
+    :func:`bubble_fraction`. Where ranks share cores (``ranks_per_core`` r > 1: more CPU processes than
+    cores), computing takes r times as long, and a rank's bubble is time the others compute in, so only
+    what the bubble adds beyond that shows.
+    """
+    check_layout(workload, layout)
+    stages = candidate_stages(layout, None, workload.model)
+    m = layout.microbatches
+    compute = m * max(micro_compute_time(workload, layout, cluster, s) for s in stages)
+    tp = m * max(_tp_time_per_micro(workload, layout, cluster, s) for s in stages)
+    pp = m * _pp_time_per_micro(workload, layout, cluster)
+    ep = m * max(_ep_time_per_micro(workload, layout, cluster, s) for s in stages)
+    f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
+    bubble = (compute + tp + pp + ep) * f / (1 - f)
+    if cluster.ranks_per_core > 1:  # cores shared: each rank's compute waits its turn, bubbles are filled
+        shared = compute * cluster.ranks_per_core
+        compute, bubble = shared, max(0.0, compute + bubble - shared)
+    dp = max(dp_time(workload, layout, cluster, s) for s in stages)
+    cp = m * _cp_time_per_micro(workload, layout, cluster)
+    return TimeBreakdown(compute, dp, tp, pp, bubble, cp, ep)

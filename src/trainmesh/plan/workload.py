@@ -1,0 +1,139 @@
+"""What the planner prices: a :class:`Workload` (one optimizer step of a model shape at a precision) and a
+:class:`Layout` (how that step is spread over ranks), with the checks and per-rank sizes both derive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from trainmesh.layout import Layout as Settings, LayoutError, resolve_reduce_dtype, validate
+from trainmesh.models.spec import ModelShape, divisors
+from trainmesh.parallel.zero import DEFAULT_BUCKET_BYTES
+from trainmesh.state_bytes import DTYPE_BYTES, Precision, precision_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
+
+    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in, ``auto`` resolved as ``train``
+    resolves it; both default to :class:`trainmesh.layout.Layout`'s (the command line's too), so a plan holds
+    for the run that ``trainmesh train`` starts with the same flags.
+    """
+
+    model: ModelShape
+    global_batch: int
+    seq_len: int
+    precision: str = Settings.precision
+    reduce_dtype: str = Settings.reduce_dtype
+
+    def __post_init__(self) -> None:
+        for name, value in (("precision", self.precision), ("reduce_dtype", self.reduce_dtype)):
+            if value not in DTYPE_BYTES and not (name == "reduce_dtype" and value == "auto"):
+                raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        if self.model.learned_positions and self.seq_len > self.model.seq_len:
+            raise ValueError(
+                f"seq_len={self.seq_len} exceeds the model's {self.model.seq_len} learned positions; "
+                f"lower seq_len or raise the model's seq_len"
+            )
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """The model at this workload's sequence length, as the layout's rules read it."""
+        return dataclasses.replace(self.model, seq_len=self.seq_len)
+
+    @functools.cached_property
+    def dtype_bytes(self) -> Precision:
+        return precision_bytes(self.precision, self.grad_dtype)
+
+    @property
+    def grad_dtype(self) -> str:
+        return resolve_reduce_dtype(self.precision, self.reduce_dtype)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is spread: dp x tp x pp ranks, ZeRO stage, micro-batching and memory savers.
+
+    ``microbatches`` is per data-parallel replica and step (gradient accumulation when pp = 1);
+    ``virtual`` is the model chunks per pipeline rank of the interleaved schedule; ``bucket_bytes`` is
+    the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
+    ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it).
+    The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
+    (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = Settings.zero
+    microbatches: int = Settings.microbatches
+    schedule: str = Settings.schedule
+    virtual: int = Settings.virtual_stages
+    recompute: str = Settings.recompute
+    sequence_parallel: bool = Settings.sequence_parallel
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    cp: int = 1
+    cp_impl: str = Settings.cp_impl
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise LayoutError(f"bucket_bytes={self.bucket_bytes}: must be at least 1")
+        validate(self.settings)
+
+    @property
+    def settings(self) -> Settings:
+        """This layout as :mod:`trainmesh.layout` states it, for its rules."""
+        return Settings(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
+                        sequence_parallel=self.sequence_parallel, schedule=self.schedule,
+                        virtual_stages=self.virtual, microbatches=self.microbatches, recompute=self.recompute,
+                        cp_impl=self.cp_impl)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks over which gradients are reduced and ZeRO shards: dp x cp (Megatron's dp-cp group)."""
+        return self.dp * self.cp
+
+
+def local_seq(workload: Workload, layout: Layout) -> int:
+    """Tokens of each sequence one rank holds: the sequence split over cp."""
+    return workload.seq_len // layout.cp
+
+
+@functools.lru_cache(maxsize=2**16)  # every estimate of a layout checks it again; a search checks thousands
+def check_layout(workload: Workload, layout: Layout) -> None:
+    """Raise early, with the fix, when the layout cannot run this workload: the layout's rules on the model
+    (at the workload's sequence length), then what the estimates assume (whole stages of equal depth, whole
+    micro-batches)."""
+    m, lay = workload.model, layout
+    validate(lay.settings, workload.shape)
+    if m.n_layers % (lay.pp * lay.virtual):
+        raise ValueError(
+            f"n_layers={m.n_layers} is not divisible by pp*virtual={lay.pp * lay.virtual}; "
+            f"choose pp*virtual in {divisors(m.n_layers)}"
+        )
+    if workload.global_batch % (lay.dp * lay.microbatches):
+        raise ValueError(
+            f"global_batch={workload.global_batch} is not divisible by dp*microbatches="
+            f"{lay.dp * lay.microbatches}; choose dp*microbatches in {divisors(workload.global_batch)}"
+        )
+
+
+def micro_batch_size(workload: Workload, layout: Layout) -> int:
+    return workload.global_batch // (layout.dp * layout.microbatches)
+
+
+def moe_tokens(workload: Workload, layout: Layout) -> int:
+    """Tokens one tp rank routes through each MoE layer per micro-batch. The MoE layer is whole on every tp
+    rank, so without sequence parallelism each tp rank routes all of its micro-batch's tokens (the same
+    work on every tp rank); under sequence parallelism the MoE layer sits in the sequence-split region
+    and each tp rank routes only its 1/tp slice of every sequence (``trainmesh.models.moe.SequenceSplit``)."""
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+    return tokens // layout.tp if layout.sequence_parallel else tokens
