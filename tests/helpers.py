@@ -28,6 +28,17 @@ EQUIVALENCE_TABLE: list[tuple[str, float, float]] = []  # (layout, |Δloss|, |Δ
 Training = tuple[list[float], dict[str, torch.Tensor]]
 
 
+DEFAULTS = {"steps": 10, "global_batch": 8, "warmup_steps": 2, "progress": False}
+
+
+def config(**settings) -> Config:
+    """The one way the tests build a run's settings: :data:`DEFAULTS` (ten steps of eight sequences, two
+    warm-up steps, no progress line) under ``settings``, started on as many processes as the layout has
+    ranks unless ``nproc`` is given."""
+    cfg = Config(**{**DEFAULTS, **settings})
+    return cfg if "nproc" in settings else dataclasses.replace(cfg, nproc=cfg.world_size)
+
+
 def in_fp64(cfg: Config) -> Config:
     """The config an equivalence test runs: the same layout in float64 (gradients reduced in float64)."""
     return dataclasses.replace(cfg, precision="fp64", reduce_dtype="auto")

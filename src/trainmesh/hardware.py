@@ -95,7 +95,7 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cl
     """One 8-GPU node from datasheet figures.
 
     The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
-    (``tests/test_plan.py`` holds the table and checks the fit). NCCL's per-hop latency is about 2 us over
+    (``tests/unit/test_plan.py`` holds the table and checks the fit). NCCL's per-hop latency is about 2 us over
     NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's own buffers and
     allocator fragmentation.
     """

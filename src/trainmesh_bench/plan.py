@@ -2,7 +2,7 @@
 layout, next to what a real run of that layout measures here.
 
 ``python -m trainmesh_bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
-``tests/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
+``tests/multirank/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
 :func:`trainmesh.testing.run_ranks` call: each rank trains each layout with
 :func:`trainmesh.app.train.train` (``trainmesh train`` itself, which writes ``metrics.jsonl`` and
 ``summary.json``), then runs a few more steps of the model and optimizer it trained with :class:`StepPeak`

@@ -1,6 +1,7 @@
 """Mixed precision and activation recomputation: bf16 tracks fp32, fp16 overflow skips a step on every
 rank and backs the scale off, recomputation changes memory but not the losses."""
 
+import functools
 import os
 
 import pytest
@@ -10,6 +11,8 @@ from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, inject_fault, rank_batch, setup_process, train
+
+from helpers import config
 
 
 # bf16 has an 8-bit mantissa: per-step losses of the tiny preset drift from fp32 by up to a few 1e-2, and
@@ -23,8 +26,7 @@ BF16_VAL_ABS_DIFF = 0.05
 TRACKING_WINDOW = 5
 
 
-def _cfg(**kw) -> Config:
-    return Config(**{"steps": 50, "global_batch": 8, "progress": False, "warmup_steps": 5, **kw})
+_cfg = functools.partial(config, steps=50, warmup_steps=5)
 
 
 def _single(cfg: Config):

@@ -19,16 +19,15 @@ from trainmesh.app.train import build, forward_backward, full_state_dict, inject
 from trainmesh.parallel.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
-from helpers import check_equivalent
+from helpers import check_equivalent, config
 
 TINY = PRESETS["tiny"]
 PSI = TINY.n_params()
 
 
 def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Config:
-    kw.setdefault("global_batch", 12 if dp == 3 else 8)
-    return Config(nproc=dp, dp=dp, zero=zero, steps=kw.pop("steps", 8), microbatches=microbatches,
-                  progress=False, warmup_steps=2, **kw)
+    return config(**{"dp": dp, "zero": zero, "microbatches": microbatches, "steps": 8,
+                     "global_batch": 12 if dp == 3 else 8, **kw})
 
 
 # --- equivalence: per-step losses and final full parameters match one process --------------------------

@@ -39,9 +39,11 @@ from trainmesh.app.train import build, full_state_dict, train
 SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"
 OTHER_RUN = "0123456789abcdef0123456789abcdef"
 
+from helpers import config
+
 
 def _cfg(root: Path, **kw) -> Config:
-    return Config(**{"steps": 4, "global_batch": 4, "warmup_steps": 1, "progress": False, "checkpoint_every": 2,
+    return config(**{"steps": 4, "global_batch": 4, "warmup_steps": 1, "checkpoint_every": 2,
                      "checkpoint_dir": str(root), **kw})
 
 

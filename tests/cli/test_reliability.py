@@ -1,5 +1,6 @@
 """Faults and bad input: every one is detected, named, and stops or skips cleanly (docs/reliability.md)."""
 
+import functools
 import collections
 import json
 import os
@@ -22,6 +23,8 @@ from trainmesh.mesh import Mesh
 from trainmesh.testing import RankFailure, run_ranks
 from trainmesh.app.train import TrainingDiverged, build, forward_backward, inject_fault, rank_batch, setup_process, train
 
+from helpers import config
+
 
 def trainmesh(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "trainmesh", *args], capture_output=True, text=True,
@@ -33,8 +36,7 @@ def _pids_with(marker: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _cfg(**kw) -> Config:
-    return Config(**{"nproc": 2, "dp": 2, "steps": 5, "global_batch": 8, "progress": False, **kw})
+_cfg = functools.partial(config, dp=2, steps=5, warmup_steps=5)
 
 
 def test_killed_rank_is_named_with_its_signal(tmp_path):

@@ -7,12 +7,11 @@ from trainmesh.app.config import Config
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
-from helpers import check_equivalent, differences, train_rank, train_single
+from helpers import check_equivalent, config, differences, train_rank, train_single
 
 
 def _cfg(dp: int, microbatches: int, **kw) -> Config:
-    return Config(nproc=dp, dp=dp, steps=10, global_batch=8, microbatches=microbatches, progress=False,
-                  warmup_steps=2, **kw)
+    return config(dp=dp, microbatches=microbatches, **kw)
 
 
 @pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])

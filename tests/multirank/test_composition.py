@@ -1,15 +1,12 @@
 """DP x TP x PP (x ZeRO on the data-parallel axis) on one mesh in one run trains like one process."""
 
+import functools
+
 import pytest
 
-from trainmesh.app.config import Config
+from helpers import check_equivalent, config
 
-from helpers import check_equivalent
-
-def _cfg(**kw) -> Config:
-    base = {"nproc": 8, "dp": 2, "tp": 2, "pp": 2, "steps": 10, "global_batch": 8, "microbatches": 2,
-            "progress": False, "warmup_steps": 2}
-    return Config(**{**base, **kw})
+_cfg = functools.partial(config, dp=2, tp=2, pp=2, microbatches=2)
 
 
 def test_dp2_tp2_pp2_matches_single_process():

@@ -2,6 +2,7 @@
 head, the parameter counts are Llama 3's, tp is refused where it would split a KV head, every parallel form
 trains it as one process does, and the command line trains and plans it."""
 
+import functools
 import dataclasses
 import json
 import os
@@ -25,7 +26,7 @@ from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import build, full_state_dict, train
 
-from helpers import check_equivalent
+from helpers import check_equivalent, config
 
 TINY = preset("llama-tiny")
 
@@ -149,10 +150,7 @@ def test_recompute_keeps_the_losses_of_llama():
 
 # --- every parallel form equals one process (float64, 1e-9) --------------------------------------------
 
-def _cfg(**layout) -> Config:
-    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    return Config(model="llama-tiny", nproc=world, steps=6, global_batch=8, progress=False, warmup_steps=2,
-                  **layout)
+_cfg = functools.partial(config, model="llama-tiny", steps=6)
 
 
 def test_llama_dp2_zero3_tp2_sp_and_pp2_1f1b_zb_match_single_process():

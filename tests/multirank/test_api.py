@@ -26,7 +26,7 @@ from helpers import EQUIVALENCE_TABLE, FP64_ATOL
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from train_custom_module import LAYOUT, PLAN, Block, TokenMLP  # noqa: E402
 

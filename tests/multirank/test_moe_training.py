@@ -5,6 +5,8 @@ bad settings refused in one line before any rank starts."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 
 import pytest
@@ -19,12 +21,10 @@ from trainmesh.tracking.report import report
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import full_state_dict, moe_metrics, train
 
-from helpers import EQUIVALENCE_TABLE, assert_same_training, check_equivalent, describe_layout, in_fp64, train_single
+from helpers import EQUIVALENCE_TABLE, assert_same_training, check_equivalent, config, describe_layout, in_fp64, train_single
 
 
-def _cfg(**kw) -> Config:
-    base = dict(model="moe-tiny", steps=6, global_batch=8, progress=False, warmup_steps=1, tensorboard=False)
-    return Config(**{**base, **kw})
+_cfg = functools.partial(config, model="moe-tiny", steps=6, warmup_steps=1, tensorboard=False)
 
 
 def test_moe_tiny_trains_on_one_process_and_logs_expert_metrics(tmp_path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from trainmesh.app.cli import _parser
 from trainmesh.app.config import config_from_args, validate
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
 def load_script():

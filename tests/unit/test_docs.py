@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
 PYTHONS = {"python", "py", "python3"}

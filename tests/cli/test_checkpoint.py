@@ -28,7 +28,7 @@ from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor, spec_box
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import build, full_state_dict, setup_process, train
 
-from helpers import EQUIVALENCE_TABLE, FP64_ATOL
+from helpers import EQUIVALENCE_TABLE, FP64_ATOL, config
 
 SAVE_AT = 5
 WORLD = 4
@@ -51,10 +51,7 @@ RESHARD = {
 
 
 def _cfg(root: Path, name: str, **kw) -> Config:
-    base = {"steps": 10, "global_batch": 8, "warmup_steps": 2, "progress": False, "checkpoint_every": SAVE_AT,
-            "checkpoint_dir": str(root / name)}
-    cfg = Config(**{**base, **kw})
-    return dataclasses.replace(cfg, nproc=cfg.world_size)
+    return config(checkpoint_every=SAVE_AT, checkpoint_dir=str(root / name), **kw)
 
 
 def _copy_step(src_root: Path, dst_root: Path, step: int = SAVE_AT) -> None:

@@ -19,14 +19,13 @@ from trainmesh.parallel.tensor_parallel import ShardSpec, load_full_state_dict, 
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
-from helpers import check_equivalent
+from helpers import check_equivalent, config
 
 TINY = PRESETS["tiny"]
 
 
 def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1, zero: int = 0) -> Config:
-    return Config(nproc=dp * tp, dp=dp, tp=tp, sequence_parallel=sp, zero=zero, steps=10, global_batch=8,
-                  microbatches=microbatches, progress=False, warmup_steps=2)
+    return config(dp=dp, tp=tp, sequence_parallel=sp, zero=zero, microbatches=microbatches)
 
 
 def _mesh_at(tp: int, rank: int) -> Mesh:

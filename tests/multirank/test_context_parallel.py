@@ -1,6 +1,7 @@
 """Context parallelism without processes: the ring's blockwise arithmetic against one
 ``scaled_dot_product_attention``, and the head-tail split of a sequence."""
 
+import functools
 import dataclasses
 
 import pytest
@@ -19,6 +20,7 @@ from trainmesh.mesh import Mesh, init_distributed
 from trainmesh.testing import run_ranks
 
 from helpers import check_equivalent
+from helpers import config as run_config
 
 TOL = 1e-12  # fp64: the merge reorders sums of a few hundred terms
 
@@ -101,9 +103,7 @@ def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
 
 # --- equivalence to one process (float64, helpers.FP64_ATOL) ---------------------------------------------
 
-def _cfg(**kw) -> Config:
-    base = {"nproc": 2, "cp": 2, "steps": 3, "global_batch": 4, "progress": False, "warmup_steps": 1, "seq_len": 96}
-    return Config(**{**base, **kw})
+_cfg = functools.partial(run_config, cp=2, steps=3, global_batch=4, warmup_steps=1, seq_len=96)
 
 
 def _grad_and_expert_group_ranks() -> list[dict[str, list[int]]]:

@@ -24,14 +24,13 @@ from trainmesh.pipeline.simulate import simulate
 from trainmesh.testing import run_ranks
 from trainmesh.app.train import build, evaluate, forward_backward, rank_batch, setup_process
 
-from helpers import check_equivalent
+from helpers import check_equivalent, config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _cfg(pp: int, schedule: str, dp: int = 1, model: str = "tiny", **kw) -> Config:
-    return Config(nproc=pp * dp * kw.get("tp", 1), pp=pp, dp=dp, schedule=schedule, model=model, steps=4, global_batch=8,
-                  microbatches=4, progress=False, warmup_steps=2, **kw)
+    return config(pp=pp, dp=dp, schedule=schedule, model=model, steps=4, microbatches=4, **kw)
 
 
 def _interleaved(pp: int, dp: int = 1) -> Config:
