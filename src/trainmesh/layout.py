@@ -18,12 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainmesh.models.spec import ModelShape, divisors
-from trainmesh.pipeline.schedules import SCHEDULES as SCHEDULE_BUILDERS
-from trainmesh.parallel.recompute import MODES
 
 ZERO_STAGES = (0, 1, 2, 3)
-SCHEDULES = tuple(SCHEDULE_BUILDERS)
-RECOMPUTE = MODES
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # trainmesh.pipeline.schedules builds each
+RECOMPUTE = ("none", "selective", "full")  # trainmesh.parallel.recompute applies each
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 REDUCE_DTYPES = ("auto", *PRECISIONS)
 CP_IMPLS = ("ring", "a2a")

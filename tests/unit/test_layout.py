@@ -186,3 +186,10 @@ def test_the_interleaved_schedule_without_virtual_stages_is_one_line_from_the_sh
     assert result.stderr.splitlines() == [
         "trainmesh: error: --schedule interleaved runs several model chunks per pipeline rank; set "
         "--virtual-stages >= 2 (e.g. --virtual-stages 2) or use another schedule"]
+
+
+def test_the_layout_names_every_schedule_and_recompute_mode_the_runtime_builds():
+    from trainmesh.parallel.recompute import MODES
+    from trainmesh.pipeline.schedules import SCHEDULES as BUILDERS
+    from trainmesh.layout import RECOMPUTE, SCHEDULES
+    assert tuple(BUILDERS) == SCHEDULES and MODES == RECOMPUTE

@@ -17,7 +17,9 @@ from collections.abc import Callable, Mapping
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-MODES = ("none", "selective", "full")
+from trainmesh.layout import RECOMPUTE
+
+MODES = RECOMPUTE  # the layout names them once
 
 
 Target = type[nn.Module] | str
