@@ -288,7 +288,7 @@ def _nan_step_rank(cfg: Config):
         before = [p.detach().clone() for p in run.model.parameters()]
         forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
         scale = run.engine.loss_scale
-        norm = run.engine.step(cfg.lr, cfg.grad_clip)
+        run.engine.step(cfg.lr, cfg.grad_clip)
         undo()
         unchanged = all(torch.equal(a, p) for a, p in zip(before, run.model.parameters()))
         trace.append((scale, run.engine.loss_scale, unchanged))

@@ -1,7 +1,6 @@
 """The GPU check cannot be run here (no GPU), so what can go stale without one is checked: every case's
 ``trainmesh train`` line is a configuration that validates at one GPU and at eight."""
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
