@@ -98,16 +98,21 @@ class RunLog:
         """Print a line of its own on rank 0 (the progress bar, if any, is redrawn below it)."""
         self.progress.message(text)
 
+    @property
+    def steady_step_time(self) -> float:
+        """Mean seconds per logged step, the first left out (it pays for warm-up: allocation, compilation)."""
+        steady = self.times[1:] or self.times
+        return sum(steady) / len(steady)
+
     def summary(self, **fields: Any) -> dict[str, Any]:
         """Write ``summary.json``: the model's name, the loss windows and mean step time of what was logged,
         the settings, and ``fields``; returns it."""
-        windows = LossWindows.of(self.losses) if self.losses else None
-        steady = self.times[1:] or self.times
         record: dict[str, Any] = {"model": self.name, "steps": self.steps or len(self.losses)}
-        if windows is not None:
+        if self.losses:
+            windows = LossWindows.of(self.losses)
             record.update(first_loss=self.losses[0], final_loss=self.losses[-1], loss_window_steps=windows.steps,
                           first_window_loss=windows.first, last_window_loss=windows.last,
-                          mean_step_time_s=sum(steady) / len(steady))
+                          mean_step_time_s=self.steady_step_time)
         record.update(fields)
         record.setdefault("config", self.config)
         self.writer.summary(record)

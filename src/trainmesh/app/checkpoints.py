@@ -32,15 +32,16 @@ from trainmesh.checkpoint.manifest import RUN_ID, show
 from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.models import register_preset, spec_of
 from trainmesh.tracking import runlock
-from trainmesh.safe_io import (fsync_dir, sha256_hex)
-from trainmesh.checkpoint.store import (RUN_ID_ENV, agreed_run_id, LATEST, LOCK, STEP_DIR, LEFTOVER, CheckpointError, CheckpointMismatch, CheckpointDamaged, CheckpointOfAnotherRun, TrainingProgress, local_state, all_gather_json, on_every_rank, dtype_name, notice, save_state, read_manifest, parse_manifest, fill, candidates)
-from trainmesh.checkpoint.source import (recorded_model, source_name)
-from trainmesh.checkpoint.load import (load_state, apply_loaded)
+from trainmesh.safe_io import fsync_dir, sha256_hex
+from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP_DIR, CheckpointDamaged, CheckpointError,
+                                        CheckpointMismatch, CheckpointOfAnotherRun, TrainingProgress, agreed_run_id,
+                                        all_gather_json, candidates, fill, local_state, notice, on_every_rank,
+                                        parse_manifest, read_manifest, save_state, whole_pieces)
+from trainmesh.checkpoint.source import recorded_model, source_name
+from trainmesh.checkpoint.load import apply_loaded, load_state
 
 if TYPE_CHECKING:
     from trainmesh.app.run import Run
-
-
 
 
 def config_hash(cfg: Config) -> str:
@@ -187,14 +188,11 @@ def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     if n_params != run.cfg.model_config.n_params():
         raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, --model {run.cfg.model} has "
                                  f"{run.cfg.model_config.n_params():,}; use weights of this model")
-    index = {f"model/{k}": {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                            "pieces": [{"key": k, "file": "weights", "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
-             for k, t in full.items()}
+    index = whole_pieces(full, "weights", prefix="model/")
     fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, Path(source),
          lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
                                          f"--model {run.cfg.model}"))
     run.engine.after_update()
-
 
 
 def start_fresh(cfg: Config) -> None:

@@ -22,7 +22,7 @@ from trainmesh import shm
 from trainmesh.app.checkpoints import check_resumable, claim, model_settings
 from trainmesh.checkpoint import CheckpointError, export, export_hf
 from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_local_ranks, check_value, config_from_args,
-                              load_toml, parse_flag, validate)
+                              parse_flag, settings_from_args, validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
@@ -298,10 +298,10 @@ def _world_from_env() -> int | None:
 
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned)."""
-    cfg = config_from_args(args)
-    given = set(vars(args)) | (set(load_toml(args.config)) if getattr(args, "config", None) else set())
-    if cfg.resume and cfg.checkpoint_dir and not given & {"model", "init_hf"}:
-        cfg = dataclasses.replace(cfg, **model_settings(Path(cfg.checkpoint_dir), given))
+    given = settings_from_args(args)
+    cfg = Config(**given)
+    if cfg.resume and cfg.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
+        cfg = dataclasses.replace(cfg, **model_settings(Path(cfg.checkpoint_dir), given.keys()))
     world = _world_from_env()
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)

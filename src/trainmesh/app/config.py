@@ -434,7 +434,9 @@ def load_toml(path: str) -> dict[str, Any]:
     return flat
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the command line and its ``--config`` TOML file give (flags win), checked; what is not
+    given is left out, so a caller can tell a default from a choice."""
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
     for f in fields(Config):
         if hasattr(args, f.name):
@@ -443,7 +445,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
                               check_value(f.name, parse_flag(f.name, text), written=text))
     if values.get("init_hf"):
         values["model"] = _model_of_hf_dir(values["init_hf"], values.get("model"))
-    return Config(**values)
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return Config(**settings_from_args(args))
 
 
 def _model_of_hf_dir(path: str, model: str | None) -> str:

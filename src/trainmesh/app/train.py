@@ -312,7 +312,6 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     profiler = StepProfiler(cfg.steps - cfg.profile_steps, cfg.steps - 1, mesh.device) if cfg.profile_steps \
         else None
-    losses, times = [], []
     for step in range(start.step, cfg.steps):
         if profiler is not None:
             profiler.before(step)
@@ -332,9 +331,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         step_time = time.perf_counter() - t0
         if profiler is not None:
             profiler.after(step)
-        losses.append(loss)
-        times.append(step_time)
-        record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
                   "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
@@ -361,20 +358,14 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     if cfg.timeline:
         progress.message(draw_pipeline_timeline(run, cfg.timeline))
     val_loss = record["val_loss"]  # the last step always evaluates
-    steady = times[1:] or times
-    tokens_per_s = tokens_per_step * len(steady) / sum(steady)
-    windows = LossWindows.of(losses)
-    summary = {"steps": cfg.steps, "final_loss": losses[-1], "first_loss": losses[0], "val_loss": val_loss,
-               "val_perplexity": perplexity(val_loss),
-               "loss_window_steps": windows.steps, "first_window_loss": windows.first,
-               "last_window_loss": windows.last,
-               "tokens_per_s": tokens_per_s, "mean_step_time_s": sum(steady) / len(steady),
-               "mfu": mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
-               "world_size": mesh.world_size, "transport": run.comm.transport,
-               **per_rank_stats(run, saved.bytes), "config": cfg.__dict__}
-    summary = log.summary(**summary)
+    tokens_per_s = tokens_per_step / log.steady_step_time
+    summary = log.summary(val_loss=val_loss, val_perplexity=perplexity(val_loss), tokens_per_s=tokens_per_s,
+                          mfu=mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
+                          world_size=mesh.world_size, transport=run.comm.transport,
+                          **per_rank_stats(run, saved.bytes), config=cfg.__dict__)
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
-    progress.message(f"done: {windows.text()}, val {val_loss:.4f} (perplexity {perplexity(val_loss):,.2f}), "
+    progress.message(f"done: {LossWindows.of(log.losses).text()}, val {val_loss:.4f} "
+                     f"(perplexity {perplexity(val_loss):,.2f}), "
                      f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
     log.close()
-    return TrainResult(losses, val_loss, summary, run)
+    return TrainResult(log.losses, val_loss, summary, run)

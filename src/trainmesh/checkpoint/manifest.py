@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmesh.models import family, preset
+from trainmesh.models import any_config, family, preset
 
 FORMAT, VERSION = "trainmesh-checkpoint", 2
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
@@ -134,7 +134,7 @@ def _expected_model(m: dict) -> tuple[Any, str]:
         except ValueError:
             raise ManifestError(f"model_source.family {show(source['family'])} is no model family trainmesh "
                                 f"knows") from None
-        return next(iter({**spec.presets, **spec.planner_presets}.values())), f"family {spec.family}"
+        return any_config(spec), f"family {spec.family}"
     name = _dict(m["config"], "config").get("model")
     if name == "":
         return None, ""

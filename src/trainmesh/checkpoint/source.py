@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from trainmesh.models import hf
-from trainmesh.models import config_from_dict, family, preset, spec_for, spec_of
+from trainmesh.models import any_config, config_from_dict, family, preset, spec_for, spec_of
 from trainmesh.models.spec import HFIncompatible, ModelSpec
-from trainmesh.checkpoint.store import (CheckpointError, CheckpointMismatch, dtype_name, read_tensors)
+from trainmesh.checkpoint.store import CheckpointError, CheckpointMismatch, read_tensors, whole_pieces
 
 
 def describe_model(model: nn.Module) -> tuple[dict, dict]:
@@ -52,8 +52,7 @@ def recorded_model(manifest: dict, path: Path) -> tuple[ModelSpec, Any]:
         raise CheckpointError(f"{path} holds a {source['source']}, which is of no trainmesh model family; load it "
                               f"with trainmesh.load into the same model")
     spec = family(source["family"])
-    like = next(iter({**spec.presets, **spec.planner_presets}.values()))
-    return spec, config_from_dict(like, manifest["model"])
+    return spec, config_from_dict(any_config(spec), manifest["model"])
 
 
 def recorded_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
@@ -100,7 +99,4 @@ def in_family_names(path: Path, manifest: dict) -> tuple[dict, Callable[[str], d
         out.update({form.format(name): t for name, t in renamed.items()})
     step = full[f"optim/{params[0]}/step"]
     out.update({f"optim/{name}/step": step for name in renamed})
-    index = {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                    "pieces": [{"key": name, "file": "translated", "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
-             for name, t in out.items()}
-    return index, lambda _: out
+    return whole_pieces(out, "translated"), lambda _: out

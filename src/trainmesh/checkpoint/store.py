@@ -494,6 +494,14 @@ def verified_tensors(path: Path, name: str, files: dict) -> dict[str, torch.Tens
                                       f"({e})") from None
 
 
+def whole_pieces(tensors: dict[str, torch.Tensor], file: str, prefix: str = "") -> dict[str, dict]:
+    """A manifest's index of ``tensors`` held whole in memory: each listed as ``prefix + name``, one piece
+    covering all of it, found under its own name in ``file``; for :func:`fill` to reshard from."""
+    return {prefix + k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                         "pieces": [{"key": k, "file": file, "offsets": [0] * t.dim(), "sizes": list(t.shape)}]}
+            for k, t in tensors.items()}
+
+
 Fault = Callable[[str], CheckpointError]
 
 

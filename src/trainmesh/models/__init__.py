@@ -132,6 +132,12 @@ def family(name: str) -> ModelSpec:
     raise ValueError(f"unknown model family {name!r}; trainmesh has {', '.join(s.family for s in SPECS)}")
 
 
+def any_config(spec: ModelSpec) -> Any:
+    """A config of ``spec``'s family (its first preset), whose type and fields stand for every config of it:
+    what a checkpoint's config is read back as, and checked against."""
+    return next(iter({**spec.presets, **spec.planner_presets}.values()))
+
+
 def register_preset(spec: ModelSpec, name: str, cfg: Any) -> None:
     """Make ``name`` a buildable preset of ``spec``'s family with config ``cfg``, for this process: how a model
     that is no preset (an ``--init-hf`` import, a model a script saved) is named and built by ``trainmesh
@@ -148,4 +154,4 @@ def planner_shapes() -> dict[str, ModelShape]:
 
 
 __all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
-           "spec_of", "preset", "planner_shapes", "family", "register_preset"]
+           "spec_of", "preset", "planner_shapes", "family", "register_preset", "any_config"]

@@ -84,9 +84,10 @@ class Layout:
             raise LayoutError(f"bucket_bytes={self.bucket_bytes}: must be at least 1")
         validate(self.settings)
 
-    @property
+    @functools.cached_property
     def settings(self) -> Settings:
-        """This layout as :mod:`trainmesh.layout` states it, for its rules."""
+        """This layout as :mod:`trainmesh.layout` states it, for its rules and the sizes it derives (built
+        once: the estimates read ``world`` and ``grad_ranks`` for every stage of every candidate)."""
         return Settings(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                         sequence_parallel=self.sequence_parallel, schedule=self.schedule,
                         virtual_stages=self.virtual, microbatches=self.microbatches, recompute=self.recompute,
@@ -94,12 +95,11 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.settings.world
 
     @property
     def grad_ranks(self) -> int:
-        """Ranks over which gradients are reduced and ZeRO shards: dp x cp (Megatron's dp-cp group)."""
-        return self.dp * self.cp
+        return self.settings.grad_ranks
 
 
 def local_seq(workload: Workload, layout: Layout) -> int:
