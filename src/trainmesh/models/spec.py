@@ -64,6 +64,15 @@ class ModelShape:
     MLPs of hidden size ``d_ff_expert`` (None: ``d_ff``; no biases; gated like the dense MLP) of which each
     token uses ``top_k``, and ``n_shared_experts`` always-on ones, held as one dense MLP of hidden size
     ``n_shared_experts * d_ff_expert`` (with the family's biases).
+
+    Attention variants of the families people train: ``qkv_bias`` puts biases on the q/k/v projections of a
+    model that has none elsewhere (Qwen2); ``qk_norm`` is a per-head RMSNorm on queries and keys (Qwen3);
+    ``sliding_window`` lets each token see only that many before it (Mistral; None: all). Multi-head latent
+    attention (DeepSeek-V2/V3) is on when ``kv_lora_rank`` > 0: keys and values come from one compressed
+    vector of that width (plus a shared rotary key of ``qk_rope_head_dim``), queries through a rank
+    ``q_lora_rank`` bottleneck (0: a full projection); each head's query/key is ``qk_nope_head_dim +
+    qk_rope_head_dim`` wide and its value ``v_head_dim``. What the KV cache holds per token is then
+    ``kv_lora_rank + qk_rope_head_dim``, not ``2 * kv_heads * head_dim``.
     """
 
     n_layers: int
@@ -84,6 +93,14 @@ class ModelShape:
     n_shared_experts: int = 0
     d_ff_expert: int | None = None
     n_dense_layers: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -125,11 +142,28 @@ class ModelShape:
         shared = self.mlp_params(self.n_shared_experts * self.expert_ff, True) if self.n_shared_experts else 0
         return self.d_model * self.n_experts + self.n_experts * self.mlp_params(self.expert_ff, False) + shared
 
+    @property
+    def latent_attention(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def attention_params(self) -> int:
+        """One attention layer's projections (and, for Qwen3 and latent attention, its inner norms)."""
+        d, head_dim = self.d_model, self.d_model // self.n_heads
+        if self.latent_attention:
+            qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            queries = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.n_heads * qk_dim
+                       if self.q_lora_rank else d * self.n_heads * qk_dim)
+            latent = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            keys_values = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return queries + latent + keys_values + self.n_heads * self.v_head_dim * d
+        biases = (self.qkv_width + d) if self.bias else self.qkv_width if self.qkv_bias else 0
+        return d * self.qkv_width + d * d + biases + (2 * head_dim if self.qk_norm else 0)
+
     def n_params(self) -> int:
         """Total parameter count: every block, the embeddings, the final norm and the (untied) head."""
         d = self.d_model
         norm = d * (2 if self.bias else 1)
-        attention = d * self.qkv_width + d * d + ((self.qkv_width + d) if self.bias else 0)
+        attention = self.attention_params()
         dense = 2 * norm + attention + self.mlp_params(self.d_ff, True)
         moe_layers = self.n_layers - self.n_dense_layers if self.n_experts else 0
         blocks = self.n_layers * dense + moe_layers * (self.moe_params() - self.mlp_params(self.d_ff, True))
