@@ -1,9 +1,21 @@
 """``trainmesh prepare``: tokenize a corpus once, in parallel worker processes, into token shards.
 
-The parent streams documents from the inputs (:mod:`trainmesh.data.sources`) in batches of about
-``BATCH_BYTES``; worker processes tokenize them; the parent writes the results in input order, so the
-output does not depend on the number of workers. At most two batches per worker are in flight, which
-bounds memory whatever the corpus size (``multiprocessing.Pool.imap`` would read the whole input ahead).
+The parent streams documents from the inputs (:mod:`trainmesh.data.sources`) in pieces, grouped into
+batches of about ``BATCH_BYTES``; worker processes tokenize them (:mod:`trainmesh.data.workers`); the
+parent writes the results in input order, so the output does not depend on the number of workers.
+
+Memory is bounded whatever the corpus and however long one document is: a piece holds at most two reads
+of ``PIECE_BYTES`` (:func:`trainmesh.data.sources.document_pieces`), so a batch holds at most
+``BATCH_BYTES`` plus one piece of text; each worker tokenizes one batch at a time, and the parent holds
+at most two batches per worker with their ids. Beyond its baseline (Python, the tokenizer) a process's
+memory therefore grows with ``BATCH_BYTES + 2·PIECE_BYTES`` and the tokenizer's bytes per character of
+text, never with the document or the corpus. The one exception is what Arrow itself holds: a Parquet
+record batch of ``ARROW_BATCH_ROWS`` rows, decoded from the file's row group, with each cell stored once.
+
+The output is published atomically: shards are written first and ``index.json``, which marks a directory
+prepared, is renamed into place last. A failure (bad input, a worker killed, Ctrl-C) removes what this run
+wrote, so no half-written set is ever taken for a prepared one.
+
 Each document ends with the tokenizer's end-of-document token. Document ``k`` is held out for
 validation when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``: every ``1/f``-th document, the
 first included, so any corpus of two or more documents has both splits.
@@ -14,12 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +39,7 @@ import numpy as np
 from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
 from trainmesh.data.sources import input_files, input_size, pieces
 from trainmesh.data.text import DataError
+from trainmesh.data.workers import Workers, WorkerDied
 
 BATCH_BYTES = 1 << 20
 DEFAULT_SHARD_TOKENS = 1 << 27
@@ -43,28 +54,6 @@ class PrepareOptions:
     workers: int = max(1, os.cpu_count() or 1)
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     val_fraction: float = 0.05
-
-
-# --- workers ------------------------------------------------------------------------------------------
-
-_TOKENIZER: Any = None
-_DTYPE: np.dtype | None = None
-
-
-def _init_worker(tokenizer: str, dtype: str) -> None:
-    """Each worker loads the tokenizer once; its own thread pool is off, the processes are the parallelism."""
-    global _TOKENIZER, _DTYPE
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from trainmesh.data.tokenizer import load_tokenizer
-
-    _TOKENIZER, _DTYPE = load_tokenizer(tokenizer), np.dtype(dtype)
-
-
-def _tokenize(batch: list[tuple[str, bool]]) -> list[np.ndarray]:
-    """Token ids of each piece, the end-of-document id after each piece that ends a document."""
-    ids = _TOKENIZER.encode_batch([text for text, _ in batch])
-    eos = [_TOKENIZER.eos_id]
-    return [np.asarray(i + eos if ends else i, dtype=_DTYPE) for i, (_, ends) in zip(ids, batch)]
 
 
 # --- the parent ---------------------------------------------------------------------------------------
@@ -129,6 +118,17 @@ class SplitWriter:
         if ends_document and self._tokens >= self.shard_tokens:
             self.close()
 
+    def discard(self) -> None:
+        """Remove every file this writer made (after a failure)."""
+        names = [s.file for s in self.shards]
+        if self._file is not None:
+            self._file.close()
+            names.append(Path(self._file.name).name)
+            self._file = None
+        for name in names:
+            (self.root / name).unlink(missing_ok=True)
+        self.shards = []
+
     def close(self) -> None:
         if self._file is None:
             return
@@ -138,19 +138,26 @@ class SplitWriter:
         self._file = None
 
 
-def _batches(files: list[Path]) -> Iterator[tuple[list[tuple[str, bool]], int]]:
-    """Pieces grouped into batches of about ``BATCH_BYTES`` of text, with the input bytes they consumed."""
-    batch, text_bytes, input_bytes = [], 0, 0
+def _batches(files: list[Path]) -> Iterator[tuple[list[tuple[str, bool]], int, str]]:
+    """Pieces grouped into batches of about ``BATCH_BYTES`` of text, with the input bytes they consumed and
+    the inputs they came from (named if a worker dies on the batch)."""
+    batch, text_bytes, input_bytes, names = [], 0, 0, []
     for f in files:
         for p in pieces(f):
+            if not names or names[-1] != str(f):
+                names.append(str(f))
             batch.append((p.text, p.ends_document))
             text_bytes += len(p.text)
             input_bytes += p.input_bytes
             if text_bytes >= BATCH_BYTES:
-                yield batch, input_bytes
-                batch, text_bytes, input_bytes = [], 0, 0
+                yield batch, input_bytes, _label(names)
+                batch, text_bytes, input_bytes, names = [], 0, 0, []
     if batch:
-        yield batch, input_bytes
+        yield batch, input_bytes, _label(names)
+
+
+def _label(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} (and {len(names) - 1} more input(s))"
 
 
 def _held_out(doc: int, fraction: float) -> bool:
@@ -166,25 +173,23 @@ def _check_out_dir(out: Path) -> None:
         raise DataError(f"cannot create --out {out}: {e.strerror}") from None
 
 
-def _results(opts: PrepareOptions, files: list[Path], dtype: np.dtype) -> Iterator[tuple[list[np.ndarray],
-                                                                                            list[bool], int]]:
-    """Tokenized batches in input order, at most two per worker in flight."""
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(opts.workers, _init_worker, (opts.tokenizer, dtype.str)) as pool:
-        pending: deque = deque()
-        for batch, consumed in _batches(files):
-            pending.append((pool.apply_async(_tokenize, (batch,)), [ends for _, ends in batch], consumed))
-            if len(pending) >= 2 * opts.workers:
-                job, ends, n = pending.popleft()
-                yield job.get(), ends, n
-        while pending:
-            job, ends, n = pending.popleft()
-            yield job.get(), ends, n
+def _results(workers: Workers, files: list[Path]) -> Iterator[tuple[list[np.ndarray], list[bool], int]]:
+    """Tokenized batches in input order, with their document ends and input bytes."""
+    meta: dict[int, tuple[list[bool], int]] = {}
+
+    def jobs() -> Iterator[tuple[list[tuple[str, bool]], str]]:
+        for k, (batch, consumed, label) in enumerate(_batches(files)):
+            meta[k] = ([ends for _, ends in batch], consumed)
+            yield batch, label
+
+    for k, arrays in enumerate(workers.ordered(jobs())):
+        ends, consumed = meta.pop(k)
+        yield arrays, ends, consumed
 
 
 def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     """Tokenize ``opts.inputs`` into shards and an index under ``opts.out`` (progress on ``stream``, default
-    stderr); returns the index."""
+    stderr); returns the index. On any failure what was written is removed (see the module docstring)."""
     from trainmesh.data.tokenizer import load_tokenizer, tokenizer_sha256
 
     stream = stream or sys.stderr
@@ -194,22 +199,31 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
                         f"documents; train one with: trainmesh tokenizer train --out tok.json")
     files = input_files(list(opts.inputs))
     out = Path(opts.out)
+    created = not out.exists()
     _check_out_dir(out)
     dtype = token_dtype(tok.vocab_size)
     writers = {s: SplitWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
     meter = ProgressMeter(sum(input_size(f) for f in files), stream)
     doc, t0 = 0, time.perf_counter()
-    for arrays, ends, consumed in _results(opts, files, dtype):
-        for ids, end in zip(arrays, ends):
-            writers["val" if _held_out(doc, opts.val_fraction) else "train"].write(ids, end)
-            doc += end
-        meter.add(consumed)
-    meter.close()
-    for w in writers.values():
-        w.close()
-    index = Index(out, dtype, tok.vocab_size, tok.eos_id, tokenizer_sha256(opts.tokenizer),
-                  str(Path(opts.tokenizer).resolve()), tuple(writers["train"].shards + writers["val"].shards))
-    _write_index(index)
+    try:
+        with Workers(opts.workers, opts.tokenizer, dtype) as workers:
+            for arrays, ends, consumed in _results(workers, files):
+                for ids, end in zip(arrays, ends):
+                    writers["val" if _held_out(doc, opts.val_fraction) else "train"].write(ids, end)
+                    doc += end
+                meter.add(consumed)
+        meter.close()
+        for w in writers.values():
+            w.close()
+        index = Index(out, dtype, tok.vocab_size, tok.eos_id, tokenizer_sha256(opts.tokenizer),
+                      str(Path(opts.tokenizer).resolve()), tuple(writers["train"].shards + writers["val"].shards))
+        _write_index(index)
+    except BaseException as e:
+        meter.close()
+        _discard(out, created, writers.values())
+        if isinstance(e, WorkerDied):
+            raise WorkerDied(f"{e}; nothing was kept in {out}") from None
+        raise
     summary = index.to_json()
     seconds = time.perf_counter() - t0
     tokens = sum(summary["tokens"].values())
@@ -217,6 +231,18 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
                  f"{len(index.shards)} shard(s) in {out} in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s, "
                  f"{meter.done / seconds / 1e6:.2f} MB/s)\n")
     return index
+
+
+def _discard(out: Path, created: bool, writers: Iterable[SplitWriter]) -> None:
+    """Remove what a failed run wrote: its shards, a half-written index, and ``out`` itself if it made it."""
+    for w in writers:
+        w.discard()
+    (out / (INDEX_FILE + ".tmp")).unlink(missing_ok=True)
+    if created:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
 
 
 def _write_index(index: Index) -> None:

@@ -3,22 +3,31 @@
 Each input is a text file (one document), a JSONL file (one document per line, its ``text`` field), a
 Parquet file (its ``text`` column, read a batch of rows at a time with pyarrow), a directory saved by
 Hugging Face ``datasets`` ``save_to_disk`` (its ``text`` column, memory-mapped Arrow; nothing is
-downloaded), or a directory of such files. A large text file is handed on in pieces of about
-``PIECE_BYTES`` cut at line ends, so no file is ever held whole.
+downloaded), or a directory of such files.
+
+No document is ever held whole as Python text, whatever its length: a text file is read ``PIECE_BYTES`` at a
+time, an Arrow cell is viewed ``PIECE_BYTES`` of its UTF-8 bytes at a time, and a JSONL line longer than
+``PIECE_BYTES`` is parsed as it is read (:mod:`trainmesh.data.jsonl`). All three go through one cutter,
+:func:`document_pieces`, which hands a document on in pieces of at most two reads, cut after a newline, so
+a tokenizer never sees more than that at once.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from trainmesh.data.text import TOKEN_FILE_SUFFIXES, DataError, files_under, text_documents
+import numpy as np
+
+from trainmesh.data.jsonl import TEXT_FIELD, Reads, jsonl_documents
+from trainmesh.data.text import TOKEN_FILE_SUFFIXES, DataError, decode_utf8, files_under, text_documents
 
 PIECE_BYTES = 1 << 20
-TEXT_FIELD = "text"
+ARROW_BATCH_ROWS = 1024
 HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
@@ -30,6 +39,36 @@ class Piece:
     text: str
     ends_document: bool
     input_bytes: int
+
+
+def document_pieces(reads: Reads) -> Iterator[Piece]:
+    """One document from its text in reads: whole when it comes in one read, else in pieces cut after the last
+    newline of each read (what follows is carried into the next). Tokens at a cut may differ from tokenizing
+    the whole document, as if it had a document-internal boundary there; only documents over one read have
+    cuts. A piece holds at most the carried rest and one read, so at most two reads."""
+    rest, held = "", None
+    for read in reads:
+        if held is not None:
+            text = rest + held[0]
+            cut = text.rfind("\n") + 1 or len(text)
+            yield Piece(text[:cut], False, held[1])
+            rest = text[cut:]
+        held = read
+    text, n = held if held is not None else ("", 0)
+    yield Piece(rest + text, True, n)
+
+
+def _decoded(raw_reads: Iterable[Any], where: str) -> Reads:
+    """UTF-8 reads decoded, each with its byte count (a character split between reads is carried over)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, raw = 0, None
+    for ahead in raw_reads:
+        if raw is not None:
+            yield decode_utf8(decoder, raw, where, offset, final=False), len(raw)
+            offset += len(raw)
+        raw = ahead
+    if raw is not None:
+        yield decode_utf8(decoder, raw, where, offset, final=True), len(raw)
 
 
 def is_hf_dataset(path: Path) -> bool:
@@ -64,57 +103,64 @@ def input_size(path: Path) -> int:
     return path.stat().st_size
 
 
-def _decode(decoder: codecs.IncrementalDecoder, raw: bytes, path: Path, offset: int, final: bool = False) -> str:
-    try:
-        return decoder.decode(raw, final)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (invalid byte 0x{e.object[e.start]:02x} at offset "
-                        f"{offset + e.start}); convert it to UTF-8 or leave it out of --input") from None
+def _file_reads(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from iter(lambda: f.read(PIECE_BYTES), b"")
 
 
 def text_pieces(path: Path) -> Iterator[Piece]:
-    """One document: whole when it fits in one read, else in pieces cut after a newline (a character split
-    between reads is carried over). Tokens at a cut may differ from tokenizing the whole file, as if the
-    file had a document-internal boundary there; only files over ``PIECE_BYTES`` have cuts."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, rest = 0, ""
-    with open(path, "rb") as f:
-        chunk = f.read(PIECE_BYTES)
-        while True:
-            ahead = f.read(PIECE_BYTES)
-            text = rest + _decode(decoder, chunk, path, offset, final=not ahead)
-            if not ahead:
-                yield Piece(text, True, len(chunk))
-                return
-            cut = text.rfind("\n") + 1 or len(text)
-            yield Piece(text[:cut], False, len(chunk))
-            offset, rest, chunk = offset + len(chunk), text[cut:], ahead
+    """One document, the whole file."""
+    return document_pieces(_decoded(_file_reads(path), str(path)))
 
 
 def jsonl_pieces(path: Path) -> Iterator[Piece]:
     """One document per line: the line's ``text`` field."""
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[TEXT_FIELD]
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f"{path}:{n}: not a JSON object with a string {TEXT_FIELD!r} field") from None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{n}: the {TEXT_FIELD!r} field is {type(text).__name__}, not a string")
-            yield Piece(text, True, len(line))
+    for reads in jsonl_documents(path, PIECE_BYTES):
+        yield from document_pieces(reads)
 
 
-def _column_pieces(batches: Iterator, rows: int, size: int, where: Path) -> Iterator[Piece]:
-    """Documents of the ``text`` column of Arrow record batches, progress spread evenly over rows."""
+def _string_column(type_: Any, where: Path) -> None:
+    import pyarrow as pa
+
+    if not (pa.types.is_string(type_) or pa.types.is_large_string(type_)):
+        raise DataError(f"{where}: column {TEXT_FIELD!r} holds {type_}, but prepare reads documents from a string "
+                        f"(utf8) column; cast it to string or write the documents as text")
+
+
+def _cells(array: Any) -> Iterator[memoryview | None]:
+    """The UTF-8 bytes of each cell of an Arrow string array, as views of its buffer (None for a null): a long
+    document is viewed in place, never copied into one Python string."""
+    import pyarrow as pa
+
+    _, offsets, data = array.buffers()
+    width = np.dtype(np.int64 if pa.types.is_large_string(array.type) else np.int32)
+    ends = np.frombuffer(offsets, dtype=width, count=len(array) + 1, offset=array.offset * width.itemsize)
+    raw = memoryview(data) if data is not None else memoryview(b"")
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
+    for i in range(len(array)):
+        yield raw[ends[i]:ends[i + 1]] if valid[i] else None
+
+
+def _cell_reads(cell: memoryview | None) -> Iterator[memoryview]:
+    if cell is not None:
+        yield from (cell[i:i + PIECE_BYTES] for i in range(0, len(cell), PIECE_BYTES))
+
+
+def _column_pieces(batches: Iterator[Any], rows: int, size: int, where: Path) -> Iterator[Piece]:
+    """Documents of the ``text`` column of Arrow record batches or tables (a null is an empty document),
+    progress spread evenly over rows."""
     done = 0
     for batch in batches:
         if TEXT_FIELD not in batch.schema.names:
             raise DataError(f"{where} has no {TEXT_FIELD!r} column (columns: {', '.join(batch.schema.names)})")
-        for text in batch.column(TEXT_FIELD).to_pylist():
-            done += 1
-            yield Piece(text or "", True, size * done // rows - size * (done - 1) // rows)
+        _string_column(batch.schema.field(TEXT_FIELD).type, where)
+        column = batch.column(TEXT_FIELD)
+        for array in getattr(column, "chunks", [column]):
+            for cell in _cells(array):
+                done += 1
+                share = size * done // rows - size * (done - 1) // rows
+                for p in document_pieces(_decoded(_cell_reads(cell), f"{where} row {done - 1}")):
+                    yield dataclasses.replace(p, input_bytes=share if p.ends_document else 0)
 
 
 def parquet_pieces(path: Path) -> Iterator[Piece]:
@@ -126,8 +172,9 @@ def parquet_pieces(path: Path) -> Iterator[Piece]:
         raise DataError(f"{path} is not a readable Parquet file ({e})") from None
     if TEXT_FIELD not in f.schema_arrow.names:
         raise DataError(f"{path} has no {TEXT_FIELD!r} column (columns: {', '.join(f.schema_arrow.names)})")
-    yield from _column_pieces(f.iter_batches(batch_size=1024, columns=[TEXT_FIELD]), max(1, f.metadata.num_rows),
-                              path.stat().st_size, path)
+    _string_column(f.schema_arrow.field(TEXT_FIELD).type, path)
+    yield from _column_pieces(f.iter_batches(batch_size=ARROW_BATCH_ROWS, columns=[TEXT_FIELD]),
+                              max(1, f.metadata.num_rows), path.stat().st_size, path)
 
 
 def hf_dataset_pieces(path: Path) -> Iterator[Piece]:
@@ -136,18 +183,9 @@ def hf_dataset_pieces(path: Path) -> Iterator[Piece]:
 
     loaded = datasets.load_from_disk(str(path))
     splits = list(loaded.values()) if isinstance(loaded, datasets.DatasetDict) else [loaded]
-    size = input_size(path)
     rows = max(1, sum(len(s) for s in splits))
-    done = 0
-    for split in splits:
-        table = split.with_format("arrow")
-        for batch in table.iter(batch_size=1024):
-            names = batch.schema.names
-            if TEXT_FIELD not in names:
-                raise DataError(f"{path} has no {TEXT_FIELD!r} column (columns: {', '.join(names)})")
-            for text in batch.column(TEXT_FIELD).to_pylist():
-                done += 1
-                yield Piece(text or "", True, size * done // rows - size * (done - 1) // rows)
+    tables = (t for s in splits for t in s.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS))
+    yield from _column_pieces(tables, rows, input_size(path), path)
 
 
 def pieces(path: Path) -> Iterator[Piece]:

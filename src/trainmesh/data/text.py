@@ -8,6 +8,7 @@ after it. Corpora larger than memory go through ``trainmesh prepare`` into memor
 
 from __future__ import annotations
 
+import codecs
 import os
 import sysconfig
 from pathlib import Path
@@ -63,6 +64,20 @@ def not_text_error(f: Path, data: bytes, bad: int) -> DataError:
         return DataError(f"{f} looks like a binary token file, not text; {PREPARE_HINT}")
     return DataError(f"{f} is not UTF-8 text (invalid byte 0x{data[bad]:02x} at offset {bad}); convert it to "
                      f"UTF-8 or leave it out of --data ({PREPARE_HINT})")
+
+
+def utf8_error(where: str, e: UnicodeDecodeError, offset: int) -> DataError:
+    """The error for bytes of ``where`` that are not UTF-8 (``offset``: where ``e``'s bytes start)."""
+    return DataError(f"{where} is not UTF-8 text (invalid byte 0x{e.object[e.start]:02x} at offset "
+                     f"{offset + e.start}); convert it to UTF-8 or leave it out of --input")
+
+
+def decode_utf8(decoder: codecs.IncrementalDecoder, raw: bytes, where: str, offset: int, final: bool) -> str:
+    """``raw`` (from ``offset`` of ``where``) decoded; a character split at its end is completed by the next."""
+    try:
+        return decoder.decode(raw, final)
+    except UnicodeDecodeError as e:
+        raise utf8_error(where, e, offset) from None
 
 
 def read_documents(files: list[Path], max_bytes: int | None = None, skip_invalid: bool = False) -> list[bytes]:
