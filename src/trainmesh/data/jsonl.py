@@ -55,8 +55,15 @@ def _short_line(line: bytes, where: str) -> str:
         raise _shape_error(where) from None
     if not isinstance(text, str):
         raise DataError(f"{where}: the {TEXT_FIELD!r} field is {type(text).__name__}, not a string")
+    if line.count(b'"' + TEXT_FIELD.encode() + b'"') > 1 and \
+            [k for k, _ in json.loads(line, object_pairs_hook=list)].count(TEXT_FIELD) > 1:
+        raise _twice(where)  # json.loads would keep the last; a streamed line cannot
     check_unicode(text, where)
     return text
+
+
+def _twice(where: str) -> DataError:
+    return DataError(f"{where}: two {TEXT_FIELD!r} fields; keep one")
 
 
 class LongLine:
@@ -114,9 +121,10 @@ class LongLine:
                 value, end = _DECODER.raw_decode(self.buf, self.pos)
             except (ValueError, RecursionError):
                 value, end = None, -1
-            if self.ended or end >= 0 and len(self.buf) - end > _NUMBER_TAIL:
-                break  # a number cut by a read would parse short: wait for what follows it
-            if len(self.buf) - self.pos > self.read_bytes:
+            cut_number = type(value) in (int, float) and len(self.buf) - end < _NUMBER_TAIL  # may go on
+            if self.ended or end >= 0 and not cut_number:
+                break
+            if end < 0 and len(self.buf) - self.pos > self.read_bytes:
                 raise DataError(f"{self.where}: a field other than {TEXT_FIELD!r} is longer than {self.read_bytes:,} "
                                 f"bytes in a line this long; shorten it or drop it from the JSONL")
             self.more()
@@ -171,7 +179,7 @@ class LongLine:
             if key != TEXT_FIELD:
                 self.value()
             elif found:
-                raise DataError(f"{self.where}: two {TEXT_FIELD!r} fields; keep one")
+                raise _twice(self.where)
             elif self.peek() == '"':
                 found, self.pos = True, self.pos + 1
                 yield from self.string()

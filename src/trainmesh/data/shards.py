@@ -6,9 +6,16 @@ paged in, and released again (:class:`ShardStream`). Documents are held out for 
 
 The index records, per shard, its split, token and document counts and SHA-256, and for the corpus the
 tokenizer's hash and vocabulary size, the end-of-document id and the dtype (uint16 when the vocabulary
-fits, else uint32). Before any rank starts, every shard is checked against it (:func:`verify`), so a
-truncated, empty or altered shard, a token id outside the vocabulary or a different tokenizer is one line
-naming the file.
+fits, else uint32). Every field is checked when the index is read (:func:`read_index`): only the dtype
+``prepare`` writes for the vocabulary, counts that are integers (not NaN, Infinity, fractions or
+negatives) with totals equal to the shards' sums, shard names ``prepare`` writes; anything else is one
+line naming the index. Before any rank starts, every shard is checked against it (:func:`verify_shard`),
+so a truncated, empty or altered shard, a token id outside the vocabulary or a different tokenizer is one
+line naming the file.
+
+Token ids are checked by a full scan in that same pass (the SHA-256 reads every byte anyway, so the
+maximum costs one more reduction per read) rather than by a maximum recorded in the index, which a
+damaged or edited shard would not honour. The dtypes are unsigned, so no id is negative.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import functools
 import hashlib
 import json
 import mmap
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +40,11 @@ VERSION = 1
 SPLITS = ("train", "val")
 READ_BYTES = 16 << 20
 REPREPARE = "re-run trainmesh prepare"
+MAX_INDEX_BYTES = 64 << 20
+DTYPES = ("uint16", "uint32")
+MAX_TOKENS = 1 << 60
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SHARD_NAME = re.compile(r"(train|val)-[0-9]{5,}\.bin")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -76,37 +89,101 @@ class Index:
                 "shards": [vars(s) for s in self.shards]}
 
 
-def _parse_index(root: Path, raw: dict[str, Any]) -> Index:
-    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
-        raise DataError(f"{root / INDEX_FILE} is not a trainmesh token index (format {FORMAT} version {VERSION}); "
-                        f"{REPREPARE}")
-    shards = tuple(Shard(s["file"], s["split"], int(s["tokens"]), int(s["documents"]), s["sha256"])
-                   for s in raw["shards"])
-    for s in shards:
-        if Path(s.file).name != s.file or s.split not in SPLITS:
-            raise DataError(f"{root / INDEX_FILE}: shard entry {s.file!r} is not a file of this directory "
-                            f"in split train or val; {REPREPARE}")
-    return Index(root, np.dtype(raw["dtype"]).newbyteorder("<"), int(raw["vocab_size"]), int(raw["eos_id"]),
-                 raw["tokenizer"]["sha256"], raw["tokenizer"]["path"], shards)
+class _Fields:
+    """Typed access to one JSON object of an index; a wrong or missing value is one line naming the index."""
+
+    def __init__(self, raw: Any, path: Path, what: str) -> None:
+        if not isinstance(raw, dict):
+            raise _bad(path, f"{what} is {_show(raw)}, not an object")
+        self.raw, self.path, self.what = raw, path, what
+
+    def get(self, key: str, kind: type) -> Any:
+        value = self.raw.get(key)
+        if type(value) is not kind:
+            want = {int: "an integer", str: "a string", list: "a list"}[kind]
+            raise _bad(self.path, f"{self.what}{key!r} is {_show(value)}, not {want}")
+        return value
+
+    def count(self, key: str, low: int = 0, high: int = MAX_TOKENS) -> int:
+        value = self.get(key, int)
+        if not low <= value <= high:
+            raise _bad(self.path, f"{self.what}{key!r} is {value}, outside {low}..{high}")
+        return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _bad(path: Path, what: str) -> DataError:
+    return DataError(f"{path}: {what}; {REPREPARE}")
+
+
+def _shard(raw: Any, path: Path, n: int) -> Shard:
+    f = _Fields(raw, path, f"shard {n} ")
+    name, split = f.get("file", str), f.get("split", str)
+    match = _SHARD_NAME.fullmatch(name)
+    if not match or match.group(1) != split:
+        raise _bad(path, f"shard {n} is {_show(name)} in split {_show(split)}, not a file prepare writes "
+                         f"(train-NNNNN.bin or val-NNNNN.bin, in its split)")
+    tokens = f.count("tokens")
+    sha = f.get("sha256", str)
+    if not _SHA256.fullmatch(sha):
+        raise _bad(path, f"shard {n} sha256 {_show(sha)} is not 64 hex digits")
+    return Shard(name, split, tokens, f.count("documents", 0, tokens), sha)
+
+
+def _parse_index(root: Path, raw: Any) -> Index:
+    """The index of ``raw`` after checking every field against what ``prepare`` writes."""
+    path = root / INDEX_FILE
+    top = _Fields(raw, path, "")
+    if raw.get("format") != FORMAT or type(raw.get("version")) is not int or raw["version"] != VERSION:
+        raise _bad(path, f"not a trainmesh token index (format {FORMAT} version {VERSION})")
+    vocab = top.count("vocab_size", 1, 1 << 32)
+    dtype = raw.get("dtype")
+    if dtype != token_dtype(vocab).name:
+        raise _bad(path, f"dtype {_show(dtype)} is not what prepare writes for a vocabulary of {vocab:,} "
+                         f"({token_dtype(vocab).name}; it writes only {' or '.join(DTYPES)}: uint16 up to 65,535 "
+                         f"tokens, else uint32)")
+    eos = top.count("eos_id", 0, vocab - 1)
+    tok = _Fields(raw.get("tokenizer"), path, "tokenizer ")
+    shard_list = top.get("shards", list)
+    shards = tuple(_shard(s, path, n) for n, s in enumerate(shard_list))
+    if len({s.file for s in shards}) != len(shards):
+        raise _bad(path, "a shard is listed twice")
+    for total in ("tokens", "documents"):
+        totals = _Fields(raw.get(total), path, f"{total} ")
+        for split in SPLITS:
+            if totals.count(split) != sum(getattr(s, total) for s in shards if s.split == split):
+                raise _bad(path, f"{total} of {split} is {totals.raw[split]}, not the sum over its shards")
+    return Index(root, np.dtype(dtype).newbyteorder("<"), vocab, eos, tok.get("sha256", str), tok.get("path", str),
+                 shards)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_index_cached(root: str, mtime_ns: int) -> Index:
+def _index_of(root: str, text: bytes) -> Index:
+    """The parsed index, cached by its content (so a rewritten index is never served stale)."""
     path = Path(root) / INDEX_FILE
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return _parse_index(Path(root), raw)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DataError(f"{path} is not a valid token index ({type(e).__name__}: {e}); {REPREPARE}") from None
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{path} is not a valid token index ({first}); {REPREPARE}") from None
+    return _parse_index(Path(root), raw)
 
 
 def read_index(root: str) -> Index:
-    """The index of a prepared directory (read once per version of the file)."""
+    """The index of a prepared directory, checked (see the module docstring)."""
     path = Path(root) / INDEX_FILE
     try:
-        return _read_index_cached(str(Path(root)), path.stat().st_mtime_ns)
+        with open(path, "rb") as f:
+            text = f.read(MAX_INDEX_BYTES + 1)
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
+    if len(text) > MAX_INDEX_BYTES:
+        raise DataError(f"{path} is over {MAX_INDEX_BYTES >> 20} MiB, not a token index prepare wrote; {REPREPARE}")
+    return _index_of(str(Path(root)), text)
 
 
 def check_shard_file(index: Index, shard: Shard) -> Path:
