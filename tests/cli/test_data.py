@@ -155,6 +155,9 @@ def test_damaged_shards_are_one_line_before_training(tmp_path, tok, capsys, dama
     else:
         shard.write_bytes(b"")
         raw["shards"][0]["tokens"] = 0
+    raw["shards"][0]["documents"] = min(raw["shards"][0]["documents"], raw["shards"][0]["tokens"])
+    for total in ("tokens", "documents"):  # the index stays consistent: only the shard is damaged
+        raw[total] = {split: sum(s[total] for s in raw["shards"] if s["split"] == split) for split in raw[total]}
     index_path.write_text(json.dumps(raw))
     assert re.search(message, _train_error(capsys, "--data", root))
 

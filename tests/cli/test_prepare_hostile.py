@@ -1,0 +1,389 @@
+"""Hostile and careless input to ``trainmesh prepare`` and to the data index ``train`` reads.
+
+A document of any length is tokenized in pieces (peak RSS measured, not assumed); a worker killed mid-run
+ends the command at once in one line and leaves nothing that looks prepared; a lone surrogate or a text
+column of the wrong type is one line; an index that ``prepare`` would not write is one line. The fuzzer
+mutates a real prepared directory's ``index.json`` and shard files 1,200 times and loads each with the
+loader ``train`` uses, which must load correct data or refuse in one line, never raise anything else or hang.
+"""
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainmesh.app import cli
+from trainmesh.data import DataError, TokenData, data_vocab_size, sources
+from trainmesh.data import prepare as prepare_module
+from trainmesh.data.prepare import PrepareOptions, prepare
+from trainmesh.data.shards import INDEX_FILE, is_prepared, read_index, token_dtype
+from trainmesh.data.text import stdlib_sources
+from trainmesh.data.tokenizer import load_tokenizer, train_bpe
+
+pytest.importorskip("tokenizers")
+
+SMALL_PIECE = 8 << 10
+TOKENIZER_BYTES_PER_CHAR = 1024
+"""A generous upper estimate of what HF tokenizers hold per character while encoding (~250-350 measured)."""
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tok") / "tok.json"
+    files = [f for f in stdlib_sources() if f.name in ("json.py", "this.py", "abc.py", "bisect.py", "heapq.py")]
+    train_bpe((f.read_text() for f in files), 300, out)
+    return str(out)
+
+
+def _code(n: int) -> str:
+    src = Path(json.__file__).read_text(encoding="utf-8") + "# héllo wörld 😀\n"
+    return (src * (n // len(src) + 1))[:n]
+
+
+def _quiet(opts: PrepareOptions) -> None:
+    with open(os.devnull, "w") as null:
+        prepare(opts, stream=null)
+
+
+def _decoded(root: Path, tok: str) -> str:
+    t, index = load_tokenizer(tok), read_index(str(root))
+    ids = [i for s in index.shards for i in np.fromfile(root / s.file, dtype=index.dtype).tolist()]
+    assert ids[-1] == t.eos_id and t.eos_id not in ids[:-1]
+    return t.decode(ids[:-1])
+
+
+def _prepare_error(capsys, *argv: str) -> str:
+    assert cli.main(["prepare", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+# --- memory: any document in pieces ---------------------------------------------------------------------
+
+def _peak_rss(opts: PrepareOptions) -> int:
+    """Peak RSS in bytes of ``prepare`` run in a forked child, its workers included: ``os.wait4`` gives that
+    child's own rusage (``RUSAGE_CHILDREN`` of a process whose only child it is), unpolluted by the children
+    this test process ran before."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            _quiet(opts)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status, usage = os.wait4(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return usage.ru_maxrss * 1024
+
+
+def test_a_long_jsonl_line_and_a_long_parquet_cell_stay_within_the_piece_bound(tmp_path, tok, monkeypatch):
+    """Pieces and batches of 8 KiB, a tokenizer takes at most 1 KiB per character it encodes at once, and
+    a batch holds at most BATCH_BYTES + 4·PIECE_BYTES characters (one piece: two reads of a streamed line):
+    so prepare's peak may exceed its baseline on a tiny file by at most 40 MiB. A 512 KiB JSONL line (64
+    pieces; tokenized whole it takes ~180 MB more) and a 512 KiB Parquet cell (which Arrow holds, a few
+    times over while decoding it) stay within that; each decodes back to its text."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setattr(sources, "PIECE_BYTES", SMALL_PIECE)
+    monkeypatch.setattr(prepare_module, "BATCH_BYTES", SMALL_PIECE)
+    text = _code(512 << 10)
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "x = 1\n"}) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": 7, "text": text}) + "\n")
+    pq.write_table(pa.table({"text": [text]}), tmp_path / "long.parquet")
+    peaks = {name: _peak_rss(PrepareOptions((str(tmp_path / name),), tok, str(tmp_path / f"out-{name}"), 1))
+             for name in ("tiny.jsonl", "long.jsonl", "long.parquet")}
+    bound = peaks["tiny.jsonl"] + TOKENIZER_BYTES_PER_CHAR * 5 * SMALL_PIECE
+    cell = len(text.encode())
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()}, f"bound {bound / 2**20:.0f} MiB")
+    assert peaks["long.jsonl"] < bound, peaks
+    assert peaks["long.parquet"] < bound + 4 * cell, peaks
+    for name in ("long.jsonl", "long.parquet"):
+        assert _decoded(tmp_path / f"out-{name}", tok) == text
+
+
+def test_a_long_hf_dataset_row_is_tokenized_in_pieces(tmp_path, tok, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(sources, "PIECE_BYTES", SMALL_PIECE)
+    text = _code(10 * SMALL_PIECE)
+    datasets.Dataset.from_dict({"text": [text]}).save_to_disk(str(tmp_path / "hf"))
+    got = list(sources.pieces(tmp_path / "hf"))
+    assert len(got) > 5 and max(len(p.text) for p in got) <= 2 * SMALL_PIECE
+    _quiet(PrepareOptions((str(tmp_path / "hf"),), tok, str(tmp_path / "out"), 1))
+    assert _decoded(tmp_path / "out", tok) == text
+
+
+# --- a worker that dies ---------------------------------------------------------------------------------
+
+def _children() -> set[int]:
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        pids |= {int(p) for p in (task / "children").read_text().split()}
+    return pids
+
+
+def _kill_first_worker(before: set[int], out: Path, killed: list) -> None:
+    """Once a shard exists (the run is under way), SIGKILL the first worker: a real kill -9 from outside."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        workers = sorted(_children() - before)
+        if workers and any(out.glob("*.bin")):
+            os.kill(workers[0], signal.SIGKILL)
+            killed.append(workers[0])
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through /proc")
+def test_a_worker_killed_mid_run_ends_prepare_at_once_in_one_line(tmp_path, tok, capsys, monkeypatch):
+    monkeypatch.setattr(sources, "PIECE_BYTES", SMALL_PIECE)
+    monkeypatch.setattr(prepare_module, "BATCH_BYTES", SMALL_PIECE)
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(_code(1 << 20))
+    out, killed = tmp_path / "out", []
+    killer = threading.Thread(target=_kill_first_worker, args=(_children(), out, killed))
+    killer.start()
+    start = time.monotonic()
+    err = _prepare_error(capsys, "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--tokenizer", tok,
+                         "--out", str(out), "--workers", "2")
+    seconds = time.monotonic() - start
+    killer.join()
+    assert killed, "prepare finished before a worker could be killed"
+    assert re.fullmatch(rf"trainmesh: error: worker [01] \(pid {killed[0]}\) was killed by signal SIGKILL \(out of "
+                        rf"memory\?\) while tokenizing {tmp_path}/[ab]\.txt; nothing was kept in {out}", err), err
+    assert seconds < 30 and not out.exists() and not is_prepared(str(out))
+    assert not _children(), "workers left running"
+
+
+def test_a_failed_prepare_removes_what_it_wrote_and_keeps_what_was_there(tmp_path, tok, capsys):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": _code(300_000)}) + "\n" + '{"text": 5}\n')
+    out = tmp_path / "out"
+    err = _prepare_error(capsys, "--input", str(tmp_path / "a.jsonl"), "--tokenizer", tok, "--out", str(out),
+                         "--workers", "1")
+    assert "a.jsonl:2: the 'text' field is int, not a string" in err and not out.exists()
+    out.mkdir()
+    _prepare_error(capsys, "--input", str(tmp_path / "a.jsonl"), "--tokenizer", tok, "--out", str(out))
+    assert out.is_dir() and not any(out.iterdir())
+
+
+# --- text that is not text ------------------------------------------------------------------------------
+
+def test_a_lone_surrogate_and_non_string_columns_are_one_line(tmp_path, tok, capsys):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "ab\\ud800"}\n')
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    pq.write_table(pa.table({"text": pa.array([b"a", b"\xff"], pa.binary())}), tmp_path / "bin.parquet")
+    pq.write_table(pa.table({"text": pa.array(["ok", "bad \udcff".encode("utf-8", "surrogatepass")], pa.binary())
+                             .cast(pa.string(), safe=False)}), tmp_path / "bad-utf8.parquet")
+    datasets.Dataset.from_dict({"text": [1.5]}).save_to_disk(str(tmp_path / "hf"))
+    capsys.readouterr()
+    cases = {"s.jsonl": r"s.jsonl:2: the 'text' field has a lone surrogate \\ud800 at character 2",
+             "ints.parquet": r"ints.parquet: column 'text' holds int64, but prepare reads documents from a string",
+             "bin.parquet": r"bin.parquet: column 'text' holds binary, but prepare reads documents from a string",
+             "bad-utf8.parquet": r"bad-utf8.parquet row 1 is not UTF-8 text \(invalid byte 0xed at offset 4\)",
+             "hf": r"hf: column 'text' holds double, but prepare reads documents from a string \(utf8\) column"}
+    for name, message in cases.items():
+        err = _prepare_error(capsys, "--input", str(tmp_path / name), "--tokenizer", tok, "--out",
+                             str(tmp_path / f"out-{name}"), "--workers", "1")
+        assert re.search(message, err), err
+
+
+# --- the index ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tok) -> Path:
+    src = tmp_path_factory.mktemp("docs")
+    for i in range(40):
+        (src / f"{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 3))
+    out = src.parent / "prepared"
+    _quiet(PrepareOptions((str(src),), tok, str(out), 1, shard_tokens=300, val_fraction=0.2))
+    return out
+
+
+def _copy(prepared: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for f in prepared.iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+    return dest
+
+
+def _load(root: Path):
+    data_vocab_size(str(root), "")
+    return TokenData.load(str(root), seq_len=8, verify=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(dtype="uint8"), r"dtype 'uint8' is not what prepare writes for a vocabulary of 300 "
+                                        r"\(uint16; it writes only uint16 or uint32"),
+    (lambda r: r.update(dtype="int16"), r"dtype 'int16' is not what prepare writes"),
+    (lambda r: r.update(dtype="float32"), r"dtype 'float32' is not what prepare writes"),
+    (lambda r: r.update(dtype="uint32"), r"dtype 'uint32' is not what prepare writes for a vocabulary of 300"),
+    (lambda r: r["shards"][0].update(tokens=float("nan")), r"shard 0 'tokens' is nan, not an integer"),
+    (lambda r: r["shards"][0].update(tokens=float("inf")), r"shard 0 'tokens' is inf, not an integer"),
+    (lambda r: r["shards"][0].update(tokens=-4), r"shard 0 'tokens' is -4, outside 0\.\.1152921504606846976"),
+    (lambda r: r["shards"][0].update(tokens=12.0), r"shard 0 'tokens' is 12\.0, not an integer"),
+    (lambda r: r["shards"][0].update(tokens=True), r"shard 0 'tokens' is True, not an integer"),
+    (lambda r: r["shards"][0].update(documents=10**6), r"shard 0 'documents' is 1000000, outside 0\.\."),
+    (lambda r: r["tokens"].update(train=r["tokens"]["train"] + 1), r"tokens of train is \d+, not the sum over"),
+    (lambda r: r.update(vocab_size=2**40), r"'vocab_size' is 1099511627776, outside 1\.\.4294967296"),
+    (lambda r: r.update(eos_id=300), r"'eos_id' is 300, outside 0\.\.299"),
+    (lambda r: r["shards"][0].update(file="../index.json"), r"shard 0 is '../index.json' in split 'train', not a"),
+    (lambda r: r["shards"].append(r["shards"][0]), r"a shard is listed twice"),
+])
+def test_an_index_prepare_would_not_write_is_one_line(tmp_path, prepared, capsys, edit, message):
+    root = _copy(prepared, tmp_path / "data")
+    raw = json.loads((root / INDEX_FILE).read_text())
+    edit(raw)
+    (root / INDEX_FILE).write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=rf"{root / INDEX_FILE}: {message}.*; re-run trainmesh prepare") as e:
+        _load(root)
+    assert "\n" not in str(e.value)
+    assert cli.main(["train", "--steps", "1", "--out", "", "--data", str(root)]) == 2
+    assert capsys.readouterr().err.strip() == f"trainmesh: error: {e.value}"
+
+
+def test_a_token_count_that_disagrees_with_the_file_size_is_one_line(tmp_path, prepared):
+    root = _copy(prepared, tmp_path / "data")
+    raw = json.loads((root / INDEX_FILE).read_text())
+    raw["shards"][0]["tokens"] += 1
+    raw["tokens"]["train"] += 1
+    (root / INDEX_FILE).write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=r"train-00000\.bin is truncated: \d+ bytes, index\.json lists \d+ uint16"):
+        _load(root)
+
+
+# --- the fuzzer -----------------------------------------------------------------------------------------
+
+HOSTILE = [None, True, False, -1, 0, 1, 2, 299, 300, 65535, 65536, 2**31, 2**32, 2**63, 10**30, 1.5, 12.0,
+           float("nan"), float("inf"), float("-inf"), "", "x", "uint8", "uint16", "uint32", "int16", "float16",
+           "<u2", "../index.json", "/dev/zero", "train-00000.bin", "val-00000.bin", "train-99999.bin", "a\nb",
+           "0" * 64, [], [0], {}, {"train": 1}, [[1]]]
+
+
+def _nodes(value, out: list) -> list:
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        out.append((value, k))
+        _nodes(v, out)
+    return out
+
+
+def _mutate_index(rng: random.Random, raw: dict) -> str:
+    container, key = rng.choice(_nodes(raw, []))
+    how = rng.random()
+    if how < 0.5:
+        container[key] = rng.choice(HOSTILE)
+    elif how < 0.65 and type(container[key]) is int:
+        container[key] += rng.choice([-1, 1, -container[key] - 1, 2**20])
+    elif how < 0.8:
+        del container[key]
+    elif how < 0.9 and isinstance(container, dict):
+        container[rng.choice(["extra", "a\nb"])] = rng.choice(HOSTILE)
+    else:
+        other = rng.choice(_nodes(raw, []))
+        container[key] = json.loads(json.dumps(other[0][other[1]]))
+    return f"{how:.2f} at {key!r}"
+
+
+def _mutate_shard(rng: random.Random, root: Path, raw: dict) -> tuple[str, str]:
+    """Damage a shard's bytes, re-hashed in the index as a tamperer would (its count too, sometimes)."""
+    entry = rng.choice(raw["shards"])
+    path = root / entry["file"]
+    data = bytearray(path.read_bytes())
+    how = rng.randrange(4)
+    if how == 0:
+        data = data[:rng.randrange(len(data) + 1)]
+    elif how == 1:
+        data += bytes(rng.randrange(1, 5))
+    else:
+        i = rng.randrange(len(data) // 2) * 2
+        data[i:i + 2] = rng.choice([299, 300, 65535, 0]).to_bytes(2, "little")
+    _put(path, bytes(data))
+    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    if rng.random() < 0.5:
+        entry["tokens"] = len(data) // 2
+    return entry["file"], f"shard {entry['file']} {['cut', 'grown', 'id', 'id'][how]}"
+
+
+def _put(path: Path, data: bytes) -> None:
+    """Rewrite in place: truncating to zero first makes ext4 flush on close (auto_da_alloc), 5 ms a write."""
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate()
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout()
+
+
+def _check_loaded(root: Path, data) -> None:
+    """A load that succeeded is one prepare could have written: ids within the vocabulary, in the indexed
+    dtype, the streams exactly the indexed shards' contents."""
+    index = read_index(str(root))
+    assert index.dtype == token_dtype(index.vocab_size) and 0 <= index.eos_id < index.vocab_size
+    for split, stream in (("train", data.train), ("val", data.val)):
+        want = np.concatenate([np.fromfile(root / s.file, dtype=index.dtype) for s in index.split(split)])
+        got = stream[0:len(stream)]
+        assert np.array_equal(got, want) and int(got.max()) < index.vocab_size
+
+
+def test_fuzzed_data_indexes_and_shards_load_correctly_or_fail_in_one_line(tmp_path, prepared):
+    """1,200 mutants of a real prepared directory (index values, keys and raw bytes; shard bytes cut, grown
+    or given out-of-vocabulary ids, re-hashed): each loads data prepare could have written, or is refused
+    with a one-line DataError naming a file of the directory; none raises anything else or hangs."""
+    root = _copy(prepared, tmp_path / "data")
+    pristine = {f.name: f.read_bytes() for f in root.iterdir()}
+    text = pristine[INDEX_FILE].decode()
+    rng = random.Random(33)
+    outcomes = {"loaded": 0, "refused": 0}
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    start = time.monotonic()
+    try:
+        for case in range(1200):
+            raw, shard = json.loads(text), None
+            if case % 5 == 4:
+                shard, what = _mutate_shard(rng, root, raw)
+            else:
+                what = _mutate_index(rng, raw)
+            data = json.dumps(raw, allow_nan=True).encode()
+            if rng.random() < 0.08:
+                i = rng.randrange(len(data))
+                data, what = (data[:i] if rng.random() < 0.5 else data[:i] + bytes([data[i] ^ 1 << rng.randrange(8)])
+                              + data[i + 1:]), "raw bytes"
+            _put(root / INDEX_FILE, data)
+            label = f"case {case} ({what})"
+            signal.setitimer(signal.ITIMER_REAL, 5)
+            try:
+                loaded = _load(root)
+                _check_loaded(root, loaded)
+                outcomes["loaded"] += 1
+            except _Timeout:
+                pytest.fail(f"{label} hung")
+            except DataError as e:
+                message = str(e)
+                assert "\n" not in message and str(root) in message, f"{label}: {message!r}"
+                outcomes["refused"] += 1
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            if shard is not None:
+                _put(root / shard, pristine[shard])
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    elapsed = time.monotonic() - start
+    print(f"data index fuzzer: {outcomes} in {elapsed:.1f} s")
+    assert outcomes["refused"] > 800 and outcomes["loaded"] > 20, outcomes
+    assert math.isfinite(elapsed) and elapsed < 60
