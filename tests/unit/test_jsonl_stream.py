@@ -47,7 +47,7 @@ def test_pieces_of_a_long_line_are_bounded_and_rejoin(tmp_path, monkeypatch):
     got = list(sources.jsonl_pieces(path))
     assert "".join(p.text for p in got[:-1]) == text and got[-1].text == "short"
     assert [p.ends_document for p in got].count(True) == 2
-    assert max(len(p.text) for p in got) <= 4 * 1000 and len(got) > 50
+    assert max(len(p.text) for p in got) <= 2 * 1000 and len(got) > 50
     assert sum(p.input_bytes for p in got) == path.stat().st_size
 
 

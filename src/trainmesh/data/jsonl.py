@@ -3,7 +3,7 @@
 A line of up to ``read_bytes`` is parsed whole by :func:`json.loads`. A longer line is never held whole:
 it is read ``read_bytes`` at a time (:class:`LongLine`), its top-level object parsed as it arrives, and its
 ``text`` string decoded run by run (plain characters and escapes at C speed with :func:`json.decoder.scanstring`)
-and handed on in parts of about ``read_bytes`` characters. An escape or a UTF-8 character split between
+and handed on in parts of ``read_bytes`` characters. An escape or a UTF-8 character split between
 reads is completed from the next read; a surrogate pair split between reads is joined. Its other fields are
 parsed whole by :mod:`json`, so each must fit in ``read_bytes``. Either way a line must be one JSON object
 with one string ``text`` field of valid Unicode: a lone surrogate (``"\\ud800"``), which no tokenizer can
@@ -134,8 +134,8 @@ class LongLine:
         return value
 
     def string(self) -> Reads:
-        """The string whose opening quote was just read, decoded in parts of about ``read_bytes`` characters;
-        the closing quote is consumed."""
+        """The string whose opening quote was just read, decoded in parts of ``read_bytes`` characters (the
+        last shorter), as a text file's reads are; the closing quote is consumed."""
         parts: list[str] = []
         size = done = 0
         while True:
@@ -161,9 +161,10 @@ class LongLine:
                 return
             elif not (self.buf[self.pos] == "\\" and len(self.buf) - self.pos < _ESCAPE_CHARS and self.more()):
                 raise _shape_error(self.where)  # a bad escape or a raw control character
-            if size >= self.read_bytes:
-                yield "".join(parts), self.consumed()
-                parts, done, size = [], done + size, 0
+            while size >= self.read_bytes:
+                joined = "".join(parts)
+                yield joined[:self.read_bytes], self.consumed()
+                parts, done, size = [joined[self.read_bytes:]], done + self.read_bytes, size - self.read_bytes
 
     def text_reads(self) -> Reads:
         """The ``text`` field, the rest of the line parsed and checked (its bytes reported last)."""
