@@ -6,14 +6,12 @@ The fuzzer mutates a tiny saved checkpoint's manifest, file names and safetensor
 as a tamperer would) and loads each mutant in this process, with an audit hook recording every file
 opened and a timer per case."""
 
-import contextlib
 import fcntl
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -39,6 +37,7 @@ from trainmesh.app.train import build, full_state_dict, train
 SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"
 OTHER_RUN = "0123456789abcdef0123456789abcdef"
 
+from fuzz import CaseTimeout, deadline, json_nodes
 from helpers import config
 
 
@@ -390,22 +389,9 @@ PLANTED = {"rank-00009.safetensors": "fifo", "rank-00008.safetensors": "link out
            "rank-00007.safetensors": "link /dev/zero", "rank-00006.safetensors": "dir"}
 
 
-class CaseTimeout(Exception):
-    pass
-
-
-def _nodes(value, out: list) -> list:
-    """Every (container, key) in a JSON value."""
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        out.append((value, k))
-        _nodes(v, out)
-    return out
-
-
 def _mutate_json(rng: random.Random, doc, names: list[str]) -> str:
     """One random mutation of ``doc`` in place; returns what it did."""
-    container, key = rng.choice(_nodes(doc, []))
+    container, key = rng.choice(json_nodes(doc))
     how = rng.random()
     if how < 0.45:
         container[key] = rng.choice(HOSTILE)
@@ -475,19 +461,6 @@ def _plant(step: Path, outside: Path) -> None:
             path.mkdir()
 
 
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    def expire(*_):
-        raise CaseTimeout()
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 OPENED: list | None = None
 
 
@@ -531,7 +504,7 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
         OPENED = []
         label = f"case {case} ({'header' if case % 4 == 3 else 'manifest'} {what})"
         try:
-            with _deadline(5):
+            with deadline(5):
                 manifest = checkpoints.load(run, step)
                 progress = checkpoint.load.apply_loaded(run.engine, manifest)
         except CaseTimeout:

@@ -22,20 +22,11 @@ from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.shards import INDEX_FILE, read_index
 from trainmesh.data.text import stdlib_sources
 from trainmesh.app.generate import Sampling, generate_text
-from trainmesh.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab, tokenizer_sha256, train_bpe
+from trainmesh.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab, tokenizer_sha256
 
 pytest.importorskip("tokenizers")
 
 DOCS = [f"def f{i}(x):\n    return x * {i}  # document {i} " + "é" * (i % 3) + "\n" * (i % 2) for i in range(60)]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> str:
-    """A 300-token byte-level BPE trained on a few standard-library files."""
-    out = tmp_path_factory.mktemp("tok") / "tok.json"
-    files = [f for f in stdlib_sources() if f.name in ("json.py", "this.py", "abc.py", "bisect.py", "heapq.py")]
-    train_bpe((f.read_text() for f in files), 300, out)
-    return str(out)
 
 
 def make_prepared(tmp: Path, tok: str, docs: list[str] = DOCS, workers: int = 2, shard_tokens: int = 400) -> str:
