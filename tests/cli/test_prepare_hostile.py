@@ -13,6 +13,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -113,6 +115,26 @@ def test_a_long_hf_dataset_row_is_tokenized_in_pieces(tmp_path, tok, monkeypatch
     assert _decoded(tmp_path / "out", tok) == text
 
 
+def test_arrow_cells_are_read_in_place_across_batches_nulls_and_large_strings(tmp_path, monkeypatch):
+    """Cells are viewed in the column's buffers: batches of 2 rows slice the table (arrays with an offset),
+    a null is an empty document, and large_string (64-bit offsets) reads as string does."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(sources, "ARROW_BATCH_ROWS", 2)
+    monkeypatch.setattr(sources, "PIECE_BYTES", 64)
+    docs = ["first", None, "é" * 100 + "\n" + "x" * 70, "", "😀 last"]
+    pq.write_table(pa.table({"text": pa.array(docs, pa.large_string())}), tmp_path / "large.parquet")
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "hf"))
+    for name in ("large.parquet", "hf"):
+        texts, doc = [""], []
+        for p in sources.pieces(tmp_path / name):
+            texts[-1] += p.text
+            if p.ends_document:
+                doc.append(texts[-1])
+                texts.append("")
+        assert doc == [d or "" for d in docs], name
+
+
 # --- a worker that dies ---------------------------------------------------------------------------------
 
 def _children() -> set[int]:
@@ -153,6 +175,31 @@ def test_a_worker_killed_mid_run_ends_prepare_at_once_in_one_line(tmp_path, tok,
                         rf"memory\?\) while tokenizing {tmp_path}/[ab]\.txt; nothing was kept in {out}", err), err
     assert seconds < 30 and not out.exists() and not is_prepared(str(out))
     assert not _children(), "workers left running"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through /proc")
+def test_kill_9_of_a_worker_of_the_cli_exits_2_in_one_line(tmp_path, tok):
+    """The issue's case as a user meets it: ``trainmesh prepare --workers 2`` on 40 MB, one worker killed
+    with ``kill -9`` from outside; the command exits 2 within seconds, one line on stderr, no index."""
+    (tmp_path / "big.txt").write_text(_code(40 << 20))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "trainmesh", "prepare", "--input", str(tmp_path / "big.txt"),
+                             "--tokenizer", tok, "--out", str(out), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline_s = time.monotonic() + 120
+    while len(children.read_text().split()) < 2 and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    time.sleep(1.0)  # tokenizing by now
+    worker = int(children.read_text().split()[0])
+    os.kill(worker, signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - killed_at < 30
+    assert re.fullmatch(rf"trainmesh: error: worker [01] \(pid {worker}\) was killed by signal SIGKILL \(out of "
+                        rf"memory\?\) while tokenizing {tmp_path}/big\.txt; nothing was kept in {out}\n", err), err
+    assert not out.exists()
 
 
 def test_a_failed_prepare_removes_what_it_wrote_and_keeps_what_was_there(tmp_path, tok, capsys):
