@@ -3,7 +3,8 @@
 * :mod:`~trainmesh.data.text`: local text read into memory, as bytes or with ``--tokenizer`` (the default
   corpus is this Python's standard library sources, so a first run needs no download);
 * :mod:`~trainmesh.data.prepare` and :mod:`~trainmesh.data.sources`: ``trainmesh prepare``, which tokenizes a
-  corpus of any size into shards;
+  corpus of any size, and documents of any length, into shards; :mod:`~trainmesh.data.jsonl` streams a long
+  JSONL line, :mod:`~trainmesh.data.workers` runs the tokenizing processes;
 * :mod:`~trainmesh.data.shards`: the shards and their index, memory-mapped for training and checked first;
 * :mod:`~trainmesh.data.sampler`: each step's global batch as a pure function of ``(seed, step)``.
 """
