@@ -32,6 +32,7 @@ from torch import nn
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
+from trainmesh.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
@@ -166,12 +167,25 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
     if cp > 1 and (spec is None or not spec.cp_plan):
         raise ValueError(f"cp={cp} needs to know where {name} computes attention and takes positions; context "
                          f"parallelism splits the built-in families (gpt, llama)")
+    if layout.precision == "fp8":
+        _validate_float8(name, spec, mesh.device)
     if spec is None and ep > 1:  # no shape: the experts are counted from the modules that hold them
         layers = expert_modules(model)
         problem = experts_problem(ep, layers[0][1].experts.w1.shape[0] if layers else 0, keyword, name)
         if problem:
             raise ValueError(problem)
     validate(layout, spec.shape(spec.config_of(model)) if spec is not None else None, name=name)
+
+
+def _validate_float8(name: str, spec: ModelSpec | None, device: torch.device) -> None:
+    """fp8 needs torchao, FP8 tensor cores (or a CPU) and the family's list of layers kept in bf16."""
+    problem = fp8_problem(device_capability(device), "precision='fp8'")
+    if problem:
+        raise ValueError(problem)
+    if spec is None or not spec.high_precision:
+        raise ValueError(f"precision='fp8' needs the model's family to name the layers that stay bf16 "
+                         f"(ModelSpec.high_precision: embedding, head, router), and {name} has none; use "
+                         f"precision='bf16'")
 
 
 def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None = None,
@@ -197,7 +211,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     ``pipeline``: where the blocks and the modules before and after them are (default: the family's
     layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
     ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
-    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
+    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``, ``fp8`` (bf16 whose
+    linears multiply in float8 through torchao, but for the family's ``high_precision`` layers:
+    :mod:`trainmesh.float8`; not with ``tp`` > 1); gradients are reduced
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
     and the loss.
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.parallel.context_parallel`);
@@ -219,6 +235,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     hidden = _hidden_size(model, spec, pipeline)
     description = checkpoint.describe_model(model)
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
+    if precision == "fp8":
+        convert_to_float8(model, spec.high_precision)
     apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
     split_axes = tuple(axis for axis, on in (("tp", sequence_parallel), ("cp", True)) if on and mesh.size(axis) > 1)

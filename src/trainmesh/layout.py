@@ -22,8 +22,8 @@ from trainmesh.models.spec import ModelShape, divisors
 ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # trainmesh.pipeline.schedules builds each
 RECOMPUTE = ("none", "selective", "full")  # trainmesh.parallel.recompute applies each
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
-REDUCE_DTYPES = ("auto", *PRECISIONS)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 CP_IMPLS = ("ring", "a2a")
 AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside dp x cp)
 
@@ -235,6 +235,17 @@ def _compiled_ring(c: _Check) -> str | None:
     return None
 
 
+def _float8_tensor_parallel(c: _Check) -> str | None:
+    """torchao's float8 linears compose with tensor parallelism through DTensor (torchtitan's
+    ``Float8ColwiseParallel``); trainmesh's tensor-parallel linears run their own matmuls in bf16, so the two
+    are not combined rather than the split layers silently losing float8."""
+    lay, s = c.layout, c.spell
+    if lay.precision == "fp8" and lay.tp > 1:
+        return (f"{s('precision', 'fp8')} with {s('tp', lay.tp)}: tensor-parallel linears run their own bf16 "
+                f"matmuls, not float8 ones; use {s('tp', 1)} (with dp/zero/pp) or {s('precision', 'bf16')}")
+    return None
+
+
 def _stage_layers(c: _Check) -> str | None:
     lay, counts = c.layout, c.layout.stage_layers
     stages = lay.pp * lay.virtual_stages
@@ -247,7 +258,8 @@ def _stage_layers(c: _Check) -> str | None:
 
 
 MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _sequence_parallel, _pipeline_only,
-                                _virtual_stages, _interleaved_groups, _zero_bubble, _compiled_ring, _stage_layers)
+                                _virtual_stages, _interleaved_groups, _zero_bubble, _compiled_ring, _float8_tensor_parallel,
+                                _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 
 
