@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from torch import nn
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
+from trainmesh.cuda_graphs import PLAIN_MODE, compile_mode
 from trainmesh.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
@@ -193,7 +195,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                 pipeline: StageLayout | None = None, schedule: str = "1f1b", microbatches: int = 1,
                 virtual_stages: int = 1, stage_layers: Sequence[int] = (), precision: str = "fp32",
                 reduce_dtype: str = "auto", bucket_mb: float = 25.0, compile: bool = False,
-                cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
+                cuda_graphs: bool = False, cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
     """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
 
     As with torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``, ``model`` is changed in place: its
@@ -215,7 +217,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     linears multiply in float8 through torchao, but for the family's ``high_precision`` layers:
     :mod:`trainmesh.float8`; not with ``tp`` > 1); gradients are reduced
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
-    and the loss.
+    and the loss; ``cuda_graphs`` also captures them as CUDA graphs (``mode="reduce-overhead"``) where the
+    layout allows (:mod:`trainmesh.cuda_graphs`; elsewhere rank 0 prints why once and compiles without).
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.parallel.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
     A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
@@ -229,7 +232,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                     sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
-                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, compile=compile)
+                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, compile=compile,
+                    cuda_graphs=cuda_graphs)
     _validate(model, mesh, spec, plan, pipeline, layout, recompute)
     comm = comm or Comm(mesh)
     hidden = _hidden_size(model, spec, pipeline)
@@ -248,17 +252,18 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
         apply_recompute(model, recompute, spec.recompute if spec is not None else {})
     else:
         recompute_modules(model, tuple(recompute))
+    mode = _compile_mode(model, mesh, layout) if cuda_graphs else PLAIN_MODE
     if compile:
         for block in model.blocks.values():
             # The forward, not the module's call: the hooks other forms put around a block (ZeRO-3's
             # gather and free, the zero-bubble schedule's) communicate and keep Python records, which
             # Dynamo would trace, break its graph on and recompile for; they run eagerly around it.
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, mode=mode)
     loss = criterion or cross_entropy
     if compile and criterion is None:
         # Fused into one pass over the logits each way: eager upcasts bf16 logits to an fp32 copy, then
         # reads and writes fp32 tensors of that size again for the softmax and for its gradient.
-        loss = torch.compile(loss)
+        loss = torch.compile(loss, mode=mode)
     runtime = None
     if mesh.size("pp") > 1:
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
@@ -266,6 +271,15 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
     return ParallelModel(model, mesh, comm, loss, criterion is not None, zero, precision,
                          microbatches, reduce_dtype, bucket_mb, runtime, description=description)
+
+
+def _compile_mode(model: nn.Module, mesh: Mesh, layout: Layout) -> str:
+    """The ``torch.compile`` mode of a run that asked for CUDA graphs; where they cannot capture this layout,
+    rank 0 says why, once."""
+    mode, why = compile_mode(layout, mesh.device.type, moe=bool(expert_modules(model)))
+    if why and mesh.global_rank() == 0:
+        print(f"trainmesh: compiling without CUDA graphs: {why}", file=sys.stderr, flush=True)
+    return mode
 
 
 def _hidden_size(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> int:

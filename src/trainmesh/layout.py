@@ -38,7 +38,8 @@ class Layout:
 
     Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks); the
     ZeRO stage; the pipeline's ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per
-    rank and optional per-stage ``stage_layers``; memory savers and dtypes; ``compile``; and ``timeline``, a
+    rank and optional per-stage ``stage_layers``; memory savers and dtypes; ``compile`` (and ``cuda_graphs``,
+    its blocks captured as CUDA graphs where :mod:`trainmesh.cuda_graphs` allows); and ``timeline``, a
     picture only a pipeline can draw (empty: none).
     """
 
@@ -58,6 +59,7 @@ class Layout:
     reduce_dtype: str = "auto"
     cp_impl: str = "ring"
     compile: bool = False
+    cuda_graphs: bool = False
     timeline: str = ""
 
     @property
@@ -228,6 +230,13 @@ def _zero_bubble(c: _Check) -> str | None:
     return None
 
 
+def _cuda_graphs(c: _Check) -> str | None:
+    if c.layout.cuda_graphs and not c.layout.compile:
+        return (f"{c.spell('cuda_graphs', True)} captures the compiled blocks as CUDA graphs; add "
+                f"{c.spell('compile', True)} or drop {c.spell('cuda_graphs')}")
+    return None
+
+
 def _compiled_ring(c: _Check) -> str | None:
     if c.layout.cp > 1 and c.layout.compile:
         return (f"{c.spell('cp', c.layout.cp)} with {c.spell('compile', True)} would trace the ring's "
@@ -258,7 +267,8 @@ def _stage_layers(c: _Check) -> str | None:
 
 
 MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _sequence_parallel, _pipeline_only,
-                                _virtual_stages, _interleaved_groups, _zero_bubble, _compiled_ring, _float8_tensor_parallel,
+                                _virtual_stages, _interleaved_groups, _zero_bubble, _cuda_graphs, _compiled_ring,
+                                _float8_tensor_parallel,
                                 _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 

@@ -157,6 +157,9 @@ class Config:
                         ("auto", "gloo", "nccl", "mpi"))
     device: str = _opt("auto", "device: auto picks cuda when present", ("auto", "cpu", "cuda"))
     compile: bool = _opt(False, "torch.compile each transformer block")
+    cuda_graphs: bool = _opt(False, "with --compile on CUDA: capture the compiled blocks as CUDA graphs "
+                             "(mode reduce-overhead); MoE models, pipelines, ZeRO-3, --tp and CPU runs compile "
+                             "without them and say why once")
     collective_timeout: float = _opt(600.0, "seconds a collective may wait before the run is stopped with a "
                                      "report of which rank(s) did not arrive", low=ABOVE_0)
     debug_collectives: bool = _opt(False, "check every collective's op and shapes across ranks "
@@ -267,7 +270,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
-    "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "host_transport",
+    "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives", "host_transport",
                 "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
     "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
