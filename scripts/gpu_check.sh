@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU check, about 5 minutes on one GPU: NCCL init and an all-reduce, then scripts/gpu_check.py (bf16
-# gpt2-124m eager and compiled with fused SDPA attention and fused AdamW, the same under ZeRO-1 and under full
-# recompute, and gpt2-1.5b under ZeRO-3): tokens/s, MFU and peak memory, appended to docs/performance.md with
-# the date, GPU and torch version. Run from the repo root with a python3 that has a CUDA build of torch;
-# arguments go to gpu_check.py (e.g. --steps 30 --timeout 120 --logs DIR):
+# GPU check, about 10 minutes on one GPU: NCCL init and an all-reduce, then scripts/gpu_check.py (gpt2-124m
+# compiled in bf16 with fused SDPA attention and fused AdamW, + CUDA graphs, + FP8 linears; a llama-7b-class
+# model at the most layers one GPU holds under ZeRO-3, in bf16 and in FP8; --cases all adds eager, ZeRO-1,
+# full recompute and gpt2-1.5b under ZeRO-3), each case with its own time limit: tokens/s, MFU against the
+# dense bf16 and FP8 peaks, peak memory, loss, FP8's loss against bf16's and issue #37's goals, appended to
+# docs/performance.md with the date, GPU, torch, torchao and triton versions. Run from the repo root with a
+# python3 that has a CUDA build of torch and torchao (pip install -e '.[fp8]'); arguments go to gpu_check.py
+# (e.g. --steps 30 --cases compiled,graphs --logs DIR):
 #   bash scripts/gpu_check.sh [ARGS...]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from torch import nn
 from trainmesh.comm import Comm, log_all_reduce
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
+from trainmesh.cuda_graphs import PLAIN_MODE, compile_mode
+from trainmesh.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
@@ -166,6 +169,8 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
     if cp > 1 and (spec is None or not spec.cp_plan):
         raise ValueError(f"cp={cp} needs to know where {name} computes attention and takes positions; context "
                          f"parallelism splits the built-in families (gpt, llama)")
+    if layout.precision == "fp8":
+        _validate_float8(name, spec, mesh.device)
     if spec is None and ep > 1:  # no shape: the experts are counted from the modules that hold them
         layers = expert_modules(model)
         problem = experts_problem(ep, layers[0][1].experts.w1.shape[0] if layers else 0, keyword, name)
@@ -174,12 +179,23 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
     validate(layout, spec.shape(spec.config_of(model)) if spec is not None else None, name=name)
 
 
+def _validate_float8(name: str, spec: ModelSpec | None, device: torch.device) -> None:
+    """fp8 needs torchao, FP8 tensor cores (or a CPU) and the family's list of layers kept in bf16."""
+    problem = fp8_problem(device_capability(device), "precision='fp8'")
+    if problem:
+        raise ValueError(problem)
+    if spec is None or not spec.high_precision:
+        raise ValueError(f"precision='fp8' needs the model's family to name the layers that stay bf16 "
+                         f"(ModelSpec.high_precision: embedding, head, router), and {name} has none; use "
+                         f"precision='bf16'")
+
+
 def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None = None,
                 sequence_parallel: bool = False, zero: int = 0, recompute: str | tuple[Target, ...] = "none",
                 pipeline: StageLayout | None = None, schedule: str = "1f1b", microbatches: int = 1,
                 virtual_stages: int = 1, stage_layers: Sequence[int] = (), precision: str = "fp32",
                 reduce_dtype: str = "auto", bucket_mb: float = 25.0, compile: bool = False,
-                cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
+                cuda_graphs: bool = False, cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
     """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
 
     As with torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``, ``model`` is changed in place: its
@@ -197,9 +213,12 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     ``pipeline``: where the blocks and the modules before and after them are (default: the family's
     layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
     ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
-    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``; gradients are reduced
+    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``, ``fp8`` (bf16 whose
+    linears multiply in float8 through torchao, but for the family's ``high_precision`` layers:
+    :mod:`trainmesh.float8`; not with ``tp`` > 1); gradients are reduced
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
-    and the loss.
+    and the loss; ``cuda_graphs`` also captures them as CUDA graphs (``mode="reduce-overhead"``) where the
+    layout allows (:mod:`trainmesh.cuda_graphs`; elsewhere rank 0 prints why once and compiles without).
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.parallel.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
     A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
@@ -213,12 +232,15 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                     sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
-                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, compile=compile)
+                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, compile=compile,
+                    cuda_graphs=cuda_graphs)
     _validate(model, mesh, spec, plan, pipeline, layout, recompute)
     comm = comm or Comm(mesh)
     hidden = _hidden_size(model, spec, pipeline)
     description = checkpoint.describe_model(model)
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
+    if precision == "fp8":
+        convert_to_float8(model, spec.high_precision)
     apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
     split_axes = tuple(axis for axis, on in (("tp", sequence_parallel), ("cp", True)) if on and mesh.size(axis) > 1)
@@ -230,17 +252,18 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
         apply_recompute(model, recompute, spec.recompute if spec is not None else {})
     else:
         recompute_modules(model, tuple(recompute))
+    mode = _compile_mode(model, mesh, layout) if cuda_graphs else PLAIN_MODE
     if compile:
         for block in model.blocks.values():
             # The forward, not the module's call: the hooks other forms put around a block (ZeRO-3's
             # gather and free, the zero-bubble schedule's) communicate and keep Python records, which
             # Dynamo would trace, break its graph on and recompile for; they run eagerly around it.
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, mode=mode)
     loss = criterion or cross_entropy
     if compile and criterion is None:
         # Fused into one pass over the logits each way: eager upcasts bf16 logits to an fp32 copy, then
         # reads and writes fp32 tensors of that size again for the softmax and for its gradient.
-        loss = torch.compile(loss)
+        loss = torch.compile(loss, mode=mode)
     runtime = None
     if mesh.size("pp") > 1:
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
@@ -248,6 +271,15 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
     return ParallelModel(model, mesh, comm, loss, criterion is not None, zero, precision,
                          microbatches, reduce_dtype, bucket_mb, runtime, description=description)
+
+
+def _compile_mode(model: nn.Module, mesh: Mesh, layout: Layout) -> str:
+    """The ``torch.compile`` mode of a run that asked for CUDA graphs; where they cannot capture this layout,
+    rank 0 says why, once."""
+    mode, why = compile_mode(layout, mesh.device.type, moe=bool(expert_modules(model)))
+    if why and mesh.global_rank() == 0:
+        print(f"trainmesh: compiling without CUDA graphs: {why}", file=sys.stderr, flush=True)
+    return mode
 
 
 def _hidden_size(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | None) -> int:

@@ -15,24 +15,26 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class DevicePeak:
     """Dense peak FLOP/s of one device from its vendor datasheet (SXM parts): 16-bit (bf16/fp16) tensor
-    cores, and plain fp32 (torch leaves TF32 matmuls off by default)."""
+    cores, plain fp32 (torch leaves TF32 matmuls off by default) and FP8 tensor cores (0: none; the
+    datasheets' FP8 figures "with sparsity" are twice these)."""
 
     half: float
     fp32: float
+    fp8: float = 0.0
 
     def at(self, precision: str) -> float:
         """The peak a run in ``precision`` can reach; 0 (unknown) for a precision not in the datasheet row."""
-        return {"bf16": self.half, "fp16": self.half, "fp32": self.fp32}.get(precision, 0.0)
+        return {"bf16": self.half, "fp16": self.half, "fp32": self.fp32, "fp8": self.fp8}.get(precision, 0.0)
 
 
 # The one table of device peaks: MFU divides by it and the planner's cluster presets are built from it.
 # Keys are matched as substrings of torch.cuda.get_device_name(), in this order.
 DEVICE_PEAKS: dict[str, DevicePeak] = {
-    "H200": DevicePeak(989e12, 67e12),
-    "H100": DevicePeak(989e12, 67e12),
+    "H200": DevicePeak(989e12, 67e12, 1979e12),
+    "H100": DevicePeak(989e12, 67e12, 1979e12),
     "A100": DevicePeak(312e12, 19.5e12),
-    "L40S": DevicePeak(362e12, 91.6e12),
-    "L4": DevicePeak(121e12, 30.3e12),
+    "L40S": DevicePeak(362e12, 91.6e12, 733e12),
+    "L4": DevicePeak(121e12, 30.3e12, 242e12),
     "A10G": DevicePeak(70e12, 31.2e12),
 }
 
@@ -71,6 +73,14 @@ class Cluster:
     comm_efficiency: float
     reserved_bytes: int
     ranks_per_core: float = 1.0
+    peak_flops_fp8: float = 0.0
+
+    def peak_at(self, precision: str) -> float:
+        """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
+        device with FP8 tensor cores (0: none, so they could not run), the 16-bit peak otherwise."""
+        if precision in ("fp32", "fp64"):
+            return self.peak_flops_fp32
+        return self.peak_flops_fp8 if precision == "fp8" else self.peak_flops
 
     def __post_init__(self) -> None:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
@@ -103,7 +113,7 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cl
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=half_dim, comm_efficiency=comm,
-                   reserved_bytes=2 * GIB)
+                   reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8)
 
 
 # (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the

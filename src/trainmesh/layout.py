@@ -22,8 +22,8 @@ from trainmesh.models.spec import ModelShape, divisors
 ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # trainmesh.pipeline.schedules builds each
 RECOMPUTE = ("none", "selective", "full")  # trainmesh.parallel.recompute applies each
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
-REDUCE_DTYPES = ("auto", *PRECISIONS)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 CP_IMPLS = ("ring", "a2a")
 AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside dp x cp)
 
@@ -38,7 +38,8 @@ class Layout:
 
     Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks); the
     ZeRO stage; the pipeline's ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per
-    rank and optional per-stage ``stage_layers``; memory savers and dtypes; ``compile``; and ``timeline``, a
+    rank and optional per-stage ``stage_layers``; memory savers and dtypes; ``compile`` (and ``cuda_graphs``,
+    its blocks captured as CUDA graphs where :mod:`trainmesh.cuda_graphs` allows); and ``timeline``, a
     picture only a pipeline can draw (empty: none).
     """
 
@@ -58,6 +59,7 @@ class Layout:
     reduce_dtype: str = "auto"
     cp_impl: str = "ring"
     compile: bool = False
+    cuda_graphs: bool = False
     timeline: str = ""
 
     @property
@@ -228,10 +230,28 @@ def _zero_bubble(c: _Check) -> str | None:
     return None
 
 
+def _cuda_graphs(c: _Check) -> str | None:
+    if c.layout.cuda_graphs and not c.layout.compile:
+        return (f"{c.spell('cuda_graphs', True)} captures the compiled blocks as CUDA graphs; add "
+                f"{c.spell('compile', True)} or drop {c.spell('cuda_graphs')}")
+    return None
+
+
 def _compiled_ring(c: _Check) -> str | None:
     if c.layout.cp > 1 and c.layout.compile:
         return (f"{c.spell('cp', c.layout.cp)} with {c.spell('compile', True)} would trace the ring's "
                 f"point-to-point messages; drop {c.spell('compile')}")
+    return None
+
+
+def _float8_tensor_parallel(c: _Check) -> str | None:
+    """torchao's float8 linears compose with tensor parallelism through DTensor (torchtitan's
+    ``Float8ColwiseParallel``); trainmesh's tensor-parallel linears run their own matmuls in bf16, so the two
+    are not combined rather than the split layers silently losing float8."""
+    lay, s = c.layout, c.spell
+    if lay.precision == "fp8" and lay.tp > 1:
+        return (f"{s('precision', 'fp8')} with {s('tp', lay.tp)}: tensor-parallel linears run their own bf16 "
+                f"matmuls, not float8 ones; use {s('tp', 1)} (with dp/zero/pp) or {s('precision', 'bf16')}")
     return None
 
 
@@ -247,7 +267,9 @@ def _stage_layers(c: _Check) -> str | None:
 
 
 MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _sequence_parallel, _pipeline_only,
-                                _virtual_stages, _interleaved_groups, _zero_bubble, _compiled_ring, _stage_layers)
+                                _virtual_stages, _interleaved_groups, _zero_bubble, _cuda_graphs, _compiled_ring,
+                                _float8_tensor_parallel,
+                                _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 
 

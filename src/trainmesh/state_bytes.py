@@ -24,8 +24,12 @@ class Precision:
     activation: int
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 1}
 FULL_PRECISIONS = ("fp32", "fp64")  # parameters are their own master weights
+STORED_AS = {"fp8": "bf16"}
+"""Precisions whose parameters and saved activations are held in another dtype: fp8 training keeps bf16
+weights and saves each linear's bf16 input for backward (torchao's ``Float8Linear``), casting to float8
+only inside the matmul, so its model state and activations cost bf16's (Micikevicius et al. 2022, sec. 4)."""
 STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter tensor.
 
 
@@ -35,9 +39,10 @@ def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
 
     fp32 training keeps Adam's two moments (K = 8; fp64: 16); mixed precision adds fp32 master weights
     (K = 12) [ZeRO, 3.1]. The ZeRO paper's 2 Psi of gradients assumes they are reduced in the low
-    precision; trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead.
+    precision; trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead. fp8 costs
+    what bf16 does (:data:`STORED_AS`).
     """
-    size = DTYPE_BYTES[precision]
+    size = DTYPE_BYTES[STORED_AS.get(precision, precision)]
     return Precision(size, DTYPE_BYTES[reduce_dtype], 2 * size if precision in FULL_PRECISIONS else 12, size)
 
 

@@ -114,3 +114,21 @@ def test_recompute_keeps_losses_and_saves_activation_memory(mode):
     assert recomputed.summary["activation_bytes"][0] < base.summary["activation_bytes"][0]
     if mode == "full":
         assert recomputed.summary["activation_bytes"][0] < 0.5 * base.summary["activation_bytes"][0]
+
+
+@pytest.mark.slow
+def test_fp8_under_data_parallel_zero_and_pipelines_and_bf16_under_zero_bubble_track_fp32(fp32_run):
+    """FP8 linears (torchao, on CPU) composed with DP, ZeRO-1, ZeRO-3 and a 1F1B pipeline, and bf16 under the
+    zero-bubble schedule (several autograd calls per backward, each folding gradients into fp32 buckets), at
+    N = 2: each run held to the single-process fp32 curve as bf16 runs are."""
+    pytest.importorskip("torchao")
+    layouts = [dict(dp=2, precision="fp8"), dict(dp=2, zero=1, precision="fp8"), dict(dp=2, zero=3, precision="fp8"),
+               dict(pp=2, microbatches=2, precision="fp8"),
+               dict(pp=2, microbatches=2, schedule="zb", precision="bf16")]
+    runs = run_ranks(_losses_and_val, 2, [_cfg(nproc=2, **layout) for layout in layouts], timeout=600)
+    for layout, run in zip(layouts, runs[0]):
+        if layout.get("pp", 1) == 1:
+            _assert_tracks(fp32_run, run, str(layout))
+    for layout, run in zip(layouts, runs[1]):
+        if layout.get("pp", 1) > 1:  # the last stage holds the loss
+            _assert_tracks(fp32_run, run, str(layout))

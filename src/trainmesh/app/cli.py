@@ -281,6 +281,13 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _cuda_capability() -> tuple[int, int] | None:
+    """The least compute capability among the visible GPUs (None without one)."""
+    import torch
+
+    return min(map(torch.cuda.get_device_capability, range(_cuda_devices())), default=None)
+
+
 def _is_rank() -> bool:
     return world_env().is_rank
 
@@ -305,7 +312,8 @@ def checked_config(args: argparse.Namespace) -> Config:
     world = _world_from_env()
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
-    validate(cfg, world_size=world, cuda_devices=_cuda_devices())
+    validate(cfg, world_size=world, cuda_devices=_cuda_devices(),
+             cuda_capability=_cuda_capability() if cfg.precision == "fp8" else None)
     _export_host_transport(cfg)
     if not _is_rank():
         _check_fits(cfg)

@@ -22,6 +22,7 @@ from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
 from trainmesh.layout import (CP_IMPLS, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, Layout,
                               LayoutError, resolve_reduce_dtype)
+from trainmesh.float8 import fp8_problem
 from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 from trainmesh.models.moe import MoEConfig
@@ -106,7 +107,8 @@ class Config:
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", ZERO_STAGES)
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
-                          "state (fp16 with dynamic loss scaling); fp64 for exact equivalence checks",
+                          "state (fp16 with dynamic loss scaling); fp8 is bf16 with the block linears multiplying "
+                          "in float8 (torchao; FP8 GPUs or CPU; not with --tp); fp64 for exact equivalence checks",
                           PRECISIONS)
     recompute: str = _opt("none", "activation recomputation: full (each block) or selective (attention core)",
                           RECOMPUTE)
@@ -155,6 +157,9 @@ class Config:
                         ("auto", "gloo", "nccl", "mpi"))
     device: str = _opt("auto", "device: auto picks cuda when present", ("auto", "cpu", "cuda"))
     compile: bool = _opt(False, "torch.compile each transformer block")
+    cuda_graphs: bool = _opt(False, "with --compile on CUDA: capture the compiled blocks as CUDA graphs "
+                             "(mode reduce-overhead); MoE models, pipelines, ZeRO-3, --tp and CPU runs compile "
+                             "without them and say why once")
     collective_timeout: float = _opt(600.0, "seconds a collective may wait before the run is stopped with a "
                                      "report of which rank(s) did not arrive", low=ABOVE_0)
     debug_collectives: bool = _opt(False, "check every collective's op and shapes across ranks "
@@ -265,7 +270,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
     "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
-    "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "host_transport",
+    "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives", "host_transport",
                 "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
     "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
@@ -466,11 +471,13 @@ def _model_of_hf_dir(path: str, model: str | None) -> str:
     return model if model is not None else next(iter(spec.presets))
 
 
-def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) -> None:
+def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0,
+             cuda_capability: tuple[int, int] | None = None) -> None:
     """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message.
 
     The layout's rules are :func:`trainmesh.layout.validate`'s, spelled as flags; the model's shape they read
-    needs the checkpoint and MoE settings checked first (``--init-hf`` gives it, ``--moe-*`` change it)."""
+    needs the checkpoint and MoE settings checked first (``--init-hf`` gives it, ``--moe-*`` change it).
+    ``cuda_capability`` is the least compute capability of the visible GPUs (what ``--precision fp8`` needs)."""
     for f in fields(Config):
         check_value(f.name, getattr(cfg, f.name))
     _validate_checkpoints(cfg)
@@ -492,6 +499,8 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0) 
         raise ConfigError("--backend nccl needs CUDA devices and none is visible; use --backend gloo")
     if cfg.device == "cuda" and not cuda_devices:
         raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+    if cfg.precision == "fp8":
+        _validate_float8(cfg, cuda_capability if cfg.device != "cpu" and cuda_devices else None)
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
@@ -545,6 +554,18 @@ def _validate_moe(cfg: Config) -> None:
 def _model_name(cfg: Config) -> str:
     """How messages name the model: its preset, or the directory ``--init-hf`` took its shape from."""
     return f"the model in {cfg.init_hf}" if cfg.init_hf else cfg.model
+
+
+def _validate_float8(cfg: Config, capability: tuple[int, int] | None) -> None:
+    """``--precision fp8``: torchao installed, FP8 tensor cores (or CPU ranks), and a family that names the
+    layers it keeps in bf16."""
+    problem = fp8_problem(capability)
+    if problem:
+        raise ConfigError(problem)
+    spec = spec_of(cfg.model)
+    if not spec.high_precision:
+        raise ConfigError(f"--precision fp8: the {spec.family} family of {_model_name(cfg)} names no layers to "
+                          f"keep in bf16 (embedding, head, router); use --precision bf16")
 
 
 def _validate_family(cfg: Config) -> None:

@@ -80,6 +80,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
                                stage_layers=cfg.stage_layer_counts, precision=cfg.precision,
                                reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
+                               cuda_graphs=cfg.cuda_graphs,
                                cp_impl=cfg.cp_impl, comm=comm)
     opt = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)

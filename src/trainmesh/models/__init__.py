@@ -34,6 +34,14 @@ GPT_PLAN: dict[str, str] = {
 """The plan for :class:`trainmesh.models.gpt.GPT` (Megatron-LM's layout, Korthikanti et al.'s regions)."""
 
 
+GPT_BF16 = ("embed", "embed.*", "head")
+LLAMA_BF16 = ("embed", "head")
+ROUTER = "blocks.*.mlp.router*"
+"""The layers that stay bf16 under ``--precision fp8`` (:attr:`ModelSpec.high_precision`): the token (and
+position) embeddings, the output head and, in MoE models, the router, whose top-k choice flips on small
+score changes (torchtitan and DeepSeek-V3's FP8 recipe keep the same ones in high precision)."""
+
+
 def without_mlp(plan: dict[str, str]) -> dict[str, str]:
     """A family's plan for its mixture-of-experts models: the router and the experts stay whole on every tp
     rank (expert parallelism, not tensor parallelism, is what splits experts), the rest as in ``plan``."""
@@ -63,25 +71,27 @@ def build_hf_llama(config: Any, seed: int) -> nn.Module:
 SPECS: tuple[ModelSpec, ...] = (
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
-              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}, high_precision=GPT_BF16,
               accepts=lambda model: isinstance(model, gpt.GPT) and not is_moe(model.cfg)),
     ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
               planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
               cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
+              high_precision=LLAMA_BF16,
               accepts=lambda model: isinstance(model, llama.Llama) and not is_moe(model.cfg)),
     ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, without_mlp(GPT_PLAN),
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
-              accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
+              high_precision=(*GPT_BF16, ROUTER), accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
     ModelSpec("llama-moe", llama.MOE_PRESETS, llama.Llama, without_mlp(llama.TP_PLAN),
               {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
               planner_presets=llama.MOE_PLANNER_PRESETS, hf=llama.MIXTRAL_MAPPING,
               cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
+              high_precision=(*LLAMA_BF16, ROUTER),
               accepts=lambda model: isinstance(model, llama.Llama) and is_moe(model.cfg)),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
               accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
-              prepare=hf_llama.add_rotary),
+              prepare=hf_llama.add_rotary, high_precision=("model.embed_tokens", "lm_head")),
 )
 
 class _PresetNames(Collection):

@@ -331,3 +331,7 @@ class ModelSpec:
     cp_plan: Mapping[str, str] = field(default_factory=dict)
     """Context parallelism's view (``context_parallel.apply_context_parallel``): the attention cores
     (``attention``) and the modules taking position ids (``positions``); empty: cp cannot split this family."""
+    high_precision: tuple[str, ...] = ()
+    """Module-name patterns (as in ``tp_plan``) of the layers that keep computing in bf16 under
+    ``precision="fp8"``: the embedding, the output head, an MoE router (:mod:`trainmesh.float8` turns every
+    other ``nn.Linear`` into a float8 one); empty: the family does not train in fp8."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.optim import OptimizerFactory
-from trainmesh.parallel.data_parallel import accumulating_locally, axis_buckets, fold_grad_into
+from trainmesh.parallel.data_parallel import BucketFold, accumulating_locally, axis_buckets, fold_grad_into
 from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, ZeroEngine, trainable
 from trainmesh.parallel.zero.flat import Group, flatten_params
 from trainmesh.precision import LossScaler
@@ -25,7 +25,7 @@ class ZeroStage1(ZeroEngine):
     """P_os (§5.1): full parameters and gradients, AdamW state for this rank's shard only.
 
     Gradients accumulate into full flat buckets in the reduce dtype (views where it is the parameters'
-    dtype, as in DP; otherwise each gradient is added in and dropped); on the last micro-batch each
+    dtype, as in DP; otherwise each gradient is added in and dropped, a bucket at a time: ``BucketFold``); on the last micro-batch each
     bucket is reduce-scattered as soon as backward completes it, and the averaged shard is copied over
     this rank's slice of the bucket, which the step reads.
     """
@@ -37,6 +37,7 @@ class ZeroStage1(ZeroEngine):
         groups = [self._group(i, b, comm, a, reduce_dtype) for i, (a, b) in enumerate(buckets)]
         super().__init__(module, comm, make_optimizer, groups, scaler, axis)
         self.sync = True
+        self._fold = BucketFold({g.name: len(g.params) for g in self.groups})
         for group in self.groups:
             for p in group.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -54,7 +55,11 @@ class ZeroStage1(ZeroEngine):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         group, i = self._slot[p]
-        fold_grad_into(group.layout.view(group.grad_flat, i), p)
+        view = group.layout.view(group.grad_flat, i)
+        if view.dtype != p.dtype:
+            self._fold.add(group.name, p, view)
+        else:
+            fold_grad_into(view, p)
         if not self.sync:
             return
         self.events.append(("ready", group.name))
