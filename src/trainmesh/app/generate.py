@@ -129,7 +129,7 @@ def checkpoint_path(root: Path, step: int | None) -> Path:
         return found[0]
     path = step_dir(root, step)
     if path not in found:
-        steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in sorted(found))
+        steps = ", ".join(str(step_of(p)) for p in sorted(found, key=step_of))
         raise CheckpointError(f"{root} has no checkpoint of step {step}; it has steps {steps}")
     return path
 

@@ -92,10 +92,10 @@ from trainmesh.data.tokenizer import tokenizer_record
 MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
 
 
-STEP_DIR = re.compile(r"step-(\d{8})")
+STEP_DIR = re.compile(r"step-(\d{8,})")  # 8 digits at least, more past step 99,999,999
 
 
-LEFTOVER = re.compile(r"\.(tmp|replaced)-step-\d{8}")
+LEFTOVER = re.compile(r"\.(tmp|replaced)-step-\d{8,}")
 
 
 MANIFEST_LIMIT = 2**30
@@ -307,6 +307,11 @@ def notice(text: str) -> None:
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    """The step of a ``step-N`` directory, by number: names of any width sort by the step they hold."""
+    return int(path.name.removeprefix("step-"))
 
 
 def _pieces(tensors: list[LocalTensor]) -> dict[str, tuple[dict, torch.Tensor]]:
@@ -563,7 +568,8 @@ def _latest_name(root: Path) -> str | None:
 
 def candidates(root: Path) -> list[Path]:
     """Checkpoints to try, best first: the one ``latest`` names, then every other ``step-N``, newest first."""
-    steps = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name)), reverse=True) if root.is_dir() else []
+    steps = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name)), key=step_of, reverse=True) \
+        if root.is_dir() else []
     latest = _latest_name(root)
     return sorted(steps, key=lambda p: p.name != latest)
 
