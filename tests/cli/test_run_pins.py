@@ -2,16 +2,25 @@
 width, checkpoints that lack a tensor of their model, retention (``--keep-last``), a finished run's folder,
 TensorBoard on a full disk, symbolic links planted in a run folder, and the tokenizer pinned by content."""
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
 import trainmesh as tm
 from trainmesh import checkpoint
+from trainmesh.app import cli
+from trainmesh.app.config import Config
+from trainmesh.app.train import train
+from trainmesh.checkpoint import CheckpointError
 from trainmesh.mesh import Mesh
+from trainmesh.models import spec_of
+
+from helpers import config
 
 
 def _mesh() -> Mesh:
@@ -41,3 +50,71 @@ def test_a_step_past_99999999_is_found_as_the_newest(tmp_path):
     fresh, fresh_opt = _tiny()
     assert tm.load(fresh, fresh_opt, tmp_path) == 100_000_000
     assert all(torch.equal(v, trained[k]) for k, v in fresh.state_dict().items())
+
+
+def _cfg(root: Path, **kw) -> Config:
+    return config(**{"steps": 2, "global_batch": 4, "warmup_steps": 1, "checkpoint_every": 1,
+                     "checkpoint_dir": str(root / "ckpt"), "out": str(root / "run"), "tensorboard": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A finished single-process run of two steps: its run folder ``run`` and checkpoints ``ckpt`` of both."""
+    root = tmp_path_factory.mktemp("pins")
+    train(_cfg(root), _mesh())
+    return root
+
+
+@pytest.fixture
+def copied(saved, tmp_path) -> Path:
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def _edit(step: Path, change) -> None:
+    """Apply ``change`` to the manifest of ``step`` and re-hash it, as someone with write access could."""
+    manifest = json.loads((step / checkpoint.MANIFEST).read_text())
+    change(manifest)
+    manifest["sha256"] = checkpoint.store.content_hash(manifest)
+    (step / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _drop_head(manifest: dict) -> None:
+    for name in [n for n in manifest["tensors"] if n.startswith(("model/head.", "optim/head."))]:
+        del manifest["tensors"][name]
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_checkpoint_lacking_a_weight_is_neither_exported_nor_loaded(copied, capsys):
+    """A manifest without ``model/head.weight`` (re-hashed): ``export --to`` and ``--hf`` exit 2 naming it
+    and write nothing; ``tm.load`` raises naming it; ``--resume`` skips it naming it; ``--init-from`` a file
+    without it is refused naming it."""
+    ckpt, step = copied / "ckpt", copied / "ckpt" / "step-00000002"
+    _edit(step, _drop_head)
+    to, hf_dir = copied / "w.safetensors", copied / "hf"
+    for argv in (["export", str(step), "--to", str(to)], ["export", str(step), "--hf", str(hf_dir)]):
+        assert cli.main(argv) == 2
+        assert "model/head.weight" in _error_line(capsys)
+    assert not to.exists() and not hf_dir.exists()
+
+    cfg = _cfg(copied)
+    model = tm.parallelize(spec_of(cfg.model).builder(cfg.model_config, 0), _mesh())
+    with pytest.raises(CheckpointError, match=r"model/head.weight is missing there"):
+        tm.load(model, tm.optimizer(model), step)
+
+    train(_cfg(copied, steps=3, resume=True), _mesh())
+    err = capsys.readouterr().err
+    assert f"checkpoint {step} is damaged" in err and "model/head.weight is missing" in err
+    assert "resumed from" in err and "step-00000001" in err
+
+    assert cli.main(["export", str(ckpt / "step-00000001"), "--to", str(to)]) == 0
+    weights = safetensors.torch.load_file(to)
+    del weights["head.weight"]
+    safetensors.torch.save_file(weights, to)
+    with pytest.raises(CheckpointError, match=rf"--init-from {to} lacks head.weight, a weight of --model tiny"):
+        train(_cfg(copied / "again", init_from=str(to)), _mesh())

@@ -184,12 +184,17 @@ def load_hf_weights(run: Run, path: Path) -> None:
 def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
     under the plain model's names; ``source`` names where they came from in errors."""
+    wanted = [t for t in local_state(run.model, run.engine) if t.name.startswith("model/")]
+    missing = next((t.name.removeprefix("model/") for t in wanted if t.name.removeprefix("model/") not in full), None)
+    if missing is not None:
+        raise CheckpointMismatch(f"{source} lacks {missing}, a weight of --model {run.cfg.model}; use complete "
+                                 f"weights of this model")
     n_params = sum(t.numel() for t in full.values())
     if n_params != run.cfg.model_config.n_params():
         raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, --model {run.cfg.model} has "
                                  f"{run.cfg.model_config.n_params():,}; use weights of this model")
     index = whole_pieces(full, "weights", prefix="model/")
-    fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, Path(source),
+    fill(wanted, index, lambda _: full, Path(source),
          lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
                                          f"--model {run.cfg.model}"))
     run.engine.after_update()
