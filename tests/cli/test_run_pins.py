@@ -2,8 +2,12 @@
 width, checkpoints that lack a tensor of their model, retention (``--keep-last``), a finished run's folder,
 TensorBoard on a full disk, symbolic links planted in a run folder, and the tokenizer pinned by content."""
 
+import contextlib
+import errno
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from trainmesh.app.train import train
 from trainmesh.checkpoint import CheckpointError
 from trainmesh.mesh import Mesh
 from trainmesh.models import spec_of
+from trainmesh.tracking.records import MetricsError, MetricsWriter, TensorBoardSink
 
 from helpers import config
 
@@ -118,3 +123,77 @@ def test_a_checkpoint_lacking_a_weight_is_neither_exported_nor_loaded(copied, ca
     safetensors.torch.save_file(weights, to)
     with pytest.raises(CheckpointError, match=rf"--init-from {to} lacks head.weight, a weight of --model tiny"):
         train(_cfg(copied / "again", init_from=str(to)), _mesh())
+
+
+PAGE = 4096
+
+
+@contextlib.contextmanager
+def _small_disk(where: Path, size: int):
+    """A tmpfs of ``size`` bytes mounted at ``where`` (as root; skipped where mounting is not allowed)."""
+    where.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _fill(disk: Path, leave_pages: int) -> None:
+    """Fill ``disk`` until it is full, then give back ``leave_pages`` pages."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * PAGE)
+        f.truncate(max(0, f.tell() - leave_pages * PAGE))
+
+
+def _events(path: Path) -> list:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return list(EventFileLoader(str(path)).Load())
+
+
+def test_tensorboard_on_a_full_disk_is_one_line_and_its_file_keeps_whole_records(tmp_path, capfd):
+    """TensorBoard events meet a full disk: :class:`MetricsError` names them and the errno (what stops the
+    run, as for ``metrics.jsonl``), no thread prints a traceback, and the event file and the metrics file
+    hold only whole records. (Records with 64 ranks' memory make TensorBoard's share the larger one.)"""
+    pytest.importorskip("tensorboard")
+    with _small_disk(tmp_path / "disk", 64 * PAGE) as disk:
+        run = disk / "run"
+        writer = MetricsWriter(str(run), enabled=True, sinks=[TensorBoardSink(run)])
+        record = {"loss": 1.0, "max_rss_bytes": list(range(1, 65))}
+        writer.write({"step": 1, **record})
+        _fill(disk, 0)
+        with pytest.raises(MetricsError, match=rf"writing TensorBoard events in {run} failed: \[Errno "
+                                               rf"{errno.ENOSPC}\]") as failed:
+            for step in range(2, 1000):
+                writer.write({"step": step, **record})
+        writer.close()
+        assert len(str(failed.value).splitlines()) == 1
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, step + 1))
+        logged = {e.step for e in _events(next(run.glob("events.out.tfevents.*"))) if e.HasField("summary")}
+        assert logged == set(range(1, step))
+    assert capfd.readouterr().err == ""
+
+
+def test_a_run_whose_out_fills_stops_in_one_line_after_a_final_checkpoint(tmp_path):
+    """TensorBoard on (the default) and ``--out`` on a disk that fills mid-run: one line naming the file
+    that could not be written, and the checkpoint of the last step done is saved (elsewhere)."""
+    pytest.importorskip("tensorboard")
+    with _small_disk(tmp_path / "disk", 64 * PAGE) as disk:
+        (disk / "run").mkdir()
+        _fill(disk, 3)
+        cfg = _cfg(tmp_path, steps=40, checkpoint_every=0, out=str(disk / "run"), tensorboard=True)
+        with pytest.raises(MetricsError) as failed:
+            train(cfg, _mesh())
+    message = str(failed.value)
+    assert len(message.splitlines()) == 1 and f"[Errno {errno.ENOSPC}]" in message
+    done = int(message.split("stopped after step ")[1].split(";")[0])
+    assert f"{tmp_path / 'ckpt' / f'step-{done:08d}'} holds step {done}" in message
+    assert (tmp_path / "ckpt" / f"step-{done:08d}" / checkpoint.MANIFEST).is_file()
