@@ -197,3 +197,70 @@ def test_a_run_whose_out_fills_stops_in_one_line_after_a_final_checkpoint(tmp_pa
     done = int(message.split("stopped after step ")[1].split(";")[0])
     assert f"{tmp_path / 'ckpt' / f'step-{done:08d}'} holds step {done}" in message
     assert (tmp_path / "ckpt" / f"step-{done:08d}" / checkpoint.MANIFEST).is_file()
+
+
+def _train_argv(root: Path, *extra: str) -> list[str]:
+    return ["train", "--steps", "2", "--global-batch", "4", "--no-progress", "--out", str(root / "run"),
+            "--checkpoint-dir", str(root / "ckpt2"), *extra]
+
+
+def test_a_finished_runs_folder_is_refused_unless_overwrite(copied, capsys, monkeypatch):
+    """``train --out X`` where X holds a finished run: refused in one line with the ways out, and X is as
+    it was; with ``--overwrite`` its records are deleted before the new run starts."""
+    run = copied / "run"
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert cli.main(_train_argv(copied)) == 2
+    err = _error_line(capsys)
+    assert (f"--out {run} holds the records of another run (metrics.jsonl, summary.json); pass --overwrite to "
+            f"replace them, --resume to continue that run, or choose another --out") in err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    monkeypatch.setattr(cli, "_train_here", lambda cfg: 0)
+    assert cli.main(_train_argv(copied, "--overwrite")) == 0
+    assert not (run / "metrics.jsonl").exists() and not (run / "summary.json").exists()
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "report.png", ".trainmesh.lock",
+                                  "events.out.tfevents.1.host.1.1"])
+def test_a_link_planted_in_a_run_folder_is_refused_and_its_target_never_written(tmp_path, capsys, name):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).symlink_to(victim)
+    assert cli.main(_train_argv(tmp_path, "--overwrite")) == 2
+    assert f"{tmp_path / 'run' / name} is a symbolic link (to {victim})" in _error_line(capsys)
+    assert victim.read_text() == "precious"
+
+
+def test_run_files_are_never_written_through_a_link_planted_after_the_check(tmp_path, saved):
+    """The writers themselves open without following links: ``metrics.jsonl`` (fresh and resumed) is
+    refused naming it, ``report`` refuses a linked ``report.png``; the target stays as it was."""
+    from trainmesh.tracking.report import ReportError, report
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(victim)
+    for resume_from in (None, 1):
+        with pytest.raises(MetricsError, match=f"opening {run / 'metrics.jsonl'} failed: .*symbolic link"):
+            MetricsWriter(str(run), enabled=True, resume_from=resume_from)
+    shutil.copytree(saved / "run", tmp_path / "done")
+    (tmp_path / "done" / "report.png").symlink_to(victim)
+    with pytest.raises(ReportError, match=f"{tmp_path / 'done' / 'report.png'} is a symbolic link"):
+        report(tmp_path / "done")
+    assert victim.read_text() == "precious"
+
+
+def test_a_planted_staging_link_is_removed_without_following_it(tmp_path):
+    """A ``.tmp-step-N`` link (a leftover's name, only trainmesh stages there) is unlinked before the save
+    stages its files; the directory it led to is untouched and the save succeeds."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("precious")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / ".tmp-step-00000001").symlink_to(elsewhere)
+    model, opt = _tiny()
+    assert tm.save(model, opt, root, step=1) == root / "step-00000001"
+    assert [p.name for p in elsewhere.iterdir()] == ["keep"] and (elsewhere / "keep").read_text() == "precious"
+    assert not (root / ".tmp-step-00000001").exists()

@@ -146,8 +146,9 @@ class Config:
     init_hf: str = _opt("", "start from a local Hugging Face model directory (config.json and model.safetensors, "
                         "as save_pretrained writes; never a hub id, nothing is downloaded) with a fresh optimizer; "
                         "the model's family and shape come from its config.json, so --model is not needed")
-    overwrite: bool = _opt(False, "start a fresh run in a --checkpoint-dir that holds another run's checkpoints, "
-                           "deleting them first (without it such a directory is refused)")
+    overwrite: bool = _opt(False, "start a fresh run where another run left its checkpoints (--checkpoint-dir) or "
+                           "its records (metrics, summary, report, TensorBoard events in --out), deleting them "
+                           "first (without it such a directory is refused)")
     max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
                              "R times; needs --checkpoint-dir", low=AT_LEAST_0)
     # [runtime]

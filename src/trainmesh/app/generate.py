@@ -30,6 +30,7 @@ from torch import nn
 
 from trainmesh.checkpoint import (MANIFEST, CheckpointError, candidates, read_manifest, recorded_model, recorded_weights,
                                   source_name, step_dir)
+from trainmesh.checkpoint.store import step_of
 from trainmesh.models.cache import KVCache
 from trainmesh.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_sha256
 

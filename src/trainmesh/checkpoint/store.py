@@ -83,7 +83,7 @@ from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.models import moe
 from trainmesh.precision import LossScaler
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
-                               replace_durably, sha256_hex, write_durably)
+                               remove_entry, replace_durably, sha256_hex, write_durably)
 from trainmesh.parallel.expert_parallel import place_experts
 from trainmesh.parallel.tensor_parallel import shard_boxes
 from trainmesh.data.tokenizer import tokenizer_record
@@ -349,8 +349,10 @@ def assign_writers(plans: list[list[dict]]) -> dict[str, int]:
 
 
 def _fresh_dir(path: Path) -> None:
+    """An empty staging directory ``path``: a leftover of an interrupted save there is removed first, a
+    symbolic link by unlinking it (what it leads to is never touched)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_entry(path)
     path.mkdir()
 
 
@@ -396,12 +398,12 @@ def _publish(tmp: Path, final: Path, manifest: dict) -> None:
     write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
     replaced = final.with_name(f".replaced-{final.name}")
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.lexists(final):
+        remove_entry(replaced)
         os.rename(final, replaced)
     os.rename(tmp, final)
     fsync_dir(final.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
+    remove_entry(replaced)
     replace_durably(final.parent / LATEST, f"{final.name}\n".encode())
 
 def agreed_run_id(device: torch.device) -> str:

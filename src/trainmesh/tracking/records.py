@@ -26,15 +26,38 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 
-from trainmesh.safe_io import open_own_file, read_regular, replace_durably
+from trainmesh.safe_io import open_own_file, read_regular, refuse_link, replace_durably
 
 
 class MetricsError(RuntimeError):
     """A metrics file could not be written; the message names the file and the error."""
 
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE, SUMMARY_FILE, REPORT_FILE = "metrics.jsonl", "summary.json", "report.png"
+EVENTS_GLOB = "events.out.tfevents.*"
 METRICS_LIMIT = 2**34  # bytes a metrics file is read up to when a resumed run trims it
+
+
+def run_records(run_dir: Path) -> list[Path]:
+    """The records a run left in ``run_dir`` (a metrics file with at least one line, its summary, report and
+    TensorBoard events): what a fresh run there would replace."""
+    found = [run_dir / name for name in (SUMMARY_FILE, REPORT_FILE) if os.path.lexists(run_dir / name)]
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_symlink() or (metrics.exists() and metrics.stat().st_size):
+        found.insert(0, metrics)
+    return found + sorted(run_dir.glob(EVENTS_GLOB))
+
+
+def check_no_links(run_dir: Path, lock_name: str) -> None:
+    """Refuse, as :class:`MetricsError` naming it, a symbolic link at the name of a file a run writes in
+    ``run_dir`` (its metrics, summary, report, lock ``lock_name``, TensorBoard events): nothing is written
+    through it. The writers also open without following links; this says so before a run starts."""
+    for path in (*(run_dir / name for name in (METRICS_FILE, SUMMARY_FILE, REPORT_FILE, lock_name)),
+                 *run_dir.glob(EVENTS_GLOB)):
+        try:
+            refuse_link(path, "a run")
+        except OSError as e:
+            raise MetricsError(f"{e}, or choose another run directory") from None
 
 
 def keep_steps_through(path: Path, step: int) -> int:
@@ -262,7 +285,7 @@ class MetricsWriter:
 
     def summary(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            path = self.dir / "summary.json"
+            path = self.dir / SUMMARY_FILE
             try:
                 replace_durably(path, (json.dumps(record, indent=2) + "\n").encode())
             except OSError as e:
