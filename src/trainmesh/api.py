@@ -420,12 +420,15 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     return gather_stages(state, comm) if pipelined else state
 
 
-def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "") -> Path:
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "",
+         keep_last: int = 0) -> Path:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
     then names it. Returns the step directory. The checkpoint records the model (its family and config,
     so ``trainmesh generate``, ``export`` and ``train --resume`` build it), the layout, and ``tokenizer``
     (a ``tokenizer.json`` the token ids came from; "" for byte tokens), which ``generate`` decodes with.
+    ``keep_last`` K > 0 deletes, once the new checkpoint is complete, the older ones beyond the K newest
+    (oldest first, never the one ``latest`` names), as ``trainmesh train --keep-last`` does; 0 keeps all.
 
     From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
     its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
@@ -443,7 +446,7 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
                    "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
-                                 description)
+                                 description, keep_last=keep_last)
 
 
 def hold_directory(model: ParallelModel, root: Path) -> None:

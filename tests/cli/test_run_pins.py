@@ -2,12 +2,9 @@
 width, checkpoints that lack a tensor of their model, retention (``--keep-last``), a finished run's folder,
 TensorBoard on a full disk, symbolic links planted in a run folder, and the tokenizer pinned by content."""
 
-import contextlib
 import errno
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from trainmesh.mesh import Mesh
 from trainmesh.models import spec_of
 from trainmesh.tracking.records import MetricsError, MetricsWriter, TensorBoardSink
 
-from helpers import config
+from helpers import PAGE, config, fill_disk, small_disk
 
 
 def _mesh() -> Mesh:
@@ -125,33 +122,6 @@ def test_a_checkpoint_lacking_a_weight_is_neither_exported_nor_loaded(copied, ca
         train(_cfg(copied / "again", init_from=str(to)), _mesh())
 
 
-PAGE = 4096
-
-
-@contextlib.contextmanager
-def _small_disk(where: Path, size: int):
-    """A tmpfs of ``size`` bytes mounted at ``where`` (as root; skipped where mounting is not allowed)."""
-    where.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                             capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
-
-
-def _fill(disk: Path, leave_pages: int) -> None:
-    """Fill ``disk`` until it is full, then give back ``leave_pages`` pages."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"x" * PAGE)
-        f.truncate(max(0, f.tell() - leave_pages * PAGE))
-
-
 def _events(path: Path) -> list:
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
@@ -163,12 +133,12 @@ def test_tensorboard_on_a_full_disk_is_one_line_and_its_file_keeps_whole_records
     run, as for ``metrics.jsonl``), no thread prints a traceback, and the event file and the metrics file
     hold only whole records. (Records with 64 ranks' memory make TensorBoard's share the larger one.)"""
     pytest.importorskip("tensorboard")
-    with _small_disk(tmp_path / "disk", 64 * PAGE) as disk:
+    with small_disk(tmp_path / "disk", 64 * PAGE) as disk:
         run = disk / "run"
         writer = MetricsWriter(str(run), enabled=True, sinks=[TensorBoardSink(run)])
         record = {"loss": 1.0, "max_rss_bytes": list(range(1, 65))}
         writer.write({"step": 1, **record})
-        _fill(disk, 0)
+        fill_disk(disk, 0)
         with pytest.raises(MetricsError, match=rf"writing TensorBoard events in {run} failed: \[Errno "
                                                rf"{errno.ENOSPC}\]") as failed:
             for step in range(2, 1000):
@@ -186,9 +156,9 @@ def test_a_run_whose_out_fills_stops_in_one_line_after_a_final_checkpoint(tmp_pa
     """TensorBoard on (the default) and ``--out`` on a disk that fills mid-run: one line naming the file
     that could not be written, and the checkpoint of the last step done is saved (elsewhere)."""
     pytest.importorskip("tensorboard")
-    with _small_disk(tmp_path / "disk", 64 * PAGE) as disk:
+    with small_disk(tmp_path / "disk", 64 * PAGE) as disk:
         (disk / "run").mkdir()
-        _fill(disk, 3)
+        fill_disk(disk, 3)
         cfg = _cfg(tmp_path, steps=40, checkpoint_every=0, out=str(disk / "run"), tensorboard=True)
         with pytest.raises(MetricsError) as failed:
             train(cfg, _mesh())
@@ -264,3 +234,42 @@ def test_a_planted_staging_link_is_removed_without_following_it(tmp_path):
     assert tm.save(model, opt, root, step=1) == root / "step-00000001"
     assert [p.name for p in elsewhere.iterdir()] == ["keep"] and (elsewhere / "keep").read_text() == "precious"
     assert not (root / ".tmp-step-00000001").exists()
+
+
+def test_keep_last_leaves_the_newest_checkpoints_and_latest_on_the_last(tmp_path, capsys):
+    """``--checkpoint-every 1`` over 6 steps with ``--keep-last 2``: step-5 and step-6 are left, ``latest``
+    names step-6, and each deletion is said."""
+    train(_cfg(tmp_path, steps=6, keep_last=2), _mesh())
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step-", ".")) and p.name != checkpoint.LOCK) \
+        == ["step-00000005", "step-00000006"]
+    assert (root / checkpoint.LATEST).read_text().strip() == "step-00000006"
+    assert "deleted step-00000004 (--keep-last 2)" in capsys.readouterr().err
+
+
+def test_keep_last_in_the_api_counts_back_from_the_saved_step_and_spares_newer_ones(tmp_path):
+    model, opt = _tiny()
+    for step in (1, 2, 3):
+        tm.save(model, opt, tmp_path, step=step)
+    (tmp_path / checkpoint.LATEST).write_text("step-00000001\n")
+    tm.save(model, opt, tmp_path, step=4, keep_last=1)  # publishing step-4 moves latest to it
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004"]
+    tm.save(model, opt, tmp_path, step=3, keep_last=1)  # an older step: step-4 is newer, so it stays
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000004"]
+
+
+def test_a_disk_that_holds_keep_last_plus_one_checkpoints_but_not_all_finishes(tmp_path, capsys):
+    """Six checkpoints would not fit the checkpoint disk; three (``--keep-last 2`` and the one being
+    written) do: the pre-flight check passes and the run finishes with the last two."""
+    from trainmesh.app.rundir import checkpoints_at_once, checkpoint_bytes
+
+    cfg = _cfg(tmp_path, steps=6, keep_last=2)
+    one = checkpoint_bytes(cfg)
+    assert checkpoints_at_once(cfg) == 3
+    with small_disk(tmp_path / "ckdisk", 4 * one) as disk:
+        cfg = _cfg(tmp_path, steps=6, keep_last=2, checkpoint_dir=str(disk))
+        assert cli.main(_train_argv(tmp_path, "--steps", "6", "--checkpoint-every", "1", "--keep-last", "0",
+                                    "--checkpoint-dir", str(disk))) == 2
+        assert "the 6 checkpoints it holds at once" in _error_line(capsys)
+        train(cfg, _mesh())
+        assert sorted(p.name for p in disk.glob("step-*")) == ["step-00000005", "step-00000006"]

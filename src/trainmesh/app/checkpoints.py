@@ -71,7 +71,7 @@ def describe(cfg: Config, mesh: Mesh) -> dict:
 def save(run: Run, progress: TrainingProgress) -> Path:
     """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective)."""
     return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
-                      describe(run.cfg, run.mesh))
+                      describe(run.cfg, run.mesh), keep_last=run.cfg.keep_last)
 
 
 def due(cfg: Config, steps_done: int) -> bool:

@@ -79,11 +79,21 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def check_free_space(path: Path, need: int, flag: str) -> None:
-    free = shutil.disk_usage(path).free
+def checkpoints_at_once(cfg: Config) -> int:
+    """How many checkpoints the checkpoint directory holds at most during the run: ``--keep-last K`` kept and
+    the one being written (the oldest goes only once it is complete), or every save with ``--keep-last 0``."""
+    every = cfg.checkpoint_every
+    saves = (cfg.steps // every + bool(cfg.steps % every)) if every > 0 else 1
+    return min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
+
+
+def check_free_space(path: Path, checkpoints: int, each: int, flag: str) -> None:
+    free, need = shutil.disk_usage(path).free, checkpoints * each
     if free < need:
-        raise ConfigError(f"{flag} {path} has {_mib(free)} free but one checkpoint needs about {_mib(need)}; free "
-                          f"space there or choose another {flag}")
+        what = "one checkpoint needs" if checkpoints == 1 else (
+            f"the {checkpoints} checkpoints it holds at once (--keep-last and the one being written) need")
+        raise ConfigError(f"{flag} {path} has {_mib(free)} free but {what} about {_mib(need)}; free space there, "
+                          f"keep fewer with --keep-last, or choose another {flag}")
 
 
 def check_run_dirs(cfg: Config) -> None:
@@ -94,7 +104,7 @@ def check_run_dirs(cfg: Config) -> None:
         check_no_links(Path(cfg.out), runlock.LOCK_NAME)
     if cfg.checkpoint_dir:
         ensure_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
-        check_free_space(Path(cfg.checkpoint_dir), checkpoint_bytes(cfg), "--checkpoint-dir")
+        check_free_space(Path(cfg.checkpoint_dir), checkpoints_at_once(cfg), checkpoint_bytes(cfg), "--checkpoint-dir")
 
 
 def make_out_fresh(cfg: Config) -> None:

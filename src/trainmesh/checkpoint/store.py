@@ -95,7 +95,7 @@ MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
 STEP_DIR = re.compile(r"step-(\d{8,})")  # 8 digits at least, more past step 99,999,999
 
 
-LEFTOVER = re.compile(r"\.(tmp|replaced)-step-\d{8,}")
+LEFTOVER = re.compile(r"\.(tmp|replaced|pruned)-step-\d{8,}")
 
 
 MANIFEST_LIMIT = 2**30
@@ -413,9 +413,10 @@ def agreed_run_id(device: torch.device) -> str:
 
 
 def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
-               description: dict) -> Path:
+               description: dict, keep_last: int = 0) -> Path:
     """Save this rank's part of ``model`` and ``engine``'s optimizer after ``progress.step`` steps as
-    ``root/step-N`` (a collective); ``description`` (:func:`describe`) goes into the manifest.
+    ``root/step-N`` (a collective); ``description`` (:func:`describe`) goes into the manifest. Once it is
+    published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
 
     A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
     the one ``latest`` names.
@@ -445,8 +446,39 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
                               f"({previous or 'none'}) is untouched and --resume will use it; free space in "
                               f"{final.parent} or choose another --checkpoint-dir") from e
     size = sum(f["bytes"] for f in files)
-    notice(f"saved {final} ({len(files)} files, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s")
+    pruned = prune(final, keep_last) if rank == 0 else []
+    gone = f"; deleted {', '.join(p.name for p in pruned)} (--keep-last {keep_last})" if pruned else ""
+    notice(f"saved {final} ({len(files)} files, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s{gone}")
     return final
+
+
+def prune(published: Path, keep_last: int) -> list[Path]:
+    """Delete the checkpoints older than ``published`` (just made the one ``latest`` names) beyond the
+    ``keep_last`` newest, ``published`` counted, oldest first; returns those deleted. Each is first renamed
+    to ``.pruned-step-N`` (one atomic step), so a crash while deleting it leaves no damaged ``step-N`` for
+    ``--resume`` to try. Checkpoints newer than ``published`` (of an attempt that ran further) and the one
+    ``latest`` names are never touched; a deletion that fails is said and the run goes on."""
+    root = published.parent
+    if keep_last <= 0:
+        return []
+    older = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and step_of(p) < step_of(published)),
+                   key=step_of)
+    latest, pruned = _latest_name(root), []
+    for path in older[:max(0, len(older) - (keep_last - 1))]:
+        if path.name == latest:
+            continue
+        doomed = path.with_name(f".pruned-{path.name}")
+        try:
+            remove_entry(doomed)
+            os.rename(path, doomed)
+            remove_entry(doomed)
+        except OSError as e:
+            notice(f"could not delete old checkpoint {path} ({e}); delete it yourself")
+            continue
+        pruned.append(path)
+    if pruned:
+        fsync_dir(root)
+    return pruned
 
 
 def read_manifest(path: Path) -> dict:

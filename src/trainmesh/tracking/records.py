@@ -177,7 +177,7 @@ def append_whole(fd: int, data: bytes) -> None:
     end = os.lseek(fd, 0, os.SEEK_END)
     try:
         if os.write(fd, data) != len(data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(errno.ENOSPC, f"only part of a {len(data)}-byte record was written")
     except OSError:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, end)
