@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.data.tokenizer import TokenizerFile
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.layout import Layout, experts_problem, keyword, validate
@@ -442,7 +443,8 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
                 "tokenizer": tokenizer}
     config, source = model.description
     description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": config,
-                   "model_source": source, "config": settings, "tokenizer": tokenizer,
+                   "model_source": source, "config": settings,
+                   "tokenizer": TokenizerFile.read(tokenizer) if tokenizer else None,
                    "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),

@@ -2,9 +2,12 @@
 width, checkpoints that lack a tensor of their model, retention (``--keep-last``), a finished run's folder,
 TensorBoard on a full disk, symbolic links planted in a run folder, and the tokenizer pinned by content."""
 
+import contextlib
 import errno
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from torch import nn
 
 import trainmesh as tm
 from trainmesh import checkpoint
+from trainmesh.app import checkpoints as app_checkpoints
 from trainmesh.app import cli
 from trainmesh.app.config import Config
 from trainmesh.app.train import train
@@ -273,3 +277,165 @@ def test_a_disk_that_holds_keep_last_plus_one_checkpoints_but_not_all_finishes(t
         assert "the 6 checkpoints it holds at once" in _error_line(capsys)
         train(cfg, _mesh())
         assert sorted(p.name for p in disk.glob("step-*")) == ["step-00000005", "step-00000006"]
+
+
+# --- the tokenizer, pinned by content -------------------------------------------------------------------
+
+def _word_tokenizer(path: Path, words: list[str]) -> Path:
+    """A word-level tokenizer.json of ``words`` (and [UNK]): two of them differ by content, not by size."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+WORDS = ["def", "return", "self", "import", "(", ")", ":", "x", "<|endoftext|>"]
+
+
+@pytest.fixture
+def two_tokenizers(tmp_path) -> tuple[Path, Path]:
+    """The run's tokenizer and another one of the same vocabulary size."""
+    return (_word_tokenizer(tmp_path / "tok.json", WORDS),
+            _word_tokenizer(tmp_path / "other.json", [w.replace("self", "class") for w in WORDS]))
+
+
+def _corpus(root: Path) -> Path:
+    root.mkdir()
+    for i in range(40):
+        (root / f"{i}.txt").write_text("def f ( x ) : return self . x\nimport x\n" * (i % 3 + 1))
+    return root
+
+
+def _pin12(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def test_prepared_data_keeps_its_tokenizer_and_refuses_another_before_training(tmp_path, two_tokenizers, capsys):
+    """``prepare`` keeps a copy of its tokenizer beside the shards and the index names only that: the
+    original deleted afterwards, the run trains and its checkpoint keeps the same bytes; another tokenizer of
+    the same size as ``--tokenizer``, or the data's copy replaced by it, is one line before training naming
+    both files and both hashes' first 12 hex digits."""
+    from trainmesh.data.prepare import PrepareOptions, prepare
+
+    tok, other = two_tokenizers
+    data = tmp_path / "data"
+    prepare(PrepareOptions((str(_corpus(tmp_path / "docs")),), str(tok), str(data), 1, 1 << 20, 0.2),
+            stream=open(os.devnull, "w"))
+    original = tok.read_bytes()
+    tok.unlink()
+    train(_cfg(tmp_path, data=str(data), seq_len=8), _mesh())
+    assert (tmp_path / "ckpt" / "step-00000002" / "tokenizer.json").read_bytes() == original
+    capsys.readouterr()
+
+    argv = ["train", "--data", str(data), "--seq-len", "8", "--steps", "2", "--global-batch", "4", "--no-progress",
+            "--out", str(tmp_path / "again")]
+    assert cli.main([*argv, "--tokenizer", str(other)]) == 2
+    err = _error_line(capsys)
+    assert f"tokenizer {other} (SHA-256 {_pin12(other)}) is not the one {data} was prepared with" in err
+    assert f"({data / 'tokenizer.json'}, SHA-256 {_pin12(data / 'tokenizer.json')})" in err
+    shutil.copy(other, data / "tokenizer.json")
+    assert cli.main(argv) == 2
+    assert f"tokenizer {data / 'tokenizer.json'} (SHA-256 {_pin12(other)}) has changed since {data} was prepared" \
+        in _error_line(capsys)
+    assert not (tmp_path / "again" / "metrics.jsonl").exists()
+
+
+def test_resume_with_another_tokenizer_of_the_same_size_is_refused_before_training(tmp_path, two_tokenizers,
+                                                                                    capsys, monkeypatch):
+    """Text data with ``--tokenizer``: the checkpoint pins it; ``--resume --tokenizer other.json`` (the same
+    vocabulary) is one line naming both and the copy the checkpoint keeps; the original changed under the run
+    between saves is said and the checkpoint keeps the bytes the run started with."""
+    tok, other = two_tokenizers
+    docs = _corpus(tmp_path / "docs")
+    train(_cfg(tmp_path, data=str(docs), tokenizer=str(tok), seq_len=8), _mesh())
+    step = tmp_path / "ckpt" / "step-00000002"
+    capsys.readouterr()
+    argv = ["train", "--data", str(docs), "--seq-len", "8", "--steps", "3", "--global-batch", "4", "--no-progress",
+            "--out", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", "--model", "tiny"]
+    assert cli.main([*argv, "--tokenizer", str(other)]) == 2
+    err = _error_line(capsys)
+    assert (f"checkpoint {step} was trained with tokenizer {tok} (SHA-256 {_pin12(tok)}), and this run has "
+            f"tokenizer {other} (SHA-256 {_pin12(other)}); pass the tokenizer it was trained with (the checkpoint "
+            f"keeps a copy: --tokenizer {step / 'tokenizer.json'})") in err
+    with pytest.raises(CheckpointError, match="was trained with tokenizer"):
+        train(_cfg(tmp_path, data=str(docs), tokenizer=str(other), seq_len=8, steps=3, resume=True), _mesh())
+
+    pinned = tok.read_bytes()
+    real_restore = app_checkpoints.restore
+
+    def restore_then_swap(run):
+        progress = real_restore(run)
+        shutil.copy(other, tok)  # the file changes under the running run
+        return progress
+
+    monkeypatch.setattr(app_checkpoints, "restore", restore_then_swap)
+    train(_cfg(tmp_path, data=str(docs), tokenizer=str(tok), seq_len=8, steps=3, resume=True), _mesh())
+    assert f"tokenizer {tok} is now SHA-256 {_pin12(other)}, not the" in capsys.readouterr().err
+    assert (tmp_path / "ckpt" / "step-00000003" / "tokenizer.json").read_bytes() == pinned
+
+
+OPENED: list[str] | None = None
+
+
+def _audit(event: str, args) -> None:
+    if OPENED is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+@contextlib.contextmanager
+def _opened() -> list[str]:
+    global OPENED
+    OPENED = []
+    try:
+        yield OPENED
+    finally:
+        OPENED = None
+
+
+@pytest.mark.parametrize("record", [{"kind": "file", "path": "SECRET"}, {"kind": "file", "path": "../../secret"},
+                                    {"kind": "copy", "source": "SECRET", "link": True}])
+def test_a_tokenizer_path_in_a_manifest_is_never_read(copied, record, capsys):
+    """A re-hashed manifest whose tokenizer names a file outside the step directory (absolute, ``../..``, or
+    the kept copy replaced by a link to it): ``generate`` is one line, the file is never opened, and no hash
+    of it is shown."""
+    secret = copied / "secret"
+    secret.write_text("root:$6$hash")
+    step = copied / "ckpt" / "step-00000002"
+    record = {k: str(secret) if v == "SECRET" else v for k, v in record.items()}
+    if record.pop("link", False):
+        (step / "tokenizer.json").symlink_to(secret)
+    digest = "ab" * 32
+    _edit(step, lambda m: m.update(tokenizer={**record, "sha256": digest, **({"bytes": secret.stat().st_size}
+                                                                               if record["kind"] == "copy" else {})}))
+    with _opened() as opened:
+        assert cli.main(["generate", "--checkpoint-dir", str(step), "--prompt", "def", "--max-new-tokens", "2"]) == 2
+    err = _error_line(capsys)
+    assert str(secret) not in {str(Path(p).resolve()) for p in opened}
+    assert ("is not read; pass that tokenizer" in err) or ("symbolic link" in err and "damaged" in err)
+    assert _pin12(secret) not in err
+
+
+@pytest.mark.parametrize("name", ["SECRET", "../secret", "../../x"])
+def test_a_tokenizer_path_in_a_data_index_outside_the_data_is_never_read(tmp_path, two_tokenizers, capsys, name):
+    from trainmesh.data.prepare import PrepareOptions, prepare
+
+    secret = tmp_path / "secret"
+    secret.write_text("root:$6$hash")
+    data = tmp_path / "data"
+    prepare(PrepareOptions((str(_corpus(tmp_path / "docs")),), str(two_tokenizers[0]), str(data), 1, 1 << 20, 0.2),
+            stream=open(os.devnull, "w"))
+    index = json.loads((data / "index.json").read_text())
+    index["tokenizer"]["path"] = str(secret) if name == "SECRET" else name
+    (data / "index.json").write_text(json.dumps(index))
+    with _opened() as opened:
+        assert cli.main(["train", "--data", str(data), "--seq-len", "8", "--steps", "2", "--no-progress",
+                         "--out", str(tmp_path / "run")]) == 2
+    assert str(secret) not in {str(Path(p).resolve()) for p in opened}
+    assert "it is not read: pass the tokenizer" in _error_line(capsys)

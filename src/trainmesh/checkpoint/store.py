@@ -86,7 +86,7 @@ from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside,
                                remove_entry, replace_durably, sha256_hex, write_durably)
 from trainmesh.parallel.expert_parallel import place_experts
 from trainmesh.parallel.tensor_parallel import shard_boxes
-from trainmesh.data.tokenizer import tokenizer_record
+from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, tokenizer_record
 
 
 MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
@@ -385,7 +385,7 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
                         "skipped_steps": scaler.skipped_steps},
         "model": description["model"], "model_source": description["model_source"],
         "config": description["config"], "layout": description["layout"],
-        **({"tokenizer": tokenizer_record(description["tokenizer"])} if "tokenizer" in description else {}),
+        "tokenizer": tokenizer_record(description.get("tokenizer")),
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
     }
@@ -393,8 +393,11 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
     return manifest
 
 
-def _publish(tmp: Path, final: Path, manifest: dict) -> None:
-    """Write the manifest, make the directory ``final`` in one rename, then point ``latest`` at it."""
+def _publish(tmp: Path, final: Path, manifest: dict, tokenizer: TokenizerFile | None) -> None:
+    """Write the copy of the run's ``tokenizer`` (if a file) and the manifest, make the directory ``final``
+    in one rename, then point ``latest`` at it."""
+    if tokenizer is not None:
+        write_durably(tmp / TOKENIZER_FILE, tokenizer.data)
     write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
     replaced = final.with_name(f".replaced-{final.name}")
@@ -436,7 +439,8 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
         files = on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
                                f"writing the shards of {final}")
         on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
-                                                              files)) if rank == 0 else None,
+                                                              files), description.get("tokenizer"))
+                      if rank == 0 else None,
                        device, f"publishing {final}")
     except CheckpointError as e:
         if rank == 0:
