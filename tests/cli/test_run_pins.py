@@ -189,7 +189,7 @@ def test_a_finished_runs_folder_is_refused_unless_overwrite(copied, capsys, monk
             f"replace them, --resume to continue that run, or choose another --out") in err
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
     monkeypatch.setattr(cli, "_train_here", lambda cfg: 0)
-    assert cli.main(_train_argv(copied, "--overwrite")) == 0
+    assert cli.main(["train", "--steps", "2", "--global-batch", "4", "--out", str(run), "--overwrite"]) == 0
     assert not (run / "metrics.jsonl").exists() and not (run / "summary.json").exists()
 
 

@@ -522,12 +522,12 @@ def _validate_checkpoints(cfg: Config) -> None:
             raise ConfigError(f"--model {cfg.model} is a {spec_of(cfg.model).family} model but --init-hf "
                               f"{cfg.init_hf} holds a {family} one; drop --model")
     needs_dir = [flag for flag, given in (("--resume", cfg.resume), ("--checkpoint-every", cfg.checkpoint_every),
-                                          ("--max-restarts", cfg.max_restarts), ("--overwrite", cfg.overwrite))
-                 if given]
+                                          ("--max-restarts", cfg.max_restarts)) if given]
     if needs_dir and not cfg.checkpoint_dir:
         raise ConfigError(f"{needs_dir[0]} works on checkpoints; set --checkpoint-dir DIR")
     if cfg.overwrite and cfg.resume:
-        raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
+        raise ConfigError("--overwrite deletes the checkpoints and records --resume would continue from; pass one "
+                          "of them")
 
 
 MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
