@@ -155,3 +155,14 @@ def fill_disk(disk: Path, leave_pages: int) -> None:
             while True:
                 f.write(b"x" * PAGE)
         f.truncate(max(0, f.tell() - leave_pages * PAGE))
+
+
+def word_tokenizer(path: Path, words: list[str]) -> Path:
+    """A word-level ``tokenizer.json`` of ``words`` (and ``[UNK]``) at ``path``: two of them of the same size
+    differ by content only."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import FP64_ATOL
+from helpers import FP64_ATOL, word_tokenizer
 from trainmesh import checkpoint
 from trainmesh.app import cli
 from trainmesh.checkpoint import CheckpointError, read_tensors, step_dir
@@ -127,22 +127,13 @@ def byte_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("gen") / "bytes")
 
 
-def _word_tokenizer(path: Path, words: list[str]) -> Path:
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
-                                                           unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(path))
-    return path
-
-
 def _manifest(root: Path) -> dict:
     return json.loads((checkpoint_path(root, None) / "manifest.json").read_text())
 
 
 def test_a_byte_run_records_byte_tokens_and_refuses_a_tokenizer_file(byte_run, tmp_path):
     assert _manifest(byte_run)["tokenizer"] == {"kind": "bytes"}
-    tok = _word_tokenizer(tmp_path / "tok.json", ["def", "return"])
+    tok = word_tokenizer(tmp_path / "tok.json", ["def", "return"])
     with pytest.raises(TokenizerError) as error:
         generate_text(str(byte_run), "def ", 4, tokenizer=str(tok))
     assert "\n" not in str(error.value) and "was trained on byte tokens" in str(error.value)
@@ -165,7 +156,7 @@ def test_only_the_tokenizer_the_run_trained_with_is_accepted(tmp_path):
     """The checkpoint keeps a copy of the run's tokenizer: generation decodes with it, also once the file it
     came from is changed or deleted; another file given as --tokenizer is refused naming both hashes."""
     words = ["def", "return", "self", "import", "(", ")", ":"]
-    tok = _word_tokenizer(tmp_path / "tok.json", words)
+    tok = word_tokenizer(tmp_path / "tok.json", words)
     root = _train(tmp_path / "ckpt", tokenizer=str(tok))
     data = tok.read_bytes()
     assert _manifest(root)["tokenizer"] == {"kind": "copy", "sha256": hashlib.sha256(data).hexdigest(),
@@ -175,7 +166,7 @@ def test_only_the_tokenizer_the_run_trained_with_is_accepted(tmp_path):
     assert set(text.split()) <= {"[UNK]", *words}
     assert generate_text(str(root), "def self", 6, Sampling(seed=1), tokenizer=str(tok)) == text
 
-    other = _word_tokenizer(tmp_path / "other.json", [*words, "class"])
+    other = word_tokenizer(tmp_path / "other.json", [*words, "class"])
     with pytest.raises(TokenizerError) as error:
         generate_text(str(root), "def ", 4, tokenizer=str(other))
     message = str(error.value)

@@ -26,7 +26,7 @@ from trainmesh.mesh import Mesh
 from trainmesh.models import spec_of
 from trainmesh.tracking.records import MetricsError, MetricsWriter, TensorBoardSink
 
-from helpers import PAGE, config, fill_disk, small_disk
+from helpers import PAGE, config, fill_disk, small_disk, word_tokenizer
 
 
 def _mesh() -> Mesh:
@@ -281,24 +281,14 @@ def test_a_disk_that_holds_keep_last_plus_one_checkpoints_but_not_all_finishes(t
 
 # --- the tokenizer, pinned by content -------------------------------------------------------------------
 
-def _word_tokenizer(path: Path, words: list[str]) -> Path:
-    """A word-level tokenizer.json of ``words`` (and [UNK]): two of them differ by content, not by size."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
-                                                           unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(path))
-    return path
-
-
 WORDS = ["def", "return", "self", "import", "(", ")", ":", "x", "<|endoftext|>"]
 
 
 @pytest.fixture
 def two_tokenizers(tmp_path) -> tuple[Path, Path]:
     """The run's tokenizer and another one of the same vocabulary size."""
-    return (_word_tokenizer(tmp_path / "tok.json", WORDS),
-            _word_tokenizer(tmp_path / "other.json", [w.replace("self", "class") for w in WORDS]))
+    return (word_tokenizer(tmp_path / "tok.json", WORDS),
+            word_tokenizer(tmp_path / "other.json", [w.replace("self", "class") for w in WORDS]))
 
 
 def _corpus(root: Path) -> Path:
