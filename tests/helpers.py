@@ -13,7 +13,13 @@ such a bug under its own noise (its AdamW-amplified parameter differences reach 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
 
 from trainmesh.app.config import Config
@@ -122,3 +128,41 @@ def describe_layout(cfg: Config) -> str:
     parts += [f"zero{cfg.zero}"] if cfg.zero else []
     parts += [f"mb{cfg.microbatches}"] if cfg.microbatches > 1 else []
     return " ".join(parts + ([cfg.model] if cfg.model != "tiny" else [])) or "single"
+
+
+PAGE = 4096  # what a tmpfs allocates at a time
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of ``size`` bytes mounted at ``where``, a file system that really fills (as root; the test is
+    skipped where mounting is not allowed)."""
+    where.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill_disk(disk: Path, leave_pages: int) -> None:
+    """Fill ``disk`` until it is full, then give back ``leave_pages`` pages."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * PAGE)
+        f.truncate(max(0, f.tell() - leave_pages * PAGE))
+
+
+def word_tokenizer(path: Path, words: list[str]) -> Path:
+    """A word-level ``tokenizer.json`` of ``words`` (and ``[UNK]``) at ``path``: two of them of the same size
+    differ by content only."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.data.tokenizer import TokenizerFile
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.cuda_graphs import PLAIN_MODE, compile_mode
@@ -452,12 +453,15 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     return gather_stages(state, comm) if pipelined else state
 
 
-def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "") -> Path:
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "",
+         keep_last: int = 0) -> Path:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
     then names it. Returns the step directory. The checkpoint records the model (its family and config,
     so ``trainmesh generate``, ``export`` and ``train --resume`` build it), the layout, and ``tokenizer``
     (a ``tokenizer.json`` the token ids came from; "" for byte tokens), which ``generate`` decodes with.
+    ``keep_last`` K > 0 deletes, once the new checkpoint is complete, the older ones beyond the K newest
+    (oldest first, never the one ``latest`` names), as ``trainmesh train --keep-last`` does; 0 keeps all.
 
     From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
     its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
@@ -471,11 +475,12 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
                 "tokenizer": tokenizer}
     config, source = model.description
     description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": config,
-                   "model_source": source, "config": settings, "tokenizer": tokenizer,
+                   "model_source": source, "config": settings,
+                   "tokenizer": TokenizerFile.read(tokenizer) if tokenizer else None,
                    "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
                               "zero": model.zero}}
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
-                                 description)
+                                 description, keep_last=keep_last)
 
 
 def hold_directory(model: ParallelModel, root: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -134,3 +135,43 @@ def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
         raise IntegrityError(f"{path} does not match the SHA-256 recorded when it was written: the file was "
                              f"changed or corrupted on disk")
     return data
+
+
+# --- a run folder's own files: written without following a symbolic link planted at their names ----------
+
+def refuse_link(path: Path, what: str) -> None:
+    """Raise :class:`IntegrityError` naming ``path`` if it is a symbolic link: a run writes its own files
+    (metrics, summary, report, lock, staging directories) and a link planted at one of their names would
+    make it write wherever the link leads."""
+    if path.is_symlink():
+        raise IntegrityError(f"{path} is a symbolic link (to {os.readlink(path)}); {what} writes its own file "
+                             f"there and never follows a link: remove the link")
+
+
+def open_own_file(path: Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of regular file ``path`` opened with ``flags`` (``O_WRONLY | O_CREAT``...) without
+    following a symbolic link at ``path`` and without blocking on a FIFO; anything but a regular file
+    there is :class:`IntegrityError` naming it, and nothing is written to it."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise IntegrityError(f"{path} is a symbolic link; it is never followed: remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{path} is not a regular file; remove it")
+    return fd
+
+
+def remove_entry(path: Path) -> None:
+    """Remove ``path`` whatever it is, never following a symbolic link: a link or a file is unlinked (what
+    it points to is untouched), a directory removed with its contents; a missing one is fine."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -32,7 +32,7 @@ from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
 from trainmesh.data.text import text_documents
 from trainmesh.models import preset
-from trainmesh.data.tokenizer import tokenizer_sha256, train_bpe
+from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, train_bpe
 
 MB = 10**6
 GB = 10**9
@@ -79,7 +79,9 @@ def synthetic_tokens(root: Path, gigabytes: float, vocab: int, tok: str, shard_t
                     f.write(ids.tobytes())
                     digest.update(ids.tobytes())
             shards.append(Shard(name, split, count, 1, digest.hexdigest()))
-    index = Index(root, dtype, vocab, 0, tokenizer_sha256(tok), tok, tuple(shards))
+    pinned = TokenizerFile.read(tok)
+    (root / TOKENIZER_FILE).write_bytes(pinned.data)
+    index = Index(root, dtype, vocab, 0, pinned.sha256, TOKENIZER_FILE, tuple(shards))
     (root / INDEX_FILE).write_text(json.dumps(index.to_json()))
 
 

@@ -22,7 +22,7 @@ from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.shards import INDEX_FILE, read_index
 from trainmesh.data.text import stdlib_sources
 from trainmesh.app.generate import Sampling, generate_text
-from trainmesh.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab, tokenizer_sha256
+from trainmesh.data.tokenizer import TokenizerError, load_tokenizer, padded_vocab
 
 pytest.importorskip("tokenizers")
 
@@ -62,7 +62,9 @@ def test_prepare_writes_documents_with_eos_and_a_document_split(tmp_path, tok):
     root = make_prepared(tmp_path, tok)
     index, t = read_index(root), load_tokenizer(tok)
     raw = json.loads(Path(root, INDEX_FILE).read_text())
-    assert index.dtype == np.uint16 and raw["tokenizer"]["sha256"] == tokenizer_sha256(tok)
+    assert index.dtype == np.uint16 and raw["tokenizer"] == {"path": "tokenizer.json",
+                                                             "sha256": hashlib.sha256(Path(tok).read_bytes()).hexdigest()}
+    assert Path(root, "tokenizer.json").read_bytes() == Path(tok).read_bytes()  # the data keeps its tokenizer
     assert len(index.split("train")) > 1  # shard_tokens=400 cuts several shards, at document ends
     val_docs = [d for k, d in enumerate(DOCS) if k % 10 == 0]  # val_fraction 0.1: documents 0, 10, 20, ...
     train_docs = [d for k, d in enumerate(DOCS) if k % 10]

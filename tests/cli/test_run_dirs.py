@@ -18,6 +18,8 @@ from trainmesh.tracking import records as metrics_module
 from trainmesh.app.config import Config, ConfigError
 from trainmesh.tracking.records import MetricsError, MetricsWriter
 
+from helpers import PAGE, fill_disk, small_disk
+
 
 @pytest.fixture
 def no_spawn(monkeypatch):
@@ -132,9 +134,13 @@ def test_export_to_a_missing_directory_or_a_pt_name_is_refused(tmp_path, capsys)
 
 # --- metrics -------------------------------------------------------------------------------------------
 
-def test_a_full_disk_is_one_error_naming_the_file(tmp_path):
-    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+def test_a_full_disk_is_one_error_naming_the_file(tmp_path, monkeypatch):
     writer = MetricsWriter(str(tmp_path), enabled=True)
+
+    def full(_fd, _data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(metrics_module.os, "write", full)
     with pytest.raises(MetricsError, match=f"^writing {tmp_path}/metrics.jsonl failed: \\[Errno 28\\] No space"):
         writer.write({"step": 0})
     writer.close()
@@ -161,12 +167,15 @@ def test_resuming_drops_a_torn_last_line(tmp_path):
 
 
 def test_full_disk_mid_run_stops_every_rank_after_a_final_checkpoint(tmp_path):
-    out, ck = tmp_path / "run", tmp_path / "ck"
-    out.mkdir()
-    (out / "metrics.jsonl").symlink_to("/dev/full")
-    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2", "--steps",
-                             "5", "--global-batch", "4", "--out", str(out), "--checkpoint-dir", str(ck)],
-                            capture_output=True, text=True, timeout=120)
+    """``--out`` on a file system with one page left, which the run's lock record takes: the first metrics
+    record meets the full disk."""
+    with small_disk(tmp_path / "disk", 32 * PAGE) as disk:
+        out, ck = disk / "run", tmp_path / "ck"
+        out.mkdir()
+        fill_disk(disk, 1)
+        result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2", "--steps",
+                                 "5", "--global-batch", "4", "--out", str(out), "--checkpoint-dir", str(ck),
+                                 "--no-tensorboard"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     # rank 0's line, echoed as it happens and again in the launcher's report of the rank that failed
     lines = {line for line in result.stderr.splitlines() if line.startswith("trainmesh: error:")}

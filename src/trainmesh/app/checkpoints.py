@@ -27,7 +27,8 @@ from safetensors import SafetensorError
 
 from trainmesh.models import hf
 from trainmesh.app.config import Config
-from trainmesh.data import data_tokenizer
+from trainmesh.data import pin_tokenizer
+from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerError, TokenizerFile
 from trainmesh.checkpoint.manifest import RUN_ID, show
 from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.models import register_preset, spec_of
@@ -57,21 +58,52 @@ def model_source(cfg: Config) -> str:
     return f"{architecture} from {cfg.init_hf}"
 
 
-def describe(cfg: Config, mesh: Mesh) -> dict:
+def describe(cfg: Config, mesh: Mesh, tokenizer: TokenizerFile | None) -> dict:
     """What a manifest records of a ``trainmesh train`` run besides its tensors: the model (its family, its
-    config and where it came from), the config and its hash, the layout, the tokenizer file (recorded with
-    its hash when the manifest is written, :func:`trainmesh.data.tokenizer.tokenizer_record`)."""
+    config and where it came from), the config and its hash, the layout, and the run's pinned tokenizer (a
+    copy of which the checkpoint keeps, :func:`trainmesh.data.tokenizer.tokenizer_record`)."""
     return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
             "model_source": {"family": spec_of(cfg.model).family, "source": model_source(cfg)},
-            "config": dataclasses.asdict(cfg), "tokenizer": data_tokenizer(cfg.data, cfg.tokenizer),
+            "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
             "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
                        "ep": cfg.ep, "zero": cfg.zero}}
 
 
 def save(run: Run, progress: TrainingProgress) -> Path:
-    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective)."""
+    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective), with a
+    copy of the tokenizer the run started with; a tokenizer file changed or deleted since is said, and the
+    checkpoint still keeps the one the run trained with."""
+    if run.tokenizer is not None and world_from_env()[0] == 0:
+        notice_changed_tokenizer(run.tokenizer)
     return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
-                      describe(run.cfg, run.mesh))
+                      describe(run.cfg, run.mesh, run.tokenizer), keep_last=run.cfg.keep_last)
+
+
+def notice_changed_tokenizer(pinned: TokenizerFile) -> None:
+    try:
+        now = TokenizerFile.read(pinned.source).sha256
+    except TokenizerError:
+        now = "missing"
+    if now != pinned.sha256:
+        notice(f"tokenizer {pinned.source} is {'missing' if now == 'missing' else f'now SHA-256 {now[:12]}'}, "
+               f"not the {pinned.sha256[:12]} this run started with; the checkpoint keeps a copy of the one it "
+               f"trained with")
+
+
+def check_tokenizer(manifest: dict, path: Path, pinned: TokenizerFile | None) -> None:
+    """Refuse (:class:`CheckpointMismatch`, one line naming both tokenizers and the first 12 hex digits of
+    their SHA-256) a checkpoint trained with another tokenizer than this run's: a different one of the same
+    (padded) vocabulary size would be accepted by every shape and read every id as another token."""
+    record = manifest.get("tokenizer", {"kind": "bytes"})
+    there = None if record["kind"] == "bytes" else record["sha256"]
+    if there == (pinned.sha256 if pinned else None):
+        return
+    theirs = "byte tokens" if there is None else (
+        f"tokenizer {record.get('source') or record.get('path')} (SHA-256 {there[:12]})")
+    ours = "byte tokens" if pinned is None else f"tokenizer {pinned.short()}"
+    copy = f" (the checkpoint keeps a copy: --tokenizer {path / TOKENIZER_FILE})" if record["kind"] == "copy" else ""
+    raise CheckpointMismatch(f"checkpoint {path} was trained with {theirs}, and this run has {ours}; pass the "
+                             f"tokenizer it was trained with{copy}")
 
 
 def due(cfg: Config, steps_done: int) -> bool:
@@ -104,6 +136,7 @@ def load(run: Run, path: Path, run_id: str | None = None) -> dict:
         raise CheckpointOfAnotherRun(f"checkpoint {path} belongs to run {manifest['run']['id']}, not to run "
                                      f"{run_id} that is being resumed; it is not used")
     _check_model(manifest, run.cfg, path)
+    check_tokenizer(manifest, path, run.tokenizer)
     load_state(run.model, run.engine, run.mesh, path, manifest)
     return manifest
 
@@ -184,12 +217,17 @@ def load_hf_weights(run: Run, path: Path) -> None:
 def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
     under the plain model's names; ``source`` names where they came from in errors."""
+    wanted = [t for t in local_state(run.model, run.engine) if t.name.startswith("model/")]
+    missing = next((t.name.removeprefix("model/") for t in wanted if t.name.removeprefix("model/") not in full), None)
+    if missing is not None:
+        raise CheckpointMismatch(f"{source} lacks {missing}, a weight of --model {run.cfg.model}; use complete "
+                                 f"weights of this model")
     n_params = sum(t.numel() for t in full.values())
     if n_params != run.cfg.model_config.n_params():
         raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, --model {run.cfg.model} has "
                                  f"{run.cfg.model_config.n_params():,}; use weights of this model")
     index = whole_pieces(full, "weights", prefix="model/")
-    fill([t for t in local_state(run.model, run.engine) if t.name.startswith("model/")], index, lambda _: full, Path(source),
+    fill(wanted, index, lambda _: full, Path(source),
          lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
                                          f"--model {run.cfg.model}"))
     run.engine.after_update()
@@ -312,4 +350,5 @@ def check_resumable(cfg: Config) -> None:
         except CheckpointError:
             continue
         _check_model(manifest, cfg, path)
+        check_tokenizer(manifest, path, pin_tokenizer(cfg.data, cfg.tokenizer))
         return

@@ -28,7 +28,7 @@ from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.tracking.records import MetricsError
 from trainmesh.tracking.report import ReportError
-from trainmesh.app.rundir import check_run_dirs, default_out_dir
+from trainmesh.app.rundir import check_run_dirs, default_out_dir, make_out_fresh
 from trainmesh.data.tokenizer import TokenizerError
 
 
@@ -393,6 +393,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         argv, cfg = _with_out_dir(argv, cfg)
     check_run_dirs(cfg)
     with claim(cfg), runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
+        make_out_fresh(cfg)
         if not _is_rank() and (cfg.nproc > 1 or cfg.max_restarts):
             from trainmesh.launcher import launch_with_restarts
             from trainmesh.app.train import FAULT_ENV

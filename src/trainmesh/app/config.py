@@ -141,6 +141,8 @@ class Config:
                                "pointer), saved every --checkpoint-every steps and at the end")
     checkpoint_every: int = _opt(0, "save a checkpoint every K steps (0: only at the end); needs --checkpoint-dir",
                                  low=AT_LEAST_0)
+    keep_last: int = _opt(3, "keep the K newest checkpoints, deleting older ones (oldest first) once a new one is "
+                          "complete; never the one 'latest' names (0: keep all)", low=AT_LEAST_0)
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --checkpoint-dir, in any layout "
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
@@ -148,8 +150,9 @@ class Config:
     init_hf: str = _opt("", "start from a local Hugging Face model directory (config.json and model.safetensors, "
                         "as save_pretrained writes; never a hub id, nothing is downloaded) with a fresh optimizer; "
                         "the model's family and shape come from its config.json, so --model is not needed")
-    overwrite: bool = _opt(False, "start a fresh run in a --checkpoint-dir that holds another run's checkpoints, "
-                           "deleting them first (without it such a directory is refused)")
+    overwrite: bool = _opt(False, "start a fresh run where another run left its checkpoints (--checkpoint-dir) or "
+                           "its records (metrics, summary, report, TensorBoard events in --out), deleting them "
+                           "first (without it such a directory is refused)")
     max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
                              "R times; needs --checkpoint-dir", low=AT_LEAST_0)
     # [runtime]
@@ -269,7 +272,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives", "host_transport",
                 "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
@@ -528,12 +531,12 @@ def _validate_checkpoints(cfg: Config) -> None:
             raise ConfigError(f"--model {cfg.model} is a {spec_of(cfg.model).family} model but --init-hf "
                               f"{cfg.init_hf} holds a {family} one; drop --model")
     needs_dir = [flag for flag, given in (("--resume", cfg.resume), ("--checkpoint-every", cfg.checkpoint_every),
-                                          ("--max-restarts", cfg.max_restarts), ("--overwrite", cfg.overwrite))
-                 if given]
+                                          ("--max-restarts", cfg.max_restarts)) if given]
     if needs_dir and not cfg.checkpoint_dir:
         raise ConfigError(f"{needs_dir[0]} works on checkpoints; set --checkpoint-dir DIR")
     if cfg.overwrite and cfg.resume:
-        raise ConfigError("--overwrite deletes the checkpoints --resume would continue from; pass one of them")
+        raise ConfigError("--overwrite deletes the checkpoints and records --resume would continue from; pass one "
+                          "of them")
 
 
 MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")

@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainmesh.checkpoint import (MANIFEST, CheckpointError, candidates, read_manifest, recorded_model, recorded_weights,
+from trainmesh.checkpoint import (MANIFEST, CheckpointDamaged, CheckpointError, candidates, read_manifest, recorded_model, recorded_weights,
                                   source_name, step_dir)
+from trainmesh.checkpoint.store import step_of
 from trainmesh.models.cache import KVCache
-from trainmesh.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer, tokenizer_sha256
+from trainmesh.data.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError, TokenizerFile, load_tokenizer
+from trainmesh.safe_io import IntegrityError, inside, read_verified
 
 
 class GenerateError(ValueError):
@@ -129,7 +131,7 @@ def checkpoint_path(root: Path, step: int | None) -> Path:
         return found[0]
     path = step_dir(root, step)
     if path not in found:
-        steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in sorted(found))
+        steps = ", ".join(str(step_of(p)) for p in sorted(found, key=step_of))
         raise CheckpointError(f"{root} has no checkpoint of step {step}; it has steps {steps}")
     return path
 
@@ -159,25 +161,32 @@ def load_model(path: Path, device: torch.device) -> tuple[nn.Module, dict]:
 
 
 def tokenizer_of(manifest: dict, path: Path, given: str | None) -> tuple[Tokenizer, str]:
-    """The tokenizer checkpoint ``path`` was trained with, and a few words naming it: the file it records,
-    or ``given`` if that is the same file (by SHA-256). Anything else is refused in one line."""
+    """The tokenizer checkpoint ``path`` was trained with, and a few words naming it: the copy the checkpoint
+    keeps (read only from the step directory, never through a link, and checked against its SHA-256), or
+    ``given`` if its SHA-256 is the recorded one. A path a manifest names is never read: a tampered one could
+    name any file. Anything else is refused in one line."""
     record = manifest.get("tokenizer", {"kind": "bytes"})
     if record["kind"] == "bytes":
         if given:
             raise TokenizerError(f"checkpoint {path} was trained on byte tokens, not on --tokenizer {given}; "
                                  f"drop --tokenizer")
         return load_tokenizer(""), "byte tokens"
-    recorded, digest = record["path"], record["sha256"]
-    file = given or recorded
-    if not Path(file).is_file():
-        raise TokenizerError(f"checkpoint {path} was trained with tokenizer {recorded}, which is not there "
-                             f"any more; pass a copy of it as --tokenizer")
-    found = tokenizer_sha256(file)
-    if found != digest:
-        what = f"--tokenizer {given}" if given else f"tokenizer {recorded} has changed since training: it"
-        raise TokenizerError(f"{what} has SHA-256 {found[:12]}..., but checkpoint {path} was trained with "
-                             f"{recorded} of SHA-256 {digest[:12]}...; pass that file as --tokenizer")
-    return load_tokenizer(file), f"tokenizer {file}"
+    digest, recorded = record["sha256"], record.get("source") or record.get("path")
+    if given:
+        pinned = TokenizerFile.read(given)
+        if pinned.sha256 != digest:
+            raise TokenizerError(f"--tokenizer {pinned.short()} is not the tokenizer checkpoint {path} was trained "
+                                 f"with ({recorded}, SHA-256 {digest[:12]}); pass that file as --tokenizer")
+        return pinned.load(), f"tokenizer {given}"
+    if record["kind"] == "file":
+        raise TokenizerError(f"checkpoint {path} names its tokenizer by a path outside it ({recorded}), which is "
+                             f"not read; pass that tokenizer (SHA-256 {digest[:12]}) as --tokenizer")
+    try:
+        data = read_verified(inside(path, TOKENIZER_FILE), digest, record["bytes"])
+    except IntegrityError as e:
+        raise CheckpointDamaged(path, str(e)) from None
+    copy = path / TOKENIZER_FILE
+    return TokenizerFile(str(copy), data, digest).load(), f"tokenizer {copy} (a copy of {recorded})"
 
 
 def _device(name: str) -> torch.device:

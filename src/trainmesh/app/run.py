@@ -13,6 +13,7 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.app.config import Config
 from trainmesh.data import TokenData
+from trainmesh.data.tokenizer import TokenizerFile
 from trainmesh.engine import Criterion, Engine
 from trainmesh.mesh import Mesh
 from trainmesh.pipeline.runtime import PipelineRuntime
@@ -24,12 +25,13 @@ if TYPE_CHECKING:
 @dataclass
 class Run:
     """Everything a step needs, built once by :func:`trainmesh.app.train.build`: the public API's parallel model
-    and optimizer (what a script holds), the settings and the data."""
+    and optimizer (what a script holds), the settings, the data and the tokenizer its ids come from."""
 
     cfg: Config
     parallel: ParallelModel
     opt: Optimizer
     data: TokenData
+    tokenizer: TokenizerFile | None = None  # the run's tokenizer, pinned when it starts (None: byte tokens)
 
     @property
     def mesh(self) -> Mesh:

@@ -14,6 +14,9 @@ from datetime import datetime
 from pathlib import Path
 
 from trainmesh.app.config import Config, ConfigError
+from trainmesh.safe_io import remove_entry
+from trainmesh.tracking import runlock
+from trainmesh.tracking.records import check_no_links, run_records
 from trainmesh.state_bytes import precision_bytes
 
 RUNS_ROOT = "runs"
@@ -76,18 +79,45 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def check_free_space(path: Path, need: int, flag: str) -> None:
-    free = shutil.disk_usage(path).free
+def checkpoints_at_once(cfg: Config) -> int:
+    """How many checkpoints the checkpoint directory holds at most during the run: ``--keep-last K`` kept and
+    the one being written (the oldest goes only once it is complete), or every save with ``--keep-last 0``."""
+    every = cfg.checkpoint_every
+    saves = (cfg.steps // every + bool(cfg.steps % every)) if every > 0 else 1
+    return min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
+
+
+def check_free_space(path: Path, checkpoints: int, each: int, flag: str) -> None:
+    free, need = shutil.disk_usage(path).free, checkpoints * each
     if free < need:
-        raise ConfigError(f"{flag} {path} has {_mib(free)} free but one checkpoint needs about {_mib(need)}; free "
-                          f"space there or choose another {flag}")
+        what = "one checkpoint needs" if checkpoints == 1 else (
+            f"the {checkpoints} checkpoints it holds at once (--keep-last and the one being written) need")
+        raise ConfigError(f"{flag} {path} has {_mib(free)} free but {what} about {_mib(need)}; free space there, "
+                          f"keep fewer with --keep-last, or choose another {flag}")
 
 
 def check_run_dirs(cfg: Config) -> None:
-    """Before spawning: ``--out`` and ``--checkpoint-dir`` are writable directories, and the checkpoint
-    directory has room for one more checkpoint (the previous one stays until the new one is complete)."""
+    """Before spawning: ``--out`` and ``--checkpoint-dir`` are writable directories, no file a run writes in
+    ``--out`` is a symbolic link, and the checkpoint directory has room for the checkpoints it keeps."""
     if cfg.out:
         ensure_writable(Path(cfg.out), "--out")
+        check_no_links(Path(cfg.out), runlock.LOCK_NAME)
     if cfg.checkpoint_dir:
         ensure_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
-        check_free_space(Path(cfg.checkpoint_dir), checkpoint_bytes(cfg), "--checkpoint-dir")
+        check_free_space(Path(cfg.checkpoint_dir), checkpoints_at_once(cfg), checkpoint_bytes(cfg), "--checkpoint-dir")
+
+
+def make_out_fresh(cfg: Config) -> None:
+    """A fresh run (no ``--resume``) never overwrites the records of another run in ``--out`` (its metrics,
+    summary, report, TensorBoard events): they are refused with the way out, or deleted with
+    ``--overwrite``. Called while ``--out``'s lock is held, so a live run there is refused before this."""
+    out = Path(cfg.out)
+    found = run_records(out) if cfg.out and not cfg.resume else []
+    if not found:
+        return
+    if not cfg.overwrite:
+        names = ", ".join(p.name for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(f"--out {out} holds the records of another run ({names}); pass --overwrite to replace "
+                          f"them, --resume to continue that run, or choose another --out")
+    for path in found:
+        remove_entry(path)

@@ -24,7 +24,7 @@ import torch
 from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.app.config import Config
-from trainmesh.data import TokenData, get_batch
+from trainmesh.data import TokenData, get_batch, pin_tokenizer
 from trainmesh.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.launcher import start_heartbeat
@@ -83,8 +83,9 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                cuda_graphs=cfg.cuda_graphs,
                                cp_impl=cfg.cp_impl, comm=comm)
     opt = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    tokenizer = pin_tokenizer(cfg.data, cfg.tokenizer)
     data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
-    return Run(cfg, parallel, opt, data)
+    return Run(cfg, parallel, opt, data, tokenizer)
 
 
 def full_state_dict(run: Run) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ import safetensors.torch
 from trainmesh.models import hf
 from trainmesh.safe_io import replace_durably
 from trainmesh.checkpoint.store import (MANIFEST, CheckpointError, read_manifest, candidates, read_tensors)
-from trainmesh.checkpoint.source import (recorded_model, recorded_weights, source_name)
+from trainmesh.checkpoint.source import (family_weights, recorded_model, recorded_weights, source_name)
 
 
 def _step_to_export(source: Path) -> Path:
@@ -23,6 +23,8 @@ def export(source: Path, out: Path) -> str:
     path = _step_to_export(source)
     manifest = read_manifest(path)
     tensors = {name.removeprefix("model/"): t for name, t in read_tensors(path, "model/").items()}
+    if manifest.get("model_source", {}).get("family") != "":  # a model of no family: nothing to check against
+        family_weights(path, manifest, tensors)
     replace_durably(out, safetensors.torch.save(tensors, metadata={"format": "pt", "step": str(manifest["step"]),
                                                                    "model": source_name(manifest)}))
     n_params = sum(t.numel() for t in tensors.values())

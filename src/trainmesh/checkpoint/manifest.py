@@ -40,7 +40,8 @@ KEYS = {"format", "version", "step", "progress", "loss_scaler", "model", "config
 OPTIONAL_KEYS = {"tokenizer", "model_source"}  # absent in older checkpoints: byte tokens, the model named by preset
 SOURCE_KEYS = ("family", "source")
 SOURCE_TEXT = re.compile(r"[^\x00-\x1f\x7f]{1,4200}")
-TOKENIZER_KEYS = {"bytes": ("kind",), "file": ("kind", "path", "sha256")}
+TOKENIZER_KEYS = {"bytes": ("kind",), "file": ("kind", "path", "sha256"), "copy": ("kind", "sha256", "bytes", "source")}
+TOKENIZER_BYTES = 2**30
 TOKENIZER_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,4096}")
 PROGRESS_KEYS = ("step", "skipped_steps", "bad_steps_in_a_row")
 SCALER_KEYS = ("scale", "clean_steps", "skipped_steps")
@@ -196,14 +197,20 @@ def _check_scalars(m: dict) -> None:
 
 
 def _check_tokenizer(record: Any) -> None:
-    """``{"kind": "bytes"}``, or ``{"kind": "file"}`` with the tokenizer file's path and SHA-256."""
+    """``{"kind": "bytes"}``; ``{"kind": "copy"}``: the SHA-256 and size of the ``tokenizer.json`` kept in the
+    step directory and the path it was copied from (shown, never read); or, from older checkpoints,
+    ``{"kind": "file"}`` with a path (never read either: a reader asks for ``--tokenizer``) and SHA-256."""
     kind = _dict(record, "tokenizer").get("kind")
     if kind not in TOKENIZER_KEYS:
         raise ManifestError(f"tokenizer.kind is {show(kind)}; it must be one of {', '.join(TOKENIZER_KEYS)}")
     _dict(record, "tokenizer", TOKENIZER_KEYS[kind])
-    if kind == "file":
-        _text(record["path"], "tokenizer.path", TOKENIZER_PATH)
-        _text(record["sha256"], "tokenizer.sha256", HEX64)
+    if kind == "bytes":
+        return
+    _text(record["path" if kind == "file" else "source"], f"tokenizer.{'path' if kind == 'file' else 'source'}",
+          TOKENIZER_PATH)
+    _text(record["sha256"], "tokenizer.sha256", HEX64)
+    if kind == "copy" and not 0 < _int(record["bytes"], "tokenizer.bytes") <= TOKENIZER_BYTES:
+        raise ManifestError(f"tokenizer.bytes is {record['bytes']}; it must be from 1 to {TOKENIZER_BYTES}")
 
 
 def _check_files(files: dict) -> dict[str, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,8 @@ from torch import nn
 from trainmesh.models import hf
 from trainmesh.models import any_config, config_from_dict, family, preset, spec_for, spec_of
 from trainmesh.models.spec import HFIncompatible, ModelSpec
-from trainmesh.checkpoint.store import CheckpointError, CheckpointMismatch, read_tensors, whole_pieces
+from trainmesh.checkpoint.store import (MANIFEST, CheckpointDamaged, CheckpointError, CheckpointMismatch, read_tensors,
+                                        whole_pieces)
 
 
 def describe_model(model: nn.Module) -> tuple[dict, dict]:
@@ -59,15 +60,35 @@ def recorded_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     """The full weights (and routing buffers, under ``buffer/`` names' tails) of checkpoint ``path`` under
     the names of its trainmesh family's model, translated from Hugging Face's names where a script saved a
     model held in HF's classes."""
-    spec, cfg = recorded_model(manifest, path)
     tensors = {name.split("/", 1)[1]: t for prefix in ("model/", "buffer/")
                for name, t in read_tensors(path, prefix).items()}
-    if "hf_config" not in manifest.get("model_source", {}):
-        return tensors
-    try:
-        return hf.to_trainmesh(spec, cfg, tensors, str(path))
-    except hf.HFError as e:
-        raise CheckpointError(str(e)) from None
+    return family_weights(path, manifest, tensors)
+
+
+def family_weights(path: Path, manifest: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors``, weights of checkpoint ``path`` under the names they were saved by, under its family's
+    names; refused in one line if the model the manifest describes has a weight they lack (naming the first),
+    so an export or a load never writes or runs an incomplete model."""
+    spec, cfg = recorded_model(manifest, path)
+    if "hf_config" in manifest.get("model_source", {}):
+        try:
+            tensors = hf.to_trainmesh(spec, cfg, tensors, str(path))
+        except hf.HFError as e:
+            raise CheckpointError(str(e)) from None
+    missing = missing_weight(spec, cfg, tensors)
+    if missing is not None:
+        raise CheckpointDamaged(path, f"{path / MANIFEST} lists no tensor model/{missing}, a weight of its model "
+                                      f"{source_name(manifest)}; an incomplete checkpoint is neither exported "
+                                      f"nor loaded")
+    return tensors
+
+
+def missing_weight(spec: ModelSpec, cfg: Any, names: Collection[str]) -> str | None:
+    """The first parameter of ``spec``'s model of ``cfg`` that ``names`` lacks (the model is built on the
+    meta device, which allocates nothing)."""
+    with torch.device("meta"):
+        model = spec.builder(cfg, 0)
+    return next((name for name, _ in model.named_parameters() if name not in names), None)
 
 
 def source_name(manifest: dict) -> str:

@@ -83,19 +83,19 @@ from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.models import moe
 from trainmesh.precision import LossScaler
 from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
-                               replace_durably, sha256_hex, write_durably)
+                               remove_entry, replace_durably, sha256_hex, write_durably)
 from trainmesh.parallel.expert_parallel import place_experts
 from trainmesh.parallel.tensor_parallel import shard_boxes
-from trainmesh.data.tokenizer import tokenizer_record
+from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, tokenizer_record
 
 
 MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
 
 
-STEP_DIR = re.compile(r"step-(\d{8})")
+STEP_DIR = re.compile(r"step-(\d{8,})")  # 8 digits at least, more past step 99,999,999
 
 
-LEFTOVER = re.compile(r"\.(tmp|replaced)-step-\d{8}")
+LEFTOVER = re.compile(r"\.(tmp|replaced|pruned)-step-\d{8,}")
 
 
 MANIFEST_LIMIT = 2**30
@@ -309,6 +309,11 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def step_of(path: Path) -> int:
+    """The step of a ``step-N`` directory, by number: names of any width sort by the step they hold."""
+    return int(path.name.removeprefix("step-"))
+
+
 def _pieces(tensors: list[LocalTensor]) -> dict[str, tuple[dict, torch.Tensor]]:
     """This rank's pieces, by key: their description for the plan and a CPU copy of their data."""
     out = {}
@@ -344,8 +349,10 @@ def assign_writers(plans: list[list[dict]]) -> dict[str, int]:
 
 
 def _fresh_dir(path: Path) -> None:
+    """An empty staging directory ``path``: a leftover of an interrupted save there is removed first, a
+    symbolic link by unlinking it (what it leads to is never touched)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_entry(path)
     path.mkdir()
 
 
@@ -378,7 +385,7 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
                         "skipped_steps": scaler.skipped_steps},
         "model": description["model"], "model_source": description["model_source"],
         "config": description["config"], "layout": description["layout"],
-        **({"tokenizer": tokenizer_record(description["tokenizer"])} if "tokenizer" in description else {}),
+        "tokenizer": tokenizer_record(description.get("tokenizer")),
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
     }
@@ -386,17 +393,20 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
     return manifest
 
 
-def _publish(tmp: Path, final: Path, manifest: dict) -> None:
-    """Write the manifest, make the directory ``final`` in one rename, then point ``latest`` at it."""
+def _publish(tmp: Path, final: Path, manifest: dict, tokenizer: TokenizerFile | None) -> None:
+    """Write the copy of the run's ``tokenizer`` (if a file) and the manifest, make the directory ``final``
+    in one rename, then point ``latest`` at it."""
+    if tokenizer is not None:
+        write_durably(tmp / TOKENIZER_FILE, tokenizer.data)
     write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
     replaced = final.with_name(f".replaced-{final.name}")
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.lexists(final):
+        remove_entry(replaced)
         os.rename(final, replaced)
     os.rename(tmp, final)
     fsync_dir(final.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
+    remove_entry(replaced)
     replace_durably(final.parent / LATEST, f"{final.name}\n".encode())
 
 def agreed_run_id(device: torch.device) -> str:
@@ -406,9 +416,10 @@ def agreed_run_id(device: torch.device) -> str:
 
 
 def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
-               description: dict) -> Path:
+               description: dict, keep_last: int = 0) -> Path:
     """Save this rank's part of ``model`` and ``engine``'s optimizer after ``progress.step`` steps as
-    ``root/step-N`` (a collective); ``description`` (:func:`describe`) goes into the manifest.
+    ``root/step-N`` (a collective); ``description`` (:func:`describe`) goes into the manifest. Once it is
+    published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
 
     A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
     the one ``latest`` names.
@@ -428,7 +439,8 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
         files = on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
                                f"writing the shards of {final}")
         on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
-                                                              files)) if rank == 0 else None,
+                                                              files), description.get("tokenizer"))
+                      if rank == 0 else None,
                        device, f"publishing {final}")
     except CheckpointError as e:
         if rank == 0:
@@ -438,8 +450,39 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
                               f"({previous or 'none'}) is untouched and --resume will use it; free space in "
                               f"{final.parent} or choose another --checkpoint-dir") from e
     size = sum(f["bytes"] for f in files)
-    notice(f"saved {final} ({len(files)} files, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s")
+    pruned = prune(final, keep_last) if rank == 0 else []
+    gone = f"; deleted {', '.join(p.name for p in pruned)} (--keep-last {keep_last})" if pruned else ""
+    notice(f"saved {final} ({len(files)} files, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s{gone}")
     return final
+
+
+def prune(published: Path, keep_last: int) -> list[Path]:
+    """Delete the checkpoints older than ``published`` (just made the one ``latest`` names) beyond the
+    ``keep_last`` newest, ``published`` counted, oldest first; returns those deleted. Each is first renamed
+    to ``.pruned-step-N`` (one atomic step), so a crash while deleting it leaves no damaged ``step-N`` for
+    ``--resume`` to try. Checkpoints newer than ``published`` (of an attempt that ran further) and the one
+    ``latest`` names are never touched; a deletion that fails is said and the run goes on."""
+    root = published.parent
+    if keep_last <= 0:
+        return []
+    older = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and step_of(p) < step_of(published)),
+                   key=step_of)
+    latest, pruned = _latest_name(root), []
+    for path in older[:max(0, len(older) - (keep_last - 1))]:
+        if path.name == latest:
+            continue
+        doomed = path.with_name(f".pruned-{path.name}")
+        try:
+            remove_entry(doomed)
+            os.rename(path, doomed)
+            remove_entry(doomed)
+        except OSError as e:
+            notice(f"could not delete old checkpoint {path} ({e}); delete it yourself")
+            continue
+        pruned.append(path)
+    if pruned:
+        fsync_dir(root)
+    return pruned
 
 
 def read_manifest(path: Path) -> dict:
@@ -563,7 +606,8 @@ def _latest_name(root: Path) -> str | None:
 
 def candidates(root: Path) -> list[Path]:
     """Checkpoints to try, best first: the one ``latest`` names, then every other ``step-N``, newest first."""
-    steps = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name)), reverse=True) if root.is_dir() else []
+    steps = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name)), key=step_of, reverse=True) \
+        if root.is_dir() else []
     latest = _latest_name(root)
     return sorted(steps, key=lambda p: p.name != latest)
 

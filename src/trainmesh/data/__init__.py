@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from trainmesh.data.sampler import TokenSequence, get_batch, global_batch_offsets
-from trainmesh.data.shards import ShardStream, check_tokenizer, is_prepared, read_index, verify_shard
+from trainmesh.data.shards import ShardStream, index_tokenizer, is_prepared, read_index, verify_shard
 from trainmesh.data.text import VOCAB_SIZE, DataError, load_tokens, read_bytes, stdlib_sources
+from trainmesh.data.tokenizer import TokenizerFile
 
 VAL_FRACTION = 0.05
 
@@ -52,7 +53,7 @@ class TokenData:
     @classmethod
     def _prepared(cls, path: str, seq_len: int, tokenizer: str, verify: bool) -> "TokenData":
         index = read_index(path)
-        check_tokenizer(index, tokenizer)
+        index_tokenizer(index, tokenizer)
         if verify:
             for shard in index.shards:
                 verify_shard(index, shard)
@@ -74,13 +75,14 @@ def data_vocab_size(path: str, tokenizer: str) -> int | None:
     return None
 
 
-def data_tokenizer(path: str, tokenizer: str) -> str:
-    """The tokenizer file the run's token ids come from: ``--tokenizer``, else the one prepared data was
-    tokenized with (its index records the path); "" for bytes. A checkpoint records it for decoding."""
-    if tokenizer or not is_prepared(path):
-        return tokenizer
-    return read_index(path).tokenizer_path
+def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
+    """The tokenizer the run's token ids come from, pinned by content (None: byte tokens): ``--tokenizer``,
+    checked against the one prepared data ``path`` records (:func:`~trainmesh.data.shards.index_tokenizer`),
+    else that one. Read once when the run starts; its checkpoints keep a copy of exactly these bytes."""
+    if is_prepared(path):
+        return index_tokenizer(read_index(path), tokenizer)
+    return TokenizerFile.read(tokenizer) if tokenizer else None
 
 
-__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_tokenizer", "data_vocab_size", "get_batch",
+__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch", "pin_tokenizer",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]

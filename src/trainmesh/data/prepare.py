@@ -37,6 +37,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
+from trainmesh.safe_io import replace_durably
 from trainmesh.data.sources import input_files, input_size, pieces
 from trainmesh.data.text import DataError
 from trainmesh.data.workers import Workers, WorkerDied
@@ -190,11 +191,12 @@ def _results(workers: Workers, files: list[Path]) -> Iterator[tuple[list[np.ndar
 def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     """Tokenize ``opts.inputs`` into shards and an index under ``opts.out`` (progress on ``stream``, default
     stderr); returns the index. On any failure what was written is removed (see the module docstring)."""
-    from trainmesh.data.tokenizer import load_tokenizer, tokenizer_sha256
+    from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, load_tokenizer
 
     stream = stream or sys.stderr
-    tok = load_tokenizer(opts.tokenizer)
-    if tok.eos_id is None:
+    pinned = TokenizerFile.read(opts.tokenizer) if opts.tokenizer else None
+    tok = pinned.load() if pinned else load_tokenizer("")
+    if pinned is None or tok.eos_id is None:
         raise DataError(f"tokenizer {opts.tokenizer or '(bytes)'} has no end-of-document token to put between "
                         f"documents; train one with: trainmesh tokenizer train --out tok.json")
     files = input_files(list(opts.inputs))
@@ -215,8 +217,9 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
         meter.close()
         for w in writers.values():
             w.close()
-        index = Index(out, dtype, tok.vocab_size, tok.eos_id, tokenizer_sha256(opts.tokenizer),
-                      str(Path(opts.tokenizer).resolve()), tuple(writers["train"].shards + writers["val"].shards))
+        replace_durably(out / TOKENIZER_FILE, pinned.data)  # the data keeps its tokenizer; the index names only this copy
+        index = Index(out, dtype, tok.vocab_size, tok.eos_id, pinned.sha256, TOKENIZER_FILE,
+                      tuple(writers["train"].shards + writers["val"].shards))
         _write_index(index)
     except BaseException as e:
         meter.close()

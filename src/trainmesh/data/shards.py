@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from trainmesh.data.text import DataError
+from trainmesh.data.tokenizer import TokenizerError, TokenizerFile
+from trainmesh.safe_io import IntegrityError, inside
 
 INDEX_FILE = "index.json"
 FORMAT = "trainmesh-tokens"
@@ -227,16 +229,33 @@ def verify_shard(index: Index, shard: Shard) -> None:
                         f"{REPREPARE}")
 
 
-def check_tokenizer(index: Index, tokenizer: str) -> None:
-    """A ``--tokenizer`` given with prepared data must be the one the data was tokenized with."""
-    if not tokenizer:
-        return
-    from trainmesh.data.tokenizer import tokenizer_sha256
-
-    if tokenizer_sha256(tokenizer) != index.tokenizer_sha256:
-        raise DataError(f"tokenizer {tokenizer} is not the one {index.root} was prepared with "
-                        f"({index.tokenizer_path}, SHA-256 {index.tokenizer_sha256[:12]}...); pass that tokenizer "
-                        f"or drop --tokenizer")
+def index_tokenizer(index: Index, given: str) -> TokenizerFile:
+    """The tokenizer prepared data was tokenized with, pinned by content: ``given`` (``--tokenizer``) if its
+    SHA-256 is the one the index records, else the copy ``prepare`` keeps in the data directory. The index
+    names that copy by a plain file name in its directory: a path leading anywhere else is refused unread,
+    and so is a copy that is missing or whose SHA-256 differs, each in one line naming both hashes."""
+    want = (f"{index.root} was prepared with ({index.root / index.tokenizer_path}, SHA-256 "
+            f"{index.tokenizer_sha256[:12]})")
+    if given:
+        pinned = TokenizerFile.read(given)
+        if pinned.sha256 != index.tokenizer_sha256:
+            raise DataError(f"tokenizer {pinned.short()} is not the one {want}; pass that tokenizer or drop "
+                            f"--tokenizer")
+        return pinned
+    try:
+        path = inside(index.root, index.tokenizer_path)
+    except IntegrityError:
+        raise DataError(f"{index.root / INDEX_FILE} names tokenizer {index.tokenizer_path!r}, not a file of "
+                        f"{index.root}; it is not read: pass the tokenizer {index.root} was prepared with "
+                        f"(SHA-256 {index.tokenizer_sha256[:12]}) as --tokenizer, or prepare again") from None
+    try:
+        pinned = TokenizerFile.read(path, follow=False)
+    except TokenizerError as e:
+        raise DataError(f"{e}; {want}: pass it as --tokenizer, or prepare again") from None
+    if pinned.sha256 != index.tokenizer_sha256:
+        raise DataError(f"tokenizer {pinned.short()} has changed since {want}; pass that tokenizer as "
+                        f"--tokenizer, or prepare again")
+    return pinned
 
 
 def _map(path: Path) -> mmap.mmap:

@@ -13,10 +13,12 @@ matmul-friendly slice of the embedding and output head. The pad rows are never a
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from trainmesh.safe_io import read_regular, sha256_hex
 
 VOCAB_MULTIPLE = 64
 BYTE_VOCAB = 256
@@ -59,11 +61,12 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` read from a ``tokenizer.json``, with its end-of-document token."""
+    """A ``tokenizers.Tokenizer`` read from a ``tokenizer.json`` (or from its bytes, ``data``, read once
+    and checked elsewhere; ``path`` then only names it), with its end-of-document token."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, data: bytes | None = None) -> None:
         self.path = path
-        self._tok = _read_hf(path)
+        self._tok = _read_hf(path) if data is None else _parse_hf(path, data)
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id: int | None = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None),
                                        None)
@@ -96,8 +99,20 @@ def _read_hf(path: str) -> Any:
     try:
         return tokenizers.Tokenizer.from_file(str(p))
     except Exception as e:  # the Rust side raises a plain Exception for any malformed file
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TokenizerError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({first})") from None
+        raise _not_a_tokenizer(path, e) from None
+
+
+def _not_a_tokenizer(path: str, e: Exception) -> TokenizerError:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return TokenizerError(f"tokenizer {path} is not a Hugging Face tokenizer.json ({first})")
+
+
+def _parse_hf(path: str, data: bytes) -> Any:
+    tokenizers = _tokenizers()
+    try:
+        return tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # UnicodeDecodeError, or the Rust side's plain Exception
+        raise _not_a_tokenizer(path, e) from None
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -119,17 +134,6 @@ def tokenizer_vocab_size(path: str) -> int:
     except OSError:
         return HFTokenizer(path).vocab_size  # raises the one-line error
     return _vocab_cached(path, st.st_mtime_ns, st.st_size)
-
-
-def tokenizer_sha256(path: str) -> str:
-    """SHA-256 of the tokenizer file, which identifies it in a data index and a checkpoint; ``"bytes"`` for
-    the byte tokenizer."""
-    if not path:
-        return "bytes"
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError as e:
-        raise TokenizerError(f"cannot read tokenizer {path}: {e.strerror}") from None
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -156,13 +160,48 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> HFTokenizer:
     return HFTokenizer(str(out))
 
 
-def tokenizer_record(path: str) -> dict[str, str]:
-    """What a checkpoint records of the tokenizer ``path`` (``""``: byte tokens), so that generation decodes
-    with the same one: the file's absolute path, for finding it again, and its SHA-256, for knowing it."""
-    if not path:
+TOKENIZER_FILE = "tokenizer.json"
+"""The name of the copy of its tokenizer that a checkpoint and prepared data keep beside their files."""
+TOKENIZER_LIMIT = 2**30
+
+
+@dataclass(frozen=True)
+class TokenizerFile:
+    """A tokenizer pinned by content: its bytes, read once, their SHA-256, and where they were read
+    (``source``, for messages). A run holds the one it started with and every checkpoint keeps a copy of
+    exactly these bytes, so a file changed or deleted later cannot change what a run trains or decodes with."""
+
+    source: str
+    data: bytes = field(repr=False)
+    sha256: str
+
+    @classmethod
+    def read(cls, path: str | Path, follow: bool = True) -> "TokenizerFile":
+        """The regular file ``path`` (never a FIFO or a device), refused in one line if missing. A path the
+        user gave may be a symbolic link (``follow``); one a checkpoint or data index names may not."""
+        try:
+            data = read_regular(Path(path).resolve() if follow else Path(path), TOKENIZER_LIMIT)
+        except OSError as e:
+            raise TokenizerError(f"tokenizer {' '.join(str(e).split())}") from None
+        return cls(str(path), data, sha256_hex(data))
+
+    def load(self) -> "HFTokenizer":
+        return HFTokenizer(self.source, self.data)
+
+    def short(self) -> str:
+        """The file and the first 12 hex digits of its SHA-256, as messages name it."""
+        return f"{self.source} (SHA-256 {self.sha256[:12]})"
+
+
+def tokenizer_record(pinned: TokenizerFile | None) -> dict[str, Any]:
+    """What a manifest records of a tokenizer (``None``: byte tokens): for a file, the SHA-256 and size of
+    the copy kept as ``tokenizer.json`` beside it (the only place a reader looks), and the path it came from
+    (shown, never read)."""
+    if pinned is None:
         return {"kind": "bytes"}
-    return {"kind": "file", "path": str(Path(path).resolve()), "sha256": tokenizer_sha256(path)}
+    return {"kind": "copy", "sha256": pinned.sha256, "bytes": len(pinned.data),
+            "source": str(Path(pinned.source).resolve())}
 
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer", "padded_vocab",
-           "tokenizer_record", "tokenizer_sha256", "tokenizer_vocab_size", "train_bpe"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "TOKENIZER_FILE", "Tokenizer", "TokenizerError", "TokenizerFile",
+           "load_tokenizer", "padded_vocab", "tokenizer_record", "tokenizer_vocab_size", "train_bpe"]

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib.util
+import io
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,14 +26,38 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 
-from trainmesh.safe_io import replace_durably
+from trainmesh.safe_io import open_own_file, read_regular, refuse_link, replace_durably
 
 
 class MetricsError(RuntimeError):
     """A metrics file could not be written; the message names the file and the error."""
 
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE, SUMMARY_FILE, REPORT_FILE = "metrics.jsonl", "summary.json", "report.png"
+EVENTS_GLOB = "events.out.tfevents.*"
+METRICS_LIMIT = 2**34  # bytes a metrics file is read up to when a resumed run trims it
+
+
+def run_records(run_dir: Path) -> list[Path]:
+    """The records a run left in ``run_dir`` (a metrics file with at least one line, its summary, report and
+    TensorBoard events): what a fresh run there would replace."""
+    found = [run_dir / name for name in (SUMMARY_FILE, REPORT_FILE) if os.path.lexists(run_dir / name)]
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_symlink() or (metrics.exists() and metrics.stat().st_size):
+        found.insert(0, metrics)
+    return found + sorted(run_dir.glob(EVENTS_GLOB))
+
+
+def check_no_links(run_dir: Path, lock_name: str) -> None:
+    """Refuse, as :class:`MetricsError` naming it, a symbolic link at the name of a file a run writes in
+    ``run_dir`` (its metrics, summary, report, lock ``lock_name``, TensorBoard events): nothing is written
+    through it. The writers also open without following links; this says so before a run starts."""
+    for path in (*(run_dir / name for name in (METRICS_FILE, SUMMARY_FILE, REPORT_FILE, lock_name)),
+                 *run_dir.glob(EVENTS_GLOB)):
+        try:
+            refuse_link(path, "a run")
+        except OSError as e:
+            raise MetricsError(f"{e}, or choose another run directory") from None
 
 
 def keep_steps_through(path: Path, step: int) -> int:
@@ -42,10 +68,9 @@ def keep_steps_through(path: Path, step: int) -> int:
     again; keeping both would give those steps two records. A last line without its newline (a write cut
     short by the kill) is dropped too. The rewrite is atomic, so a crash during it leaves the old file.
     """
-    try:
-        lines = path.read_bytes().splitlines(keepends=True)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return 0
+    lines = read_regular(path, METRICS_LIMIT).splitlines(keepends=True)
     kept, dropped = [], 0
     for line in lines:
         try:
@@ -63,7 +88,10 @@ def keep_steps_through(path: Path, step: int) -> int:
 
 
 class Sink(Protocol):
-    """Somewhere besides ``metrics.jsonl`` that each step's record goes (TensorBoard, W&B)."""
+    """Somewhere besides ``metrics.jsonl`` that each step's record goes (TensorBoard, W&B); ``where`` names
+    it in an error."""
+
+    where: str
 
     def write(self, record: dict[str, Any]) -> None: ...
 
@@ -95,25 +123,65 @@ def package_available(name: str) -> bool:
 
 
 class TensorBoardSink:
-    """TensorBoard event files in the run directory (``tensorboard --logdir RUN_DIR``).
+    """TensorBoard events in the run directory (``tensorboard --logdir RUN_DIR``), in an event file of its
+    own, new (never opened through a symbolic link), written in this process when each step is logged.
 
-    A resumed run passes ``purge_step``, the first step it logs: TensorBoard then hides the events the
-    interrupted attempt wrote for that step and later, as ``metrics.jsonl`` drops their records.
+    Not through ``SummaryWriter``: its writer thread meets a full disk alone, prints that thread's
+    traceback and hands the error back at some later call, whereas here each step's events are one write
+    whose failure (``ENOSPC``) is cut back to the previous record's end and raised to :class:`MetricsWriter`,
+    which stops the run cleanly as for ``metrics.jsonl``. The records are TensorBoard's own (its
+    ``RecordWriter`` framing and ``Event`` protos; scalars built by ``torch.utils.tensorboard``).
+
+    A resumed run passes ``purge_step``, the first step it logs: the file starts with a session start at
+    that step, so TensorBoard hides the events the interrupted attempt wrote for that step and later, as
+    ``metrics.jsonl`` drops their records.
     """
 
-    FLUSH_SECS = 10  # a live dashboard lags the run by at most this
-
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-        self._writer = SummaryWriter(str(log_dir), purge_step=purge_step, flush_secs=self.FLUSH_SECS)
+        self.where = f"TensorBoard events in {log_dir}"
+        self._event = Event
+        log_dir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
+        self._fd = open_own_file(log_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+        start = [Event(wall_time=time.time(), step=purge_step or 0, file_version="brain.Event:2")]
+        if purge_step is not None:
+            start.append(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self._append(start)
+
+    def _append(self, events: list[Any]) -> None:
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        framed = io.BytesIO()
+        for event in events:
+            RecordWriter(framed).write(event.SerializeToString())
+        append_whole(self._fd, framed.getvalue())
 
     def write(self, record: dict[str, Any]) -> None:
-        for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, global_step=record["step"])
+        from torch.utils.tensorboard.summary import scalar
+
+        now = time.time()
+        self._append([self._event(wall_time=now, step=record["step"], summary=scalar(tag, value))
+                      for tag, value in scalars(record).items()])
 
     def close(self) -> None:
-        self._writer.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to ``fd`` (opened ``O_APPEND``) in one write; if the disk cannot take all of it
+    (``ENOSPC``), cut the file back to where it ended, so it holds only whole records, and raise."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, f"only part of a {len(data)}-byte record was written")
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)
+        raise
 
 
 class WandbSink:
@@ -126,6 +194,8 @@ class WandbSink:
 
     def __init__(self, project: str, run_dir: Path, config: dict[str, Any]) -> None:
         import wandb
+
+        self.where = f"the W&B run in {run_dir}"
 
         self._run = wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config,
                                mode=os.environ.get("WANDB_MODE", "offline"))
@@ -143,11 +213,20 @@ def open_sinks(run_dir: Path, tensorboard: bool, wandb_project: str, config: dic
     default, so its absence is not an error), W&B if ``wandb_project`` is given (the CLI has checked that
     ``wandb`` is installed before spawning any rank)."""
     sinks: list[Sink] = []
-    if tensorboard and package_available("tensorboard"):
-        sinks.append(TensorBoardSink(run_dir, None if resume_from is None else resume_from + 1))
-    if wandb_project:
-        sinks.append(WandbSink(wandb_project, run_dir, config))
+    try:
+        if tensorboard and package_available("tensorboard"):
+            sinks.append(TensorBoardSink(run_dir, None if resume_from is None else resume_from + 1))
+        if wandb_project:
+            sinks.append(WandbSink(wandb_project, run_dir, config))
+    except OSError as e:
+        for sink in sinks:
+            sink.close()
+        raise MetricsError(f"opening the run's records in {run_dir} failed: {_reason(e)}") from None
     return sinks
+
+
+def _reason(e: OSError) -> str:
+    return f"[Errno {e.errno}] {e.strerror}" if e.errno else str(e)
 
 
 class MetricsWriter:
@@ -181,8 +260,10 @@ class MetricsWriter:
                 else:
                     self._restart = {"from_step": resume_from,
                                      "replayed_steps": keep_steps_through(self.path, resume_from)}
-                self._fd = os.open(self.path, flags, 0o644)
+                self._fd = open_own_file(self.path, flags)
             except OSError as e:
+                for sink in self.sinks:
+                    sink.close()
                 raise MetricsError(f"opening {self.path} failed: {e.strerror or e}") from None
 
     def write(self, record: dict[str, Any]) -> None:
@@ -190,33 +271,41 @@ class MetricsWriter:
             return
         if self._restart is not None:
             record, self._restart = {**record, "restart": self._restart}, None
-        line = (json.dumps(record) + "\n").encode()
-        end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
-            if os.write(self._fd, line) != len(line):
-                raise OSError(errno.ENOSPC, f"only part of a {len(line)}-byte line was written")
+            append_whole(self._fd, (json.dumps(record) + "\n").encode())
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, end)
-            raise MetricsError(f"writing {self.path} failed: [Errno {e.errno}] {e.strerror}") from None
+            raise MetricsError(f"writing {self.path} failed: {_reason(e)}") from None
         for sink in self.sinks:
-            sink.write(record)
+            try:
+                sink.write(record)
+            except OSError as e:
+                self.sinks.remove(sink)
+                sink.close()
+                raise MetricsError(f"writing {sink.where} failed: {_reason(e)}") from None
 
     def summary(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            path = self.dir / "summary.json"
+            path = self.dir / SUMMARY_FILE
             try:
                 replace_durably(path, (json.dumps(record, indent=2) + "\n").encode())
             except OSError as e:
                 raise MetricsError(f"writing {path} failed: [Errno {e.errno}] {e.strerror}") from None
 
     def close(self) -> None:
+        """Close the file and every sink; a sink that cannot finish (a full disk) is :class:`MetricsError`
+        once all are closed."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        failed = []
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except OSError as e:
+                failed.append(f"writing {sink.where} failed: {_reason(e)}")
         self.sinks = []
+        if failed:
+            raise MetricsError(failed[0])
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ live one (the records written so far).
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from collections.abc import Sequence
@@ -17,9 +18,8 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from trainmesh.tracking.records import METRICS_FILE, LossWindows
-
-REPORT_FILE = "report.png"
+from trainmesh.safe_io import replace_durably
+from trainmesh.tracking.records import METRICS_FILE, REPORT_FILE, SUMMARY_FILE, LossWindows
 MEMORY_KINDS = {"max_rss_bytes": "peak RSS", "peak_device_bytes": "peak device memory",
                 "model_state_bytes": "model state", "activation_bytes": "activations (1 micro-batch)"}
 TRAIN_COLOUR, EVAL_COLOUR, MFU_COLOUR = "#4c72b0", "#dd8452", "#55a868"
@@ -271,14 +271,16 @@ def draw_report(h: History, path: Path, title: str) -> Path:
     _draw_memory(memory, h)
     _draw_comm(comm, h)
     figure.suptitle(title)
-    figure.savefig(path, dpi=100)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    replace_durably(path, png.getvalue())  # a link planted at ``path`` is replaced, never written through
     return path
 
 
 def _title(run_dir: Path, h: History) -> str:
     """The run directory, and the model and layout if ``summary.json`` (written at the end) says them."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
         cfg = summary["config"]
         layout = (f" — {summary.get('model') or cfg['model']}, dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} "
                   f"zero={cfg['zero']}")
@@ -290,5 +292,8 @@ def _title(run_dir: Path, h: History) -> str:
 def report(run_dir: Path) -> str:
     """Write ``run_dir/report.png``; return the text summary and where the picture is."""
     h = History.of(read_records(run_dir))
+    if (run_dir / REPORT_FILE).is_symlink():
+        raise ReportError(f"{run_dir / REPORT_FILE} is a symbolic link; report writes its own file there and never "
+                          f"follows a link: remove it")
     path = draw_report(h, run_dir / REPORT_FILE, _title(run_dir, h))
     return f"{summary_text(h, run_dir)}\n  figure: {path}"
