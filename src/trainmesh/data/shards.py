@@ -243,6 +243,8 @@ def index_tokenizer(index: Index, given: str) -> TokenizerFile:
                             f"--tokenizer")
         return pinned
     try:
+        if not index.tokenizer_path.isprintable():
+            raise IntegrityError(index.tokenizer_path)
         path = inside(index.root, index.tokenizer_path)
     except IntegrityError:
         raise DataError(f"{index.root / INDEX_FILE} names tokenizer {index.tokenizer_path!r}, not a file of "
