@@ -21,8 +21,8 @@ from trainmesh.tracking import runlock
 from trainmesh import shm
 from trainmesh.app.checkpoints import check_resumable, claim, model_settings
 from trainmesh.checkpoint import CheckpointError, export, export_hf
-from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_local_ranks, check_value, config_from_args,
-                              parse_flag, settings_from_args, validate)
+from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_eval_batches, check_local_ranks,
+                                  check_value, config_from_args, parse_flag, settings_from_args, validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
@@ -310,7 +310,8 @@ def checked_config(args: argparse.Namespace) -> Config:
     if not _is_rank():
         _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
-        TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
+        data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
+        check_eval_batches(cfg, len(data.val), data.source)
         check_resumable(cfg)
     return cfg
 
