@@ -120,7 +120,8 @@ def test_validate_checks_values_given_through_the_python_api():
 
 
 def test_check_value_names_any_file_source():
-    with pytest.raises(ConfigError, match=r"^ck/step-00000002/manifest.json: steps = -3: must be in \[1, 1,000,000,000\]$"):
+    with pytest.raises(ConfigError,
+                       match=r"^ck/step-00000002/manifest.json: steps = -3: must be in \[1, 1,000,000,000\]$"):
         check_value("steps", -3, "ck/step-00000002/manifest.json")
     assert check_value("lr", 1, "run.toml") == 1.0
 

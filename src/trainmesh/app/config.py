@@ -334,7 +334,8 @@ def _number(value: float) -> str:
 
 def _range_text(low: Bound | None, high: Bound | None) -> str:
     if low and high:
-        return f"in {'(' if low.strict else '['}{_number(low.value)}, {_number(high.value)}{')' if high.strict else ']'}"
+        opening, closing = "(" if low.strict else "[", ")" if high.strict else "]"
+        return f"in {opening}{_number(low.value)}, {_number(high.value)}{closing}"
     if low:
         return f"{'greater than' if low.strict else 'at least'} {_number(low.value)}"
     return f"{'less than' if high.strict else 'at most'} {_number(high.value)}"
