@@ -181,7 +181,8 @@ def test_report_refuses_a_directory_without_records(tmp_path):
         report(tmp_path)
 
 
-RECORD = {"step": 1, "loss": 5.5, "tokens_per_s": 1000.0, "mfu": None, "comm_bytes_by_op": {}, "max_rss_bytes": [1 << 20]}
+RECORD = {"step": 1, "loss": 5.5, "tokens_per_s": 1000.0, "mfu": None, "comm_bytes_by_op": {},
+          "max_rss_bytes": [1 << 20]}
 
 
 @pytest.mark.parametrize("case", ["string loss", "string tokens_per_s", "list memory", "binary bytes", "fifo",

@@ -237,3 +237,39 @@ def test_a_config_that_is_no_regular_file_or_nests_deeply_is_one_line_at_once(tm
         load_toml(str(path))
     assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert time.monotonic() - start < 5
+
+
+OTHER_COMMANDS = [
+    (["schedule", "--pp", "65"], "argument --pp: 65: must be in [1, 64]"),
+    (["schedule", "--microbatches", "0"], "argument --microbatches: 0: must be in [1, 256]"),
+    (["schedule", "--virtual", "1e3"], "argument --virtual: 1e3: must be a whole number"),
+    (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--seed", str(2**63)],
+     f"argument --seed: {2**63}: must be in [0, 9,223,372,036,854,775,807]"),
+    (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--max-new-tokens", "1048577"],
+     "argument --max-new-tokens: 1048577: must be in [1, 1,048,576]"),
+    (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--top-p", "1.5"],
+     "argument --top-p: 1.5: must be in (0, 1]"),
+    (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--temperature", "inf"],
+     "argument --temperature: inf: must be in [0, 1,000]"),
+    (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--step=-1"], "argument --step: -1: must be in [0, "),
+    (["bench", "dp", "--pairs", "0"], "argument --pairs: 0: must be in [1, 10,000]"),
+    (["tokenizer", "train", "--out", "t.json", "--vocab-size", "1048577"],
+     "argument --vocab-size: 1048577: must be in [1, 1,048,576]"),
+]
+
+
+@pytest.mark.parametrize("argv,message", OTHER_COMMANDS, ids=[" ".join(a[:2]) + " " + a[-1] for a, _ in OTHER_COMMANDS])
+def test_the_numbers_of_the_other_commands_have_ranges_too(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli._parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_schedule_too_large_to_simulate_and_a_prompt_that_is_not_utf8_are_one_line(capsys):
+    assert cli.main(["schedule", "--pp", "64", "--microbatches", "64"]) == 2
+    assert "is more than the 2,048 stage-micro-batches schedule simulates" in capsys.readouterr().err
+    prompt = b"\xff".decode("utf-8", "surrogateescape")  # what Python makes of generate --prompt $'\xff'
+    assert cli.main(["generate", "--checkpoint-dir", "none", "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt holds byte 0xff at character 0, which is not UTF-8 text" in err and err.count("\n") == 1

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from trainmesh.models import hf
@@ -345,6 +345,22 @@ def _outside(value: float, low: Bound | None, high: Bound | None) -> bool:
     below = low is not None and (value <= low.value if low.strict else value < low.value)
     above = high is not None and (value >= high.value if high.strict else value > high.value)
     return below or above
+
+
+def number_flag(kind: type, low: Bound, high: Bound) -> Callable[[str], Any]:
+    """An argparse ``type`` for a numeric flag of the commands besides ``train`` (``generate``, ``schedule``,
+    ``bench``, ``tokenizer``): the text as ``kind`` (int or float), finite and within ``low``..``high``, else
+    argparse's one-line error naming the flag and the range, as :func:`check_value` does for ``train``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: must be a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(value) or _outside(value, low, high):
+            raise argparse.ArgumentTypeError(f"{text}: must be {_range_text(low, high)}")
+        return value
+
+    return parse
 
 
 def parse_flag(name: str, text: str) -> Any:
