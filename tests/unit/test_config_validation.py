@@ -266,10 +266,12 @@ def test_the_numbers_of_the_other_commands_have_ranges_too(capsys, argv, message
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
 
 
-def test_a_schedule_too_large_to_simulate_and_a_prompt_that_is_not_utf8_are_one_line(capsys):
+def test_a_schedule_too_large_a_prompt_not_utf8_and_a_launch_grace_out_of_range_are_one_line(capsys):
     assert cli.main(["schedule", "--pp", "64", "--microbatches", "64"]) == 2
     assert "is more than the 2,048 stage-micro-batches schedule simulates" in capsys.readouterr().err
     prompt = b"\xff".decode("utf-8", "surrogateescape")  # what Python makes of generate --prompt $'\xff'
     assert cli.main(["generate", "--checkpoint-dir", "none", "--prompt", prompt]) == 2
     err = capsys.readouterr().err
     assert "--prompt holds byte 0xff at character 0, which is not UTF-8 text" in err and err.count("\n") == 1
+    assert cli.main(["launch", "--stopped-grace", "0", "script.py"]) == 2
+    assert "--stopped-grace 0: must be in [1, 604,800]" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from trainmesh.app.config import (AT_LEAST_0, AT_LEAST_1, MAX_STEPS, Bound, Conf
                                   parse_flag, settings_from_args, validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
+from trainmesh.launcher import STOPPED_GRACE_S
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.tracking.records import MetricsError
 from trainmesh.tracking.report import ReportError
@@ -236,6 +237,9 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
                                         "on 127.0.0.1 only, and every rank stopped as soon as one fails, the "
                                         "failing rank named with its traceback. Rank 0's output is shown.")
     launch.add_argument("--nproc", default="1", metavar="N", help="ranks to start (default: 1)")
+    launch.add_argument("--stopped-grace", default=str(STOPPED_GRACE_S), metavar="SECONDS",
+                        help=f"end the job when a rank stays stopped (SIGSTOP, a debugger) this long; a warning "
+                        f"names it at once (default: {STOPPED_GRACE_S:g})")
     launch.add_argument("script", help="the Python file to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
@@ -244,11 +248,12 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.launcher import launch
 
     nproc = check_value("nproc", parse_flag("nproc", args.nproc), written=args.nproc)
+    grace = check_value("stopped_grace", parse_flag("stopped_grace", args.stopped_grace), written=args.stopped_grace)
     check_local_ranks(nproc, _cuda_devices() > 0, _cuda_devices())
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"launch: script {script} does not exist or is not a file")
-    return launch(args.args, nproc, program=(str(script),))
+    return launch(args.args, nproc, program=(str(script),), stopped_grace=grace)
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -428,7 +433,8 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 from trainmesh.app.planning import layout_flags
 
                 argv = [*argv, *layout_flags(cfg)]
-            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
+            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,),
+                                        stopped_grace=cfg.stopped_grace)
         return _train_here(cfg)
 
 

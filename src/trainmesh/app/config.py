@@ -20,6 +20,7 @@ from typing import Any
 
 from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
+from trainmesh.launcher import STOPPED_GRACE_S
 from trainmesh.layout import (CP_IMPLS, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, Layout,
                               LayoutError, resolve_reduce_dtype)
 from trainmesh.layout import flag as flag_spelling, validate as validate_layout
@@ -188,9 +189,10 @@ class Config:
                                      high=MAX_SECONDS)
     debug_collectives: bool = _opt(False, "check every collective's op and shapes across ranks "
                                    "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging)")
-    stopped_grace: float = _opt(60.0, "seconds a stopped rank (SIGSTOP, a debugger's halt) may stay stopped before "
-                                "the launcher ends the job; it warns, naming the rank, as soon as it sees the stop "
-                                "(within a second or two); from 1 s to a week", low=AT_LEAST_1, high=MAX_SECONDS)
+    stopped_grace: float = _opt(STOPPED_GRACE_S, "seconds a rank the launcher started (--nproc > 1 or "
+                                "--max-restarts) may stay stopped (SIGSTOP, a debugger's halt) before the job ends; "
+                                "the launcher warns, naming the rank and its pid, within a second of the stop; from "
+                                "1 s to a week", low=AT_LEAST_1, high=MAX_SECONDS)
     host_transport: str = _opt("auto", "how the ranks of one CPU host exchange: auto sums, gathers and passes "
                                "pipeline messages through shared memory (trainmesh.shm) where an axis's ranks share "
                                "the host; off sends every collective and message through torch.distributed, the "
