@@ -206,7 +206,8 @@ def test_stopped_rank_is_named_at_once_and_ends_the_job_after_the_grace(tmp_path
     assert warned - log["first stop"] < 2, "the stop was not named within 2 s"
     assert resumed.startswith(f"trainmesh: rank 1 (pid {pid}) continued after ")
     assert again.startswith("trainmesh: warning: rank 1")
-    assert last == f"trainmesh: rank 1 (pid {pid}) stayed stopped for more than 1 s (--stopped-grace); stopped all ranks"
+    assert last == (f"trainmesh: rank 1 (pid {pid}) stayed stopped for more than 1 s (--stopped-grace); "
+                    f"stopped all ranks")
     assert grace <= ended - log["second stop"] < grace + 2
     assert rc == 1 and _pids_with(str(script)) == []
 

@@ -14,7 +14,6 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from collections.abc import Callable, Collection
 from typing import Any
 

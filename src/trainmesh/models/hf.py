@@ -50,8 +50,9 @@ SIZES = {"n_layer": INT32_MAX, "n_embd": INT32_MAX, "n_head": INT32_MAX, "n_inne
          "intermediate_size": INT32_MAX, "num_hidden_layers": INT32_MAX, "num_attention_heads": INT32_MAX,
          "num_key_value_heads": INT32_MAX, "head_dim": INT32_MAX, "max_position_embeddings": MAX_POSITIONS,
          "num_local_experts": INT32_MAX, "num_experts_per_tok": INT32_MAX}
-"""The ``config.json`` keys the families read as sizes, each a whole number from 1 to its bound (or ``null``
-where transformers derives it)."""
+"""The ``config.json`` keys the families read as sizes, each a whole number from 1 to its bound."""
+DERIVED = ("n_inner", "head_dim", "num_key_value_heads")
+"""The sizes that may be ``null``: transformers or the family derives them from the others."""
 SCALES = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon")
 """The keys the families read as positive real numbers."""
 
@@ -88,14 +89,22 @@ def hf_dir(path: str | Path) -> Path:
     return directory
 
 
+def _quoted(value: Any) -> str:
+    """A value from a file, for a one-line message: plain names as they are, anything else as short JSON."""
+    if isinstance(value, str) and re.fullmatch(r"[\w.\- ]+", value):
+        return value
+    return json.dumps(value)[:80]
+
+
 def family_of(hf_config: Mapping[str, Any], where: str = "config.json") -> ModelSpec:
     """The family whose architecture ``hf_config`` names (``model_type``, else ``architectures``)."""
     architectures = hf_config.get("architectures") or []
+    architectures = architectures if isinstance(architectures, list) else []
     for spec in SPECS:
         if spec.hf and (hf_config.get("model_type") == spec.hf.model_type or spec.hf.architecture in architectures):
             return spec
     known = ", ".join(f"{s.hf.architecture} ({s.hf.model_type})" for s in SPECS if s.hf)
-    found = hf_config.get("model_type") or architectures or "no model_type"
+    found = _quoted(hf_config.get("model_type") or architectures or "no model_type")
     raise HFError(f"{where} describes {found}; trainmesh imports {known}")
 
 
@@ -123,9 +132,10 @@ def _refuse_code(raw: dict[str, Any], path: Path) -> None:
                 targets = value["auto_map"].values() if isinstance(value["auto_map"], dict) else [value["auto_map"]]
                 names = [t for v in targets for t in (v if isinstance(v, list) else [v]) if isinstance(t, str)]
                 files = sorted({n.split("--")[-1].rsplit(".", 1)[0] + ".py" for n in names})
-                raise HFError(f"{path} has auto_map, which would run Python code from the model folder "
-                              f"({', '.join(files) or 'files it names'}); trainmesh never runs code from a model "
-                              f"folder: use a model of a built-in transformers architecture")
+                named = ", ".join(map(_quoted, files)) or "files it names"
+                raise HFError(f"{path} has auto_map, which would run Python code from the model folder ({named}); "
+                              f"trainmesh never runs code from a model folder: use a model of a built-in "
+                              f"transformers architecture")
             pending += value.values()
         elif isinstance(value, list):
             pending += value
@@ -136,14 +146,14 @@ def _check_sizes(raw: dict[str, Any], path: Path) -> None:
     ``n_layer`` of 2.5 or an ``n_positions`` of -1 is one line naming the key, not a traceback later."""
     for key, bound in SIZES.items():
         value = raw.get(key)
-        if value is None:
+        if key not in raw or value is None and key in DERIVED:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
             raise HFError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be a whole number from 1 to "
                           f"{bound:,}")
     for key in SCALES:
         value = raw.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+        if key in raw and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 < value < float("inf")):
             raise HFError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be a positive finite number")
 
@@ -159,7 +169,8 @@ def _read_config(directory: Path) -> tuple[ModelSpec, Any]:
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True,
                                                             trust_remote_code=False).to_dict()
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers parses a hostile file: its validators raise their own
+        # types (huggingface_hub's StrictDataclassError is no ValueError), all of which mean "a bad config.json"
         raise HFError(f"{path} cannot be read by transformers: {' '.join(str(e).split())[:300]}") from None
     spec = family_of(hf_config, str(path))
     try:
@@ -264,7 +275,30 @@ def to_trainmesh(spec: ModelSpec, cfg: Any, tensors: Mapping[str, torch.Tensor],
     if unused:
         raise HFError(f"{where} holds {len(unused)} tensor(s) trainmesh's {spec.family} of this config would not "
                       f"use (e.g. {unused[0]}); it is another architecture than its config.json says")
+    _check_shapes(spec, cfg, ours, where)
     return ours
+
+
+def _check_shapes(spec: ModelSpec, cfg: Any, ours: Mapping[str, torch.Tensor], where: str) -> None:
+    """Every parameter of the model ``config.json`` describes has a tensor of its shape: a mapping renames
+    and re-lays out tensors but does not check every shape (a GPT-2 whose ``n_embd`` is missing from its
+    config gets transformers' 768 while its tensors are 16 wide)."""
+    for name, shape in _parameter_shapes(spec.family, cfg).items():
+        if name not in ours:
+            raise HFError(f"{where} gives no tensor for {name} of a {spec.hf.architecture} of its config.json")
+        if ours[name].shape != shape:
+            raise HFError(f"{where}: {name} has shape {list(ours[name].shape)} but its config.json gives "
+                          f"{list(shape)}; the config and the weights are of different models")
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_shapes(family: str, cfg: Any) -> dict[str, torch.Size]:
+    """The parameter shapes of family ``family``'s model of ``cfg``, built on the meta device (no memory is
+    allocated whatever its size; the build still takes ~50 ms, hence the cache)."""
+    spec = next(s for s in SPECS if s.family == family)
+    with torch.device("meta"):
+        model = spec.builder(cfg, 0)
+    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def check_weights(path: str | Path) -> tuple[ModelSpec, Any]:
