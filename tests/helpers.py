@@ -13,7 +13,9 @@ such a bug under its own noise (its AdamW-amplified parameter differences reach 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import torch
 
 from trainmesh.app.config import Config
@@ -122,3 +124,21 @@ def describe_layout(cfg: Config) -> str:
     parts += [f"zero{cfg.zero}"] if cfg.zero else []
     parts += [f"mb{cfg.microbatches}"] if cfg.microbatches > 1 else []
     return " ".join(parts + ([cfg.model] if cfg.model != "tiny" else [])) or "single"
+
+
+class CaseTimeout(Exception):
+    """A fuzzer's case ran past its :func:`deadline`: a hang."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise :class:`CaseTimeout` in the main thread if the block runs longer than ``seconds`` (SIGALRM)."""
+    def expire(*_):
+        raise CaseTimeout()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -6,14 +6,12 @@ The fuzzer mutates a tiny saved checkpoint's manifest, file names and safetensor
 as a tamperer would) and loads each mutant in this process, with an audit hook recording every file
 opened and a timer per case."""
 
-import contextlib
 import fcntl
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -39,7 +37,7 @@ from trainmesh.app.train import build, full_state_dict, train
 SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"
 OTHER_RUN = "0123456789abcdef0123456789abcdef"
 
-from helpers import config
+from helpers import CaseTimeout, config, deadline as _deadline
 
 
 def _cfg(root: Path, **kw) -> Config:
@@ -390,10 +388,6 @@ PLANTED = {"rank-00009.safetensors": "fifo", "rank-00008.safetensors": "link out
            "rank-00007.safetensors": "link /dev/zero", "rank-00006.safetensors": "dir"}
 
 
-class CaseTimeout(Exception):
-    pass
-
-
 def _nodes(value, out: list) -> list:
     """Every (container, key) in a JSON value."""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
@@ -473,19 +467,6 @@ def _plant(step: Path, outside: Path) -> None:
             path.symlink_to("/dev/zero")
         else:
             path.mkdir()
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    def expire(*_):
-        raise CaseTimeout()
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 OPENED: list | None = None

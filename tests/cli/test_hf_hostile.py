@@ -7,13 +7,11 @@ another exception, never a hang (docs/reliability.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import struct
 import sys
 import time
@@ -28,6 +26,8 @@ from trainmesh.app.cli import main
 from trainmesh.app.config import Config
 from trainmesh.checkpoint import CheckpointError
 from trainmesh.models import hf
+
+from helpers import CaseTimeout, deadline
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,23 +158,6 @@ DTYPES = ["F32", "F16", "BF16", "F64", "U8", "I64", "BOOL", "F8_E4M3", "XX", 1]
 NAN_F32 = struct.pack("<f", math.nan)
 
 
-class CaseTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    def expire(*_):
-        raise CaseTimeout()
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _mutate_config(rng: random.Random, text: str) -> tuple[bytes, str]:
     """``config.json`` with one mutation: a key set to a hostile value, nudged, removed or added, the file
     nested deeply, or its bytes flipped or cut."""
@@ -259,7 +242,7 @@ def test_fuzzed_config_and_safetensors_headers_load_correctly_or_fail_in_one_lin
             (directory / hf.CONFIG).write_bytes(data)
         label = f"case {case} ({family}: {what})"
         try:
-            with _deadline(5):
+            with deadline(5):
                 _check_loaded(directory, label)
         except CaseTimeout:
             pytest.fail(f"{label} hung")
