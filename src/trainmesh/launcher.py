@@ -6,6 +6,11 @@ so a local run listens on no external address. Ranks get the environment torchru
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), which is why the same entry point also runs unchanged
 under torchrun across machines.
 
+A rank that is stopped (SIGSTOP, a debugger's halt) does not fail: its peers only wait for it. The launcher
+reads each rank's process state every :data:`STOP_CHECK_S`, warns as soon as it sees one stopped, naming the
+rank and its pid, and ends the job when it stays stopped for the grace period (``--stopped-grace``), so a
+stopped rank is never silent for a whole collective timeout.
+
 When a rank fails, the report blames, in order: a rank that stopped responding (its process stopped, or
 its heartbeat in the store silent), a rank that failed on its own, or the ranks the failed ranks were
 waiting on (in a numbered collective, or for a numbered point-to-point message) that never arrived.
@@ -42,6 +47,9 @@ TAIL_LINES = 200
 HEARTBEAT_S = 0.5
 HEARTBEAT_STALE_S = 3.0  # a running rank's heartbeat thread writes every HEARTBEAT_S; this late, it is frozen
 HEARTBEAT_KEY = "trainmesh/heartbeat/{rank}"
+STOP_CHECK_S = 0.5  # how often the launcher reads its ranks' process states
+STOPPED_GRACE_S = 60.0  # default of --stopped-grace: a debugger's pause is shorter, a forgotten Ctrl-Z longer
+STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, stopped by a tracer
 # the messages of trainmesh.comm.CollectiveError
 COLLECTIVE_RE = re.compile(r"collective (?P<name>\S+?(?: #\d+)?)(?: \(ranks (?P<ranks>[\d,-]+)\))? failed")
 P2P_RE = re.compile(r"p2p (?P<messages>\S+ \d+->\d+ #\d+(?: \+ \S+ \d+->\d+ #\d+)*) failed")
@@ -184,7 +192,7 @@ def _stuck_reason(rp: RankProcess, age: float | None) -> str | None:
     """Why a still-running rank counts as unresponsive, or None: its process is stopped (SIGSTOP, a
     debugger), or its heartbeat thread has not written for HEARTBEAT_STALE_S (the whole process is frozen)."""
     reasons = []
-    if _process_state(rp.proc.pid) in ("T", "t"):
+    if _process_state(rp.proc.pid) in STOPPED_STATES:
         reasons.append("its process is stopped")
     if age is not None and age > HEARTBEAT_STALE_S:
         reasons.append(f"no heartbeat for {age:.1f} s")
@@ -340,9 +348,44 @@ def heartbeat_ages(store: dist.TCPStore, ranks: Sequence[int]) -> dict[int, floa
     return {r: now - float(store.get(key)) for r, key in keys.items() if store.check([key])}
 
 
-def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh")) -> int:
+@dataclass
+class StopWatch:
+    """The ranks seen stopped and since when: a warning when a stop is first seen, a note when the rank
+    continues, and the rank whose stop has outlasted ``grace`` seconds."""
+
+    grace: float
+    since: dict[int, float] = field(default_factory=dict)
+    checked: float = 0.0
+
+    def overdue(self, ranks: Sequence[RankProcess]) -> RankProcess | None:
+        """Look at the ranks (at most every STOP_CHECK_S); the first stopped for longer than the grace."""
+        now = time.monotonic()
+        if now - self.checked < STOP_CHECK_S:
+            return None
+        self.checked = now
+        for rp in ranks:
+            stopped = rp.proc.poll() is None and _process_state(rp.proc.pid) in STOPPED_STATES
+            if stopped and rp.rank not in self.since:
+                self.since[rp.rank] = now
+                _say(f"trainmesh: warning: rank {rp.rank} (pid {rp.proc.pid}) is stopped (SIGSTOP or a debugger) "
+                     f"and its peers wait for it; the job ends in {self.grace:g} s unless it continues "
+                     f"(kill -CONT {rp.proc.pid}; --stopped-grace sets the wait)")
+            elif not stopped and rp.rank in self.since:
+                _say(f"trainmesh: rank {rp.rank} (pid {rp.proc.pid}) continued after "
+                     f"{now - self.since.pop(rp.rank):.1f} s stopped")
+        return next((rp for rp in ranks if now - self.since.get(rp.rank, now) > self.grace), None)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh"),
+           stopped_grace: float = STOPPED_GRACE_S) -> int:
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
-    user's script) as ``nproc`` ranks; returns the exit code for the user."""
+    user's script) as ``nproc`` ranks; returns the exit code for the user. A rank stopped for longer than
+    ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
     store, port = host_store()
     job = shm.new_job()
     ranks: list[RankProcess] = []
@@ -362,7 +405,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(ranks, store)
+        return _supervise(ranks, store, StopWatch(stopped_grace))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -370,7 +413,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
         shm.remove_segments(job)  # every rank has ended: _supervise returns only then
 
 
-def _supervise(ranks: list[RankProcess], store: dist.TCPStore) -> int:
+def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch) -> int:
     while True:
         running = False
         for rp in ranks:
@@ -389,11 +432,18 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore) -> int:
             for rp in ranks:
                 rp.reader.join(timeout=1.0)
             return 0
+        late = watch.overdue(ranks)
+        if late is not None:
+            late.proc.kill()  # a stopped process acts on no SIGTERM until continued
+            _stop(ranks)
+            _say(f"trainmesh: rank {late.rank} (pid {late.proc.pid}) stayed stopped for more than {watch.grace:g} s "
+                 f"(--stopped-grace); stopped all ranks")
+            return 1
         time.sleep(POLL_S)
 
 
 def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
-                         clear_on_restart: Sequence[str] = ()) -> int:
+                         clear_on_restart: Sequence[str] = (), stopped_grace: float = STOPPED_GRACE_S) -> int:
     """:func:`launch`, and after a failure launch every rank again with ``--resume`` (up to ``max_restarts``
     times), so the run continues from its latest complete checkpoint (``--no-overwrite``: the first attempt
     already cleared the directory); returns the last attempt's exit code.
@@ -402,7 +452,7 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
     ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
     the restarted run must not meet again at the same step.
     """
-    rc = launch(argv, nproc)
+    rc = launch(argv, nproc, stopped_grace=stopped_grace)
     for attempt in range(1, max_restarts + 1):
         if rc == 0:
             break
@@ -410,6 +460,6 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          f"(restart {attempt} of {max_restarts})\n")
         for name in clear_on_restart:
             os.environ.pop(name, None)
-        rc = launch([*argv, "--resume", "--no-overwrite"], nproc)
+        rc = launch([*argv, "--resume", "--no-overwrite"], nproc, stopped_grace=stopped_grace)
     return rc
 

@@ -175,3 +175,38 @@ def remove_entry(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+# --- files a user names: regular files only, read to a bound ----------------------------------------------
+
+class UnreadableFile(OSError):
+    """A file a user named that cannot be read as one: missing, not a regular file, or larger than its
+    bound; ``str()`` is one line, the path and what is wrong."""
+
+
+def read_user_file(path: str | Path, limit: int) -> bytes:
+    """The bytes of the file a user named (a ``--config`` TOML, a run's ``metrics.jsonl``, a model folder's
+    ``config.json``), at most ``limit`` of them.
+
+    Unlike a checkpoint's files, such a file may be a symbolic link (to a shared config, say), so links are
+    followed; but it must be a regular file: a FIFO would block the reader forever and ``/dev/zero`` would
+    feed it without end. The FIFO is opened non-blocking, refused after ``fstat``, and the size is checked
+    before reading and again by reading one byte past the bound (a file that grows while it is read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UnreadableFile(f"{path} does not exist") from None
+    except PermissionError:
+        raise UnreadableFile(f"{path} cannot be read (permission denied)") from None
+    except OSError as e:
+        raise UnreadableFile(f"{path} cannot be opened ({e.strerror})") from None
+    mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise UnreadableFile(f"{path} is {kind}, not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise UnreadableFile(f"{path} is larger than {limit:,} bytes, the most such a file may have")
+        return data

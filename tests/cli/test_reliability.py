@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -139,17 +140,76 @@ def test_stopped_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path):
     launcher = _start(out, "--nproc", "2", "--dp", "2", "--collective-timeout", str(timeout))
     try:
         _wait_for_training(launcher, out)
-        os.kill(_rank_pids(str(out))[1], signal.SIGSTOP)
+        pid = _rank_pids(str(out))[1]
+        os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
     assert launcher.returncode != 0
-    headline = next(line for line in err.splitlines() if line.startswith("trainmesh:"))
+    assert f"trainmesh: warning: rank 1 (pid {pid}) is stopped (SIGSTOP or a debugger)" in err
+    headline = next(line for line in err.splitlines() if line.startswith("trainmesh:") and "warning" not in line)
     assert headline.startswith("trainmesh: rank(s) [1] stopped responding (rank 1: its process is stopped"), err
     assert "rank 0 failed waiting for collective" in headline
     assert time.monotonic() - stopped < timeout + 10
     assert _pids_with(str(out)) == []
+
+
+WAITING_RANK = """
+import time
+time.sleep(60)
+"""
+
+
+def _stop_and_continue(script: Path, said: list, grace: float, log: dict) -> None:
+    """From a thread beside the launcher: SIGSTOP rank 1, wait for the warning, SIGCONT it, wait for the
+    note, SIGSTOP it again; ``log`` gets the pid and when each stop was sent."""
+    def wait_for(start: str, after: int) -> None:
+        deadline = time.monotonic() + 10
+        while not any(line.startswith(start) for _, line in said[after:]):
+            assert time.monotonic() < deadline, f"no line starting {start!r}: {said}"
+            time.sleep(0.02)
+
+    deadline = time.monotonic() + 30
+    while len(ranks := _rank_pids(str(script))) < 2:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.02)
+    log["pid"] = pid = ranks[1]
+    log["first stop"] = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    wait_for("trainmesh: warning: rank 1", 0)
+    os.kill(pid, signal.SIGCONT)
+    wait_for("trainmesh: rank 1", 1)
+    log["second stop"] = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+
+
+@pytest.mark.timeout(60)
+def test_stopped_rank_is_named_at_once_and_ends_the_job_after_the_grace(tmp_path, monkeypatch):
+    """SIGSTOP of a rank that no collective will time out on: the launcher warns, naming the rank and its pid,
+    within a few seconds, notes a SIGCONT, and when the rank is stopped again ends the job after the grace
+    (``--stopped-grace``, which ``train`` and ``launch`` pass to this launcher) in one line, leaving no process."""
+    script = tmp_path / "waiting_rank.py"
+    script.write_text(WAITING_RANK)
+    said: list[tuple[float, str]] = []
+    monkeypatch.setattr(launcher, "_say", lambda line: said.append((time.monotonic(), line)))
+    grace, log = 1.0, {}
+    helper = threading.Thread(target=_stop_and_continue, args=(script, said, grace, log), daemon=True)
+    helper.start()
+    rc = launcher.launch([], 2, program=(str(script),), stopped_grace=grace)
+    helper.join(timeout=5)
+    pid = log["pid"]
+    (warned, warning), (_, resumed), (_, again), (ended, last) = said
+    assert warning == (f"trainmesh: warning: rank 1 (pid {pid}) is stopped (SIGSTOP or a debugger) and its peers "
+                       f"wait for it; the job ends in 1 s unless it continues (kill -CONT {pid}; --stopped-grace "
+                       f"sets the wait)")
+    assert warned - log["first stop"] < 2, "the stop was not named within 2 s"
+    assert resumed.startswith(f"trainmesh: rank 1 (pid {pid}) continued after ")
+    assert again.startswith("trainmesh: warning: rank 1")
+    assert last == (f"trainmesh: rank 1 (pid {pid}) stayed stopped for more than 1 s (--stopped-grace); "
+                    f"stopped all ranks")
+    assert grace <= ended - log["second stop"] < grace + 2
+    assert rc == 1 and _pids_with(str(script)) == []
 
 
 @pytest.mark.timeout(90)
@@ -362,6 +422,7 @@ def test_bad_input_gives_one_line_error(tmp_path, capsys, case):
 
 UNWAITED_AT_EXIT = """
 import sys
+import threading
 import time
 
 import torch

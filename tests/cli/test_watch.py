@@ -3,9 +3,11 @@
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from trainmesh.tracking import records as metrics
 from trainmesh.app.config import Config
 from trainmesh.mesh import Mesh
 from trainmesh.tracking.records import METRICS_FILE, LossWindows, MetricsWriter, Progress, TensorBoardSink
-from trainmesh.tracking.report import REPORT_FILE, ReportError, report
+from trainmesh.tracking.report import REPORT_FILE, History, ReportError, read_records, report, summary_text
 from trainmesh.app.train import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -179,6 +181,41 @@ def test_report_refuses_a_directory_without_records(tmp_path):
         report(tmp_path)
 
 
+RECORD = {"step": 1, "loss": 5.5, "tokens_per_s": 1000.0, "mfu": None, "comm_bytes_by_op": {},
+          "max_rss_bytes": [1 << 20]}
+
+
+@pytest.mark.parametrize("case", ["string loss", "string tokens_per_s", "list memory", "binary bytes", "fifo",
+                                  "missing tokens_per_s"])
+def test_report_on_a_tampered_metrics_file_is_one_line_at_once(tmp_path, case):
+    """A record with a field of the wrong type, bytes that are not text, a FIFO in place of the file: one
+    line naming the file (and the line), at once; a record without tokens_per_s (a script's) is drawn."""
+    path = tmp_path / METRICS_FILE
+    records = [dict(RECORD), dict(RECORD, step=2, loss=5.0)]
+    expect = {"string loss": "line 2: loss is \"abc\", not a number",
+              "string tokens_per_s": "line 2: tokens_per_s is \"fast\", not a number",
+              "list memory": "line 2: max_rss_bytes is not a list of byte counts",
+              "binary bytes": "is not UTF-8 text (invalid byte 0xff at offset ",
+              "fifo": "metrics.jsonl is a FIFO, not a regular file"}.get(case)
+    records[1].update({"string loss": {"loss": "abc"}, "string tokens_per_s": {"tokens_per_s": "fast"},
+                       "list memory": {"max_rss_bytes": "lots"}}.get(case, {}))
+    if case == "missing tokens_per_s":
+        del records[1]["tokens_per_s"]
+    if case == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records)
+                         + (b"\xff\xfe\x00garbage\n" if case == "binary bytes" else b""))
+    start = time.monotonic()
+    if expect is None:
+        assert "steps 1-2 (2 records)" in summary_text(History.of(read_records(tmp_path)), tmp_path)
+        return
+    with pytest.raises(ReportError) as e:
+        report(tmp_path)
+    assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert time.monotonic() - start < 5
+
+
 # --- the progress line -------------------------------------------------------------------------------
 
 
@@ -243,6 +280,7 @@ def test_plain_progress_prints_every_nth_step_and_no_progress_keeps_messages():
 
 BLOCK = """
 import sys
+import time
 sys.modules.update(dict.fromkeys(("tensorboard", "tqdm", "matplotlib", "rich", "wandb")))  # as if not installed
 """
 

@@ -32,6 +32,7 @@ from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerError, TokenizerFi
 from trainmesh.checkpoint.manifest import RUN_ID, show
 from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.models import register_preset, spec_of
+from trainmesh.models.weights import first_untrainable, scan_file
 from trainmesh.tracking import runlock
 from trainmesh.safe_io import fsync_dir, sha256_hex
 from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP_DIR, CheckpointDamaged, CheckpointError,
@@ -201,6 +202,8 @@ def load_weights(run: Run, path: Path) -> None:
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"--init-from {path}: not a readable safetensors file ({e}); write one with "
                               f"'trainmesh export CKPT --to FILE'") from None
+    if problem := first_untrainable(full.items()):
+        raise CheckpointError(f"--init-from {path}: {problem}")
     load_full(run, full, f"--init-from {path}")
 
 
@@ -332,11 +335,24 @@ def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
     return {}
 
 
+def _check_trainable(path: Path) -> None:
+    """``--init-from``'s file before any rank starts: floating-point, finite weights (read one at a time)."""
+    try:
+        problem = scan_file(path)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"--init-from {path}: not a readable safetensors file ({e}); write one with "
+                              f"'trainmesh export CKPT --to FILE'") from None
+    if problem:
+        raise CheckpointError(f"--init-from {path}: {problem}")
+
+
 def check_resumable(cfg: Config) -> None:
     """Before spawning: a checkpoint of another model (or a missing ``--init-from``, an ``--init-hf``
     directory whose weights do not fit its config) is a one-line error."""
     if cfg.init_from and not Path(cfg.init_from).is_file():
         raise CheckpointError(f"--init-from {cfg.init_from} does not exist")
+    if cfg.init_from:
+        _check_trainable(Path(cfg.init_from))
     if cfg.init_hf:
         try:
             hf.check_weights(cfg.init_hf)

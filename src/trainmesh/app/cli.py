@@ -21,15 +21,20 @@ from trainmesh.tracking import runlock
 from trainmesh import shm
 from trainmesh.app.checkpoints import check_resumable, claim, model_settings
 from trainmesh.checkpoint import CheckpointError, export, export_hf
-from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_local_ranks, check_value, config_from_args,
-                              parse_flag, settings_from_args, validate)
+from trainmesh.app.config import (AT_LEAST_0, AT_LEAST_1, MAX_STEPS, Bound, Config, ConfigError, add_config_flags,
+                                  check_eval_batches, check_local_ranks, check_value, config_from_args, number_flag,
+                                  parse_flag, settings_from_args, validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
+from trainmesh.launcher import STOPPED_GRACE_S
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.tracking.records import MetricsError
 from trainmesh.tracking.report import ReportError
 from trainmesh.app.rundir import check_run_dirs, default_out_dir, make_out_fresh
 from trainmesh.data.tokenizer import TokenizerError
+
+
+MAX_VOCAB = Bound(1 << 20)  # tokens in a vocabulary (the largest published are ~256k)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                        "measured vs simulated bubble, and vs torch's schedule of the same name; tp: trainmesh "
                        "tensor parallel vs torch parallelize_module; all: every one of them, one launch each, "
                        "into one table (results.json and results.md in --out)")
-    bench.add_argument("--pairs", type=int, default=35, help="timed pairs of steps, one step of each implementation")
+    bench.add_argument("--pairs", type=number_flag(int, AT_LEAST_1, Bound(10_000)), default=35,
+                       help="timed pairs of steps, one step of each implementation (1 to 10,000)")
     bench.add_argument("--results", default="", help="write this bench's rows as JSON to this file")
     add_config_flags(bench)
     _add_launch_parser(sub)
@@ -96,7 +102,8 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
     tok_train.add_argument("--input", nargs="+", default=[], metavar="PATH",
                            help="text, JSONL, Parquet files, saved HF datasets or directories of them "
                                 "(default: this Python's standard library sources)")
-    tok_train.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size (default: 8192)")
+    tok_train.add_argument("--vocab-size", type=number_flag(int, AT_LEAST_1, MAX_VOCAB), default=8192,
+                           help=f"vocabulary size, at most {MAX_VOCAB.value:,} (default: 8192)")
     tok_train.add_argument("--out", required=True, metavar="FILE", help="the tokenizer.json to write")
     prepare = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped token shards",
                              description="Tokenize text in parallel worker processes into fixed-dtype token "
@@ -144,18 +151,21 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
                                      "text goes to stdout; what was loaded and the speed to stderr.")
     gen.add_argument("--checkpoint-dir", required=True, metavar="DIR",
                      help="a training run's --checkpoint-dir (its latest checkpoint), or one step-N directory")
-    gen.add_argument("--step", type=int, help="use the checkpoint of this step (default: the latest)")
+    gen.add_argument("--step", type=number_flag(int, AT_LEAST_0, MAX_STEPS),
+                     help="use the checkpoint of this step (default: the latest)")
     gen.add_argument("--prompt", required=True, help="the text to continue; a prompt longer than the model's "
                      "seq_len keeps its last seq_len tokens")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    gen.add_argument("--temperature", type=float, default=0.8,
+    gen.add_argument("--max-new-tokens", type=number_flag(int, AT_LEAST_1, Bound(1 << 20)), default=64,
+                     help="tokens to generate, at most 2**20 (default: 64)")
+    gen.add_argument("--temperature", type=number_flag(float, AT_LEAST_0, Bound(1000)), default=0.8,
                      help="divide the logits by this before sampling; 0: greedy (default: 0.8)")
-    gen.add_argument("--top-k", type=int, default=0,
+    gen.add_argument("--top-k", type=number_flag(int, AT_LEAST_0, MAX_VOCAB), default=0,
                      help="sample among the k most likely tokens only (default: 0, all)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="sample among the fewest most likely tokens "
-                     "whose probability reaches p only (nucleus sampling; default: 1, all)")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling; the same seed gives the same "
-                     "text (default: 0)")
+    gen.add_argument("--top-p", type=number_flag(float, Bound(0, strict=True), Bound(1)), default=1.0,
+                     help="sample among the fewest most likely tokens whose probability reaches p only (nucleus "
+                     "sampling; default: 1, all)")
+    gen.add_argument("--seed", type=number_flag(int, AT_LEAST_0, Bound(2**63 - 1)), default=0,
+                     help="seed of the sampling; the same seed gives the same text (default: 0)")
     gen.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json to use; refused unless it is the file "
                      "the run trained with (default: the one the checkpoint records)")
     gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -163,10 +173,23 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace, _argv: Sequence[str]) -> int:
+    _check_text("--prompt", args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     print(args.prompt + generate_text(args.checkpoint_dir, args.prompt, args.max_new_tokens, sampling, args.step,
                                       args.tokenizer, args.device))
     return 0
+
+
+def _check_text(flag: str, text: str) -> None:
+    """Refuse an argument holding bytes that are not UTF-8 (Python hands them over as lone surrogates, which
+    no tokenizer can encode), naming the first."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else f"code point U+{ord(text[e.start]):04X}"
+        raise ConfigError(f"{flag} holds {what} at character {e.start}, which is not UTF-8 text; give the "
+                          f"text in UTF-8") from None
 
 
 def _export_target(to: Path) -> None:
@@ -214,6 +237,9 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
                                         "on 127.0.0.1 only, and every rank stopped as soon as one fails, the "
                                         "failing rank named with its traceback. Rank 0's output is shown.")
     launch.add_argument("--nproc", default="1", metavar="N", help="ranks to start (default: 1)")
+    launch.add_argument("--stopped-grace", default=str(STOPPED_GRACE_S), metavar="SECONDS",
+                        help=f"end the job when a rank stays stopped (SIGSTOP, a debugger) this long; a warning "
+                        f"names it at once (default: {STOPPED_GRACE_S:g})")
     launch.add_argument("script", help="the Python file to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
@@ -222,11 +248,12 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.launcher import launch
 
     nproc = check_value("nproc", parse_flag("nproc", args.nproc), written=args.nproc)
+    grace = check_value("stopped_grace", parse_flag("stopped_grace", args.stopped_grace), written=args.stopped_grace)
     check_local_ranks(nproc, _cuda_devices() > 0, _cuda_devices())
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"launch: script {script} does not exist or is not a file")
-    return launch(args.args, nproc, program=(str(script),))
+    return launch(args.args, nproc, program=(str(script),), stopped_grace=grace)
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -254,18 +281,30 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:
     schedule = sub.add_parser("schedule", help="print and draw a pipeline schedule, simulated",
                               description="Print each pipeline rank's actions, busy/idle time and peak "
                                           "activations under a schedule, and draw its timeline.")
-    schedule.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
-    schedule.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default: 8)")
+    schedule.add_argument("--pp", type=number_flag(int, AT_LEAST_1, Bound(64)), default=4,
+                          help="pipeline ranks, at most 64 (default: 4)")
+    schedule.add_argument("--microbatches", type=number_flag(int, AT_LEAST_1, Bound(256)), default=8,
+                          help="micro-batches per step, at most 256 (default: 8)")
     schedule.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="default: 1f1b")
-    schedule.add_argument("--virtual", type=int, default=1, help="model chunks per rank, interleaved only "
-                          "(default: 1)")
+    schedule.add_argument("--virtual", type=number_flag(int, AT_LEAST_1, Bound(16)), default=1,
+                          help="model chunks per rank, interleaved only, at most 16 (default: 1); pp x "
+                          f"microbatches x virtual at most {SCHEDULE_ACTIONS:,}")
     schedule.add_argument("--png", help="draw the timeline (ranks x time, coloured by action) to this file")
     schedule.add_argument("--costs", help="simulate with the measured costs (JSON) that trainmesh train --timeline "
                           "writes beside its picture, instead of F=1, B=2 and free communication")
 
 
+SCHEDULE_ACTIONS = 2048
+"""Largest pp x microbatches x virtual ``schedule`` simulates: the simulation and the table it prints grow
+with it, and beyond this they take minutes and print more than anyone reads."""
+
+
 def _schedule(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.pipeline.draw import schedule_command
+
+    if args.pp * args.microbatches * args.virtual > SCHEDULE_ACTIONS:
+        raise ConfigError(f"--pp {args.pp} x --microbatches {args.microbatches} x --virtual {args.virtual} is more "
+                          f"than the {SCHEDULE_ACTIONS:,} stage-micro-batches schedule simulates; choose fewer")
 
     try:
         print(schedule_command(args.pp, args.microbatches, args.schedule, args.virtual, args.png, args.costs))
@@ -318,7 +357,8 @@ def checked_config(args: argparse.Namespace) -> Config:
     if not _is_rank():
         _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
-        TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
+        data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
+        check_eval_batches(cfg, len(data.val), data.source)
         check_resumable(cfg)
     return cfg
 
@@ -402,7 +442,8 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 from trainmesh.app.planning import layout_flags
 
                 argv = [*argv, *layout_flags(cfg)]
-            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,))
+            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,),
+                                        stopped_grace=cfg.stopped_grace)
         return _train_here(cfg)
 
 

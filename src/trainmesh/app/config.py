@@ -14,18 +14,19 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
+from trainmesh.launcher import STOPPED_GRACE_S
 from trainmesh.layout import (CP_IMPLS, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, Layout,
                               LayoutError, resolve_reduce_dtype)
 from trainmesh.float8 import fp8_problem
 from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 from trainmesh.models.moe import MoEConfig
+from trainmesh.safe_io import UnreadableFile, read_user_file
 from trainmesh.shm import TRANSPORTS
 from trainmesh.data.tokenizer import padded_vocab
 
@@ -57,6 +58,20 @@ def _opt(default: Any, help: str, choices: Collection | None = None, low: Bound 
 
 
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
+MAX_STEPS = Bound(10**9)
+"""Step counts (``--steps``, ``--warmup-steps``, the ``--*-every`` intervals): a billion. The data never runs
+out (each step draws its batch at random from the whole split), so the bound is stated, not derived: at
+the fastest step trainmesh takes (~1 ms) a billion steps is 11 days, at a typical 10-100 ms months to years,
+so a larger count is a typo that would otherwise be accepted with an ETA of centuries. Evaluation batches
+are drawn as the steps from a billion on (``train.EVAL_STEP_BASE``), which training never reaches."""
+MAX_RANKS = Bound(1 << 20)  # ranks and parallel degrees: far beyond any cluster, far below int overflow
+MAX_SEQUENCES = Bound(1 << 20)  # sequences per step (global batch, micro-batches): 1M, 16x Llama 3's
+MAX_SEQ_LEN = Bound(1 << 20)  # tokens per sequence: position and rotary tables are sized to it
+MAX_EXPERTS = Bound(1 << 16)  # routed experts per layer (DeepSeek-V3 has 256)
+MAX_COEF = Bound(1000)  # loss weights and capacity factors: larger only drowns the language-model loss
+MAX_LR = Bound(10)  # AdamW's step is about lr per parameter: above 10 every weight leaves its scale at once
+MAX_SECONDS = Bound(7 * 24 * 3600)  # timeouts and grace periods: a week; beyond it a hang is never reported
+EVAL_BATCHES_FLOOR = 100  # --eval-batches allowed on any data, however small its validation split
 
 
 @dataclass(frozen=True)
@@ -69,43 +84,47 @@ class Config:
     tokenizer: str = _opt("", "tokenizer.json (Hugging Face) for text data; the model's vocabulary follows it, "
                           "padded to a multiple of 64*tp (default: bytes, the preset's vocabulary; prepared "
                           "data carries its own, and a --tokenizer given with it must be the same one); checkpoints record it and its SHA-256")
-    seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0)
+    seed: int = _opt(0, "seed for weights, data order and dropout", low=AT_LEAST_0, high=Bound(2**63 - 1))
     seq_len: int = _opt(0, "tokens per sequence, overriding the preset's (a learned position table is sized to "
-                        "it); 0: the preset's", low=AT_LEAST_0)
+                        "it); 0: the preset's", low=AT_LEAST_0, high=MAX_SEQ_LEN)
     # [moe]: mixture-of-experts models (moe-tiny, llama-moe-tiny, a Mixtral through --init-hf)
-    moe_experts: int = _opt(0, "routed experts per MoE layer, overriding the preset's (0: the preset's)", low=AT_LEAST_0)
+    moe_experts: int = _opt(0, "routed experts per MoE layer, overriding the preset's (0: the preset's)",
+                            low=AT_LEAST_0, high=MAX_EXPERTS)
     moe_top_k: int = _opt(0, "experts each token is routed to, overriding the preset's (0: the preset's)",
-                          low=AT_LEAST_0)
+                          low=AT_LEAST_0, high=MAX_EXPERTS)
     moe_dropless: bool = _opt(True, "route every token to its top-k experts however uneven the load; "
                               "--no-moe-dropless with --moe-capacity drops the copies beyond each expert's capacity")
     moe_capacity: float = _opt(0.0, "capacity factor under --no-moe-dropless: each expert takes at most "
                                "ceil(F * tokens * top-k / experts) token copies per micro-batch, first come first "
-                               "served (GShard); the dropped fraction is logged", low=AT_LEAST_0)
+                               "served (GShard); the dropped fraction is logged", low=AT_LEAST_0, high=MAX_COEF)
     moe_aux_coef: float = _opt(0.01, "weight of the load-balancing loss (per-sequence Switch/GShard form, 1 "
-                               "when balanced)", low=AT_LEAST_0)
-    moe_z_coef: float = _opt(0.001, "weight of the router z-loss (ST-MoE)", low=AT_LEAST_0)
+                               "when balanced)", low=AT_LEAST_0, high=MAX_COEF)
+    moe_z_coef: float = _opt(0.001, "weight of the router z-loss (ST-MoE)", low=AT_LEAST_0, high=MAX_COEF)
     moe_bias_rate: float = _opt(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each step move every "
-                                "expert's routing bias by this much towards the mean load (0: off)", low=AT_LEAST_0)
+                                "expert's routing bias by this much towards the mean load (0: off)", low=AT_LEAST_0,
+                                high=Bound(1))
     # [layout]: how each step is spread over ranks and held in memory
-    nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1)
-    dp: int = _opt(1, "data-parallel degree", low=AT_LEAST_1)
-    tp: int = _opt(1, "tensor-parallel degree", low=AT_LEAST_1)
+    nproc: int = _opt(1, "local ranks to spawn (ignored under torchrun, which sets WORLD_SIZE)", low=AT_LEAST_1,
+                      high=MAX_RANKS)
+    dp: int = _opt(1, "data-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
+    tp: int = _opt(1, "tensor-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
     cp: int = _opt(1, "context-parallel degree: each sequence split over cp ranks (2*cp head-tail chunks)",
-                   low=AT_LEAST_1)
+                   low=AT_LEAST_1, high=MAX_RANKS)
     cp_impl: str = _opt("ring", "context-parallel attention: ring (K/V blocks passed around the cp ranks) or "
                         "a2a (all-to-all to whole sequences for 1/cp of the heads, DeepSpeed-Ulysses)",
                         CP_IMPLS)
     sequence_parallel: bool = _opt(False, "sequence parallelism over tp: LayerNorm regions split along the "
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
-    pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1)
+    pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
     ep: int = _opt(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
                    "ranks, tokens exchanged by all-to-all; ep divides dp*cp and the expert count, adds no ranks",
-                   low=AT_LEAST_1)
+                   low=AT_LEAST_1, high=MAX_RANKS)
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", ZERO_STAGES)
-    bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0)
+    bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0,
+                            high=Bound(1 << 20))
     precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling); fp8 is bf16 with the block linears multiplying "
                           "in float8 (torchao; FP8 GPUs or CPU; not with --tp); fp64 for exact equivalence checks",
@@ -118,31 +137,39 @@ class Config:
     schedule: str = _opt("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages "
                          "chunks per rank) or zb (zero-bubble ZB-H1)", SCHEDULES)
     virtual_stages: int = _opt(1, "model chunks per pipeline rank: at least 2 with --schedule interleaved, "
-                             "1 with any other", low=AT_LEAST_1)
+                             "1 with any other", low=AT_LEAST_1, high=Bound(1024))
     stage_layers: str = _opt("", "layers of each pipeline stage in model order, comma-separated (one per "
                              "stage, pp * virtual-stages of them), e.g. 1,3; default: balanced by parameter count")
     timeline: str = _opt("", "draw the last step's measured pipeline timeline (ranks x time) to this PNG")
     # [optim]: optimisation and evaluation
-    steps: int = _opt(50, "optimizer steps", low=AT_LEAST_1)
-    global_batch: int = _opt(16, "sequences per optimizer step, over all data-parallel ranks", low=AT_LEAST_1)
-    microbatches: int = _opt(1, "micro-batches per step on each data-parallel rank (gradient accumulation)",
-                             low=AT_LEAST_1)
-    lr: float = _opt(3e-3, "peak learning rate", low=ABOVE_0)
-    min_lr: float = _opt(3e-4, "learning rate at the end of the cosine decay", low=AT_LEAST_0)
-    warmup_steps: int = _opt(5, "linear warm-up steps", low=AT_LEAST_0)
-    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to biases and norms)", low=AT_LEAST_0)
+    steps: int = _opt(50, "optimizer steps; at most a billion, a stated bound (each step draws its batch at random "
+                      "from the whole data, so the data never runs out; a larger count is a typo)", low=AT_LEAST_1,
+                      high=MAX_STEPS)
+    global_batch: int = _opt(16, "sequences per optimizer step, over all data-parallel ranks", low=AT_LEAST_1,
+                             high=MAX_SEQUENCES)
+    microbatches: int = _opt(1, "micro-batches per step on each data-parallel rank (gradient accumulation); "
+                             "at most the sequences each rank gets per step", low=AT_LEAST_1, high=MAX_SEQUENCES)
+    lr: float = _opt(3e-3, "peak learning rate", low=ABOVE_0, high=MAX_LR)
+    min_lr: float = _opt(3e-4, "learning rate at the end of the cosine decay", low=AT_LEAST_0, high=MAX_LR)
+    warmup_steps: int = _opt(5, "linear warm-up steps", low=AT_LEAST_0, high=MAX_STEPS)
+    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to biases and norms)", low=AT_LEAST_0,
+                               high=Bound(100))
     beta1: float = _opt(0.9, "AdamW beta1", low=AT_LEAST_0, high=Bound(1, strict=True))
     beta2: float = _opt(0.95, "AdamW beta2", low=AT_LEAST_0, high=Bound(1, strict=True))
-    grad_clip: float = _opt(1.0, "clip gradients to this global L2 norm (0 disables)", low=AT_LEAST_0)
-    eval_every: int = _opt(0, "evaluate the validation loss every K steps (0: only at the end)", low=AT_LEAST_0)
-    eval_batches: int = _opt(2, "global batches per evaluation", low=AT_LEAST_1)
+    grad_clip: float = _opt(1.0, "clip gradients to this global L2 norm (0 disables)", low=AT_LEAST_0,
+                            high=Bound(1e9))
+    eval_every: int = _opt(0, "evaluate the validation loss every K steps (0: only at the end)", low=AT_LEAST_0,
+                           high=MAX_STEPS)
+    eval_batches: int = _opt(2, "global batches per evaluation; at most those that cover the validation split "
+                             f"about once, or {EVAL_BATCHES_FLOOR} on a small one (more only redraws the same windows)",
+                             low=AT_LEAST_1, high=MAX_SEQUENCES)
     # [checkpoint]
     checkpoint_dir: str = _opt("", "directory of sharded checkpoints (step-N subdirectories and a 'latest' "
                                "pointer), saved every --checkpoint-every steps and at the end")
     checkpoint_every: int = _opt(0, "save a checkpoint every K steps (0: only at the end); needs --checkpoint-dir",
-                                 low=AT_LEAST_0)
+                                 low=AT_LEAST_0, high=MAX_STEPS)
     keep_last: int = _opt(3, "keep the K newest checkpoints, deleting older ones (oldest first) once a new one is "
-                          "complete; never the one 'latest' names (0: keep all)", low=AT_LEAST_0)
+                          "complete; never the one 'latest' names (0: keep all)", low=AT_LEAST_0, high=MAX_STEPS)
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --checkpoint-dir, in any layout "
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
@@ -154,7 +181,7 @@ class Config:
                            "its records (metrics, summary, report, TensorBoard events in --out), deleting them "
                            "first (without it such a directory is refused)")
     max_restarts: int = _opt(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
-                             "R times; needs --checkpoint-dir", low=AT_LEAST_0)
+                             "R times; needs --checkpoint-dir", low=AT_LEAST_0, high=Bound(1000))
     # [runtime]
     backend: str = _opt("auto", "process-group backend: auto picks nccl with CUDA, else gloo",
                         ("auto", "gloo", "nccl", "mpi"))
@@ -164,9 +191,15 @@ class Config:
                              "(mode reduce-overhead); MoE models, pipelines, ZeRO-3, --tp and CPU runs compile "
                              "without them and say why once")
     collective_timeout: float = _opt(600.0, "seconds a collective may wait before the run is stopped with a "
-                                     "report of which rank(s) did not arrive", low=ABOVE_0)
+                                     "report of which rank(s) did not arrive; from 1 s (below it, start-up and "
+                                     "scheduling delays fail healthy runs) to a week", low=AT_LEAST_1,
+                                     high=MAX_SECONDS)
     debug_collectives: bool = _opt(False, "check every collective's op and shapes across ranks "
                                    "(TORCH_DISTRIBUTED_DEBUG=DETAIL; slow, for debugging)")
+    stopped_grace: float = _opt(STOPPED_GRACE_S, "seconds a rank the launcher started (--nproc > 1 or "
+                                "--max-restarts) may stay stopped (SIGSTOP, a debugger's halt) before the job ends; "
+                                "the launcher warns, naming the rank and its pid, within a second of the stop; from "
+                                "1 s to a week", low=AT_LEAST_1, high=MAX_SECONDS)
     host_transport: str = _opt("auto", "how the ranks of one CPU host exchange: auto sums, gathers and passes "
                                "pipeline messages through shared memory (trainmesh.shm) where an axis's ranks share "
                                "the host; off sends every collective and message through torch.distributed, the "
@@ -175,20 +208,20 @@ class Config:
                                "small models (docs/performance.md); the run's summary.json records which was used",
                                TRANSPORTS)
     max_bad_steps: int = _opt(5, "stop after this many consecutive steps with a non-finite loss or gradient",
-                              low=AT_LEAST_1)
+                              low=AT_LEAST_1, high=MAX_STEPS)
     profile_steps: int = _opt(0, "trace the last K steps with torch.profiler: each rank writes profile/rank<R>.json "
                               "under --out (Perfetto or chrome://tracing opens it) and rank 0 prints the ops that "
                               "took the most time and, on a GPU, how busy the device was; profiled steps run slower",
-                              low=AT_LEAST_0)
+                              low=AT_LEAST_0, high=Bound(10_000))
     peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)",
-                               low=AT_LEAST_0)
+                               low=AT_LEAST_0, high=Bound(1e6))
     out: str = _opt("", "run directory for metrics.jsonl, summary.json and TensorBoard events (default: "
                     "runs/<timestamp>); 'trainmesh report DIR' plots it")
     progress: bool = _opt(True, "show training progress on rank 0: one bar redrawn in place on a terminal, else "
                           "a line every --progress-every steps (the start line, checkpoint notices and the final "
                           "summary print either way)")
     progress_every: int = _opt(0, "steps between progress lines when output is not a terminal (0: a twentieth "
-                               "of --steps)", low=AT_LEAST_0)
+                               "of --steps)", low=AT_LEAST_0, high=MAX_STEPS)
     tensorboard: bool = _opt(True, "write TensorBoard event files to --out (tensorboard --logdir DIR) when the "
                              "tensorboard package is installed")
     wandb: str = _opt("", "also log to this Weights & Biases project (needs the wandb package); offline under "
@@ -272,8 +305,10 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
-    "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives", "host_transport",
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "overwrite", "init_from", "init_hf",
+                   "max_restarts"),
+    "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives",
+                "stopped_grace", "host_transport",
                 "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
     "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
@@ -302,18 +337,40 @@ def _choices_text(choices: Collection) -> str:
     return ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
+def _number(value: float) -> str:
+    """A bound as a person reads it: whole numbers with thousands separators (1,048,576), others short."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
 def _range_text(low: Bound | None, high: Bound | None) -> str:
     if low and high:
-        return f"in {'(' if low.strict else '['}{low.value:g}, {high.value:g}{')' if high.strict else ']'}"
+        opening, closing = "(" if low.strict else "[", ")" if high.strict else "]"
+        return f"in {opening}{_number(low.value)}, {_number(high.value)}{closing}"
     if low:
-        return f"{'greater than' if low.strict else 'at least'} {low.value:g}"
-    return f"{'less than' if high.strict else 'at most'} {high.value:g}"
+        return f"{'greater than' if low.strict else 'at least'} {_number(low.value)}"
+    return f"{'less than' if high.strict else 'at most'} {_number(high.value)}"
 
 
 def _outside(value: float, low: Bound | None, high: Bound | None) -> bool:
     below = low is not None and (value <= low.value if low.strict else value < low.value)
     above = high is not None and (value >= high.value if high.strict else value > high.value)
     return below or above
+
+
+def number_flag(kind: type, low: Bound, high: Bound) -> Callable[[str], Any]:
+    """An argparse ``type`` for a numeric flag of the commands besides ``train`` (``generate``, ``schedule``,
+    ``bench``, ``tokenizer``): the text as ``kind`` (int or float), finite and within ``low``..``high``, else
+    argparse's one-line error naming the flag and the range, as :func:`check_value` does for ``train``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: must be a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(value) or _outside(value, low, high):
+            raise argparse.ArgumentTypeError(f"{text}: must be {_range_text(low, high)}")
+        return value
+
+    return parse
 
 
 def parse_flag(name: str, text: str) -> Any:
@@ -389,16 +446,20 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(_flag(f.name), metavar=metavar, help=help_text, **kwargs)
 
 
+TOML_LIMIT = 1 << 20
+"""Bytes read from a ``--config`` file: a complete settings file is under 10 KB."""
+
+
 def _read_toml(path: str) -> dict[str, Any]:
-    """The parsed file, or one line saying why it cannot be read (missing, a directory, not text, not TOML)."""
+    """The parsed file, or one line saying why it cannot be read (missing, not a regular file, too large,
+    not text, not TOML, nested deeper than the parser's recursion allows)."""
     try:
-        return tomllib.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory; give --config a TOML file") from None
-    except PermissionError:
-        raise ConfigError(f"config file {path} cannot be read (permission denied)") from None
+        return tomllib.loads(read_user_file(path, TOML_LIMIT).decode("utf-8"))
+    except UnreadableFile as e:
+        raise ConfigError(f"config file {e}; give --config a TOML file") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests arrays or tables too deeply to parse; settings are "
+                          f"flat keys, optionally in [section] tables") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text (invalid byte 0x{e.object[e.start]:02x} at "
                           f"offset {e.start}); give --config a TOML file") from None
@@ -507,6 +568,19 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0,
     if cfg.min_lr > cfg.lr:
         raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
+
+
+def check_eval_batches(cfg: Config, val_tokens: int, source: str) -> None:
+    """``--eval-batches`` against the data: evaluation draws its windows at random from the validation split,
+    so batches beyond those that cover it about once only draw the same windows again (and 1e12 of them
+    would evaluate silently for ever); any data allows :data:`EVAL_BATCHES_FLOOR`."""
+    per_batch = cfg.global_batch * cfg.model_config.seq_len
+    cover = -(-val_tokens // per_batch)
+    limit = max(EVAL_BATCHES_FLOOR, cover)
+    if cfg.eval_batches > limit:
+        raise ConfigError(f"--eval-batches {cfg.eval_batches}: the validation split of {source} holds "
+                          f"{val_tokens:,} tokens, which {cover:,} batch(es) of {cfg.global_batch} x "
+                          f"{cfg.model_config.seq_len} tokens cover; choose --eval-batches at most {limit:,}")
 
 
 def check_local_ranks(nproc: int, cuda: bool, cuda_devices: int) -> None:

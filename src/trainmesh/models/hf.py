@@ -11,7 +11,14 @@ and writes directories and dispatches through the spec. Three rules:
   error asking for a local copy, and transformers reads configs with ``local_files_only``;
 * config files are read and written by transformers' own config classes (which fill in every default a
   ``config.json`` leaves out), tensors by safetensors. transformers is imported only here and only when
-  a config is read or written, so trainmesh itself imports and trains without it (the ``hf`` extra).
+  a config is read or written, so trainmesh itself imports and trains without it (the ``hf`` extra);
+* nothing from a model folder executes: a ``config.json`` with ``auto_map`` (which points transformers at
+  Python files beside it) is refused before transformers sees it, transformers is called with
+  ``trust_remote_code=False`` (so it never asks on the terminal, and never reads stdin), and the sizes
+  trainmesh reads from the config are checked to be whole numbers in range, naming the key.
+
+Weights must be able to train (:mod:`trainmesh.models.weights`): floating point and finite, checked before
+any rank starts, naming the tensor.
 """
 
 from __future__ import annotations
@@ -30,10 +37,24 @@ from torch import nn
 
 from trainmesh.models import SPECS, is_moe
 from trainmesh.models.spec import HFIncompatible, ModelSpec
-from trainmesh.safe_io import replace_durably
+from trainmesh.models.weights import FLOATING, first_untrainable, header_dtype_problem, scan_file
+from trainmesh.safe_io import UnreadableFile, read_user_file, replace_durably
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+CONFIG_LIMIT = 1 << 22  # a config.json is a few KB; 4 MiB bounds what is read from one
+MAX_POSITIONS = 1 << 20  # as --seq-len's bound: rotary and position tables are sized to it
+INT32_MAX = 2**31 - 1
+SIZES = {"n_layer": INT32_MAX, "n_embd": INT32_MAX, "n_head": INT32_MAX, "n_inner": INT32_MAX,
+         "vocab_size": INT32_MAX, "n_positions": MAX_POSITIONS, "hidden_size": INT32_MAX,
+         "intermediate_size": INT32_MAX, "num_hidden_layers": INT32_MAX, "num_attention_heads": INT32_MAX,
+         "num_key_value_heads": INT32_MAX, "head_dim": INT32_MAX, "max_position_embeddings": MAX_POSITIONS,
+         "num_local_experts": INT32_MAX, "num_experts_per_tok": INT32_MAX}
+"""The ``config.json`` keys the families read as sizes, each a whole number from 1 to its bound."""
+DERIVED = ("n_inner", "head_dim", "num_key_value_heads")
+"""The sizes that may be ``null``: transformers or the family derives them from the others."""
+SCALES = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon")
+"""The keys the families read as positive real numbers."""
 
 
 class HFError(ValueError):
@@ -68,30 +89,95 @@ def hf_dir(path: str | Path) -> Path:
     return directory
 
 
+def _quoted(value: Any) -> str:
+    """A value from a file, for a one-line message: plain names as they are, anything else as short JSON."""
+    if isinstance(value, str) and re.fullmatch(r"[\w.\- ]+", value):
+        return value
+    return json.dumps(value)[:80]
+
+
 def family_of(hf_config: Mapping[str, Any], where: str = "config.json") -> ModelSpec:
     """The family whose architecture ``hf_config`` names (``model_type``, else ``architectures``)."""
     architectures = hf_config.get("architectures") or []
+    architectures = architectures if isinstance(architectures, list) else []
     for spec in SPECS:
         if spec.hf and (hf_config.get("model_type") == spec.hf.model_type or spec.hf.architecture in architectures):
             return spec
     known = ", ".join(f"{s.hf.architecture} ({s.hf.model_type})" for s in SPECS if s.hf)
-    found = hf_config.get("model_type") or architectures or "no model_type"
+    found = _quoted(hf_config.get("model_type") or architectures or "no model_type")
     raise HFError(f"{where} describes {found}; trainmesh imports {known}")
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    """``config.json`` parsed as plain JSON (bounded, a regular file), before transformers reads it."""
+    try:
+        raw = json.loads(read_user_file(path, CONFIG_LIMIT))
+    except UnreadableFile as e:
+        raise HFError(str(e)) from None
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise HFError(f"{path} is not valid JSON ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(raw, dict):
+        raise HFError(f"{path} holds {type(raw).__name__} JSON, not an object of settings")
+    return raw
+
+
+def _refuse_code(raw: dict[str, Any], path: Path) -> None:
+    """Refuse an ``auto_map`` at any depth: it names Python classes in files beside the config, which
+    transformers would import (after asking on the terminal, or at once when trusted)."""
+    pending: list[Any] = [raw]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            if "auto_map" in value:
+                targets = value["auto_map"].values() if isinstance(value["auto_map"], dict) else [value["auto_map"]]
+                names = [t for v in targets for t in (v if isinstance(v, list) else [v]) if isinstance(t, str)]
+                files = sorted({n.split("--")[-1].rsplit(".", 1)[0] + ".py" for n in names})
+                named = ", ".join(map(_quoted, files)) or "files it names"
+                raise HFError(f"{path} has auto_map, which would run Python code from the model folder ({named}); "
+                              f"trainmesh never runs code from a model folder: use a model of a built-in "
+                              f"transformers architecture")
+            pending += value.values()
+        elif isinstance(value, list):
+            pending += value
+
+
+def _check_sizes(raw: dict[str, Any], path: Path) -> None:
+    """The sizes and scales the families read: whole numbers in range and positive finite numbers, so a
+    ``n_layer`` of 2.5 or an ``n_positions`` of -1 is one line naming the key, not a traceback later."""
+    for key, bound in SIZES.items():
+        value = raw.get(key)
+        if key not in raw or value is None and key in DERIVED:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise HFError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be a whole number from 1 to "
+                          f"{bound:,}")
+    for key in SCALES:
+        value = raw.get(key)
+        if key in raw and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise HFError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be a positive finite number")
 
 
 @functools.lru_cache(maxsize=8)
 def _read_config(directory: Path) -> tuple[ModelSpec, Any]:
+    path = directory / CONFIG
+    raw = _raw_config(path)
+    _refuse_code(raw, path)
+    family_of(raw, str(path))
+    _check_sizes(raw, path)
     transformers = _transformers()
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True).to_dict()
-    except (OSError, ValueError, KeyError) as e:
-        raise HFError(f"{directory / CONFIG} cannot be read by transformers: {' '.join(str(e).split())}") from None
-    spec = family_of(hf_config, str(directory / CONFIG))
+        hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True,
+                                                            trust_remote_code=False).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers parses a hostile file: its validators raise their own
+        # types (huggingface_hub's StrictDataclassError is no ValueError), all of which mean "a bad config.json"
+        raise HFError(f"{path} cannot be read by transformers: {' '.join(str(e).split())[:300]}") from None
+    spec = family_of(hf_config, str(path))
     try:
         cfg = spec.hf.from_config(hf_config)
         spec.shape(cfg)
-    except (HFIncompatible, ValueError) as e:
-        raise HFError(f"{directory / CONFIG}: {e}") from None
+    except (HFIncompatible, ValueError, TypeError, ZeroDivisionError) as e:
+        raise HFError(f"{path}: {e}") from None
     return spec, cfg
 
 
@@ -133,9 +219,24 @@ def _read_files(directory: Path, read: Callable[[Path], dict[str, torch.Tensor]]
 
 
 def _meta_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """A file's tensors as meta tensors: names, shapes and dtypes from the header, no data read."""
+    """A file's tensors as meta tensors: names, shapes and dtypes from the header, no data read; a tensor
+    that is not floating point is refused."""
+    out = {}
     with safetensors.safe_open(file, framework="pt") as f:
-        return {name: torch.empty(f.get_slice(name).get_shape(), device="meta") for name in f.keys()}
+        for name in f.keys():
+            dtype = f.get_slice(name).get_dtype()
+            if problem := header_dtype_problem(name, dtype):
+                raise HFError(f"{file}: {problem}")
+            out[name] = torch.empty(f.get_slice(name).get_shape(), dtype=FLOATING[dtype], device="meta")
+    return out
+
+
+def _trainable_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A file's tensors, refused unless each is floating point and finite."""
+    tensors = safetensors.torch.load_file(file)
+    if problem := first_untrainable(tensors.items()):
+        raise HFError(f"{file}: {problem}")
+    return tensors
 
 
 class _Reads(Mapping):
@@ -174,15 +275,45 @@ def to_trainmesh(spec: ModelSpec, cfg: Any, tensors: Mapping[str, torch.Tensor],
     if unused:
         raise HFError(f"{where} holds {len(unused)} tensor(s) trainmesh's {spec.family} of this config would not "
                       f"use (e.g. {unused[0]}); it is another architecture than its config.json says")
+    _check_shapes(spec, cfg, ours, where)
     return ours
 
 
+def _check_shapes(spec: ModelSpec, cfg: Any, ours: Mapping[str, torch.Tensor], where: str) -> None:
+    """Every parameter of the model ``config.json`` describes has a tensor of its shape: a mapping renames
+    and re-lays out tensors but does not check every shape (a GPT-2 whose ``n_embd`` is missing from its
+    config gets transformers' 768 while its tensors are 16 wide)."""
+    for name, shape in _parameter_shapes(spec.family, cfg).items():
+        if name not in ours:
+            raise HFError(f"{where} gives no tensor for {name} of a {spec.hf.architecture} of its config.json")
+        if ours[name].shape != shape:
+            raise HFError(f"{where}: {name} has shape {list(ours[name].shape)} but its config.json gives "
+                          f"{list(shape)}; the config and the weights are of different models")
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_shapes(family: str, cfg: Any) -> dict[str, torch.Size]:
+    """The parameter shapes of family ``family``'s model of ``cfg``, built on the meta device (no memory is
+    allocated whatever its size; the build still takes ~50 ms, hence the cache)."""
+    spec = next(s for s in SPECS if s.family == family)
+    with torch.device("meta"):
+        model = spec.builder(cfg, 0)
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
 def check_weights(path: str | Path) -> tuple[ModelSpec, Any]:
-    """Before any rank starts: the config is readable and the weight files' headers hold exactly the
-    tensors the mapping needs (no tensor data is read)."""
+    """Before any rank starts: the config is readable, the weight files' headers hold exactly the tensors
+    the mapping needs, in floating point, and every tensor is finite (read one at a time)."""
     spec, cfg = read_config(path)
     directory = hf_dir(path)
     to_trainmesh(spec, cfg, _read_files(directory, _meta_tensors), str(directory))
+    for file in weight_files(directory):
+        try:
+            problem = scan_file(file)
+        except (OSError, safetensors.SafetensorError) as e:
+            raise HFError(f"{file} is not a readable safetensors file ({e})") from None
+        if problem:
+            raise HFError(f"{file}: {problem}")
     return spec, cfg
 
 
@@ -190,7 +321,7 @@ def read_hf(path: str | Path) -> tuple[ModelSpec, Any, dict[str, torch.Tensor]]:
     """The family, model config and full weights (under our names) of HF directory ``path``."""
     spec, cfg = read_config(path)
     directory = hf_dir(path)
-    return spec, cfg, to_trainmesh(spec, cfg, _read_files(directory, safetensors.torch.load_file), str(directory))
+    return spec, cfg, to_trainmesh(spec, cfg, _read_files(directory, _trainable_tensors), str(directory))
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from trainmesh.safe_io import replace_durably
+from trainmesh.safe_io import UnreadableFile, read_user_file, replace_durably
 from trainmesh.tracking.records import METRICS_FILE, REPORT_FILE, SUMMARY_FILE, LossWindows
 MEMORY_KINDS = {"max_rss_bytes": "peak RSS", "peak_device_bytes": "peak device memory",
                 "model_state_bytes": "model state", "activation_bytes": "activations (1 micro-batch)"}
@@ -88,23 +88,72 @@ class History:
         return statistics.median(self.tokens_per_s[1:] or self.tokens_per_s)
 
 
+METRICS_LIMIT = 1 << 30  # a million steps of records with every field; more is not a metrics file
+SUMMARY_LIMIT = 1 << 20
+NUMBERS = ("loss", "tokens_per_s", "mfu", "val_loss")  # loss required, the others may be absent or null
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _record_problem(r: dict[str, Any]) -> str | None:
+    """What in a step record the report could not draw (a field of the wrong type), or None."""
+    for key in NUMBERS:
+        if (key == "loss" or r.get(key) is not None) and not _is_number(r.get(key)):
+            return f"{key} is {json.dumps(r.get(key))[:40]}, not a number"
+    for kind in MEMORY_KINDS:
+        peaks = r.get(kind)
+        if peaks is not None and not (isinstance(peaks, list) and all(_is_number(n) for n in peaks)):
+            return f"{kind} is not a list of byte counts"
+    by_op = r.get("comm_bytes_by_op", {})
+    if not (isinstance(by_op, dict) and all(_is_number(n) for n in by_op.values())):
+        return "comm_bytes_by_op is not a map of byte counts"
+    if "restart" in r and not (isinstance(r["restart"], dict) and isinstance(r["restart"].get("from_step"), int)):
+        return "restart has no from_step"
+    moe = r.get("moe")
+    if moe and not (isinstance(moe, dict) and all(
+            isinstance(layer, dict) and isinstance(layer.get("expert_tokens"), list)
+            and all(_is_number(n) for n in layer["expert_tokens"])
+            and _is_number(layer.get("balance")) and _is_number(layer.get("dropped_fraction"))
+            for layer in moe.values())):
+        return "moe is not a map of layers with expert_tokens, balance and dropped_fraction"
+    return None
+
+
+def _metrics_text(path: Path) -> str:
+    """``metrics.jsonl`` as text: a regular file (a FIFO would block the report for ever), bounded, UTF-8."""
+    if not path.exists():
+        raise ReportError(f"{path.parent} has no {METRICS_FILE}; give the run directory a training run wrote "
+                          f"(--out, default runs/<timestamp>)")
+    try:
+        data = read_user_file(path, METRICS_LIMIT)
+    except UnreadableFile as e:
+        raise ReportError(f"{e}; give the run directory a training run wrote (--out, default runs/<timestamp>)") \
+            from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{path} is not UTF-8 text (invalid byte 0x{data[e.start]:02x} at offset {e.start}); "
+                          f"it is not a metrics file a training run wrote") from None
+
+
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The whole records of ``run_dir/metrics.jsonl``, in step order; a torn last line (a killed run) is skipped."""
+    """The whole records of ``run_dir/metrics.jsonl``, in step order; a torn line (a killed run) is skipped,
+    and a record whose fields have the wrong types (an edited file) is one line naming it."""
     path = run_dir / METRICS_FILE
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; give the run directory a training run wrote (--out)")
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise ReportError(f"{run_dir} has no {METRICS_FILE}; give the run directory a training run wrote "
-                          f"(--out, default runs/<timestamp>)") from None
     records = []
-    for line in lines:
+    for number, line in enumerate(_metrics_text(path).splitlines(), 1):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and "loss" in record:
+            if problem := _record_problem(record):
+                raise ReportError(f"{path} line {number}: {problem}; the file was edited or is not one a "
+                                  f"training run wrote")
             records.append(record)
     if not records:
         raise ReportError(f"{path} holds no step records yet; wait for the run's first step")
@@ -280,11 +329,11 @@ def draw_report(h: History, path: Path, title: str) -> Path:
 def _title(run_dir: Path, h: History) -> str:
     """The run directory, and the model and layout if ``summary.json`` (written at the end) says them."""
     try:
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        summary = json.loads(read_user_file(run_dir / SUMMARY_FILE, SUMMARY_LIMIT))
         cfg = summary["config"]
         layout = (f" — {summary.get('model') or cfg['model']}, dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} "
                   f"zero={cfg['zero']}")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         layout = ""
     return f"{run_dir.resolve().name}{layout}, steps {h.steps[0]}-{h.steps[-1]}"
 
