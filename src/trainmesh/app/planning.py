@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Iterator
 
 from trainmesh.app.config import Config
 from trainmesh.layout import LayoutError, validate
 from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
-from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, format_table,
-                            local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search, to_json)
+from trainmesh.app.run_command import ModelSource, Nodes, command_lines, planner_only, sbatch_script
+from trainmesh.layout import PRECISION_CHOICES, resolve_precision
+from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, choose,
+                            format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
+                            to_json)
 from trainmesh.state_bytes import DTYPE_BYTES
 
 
@@ -46,7 +50,8 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
     """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
     (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
-    when it is not the default), then what differs from :class:`~trainmesh.app.config.Config`'s defaults."""
+    when it is not the default), the global batch and the precision (always: ``auto`` would resolve again on
+    the machine that runs it), then the reduce dtype where it is not the default."""
     cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
                              reduce_dtype=workload.reduce_dtype), layout)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
@@ -55,9 +60,9 @@ def train_flags(workload: Workload, layout: Layout) -> list[str]:
     skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
     flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
     defaults = Config()
-    extra = [f for field in ("bucket_mb", "precision", "reduce_dtype")
+    extra = [f for field in ("bucket_mb", "reduce_dtype")
              if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
-    return [*flags, "--global-batch", str(workload.global_batch), *extra]
+    return [*flags, "--global-batch", str(workload.global_batch), "--precision", workload.precision, *extra]
 
 
 def _flag_of(cfg: Config, field: str) -> list[str]:
@@ -67,26 +72,25 @@ def _flag_of(cfg: Config, field: str) -> list[str]:
     return [name, f"{value:g}" if isinstance(value, float) else str(value)]
 
 
-def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: str | None = None) -> str:
-    """The command line that runs ``layout``: ``trainmesh train --nproc N ...`` on one node, the same flags
-    under ``torchrun`` on each node of several. ``--model`` (and ``--seq-len`` when it is not the preset's)
-    when the workload is preset ``model``; :func:`train_flags` for the rest. A planning-only shape (a model
-    ``train`` does not build, such as DeepSeek-V3's latent attention) gets the layout's flags and a comment
-    saying so, rather than a ``--model`` that ``train`` would refuse."""
-    buildable = model is not None and model in PRESET_NAMES
-    named = ["--model", model] if buildable else []
-    if buildable and workload.seq_len != model_shape(model).seq_len:
-        named += ["--seq-len", str(workload.seq_len)]
-    flags = train_flags(workload, layout)
+def preset_source(workload: Workload, model: str) -> ModelSource:
+    """``--model`` (and ``--seq-len`` when it is not the preset's) for a preset ``train`` builds; for a
+    planning-only preset (a family trainmesh does not build), the note saying so."""
+    if model not in PRESET_NAMES:
+        return planner_only(model)
+    seq = ["--seq-len", str(workload.seq_len)] if workload.seq_len != model_shape(model).seq_len else []
+    return ModelSource(("--model", model, *seq))
+
+
+def nodes_of(layout: Layout, cluster: Cluster) -> Nodes:
+    """The nodes ``layout`` fills on ``cluster``: one when it fits in a node, else whole nodes."""
     if layout.world <= cluster.gpus_per_node:
-        line = ["trainmesh", "train", *named, "--nproc", str(layout.world), *flags]
-    else:
-        nodes = layout.world // cluster.gpus_per_node
-        line = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
-                "-m", "trainmesh", "train", *named, *flags]
-    if model is not None and not buildable:
-        line += ["  #", f"{model} is a planning shape trainmesh does not build: these flags lay out your own model of it"]
-    return " ".join(line)
+        return Nodes(1, layout.world)
+    return Nodes(layout.world // cluster.gpus_per_node, cluster.gpus_per_node)
+
+
+def train_command(workload: Workload, layout: Layout, cluster: Cluster, source: ModelSource) -> list[str]:
+    """The lines that start ``layout``'s run (:func:`trainmesh.app.run_command.command_lines`)."""
+    return command_lines(source, train_flags(workload, layout), nodes_of(layout, cluster))
 
 
 def layout_flags(cfg: Config) -> list[str]:
@@ -108,9 +112,10 @@ def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Esti
 
 
 def auto_config(cfg: Config, world: int, cluster: Cluster) -> tuple[Config, Estimate]:
-    """``cfg`` with the fastest predicted layout that fits ``cluster`` (``world`` ranks) and that the
-    runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how the layout was chosen."""
-    best = next(runnable_layouts(cfg, world, cluster), None)
+    """``cfg`` with the layout :func:`~trainmesh.plan.choose` takes of those that fit ``cluster`` (``world``
+    ranks) and that the runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how
+    the layout was chosen."""
+    best = choose(list(runnable_layouts(cfg, world, cluster)))
     if best is None:
         work = workload_of(cfg)
         raise ValueError(
@@ -147,11 +152,11 @@ def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config,
     """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
     cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
     planned, chosen = auto_config(cfg, world, cluster)
-    return planned, describe_choice(chosen, cluster)
+    return planned, describe_choice(chosen, cluster, planned.precision)
 
 
-def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
-    """The one line ``--plan auto`` prints: the layout it runs and why."""
+def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
+    """The one line ``--plan auto`` prints: the layout it runs, in which precision, and why."""
     lay = chosen.layout
     sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
     mem = scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
@@ -159,7 +164,7 @@ def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
     ep = f" ep={lay.ep}" if lay.ep > 1 else ""
     return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
             f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
-            f"sequence_parallel={lay.sequence_parallel}{cp}{ep} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
+            f"sequence_parallel={lay.sequence_parallel}{cp}{ep} precision={precision} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
             f"{mem}/rank of {cluster.usable_bytes / GIB:.1f} GiB usable)")
 
 
@@ -178,8 +183,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in SHAPE_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
-    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default=Config.precision,
-                        help=f"as trainmesh train's (default: {Config.precision})")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
+                        help="as trainmesh train's (default: auto: bf16 with fp32 master weights on GPUs, fp32 on cpu)")
     parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
                         help="dtype gradients are held and reduced in, as trainmesh train's (default: "
                              f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
@@ -192,15 +197,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter-gbps", type=float, help="inter-node GB/s per device (overrides --gpu)")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--slurm", metavar="FILE", help="also write an sbatch script that starts the chosen run")
 
 
 def workload_from(
-    model: str | None, global_batch: int, precision: str = Config.precision, reduce_dtype: str = Config.reduce_dtype,
+    model: str | None, global_batch: int, precision: str = "fp32", reduce_dtype: str = Config.reduce_dtype,
     **shape: int | None,
 ) -> Workload:
     """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
 
     ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
+    ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`).
     """
     given = {k: v for k, v in shape.items() if v is not None}
     if model is not None:
@@ -215,16 +222,24 @@ def workload_from(
 
 
 def plan_from_args(args: argparse.Namespace) -> str:
-    """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns."""
+    """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns (and write
+    ``--slurm``'s script)."""
     shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
-    workload = workload_from(args.model, args.global_batch or args.gpus, args.precision, args.reduce_dtype, **shape)
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)
+    precision = resolve_precision(args.precision, cluster.has_bf16)
+    workload = workload_from(args.model, args.global_batch or args.gpus, precision, args.reduce_dtype, **shape)
     estimates = search(workload, cluster)
+    chosen = choose(estimates)
     if args.json:
-        return to_json(workload, cluster, estimates, args.top)
+        return to_json(workload, cluster, estimates, chosen, args.top)
     reshaped = any(v is not None for k, v in shape.items() if k != "seq_len")
-    model = None if reshaped else args.model
-    command = train_command(workload, estimates[0].layout, cluster, model) if estimates else None
-    return format_table(workload, cluster, estimates, command, args.top)
+    source = planner_only("this custom shape") if reshaped or args.model is None else preset_source(workload, args.model)
+    command = [] if chosen is None else train_command(workload, chosen.layout, cluster, source)
+    if args.slurm and chosen is not None:
+        Path(args.slurm).write_text(sbatch_script(source, train_flags(workload, chosen.layout),
+                                                  nodes_of(chosen.layout, cluster)))
+        command.append(f"# sbatch script written to {args.slurm}")
+    note = f" ({args.precision}: {'bf16 devices' if cluster.has_bf16 else 'no bf16 on cpu'})" if args.precision == "auto" else ""
+    return format_table(workload, cluster, estimates, chosen, command, args.top, note)

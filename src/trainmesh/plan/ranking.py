@@ -133,29 +133,39 @@ TIE_TOLERANCE = 0.01
 
 
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
-    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first, except that
-    the layouts within :data:`TIE_TOLERANCE` of the fastest come first in order of memory per rank: among
-    equal times the one with the most headroom is chosen (a layout that barely fits is the first to fail
-    on fragmentation or a longer sequence)."""
+    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
+    memory per rank); :func:`choose` picks the one to run."""
     found = []
     for layout in enumerate_layouts(workload, cluster):
         memory = memory_per_rank(workload, layout)
         if memory.total <= cluster.usable_bytes:
             found.append(estimate(workload, layout, cluster, memory))
     found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
+    return found
+
+
+def choose(found: list[Estimate]) -> Estimate | None:
+    """The layout to run among ``found`` (fastest first): the fastest, except that among the layouts within
+    :data:`TIE_TOLERANCE` of it the one with the most headroom (least memory per rank) is taken: a layout
+    that barely fits is the first to fail on fragmentation or a longer sequence. None when nothing fits."""
     if not found:
-        return found
-    tied = sum(e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE) for e in found)
-    return sorted(found[:tied], key=lambda e: (e.memory.total, e.time.total)) + found[tied:]
+        return None
+    tied = [e for e in found if e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE)]
+    return min(tied, key=lambda e: (e.memory.total, e.time.total))
+
+
+def runner_up(found: list[Estimate], chosen: Estimate) -> Estimate | None:
+    """The fastest layout of ``found`` other than ``chosen``: the one the choice is explained against."""
+    return next((e for e in found if e is not chosen), None)
 
 
 def best_layout(workload: Workload, cluster: Cluster) -> Layout:
-    """The fastest layout that fits; what ``trainmesh train --plan auto`` runs."""
-    found = search(workload, cluster)
-    if not found:
+    """The layout :func:`choose` takes of :func:`search`'s; what ``trainmesh train --plan auto`` runs."""
+    chosen = choose(search(workload, cluster))
+    if chosen is None:
         raise ValueError(
             f"no layout of {workload.model.n_params():,} parameters fits in {cluster.usable_bytes / GIB:.1f} "
             f"usable GiB on {cluster.gpus} devices; add devices, lower global_batch or seq_len, or use a "
             f"smaller model"
         )
-    return found[0].layout
+    return chosen.layout
