@@ -38,20 +38,22 @@ def layout_of(cfg: Config) -> Layout:
     fields = {name: getattr(cfg, field) for name, field in LAYOUT_FIELDS.items()}
     if cfg.pp == 1:
         fields.update(schedule="1f1b", virtual=1)
-    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)), stage_layers=cfg.stage_layer_counts)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
     """``cfg`` running ``layout`` instead of its own (on ``layout.world`` local ranks)."""
     fields = {field: getattr(layout, name) for name, field in LAYOUT_FIELDS.items()}
-    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20, **fields)
+    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20,
+                               stage_layers=",".join(map(str, layout.stage_layers)), **fields)
 
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
     """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
     (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
     when it is not the default), the global batch and the precision (always: ``auto`` would resolve again on
-    the machine that runs it), then the reduce dtype where it is not the default."""
+    the machine that runs it), the pipeline's ``--stage-layers`` when the layout gives them, then the reduce
+    dtype where it is not the default."""
     cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
                              reduce_dtype=workload.reduce_dtype), layout)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
@@ -62,7 +64,8 @@ def train_flags(workload: Workload, layout: Layout) -> list[str]:
     defaults = Config()
     extra = [f for field in ("bucket_mb", "reduce_dtype")
              if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
-    return [*flags, "--global-batch", str(workload.global_batch), "--precision", workload.precision, *extra]
+    stages = ["--stage-layers", cfg.stage_layers] if cfg.stage_layers and layout.pp > 1 else []
+    return [*flags, *stages, "--global-batch", str(workload.global_batch), "--precision", workload.precision, *extra]
 
 
 def _flag_of(cfg: Config, field: str) -> list[str]:
@@ -95,7 +98,7 @@ def train_command(workload: Workload, layout: Layout, cluster: Cluster, source: 
 
 def layout_flags(cfg: Config) -> list[str]:
     """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
-    return [*(f for field in LAYOUT_FIELDS.values() for f in _flag_of(cfg, field)), "--plan", ""]
+    return [*(f for field in (*LAYOUT_FIELDS.values(), "stage_layers") for f in _flag_of(cfg, field)), "--plan", ""]
 
 
 def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Estimate]:

@@ -12,7 +12,8 @@ from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutE
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.hardware import GIB, Cluster
 from trainmesh.plan.memory import MemoryBreakdown, memory_per_rank
-from trainmesh.plan.timing import TimeBreakdown, peak_flops, step_flops, step_time
+from trainmesh.plan.stages import fastest_split
+from trainmesh.plan.timing import TimeBreakdown, layer_seconds, peak_flops, step_flops, step_time
 from trainmesh.plan.workload import Layout, Workload, check_layout
 
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
@@ -57,7 +58,7 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str,
         return
     yield from (("gpipe", 1), ("1f1b", 1), ("zb", 1))
     for v in (2, 4):
-        if n_layers % (pp * v) == 0 and microbatches % pp == 0:
+        if pp * v <= n_layers and microbatches % pp == 0:
             yield "interleaved", v
 
 
@@ -83,7 +84,7 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
                 continue
             for pp in divisors(cluster.gpus // (tp * cp)):
                 dp = cluster.gpus // (tp * cp * pp)
-                if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and _splits(m, tp, pp):
+                if pp <= m.n_layers and workload.global_batch % dp == 0 and _splits(m, tp, pp):
                     yield dp, cp, tp, pp
 
 
@@ -104,16 +105,21 @@ def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
-    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`; a combination the layout's rules refuse
-    (the zero-bubble schedule with cp) is skipped."""
+    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`, and with a pipeline the stage split
+    :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
+    any number of layers, uneven where the head makes that faster); a combination the layout's rules refuse (the zero-bubble
+    schedule with cp) is skipped."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
+            costs = layer_seconds(workload, Layout(dp=dp, tp=tp, cp=cp, microbatches=micro), cluster)
             options = itertools.product(_schedules(pp, workload.model.n_layers, micro), ZERO_STAGES,
                                         RECOMPUTE, sps, ep_degrees(workload.model, dp * cp))
             for (schedule, v), zero, recompute, sp, ep in options:
-                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep)
+                split = fastest_split(*costs, pp * v) if pp > 1 else ()
+                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep,
+                                       stage_layers=split)
                 if candidate is not None:
                     yield candidate
 

@@ -10,7 +10,7 @@ import json
 from trainmesh.hardware import GIB, Cluster
 from trainmesh.plan.memory import active_params, activation_bytes, memory_per_rank
 from trainmesh.plan.ranking import TIE_TOLERANCE, Estimate, runner_up
-from trainmesh.plan.workload import Workload, micro_batch_size, moe_tokens
+from trainmesh.plan.workload import Workload, micro_batch_size, moe_tokens, stage_split
 
 
 def scaled(value: float, steps: tuple[str, ...], base: int) -> str:
@@ -25,8 +25,8 @@ def _row(workload: Workload, e: Estimate, chosen: Estimate | None) -> list[str]:
     lay = e.layout
     sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
     layout = [lay.dp, lay.cp, lay.tp, lay.pp, *([lay.ep] if workload.model.n_experts else []), lay.zero,
-              micro_batch_size(workload, lay), lay.microbatches, sched, lay.recompute,
-              "y" if lay.sequence_parallel else "n"]
+              micro_batch_size(workload, lay), lay.microbatches, sched, compact_split(stage_split(workload, lay)),
+              lay.recompute, "y" if lay.sequence_parallel else "n"]
     measures = [scaled(e.memory.total, GIB_UNITS, 1024), f"{e.time.total:.4g}", f"{e.mfu:.1%}",
                 f"{e.tokens_per_s:,.0f}"]
     return ["*" if e is chosen else ""] + [str(c) for c in layout] + measures
@@ -35,13 +35,24 @@ def _row(workload: Workload, e: Estimate, chosen: Estimate | None) -> list[str]:
 GIB_UNITS = (" B", " KiB", " MiB", " GiB", " TiB")
 
 
+def compact_split(split: tuple[int, ...]) -> str:
+    """Blocks per pipeline chunk with runs folded: ``7,8x14,7``."""
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ",".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
+
+
 def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
                  command: list[str], top: int = 20, precision_note: str = "") -> str:
     """The ``top`` fastest layouts as a text table (fastest first, the chosen one marked ``*``), why the
     chosen one beat the runner-up, and ``command``: the lines that run it (empty when nothing fits).
     ``precision_note`` says how the precision was resolved (``auto``)."""
     head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "mbs", "m",
-            "schedule", "recompute", "sp", "mem/rank", "step s", "MFU", "tokens/s"]
+            "schedule", "blocks/stage", "recompute", "sp", "mem/rank", "step s", "MFU", "tokens/s"]
     shown = estimates[:top] + ([chosen] if chosen is not None and chosen not in estimates[:top] else [])
     rows = [head] + [_row(workload, e, chosen) for e in shown]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -63,7 +74,8 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
 def layout_name(workload: Workload, e: Estimate) -> str:
     """A layout in one phrase, as the table's columns give it."""
     lay = e.layout
-    sched = f" {lay.schedule}" + (f"x{lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
+    sched = (f" {lay.schedule}" + (f"x{lay.virtual}" if lay.virtual > 1 else "")
+             + f" blocks/stage {compact_split(stage_split(workload, lay))}" if lay.pp > 1 else "")
     extra = (f" cp={lay.cp}" if lay.cp > 1 else "") + (f" ep={lay.ep}" if lay.ep > 1 else "")
     return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} zero={lay.zero} mbs={micro_batch_size(workload, lay)}"
             f"{sched} recompute={lay.recompute}{' sp' if lay.sequence_parallel else ''}")
