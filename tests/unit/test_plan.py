@@ -796,7 +796,7 @@ def test_plan_splits_deepseek_v3_experts_over_ep_and_says_why(capsys: pytest.Cap
     """The acceptance case of issue 20: 671B parameters on 2048 H100s."""
     assert cli.main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h100-80gb", "--top", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "(38.7B active)" in lines[0] and " ep " in lines[1]
+    assert "671.0B (37.6B active)" in lines[0] and " ep " in lines[1]
     ep = int(lines[-1].split("--ep ")[1].split()[0])
     why = next(line for line in lines if line.startswith("why ep="))
     assert ep > 1 and why.startswith(f"why ep={ep}: each rank holds {256 // ep} of the 256 routed experts")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -15,9 +16,11 @@ from trainmesh.layout import LayoutError, validate
 from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
 from trainmesh.app.run_command import ModelSource, Nodes, command_lines, planner_only, sbatch_script
 from trainmesh.layout import PRECISION_CHOICES, resolve_precision
+from trainmesh.models.hf import HFError, family_of, hf_dir
 from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, choose,
                             format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
                             to_json)
+from trainmesh.plan.hf_shape import read_hf_shape
 from trainmesh.state_bytes import DTYPE_BYTES
 
 
@@ -173,6 +176,15 @@ def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
 
 SHAPE_FLAGS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "ffn": "d_ff",
                "vocab": "vocab_size", "seq": "seq_len"}
+# Integer fields of ModelShape beyond the basic shape: grouped-query attention, experts, latent attention.
+VARIANT_FLAGS = {"kv-heads": "n_kv_heads", "experts": "n_experts", "top-k": "top_k", "expert-ffn": "d_ff_expert",
+                 "shared-experts": "n_shared_experts", "dense-layers": "n_dense_layers",
+                 "kv-lora-rank": "kv_lora_rank", "q-lora-rank": "q_lora_rank", "qk-rope-dim": "qk_rope_head_dim",
+                 "qk-nope-dim": "qk_nope_head_dim", "v-head-dim": "v_head_dim"}
+# --mlp: a GPT-2 block (GELU MLP, LayerNorm and biases, learned positions) or a Llama one (SwiGLU, RMSNorm, RoPE).
+MLP_KINDS = {"gelu": {"gated_mlp": False, "bias": True, "learned_positions": True},
+             "swiglu": {"gated_mlp": True, "bias": False, "learned_positions": False}}
+HF_SEQ = 4096  # the sequence an HF config is planned at without --seq (its max_position_embeddings if shorter)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,9 +194,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
     ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`.
     """
-    parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    source.add_argument("--hf-config", metavar="DIR", help="the shape of a Hugging Face config.json (llama, mistral, "
+                        "qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt2)")
+    source.add_argument("--init-hf", metavar="DIR", help="as --hf-config, and the command starts from DIR's weights")
     for flag in SHAPE_FLAGS:
-        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
+        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of the model's")
+    for flag in VARIANT_FLAGS:
+        parser.add_argument(f"--{flag}", type=int, dest=VARIANT_FLAGS[flag],
+                            help="explicit shape or override of the model's (ModelShape." + VARIANT_FLAGS[flag] + ")")
+    parser.add_argument("--mlp", choices=list(MLP_KINDS), help="gelu: GPT-2 blocks (the default of an explicit "
+                        "shape); swiglu: Llama blocks (gated MLP, RMSNorm, RoPE, no biases)")
+    parser.add_argument("--tied", action="store_true", default=None, help="the head shares the embedding's weight")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
                         help="as trainmesh train's (default: auto: bf16 with fp32 master weights on GPUs, fp32 on cpu)")
@@ -204,17 +226,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_from(
-    model: str | None, global_batch: int, precision: str = "fp32", reduce_dtype: str = Config.reduce_dtype,
-    **shape: int | None,
+    model: str | ModelShape | None, global_batch: int, precision: str = "fp32",
+    reduce_dtype: str = Config.reduce_dtype, **shape: object,
 ) -> Workload:
-    """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
+    """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit shape
+    (GPT-2 blocks unless the fields say otherwise), or from either with fields replaced.
 
     ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
     ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`).
     """
     given = {k: v for k, v in shape.items() if v is not None}
     if model is not None:
-        resolved = dataclasses.replace(model_shape(model), **given)
+        resolved = dataclasses.replace(model if isinstance(model, ModelShape) else model_shape(model), **given)
     else:
         flags = {field: flag for flag, field in SHAPE_FLAGS.items() if field != "d_ff"}
         missing = [f"--{flag}" for field, flag in flags.items() if field not in given]
@@ -224,25 +247,72 @@ def workload_from(
     return Workload(resolved, global_batch, resolved.seq_len, precision, reduce_dtype)
 
 
+def _shape_args(args: argparse.Namespace) -> dict[str, object]:
+    """The ModelShape fields the plan's shape flags give (None where not given)."""
+    fields: dict[str, object] = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
+    fields |= {field: getattr(args, field) for field in VARIANT_FLAGS.values()}
+    fields |= MLP_KINDS.get(args.mlp, {}) | {"tied_embeddings": args.tied}
+    return fields
+
+
+def _base_model(args: argparse.Namespace) -> tuple[str | ModelShape | None, dict[str, object]]:
+    """The model to plan before the shape flags replace fields, and those fields: a preset name, an HF
+    config's shape (at ``--seq``, else :data:`HF_SEQ` tokens), or nothing (an explicit shape)."""
+    fields = _shape_args(args)
+    directory = args.hf_config or args.init_hf
+    if directory is None:
+        return args.model, fields
+    shape = read_hf_shape(directory)
+    if fields["seq_len"] is None:
+        fields["seq_len"] = min(shape.seq_len, HF_SEQ)
+    return shape, fields
+
+
+def hf_source(directory: str, workload: Workload, weights: bool) -> ModelSource:
+    """``--init-hf DIR --seq-len N`` when ``trainmesh train`` can start from ``directory`` (``weights``: the
+    plan was asked with ``--init-hf``, else only when DIR holds them); else a note saying why not."""
+    try:
+        family_of(json.loads((Path(directory) / "config.json").read_text()), directory)
+        if weights or _has_weights(directory):
+            hf_dir(directory)
+            return ModelSource(("--init-hf", directory, "--seq-len", str(workload.seq_len)))
+    except HFError as e:
+        return planner_only(f"{directory} ({e})")
+    return planner_only(f"{directory} (a config without weights; train --init-hf needs them)")
+
+
+def _has_weights(directory: str) -> bool:
+    return any((Path(directory) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
 def plan_from_args(args: argparse.Namespace) -> str:
     """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns (and write
     ``--slurm``'s script)."""
-    shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)
     precision = resolve_precision(args.precision, cluster.has_bf16)
-    workload = workload_from(args.model, args.global_batch or args.gpus, precision, args.reduce_dtype, **shape)
+    model, fields = _base_model(args)
+    workload = workload_from(model, args.global_batch or args.gpus, precision, args.reduce_dtype, **fields)
     estimates = search(workload, cluster)
     chosen = choose(estimates)
     if args.json:
         return to_json(workload, cluster, estimates, chosen, args.top)
-    reshaped = any(v is not None for k, v in shape.items() if k != "seq_len")
-    source = planner_only("this custom shape") if reshaped or args.model is None else preset_source(workload, args.model)
-    command = [] if chosen is None else train_command(workload, chosen.layout, cluster, source)
+    command = [] if chosen is None else train_command(workload, chosen.layout, cluster, _source(args, workload, fields))
     if args.slurm and chosen is not None:
-        Path(args.slurm).write_text(sbatch_script(source, train_flags(workload, chosen.layout),
+        Path(args.slurm).write_text(sbatch_script(_source(args, workload, fields), train_flags(workload, chosen.layout),
                                                   nodes_of(chosen.layout, cluster)))
         command.append(f"# sbatch script written to {args.slurm}")
     note = f" ({args.precision}: {'bf16 devices' if cluster.has_bf16 else 'no bf16 on cpu'})" if args.precision == "auto" else ""
     return format_table(workload, cluster, estimates, chosen, command, args.top, note)
+
+
+def _source(args: argparse.Namespace, workload: Workload, fields: dict[str, object]) -> ModelSource:
+    """How the printed command names the model: a shape the flags changed exists only in the planner."""
+    reshaped = any(v is not None for k, v in fields.items() if k != "seq_len")
+    directory = args.hf_config or args.init_hf
+    if reshaped or (args.model is None and directory is None):
+        return planner_only("this custom shape")
+    if directory is not None:
+        return hf_source(directory, workload, weights=args.init_hf is not None)
+    return preset_source(workload, args.model)

@@ -49,7 +49,12 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
     place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
     out: ``trainmesh.parallel.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
-    attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+    if m.latent_attention:  # its down projections and latent norms whole on every tp rank, the rest split
+        down = (d + 1) * (m.q_lora_rank + m.kv_lora_rank) + d * m.qk_rope_head_dim
+        split = m.attention_params() - down
+        attention = [_norm(m), Unit(down + split // tp, 7 if m.q_lora_rank else 5), _norm(m)]
+    else:
+        attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
 
 
@@ -206,7 +211,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
     # Q, K, V, the attention projection's input, a dense MLP's inner activations: split by heads or columns.
     # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
-    qkv_and_proj_input = e * sbh * (m.qkv_width + m.d_model) // m.d_model
+    qkv_and_proj_input = e * sbh * _attention_saved_width(m) // m.d_model
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
     inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
     experts = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model + inner) // seq_split
@@ -216,6 +221,15 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
     return seq_sharded // seq_split + routed + (qkv_and_proj_input + mlp_inner + core
                                                 + cp_attention_output(workload, layout)) // t
+
+
+def _attention_saved_width(m: ModelShape) -> int:
+    """Features per token attention saves split by heads: Q, K, V and the projection's input (the latents
+    of latent attention are small beside its per-head keys and values, and counted with them)."""
+    if not m.latent_attention:
+        return m.qkv_width + m.d_model
+    qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return m.n_heads * (2 * qk + 2 * v) + m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
 
 
 def cp_attention_output(workload: Workload, layout: Layout) -> int:

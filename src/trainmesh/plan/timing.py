@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmesh.metrics import block_flops_per_token, head_flops_per_token, model_flops_per_token
+from trainmesh.metrics import head_flops_per_token
 from trainmesh.models.spec import ModelShape
 from trainmesh.hardware import Cluster
-from trainmesh.plan.flops import block_forward_flops, is_moe_layer
+from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
+                                  is_moe_layer)
 from trainmesh.plan.memory import (Unit, expert_unit, router_and_shared, stage_blocks, stage_expert_units,
                                    stage_units)
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
@@ -69,8 +70,9 @@ def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> f
     Backward costs twice the forward, so 3x; full recomputation reruns the forward (4x, the 96 of
     [NAR, app. FLOPs]); selective recomputation reruns only QK^T and AV [KOR, sec. 5].
     """
-    fwd = block_flops_per_token(m.d_model, m.d_ff, seq_len, m.gated_mlp, m.qkv_width)
-    return {"none": 3 * fwd, "selective": 3 * fwd + 4 * seq_len * m.d_model, "full": 4 * fwd}[recompute]
+    fwd = block_forward_flops(m, seq_len)
+    core = attention_forward_flops(m, seq_len) - 2 * attention_weights(m)
+    return {"none": 3 * fwd, "selective": 3 * fwd + core, "full": 4 * fwd}[recompute]
 
 
 def step_flops(workload: Workload, recompute: str = "none") -> float:
@@ -81,9 +83,9 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
     """
     m, s = workload.model, workload.seq_len
-    model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp, m.qkv_width)
     moe_layers = m.n_layers - m.n_dense_layers if m.n_experts else 0
-    model += 3 * moe_layers * (block_forward_flops(m, s, moe=True) - block_forward_flops(m, s))
+    blocks = (m.n_layers - moe_layers) * block_forward_flops(m, s) + moe_layers * block_forward_flops(m, s, moe=True)
+    model = 3 * (blocks + head_flops_per_token(m.d_model, m.vocab_size))
     rerun = m.n_layers * (block_pass_flops_per_token(m, s, recompute) - block_pass_flops_per_token(m, s, "none"))
     if recompute == "full":
         rerun = model / 3 - head_flops_per_token(m.d_model, m.vocab_size)  # every block's forward, once more
@@ -121,10 +123,12 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
     h = m.d_model
+    qk, v = core_width(m)
+    values = m.n_heads * v
     gemms = {
-        "qkv": Gemm(2 * tokens * h * m.qkv_width / t, (tokens, h, m.qkv_width // t)),
-        "proj": Gemm(2 * tokens * h * h / t, (tokens, h // t, h)),
-        "attention": Gemm(4 * tokens * workload.seq_len * h / t, (s_local, h // m.n_heads, workload.seq_len)),
+        "qkv": Gemm(2 * tokens * (attention_weights(m) - values * h) / t, _qkv_dims(m, tokens, t)),
+        "proj": Gemm(2 * tokens * values * h / t, (tokens, values // t, h)),
+        "attention": Gemm(2 * tokens * workload.seq_len * m.n_heads * (qk + v) / t, (s_local, qk, workload.seq_len)),
     }
     inputs = 2 if m.gated_mlp else 1
     if not moe:
@@ -136,6 +140,15 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     if m.n_shared_experts:
         gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
     return gemms
+
+
+def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:
+    """The q/k/v projection's matmul shape on one tp rank; latent attention's projections (down to the
+    latents, up to the heads) are priced as one matmul of their FLOPs shaped as its key/value up-projection,
+    the largest of them."""
+    if not m.latent_attention:
+        return tokens, m.d_model, m.qkv_width // t
+    return tokens, m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim) // t
 
 
 def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t: int) -> dict[str, Gemm]:
@@ -234,7 +247,9 @@ def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
         return {}
     tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
     head_dim = m.d_model // m.n_heads
-    kv = 2 * tokens * m.kv_heads * head_dim // lay.tp
+    # Latent attention's keys and values are one compressed vector per token plus the shared rotary key.
+    kv = (tokens * (m.kv_lora_rank + m.qk_rope_head_dim) if m.latent_attention
+          else 2 * tokens * m.kv_heads * head_dim // lay.tp)
     if lay.cp_impl == "ring":
         grad = max(e, DTYPE_BYTES["fp32"])
         return {"ring_kv": layers * (cp - 1) * kv * e,
