@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass
 
 from trainmesh.models.spec import ModelShape
-from trainmesh.plan.stages import rank_blocks
+from trainmesh.plan.stages import rank_blocks, stage_kinds
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, stage_split
 from trainmesh.state_bytes import DTYPE_BYTES, STEP_SCALAR_BYTES, sharded_state_bytes
 
@@ -364,18 +364,11 @@ def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreak
 
 
 def candidate_stages(workload: Workload, layout: Layout, stage: int | None = None) -> list[int]:
-    """The stage asked for, or the only ones that can be worst: the first and the last (embedding, head),
-    and of the others the first of each distinct (dense, MoE) block count, since a later stage with the
-    same blocks keeps no more micro-batches in flight."""
+    """The stage asked for, or the only ones that can be worst: the first of each kind
+    (:func:`~trainmesh.plan.stages.stage_kinds`), the first and the last stage among them."""
     if stage is not None:
         return [stage]
-    seen, candidates = set(), {0, layout.pp - 1}
-    for s in range(layout.pp):
-        blocks = stage_blocks(workload, layout, s)
-        if blocks not in seen:
-            seen.add(blocks)
-            candidates.add(s)
-    return sorted(candidates)
+    return sorted(s for s, _ in stage_kinds(workload.model, stage_split(workload, layout), layout.pp))
 
 
 def memory_per_rank(workload: Workload, layout: Layout, stage: int | None = None) -> MemoryBreakdown:

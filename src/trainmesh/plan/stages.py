@@ -21,21 +21,35 @@ from trainmesh.plan.flops import is_moe_layer
 @functools.lru_cache(maxsize=4096)
 def fastest_split(costs: tuple[float, ...], head: float, chunks: int) -> tuple[int, ...]:
     """Blocks per chunk that minimise the slowest chunk, given each block's cost in model order and the
-    head's (on the last chunk): the minimum from :func:`balanced_partition`, then chunks filled from the
-    last backwards up to it, each leaving at least one block for those before it, so the first chunk (which
-    holds the embedding and, under 1F1B, the most micro-batches in flight) gets what is left."""
-    ranges = balanced_partition(costs, chunks, 0, head)
-    bound = max(sum(costs[i] for i in r) + (head if k == chunks - 1 else 0) for k, r in enumerate(ranges))
-    bound *= 1 + 1e-12  # the sums below add in another order
+    head's (on the last chunk): the least bound that :func:`_fill_to` meets, by bisection, and the chunks
+    it fills, from the last backwards, so the first chunk (which holds the embedding and, under 1F1B, the
+    most micro-batches in flight) gets what is left."""
+    low, high = max(costs), sum(costs) + head
+    for _ in range(100):
+        if high - low <= 1e-12 * high:
+            break
+        middle = (low + high) / 2
+        low, high = (low, middle) if _fill_to(costs, head, chunks, middle) else (middle, high)
+    split = _fill_to(costs, head, chunks, high)
+    assert split is not None
+    return split
+
+
+def _fill_to(costs: tuple[float, ...], head: float, chunks: int, bound: float) -> tuple[int, ...] | None:
+    """Chunks filled from the last backwards, each as full as ``bound`` allows while leaving a block for
+    every chunk before it; None if the first chunk then exceeds ``bound`` (packing greedily from one end
+    takes the fewest chunks, so no split meets the bound then)."""
     counts, stop = [], len(costs)
     for k in range(chunks - 1, 0, -1):
         load, start = head if k == chunks - 1 else 0.0, stop
         while start - 1 >= k and load + costs[start - 1] <= bound:
             start -= 1
             load += costs[start]
+        if start == stop:
+            return None
         counts.append(stop - start)
         stop = start
-    return (stop, *reversed(counts))
+    return (stop, *reversed(counts)) if sum(costs[:stop]) <= bound else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -65,3 +79,18 @@ def _rank_blocks(split: tuple[int, ...], pp: int, stage: int, dense_layers: int)
     layers = [i for r in rank_layers(split, pp, stage) for i in r]
     dense = sum(i < dense_layers for i in layers)
     return dense, len(layers) - dense
+
+
+def stage_kinds(m: ModelShape, split: tuple[int, ...], pp: int) -> tuple[tuple[int, int], ...]:
+    """(the first stage of its kind, how many stages are of it) for each kind of stage: its dense and MoE
+    blocks, and whether it is the first or the last. Estimates of a stage depend on nothing else, and a
+    later stage of a kind keeps no more micro-batches in flight than the first."""
+    return _stage_kinds(split, pp, m.n_dense_layers if m.n_experts else m.n_layers)
+
+
+@functools.lru_cache(maxsize=2**14)
+def _stage_kinds(split: tuple[int, ...], pp: int, dense_layers: int) -> tuple[tuple[int, int], ...]:
+    kinds: dict[tuple[tuple[int, int], bool, bool], list[int]] = {}
+    for s in range(pp):
+        kinds.setdefault((_rank_blocks(split, pp, s, dense_layers), s == 0, s == pp - 1), []).append(s)
+    return tuple((stages[0], len(stages)) for stages in kinds.values())

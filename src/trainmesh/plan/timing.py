@@ -13,8 +13,9 @@ from trainmesh.models.spec import ModelShape
 from trainmesh.hardware import Cluster
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
-from trainmesh.plan.memory import (Unit, expert_unit, router_and_shared, stage_blocks, stage_expert_units,
-                                   stage_units)
+from trainmesh.plan.memory import (Unit, candidate_stages, expert_unit, router_and_shared, stage_blocks,
+                                   stage_expert_units, stage_units)
+from trainmesh.plan.stages import stage_kinds
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
 from trainmesh.state_bytes import DTYPE_BYTES, FULL_PRECISIONS
 
@@ -128,7 +129,8 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     gemms = {
         "qkv": Gemm(2 * tokens * (attention_weights(m) - values * h) / t, _qkv_dims(m, tokens, t)),
         "proj": Gemm(2 * tokens * values * h / t, (tokens, values // t, h)),
-        "attention": Gemm(2 * tokens * workload.seq_len * m.n_heads * (qk + v) / t, (s_local, qk, workload.seq_len)),
+        "attention": Gemm(2 * tokens * workload.seq_len * m.n_heads * (qk + v) / t * causal_share(m),
+                          (s_local, qk, workload.seq_len)),
     }
     inputs = 2 if m.gated_mlp else 1
     if not moe:
@@ -140,6 +142,13 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     if m.n_shared_experts:
         gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
     return gemms
+
+
+def causal_share(m: ModelShape) -> float:
+    """The part of the s x s score matrix the attention core computes: a fused (flash) kernel skips the
+    blocks a causal mask hides, half of them [Dao, FlashAttention-2, 2023, 3.1]; an unfused core computes
+    the whole matrix and masks it (Megatron-LM in 2021 [NAR])."""
+    return 0.5 if m.flash_attention else 1.0
 
 
 def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:
@@ -269,7 +278,7 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     if layout.cp_impl == "a2a":
         return 8 * layers * alpha + sent / bw
     attention = block_gemms(workload, layout)["attention"]
-    hidden = layers * 3 * gemm_time(attention, workload, cluster) / 2  # causal: half the score matrix
+    hidden = layers * 3 * gemm_time(attention, workload, cluster)  # the core as it runs (causal_share)
     messages = layers * (3 * layout.cp - 2)
     return max(0.0, messages * alpha + sent / bw - hidden)
 
@@ -342,7 +351,7 @@ def peak_flops(workload: Workload, cluster: Cluster) -> float:
 
 def most_blocks(workload: Workload, layout: Layout) -> int:
     """Blocks of the rank that holds the most."""
-    return max(sum(stage_blocks(workload, layout, s)) for s in range(layout.pp))
+    return max(sum(stage_blocks(workload, layout, s)) for s in candidate_stages(workload, layout))
 
 
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
@@ -358,16 +367,18 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     """
     check_layout(workload, layout)
     m = layout.microbatches
-    per_stage = _per_stage_times(workload, layout, cluster)
-    compute = m * max(c for c, _, _ in per_stage)
-    tp = m * max(t for _, t, _ in per_stage)
+    kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)
+    per_stage = {s: (micro_compute_time(workload, layout, cluster, s), _tp_time_per_micro(workload, layout, cluster, s),
+                     _ep_time_per_micro(workload, layout, cluster, s)) for s, _ in kinds}
+    compute = m * max(c for c, _, _ in per_stage.values())
+    tp = m * max(t for _, t, _ in per_stage.values())
     pp_time = m * _pp_time_per_micro(workload, layout, cluster)
-    ep = m * max(e for _, _, e in per_stage)
-    bubble = pipeline_bubble([sum(times) + pp_time / m for times in per_stage], layout)
+    ep = m * max(e for _, _, e in per_stage.values())
+    bubble = pipeline_bubble([sum(per_stage[s]) + pp_time / m for s, n in kinds for _ in range(n)], layout)
     if cluster.ranks_per_core > 1:  # cores shared: each rank's compute waits its turn, bubbles are filled
         shared = compute * cluster.ranks_per_core
         compute, bubble = shared, max(0.0, compute + bubble - shared)
-    dp = max(dp_time(workload, layout, cluster, s) for s in _distinct_stages(workload, layout))
+    dp = max(dp_time(workload, layout, cluster, s) for s in per_stage)
     cp = m * _cp_time_per_micro(workload, layout, cluster)
     return TimeBreakdown(compute, dp, tp, pp_time, bubble, cp, ep)
 
@@ -384,20 +395,3 @@ def pipeline_bubble(stage_times: list[float], layout: Layout) -> float:
         return 0.0
     f = bubble_fraction(layout.schedule, pp, m, layout.virtual)
     return (sum(stage_times) - max(stage_times)) * m / (pp - 1) * f / (1 - f)
-
-
-def _distinct_stages(workload: Workload, layout: Layout) -> dict[int, tuple[tuple[int, int], bool, bool]]:
-    """One stage of each kind (its dense and MoE blocks, first, last), the first of its kind: the times of a
-    stage depend on nothing else."""
-    kinds: dict[tuple[tuple[int, int], bool, bool], int] = {}
-    for s in range(layout.pp):
-        kinds.setdefault((stage_blocks(workload, layout, s), s == 0, s == layout.pp - 1), s)
-    return {s: kind for kind, s in kinds.items()}
-
-
-def _per_stage_times(workload: Workload, layout: Layout, cluster: Cluster) -> list[tuple[float, float, float]]:
-    """(compute, tp, ep) seconds per micro-batch of every stage, each kind of stage estimated once."""
-    kinds = _distinct_stages(workload, layout)
-    times = {kind: (micro_compute_time(workload, layout, cluster, s), _tp_time_per_micro(workload, layout, cluster, s),
-                    _ep_time_per_micro(workload, layout, cluster, s)) for s, kind in kinds.items()}
-    return [times[(stage_blocks(workload, layout, s), s == 0, s == layout.pp - 1)] for s in range(layout.pp)]
