@@ -5,6 +5,7 @@ that start the chosen run. Pure: no rank is started (``tests/cli/test_plan_runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import shutil
 import subprocess
@@ -18,10 +19,14 @@ from trainmesh.app.planning import add_plan_arguments, layout_of, plan_from_args
 from trainmesh.layout import resolve_precision
 
 
-def _plan(argv: str, tmp_path: Path | None = None) -> list[str]:
+@functools.cache  # the 70B plan is read by several tests
+def _plan(argv: str) -> list[str]:
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     return plan_from_args(parser.parse_args(argv.split())).splitlines()
+
+
+SEVENTY_B = "--model llama3-70b --gpus 64 --gpu h100-80gb --global-batch 512 --top 10"
 
 
 def _train_config(line: str) -> Config:
@@ -42,7 +47,7 @@ def test_train_resolves_auto_through_the_same_function_as_plan() -> None:
 
 
 def test_rows_are_sorted_by_step_time_and_the_choice_names_its_runner_up() -> None:
-    lines = _plan("--model llama3-70b --gpus 64 --gpu h100-80gb --global-batch 512 --top 10")
+    lines = _plan(SEVENTY_B)
     rows = lines[2:12]
     times = [float(row.split()[-3]) for row in rows]
     assert times == sorted(times) and sum(row.startswith("*") for row in rows) == 1
@@ -51,7 +56,7 @@ def test_rows_are_sorted_by_step_time_and_the_choice_names_its_runner_up() -> No
 
 
 def test_several_nodes_get_the_whole_torchrun_rendezvous_and_the_line_parses_back_to_the_layout() -> None:
-    lines = _plan("--model llama3-70b --gpus 64 --gpu h100-80gb --global-batch 512 --top 3")
+    lines = _plan(SEVENTY_B)
     words = shlex.split(lines[-1])
     assert words[:5] == ["torchrun", "--nnodes", "8", "--nproc-per-node", "8"]
     assert words[words.index("--rdzv-backend") + 1] == "c10d" and "--rdzv-id" in words
@@ -62,7 +67,7 @@ def test_several_nodes_get_the_whole_torchrun_rendezvous_and_the_line_parses_bac
 
 
 def test_the_placeholder_stops_the_shell_until_it_is_filled() -> None:
-    line = _plan("--model llama3-70b --gpus 64 --gpu h100-80gb --global-batch 512 --top 1")[-1]
+    line = _plan(SEVENTY_B)[-1]
     head = line.split(" -m trainmesh")[0].replace("torchrun", "echo", 1)
     unset = subprocess.run(["bash", "-c", head], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert unset.returncode != 0 and "set HEAD_NODE to the address of the first node" in unset.stderr
