@@ -7,9 +7,12 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from trainmesh.app.planning import add_plan_arguments, plan_from_args
 
@@ -25,11 +28,15 @@ def _trainmesh(words: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return out
 
 
-def test_the_printed_single_node_command_trains_with_the_planned_layout(tmp_path: Path) -> None:
+def _printed(argv: list[str]) -> str:
+    """The last line ``trainmesh plan`` prints: the command that starts the chosen run."""
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    args = parser.parse_args(["--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "4"])
-    printed = plan_from_args(args).splitlines()[-1]
+    return plan_from_args(parser.parse_args(argv)).splitlines()[-1]
+
+
+def test_the_printed_single_node_command_trains_with_the_planned_layout(tmp_path: Path) -> None:
+    printed = _printed(["--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "4"])
     words = shlex.split(printed)
     assert words[:2] == ["trainmesh", "train"] and words[words.index("--nproc") + 1] == "2"
     _trainmesh([*words[1:], "--steps", "2", "--out", "run", "--no-tensorboard", "--device", "cpu"], tmp_path)
@@ -39,3 +46,30 @@ def test_the_printed_single_node_command_trains_with_the_planned_layout(tmp_path
     assert ran["model"] == "tiny" and ran["nproc"] == 2
     assert {k: str(ran[k]) for k in LAYOUT if k in planned} == {k: planned[k] for k in LAYOUT if k in planned}
     assert ran["steps"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_printed_torchrun_line_starts_the_run_on_two_nodes_once_head_node_is_filled(tmp_path: Path) -> None:
+    """Two "nodes" on 127.0.0.1, each running the printed line through bash with HEAD_NODE set (and the
+    rendezvous port moved to a free one)."""
+    printed = _printed(["--model", "tiny", "--gpus", "4", "--gpus-per-node", "2", "--gpu", "cpu",
+                        "--global-batch", "8"])
+    assert printed.startswith("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    line = printed.replace(":29500", f":{port}") + " --steps 2 --out run --no-tensorboard --no-progress"
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"HEAD_NODE": "127.0.0.1", "RUN_ID": "plan-test", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])}
+    nodes = [subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        errors = [node.communicate(timeout=240)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, err in zip(nodes, errors):
+        assert node.returncode == 0, err[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 4
