@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 
-from trainmesh.app.planning import add_plan_arguments, plan_from_args
+from trainmesh.app import cli
+from trainmesh.app.config import config_from_args
+from trainmesh.app.planning import add_plan_arguments, layout_of, plan_from_args, workload_of
 from trainmesh.models import SPECS
 from trainmesh.plan import Layout, Workload, active_params, cp_bytes_per_micro, model_shape
 from trainmesh.plan.hf_shape import READERS, read_hf_shape, shape_of_hf_config
@@ -120,3 +123,14 @@ def test_latent_attention_sends_its_compressed_keys_and_values_over_cp() -> None
     sent = cp_bytes_per_micro(work, Layout(dp=2, cp=4, microbatches=4))
     tokens = 32768 // 4
     assert sent["ring_kv"] == m.n_layers * 3 * tokens * (512 + 64) * 2
+
+
+def test_init_hf_plans_the_directory_and_the_command_starts_from_its_weights(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE)).save_pretrained(tmp_path)
+    lines = _plan(f"--init-hf {tmp_path} --gpus 2 --gpu cpu --global-batch 4 --top 1")
+    words = shlex.split(lines[-1])
+    assert words[words.index("--init-hf") + 1] == str(tmp_path) and words[words.index("--seq-len") + 1] == "64"
+    cfg = config_from_args(cli._parser().parse_args(words[1:]))
+    assert workload_of(cfg).model.n_params() == read_hf_shape(tmp_path).n_params()
+    assert layout_of(cfg).world == 2
