@@ -56,7 +56,8 @@ class Cluster:
     How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
     its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
     (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
-    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`).
+    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`); ``has_bf16`` says
+    whether the devices compute in bf16, which is what ``--precision auto`` trains in where they do.
     """
 
     gpus: int
@@ -73,6 +74,7 @@ class Cluster:
     comm_efficiency: float
     reserved_bytes: int
     ranks_per_core: float = 1.0
+    has_bf16: bool = True
     peak_flops_fp8: float = 0.0
 
     def peak_at(self, precision: str) -> float:
@@ -137,7 +139,8 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
-                   gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB),
+                   gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,
+                   has_bf16=False),
 }
 
 

@@ -23,6 +23,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")  # trainmesh.pipeline.schedules builds each
 RECOMPUTE = ("none", "selective", "full")  # trainmesh.parallel.recompute applies each
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
+PRECISION_CHOICES = ("auto", *PRECISIONS)  # what --precision takes: auto resolves by resolve_precision
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 CP_IMPLS = ("ring", "a2a")
 AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside dp x cp)
@@ -71,6 +72,15 @@ class Layout:
     def grad_ranks(self) -> int:
         """Ranks gradients are reduced over and ZeRO shards over: dp x cp (Megatron's dp-cp group)."""
         return self.dp * self.cp
+
+
+def resolve_precision(precision: str, bf16_device: bool) -> str:
+    """The precision a run trains in: ``precision``, or for ``auto`` bf16 (with fp32 master weights) where the
+    device computes in bf16 and fp32 elsewhere (a CPU), as every production run on GPUs does. ``trainmesh
+    train`` (for the local device) and ``trainmesh plan`` (for the target cluster) both resolve it here."""
+    if precision != "auto":
+        return precision
+    return "bf16" if bf16_device else "fp32"
 
 
 def resolve_reduce_dtype(precision: str, reduce_dtype: str) -> str:

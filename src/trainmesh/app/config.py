@@ -20,8 +20,8 @@ from typing import Any
 from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
 from trainmesh.launcher import STOPPED_GRACE_S
-from trainmesh.layout import (CP_IMPLS, PRECISIONS, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES, Layout,
-                              LayoutError, resolve_reduce_dtype)
+from trainmesh.layout import (CP_IMPLS, PRECISION_CHOICES, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES,
+                              Layout, LayoutError, resolve_precision, resolve_reduce_dtype)
 from trainmesh.float8 import fp8_problem
 from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
@@ -125,10 +125,10 @@ class Config:
     zero: int = _opt(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", ZERO_STAGES)
     bucket_mb: float = _opt(25.0, "gradient bucket size in MB for the data-parallel AllReduce", low=ABOVE_0,
                             high=Bound(1 << 20))
-    precision: str = _opt("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
+    precision: str = _opt("auto", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and optimizer "
                           "state (fp16 with dynamic loss scaling); fp8 is bf16 with the block linears multiplying "
-                          "in float8 (torchao; FP8 GPUs or CPU; not with --tp); fp64 for exact equivalence checks",
-                          PRECISIONS)
+                          "in float8 (torchao; FP8 GPUs or CPU; not with --tp); fp64 for exact equivalence checks; "
+                          "auto: bf16 on a GPU that has it, else fp32", PRECISION_CHOICES)
     recompute: str = _opt("none", "activation recomputation: full (each block) or selective (attention core)",
                           RECOMPUTE)
     reduce_dtype: str = _opt("auto", "dtype gradients are accumulated and reduced in (auto: fp32, or fp64 under "
@@ -226,6 +226,19 @@ class Config:
                              "tensorboard package is installed")
     wandb: str = _opt("", "also log to this Weights & Biases project (needs the wandb package); offline under "
                       "--out unless WANDB_MODE=online")
+
+    def __post_init__(self) -> None:
+        if self.precision == "auto":
+            object.__setattr__(self, "precision", resolve_precision("auto", self._bf16_device()))
+
+    def _bf16_device(self) -> bool:
+        """Whether this run's device computes in bf16: a visible CUDA device that supports it, unless
+        ``--device cpu``. Ranks on one machine (and the nodes of one job) answer the same."""
+        if self.device == "cpu":
+            return False
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
     @property
     def model_config(self) -> Any:

@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 from typing import Iterator
 
 from trainmesh.app.config import Config
 from trainmesh.layout import LayoutError, validate
 from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
-from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, format_table,
-                            local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search, to_json)
+from trainmesh.app.run_command import ModelSource, Nodes, command_lines, planner_only, sbatch_script
+from trainmesh.layout import PRECISION_CHOICES, resolve_precision
+from trainmesh.models.hf import HFError, family_of, hf_dir
+from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, choose,
+                            format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
+                            to_json)
+from trainmesh.plan.hf_shape import read_hf_shape
 from trainmesh.state_bytes import DTYPE_BYTES
 
 
@@ -34,19 +41,22 @@ def layout_of(cfg: Config) -> Layout:
     fields = {name: getattr(cfg, field) for name, field in LAYOUT_FIELDS.items()}
     if cfg.pp == 1:
         fields.update(schedule="1f1b", virtual=1)
-    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)))
+    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)), stage_layers=cfg.stage_layer_counts)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
     """``cfg`` running ``layout`` instead of its own (on ``layout.world`` local ranks)."""
     fields = {field: getattr(layout, name) for name, field in LAYOUT_FIELDS.items()}
-    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20, **fields)
+    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20,
+                               stage_layers=",".join(map(str, layout.stage_layers)), **fields)
 
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
     """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
     (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
-    when it is not the default), then what differs from :class:`~trainmesh.app.config.Config`'s defaults."""
+    when it is not the default), the global batch and the precision (always: ``auto`` would resolve again on
+    the machine that runs it), the pipeline's ``--stage-layers`` when the layout gives them, then the reduce
+    dtype where it is not the default."""
     cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
                              reduce_dtype=workload.reduce_dtype), layout)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
@@ -55,9 +65,10 @@ def train_flags(workload: Workload, layout: Layout) -> list[str]:
     skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
     flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
     defaults = Config()
-    extra = [f for field in ("bucket_mb", "precision", "reduce_dtype")
+    extra = [f for field in ("bucket_mb", "reduce_dtype")
              if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
-    return [*flags, "--global-batch", str(workload.global_batch), *extra]
+    stages = ["--stage-layers", cfg.stage_layers] if cfg.stage_layers and layout.pp > 1 else []
+    return [*flags, *stages, "--global-batch", str(workload.global_batch), "--precision", workload.precision, *extra]
 
 
 def _flag_of(cfg: Config, field: str) -> list[str]:
@@ -67,31 +78,30 @@ def _flag_of(cfg: Config, field: str) -> list[str]:
     return [name, f"{value:g}" if isinstance(value, float) else str(value)]
 
 
-def train_command(workload: Workload, layout: Layout, cluster: Cluster, model: str | None = None) -> str:
-    """The command line that runs ``layout``: ``trainmesh train --nproc N ...`` on one node, the same flags
-    under ``torchrun`` on each node of several. ``--model`` (and ``--seq-len`` when it is not the preset's)
-    when the workload is preset ``model``; :func:`train_flags` for the rest. A planning-only shape (a model
-    ``train`` does not build, such as DeepSeek-V3's latent attention) gets the layout's flags and a comment
-    saying so, rather than a ``--model`` that ``train`` would refuse."""
-    buildable = model is not None and model in PRESET_NAMES
-    named = ["--model", model] if buildable else []
-    if buildable and workload.seq_len != model_shape(model).seq_len:
-        named += ["--seq-len", str(workload.seq_len)]
-    flags = train_flags(workload, layout)
+def preset_source(workload: Workload, model: str) -> ModelSource:
+    """``--model`` (and ``--seq-len`` when it is not the preset's) for a preset ``train`` builds; for a
+    planning-only preset (a family trainmesh does not build), the note saying so."""
+    if model not in PRESET_NAMES:
+        return planner_only(model)
+    seq = ["--seq-len", str(workload.seq_len)] if workload.seq_len != model_shape(model).seq_len else []
+    return ModelSource(("--model", model, *seq))
+
+
+def nodes_of(layout: Layout, cluster: Cluster) -> Nodes:
+    """The nodes ``layout`` fills on ``cluster``: one when it fits in a node, else whole nodes."""
     if layout.world <= cluster.gpus_per_node:
-        line = ["trainmesh", "train", *named, "--nproc", str(layout.world), *flags]
-    else:
-        nodes = layout.world // cluster.gpus_per_node
-        line = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(cluster.gpus_per_node),
-                "-m", "trainmesh", "train", *named, *flags]
-    if model is not None and not buildable:
-        line += ["  #", f"{model} is a planning shape trainmesh does not build: these flags lay out your own model of it"]
-    return " ".join(line)
+        return Nodes(1, layout.world)
+    return Nodes(layout.world // cluster.gpus_per_node, cluster.gpus_per_node)
+
+
+def train_command(workload: Workload, layout: Layout, cluster: Cluster, source: ModelSource) -> list[str]:
+    """The lines that start ``layout``'s run (:func:`trainmesh.app.run_command.command_lines`)."""
+    return command_lines(source, train_flags(workload, layout), nodes_of(layout, cluster))
 
 
 def layout_flags(cfg: Config) -> list[str]:
     """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
-    return [*(f for field in LAYOUT_FIELDS.values() for f in _flag_of(cfg, field)), "--plan", ""]
+    return [*(f for field in (*LAYOUT_FIELDS.values(), "stage_layers") for f in _flag_of(cfg, field)), "--plan", ""]
 
 
 def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Estimate]:
@@ -108,9 +118,10 @@ def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Esti
 
 
 def auto_config(cfg: Config, world: int, cluster: Cluster) -> tuple[Config, Estimate]:
-    """``cfg`` with the fastest predicted layout that fits ``cluster`` (``world`` ranks) and that the
-    runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how the layout was chosen."""
-    best = next(runnable_layouts(cfg, world, cluster), None)
+    """``cfg`` with the layout :func:`~trainmesh.plan.choose` takes of those that fit ``cluster`` (``world``
+    ranks) and that the runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how
+    the layout was chosen."""
+    best = choose(list(runnable_layouts(cfg, world, cluster)))
     if best is None:
         work = workload_of(cfg)
         raise ValueError(
@@ -147,11 +158,11 @@ def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config,
     """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
     cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
     planned, chosen = auto_config(cfg, world, cluster)
-    return planned, describe_choice(chosen, cluster)
+    return planned, describe_choice(chosen, cluster, planned.precision)
 
 
-def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
-    """The one line ``--plan auto`` prints: the layout it runs and why."""
+def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
+    """The one line ``--plan auto`` prints: the layout it runs, in which precision, and why."""
     lay = chosen.layout
     sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
     mem = scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
@@ -159,12 +170,21 @@ def describe_choice(chosen: Estimate, cluster: Cluster) -> str:
     ep = f" ep={lay.ep}" if lay.ep > 1 else ""
     return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
             f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
-            f"sequence_parallel={lay.sequence_parallel}{cp}{ep} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
+            f"sequence_parallel={lay.sequence_parallel}{cp}{ep} precision={precision} (predicted {chosen.time.total * 1e3:.3g} ms/step, "
             f"{mem}/rank of {cluster.usable_bytes / GIB:.1f} GiB usable)")
 
 
 SHAPE_FLAGS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "ffn": "d_ff",
                "vocab": "vocab_size", "seq": "seq_len"}
+# Integer fields of ModelShape beyond the basic shape: grouped-query attention, experts, latent attention.
+VARIANT_FLAGS = {"kv-heads": "n_kv_heads", "experts": "n_experts", "top-k": "top_k", "expert-ffn": "d_ff_expert",
+                 "shared-experts": "n_shared_experts", "dense-layers": "n_dense_layers",
+                 "kv-lora-rank": "kv_lora_rank", "q-lora-rank": "q_lora_rank", "qk-rope-dim": "qk_rope_head_dim",
+                 "qk-nope-dim": "qk_nope_head_dim", "v-head-dim": "v_head_dim"}
+# --mlp: a GPT-2 block (GELU MLP, LayerNorm and biases, learned positions) or a Llama one (SwiGLU, RMSNorm, RoPE).
+MLP_KINDS = {"gelu": {"gated_mlp": False, "bias": True, "learned_positions": True},
+             "swiglu": {"gated_mlp": True, "bias": False, "learned_positions": False}}
+HF_SEQ = 4096  # the sequence an HF config is planned at without --seq (its max_position_embeddings if shorter)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,12 +194,22 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
     ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`.
     """
-    parser.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
+    source.add_argument("--hf-config", metavar="DIR", help="the shape of a Hugging Face config.json (llama, mistral, "
+                        "qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt2)")
+    source.add_argument("--init-hf", metavar="DIR", help="as --hf-config, and the command starts from DIR's weights")
     for flag in SHAPE_FLAGS:
-        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of --model's")
+        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of the model's")
+    for flag in VARIANT_FLAGS:
+        parser.add_argument(f"--{flag}", type=int, dest=VARIANT_FLAGS[flag],
+                            help="explicit shape or override of the model's (ModelShape." + VARIANT_FLAGS[flag] + ")")
+    parser.add_argument("--mlp", choices=list(MLP_KINDS), help="gelu: GPT-2 blocks (the default of an explicit "
+                        "shape); swiglu: Llama blocks (gated MLP, RMSNorm, RoPE, no biases)")
+    parser.add_argument("--tied", action="store_true", default=None, help="the head shares the embedding's weight")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
-    parser.add_argument("--precision", choices=list(DTYPE_BYTES), default=Config.precision,
-                        help=f"as trainmesh train's (default: {Config.precision})")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
+                        help="as trainmesh train's (default: auto: bf16 with fp32 master weights on GPUs, fp32 on cpu)")
     parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
                         help="dtype gradients are held and reduced in, as trainmesh train's (default: "
                              f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
@@ -192,19 +222,22 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inter-gbps", type=float, help="inter-node GB/s per device (overrides --gpu)")
     parser.add_argument("--top", type=int, default=20, help="rows to print")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--slurm", metavar="FILE", help="also write an sbatch script that starts the chosen run")
 
 
 def workload_from(
-    model: str | None, global_batch: int, precision: str = Config.precision, reduce_dtype: str = Config.reduce_dtype,
-    **shape: int | None,
+    model: str | ModelShape | None, global_batch: int, precision: str = "fp32",
+    reduce_dtype: str = Config.reduce_dtype, **shape: object,
 ) -> Workload:
-    """A workload from a preset, from an explicit GPT-2-layout shape, or from a preset with fields replaced.
+    """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit shape
+    (GPT-2 blocks unless the fields say otherwise), or from either with fields replaced.
 
     ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
+    ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`).
     """
     given = {k: v for k, v in shape.items() if v is not None}
     if model is not None:
-        resolved = dataclasses.replace(model_shape(model), **given)
+        resolved = dataclasses.replace(model if isinstance(model, ModelShape) else model_shape(model), **given)
     else:
         flags = {field: flag for flag, field in SHAPE_FLAGS.items() if field != "d_ff"}
         missing = [f"--{flag}" for field, flag in flags.items() if field not in given]
@@ -214,17 +247,72 @@ def workload_from(
     return Workload(resolved, global_batch, resolved.seq_len, precision, reduce_dtype)
 
 
+def _shape_args(args: argparse.Namespace) -> dict[str, object]:
+    """The ModelShape fields the plan's shape flags give (None where not given)."""
+    fields: dict[str, object] = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
+    fields |= {field: getattr(args, field) for field in VARIANT_FLAGS.values()}
+    fields |= MLP_KINDS.get(args.mlp, {}) | {"tied_embeddings": args.tied}
+    return fields
+
+
+def _base_model(args: argparse.Namespace) -> tuple[str | ModelShape | None, dict[str, object]]:
+    """The model to plan before the shape flags replace fields, and those fields: a preset name, an HF
+    config's shape (at ``--seq``, else :data:`HF_SEQ` tokens), or nothing (an explicit shape)."""
+    fields = _shape_args(args)
+    directory = args.hf_config or args.init_hf
+    if directory is None:
+        return args.model, fields
+    shape = read_hf_shape(directory)
+    if fields["seq_len"] is None:
+        fields["seq_len"] = min(shape.seq_len, HF_SEQ)
+    return shape, fields
+
+
+def hf_source(directory: str, workload: Workload, weights: bool) -> ModelSource:
+    """``--init-hf DIR --seq-len N`` when ``trainmesh train`` can start from ``directory`` (``weights``: the
+    plan was asked with ``--init-hf``, else only when DIR holds them); else a note saying why not."""
+    try:
+        family_of(json.loads((Path(directory) / "config.json").read_text()), directory)
+        if weights or _has_weights(directory):
+            hf_dir(directory)
+            return ModelSource(("--init-hf", directory, "--seq-len", str(workload.seq_len)))
+    except HFError as e:
+        return planner_only(f"{directory} ({e})")
+    return planner_only(f"{directory} (a config without weights; train --init-hf needs them)")
+
+
+def _has_weights(directory: str) -> bool:
+    return any((Path(directory) / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
 def plan_from_args(args: argparse.Namespace) -> str:
-    """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns."""
-    shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
-    workload = workload_from(args.model, args.global_batch or args.gpus, args.precision, args.reduce_dtype, **shape)
+    """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns (and write
+    ``--slurm``'s script)."""
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)
+    precision = resolve_precision(args.precision, cluster.has_bf16)
+    model, fields = _base_model(args)
+    workload = workload_from(model, args.global_batch or args.gpus, precision, args.reduce_dtype, **fields)
     estimates = search(workload, cluster)
+    chosen = choose(estimates)
     if args.json:
-        return to_json(workload, cluster, estimates, args.top)
-    reshaped = any(v is not None for k, v in shape.items() if k != "seq_len")
-    model = None if reshaped else args.model
-    command = train_command(workload, estimates[0].layout, cluster, model) if estimates else None
-    return format_table(workload, cluster, estimates, command, args.top)
+        return to_json(workload, cluster, estimates, chosen, args.top)
+    command = [] if chosen is None else train_command(workload, chosen.layout, cluster, _source(args, workload, fields))
+    if args.slurm and chosen is not None:
+        Path(args.slurm).write_text(sbatch_script(_source(args, workload, fields), train_flags(workload, chosen.layout),
+                                                  nodes_of(chosen.layout, cluster)))
+        command.append(f"# sbatch script written to {args.slurm}")
+    note = f" ({args.precision}: {'bf16 devices' if cluster.has_bf16 else 'no bf16 on cpu'})" if args.precision == "auto" else ""
+    return format_table(workload, cluster, estimates, chosen, command, args.top, note)
+
+
+def _source(args: argparse.Namespace, workload: Workload, fields: dict[str, object]) -> ModelSource:
+    """How the printed command names the model: a shape the flags changed exists only in the planner."""
+    reshaped = any(v is not None for k, v in fields.items() if k != "seq_len")
+    directory = args.hf_config or args.init_hf
+    if reshaped or (args.model is None and directory is None):
+        return planner_only("this custom shape")
+    if directory is not None:
+        return hf_source(directory, workload, weights=args.init_hf is not None)
+    return preset_source(workload, args.model)

@@ -37,15 +37,15 @@ from trainmesh.plan.memory import (MemoryBreakdown, STEP_SCALAR_BYTES, activatio
                                    micro_batch_activation_bytes, model_state_bytes, params_per_tp_rank)
 from trainmesh.plan.timing import (TimeBreakdown, all_reduce_time, all_to_all_bytes_per_micro, block_gemms,
                                    bubble_fraction, cp_bytes_per_micro, step_flops, step_time)
-from trainmesh.plan.ranking import (Estimate, TIE_TOLERANCE, best_layout, cp_degrees, enumerate_layouts, estimate,
-                                    search)
+from trainmesh.plan.ranking import (Estimate, TIE_TOLERANCE, best_layout, choose, cp_degrees, enumerate_layouts,
+                                    estimate, runner_up, search)
 from trainmesh.plan.table import (format_table, scaled, to_json)
 
 __all__ = ["CLUSTER_PRESETS", "Cluster", "DEVICE_PEAKS", "DevicePeak", "Estimate", "GIB", "GPU_EFFICIENCY", "Layout",
            "MODEL_PRESETS", "MemoryBreakdown", "PLANNING_SHAPES", "STEP_SCALAR_BYTES", "TIE_TOLERANCE",
            "TimeBreakdown", "Workload", "activation_bytes", "active_params", "all_reduce_time",
-           "all_to_all_bytes_per_micro", "best_layout", "block_gemms", "bubble_fraction", "check_layout",
+           "all_to_all_bytes_per_micro", "best_layout", "block_gemms", "bubble_fraction", "check_layout", "choose",
            "cp_attention_output", "cp_bytes_per_micro", "cp_degrees", "device_peak", "enumerate_layouts", "estimate",
            "format_table", "in_flight_chunks", "layer_activation_bytes", "local_cluster", "make_cluster",
            "memory_per_rank", "micro_batch_activation_bytes", "micro_batch_size", "model_shape", "model_state_bytes",
-           "params_per_tp_rank", "scaled", "search", "step_flops", "step_time", "to_json"]
+           "params_per_tp_rank", "runner_up", "scaled", "search", "step_flops", "step_time", "to_json"]

@@ -9,7 +9,8 @@ import functools
 from dataclasses import dataclass
 
 from trainmesh.models.spec import ModelShape
-from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size
+from trainmesh.plan.stages import rank_blocks, stage_kinds
+from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, stage_split
 from trainmesh.state_bytes import DTYPE_BYTES, STEP_SCALAR_BYTES, sharded_state_bytes
 
 
@@ -48,7 +49,12 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
     place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
     out: ``trainmesh.parallel.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
-    attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+    if m.latent_attention:  # its down projections and latent norms whole on every tp rank, the rest split
+        down = (d + 1) * (m.q_lora_rank + m.kv_lora_rank) + d * m.qk_rope_head_dim
+        split = m.attention_params() - down
+        attention = [_norm(m), Unit(down + split // tp, 7 if m.q_lora_rank else 5), _norm(m)]
+    else:
+        attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
 
 
@@ -66,13 +72,10 @@ def expert_unit(m: ModelShape, ep: int) -> Unit:
     return Unit(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
 
 
-def stage_blocks(m: ModelShape, pp: int, stage: int) -> tuple[int, int]:
-    """(dense, MoE) blocks on one rank of ``stage``: the first ``n_dense_layers`` of the model are dense."""
-    per = m.n_layers // pp
-    if not m.n_experts:
-        return per, 0
-    dense = max(0, min(m.n_dense_layers, (stage + 1) * per) - stage * per)
-    return dense, per - dense
+def stage_blocks(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
+    """(dense, MoE) blocks on one rank of ``stage`` under the layout's split (:func:`stage_split`): the
+    first ``n_dense_layers`` of the model are dense."""
+    return rank_blocks(workload.model, stage_split(workload, layout), layout.pp, stage)
 
 
 def embed_unit(m: ModelShape, tp: int) -> Unit:
@@ -87,23 +90,24 @@ def head_unit(m: ModelShape, tp: int) -> Unit:
 
 
 @functools.cache
-def stage_units(m: ModelShape, tp: int, pp: int, stage: int) -> tuple[tuple[Unit, int], ...]:
-    """(unit, how many) one rank of ``stage`` holds; interleaving changes which blocks, not how many.
+def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+    """(unit, how many) one rank of ``stage`` holds under ``split`` (blocks per chunk).
 
     Cached: a search asks for the same few stages of one model thousands of times.
     """
     first = ((embed_unit(m, tp), 1),) if stage == 0 else ()
     last = ((_norm(m), 1), (head_unit(m, tp), 1)) if stage == pp - 1 else ()
-    dense, moe = stage_blocks(m, pp, stage)
+    dense, moe = rank_blocks(m, split, pp, stage)
     blocks = ((block_unit(m, tp), dense),) if dense else ()
     blocks += ((block_unit(m, tp, moe=True), moe),) if moe else ()
     return blocks + first + last
 
 
-def stage_expert_units(m: ModelShape, pp: int, ep: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+def stage_expert_units(m: ModelShape, split: tuple[int, ...], pp: int, ep: int,
+                       stage: int) -> tuple[tuple[Unit, int], ...]:
     """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense
     model. The same at every tp: experts are whole on each tp rank (:func:`expert_unit`)."""
-    moe = stage_blocks(m, pp, stage)[1]
+    moe = rank_blocks(m, split, pp, stage)[1]
     return ((expert_unit(m, ep), moe),) if moe else ()
 
 
@@ -117,7 +121,8 @@ def largest_tensor(m: ModelShape, tp: int, ep: int = 1) -> int:
 
 def params_per_tp_rank(m: ModelShape, tp: int) -> int:
     """Parameters per tp rank of the whole model (all stages, all experts)."""
-    units = stage_units(m, tp, 1, 0) + stage_expert_units(m, 1, 1, 0)
+    whole = (m.n_layers,)
+    units = stage_units(m, tp, whole, 1, 0) + stage_expert_units(m, whole, 1, 1, 0)
     return sum(u.numel * n for u, n in units)
 
 
@@ -164,7 +169,7 @@ class MemoryBreakdown:
 
 @functools.lru_cache(maxsize=4096)
 def _model_state(
-    workload: Workload, tp: int, pp: int, dp: int, zero: int, stage: int, ep: int = 1
+    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int = 1
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.state_bytes.sharded_state_bytes` of
     its units over the dp ranks, plus AdamW's step scalars. A unit's shard is ceil(Psi_unit / dp) elements
@@ -174,7 +179,7 @@ def _model_state(
     Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
     """
     b, m = workload.dtype_bytes, workload.model
-    groups = ((stage_units(m, tp, pp, stage), dp), (stage_expert_units(m, pp, ep, stage), dp // ep))
+    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), dp // ep))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
     shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
     steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)
@@ -206,7 +211,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
     # Q, K, V, the attention projection's input, a dense MLP's inner activations: split by heads or columns.
     # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
-    qkv_and_proj_input = e * sbh * (m.qkv_width + m.d_model) // m.d_model
+    qkv_and_proj_input = e * sbh * _attention_saved_width(m) // m.d_model
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
     inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
     experts = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model + inner) // seq_split
@@ -216,6 +221,15 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
     return seq_sharded // seq_split + routed + (qkv_and_proj_input + mlp_inner + core
                                                 + cp_attention_output(workload, layout)) // t
+
+
+def _attention_saved_width(m: ModelShape) -> int:
+    """Features per token attention saves split by heads: Q, K, V and the projection's input (the latents
+    of latent attention are small beside its per-head keys and values, and counted with them)."""
+    if not m.latent_attention:
+        return m.qkv_width + m.d_model
+    qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return m.n_heads * (2 * qk + 2 * v) + m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
 
 
 def cp_attention_output(workload: Workload, layout: Layout) -> int:
@@ -265,7 +279,7 @@ def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, 
 
 def _stage_block_bytes(workload: Workload, layout: Layout, stage: int, recompute: str | None = None) -> int:
     """What all blocks of ``stage`` keep for one micro-batch: its dense and its MoE blocks."""
-    dense, moe = stage_blocks(workload.model, layout.pp, stage)
+    dense, moe = stage_blocks(workload, layout, stage)
     return (dense * layer_activation_bytes(workload, layout, recompute)
             + (moe * layer_activation_bytes(workload, layout, recompute, moe=True) if moe else 0))
 
@@ -285,7 +299,7 @@ def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """
     lay = layout
     chunks = in_flight_chunks(lay, stage)
-    moe = stage_blocks(workload.model, lay.pp, stage)[1] > 0
+    moe = stage_blocks(workload, lay, stage)[1] > 0
     working = (layer_activation_bytes(workload, lay, "none", moe) - layer_activation_bytes(workload, lay, None, moe)
                if lay.recompute != "none" else 0)
     first, last = _stage_extras(workload, lay, stage)
@@ -320,7 +334,8 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     stage adds :func:`p2p_bytes`.
     """
     b, m, lay = workload.dtype_bytes, workload.model, layout
-    units = stage_units(m, lay.tp, lay.pp, stage) + stage_expert_units(m, lay.pp, lay.ep, stage)
+    split = stage_split(workload, lay)
+    units = stage_units(m, lay.tp, split, lay.pp, stage) + stage_expert_units(m, split, lay.pp, lay.ep, stage)
     largest = max(u.numel for u, _ in units)
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
     if layout.zero == 2:
@@ -341,32 +356,25 @@ def p2p_bytes(workload: Workload, layout: Layout) -> int:
 
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
-    params, grads, optimizer = _model_state(workload, layout.tp, layout.pp, layout.grad_ranks, layout.zero, stage,
-                                            layout.ep)
+    params, grads, optimizer = _model_state(workload, layout.tp, stage_split(workload, layout), layout.pp,
+                                            layout.grad_ranks, layout.zero, stage, layout.ep)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
 
 
-def candidate_stages(layout: Layout, stage: int | None, model: ModelShape | None = None) -> list[int]:
-    """The stage asked for, or the only ones that can be worst.
-
-    Middle stages hold the same blocks as the first or last, without the embeddings or head, and no
-    more micro-batches in flight than stage 0 -- except in an MoE model whose first stage holds dense
-    blocks: then the first stage of MoE blocks only is a candidate too.
-    """
+def candidate_stages(workload: Workload, layout: Layout, stage: int | None = None) -> list[int]:
+    """The stage asked for, or the only ones that can be worst: the first of each kind
+    (:func:`~trainmesh.plan.stages.stage_kinds`), the first and the last stage among them."""
     if stage is not None:
         return [stage]
-    candidates = {0, layout.pp - 1}
-    if model is not None and model.n_experts and model.n_dense_layers:
-        candidates.add(min(layout.pp - 1, model.n_dense_layers // (model.n_layers // layout.pp)))
-    return sorted(candidates)
+    return sorted(s for s, _ in stage_kinds(workload.model, stage_split(workload, layout), layout.pp))
 
 
 def memory_per_rank(workload: Workload, layout: Layout, stage: int | None = None) -> MemoryBreakdown:
     """Memory of one rank of ``stage``, or of the worst stage when ``stage`` is None."""
     check_layout(workload, layout)
-    return max((_stage_memory(workload, layout, s) for s in candidate_stages(layout, stage, workload.model)),
+    return max((_stage_memory(workload, layout, s) for s in candidate_stages(workload, layout, stage)),
                key=lambda mb: mb.total)
 
 
@@ -374,14 +382,15 @@ def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = No
     """Parameters + gradients + optimizer state of one rank (worst stage when ``stage`` is None)."""
     check_layout(workload, layout)
     lay = layout
-    return max(sum(_model_state(workload, lay.tp, lay.pp, lay.grad_ranks, lay.zero, s, lay.ep))
-               for s in candidate_stages(lay, stage, workload.model))
+    split = stage_split(workload, lay)
+    return max(sum(_model_state(workload, lay.tp, split, lay.pp, lay.grad_ranks, lay.zero, s, lay.ep))
+               for s in candidate_stages(workload, lay, stage))
 
 
 def activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
     """Peak activation bytes of one rank (worst stage when ``stage`` is None)."""
     check_layout(workload, layout)
-    return max(_activation_bytes(workload, layout, s) for s in candidate_stages(layout, stage, workload.model))
+    return max(_activation_bytes(workload, layout, s) for s in candidate_stages(workload, layout, stage))
 
 
 def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
@@ -391,4 +400,4 @@ def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int 
     ``metrics.jsonl``; :func:`activation_bytes` is the peak over the micro-batches in flight.
     """
     check_layout(workload, layout)
-    return max(_micro_batch_activation_bytes(workload, layout, s) for s in candidate_stages(layout, stage, workload.model))
+    return max(_micro_batch_activation_bytes(workload, layout, s) for s in candidate_stages(workload, layout, stage))

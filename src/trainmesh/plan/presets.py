@@ -5,6 +5,8 @@ in :data:`PLANNING_SHAPES`, published models of families trainmesh does not buil
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainmesh.models import ModelShape, planner_shapes
 
 
@@ -33,12 +35,14 @@ PLANNING_SHAPES: dict[str, ModelShape] = {
     # Mixtures of experts trainmesh does not build, from the published Hugging Face configs (Mixtral-8x7B is
     # a buildable llama-moe preset): Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; its 128-wide heads at
     # d 2048 are 64-wide here, which undercounts its attention by 0.45B parameters) and DeepSeek-V3
-    # (DeepSeek-AI, 2024; 671B / 37B; 256 routed experts and 1 shared, top-8, the first 3 layers dense; its
-    # multi-head latent attention is planned as plain multi-head attention of 128 heads, which has about
-    # its parameter count: 205M against 187M per layer).
+    # (DeepSeek-AI, 2024, arXiv 2412.19437; 671B / 37B; 256 routed experts and 1 shared, top-8, the first 3
+    # layers dense, multi-head latent attention with its published ranks; without the multi-token-prediction
+    # module, which the 671B leaves out too).
     "qwen3-30b-a3b": _llama_moe(48, 2048, 32, 4, 6144, 151936, experts=128, top_k=8, d_ff_expert=768),
-    "deepseek-v3": _llama_moe(61, 7168, 128, 128, 18432, 129280, experts=256, top_k=8, d_ff_expert=2048,
-                              shared=1, dense_layers=3),
+    "deepseek-v3": dataclasses.replace(
+        _llama_moe(61, 7168, 128, 128, 18432, 129280, experts=256, top_k=8, d_ff_expert=2048, shared=1,
+                   dense_layers=3),
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
 }
 
 

@@ -12,7 +12,8 @@ from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutE
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.hardware import GIB, Cluster
 from trainmesh.plan.memory import MemoryBreakdown, memory_per_rank
-from trainmesh.plan.timing import TimeBreakdown, peak_flops, step_flops, step_time
+from trainmesh.plan.stages import fastest_split
+from trainmesh.plan.timing import TimeBreakdown, layer_seconds, peak_flops, step_flops, step_time
 from trainmesh.plan.workload import Layout, Workload, check_layout
 
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
@@ -57,7 +58,7 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str,
         return
     yield from (("gpipe", 1), ("1f1b", 1), ("zb", 1))
     for v in (2, 4):
-        if n_layers % (pp * v) == 0 and microbatches % pp == 0:
+        if pp * v <= n_layers and microbatches % pp == 0:
             yield "interleaved", v
 
 
@@ -83,7 +84,7 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
                 continue
             for pp in divisors(cluster.gpus // (tp * cp)):
                 dp = cluster.gpus // (tp * cp * pp)
-                if m.n_layers % pp == 0 and workload.global_batch % dp == 0 and _splits(m, tp, pp):
+                if pp <= m.n_layers and workload.global_batch % dp == 0 and _splits(m, tp, pp):
                     yield dp, cp, tp, pp
 
 
@@ -104,16 +105,21 @@ def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
-    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`; a combination the layout's rules refuse
-    (the zero-bubble schedule with cp) is skipped."""
+    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`, and with a pipeline the stage split
+    :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
+    any number of layers, uneven where the head makes that faster); a combination the layout's rules refuse (the zero-bubble
+    schedule with cp) is skipped."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
+            costs = layer_seconds(workload, Layout(dp=dp, tp=tp, cp=cp, microbatches=micro), cluster)
             options = itertools.product(_schedules(pp, workload.model.n_layers, micro), ZERO_STAGES,
                                         RECOMPUTE, sps, ep_degrees(workload.model, dp * cp))
             for (schedule, v), zero, recompute, sp, ep in options:
-                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep)
+                split = fastest_split(*costs, pp * v) if pp > 1 else ()
+                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep,
+                                       stage_layers=split)
                 if candidate is not None:
                     yield candidate
 
@@ -133,29 +139,39 @@ TIE_TOLERANCE = 0.01
 
 
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
-    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first, except that
-    the layouts within :data:`TIE_TOLERANCE` of the fastest come first in order of memory per rank: among
-    equal times the one with the most headroom is chosen (a layout that barely fits is the first to fail
-    on fragmentation or a longer sequence)."""
+    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
+    memory per rank); :func:`choose` picks the one to run."""
     found = []
     for layout in enumerate_layouts(workload, cluster):
         memory = memory_per_rank(workload, layout)
         if memory.total <= cluster.usable_bytes:
             found.append(estimate(workload, layout, cluster, memory))
     found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
+    return found
+
+
+def choose(found: list[Estimate]) -> Estimate | None:
+    """The layout to run among ``found`` (fastest first): the fastest, except that among the layouts within
+    :data:`TIE_TOLERANCE` of it the one with the most headroom (least memory per rank) is taken: a layout
+    that barely fits is the first to fail on fragmentation or a longer sequence. None when nothing fits."""
     if not found:
-        return found
-    tied = sum(e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE) for e in found)
-    return sorted(found[:tied], key=lambda e: (e.memory.total, e.time.total)) + found[tied:]
+        return None
+    tied = [e for e in found if e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE)]
+    return min(tied, key=lambda e: (e.memory.total, e.time.total))
+
+
+def runner_up(found: list[Estimate], chosen: Estimate) -> Estimate | None:
+    """The fastest layout of ``found`` other than ``chosen``: the one the choice is explained against."""
+    return next((e for e in found if e is not chosen), None)
 
 
 def best_layout(workload: Workload, cluster: Cluster) -> Layout:
-    """The fastest layout that fits; what ``trainmesh train --plan auto`` runs."""
-    found = search(workload, cluster)
-    if not found:
+    """The layout :func:`choose` takes of :func:`search`'s; what ``trainmesh train --plan auto`` runs."""
+    chosen = choose(search(workload, cluster))
+    if chosen is None:
         raise ValueError(
             f"no layout of {workload.model.n_params():,} parameters fits in {cluster.usable_bytes / GIB:.1f} "
             f"usable GiB on {cluster.gpus} devices; add devices, lower global_batch or seq_len, or use a "
             f"smaller model"
         )
-    return found[0].layout
+    return chosen.layout

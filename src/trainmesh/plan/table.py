@@ -9,8 +9,8 @@ import json
 
 from trainmesh.hardware import GIB, Cluster
 from trainmesh.plan.memory import active_params, activation_bytes, memory_per_rank
-from trainmesh.plan.ranking import Estimate
-from trainmesh.plan.workload import Workload, micro_batch_size, moe_tokens
+from trainmesh.plan.ranking import TIE_TOLERANCE, Estimate, runner_up
+from trainmesh.plan.workload import Workload, micro_batch_size, moe_tokens, stage_split
 
 
 def scaled(value: float, steps: tuple[str, ...], base: int) -> str:
@@ -21,59 +21,120 @@ def scaled(value: float, steps: tuple[str, ...], base: int) -> str:
     return f"{value / base**exponent:.1f}{steps[exponent]}"
 
 
-def _row(workload: Workload, e: Estimate) -> list[str]:
+def _row(workload: Workload, e: Estimate, chosen: Estimate | None) -> list[str]:
     lay = e.layout
     sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
     layout = [lay.dp, lay.cp, lay.tp, lay.pp, *([lay.ep] if workload.model.n_experts else []), lay.zero,
-              micro_batch_size(workload, lay), lay.microbatches, sched, lay.recompute,
-              "y" if lay.sequence_parallel else "n"]
-    measures = [scaled(e.memory.total, (" B", " KiB", " MiB", " GiB"), 1024), f"{e.time.total:.4g}",
-                f"{e.mfu:.1%}", f"{e.tokens_per_s:,.0f}"]
-    return [str(c) for c in layout] + measures
+              micro_batch_size(workload, lay), lay.microbatches, sched, compact_split(stage_split(workload, lay)),
+              lay.recompute, "y" if lay.sequence_parallel else "n"]
+    measures = [scaled(e.memory.total, GIB_UNITS, 1024), f"{e.time.total:.4g}", f"{e.mfu:.1%}",
+                f"{e.tokens_per_s:,.0f}"]
+    return ["*" if e is chosen else ""] + [str(c) for c in layout] + measures
 
 
-def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], command: str | None,
-                 top: int = 20) -> str:
-    """The ``top`` fastest layouts as a text table, then the chosen one as ``command``, the command line
-    that runs it (None when nothing fits)."""
-    head = ["dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "mbs", "m", "schedule",
-            "recompute", "sp", "mem/rank", "step s", "MFU", "tokens/s"]
-    rows = [head] + [_row(workload, e) for e in estimates[:top]]
+GIB_UNITS = (" B", " KiB", " MiB", " GiB", " TiB")
+
+
+def compact_split(split: tuple[int, ...]) -> str:
+    """Blocks per pipeline chunk with runs folded: ``7,8x14,7``."""
+    runs: list[list[int]] = []
+    for n in split:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return ",".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs)
+
+
+def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
+                 command: list[str], top: int = 20, precision_note: str = "") -> str:
+    """The ``top`` fastest layouts as a text table (fastest first, the chosen one marked ``*``), why the
+    chosen one beat the runner-up, and ``command``: the lines that run it (empty when nothing fits).
+    ``precision_note`` says how the precision was resolved (``auto``)."""
+    head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "mbs", "m",
+            "schedule", "blocks/stage", "recompute", "sp", "mem/rank", "step s", "MFU", "tokens/s"]
+    shown = estimates[:top] + ([chosen] if chosen is not None and chosen not in estimates[:top] else [])
+    rows = [head] + [_row(workload, e, chosen) for e in shown]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     m = workload.model
     params = scaled(m.n_params(), ("", "K", "M", "B", "T"), 1000)
     if m.n_experts:
         params += f" ({scaled(active_params(m), ('', 'K', 'M', 'B', 'T'), 1000)} active)"
-    title = (f"{params} params, batch {workload.global_batch} x {workload.seq_len}, {workload.precision}, "
-             f"{cluster.gpus} devices of {cluster.mem_bytes / GIB:.0f} GiB: {len(estimates)} layouts fit")
-    chosen = f"chosen: {command}" if command is not None else "chosen: none fits"
-    whys = [why for why in (explain_cp(workload, estimates), explain_ep(workload, estimates)) if why]
-    return "\n".join([title, *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows), chosen, *whys])
+    title = (f"{params} params, batch {workload.global_batch} x {workload.seq_len}, precision {workload.precision}"
+             f"{precision_note}, {cluster.gpus} devices of {cluster.mem_bytes / GIB:.0f} GiB: {len(estimates)} "
+             f"layouts fit, fastest first")
+    if chosen is None:
+        return "\n".join([title, "chosen: none fits"])
+    whys = [why for why in (explain_choice(workload, cluster, estimates, chosen), explain_cp(workload, estimates, chosen),
+                            explain_ep(workload, estimates, chosen)) if why]
+    table = ("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join([title, *table, *whys, "chosen (*), the command that runs it:", *command])
 
 
-def explain_cp(workload: Workload, estimates: list[Estimate]) -> str:
+def layout_name(workload: Workload, e: Estimate) -> str:
+    """A layout in one phrase, as the table's columns give it."""
+    lay = e.layout
+    sched = (f" {lay.schedule}" + (f"x{lay.virtual}" if lay.virtual > 1 else "")
+             + f" blocks/stage {compact_split(stage_split(workload, lay))}" if lay.pp > 1 else "")
+    extra = (f" cp={lay.cp}" if lay.cp > 1 else "") + (f" ep={lay.ep}" if lay.ep > 1 else "")
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} zero={lay.zero} mbs={micro_batch_size(workload, lay)}"
+            f"{sched} recompute={lay.recompute}{' sp' if lay.sequence_parallel else ''}")
+
+
+# TimeBreakdown fields and what each is, for saying where two layouts' step times differ.
+TIME_PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "data-parallel traffic",
+              "tp_comm": "tensor-parallel traffic", "pp_comm": "pipeline sends", "cp_comm": "exposed cp traffic",
+              "ep_comm": "expert all-to-all"}
+
+
+def explain_choice(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate) -> str:
+    """Why ``chosen`` beat the runner-up (the fastest other layout): within :data:`TIE_TOLERANCE` of it, its
+    memory headroom; else the parts of the step where it saves most time (the bubble, traffic over the
+    inter-node link, ...), and both headrooms."""
+    other = runner_up(estimates, chosen)
+    if other is None:
+        return "why: it is the only layout that fits"
+    free = [scaled(cluster.usable_bytes - e.memory.total, GIB_UNITS, 1024) for e in (chosen, other)]
+    headroom = f"{free[0]} free per rank against {free[1]}"
+    versus = f"the runner-up ({layout_name(workload, other)}, {other.time.total:.4g} s/step)"
+    if other.time.total <= chosen.time.total:
+        faster = chosen.time.total / other.time.total - 1
+        pace = f"{faster:.1%} faster, within the {TIE_TOLERANCE:.0%} the model can tell apart," if faster else "as fast"
+        return f"why: {versus} is predicted {pace} and the chosen one keeps more headroom: {headroom}"
+    gains = {part: getattr(other.time, part) - getattr(chosen.time, part) for part in TIME_PARTS}
+    best = sorted((g, part) for part, g in gains.items() if g > 0)[::-1][:2]
+    saved = ", ".join(f"{g:.3g} s less {TIME_PARTS[part]}{_slow_link(cluster, chosen, other, part)}"
+                      for g, part in best)
+    return (f"why: {chosen.time.total:.4g} s/step against {versus}: {saved or 'the same parts, each shorter'}; "
+            f"headroom {headroom}")
+
+
+def _slow_link(cluster: Cluster, chosen: Estimate, other: Estimate, part: str) -> str:
+    """`` (over the inter-node link)`` where the runner-up's data-parallel group leaves the node."""
+    spans = other.layout.world // other.layout.pp
+    return " (the runner-up's crosses the inter-node link)" if part == "dp_comm" and spans > cluster.gpus_per_node else ""
+
+
+def explain_cp(workload: Workload, estimates: list[Estimate], chosen: Estimate) -> str:
     """Why the chosen layout splits sequences over cp (empty when it does not): the activations it saves
     and the fastest layout without it."""
-    if not estimates or estimates[0].layout.cp == 1:
+    if chosen.layout.cp == 1:
         return ""
-    chosen = estimates[0]
-    cp = chosen.layout.cp
-    gib = (" B", " KiB", " MiB", " GiB", " TiB")
+    cp, gib = chosen.layout.cp, GIB_UNITS
     alone = activation_bytes(workload, dataclasses.replace(chosen.layout, cp=1))
     text = (f"why cp={cp}: each rank holds {workload.seq_len // cp:,} of a sequence's {workload.seq_len:,} tokens, "
             f"so its activations are {scaled(chosen.memory.activations, gib, 1024)} instead of "
             f"{scaled(alone, gib, 1024)} with the same layout at cp=1; ")
-    return _beside_fastest_without("cp", estimates, text, "recompute",
+    return _beside_fastest_without("cp", estimates, chosen, text, "recompute",
                                    f"{chosen.time.cp_comm:.3g} s of it cp traffic the attention does not hide")
 
 
-def explain_ep(workload: Workload, estimates: list[Estimate]) -> str:
+def explain_ep(workload: Workload, estimates: list[Estimate], chosen: Estimate) -> str:
     """Why the chosen layout splits the experts over ep (empty when it does not): the expert state it
     saves, the larger expert matmuls, and the fastest layout without it."""
-    if not estimates or estimates[0].layout.ep == 1:
+    if chosen.layout.ep == 1:
         return ""
-    chosen, m = estimates[0], workload.model
-    lay, gib = chosen.layout, (" B", " KiB", " MiB", " GiB", " TiB")
+    m, lay, gib = workload.model, chosen.layout, GIB_UNITS
     alone = dataclasses.replace(lay, ep=1)
     tokens = moe_tokens(workload, lay) * m.top_k
     text = (f"why ep={lay.ep}: each rank holds {m.n_experts // lay.ep} of the {m.n_experts} routed experts of each "
@@ -81,10 +142,11 @@ def explain_ep(workload: Workload, estimates: list[Estimate]) -> str:
             f"{scaled(memory_per_rank(workload, alone).model_state, gib, 1024)} with the same layout at ep=1, "
             f"and each expert's matmuls take {lay.ep * tokens // m.n_experts:,} token rows per micro-batch "
             f"instead of {max(1, tokens // m.n_experts):,}; ")
-    return _beside_fastest_without("ep", estimates, text, "zero", f"{chosen.time.ep_comm:.3g} s of it all-to-all")
+    return _beside_fastest_without("ep", estimates, chosen, text, "zero", f"{chosen.time.ep_comm:.3g} s of it all-to-all")
 
 
-def _beside_fastest_without(axis: str, estimates: list[Estimate], text: str, knob: str, traffic: str) -> str:
+def _beside_fastest_without(axis: str, estimates: list[Estimate], chosen: Estimate, text: str, knob: str,
+                            traffic: str) -> str:
     """``text`` and the fastest layout with ``axis`` at 1 beside the chosen one, whose time includes
     ``traffic`` (the exposed communication of that axis)."""
     without = next((e for e in estimates if getattr(e.layout, axis) == 1), None)
@@ -92,10 +154,11 @@ def _beside_fastest_without(axis: str, estimates: list[Estimate], text: str, kno
         return text + f"no layout without {axis} fits"
     lay = without.layout
     return text + (f"the fastest layout without {axis} (dp={lay.dp} tp={lay.tp} pp={lay.pp} "
-                   f"{knob}={getattr(lay, knob)}) is predicted {without.time.total:.3g} s/step against {estimates[0].time.total:.3g} s ({traffic})")
+                   f"{knob}={getattr(lay, knob)}) is predicted {without.time.total:.3g} s/step against {chosen.time.total:.3g} s ({traffic})")
 
 
-def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top: int = 20) -> str:
+def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
+            top: int = 20) -> str:
     """The same as :func:`format_table` as JSON, totals included."""
     def row(e: Estimate) -> dict[str, object]:
         return {
@@ -111,7 +174,7 @@ def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], top
         "workload": dataclasses.asdict(workload),
         "cluster": dataclasses.asdict(cluster),
         "fitting_layouts": len(estimates),
-        "chosen": row(estimates[0]) if estimates else None,
+        "chosen": row(chosen) if chosen is not None else None,
         "layouts": [row(e) for e in estimates[:top]],
     }, indent=2)
 

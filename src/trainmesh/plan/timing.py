@@ -8,12 +8,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmesh.metrics import block_flops_per_token, head_flops_per_token, model_flops_per_token
+from trainmesh.metrics import head_flops_per_token
 from trainmesh.models.spec import ModelShape
 from trainmesh.hardware import Cluster
+from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
+                                  is_moe_layer)
 from trainmesh.plan.memory import (Unit, candidate_stages, expert_unit, router_and_shared, stage_blocks,
                                    stage_expert_units, stage_units)
-from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens
+from trainmesh.plan.stages import stage_kinds
+from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
 from trainmesh.state_bytes import DTYPE_BYTES, FULL_PRECISIONS
 
 
@@ -68,8 +71,9 @@ def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> f
     Backward costs twice the forward, so 3x; full recomputation reruns the forward (4x, the 96 of
     [NAR, app. FLOPs]); selective recomputation reruns only QK^T and AV [KOR, sec. 5].
     """
-    fwd = block_flops_per_token(m.d_model, m.d_ff, seq_len, m.gated_mlp, m.qkv_width)
-    return {"none": 3 * fwd, "selective": 3 * fwd + 4 * seq_len * m.d_model, "full": 4 * fwd}[recompute]
+    fwd = block_forward_flops(m, seq_len)
+    core = attention_forward_flops(m, seq_len) - 2 * attention_weights(m)
+    return {"none": 3 * fwd, "selective": 3 * fwd + core, "full": 4 * fwd}[recompute]
 
 
 def step_flops(workload: Workload, recompute: str = "none") -> float:
@@ -80,21 +84,13 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
     """
     m, s = workload.model, workload.seq_len
-    model = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, s, m.gated_mlp, m.qkv_width)
     moe_layers = m.n_layers - m.n_dense_layers if m.n_experts else 0
-    model += 3 * moe_layers * (moe_block_flops_per_token(m, s) - block_flops_per_token(
-        m.d_model, m.d_ff, s, m.gated_mlp, m.qkv_width))
+    blocks = (m.n_layers - moe_layers) * block_forward_flops(m, s) + moe_layers * block_forward_flops(m, s, moe=True)
+    model = 3 * (blocks + head_flops_per_token(m.d_model, m.vocab_size))
     rerun = m.n_layers * (block_pass_flops_per_token(m, s, recompute) - block_pass_flops_per_token(m, s, "none"))
     if recompute == "full":
         rerun = model / 3 - head_flops_per_token(m.d_model, m.vocab_size)  # every block's forward, once more
     return workload.global_batch * s * (model + rerun)
-
-
-def moe_block_flops_per_token(m: ModelShape, seq_len: int) -> int:
-    """Forward FLOPs of one MoE block per token: a dense block whose MLP is ``top_k`` routed plus the shared
-    experts (an MLP of their summed width), and the router's d x E matmul. Active parameters, not total."""
-    width = (m.top_k + m.n_shared_experts) * m.expert_ff
-    return block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width) + 2 * m.d_model * m.n_experts
 
 
 @dataclass(frozen=True)
@@ -128,10 +124,13 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
     h = m.d_model
+    qk, v = core_width(m)
+    values = m.n_heads * v
     gemms = {
-        "qkv": Gemm(2 * tokens * h * m.qkv_width / t, (tokens, h, m.qkv_width // t)),
-        "proj": Gemm(2 * tokens * h * h / t, (tokens, h // t, h)),
-        "attention": Gemm(4 * tokens * workload.seq_len * h / t, (s_local, h // m.n_heads, workload.seq_len)),
+        "qkv": Gemm(2 * tokens * (attention_weights(m) - values * h) / t, _qkv_dims(m, tokens, t)),
+        "proj": Gemm(2 * tokens * values * h / t, (tokens, values // t, h)),
+        "attention": Gemm(2 * tokens * workload.seq_len * m.n_heads * (qk + v) / t * causal_share(m),
+                          (s_local, qk, workload.seq_len)),
     }
     inputs = 2 if m.gated_mlp else 1
     if not moe:
@@ -145,6 +144,22 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     return gemms
 
 
+def causal_share(m: ModelShape) -> float:
+    """The part of the s x s score matrix the attention core computes: a fused (flash) kernel skips the
+    blocks a causal mask hides, half of them [Dao, FlashAttention-2, 2023, 3.1]; an unfused core computes
+    the whole matrix and masks it (Megatron-LM in 2021 [NAR])."""
+    return 0.5 if m.flash_attention else 1.0
+
+
+def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:
+    """The q/k/v projection's matmul shape on one tp rank; latent attention's projections (down to the
+    latents, up to the heads) are priced as one matmul of their FLOPs shaped as its key/value up-projection,
+    the largest of them."""
+    if not m.latent_attention:
+        return tokens, m.d_model, m.qkv_width // t
+    return tokens, m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim) // t
+
+
 def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t: int) -> dict[str, Gemm]:
     """An MLP's input and output matmuls over ``tokens`` rows in all, ``rows`` per matmul."""
     return {f"{name}_in": Gemm(inputs * 2 * tokens * h * f / t, (rows, h, f // t)),
@@ -155,27 +170,41 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
     return gemm.flops / (peak_flops(workload, cluster) * gemm_efficiency(cluster, gemm.dims))
 
 
-def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """Seconds of one micro-batch's forward and backward on a rank of ``stage``: each matmul of
-    :func:`block_gemms` (and the head's on the last stage) at its own :func:`gemm_efficiency`, three times
-    (backward costs twice the forward), four under full recomputation, the attention core once more under
-    selective recomputation [KOR, sec. 5]."""
-    m = workload.model
+def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
+    """One block's forward and backward for one micro-batch: each matmul of :func:`block_gemms` at its own
+    :func:`gemm_efficiency`, three times (backward costs twice the forward), four under full
+    recomputation, the attention core once more under selective recomputation [KOR, sec. 5]."""
     passes = 4 if layout.recompute == "full" else 3
+    gemms = block_gemms(workload, layout, moe)
+    rerun = gemm_time(gemms["attention"], workload, cluster) if layout.recompute == "selective" else 0.0
+    return passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
 
-    def block(moe: bool) -> float:
-        gemms = block_gemms(workload, layout, moe)
-        rerun = gemm_time(gemms["attention"], workload, cluster) if layout.recompute == "selective" else 0.0
-        return passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
 
-    dense, moe = stage_blocks(m, layout.pp, stage)
-    total = dense * block(False) + (moe * block(True) if moe else 0.0)
-    if stage == layout.pp - 1:
-        tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
-        head = Gemm(head_flops_per_token(m.d_model, m.vocab_size) * tokens / layout.tp,
-                    (tokens, m.d_model, m.vocab_size // layout.tp))
-        total += 3 * gemm_time(head, workload, cluster)
-    return total
+def head_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The output projection's forward and backward for one micro-batch on one tp rank (vocab-parallel)."""
+    m = workload.model
+    tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
+    head = Gemm(head_flops_per_token(m.d_model, m.vocab_size) * tokens / layout.tp,
+                (tokens, m.d_model, m.vocab_size // layout.tp))
+    return 3 * gemm_time(head, workload, cluster)
+
+
+def layer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> tuple[tuple[float, ...], float]:
+    """(each block's seconds in model order, the head's) for one micro-batch: what a stage split balances."""
+    m = workload.model
+    dense = block_seconds(workload, layout, cluster)
+    moe = block_seconds(workload, layout, cluster, moe=True) if m.n_experts else dense
+    blocks = tuple(moe if is_moe_layer(m, i) else dense for i in range(m.n_layers))
+    return blocks, head_seconds(workload, layout, cluster)
+
+
+def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Seconds of one micro-batch's forward and backward on a rank of ``stage``: its blocks
+    (:func:`block_seconds`) and, on the last stage, the head."""
+    dense, moe = stage_blocks(workload, layout, stage)
+    total = dense * block_seconds(workload, layout, cluster) + (
+        moe * block_seconds(workload, layout, cluster, moe=True) if moe else 0.0)
+    return total + (head_seconds(workload, layout, cluster) if stage == layout.pp - 1 else 0.0)
 
 
 def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
@@ -195,7 +224,7 @@ def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
     else:
         one = all_reduce_time(nbytes, t, link)
     count = 6 if layout.recompute == "full" else 4
-    dense, moe = stage_blocks(model, layout.pp, stage)
+    dense, moe = stage_blocks(workload, layout, stage)
     activations = count * one * (dense + moe / 2)
     if not (moe and layout.sequence_parallel):
         return activations
@@ -222,12 +251,14 @@ def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
     the output go through one all-to-all each way, (cp-1)/cp of each tensor [Jacobs et al., 2023, Ulysses].
     """
     m, lay, e = workload.model, layout, workload.dtype_bytes.activation
-    cp, layers = lay.cp, m.n_layers // lay.pp
+    cp, layers = lay.cp, most_blocks(workload, lay)
     if cp == 1:
         return {}
     tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
     head_dim = m.d_model // m.n_heads
-    kv = 2 * tokens * m.kv_heads * head_dim // lay.tp
+    # Latent attention's keys and values are one compressed vector per token plus the shared rotary key.
+    kv = (tokens * (m.kv_lora_rank + m.qk_rope_head_dim) if m.latent_attention
+          else 2 * tokens * m.kv_heads * head_dim // lay.tp)
     if lay.cp_impl == "ring":
         grad = max(e, DTYPE_BYTES["fp32"])
         return {"ring_kv": layers * (cp - 1) * kv * e,
@@ -243,11 +274,11 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     if not sent:
         return 0.0
     bw, alpha = cluster.link(layout.tp * layout.cp)
-    layers = workload.model.n_layers // layout.pp
+    layers = most_blocks(workload, layout)
     if layout.cp_impl == "a2a":
         return 8 * layers * alpha + sent / bw
     attention = block_gemms(workload, layout)["attention"]
-    hidden = layers * 3 * gemm_time(attention, workload, cluster) / 2  # causal: half the score matrix
+    hidden = layers * 3 * gemm_time(attention, workload, cluster)  # the core as it runs (causal_share)
     messages = layers * (3 * layout.cp - 2)
     return max(0.0, messages * alpha + sent / bw - hidden)
 
@@ -260,7 +291,7 @@ def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -
     micro-batch's tokens without sequence parallelism (every tp rank sends the same copies), a 1/tp
     slice under it."""
     m, lay = workload.model, layout
-    moe = stage_blocks(m, lay.pp, stage)[1]
+    moe = stage_blocks(workload, lay, stage)[1]
     if lay.ep == 1 or not moe:
         return 0.0
     one = moe_tokens(workload, lay) * m.top_k * m.d_model * workload.dtype_bytes.activation * (lay.ep - 1) / lay.ep
@@ -274,7 +305,7 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
     if not sent:
         return 0.0
     bw, alpha = cluster.link(layout.tp * layout.ep)
-    calls = stage_blocks(workload.model, layout.pp, stage)[1] * (6 if layout.recompute == "full" else 4)
+    calls = stage_blocks(workload, layout, stage)[1] * (6 if layout.recompute == "full" else 4)
     return calls * (layout.ep - 1) * alpha + sent / bw
 
 
@@ -289,8 +320,9 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
     Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
     """
     lay, model = layout, workload.model
-    experts = stage_expert_units(model, lay.pp, lay.ep, stage)
-    dense = _dp_group_time(stage_units(model, lay.tp, lay.pp, stage), lay.grad_ranks, workload, lay, cluster)
+    split = stage_split(workload, lay)
+    experts = stage_expert_units(model, split, lay.pp, lay.ep, stage)
+    dense = _dp_group_time(stage_units(model, lay.tp, split, lay.pp, stage), lay.grad_ranks, workload, lay, cluster)
     return dense + _dp_group_time(experts, lay.grad_ranks // lay.ep, workload, lay, cluster)
 
 
@@ -317,27 +349,49 @@ def peak_flops(workload: Workload, cluster: Cluster) -> float:
     return cluster.peak_flops_fp32 if workload.precision in FULL_PRECISIONS else cluster.peak_flops
 
 
+def most_blocks(workload: Workload, layout: Layout) -> int:
+    """Blocks of the rank that holds the most."""
+    return max(sum(stage_blocks(workload, layout, s)) for s in candidate_stages(workload, layout))
+
+
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
     """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic.
 
     Compute is each matmul's FLOPs at its own efficiency (:func:`micro_compute_time`); tp and pp traffic sit on
-    the critical path; the bubble stretches the per-micro-batch time by f/(1-f) with f from
-    :func:`bubble_fraction`. Where ranks share cores (``ranks_per_core`` r > 1: more CPU processes than
-    cores), computing takes r times as long, and a rank's bubble is time the others compute in, so only
-    what the bubble adds beyond that shows.
+    the critical path. The bubble is the pipeline's fill and drain: every stage's time per micro-batch but
+    the slowest one's, sum(t_s) - max(t_s), which with uniform stages is (p-1)t and matches the closed forms
+    of :func:`bubble_fraction` [NAR, 2.2], scaled as they are by the schedule (1/v interleaved, 1/3 ZB-H1);
+    with uneven stages (``--stage-layers``) the real split's times count. Where ranks share cores
+    (``ranks_per_core`` r > 1: more CPU processes than cores), computing takes r times as long, and a
+    rank's bubble is time the others compute in, so only what the bubble adds beyond that shows.
     """
     check_layout(workload, layout)
-    stages = candidate_stages(layout, None, workload.model)
     m = layout.microbatches
-    compute = m * max(micro_compute_time(workload, layout, cluster, s) for s in stages)
-    tp = m * max(_tp_time_per_micro(workload, layout, cluster, s) for s in stages)
-    pp = m * _pp_time_per_micro(workload, layout, cluster)
-    ep = m * max(_ep_time_per_micro(workload, layout, cluster, s) for s in stages)
-    f = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual)
-    bubble = (compute + tp + pp + ep) * f / (1 - f)
+    kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)
+    per_stage = {s: (micro_compute_time(workload, layout, cluster, s), _tp_time_per_micro(workload, layout, cluster, s),
+                     _ep_time_per_micro(workload, layout, cluster, s)) for s, _ in kinds}
+    compute = m * max(c for c, _, _ in per_stage.values())
+    tp = m * max(t for _, t, _ in per_stage.values())
+    pp_time = m * _pp_time_per_micro(workload, layout, cluster)
+    ep = m * max(e for _, _, e in per_stage.values())
+    bubble = pipeline_bubble([sum(per_stage[s]) + pp_time / m for s, n in kinds for _ in range(n)], layout)
     if cluster.ranks_per_core > 1:  # cores shared: each rank's compute waits its turn, bubbles are filled
         shared = compute * cluster.ranks_per_core
         compute, bubble = shared, max(0.0, compute + bubble - shared)
-    dp = max(dp_time(workload, layout, cluster, s) for s in stages)
+    dp = max(dp_time(workload, layout, cluster, s) for s in per_stage)
     cp = m * _cp_time_per_micro(workload, layout, cluster)
-    return TimeBreakdown(compute, dp, tp, pp, bubble, cp, ep)
+    return TimeBreakdown(compute, dp, tp, pp_time, bubble, cp, ep)
+
+
+def pipeline_bubble(stage_times: list[float], layout: Layout) -> float:
+    """Seconds the pipeline adds to m times its slowest stage, given each stage's time per micro-batch: the
+    fill and drain through every other stage, sum(t) - max(t), which is (p-1)t for equal stages [NAR,
+    2.2.1], shortened as :func:`bubble_fraction` shortens it for the schedule (1/v interleaved, 1/3 ZB-H1).
+    For uneven stages it is what a pipeline whose slowest stage paces the steady state pays; the schedule
+    simulator (:mod:`trainmesh.pipeline.simulate`) agrees within a few percent of the step, exactly when
+    the lighter stages come first."""
+    pp, m = layout.pp, layout.microbatches
+    if pp == 1:
+        return 0.0
+    f = bubble_fraction(layout.schedule, pp, m, layout.virtual)
+    return (sum(stage_times) - max(stage_times)) * m / (pp - 1) * f / (1 - f)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from trainmesh.layout import Layout as Settings, LayoutError, resolve_reduce_dtype, validate
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.parallel.zero import DEFAULT_BUCKET_BYTES
+from trainmesh.plan.stages import parameter_split
 from trainmesh.state_bytes import DTYPE_BYTES, Precision, precision_bytes
 
 
@@ -60,7 +61,9 @@ class Layout:
     ``microbatches`` is per data-parallel replica and step (gradient accumulation when pp = 1);
     ``virtual`` is the model chunks per pipeline rank of the interleaved schedule; ``bucket_bytes`` is
     the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
-    ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it).
+    ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it);
+    ``stage_layers`` gives the blocks of each of the pp x virtual chunks (``--stage-layers``; empty: the
+    runtime's own split, :func:`stage_split`).
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
     (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
@@ -78,8 +81,10 @@ class Layout:
     cp: int = 1
     cp_impl: str = Settings.cp_impl
     ep: int = 1
+    stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
         if self.bucket_bytes < 1:
             raise LayoutError(f"bucket_bytes={self.bucket_bytes}: must be at least 1")
         validate(self.settings)
@@ -91,7 +96,7 @@ class Layout:
         return Settings(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                         sequence_parallel=self.sequence_parallel, schedule=self.schedule,
                         virtual_stages=self.virtual, microbatches=self.microbatches, recompute=self.recompute,
-                        cp_impl=self.cp_impl)
+                        cp_impl=self.cp_impl, stage_layers=self.stage_layers)
 
     @property
     def world(self) -> int:
@@ -110,15 +115,9 @@ def local_seq(workload: Workload, layout: Layout) -> int:
 @functools.lru_cache(maxsize=2**16)  # every estimate of a layout checks it again; a search checks thousands
 def check_layout(workload: Workload, layout: Layout) -> None:
     """Raise early, with the fix, when the layout cannot run this workload: the layout's rules on the model
-    (at the workload's sequence length), then what the estimates assume (whole stages of equal depth, whole
-    micro-batches)."""
-    m, lay = workload.model, layout
+    (at the workload's sequence length, stage splits included), then whole micro-batches."""
+    lay = layout
     validate(lay.settings, workload.shape)
-    if m.n_layers % (lay.pp * lay.virtual):
-        raise ValueError(
-            f"n_layers={m.n_layers} is not divisible by pp*virtual={lay.pp * lay.virtual}; "
-            f"choose pp*virtual in {divisors(m.n_layers)}"
-        )
     if workload.global_batch % (lay.dp * lay.microbatches):
         raise ValueError(
             f"global_batch={workload.global_batch} is not divisible by dp*microbatches="
@@ -137,3 +136,11 @@ def moe_tokens(workload: Workload, layout: Layout) -> int:
     and each tp rank routes only its 1/tp slice of every sequence (``trainmesh.models.moe.SequenceSplit``)."""
     tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
     return tokens // layout.tp if layout.sequence_parallel else tokens
+
+
+def stage_split(workload: Workload, layout: Layout) -> tuple[int, ...]:
+    """Blocks of each of the pp x virtual chunks: ``layout.stage_layers``, else what the runtime does without
+    ``--stage-layers`` (:func:`trainmesh.plan.stages.parameter_split`); one chunk without a pipeline."""
+    if layout.pp == 1:
+        return (workload.model.n_layers,)
+    return layout.stage_layers or parameter_split(workload.model, layout.pp * layout.virtual)

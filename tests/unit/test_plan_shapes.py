@@ -1,0 +1,136 @@
+"""Any shape: the planner's parameter counts against the modules that hold the parameters (transformers'
+model of each HF model type it reads, trainmesh's own families) and against published totals; the custom
+shape flags; latent attention's key/value traffic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from trainmesh.app import cli
+from trainmesh.app.config import config_from_args
+from trainmesh.app.planning import add_plan_arguments, layout_of, plan_from_args, workload_of
+from trainmesh.models import SPECS
+from trainmesh.plan import Layout, Workload, active_params, cp_bytes_per_micro, model_shape
+from trainmesh.plan.hf_shape import READERS, read_hf_shape, shape_of_hf_config
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=64)
+TINY_HF = {  # model_type -> (transformers config class, its fields): small, every variant switched on
+    "llama": ("LlamaConfig", BASE),
+    "mistral": ("MistralConfig", {**BASE, "sliding_window": 16}),
+    "qwen2": ("Qwen2Config", BASE),
+    "qwen3": ("Qwen3Config", {**BASE, "head_dim": 16}),
+    "mixtral": ("MixtralConfig", {**BASE, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {**BASE, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32}),
+    "deepseek_v3": ("DeepseekV3Config", {**BASE, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                         "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                                         "qk_nope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1}),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=128, n_positions=64)),
+}
+
+
+def test_every_model_type_the_reader_takes_has_a_tiny_case() -> None:
+    assert TINY_HF.keys() == READERS.keys()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("model_type", TINY_HF)
+def test_the_planners_count_is_the_transformers_models_parameter_count(model_type: str, tied: bool,
+                                                                      tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cls, fields = TINY_HF[model_type]
+    config = getattr(transformers, cls)(**fields, tie_word_embeddings=tied)
+    built = transformers.AutoModelForCausalLM.from_config(config)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert read_hf_shape(tmp_path).n_params() == sum(p.numel() for p in built.parameters())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.family)
+def test_the_planners_count_is_trainmeshs_built_modules_for_every_family(spec) -> None:
+    """Every preset small enough to build in a moment (up to 20M parameters; the larger ones are these
+    shapes widened)."""
+    for name, cfg in spec.presets.items():
+        if spec.shape(cfg).n_params() > 20e6:
+            continue
+        assert spec.shape(cfg).n_params() == sum(p.numel() for p in spec.builder(cfg, 0).parameters()), name
+
+
+@pytest.mark.parametrize("name,total,active,active_bound", [
+    ("llama3-8b", 8.03e9, None, 0), ("llama3-70b", 70.6e9, None, 0), ("llama3-405b", 405.9e9, None, 0),
+    ("mixtral-8x7b", 46.7e9, 12.9e9, 0.01),
+    # "37B activated" is given to two figures (36.5-37.5B); the planner's 37.55B counts the input embedding.
+    ("deepseek-v3", 671e9, 37e9, 0.02),
+])
+def test_large_presets_have_their_published_totals(name: str, total: float, active: float | None,
+                                                   active_bound: float) -> None:
+    """Llama 3 (Meta, 2024, Table 3 and the model cards), Mixtral of Experts (Jiang et al., 2024) and the
+    DeepSeek-V3 report (arXiv 2412.19437): within 1 %."""
+    m = model_shape(name)
+    assert m.n_params() == pytest.approx(total, rel=0.01)
+    if active is not None:
+        assert active_params(m) == pytest.approx(active, rel=active_bound)
+
+
+def _plan(argv: str) -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return plan_from_args(parser.parse_args(argv.split())).splitlines()
+
+
+def test_custom_flags_describe_a_llama_2_13b_and_an_moe_with_latent_attention() -> None:
+    """The issue's case: 40 x 5120 with a 13824 SwiGLU MLP is Llama 2 13B (13.0B), not 10.2B of GELU."""
+    lines = _plan("--layers 40 --hidden 5120 --heads 40 --ffn 13824 --vocab 32000 --seq 4096 --mlp swiglu "
+                  "--gpus 8 --gpu h100-80gb --global-batch 8 --top 1")
+    assert lines[0].startswith("13.0B params")
+    moe = ("--layers 4 --hidden 256 --heads 8 --ffn 512 --vocab 1024 --seq 128 --mlp swiglu --tied --experts 8 "
+           "--top-k 2 --expert-ffn 128 --shared-experts 1 --dense-layers 1 --kv-lora-rank 64 --q-lora-rank 96 "
+           "--qk-rope-dim 16 --qk-nope-dim 32 --v-head-dim 32 --gpus 2 --gpu cpu --global-batch 4 --top 1")
+    lines = _plan(moe)
+    hf = {"model_type": "deepseek_v3", "hidden_size": 256, "num_attention_heads": 8, "num_hidden_layers": 4,
+          "intermediate_size": 512, "vocab_size": 1024, "max_position_embeddings": 128, "tie_word_embeddings": True,
+          "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
+          "first_k_dense_replace": 1, "kv_lora_rank": 64, "q_lora_rank": 96, "qk_rope_head_dim": 16,
+          "qk_nope_head_dim": 32, "v_head_dim": 32}
+    shape = shape_of_hf_config(hf)
+    assert lines[0].startswith(f"{shape.n_params() / 1e6:.1f}M ({active_params(shape) / 1e6:.1f}M active) params")
+    assert lines[-2].startswith("# this custom shape is a shape only the planner knows")
+
+
+def test_plan_reads_an_hf_config_and_refuses_remote_code_in_one_line(tmp_path: Path) -> None:
+    cfg = {"model_type": "llama", **BASE}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    lines = _plan(f"--hf-config {tmp_path} --gpus 2 --gpu cpu --global-batch 4 --top 1")
+    assert lines[0].startswith(f"{read_hf_shape(tmp_path).n_params() / 1e3:.1f}K params, batch 4 x 64")
+    assert "a config without weights" in lines[-2] and "--init-hf" not in lines[-1]
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoModel": "x.Y"}}))
+    with pytest.raises(ValueError, match=r"names remote code \(auto_map\), which trainmesh never runs"):
+        read_hf_shape(tmp_path)
+    with pytest.raises(ValueError, match="model_type 'bert'; the planner reads llama, mistral"):
+        shape_of_hf_config({"model_type": "bert"})
+
+
+def test_latent_attention_sends_its_compressed_keys_and_values_over_cp() -> None:
+    """DeepSeek-V2 2.1: each token caches kv_lora_rank + qk_rope_head_dim values, whatever the heads."""
+    m = model_shape("deepseek-v3")
+    work = Workload(m, 8, 32768, "bf16")
+    sent = cp_bytes_per_micro(work, Layout(dp=2, cp=4, microbatches=4))
+    tokens = 32768 // 4
+    assert sent["ring_kv"] == m.n_layers * 3 * tokens * (512 + 64) * 2
+
+
+def test_init_hf_plans_the_directory_and_the_command_starts_from_its_weights(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE)).save_pretrained(tmp_path)
+    lines = _plan(f"--init-hf {tmp_path} --gpus 2 --gpu cpu --global-batch 4 --top 1")
+    words = shlex.split(lines[-1])
+    assert words[words.index("--init-hf") + 1] == str(tmp_path) and words[words.index("--seq-len") + 1] == "64"
+    cfg = config_from_args(cli._parser().parse_args(words[1:]))
+    assert workload_of(cfg).model.n_params() == read_hf_shape(tmp_path).n_params()
+    assert layout_of(cfg).world == 2
