@@ -35,7 +35,7 @@ from trainmesh.engine import Criterion, Engine, MicroBatches
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
-from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
+from trainmesh.mesh import GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
 from trainmesh.models import moe, spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
@@ -53,7 +53,7 @@ from trainmesh.parallel import zero
 from trainmesh.checkpoint.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
-              backend: str = "auto", timeout: float = 600.0, ep: int = 1) -> Mesh:
+              backend: str = "auto", timeout: float = 600.0, ep: int = 1, dp_replicate: int = 1) -> Mesh:
     """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
 
     The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
@@ -61,15 +61,19 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
     ``timeout`` bounds every collective, in seconds. ``ep`` (expert parallelism) splits an MoE model's
     experts over groups of ``ep`` data-parallel ranks (it divides ``dp * cp``; it adds no ranks).
+    ``dp_replicate`` (hybrid sharding, HSDP) splits the dp ranks into that many groups of consecutive ranks
+    (inside a node where a node's ranks are consecutive): ZeRO (``parallelize(..., zero=1..3)``) then shards
+    within each group and all-reduces the gradient shards across groups.
     """
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
-    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep), world_size=world)
+    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, zero=1 if dp_replicate > 1 else 0),
+             world_size=world)  # the ZeRO stage is checked by parallelize
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
-    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep)
+    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep, dp_replicate=dp_replicate)
     leave_at_exit(mesh)
     return mesh
 
@@ -192,7 +196,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
     ``tp_plan``: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES` (default: the model
-    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism).
+    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism), within each
+    replica group of a mesh built with ``dp_replicate``.
     ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
     ``pipeline``: where the blocks and the modules before and after them are (default: the family's
     layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
@@ -209,7 +214,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     spec = spec_for(model)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel) if plan is not None else None
-    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep")}, zero=zero,
+    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "dp_replicate")}, zero=zero,
                     sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
@@ -298,13 +303,21 @@ def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float]
     reduce = model.reduce_dtype if model.reduce_dtype != "auto" else ("fp64" if model.precision == "fp64" else "fp32")
     args = dict(bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(reduce),
                 scaler=LossScaler(enabled=model.precision == "fp16"),
-                axis=GRAD_AXIS if model.mesh.size("cp") > 1 else "dp")
+                axis=_sharding_axis(model.mesh))
     units = _zero3_units(model.module)
     if model.zero == 3 and units is not None:
         model.engine = zero.ZeroStage3(model.module, model.comm, make_optimizer, **args, units=units)
     else:
         model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
     return Optimizer(model.engine, lr)
+
+
+def _sharding_axis(mesh: Mesh) -> str:
+    """Where ZeRO shards and gradients are reduced: ``dp``, ``dp_cp`` under context parallelism, and under
+    hybrid sharding the ``dp_shard`` group inside a replica (the engine adds the all-reduce across replicas)."""
+    if mesh.size(REPLICA_AXIS) > 1:
+        return SHARD_AXIS
+    return GRAD_AXIS if mesh.size("cp") > 1 else "dp"
 
 
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,

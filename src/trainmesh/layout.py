@@ -36,8 +36,9 @@ class LayoutError(ValueError):
 class Layout:
     """Every setting a layout rule reads, under the names the command line and the API share.
 
-    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks); the
-    ZeRO stage; the pipeline's ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per
+    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks);
+    ``dp_replicate``, the replica groups hybrid sharding (HSDP) splits ``dp`` into (ZeRO shards inside each
+    group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per
     rank and optional per-stage ``stage_layers``; memory savers and dtypes; ``compile``; and ``timeline``, a
     picture only a pipeline can draw (empty: none).
     """
@@ -47,6 +48,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_replicate: int = 1
     zero: int = 0
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -135,7 +137,7 @@ Rule = Callable[[_Check], str | None]
 
 
 def _sizes(c: _Check) -> str | None:
-    for field in ("dp", "tp", "pp", "cp", "ep", "microbatches", "virtual_stages"):
+    for field in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "microbatches", "virtual_stages"):
         value = getattr(c.layout, field)
         if value < 1:
             return f"{c.spell(field, value)}: must be at least 1"
@@ -171,6 +173,26 @@ def _expert_ranks(c: _Check) -> str | None:
     return (f"{c.spell('ep', lay.ep)} does not divide dp*cp = {lay.grad_ranks}: experts are split over "
             f"data-parallel ranks (ep folds inside dp x cp); choose ep in {_braced(divisors(lay.grad_ranks))} "
             f"or raise {c.spell('dp')}")
+
+
+def _hybrid_shards(c: _Check) -> str | None:
+    """Hybrid sharding (HSDP; FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups of
+    contiguous ranks, each holding one whole set of ZeRO shards; so it needs ZeRO, and a dp it divides. Expert
+    parallelism shards its experts over its own expert-data-parallel groups, which hybrid sharding does not
+    split (yet)."""
+    lay, s = c.layout, c.spell
+    if lay.dp_replicate == 1:
+        return None
+    if lay.dp % lay.dp_replicate:
+        return (f"{s('dp_replicate', lay.dp_replicate)} does not divide {s('dp', lay.dp)}: the dp ranks split into "
+                f"dp_replicate groups of equal size; choose dp_replicate in {_braced(divisors(lay.dp))}")
+    if lay.zero == 0:
+        return (f"{s('dp_replicate', lay.dp_replicate)} replicates ZeRO's shards across groups, and "
+                f"{s('zero', 0)} shards nothing; set {s('zero')} to 1, 2 or 3, or drop {s('dp_replicate')}")
+    if lay.ep > 1:
+        return (f"{s('dp_replicate', lay.dp_replicate)} with {s('ep', lay.ep)}: hybrid sharding does not split "
+                f"the expert-data-parallel groups; use {s('ep', 1)} or drop {s('dp_replicate')}")
+    return None
 
 
 def _sequence_parallel(c: _Check) -> str | None:
@@ -246,8 +268,9 @@ def _stage_layers(c: _Check) -> str | None:
             f"summing to {layers}")
 
 
-MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _sequence_parallel, _pipeline_only,
-                                _virtual_stages, _interleaved_groups, _zero_bubble, _compiled_ring, _stage_layers)
+MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _hybrid_shards, _sequence_parallel,
+                                _pipeline_only, _virtual_stages, _interleaved_groups, _zero_bubble, _compiled_ring,
+                                _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 
 

@@ -63,7 +63,8 @@ def setup_process(cfg: Config) -> Mesh:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
-    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep)
+    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
+                         cfg.dp_replicate)
     start_heartbeat()
     return mesh
 
