@@ -54,6 +54,7 @@ def _train_in_turn(cfgs: list) -> list:
     return out
 
 
+@pytest.mark.slow  # 10 s; the 2x1 equivalence and the two-node bed test keep HSDP in the default set
 def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     """HSDP 2x2 trains 2 steps and saves; plain ZeRO-3 over the same 4 ranks resumes from it, trains 2 more and
     saves; HSDP resumes from that. The three pieces together are the one-process run of 6 steps, and the last
