@@ -50,6 +50,7 @@ from trainmesh.parallel.tensor_parallel import unsharded_state_dict
 from trainmesh import checkpoint
 from trainmesh.tracking import runlock
 from trainmesh.parallel import zero
+from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
@@ -102,6 +103,7 @@ class ParallelModel:
     engine: Engine | None = field(default=None, repr=False)
     description: tuple[dict, dict] = field(default=({}, {"family": "", "source": "model"}), repr=False)
     saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
+    pending_save: AsyncSave | None = field(default=None, init=False, repr=False)  # the save in flight, if any
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:
@@ -433,7 +435,8 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     return gather_stages(state, comm) if pipelined else state
 
 
-def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "") -> Path:
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "", *,
+         async_: bool = False) -> Path | AsyncSave:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
     then names it. Returns the step directory. The checkpoint records the model (its family and config,
@@ -443,9 +446,18 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
     From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
     its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
     write one directory: a directory another live run holds is refused on every rank before anything is
-    written, naming the holder."""
+    written, naming the holder.
+
+    With ``async_`` the call returns, as an :class:`~trainmesh.checkpoint.async_save.AsyncSave` handle, once
+    this rank's state is copied to host memory; the same files are written in the background and ``latest``
+    moves once every rank's part is durable. Training may go on meanwhile; call ``handle.wait()`` (a
+    collective) before relying on the checkpoint or ending the process. At most one save is in flight: the
+    next :func:`save` waits for the previous one."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    if model.pending_save is not None:
+        model.pending_save.wait()
+        model.pending_save = None
     hold_directory(model, Path(directory))
     mesh = model.mesh
     settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches,
@@ -455,6 +467,10 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
                    "model_source": source, "config": settings, "tokenizer": tokenizer,
                    "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
                               "zero": model.zero}}
+    if async_:
+        model.pending_save = save_state_async(model.module, model.engine, mesh, Path(directory),
+                                              checkpoint.TrainingProgress(step), description)
+        return model.pending_save
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
                                  description)
 
@@ -494,6 +510,9 @@ def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:
     ``latest``). Returns the step it was saved at. A collective: an error on any rank is raised on all."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    if model.pending_save is not None:
+        model.pending_save.wait()
+        model.pending_save = None
     root = Path(directory)
     path = root if (root / checkpoint.MANIFEST).exists() else next(iter(checkpoint.candidates(root)), None)
     if path is None:

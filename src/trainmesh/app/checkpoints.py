@@ -37,6 +37,7 @@ from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP
                                         CheckpointMismatch, CheckpointOfAnotherRun, TrainingProgress, agreed_run_id,
                                         all_gather_json, candidates, fill, local_state, notice, on_every_rank,
                                         parse_manifest, read_manifest, save_state, whole_pieces)
+from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.source import recorded_model, source_name
 from trainmesh.checkpoint.load import apply_loaded, load_state
 
@@ -72,6 +73,12 @@ def save(run: Run, progress: TrainingProgress) -> Path:
     """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective)."""
     return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
                       describe(run.cfg, run.mesh))
+
+
+def save_async(run: Run, progress: TrainingProgress, previous: AsyncSave | None) -> AsyncSave:
+    """:func:`save` with the files written in the background (``--checkpoint-async``), after ``previous``."""
+    return save_state_async(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
+                            describe(run.cfg, run.mesh), previous)
 
 
 def due(cfg: Config, steps_done: int) -> bool:

@@ -142,6 +142,9 @@ class Config:
                                "pointer), saved every --checkpoint-every steps and at the end")
     checkpoint_every: int = _opt(0, "save a checkpoint every K steps (0: only at the end); needs --checkpoint-dir",
                                  low=AT_LEAST_0)
+    checkpoint_async: bool = _opt(False, "copy each checkpoint to host memory and write it in the background while "
+                                  "training goes on; 'latest' moves once every rank's part is durable, the run's "
+                                  "end waits for the last save, and the summary gives each save's stall and write time")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --checkpoint-dir, in any layout "
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
@@ -267,7 +270,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "checkpoint_async", "resume", "overwrite", "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "collective_timeout", "debug_collectives", "host_transport",
                 "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
