@@ -14,6 +14,7 @@ nothing from the modules that call it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -362,6 +363,25 @@ def _experts(c: _Check) -> str | None:
 MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _tied_embeddings, _context_split, _sequence_split,
                                  _experts)
 """The rules on how the layout splits a model, given its shape."""
+
+
+def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layout:
+    """``layout`` on ``world`` ranks by its data-parallel axis alone: ``dp`` becomes what ``cp*tp*pp`` leaves,
+    and under hybrid sharding ``dp_replicate`` follows, each group keeping its size (a lost node takes its
+    replicas with it). For a run torchrun's elastic agent restarts on the nodes that remain; refused in one
+    line if no whole dp fits."""
+    others, shard = layout.cp * layout.tp * layout.pp, layout.dp // layout.dp_replicate
+    if world % others:
+        raise LayoutError(f"{spell('elastic', True)}: {world} ranks are not a multiple of cp*tp*pp = {others}, so no "
+                       f"whole dp fits; run on a multiple of {others} ranks")
+    dp = world // others
+    if layout.dp_replicate == 1:
+        return dataclasses.replace(layout, dp=dp)
+    if dp % shard:
+        raise LayoutError(f"{spell('elastic', True)}: dp {dp} on {world} ranks does not split into the hybrid-sharding "
+                       f"groups of {shard} ranks ({spell('dp')} / {spell('dp_replicate')}); run on a multiple of "
+                       f"{shard * others} ranks")
+    return dataclasses.replace(layout, dp=dp, dp_replicate=dp // shard)
 
 
 def validate(layout: Layout, model: ModelShape | None = None, world_size: int | None = None, *,

@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -223,35 +223,31 @@ class Mesh:
         return mine
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``ep`` and ``edp`` groups. Every rank creates every group (``new_group`` is collective
-        over the world), in the same order."""
-        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        ep, edp, mine = self.sizes["ep"], self.sizes["edp"], {}
-        for pp in range(self.sizes["pp"]):
-            for tp in range(self.sizes["tp"]):
-                ranks = self._grad_axis_ranks(pp, tp)
-                groups = {"ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
-                          "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]}
-                for axis in EP_AXES:
-                    if self.sizes[axis] == 1:
-                        continue
-                    for members in groups[axis]:
-                        group = dist.new_group(members, **kwargs)
-                        if dist.get_rank() in members:
-                            mine[axis] = group
-        return mine
+        """This rank's ``ep`` and ``edp`` groups."""
+        ep, edp = self.sizes["ep"], self.sizes["edp"]
+        return self._split_grad_axis(timeout_s, EP_AXES, lambda ranks: {
+            "ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
+            "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]})
 
     def _hybrid_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
         """This rank's ``dp_shard`` group (the ``dp_cp`` coordinates ``[rS, (r+1)S)`` of replica ``r``) and its
-        ``dp_replicate`` group (coordinate ``s`` of every replica). Every rank creates every group, in order."""
+        ``dp_replicate`` group (coordinate ``s`` of every replica)."""
+        shard, replicas = self.sizes[SHARD_AXIS], self.sizes[REPLICA_AXIS]
+        return self._split_grad_axis(timeout_s, HYBRID_AXES, lambda ranks: {
+            SHARD_AXIS: [ranks[r * shard:(r + 1) * shard] for r in range(replicas)],
+            REPLICA_AXIS: [ranks[s::shard] for s in range(shard)]})
+
+    def _split_grad_axis(self, timeout_s: float | None, axes: tuple[str, ...],
+                         split: Callable[[list[int]], dict[str, list[list[int]]]]) -> dict[str, dist.ProcessGroup]:
+        """This rank's group on each of ``axes`` (of size above 1), ``split`` dividing the ranks of every
+        ``dp_cp`` axis (one per pp and tp coordinate) into that axis's groups. Every rank creates every group
+        (``new_group`` is collective over the world), in the same order."""
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        shard, mine = self.sizes[SHARD_AXIS], {}
+        mine = {}
         for pp in range(self.sizes["pp"]):
             for tp in range(self.sizes["tp"]):
-                ranks = self._grad_axis_ranks(pp, tp)
-                groups = {SHARD_AXIS: [ranks[r * shard:(r + 1) * shard] for r in range(self.sizes[REPLICA_AXIS])],
-                          REPLICA_AXIS: [ranks[s::shard] for s in range(shard)]}
-                for axis in HYBRID_AXES:
+                groups = split(self._grad_axis_ranks(pp, tp))
+                for axis in axes:
                     if self.sizes[axis] == 1:
                         continue
                     for members in groups[axis]:

@@ -152,10 +152,18 @@ class TestBed:
             total += stats["stats64"]["tx"]["bytes"]
         return total
 
-    def pids(self) -> list[int]:
-        """Processes still running in the bed's namespaces."""
+    def kill_node(self, node: int) -> None:
+        """SIGKILL every process on ``node``, as when a machine is lost."""
+        for pid in self.pids([self.members[node].netns]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def pids(self, namespaces: Sequence[str] | None = None) -> list[int]:
+        """Processes still running in the bed's namespaces (or in ``namespaces``)."""
         found = []
-        for ns in self._made:
+        for ns in self._made if namespaces is None else namespaces:
             try:
                 found += [int(p) for p in _run("ip", "netns", "pids", ns).split()]
             except RuntimeError:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from trainmesh.app.config import Config
 from trainmesh.testbed import TestBed, missing_capability
 
-from helpers import assert_same_training, config, in_fp64, train_single
+from helpers import FP64_ATOL, assert_same_training, config, in_fp64, train_single
 
 RANK_SCRIPT = Path(__file__).with_name("netbed_rank.py")
 PORT = 29641
@@ -102,3 +103,42 @@ def test_a_rank_killed_on_one_node_is_named_by_node_and_rank_and_nothing_is_left
         assert "rank 1 on node 1 failed (killed by signal SIGKILL)" in err, err[-3000:]
     assert not bed.pids()
     assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_node_restarts_on_the_two_that_remain_and_trains_on_like_one_process(tmp_path):
+    """torchrun's elastic agent on 3 nodes (``--nnodes 2:3``, c10d rendezvous), one rank each, ``--elastic``:
+    node 2 is killed once step 4 is saved; the agents of nodes 0 and 1 restart their ranks as a world of 2,
+    which resumes from step 4 at dp 2 and finishes. Every step's loss, before and after, is one process's."""
+    reason = missing_capability()
+    if reason:
+        pytest.skip(reason)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    cfg = in_fp64(config(dp=3, steps=8, global_batch=12, nproc=3))
+    train = ["-m", "trainmesh", "train", "--elastic", "--dp", "3", "--steps", "8", "--global-batch", "12",
+             "--warmup-steps", "2", "--precision", "fp64", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+             "--resume", "--out", str(out), "--no-progress"]
+    with TestBed(3, rate_mbit=RATE_MBIT) as bed:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic",
+                "--rdzv-conf", "join_timeout=120,last_call_timeout=10", "--max-restarts", "3",
+                "--monitor-interval", "0.5", *train]
+        logs = [open(tmp_path / f"node{k}.log", "w") for k in range(3)]
+        procs = [bed.start(k, argv, env=_env(), stdout=subprocess.DEVNULL, stderr=logs[k]) for k in range(3)]
+        deadline = time.monotonic() + 300
+        while not (ckpt / "step-00000004").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 4 was never saved"
+            time.sleep(0.2)
+        bed.kill_node(2)
+        for p in procs[:2]:
+            p.wait(timeout=400)
+        tails = [(tmp_path / f"node{k}.log").read_text()[-3000:] for k in range(3)]
+        assert [p.returncode for p in procs[:2]] == [0, 0], tails
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    restart = next(r for r in records if r.get("restart", {}).get("from_step", 0) > 0)
+    assert restart["step"] == 5 and restart["layout"]["dp"] == 2 and records[0]["layout"]["dp"] == 3
+    reference, _ = train_single(cfg)
+    for r in records:
+        assert abs(r["loss"] - reference[r["step"] - 1]) <= FP64_ATOL, f"step {r['step']}"

@@ -6,14 +6,13 @@ import dataclasses
 import functools
 
 import pytest
-import torch
 
 from trainmesh.app.train import full_state_dict, train
 from trainmesh.checkpoint import read_tensors
 from trainmesh.layout import Layout, LayoutError, flag, validate
 from trainmesh.testing import run_ranks
 
-from helpers import FP64_ATOL, check_equivalent, config, in_fp64
+from helpers import FP64_ATOL, check_equivalent, config, in_fp64, train_rank
 
 _hsdp = functools.partial(config, dp_replicate=2, steps=2, microbatches=2)
 
@@ -44,16 +43,6 @@ def test_hsdp_refusals_name_the_flag_and_the_fix():
             validate(layout, spell=flag)
 
 
-def _train_in_turn(cfgs: list) -> list:
-    """Train each config in turn on every rank; returns each run's losses and final full parameters."""
-    torch.set_num_threads(1)
-    out = []
-    for cfg in cfgs:
-        result = train(cfg)
-        out.append((result.losses, full_state_dict(result.run)))
-    return out
-
-
 @pytest.mark.slow  # 10 s; the 2x1 equivalence and the two-node bed test keep HSDP in the default set
 def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     """HSDP 2x2 trains 2 steps and saves; plain ZeRO-3 over the same 4 ranks resumes from it, trains 2 more and
@@ -64,7 +53,7 @@ def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     constant_lr = {"warmup_steps": 0, "min_lr": 3e-3, "lr": 3e-3}  # runs of 2, 4, 6 steps share one schedule
     runs = [in_fp64(config(dp=4, zero=3, steps=2 * (k + 1), checkpoint_dir=root, resume=k > 0, **kw, **constant_lr))
             for k, kw in enumerate(steps)]
-    results = run_ranks(_train_in_turn, 4, runs, timeout=400)[0]
+    results = run_ranks(train_rank, 4, runs, timeout=400)[0]
     single = train(dataclasses.replace(runs[-1], dp=1, dp_replicate=1, zero=0, nproc=1, checkpoint_dir="",
                                        resume=False))
     losses = [loss for run_losses, _ in results for loss in run_losses]

@@ -26,6 +26,8 @@ from trainmesh.app.config import (Config, ConfigError, add_config_flags, check_l
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
+from trainmesh.layout import LayoutError, scaled_to_world
+from trainmesh.layout import flag as spell_flag
 from trainmesh.tracking.records import MetricsError
 from trainmesh.tracking.report import ReportError
 from trainmesh.app.rundir import check_run_dirs, default_out_dir
@@ -323,6 +325,8 @@ def checked_config(args: argparse.Namespace) -> Config:
     if cfg.resume and cfg.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
         cfg = dataclasses.replace(cfg, **model_settings(Path(cfg.checkpoint_dir), given.keys()))
     world = _world_from_env()
+    if cfg.elastic and world is not None:
+        cfg = _scaled(cfg, world)
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices())
@@ -333,6 +337,15 @@ def checked_config(args: argparse.Namespace) -> Config:
         TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
         check_resumable(cfg)
     return cfg
+
+
+def _scaled(cfg: Config, world: int) -> Config:
+    """``--elastic``: the config on the world the launcher gave (:func:`trainmesh.layout.scaled_to_world`)."""
+    try:
+        layout = scaled_to_world(cfg.layout, world, spell=spell_flag)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.replace(cfg, dp=layout.dp, dp_replicate=layout.dp_replicate)
 
 
 def _export_host_transport(cfg: Config) -> None:

@@ -103,6 +103,8 @@ class Config:
     dp_replicate: int = _opt(1, "hybrid sharding (HSDP): split dp into this many replica groups of consecutive "
                              "ranks (inside a node by default); --zero shards within a group and all-reduces the "
                              "gradient shards across groups", low=AT_LEAST_1)
+    elastic: bool = _opt(False, "under torchrun's elastic agent (--nnodes MIN:MAX, with --resume): run on the "
+                         "world torchrun gives, scaling --dp (and --dp-replicate, keeping each group's size) to it")
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
@@ -265,7 +267,7 @@ RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "data", "tokenizer", "seed", "seq_len"),
-    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "ep", "dp_replicate", "plan", "zero", "bucket_mb", "precision", "recompute",
+    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "ep", "dp_replicate", "elastic", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",

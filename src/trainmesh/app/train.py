@@ -359,6 +359,9 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
+        if step == start.step:  # a run's (or a restart's) first record names the layout it runs
+            record["layout"] = {"world_size": mesh.world_size, "dp": cfg.dp, "dp_replicate": cfg.dp_replicate,
+                                "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero}
         experts = moe_metrics(run)
         if experts:
             record["moe"] = experts
