@@ -125,7 +125,8 @@ def test_a_lost_node_restarts_on_the_two_that_remain_and_trains_on_like_one_proc
                 "--rdzv-conf", "join_timeout=120,last_call_timeout=10", "--max-restarts", "3",
                 "--monitor-interval", "0.5", *train]
         logs = [open(tmp_path / f"node{k}.log", "w") for k in range(3)]
-        procs = [bed.start(k, argv, env=_env(), stdout=subprocess.DEVNULL, stderr=logs[k]) for k in range(3)]
+        env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per round (docs/multinode.md)
+        procs = [bed.start(k, argv, env=env, stdout=subprocess.DEVNULL, stderr=logs[k]) for k in range(3)]
         deadline = time.monotonic() + 300
         while not (ckpt / "step-00000004").exists():
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 4 was never saved"
