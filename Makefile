@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-cp bench-moe bench-data clean
+.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-cp bench-moe bench-data bench-multinode clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,11 @@ bench-cp: setup
 # tokens/s and peak RSS per rank; then the experts' padded batched GEMM vs a per-expert loop.
 bench-moe: setup
 	$(BIN)/python -m trainmesh_bench.moe
+
+# ZeRO-3 over 4 ranks vs HSDP 2x2 on 2 network-namespace "nodes" over a 200 Mbit/s tbf link (needs root, ip,
+# tc, unshare): bytes that crossed the node link per step (counted on the veths, and by formula), step time.
+bench-multinode: setup
+	$(BIN)/python -m trainmesh_bench.multinode --rate-mbit 200
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16

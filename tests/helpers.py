@@ -121,6 +121,7 @@ def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0
 def describe_layout(cfg: Config) -> str:
     """A short name for a layout, e.g. ``dp2 tp2 sp pp2 1f1b zero1 mb2``."""
     parts = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(cfg, axis) > 1]
+    parts += [f"hsdp{cfg.dp_replicate}x{cfg.dp // cfg.dp_replicate}"] if cfg.dp_replicate > 1 else []
     parts += [cfg.cp_impl] if cfg.cp > 1 else []
     parts += ["sp"] if cfg.sequence_parallel else []
     if cfg.pp > 1:

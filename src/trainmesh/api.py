@@ -39,7 +39,7 @@ from trainmesh.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
-from trainmesh.mesh import GRAD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
+from trainmesh.mesh import GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
 from trainmesh.models import moe, spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
@@ -54,10 +54,11 @@ from trainmesh.parallel.tensor_parallel import unsharded_state_dict
 from trainmesh import checkpoint
 from trainmesh.tracking import runlock
 from trainmesh.parallel import zero
+from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
-              backend: str = "auto", timeout: float = 600.0, ep: int = 1) -> Mesh:
+              backend: str = "auto", timeout: float = 600.0, ep: int = 1, dp_replicate: int = 1) -> Mesh:
     """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
 
     The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
@@ -65,15 +66,19 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
     ``timeout`` bounds every collective, in seconds. ``ep`` (expert parallelism) splits an MoE model's
     experts over groups of ``ep`` data-parallel ranks (it divides ``dp * cp``; it adds no ranks).
+    ``dp_replicate`` (hybrid sharding, HSDP) splits the dp ranks into that many groups of consecutive ranks
+    (inside a node where a node's ranks are consecutive): ZeRO (``parallelize(..., zero=1..3)``) then shards
+    within each group and all-reduces the gradient shards across groups.
     """
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
-    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep), world_size=world)
+    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, zero=1 if dp_replicate > 1 else 0),
+             world_size=world)  # the ZeRO stage is checked by parallelize
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
-    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep)
+    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep, dp_replicate=dp_replicate)
     leave_at_exit(mesh)
     return mesh
 
@@ -102,6 +107,7 @@ class ParallelModel:
     engine: Engine | None = field(default=None, repr=False)
     description: tuple[dict, dict] = field(default=({}, {"family": "", "source": "model"}), repr=False)
     saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
+    pending_save: AsyncSave | None = field(default=None, init=False, repr=False)  # the save in flight, if any
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pipeline is not None:
@@ -209,7 +215,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
     ``tp_plan``: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES` (default: the model
-    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism).
+    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism), within each
+    replica group of a mesh built with ``dp_replicate``.
     ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
     ``pipeline``: where the blocks and the modules before and after them are (default: the family's
     layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
@@ -229,7 +236,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     spec = spec_for(model)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel) if plan is not None else None
-    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep")}, zero=zero,
+    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "dp_replicate")}, zero=zero,
                     sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
@@ -331,13 +338,21 @@ def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float]
     reduce = model.reduce_dtype if model.reduce_dtype != "auto" else ("fp64" if model.precision == "fp64" else "fp32")
     args = dict(bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(reduce),
                 scaler=LossScaler(enabled=model.precision == "fp16"),
-                axis=GRAD_AXIS if model.mesh.size("cp") > 1 else "dp")
+                axis=_sharding_axis(model.mesh))
     units = _zero3_units(model.module)
     if model.zero == 3 and units is not None:
         model.engine = zero.ZeroStage3(model.module, model.comm, make_optimizer, **args, units=units)
     else:
         model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
     return Optimizer(model.engine, lr)
+
+
+def _sharding_axis(mesh: Mesh) -> str:
+    """Where ZeRO shards and gradients are reduced: ``dp``, ``dp_cp`` under context parallelism, and under
+    hybrid sharding the ``dp_shard`` group inside a replica (the engine adds the all-reduce across replicas)."""
+    if mesh.size(REPLICA_AXIS) > 1:
+        return SHARD_AXIS
+    return GRAD_AXIS if mesh.size("cp") > 1 else "dp"
 
 
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
@@ -454,7 +469,7 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
 
 
 def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "",
-         keep_last: int = 0) -> Path:
+         keep_last: int = 0, *, async_: bool = False) -> Path | AsyncSave:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
     then names it. Returns the step directory. The checkpoint records the model (its family and config,
@@ -466,9 +481,18 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
     From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
     its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
     write one directory: a directory another live run holds is refused on every rank before anything is
-    written, naming the holder."""
+    written, naming the holder.
+
+    With ``async_`` the call returns, as an :class:`~trainmesh.checkpoint.async_save.AsyncSave` handle, once
+    this rank's state is copied to host memory; the same files are written in the background and ``latest``
+    moves once every rank's part is durable. Training may go on meanwhile; call ``handle.wait()`` (a
+    collective) before relying on the checkpoint or ending the process. At most one save is in flight: the
+    next :func:`save` waits for the previous one."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    if model.pending_save is not None:
+        model.pending_save.wait()
+        model.pending_save = None
     hold_directory(model, Path(directory))
     mesh = model.mesh
     settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches,
@@ -479,6 +503,10 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
                    "tokenizer": TokenizerFile.read(tokenizer) if tokenizer else None,
                    "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
                               "zero": model.zero}}
+    if async_:
+        model.pending_save = save_state_async(model.module, model.engine, mesh, Path(directory),
+                                              checkpoint.TrainingProgress(step), description, keep_last=keep_last)
+        return model.pending_save
     return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
                                  description, keep_last=keep_last)
 
@@ -518,6 +546,9 @@ def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:
     ``latest``). Returns the step it was saved at. A collective: an error on any rank is raised on all."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
+    if model.pending_save is not None:
+        model.pending_save.wait()
+        model.pending_save = None
     root = Path(directory)
     path = root if (root / checkpoint.MANIFEST).exists() else next(iter(checkpoint.candidates(root)), None)
     if path is None:

@@ -2,7 +2,11 @@
 
 The launcher hosts the rendezvous store itself on a socket it binds to 127.0.0.1 (port chosen by the
 kernel, so no port race), and every rank joins as a client; Gloo is told to use the loopback interface,
-so a local run listens on no external address. Ranks get the environment torchrun would give them
+so a local run listens on no external address. Across nodes (:class:`Nodes`: ``--nnodes``, ``--node-rank``,
+``--master-addr``, ``--master-port``, as torchrun's static rendezvous) node 0's launcher hosts the store at
+the master address only, the others join it, each starts its node's ranks (global ranks
+``node_rank * nproc + local rank``), and a rank that fails on one node stops every node: its launcher
+posts it in the store, where the others look before blaming a rank of their own. Ranks get the environment torchrun would give them
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), which is why the same entry point also runs unchanged
 under torchrun across machines.
 
@@ -68,12 +72,39 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher sits among ``nnodes`` launchers (one per node) and where node 0 hosts the store."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+    def check(self) -> None:
+        """One line for a setting that cannot work, before anything is started."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not in [0, --nnodes {self.nnodes}); number the "
+                             f"nodes 0 to {self.nnodes - 1}")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError("--nnodes > 1 needs --master-port (or MASTER_PORT): the port node 0's launcher "
+                             "listens on at --master-addr for the other nodes")
+
+
+FAILED_KEY = "trainmesh/failed"  # "<rank> <node> <what>": the first rank that failed on its own, on any node
+
+
 @dataclass
 class RankProcess:
     rank: int
     proc: subprocess.Popen
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
+    node: int | None = None  # set across nodes, to name it in reports
+
+
+def _where(rp: RankProcess) -> str:
+    return f"rank {rp.rank}" + (f" on node {rp.node}" if rp.node is not None else "")
 
 
 def _pump_stderr(rp: RankProcess, echo: bool) -> None:
@@ -84,14 +115,14 @@ def _pump_stderr(rp: RankProcess, echo: bool) -> None:
             sys.stderr.flush()
 
 
-def host_store() -> tuple[dist.TCPStore, int]:
-    """A rendezvous store served by this process on 127.0.0.1 only."""
+def host_store(addr: str = "127.0.0.1", port: int = 0) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store served by this process on ``addr`` only (127.0.0.1 unless node 0 of several)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((addr, port))
     sock.listen(128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
                           master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=300))
     return store, port
 
@@ -103,15 +134,22 @@ keep spinning on that core while the neighbour computes again, slowing it. Any c
 does as well; the default does worse (docs/performance.md)."""
 
 
-def rank_env(rank: int, nproc: int, port: int, job: str) -> dict[str, str]:
-    """``job`` names the run's shared-memory segments (:func:`trainmesh.shm.remove_segments`)."""
+def rank_env(rank: int, nproc: int, port: int, job: str, nodes: Nodes = Nodes()) -> dict[str, str]:
+    """The environment of local rank ``rank`` of ``nproc`` on this node; ``job`` names the run's shared-memory
+    segments (:func:`trainmesh.shm.remove_segments`). On one node Gloo uses the loopback interface; across
+    nodes the interface ``GLOO_SOCKET_IFNAME`` names, else the one the host name resolves to."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            STORE_CLIENT_ENV: "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            shm.JOB_ENV: job,
-            "OMP_NUM_THREADS": threads, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", OMP_SPIN),
-            "PYTHONUNBUFFERED": "1"}
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if nodes.nnodes == 1 else "")
+    env = {**os.environ, "RANK": str(nodes.node_rank * nproc + rank), "LOCAL_RANK": str(rank),
+           "WORLD_SIZE": str(nodes.nnodes * nproc), "LOCAL_WORLD_SIZE": str(nproc),
+           "MASTER_ADDR": nodes.master_addr if nodes.nnodes > 1 else "127.0.0.1", "MASTER_PORT": str(port),
+           STORE_CLIENT_ENV: "1", "GLOO_SOCKET_IFNAME": ifname,
+           shm.JOB_ENV: job,
+           "OMP_NUM_THREADS": threads, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", OMP_SPIN),
+           "PYTHONUNBUFFERED": "1"}
+    if not ifname:
+        del env["GLOO_SOCKET_IFNAME"]
+    return env
 
 
 def _describe(rc: int) -> str:
@@ -210,7 +248,10 @@ def _process_state(pid: int) -> str | None:
 
 def _unresponsive(ranks: Sequence[RankProcess], store: dist.TCPStore) -> dict[int, str]:
     """Ranks still running that are stopped or frozen, with the reason; measured before the ranks are stopped."""
-    ages = heartbeat_ages(store, [rp.rank for rp in ranks])
+    try:
+        ages = heartbeat_ages(store, [rp.rank for rp in ranks])
+    except (RuntimeError, OSError):
+        ages = {}  # the store's host (node 0's launcher) has gone
     found = {}
     for rp in ranks:
         if rp.proc.poll() is None and (reason := _stuck_reason(rp, ages.get(rp.rank))):
@@ -242,7 +283,7 @@ def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess
     on_its_own = [(rp, rc) for rp, rc in failed if rp.rank not in waits and not _lost_a_peer(rp)]
     if on_its_own:
         rp, rc = on_its_own[0]
-        _write(f"trainmesh: rank {rp.rank} failed ({_describe(rc)}); stopped the other ranks", [rp.rank], ranks)
+        _write(f"trainmesh: {_where(rp)} failed ({_describe(rc)}); stopped the other ranks", [rp.rank], ranks)
         return rp, rc
     lines, shown = _never_arrived_lines(waits, {rp.rank: rc for rp, rc in failed})
     if not lines and first.rank not in waits:
@@ -381,19 +422,33 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+def _join_store(nodes: Nodes) -> tuple[dist.TCPStore, int]:
+    """The run's store: hosted here on one node or on node 0 (at the master address only), joined elsewhere."""
+    if nodes.nnodes == 1:
+        return host_store()
+    if nodes.node_rank == 0:
+        return host_store(nodes.master_addr, nodes.master_port)
+    store = dist.TCPStore(nodes.master_addr, nodes.master_port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    return store, nodes.master_port
+
+
 def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh"),
-           stopped_grace: float = STOPPED_GRACE_S) -> int:
+           stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes()) -> int:
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
-    user's script) as ``nproc`` ranks; returns the exit code for the user. A rank stopped for longer than
-    ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
-    store, port = host_store()
+    user's script) as ``nproc`` ranks on this node (of ``nodes``); returns the exit code for the user. A rank
+    stopped for longer than ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
+    nodes.check()
+    store, port = _join_store(nodes)
     job = shm.new_job()
     ranks: list[RankProcess] = []
-    for rank in range(nproc):
-        proc = subprocess.Popen([sys.executable, *program, *argv], env=rank_env(rank, nproc, port, job),
+    for local in range(nproc):
+        env = rank_env(local, nproc, port, job, nodes)
+        rank = int(env["RANK"])
+        proc = subprocess.Popen([sys.executable, *program, *argv], env=env,
                                 stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=_die_with_parent)
-        rp = RankProcess(rank, proc)
+        rp = RankProcess(rank, proc, node=nodes.node_rank if nodes.nnodes > 1 else None)
         rp.reader = threading.Thread(target=_pump_stderr, args=(rp, rank == 0), daemon=True)
         rp.reader.start()
         ranks.append(rp)
@@ -405,7 +460,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(ranks, store, StopWatch(stopped_grace))
+        return _supervise(ranks, store, StopWatch(stopped_grace), nodes)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -413,7 +468,32 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
         shm.remove_segments(job)  # every rank has ended: _supervise returns only then
 
 
-def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch) -> int:
+def _post_failure(store: dist.TCPStore, rp: RankProcess, rc: int) -> None:
+    """Tell the other nodes which rank failed on its own (killed, or an error not caused by a lost peer):
+    the first such report wins (``compare_set`` from empty)."""
+    if rc < 0 or not _lost_a_peer(rp):
+        try:
+            store.compare_set(FAILED_KEY, "", f"{rp.rank} {rp.node} {_describe(rc)}")
+        except (RuntimeError, OSError):
+            pass  # node 0's launcher, which hosts the store, is gone: it has stopped its ranks already
+
+
+def _failure_elsewhere(store: dist.TCPStore, nodes: Nodes) -> str | None:
+    """The failure another node posted (``rank R on node K failed (...)``), or None."""
+    if nodes.nnodes == 1:
+        return None
+    try:
+        if not store.check([FAILED_KEY]):
+            return None
+        rank, node, what = store.get(FAILED_KEY).decode().split(" ", 2)
+    except (RuntimeError, OSError):
+        return None  # node 0's launcher has ended (its ranks too): this node's ranks end, or fail, on their own
+    if int(node) == nodes.node_rank:
+        return None
+    return f"rank {rank} on node {node} failed ({what})"
+
+
+def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch, nodes: Nodes) -> int:
     while True:
         running = False
         for rp in ranks:
@@ -421,13 +501,21 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch)
             if rc is None:
                 running = True
             elif rc != 0:
+                if nodes.nnodes > 1:
+                    _post_failure(store, rp, rc)
                 _collect_stacks(ranks)
                 failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0)]
                 failed.sort(key=lambda f: f[0] is not rp)
                 unresponsive = _unresponsive(ranks, store)
                 _stop(ranks)
+                elsewhere = _failure_elsewhere(store, nodes)
+                if elsewhere is not None:
+                    return _stopped_for(elsewhere, nodes)
                 _, root_rc = _report_failure(ranks, failed, unresponsive)
                 return root_rc if root_rc > 0 else 128 - root_rc
+        if running and (elsewhere := _failure_elsewhere(store, nodes)) is not None:
+            _stop(ranks)
+            return _stopped_for(elsewhere, nodes)
         if not running:
             for rp in ranks:
                 rp.reader.join(timeout=1.0)
@@ -440,6 +528,12 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch)
                  f"(--stopped-grace); stopped all ranks")
             return 1
         time.sleep(POLL_S)
+
+
+def _stopped_for(elsewhere: str, nodes: Nodes) -> int:
+    sys.stderr.write(f"trainmesh: {elsewhere}; node {nodes.node_rank} stopped its ranks\n")
+    sys.stderr.flush()
+    return 1
 
 
 def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,

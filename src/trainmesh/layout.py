@@ -14,6 +14,7 @@ nothing from the modules that call it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,10 +38,12 @@ class LayoutError(ValueError):
 class Layout:
     """Every setting a layout rule reads, under the names the command line and the API share.
 
-    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks); the
-    ZeRO stage; the pipeline's ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per
-    rank and optional per-stage ``stage_layers``; memory savers and dtypes; ``compile`` (and ``cuda_graphs``,
-    its blocks captured as CUDA graphs where :mod:`trainmesh.cuda_graphs` allows); and ``timeline``, a
+    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks);
+    ``dp_replicate``, the replica groups hybrid sharding (HSDP) splits ``dp`` into (ZeRO shards inside each
+    group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's
+    ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per rank and optional
+    per-stage ``stage_layers``; memory savers and dtypes; ``compile`` (and ``cuda_graphs``, its blocks captured
+    as CUDA graphs where :mod:`trainmesh.cuda_graphs` allows); and ``timeline``, a
     picture only a pipeline can draw (empty: none).
     """
 
@@ -49,6 +52,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_replicate: int = 1
     zero: int = 0
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -147,7 +151,7 @@ Rule = Callable[[_Check], str | None]
 
 
 def _sizes(c: _Check) -> str | None:
-    for field in ("dp", "tp", "pp", "cp", "ep", "microbatches", "virtual_stages"):
+    for field in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "microbatches", "virtual_stages"):
         value = getattr(c.layout, field)
         if value < 1:
             return f"{c.spell(field, value)}: must be at least 1"
@@ -183,6 +187,26 @@ def _expert_ranks(c: _Check) -> str | None:
     return (f"{c.spell('ep', lay.ep)} does not divide dp*cp = {lay.grad_ranks}: experts are split over "
             f"data-parallel ranks (ep folds inside dp x cp); choose ep in {_braced(divisors(lay.grad_ranks))} "
             f"or raise {c.spell('dp')}")
+
+
+def _hybrid_shards(c: _Check) -> str | None:
+    """Hybrid sharding (HSDP; FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups of
+    contiguous ranks, each holding one whole set of ZeRO shards; so it needs ZeRO, and a dp it divides. Expert
+    parallelism shards its experts over its own expert-data-parallel groups, which hybrid sharding does not
+    split (yet)."""
+    lay, s = c.layout, c.spell
+    if lay.dp_replicate == 1:
+        return None
+    if lay.dp % lay.dp_replicate:
+        return (f"{s('dp_replicate', lay.dp_replicate)} does not divide {s('dp', lay.dp)}: the dp ranks split into "
+                f"dp_replicate groups of equal size; choose dp_replicate in {_braced(divisors(lay.dp))}")
+    if lay.zero == 0:
+        return (f"{s('dp_replicate', lay.dp_replicate)} replicates ZeRO's shards across groups, and "
+                f"{s('zero', 0)} shards nothing; set {s('zero')} to 1, 2 or 3, or drop {s('dp_replicate')}")
+    if lay.ep > 1:
+        return (f"{s('dp_replicate', lay.dp_replicate)} with {s('ep', lay.ep)}: hybrid sharding does not split "
+                f"the expert-data-parallel groups; use {s('ep', 1)} or drop {s('dp_replicate')}")
+    return None
 
 
 def _sequence_parallel(c: _Check) -> str | None:
@@ -276,9 +300,9 @@ def _stage_layers(c: _Check) -> str | None:
             f"summing to {layers}")
 
 
-MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _sequence_parallel, _pipeline_only,
-                                _virtual_stages, _interleaved_groups, _zero_bubble, _cuda_graphs, _compiled_ring,
-                                _float8_tensor_parallel,
+MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _hybrid_shards, _sequence_parallel,
+                                _pipeline_only, _virtual_stages, _interleaved_groups, _zero_bubble, _cuda_graphs,
+                                _compiled_ring, _float8_tensor_parallel,
                                 _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 
@@ -371,6 +395,25 @@ def _experts(c: _Check) -> str | None:
 MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _tied_embeddings, _context_split, _sequence_split,
                                  _experts)
 """The rules on how the layout splits a model, given its shape."""
+
+
+def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layout:
+    """``layout`` on ``world`` ranks by its data-parallel axis alone: ``dp`` becomes what ``cp*tp*pp`` leaves,
+    and under hybrid sharding ``dp_replicate`` follows, each group keeping its size (a lost node takes its
+    replicas with it). For a run torchrun's elastic agent restarts on the nodes that remain; refused in one
+    line if no whole dp fits."""
+    others, shard = layout.cp * layout.tp * layout.pp, layout.dp // layout.dp_replicate
+    if world % others:
+        raise LayoutError(f"{spell('elastic', True)}: {world} ranks are not a multiple of cp*tp*pp = {others}, so no "
+                       f"whole dp fits; run on a multiple of {others} ranks")
+    dp = world // others
+    if layout.dp_replicate == 1:
+        return dataclasses.replace(layout, dp=dp)
+    if dp % shard:
+        raise LayoutError(f"{spell('elastic', True)}: dp {dp} on {world} ranks does not split into the hybrid-sharding "
+                       f"groups of {shard} ranks ({spell('dp')} / {spell('dp_replicate')}); run on a multiple of "
+                       f"{shard * others} ranks")
+    return dataclasses.replace(layout, dp=dp, dp_replicate=dp // shard)
 
 
 def validate(layout: Layout, model: ModelShape | None = None, world_size: int | None = None, *,

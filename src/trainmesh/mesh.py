@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -35,6 +35,8 @@ from trainmesh.layout import Layout, validate
 AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # dp x cp flattened: where gradients of replicated parameters are reduced
 EP_AXES = ("ep", "edp")  # inside dp_cp: expert-parallel ranks, and the ranks holding the same experts
+SHARD_AXIS, REPLICA_AXIS = "dp_shard", "dp_replicate"  # hybrid sharding: dp_cp = replica groups x shard ranks
+HYBRID_AXES = (SHARD_AXIS, REPLICA_AXIS)
 STORE_CLIENT_ENV = "TRAINMESH_STORE_CLIENT"
 
 
@@ -169,17 +171,23 @@ class Mesh:
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
-              cp: int = 1, ep: int = 1) -> "Mesh":
+              cp: int = 1, ep: int = 1, dp_replicate: int = 1) -> "Mesh":
         """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis.
+
+        ``dp_replicate`` > 1 (hybrid sharding) splits the ``dp_cp`` axis into ``dp_replicate`` groups of
+        contiguous ``dp_cp`` coordinates, the ``dp_shard`` axis (so a group lies inside a node when the ranks
+        of a node are consecutive, as launchers number them), and the ``dp_replicate`` axis across them.
 
         ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
         world group's is, so the timeout is set on each axis group afterwards.
         """
-        validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep))
-        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": dp * cp // ep}
+        validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
+                        zero=1 if dp_replicate > 1 else 0))  # the stage is checked where it is chosen
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": dp * cp // ep,
+                 SHARD_AXIS: dp * cp // dp_replicate, REPLICA_AXIS: dp_replicate}
         world = pp * dp * cp * tp
         if world == 1:
-            return cls(sizes, {a: 0 for a in (*AXES, GRAD_AXIS, *EP_AXES)}, device)
+            return cls(sizes, {a: 0 for a in (*AXES, GRAD_AXIS, *EP_AXES, *HYBRID_AXES)}, device)
         if not dist.is_initialized() or dist.get_world_size() != world:
             have = dist.get_world_size() if dist.is_initialized() else 1
             raise RuntimeError(f"mesh pp*dp*cp*tp={world} needs a process group of that size, have {have}")
@@ -190,11 +198,14 @@ class Mesh:
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
         coords["ep"], coords["edp"] = coords[GRAD_AXIS] % ep, coords[GRAD_AXIS] // ep
+        coords[REPLICA_AXIS], coords[SHARD_AXIS] = divmod(coords[GRAD_AXIS], sizes[SHARD_AXIS])
         mesh = cls(sizes, coords, device, dm, timeout_s=timeout_s)
         if cp > 1:
             mesh.flat_groups.update(mesh._grad_groups(timeout_s))
         if ep > 1:
             mesh.flat_groups.update(mesh._expert_groups(timeout_s))
+        if dp_replicate > 1:
+            mesh.flat_groups.update(mesh._hybrid_groups(timeout_s))
         return mesh
 
     def _grad_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
@@ -212,16 +223,31 @@ class Mesh:
         return mine
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``ep`` and ``edp`` groups. Every rank creates every group (``new_group`` is collective
-        over the world), in the same order."""
+        """This rank's ``ep`` and ``edp`` groups."""
+        ep, edp = self.sizes["ep"], self.sizes["edp"]
+        return self._split_grad_axis(timeout_s, EP_AXES, lambda ranks: {
+            "ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
+            "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]})
+
+    def _hybrid_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
+        """This rank's ``dp_shard`` group (the ``dp_cp`` coordinates ``[rS, (r+1)S)`` of replica ``r``) and its
+        ``dp_replicate`` group (coordinate ``s`` of every replica)."""
+        shard, replicas = self.sizes[SHARD_AXIS], self.sizes[REPLICA_AXIS]
+        return self._split_grad_axis(timeout_s, HYBRID_AXES, lambda ranks: {
+            SHARD_AXIS: [ranks[r * shard:(r + 1) * shard] for r in range(replicas)],
+            REPLICA_AXIS: [ranks[s::shard] for s in range(shard)]})
+
+    def _split_grad_axis(self, timeout_s: float | None, axes: tuple[str, ...],
+                         split: Callable[[list[int]], dict[str, list[list[int]]]]) -> dict[str, dist.ProcessGroup]:
+        """This rank's group on each of ``axes`` (of size above 1), ``split`` dividing the ranks of every
+        ``dp_cp`` axis (one per pp and tp coordinate) into that axis's groups. Every rank creates every group
+        (``new_group`` is collective over the world), in the same order."""
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        ep, edp, mine = self.sizes["ep"], self.sizes["edp"], {}
+        mine = {}
         for pp in range(self.sizes["pp"]):
             for tp in range(self.sizes["tp"]):
-                ranks = self._grad_axis_ranks(pp, tp)
-                groups = {"ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
-                          "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]}
-                for axis in EP_AXES:
+                groups = split(self._grad_axis_ranks(pp, tp))
+                for axis in axes:
                     if self.sizes[axis] == 1:
                         continue
                     for members in groups[axis]:
@@ -236,25 +262,31 @@ class Mesh:
         return [self.global_rank(pp=pp, tp=tp, dp=c // cp, cp=c % cp) for c in range(self.sizes[GRAD_AXIS])]
 
     def size(self, axis: str) -> int:
-        """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1."""
-        return self.sizes.get(axis, 1) if axis in EP_AXES else self.sizes[axis]
+        """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1, one without hybrid
+        sharding ``dp_replicate`` 1 (and ``dp_shard`` the whole ``dp_cp`` axis)."""
+        if axis == SHARD_AXIS:
+            return self.sizes.get(axis, self.sizes.get(GRAD_AXIS, self.sizes["dp"] * self.sizes["cp"]))
+        return self.sizes.get(axis, 1) if axis in (*EP_AXES, REPLICA_AXIS) else self.sizes[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return self.coords.get(axis, 0) if axis in EP_AXES else self.coords[axis]
+        if axis == SHARD_AXIS and axis not in self.coords:
+            return self.coords.get(GRAD_AXIS, self.coords["dp"] * self.sizes["cp"] + self.coords["cp"])
+        return self.coords.get(axis, 0) if axis in (*EP_AXES, REPLICA_AXIS) else self.coords[axis]
 
     def groups(self) -> list[dist.ProcessGroup]:
         """This rank's groups, one per axis of size above 1, in the same axis order on every rank (a
         collective over each in turn cannot deadlock: every rank is in exactly one group of each axis)."""
-        groups = [self.group(axis) for axis in (*AXES, GRAD_AXIS, *EP_AXES)]
+        groups = [self.group(axis) for axis in (*AXES, GRAD_AXIS, *EP_AXES, *HYBRID_AXES)]
         return list(dict.fromkeys(g for g in groups if g is not None))
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if self.device_mesh is None or self.size(axis) == 1:
             return None
-        if axis == GRAD_AXIS or (axis == "edp" and self.size("ep") == 1):
+        if axis == GRAD_AXIS or (axis == "edp" and self.size("ep") == 1) or (
+                axis == SHARD_AXIS and self.size(REPLICA_AXIS) == 1):
             return self.flat_groups.get(GRAD_AXIS) or self.device_mesh.get_group("dp")
-        if axis in EP_AXES:
+        if axis in (*EP_AXES, *HYBRID_AXES):
             return self.flat_groups[axis]
         return self.device_mesh.get_group(axis)
 

@@ -39,6 +39,7 @@ from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP
                                         CheckpointMismatch, CheckpointOfAnotherRun, TrainingProgress, agreed_run_id,
                                         all_gather_json, candidates, fill, local_state, notice, on_every_rank,
                                         parse_manifest, read_manifest, save_state, whole_pieces)
+from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.source import recorded_model, source_name
 from trainmesh.checkpoint.load import apply_loaded, load_state
 
@@ -105,6 +106,14 @@ def check_tokenizer(manifest: dict, path: Path, pinned: TokenizerFile | None) ->
     copy = f" (the checkpoint keeps a copy: --tokenizer {path / TOKENIZER_FILE})" if record["kind"] == "copy" else ""
     raise CheckpointMismatch(f"checkpoint {path} was trained with {theirs}, and this run has {ours}; pass the "
                              f"tokenizer it was trained with{copy}")
+
+
+def save_async(run: Run, progress: TrainingProgress, previous: AsyncSave | None) -> AsyncSave:
+    """:func:`save` with the files written in the background (``--checkpoint-async``), after ``previous``."""
+    if run.tokenizer is not None and world_from_env()[0] == 0:
+        notice_changed_tokenizer(run.tokenizer)
+    return save_state_async(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
+                            describe(run.cfg, run.mesh, run.tokenizer), previous, keep_last=run.cfg.keep_last)
 
 
 def due(cfg: Config, steps_done: int) -> bool:

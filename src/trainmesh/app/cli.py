@@ -28,6 +28,8 @@ from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
 from trainmesh.launcher import STOPPED_GRACE_S
 from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
+from trainmesh.layout import LayoutError, scaled_to_world
+from trainmesh.layout import flag as spell_flag
 from trainmesh.tracking.records import MetricsError
 from trainmesh.tracking.report import ReportError
 from trainmesh.app.rundir import check_run_dirs, default_out_dir, make_out_fresh
@@ -236,24 +238,44 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
                                         "gives (RANK, WORLD_SIZE, ...; trainmesh.init_mesh reads it), a rendezvous "
                                         "on 127.0.0.1 only, and every rank stopped as soon as one fails, the "
                                         "failing rank named with its traceback. Rank 0's output is shown.")
-    launch.add_argument("--nproc", default="1", metavar="N", help="ranks to start (default: 1)")
+    launch.add_argument("--nproc", default="1", metavar="N", help="ranks to start on this node (default: 1)")
     launch.add_argument("--stopped-grace", default=str(STOPPED_GRACE_S), metavar="SECONDS",
                         help=f"end the job when a rank stays stopped (SIGSTOP, a debugger) this long; a warning "
                         f"names it at once (default: {STOPPED_GRACE_S:g})")
+    launch.add_argument("--nnodes", default=os.environ.get("NNODES", "1"), metavar="N",
+                        help="nodes, one launcher on each (default: $NNODES or 1)")
+    launch.add_argument("--node-rank", default=os.environ.get("NODE_RANK", "0"), metavar="K",
+                        help="this node's number, 0 to nnodes-1; node 0 hosts the rendezvous (default: $NODE_RANK or 0)")
+    launch.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), metavar="ADDR",
+                        help="node 0's address, where it listens for the other nodes (default: $MASTER_ADDR or "
+                             "127.0.0.1)")
+    launch.add_argument("--master-port", default=os.environ.get("MASTER_PORT", "0"), metavar="PORT",
+                        help="the port node 0 listens on (needed with --nnodes > 1; default: $MASTER_PORT)")
     launch.add_argument("script", help="the Python file to run on every rank")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
 
 def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    from trainmesh.launcher import launch
+    from trainmesh.launcher import Nodes, launch
 
     nproc = check_value("nproc", parse_flag("nproc", args.nproc), written=args.nproc)
     grace = check_value("stopped_grace", parse_flag("stopped_grace", args.stopped_grace), written=args.stopped_grace)
     check_local_ranks(nproc, _cuda_devices() > 0, _cuda_devices())
+    numbers = {}
+    for name in ("nnodes", "node_rank", "master_port"):
+        text = getattr(args, name)
+        if not text.isdigit():
+            raise ConfigError(f"launch: --{name.replace('_', '-')} {text!r} is not a whole number")
+        numbers[name] = int(text)
+    nodes = Nodes(master_addr=args.master_addr, **numbers)
+    try:
+        nodes.check()
+    except ValueError as e:
+        raise ConfigError(f"launch: {e}") from None
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"launch: script {script} does not exist or is not a file")
-    return launch(args.args, nproc, program=(str(script),), stopped_grace=grace)
+    return launch(args.args, nproc, program=(str(script),), stopped_grace=grace, nodes=nodes)
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -349,6 +371,8 @@ def checked_config(args: argparse.Namespace) -> Config:
     if cfg.resume and cfg.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
         cfg = dataclasses.replace(cfg, **model_settings(Path(cfg.checkpoint_dir), given.keys()))
     world = _world_from_env()
+    if cfg.elastic and world is not None:
+        cfg = _scaled(cfg, world)
     if cfg.plan == "auto":
         cfg = _planned(cfg, world or cfg.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices(),
@@ -361,6 +385,15 @@ def checked_config(args: argparse.Namespace) -> Config:
         check_eval_batches(cfg, len(data.val), data.source)
         check_resumable(cfg)
     return cfg
+
+
+def _scaled(cfg: Config, world: int) -> Config:
+    """``--elastic``: the config on the world the launcher gave (:func:`trainmesh.layout.scaled_to_world`)."""
+    try:
+        layout = scaled_to_world(cfg.layout, world, spell=spell_flag)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.replace(cfg, dp=layout.dp, dp_replicate=layout.dp_replicate)
 
 
 def _export_host_transport(cfg: Config) -> None:

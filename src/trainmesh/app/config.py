@@ -119,6 +119,11 @@ class Config:
     ep: int = _opt(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
                    "ranks, tokens exchanged by all-to-all; ep divides dp*cp and the expert count, adds no ranks",
                    low=AT_LEAST_1, high=MAX_RANKS)
+    dp_replicate: int = _opt(1, "hybrid sharding (HSDP): split dp into this many replica groups of consecutive "
+                             "ranks (inside a node by default); --zero shards within a group and all-reduces the "
+                             "gradient shards across groups", low=AT_LEAST_1, high=MAX_RANKS)
+    elastic: bool = _opt(False, "under torchrun's elastic agent (--nnodes MIN:MAX, with --resume): run on the "
+                         "world torchrun gives, scaling --dp (and --dp-replicate, keeping each group's size) to it")
     plan: str = _opt("", "auto: run the fastest layout the planner (trainmesh plan) predicts to fit this world "
                      "(--nproc, or WORLD_SIZE under torchrun), in place of --dp/--cp/--cp-impl/--tp/--pp/--zero/--microbatches/"
                      "--schedule/--virtual-stages/--recompute/--sequence-parallel", ("", "auto"))
@@ -170,6 +175,9 @@ class Config:
                                  low=AT_LEAST_0, high=MAX_STEPS)
     keep_last: int = _opt(3, "keep the K newest checkpoints, deleting older ones (oldest first) once a new one is "
                           "complete; never the one 'latest' names (0: keep all)", low=AT_LEAST_0, high=MAX_STEPS)
+    checkpoint_async: bool = _opt(False, "copy each checkpoint to host memory and write it in the background while "
+                                  "training goes on; 'latest' moves once every rank's part is durable, the run's "
+                                  "end waits for the last save, and the summary gives each save's stall and write time")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --checkpoint-dir, in any layout "
                         "(an earlier one if it is damaged; step 0 if there is none)")
     init_from: str = _opt("", "start from the weights of a plain .safetensors model file (as 'trainmesh export' "
@@ -313,13 +321,13 @@ RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 # TOML sections, one per group of fields in :class:`Config` (the bracketed comments above).
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "data", "tokenizer", "seed", "seq_len"),
-    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "ep", "plan", "zero", "bucket_mb", "precision", "recompute",
+    "layout": ("nproc", "dp", "cp", "cp_impl", "tp", "sequence_parallel", "pp", "ep", "dp_replicate", "elastic", "plan", "zero", "bucket_mb", "precision", "recompute",
                "reduce_dtype"),
     "pipeline": ("schedule", "virtual_stages", "stage_layers", "timeline"),
     "optim": ("steps", "global_batch", "microbatches", "lr", "min_lr", "warmup_steps", "weight_decay", "beta1",
               "beta2", "grad_clip", "eval_every", "eval_batches"),
-    "checkpoint": ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "overwrite", "init_from", "init_hf",
-                   "max_restarts"),
+    "checkpoint": ("checkpoint_dir", "checkpoint_every", "checkpoint_async", "keep_last", "resume", "overwrite",
+                   "init_from", "init_hf", "max_restarts"),
     "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives",
                 "stopped_grace", "host_transport",
                 "max_bad_steps",

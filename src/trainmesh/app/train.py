@@ -27,6 +27,7 @@ from trainmesh.app.config import Config
 from trainmesh.data import TokenData, get_batch, pin_tokenizer
 from trainmesh.engine import MicroBatches
 from trainmesh.app.run import Run
+from trainmesh.checkpoint.async_save import AsyncSave
 from trainmesh.launcher import start_heartbeat
 from trainmesh.mesh import Mesh, world_from_env
 from trainmesh.metrics import (SavedActivations, max_rss_bytes, mfu, model_flops_per_token, peak_device_bytes,
@@ -63,7 +64,8 @@ def setup_process(cfg: Config) -> Mesh:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
-    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep)
+    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
+                         cfg.dp_replicate)
     start_heartbeat()
     return mesh
 
@@ -289,6 +291,23 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
     raise MetricsError(f"{error}; stopped after step {done.step}; {note}")
 
 
+def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, pending: AsyncSave | None,
+                    saves: list[Callable[[], dict]]) -> AsyncSave | None:
+    """Save after ``done.step`` steps, in the background under ``--checkpoint-async`` (after the save still in
+    flight, ``pending``); appends to ``saves`` what the summary reports of it: the training stall and, for a
+    background save, its write time (read at the end, once written). Returns the save now in flight."""
+    start = time.perf_counter()
+    if not run.cfg.checkpoint_async:
+        checkpoints.save(run, done)
+        stall = time.perf_counter() - start
+        saves.append(lambda: {"step": done.step, "stall_s": stall, "write_s": None})
+        return None
+    handle = checkpoints.save_async(run, done, pending)
+    stall = time.perf_counter() - start  # waiting for the previous save is part of this one's stall
+    saves.append(lambda: {"step": done.step, "stall_s": stall, "write_s": handle.write_s})
+    return handle
+
+
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     """Train up to step ``cfg.steps`` (from the checkpoint ``--resume`` finds, if any; ``losses`` holds the
     steps run here); rank 0 writes metrics under ``cfg.out`` and prints progress."""
@@ -314,6 +333,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     profiler = StepProfiler(cfg.steps - cfg.profile_steps, cfg.steps - 1, mesh.device) if cfg.profile_steps \
         else None
+    pending, saves = None, []
     for step in range(start.step, cfg.steps):
         if profiler is not None:
             profiler.before(step)
@@ -341,6 +361,9 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
+        if step == start.step:  # a run's (or a restart's) first record names the layout it runs
+            record["layout"] = {"world_size": mesh.world_size, "dp": cfg.dp, "dp_replicate": cfg.dp_replicate,
+                                "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero}
         experts = moe_metrics(run)
         if experts:
             record["moe"] = experts
@@ -351,9 +374,11 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
         if checkpoints.due(cfg, step + 1):
             with progress.paused():
-                checkpoints.save(run, done)
+                pending = save_checkpoint(run, done, pending, saves)
         with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
+    if pending is not None:
+        pending.wait()
     progress.close()
     if profiler is not None:
         progress.message(profiler.finish(Path(cfg.out) / "profile" / f"rank{rank}.json" if cfg.out else None))
@@ -364,6 +389,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     summary = log.summary(val_loss=val_loss, val_perplexity=perplexity(val_loss), tokens_per_s=tokens_per_s,
                           mfu=mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                           world_size=mesh.world_size, transport=run.comm.transport,
+                          checkpoint_saves=[save() for save in saves],
                           **per_rank_stats(run, saved.bytes), config=cfg.__dict__)
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     progress.message(f"done: {LossWindows.of(log.losses).text()}, val {val_loss:.4f} "

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 from trainmesh.comm import Comm
+from trainmesh.mesh import REPLICA_AXIS, SHARD_AXIS
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
 from trainmesh.parallel.zero import flat
@@ -64,8 +65,14 @@ class ZeroEngine:
         self.peak_state_bytes: int | None = None
 
     @property
+    def replicas(self) -> int:
+        """Replica groups of hybrid sharding (1 without): each holds every shard of the sharding axis."""
+        return self.comm.mesh.size(REPLICA_AXIS) if self.axis == SHARD_AXIS else 1
+
+    @property
     def dp(self) -> int:
-        return self.comm.mesh.size(self.axis)
+        """Data-parallel ranks a gradient is averaged over: the sharding axis times its replicas."""
+        return self.comm.mesh.size(self.axis) * self.replicas
 
     @property
     def loss_scale(self) -> float:
@@ -165,6 +172,7 @@ class ZeroEngine:
         ``dp`` as well; every rank then holds the same norm, so a non-finite one (an fp16 overflow or a
         NaN on any rank) skips the update and backs the loss scale off on every rank together."""
         self.finish_gradient_sync()
+        self._sum_over_replicas()
         grads = self._optimizer_grads()
         norm = clipped_update(self.optimizer, grads, norm_contributions(self.pieces, self.comm.mesh.rank("tp")),
                               self.comm, (self.axis, *NORM_AXES), self.scaler, lr, max_norm)
@@ -173,6 +181,18 @@ class ZeroEngine:
             self.after_update()
         self.zero_grad()
         return norm
+
+    def _sum_over_replicas(self) -> None:
+        """Hybrid sharding (HSDP, as FSDP2's 2-D mesh and DeepSpeed's MiCS): all-reduce each gradient shard,
+        reduce-scattered inside this rank's group, over the replica groups that hold the same shard, once per
+        step. Only these Ψ/S bytes per rank cross between groups; the parameter gathers and the reduce-scatters
+        (divided by all R x S ranks already) stay inside the group."""
+        if self.replicas == 1:
+            return
+        works = [self.comm.all_reduce(g.grad_shard, REPLICA_AXIS, op="grad_replica_all_reduce", async_op=True)
+                 for g in self.groups]
+        for work in works:
+            work.wait()
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Point each piece's gradient at its slice of the reduced gradient shard, in the masters' dtype: a

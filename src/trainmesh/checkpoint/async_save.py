@@ -1,0 +1,145 @@
+"""Checkpoints that do not stall training: stage to host memory, write in the background, publish when durable.
+
+As torchtitan's async checkpointing and Megatron's async save do, a save is split in two. On the training
+thread, as a collective, each rank copies what it holds into host memory (the copies :func:`store._pieces`
+makes, which training may overwrite at once), the ranks agree on who writes which piece, and rank 0 makes
+the empty ``.tmp-step-N`` directory: that is the stall. A background thread then serializes this rank's
+pieces and writes and fsyncs ``rank-N.safetensors`` exactly as the synchronous save does, and leaves a small
+marker saying so (``.written-rank-N.json``: the file's SHA-256 and length); rank 0's thread waits for every
+rank's marker, removes them, and publishes as the synchronous save does (manifest, fsync, the directory's
+rename, then ``latest``). So the files are the synchronous save's, byte for byte, and ``latest`` moves only
+once every rank's part is durable: a process killed during the write leaves ``.tmp-step-N`` behind, which
+``--resume`` ignores, and the previous checkpoint as ``latest``.
+
+The markers go through the checkpoint directory, which every rank writes into anyway, rather than through a
+collective: the training thread's collectives would race with one issued from the writer thread. At most one
+save is in flight: :meth:`AsyncSave.wait`, a collective, is called before the next save and at the end of a
+run, and raises on every rank if any rank's write failed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+from trainmesh.checkpoint import store
+from trainmesh.engine import Engine
+from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.safe_io import write_durably
+
+MARKER = ".written-rank-{rank:05d}.json"
+POLL_S = 0.01
+
+
+class AsyncSave:
+    """A checkpoint being written in the background. ``stall_s``: what the training thread spent staging;
+    ``write_s``: the background write (on rank 0, until published). :meth:`wait` before relying on it."""
+
+    def __init__(self, path: Path, mesh: Mesh, stall_s: float, work: Callable[[float], None], timeout_s: float) -> None:
+        self.path, self.mesh, self.stall_s, self.timeout_s = path, mesh, stall_s, timeout_s
+        self.write_s: float | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self._thread = threading.Thread(target=self._run, args=(work,), name=f"trainmesh-save-{path.name}")
+        self._thread.start()
+
+    def _run(self, work: Callable[[float], None]) -> None:
+        start = time.perf_counter()
+        try:
+            work(self.timeout_s)
+        except BaseException as e:  # noqa: BLE001 - reported on every rank by wait()
+            self._error = e
+        self.write_s = time.perf_counter() - start
+
+    def done(self) -> bool:
+        """Whether this rank's part (and on rank 0 the publishing) has finished, without waiting."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Wait for the write, then (a collective) raise on every rank if it failed on any; the step directory."""
+        if not self._finished:
+            self._thread.join()
+            self._finished = True
+            error = self._error
+            try:
+                store.on_every_rank(lambda: _reraise(error), self.mesh.device, f"writing {self.path} in the background")
+            except store.CheckpointError as e:
+                previous = next((p.name for p in store.candidates(self.path.parent)), None)
+                raise store.CheckpointError(f"saving checkpoint {self.path} failed: {e}; the previous checkpoint "
+                                            f"({previous or 'none'}) is untouched and --resume will use it") from e
+        return self.path
+
+
+def _reraise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: store.TrainingProgress,
+                     description: dict, previous: AsyncSave | None = None, keep_last: int = 0) -> AsyncSave:
+    """:func:`store.save_state`, returning once this rank's state is in host memory (a collective); the files
+    are written by a background thread, which on rank 0 also prunes to ``keep_last`` once the checkpoint is
+    published. ``previous`` (the save before, if any) is waited for first."""
+    if previous is not None:
+        previous.wait()
+    start = time.perf_counter()
+    rank, device = world_from_env()[0], mesh.device
+    if not progress.run_id:
+        progress = dataclasses.replace(progress, run_id=store.agreed_run_id(device))
+    final = store.step_dir(root, progress.step)
+    tmp = final.with_name(f".tmp-{final.name}")
+    mine = store._pieces(store.local_state(model, engine) + store.rng_state(rank, device))
+    plans = store.all_gather_json([item for item, _ in mine.values()], device)
+    writers = store.assign_writers(plans)
+    store.on_every_rank(lambda: store._fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
+    ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
+    scaler, world = copy.copy(engine.scaler), len(plans)
+
+    def write(timeout_s: float) -> None:
+        try:
+            record = store._write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours)
+        except Exception as e:
+            write_durably(tmp / MARKER.format(rank=rank), json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            raise
+        write_durably(tmp / MARKER.format(rank=rank), json.dumps(record).encode())
+        if rank == 0:
+            files = _wait_for_every_rank(tmp, world, timeout_s)
+            try:
+                store._publish(tmp, final, store._manifest(description, scaler, progress, plans, writers, files),
+                               description.get("tokenizer"))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            store.prune(final, keep_last)
+
+    return AsyncSave(final, mesh, time.perf_counter() - start, write, mesh.timeout_s or 600.0)
+
+
+def _wait_for_every_rank(tmp: Path, world: int, timeout_s: float) -> list[dict]:
+    """Every rank's file record, once each has left its marker (within ``timeout_s``); the markers are then
+    removed, so the directory holds what a synchronous save writes."""
+    deadline = time.monotonic() + timeout_s
+    markers = [tmp / MARKER.format(rank=r) for r in range(world)]
+    while not all(m.exists() for m in markers):
+        if time.monotonic() > deadline:
+            missing = [r for r, m in enumerate(markers) if not m.exists()]
+            raise store.CheckpointError(f"rank(s) {missing} did not finish writing {tmp} within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+    files = []
+    for r, m in enumerate(markers):
+        record = json.loads(m.read_text())
+        if "error" in record:
+            raise store.CheckpointError(f"rank {r} could not write its part: {record['error']}")
+        if set(record) != {"file", "sha256", "bytes"}:
+            raise store.CheckpointError(f"{m} is not a rank's file record: it was replaced while the save ran")
+        files.append(record)
+        m.unlink()
+    return files

@@ -1,0 +1,148 @@
+"""Multi-node runs over a real link: two "nodes" are two network namespaces joined by rate-limited veths
+(:mod:`trainmesh.testbed`), each running ``trainmesh launch --nnodes 2 --node-rank K`` or torchrun; Gloo and
+the rendezvous bind to the namespaces' private addresses only. Runs match one process in float64, a rank
+killed on one node is named by node and rank on both, and nothing is left behind (processes, namespaces,
+shared-memory segments: the ``bed`` fixture checks after every test)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainmesh.app.config import Config
+from trainmesh.testbed import TestBed, missing_capability
+
+from helpers import FP64_ATOL, assert_same_training, config, in_fp64, train_single
+
+RANK_SCRIPT = Path(__file__).with_name("netbed_rank.py")
+PORT = 29641
+RATE_MBIT = 200
+
+
+@pytest.fixture
+def bed():
+    """Two nodes, 200 Mbit/s each way between them; removed whatever the test did."""
+    reason = missing_capability()
+    if reason:
+        pytest.skip(reason)
+    shm_before = set(os.listdir("/dev/shm"))
+    with TestBed(2, rate_mbit=RATE_MBIT) as made:
+        yield made
+        left = made.pids()
+    assert not left, f"processes left in the bed: {left}"
+    assert made.tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRAINMESH_STORE_CLIENT")}
+    return {**env, "OMP_NUM_THREADS": "1", "TRAINMESH_HOST_TRANSPORT": "auto"}
+
+
+def _launch_nodes(bed: TestBed, cfg: Config, out: Path, extra_env: dict[str, str] | None = None,
+                  timeout: float = 200.0) -> list[tuple[int, str]]:
+    """``trainmesh launch`` on each node, half the ranks each; returns each node's exit code and stderr."""
+    argv = lambda k: [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2", "--node-rank", str(k),
+                      "--master-addr", bed.members[0].addr, "--master-port", str(PORT), "--nproc", str(cfg.nproc // 2),
+                      str(RANK_SCRIPT), json.dumps(dataclasses.asdict(cfg)), str(out)]
+    procs = [bed.start(k, argv(k), env={**_env(), **(extra_env or {})}, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True) for k in range(2)]
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+def _equivalent(cfg: Config, out: Path) -> None:
+    assert_same_training(train_single(cfg), torch.load(out, weights_only=False))
+
+
+def _matches_one_process(bed: TestBed, cfg: Config, out: Path) -> None:
+    results = _launch_nodes(bed, cfg, out)
+    assert [rc for rc, _ in results] == [0, 0], results
+    _equivalent(cfg, out)
+    assert bed.link_bytes() > 0
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_of_one_rank_match_one_process(bed, tmp_path):
+    """The smallest: dp 2, one rank per node, HSDP replicas across the link."""
+    _matches_one_process(bed, in_fp64(config(dp=2, zero=3, dp_replicate=2, steps=2, nproc=2)), tmp_path / "out.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_of_two_ranks_match_one_process(bed, tmp_path):
+    """dp 4 over 2 nodes: plain dp, and ZeRO-3 sharded inside each node and replicated across (HSDP 2x2)."""
+    for k, cfg in enumerate([config(dp=4, steps=2, nproc=4), config(dp=4, zero=3, dp_replicate=2, steps=2, nproc=4)]):
+        _matches_one_process(bed, in_fp64(cfg), tmp_path / f"out{k}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_dp_and_tp_inside_a_node_match_one_process_under_torchrun(bed, tmp_path):
+    cfg = in_fp64(config(dp=2, tp=2, steps=2, nproc=4))
+    out = tmp_path / "out.pt"
+    argv = lambda k: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                      "--node-rank", str(k), "--master-addr", bed.members[0].addr, "--master-port", str(PORT),
+                      str(RANK_SCRIPT), json.dumps(dataclasses.asdict(cfg)), str(out)]
+    procs = [bed.start(k, argv(k), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for k in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    _equivalent(cfg, out)
+
+
+@pytest.mark.slow  # 20-30 s; the launchers' report itself is checked in the default set (test_elastic_layout.py)
+@pytest.mark.timeout(300)
+def test_a_rank_killed_on_one_node_is_named_by_node_and_rank_and_nothing_is_left(bed, tmp_path):
+    cfg = config(dp=2, steps=20, nproc=2)
+    results = _launch_nodes(bed, cfg, tmp_path / "out.pt", {"TRAINMESH_FAULT": "kill@1:1"})
+    assert all(rc != 0 for rc, _ in results), results
+    for rc, err in results:
+        assert "rank 1 on node 1 failed (killed by signal SIGKILL)" in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_node_restarts_on_the_two_that_remain_and_trains_on_like_one_process(tmp_path):
+    """torchrun's elastic agent on 3 nodes (``--nnodes 2:3``, c10d rendezvous), one rank each, ``--elastic``:
+    node 2 is killed once step 4 is saved; the agents of nodes 0 and 1 restart their ranks as a world of 2,
+    which resumes from step 4 at dp 2 and finishes. Every step's loss, before and after, is one process's."""
+    reason = missing_capability()
+    if reason:
+        pytest.skip(reason)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    cfg = in_fp64(config(dp=3, steps=8, global_batch=12, nproc=3))
+    train = ["-m", "trainmesh", "train", "--elastic", "--dp", "3", "--steps", "8", "--global-batch", "12",
+             "--warmup-steps", "2", "--precision", "fp64", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+             "--resume", "--out", str(out), "--no-progress"]
+    with TestBed(3, rate_mbit=RATE_MBIT) as bed:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic",
+                "--rdzv-conf", "join_timeout=120,last_call_timeout=10", "--max-restarts", "3",
+                "--monitor-interval", "0.5", *train]
+        logs = [open(tmp_path / f"node{k}.log", "w") for k in range(3)]
+        env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per round (docs/multinode.md)
+        procs = [bed.start(k, argv, env=env, stdout=subprocess.DEVNULL, stderr=logs[k]) for k in range(3)]
+        deadline = time.monotonic() + 300
+        while not (ckpt / "step-00000004").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 4 was never saved"
+            time.sleep(0.2)
+        bed.kill_node(2)
+        for p in procs[:2]:
+            p.wait(timeout=400)
+        tails = [(tmp_path / f"node{k}.log").read_text()[-3000:] for k in range(3)]
+        assert [p.returncode for p in procs[:2]] == [0, 0], tails
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    restart = next(r for r in records if r.get("restart", {}).get("from_step", 0) > 0)
+    assert restart["step"] == 5 and restart["layout"]["dp"] == 2 and records[0]["layout"]["dp"] == 3
+    reference, _ = train_single(cfg)
+    for r in records:
+        assert abs(r["loss"] - reference[r["step"] - 1]) <= FP64_ATOL, f"step {r['step']}"

@@ -1,0 +1,75 @@
+"""Async checkpoints (``tm.save(..., async_=True)``, ``--checkpoint-async``): the files are the synchronous
+save's, byte for byte, even while training overwrites the state being written; ``latest`` moves only once
+every rank's part is durable, so a rank killed during the background write leaves the previous checkpoint
+as ``latest`` and loadable."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainmesh as tm
+from trainmesh.checkpoint import candidates, read_tensors, store
+from trainmesh.mesh import world_from_env
+from trainmesh.models.gpt import GPT, PRESETS
+from trainmesh.testing import RankFailure, run_ranks
+
+RUN_ID = "0123456789abcdef0123456789abcdef"  # one run id, so two saves of one state write the same manifest
+
+
+def _model():
+    tiny = PRESETS["tiny"]
+    mesh = tm.init_mesh(dp=2)
+    pm = tm.parallelize(GPT(tiny, seed=0), mesh, zero=2)
+    opt = tm.optimizer(pm, lr=1e-2)
+    x = torch.randint(0, tiny.vocab_size, (4, tiny.seq_len), generator=torch.Generator().manual_seed(0))
+    return pm, opt, (x, x.roll(-1, 1))
+
+
+def _sync_then_async(root: str) -> dict:
+    """Save the same state synchronously and asynchronously; train a step while the async one is written."""
+    torch.set_num_threads(1)
+    os.environ[store.RUN_ID_ENV] = RUN_ID
+    pm, opt, batch = _model()
+    tm.train_step(pm, opt, batch)
+    tm.save(pm, opt, Path(root) / "sync", 1)
+    handle = tm.save(pm, opt, Path(root) / "async", 1, async_=True)
+    tm.train_step(pm, opt, batch)
+    handle.wait()
+    return {"stall_s": handle.stall_s, "write_s": handle.write_s}
+
+
+def test_an_async_save_writes_the_synchronous_files_byte_for_byte(tmp_path):
+    times = run_ranks(_sync_then_async, 2, str(tmp_path), timeout=200)
+    sync, later = tmp_path / "sync" / "step-00000001", tmp_path / "async" / "step-00000001"
+    names = sorted(p.name for p in sync.iterdir())
+    assert names == sorted(p.name for p in later.iterdir()) == ["manifest.json", "rank-00000.safetensors",
+                                                                 "rank-00001.safetensors"]
+    for name in names:
+        assert (sync / name).read_bytes() == (later / name).read_bytes(), name
+    assert (tmp_path / "async" / "latest").read_text() == "step-00000001\n"
+    assert all(t["stall_s"] > 0 and t["write_s"] > 0 for t in times)
+
+
+def _killed_while_writing(root: str) -> None:
+    """Save step 1 and wait; save step 2 in the background, where rank 1 dies by SIGKILL before its file is
+    written (rank 0 has written its own and waits for rank 1's)."""
+    torch.set_num_threads(1)
+    pm, opt, batch = _model()
+    tm.train_step(pm, opt, batch)
+    tm.save(pm, opt, root, 1, async_=True).wait()
+    tm.train_step(pm, opt, batch)
+    if world_from_env()[0] == 1:
+        store._write_rank_file = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+    tm.save(pm, opt, root, 2, async_=True).wait()
+
+
+def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoint_latest(tmp_path):
+    with pytest.raises(RankFailure, match="rank 1"):
+        run_ranks(_killed_while_writing, 2, str(tmp_path), timeout=200)
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert candidates(tmp_path)[0].name == "step-00000001"
+    assert not (tmp_path / "step-00000002").exists()
+    assert "model/head.weight" in read_tensors(tmp_path / "step-00000001", "model/")
