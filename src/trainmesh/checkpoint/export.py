@@ -38,7 +38,7 @@ def export_hf(source: Path, out: Path) -> str:
     spec, model_config = recorded_model(manifest, path)
     tensors = recorded_weights(path, manifest)  # a routing bias moved in training is refused by the mapping
     try:
-        hf.save_hf(tensors, out, model_config)
+        hf.save_hf(tensors, out, model_config, spec)
     except hf.HFError as e:
         raise CheckpointError(f"export --hf: {e}") from None
     return (f"wrote {spec.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "

@@ -1,0 +1,95 @@
+"""Qwen2, Qwen3 and Mistral in and out of Hugging Face: a random ``Qwen2ForCausalLM`` (tied, as the small
+Qwen2.5 sizes), ``Qwen3ForCausalLM`` and ``MistralForCausalLM`` (a 4-token window in 16-token sequences)
+written by ``save_pretrained`` give transformers' own logits once imported, and the same logits once
+exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
+
+In float64 to 1e-10 of the logits' scale, with transformers' float32 islands (RMSNorm, rotary angles)
+lifted to the model's dtype as in ``test_hf.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file
+
+import test_hf
+from test_hf import TOKENS, _randomize, assert_same_logits, hf_logits
+from trainmesh.app import checkpoints
+from trainmesh.app.config import Config
+from trainmesh.app.train import build
+from trainmesh.mesh import Mesh
+from trainmesh.models import hf
+
+transformers = pytest.importorskip("transformers")
+fp64_llama = test_hf.fp64_llama  # the fixture, for this module's tests
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
+             initializer_range=0.2)
+CONFIGS = {
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=False),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=4, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture
+def fp64_families(monkeypatch, fp64_llama):
+    """Each family's RMSNorm and rotary angles in the model's dtype, with the Llama patches' code."""
+    from transformers.models.llama import modeling_llama as ml
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    for module, prefix in ((modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"), (modeling_mistral, "Mistral")):
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", ml.LlamaRMSNorm.forward)
+        monkeypatch.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", ml.LlamaRotaryEmbedding.forward)
+
+
+def save_family(name: str, directory: Path, seed: int = 0) -> Path:
+    """A random float64 model of family ``name`` (biases and norm gains away from 0 and 1), saved."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_family_imports_and_exports_with_transformers_logits(tmp_path, fp64_families, name):
+    directory = save_family(name, tmp_path / "hf")
+    spec, model_config, ours = hf.read_hf(directory)
+    assert spec.family == name and spec.hf.architecture == json.loads((directory / "config.json").read_text())[
+        "architectures"][0]
+    saved = load_file(directory / hf.WEIGHTS)
+    back = spec.hf.to_hf(model_config, ours)
+    assert back.keys() == saved.keys()
+    assert all(torch.equal(back[k], saved[k]) for k in saved)
+
+    expected = hf_logits(directory)
+    model = hf.load_hf(spec.builder(model_config, 7).double(), directory)
+    with torch.no_grad():
+        assert_same_logits(model(TOKENS), expected, f"{name} imported, one process")
+    out = hf.save_hf(model, tmp_path / "out" / "nested")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [spec.hf.architecture]
+    assert_same_logits(hf_logits(out), expected, f"{name} exported, reloaded")
+
+
+def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):
+    """Through the training path (one process: tp and pp refuse tied embeddings) and out again."""
+    directory = save_family("qwen2", tmp_path / "hf")
+    run = build(Config(init_hf=str(directory), model="qwen2-tiny", precision="fp64", progress=False),
+                Mesh.build(1, 1, 1, torch.device("cpu")))
+    checkpoints.restore(run)
+    assert run.model.head.weight is run.model.embed.weight
+    out = hf.save_hf(run.model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    with safetensors.safe_open(out / hf.WEIGHTS, framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert_same_logits(hf_logits(out), hf_logits(directory), "tied qwen2 trained path, exported, reloaded")
+
