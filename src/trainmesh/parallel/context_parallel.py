@@ -191,39 +191,41 @@ class _Blockwise(torch.autograd.Function):
     tensor arguments (``k_1..k_n, v_1..v_n``) so that autograd gives each its gradient."""
 
     @staticmethod
-    def forward(ctx, q, q_starts, k_starts, causal, *kv):
+    def forward(ctx, q, q_starts, k_starts, causal, window, *kv):
         n = len(kv) // 2
         scale = 1 / math.sqrt(q.shape[-1])
         q5 = _grouped(q, kv[0].shape[1])
         accs = [Accumulator(s) for s, _ in _segments(q5, q_starts)]
         for k, v, starts in zip(kv[:n], kv[n:], k_starts):
-            attend_block(accs, q5, q_starts, k, v, starts, causal, scale)
+            attend_block(accs, q5, q_starts, k, v, starts, causal, scale, window)
         out, lse = _finish(accs)
         ctx.save_for_backward(q, out, lse, *kv)
-        ctx.args = (q_starts, k_starts, causal, scale, n)
+        ctx.args = (q_starts, k_starts, causal, scale, n, window)
         return _ungroup(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *kv = ctx.saved_tensors
-        q_starts, k_starts, causal, scale, n = ctx.args
+        q_starts, k_starts, causal, scale, n, window = ctx.args
         q5, dout5 = _grouped(q, kv[0].shape[1]), _grouped(dout, kv[0].shape[1]).to(out.dtype)
         delta = (dout5 * out).sum(-1)
         dq, dks, dvs = torch.zeros_like(out), [], []
         for k, v, starts in zip(kv[:n], kv[n:], k_starts):
-            g_q, g_k, g_v = block_grads(q5, q_starts, k, v, starts, causal, scale, dout5, delta, lse)
+            g_q, g_k, g_v = block_grads(q5, q_starts, k, v, starts, causal, scale, dout5, delta, lse, window)
             dq += g_q
             dks.append(g_k.to(k.dtype))
             dvs.append(g_v.to(v.dtype))
-        return (_ungroup(dq).to(q.dtype), None, None, None, *dks, *dvs)
+        return (_ungroup(dq).to(q.dtype), None, None, None, None, *dks, *dvs)
 
 
 def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blocks: Sequence[torch.Tensor],
-                        q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True) -> torch.Tensor:
+                        q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True,
+                        window: int | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[b, h, t, d]`` (its equal sequence segments starting at global positions
     ``q_starts``) over key/value blocks ``[b, kv_heads, s, d]`` whose segments start at ``k_starts[i]``,
-    merged by log-sum-exp; backward by :func:`block_grads`. Differentiable in ``q`` and in every block."""
-    return _Blockwise.apply(q, q_starts, k_starts, causal, *k_blocks, *v_blocks)
+    merged by log-sum-exp; backward by :func:`block_grads`. Differentiable in ``q`` and in every block.
+    ``window``: a sliding window, as :func:`ring_attention`'s."""
+    return _Blockwise.apply(q, q_starts, k_starts, causal, window, *k_blocks, *v_blocks)
 
 
 # --- the ring ------------------------------------------------------------------------------------------

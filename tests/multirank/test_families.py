@@ -1,0 +1,82 @@
+"""Qwen2, Qwen3 and Mistral train under every parallel form as one process does (float64, 1e-9), Mistral's
+sliding window holding under tp, the cp ring and all-to-all and in the KV cache; a checkpoint saved at one
+layout resumes at another. The smallest layouts run by default, the rest in the slow set."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from trainmesh.app.config import Config
+from trainmesh.models import preset, spec_of
+from trainmesh.models.cache import KVCache, causal_attention
+from trainmesh.models.llama import Llama
+from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
+
+from helpers import check_equivalent
+from helpers import config as run_config
+
+_cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1)
+
+
+def test_family_presets_are_llama_options():
+    assert {spec_of(n).family for n in ("qwen2-tiny", "qwen3-tiny", "mistral-tiny")} == {"qwen2", "qwen3", "mistral"}
+    assert preset("qwen2-tiny").qkv_bias and preset("qwen3-tiny").qk_norm and preset("mistral-tiny").sliding_window
+    qwen3 = Llama(preset("qwen3-tiny"))
+    assert qwen3.blocks["0"].attn.q_norm.weight.shape == (16,) and qwen3.blocks["0"].attn.qkv.bias is None
+    assert Llama(preset("qwen2-tiny")).blocks["0"].attn.qkv.bias.abs().sum() == 0
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_a_sliding_window_holds_in_the_rings_blockwise_merge(cp):
+    """Each cp rank's head-tail queries over every rank's key/value block, masked by global position and
+    pairs wholly outside the window skipped, against one masked attention, forward and backward."""
+    seq, window = 48, 5
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    grad = torch.randn(2, 4, seq, 8, generator=gen, dtype=torch.float64)
+    ref = causal_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), window)
+    held = [local_positions(seq, cp, r) for r in range(cp)]
+    starts = [chunk_starts(seq, cp, r) for r in range(cp)]
+    parts = [blockwise_attention(q[:, :, idx], [k[:, :, i] for i in held], [v[:, :, i] for i in held], starts[r],
+                                 starts, window=window) for r, idx in enumerate(held)]
+    out = torch.cat(parts, 2).index_select(2, torch.argsort(torch.cat(held)))
+    assert (out - ref).abs().max() < 1e-12
+    for g, r in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert (g - r).abs().max() < 1e-12
+
+
+def test_mistral_decodes_past_its_window_with_the_kv_cache_as_without():
+    """Prefill 5 tokens, then one at a time to 24 (three windows of 8): each step's logits are the full
+    forward's at that position."""
+    model = Llama(preset("mistral-tiny"), seed=1).double()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, 24)
+        steps = [model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 24)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
+    no_window = Llama(dataclasses.replace(preset("mistral-tiny"), sliding_window=None), seed=1).double()
+    with torch.no_grad():
+        assert (no_window(tokens) - full)[:, 8:].abs().max() > 1e-3  # the window changes what is seen
+
+
+def test_qwen2_dp2_qwen3_tp2_sp_and_mistral_cp2_ring_and_a2a_match_single_process():
+    check_equivalent([_cfg(model="qwen2-tiny", dp=2), _cfg(model="qwen3-tiny", tp=2, sequence_parallel=True),
+                      _cfg(model="mistral-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a")],
+                     world_size=2)
+
+
+@pytest.mark.slow
+def test_every_family_at_dp2_zero3_tp2_sp_pp2_and_cp2_matches_single_process():
+    layouts = [dict(dp=2), dict(dp=2, zero=3), dict(tp=2), dict(tp=2, sequence_parallel=True),
+               dict(pp=2, microbatches=2), dict(cp=2), dict(cp=2, cp_impl="a2a")]
+    check_equivalent([_cfg(model=m, **layout) for m in ("qwen2-tiny", "qwen3-tiny", "mistral-tiny")
+                      for layout in layouts], world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_families_at_tp2_cp2_and_dp2_pp2_match_single_process():
+    check_equivalent([_cfg(model=m, tp=2, cp=2, sequence_parallel=True) for m in ("qwen3-tiny", "mistral-tiny")]
+                     + [_cfg(model="qwen2-tiny", dp=2, pp=2, microbatches=2)], world_size=4, timeout=600)
