@@ -8,7 +8,6 @@ import functools
 import pytest
 import torch
 
-from trainmesh.app.config import Config
 from trainmesh.app import checkpoints
 from trainmesh.app.train import build, full_state_dict, train
 from trainmesh.mesh import Mesh

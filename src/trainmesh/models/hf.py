@@ -224,19 +224,20 @@ def spec_of_config(cfg: Any) -> ModelSpec:
 
 
 def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, model_config: Any = None,
-            spec: ModelSpec | None = None) -> Path:
+            spec: ModelSpec | None = None, attributes: Mapping[str, Any] | None = None) -> Path:
     """Write ``weights`` (a trainmesh model, or its full state dict with ``model_config``) to directory ``out``
     (created with its parents) as ``config.json`` and ``model.safetensors`` of the HF architecture of
-    ``spec``'s family (default: the family of ``model_config``); returns ``out``. No
-    ``generation_config.json``: trainmesh models are trained on raw bytes and have no special tokens to
-    put in one."""
+    ``spec``'s family (default: the family of ``model_config``), with ``attributes`` (the special token ids)
+    set in the config; returns ``out``. The tokenizer and generation config are the checkpoint's to give
+    (:func:`trainmesh.checkpoint.export_hf`)."""
     if isinstance(weights, nn.Module):
         model_config, weights = weights.cfg if model_config is None else model_config, weights.state_dict()
     spec = spec or spec_of_config(model_config)
     if spec.hf is None:
         raise HFError(f"trainmesh's {spec.family} has no Hugging Face architecture to be written as")
     try:
-        attributes, converted = spec.hf.to_config(model_config), spec.hf.to_hf(model_config, weights)
+        attributes, converted = {**spec.hf.to_config(model_config), **(attributes or {})}, \
+            spec.hf.to_hf(model_config, weights)
     except HFIncompatible as e:
         raise HFError(str(e)) from None
     config = _transformers().AutoConfig.for_model(spec.hf.model_type, architectures=[spec.hf.architecture],
