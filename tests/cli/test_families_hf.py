@@ -34,6 +34,9 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=False),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=4, tie_word_embeddings=False),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, norm_topk_prob=True,
+                                                     mlp_only_layers=[0], tie_word_embeddings=False),
 }
 
 
@@ -45,18 +48,36 @@ def fp64_families(monkeypatch, fp64_llama):
     from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
 
-    for module, prefix in ((modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"), (modeling_mistral, "Mistral")):
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    for module, prefix in ((modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"), (modeling_mistral, "Mistral"),
+                           (modeling_qwen3_moe, "Qwen3Moe")):
         monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", ml.LlamaRMSNorm.forward)
         monkeypatch.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", ml.LlamaRotaryEmbedding.forward)
+
+    def route(self, hidden):  # Qwen3-MoE's router, its softmax in the model's dtype rather than float32
+        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        top, index = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True) if self.norm_topk_prob else top, index
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", route)
 
 
 def save_family(name: str, directory: Path, seed: int = 0) -> Path:
     """A random float64 model of family ``name`` (biases and norm gains away from 0 and 1), saved."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()  # (experts: one by one)
     _randomize(model, seed)
     model.save_pretrained(directory)
     return directory
+
+
+def _logits(directory: Path) -> torch.Tensor:
+    """transformers' logits, experts run one by one (its grouped_mm path refuses float64 on CPU)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
+                                                              attn_implementation="sdpa", experts_implementation="eager")
+    with torch.no_grad():
+        return model(TOKENS).logits
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -70,14 +91,14 @@ def test_family_imports_and_exports_with_transformers_logits(tmp_path, fp64_fami
     assert back.keys() == saved.keys()
     assert all(torch.equal(back[k], saved[k]) for k in saved)
 
-    expected = hf_logits(directory)
+    expected = _logits(directory)
     model = hf.load_hf(spec.builder(model_config, 7).double(), directory)
     with torch.no_grad():
         assert_same_logits(model(TOKENS), expected, f"{name} imported, one process")
     out = hf.save_hf(model, tmp_path / "out" / "nested")
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == [spec.hf.architecture]
-    assert_same_logits(hf_logits(out), expected, f"{name} exported, reloaded")
+    assert_same_logits(_logits(out), expected, f"{name} exported, reloaded")
 
 
 def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):

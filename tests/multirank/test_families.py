@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3 and Mistral train under every parallel form as one process does (float64, 1e-9), Mistral's
+"""Qwen2, Qwen3, Mistral and Qwen3-MoE train under every parallel form as one process does (float64, 1e-9), Mistral's
 sliding window holding under tp, the cp ring and all-to-all and in the KV cache; a checkpoint saved at one
 layout resumes at another. The smallest layouts run by default, the rest in the slow set."""
 
@@ -65,10 +65,10 @@ def test_mistral_decodes_past_its_window_with_the_kv_cache_as_without():
         assert (no_window(tokens) - full)[:, 8:].abs().max() > 1e-3  # the window changes what is seen
 
 
-def test_qwen2_dp2_qwen3_tp2_sp_and_mistral_cp2_ring_and_a2a_match_single_process():
+def test_qwen2_dp2_qwen3_tp2_sp_mistral_cp2_ring_and_a2a_and_qwen3_moe_ep2_match_single_process():
     check_equivalent([_cfg(model="qwen2-tiny", dp=2), _cfg(model="qwen3-tiny", tp=2, sequence_parallel=True),
-                      _cfg(model="mistral-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a")],
-                     world_size=2)
+                      _cfg(model="mistral-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a"),
+                      _cfg(model="qwen3-moe-tiny", dp=2, ep=2)], world_size=2)
 
 
 @pytest.mark.slow
@@ -77,6 +77,13 @@ def test_every_family_at_dp2_zero3_tp2_sp_pp2_and_cp2_matches_single_process():
                dict(pp=2, microbatches=2), dict(cp=2), dict(cp=2, cp_impl="a2a")]
     check_equivalent([_cfg(model=m, **layout) for m in ("qwen2-tiny", "qwen3-tiny", "mistral-tiny")
                       for layout in layouts], world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_at_tp2_sp_pp2_cp2_and_ep2_zero1_matches_single_process():
+    check_equivalent([_cfg(model="qwen3-moe-tiny", **layout) for layout in (
+        dict(tp=2, sequence_parallel=True), dict(pp=2, microbatches=2), dict(cp=2), dict(dp=2, ep=2, zero=1))],
+        world_size=2, timeout=600)
 
 
 @pytest.mark.slow

@@ -73,10 +73,12 @@ LLAMA_CP_PLAN = {"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "atten
 
 
 def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[str, str],
-                 hf: HFMapping) -> ModelSpec:
-    """A dense family built on trainmesh's Llama, told apart from the others by :func:`llama_variant`."""
+                 hf: HFMapping, moe: bool = False) -> ModelSpec:
+    """A family built on trainmesh's Llama (``moe``: of mixtures of experts), told apart from the others by
+    :func:`llama_variant` (a Llama MoE is ``llama-moe``, a Qwen3 one ``qwen3-moe``)."""
     def holds(cfg: Any) -> bool:
-        return isinstance(cfg, llama.LlamaConfig) and not is_moe(cfg) and llama_variant(cfg) == name
+        variant = llama_variant(cfg) + "-moe" if moe else llama_variant(cfg)
+        return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
 
     return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,
                      planner_presets=planner_presets, hf=hf, cp_plan=LLAMA_CP_PLAN,
@@ -96,9 +98,10 @@ SPECS: list[ModelSpec] = [
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
               accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
-    ModelSpec("llama-moe", llama.MOE_PRESETS, llama.Llama, without_mlp(llama.TP_PLAN), LLAMA_RECOMPUTE,
-              llama.LlamaConfig.shape, planner_presets=llama.MOE_PLANNER_PRESETS, hf=llama.MIXTRAL_MAPPING,
-              cp_plan=LLAMA_CP_PLAN, accepts=lambda model: isinstance(model, llama.Llama) and is_moe(model.cfg)),
+    llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, without_mlp(llama.TP_PLAN),
+                 llama.MIXTRAL_MAPPING, moe=True),
+    llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, without_mlp(qwen.QWEN3_TP_PLAN), qwen.QWEN3_MOE_MAPPING,
+                 moe=True),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
               accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
               prepare=hf_llama.add_rotary),

@@ -5,6 +5,8 @@
   sizes tie the output head to the embedding.
 * Qwen3 drops those biases and normalises each query and key head by an RMSNorm over its ``head_dim``
   before the rotation (``LlamaConfig.qk_norm``).
+* Qwen3-MoE is Qwen3 with each MLP a softmax-routed mixture of SwiGLU experts (``LlamaConfig.moe``, the
+  existing MoE layer and its expert parallelism).
 
 What is left here is data: the tiny presets the tests train, the published shapes the planner plans, and
 the translation of transformers' ``Qwen2Config``/``Qwen3Config`` both ways. Their sliding-window layers
@@ -17,8 +19,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from trainmesh.models import llama
 from trainmesh.models.llama import LlamaConfig
+from trainmesh.models.moe import MoEConfig
 from trainmesh.models.spec import HFIncompatible, HFMapping
 
 QWEN2_PRESETS: dict[str, LlamaConfig] = {
@@ -85,3 +90,81 @@ QWEN2_MAPPING = HFMapping("Qwen2ForCausalLM", "qwen2", qwen2_from_hf_config, qwe
                           llama.to_hf, buffers=llama.ROTARY_BUFFERS)
 QWEN3_MAPPING = HFMapping("Qwen3ForCausalLM", "qwen3", qwen3_from_hf_config, qwen3_to_hf_config, llama.from_hf,
                           llama.to_hf, buffers=llama.ROTARY_BUFFERS)
+
+
+# --- Qwen3-MoE: Qwen3 attention, softmax-routed SwiGLU experts ----------------------------------------
+
+QWEN3_MOE_PRESETS: dict[str, LlamaConfig] = {
+    # Eight experts of hidden 48, two per token, on a two-layer qwen3-tiny body.
+    "qwen3-moe-tiny": LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256,
+                                  seq_len=32, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+                                  moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=48, normalize_top_k=True,
+                                                aux_coef=0.001)),
+}
+
+
+def qwen3_moe_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
+    """Our config for a ``Qwen3MoeForCausalLM`` one: Qwen3 attention; every layer past the leading
+    ``mlp_only_layers`` a softmax router over ``num_local_experts`` (``num_experts`` in older configs) SwiGLU experts of ``moe_intermediate_size``,
+    ``num_experts_per_tok`` per token, renormalised if ``norm_topk_prob``. Dense layers anywhere but first
+    (``decoder_sparse_step`` above 1, scattered ``mlp_only_layers``) are refused."""
+    dense = list(hf.get("mlp_only_layers") or [])
+    if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+        raise HFIncompatible(f"decoder_sparse_step {hf.get('decoder_sparse_step')} and mlp_only_layers {dense} put "
+                             f"dense layers between expert layers; trainmesh's MoE has them only first")
+    moe = MoEConfig(n_experts=hf.get("num_local_experts") or hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                    d_ff_expert=hf["moe_intermediate_size"], n_dense_layers=len(dense),
+                    normalize_top_k=bool(hf.get("norm_topk_prob")),
+                    aux_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    return dataclasses.replace(qwen3_from_hf_config(hf), moe=moe)
+
+
+def qwen3_moe_to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+    """The ``Qwen3MoeConfig`` attributes of ours; refused where Qwen3-MoE has no place for what ours computes
+    (shared experts, sigmoid scores)."""
+    m = cfg.moe
+    for what, (here, theirs) in {"n_shared_experts": (m.n_shared_experts, 0), "score": (m.score, "softmax")}.items():
+        if here != theirs:
+            raise HFIncompatible(f"{what} is {here!r}; Qwen3MoeForCausalLM has {theirs!r}, so this model cannot be "
+                                 f"written as one")
+    return {**qwen3_to_hf_config(dataclasses.replace(cfg, moe=None)), "num_local_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.d_ff_expert,
+            "norm_topk_prob": m.normalize_top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(m.n_dense_layers)), "router_aux_loss_coef": m.aux_coef}
+
+
+def _expert_names(i: int, e: int) -> tuple[str, str, str]:
+    prefix = f"model.layers.{i}.mlp.experts.{e}."
+    return prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "down_proj.weight"
+
+
+def moe_from_hf(cfg: LlamaConfig, hf: llama.Tensors, i: int) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s MLP: dense before ``n_dense_layers``, else the router ``mlp.gate`` and the experts one
+    by one as ``save_pretrained`` writes them, stacked into our ``[E, d, f]``/``[E, f, d]``."""
+    if i < cfg.moe.n_dense_layers:
+        return llama.dense_mlp_from_hf(cfg, hf, i)
+    names = [_expert_names(i, e) for e in range(cfg.moe.n_experts)]
+    w1, w3, w2 = (torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3))
+    ours = f"blocks.{i}.mlp."
+    return {ours + "router.gate.weight": hf[f"model.layers.{i}.mlp.gate.weight"], ours + "experts.w1": w1,
+            ours + "experts.w3": w3, ours + "experts.w2": w2}
+
+
+def moe_to_hf(cfg: LlamaConfig, ours: llama.Tensors, i: int) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`moe_from_hf`; a routing bias moved in training is refused, as for Mixtral."""
+    if i < cfg.moe.n_dense_layers:
+        return llama.dense_mlp_to_hf(cfg, ours, i)
+    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
+    if bias is not None and bias.count_nonzero():
+        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which Qwen3-MoE's router "
+                             "has no place for; train without --moe-bias-rate to export as Qwen3MoeForCausalLM")
+    out = {f"model.layers.{i}.mlp.gate.weight": ours[f"blocks.{i}.mlp.router.gate.weight"]}
+    for e in range(cfg.moe.n_experts):
+        for name, key in zip(_expert_names(i, e), ("w1", "w3", "w2")):
+            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
+    return out
+
+
+QWEN3_MOE_MAPPING = HFMapping("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe_from_hf_config, qwen3_moe_to_hf_config,
+                              lambda cfg, hf: llama._from_hf(cfg, hf, moe_from_hf),
+                              lambda cfg, ours: llama._to_hf(cfg, ours, moe_to_hf), buffers=llama.ROTARY_BUFFERS)
