@@ -1,5 +1,7 @@
-"""Qwen2, Qwen3 and Mistral in and out of Hugging Face: a random ``Qwen2ForCausalLM`` (tied, as the small
-Qwen2.5 sizes), ``Qwen3ForCausalLM`` and ``MistralForCausalLM`` (a 4-token window in 16-token sequences)
+"""Qwen2, Qwen3, Mistral, Qwen3-MoE and DeepSeek-V3 in and out of Hugging Face: a random ``Qwen2ForCausalLM``
+(tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM``, ``MistralForCausalLM`` (a 4-token window in 16-token
+sequences), ``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
+interleaved rotary weights, a sigmoid router with a random selection bias, a shared expert, a dense first layer)
 written by ``save_pretrained`` give transformers' own logits once imported, and the same logits once
 exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
 
@@ -37,6 +39,11 @@ CONFIGS = {
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, norm_topk_prob=True,
                                                      mlp_only_layers=[0], tie_word_embeddings=False),
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **{**SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        tie_word_embeddings=False),
 }
 
 
@@ -61,13 +68,29 @@ def fp64_families(monkeypatch, fp64_llama):
         return logits, top / top.sum(-1, keepdim=True) if self.norm_topk_prob else top, index
 
     monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", route)
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    monkeypatch.setattr(ds.DeepseekV3RMSNorm, "forward", ml.LlamaRMSNorm.forward)
+    monkeypatch.setattr(ds.DeepseekV3RotaryEmbedding, "forward", ml.LlamaRotaryEmbedding.forward)
+
+    def sigmoid_route(self, hidden):  # DeepSeek-V3's router (one group), in the model's dtype
+        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        scores = logits.sigmoid()
+        index = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1, sorted=False)[1]
+        top = scores.gather(1, index)
+        return logits, top / top.sum(-1, keepdim=True) * self.routed_scaling_factor, index
+
+    monkeypatch.setattr(ds.DeepseekV3TopkRouter, "forward", sigmoid_route)
 
 
 def save_family(name: str, directory: Path, seed: int = 0) -> Path:
     """A random float64 model of family ``name`` (biases and norm gains away from 0 and 1), saved."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()  # (experts: one by one)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()
     _randomize(model, seed)
+    for buffer_name, buffer in model.named_buffers():
+        if buffer_name.endswith("e_score_correction_bias"):  # a selection bias that changes which experts win
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed), dtype=buffer.dtype))
     model.save_pretrained(directory)
     return directory
 
@@ -76,7 +99,11 @@ def _logits(directory: Path) -> torch.Tensor:
     """transformers' logits, experts run one by one (its grouped_mm path refuses float64 on CPU)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
                                                               attn_implementation="sdpa", experts_implementation="eager")
+    saved = load_file(directory / hf.WEIGHTS)
     with torch.no_grad():
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if tensor.dtype != torch.float64 and name in saved:  # DeepSeek's router, kept in float32: as saved
+                tensor.data = saved[name]
         return model(TOKENS).logits
 
 

@@ -65,10 +65,11 @@ def test_mistral_decodes_past_its_window_with_the_kv_cache_as_without():
         assert (no_window(tokens) - full)[:, 8:].abs().max() > 1e-3  # the window changes what is seen
 
 
-def test_qwen2_dp2_qwen3_tp2_sp_mistral_cp2_ring_and_a2a_and_qwen3_moe_ep2_match_single_process():
+def test_qwen2_dp2_qwen3_tp2_sp_mistral_cp2_ring_and_a2a_qwen3_moe_ep2_and_deepseek_tp2_sp_match_single_process():
     check_equivalent([_cfg(model="qwen2-tiny", dp=2), _cfg(model="qwen3-tiny", tp=2, sequence_parallel=True),
                       _cfg(model="mistral-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a"),
-                      _cfg(model="qwen3-moe-tiny", dp=2, ep=2)], world_size=2)
+                      _cfg(model="qwen3-moe-tiny", dp=2, ep=2),
+                      _cfg(model="deepseek-v3-tiny", tp=2, sequence_parallel=True)], world_size=2)
 
 
 @pytest.mark.slow
@@ -84,6 +85,22 @@ def test_qwen3_moe_at_tp2_sp_pp2_cp2_and_ep2_zero1_matches_single_process():
     check_equivalent([_cfg(model="qwen3-moe-tiny", **layout) for layout in (
         dict(tp=2, sequence_parallel=True), dict(pp=2, microbatches=2), dict(cp=2), dict(dp=2, ep=2, zero=1))],
         world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_at_tp2_pp2_dp2_ep2_zero3_matches_single_process():
+    check_equivalent([_cfg(model="deepseek-v3-tiny", **layout) for layout in (
+        dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2), dict(dp=2, zero=3))], world_size=2, timeout=600)
+
+
+def test_deepseek_decodes_with_the_kv_cache_as_without():
+    model = Llama(preset("deepseek-v3-tiny"), seed=1).double()
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, 12)
+        steps = [model(tokens[:, :4], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(4, 12)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def test_tp_shard_of_the_grouped_qkv_holds_whole_kv_groups():
 
 # --- parameter counts, specs, refusals -----------------------------------------------------------------
 
-ATTENTION_VARIANTS = ("qwen2", "qwen3", "qwen3-moe")  # q/k/v biases and q/k norms: ModelShape counts them, plan/memory not yet
+ATTENTION_VARIANTS = ("qwen2", "qwen3", "qwen3-moe", "deepseek-v3")  # ModelShape counts them, plan/memory not yet
 
 
 def test_models_count_exactly_the_parameters_the_planner_counts():
@@ -107,7 +107,7 @@ def test_models_count_exactly_the_parameters_the_planner_counts():
             if cfg.n_params() < 10**7:  # built: the CPU-sized presets
                 assert sum(p.numel() for p in spec.builder(cfg, 0).parameters()) == cfg.n_params(), name
     for name, shape in planner_shapes().items():
-        if not (shape.qkv_bias or shape.qk_norm):
+        if not (shape.qkv_bias or shape.qk_norm or shape.latent_attention):
             assert shape.n_params() == params_per_tp_rank(shape, 1), name
 
 

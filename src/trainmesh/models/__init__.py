@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmesh.models import gpt, hf_llama, llama, mistral, qwen
+from trainmesh.models import deepseek, gpt, hf_llama, llama, mistral, qwen
 from trainmesh.models.moe import MoEConfig
 from trainmesh.models.spec import HFMapping, ModelShape, ModelSpec, Staged, StageLayout
 
@@ -65,6 +65,8 @@ def build_hf_llama(config: Any, seed: int) -> nn.Module:
 def llama_variant(cfg: llama.LlamaConfig) -> str:
     """The family a Llama config belongs to, by its attention options (a Llama with none is a Llama, even one
     imported from a Mistral without a window: they compute the same)."""
+    if cfg.kv_lora_rank:
+        return "deepseek-v3"
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
 
 
@@ -73,15 +75,15 @@ LLAMA_CP_PLAN = {"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "atten
 
 
 def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[str, str],
-                 hf: HFMapping, moe: bool = False) -> ModelSpec:
+                 hf: HFMapping, moe: bool = False, cp_plan: dict[str, str] = LLAMA_CP_PLAN) -> ModelSpec:
     """A family built on trainmesh's Llama (``moe``: of mixtures of experts), told apart from the others by
     :func:`llama_variant` (a Llama MoE is ``llama-moe``, a Qwen3 one ``qwen3-moe``)."""
     def holds(cfg: Any) -> bool:
-        variant = llama_variant(cfg) + "-moe" if moe else llama_variant(cfg)
+        variant = llama_variant(cfg) + "-moe" if moe and not cfg.kv_lora_rank else llama_variant(cfg)
         return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
 
     return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,
-                     planner_presets=planner_presets, hf=hf, cp_plan=LLAMA_CP_PLAN,
+                     planner_presets=planner_presets, hf=hf, cp_plan=cp_plan,
                      accepts=lambda model: isinstance(model, llama.Llama) and holds(model.cfg), holds=holds)
 
 
@@ -100,8 +102,8 @@ SPECS: list[ModelSpec] = [
               accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
     llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, without_mlp(llama.TP_PLAN),
                  llama.MIXTRAL_MAPPING, moe=True),
-    llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, without_mlp(qwen.QWEN3_TP_PLAN), qwen.QWEN3_MOE_MAPPING,
-                 moe=True),
+    llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
+    llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True, cp_plan={}),
     ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
               accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
               prepare=hf_llama.add_rotary),

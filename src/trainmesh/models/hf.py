@@ -207,6 +207,9 @@ def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
                           f"build the model from read_config({str(path)!r}) ({spec.family}) and load before "
                           f"parallelizing it")
         p.copy_(weights[name])
+    for name, buffer in model.named_buffers():  # routing biases an import carries (DeepSeek-V3's)
+        if name in weights:
+            buffer.copy_(weights[name])
     return model
 
 

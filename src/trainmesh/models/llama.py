@@ -46,7 +46,8 @@ class LlamaConfig:
 
     The attention options of the families built on it: ``qkv_bias`` (Qwen2: biases on q, k and v only),
     ``qk_norm`` (Qwen3: an RMSNorm over each query and key head before the rotation) and ``sliding_window``
-    (Mistral: each token attends to itself and the ``sliding_window - 1`` tokens before it)."""
+    (Mistral: each token attends to itself and the ``sliding_window - 1`` tokens before it). ``kv_lora_rank``
+    above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`)."""
 
     n_layers: int
     d_model: int
@@ -62,6 +63,11 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -80,7 +86,9 @@ class LlamaConfig:
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                          sliding_window=self.sliding_window, **experts)
+                          sliding_window=self.sliding_window, kv_lora_rank=self.kv_lora_rank,
+                          q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
+                          qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim, **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()
@@ -213,6 +221,53 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", §2.1; DeepSeek-V3 keeps it): keys and
+    values of every head are expanded (``kv_b``) from one compressed vector per token (``kv_a``, then an
+    RMSNorm) of ``kv_lora_rank`` features, queries likewise through a ``q_lora_rank`` bottleneck (``q_a``,
+    ``q_norm``, ``q_b``; a full ``q`` projection when it is 0). Position enters only a decoupled part: each
+    head's query has ``qk_rope_head_dim`` rotated features, its key the same rotated features, shared by every
+    head, from ``kv_a`` (eq. 14-19). Heads are independent after ``q_b``/``kv_b``, so tensor parallelism
+    splits those by heads (and ``o`` by its input), holding the small ``q_a``/``kv_a`` whole.
+
+    The rotated features use the rotate-half pairing of :func:`apply_rotary`; DeepSeek's interleaved pairs
+    are re-laid out when weights are imported (:mod:`trainmesh.models.deepseek`)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.nope, self.rope_dim, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        self.v_dim, qk = cfg.v_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * qk, bias=False)
+        else:
+            self.q = nn.Linear(cfg.d_model, cfg.n_heads * qk, bias=False)
+        self.kv_a = nn.Linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.d_model, bias=False)
+        self.rope = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.core = AttentionCore(cfg.sliding_window)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+        q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)
+        latent, k_rot = self.kv_a(x).split([self.rank, self.rope_dim], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, t, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rope(torch.arange(start, start + t, device=x.device), q.dtype)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rotary(q_rot, cos, sin)], dim=-1)
+        k_rot = apply_rotary(k_rot.unsqueeze(1), cos, sin).expand(b, k_nope.shape[1], t, self.rope_dim)
+        k = torch.cat([k_nope, k_rot], dim=-1)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        return self.o(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) (Shazeer, 2020, "GLU Variants Improve Transformer")."""
 
@@ -230,7 +285,7 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, SwiGLU, gated=True)
 
@@ -323,7 +378,8 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                        norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")))
 
 
-OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window"}
+OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window",
+           "kv_lora_rank": "latent attention"}
 """The attention options of :class:`LlamaConfig` that not every architecture has a place for."""
 
 
