@@ -17,10 +17,20 @@ from trainmesh.models.llama import Llama
 from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
 from trainmesh.testing import run_ranks
 
-from helpers import check_equivalent
+from helpers import check_equivalent, in_fp64
 from helpers import config as run_config
 
 _cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1)
+FAMILIES = ["qwen2-tiny", "qwen3-tiny", "mistral-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"]
+
+
+@pytest.mark.parametrize("name", [n if n in ("qwen3-tiny", "deepseek-v3-tiny") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FAMILIES])
+def test_recompute_keeps_each_familys_losses(name):
+    runs = {mode: train(in_fp64(_cfg(model=name, recompute=mode, steps=2)), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+            for mode in ("none", "selective", "full")}
+    for mode in ("selective", "full"):
+        assert max(abs(a - b) for a, b in zip(runs["none"].losses, runs[mode].losses)) <= 1e-12, mode
 
 
 def test_family_presets_are_llama_options():
@@ -93,8 +103,9 @@ def test_deepseek_v3_at_tp2_pp2_dp2_ep2_zero3_matches_single_process():
         dict(tp=2), dict(pp=2, microbatches=2), dict(dp=2, ep=2), dict(dp=2, zero=3))], world_size=2, timeout=600)
 
 
-def test_deepseek_decodes_with_the_kv_cache_as_without():
-    model = Llama(preset("deepseek-v3-tiny"), seed=1).double()
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_decodes_with_the_kv_cache_as_without(name):
+    model = Llama(preset(name), seed=1).double()
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(tokens)
