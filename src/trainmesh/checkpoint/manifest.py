@@ -171,7 +171,7 @@ def _check_model_shape(model: Any, expected: Any, name: str) -> None:
         if kind is float and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
             raise ManifestError(f"model.{k} is {show(v)}; it must be a finite number above 0")
         if kind is int:
-            _int(v, f"model.{k}", 1)
+            _int(v, f"model.{k}", 0 if fields[k].default == 0 else 1)  # a size defaulting to 0 is off at 0
 
 
 def _check_scalars(m: dict) -> None:

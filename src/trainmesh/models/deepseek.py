@@ -23,6 +23,7 @@ import torch
 from trainmesh.models import llama
 from trainmesh.models.llama import LlamaConfig
 from trainmesh.models.moe import MoEConfig
+from trainmesh.models.qwen import expert_names
 from trainmesh.models.spec import HFIncompatible, HFMapping
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -131,12 +132,8 @@ def _mlp_from_hf(cfg: LlamaConfig, hf: llama.Tensors, i: int) -> dict[str, torch
     if i < cfg.moe.n_dense_layers:
         return llama.dense_mlp_from_hf(cfg, hf, i)
     ours, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-    names = [(f"{theirs}experts.{e}.gate_proj.weight", f"{theirs}experts.{e}.up_proj.weight",
-              f"{theirs}experts.{e}.down_proj.weight") for e in range(cfg.moe.n_experts)]
-    w1, w3, w2 = (torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3))
-    out = {ours + "router.gate.weight": hf[theirs + "gate.weight"],
-           ours + "router.expert_bias": hf[theirs + "gate.e_score_correction_bias"],
-           ours + "experts.w1": w1, ours + "experts.w3": w3, ours + "experts.w2": w2}
+    out = {**llama.stack_experts(cfg, hf, i, expert_names, theirs + "gate.weight"),
+           ours + "router.expert_bias": hf[theirs + "gate.e_score_correction_bias"]}
     if cfg.moe.n_shared_experts:
         shared = theirs + "shared_experts."
         out[ours + "shared.gate_up.weight"] = torch.cat([hf[shared + "gate_proj.weight"], hf[shared + "up_proj.weight"]])
@@ -148,12 +145,9 @@ def _mlp_to_hf(cfg: LlamaConfig, ours: llama.Tensors, i: int) -> dict[str, torch
     if i < cfg.moe.n_dense_layers:
         return llama.dense_mlp_to_hf(cfg, ours, i)
     mine, theirs = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-    out = {theirs + "gate.weight": ours[mine + "router.gate.weight"]}
+    out = llama.unstack_experts(cfg, ours, i, expert_names, theirs + "gate.weight", None)
     bias = ours.get(mine + "router.expert_bias")
     out[theirs + "gate.e_score_correction_bias"] = bias if bias is not None else torch.zeros(cfg.moe.n_experts)
-    for e in range(cfg.moe.n_experts):
-        for name, key in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-            out[f"{theirs}experts.{e}.{name}.weight"] = ours[f"{mine}experts.{key}"][e].t()
     if cfg.moe.n_shared_experts:
         gate, up = ours[mine + "shared.gate_up.weight"].chunk(2)
         out.update({theirs + "shared_experts.gate_proj.weight": gate, theirs + "shared_experts.up_proj.weight": up,

@@ -549,24 +549,42 @@ def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor
         return {ours + "router.gate.weight": hf[fused + "gate.weight"], ours + "experts.w1": w1.contiguous(),
                 ours + "experts.w3": w3.contiguous(),
                 ours + "experts.w2": hf[fused + "experts.down_proj"].transpose(1, 2).contiguous()}
-    names = [_expert_names(i, e) for e in range(cfg.moe.n_experts)]
-    stacked = [torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3)]
-    return {ours + "router.gate.weight": hf[f"model.layers.{i}.block_sparse_moe.gate.weight"],
-            ours + "experts.w1": stacked[0], ours + "experts.w3": stacked[1], ours + "experts.w2": stacked[2]}
+    return stack_experts(cfg, hf, i, _expert_names, f"model.layers.{i}.block_sparse_moe.gate.weight")
+
+
+ExpertNames = Callable[[int, int], tuple[str, str, str]]
+
+
+def stack_experts(cfg: LlamaConfig, hf: Tensors, i: int, names: ExpertNames, router: str) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s router (HF tensor ``router``) and experts, stored one by one as ``save_pretrained`` writes
+    them (``names(i, e)``: expert ``e``'s gate ``[f, d]``, up ``[f, d]`` and down ``[d, f]``), stacked into our
+    ``[E, d, f]``/``[E, f, d]`` ``w1``, ``w3``, ``w2``."""
+    per_expert = [names(i, e) for e in range(cfg.moe.n_experts)]
+    w1, w3, w2 = (torch.stack([hf[n[k]] for n in per_expert]).transpose(1, 2).contiguous() for k in range(3))
+    ours = f"blocks.{i}.mlp."
+    return {ours + "router.gate.weight": hf[router], ours + "experts.w1": w1, ours + "experts.w3": w3,
+            ours + "experts.w2": w2}
+
+
+def unstack_experts(cfg: LlamaConfig, ours: Tensors, i: int, names: ExpertNames, router: str,
+                    architecture: str | None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_experts`. For an ``architecture`` whose router has no selection bias, a
+    bias the aux-loss-free update has moved would change which experts it picks, so it is refused."""
+    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
+    if architecture and bias is not None and bias.count_nonzero():
+        raise HFIncompatible(f"the routers carry a load-balancing bias (--moe-bias-rate), which {architecture}'s "
+                             f"router has no place for; train without --moe-bias-rate to export as one")
+    out = {router: ours[f"blocks.{i}.mlp.router.gate.weight"]}
+    for e in range(cfg.moe.n_experts):
+        for name, key in zip(names(i, e), ("w1", "w3", "w2")):
+            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
+    return out
 
 
 def moe_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s experts in Mixtral's checkpoint layout (the inverse of :func:`moe_from_hf`). A routing
-    bias the aux-loss-free update has moved would change which experts Mixtral picks, so it is refused."""
-    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
-    if bias is not None and bias.count_nonzero():
-        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which Mixtral's router "
-                             "has no place for; train without --moe-bias-rate to export as MixtralForCausalLM")
-    out = {f"model.layers.{i}.block_sparse_moe.gate.weight": ours[f"blocks.{i}.mlp.router.gate.weight"]}
-    for e in range(cfg.moe.n_experts):
-        for name, key in zip(_expert_names(i, e), ("w1", "w3", "w2")):
-            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
-    return out
+    """Layer ``i``'s experts in Mixtral's checkpoint layout (the inverse of :func:`moe_from_hf`)."""
+    return unstack_experts(cfg, ours, i, _expert_names, f"model.layers.{i}.block_sparse_moe.gate.weight",
+                           "MixtralForCausalLM")
 
 
 def mixtral_from_hf(cfg: LlamaConfig, hf: Tensors) -> dict[str, torch.Tensor]:

@@ -133,36 +133,25 @@ def qwen3_moe_to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
             "mlp_only_layers": list(range(m.n_dense_layers)), "router_aux_loss_coef": m.aux_coef}
 
 
-def _expert_names(i: int, e: int) -> tuple[str, str, str]:
+def expert_names(i: int, e: int) -> tuple[str, str, str]:
+    """Expert ``e`` of layer ``i`` as Qwen3-MoE and DeepSeek-V3 write it: gate, up and down projections."""
     prefix = f"model.layers.{i}.mlp.experts.{e}."
     return prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "down_proj.weight"
 
 
 def moe_from_hf(cfg: LlamaConfig, hf: llama.Tensors, i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s MLP: dense before ``n_dense_layers``, else the router ``mlp.gate`` and the experts one
-    by one as ``save_pretrained`` writes them, stacked into our ``[E, d, f]``/``[E, f, d]``."""
+    """Layer ``i``'s MLP: dense before ``n_dense_layers``, else the router ``mlp.gate`` and the experts."""
     if i < cfg.moe.n_dense_layers:
         return llama.dense_mlp_from_hf(cfg, hf, i)
-    names = [_expert_names(i, e) for e in range(cfg.moe.n_experts)]
-    w1, w3, w2 = (torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3))
-    ours = f"blocks.{i}.mlp."
-    return {ours + "router.gate.weight": hf[f"model.layers.{i}.mlp.gate.weight"], ours + "experts.w1": w1,
-            ours + "experts.w3": w3, ours + "experts.w2": w2}
+    return llama.stack_experts(cfg, hf, i, expert_names, f"model.layers.{i}.mlp.gate.weight")
 
 
 def moe_to_hf(cfg: LlamaConfig, ours: llama.Tensors, i: int) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`moe_from_hf`; a routing bias moved in training is refused, as for Mixtral."""
+    """The inverse of :func:`moe_from_hf`."""
     if i < cfg.moe.n_dense_layers:
         return llama.dense_mlp_to_hf(cfg, ours, i)
-    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
-    if bias is not None and bias.count_nonzero():
-        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which Qwen3-MoE's router "
-                             "has no place for; train without --moe-bias-rate to export as Qwen3MoeForCausalLM")
-    out = {f"model.layers.{i}.mlp.gate.weight": ours[f"blocks.{i}.mlp.router.gate.weight"]}
-    for e in range(cfg.moe.n_experts):
-        for name, key in zip(_expert_names(i, e), ("w1", "w3", "w2")):
-            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
-    return out
+    return llama.unstack_experts(cfg, ours, i, expert_names, f"model.layers.{i}.mlp.gate.weight",
+                                 "Qwen3MoeForCausalLM")
 
 
 QWEN3_MOE_MAPPING = HFMapping("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe_from_hf_config, qwen3_moe_to_hf_config,
