@@ -6,7 +6,7 @@ parallel form names a model class."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -52,14 +52,25 @@ def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
     moe = values.get("moe")
     return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {})})
 
-def build_hf_llama(config: Any, seed: int) -> nn.Module:
-    """A ``transformers.LlamaForCausalLM`` of ``config``, initialised from ``seed`` (the global generator
-    is left as it was)."""
-    from transformers import LlamaForCausalLM
+def hf_builder(architecture: str) -> Callable[[Any, int], nn.Module]:
+    """A builder of transformers' ``architecture`` from its config, initialised from ``seed`` (the global
+    generator is left as it was)."""
+    def build(config: Any, seed: int) -> nn.Module:
+        import transformers
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return getattr(transformers, architecture)(config)
+    return build
+
+
+def hf_family(architecture: str) -> ModelSpec:
+    """transformers' own ``architecture`` object (Llama and its variants) as a family: the Python API
+    parallelizes it as it is (:mod:`trainmesh.models.hf_llama`)."""
+    name = "hf-" + hf_llama.ARCHITECTURES[architecture].lower()
+    return ModelSpec(name, {}, hf_builder(architecture), hf_llama.plan(architecture), hf_llama.recompute(architecture),
+                     hf_llama.shape, accepts=hf_llama.accepts_class(architecture), layout=hf_llama.layout,
+                     config_of=hf_llama.config_of, prepare=hf_llama.add_rotary)
 
 
 def llama_variant(cfg: llama.LlamaConfig) -> str:
@@ -104,9 +115,7 @@ SPECS: list[ModelSpec] = [
                  llama.MIXTRAL_MAPPING, moe=True),
     llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
     llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True, cp_plan={}),
-    ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
-              accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
-              prepare=hf_llama.add_rotary),
+    *(hf_family(architecture) for architecture in hf_llama.ARCHITECTURES),
 ]
 
 
