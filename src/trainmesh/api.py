@@ -39,8 +39,9 @@ from trainmesh.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
-from trainmesh.mesh import GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend, pick_device, world_env
-from trainmesh.models import moe, spec_for
+from trainmesh.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
+                            pick_device, world_env)
+from trainmesh.models import SPECS, moe, spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
 from trainmesh.optim import adamw_factory
@@ -155,6 +156,19 @@ def _retire(model: nn.Module) -> None:
     model.register_state_dict_pre_hook(refuse)
 
 
+def _refuse_foreign(model: nn.Module, spec: ModelSpec | None) -> None:
+    """A Hugging Face model of no registered family, refused before any weight is touched: its forward
+    returns a ``ModelOutput`` rather than logits and runs layers trainmesh does not know how to stage."""
+    config = getattr(model, "config", None)
+    if spec is not None or not type(model).__module__.startswith("transformers.") or config is None:
+        return
+    families = ", ".join(s.family for s in SPECS if s.layout is not None or s.hf is not None)
+    raise ValueError(f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) is of no registered trainmesh "
+                     f"family: its forward returns {type(model).__name__}'s ModelOutput, not logits; register one "
+                     f"with tm.register_family(tm.ModelSpec(...)), or train a family trainmesh has ({families}; "
+                     f"trainmesh train --init-hf DIR converts their checkpoints)")
+
+
 def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dict | None, pipeline: StageLayout | None,
               layout: Layout, recompute: str | tuple[Target, ...]) -> None:
     """Every setting that cannot run, as one line with the fix, before any weight is touched: what the API
@@ -234,6 +248,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     expert-data-parallel group.
     """
     spec = spec_for(model)
+    _refuse_foreign(model, spec)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel) if plan is not None else None
     layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "dp_replicate")}, zero=zero,

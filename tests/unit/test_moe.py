@@ -48,7 +48,7 @@ def reference(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for t in range(flat.shape[0]):
         logits = layer.router.gate.weight @ flat[t]
         scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
-        pick = scores + layer.router.expert_bias if cfg.bias_rate else scores
+        pick = scores + layer.router.expert_bias  # the selection bias, whether training moves it or not
         top = sorted(range(cfg.n_experts), key=lambda e: -pick[e].item())[: cfg.top_k]
         w = scores[top]
         if cfg.normalize_top_k or cfg.score == "sigmoid":

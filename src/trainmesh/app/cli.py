@@ -208,15 +208,17 @@ def _export_target(to: Path) -> None:
 
 
 def _export_hf_target(out: Path) -> None:
-    """Refuse an ``export --hf`` directory that cannot be written or already holds a model."""
+    """Refuse an ``export --hf`` directory that cannot be written (it and its parents are created) or already
+    holds a model."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export --hf {out} is a file; name the directory to write the model to")
     if any((out / name).exists() for name in (hf.CONFIG, hf.WEIGHTS, hf.INDEX)):
         raise ConfigError(f"export --hf {out} already holds a model; choose an empty or new directory")
-    if not out.parent.is_dir():
-        raise ConfigError(f"export --hf {out}: directory {out.parent} does not exist; create it first")
-    if not os.access(out if out.exists() else out.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"export --hf {out}: not writable; choose another place")
+    existing = next(p for p in (out, *out.parents) if p.exists())  # the directory and its parents are created
+    if not existing.is_dir():
+        raise ConfigError(f"export --hf {out}: {existing} is a file; choose another place")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"export --hf {out}: {existing} is not writable; choose another place")
 
 
 def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:

@@ -28,7 +28,7 @@ from trainmesh.models import PRESET_NAMES, preset, spec_of
 from trainmesh.models.moe import MoEConfig
 from trainmesh.safe_io import UnreadableFile, read_user_file
 from trainmesh.shm import TRANSPORTS
-from trainmesh.data.tokenizer import padded_vocab
+from trainmesh.data.tokenizer import BYTE_VOCAB, padded_vocab
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -556,6 +556,22 @@ def _model_of_hf_dir(path: str, model: str | None) -> str:
     return model if model is not None else next(iter(spec.presets))
 
 
+def vocabulary_note(cfg: Config) -> str:
+    """For a model that keeps its own vocabulary (``--init-hf``): one line saying it is larger than the data's
+    tokenizer's (the rows past it are never an input or a target), "" if they are equal; a smaller one is
+    refused, since the data's ids past it would have no embedding."""
+    if not cfg.init_hf:
+        return ""
+    tokens = data_vocab_size(cfg.data, cfg.tokenizer) or BYTE_VOCAB
+    model = cfg.model_config.vocab_size
+    if tokens > model:
+        raise ConfigError(f"--init-hf {cfg.init_hf} has a vocabulary of {model} tokens but the data's tokenizer "
+                          f"({cfg.tokenizer or 'bytes'}) has {tokens}; train with the model's own tokenizer "
+                          f"(--tokenizer {cfg.init_hf}/tokenizer.json)")
+    return (f"the model's vocabulary of {model} exceeds the tokenizer's {tokens}; ids {tokens}..{model - 1} are "
+            f"never an input or a target" if model > tokens else "")
+
+
 def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0,
              cuda_capability: tuple[int, int] | None = None) -> None:
     """Raise :class:`ConfigError` for any setting that cannot run, with the fix in the message.
@@ -568,6 +584,7 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0,
     _validate_checkpoints(cfg)
     _validate_moe(cfg)
     _validate_family(cfg)
+    vocabulary_note(cfg)
     try:
         validate_layout(cfg.layout, spec_of(cfg.model).shape(cfg.model_config),
                         cfg.nproc if world_size is None else world_size, spell=flag_spelling, name=_model_name(cfg))

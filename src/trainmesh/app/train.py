@@ -23,7 +23,7 @@ import torch
 
 from trainmesh.agreement import check_agreement
 from trainmesh.comm import Comm, log_all_gather, log_all_reduce
-from trainmesh.app.config import Config
+from trainmesh.app.config import Config, vocabulary_note
 from trainmesh.data import TokenData, get_batch, pin_tokenizer
 from trainmesh.engine import MicroBatches
 from trainmesh.app.run import Run
@@ -323,6 +323,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     progress.message(f"trainmesh: {log.name} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
                      f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''} zero={cfg.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
+    if vocabulary_note(cfg):
+        progress.message(f"trainmesh: {vocabulary_note(cfg)}")
     shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len
     flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len,

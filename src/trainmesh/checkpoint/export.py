@@ -6,6 +6,7 @@ from pathlib import Path
 
 import safetensors.torch
 
+from trainmesh.checkpoint import hf_extras
 from trainmesh.models import hf
 from trainmesh.safe_io import replace_durably
 from trainmesh.checkpoint.store import (MANIFEST, CheckpointError, read_manifest, candidates, read_tensors)
@@ -34,14 +35,19 @@ def export(source: Path, out: Path) -> str:
 def export_hf(source: Path, out: Path) -> str:
     """Write the weights of checkpoint ``source`` (as for :func:`export`) to directory ``out`` as the
     family's Hugging Face model (``config.json`` and ``model.safetensors``, :func:`trainmesh.models.hf.save_hf`), the
-    shape taken from the manifest, so ``AutoModelForCausalLM.from_pretrained(out)`` loads it."""
+    shape taken from the manifest, with the run's tokenizer, special token ids and generation config
+    (:mod:`trainmesh.checkpoint.hf_extras`), so ``AutoModelForCausalLM.from_pretrained(out)`` and
+    ``AutoTokenizer.from_pretrained(out)`` load it."""
     path = _step_to_export(source)
     manifest = read_manifest(path)
     spec, model_config = recorded_model(manifest, path)
     tensors = recorded_weights(path, manifest)  # a routing bias moved in training is refused by the mapping
+    extras = hf_extras.plan(manifest, path)
     try:
-        hf.save_hf(tensors, out, model_config)
+        hf.save_hf(tensors, out, model_config, spec, attributes=extras.token_ids)
     except hf.HFError as e:
         raise CheckpointError(f"export --hf: {e}") from None
+    written = hf_extras.write(extras, out, model_config.vocab_size)
+    notes = "".join(f"; {note}" for note in extras.notes)
     return (f"wrote {spec.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
-            f"{manifest['step']}) of {path} to {out}")
+            f"{manifest['step']}) of {path} to {out}, with {', '.join(written)}{notes}")

@@ -152,13 +152,18 @@ def _check_model_shape(model: Any, expected: Any, name: str) -> None:
     if expected is None:
         _dict(model, "model", ())
         return
-    fields = dataclasses.fields(expected)
-    # A field that defaults to None (``moe``) is a feature newer than some checkpoints: absent means off.
-    optional = tuple(f.name for f in fields if f.default is None)
-    required = tuple(f.name for f in fields if f.name not in optional)
+    fields = {f.name: f for f in dataclasses.fields(expected)}
+    # A field with a default (``moe``, the attention options) is a feature newer than some checkpoints:
+    # absent means its default, off.
+    optional = tuple(k for k, f in fields.items() if f.default is not dataclasses.MISSING)
+    required = tuple(k for k in fields if k not in optional)
     for k, v in _dict(model, "model", required, optional).items():
         kind = type(getattr(expected, k))
-        if k in optional:
+        if fields[k].default is None and "int" in str(fields[k].type):  # a size that may be off (a window)
+            if v is not None:
+                _int(v, f"model.{k}", 1)
+            continue
+        if fields[k].default is None:  # a sub-config (``moe``): present exactly where the family has one
             if (v is None) != (getattr(expected, k) is None) or not (v is None or isinstance(v, dict)):
                 raise ManifestError(f"model.{k} is {show(v)}; {name} has {getattr(expected, k)}")
             continue
@@ -167,7 +172,7 @@ def _check_model_shape(model: Any, expected: Any, name: str) -> None:
         if kind is float and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
             raise ManifestError(f"model.{k} is {show(v)}; it must be a finite number above 0")
         if kind is int:
-            _int(v, f"model.{k}", 1)
+            _int(v, f"model.{k}", 0 if fields[k].default == 0 else 1)  # a size defaulting to 0 is off at 0
 
 
 def _check_scalars(m: dict) -> None:

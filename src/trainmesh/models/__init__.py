@@ -1,18 +1,20 @@
 """The registry of model families: each is a :class:`~trainmesh.models.spec.ModelSpec`, looked up by preset
-name (``--model``). Registering a family here is all it takes for ``trainmesh train`` and ``plan`` to offer
-its presets; no parallel form names a model class."""
+name (``--model``). Registering a family (here, or from outside trainmesh with :func:`register_family`) is
+all it takes for ``trainmesh train`` and ``plan`` to offer its presets, ``--init-hf`` and ``export --hf`` to
+read and write its Hugging Face architecture, and ``trainmesh.parallelize`` to recognise its models; no
+parallel form names a model class."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainmesh.models import gpt, hf_llama, llama
+from trainmesh.models import deepseek, gpt, hf_llama, llama, mistral, qwen
 from trainmesh.models.moe import MoEConfig
-from trainmesh.models.spec import ModelShape, ModelSpec, Staged, StageLayout
+from trainmesh.models.spec import HFMapping, ModelShape, ModelSpec, Staged, StageLayout
 
 
 def gpt_shape(cfg: gpt.ModelConfig) -> ModelShape:
@@ -58,41 +60,96 @@ def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
     moe = values.get("moe")
     return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {})})
 
-def build_hf_llama(config: Any, seed: int) -> nn.Module:
-    """A ``transformers.LlamaForCausalLM`` of ``config``, initialised from ``seed`` (the global generator
-    is left as it was)."""
-    from transformers import LlamaForCausalLM
+def hf_builder(architecture: str) -> Callable[[Any, int], nn.Module]:
+    """A builder of transformers' ``architecture`` from its config, initialised from ``seed`` (the global
+    generator is left as it was)."""
+    def build(config: Any, seed: int) -> nn.Module:
+        import transformers
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return getattr(transformers, architecture)(config)
+    return build
 
 
-SPECS: tuple[ModelSpec, ...] = (
+def hf_family(architecture: str) -> ModelSpec:
+    """transformers' own ``architecture`` object (Llama and its variants) as a family: the Python API
+    parallelizes it as it is (:mod:`trainmesh.models.hf_llama`)."""
+    name = "hf-" + hf_llama.ARCHITECTURES[architecture].lower()
+    return ModelSpec(name, {}, hf_builder(architecture), hf_llama.plan(architecture), hf_llama.recompute(architecture),
+                     hf_llama.shape, accepts=hf_llama.accepts_class(architecture), layout=hf_llama.layout,
+                     config_of=hf_llama.config_of, prepare=hf_llama.add_rotary,
+                     high_precision=("model.embed_tokens", "lm_head"))
+
+
+def llama_variant(cfg: llama.LlamaConfig) -> str:
+    """The family a Llama config belongs to, by its attention options (a Llama with none is a Llama, even one
+    imported from a Mistral without a window: they compute the same)."""
+    if cfg.kv_lora_rank:
+        return "deepseek-v3"
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
+
+
+LLAMA_RECOMPUTE = {"full": (llama.Block,), "selective": (llama.AttentionCore,)}
+LLAMA_CP_PLAN = {"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"}
+
+
+def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[str, str],
+                 hf: HFMapping, moe: bool = False, cp_plan: dict[str, str] = LLAMA_CP_PLAN) -> ModelSpec:
+    """A family built on trainmesh's Llama (``moe``: of mixtures of experts), told apart from the others by
+    :func:`llama_variant` (a Llama MoE is ``llama-moe``, a Qwen3 one ``qwen3-moe``)."""
+    def holds(cfg: Any) -> bool:
+        variant = llama_variant(cfg) + "-moe" if moe and not cfg.kv_lora_rank else llama_variant(cfg)
+        return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
+
+    return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,
+                     planner_presets=planner_presets, hf=hf, cp_plan=cp_plan,
+                     high_precision=(*LLAMA_BF16, ROUTER) if moe else LLAMA_BF16,
+                     accepts=lambda model: isinstance(model, llama.Llama) and holds(model.cfg), holds=holds)
+
+
+SPECS: list[ModelSpec] = [
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}, high_precision=GPT_BF16,
               accepts=lambda model: isinstance(model, gpt.GPT) and not is_moe(model.cfg)),
-    ModelSpec("llama", llama.PRESETS, llama.Llama, llama.TP_PLAN,
-              {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
-              planner_presets=llama.PLANNER_PRESETS, hf=llama.HF_MAPPING,
-              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
-              high_precision=LLAMA_BF16,
-              accepts=lambda model: isinstance(model, llama.Llama) and not is_moe(model.cfg)),
+    llama_family("llama", llama.PRESETS, llama.PLANNER_PRESETS, llama.TP_PLAN, llama.HF_MAPPING),
+    llama_family("qwen2", qwen.QWEN2_PRESETS, qwen.QWEN2_PLANNER_PRESETS, llama.TP_PLAN, qwen.QWEN2_MAPPING),
+    llama_family("qwen3", qwen.QWEN3_PRESETS, qwen.QWEN3_PLANNER_PRESETS, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MAPPING),
+    llama_family("mistral", mistral.PRESETS, mistral.PLANNER_PRESETS, llama.TP_PLAN, mistral.HF_MAPPING),
     ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, without_mlp(GPT_PLAN),
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
               high_precision=(*GPT_BF16, ROUTER), accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
-    ModelSpec("llama-moe", llama.MOE_PRESETS, llama.Llama, without_mlp(llama.TP_PLAN),
-              {"full": (llama.Block,), "selective": (llama.AttentionCore,)}, llama.LlamaConfig.shape,
-              planner_presets=llama.MOE_PLANNER_PRESETS, hf=llama.MIXTRAL_MAPPING,
-              cp_plan={"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "attention"},
-              high_precision=(*LLAMA_BF16, ROUTER),
-              accepts=lambda model: isinstance(model, llama.Llama) and is_moe(model.cfg)),
-    ModelSpec("hf-llama", {}, build_hf_llama, hf_llama.PLAN, hf_llama.RECOMPUTE, hf_llama.shape,
-              accepts=hf_llama.accepts, layout=hf_llama.layout, config_of=hf_llama.config_of,
-              prepare=hf_llama.add_rotary, high_precision=("model.embed_tokens", "lm_head")),
-)
+    llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, without_mlp(llama.TP_PLAN),
+                 llama.MIXTRAL_MAPPING, moe=True),
+    llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
+    llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True, cp_plan={}),
+    *(hf_family(architecture) for architecture in hf_llama.ARCHITECTURES),
+]
+
+
+def register_family(spec: ModelSpec) -> ModelSpec:
+    """Add ``spec``'s family to trainmesh, for this process, without editing trainmesh: its presets become
+    ``--model`` names, ``trainmesh.parallelize`` recognises its models (``spec.accepts``), and with an
+    ``hf`` mapping ``--init-hf`` reads and ``export --hf`` writes its architecture. A family, preset name or
+    Hugging Face architecture already taken is refused (registering the same spec again is a no-op).
+    Returns ``spec``."""
+    if any(s is spec for s in SPECS):
+        return spec
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"register_family takes a trainmesh.ModelSpec, not a {type(spec).__name__}")
+    if any(s.family == spec.family for s in SPECS):
+        raise ValueError(f"model family {spec.family!r} exists; give the ModelSpec another family name")
+    taken = [name for name in (*spec.presets, *spec.planner_presets) if name in PRESET_NAMES]
+    if taken:
+        raise ValueError(f"model preset {taken[0]!r} exists in another family; rename the preset")
+    if spec.hf and any(s.hf and spec.hf.architecture == s.hf.architecture for s in SPECS):
+        raise ValueError(f"{spec.hf.architecture} is read by trainmesh's own family; a family of it cannot be "
+                         f"registered again")
+    SPECS.append(spec)
+    return spec
+
 
 class _PresetNames(Collection):
     """Every preset ``trainmesh train`` can build (full-sized ones included), read from the registry at each
@@ -163,5 +220,6 @@ def planner_shapes() -> dict[str, ModelShape]:
     return {name: spec.shape(cfg) for spec in SPECS for name, cfg in {**spec.presets, **spec.planner_presets}.items()}
 
 
-__all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
+__all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "register_family",
+           "llama_variant", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
            "spec_of", "preset", "planner_shapes", "family", "register_preset", "any_config"]

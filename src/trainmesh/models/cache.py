@@ -50,15 +50,20 @@ class KVCache:
         return next(iter(self.layers.values())).length
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal softmax attention where the queries are the *last* ``q.shape[2]`` of the key positions.
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Causal softmax attention where the queries are the *last* ``q.shape[2]`` of the key positions, each
+    seeing only the ``window`` keys up to its own when a window is given (Mistral's sliding window, as
+    transformers masks it: key ``j`` is visible to query ``i`` iff ``i - window < j <= i``).
 
-    Training passes equal lengths and takes SDPA's ``is_causal`` path. With a cache the keys also cover
-    earlier positions; SDPA's ``is_causal`` would then align the mask to the top left, so the query at
-    offset ``i`` gets an explicit mask admitting keys up to ``k_len - q_len + i``.
+    Training without a window passes equal lengths and takes SDPA's ``is_causal`` path. With a cache the
+    keys also cover earlier positions; SDPA's ``is_causal`` would then align the mask to the top left, so
+    the query at offset ``i`` gets an explicit mask admitting keys up to ``k_len - q_len + i`` (and, with a
+    window, from ``k_len - q_len + i - window + 1``): the cache keeps every position, the mask the window.
     """
     q_len, k_len = q.shape[2], k.shape[2]
-    if q_len == k_len:
+    if q_len == k_len and (window is None or window >= k_len):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    if window is not None:
+        mask &= ~torch.ones_like(mask).tril(k_len - q_len - window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -338,6 +338,9 @@ def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
                           f"build the model from read_config({str(path)!r}) ({spec.family}) and load before "
                           f"parallelizing it")
         p.copy_(weights[name])
+    for name, buffer in model.named_buffers():  # routing biases an import carries (DeepSeek-V3's)
+        if name in weights:
+            buffer.copy_(weights[name])
     return model
 
 
@@ -345,24 +348,30 @@ def spec_of_config(cfg: Any) -> ModelSpec:
     """The family whose presets have ``cfg``'s type (``gpt.ModelConfig``, ``llama.LlamaConfig``) and, like it,
     mixtures of experts or not."""
     for spec in SPECS:
-        if any(type(p) is type(cfg) and is_moe(p) == is_moe(cfg)
-               for p in (*spec.presets.values(), *spec.planner_presets.values())):
+        if spec.holds is not None:
+            if spec.holds(cfg):
+                return spec
+        elif any(type(p) is type(cfg) and is_moe(p) == is_moe(cfg)
+                 for p in (*spec.presets.values(), *spec.planner_presets.values())):
             return spec
     raise HFError(f"{type(cfg).__name__} is no trainmesh model family's config")
 
 
-def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, model_config: Any = None) -> Path:
+def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, model_config: Any = None,
+            spec: ModelSpec | None = None, attributes: Mapping[str, Any] | None = None) -> Path:
     """Write ``weights`` (a trainmesh model, or its full state dict with ``model_config``) to directory ``out``
-    as ``config.json`` and ``model.safetensors`` of the family's HF architecture; returns ``out``. No
-    ``generation_config.json``: trainmesh models are trained on raw bytes and have no special tokens to
-    put in one."""
+    (created with its parents) as ``config.json`` and ``model.safetensors`` of the HF architecture of
+    ``spec``'s family (default: the family of ``model_config``), with ``attributes`` (the special token ids)
+    set in the config; returns ``out``. The tokenizer and generation config are the checkpoint's to give
+    (:func:`trainmesh.checkpoint.export_hf`)."""
     if isinstance(weights, nn.Module):
         model_config, weights = weights.cfg if model_config is None else model_config, weights.state_dict()
-    spec = spec_of_config(model_config)
+    spec = spec or spec_of_config(model_config)
     if spec.hf is None:
         raise HFError(f"trainmesh's {spec.family} has no Hugging Face architecture to be written as")
     try:
-        attributes, converted = spec.hf.to_config(model_config), spec.hf.to_hf(model_config, weights)
+        attributes, converted = {**spec.hf.to_config(model_config), **(attributes or {})}, \
+            spec.hf.to_hf(model_config, weights)
     except HFIncompatible as e:
         raise HFError(str(e)) from None
     config = _transformers().AutoConfig.for_model(spec.hf.model_type, architectures=[spec.hf.architecture],
@@ -370,7 +379,7 @@ def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, mo
     tensors = {k: v.detach().to("cpu").clone() for k, v in converted.items()}
     config.torch_dtype = next(iter(tensors.values())).dtype  # from_pretrained(dtype="auto") keeps it
     directory = Path(out)
-    directory.mkdir(exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
     replace_durably(directory / WEIGHTS, safetensors.torch.save(tensors, metadata={"format": "pt"}))
     replace_durably(directory / CONFIG, config.to_json_string().encode())
     return directory

@@ -1,4 +1,6 @@
-"""Hugging Face transformers' ``LlamaForCausalLM`` as a model family: a spec, not code in a parallel form.
+"""Hugging Face transformers' ``LlamaForCausalLM`` as a model family, and its variants ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM`` and ``MistralForCausalLM`` (the same layout, names and rotary embedding): specs, not code
+in a parallel form.
 
 The model is used as transformers builds it (``model.embed_tokens``, the ``model.layers`` list of
 ``LlamaDecoderLayer``, ``model.norm``, ``lm_head``; parameter names unchanged, so its checkpoints still fit).
@@ -41,14 +43,29 @@ query and KV heads: tp must divide the KV heads), o and down row-parallel, embed
 the RMSNorms replicated in the sequence-parallel region. Attention and MLP make their input whole once
 (``prepare_input``) for their separate column-parallel projections."""
 
-RECOMPUTE = {"full": ("LlamaDecoderLayer",), "selective": ("LlamaAttention",)}
-"""``full``: each decoder layer; ``selective``: each attention module (projections and core: Hugging Face
-computes the core in a function, not a module of its own)."""
+ARCHITECTURES = {"LlamaForCausalLM": "Llama", "Qwen2ForCausalLM": "Qwen2", "Qwen3ForCausalLM": "Qwen3",
+                 "MistralForCausalLM": "Mistral"}
+"""The transformers classes of this layout, with their class-name prefix."""
 
 
-def accepts(model: nn.Module) -> bool:
-    cls = type(model)
-    return cls.__name__ == "LlamaForCausalLM" and cls.__module__.startswith("transformers.")
+def plan(architecture: str) -> dict[str, str]:
+    """:data:`PLAN`, and for Qwen3 its per-head q/k norms replicated with their gradients summed over tp."""
+    return {**PLAN, "model.layers.*.self_attn.[qk]_norm": "per_head"} if architecture == "Qwen3ForCausalLM" else PLAN
+
+
+def recompute(architecture: str) -> dict[str, tuple[str, ...]]:
+    """``full``: each decoder layer; ``selective``: each attention module (projections and core: Hugging Face
+    computes the core in a function, not a module of its own)."""
+    prefix = ARCHITECTURES[architecture]
+    return {"full": (f"{prefix}DecoderLayer",), "selective": (f"{prefix}Attention",)}
+
+
+def accepts_class(architecture: str):
+    """Whether a model object is transformers' ``architecture``."""
+    def accepts(model: nn.Module) -> bool:
+        cls = type(model)
+        return cls.__name__ == architecture and cls.__module__.startswith("transformers.")
+    return accepts
 
 
 def layout(model: nn.Module) -> StageLayout:
@@ -60,21 +77,37 @@ def config_of(model: nn.Module) -> Any:
     return model.config
 
 
+def window_of(config: Any) -> int | None:
+    """The sliding window a config's attention keeps (Mistral's; Qwen's only with ``use_sliding_window``)."""
+    on = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    return getattr(config, "sliding_window", None) if on else None
+
+
 def shape(config: Any) -> ModelShape:
-    """The planner's and the validator's view of a ``transformers.LlamaConfig``."""
+    """The planner's and the validator's view of a ``transformers.LlamaConfig`` (or Qwen2, Qwen3, Mistral)."""
+    qkv_bias = config.model_type == "qwen2"
+    bias = bool(getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False))
     return ModelShape(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                       config.intermediate_size, config.vocab_size, config.max_position_embeddings, gated_mlp=True,
-                      bias=bool(config.attention_bias or config.mlp_bias), learned_positions=False,
-                      n_kv_heads=config.num_key_value_heads, tied_embeddings=bool(config.tie_word_embeddings))
+                      bias=bias, learned_positions=False, n_kv_heads=config.num_key_value_heads,
+                      tied_embeddings=bool(config.tie_word_embeddings), qkv_bias=qkv_bias and not bias,
+                      qk_norm=config.model_type == "qwen3", sliding_window=window_of(config))
 
 
-def _with_rotary(rotary: nn.Module, _attn: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Pre-hook of an attention module: the rotary ``(cos, sin)`` of positions ``0..seq-1`` of its input."""
+def _with_rotary(rotary: nn.Module, window: int | None, _attn: nn.Module, args: tuple,
+                 kwargs: dict) -> tuple[tuple, dict] | None:
+    """Pre-hook of an attention module: the rotary ``(cos, sin)`` of positions ``0..seq-1`` of its input, and
+    with a sliding ``window`` the boolean mask keeping it (without one, the attention is causal by itself)."""
     if kwargs.get("position_embeddings") is not None:
         return None
     x = args[0] if args else kwargs["hidden_states"]
-    positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-    return args, {**kwargs, "position_embeddings": rotary(x, positions)}
+    t = x.shape[1]
+    positions = torch.arange(t, device=x.device).unsqueeze(0)
+    extra = {}
+    if window is not None and window < t:
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        extra["attention_mask"] = (mask & ~torch.ones_like(mask).tril(-window))[None, None]
+    return args, {**kwargs, "position_embeddings": rotary(x, positions), **extra}
 
 
 def add_rotary(model: nn.Module) -> None:
@@ -85,6 +118,6 @@ def add_rotary(model: nn.Module) -> None:
     if config._attn_implementation not in CAUSAL_IMPLEMENTATIONS:
         raise ValueError(f"this Llama uses attn_implementation={config._attn_implementation!r}, which needs an "
                          f"explicit causal mask; build or load it with attn_implementation='sdpa'")
-    hook = functools.partial(_with_rotary, model.model.rotary_emb)
+    hook = functools.partial(_with_rotary, model.model.rotary_emb, window_of(config))
     for layer in model.blocks.values():
         layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)

@@ -42,7 +42,12 @@ from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_f
 class LlamaConfig:
     """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head); with
     ``moe``, the MLP of every layer after ``moe.n_dense_layers`` is a mixture of SwiGLU experts (Mixtral,
-    Qwen3-MoE, DeepSeek-V3)."""
+    Qwen3-MoE, DeepSeek-V3).
+
+    The attention options of the families built on it: ``qkv_bias`` (Qwen2: biases on q, k and v only),
+    ``qk_norm`` (Qwen3: an RMSNorm over each query and key head before the rotation) and ``sliding_window``
+    (Mistral: each token attends to itself and the ``sliding_window - 1`` tokens before it). ``kv_lora_rank``
+    above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`)."""
 
     n_layers: int
     d_model: int
@@ -55,6 +60,14 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     moe: MoEConfig | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +85,10 @@ class LlamaConfig:
                                             d_ff_expert=m.d_ff_expert, n_dense_layers=m.n_dense_layers)
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
-                          tied_embeddings=self.tie_embeddings, **experts)
+                          tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
+                          sliding_window=self.sliding_window, kv_lora_rank=self.kv_lora_rank,
+                          q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
+                          qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim, **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()
@@ -162,24 +178,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax attention of query heads over their shared key/value heads; parameter-free, its own
-    module so that selective recomputation (Korthikanti et al., 2022, §5) redoes exactly this part,
-    including the repeated K and V."""
+    """Causal softmax attention of query heads over their shared key/value heads, within ``window`` tokens
+    when one is set; parameter-free, its own module so that selective recomputation (Korthikanti et al.,
+    2022, §5) redoes exactly this part, including the repeated K and V, and so that context parallelism
+    finds the window it must keep (``window``)."""
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, self.window)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim, self.group, self.theta = cfg.head_dim, cfg.group, cfg.rope_theta
-        self.core = AttentionCore()
+        self.core = AttentionCore(cfg.sliding_window)
         self.rope = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -187,6 +210,8 @@ class Attention(nn.Module):
         groups = qkv.view(b, t, -1, self.group + 2, self.head_dim)
         q = groups[..., : self.group, :].reshape(b, t, -1, self.head_dim).transpose(1, 2)
         k, v = (groups[..., i, :].transpose(1, 2) for i in (self.group, self.group + 1))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         start = 0 if cache is None else cache.length
         cos, sin = self.rope(torch.arange(start, start + t, device=q.device), q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -194,6 +219,53 @@ class Attention(nn.Module):
             k, v = cache.extend(k, v)
         y = self.core(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", §2.1; DeepSeek-V3 keeps it): keys and
+    values of every head are expanded (``kv_b``) from one compressed vector per token (``kv_a``, then an
+    RMSNorm) of ``kv_lora_rank`` features, queries likewise through a ``q_lora_rank`` bottleneck (``q_a``,
+    ``q_norm``, ``q_b``; a full ``q`` projection when it is 0). Position enters only a decoupled part: each
+    head's query has ``qk_rope_head_dim`` rotated features, its key the same rotated features, shared by every
+    head, from ``kv_a`` (eq. 14-19). Heads are independent after ``q_b``/``kv_b``, so tensor parallelism
+    splits those by heads (and ``o`` by its input), holding the small ``q_a``/``kv_a`` whole.
+
+    The rotated features use the rotate-half pairing of :func:`apply_rotary`; DeepSeek's interleaved pairs
+    are re-laid out when weights are imported (:mod:`trainmesh.models.deepseek`)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.nope, self.rope_dim, self.rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        self.v_dim, qk = cfg.v_head_dim, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * qk, bias=False)
+        else:
+            self.q = nn.Linear(cfg.d_model, cfg.n_heads * qk, bias=False)
+        self.kv_a = nn.Linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.d_model, bias=False)
+        self.rope = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.core = AttentionCore(cfg.sliding_window)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_b(self.q_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q(x)
+        q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)
+        latent, k_rot = self.kv_a(x).split([self.rank, self.rope_dim], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, t, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rope(torch.arange(start, start + t, device=x.device), q.dtype)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rotary(q_rot, cos, sin)], dim=-1)
+        k_rot = apply_rotary(k_rot.unsqueeze(1), cos, sin).expand(b, k_nope.shape[1], t, self.rope_dim)
+        k = torch.cat([k_nope, k_rot], dim=-1)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        return self.o(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
@@ -213,7 +285,7 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, SwiGLU, gated=True)
 
@@ -247,11 +319,13 @@ class Llama(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in GPT-2, norm
-        gains 1, from a private generator so the weights depend on the seed alone in every layout."""
+        gains 1, biases 0, from a private generator so the weights depend on the seed alone in every layout."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.dim() == 1:
                 p.fill_(1.0)
             else:
                 residual = ("attn.o.weight", "mlp.down.weight", "shared.down.weight", "experts.w2")
@@ -264,7 +338,8 @@ class Llama(nn.Module):
 
 TP_PLAN: dict[str, str] = {
     "embed": "vocab",
-    "blocks.*.*_norm": "sequence",
+    "blocks.*.attn_norm": "sequence",
+    "blocks.*.mlp_norm": "sequence",
     "blocks.*.attn.qkv": "colwise",
     "blocks.*.attn.o": "rowwise",
     "blocks.*.mlp.gate_up": "colwise_pair",
@@ -303,8 +378,22 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                        norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")))
 
 
+OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window",
+           "kv_lora_rank": "latent attention"}
+"""The attention options of :class:`LlamaConfig` that not every architecture has a place for."""
+
+
+def refuse_options(cfg: LlamaConfig, architecture: str, allowed: tuple[str, ...] = ()) -> None:
+    """An :class:`HFIncompatible` for an attention option of ``cfg`` that ``architecture`` cannot hold."""
+    for option, what in OPTIONS.items():
+        if getattr(cfg, option) and option not in allowed:
+            raise HFIncompatible(f"this model has {what} ({option}={getattr(cfg, option)!r}), which {architecture} "
+                                 f"has no place for; it cannot be written as one")
+
+
 def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     """The ``LlamaConfig`` attributes of ours; no special tokens, since trainmesh trains on raw bytes."""
+    refuse_options(cfg, "LlamaForCausalLM")
     return {"hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rope_theta": cfg.rope_theta,
@@ -314,7 +403,10 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
 
 def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """HF's separate ``q_proj``/``k_proj``/``v_proj`` rows in our KV-group order: for each KV head ``g``,
-    the query heads ``g*group .. (g+1)*group-1`` that attend with it, then K_g, then V_g."""
+    the query heads ``g*group .. (g+1)*group-1`` that attend with it, then K_g, then V_g (weights, or
+    biases as one-column weights)."""
+    if q.dim() == 1:
+        return fuse_qkv(cfg, q[:, None], k[:, None], v[:, None])[:, 0]
     d = q.shape[1]
     groups = [q.reshape(cfg.n_kv_heads, cfg.group * cfg.head_dim, d),
               k.reshape(cfg.n_kv_heads, cfg.head_dim, d), v.reshape(cfg.n_kv_heads, cfg.head_dim, d)]
@@ -323,17 +415,20 @@ def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`fuse_qkv`."""
+    if qkv.dim() == 1:
+        return tuple(t[:, 0] for t in split_qkv(cfg, qkv[:, None]))
     groups = qkv.reshape(cfg.n_kv_heads, cfg.group + 2, cfg.head_dim, qkv.shape[1])
     q = groups[:, : cfg.group].reshape(-1, qkv.shape[1])
     return q, groups[:, cfg.group].reshape(-1, qkv.shape[1]), groups[:, cfg.group + 1].reshape(-1, qkv.shape[1])
 
 
-def _layer_names(i: int) -> dict[str, str]:
-    """Our name -> HF's, for the one-to-one tensors of layer ``i`` outside its MLP."""
+def _layer_names(cfg: LlamaConfig, i: int) -> dict[str, str]:
+    """Our name -> HF's, for the one-to-one tensors of layer ``i`` outside its MLP (Qwen3's q/k norms too)."""
     ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+    norms = {ours + f"attn.{x}_norm.weight": theirs + f"self_attn.{x}_norm.weight" for x in "qk"} if cfg.qk_norm else {}
     return {ours + "attn_norm.weight": theirs + "input_layernorm.weight",
             ours + "attn.o.weight": theirs + "self_attn.o_proj.weight",
-            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight"}
+            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight", **norms}
 
 
 def _top_names(cfg: LlamaConfig) -> dict[str, str]:
@@ -369,10 +464,10 @@ def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, 
         raise HFIncompatible("tie_word_embeddings is true but lm_head.weight differs from the embedding; set "
                              "tie_word_embeddings to false in config.json to import both")
     for i in range(cfg.n_layers):
-        out.update({ours: hf[theirs] for ours, theirs in _layer_names(i).items()})
+        out.update({ours: hf[theirs] for ours, theirs in _layer_names(cfg, i).items()})
         attn = f"model.layers.{i}.self_attn."
-        out[f"blocks.{i}.attn.qkv.weight"] = fuse_qkv(cfg, hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"],
-                                                      hf[attn + "v_proj.weight"])
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            out[f"blocks.{i}.attn.qkv.{kind}"] = fuse_qkv(cfg, *(hf[attn + f"{x}_proj.{kind}"] for x in "qkv"))
         out.update(mlp_from_hf(cfg, hf, i))
     return out
 
@@ -381,10 +476,11 @@ def _to_hf(cfg: LlamaConfig, ours: Tensors, mlp_to_hf: LayerMap) -> dict[str, to
     """The inverse of :func:`_from_hf` (no ``lm_head.weight`` when tied: transformers ties it)."""
     out = {theirs: ours[name] for name, theirs in _top_names(cfg).items()}
     for i in range(cfg.n_layers):
-        out.update({theirs: ours[name] for name, theirs in _layer_names(i).items()})
+        out.update({theirs: ours[name] for name, theirs in _layer_names(cfg, i).items()})
         attn = f"model.layers.{i}.self_attn."
-        q, k, v = split_qkv(cfg, ours[f"blocks.{i}.attn.qkv.weight"])
-        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            q, k, v = split_qkv(cfg, ours[f"blocks.{i}.attn.qkv.{kind}"])
+            out.update({attn + f"q_proj.{kind}": q, attn + f"k_proj.{kind}": k, attn + f"v_proj.{kind}": v})
         out.update(mlp_to_hf(cfg, ours, i))
     return {name: t.contiguous() for name, t in out.items()}
 
@@ -453,24 +549,42 @@ def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor
         return {ours + "router.gate.weight": hf[fused + "gate.weight"], ours + "experts.w1": w1.contiguous(),
                 ours + "experts.w3": w3.contiguous(),
                 ours + "experts.w2": hf[fused + "experts.down_proj"].transpose(1, 2).contiguous()}
-    names = [_expert_names(i, e) for e in range(cfg.moe.n_experts)]
-    stacked = [torch.stack([hf[n[k]] for n in names]).transpose(1, 2).contiguous() for k in range(3)]
-    return {ours + "router.gate.weight": hf[f"model.layers.{i}.block_sparse_moe.gate.weight"],
-            ours + "experts.w1": stacked[0], ours + "experts.w3": stacked[1], ours + "experts.w2": stacked[2]}
+    return stack_experts(cfg, hf, i, _expert_names, f"model.layers.{i}.block_sparse_moe.gate.weight")
+
+
+ExpertNames = Callable[[int, int], tuple[str, str, str]]
+
+
+def stack_experts(cfg: LlamaConfig, hf: Tensors, i: int, names: ExpertNames, router: str) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s router (HF tensor ``router``) and experts, stored one by one as ``save_pretrained`` writes
+    them (``names(i, e)``: expert ``e``'s gate ``[f, d]``, up ``[f, d]`` and down ``[d, f]``), stacked into our
+    ``[E, d, f]``/``[E, f, d]`` ``w1``, ``w3``, ``w2``."""
+    per_expert = [names(i, e) for e in range(cfg.moe.n_experts)]
+    w1, w3, w2 = (torch.stack([hf[n[k]] for n in per_expert]).transpose(1, 2).contiguous() for k in range(3))
+    ours = f"blocks.{i}.mlp."
+    return {ours + "router.gate.weight": hf[router], ours + "experts.w1": w1, ours + "experts.w3": w3,
+            ours + "experts.w2": w2}
+
+
+def unstack_experts(cfg: LlamaConfig, ours: Tensors, i: int, names: ExpertNames, router: str,
+                    architecture: str | None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_experts`. For an ``architecture`` whose router has no selection bias, a
+    bias the aux-loss-free update has moved would change which experts it picks, so it is refused."""
+    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
+    if architecture and bias is not None and bias.count_nonzero():
+        raise HFIncompatible(f"the routers carry a load-balancing bias (--moe-bias-rate), which {architecture}'s "
+                             f"router has no place for; train without --moe-bias-rate to export as one")
+    out = {router: ours[f"blocks.{i}.mlp.router.gate.weight"]}
+    for e in range(cfg.moe.n_experts):
+        for name, key in zip(names(i, e), ("w1", "w3", "w2")):
+            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
+    return out
 
 
 def moe_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s experts in Mixtral's checkpoint layout (the inverse of :func:`moe_from_hf`). A routing
-    bias the aux-loss-free update has moved would change which experts Mixtral picks, so it is refused."""
-    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
-    if bias is not None and bias.count_nonzero():
-        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which Mixtral's router "
-                             "has no place for; train without --moe-bias-rate to export as MixtralForCausalLM")
-    out = {f"model.layers.{i}.block_sparse_moe.gate.weight": ours[f"blocks.{i}.mlp.router.gate.weight"]}
-    for e in range(cfg.moe.n_experts):
-        for name, key in zip(_expert_names(i, e), ("w1", "w3", "w2")):
-            out[name] = ours[f"blocks.{i}.mlp.experts.{key}"][e].t()
-    return out
+    """Layer ``i``'s experts in Mixtral's checkpoint layout (the inverse of :func:`moe_from_hf`)."""
+    return unstack_experts(cfg, ours, i, _expert_names, f"model.layers.{i}.block_sparse_moe.gate.weight",
+                           "MixtralForCausalLM")
 
 
 def mixtral_from_hf(cfg: LlamaConfig, hf: Tensors) -> dict[str, torch.Tensor]:

@@ -61,7 +61,8 @@ class MoEConfig:
     ``ceil(capacity_factor * tokens * top_k / n_experts)`` token copies per micro-batch, first come first
     served, and the rest are dropped (the token keeps its residual path). ``aux_coef``, ``z_coef``:
     weights of the balance and z losses; ``bias_rate``: gamma of the bias update (0: no update).
-    ``n_dense_layers``: the leading layers that keep the dense MLP (DeepSeek-V3: 3).
+    ``n_dense_layers``: the leading layers that keep the dense MLP (DeepSeek-V3: 3). ``route_scale``
+    multiplies the chosen experts' weights (DeepSeek-V3's ``routed_scaling_factor``, 2.5).
     """
 
     n_experts: int
@@ -75,6 +76,7 @@ class MoEConfig:
     aux_coef: float = 0.01
     z_coef: float = 0.0
     bias_rate: float = 0.0
+    route_scale: float = 1.0
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -180,11 +182,13 @@ class Router(nn.Module):
         least float32."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
-        choice = (scores + self.expert_bias.to(scores.dtype)).detach() if self.cfg.bias_rate else scores.detach()
+        choice = (scores + self.expert_bias.to(scores.dtype)).detach()  # the bias is 0 unless moved or imported
         experts = choice.topk(self.cfg.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, experts)
         if self.cfg.normalize_top_k or self.cfg.score == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.cfg.route_scale != 1.0:
+            weights = weights * self.cfg.route_scale
         probs = scores if self.cfg.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         return experts, weights, probs, logits
 

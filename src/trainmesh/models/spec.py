@@ -313,6 +313,8 @@ class ModelSpec:
     model up with it); ``layout``, which names its parts (:class:`StageLayout`) for :class:`Staged`;
     ``config_of``, its config object (what ``shape`` reads); and ``prepare``, run on the :class:`Staged`
     model before any parallel form, for what the model's own ``forward`` did around the blocks.
+
+    A family of one's own is added with :func:`trainmesh.register_family`.
     """
 
     family: str
@@ -326,6 +328,9 @@ class ModelSpec:
     layout: Callable[[nn.Module], StageLayout] | None = None
     config_of: Callable[[nn.Module], Any] = lambda model: model.cfg
     prepare: Callable[[nn.Module], None] = lambda model: None
+    holds: Callable[[Any], bool] | None = None
+    """Whether a model config is of this family (None: it has the type of the family's presets and, like
+    them, experts or none): how a config is matched to its family where several share one config type."""
 
     hf: HFMapping | None = None
     cp_plan: Mapping[str, str] = field(default_factory=dict)

@@ -65,17 +65,18 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool,
-          device: torch.device) -> torch.Tensor | None | bool:
+def _mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool, device: torch.device,
+          window: int | None = None) -> torch.Tensor | None | bool:
     """Visibility of a key segment to a query segment: False (nothing visible: skip the pair), None (all
-    visible) or a boolean ``[q_len, k_len]`` mask (the causal diagonal)."""
-    if not causal or k_start + k_len - 1 <= q_start:
+    visible) or a boolean ``[q_len, k_len]`` mask (the causal diagonal, and with a sliding ``window`` key
+    ``j`` visible to query ``i`` only if ``i - window < j``, as :func:`trainmesh.models.cache.causal_attention`)."""
+    if not causal or (k_start + k_len - 1 <= q_start and (window is None or k_start > q_start + q_len - 1 - window)):
         return None
-    if k_start > q_start + q_len - 1:
+    if k_start > q_start + q_len - 1 or (window is not None and k_start + k_len - 1 <= q_start - window):
         return False
-    q_pos = torch.arange(q_start, q_start + q_len, device=device)
-    k_pos = torch.arange(k_start, k_start + k_len, device=device)
-    return k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    q_pos = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
+    return (k_pos <= q_pos) & (k_pos > q_pos - window) if window is not None else k_pos <= q_pos
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -136,27 +137,28 @@ def _segments(x: torch.Tensor, starts: Starts) -> list[tuple[torch.Tensor, int]]
     return list(zip(x.chunk(len(starts), dim=-2), starts))
 
 
-def _pairs(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts, causal: bool):
+def _pairs(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts, causal: bool,
+           window: int | None = None):
     """Every (query segment index, its q, key segment k, v, mask, key segment index) that sees something."""
     q_len, k_len = q5.shape[-2] // len(q_starts), k.shape[-2] // len(k_starts)
     for i, (qs, q0) in enumerate(_segments(q5, q_starts)):
         for j, ((ks, k0), (vs, _)) in enumerate(zip(_segments(k, k_starts), _segments(v, k_starts))):
-            mask = _mask(q0, q_len, k0, k_len, causal, q5.device)
+            mask = _mask(q0, q_len, k0, k_len, causal, q5.device, window)
             if mask is not False:
                 yield i, qs, ks, vs, mask, j
 
 
 def attend_block(accs: list[Accumulator], q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor,
-                 k_starts: Starts, causal: bool, scale: float) -> None:
+                 k_starts: Starts, causal: bool, scale: float, window: int | None = None) -> None:
     """Merge the attention of every query segment to one key/value block into ``accs`` (fully masked
     segment pairs are skipped)."""
-    for i, qs, ks, vs, mask, _ in _pairs(q5, q_starts, k, v, k_starts, causal):
+    for i, qs, ks, vs, mask, _ in _pairs(q5, q_starts, k, v, k_starts, causal, window):
         accs[i].merge(*block_forward(qs, ks, vs, mask, scale))
 
 
 def block_grads(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts,
                 causal: bool, scale: float, dout5: torch.Tensor, delta: torch.Tensor,
-                lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lse: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq5, dk, dv) contributed by one key/value block, wide; the inverse of :func:`attend_block`."""
     wide = _wide(q5.dtype)
     dq = torch.zeros(q5.shape, dtype=wide, device=q5.device)
@@ -166,7 +168,7 @@ def block_grads(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Te
                                                                  (dv, len(k_starts))))
     dout_segs, delta_segs, lse_segs = (x.chunk(len(q_starts), dim=-1 if x.dim() == 4 else -2)
                                        for x in (dout5, delta, lse))
-    for i, qs, ks, vs, mask, j in _pairs(q5, q_starts, k, v, k_starts, causal):
+    for i, qs, ks, vs, mask, j in _pairs(q5, q_starts, k, v, k_starts, causal, window):
         g_q, g_k, g_v = block_backward(qs, ks, vs, mask, scale, dout_segs[i], delta_segs[i], lse_segs[i])
         dq_segs[i].add_(g_q)
         dk_segs[j].add_(g_k)
@@ -189,39 +191,41 @@ class _Blockwise(torch.autograd.Function):
     tensor arguments (``k_1..k_n, v_1..v_n``) so that autograd gives each its gradient."""
 
     @staticmethod
-    def forward(ctx, q, q_starts, k_starts, causal, *kv):
+    def forward(ctx, q, q_starts, k_starts, causal, window, *kv):
         n = len(kv) // 2
         scale = 1 / math.sqrt(q.shape[-1])
         q5 = _grouped(q, kv[0].shape[1])
         accs = [Accumulator(s) for s, _ in _segments(q5, q_starts)]
         for k, v, starts in zip(kv[:n], kv[n:], k_starts):
-            attend_block(accs, q5, q_starts, k, v, starts, causal, scale)
+            attend_block(accs, q5, q_starts, k, v, starts, causal, scale, window)
         out, lse = _finish(accs)
         ctx.save_for_backward(q, out, lse, *kv)
-        ctx.args = (q_starts, k_starts, causal, scale, n)
+        ctx.args = (q_starts, k_starts, causal, scale, n, window)
         return _ungroup(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *kv = ctx.saved_tensors
-        q_starts, k_starts, causal, scale, n = ctx.args
+        q_starts, k_starts, causal, scale, n, window = ctx.args
         q5, dout5 = _grouped(q, kv[0].shape[1]), _grouped(dout, kv[0].shape[1]).to(out.dtype)
         delta = (dout5 * out).sum(-1)
         dq, dks, dvs = torch.zeros_like(out), [], []
         for k, v, starts in zip(kv[:n], kv[n:], k_starts):
-            g_q, g_k, g_v = block_grads(q5, q_starts, k, v, starts, causal, scale, dout5, delta, lse)
+            g_q, g_k, g_v = block_grads(q5, q_starts, k, v, starts, causal, scale, dout5, delta, lse, window)
             dq += g_q
             dks.append(g_k.to(k.dtype))
             dvs.append(g_v.to(v.dtype))
-        return (_ungroup(dq).to(q.dtype), None, None, None, *dks, *dvs)
+        return (_ungroup(dq).to(q.dtype), None, None, None, None, *dks, *dvs)
 
 
 def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blocks: Sequence[torch.Tensor],
-                        q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True) -> torch.Tensor:
+                        q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True,
+                        window: int | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[b, h, t, d]`` (its equal sequence segments starting at global positions
     ``q_starts``) over key/value blocks ``[b, kv_heads, s, d]`` whose segments start at ``k_starts[i]``,
-    merged by log-sum-exp; backward by :func:`block_grads`. Differentiable in ``q`` and in every block."""
-    return _Blockwise.apply(q, q_starts, k_starts, causal, *k_blocks, *v_blocks)
+    merged by log-sum-exp; backward by :func:`block_grads`. Differentiable in ``q`` and in every block.
+    ``window``: a sliding window, as :func:`ring_attention`'s."""
+    return _Blockwise.apply(q, q_starts, k_starts, causal, window, *k_blocks, *v_blocks)
 
 
 # --- the ring ------------------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ class _RingAttention(torch.autograd.Function):
     at hand is computed); backward: K/V go round again with their gradients travelling behind them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, causal, timeline):
+    def forward(ctx, q, k, v, comm, causal, timeline, window):
         mesh = comm.mesh
         cp, r = mesh.size(AXIS), mesh.rank(AXIS)
         seq = q.shape[-2] * cp
@@ -271,14 +275,14 @@ class _RingAttention(torch.autograd.Function):
                 works = comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="ring_kv")
             with _timed(timeline, "forward", step, "compute"):
                 attend_block(accs, q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal,
-                             scale)
+                             scale, window)
             with _timed(timeline, "forward", step, "wait"):
                 for w in works:
                     w.wait()
             kv = incoming if incoming is not None else kv
         out, lse = _finish(accs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.causal, ctx.scale, ctx.timeline = comm, causal, scale, timeline
+        ctx.comm, ctx.causal, ctx.scale, ctx.timeline, ctx.window = comm, causal, scale, timeline, window
         return _ungroup(out).to(q.dtype)
 
     @staticmethod
@@ -302,7 +306,7 @@ class _RingAttention(torch.autograd.Function):
             works = comm.send_recv([(kv, nxt)] if kv_in is not None else [], recvs, axis=AXIS, op="ring_kv_grad")
             with _timed(timeline, "backward", step, "compute"):
                 g_q, g_k, g_v = block_grads(q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp),
-                                            causal, scale, dout5, delta, lse)
+                                            causal, scale, dout5, delta, lse, ctx.window)
                 dq += g_q
             with _timed(timeline, "backward", step, "wait"):
                 for w in works:
@@ -316,15 +320,16 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             for _, w in sent:
                 w.wait()
-        return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
+        return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True,
-                   timeline: RingTimeline | None = None) -> torch.Tensor:
+                   timeline: RingTimeline | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence,
     whose keys/values ``[b, kv_heads, t, d]`` are spread over the cp ranks the same way; ``timeline``, if
-    given, records each ring step's compute and wait."""
-    return _RingAttention.apply(q, k, v, comm, causal, timeline)
+    given, records each ring step's compute and wait; ``window``: a sliding window (each query sees its
+    ``window`` latest keys), kept by the masks of the block pairs, skipping pairs wholly outside it."""
+    return _RingAttention.apply(q, k, v, comm, causal, timeline, window)
 
 
 # --- all-to-all (Ulysses) ---------------------------------------------------------------------------
@@ -383,9 +388,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: A
 
 def _attention_style(module: nn.Module, comm: Comm, impl: str) -> None:
     """Route an attention core's forward through the cp attention (on the instance, so recomputation
-    that wraps the core's ``forward`` afterwards checkpoints the cp attention)."""
+    that wraps the core's ``forward`` afterwards checkpoints the cp attention). The ring keeps the core's
+    sliding ``window`` (its attribute, if any); a2a runs the core itself on whole sequences, window and all."""
     if impl == "ring":
-        module.forward = lambda q, k, v: ring_attention(q, k, v, comm)
+        window = getattr(module, "window", None)
+        module.forward = lambda q, k, v: ring_attention(q, k, v, comm, window=window)
     else:
         core = module.forward
         module.forward = lambda q, k, v: ulysses_attention(q, k, v, core, comm)

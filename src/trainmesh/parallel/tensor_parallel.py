@@ -445,6 +445,14 @@ def _sequence(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     return module
 
 
+def _per_head(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
+    """A replicated module applied to each attention head (Qwen3's q/k RMSNorm): a tp rank holds only its
+    heads, so its gradient is its heads' part and is summed over tp, with or without SP."""
+    for p in module.parameters():
+        sum_grad_over_tp(p, comm)
+    return module
+
+
 def _sequence_scatter(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     """A replicated module whose output enters the sequence-parallel region (a position embedding)."""
     if sp:
@@ -464,13 +472,15 @@ STYLES: dict[str, Style] = {
     "vocab": _vocab,
     "sequence": _sequence,
     "sequence_scatter": _sequence_scatter,
+    "per_head": _per_head,
 }
 """Plan styles: ``colwise``/``rowwise`` (Megatron's column/row-parallel linear), ``colwise_qkv`` (a fused
 ``[q | k | v]`` linear, each rank taking its heads of each third), ``colwise_pair`` (a fused ``[gate | up]``
 linear, split half by half), ``vocab`` (an embedding or output head split by vocabulary; a vocab-split
 head makes the loss the vocabulary-parallel cross-entropy),
 ``sequence`` (replicated, inside the sequence-parallel region: gradients summed over tp under SP) and
-``sequence_scatter`` (replicated, output split along the sequence under SP), and a pair for models
+``sequence_scatter`` (replicated, output split along the sequence under SP), ``per_head`` (replicated,
+applied to each head: gradients summed over tp), and a pair for models
 whose attention has separate q/k/v projections (Hugging Face's Llama): ``prepare_input`` on the attention
 or MLP module makes its input whole once (``f``; an all-gather along the sequence under SP) and
 ``colwise_local`` on each linear inside it is a column shard with no communication of its own."""

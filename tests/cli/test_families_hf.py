@@ -1,0 +1,143 @@
+"""Qwen2, Qwen3, Mistral, Qwen3-MoE and DeepSeek-V3 in and out of Hugging Face: a random ``Qwen2ForCausalLM``
+(tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM``, ``MistralForCausalLM`` (a 4-token window in 16-token
+sequences), ``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
+interleaved rotary weights, a sigmoid router with a random selection bias, a shared expert, a dense first layer)
+written by ``save_pretrained`` give transformers' own logits once imported, and the same logits once
+exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
+
+In float64 to 1e-10 of the logits' scale, with transformers' float32 islands (RMSNorm, rotary angles)
+lifted to the model's dtype as in ``test_hf.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file
+
+import test_hf
+from test_hf import TOKENS, _randomize, assert_same_logits, hf_logits
+from trainmesh.app import checkpoints
+from trainmesh.app.config import Config
+from trainmesh.app.train import build
+from trainmesh.mesh import Mesh
+from trainmesh.models import hf
+
+transformers = pytest.importorskip("transformers")
+fp64_llama = test_hf.fp64_llama  # the fixture, for this module's tests
+
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
+             initializer_range=0.2)
+CONFIGS = {
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=False),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=4, tie_word_embeddings=False),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, norm_topk_prob=True,
+                                                     mlp_only_layers=[0], tie_word_embeddings=False),
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **{**SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        tie_word_embeddings=False),
+}
+
+
+@pytest.fixture
+def fp64_families(monkeypatch, fp64_llama):
+    """Each family's RMSNorm and rotary angles in the model's dtype, with the Llama patches' code."""
+    from transformers.models.llama import modeling_llama as ml
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    for module, prefix in ((modeling_qwen2, "Qwen2"), (modeling_qwen3, "Qwen3"), (modeling_mistral, "Mistral"),
+                           (modeling_qwen3_moe, "Qwen3Moe")):
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", ml.LlamaRMSNorm.forward)
+        monkeypatch.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", ml.LlamaRotaryEmbedding.forward)
+
+    def route(self, hidden):  # Qwen3-MoE's router, its softmax in the model's dtype rather than float32
+        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        top, index = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True) if self.norm_topk_prob else top, index
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", route)
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    monkeypatch.setattr(ds.DeepseekV3RMSNorm, "forward", ml.LlamaRMSNorm.forward)
+    monkeypatch.setattr(ds.DeepseekV3RotaryEmbedding, "forward", ml.LlamaRotaryEmbedding.forward)
+
+    def sigmoid_route(self, hidden):  # DeepSeek-V3's router (one group), in the model's dtype
+        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        scores = logits.sigmoid()
+        index = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1, sorted=False)[1]
+        top = scores.gather(1, index)
+        return logits, top / top.sum(-1, keepdim=True) * self.routed_scaling_factor, index
+
+    monkeypatch.setattr(ds.DeepseekV3TopkRouter, "forward", sigmoid_route)
+
+
+def save_family(name: str, directory: Path, seed: int = 0) -> Path:
+    """A random float64 model of family ``name`` (biases and norm gains away from 0 and 1), saved."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()
+    _randomize(model, seed)
+    for buffer_name, buffer in model.named_buffers():
+        if buffer_name.endswith("e_score_correction_bias"):  # a selection bias that changes which experts win
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed), dtype=buffer.dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def _logits(directory: Path) -> torch.Tensor:
+    """transformers' logits, experts run one by one (its grouped_mm path refuses float64 on CPU)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
+                                                              attn_implementation="sdpa", experts_implementation="eager")
+    saved = load_file(directory / hf.WEIGHTS)
+    with torch.no_grad():
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if tensor.dtype != torch.float64 and name in saved:  # DeepSeek's router, kept in float32: as saved
+                tensor.data = saved[name]
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_family_imports_and_exports_with_transformers_logits(tmp_path, fp64_families, name):
+    directory = save_family(name, tmp_path / "hf")
+    spec, model_config, ours = hf.read_hf(directory)
+    assert spec.family == name and spec.hf.architecture == json.loads((directory / "config.json").read_text())[
+        "architectures"][0]
+    saved = load_file(directory / hf.WEIGHTS)
+    back = spec.hf.to_hf(model_config, ours)
+    assert back.keys() == saved.keys()
+    assert all(torch.equal(back[k], saved[k]) for k in saved)
+
+    expected = _logits(directory)
+    model = hf.load_hf(spec.builder(model_config, 7).double(), directory)
+    with torch.no_grad():
+        assert_same_logits(model(TOKENS), expected, f"{name} imported, one process")
+    out = hf.save_hf(model, tmp_path / "out" / "nested")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [spec.hf.architecture]
+    assert_same_logits(_logits(out), expected, f"{name} exported, reloaded")
+
+
+def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):
+    """Through the training path (one process: tp and pp refuse tied embeddings) and out again."""
+    directory = save_family("qwen2", tmp_path / "hf")
+    run = build(Config(init_hf=str(directory), model="qwen2-tiny", precision="fp64", progress=False),
+                Mesh.build(1, 1, 1, torch.device("cpu")))
+    checkpoints.restore(run)
+    assert run.model.head.weight is run.model.embed.weight
+    out = hf.save_hf(run.model, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    with safetensors.safe_open(out / hf.WEIGHTS, framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert_same_logits(hf_logits(out), hf_logits(directory), "tied qwen2 trained path, exported, reloaded")
+

@@ -1,0 +1,138 @@
+"""Qwen2, Qwen3, Mistral and Qwen3-MoE train under every parallel form as one process does (float64, 1e-9), Mistral's
+sliding window holding under tp, the cp ring and all-to-all and in the KV cache; a checkpoint saved at one
+layout resumes at another. The smallest layouts run by default, the rest in the slow set."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from trainmesh.app import checkpoints
+from trainmesh.app.train import build, full_state_dict, train
+from trainmesh.mesh import Mesh
+from trainmesh.models import preset, spec_of
+from trainmesh.models.cache import KVCache, causal_attention
+from trainmesh.models.llama import Llama
+from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
+from trainmesh.testing import run_ranks
+
+from helpers import check_equivalent, in_fp64
+from helpers import config as run_config
+
+_cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1)
+FAMILIES = ["qwen2-tiny", "qwen3-tiny", "mistral-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"]
+
+
+@pytest.mark.parametrize("name", [n if n in ("qwen3-tiny", "deepseek-v3-tiny") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FAMILIES])
+def test_recompute_keeps_each_familys_losses(name):
+    runs = {mode: train(in_fp64(_cfg(model=name, recompute=mode, steps=2)), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+            for mode in ("none", "selective", "full")}
+    for mode in ("selective", "full"):
+        assert max(abs(a - b) for a, b in zip(runs["none"].losses, runs[mode].losses)) <= 1e-12, mode
+
+
+def test_family_presets_are_llama_options():
+    assert {spec_of(n).family for n in ("qwen2-tiny", "qwen3-tiny", "mistral-tiny")} == {"qwen2", "qwen3", "mistral"}
+    assert preset("qwen2-tiny").qkv_bias and preset("qwen3-tiny").qk_norm and preset("mistral-tiny").sliding_window
+    qwen3 = Llama(preset("qwen3-tiny"))
+    assert qwen3.blocks["0"].attn.q_norm.weight.shape == (16,) and qwen3.blocks["0"].attn.qkv.bias is None
+    assert Llama(preset("qwen2-tiny")).blocks["0"].attn.qkv.bias.abs().sum() == 0
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_a_sliding_window_holds_in_the_rings_blockwise_merge(cp):
+    """Each cp rank's head-tail queries over every rank's key/value block, masked by global position and
+    pairs wholly outside the window skipped, against one masked attention, forward and backward."""
+    seq, window = 48, 5
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, seq, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    grad = torch.randn(2, 4, seq, 8, generator=gen, dtype=torch.float64)
+    ref = causal_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), window)
+    held = [local_positions(seq, cp, r) for r in range(cp)]
+    starts = [chunk_starts(seq, cp, r) for r in range(cp)]
+    parts = [blockwise_attention(q[:, :, idx], [k[:, :, i] for i in held], [v[:, :, i] for i in held], starts[r],
+                                 starts, window=window) for r, idx in enumerate(held)]
+    out = torch.cat(parts, 2).index_select(2, torch.argsort(torch.cat(held)))
+    assert (out - ref).abs().max() < 1e-12
+    for g, r in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert (g - r).abs().max() < 1e-12
+
+
+def test_mistral_decodes_past_its_window_with_the_kv_cache_as_without():
+    """Prefill 5 tokens, then one at a time to 24 (three windows of 8): each step's logits are the full
+    forward's at that position."""
+    model = Llama(preset("mistral-tiny"), seed=1).double()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, 24)
+        steps = [model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 24)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
+    no_window = Llama(dataclasses.replace(preset("mistral-tiny"), sliding_window=None), seed=1).double()
+    with torch.no_grad():
+        assert (no_window(tokens) - full)[:, 8:].abs().max() > 1e-3  # the window changes what is seen
+
+
+def test_qwen2_dp2_qwen3_tp2_sp_mistral_cp2_ring_and_a2a_qwen3_moe_ep2_and_deepseek_tp2_sp_match_single_process():
+    check_equivalent([_cfg(model="qwen2-tiny", dp=2), _cfg(model="qwen3-tiny", tp=2, sequence_parallel=True),
+                      _cfg(model="mistral-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a"),
+                      _cfg(model="qwen3-moe-tiny", dp=2, ep=2),
+                      _cfg(model="deepseek-v3-tiny", tp=2, sequence_parallel=True)], world_size=2)
+
+
+@pytest.mark.slow
+def test_every_family_at_dp2_zero3_tp2_sp_pp2_and_cp2_matches_single_process():
+    layouts = [dict(dp=2), dict(dp=2, zero=3), dict(tp=2), dict(tp=2, sequence_parallel=True),
+               dict(pp=2, microbatches=2), dict(cp=2), dict(cp=2, cp_impl="a2a")]
+    check_equivalent([_cfg(model=m, **layout) for m in ("qwen2-tiny", "qwen3-tiny", "mistral-tiny")
+                      for layout in layouts], world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_at_tp2_sp_pp2_cp2_and_ep2_zero1_matches_single_process():
+    check_equivalent([_cfg(model="qwen3-moe-tiny", **layout) for layout in (
+        dict(tp=2, sequence_parallel=True), dict(pp=2, microbatches=2), dict(cp=2), dict(dp=2, ep=2, zero=1))],
+        world_size=2, timeout=600)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_at_tp2_dp2_ep2_zero3_matches_single_process():
+    """No pp2: its stage 0 would hold only the dense first layer, and a stage without routed experts skips
+    the experts' gradient-norm all-reduce the other stage joins (``DataParallel.step``), so they hang."""
+    check_equivalent([_cfg(model="deepseek-v3-tiny", **layout) for layout in (
+        dict(tp=2), dict(dp=2, ep=2), dict(dp=2, zero=3))], world_size=2, timeout=600)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_decodes_with_the_kv_cache_as_without(name):
+    model = Llama(preset(name), seed=1).double()
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, 12)
+        steps = [model(tokens[:, :4], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(4, 12)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
+
+
+@pytest.mark.slow
+def test_families_at_tp2_cp2_and_dp2_pp2_match_single_process():
+    check_equivalent([_cfg(model=m, tp=2, cp=2, sequence_parallel=True) for m in ("qwen3-tiny", "mistral-tiny")]
+                     + [_cfg(model="qwen2-tiny", dp=2, pp=2, microbatches=2)], world_size=4, timeout=600)
+
+
+def _train_full_params(cfg) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    return full_state_dict(train(cfg).run)
+
+
+def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
+    """Saved by two cp ranks (the window kept by the ring), read back by one process, every tensor equal."""
+    cfg = dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2,
+                              checkpoint_dir=str(tmp_path))
+    trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
+    run = build(dataclasses.replace(cfg, nproc=1, cp=1, resume=True, steps=3), Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert checkpoints.restore(run).step == 2
+    loaded = full_state_dict(run)
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], t) for k, t in trained.items())
