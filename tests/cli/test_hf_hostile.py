@@ -43,11 +43,12 @@ def _save(model_class, cfg, directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    """A tiny random GPT-2 and Llama as ``save_pretrained`` writes them (a few KB each)."""
+    """A tiny random GPT-2 and Llama as ``save_pretrained`` writes them (a few KB each), of the byte
+    tokenizer's vocabulary so that `train --init-hf` reaches the checks on the folder itself."""
     root = tmp_path_factory.mktemp("hf")
-    gpt2 = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16,
+    gpt2 = transformers.GPT2Config(vocab_size=256, n_embd=16, n_layer=1, n_head=2, n_positions=16,
                                    bos_token_id=None, eos_token_id=None)
-    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+    llama = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
                                      bos_token_id=None, eos_token_id=None)
     return {"gpt2": _save(transformers.GPT2LMHeadModel, gpt2, root / "gpt2"),
