@@ -13,7 +13,8 @@ from trainmesh.plan.timing import layer_seconds
 # Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", 2024, Table 4 and 3.3.2): TP8, PP16 with one
 # block fewer on the first and the last stage, bf16, no activation checkpointing; (GPUs, cp, dp, sequence,
 # sequences per dp rank, published bf16 MFU, the error docs/planner.md states). Not published, and set
-# here: the interleaved schedule at 2 chunks per rank, ZeRO-1 and sequence parallelism.
+# here: the interleaved schedule at 2 chunks per rank, ZeRO-1 and sequence parallelism (the paper's one layer
+# per chunk, v = 8, has chunks holding only the embedding, which trainmesh does not run; docs/planner.md).
 LLAMA3 = [(8192, 1, 64, 8192, 32, 0.43, 0.10), (16384, 1, 128, 8192, 16, 0.41, 0.15),
           (16384, 16, 8, 131072, 16, 0.38, 0.10)]
 
