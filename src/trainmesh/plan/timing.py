@@ -172,9 +172,9 @@ def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t
 
 
 def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
-    """Seconds of one matmul: a block's linear at the peak of the workload's precision (FP8's under fp8,
-    :meth:`Cluster.peak_at`), any other at :func:`peak_flops`, each at its shape's :func:`gemm_efficiency`.
-    Under fp8 the others run in the bf16 the activations are held in (:data:`STORED_AS`)."""
+    """Seconds of one matmul at its shape's :func:`gemm_efficiency`: a block's linear at the peak of the
+    workload's precision (FP8's under fp8, :meth:`Cluster.peak_at`), any other at the peak of the dtype the
+    activations are held in (bf16 under fp8, :data:`STORED_AS`); the 16-bit peak where the device has none."""
     held = workload.precision if gemm.linear else STORED_AS.get(workload.precision, workload.precision)
     peak = cluster.peak_at(held) or cluster.peak_flops
     return gemm.flops / (peak * gemm_efficiency(cluster, gemm.dims))
