@@ -130,7 +130,8 @@ GPU_EFFICIENCY = (0.72, 160, 0.7)
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
 # (H100/H200/H800) NIC per GPU. H800 is the H100 with NVLink cut to 400 GB/s both ways (DeepSeek-V3 report,
-# arXiv 2412.19437, 3.1-3.2.2: H800 nodes of 8 GPUs, InfiniBand at 50 GB/s per GPU, NVLink measured at 160 GB/s). "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
+# arXiv 2412.19437, 3.1-3.2.2: H800 nodes of 8 GPUs, InfiniBand at 50 GB/s per GPU, NVLink measured at 160 GB/s).
+# "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
 # ``python -m trainmesh_bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
 # 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
 # hand work over on the cores the ranks compute on); across hosts no better than that.
