@@ -32,6 +32,7 @@ class DevicePeak:
 DEVICE_PEAKS: dict[str, DevicePeak] = {
     "H200": DevicePeak(989e12, 67e12, 1979e12),
     "H100": DevicePeak(989e12, 67e12, 1979e12),
+    "H800": DevicePeak(989e12, 67e12, 1979e12),  # H100's compute; the export part has slower links
     "A100": DevicePeak(312e12, 19.5e12),
     "L40S": DevicePeak(362e12, 91.6e12, 733e12),
     "L4": DevicePeak(121e12, 30.3e12, 242e12),
@@ -128,7 +129,9 @@ GPU_EFFICIENCY = (0.72, 160, 0.7)
 
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
-# (H100/H200) NIC per GPU. "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
+# (H100/H200/H800) NIC per GPU. H800 is the H100 with NVLink cut to 400 GB/s both ways (DeepSeek-V3 report,
+# arXiv 2412.19437, 3.1-3.2.2: H800 nodes of 8 GPUs, InfiniBand at 50 GB/s per GPU, NVLink measured at 160 GB/s).
+# "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
 # ``python -m trainmesh_bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
 # 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
 # hand work over on the cores the ranks compute on); across hosts no better than that.
@@ -137,6 +140,7 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
     "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
     "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
+    "h800-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H800"], 200e9, 50e9),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
                    gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,
@@ -172,7 +176,7 @@ def make_cluster(
 
 # torch.cuda.get_device_name() substrings -> cluster presets; an unknown GPU is planned as an A100 with its
 # own memory size.
-GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb"}
+GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "H800": "h800-80gb", "A100": "a100-80gb"}
 
 
 def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:

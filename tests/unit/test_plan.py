@@ -398,7 +398,7 @@ def test_predicted_tflops_match_megatron_weak_scaling_within_10_percent(
     assert predicted.tflops_per_device == pytest.approx(published, rel=0.10)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp8"])
 def test_the_planner_and_the_runtime_count_the_same_model_flops_over_the_same_peak(precision: str) -> None:
     """The MFU a planned gpt2-124m step predicts is what ``train`` reports for that step time on an H100."""
     work, cluster = Workload(model_shape("gpt2-124m"), 64, 1024, precision), make_cluster("h100-80gb", 8)
@@ -406,7 +406,7 @@ def test_the_planner_and_the_runtime_count_the_same_model_flops_over_the_same_pe
     m, peak = PRESETS["gpt2-124m"], device_peak("NVIDIA H100 80GB HBM3").at(precision)
     flops = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, m.seq_len)
     assert planned.mfu == pytest.approx(mfu(planned.tokens_per_s, flops, 8, peak / 1e12), rel=1e-12)
-    assert peak == (cluster.peak_flops_fp32 if precision == "fp32" else cluster.peak_flops)
+    assert peak == {"fp32": cluster.peak_flops_fp32, "bf16": cluster.peak_flops, "fp8": cluster.peak_flops_fp8}[precision]
 
 
 def test_zero3_without_model_parallelism_scales_worse_than_ptd() -> None:
@@ -606,6 +606,7 @@ def test_plan_auto_says_how_to_fix_a_world_where_nothing_fits() -> None:
 @pytest.mark.parametrize(
     "name,memory,preset",
     [("NVIDIA H200", 143 * 10**9, "h200-141gb"), ("NVIDIA H100 80GB HBM3", 80 * GIB, "h100-80gb"),
+     ("NVIDIA H800", 80 * GIB, "h800-80gb"),
      ("NVIDIA A100-SXM4-40GB", 40 * GIB, "a100-40gb"), ("NVIDIA L4", 24 * GIB, "a100-80gb")],
 )
 def test_the_local_cluster_follows_the_gpu_name_and_its_memory(name: str, memory: int, preset: str) -> None:

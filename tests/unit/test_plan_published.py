@@ -13,7 +13,8 @@ from trainmesh.plan.timing import layer_seconds
 # Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", 2024, Table 4 and 3.3.2): TP8, PP16 with one
 # block fewer on the first and the last stage, bf16, no activation checkpointing; (GPUs, cp, dp, sequence,
 # sequences per dp rank, published bf16 MFU, the error docs/planner.md states). Not published, and set
-# here: the interleaved schedule at 2 chunks per rank, ZeRO-1 and sequence parallelism.
+# here: the interleaved schedule at 2 chunks per rank, ZeRO-1 and sequence parallelism (the paper's one layer
+# per chunk, v = 8, has chunks holding only the embedding, which trainmesh does not run; docs/planner.md).
 LLAMA3 = [(8192, 1, 64, 8192, 32, 0.43, 0.10), (16384, 1, 128, 8192, 16, 0.41, 0.15),
           (16384, 16, 8, 131072, 16, 0.38, 0.10)]
 
@@ -33,13 +34,14 @@ def test_llama3_405b_mfu_within_the_stated_error(gpus: int, cp: int, dp: int, se
 
 
 def test_deepseek_v3_throughput_within_the_stated_error() -> None:
-    """DeepSeek-V3 technical report (arXiv 2412.19437, 3.1-3.2 and Table 1): 2048 H800s (H100 compute, NVLink
-    at 400 GB/s both ways, so 200 each way), PP16, EP64 over 8 nodes, ZeRO-1 data parallelism, no TP, sequence
-    4096, batch 15360; 180K H800 hours per trillion tokens, 1543 tokens/s per GPU. Set here: the zero-bubble
-    schedule for DualPipe, no recomputation. The planner is 54 % slow: it exposes the expert all-to-all that
-    DualPipe overlaps, and prices the FP8 GEMMs at the bf16 peak."""
-    work = Workload(model_shape("deepseek-v3"), 15360, 4096, "bf16")
-    cluster = make_cluster("h100-80gb", 2048, intra_gbps=200)
+    """DeepSeek-V3 technical report (arXiv 2412.19437, 3.1-3.3 and Table 1): 2048 H800s, PP16 under DualPipe,
+    EP64 over 8 nodes, ZeRO-1 data parallelism, no TP, FP8 mixed precision, sequence 4096, batch 15360;
+    180K H800 hours per trillion tokens, 1543 tokens/s per GPU. DualPipe pairs micro-batches so their
+    all-to-alls overlap compute (``a2a_overlap``); its bubble is priced as ZB-H1's. Set here: no
+    recomputation. The planner is 30 % slow: the all-to-all it prices exceeds the compute that hides it."""
+    work = Workload(model_shape("deepseek-v3"), 15360, 4096, "fp8")
+    cluster = make_cluster("h800-80gb", 2048)
     split = fastest_split(*layer_seconds(work, Layout(dp=128, ep=64, microbatches=120), cluster), 16)
-    layout = Layout(dp=128, pp=16, ep=64, zero=1, microbatches=120, schedule="zb", stage_layers=split)
-    assert estimate(work, layout, cluster).tokens_per_s / 2048 == pytest.approx(1543, rel=0.54)
+    layout = Layout(dp=128, pp=16, ep=64, zero=1, microbatches=120, schedule="zb", stage_layers=split,
+                    a2a_overlap=True)
+    assert estimate(work, layout, cluster).tokens_per_s / 2048 == pytest.approx(1543, rel=0.31)

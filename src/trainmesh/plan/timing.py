@@ -1,6 +1,7 @@
 """Time of one step: each matmul at its own efficiency, the collectives of every axis (tp, cp, ep, pp, dp)
 on the critical path, and the pipeline's bubble. Communication is assumed not to overlap compute, except
-where noted (the ring's messages behind attention).
+where noted (the ring's messages behind attention; the expert all-to-all behind another micro-batch's
+compute where the schedule pairs them, ``Layout.a2a_overlap``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from trainmesh.plan.memory import (Unit, candidate_stages, expert_unit, router_a
                                    stage_expert_units, stage_units)
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
-from trainmesh.state_bytes import DTYPE_BYTES, FULL_PRECISIONS
+from trainmesh.state_bytes import DTYPE_BYTES, STORED_AS
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,14 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
 
 @dataclass(frozen=True)
 class Gemm:
-    """One matmul of a forward pass on one rank: its FLOPs and its (m, k, n) after the tp split."""
+    """One matmul of a forward pass on one rank: its FLOPs, its (m, k, n) after the tp split, and whether it
+    is a block's linear layer, the matmuls ``precision="fp8"`` runs in float8 (the attention core, the router
+    and the head stay bf16, as :attr:`trainmesh.models.spec.ModelSpec.high_precision` keeps them and
+    DeepSeek-V3's FP8 recipe does [DSV3, 3.3.1])."""
 
     flops: float
     dims: tuple[int, int, int]
+    linear: bool = True
 
 
 def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
@@ -130,14 +135,14 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
         "qkv": Gemm(2 * tokens * (attention_weights(m) - values * h) / t, _qkv_dims(m, tokens, t)),
         "proj": Gemm(2 * tokens * values * h / t, (tokens, values // t, h)),
         "attention": Gemm(2 * tokens * workload.seq_len * m.n_heads * (qk + v) / t * causal_share(m),
-                          (s_local, qk, workload.seq_len)),
+                          (s_local, qk, workload.seq_len), linear=False),
     }
     inputs = 2 if m.gated_mlp else 1
     if not moe:
         return gemms | _mlp_gemms("mlp", tokens, tokens, m.d_ff, inputs, h, t)
     routed = moe_tokens(workload, layout)
     rows = max(1, layout.ep * routed * m.top_k // m.n_experts)
-    gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts))
+    gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts), linear=False)
     gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1)
     if m.n_shared_experts:
         gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
@@ -167,7 +172,12 @@ def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t
 
 
 def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
-    return gemm.flops / (peak_flops(workload, cluster) * gemm_efficiency(cluster, gemm.dims))
+    """Seconds of one matmul at its shape's :func:`gemm_efficiency`: a block's linear at the peak of the
+    workload's precision (FP8's under fp8, :meth:`Cluster.peak_at`), any other at the peak of the dtype the
+    activations are held in (bf16 under fp8, :data:`STORED_AS`); the 16-bit peak where the device has none."""
+    held = workload.precision if gemm.linear else STORED_AS.get(workload.precision, workload.precision)
+    peak = cluster.peak_at(held) or cluster.peak_flops
+    return gemm.flops / (peak * gemm_efficiency(cluster, gemm.dims))
 
 
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
@@ -185,7 +195,7 @@ def head_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
     m = workload.model
     tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
     head = Gemm(head_flops_per_token(m.d_model, m.vocab_size) * tokens / layout.tp,
-                (tokens, m.d_model, m.vocab_size // layout.tp))
+                (tokens, m.d_model, m.vocab_size // layout.tp), linear=False)
     return 3 * gemm_time(head, workload, cluster)
 
 
@@ -309,6 +319,16 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
     return calls * (layout.ep - 1) * alpha + sent / bw
 
 
+def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
+    """What of one micro-batch's expert all-to-alls (:func:`_ep_time_per_micro`) shows on a rank of ``stage``
+    whose compute per micro-batch is ``compute``: all of it, unless the schedule pairs micro-batches
+    (``layout.a2a_overlap``): then a micro-batch's dispatch and combine run while the paired one computes, as
+    DualPipe overlaps a forward chunk's all-to-alls with a backward chunk's compute and the other way round
+    [DSV3, 3.2.1], and only what exceeds that compute shows, max(0, a2a - compute)."""
+    a2a = _ep_time_per_micro(workload, layout, cluster, stage)
+    return max(0.0, a2a - compute) if layout.a2a_overlap else a2a
+
+
 def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """Data-parallel traffic of one step [ZeRO, sec. 7].
 
@@ -345,8 +365,10 @@ def _dp_group_time(units: tuple[tuple[Unit, int], ...], n: int, workload: Worklo
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:
-    """fp64 counts at the fp32 peak: A100's and H100's fp64 tensor cores match their fp32 rate."""
-    return cluster.peak_flops_fp32 if workload.precision in FULL_PRECISIONS else cluster.peak_flops
+    """The peak MFU divides by, as the runtime's MFU does (:func:`trainmesh.metrics.peak_tflops`): the
+    precision's (fp64 at the fp32 peak: A100's and H100's fp64 tensor cores match their fp32 rate; fp8 at
+    the FP8 one), the 16-bit peak on a device without FP8 tensor cores (CPU ranks emulate float8)."""
+    return cluster.peak_at(workload.precision) or cluster.peak_flops
 
 
 def most_blocks(workload: Workload, layout: Layout) -> int:
@@ -368,8 +390,7 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     check_layout(workload, layout)
     m = layout.microbatches
     kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)
-    per_stage = {s: (micro_compute_time(workload, layout, cluster, s), _tp_time_per_micro(workload, layout, cluster, s),
-                     _ep_time_per_micro(workload, layout, cluster, s)) for s, _ in kinds}
+    per_stage = {s: _stage_micro_times(workload, layout, cluster, s) for s, _ in kinds}
     compute = m * max(c for c, _, _ in per_stage.values())
     tp = m * max(t for _, t, _ in per_stage.values())
     pp_time = m * _pp_time_per_micro(workload, layout, cluster)
@@ -381,6 +402,13 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     dp = max(dp_time(workload, layout, cluster, s) for s in per_stage)
     cp = m * _cp_time_per_micro(workload, layout, cluster)
     return TimeBreakdown(compute, dp, tp, pp_time, bubble, cp, ep)
+
+
+def _stage_micro_times(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> tuple[float, float, float]:
+    """(compute, tp, exposed ep) seconds of one micro-batch on a rank of ``stage``."""
+    compute = micro_compute_time(workload, layout, cluster, stage)
+    return (compute, _tp_time_per_micro(workload, layout, cluster, stage),
+            exposed_ep_time(workload, layout, cluster, stage, compute))
 
 
 def pipeline_bubble(stage_times: list[float], layout: Layout) -> float:

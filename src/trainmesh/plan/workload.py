@@ -63,7 +63,10 @@ class Layout:
     the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
     ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it);
     ``stage_layers`` gives the blocks of each of the pp x virtual chunks (``--stage-layers``; empty: the
-    runtime's own split, :func:`stage_split`).
+    runtime's own split, :func:`stage_split`). ``a2a_overlap`` says the pipeline schedule computes another
+    micro-batch while one's expert all-to-all is in flight, as DualPipe pairs a forward and a backward chunk
+    of different micro-batches [DeepSeek-V3, 3.2.1]; trainmesh's own schedules run one pass at a time, so
+    the search leaves it off and it serves to price a published run whose schedule does.
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
     (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
@@ -82,6 +85,7 @@ class Layout:
     cp_impl: str = Settings.cp_impl
     ep: int = 1
     stage_layers: tuple[int, ...] = ()
+    a2a_overlap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
@@ -115,9 +119,9 @@ def local_seq(workload: Workload, layout: Layout) -> int:
 @functools.lru_cache(maxsize=2**16)  # every estimate of a layout checks it again; a search checks thousands
 def check_layout(workload: Workload, layout: Layout) -> None:
     """Raise early, with the fix, when the layout cannot run this workload: the layout's rules on the model
-    (at the workload's sequence length, stage splits included), then whole micro-batches."""
+    (at the workload's sequence length and precision, stage splits included), then whole micro-batches."""
     lay = layout
-    validate(lay.settings, workload.shape)
+    validate(dataclasses.replace(lay.settings, precision=workload.precision), workload.shape)
     if workload.global_batch % (lay.dp * lay.microbatches):
         raise ValueError(
             f"global_batch={workload.global_batch} is not divisible by dp*microbatches="

@@ -1,0 +1,51 @@
+"""The step-time model's precision and overlap: FP8 block linears at the FP8 peak, everything else at the
+16-bit one, and the expert all-to-all hidden behind a paired micro-batch's compute where the schedule
+pairs them (DualPipe)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainmesh.layout import LayoutError
+from trainmesh.models import ModelShape
+from trainmesh.plan import Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
+from trainmesh.plan.timing import gemm_time, head_seconds
+
+
+@pytest.mark.parametrize("gpu,speedup", [("h100-80gb", 1979 / 989), ("h800-80gb", 1979 / 989), ("a100-80gb", 1.0)])
+def test_fp8_runs_the_block_linears_at_the_fp8_peak_and_the_core_router_and_head_in_bf16(gpu: str,
+                                                                                         speedup: float) -> None:
+    """H100/H800 double the dense rate in FP8 (1979 vs 989 TFLOP/s); an A100 has no FP8 tensor cores, so
+    an fp8 plan for it is no faster than bf16."""
+    shape, cluster, layout = model_shape("deepseek-v3"), make_cluster(gpu, 8), Layout(dp=8, ep=8)
+    fp8, bf16 = Workload(shape, 8, 4096, "fp8"), Workload(shape, 8, 4096, "bf16")
+    for name, gemm in block_gemms(bf16, layout, moe=True).items():
+        ratio = gemm_time(gemm, bf16, cluster) / gemm_time(gemm, fp8, cluster)
+        assert ratio == pytest.approx(speedup if name not in ("attention", "router") else 1.0, rel=1e-12), name
+    assert head_seconds(fp8, layout, cluster) == head_seconds(bf16, layout, cluster)
+
+
+def test_fp8_with_tensor_parallelism_is_refused_as_train_refuses_it() -> None:
+    work = Workload(model_shape("llama3-8b"), 8, 4096, "fp8")
+    with pytest.raises(LayoutError, match="precision.*fp8.*tp"):
+        check_layout(work, Layout(dp=4, tp=2))
+    check_layout(work, Layout(dp=8))
+
+
+def _moe() -> ModelShape:
+    return ModelShape(4, 256, 4, 704, 256, 512, gated_mlp=True, bias=False, learned_positions=False,
+                      n_kv_heads=2, n_experts=8, top_k=2, d_ff_expert=192)
+
+
+@pytest.mark.parametrize("link_gbps", [1.0, 1000.0])
+def test_paired_micro_batches_hide_the_all_to_all_up_to_their_compute(link_gbps: float) -> None:
+    """Exposed ep time is max(0, a2a - compute) per micro-batch: on a slow link what exceeds the compute,
+    on a fast one nothing; the rest of the step is unchanged."""
+    work, cluster = Workload(_moe(), 16, 512, "bf16"), make_cluster("h100-80gb", 4, intra_gbps=link_gbps)
+    plain = step_time(work, Layout(dp=4, ep=4, microbatches=2), cluster)
+    paired = step_time(work, Layout(dp=4, ep=4, microbatches=2, a2a_overlap=True), cluster)
+    assert plain.ep_comm > 0
+    assert paired.ep_comm == pytest.approx(max(0.0, plain.ep_comm - plain.compute), rel=1e-12)
+    assert dataclasses.replace(paired, ep_comm=0) == dataclasses.replace(plain, ep_comm=0)
