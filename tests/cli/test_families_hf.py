@@ -1,6 +1,7 @@
 """Qwen2, Qwen3, Mistral, Qwen3-MoE and DeepSeek-V3 in and out of Hugging Face: a random ``Qwen2ForCausalLM``
-(tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM``, ``MistralForCausalLM`` (a 4-token window in 16-token
-sequences), ``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
+(tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM`` (heads twice hidden / heads wide),
+``MistralForCausalLM`` (a 4-token window in 16-token sequences, heads half hidden / heads wide),
+``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
 interleaved rotary weights, a sigmoid router with a random selection bias, a shared expert, a dense first layer)
 written by ``save_pretrained`` give transformers' own logits once imported, and the same logits once
 exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
@@ -34,8 +35,9 @@ SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
              initializer_range=0.2)
 CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=False),
-    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=4, tie_word_embeddings=False),
+    # Heads wider (Qwen3, as its 0.6B and 4B) and narrower (Mistral, as Mistral-Nemo) than hidden / heads = 16.
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=8, sliding_window=4, tie_word_embeddings=False),
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, norm_topk_prob=True,
                                                      mlp_only_layers=[0], tie_word_embeddings=False),
