@@ -173,3 +173,6 @@ def test_plan_takes_an_hf_config_whose_heads_are_not_hidden_over_heads(tmp_path:
     assert shape.attention_width == 2048 and shape.n_params() - 151936 * 1024 == pytest.approx(0.44e9, rel=0.01)
     lines = _plan(f"--hf-config {tmp_path} --gpus 8 --gpu h100-80gb --global-batch 8 --top 1")
     assert lines[0].startswith(f"{shape.n_params() / 1e6:.1f}M params")
+    flags = _plan("--layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --ffn 3072 --vocab 151936 "
+                  "--seq 4096 --mlp swiglu --tied --gpus 8 --gpu h100-80gb --global-batch 8 --top 1")
+    assert flags[0].startswith(f"{dataclasses.replace(shape, qk_norm=False).n_params() / 1e6:.1f}M params")
