@@ -44,7 +44,7 @@ CONFIGS = {
     # Heads wider (Qwen3, as its 0.6B and 4B) and narrower (Mistral, as Mistral-Nemo) than hidden / heads = 16.
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=8, sliding_window=4, tie_word_embeddings=False),
-    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2,
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, norm_topk_prob=True,
                                                      mlp_only_layers=[0], tie_word_embeddings=False),
     "deepseek-v3": lambda: transformers.DeepseekV3Config(

@@ -32,7 +32,7 @@ TINY_HF = {  # model_type -> (transformers config class, its fields): small, eve
     "qwen2": ("Qwen2Config", BASE),
     "qwen3": ("Qwen3Config", {**BASE, "head_dim": 32}),  # and wider, as Qwen3-0.6B's
     "mixtral": ("MixtralConfig", {**BASE, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("Qwen3MoeConfig", {**BASE, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    "qwen3_moe": ("Qwen3MoeConfig", {**BASE, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32}),
     "deepseek_v3": ("DeepseekV3Config", {**BASE, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
                                          "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
