@@ -88,13 +88,16 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> 
 
 
 def block_flops_per_token(d_model: int, d_ff: int, seq_len: int, gated_mlp: bool = False,
-                          qkv_width: int | None = None) -> int:
+                          qkv_width: int | None = None, attention_width: int | None = None) -> int:
     """Forward FLOPs of one transformer block per token: 2 per weight of its matmuls (4h^2 in attention,
     2hf in the MLP, 3hf when gated) and 4sh for QK^T and AV (Narayanan et al., 2021, Megatron-LM, appendix
     "FLOPs"). Biases, norms and the softmax are left out, as there. ``qkv_width`` is the q/k/v projection's
-    output width, 3h unless grouped-query attention shares K/V heads (h + 2·kv_heads·head_dim)."""
-    weights = ((qkv_width or 3 * d_model) + d_model) * d_model + (3 if gated_mlp else 2) * d_model * d_ff
-    return 2 * weights + 4 * seq_len * d_model
+    output width, 3h unless grouped-query attention shares K/V heads (h + 2·kv_heads·head_dim);
+    ``attention_width`` the query heads' (n_heads·head_dim, h unless head_dim is set apart from h/n_heads),
+    which the output projection takes in and QK^T and AV multiply over (4s·n_heads·head_dim)."""
+    heads = attention_width or d_model
+    weights = ((qkv_width or 3 * d_model) + heads) * d_model + (3 if gated_mlp else 2) * d_model * d_ff
+    return 2 * weights + 4 * seq_len * heads
 
 
 def head_flops_per_token(d_model: int, vocab_size: int) -> int:
@@ -103,12 +106,13 @@ def head_flops_per_token(d_model: int, vocab_size: int) -> int:
 
 
 def model_flops_per_token(n_layers: int, d_model: int, d_ff: int, vocab_size: int, seq_len: int,
-                          gated_mlp: bool = False, qkv_width: int | None = None) -> int:
+                          gated_mlp: bool = False, qkv_width: int | None = None,
+                          attention_width: int | None = None) -> int:
     """Training FLOPs per token that MFU counts: forward and backward (twice the forward) of every block and
     the head, without recomputation (Chowdhery et al., 2022, PaLM, appendix B: 6N + 12LHQT); embedding
     lookups are free. The planner's step FLOPs are built on the same functions."""
-    forward = n_layers * block_flops_per_token(d_model, d_ff, seq_len, gated_mlp, qkv_width) + head_flops_per_token(
-        d_model, vocab_size)
+    block = block_flops_per_token(d_model, d_ff, seq_len, gated_mlp, qkv_width, attention_width)
+    forward = n_layers * block + head_flops_per_token(d_model, vocab_size)
     return 3 * forward
 
 

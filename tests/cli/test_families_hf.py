@@ -1,6 +1,7 @@
 """Qwen2, Qwen3, Mistral, Qwen3-MoE and DeepSeek-V3 in and out of Hugging Face: a random ``Qwen2ForCausalLM``
-(tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM``, ``MistralForCausalLM`` (a 4-token window in 16-token
-sequences), ``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
+(tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM`` (heads twice hidden / heads wide),
+``MistralForCausalLM`` (a 4-token window in 16-token sequences, heads half hidden / heads wide),
+``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
 interleaved rotary weights, a sigmoid router with a random selection bias, a shared expert, a dense first layer)
 written by ``save_pretrained`` give transformers' own logits once imported, and the same logits once
 exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
@@ -10,6 +11,7 @@ lifted to the model's dtype as in ``test_hf.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,9 +22,14 @@ from safetensors.torch import load_file
 
 import test_hf
 from test_hf import TOKENS, _randomize, assert_same_logits, hf_logits
+from helpers import config
 from trainmesh.app import checkpoints
+from trainmesh.app.cli import main
 from trainmesh.app.config import Config
-from trainmesh.app.train import build
+from trainmesh.app.generate import load_model
+from trainmesh.app.train import build, train
+from trainmesh.checkpoint import read_manifest, recorded_model, step_dir
+from trainmesh.checkpoint.manifest import check_manifest
 from trainmesh.mesh import Mesh
 from trainmesh.models import hf
 
@@ -34,9 +41,10 @@ SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_la
              initializer_range=0.2)
 CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=False),
-    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=4, tie_word_embeddings=False),
-    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2,
+    # Heads wider (Qwen3, as its 0.6B and 4B) and narrower (Mistral, as Mistral-Nemo) than hidden / heads = 16.
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=8, sliding_window=4, tie_word_embeddings=False),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, norm_topk_prob=True,
                                                      mlp_only_layers=[0], tie_word_embeddings=False),
     "deepseek-v3": lambda: transformers.DeepseekV3Config(
@@ -141,3 +149,22 @@ def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):
         assert "lm_head.weight" not in f.keys()
     assert_same_logits(hf_logits(out), hf_logits(directory), "tied qwen2 trained path, exported, reloaded")
 
+
+
+def test_a_qwen3_with_wide_heads_trains_from_hf_and_exports_them(tmp_path, fp64_families):
+    """Heads twice hidden / heads wide: the manifest records ``head_dim`` (a manifest from before it reads as
+    the default), and ``export --hf`` writes it, so transformers gives the trained checkpoint's logits."""
+    directory, ckpt, out = save_family("qwen3", tmp_path / "hf"), tmp_path / "ckpt", tmp_path / "out"
+    train(config(init_hf=str(directory), model="qwen3-tiny", precision="fp64", steps=1, global_batch=2, seq_len=16,
+                 warmup_steps=0, checkpoint_dir=str(ckpt)), Mesh.build(1, 1, 1, torch.device("cpu")))
+    step = step_dir(ckpt, 1)
+    manifest = read_manifest(step)
+    assert manifest["model"]["head_dim"] == 32
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["head_dim"] == 32
+    model, _ = load_model(step, torch.device("cpu"))
+    with torch.no_grad():
+        assert_same_logits(model(TOKENS), _logits(out), "qwen3 head_dim 32 trained from HF, exported")
+    older = {**manifest, "model": {k: v for k, v in manifest["model"].items() if k != "head_dim"}}
+    check_manifest(older, step.name)
+    assert recorded_model(older, step)[1] == dataclasses.replace(recorded_model(manifest, step)[1], head_dim=None)

@@ -116,7 +116,7 @@ def test_llama_qkv_fusion_puts_each_query_head_with_its_kv_head():
     """Rows labelled by head: fused group g holds query heads 2g and 2g+1 (group 2), then K_g, then V_g,
     the pairing HF's ``repeat_kv`` uses (query head j attends with KV head j // group)."""
     cfg = llama.LlamaConfig(n_layers=1, d_model=8, n_heads=4, n_kv_heads=2, d_ff=8, vocab_size=8, seq_len=4)
-    hd = cfg.head_dim
+    hd = cfg.head_size
     q = torch.arange(4).repeat_interleave(hd)[:, None].expand(-1, 8).double()
     k = 10 + torch.arange(2).repeat_interleave(hd)[:, None].expand(-1, 8).double()
     v = 20 + torch.arange(2).repeat_interleave(hd)[:, None].expand(-1, 8).double()

@@ -1,6 +1,7 @@
 """Qwen2, Qwen3, Mistral and Qwen3-MoE train under every parallel form as one process does (float64, 1e-9), Mistral's
-sliding window holding under tp, the cp ring and all-to-all and in the KV cache; a checkpoint saved at one
-layout resumes at another. The smallest layouts run by default, the rest in the slow set."""
+sliding window holding under tp, the cp ring and all-to-all and in the KV cache, Qwen3's heads (twice
+d_model / n_heads wide in ``qwen3-tiny``) under tp, cp and pp; a checkpoint saved at one layout resumes at
+another. The smallest layouts run by default, the rest in the slow set."""
 
 import dataclasses
 import functools
@@ -37,7 +38,9 @@ def test_family_presets_are_llama_options():
     assert {spec_of(n).family for n in ("qwen2-tiny", "qwen3-tiny", "mistral-tiny")} == {"qwen2", "qwen3", "mistral"}
     assert preset("qwen2-tiny").qkv_bias and preset("qwen3-tiny").qk_norm and preset("mistral-tiny").sliding_window
     qwen3 = Llama(preset("qwen3-tiny"))
-    assert qwen3.blocks["0"].attn.q_norm.weight.shape == (16,) and qwen3.blocks["0"].attn.qkv.bias is None
+    # Heads of 32, twice d_model / n_heads, as Qwen3-0.6B's: queries 128 wide, ``o`` back to 64.
+    assert qwen3.blocks["0"].attn.q_norm.weight.shape == (32,) and qwen3.blocks["0"].attn.qkv.bias is None
+    assert qwen3.blocks["0"].attn.qkv.weight.shape == (256, 64) and qwen3.blocks["0"].attn.o.weight.shape == (64, 128)
     assert Llama(preset("qwen2-tiny")).blocks["0"].attn.qkv.bias.abs().sum() == 0
 
 

@@ -1,6 +1,6 @@
-"""transformers' own Qwen2, Qwen3 and Mistral (its sliding window of 4 in 16-token sequences) objects through
-``tm.parallelize`` with no plan or layout: recognised as families, trained at tp2+SP as their own forward
-trains in plain torch (float64, 1e-9)."""
+"""transformers' own Qwen2, Qwen3 (heads twice hidden / heads wide) and Mistral (its sliding window of 4 in
+16-token sequences) objects through ``tm.parallelize`` with no plan or layout: recognised as families, trained
+at tp2+SP as their own forward trains in plain torch (float64, 1e-9)."""
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ def _build(config_class, **extra):
 
 
 test_api.BUILDERS.update({"hf_qwen2": _build(transformers.Qwen2Config),
-                          "hf_qwen3": _build(transformers.Qwen3Config, head_dim=16),
+                          "hf_qwen3": _build(transformers.Qwen3Config, head_dim=32),  # twice 64 / 4, as Qwen3's
                           "hf_mistral": _build(transformers.MistralConfig, sliding_window=4)})
 
 
@@ -44,6 +44,8 @@ def test_hf_objects_of_the_families_are_recognised():
         assert models.spec_for(model).family == family
     assert models.spec_for(test_api.BUILDERS["hf_mistral"]()).shape(
         test_api.BUILDERS["hf_mistral"]().config).sliding_window == 4
+    qwen3 = test_api.BUILDERS["hf_qwen3"]()
+    assert models.spec_for(qwen3).shape(qwen3.config).qkv_width == (4 + 2 * 2) * 32
 
 
 @pytest.mark.parametrize("names", [("hf_mistral",), pytest.param(("hf_qwen2", "hf_qwen3"), marks=pytest.mark.slow)])

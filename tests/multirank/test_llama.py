@@ -61,7 +61,7 @@ def _reference_attention(attn: Attention, x: torch.Tensor, n_heads: int, n_kv: i
     """Attention written head by head: query head j attends with KV head j // (n_heads / n_kv), explicit
     causal softmax, weights read from the grouped qkv layout [q of group g | k_g | v_g] per KV head."""
     t, d = x.shape[1], x.shape[2]
-    hd, group = d // n_heads, n_heads // n_kv
+    hd, group = attn.head_dim, n_heads // n_kv
     w = attn.qkv.weight.view(n_kv, group + 2, hd, d)
     cos, sin = rotary_angles(t, hd, attn.theta, x.dtype, x.device)
     mask = torch.ones(t, t, dtype=torch.bool).tril()
@@ -76,16 +76,19 @@ def _reference_attention(attn: Attention, x: torch.Tensor, n_heads: int, n_kv: i
     return attn.o(torch.cat(heads, dim=-1)).unsqueeze(0)
 
 
+@pytest.mark.parametrize("head_dim", [None, 8, 32])
 @pytest.mark.parametrize("n_kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_attention_pairs_each_query_head_with_its_kv_head(n_kv):
-    cfg = dataclasses.replace(TINY, n_kv_heads=n_kv)
+def test_attention_pairs_each_query_head_with_its_kv_head(n_kv, head_dim):
+    """Also with heads narrower (Mistral-Nemo) and wider (Qwen3) than d_model / n_heads: ``o`` then maps
+    n_heads * head_dim features back to d_model."""
+    cfg = dataclasses.replace(TINY, n_kv_heads=n_kv, head_dim=head_dim)
     attn = Llama(cfg, seed=1).double().blocks["0"].attn
     x = torch.randn(1, 12, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(attn(x), _reference_attention(attn, x, cfg.n_heads, n_kv), rtol=0, atol=1e-12)
 
 
 def test_tp_shard_of_the_grouped_qkv_holds_whole_kv_groups():
-    hd, group, n_kv = TINY.head_dim, TINY.group, TINY.n_kv_heads
+    hd, group, n_kv = TINY.head_size, TINY.group, TINY.n_kv_heads
     rows = torch.arange(float(Llama(TINY).blocks["0"].attn.qkv.weight.shape[0])).unsqueeze(1)
     per_group = (group + 2) * hd
     for rank in range(2):

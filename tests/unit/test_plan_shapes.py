@@ -5,28 +5,34 @@ shape flags; latent attention's key/value traffic."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainmesh.app import cli
 from trainmesh.app.config import config_from_args
 from trainmesh.app.planning import add_plan_arguments, layout_of, plan_from_args, workload_of
-from trainmesh.models import SPECS
+from trainmesh.metrics import model_flops_per_token
+from trainmesh.models import SPECS, preset
+from trainmesh.models.llama import Llama
 from trainmesh.plan import Layout, Workload, active_params, cp_bytes_per_micro, model_shape
+from trainmesh.plan.flops import block_forward_flops
+from trainmesh.plan.memory import params_per_tp_rank
 from trainmesh.plan.hf_shape import READERS, read_hf_shape, shape_of_hf_config
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=64)
 TINY_HF = {  # model_type -> (transformers config class, its fields): small, every variant switched on
     "llama": ("LlamaConfig", BASE),
-    "mistral": ("MistralConfig", {**BASE, "sliding_window": 16}),
+    "mistral": ("MistralConfig", {**BASE, "sliding_window": 16, "head_dim": 8}),  # heads narrower than 64 / 4
     "qwen2": ("Qwen2Config", BASE),
-    "qwen3": ("Qwen3Config", {**BASE, "head_dim": 16}),
+    "qwen3": ("Qwen3Config", {**BASE, "head_dim": 32}),  # and wider, as Qwen3-0.6B's
     "mixtral": ("MixtralConfig", {**BASE, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3_moe": ("Qwen3MoeConfig", {**BASE, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    "qwen3_moe": ("Qwen3MoeConfig", {**BASE, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32}),
     "deepseek_v3": ("DeepseekV3Config", {**BASE, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
                                          "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
@@ -64,14 +70,15 @@ def test_the_planners_count_is_trainmeshs_built_modules_for_every_family(spec) -
 
 @pytest.mark.parametrize("name,total,active,active_bound", [
     ("llama3-8b", 8.03e9, None, 0), ("llama3-70b", 70.6e9, None, 0), ("llama3-405b", 405.9e9, None, 0),
-    ("mixtral-8x7b", 46.7e9, 12.9e9, 0.01),
+    ("mixtral-8x7b", 46.7e9, 12.9e9, 0.01), ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),
     # "37B activated" is given to two figures (36.5-37.5B); the planner's 37.55B counts the input embedding.
     ("deepseek-v3", 671e9, 37e9, 0.02),
 ])
 def test_large_presets_have_their_published_totals(name: str, total: float, active: float | None,
                                                    active_bound: float) -> None:
-    """Llama 3 (Meta, 2024, Table 3 and the model cards), Mixtral of Experts (Jiang et al., 2024) and the
-    DeepSeek-V3 report (arXiv 2412.19437): within 1 %."""
+    """Llama 3 (Meta, 2024, Table 3 and the model cards), Mixtral of Experts (Jiang et al., 2024), the Qwen3
+    technical report (2025, its 30.5B / 3.3B, heads of 128 at d 2048) and the DeepSeek-V3 report (arXiv
+    2412.19437): within 1 %."""
     m = model_shape(name)
     assert m.n_params() == pytest.approx(total, rel=0.01)
     if active is not None:
@@ -134,3 +141,38 @@ def test_init_hf_plans_the_directory_and_the_command_starts_from_its_weights(tmp
     cfg = config_from_args(cli._parser().parse_args(words[1:]))
     assert workload_of(cfg).model.n_params() == read_hf_shape(tmp_path).n_params()
     assert layout_of(cfg).world == 2
+
+
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_heads_apart_from_hidden_over_heads_are_counted_as_the_built_block_holds_and_computes(head_dim: int) -> None:
+    """Mistral-Nemo's narrower and Qwen3's wider heads: the planner's parameters per tp rank (q/k/v split
+    by heads, ``o`` taking n_heads * head_dim in) are the built model's, and a block's forward FLOPs are 2 per
+    weight of its matmuls plus QK^T and AV over n_heads * head_dim (the runtime's MFU counts the same)."""
+    cfg = dataclasses.replace(preset("llama-tiny"), head_dim=head_dim)
+    shape, model, seq = cfg.shape(), Llama(cfg), cfg.seq_len
+    attn = model.blocks["0"].attn
+    assert attn.qkv.weight.shape == ((4 + 2 * 2) * head_dim, 64) and attn.o.weight.shape == (64, 4 * head_dim)
+    assert params_per_tp_rank(shape, 1) == shape.n_params() == sum(p.numel() for p in model.parameters())
+    split = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert params_per_tp_rank(shape, 2) == shape.n_params() - split // 2
+    matmuls = sum(m.weight.numel() for m in model.blocks["0"].modules() if isinstance(m, torch.nn.Linear))
+    assert block_forward_flops(shape, seq) == 2 * matmuls + 4 * seq * 4 * head_dim
+    runtime = model_flops_per_token(cfg.n_layers, 64, cfg.d_ff, cfg.vocab_size, seq, True, shape.qkv_width,
+                                    shape.attention_width)
+    assert runtime == 3 * (cfg.n_layers * block_forward_flops(shape, seq) + 2 * 64 * cfg.vocab_size)
+
+
+def test_plan_takes_an_hf_config_whose_heads_are_not_hidden_over_heads(tmp_path: Path) -> None:
+    """Qwen3-0.6B's config.json: 16 heads of 128 at hidden 1024 (0.6B with its tied embedding; 0.44B without
+    it, as its model card counts)."""
+    qwen3 = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "num_hidden_layers": 28, "intermediate_size": 3072, "vocab_size": 151936,
+             "max_position_embeddings": 40960, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(qwen3))
+    shape = read_hf_shape(tmp_path)
+    assert shape.attention_width == 2048 and shape.n_params() - 151936 * 1024 == pytest.approx(0.44e9, rel=0.01)
+    lines = _plan(f"--hf-config {tmp_path} --gpus 8 --gpu h100-80gb --global-batch 8 --top 1")
+    assert lines[0].startswith(f"{shape.n_params() / 1e6:.1f}M params")
+    flags = _plan("--layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --ffn 3072 --vocab 151936 "
+                  "--seq 4096 --mlp swiglu --tied --gpus 8 --gpu h100-80gb --global-batch 8 --top 1")
+    assert flags[0].startswith(f"{dataclasses.replace(shape, qk_norm=False).n_params() / 1e6:.1f}M params")

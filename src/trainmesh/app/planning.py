@@ -176,8 +176,9 @@ def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
 
 SHAPE_FLAGS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads", "ffn": "d_ff",
                "vocab": "vocab_size", "seq": "seq_len"}
-# Integer fields of ModelShape beyond the basic shape: grouped-query attention, experts, latent attention.
-VARIANT_FLAGS = {"kv-heads": "n_kv_heads", "experts": "n_experts", "top-k": "top_k", "expert-ffn": "d_ff_expert",
+# Integer fields of ModelShape beyond the basic shape: grouped-query attention, the head width, experts, latent
+# attention.
+VARIANT_FLAGS = {"kv-heads": "n_kv_heads", "head-dim": "head_dim", "experts": "n_experts", "top-k": "top_k", "expert-ffn": "d_ff_expert",
                  "shared-experts": "n_shared_experts", "dense-layers": "n_dense_layers",
                  "kv-lora-rank": "kv_lora_rank", "q-lora-rank": "q_lora_rank", "qk-rope-dim": "qk_rope_head_dim",
                  "qk-nope-dim": "qk_nope_head_dim", "v-head-dim": "v_head_dim"}

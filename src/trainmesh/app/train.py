@@ -328,7 +328,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     shape = spec_of(cfg.model).shape(cfg.model_config)
     tokens_per_step = cfg.global_batch * shape.seq_len
     flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len,
-                                            shape.gated_mlp, shape.qkv_width)
+                                            shape.gated_mlp, shape.qkv_width, shape.attention_width)
     peak = peak_tflops(mesh.device, cfg.precision, cfg.peak_tflops)
     saved = SavedActivations(run.model.parameters())
     schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)

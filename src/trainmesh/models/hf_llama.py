@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmesh.models.spec import ModelShape, StageLayout
+from trainmesh.models.spec import ModelShape, StageLayout, explicit_head_dim
 
 CAUSAL_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -91,7 +91,9 @@ def shape(config: Any) -> ModelShape:
                       config.intermediate_size, config.vocab_size, config.max_position_embeddings, gated_mlp=True,
                       bias=bias, learned_positions=False, n_kv_heads=config.num_key_value_heads,
                       tied_embeddings=bool(config.tie_word_embeddings), qkv_bias=qkv_bias and not bias,
-                      qk_norm=config.model_type == "qwen3", sliding_window=window_of(config))
+                      qk_norm=config.model_type == "qwen3", sliding_window=window_of(config),
+                      head_dim=explicit_head_dim(config.hidden_size, config.num_attention_heads,
+                                                 getattr(config, "head_dim", None)))
 
 
 def _with_rotary(rotary: nn.Module, window: int | None, _attn: nn.Module, args: tuple,

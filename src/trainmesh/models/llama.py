@@ -35,7 +35,7 @@ from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
 from trainmesh.models.moe import MoEConfig, layer_mlp
-from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
+from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explicit_head_dim, stage_forward
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ class LlamaConfig:
     The attention options of the families built on it: ``qkv_bias`` (Qwen2: biases on q, k and v only),
     ``qk_norm`` (Qwen3: an RMSNorm over each query and key head before the rotation) and ``sliding_window``
     (Mistral: each token attends to itself and the ``sliding_window - 1`` tokens before it). ``kv_lora_rank``
-    above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`)."""
+    above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`).
+    ``head_dim`` is each head's width where it is not ``d_model / n_heads`` (None): Qwen3's heads are 128
+    wide at every size (twice ``d_model / n_heads`` in Qwen3-0.6B), Mistral-Nemo's 128 of a 5120-wide model
+    with 32 heads; queries are then ``n_heads * head_dim`` wide and ``o`` maps them back to ``d_model``."""
 
     n_layers: int
     d_model: int
@@ -68,10 +71,12 @@ class LlamaConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    head_dim: int | None = None
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Width of one query, key or value head: ``head_dim``, else ``d_model / n_heads``."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
     def group(self) -> int:
@@ -88,7 +93,8 @@ class LlamaConfig:
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
                           sliding_window=self.sliding_window, kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
-                          qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim, **experts)
+                          qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
+                          head_dim=self.head_dim, **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()
@@ -196,13 +202,14 @@ class AttentionCore(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.head_dim, self.group, self.theta = cfg.head_dim, cfg.group, cfg.rope_theta
+        self.head_dim, self.group, self.theta = cfg.head_size, cfg.group, cfg.rope_theta
         self.core = AttentionCore(cfg.sliding_window)
-        self.rope = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rope = Rotary(cfg.head_size, cfg.rope_theta)
+        heads = cfg.n_heads * cfg.head_size
+        self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(heads, cfg.d_model, bias=False)
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps), RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps), RMSNorm(cfg.head_size, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -355,8 +362,8 @@ sequence-parallel region under SP."""
 # --- Hugging Face LlamaForCausalLM ---------------------------------------------------------------------
 
 def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``LlamaForCausalLM`` config; anything this model would compute differently (another
-    activation, biases, RoPE scaling, a head width other than hidden/heads) is refused."""
+    """Our config for a ``LlamaForCausalLM`` config (its ``head_dim`` kept where it is not hidden/heads);
+    anything this model would compute differently (another activation, biases, RoPE scaling) is refused."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -365,7 +372,6 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
         "attention_bias": (bool(hf.get("attention_bias")), False),
         "mlp_bias": (bool(hf.get("mlp_bias")), False),
         "rope type": (rope_type, "default"),
-        "head_dim": (hf.get("head_dim") or d // heads, d // heads),
     }
     for what, (there, ours) in differs.items():
         if there != ours:
@@ -375,7 +381,8 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                        n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
                        vocab_size=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
                        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")))
+                       norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+                       head_dim=explicit_head_dim(d, heads, hf.get("head_dim")))
 
 
 OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window",
@@ -395,7 +402,7 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     """The ``LlamaConfig`` attributes of ours; no special tokens, since trainmesh trains on raw bytes."""
     refuse_options(cfg, "LlamaForCausalLM")
     return {"hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rope_theta": cfg.rope_theta,
             "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None}
@@ -408,8 +415,8 @@ def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.dim() == 1:
         return fuse_qkv(cfg, q[:, None], k[:, None], v[:, None])[:, 0]
     d = q.shape[1]
-    groups = [q.reshape(cfg.n_kv_heads, cfg.group * cfg.head_dim, d),
-              k.reshape(cfg.n_kv_heads, cfg.head_dim, d), v.reshape(cfg.n_kv_heads, cfg.head_dim, d)]
+    groups = [q.reshape(cfg.n_kv_heads, cfg.group * cfg.head_size, d),
+              k.reshape(cfg.n_kv_heads, cfg.head_size, d), v.reshape(cfg.n_kv_heads, cfg.head_size, d)]
     return torch.cat(groups, dim=1).reshape(-1, d)
 
 
@@ -417,7 +424,7 @@ def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
     """The inverse of :func:`fuse_qkv`."""
     if qkv.dim() == 1:
         return tuple(t[:, 0] for t in split_qkv(cfg, qkv[:, None]))
-    groups = qkv.reshape(cfg.n_kv_heads, cfg.group + 2, cfg.head_dim, qkv.shape[1])
+    groups = qkv.reshape(cfg.n_kv_heads, cfg.group + 2, cfg.head_size, qkv.shape[1])
     q = groups[:, : cfg.group].reshape(-1, qkv.shape[1])
     return q, groups[:, cfg.group].reshape(-1, qkv.shape[1]), groups[:, cfg.group + 1].reshape(-1, qkv.shape[1])
 

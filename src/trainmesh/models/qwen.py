@@ -4,7 +4,8 @@
 * Qwen2 puts biases on the q, k and v projections and nowhere else (``LlamaConfig.qkv_bias``); its small
   sizes tie the output head to the embedding.
 * Qwen3 drops those biases and normalises each query and key head by an RMSNorm over its ``head_dim``
-  before the rotation (``LlamaConfig.qk_norm``).
+  before the rotation (``LlamaConfig.qk_norm``); its heads are 128 wide at every size, which is not
+  ``d_model / n_heads`` in most (``LlamaConfig.head_dim``).
 * Qwen3-MoE is Qwen3 with each MLP a softmax-routed mixture of SwiGLU experts (``LlamaConfig.moe``, the
   existing MoE layer and its expert parallelism).
 
@@ -31,8 +32,9 @@ QWEN2_PRESETS: dict[str, LlamaConfig] = {
                               rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
 }
 QWEN3_PRESETS: dict[str, LlamaConfig] = {
+    # Heads twice d_model / n_heads wide, as Qwen3-0.6B's 128 at d 1024 with 16 heads.
     "qwen3-tiny": LlamaConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=256, seq_len=64,
-                              rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+                              rope_theta=1e6, norm_eps=1e-6, qk_norm=True, head_dim=32),
 }
 
 # Their Hugging Face configs: Qwen2.5-7B (28 layers, 3584 wide, 4 KV heads, untied) and Qwen3-8B (36 layers,

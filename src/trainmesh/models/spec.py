@@ -49,6 +49,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int | None:
+    """``head_dim`` as a config field holds it: None where it is ``d_model / n_heads`` anyway (or not given),
+    so a model whose config.json spells out the usual width equals the one that leaves it out."""
+    return None if head_dim in (None, 0) or head_dim * n_heads == d_model else head_dim
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs to know of a decoder-only transformer.
@@ -73,6 +79,11 @@ class ModelShape:
     ``q_lora_rank`` bottleneck (0: a full projection); each head's query/key is ``qk_nope_head_dim +
     qk_rope_head_dim`` wide and its value ``v_head_dim``. What the KV cache holds per token is then
     ``kv_lora_rank + qk_rope_head_dim``, not ``2 * kv_heads * head_dim``.
+
+    ``head_dim`` is the width of each query, key and value head (None: ``d_model / n_heads``). Qwen3
+    (1024 wide, 16 heads of 128 in its 0.6B) and Mistral-Nemo (5120 wide, 32 heads of 128) set it apart from
+    ``d_model / n_heads``; the queries are then ``n_heads * head_dim`` wide (:attr:`attention_width`) and the
+    output projection maps that width back to ``d_model``.
     """
 
     n_layers: int
@@ -101,12 +112,13 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"choose n_heads in {divisors(self.d_model)}"
+                f"choose n_heads in {divisors(self.d_model)}, or give head_dim"
             )
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_kv_heads={self.kv_heads} does not divide n_heads={self.n_heads}; "
@@ -117,9 +129,20 @@ class ModelShape:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
+    def head_size(self) -> int:
+        """Width of one query, key or value head: ``head_dim``, else ``d_model / n_heads``."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """Width of all query heads together: the query projection's output, the output projection's input."""
+        return self.n_heads * self.head_size
+
+    @property
     def qkv_width(self) -> int:
-        """Output features of the fused q/k/v projection: d for queries, 2 * kv_heads * head_dim for K and V."""
-        return self.d_model + 2 * self.kv_heads * (self.d_model // self.n_heads)
+        """Output features of the fused q/k/v projection: n_heads * head_dim for queries, 2 * kv_heads *
+        head_dim for K and V."""
+        return (self.n_heads + 2 * self.kv_heads) * self.head_size
 
     def tp_sizes(self) -> dict[str, int]:
         """Sizes that tensor parallelism splits, so tp must divide each (:mod:`trainmesh.layout` says so); key/value
@@ -148,7 +171,7 @@ class ModelShape:
 
     def attention_params(self) -> int:
         """One attention layer's projections (and, for Qwen3 and latent attention, its inner norms)."""
-        d, head_dim = self.d_model, self.d_model // self.n_heads
+        d = self.d_model
         if self.latent_attention:
             qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
             queries = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.n_heads * qk_dim
@@ -157,7 +180,7 @@ class ModelShape:
             keys_values = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
             return queries + latent + keys_values + self.n_heads * self.v_head_dim * d
         biases = (self.qkv_width + d) if self.bias else self.qkv_width if self.qkv_bias else 0
-        return d * self.qkv_width + d * d + biases + (2 * head_dim if self.qk_norm else 0)
+        return d * self.qkv_width + self.attention_width * d + biases + (2 * self.head_size if self.qk_norm else 0)
 
     def n_params(self) -> int:
         """Total parameter count: every block, the embeddings, the final norm and the (untied) head."""

@@ -14,16 +14,15 @@ from trainmesh.models.spec import ModelShape
 def attention_weights(m: ModelShape) -> int:
     """Weights of one attention layer's matmuls: its parameters without biases and inner norms."""
     if not m.latent_attention:
-        return (m.qkv_width + m.d_model) * m.d_model
+        return (m.qkv_width + m.attention_width) * m.d_model
     return m.attention_params() - m.q_lora_rank - m.kv_lora_rank  # less the two latent RMSNorms
 
 
 def core_width(m: ModelShape) -> tuple[int, int]:
     """(query/key width, value width) per head: the attention core's QK^T and AV inner dimensions. Latent
     attention's queries and keys carry a rotary part besides the compressed one [DeepSeek-V2, 2.1]."""
-    head_dim = m.d_model // m.n_heads
     if not m.latent_attention:
-        return head_dim, head_dim
+        return m.head_size, m.head_size
     return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
 
 
@@ -40,10 +39,10 @@ def block_forward_flops(m: ModelShape, seq_len: int, moe: bool = False) -> int:
     parameters, not total. Without latent attention this is :func:`trainmesh.metrics.block_flops_per_token`."""
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
     router = 2 * m.d_model * m.n_experts if moe else 0
-    plain = block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width)
+    plain = block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width, m.attention_width)
     if not m.latent_attention:
         return plain + router
-    mlp = plain - 2 * (m.qkv_width + m.d_model) * m.d_model - 4 * seq_len * m.d_model
+    mlp = plain - block_flops_per_token(m.d_model, 0, seq_len, m.gated_mlp, m.qkv_width, m.attention_width)
     return attention_forward_flops(m, seq_len) + mlp + router
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmesh.models.spec import ModelShape
+from trainmesh.models.spec import ModelShape, explicit_head_dim
 
 Config = Mapping[str, Any]
 
@@ -26,12 +26,9 @@ def _get(cfg: Config, key: str, where: str) -> Any:
 
 
 def _llama_like(cfg: Config, where: str, **extra: Any) -> ModelShape:
-    """Llama's layout (RMSNorm, RoPE, SwiGLU, no biases), which mistral, qwen2 and qwen3 share."""
+    """Llama's layout (RMSNorm, RoPE, SwiGLU, no biases), which mistral, qwen2 and qwen3 share; heads of
+    ``head_dim`` where it is given (Qwen3, Mistral-Nemo), else hidden_size / num_attention_heads."""
     d, heads = _get(cfg, "hidden_size", where), _get(cfg, "num_attention_heads", where)
-    head_dim = cfg.get("head_dim") or d // heads
-    if head_dim * heads != d:
-        raise ValueError(f"{where}: head_dim={head_dim} x {heads} heads != hidden_size={d}; the planner's shapes "
-                         f"have heads of hidden_size / num_attention_heads, so this config cannot be planned yet")
     if cfg.get("mlp_bias") or cfg.get("attention_bias") and cfg.get("model_type") not in ("qwen2",):
         raise ValueError(f"{where}: attention_bias/mlp_bias put biases on every projection, which the planner's "
                          f"shapes do not count; plan it without them")
@@ -40,7 +37,7 @@ def _llama_like(cfg: Config, where: str, **extra: Any) -> ModelShape:
         d_ff=_get(cfg, "intermediate_size", where), vocab_size=_get(cfg, "vocab_size", where),
         seq_len=cfg.get("max_position_embeddings") or 2048, gated_mlp=True, bias=False, learned_positions=False,
         n_kv_heads=cfg.get("num_key_value_heads") or heads, tied_embeddings=bool(cfg.get("tie_word_embeddings")),
-        **extra)
+        head_dim=explicit_head_dim(d, heads, cfg.get("head_dim")), **extra)
 
 
 def _mistral(cfg: Config, where: str) -> ModelShape:

@@ -54,7 +54,8 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
         split = m.attention_params() - down
         attention = [_norm(m), Unit(down + split // tp, 7 if m.q_lora_rank else 5), _norm(m)]
     else:
-        attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(d, d, tp, b, False), _norm(m)]
+        attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(m.attention_width, d, tp, b, False),
+                     _norm(m)]
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
 
 
@@ -227,7 +228,7 @@ def _attention_saved_width(m: ModelShape) -> int:
     """Features per token attention saves split by heads: Q, K, V and the projection's input (the latents
     of latent attention are small beside its per-head keys and values, and counted with them)."""
     if not m.latent_attention:
-        return m.qkv_width + m.d_model
+        return m.qkv_width + m.attention_width
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     return m.n_heads * (2 * qk + 2 * v) + m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
 
@@ -241,9 +242,9 @@ def cp_attention_output(workload: Workload, layout: Layout) -> int:
     e = workload.dtype_bytes.activation
     tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
     if layout.cp_impl == "a2a":
-        return e * tokens * workload.model.d_model
+        return e * tokens * workload.model.attention_width
     wide = max(e, DTYPE_BYTES["fp32"])
-    return wide * tokens * (workload.model.d_model + workload.model.n_heads)
+    return wide * tokens * (workload.model.attention_width + workload.model.n_heads)
 
 
 def in_flight_chunks(layout: Layout, stage: int) -> int:

@@ -21,7 +21,7 @@ def _llama_moe(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff:
                top_k: int, d_ff_expert: int, shared: int = 0, dense_layers: int = 0) -> ModelShape:
     """A Llama-family mixture of experts (SwiGLU experts, RMSNorm, RoPE, untied head), planned at 4096
     tokens per sequence, the pretraining length of DeepSeek-V3 and of Qwen3's first stage (``--seq``
-    changes it). Head size is d_model / n_heads here, as in every trainmesh shape."""
+    changes it)."""
     return ModelShape(n_layers, d_model, n_heads, d_ff, vocab, 4096, gated_mlp=True, bias=False,
                       learned_positions=False, n_kv_heads=n_kv_heads, n_experts=experts, top_k=top_k,
                       n_shared_experts=shared, d_ff_expert=d_ff_expert, n_dense_layers=dense_layers)
@@ -33,12 +33,13 @@ PLANNING_SHAPES: dict[str, ModelShape] = {
     "megatron-530b": _gpt3_like(105, 20480, 128),
     "megatron-1t": _gpt3_like(128, 25600, 160),
     # Mixtures of experts trainmesh does not build, from the published Hugging Face configs (Mixtral-8x7B is
-    # a buildable llama-moe preset): Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; its 128-wide heads at
-    # d 2048 are 64-wide here, which undercounts its attention by 0.45B parameters) and DeepSeek-V3
+    # a buildable llama-moe preset): Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; 128-wide heads
+    # at d 2048, with q/k norms) and DeepSeek-V3
     # (DeepSeek-AI, 2024, arXiv 2412.19437; 671B / 37B; 256 routed experts and 1 shared, top-8, the first 3
     # layers dense, multi-head latent attention with its published ranks; without the multi-token-prediction
     # module, which the 671B leaves out too).
-    "qwen3-30b-a3b": _llama_moe(48, 2048, 32, 4, 6144, 151936, experts=128, top_k=8, d_ff_expert=768),
+    "qwen3-30b-a3b": dataclasses.replace(_llama_moe(48, 2048, 32, 4, 6144, 151936, experts=128, top_k=8,
+                                                    d_ff_expert=768), head_dim=128, qk_norm=True),
     "deepseek-v3": dataclasses.replace(
         _llama_moe(61, 7168, 128, 128, 18432, 129280, experts=256, top_k=8, d_ff_expert=2048, shared=1,
                    dense_layers=3),

@@ -265,15 +265,14 @@ def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
     if cp == 1:
         return {}
     tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
-    head_dim = m.d_model // m.n_heads
     # Latent attention's keys and values are one compressed vector per token plus the shared rotary key.
     kv = (tokens * (m.kv_lora_rank + m.qk_rope_head_dim) if m.latent_attention
-          else 2 * tokens * m.kv_heads * head_dim // lay.tp)
+          else 2 * tokens * m.kv_heads * m.head_size // lay.tp)
     if lay.cp_impl == "ring":
         grad = max(e, DTYPE_BYTES["fp32"])
         return {"ring_kv": layers * (cp - 1) * kv * e,
                 "ring_kv_grad": layers * ((cp - 1) * kv * e + cp * kv * grad)}
-    q_and_out = 2 * tokens * m.d_model // lay.tp
+    q_and_out = 2 * tokens * m.attention_width // lay.tp
     return {"all_to_all": layers * 2 * (cp - 1) / cp * (q_and_out + kv) * e}
 
 
