@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+import trainmesh as tm
 from trainmesh.app import checkpoints
 from trainmesh.app.train import build, full_state_dict, train
 from trainmesh.mesh import Mesh
@@ -17,7 +18,7 @@ from trainmesh.models.llama import Llama
 from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
 from trainmesh.testing import run_ranks
 
-from helpers import check_equivalent, in_fp64
+from helpers import EQUIVALENCE_TABLE, FP64_ATOL, assert_same_training, check_equivalent, in_fp64
 from helpers import config as run_config
 
 _cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1)
@@ -101,6 +102,47 @@ def test_deepseek_v3_at_pp2_with_a_stage_of_only_its_dense_layer_matches_single_
     """Stage 0 holds only the dense first layer, no routed experts, yet joins the experts' gradient-norm
     all-reduce over pp that stage 1 enters (adding zero); skipping it, as it once did, both stages hang."""
     check_equivalent([_cfg(model="deepseek-v3-tiny", pp=2, microbatches=2)], world_size=2, timeout=60)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_at_pp2_with_tp2_sp_dp2_ep2_zero1_and_zero3_matches_single_process():
+    check_equivalent([_cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, **layout) for layout in (
+        dict(tp=2, sequence_parallel=True), dict(dp=2, ep=2), dict(dp=2, zero=1), dict(dp=2, zero=3))],
+        world_size=4, timeout=600)
+
+
+def _qwen3_moe_with_a_dense_first_layer() -> Llama:
+    cfg = preset("qwen3-moe-tiny")
+    return Llama(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_dense_layers=1)), seed=0).double()
+
+
+MAX_NORM = 0.05  # below every step's gradient norm, so each step is clipped by the whole model's norm
+
+
+def _train_through_the_api(pp: int) -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[float]]:
+    """Three steps of :func:`_qwen3_moe_with_a_dense_first_layer` through ``trainmesh.parallelize`` at ``pp``
+    stages (one process at 1): the losses and final parameters, and each step's gradient norm."""
+    torch.set_num_threads(1)
+    mesh = tm.init_mesh(pp=pp) if pp > 1 else Mesh.build(1, 1, 1, torch.device("cpu"))
+    model = tm.parallelize(_qwen3_moe_with_a_dense_first_layer(), mesh, precision="fp64", microbatches=2)
+    opt = tm.optimizer(model, lr=3e-3)
+    tokens = torch.randint(0, 256, (3, 4, 33), generator=torch.Generator().manual_seed(1))
+    losses, norms = [], []
+    for t in tokens:
+        losses.append(tm.train_step(model, opt, (t[:, :-1], t[:, 1:]), max_norm=MAX_NORM))
+        norms.append(opt.grad_norm)
+    return (losses, model.state_dict()), norms
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_with_a_dense_first_layer_at_pp2_matches_one_process():
+    """Through the API, as a user builds the model: stage 0 holds the dense layer only, stage 1 the experts;
+    both stages clip by the norm of all of them."""
+    (reference, ref_norms), (parallel, norms) = _train_through_the_api(1), run_ranks(_train_through_the_api, 2, 2,
+                                                                                     timeout=120)[0]
+    assert min(ref_norms) > MAX_NORM and max(abs(a - b) for a, b in zip(norms, ref_norms)) <= FP64_ATOL
+    EQUIVALENCE_TABLE.append(("pp2 1f1b mb2 api qwen3-moe-tiny dense first layer",
+                              *assert_same_training(reference, parallel)))
 
 
 @pytest.mark.slow
