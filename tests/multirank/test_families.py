@@ -111,20 +111,32 @@ def test_deepseek_v3_at_pp2_with_tp2_sp_dp2_ep2_zero1_and_zero3_matches_single_p
         world_size=4, timeout=600)
 
 
-def _qwen3_moe_with_a_dense_first_layer() -> Llama:
-    cfg = preset("qwen3-moe-tiny")
-    return Llama(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_dense_layers=1)), seed=0).double()
-
-
 MAX_NORM = 0.05  # below every step's gradient norm, so each step is clipped by the whole model's norm
 
 
-def _train_through_the_api(pp: int) -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[float]]:
-    """Three steps of :func:`_qwen3_moe_with_a_dense_first_layer` through ``trainmesh.parallelize`` at ``pp``
-    stages (one process at 1): the losses and final parameters, and each step's gradient norm."""
+@dataclasses.dataclass(frozen=True)
+class DenseFirst:
+    """A tiny MoE preset remade with ``n_layers`` layers, the first ``dense`` of them dense, and the pipeline
+    schedule it is trained with at pp2."""
+    preset: str
+    n_layers: int
+    dense: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def model(self) -> Llama:
+        cfg = preset(self.preset)
+        cfg = dataclasses.replace(cfg, n_layers=self.n_layers, moe=dataclasses.replace(cfg.moe, n_dense_layers=self.dense))
+        return Llama(cfg, seed=0).double()
+
+
+def _train_through_the_api(case: DenseFirst, pp: int) -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[float]]:
+    """Three steps of ``case``'s model through ``trainmesh.parallelize`` at ``pp`` stages (one process at 1):
+    the losses and final parameters, and each step's gradient norm."""
     torch.set_num_threads(1)
     mesh = tm.init_mesh(pp=pp) if pp > 1 else Mesh.build(1, 1, 1, torch.device("cpu"))
-    model = tm.parallelize(_qwen3_moe_with_a_dense_first_layer(), mesh, precision="fp64", microbatches=2)
+    layout = dict(schedule=case.schedule, virtual_stages=case.virtual_stages) if pp > 1 else {}
+    model = tm.parallelize(case.model(), mesh, precision="fp64", microbatches=2, **layout)
     opt = tm.optimizer(model, lr=3e-3)
     tokens = torch.randint(0, 256, (3, 4, 33), generator=torch.Generator().manual_seed(1))
     losses, norms = [], []
@@ -135,13 +147,17 @@ def _train_through_the_api(pp: int) -> tuple[tuple[list[float], dict[str, torch.
 
 
 @pytest.mark.slow
-def test_a_qwen3_moe_with_a_dense_first_layer_at_pp2_matches_one_process():
-    """Through the API, as a user builds the model: stage 0 holds the dense layer only, stage 1 the experts;
-    both stages clip by the norm of all of them."""
-    (reference, ref_norms), (parallel, norms) = _train_through_the_api(1), run_ranks(_train_through_the_api, 2, 2,
-                                                                                     timeout=120)[0]
+@pytest.mark.parametrize("case", [
+    DenseFirst("qwen3-moe-tiny", 2, 1),
+    *(DenseFirst("deepseek-v3-tiny", 4, 3, schedule) for schedule in ("gpipe", "zb")),
+    DenseFirst("deepseek-v3-tiny", 4, 3, "interleaved", 2)], ids=lambda case: f"{case.preset}-{case.schedule}")
+def test_an_moe_with_dense_first_layers_at_pp2_matches_one_process(case):
+    """Through the API, as a user builds the model: a rank holds dense layers only (stage 0; interleaved,
+    layers 0 and 2 of DeepSeek-V3's three dense of four), the other the experts; both clip by the norm of all."""
+    (reference, ref_norms), (parallel, norms) = _train_through_the_api(case, 1), run_ranks(
+        _train_through_the_api, 2, case, 2, timeout=120)[0]
     assert min(ref_norms) > MAX_NORM and max(abs(a - b) for a, b in zip(norms, ref_norms)) <= FP64_ATOL
-    EQUIVALENCE_TABLE.append(("pp2 1f1b mb2 api qwen3-moe-tiny dense first layer",
+    EQUIVALENCE_TABLE.append((f"pp2 {case.schedule} mb2 api {case.preset} {case.n_layers} layers {case.dense} dense",
                               *assert_same_training(reference, parallel)))
 
 
