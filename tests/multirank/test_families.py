@@ -1,6 +1,7 @@
-"""Qwen2, Qwen3, Mistral and Qwen3-MoE train under every parallel form as one process does (float64, 1e-9), Mistral's
-sliding window holding under tp, the cp ring and all-to-all and in the KV cache; a checkpoint saved at one
-layout resumes at another. The smallest layouts run by default, the rest in the slow set."""
+"""Qwen2, Qwen3, Mistral, Qwen3-MoE and DeepSeek-V3 train under every parallel form as one process does
+(float64, 1e-9), Mistral's sliding window holding under tp, the cp ring and all-to-all and in the KV cache, MoE
+models with dense first layers at pp2 (a stage without experts); a checkpoint saved at one layout resumes at
+another. The smallest layouts run by default, the rest in the slow set."""
 
 import dataclasses
 import functools
