@@ -190,12 +190,24 @@ def _train_full_params(cfg) -> dict[str, torch.Tensor]:
     return full_state_dict(train(cfg).run)
 
 
-def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
-    """Saved by two cp ranks (the window kept by the ring), read back by one process, every tensor equal."""
-    cfg = dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2,
-                              checkpoint_dir=str(tmp_path))
+def _resumes_in_one_process_exactly(cfg) -> None:
+    """Two steps of ``cfg`` saved by its two ranks, read back by one process: every tensor equal."""
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
-    run = build(dataclasses.replace(cfg, nproc=1, cp=1, resume=True, steps=3), Mesh.build(1, 1, 1, torch.device("cpu")))
+    single = dataclasses.replace(cfg, nproc=1, cp=1, pp=1, microbatches=1, resume=True, steps=3)
+    run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
     loaded = full_state_dict(run)
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], t) for k, t in trained.items())
+
+
+def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
+    """Saved by two cp ranks (the window kept by the ring)."""
+    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2,
+                                                        checkpoint_dir=str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_checkpoint_saved_at_pp2_resumes_in_one_process_exactly(tmp_path):
+    """Saved by two pipeline stages, the first without experts, the second with their routing bias."""
+    _resumes_in_one_process_exactly(dataclasses.replace(
+        _cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64"), steps=2, checkpoint_dir=str(tmp_path)))
