@@ -1,6 +1,7 @@
-"""Qwen2, Qwen3, Mistral and Qwen3-MoE train under every parallel form as one process does (float64, 1e-9), Mistral's
-sliding window holding under tp, the cp ring and all-to-all and in the KV cache, Qwen3's heads (twice
-d_model / n_heads wide in ``qwen3-tiny``) under tp, cp and pp; a checkpoint saved at one layout resumes at
+"""Qwen2, Qwen3, Mistral, Qwen3-MoE and DeepSeek-V3 train under every parallel form as one process does
+(float64, 1e-9), Mistral's sliding window holding under tp, the cp ring and all-to-all and in the KV cache,
+Qwen3's heads (twice d_model / n_heads wide in ``qwen3-tiny``) under tp, cp and pp, MoE models with dense first
+layers at pp2 (a stage without experts); a checkpoint saved at one layout resumes at
 another. The smallest layouts run by default, the rest in the slow set."""
 
 import dataclasses
@@ -9,6 +10,7 @@ import functools
 import pytest
 import torch
 
+import trainmesh as tm
 from trainmesh.app import checkpoints
 from trainmesh.app.train import build, full_state_dict, train
 from trainmesh.mesh import Mesh
@@ -18,7 +20,7 @@ from trainmesh.models.llama import Llama
 from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
 from trainmesh.testing import run_ranks
 
-from helpers import check_equivalent, in_fp64
+from helpers import EQUIVALENCE_TABLE, FP64_ATOL, assert_same_training, check_equivalent, in_fp64
 from helpers import config as run_config
 
 _cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1)
@@ -100,10 +102,71 @@ def test_qwen3_moe_at_tp2_sp_pp2_cp2_and_ep2_zero1_matches_single_process():
         world_size=2, timeout=600)
 
 
+def test_deepseek_v3_at_pp2_with_a_stage_of_only_its_dense_layer_matches_single_process():
+    """Stage 0 holds only the dense first layer, no routed experts, yet joins the experts' gradient-norm
+    all-reduce over pp that stage 1 enters (adding zero); skipping it, as it once did, both stages hang."""
+    check_equivalent([_cfg(model="deepseek-v3-tiny", pp=2, microbatches=2)], world_size=2, timeout=60)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_at_pp2_with_tp2_sp_dp2_ep2_zero1_and_zero3_matches_single_process():
+    check_equivalent([_cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, **layout) for layout in (
+        dict(tp=2, sequence_parallel=True), dict(dp=2, ep=2), dict(dp=2, zero=1), dict(dp=2, zero=3))],
+        world_size=4, timeout=600)
+
+
+MAX_NORM = 0.05  # below every step's gradient norm, so each step is clipped by the whole model's norm
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFirst:
+    """A tiny MoE preset remade with ``n_layers`` layers, the first ``dense`` of them dense, and the pipeline
+    schedule it is trained with at pp2."""
+    preset: str
+    n_layers: int
+    dense: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def model(self) -> Llama:
+        cfg = preset(self.preset)
+        cfg = dataclasses.replace(cfg, n_layers=self.n_layers, moe=dataclasses.replace(cfg.moe, n_dense_layers=self.dense))
+        return Llama(cfg, seed=0).double()
+
+
+def _train_through_the_api(case: DenseFirst, pp: int) -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[float]]:
+    """Three steps of ``case``'s model through ``trainmesh.parallelize`` at ``pp`` stages (one process at 1):
+    the losses and final parameters, and each step's gradient norm."""
+    torch.set_num_threads(1)
+    mesh = tm.init_mesh(pp=pp) if pp > 1 else Mesh.build(1, 1, 1, torch.device("cpu"))
+    layout = dict(schedule=case.schedule, virtual_stages=case.virtual_stages) if pp > 1 else {}
+    model = tm.parallelize(case.model(), mesh, precision="fp64", microbatches=2, **layout)
+    opt = tm.optimizer(model, lr=3e-3)
+    tokens = torch.randint(0, 256, (3, 4, 33), generator=torch.Generator().manual_seed(1))
+    losses, norms = [], []
+    for t in tokens:
+        losses.append(tm.train_step(model, opt, (t[:, :-1], t[:, 1:]), max_norm=MAX_NORM))
+        norms.append(opt.grad_norm)
+    return (losses, model.state_dict()), norms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    DenseFirst("qwen3-moe-tiny", 2, 1),
+    *(DenseFirst("deepseek-v3-tiny", 4, 3, schedule) for schedule in ("gpipe", "zb")),
+    DenseFirst("deepseek-v3-tiny", 4, 3, "interleaved", 2)], ids=lambda case: f"{case.preset}-{case.schedule}")
+def test_an_moe_with_dense_first_layers_at_pp2_matches_one_process(case):
+    """Through the API, as a user builds the model: a rank holds dense layers only (stage 0; interleaved,
+    layers 0 and 2 of DeepSeek-V3's three dense of four), the other the experts; both clip by the norm of all."""
+    (reference, ref_norms), (parallel, norms) = _train_through_the_api(case, 1), run_ranks(
+        _train_through_the_api, 2, case, 2, timeout=120)[0]
+    assert min(ref_norms) > MAX_NORM and max(abs(a - b) for a, b in zip(norms, ref_norms)) <= FP64_ATOL
+    EQUIVALENCE_TABLE.append((f"pp2 {case.schedule} mb2 api {case.preset} {case.n_layers} layers {case.dense} dense",
+                              *assert_same_training(reference, parallel)))
+
+
 @pytest.mark.slow
 def test_deepseek_v3_at_tp2_dp2_ep2_zero3_matches_single_process():
-    """No pp2: its stage 0 would hold only the dense first layer, and a stage without routed experts skips
-    the experts' gradient-norm all-reduce the other stage joins (``DataParallel.step``), so they hang."""
     check_equivalent([_cfg(model="deepseek-v3-tiny", **layout) for layout in (
         dict(tp=2), dict(dp=2, ep=2), dict(dp=2, zero=3))], world_size=2, timeout=600)
 
@@ -130,12 +193,24 @@ def _train_full_params(cfg) -> dict[str, torch.Tensor]:
     return full_state_dict(train(cfg).run)
 
 
-def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
-    """Saved by two cp ranks (the window kept by the ring), read back by one process, every tensor equal."""
-    cfg = dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2,
-                              checkpoint_dir=str(tmp_path))
+def _resumes_in_one_process_exactly(cfg) -> None:
+    """Two steps of ``cfg`` saved by its two ranks, read back by one process: every tensor equal."""
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
-    run = build(dataclasses.replace(cfg, nproc=1, cp=1, resume=True, steps=3), Mesh.build(1, 1, 1, torch.device("cpu")))
+    single = dataclasses.replace(cfg, nproc=1, cp=1, pp=1, microbatches=1, resume=True, steps=3)
+    run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
     loaded = full_state_dict(run)
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], t) for k, t in trained.items())
+
+
+def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
+    """Saved by two cp ranks (the window kept by the ring)."""
+    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2,
+                                                        checkpoint_dir=str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_checkpoint_saved_at_pp2_resumes_in_one_process_exactly(tmp_path):
+    """Saved by two pipeline stages, the first without experts, the second with their routing bias."""
+    _resumes_in_one_process_exactly(dataclasses.replace(
+        _cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64"), steps=2, checkpoint_dir=str(tmp_path)))

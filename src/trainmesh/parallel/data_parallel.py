@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from trainmesh.comm import Comm
-from trainmesh.parallel.expert_parallel import EXPERT_AXIS, is_expert, reduction_axis
+from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.metrics import model_state_tensors
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
@@ -179,6 +179,7 @@ class DataParallel:
         self.scaler = scaler or LossScaler(enabled=False)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = params = [p for _, p in named]
+        self.routed_norm = experts_on_any_stage(params, comm)
         self._broadcast_parameters(params)
         self.masters = self._make_masters(params)
         opt_params = self.masters if self.masters else params
@@ -281,7 +282,8 @@ class DataParallel:
 
         The norm is reduced over ``tp`` and ``pp`` (the axes that split a replicated model) but not over
         ``dp``, whose ranks all hold the same averaged gradient; routed experts' squares are summed over
-        ``ep`` too, whose ranks hold different experts. A non-finite norm (an overflow or NaN on
+        ``ep`` too, whose ranks hold different experts, on every rank of a model with experts on any stage
+        (a stage holding none adds zero: :func:`experts_on_any_stage`). A non-finite norm (an overflow or NaN on
         any rank; every rank computes the same norm) skips the update on every rank together.
         """
         self.finish_gradient_sync()
@@ -292,7 +294,7 @@ class DataParallel:
         dense = norm_contributions([q for q, e in zip(opt_params, experts) if not e], tp_rank)
         routed = norm_contributions([q for q, e in zip(opt_params, experts) if e], tp_rank)
         norm = clipped_update(self.optimizer, grads, dense, self.comm, ("tp", "pp"), self.scaler, lr, max_norm,
-                              extra=(routed, ("ep", "tp", "pp")) if any(experts) else None)
+                              extra=(routed, ("ep", "tp", "pp")) if self.routed_norm else None)
         if math.isfinite(norm) and self.masters:
             copy_masters_to_model(self.masters, self.params)
         for m in self.masters:

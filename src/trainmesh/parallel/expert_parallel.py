@@ -112,6 +112,17 @@ def is_expert(p: torch.Tensor) -> bool:
     return is_expert_param(p)
 
 
+def experts_on_any_stage(params: list[nn.Parameter], comm: Comm) -> bool:
+    """Whether any pipeline stage holds routed experts, every rank answering alike (a sum over ``pp``).
+
+    A stage of dense layers only (DeepSeek-V3's first ones) holds none, yet must join every collective
+    over ``pp`` that sums the experts' squared gradient norms with the stages that do, contributing zero:
+    deciding from its own parameters, it would skip them and the other stages would wait forever."""
+    held = torch.tensor([float(any(is_expert(p) for p in params))], dtype=torch.float64, device=comm.mesh.device)
+    comm.all_reduce(held, "pp", op="expert_stages")
+    return held.item() > 0
+
+
 def reduction_axis(p: torch.Tensor, axis: str) -> str:
     """The axis ``p``'s gradient is reduced (and its ZeRO state sharded) over: the expert-data-parallel
     one for a routed expert, else ``axis`` (``dp``, or ``dp_cp`` under context parallelism)."""
