@@ -38,7 +38,8 @@ def test_elastic_refuses_a_world_no_layout_fits(layout, world, words):
     ({"nnodes": "two", "node_rank": "0", "master_port": "1"}, "--nnodes 'two' is not a whole number"),
 ])
 def test_launch_refuses_node_settings_that_cannot_work(tmp_path, nodes, words):
-    args = argparse.Namespace(nproc="1", master_addr="127.0.0.1", script=str(tmp_path / "x.py"), args=[], **nodes)
+    args = argparse.Namespace(nproc="1", stopped_grace="60", master_addr="127.0.0.1", script=str(tmp_path / "x.py"),
+                              args=[], **nodes)
     with pytest.raises(ConfigError, match=words):
         _launch(args, [])
 
