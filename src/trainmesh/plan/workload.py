@@ -63,7 +63,8 @@ class Layout:
     the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
     ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it);
     ``stage_layers`` gives the blocks of each of the pp x virtual chunks (``--stage-layers``; empty: the
-    runtime's own split, :func:`stage_split`).
+    runtime's own split, :func:`stage_split`); ``dp_replicate`` splits dp into that many hybrid-sharding
+    (HSDP) replica groups, ZeRO sharding inside each (``--dp-replicate``).
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
     (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
@@ -82,6 +83,7 @@ class Layout:
     cp_impl: str = Settings.cp_impl
     ep: int = 1
     stage_layers: tuple[int, ...] = ()
+    dp_replicate: int = Settings.dp_replicate
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
@@ -96,7 +98,7 @@ class Layout:
         return Settings(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                         sequence_parallel=self.sequence_parallel, schedule=self.schedule,
                         virtual_stages=self.virtual, microbatches=self.microbatches, recompute=self.recompute,
-                        cp_impl=self.cp_impl, stage_layers=self.stage_layers)
+                        cp_impl=self.cp_impl, stage_layers=self.stage_layers, dp_replicate=self.dp_replicate)
 
     @property
     def world(self) -> int:
@@ -105,6 +107,10 @@ class Layout:
     @property
     def grad_ranks(self) -> int:
         return self.settings.grad_ranks
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.settings.shard_ranks
 
 
 def local_seq(workload: Workload, layout: Layout) -> int:
