@@ -4,6 +4,7 @@ ranked by predicted step time (:func:`search`, :func:`best_layout`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator
@@ -11,9 +12,9 @@ from typing import Iterator
 from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, validate
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.hardware import GIB, Cluster
-from trainmesh.plan.memory import MemoryBreakdown, memory_per_rank
+from trainmesh.plan.memory import MemoryBreakdown, candidate_stages, memory_per_rank
 from trainmesh.plan.stages import fastest_split
-from trainmesh.plan.timing import TimeBreakdown, layer_seconds, peak_flops, step_flops, step_time
+from trainmesh.plan.timing import TimeBreakdown, dp_time, layer_seconds, peak_flops, step_flops, step_time
 from trainmesh.plan.workload import Layout, Workload, check_layout
 
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
@@ -156,13 +157,28 @@ TIE_TOLERANCE = 0.01
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
     """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
     memory per rank); :func:`choose` picks the one to run."""
-    found = []
+    found, misfits = [], set()
     for layout in enumerate_layouts(workload, cluster):
+        if layout.dp_replicate > 1 and not _hybrid_may_win(workload, layout, cluster, misfits):
+            continue
         memory = memory_per_rank(workload, layout)
         if memory.total <= cluster.usable_bytes:
             found.append(estimate(workload, layout, cluster, memory))
+        elif layout.dp_replicate == 1:
+            misfits.add(layout)
     found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
     return found
+
+
+def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, misfits: set[Layout]) -> bool:
+    """Whether hybrid-sharded ``layout`` is worth estimating: it differs from the same layout sharded over all
+    of its dp ranks only in holding more state and moving its data-parallel bytes elsewhere, so it is not
+    when that layout does not fit (in ``misfits``) or moves them at least as fast on every stage."""
+    flat = dataclasses.replace(layout, dp_replicate=1)
+    if flat in misfits:
+        return False
+    return any(dp_time(workload, layout, cluster, s) < dp_time(workload, flat, cluster, s)
+               for s in candidate_stages(workload, layout))
 
 
 def choose(found: list[Estimate]) -> Estimate | None:
