@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 
 import pytest
@@ -15,8 +16,8 @@ from trainmesh.app import cli
 from trainmesh.app.config import config_from_args
 from trainmesh.app.planning import add_plan_arguments, plan_from_args, train_command, preset_source
 from trainmesh.layout import LayoutError
-from trainmesh.plan import Layout, Workload, choose, estimate, format_table, make_cluster, model_shape, \
-    model_state_bytes
+from trainmesh.plan import (Layout, Workload, choose, estimate, format_table, make_cluster, model_shape,
+                            model_state_bytes, to_json)
 from trainmesh.plan.dp_traffic import dp_traffic
 from trainmesh.plan.memory import stage_units
 from trainmesh_bench.multinode import crossing_formula, planned, report_row
@@ -88,6 +89,8 @@ def test_a_chosen_hsdp_says_the_bytes_it_keeps_off_the_slow_link_and_its_command
     words = shlex.split(text[-1])
     cfg = config_from_args(cli._parser().parse_args(words[words.index("train"):]))
     assert (cfg.dp, cfg.tp, cfg.zero, cfg.dp_replicate) == (8, 2, 3, 2)
+    rows = json.loads(to_json(work, cluster, found, chosen))["layouts"]
+    assert rows[0]["dp_bytes_per_rank"]["inter"] < rows[1]["dp_bytes_per_rank"]["inter"]
 
 
 def test_plan_llama3_70b_on_256_h100s_shows_zero3_and_hsdp_and_its_choice() -> None:

@@ -222,13 +222,16 @@ def _beside_fastest_without(axis: str, estimates: list[Estimate], chosen: Estima
 
 def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
             top: int = 20) -> str:
-    """The same as :func:`format_table` as JSON, totals included."""
+    """The same as :func:`format_table` as JSON, totals included, and each layout's data-parallel bytes per
+    rank and step inside a node (``intra``) and across nodes (``inter``)."""
     def row(e: Estimate) -> dict[str, object]:
         return {
             "layout": dataclasses.asdict(e.layout),
             "memory": {**dataclasses.asdict(e.memory), "model_state": e.memory.model_state,
                        "total": e.memory.total},
             "time": {**dataclasses.asdict(e.time), "total": e.time.total},
+            "dp_bytes_per_rank": {k: v for k, v in dataclasses.asdict(step_dp_traffic(workload, cluster, e)).items()
+                                  if k != "seconds"},
             "mfu": e.mfu,
             "tflops_per_device": e.tflops_per_device,
             "tokens_per_s": e.tokens_per_s,
