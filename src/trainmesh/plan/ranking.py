@@ -4,7 +4,6 @@ ranked by predicted step time (:func:`search`, :func:`best_layout`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator
@@ -110,7 +109,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
     any number of layers, uneven where the head makes that faster), hybrid sharding from
     :func:`hsdp_replicas`; a combination the layout's rules refuse (the zero-bubble schedule with cp, hybrid
-    sharding without ZeRO or with ep) is skipped."""
+    sharding without ZeRO or with ep) is skipped. A hybrid-sharded layout comes just after the same layout
+    sharded over all of its dp ranks, which the hybrid one's rules include."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
@@ -157,28 +157,28 @@ TIE_TOLERANCE = 0.01
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
     """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
     memory per rank); :func:`choose` picks the one to run."""
-    found, misfits = [], set()
+    found: list[Estimate] = []
+    flat: Estimate | None = None  # the last layout sharded over all its dp ranks, if it fits
     for layout in enumerate_layouts(workload, cluster):
-        if layout.dp_replicate > 1 and not _hybrid_may_win(workload, layout, cluster, misfits):
+        if layout.dp_replicate > 1 and not _hybrid_may_win(workload, layout, cluster, flat):
             continue
         memory = memory_per_rank(workload, layout)
-        if memory.total <= cluster.usable_bytes:
+        fits = memory.total <= cluster.usable_bytes
+        if fits:
             found.append(estimate(workload, layout, cluster, memory))
-        elif layout.dp_replicate == 1:
-            misfits.add(layout)
+        if layout.dp_replicate == 1:
+            flat = found[-1] if fits else None
     found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
     return found
 
 
-def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, misfits: set[Layout]) -> bool:
-    """Whether hybrid-sharded ``layout`` is worth estimating: it differs from the same layout sharded over all
-    of its dp ranks only in holding more state and moving its data-parallel bytes elsewhere, so it is not
-    when that layout does not fit (in ``misfits``) or moves them at least as fast on every stage."""
-    flat = dataclasses.replace(layout, dp_replicate=1)
-    if flat in misfits:
-        return False
-    return any(dp_time(workload, layout, cluster, s) < dp_time(workload, flat, cluster, s)
-               for s in candidate_stages(workload, layout))
+def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, flat: Estimate | None) -> bool:
+    """Whether hybrid-sharded ``layout`` is worth estimating beside ``flat``, the same layout sharded over all
+    its dp ranks (:func:`enumerate_layouts` yields it just before; None: it does not fit). The two differ only
+    in that the hybrid one holds more state and moves its data-parallel bytes elsewhere, so it is not when
+    the flat one does not fit or moves them at least as fast."""
+    return flat is not None and max(dp_time(workload, layout, cluster, s)
+                                    for s in candidate_stages(workload, layout)) < flat.time.dp_comm
 
 
 def choose(found: list[Estimate]) -> Estimate | None:
