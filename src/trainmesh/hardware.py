@@ -58,7 +58,9 @@ class Cluster:
     its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
     (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
     ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`); ``has_bf16`` says
-    whether the devices compute in bf16, which is what ``--precision auto`` trains in where they do.
+    whether the devices compute in bf16, which is what ``--precision auto`` trains in where they do;
+    ``direct_exchange`` that ZeRO's gathers and reduce-scatters between nodes go point to point (trainmesh on
+    Gloo) rather than round a ring (NCCL), which changes the bytes that cross (:mod:`trainmesh.plan.dp_traffic`).
     """
 
     gpus: int
@@ -77,6 +79,7 @@ class Cluster:
     ranks_per_core: float = 1.0
     has_bf16: bool = True
     peak_flops_fp8: float = 0.0
+    direct_exchange: bool = False
 
     def peak_at(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
@@ -144,7 +147,7 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
                    gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,
-                   has_bf16=False),
+                   has_bf16=False, direct_exchange=True),
 }
 
 

@@ -77,6 +77,12 @@ class Layout:
         """Ranks gradients are reduced over and ZeRO shards over: dp x cp (Megatron's dp-cp group)."""
         return self.dp * self.cp
 
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO shards over: the ``dp_cp`` ranks of one hybrid-sharding replica group (all of them
+        without ``dp_replicate``)."""
+        return self.grad_ranks // self.dp_replicate
+
 
 def resolve_precision(precision: str, bf16_device: bool) -> str:
     """The precision a run trains in: ``precision``, or for ``auto`` bf16 (with fp32 master weights) where the

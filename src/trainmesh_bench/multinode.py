@@ -13,11 +13,16 @@ hosts each is point to point (:func:`trainmesh.parallel.zero.flat.exchanges_dire
 shard Ψ/N to each of the N - M ranks on other nodes, 3·N·(N-M)·Ψb/N = 3(N-M)Ψb crossing per step. HSDP keeps
 those inside the node; the R = N/M replicas all-reduce the shards of Ψ/M (a ring: 2(R-1)/R of it sent per
 rank), 2(R-1)Ψb/R·N/M = 2(R-1)Ψb crossing per step. TCP/IP headers add a few per cent to the counted bytes.
+
+Beside them, the planner's prediction of both (:func:`planned`): its inter-node bytes (every rank's, summed)
+and step time for the same layout on a cluster of these nodes whose link is the bed's rate, shared by the
+node's ranks, on this host's cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +46,35 @@ def crossing_formula(params: int, nbytes: int, replicas: int, world: int = NODES
     if replicas == 1:
         return 3 * (world - per_node) * params * nbytes
     return 2 * (replicas - 1) * params * nbytes
+
+
+def planned(replicas: int, model: str, global_batch: int, rate_mbit: float) -> tuple[float, float]:
+    """The planner's (bytes crossing the node link per step, step seconds) for ZeRO-3 over the bed's ranks in
+    ``replicas`` hybrid groups: :func:`trainmesh.plan.dp_traffic.dp_traffic` on a ``cpu`` cluster of
+    :data:`NODES` x :data:`PER_NODE` ranks whose inter-node bandwidth per rank is the link's rate over the
+    ranks sharing it, and :func:`trainmesh.plan.step_time` with the ranks sharing this host's cores."""
+    from trainmesh.plan import Layout, Workload, make_cluster, model_shape, step_time
+    from trainmesh.plan.dp_traffic import dp_traffic
+
+    world = NODES * PER_NODE
+    cluster = make_cluster("cpu", world, PER_NODE, inter_gbps=rate_mbit / 8e3 / PER_NODE)
+    cluster = dataclasses.replace(cluster, ranks_per_core=max(1.0, world / (os.cpu_count() or 1)))
+    shape = model_shape(model)
+    work = Workload(shape, global_batch, shape.seq_len, "fp32")
+    layout = Layout(dp=world, zero=3, dp_replicate=replicas)
+    return world * dp_traffic(work, layout, cluster, 0).inter, step_time(work, layout, cluster).total
+
+
+HEADER = (f"{'layout':<10} {'link MB/step':>13} {'formula MB':>11} {'counted/formula':>16} {'planned MB':>11} "
+          f"{'step s':>8} {'planned s':>10}")
+
+
+def report_row(name: str, measured: dict, planned_bytes: float, planned_s: float) -> str:
+    """One layout's line: the counted bytes, the formula's, their ratio, the planner's bytes, the measured
+    and the planned step time."""
+    link, formula = measured["link_bytes_per_step"], measured["formula"]
+    return (f"{name:<10} {link / 1e6:>13.2f} {formula / 1e6:>11.2f} {link / formula:>16.3f} "
+            f"{planned_bytes / 1e6:>11.2f} {measured['step_s']:>8.2f} {planned_s:>10.2f}")
 
 
 def _tx_bytes() -> int:
@@ -113,13 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{NODES} nodes x {PER_NODE} ranks, link {args.rate_mbit:g} Mbit/s each way (tbf), model {args.model}, "
           f"global batch {args.global_batch}, fp32, {args.steps} timed steps after one warm-up, median step")
-    print(f"{'layout':<10} {'link MB/step':>13} {'formula MB':>11} {'counted/formula':>16} {'step s':>8}")
+    print(HEADER)
     with tempfile.TemporaryDirectory() as tmp:
         for name, replicas in LAYOUTS.items():
             with TestBed(NODES, rate_mbit=args.rate_mbit) as bed:
                 r = run_layout(bed, replicas, args, Path(tmp) / f"{name}.json")
-            print(f"{name:<10} {r['link_bytes_per_step'] / 1e6:>13.2f} {r['formula'] / 1e6:>11.2f} "
-                  f"{r['link_bytes_per_step'] / r['formula']:>16.3f} {r['step_s']:>8.2f}")
+            print(report_row(name, r, *planned(replicas, args.model, args.global_batch, args.rate_mbit)))
     return 0
 
 

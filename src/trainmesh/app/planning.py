@@ -27,7 +27,7 @@ from trainmesh.state_bytes import DTYPE_BYTES
 LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
                  "schedule": "schedule", "virtual": "virtual_stages", "recompute": "recompute",
                  "sequence_parallel": "sequence_parallel", "cp": "cp", "cp_impl": "cp_impl",
-                 "ep": "ep"}  # Layout -> Config
+                 "ep": "ep", "dp_replicate": "dp_replicate"}  # Layout -> Config
 
 
 def workload_of(cfg: Config) -> Workload:
@@ -53,16 +53,17 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
     """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
-    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, the bucket size only
-    when it is not the default), the global batch and the precision (always: ``auto`` would resolve again on
-    the machine that runs it), the pipeline's ``--stage-layers`` when the layout gives them, then the reduce
-    dtype where it is not the default."""
+    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, ``--dp-replicate`` only
+    under hybrid sharding, the bucket size only when it is not the default), the global batch and the
+    precision (always: ``auto`` would resolve again on the machine that runs it), the pipeline's
+    ``--stage-layers`` when the layout gives them, then the reduce dtype where it is not the default."""
     cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
                              reduce_dtype=workload.reduce_dtype), layout)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
     skip |= {"cp_impl"} if layout.cp == 1 else set()
     skip |= {"ep"} if not workload.model.n_experts else set()
     skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
+    skip |= {"dp_replicate"} if layout.dp_replicate == 1 else set()
     flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
     defaults = Config()
     extra = [f for field in ("bucket_mb", "reduce_dtype")
@@ -168,6 +169,7 @@ def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
     mem = scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
     cp = f" cp={lay.cp} cp_impl={lay.cp_impl}" if lay.cp > 1 else ""
     ep = f" ep={lay.ep}" if lay.ep > 1 else ""
+    ep += f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else ""
     return (f"trainmesh: --plan auto: dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} "
             f"microbatches={lay.microbatches}{sched} recompute={lay.recompute} "
             f"sequence_parallel={lay.sequence_parallel}{cp}{ep} precision={precision} (predicted {chosen.time.total * 1e3:.3g} ms/step, "

@@ -22,7 +22,8 @@ Conventions the estimates share with the trainmesh runtime (change them together
   interleaved); stage 0 also owns the embeddings, the last stage ``ln_f`` and the head.
 
 Modules by concern (the devices and clusters are :mod:`trainmesh.hardware`): :mod:`.presets` (named
-model shapes), :mod:`.workload` (workload and layout), :mod:`.memory`, :mod:`.timing`, :mod:`.ranking`
+model shapes), :mod:`.workload` (workload and layout), :mod:`.memory`, :mod:`.timing` (with
+:mod:`.dp_traffic`, the data-parallel bytes inside and across nodes), :mod:`.ranking`
 (this package's entry points: every layout, estimated, ranked) and :mod:`.table` (output). ``trainmesh plan`` and
 ``--plan auto`` are wired to a run's configuration in :mod:`trainmesh.app.planning`.
 """
@@ -36,17 +37,19 @@ from trainmesh.plan.workload import (Layout, Workload, check_layout, micro_batch
 from trainmesh.plan.memory import (MemoryBreakdown, STEP_SCALAR_BYTES, activation_bytes, active_params,
                                    cp_attention_output, in_flight_chunks, layer_activation_bytes, memory_per_rank,
                                    micro_batch_activation_bytes, model_state_bytes, params_per_tp_rank)
-from trainmesh.plan.timing import (TimeBreakdown, all_reduce_time, all_to_all_bytes_per_micro, block_gemms,
-                                   bubble_fraction, cp_bytes_per_micro, step_flops, step_time)
+from trainmesh.plan.dp_traffic import DpTraffic, all_reduce_time, dp_traffic
+from trainmesh.plan.timing import (TimeBreakdown, all_to_all_bytes_per_micro, block_gemms, bubble_fraction,
+                                   cp_bytes_per_micro, step_flops, step_time)
 from trainmesh.plan.ranking import (Estimate, TIE_TOLERANCE, best_layout, choose, cp_degrees, enumerate_layouts,
                                     estimate, runner_up, search)
 from trainmesh.plan.table import (format_table, scaled, to_json)
 
-__all__ = ["CLUSTER_PRESETS", "Cluster", "DEVICE_PEAKS", "DevicePeak", "Estimate", "GIB", "GPU_EFFICIENCY", "Layout",
+__all__ = ["CLUSTER_PRESETS", "Cluster", "DEVICE_PEAKS", "DevicePeak", "DpTraffic", "Estimate", "GIB", "GPU_EFFICIENCY", "Layout",
            "MODEL_PRESETS", "MemoryBreakdown", "PLANNING_SHAPES", "STEP_SCALAR_BYTES", "TIE_TOLERANCE",
            "TimeBreakdown", "Workload", "activation_bytes", "active_params", "all_reduce_time",
            "all_to_all_bytes_per_micro", "best_layout", "block_gemms", "bubble_fraction", "check_layout", "choose",
-           "cp_attention_output", "cp_bytes_per_micro", "cp_degrees", "device_peak", "enumerate_layouts", "estimate",
+           "cp_attention_output", "cp_bytes_per_micro", "cp_degrees", "device_peak", "dp_traffic", "enumerate_layouts",
+           "estimate",
            "format_table", "in_flight_chunks", "layer_activation_bytes", "local_cluster", "make_cluster",
            "memory_per_rank", "micro_batch_activation_bytes", "micro_batch_size", "model_shape", "model_state_bytes",
            "params_per_tp_rank", "runner_up", "scaled", "search", "step_flops", "step_time", "to_json"]

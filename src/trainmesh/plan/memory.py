@@ -173,8 +173,9 @@ def _model_state(
     workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int = 1
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.state_bytes.sharded_state_bytes` of
-    its units over the dp ranks, plus AdamW's step scalars. A unit's shard is ceil(Psi_unit / dp) elements
-    because the flat buffer is padded.
+    its units over the ``dp`` ranks ZeRO shards over (under hybrid sharding, one replica group's:
+    :attr:`~trainmesh.layout.Layout.shard_ranks`), plus AdamW's step scalars. A unit's shard is
+    ceil(Psi_unit / dp) elements because the flat buffer is padded.
     Routed experts are already split over ep, so ZeRO shards them over the dp / ep ranks that hold the
     same experts (the expert-data-parallel group, as Megatron-core and torchtitan do).
     Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
@@ -341,7 +342,7 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
     if layout.zero == 2:
         stage_elems = sum(u.numel * n for u, n in units)
-        bucket_bytes = min(layout.bucket_bytes, b.grad * stage_elems // (2 * layout.grad_ranks))  # the runtime's cap
+        bucket_bytes = min(layout.bucket_bytes, b.grad * stage_elems // (2 * layout.shard_ranks))  # the runtime's cap
         buckets = max(2 * bucket_bytes // b.param, largest_tensor(workload.model, layout.tp, layout.ep))
         unit_grad = b.grad * min(buckets, stage_elems)
     else:
@@ -358,7 +359,7 @@ def p2p_bytes(workload: Workload, layout: Layout) -> int:
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     params, grads, optimizer = _model_state(workload, layout.tp, stage_split(workload, layout), layout.pp,
-                                            layout.grad_ranks, layout.zero, stage, layout.ep)
+                                            layout.shard_ranks, layout.zero, stage, layout.ep)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
@@ -384,7 +385,7 @@ def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = No
     check_layout(workload, layout)
     lay = layout
     split = stage_split(workload, lay)
-    return max(sum(_model_state(workload, lay.tp, split, lay.pp, lay.grad_ranks, lay.zero, s, lay.ep))
+    return max(sum(_model_state(workload, lay.tp, split, lay.pp, lay.shard_ranks, lay.zero, s, lay.ep))
                for s in candidate_stages(workload, lay, stage))
 
 

@@ -11,9 +11,9 @@ from typing import Iterator
 from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, validate
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.hardware import GIB, Cluster
-from trainmesh.plan.memory import MemoryBreakdown, memory_per_rank
+from trainmesh.plan.memory import MemoryBreakdown, candidate_stages, memory_per_rank
 from trainmesh.plan.stages import fastest_split
-from trainmesh.plan.timing import TimeBreakdown, layer_seconds, peak_flops, step_flops, step_time
+from trainmesh.plan.timing import TimeBreakdown, dp_time, layer_seconds, peak_flops, step_flops, step_time
 from trainmesh.plan.workload import Layout, Workload, check_layout
 
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
@@ -107,21 +107,37 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
     :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`, and with a pipeline the stage split
     :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
-    any number of layers, uneven where the head makes that faster); a combination the layout's rules refuse (the zero-bubble
-    schedule with cp) is skipped."""
+    any number of layers, uneven where the head makes that faster), hybrid sharding from
+    :func:`hsdp_replicas`; a combination the layout's rules refuse (the zero-bubble schedule with cp, hybrid
+    sharding without ZeRO or with ep) is skipped. A hybrid-sharded layout comes just after the same layout
+    sharded over all of its dp ranks, which the hybrid one's rules include."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
             costs = layer_seconds(workload, Layout(dp=dp, tp=tp, cp=cp, microbatches=micro), cluster)
-            options = itertools.product(_schedules(pp, workload.model.n_layers, micro), ZERO_STAGES,
-                                        RECOMPUTE, sps, ep_degrees(workload.model, dp * cp))
-            for (schedule, v), zero, recompute, sp, ep in options:
+            options = (list(_schedules(pp, workload.model.n_layers, micro)), ZERO_STAGES, RECOMPUTE, sps,
+                       ep_degrees(workload.model, dp * cp))
+            replicas = (1, *hsdp_replicas(dp, cp, tp, cluster))
+            for (schedule, v), zero, recompute, sp, ep, r in itertools.product(*options, replicas):
                 split = fastest_split(*costs, pp * v) if pp > 1 else ()
                 candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep,
-                                       stage_layers=split)
+                                       stage_layers=split, dp_replicate=r)
                 if candidate is not None:
                     yield candidate
+
+
+def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
+    """The ``dp_replicate`` worth searching beside 1 for a dp x cp group ``tp`` ranks apart: the one whose
+    ZeRO groups each fill one node (FSDP2's and torchtitan's default hybrid mesh), so that parameter
+    gathers and gradient reduce-scatters stay off the inter-node link and only the gradient shards'
+    all-reduce crosses it. None when the group fits in a node or a node holds one of its ranks (a group of
+    one rank would be plain data parallelism)."""
+    span = tp * cp * dp
+    if span % cluster.gpus_per_node or tp >= cluster.gpus_per_node:
+        return []
+    replicas = span // cluster.gpus_per_node
+    return [replicas] if replicas > 1 and dp % replicas == 0 else []
 
 
 def _candidate(workload: Workload, *args: object, **kwargs: object) -> Layout | None:
@@ -141,13 +157,28 @@ TIE_TOLERANCE = 0.01
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
     """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
     memory per rank); :func:`choose` picks the one to run."""
-    found = []
+    found: list[Estimate] = []
+    flat: Estimate | None = None  # the last layout sharded over all its dp ranks, if it fits
     for layout in enumerate_layouts(workload, cluster):
+        if layout.dp_replicate > 1 and not _hybrid_may_win(workload, layout, cluster, flat):
+            continue
         memory = memory_per_rank(workload, layout)
-        if memory.total <= cluster.usable_bytes:
+        fits = memory.total <= cluster.usable_bytes
+        if fits:
             found.append(estimate(workload, layout, cluster, memory))
+        if layout.dp_replicate == 1:
+            flat = found[-1] if fits else None
     found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
     return found
+
+
+def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, flat: Estimate | None) -> bool:
+    """Whether hybrid-sharded ``layout`` is worth estimating beside ``flat``, the same layout sharded over all
+    its dp ranks (:func:`enumerate_layouts` yields it just before; None: it does not fit). The two differ only
+    in that the hybrid one holds more state and moves its data-parallel bytes elsewhere, so it is not when
+    the flat one does not fit or moves them at least as fast."""
+    return flat is not None and max(dp_time(workload, layout, cluster, s)
+                                    for s in candidate_stages(workload, layout)) < flat.time.dp_comm
 
 
 def choose(found: list[Estimate]) -> Estimate | None:

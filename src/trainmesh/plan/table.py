@@ -8,7 +8,8 @@ import dataclasses
 import json
 
 from trainmesh.hardware import GIB, Cluster
-from trainmesh.plan.memory import active_params, activation_bytes, memory_per_rank
+from trainmesh.plan.dp_traffic import DpTraffic, dp_traffic
+from trainmesh.plan.memory import active_params, activation_bytes, candidate_stages, memory_per_rank
 from trainmesh.plan.ranking import TIE_TOLERANCE, Estimate, runner_up
 from trainmesh.plan.workload import Workload, micro_batch_size, moe_tokens, stage_split
 
@@ -21,18 +22,26 @@ def scaled(value: float, steps: tuple[str, ...], base: int) -> str:
     return f"{value / base**exponent:.1f}{steps[exponent]}"
 
 
-def _row(workload: Workload, e: Estimate, chosen: Estimate | None) -> list[str]:
+def _row(workload: Workload, cluster: Cluster, e: Estimate, chosen: Estimate | None) -> list[str]:
     lay = e.layout
     sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
     layout = [lay.dp, lay.cp, lay.tp, lay.pp, *([lay.ep] if workload.model.n_experts else []), lay.zero,
-              micro_batch_size(workload, lay), lay.microbatches, sched, compact_split(stage_split(workload, lay)),
-              lay.recompute, "y" if lay.sequence_parallel else "n"]
-    measures = [scaled(e.memory.total, GIB_UNITS, 1024), f"{e.time.total:.4g}", f"{e.mfu:.1%}",
+              lay.dp_replicate, micro_batch_size(workload, lay), lay.microbatches, sched,
+              compact_split(stage_split(workload, lay)), lay.recompute, "y" if lay.sequence_parallel else "n"]
+    measures = [scaled(step_dp_traffic(workload, cluster, e).inter, BYTE_UNITS, 1000),
+                scaled(e.memory.total, GIB_UNITS, 1024), f"{e.time.total:.4g}", f"{e.mfu:.1%}",
                 f"{e.tokens_per_s:,.0f}"]
     return ["*" if e is chosen else ""] + [str(c) for c in layout] + measures
 
 
 GIB_UNITS = (" B", " KiB", " MiB", " GiB", " TiB")
+BYTE_UNITS = (" B", " kB", " MB", " GB", " TB")
+
+
+def step_dp_traffic(workload: Workload, cluster: Cluster, e: Estimate) -> DpTraffic:
+    """The data-parallel traffic of the stage whose traffic takes longest (the one the step time counts)."""
+    return max((dp_traffic(workload, e.layout, cluster, s) for s in candidate_stages(workload, e.layout)),
+               key=lambda t: t.seconds)
 
 
 def compact_split(split: tuple[int, ...]) -> str:
@@ -50,11 +59,15 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
                  command: list[str], top: int = 20, precision_note: str = "") -> str:
     """The ``top`` fastest layouts as a text table (fastest first, the chosen one marked ``*``), why the
     chosen one beat the runner-up, and ``command``: the lines that run it (empty when nothing fits).
+    ``R`` is the hybrid-sharding replica count (``--dp-replicate``), ``dp x-node`` the bytes a rank sends per
+    step over the data-parallel axis to other nodes.
     ``precision_note`` says how the precision was resolved (``auto``)."""
-    head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "mbs", "m",
-            "schedule", "blocks/stage", "recompute", "sp", "mem/rank", "step s", "MFU", "tokens/s"]
-    shown = estimates[:top] + ([chosen] if chosen is not None and chosen not in estimates[:top] else [])
-    rows = [head] + [_row(workload, e, chosen) for e in shown]
+    head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "R", "mbs", "m",
+            "schedule", "blocks/stage", "recompute", "sp", "dp x-node", "mem/rank", "step s", "MFU", "tokens/s"]
+    pair = zero3_against_hsdp(workload, cluster, estimates) or ()
+    shown = estimates[:top]
+    shown += [e for e in dict.fromkeys((chosen, *pair)) if e is not None and e not in shown]
+    rows = [head] + [_row(workload, cluster, e, chosen) for e in shown]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     m = workload.model
     params = scaled(m.n_params(), ("", "K", "M", "B", "T"), 1000)
@@ -66,7 +79,8 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
     if chosen is None:
         return "\n".join([title, "chosen: none fits"])
     whys = [why for why in (explain_choice(workload, cluster, estimates, chosen), explain_cp(workload, estimates, chosen),
-                            explain_ep(workload, estimates, chosen)) if why]
+                            explain_ep(workload, estimates, chosen), explain_hsdp(workload, cluster, estimates, chosen))
+            if why]
     table = ("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
     return "\n".join([title, *table, *whys, "chosen (*), the command that runs it:", *command])
 
@@ -76,7 +90,8 @@ def layout_name(workload: Workload, e: Estimate) -> str:
     lay = e.layout
     sched = (f" {lay.schedule}" + (f"x{lay.virtual}" if lay.virtual > 1 else "")
              + f" blocks/stage {compact_split(stage_split(workload, lay))}" if lay.pp > 1 else "")
-    extra = (f" cp={lay.cp}" if lay.cp > 1 else "") + (f" ep={lay.ep}" if lay.ep > 1 else "")
+    extra = ((f" cp={lay.cp}" if lay.cp > 1 else "") + (f" ep={lay.ep}" if lay.ep > 1 else "")
+             + (f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else ""))
     return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp}{extra} zero={lay.zero} mbs={micro_batch_size(workload, lay)}"
             f"{sched} recompute={lay.recompute}{' sp' if lay.sequence_parallel else ''}")
 
@@ -103,16 +118,64 @@ def explain_choice(workload: Workload, cluster: Cluster, estimates: list[Estimat
         return f"why: {versus} is predicted {pace} and the chosen one keeps more headroom: {headroom}"
     gains = {part: getattr(other.time, part) - getattr(chosen.time, part) for part in TIME_PARTS}
     best = sorted((g, part) for part, g in gains.items() if g > 0)[::-1][:2]
-    saved = ", ".join(f"{g:.3g} s less {TIME_PARTS[part]}{_slow_link(cluster, chosen, other, part)}"
+    saved = ", ".join(f"{g:.3g} s less {TIME_PARTS[part]}{_slow_link(workload, cluster, chosen, other, part)}"
                       for g, part in best)
     return (f"why: {chosen.time.total:.4g} s/step against {versus}: {saved or 'the same parts, each shorter'}; "
             f"headroom {headroom}")
 
 
-def _slow_link(cluster: Cluster, chosen: Estimate, other: Estimate, part: str) -> str:
-    """`` (over the inter-node link)`` where the runner-up's data-parallel group leaves the node."""
-    spans = other.layout.world // other.layout.pp
-    return " (the runner-up's crosses the inter-node link)" if part == "dp_comm" and spans > cluster.gpus_per_node else ""
+def _slow_link(workload: Workload, cluster: Cluster, chosen: Estimate, other: Estimate, part: str) -> str:
+    """For the data-parallel part, when either layout's crosses nodes: the bytes each sends per rank and step
+    over the inter-node link, the slow one."""
+    if part != "dp_comm":
+        return ""
+    mine, theirs = (step_dp_traffic(workload, cluster, e).inter for e in (chosen, other))
+    if not mine and not theirs:
+        return ""
+    return (f" ({scaled(mine, BYTE_UNITS, 1000)} per rank over the inter-node link against the runner-up's "
+            f"{scaled(theirs, BYTE_UNITS, 1000)})")
+
+
+def zero3_against_hsdp(workload: Workload, cluster: Cluster,
+                       estimates: list[Estimate]) -> tuple[Estimate, Estimate] | None:
+    """The fastest layout with ZeRO-3 under hybrid sharding, and the same layout with ZeRO-3 over its whole
+    data-parallel group (which holds less, so it fits too): the two differ only in where their bytes go.
+    None unless the search found both."""
+    hybrid = next((e for e in estimates if e.layout.zero == 3 and e.layout.dp_replicate > 1), None)
+    if hybrid is None:
+        return None
+    flat = dataclasses.replace(hybrid.layout, dp_replicate=1)
+    return next(((e, hybrid) for e in estimates if e.layout == flat), None)
+
+
+def explain_hsdp(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate) -> str:
+    """ZeRO-3 over the whole data-parallel group against ZeRO-3 under hybrid sharding (:func:`zero3_against_hsdp`;
+    empty without both): each one's step, its data-parallel bytes per rank and step across nodes and inside
+    them, its memory, which of the two is faster and why, and what the choice took."""
+    pair = zero3_against_hsdp(workload, cluster, estimates)
+    if pair is None:
+        return ""
+    flat, hybrid = pair
+    traffic = {e.layout: step_dp_traffic(workload, cluster, e) for e in pair}
+
+    def described(e: Estimate) -> str:
+        t = traffic[e.layout]
+        return (f"{layout_name(workload, e)}: {e.time.total:.4g} s/step, {scaled(t.inter, BYTE_UNITS, 1000)} per "
+                f"rank across nodes and {scaled(t.intra, BYTE_UNITS, 1000)} inside, "
+                f"{scaled(e.memory.total, GIB_UNITS, 1024)}/rank")
+    off = traffic[flat.layout].inter - traffic[hybrid.layout].inter
+    if hybrid.time.total < flat.time.total:
+        verdict = (f"HSDP is {flat.time.total - hybrid.time.total:.3g} s/step faster: it moves "
+                   f"{scaled(off, BYTE_UNITS, 1000)} per rank off the inter-node link")
+    else:
+        why = ("its larger shards leave it only slower layouts" if off > 0
+               else "it moves no fewer bytes across nodes")
+        verdict = f"ZeRO-3 over all ranks is {hybrid.time.total - flat.time.total:.3g} s/step faster: {why}"
+    lay = chosen.layout
+    took = f"zero={lay.zero}" + (f" with HSDP dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1
+                                  else " over all dp ranks")
+    return (f"ZeRO-3 vs HSDP (both rows shown): over all dp ranks, {described(flat)}; HSDP, {described(hybrid)}; "
+            f"{verdict}; the choice (*) shards with {took}")
 
 
 def explain_cp(workload: Workload, estimates: list[Estimate], chosen: Estimate) -> str:
@@ -159,13 +222,16 @@ def _beside_fastest_without(axis: str, estimates: list[Estimate], chosen: Estima
 
 def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
             top: int = 20) -> str:
-    """The same as :func:`format_table` as JSON, totals included."""
+    """The same as :func:`format_table` as JSON, totals included, and each layout's data-parallel bytes per
+    rank and step inside a node (``intra``) and across nodes (``inter``)."""
     def row(e: Estimate) -> dict[str, object]:
         return {
             "layout": dataclasses.asdict(e.layout),
             "memory": {**dataclasses.asdict(e.memory), "model_state": e.memory.model_state,
                        "total": e.memory.total},
             "time": {**dataclasses.asdict(e.time), "total": e.time.total},
+            "dp_bytes_per_rank": {k: v for k, v in dataclasses.asdict(step_dp_traffic(workload, cluster, e)).items()
+                                  if k != "seconds"},
             "mfu": e.mfu,
             "tflops_per_device": e.tflops_per_device,
             "tokens_per_s": e.tokens_per_s,

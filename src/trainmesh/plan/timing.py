@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from trainmesh.metrics import head_flops_per_token
 from trainmesh.models.spec import ModelShape
 from trainmesh.hardware import Cluster
+from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
-from trainmesh.plan.memory import (Unit, candidate_stages, expert_unit, router_and_shared, stage_blocks,
-                                   stage_expert_units, stage_units)
+from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
 from trainmesh.state_bytes import DTYPE_BYTES, STORED_AS
@@ -36,21 +36,6 @@ class TimeBreakdown:
     @property
     def total(self) -> float:
         return self.compute + self.dp_comm + self.tp_comm + self.pp_comm + self.bubble + self.cp_comm + self.ep_comm
-
-
-def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
-    """Ring all-gather or reduce-scatter of ``nbytes`` in total: (n-1)(alpha + S/(n B)) [THA]."""
-    bw, alpha = link
-    return (n - 1) * (alpha + nbytes / (n * bw)) if n > 1 else 0.0
-
-
-def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
-    """The faster of ring, 2(n-1)(alpha + S/(nB)), and binomial tree, 2 ceil(log2 n)(alpha + S/B) [THA]."""
-    if n == 1:
-        return 0.0
-    bw, alpha = link
-    tree = 2 * math.ceil(math.log2(n)) * (alpha + nbytes / bw)
-    return min(2 * ring_gather_time(nbytes, n, link), tree)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
@@ -329,38 +314,9 @@ def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage:
 
 
 def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """Data-parallel traffic of one step [ZeRO, sec. 7].
-
-    ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and all-gathers the updated
-    parameters (the same 2 Psi); ZeRO-2 keeps no full gradient, so it reduce-scatters after every
-    micro-batch; ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per
-    micro-batch), and under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
-    :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own (a latency per unit). None of it is assumed hidden behind compute: that fits
-    Megatron-LM's ZeRO-3 measurements at 768 and 1536 GPUs better than perfect overlap does [NAR, Table 2].
-    """
-    lay, model = layout, workload.model
-    split = stage_split(workload, lay)
-    experts = stage_expert_units(model, split, lay.pp, lay.ep, stage)
-    dense = _dp_group_time(stage_units(model, lay.tp, split, lay.pp, stage), lay.grad_ranks, workload, lay, cluster)
-    return dense + _dp_group_time(experts, lay.grad_ranks // lay.ep, workload, lay, cluster)
-
-
-def _dp_group_time(units: tuple[tuple[Unit, int], ...], n: int, workload: Workload, layout: Layout,
-                   cluster: Cluster) -> float:
-    """:func:`dp_time` of ``units`` reduced over ``n`` ranks (the expert-data-parallel group for experts)."""
-    m, b = layout.microbatches, workload.dtype_bytes
-    if n == 1 or not units:
-        return 0.0
-    psi = sum((-(-u.numel // n) * n if layout.zero else u.numel) * k for u, k in units)
-    link = cluster.link(layout.world // layout.pp)
-    if layout.zero == 0:
-        return all_reduce_time(b.grad * psi, n, link)
-    gather, scatter = ring_gather_time(b.param * psi, n, link), ring_gather_time(b.grad * psi, n, link)
-    if layout.zero == 3:  # one collective per unit: each pays its own latency
-        extra = (sum(k for _, k in units) - 1) * (n - 1) * link[1]
-        gather, scatter = gather + extra, scatter + extra
-    passes = 3 if layout.schedule == "zb" else 2
-    return {1: scatter + gather, 2: m * scatter + gather, 3: m * (passes * gather + scatter)}[layout.zero]
+    """Seconds of one step's data-parallel traffic on a rank of ``stage``, inside and across nodes
+    (:func:`trainmesh.plan.dp_traffic.dp_traffic`)."""
+    return dp_traffic(workload, layout, cluster, stage).seconds
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:

@@ -63,10 +63,12 @@ class Layout:
     the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
     ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it);
     ``stage_layers`` gives the blocks of each of the pp x virtual chunks (``--stage-layers``; empty: the
-    runtime's own split, :func:`stage_split`). ``a2a_overlap`` says the pipeline schedule computes another
-    micro-batch while one's expert all-to-all is in flight, as DualPipe pairs a forward and a backward chunk
-    of different micro-batches [DeepSeek-V3, 3.2.1]; trainmesh's own schedules run one pass at a time, so
-    the search leaves it off and it serves to price a published run whose schedule does.
+    runtime's own split, :func:`stage_split`); ``dp_replicate`` splits dp into that many hybrid-sharding
+    (HSDP) replica groups, ZeRO sharding inside each (``--dp-replicate``). ``a2a_overlap`` says the pipeline
+    schedule computes another micro-batch while one's expert all-to-all is in flight, as DualPipe pairs a
+    forward and a backward chunk of different micro-batches [DeepSeek-V3, 3.2.1]; trainmesh's own schedules
+    run one pass at a time, so the search leaves it off and it serves to price a published run whose schedule
+    does.
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
     (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
@@ -86,6 +88,7 @@ class Layout:
     ep: int = 1
     stage_layers: tuple[int, ...] = ()
     a2a_overlap: bool = False
+    dp_replicate: int = Settings.dp_replicate
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
@@ -100,7 +103,7 @@ class Layout:
         return Settings(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                         sequence_parallel=self.sequence_parallel, schedule=self.schedule,
                         virtual_stages=self.virtual, microbatches=self.microbatches, recompute=self.recompute,
-                        cp_impl=self.cp_impl, stage_layers=self.stage_layers)
+                        cp_impl=self.cp_impl, stage_layers=self.stage_layers, dp_replicate=self.dp_replicate)
 
     @property
     def world(self) -> int:
@@ -109,6 +112,10 @@ class Layout:
     @property
     def grad_ranks(self) -> int:
         return self.settings.grad_ranks
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.settings.shard_ranks
 
 
 def local_seq(workload: Workload, layout: Layout) -> int:

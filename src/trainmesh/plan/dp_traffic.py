@@ -1,0 +1,129 @@
+"""Data-parallel traffic of one step, split into the bytes that stay inside a node and the bytes that cross
+between nodes, each at its own link's bandwidth: ZeRO-0/1/2/3 over the whole dp x cp group, and hybrid
+sharding (HSDP: ZeRO inside each of ``dp_replicate`` groups, the gradient shards all-reduced across them).
+
+Where ranks sit follows the runtime (:mod:`trainmesh.mesh`): ranks are numbered node by node, tp innermost,
+so a dp x cp group's ranks are tp apart and a hybrid-sharding group's are its consecutive dp x cp ranks
+(one node or whole nodes, by default); the replicas of a shard are a shard group's span apart.
+
+Two exchange patterns cross nodes differently. A ring (NCCL; every all-reduce) of n ranks, g of them on each
+node, crosses nodes on one hop in g, and that hop carries the whole ring's traffic, so the ring runs at the
+inter-node link's pace [THA]. Point-to-point exchanges (trainmesh's ZeRO gathers and reduce-scatters over
+Gloo between hosts, :func:`trainmesh.parallel.zero.flat.exchanges_directly`) send each rank's shard to each
+of the n - g ranks on other nodes over that link while the g - 1 on its own node take theirs in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainmesh.hardware import Cluster
+from trainmesh.plan.memory import Unit, stage_expert_units, stage_units
+from trainmesh.plan.workload import Layout, Workload, stage_split
+
+
+def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """Ring all-gather or reduce-scatter of ``nbytes`` in total: (n-1)(alpha + S/(n B)) [THA]."""
+    bw, alpha = link
+    return (n - 1) * (alpha + nbytes / (n * bw)) if n > 1 else 0.0
+
+
+def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """The faster of ring, 2(n-1)(alpha + S/(nB)), and binomial tree, 2 ceil(log2 n)(alpha + S/B) [THA]."""
+    if n == 1:
+        return 0.0
+    bw, alpha = link
+    tree = 2 * math.ceil(math.log2(n)) * (alpha + nbytes / bw)
+    return min(2 * ring_gather_time(nbytes, n, link), tree)
+
+
+@dataclass(frozen=True)
+class DpTraffic:
+    """Bytes one rank sends per step over the dp axis inside its node (``intra``) and to other nodes
+    (``inter``), and the seconds that takes."""
+
+    intra: float = 0.0
+    inter: float = 0.0
+    seconds: float = 0.0
+
+    def __add__(self, other: DpTraffic) -> DpTraffic:
+        return DpTraffic(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds)
+
+    def __mul__(self, times: int) -> DpTraffic:
+        return DpTraffic(self.intra * times, self.inter * times, self.seconds * times)
+
+
+def ranks_per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
+    """Ranks of a group of ``ranks`` ranks ``stride`` apart (from a node's first rank) that share a node."""
+    return min(ranks, max(1, gpus_per_node // stride))
+
+
+def crossing_share(n: int, per_node: int, direct: bool) -> float:
+    """The part of what a rank of an n-rank exchange sends, on average, that crosses between nodes, with
+    ``per_node`` of the n ranks on each node: a ring's 1 hop in ``per_node`` (each carries the same bytes),
+    or point to point the n - g of its n - 1 peers on other nodes."""
+    if per_node >= n:
+        return 0.0
+    return (n - per_node) / (n - 1) if direct else 1 / per_node
+
+
+def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster, calls: int = 1) -> DpTraffic:
+    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` in total over n ranks,
+    ``per_node`` on each node, issued as ``calls`` collectives (ZeRO-3: one per unit, a latency each). A rank
+    sends (n-1)/n of the bytes (twice that to all-reduce) [THA]; a ring inside a node runs at the intra-node
+    link, one that crosses at the inter-node link's pace; point to point (``cluster.direct_exchange``, all
+    but all-reduces) each part goes at its own link, both at once."""
+    if n == 1:
+        return DpTraffic()
+    sent = nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
+    direct = cluster.direct_exchange and kind != "all_reduce"
+    inter = sent * crossing_share(n, per_node, direct)
+    intra_link, inter_link = cluster.link(1), cluster.link(cluster.gpus_per_node + 1)
+    link = intra_link if per_node >= n else inter_link
+    if direct and per_node < n:
+        seconds = (n - 1) * link[1] + max((sent - inter) / intra_link[0], inter / inter_link[0])
+    elif kind == "all_reduce":
+        seconds = all_reduce_time(nbytes, n, link)
+    else:
+        seconds = ring_gather_time(nbytes, n, link)
+    return DpTraffic(sent - inter, inter, seconds + (calls - 1) * (n - 1) * link[1])
+
+
+def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, replicas: int, workload: Workload,
+                 layout: Layout, cluster: Cluster) -> DpTraffic:
+    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart, in ``replicas`` hybrid
+    groups [ZeRO, sec. 7]. ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and
+    all-gathers the updated parameters (the same 2 Psi); ZeRO-2 reduce-scatters after every micro-batch;
+    ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per micro-batch), and
+    under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
+    :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own. Hybrid sharding does
+    all of it inside a group and all-reduces each rank's gradient shard, Psi/n, over the replicas once per
+    step (:class:`trainmesh.parallel.zero.engine.ZeroEngine`)."""
+    m, b, g = layout.microbatches, workload.dtype_bytes, ranks_per_node(n, stride, cluster.gpus_per_node)
+    if n * replicas == 1 or not units:
+        return DpTraffic()
+    psi = sum((-(-u.numel // n) * n if layout.zero else u.numel) * k for u, k in units)
+    if layout.zero == 0:
+        return collective("all_reduce", b.grad * psi, n, g, cluster)
+    calls = sum(k for _, k in units) if layout.zero == 3 else 1
+    gather = collective("all_gather", b.param * psi, n, g, cluster, calls)
+    scatter = collective("reduce_scatter", b.grad * psi, n, g, cluster, calls)
+    passes = 3 if layout.schedule == "zb" else 2
+    within = {1: scatter + gather, 2: scatter * m + gather, 3: (gather * passes + scatter) * m}[layout.zero]
+    across = ranks_per_node(replicas, stride * n, cluster.gpus_per_node)
+    return within + collective("all_reduce", b.grad * psi / n, replicas, across, cluster)
+
+
+def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> DpTraffic:
+    """Data-parallel traffic of one step on a rank of ``stage``: the dense units over the shard group (its
+    dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (ep x tp apart).
+    None of it is assumed hidden behind compute: that fits Megatron-LM's ZeRO-3 measurements at 768 and
+    1536 GPUs better than perfect overlap does [NAR, Table 2]."""
+    lay, model = layout, workload.model
+    split = stage_split(workload, lay)
+    dense = stage_units(model, lay.tp, split, lay.pp, stage)
+    experts = stage_expert_units(model, split, lay.pp, lay.ep, stage)
+    return (zero_traffic(dense, lay.shard_ranks, lay.tp, lay.dp_replicate, workload, lay, cluster)
+            + zero_traffic(experts, lay.shard_ranks // lay.ep, lay.tp * lay.ep, lay.dp_replicate, workload, lay,
+                           cluster))

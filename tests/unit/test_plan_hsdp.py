@@ -1,0 +1,115 @@
+"""The planner's hybrid sharding (HSDP): data-parallel bytes inside and across nodes against the formulas
+``make bench-multinode`` checks its counted bytes with, HSDP's memory as ZeRO over one replica group, and
+``trainmesh plan`` showing ZeRO-3 against HSDP, choosing by the bytes on the slow link, and printing
+``--dp-replicate``. Pure: no rank is started."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+
+import pytest
+
+from trainmesh.app import cli
+from trainmesh.app.config import config_from_args
+from trainmesh.app.planning import add_plan_arguments, plan_from_args, train_command, preset_source
+from trainmesh.layout import LayoutError
+from trainmesh.plan import (Layout, Workload, choose, estimate, format_table, make_cluster, model_shape,
+                            model_state_bytes, to_json)
+from trainmesh.plan.dp_traffic import dp_traffic
+from trainmesh.plan.memory import stage_units
+from trainmesh_bench.multinode import crossing_formula, planned, report_row
+
+SMALL = model_shape("small")  # every ZeRO unit divides by the ranks below: no padding
+
+
+def _psi(shape=SMALL) -> int:
+    return sum(u.numel * k for u, k in stage_units(shape, 1, (shape.n_layers,), 1, 0))
+
+
+def _crossing(world: int, per_node: int, replicas: int, gpu: str) -> float:
+    """Bytes every rank of a ZeRO-3 step sends to other nodes, summed over ranks (fp32, one micro-batch)."""
+    cluster = make_cluster(gpu, world, per_node)
+    layout = Layout(dp=world, zero=3, dp_replicate=replicas)
+    return world * dp_traffic(Workload(SMALL, world, SMALL.seq_len, "fp32"), layout, cluster, 0).inter
+
+
+@pytest.mark.parametrize("world,per_node", [(4, 2), (8, 4), (8, 2)])
+def test_point_to_point_crossing_bytes_are_the_bench_formulas(world: int, per_node: int) -> None:
+    """On Gloo between hosts (the ``cpu`` cluster) ZeRO-3 over N ranks, M a node, sends 3(N-M)Psi b across
+    nodes per step; HSDP with one group per node 2(R-1)Psi b: exactly what the bench counts on the link."""
+    psi, replicas = _psi(), world // per_node
+    assert _crossing(world, per_node, 1, "cpu") == crossing_formula(psi, 4, 1, world, per_node)
+    assert _crossing(world, per_node, replicas, "cpu") == pytest.approx(
+        crossing_formula(psi, 4, replicas, world, per_node), rel=1e-12)
+    assert crossing_formula(psi, 4, replicas, world, per_node) == 2 * (replicas - 1) * psi * 4
+
+
+@pytest.mark.parametrize("world,per_node", [(16, 8), (32, 8)])
+def test_ring_crossing_bytes_are_one_hop_in_each_node(world: int, per_node: int) -> None:
+    """Round NCCL's ring each of the k nodes sends one hop of (N-1)/N of every buffer across: 3k(N-1)/N Psi b
+    for ZeRO-3; HSDP's shard all-reduce is a ring too, 2(R-1)Psi b as on Gloo."""
+    psi, nodes = _psi(), world // per_node
+    assert _crossing(world, per_node, 1, "h100-80gb") == pytest.approx(3 * nodes * (world - 1) / world * psi * 4)
+    assert _crossing(world, per_node, nodes, "h100-80gb") == pytest.approx(2 * (nodes - 1) * psi * 4)
+
+
+def test_inside_one_node_nothing_crosses() -> None:
+    assert _crossing(8, 8, 1, "h100-80gb") == 0 == _crossing(8, 8, 1, "cpu")
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hsdp_memory_is_zero_over_one_replica_group(zero: int) -> None:
+    work = Workload(model_shape("gpt2-124m"), 64, 1024, "bf16")
+    hybrid = Layout(dp=16, zero=zero, dp_replicate=4, microbatches=2)
+    assert model_state_bytes(work, hybrid) == model_state_bytes(work, Layout(dp=4, zero=zero, microbatches=2))
+    assert model_state_bytes(work, hybrid) > model_state_bytes(work, dataclasses.replace(hybrid, dp_replicate=1))
+
+
+def test_the_planners_layouts_keep_the_hybrid_sharding_rule() -> None:
+    with pytest.raises(LayoutError, match="dp_replicate"):
+        Layout(dp=8, zero=0, dp_replicate=2)
+    with pytest.raises(LayoutError, match="does not divide"):
+        Layout(dp=8, zero=3, dp_replicate=3)
+
+
+def test_a_chosen_hsdp_says_the_bytes_it_keeps_off_the_slow_link_and_its_command_replicates() -> None:
+    work, cluster = Workload(model_shape("llama3-8b"), 32, 8192, "bf16"), make_cluster("h100-80gb", 16)
+    flat = Layout(dp=8, tp=2, zero=3, microbatches=2, sequence_parallel=True)
+    hybrid = dataclasses.replace(flat, dp_replicate=2)
+    found = sorted((estimate(work, lay, cluster) for lay in (flat, hybrid)), key=lambda e: e.time.total)
+    chosen = choose(found)
+    command = train_command(work, chosen.layout, cluster, preset_source(work, "llama3-8b"))
+    text = format_table(work, cluster, found, chosen, command).splitlines()
+    assert chosen.layout == hybrid
+    why = next(line for line in text if line.startswith("why: "))
+    assert "less data-parallel traffic" in why and "over the inter-node link against the runner-up's" in why
+    words = shlex.split(text[-1])
+    cfg = config_from_args(cli._parser().parse_args(words[words.index("train"):]))
+    assert (cfg.dp, cfg.tp, cfg.zero, cfg.dp_replicate) == (8, 2, 3, 2)
+    rows = json.loads(to_json(work, cluster, found, chosen))["layouts"]
+    assert rows[0]["dp_bytes_per_rank"]["inter"] < rows[1]["dp_bytes_per_rank"]["inter"]
+
+
+def test_plan_llama3_70b_on_256_h100s_shows_zero3_and_hsdp_and_its_choice() -> None:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    lines = plan_from_args(parser.parse_args("--model llama3-70b --gpus 256 --gpu h100-80gb --top 3".split()))
+    lines = lines.splitlines()
+    head = lines[1].split()
+    rows = [dict(zip(head, line.replace("*", "").split())) for line in lines[2:] if line[:1] in " *"]
+    zero3 = [r for r in rows if r["zero"] == "3"]
+    assert {r["R"] == "1" for r in zero3} == {True, False}
+    versus = next(line for line in lines if line.startswith("ZeRO-3 vs HSDP"))
+    assert "per rank across nodes" in versus and "HSDP is" in versus and "the choice (*) shards with" in versus
+
+
+def test_the_bench_prints_the_planners_prediction_beside_the_measured_figures() -> None:
+    predicted, seconds = planned(2, "small", 8, 200.0)
+    assert predicted == crossing_formula(_psi(), 4, 2) and seconds > 0
+    assert planned(1, "small", 8, 200.0)[0] == crossing_formula(_psi(), 4, 1)
+    row = report_row("hsdp2x2", {"link_bytes_per_step": 26.67e6, "formula": predicted, "step_s": 1.2},
+                     predicted, seconds).split()
+    assert row[0] == "hsdp2x2" and float(row[4]) == round(predicted / 1e6, 2) and float(row[6]) == round(seconds, 2)
