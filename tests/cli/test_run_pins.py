@@ -345,7 +345,7 @@ def test_resume_with_another_tokenizer_of_the_same_size_is_refused_before_traini
     step = tmp_path / "ckpt" / "step-00000002"
     capsys.readouterr()
     argv = ["train", "--data", str(docs), "--seq-len", "8", "--steps", "3", "--global-batch", "4", "--no-progress",
-            "--out", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", "--model", "tiny"]
+            "--out", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]
     assert cli.main([*argv, "--tokenizer", str(other)]) == 2
     err = _error_line(capsys)
     assert (f"checkpoint {step} was trained with tokenizer {tok} (SHA-256 {_pin12(tok)}), and this run has "
@@ -366,6 +366,18 @@ def test_resume_with_another_tokenizer_of_the_same_size_is_refused_before_traini
     train(_cfg(tmp_path, data=str(docs), tokenizer=str(tok), seq_len=8, steps=3, resume=True), _mesh())
     assert f"tokenizer {tok} is now SHA-256 {_pin12(other)}, not the" in capsys.readouterr().err
     assert (tmp_path / "ckpt" / "step-00000003" / "tokenizer.json").read_bytes() == pinned
+
+
+def test_resume_alone_continues_a_preset_run_whose_tokenizer_reshaped_its_model(tmp_path, two_tokenizers):
+    """``--resume`` without ``--model`` on a ``tiny`` run trained with a tokenizer (its vocabulary padded, so
+    its config is not the preset's): the preset and the recorded tokenizer rebuild the model."""
+    tok, _ = two_tokenizers
+    docs = _corpus(tmp_path / "docs")
+    train(_cfg(tmp_path, data=str(docs), tokenizer=str(tok), seq_len=8), _mesh())
+    assert cli.main(["train", "--data", str(docs), "--seq-len", "8", "--steps", "3", "--global-batch", "4",
+                     "--no-progress", "--no-tensorboard", "--out", str(tmp_path / "run"), "--checkpoint-dir",
+                     str(tmp_path / "ckpt"), "--resume"]) == 0
+    assert (tmp_path / "ckpt" / "step-00000003").is_dir()
 
 
 OPENED: list[str] | None = None

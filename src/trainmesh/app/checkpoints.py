@@ -320,16 +320,15 @@ def claim(cfg: Config) -> Iterator[str]:
 
 MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef",
                   "moe_z_coef", "moe_bias_rate")
-
-
 """The settings besides ``model`` that shape a ``trainmesh train`` run's model."""
 
 
 def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
     """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``:
-    its model, registered as a preset named by its source (``LlamaForCausalLM from DIR``, a model a script
-    saved), so the run needs neither the preset nor the directory it first came from; and the recorded
-    settings that shaped it, except those in ``given`` (set on the command line). Empty without one."""
+    its model (a preset's name, or a model no preset builds registered as one named by its source,
+    ``LlamaForCausalLM from DIR``, a model a script saved), so the run needs neither the preset flag nor the
+    directory it first came from; and the recorded settings that shaped it, except those in ``given`` (set on
+    the command line). Empty without one."""
     for path in candidates(root):
         try:
             manifest = read_manifest(path)
@@ -337,7 +336,10 @@ def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
         except CheckpointError:
             continue
         name = source_name(manifest)
-        register_preset(spec, name, cfg)
+        if name not in {**spec.presets, **spec.planner_presets}:
+            # no preset builds it (an --init-hf import, a script's model); a preset's run is rebuilt from the
+            # preset and the settings below (a tokenizer pads the vocabulary), held to the manifest on restore
+            register_preset(spec, name, cfg)
         recorded = manifest["config"]
         settings = {k: recorded[k] for k in MODEL_SETTINGS if k in recorded and k not in given}
         return {**settings, "model": name, "init_hf": "", **({} if "seq_len" in given else {"seq_len": 0})}
