@@ -30,10 +30,10 @@ from torch import nn
 
 from trainmesh.checkpoint import (MANIFEST, CheckpointDamaged, CheckpointError, candidates, read_manifest, recorded_model, recorded_weights,
                                   source_name, step_dir)
-from trainmesh.checkpoint.store import step_of
+from trainmesh.checkpoint.store import kept_tokenizer, step_of
 from trainmesh.models.cache import KVCache
-from trainmesh.data.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError, TokenizerFile, load_tokenizer
-from trainmesh.safe_io import IntegrityError, inside, read_verified
+from trainmesh.data.tokenizer import Tokenizer, TokenizerError, TokenizerFile, load_tokenizer
+from trainmesh.safe_io import IntegrityError
 
 
 class GenerateError(ValueError):
@@ -182,11 +182,10 @@ def tokenizer_of(manifest: dict, path: Path, given: str | None) -> tuple[Tokeniz
         raise TokenizerError(f"checkpoint {path} names its tokenizer by a path outside it ({recorded}), which is "
                              f"not read; pass that tokenizer (SHA-256 {digest[:12]}) as --tokenizer")
     try:
-        data = read_verified(inside(path, TOKENIZER_FILE), digest, record["bytes"])
+        kept = kept_tokenizer(path, record)
     except IntegrityError as e:
         raise CheckpointDamaged(path, str(e)) from None
-    copy = path / TOKENIZER_FILE
-    return TokenizerFile(str(copy), data, digest).load(), f"tokenizer {copy} (a copy of {recorded})"
+    return kept.load(), f"tokenizer {kept.source} (a copy of {recorded})"
 
 
 def _device(name: str) -> torch.device:

@@ -20,7 +20,6 @@ run, and raises on every rank if any rank's write failed.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import shutil
 import threading
@@ -32,7 +31,7 @@ from torch import nn
 
 from trainmesh.checkpoint import store
 from trainmesh.engine import Engine
-from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.mesh import Mesh
 from trainmesh.safe_io import write_durably
 
 MARKER = ".written-rank-{rank:05d}.json"
@@ -91,17 +90,10 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
     if previous is not None:
         previous.wait()
     start = time.perf_counter()
-    rank, device = world_from_env()[0], mesh.device
-    if not progress.run_id:
-        progress = dataclasses.replace(progress, run_id=store.agreed_run_id(device))
-    final = store.step_dir(root, progress.step)
-    tmp = final.with_name(f".tmp-{final.name}")
-    mine = store._pieces(store.local_state(model, engine) + store.rng_state(rank, device))
-    plans = store.all_gather_json([item for item, _ in mine.values()], device)
-    writers = store.assign_writers(plans)
-    store.on_every_rank(lambda: store._fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
-    ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
-    scaler, world = copy.copy(engine.scaler), len(plans)
+    staged = store.stage(model, engine, mesh, root, progress)
+    rank, final, tmp, ours = staged.rank, staged.final, staged.tmp, staged.ours
+    store.on_every_rank(lambda: store._fresh_dir(tmp) if rank == 0 else None, staged.device, f"creating {tmp}")
+    scaler, world = copy.copy(engine.scaler), len(staged.plans)
 
     def write(timeout_s: float) -> None:
         try:
@@ -113,7 +105,8 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
         if rank == 0:
             files = _wait_for_every_rank(tmp, world, timeout_s)
             try:
-                store._publish(tmp, final, store._manifest(description, scaler, progress, plans, writers, files),
+                store._publish(tmp, final, store._manifest(description, scaler, staged.progress, staged.plans,
+                                                                    staged.writers, files),
                                description.get("tokenizer"))
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

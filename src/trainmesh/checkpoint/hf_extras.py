@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmesh.data.tokenizer import BYTE_VOCAB, TOKENIZER_FILE, HFTokenizer
-from trainmesh.safe_io import IntegrityError, inside, read_verified, sha256_hex
+from trainmesh.checkpoint.store import kept_tokenizer
+from trainmesh.data.tokenizer import BYTE_VOCAB, HFTokenizer
+from trainmesh.safe_io import IntegrityError, sha256_hex
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json")
@@ -92,10 +93,9 @@ def _kept_tokenizer(record: dict, where: Path) -> HFTokenizer | None:
     if record["kind"] != "copy":
         return None
     try:
-        data = read_verified(inside(where, TOKENIZER_FILE), record["sha256"], record["bytes"])
+        return kept_tokenizer(where, record).load()
     except IntegrityError:
         return None
-    return HFTokenizer(str(where / TOKENIZER_FILE), data)
 
 
 def write(extras: Extras, out: Path, model_vocab: int) -> list[str]:

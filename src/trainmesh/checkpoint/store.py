@@ -393,6 +393,14 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
     return manifest
 
 
+def kept_tokenizer(path: Path, record: dict) -> TokenizerFile:
+    """The copy of its tokenizer checkpoint ``path`` keeps (manifest ``record`` of kind ``copy``), read from
+    the step directory only, never through a link, and checked against the recorded size and SHA-256; a copy
+    that is missing or altered is :class:`IntegrityError`."""
+    data = read_verified(inside(path, TOKENIZER_FILE), record["sha256"], record["bytes"])
+    return TokenizerFile(str(path / TOKENIZER_FILE), data, record["sha256"])
+
+
 def _publish(tmp: Path, final: Path, manifest: dict, tokenizer: TokenizerFile | None) -> None:
     """Write the copy of the run's ``tokenizer`` (if a file) and the manifest, make the directory ``final``
     in one rename, then point ``latest`` at it."""
@@ -414,6 +422,36 @@ def agreed_run_id(device: torch.device) -> str:
     return all_gather_json(os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex, device)[0]
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A save planned on every rank before anything is written: where it goes (``tmp``, renamed to ``final``
+    when published), every rank's pieces (``plans``) and who writes each (``writers``), and the pieces this
+    ``rank`` writes (``ours``). The synchronous and the background save write exactly this."""
+
+    rank: int
+    device: torch.device
+    progress: TrainingProgress
+    final: Path
+    tmp: Path
+    plans: list
+    writers: dict
+    ours: dict
+
+
+def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress) -> Staged:
+    """Gather what every rank holds of ``model`` and ``engine`` and assign each piece one writer (a
+    collective); the run's id is agreed here if ``progress`` has none."""
+    rank, device = world_from_env()[0], mesh.device
+    if not progress.run_id:
+        progress = dataclasses.replace(progress, run_id=agreed_run_id(device))
+    final = step_dir(root, progress.step)
+    mine = _pieces(local_state(model, engine) + rng_state(rank, device))
+    plans = all_gather_json([item for item, _ in mine.values()], device)
+    writers = assign_writers(plans)
+    ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
+    return Staged(rank, device, progress, final, final.with_name(f".tmp-{final.name}"), plans, writers, ours)
+
+
 
 def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
                description: dict, keep_last: int = 0) -> Path:
@@ -425,21 +463,15 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
     the one ``latest`` names.
     """
     start = time.perf_counter()
-    rank, device = world_from_env()[0], mesh.device
-    if not progress.run_id:
-        progress = dataclasses.replace(progress, run_id=agreed_run_id(device))
-    final = step_dir(root, progress.step)
-    tmp = final.with_name(f".tmp-{final.name}")
-    mine = _pieces(local_state(model, engine) + rng_state(rank, device))
-    plans = all_gather_json([item for item, _ in mine.values()], device)
-    writers = assign_writers(plans)
+    staged = stage(model, engine, mesh, root, progress)
+    rank, device, final, tmp = staged.rank, staged.device, staged.final, staged.tmp
     try:
         on_every_rank(lambda: _fresh_dir(tmp) if rank == 0 else None, device, f"creating {tmp}")
-        ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
-        files = on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours), device,
+        files = on_every_rank(lambda: _write_rank_file(tmp / f"rank-{rank:05d}.safetensors", staged.ours), device,
                                f"writing the shards of {final}")
-        on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, progress, plans, writers,
-                                                              files), description.get("tokenizer"))
+        on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, staged.progress,
+                                                              staged.plans, staged.writers, files),
+                                       description.get("tokenizer"))
                       if rank == 0 else None,
                        device, f"publishing {final}")
     except CheckpointError as e:
