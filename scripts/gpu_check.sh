@@ -19,5 +19,9 @@ echo "torch $($PY -c 'import torch; print(torch.__version__)'), $NGPU GPU(s)"
 echo "== NCCL init and all-reduce on $NGPU rank(s)"
 $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" scripts/nccl_check.py
 
+echo "== async checkpoints stage GPU state into reused pinned host buffers"
+if $PY -c "import pytest" 2>/dev/null; then $PY -m pytest -q -p no:cacheprovider tests/unit/test_host_buffers.py
+else echo "(pytest is not installed here: pip install -e '.[dev]' to run it)"; fi
+
 echo "== NCCL done; training cases"
 $PY scripts/gpu_check.py "$@"

@@ -3,8 +3,12 @@ save's, byte for byte, even while training overwrites the state being written; `
 every rank's part is durable, so a rank killed during the background write leaves the previous checkpoint
 as ``latest`` and loadable."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +77,74 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
     assert candidates(tmp_path)[0].name == "step-00000001"
     assert not (tmp_path / "step-00000002").exists()
     assert "model/head.weight" in read_tensors(tmp_path / "step-00000001", "model/")
+
+
+# Loaded by every process of the job through PYTHONPATH: each rank's background write of step 2 finishes its
+# file and says so in a mark file; rank 1 then sleeps before its marker, so the launcher is killed while
+# rank 0 waits for rank 1 (a save that published without every rank's part would move ``latest``).
+SLOW_WRITE = '''
+import os, time
+from pathlib import Path
+if os.environ.get("RANK") is not None:
+    from trainmesh.checkpoint import store
+    real = store._write_rank_file
+    def slow(path, pieces):
+        record = real(path, pieces)
+        if path.parent.name == ".tmp-step-00000002":
+            (Path(os.environ["SLOW_WRITE_MARKS"]) / f"rank{os.environ['RANK']}").touch()
+            time.sleep(120 if os.environ["RANK"] == "1" else 0)
+        return record
+    store._write_rank_file = slow
+'''
+
+
+def _train(out: Path, ckpt: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2", "--zero", "2", "--steps", "3",
+            "--checkpoint-every", "1", "--checkpoint-async", "--checkpoint-dir", str(ckpt), "--out", str(out),
+            "--no-progress", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.timeout(240)
+def test_the_launcher_killed_during_the_background_write_leaves_the_previous_checkpoint_latest(tmp_path):
+    """``kill -9`` of ``trainmesh train``'s launcher while step 2 is written in the background: its ranks die
+    with it, step 1 stays ``latest`` and loadable, and ``--resume`` finishes the run from it."""
+    hooks, marks, ckpt = tmp_path / "hooks", tmp_path / "marks", tmp_path / "ckpt"
+    hooks.mkdir(), marks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_WRITE)
+    path = os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")])
+    job = _train(tmp_path / "run", ckpt, env={"PYTHONPATH": path, "SLOW_WRITE_MARKS": str(marks)})
+    deadline = time.monotonic() + 150
+    while len(list(marks.iterdir())) < 2:
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:] if job.poll() else "slow"
+        time.sleep(0.1)
+    ranks = _children(job.pid)
+    job.kill()
+    job.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "a rank outlived its launcher"
+    assert (ckpt / "latest").read_text() == "step-00000001\n"
+    assert candidates(ckpt)[0].name == "step-00000001"
+    assert "model/head.weight" in read_tensors(ckpt / "step-00000001", "model/")
+    resumed = _train(tmp_path / "run", ckpt, "--resume")
+    _, err = resumed.communicate(timeout=150)
+    assert resumed.returncode == 0, err[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and records[1]["restart"]["from_step"] == 1
+    assert (ckpt / "latest").read_text() == "step-00000003\n"
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (the launcher's ranks), from /proc."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids

@@ -1,15 +1,15 @@
 """Checkpoints that do not stall training: stage to host memory, write in the background, publish when durable.
 
 As torchtitan's async checkpointing and Megatron's async save do, a save is split in two. On the training
-thread, as a collective, each rank copies what it holds into host memory (the copies :func:`store._pieces`
-makes, which training may overwrite at once), the ranks agree on who writes which piece, and rank 0 makes
-the empty ``.tmp-step-N`` directory: that is the stall. A background thread then serializes this rank's
-pieces and writes and fsyncs ``rank-N.safetensors`` exactly as the synchronous save does, and leaves a small
-marker saying so (``.written-rank-N.json``: the file's SHA-256 and length); rank 0's thread waits for every
-rank's marker, removes them, and publishes as the synchronous save does (manifest, fsync, the directory's
-rename, then ``latest``). So the files are the synchronous save's, byte for byte, and ``latest`` moves only
-once every rank's part is durable: a process killed during the write leaves ``.tmp-step-N`` behind, which
-``--resume`` ignores, and the previous checkpoint as ``latest``.
+thread, as a collective, each rank copies what it holds into host memory (pinned buffers on a GPU, reused from
+one save to the next: :class:`store.HostBuffers`), which training may overwrite at once; the ranks agree on
+who writes which piece, and rank 0 makes the empty ``.tmp-step-N`` directory: that is the stall. A background
+thread then serializes this rank's pieces and writes and fsyncs ``rank-N.safetensors`` exactly as the
+synchronous save does, and leaves a small marker saying so (``.written-rank-N.json``: the file's SHA-256 and
+length); rank 0's thread waits for every rank's marker, removes them, and publishes as the synchronous save
+does (manifest, fsync, the directory's rename, then ``latest``). So the files are the synchronous save's, byte
+for byte, and ``latest`` moves only once every rank's part is durable: a process killed during the write
+leaves ``.tmp-step-N`` behind, which ``--resume`` ignores, and the previous checkpoint as ``latest``.
 
 The markers go through the checkpoint directory, which every rank writes into anyway, rather than through a
 collective: the training thread's collectives would race with one issued from the writer thread. At most one
@@ -42,8 +42,9 @@ class AsyncSave:
     """A checkpoint being written in the background. ``stall_s``: what the training thread spent staging;
     ``write_s``: the background write (on rank 0, until published). :meth:`wait` before relying on it."""
 
-    def __init__(self, path: Path, mesh: Mesh, stall_s: float, work: Callable[[float], None], timeout_s: float) -> None:
-        self.path, self.mesh, self.stall_s, self.timeout_s = path, mesh, stall_s, timeout_s
+    def __init__(self, path: Path, mesh: Mesh, stall_s: float, work: Callable[[float], None], timeout_s: float,
+                 host: store.HostBuffers) -> None:
+        self.path, self.mesh, self.stall_s, self.timeout_s, self.host = path, mesh, stall_s, timeout_s, host
         self.write_s: float | None = None
         self._error: BaseException | None = None
         self._finished = False
@@ -89,8 +90,9 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
     published. ``previous`` (the save before, if any) is waited for first."""
     if previous is not None:
         previous.wait()
+    host = previous.host if previous is not None else store.HostBuffers()
     start = time.perf_counter()
-    staged = store.stage(model, engine, mesh, root, progress)
+    staged = store.stage(model, engine, mesh, root, progress, host)
     rank, final, tmp, ours = staged.rank, staged.final, staged.tmp, staged.ours
     store.on_every_rank(lambda: store._fresh_dir(tmp) if rank == 0 else None, staged.device, f"creating {tmp}")
     scaler, world = copy.copy(engine.scaler), len(staged.plans)
@@ -113,7 +115,7 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
                 raise
             store.prune(final, keep_last)
 
-    return AsyncSave(final, mesh, time.perf_counter() - start, write, mesh.timeout_s or 600.0)
+    return AsyncSave(final, mesh, time.perf_counter() - start, write, mesh.timeout_s or 600.0, host)
 
 
 def _wait_for_every_rank(tmp: Path, world: int, timeout_s: float) -> list[dict]:

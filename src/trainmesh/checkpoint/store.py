@@ -314,19 +314,52 @@ def step_of(path: Path) -> int:
     return int(path.name.removeprefix("step-"))
 
 
-def _pieces(tensors: list[LocalTensor]) -> dict[str, tuple[dict, torch.Tensor]]:
-    """This rank's pieces, by key: their description for the plan and a CPU copy of their data."""
+class HostBuffers:
+    """Pinned host memory that background saves stage GPU state into, kept from one save to the next.
+
+    A copy from a GPU into pinned memory runs at the link's full rate and without blocking the host (pageable
+    memory goes through a driver bounce buffer), which is what keeps an async save's stall short; but
+    allocating pinned memory is slow, so, as torchtitan's async checkpointing does, each piece's buffer is
+    allocated once and reused. That is safe because at most one save is in flight: the next one waits for
+    the previous one's write before it stages. CPU tensors are copied as they are."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pending_gpu_copies = False
+
+    def copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        if src.device.type != "cuda":
+            return src.to("cpu", copy=True)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        self._pending_gpu_copies = True
+        return buf.copy_(src, non_blocking=True)
+
+    def settle(self) -> None:
+        """Wait for the copies in flight: training may overwrite their sources once staging returns."""
+        if self._pending_gpu_copies:
+            torch.cuda.synchronize()
+            self._pending_gpu_copies = False
+
+
+def _pieces(tensors: list[LocalTensor], host: HostBuffers | None = None) -> dict[str, tuple[dict, torch.Tensor]]:
+    """This rank's pieces, by key: their description for the plan and a CPU copy of their data (into
+    ``host``'s reused pinned buffers where given: a synchronous save keeps no buffers between saves)."""
     out = {}
+    copy = host.copy if host is not None else lambda _key, src: src.to("cpu", copy=True)
     for t in tensors:
         flat, base = t.views[0].detach(), 0
         for box in t.boxes:
             n = box_numel(box)
             key = f"{t.name}@{','.join(map(str, box.offsets))}"
-            data = flat[base:base + n].view(box.sizes).to("cpu", copy=True)
+            data = copy(key, flat[base:base + n].view(box.sizes))
             out[key] = ({"key": key, "name": t.name, "shape": list(t.shape), "dtype": dtype_name(flat.dtype),
                          "offsets": list(box.offsets), "sizes": list(box.sizes), "nbytes": n * flat.element_size()},
                         data)
             base += n
+    if host is not None:
+        host.settle()
     return out
 
 
@@ -438,14 +471,15 @@ class Staged:
     ours: dict
 
 
-def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress) -> Staged:
-    """Gather what every rank holds of ``model`` and ``engine`` and assign each piece one writer (a
-    collective); the run's id is agreed here if ``progress`` has none."""
+def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
+          host: HostBuffers | None = None) -> Staged:
+    """Gather what every rank holds of ``model`` and ``engine`` (copied into ``host``'s buffers where given)
+    and assign each piece one writer (a collective); the run's id is agreed here if ``progress`` has none."""
     rank, device = world_from_env()[0], mesh.device
     if not progress.run_id:
         progress = dataclasses.replace(progress, run_id=agreed_run_id(device))
     final = step_dir(root, progress.step)
-    mine = _pieces(local_state(model, engine) + rng_state(rank, device))
+    mine = _pieces(local_state(model, engine) + rng_state(rank, device), host)
     plans = all_gather_json([item for item, _ in mine.values()], device)
     writers = assign_writers(plans)
     ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
