@@ -177,6 +177,23 @@ def test_a_worker_killed_mid_run_ends_prepare_at_once_in_one_line(tmp_path, tok,
     assert not _children() - before, "workers left running"
 
 
+def test_workers_tokenize_with_the_bytes_prepare_pinned_though_the_file_changes(tmp_path, tok, monkeypatch):
+    """The tokenizer file is overwritten after ``prepare`` read it, as its workers start: they build the
+    tokenizer from the pinned bytes, so the shards hold the ids of the copy the data directory keeps."""
+    path, text = tmp_path / "tok.json", _code(64 << 10)
+    path.write_bytes(Path(tok).read_bytes())
+    (tmp_path / "a.txt").write_text(text)
+    started = prepare_module.Workers
+
+    def swap_then_start(*args):
+        path.write_text("{}")
+        return started(*args)
+
+    monkeypatch.setattr(prepare_module, "Workers", swap_then_start)
+    _quiet(PrepareOptions((str(tmp_path / "a.txt"),), str(path), str(tmp_path / "out"), 2))
+    assert _decoded(tmp_path / "out", tok) == text
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through /proc")
 def test_kill_9_of_a_worker_of_the_cli_exits_2_in_one_line(tmp_path, tok):

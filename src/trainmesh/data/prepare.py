@@ -208,7 +208,7 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     meter = ProgressMeter(sum(input_size(f) for f in files), stream)
     doc, t0 = 0, time.perf_counter()
     try:
-        with Workers(opts.workers, opts.tokenizer, dtype) as workers:
+        with Workers(opts.workers, pinned, dtype) as workers:
             for arrays, ends, consumed in _results(workers, files):
                 for ids, end in zip(arrays, ends):
                     writers["val" if _held_out(doc, opts.val_fraction) else "train"].write(ids, end)

@@ -17,11 +17,14 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trainmesh.data.text import DataError
+
+if TYPE_CHECKING:
+    from trainmesh.data.tokenizer import TokenizerFile
 
 POLL_S = 1.0
 JOIN_S = 5.0
@@ -45,14 +48,15 @@ def tokenize(tokenizer: Any, dtype: np.dtype, batch: list[tuple[str, bool]]) -> 
     return [np.asarray(i + eos if ends else i, dtype=dtype) for i, (_, ends) in zip(ids, batch)]
 
 
-def _serve(conn: Connection, tokenizer: str, dtype: str, parent: int) -> None:
-    """A worker: load the tokenizer once (its own thread pool off: the processes are the parallelism), then
-    tokenize batches until told to stop or orphaned. Ctrl-C is the parent's to handle."""
+def _serve(conn: Connection, pinned: TokenizerFile | None, dtype: str, parent: int) -> None:
+    """A worker: build the tokenizer once from the bytes the parent pinned (never from the file again, which
+    may have changed since), its own thread pool off (the processes are the parallelism); then tokenize
+    batches until told to stop or orphaned. Ctrl-C is the parent's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from trainmesh.data.tokenizer import load_tokenizer
 
-    tok, dt = load_tokenizer(tokenizer), np.dtype(dtype)
+    tok, dt = pinned.load() if pinned else load_tokenizer(""), np.dtype(dtype)
     while True:
         while not conn.poll(POLL_S):
             if os.getppid() != parent:
@@ -80,14 +84,14 @@ def _how(code: int | None) -> str:
 class Workers:
     """``n`` tokenizing processes; :meth:`ordered` maps batches to token ids in input order."""
 
-    def __init__(self, n: int, tokenizer: str, dtype: np.dtype) -> None:
+    def __init__(self, n: int, pinned: TokenizerFile | None, dtype: np.dtype) -> None:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         try:
             for _ in range(n):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(theirs, tokenizer, dtype.str, os.getpid()), daemon=True)
+                proc = ctx.Process(target=_serve, args=(theirs, pinned, dtype.str, os.getpid()), daemon=True)
                 proc.start()
                 theirs.close()
                 self.procs.append(proc)
