@@ -76,6 +76,11 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, as a refusal names it."""
+    return "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+
+
 def _open_regular(path: Path) -> tuple[int, int]:
     """A read-only descriptor of regular file ``path`` and its size; never follows a symbolic link at
     ``path`` and never blocks (a FIFO is opened non-blocking, then refused)."""
@@ -89,8 +94,7 @@ def _open_regular(path: Path) -> tuple[int, int]:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-        raise IntegrityError(f"{path} is {kind}, not a regular file")
+        raise IntegrityError(f"{path} is {_kind(mode)}, not a regular file")
     return fd, os.fstat(fd).st_size
 
 
@@ -203,8 +207,7 @@ def read_user_file(path: str | Path, limit: int) -> bytes:
     mode, size = os.fstat(fd).st_mode, os.fstat(fd).st_size
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-        raise UnreadableFile(f"{path} is {kind}, not a regular file")
+        raise UnreadableFile(f"{path} is {_kind(mode)}, not a regular file")
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1) if size <= limit else b""
         if size > limit or len(data) > limit:
