@@ -419,3 +419,14 @@ def test_fuzzed_data_indexes_and_shards_load_correctly_or_fail_in_one_line(tmp_p
     print(f"data index fuzzer: {outcomes} in {elapsed:.1f} s")
     assert outcomes["refused"] > 800 and outcomes["loaded"] > 20, outcomes
     assert elapsed < 60
+
+
+@pytest.mark.parametrize("flag,value,want", [("--workers", "0", "1 to 1024"), ("--workers", "100000", "1 to 1024"),
+                                             ("--shard-tokens", "0", "at least 1"),
+                                             ("--val-fraction", "1.0", "in (0, 1)")])
+def test_prepare_numbers_out_of_range_are_one_line_before_any_work(tmp_path, tok, capsys, flag, value, want):
+    (tmp_path / "a.txt").write_text("text")
+    err = _prepare_error(capsys, "--input", str(tmp_path / "a.txt"), "--tokenizer", tok, "--out",
+                         str(tmp_path / "out"), flag, value)
+    assert err.startswith(f"trainmesh: error: {flag} {value}: must be {want}") and "\n" not in err
+    assert not (tmp_path / "out").exists()

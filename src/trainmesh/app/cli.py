@@ -37,6 +37,7 @@ from trainmesh.data.tokenizer import TokenizerError
 
 
 MAX_VOCAB = Bound(1 << 20)  # tokens in a vocabulary (the largest published are ~256k)
+MAX_WORKERS = 1024  # tokenizing processes: beyond the cores they only add memory; a larger count is a typo
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,7 +118,7 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
                          help="the tokenizer.json to tokenize with (trainmesh tokenizer train makes one)")
     prepare.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory for the shards")
     prepare.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1),
-                         help="tokenizing processes (default: one per CPU core)")
+                         help=f"tokenizing processes, 1 to {MAX_WORKERS} (default: one per CPU core)")
     prepare.add_argument("--shard-tokens", type=int, default=1 << 27,
                          help="tokens per shard file, cut at a document end (default: 2**27)")
     prepare.add_argument("--val-fraction", type=float, default=0.05,
@@ -136,7 +137,8 @@ def _tokenizer(args: argparse.Namespace, _argv: Sequence[str]) -> int:
 def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.data.prepare import PrepareOptions, prepare
 
-    for flag, value, ok, want in (("--workers", args.workers, args.workers >= 1, "at least 1"),
+    for flag, value, ok, want in (("--workers", args.workers, 1 <= args.workers <= MAX_WORKERS,
+                                   f"1 to {MAX_WORKERS} (each is a process holding the tokenizer and two batches)"),
                                   ("--shard-tokens", args.shard_tokens, args.shard_tokens >= 1, "at least 1"),
                                   ("--val-fraction", args.val_fraction, 0 < args.val_fraction < 1, "in (0, 1)")):
         if not ok:
