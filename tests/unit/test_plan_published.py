@@ -12,17 +12,18 @@ from trainmesh.plan.timing import layer_seconds
 
 # Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", 2024, Table 4 and 3.3.2): TP8, PP16 with one
 # block fewer on the first and the last stage, bf16, no activation checkpointing; (GPUs, cp, dp, sequence,
-# sequences per dp rank, published bf16 MFU, the error docs/planner.md states). Not published, and set
-# here: the interleaved schedule at 2 chunks per rank, ZeRO-1 and sequence parallelism (the paper's one layer
-# per chunk, v = 8, has chunks holding only the embedding, which trainmesh does not run; docs/planner.md).
-LLAMA3 = [(8192, 1, 64, 8192, 32, 0.43, 0.10), (16384, 1, 128, 8192, 16, 0.41, 0.15),
+# sequences per dp rank, published bf16 MFU, the error docs/planner.md states). The paper interleaves one
+# layer per chunk, v = 8, with chunks holding only the embedding or the head, which trainmesh does not run;
+# set here: the deepest interleaving it runs, v = 7 (every chunk a block), ZeRO-1 and sequence parallelism.
+LLAMA3 = [(8192, 1, 64, 8192, 32, 0.43, 0.10), (16384, 1, 128, 8192, 16, 0.41, 0.10),
           (16384, 16, 8, 131072, 16, 0.38, 0.10)]
+VIRTUAL = 7
 
 
 def _llama3(gpus: int, cp: int, dp: int, seq: int, per_dp: int) -> float:
     work, cluster = Workload(model_shape("llama3-405b"), dp * per_dp, seq, "bf16"), make_cluster("h100-80gb", gpus)
-    split = fastest_split(*layer_seconds(work, Layout(dp=dp, tp=8, cp=cp, microbatches=per_dp), cluster), 32)
-    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=1, microbatches=per_dp, schedule="interleaved", virtual=2,
+    split = fastest_split(*layer_seconds(work, Layout(dp=dp, tp=8, cp=cp, microbatches=per_dp), cluster), 16 * VIRTUAL)
+    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=1, microbatches=per_dp, schedule="interleaved", virtual=VIRTUAL,
                     sequence_parallel=True, stage_layers=split)
     return estimate(work, layout, cluster).mfu
 
