@@ -293,9 +293,10 @@ def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -
 
 
 def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """The all-to-alls of :func:`all_to_all_bytes_per_micro` on the critical path: per MoE layer and pass
-    (forward, backward, the forward again under full recomputation) one towards the experts, in
-    ``layout.dispatch_dtype``, and one back, in the activations' dtype (:func:`all_to_all_seconds`)."""
+    """One micro-batch's expert all-to-alls on a rank of ``stage``, on the critical path: per MoE layer and
+    pass (forward, backward, the forward again under full recomputation) one towards the experts, in
+    ``layout.dispatch_dtype``, and one back, in the activations' dtype (:func:`all_to_all_seconds`); in the
+    activations' dtype throughout, the bytes of :func:`all_to_all_bytes_per_micro`."""
     moe = stage_blocks(workload, layout, stage)[1]
     if layout.ep == 1 or not moe:
         return 0.0
