@@ -11,6 +11,7 @@ import pytest
 from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
 from trainmesh.plan import Cluster, Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
+from trainmesh.plan.ranking import interleave_depths
 from trainmesh.plan.timing import all_to_all_seconds, gemm_time, head_seconds, nodes_per_token
 
 
@@ -83,3 +84,19 @@ def test_compute_runs_on_what_the_communication_kernels_leave() -> None:
     assert shared.compute == pytest.approx(step_time(work, layout, cluster).compute * 132 / 112, rel=1e-12)
     with pytest.raises(LayoutError, match="comm_sm_share=1"):
         Layout(dp=64, ep=64, comm_sm_share=1)
+
+
+def test_small_matmuls_are_priced_at_each_devices_own_ridge_point() -> None:
+    """The fit's half dimension (160 on the A100-80GB, whose ridge is 312 / 2.04 = 153) follows peak / HBM
+    bandwidth: an H100's 989 / 3.35 puts it near 309, so a head_dim-wide matmul reaches less of its peak."""
+    half = {gpu: make_cluster(gpu, 8).gemm_half_dim for gpu in ("a100-80gb", "h100-80gb", "h800-80gb", "h200-141gb")}
+    assert half["a100-80gb"] == 160
+    assert half["h100-80gb"] == half["h800-80gb"] == round(160 * (989 / 3.35) / (312 / 2.039))
+    assert half["a100-80gb"] < half["h200-141gb"] < half["h100-80gb"]
+
+
+@pytest.mark.parametrize("pp,layers,depths", [(16, 126, [2, 4, 7]), (2, 126, [2, 4, 8]), (16, 48, [2, 3]),
+                                              (64, 126, [])])
+def test_the_search_interleaves_up_to_the_deepest_split_the_runtime_runs(pp: int, layers: int,
+                                                                        depths: list[int]) -> None:
+    assert interleave_depths(pp, layers) == depths
