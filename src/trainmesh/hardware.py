@@ -107,19 +107,33 @@ class Cluster:
         return self.inter_bw * self.comm_efficiency, self.inter_latency
 
 
-def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cluster:
-    """One 8-GPU node from datasheet figures.
+def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float) -> Cluster:
+    """One 8-GPU node from datasheet figures, ``hbm`` its memory bandwidth in bytes/s.
 
     The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
-    (``tests/unit/test_plan.py`` holds the table and checks the fit). NCCL's per-hop latency is about 2 us over
-    NVLink and 10 us over InfiniBand; 2 GiB stay reserved for the CUDA context, NCCL's own buffers and
-    allocator fragmentation.
+    (``tests/unit/test_plan.py`` holds the table and checks the fit), the half dimension scaled to this device
+    by :func:`gemm_half_dim`. NCCL's per-hop latency is about 2 us over NVLink and 10 us over InfiniBand;
+    2 GiB stay reserved for the CUDA context, NCCL's own buffers and allocator fragmentation.
     """
-    gemm, half_dim, comm = GPU_EFFICIENCY
+    gemm, _, comm = GPU_EFFICIENCY
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
-                   inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=half_dim, comm_efficiency=comm,
-                   reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8)
+                   inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=gemm_half_dim(peak, hbm),
+                   comm_efficiency=comm, reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8)
+
+
+def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
+    """The matmul dimension at which a device reaches half its large-matmul efficiency: the fit's 160 on the
+    A100-80GB, scaled by the device's roofline ridge point (16-bit peak / memory bandwidth) against the A100's.
+
+    Why the ridge: a matmul with one dimension d small does about 2d FLOPs per 2-byte element it reads, so
+    it is memory-bound below d = peak / bandwidth, the ridge point [Williams et al., "Roofline", 2009]; the
+    A100-80GB's is 312 / 2.04 = 153 elements, the fitted half dimension's 160 within 5 %. An H100 doubles
+    the peak on 1.6 times the bandwidth (989 / 3.35 = 295), so its small matmuls (attention heads, thin tp
+    shards) reach less of its peak than an A100's. FP8 halves the bytes and doubles the peak: the same
+    ridge in elements."""
+    _, reference_dim, _ = GPU_EFFICIENCY
+    return round(reference_dim * (peak.half / hbm) / (DEVICE_PEAKS["A100"].half / A100_80GB_HBM))
 
 
 # (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the
@@ -127,23 +141,25 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float) -> Cl
 # matmuls reach 72 % of the 16-bit peak (225 of 312 TFLOP/s, what cuBLAS sustains with Megatron's fused
 # epilogues); a dimension of 160 halves that, so the attention core's head_dim-wide matmuls (64-160) run at
 # a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
-# No published table of that kind exists for H100/H200 here, so they take the A100 fit.
+# Other GPUs take the fit, the half dimension scaled by their ridge point (:func:`gemm_half_dim`).
 GPU_EFFICIENCY = (0.72, 160, 0.7)
+A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
-# (H100/H200/H800) NIC per GPU. H800 is the H100 with NVLink cut to 400 GB/s both ways (DeepSeek-V3 report,
+# (H100/H200/H800) NIC per GPU, HBM bandwidth from the datasheets (A100 40GB 1.555 TB/s, 80GB 2.039; H100
+# and H800 SXM 3.35; H200 4.8). H800 is the H100 with NVLink cut to 400 GB/s both ways (DeepSeek-V3 report,
 # arXiv 2412.19437, 3.1-3.2.2: H800 nodes of 8 GPUs, InfiniBand at 50 GB/s per GPU, NVLink measured at 160 GB/s).
 # "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
 # ``python -m trainmesh_bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
 # 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
 # hand work over on the cores the ranks compute on); across hosts no better than that.
 CLUSTER_PRESETS: dict[str, Cluster] = {
-    "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
-    "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9),
-    "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9),
-    "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9),
-    "h800-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H800"], 200e9, 50e9),
+    "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9, 1.555e12),
+    "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9, A100_80GB_HBM),
+    "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9, 3.35e12),
+    "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9, 4.8e12),
+    "h800-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H800"], 200e9, 50e9, 3.35e12),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
                    gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,

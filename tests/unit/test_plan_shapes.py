@@ -107,6 +107,10 @@ def test_custom_flags_describe_a_llama_2_13b_and_an_moe_with_latent_attention() 
           "qk_nope_head_dim": 32, "v_head_dim": 32}
     shape = shape_of_hf_config(hf)
     assert lines[0].startswith(f"{shape.n_params() / 1e6:.1f}M ({active_params(shape) / 1e6:.1f}M active) params")
+    assert (shape.expert_groups, shape.groups_per_token) == (0, 0)  # no n_group: routing unlimited
+    limited = shape_of_hf_config({**hf, "n_group": 4, "topk_group": 2})
+    assert (limited.expert_groups, limited.groups_per_token) == (4, 2)
+    assert dataclasses.replace(limited, expert_groups=0, groups_per_token=0) == shape
     assert lines[-2].startswith("# this custom shape is a shape only the planner knows")
 
 

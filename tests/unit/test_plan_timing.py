@@ -10,8 +10,9 @@ import pytest
 
 from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
-from trainmesh.plan import Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
-from trainmesh.plan.timing import gemm_time, head_seconds
+from trainmesh.plan import Cluster, Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
+from trainmesh.plan.ranking import interleave_depths
+from trainmesh.plan.timing import all_to_all_seconds, gemm_time, head_seconds, nodes_per_token
 
 
 @pytest.mark.parametrize("gpu,speedup", [("h100-80gb", 1979 / 989), ("h800-80gb", 1979 / 989), ("a100-80gb", 1.0)])
@@ -49,3 +50,53 @@ def test_paired_micro_batches_hide_the_all_to_all_up_to_their_compute(link_gbps:
     assert plain.ep_comm > 0
     assert paired.ep_comm == pytest.approx(max(0.0, plain.ep_comm - plain.compute), rel=1e-12)
     assert dataclasses.replace(paired, ep_comm=0) == dataclasses.replace(plain, ep_comm=0)
+
+
+def _deepseek(**fields: object) -> tuple[Workload, Layout, Cluster]:
+    """DeepSeek-V3 at EP64 over 8 H800 nodes, the latencies zeroed so that only the bytes count."""
+    cluster = dataclasses.replace(make_cluster("h800-80gb", 64), intra_latency=0.0, inter_latency=0.0)
+    return Workload(model_shape("deepseek-v3"), 64, 4096, "bf16"), Layout(dp=64, ep=64, **fields), cluster
+
+
+def test_group_limited_routing_crosses_to_each_of_its_nodes_once() -> None:
+    """DeepSeek-V3 picks its 8 experts within 4 of 8 groups, a group per node: each token crosses InfiniBand
+    once to each of 4 nodes (7/8 of them others), not 8 times to 63/64 other ranks; NVLink forwards it."""
+    work, layout, cluster = _deepseek()
+    limited = all_to_all_seconds(work, layout, cluster, 2)
+    free = all_to_all_seconds(dataclasses.replace(work, model=dataclasses.replace(
+        work.model, expert_groups=0, groups_per_token=0)), layout, cluster, 2)
+    assert limited / free == pytest.approx((4 * 7 / 8) / (8 * 63 / 64), rel=1e-12)
+    assert nodes_per_token(work.model, 8) == 4 and nodes_per_token(work.model, 16) == 8
+
+
+def test_an_fp8_dispatch_halves_the_bytes_towards_the_experts_only() -> None:
+    """Dispatch in FP8, combine in bf16 [DSV3, 3.3.3]: 1 + 2 bytes per element of the two directions, not 2 + 2."""
+    work, layout, cluster = _deepseek()
+    bf16 = step_time(work, layout, cluster).ep_comm
+    assert step_time(work, dataclasses.replace(layout, dispatch_dtype="fp8"), cluster).ep_comm == pytest.approx(
+        bf16 * 3 / 4, rel=1e-12)
+
+
+def test_compute_runs_on_what_the_communication_kernels_leave() -> None:
+    """20 of 132 SMs serving communication leave compute 112 / 132 of the device [DSV3, 3.2.2]."""
+    work, layout, cluster = _deepseek()
+    shared = step_time(work, dataclasses.replace(layout, comm_sm_share=20 / 132), cluster)
+    assert shared.compute == pytest.approx(step_time(work, layout, cluster).compute * 132 / 112, rel=1e-12)
+    with pytest.raises(LayoutError, match="comm_sm_share=1"):
+        Layout(dp=64, ep=64, comm_sm_share=1)
+
+
+def test_small_matmuls_are_priced_at_each_devices_own_ridge_point() -> None:
+    """The fit's half dimension (160 on the A100-80GB, whose ridge is 312 / 2.04 = 153) follows peak / HBM
+    bandwidth: an H100's 989 / 3.35 puts it near 309, so a head_dim-wide matmul reaches less of its peak."""
+    half = {gpu: make_cluster(gpu, 8).gemm_half_dim for gpu in ("a100-80gb", "h100-80gb", "h800-80gb", "h200-141gb")}
+    assert half["a100-80gb"] == 160
+    assert half["h100-80gb"] == half["h800-80gb"] == round(160 * (989 / 3.35) / (312 / 2.039))
+    assert half["a100-80gb"] < half["h200-141gb"] < half["h100-80gb"]
+
+
+@pytest.mark.parametrize("pp,layers,depths", [(16, 126, [2, 4, 7]), (2, 126, [2, 4, 8]), (16, 48, [2, 3]),
+                                              (64, 126, [])])
+def test_the_search_interleaves_up_to_the_deepest_split_the_runtime_runs(pp: int, layers: int,
+                                                                        depths: list[int]) -> None:
+    assert interleave_depths(pp, layers) == depths

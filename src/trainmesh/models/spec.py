@@ -69,7 +69,11 @@ class ModelShape:
     after the first ``n_dense_layers`` by a router (``d x n_experts``, no bias), ``n_experts`` routed expert
     MLPs of hidden size ``d_ff_expert`` (None: ``d_ff``; no biases; gated like the dense MLP) of which each
     token uses ``top_k``, and ``n_shared_experts`` always-on ones, held as one dense MLP of hidden size
-    ``n_shared_experts * d_ff_expert`` (with the family's biases).
+    ``n_shared_experts * d_ff_expert`` (with the family's biases). Group-limited routing (DeepSeek-V3's
+    ``n_group`` and ``topk_group``) splits the routed experts into ``expert_groups`` equal groups and lets each
+    token pick its ``top_k`` only among its ``groups_per_token`` best groups (0: no limit); with a group per
+    node it bounds the nodes a token's copies reach, which is what the planner prices (trainmesh's own router
+    does not limit groups).
 
     Attention variants of the families people train: ``qkv_bias`` puts biases on the q/k/v projections of a
     model that has none elsewhere (Qwen2); ``qk_norm`` is a per-head RMSNorm on queries and keys (Qwen3);
@@ -113,8 +117,14 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     head_dim: int | None = None
+    expert_groups: int = 0
+    groups_per_token: int = 0
 
     def __post_init__(self) -> None:
+        if self.groups_per_token and not (self.n_experts % self.expert_groups == 0
+                                          and self.groups_per_token <= self.expert_groups):
+            raise ValueError(f"groups_per_token={self.groups_per_token} of expert_groups={self.expert_groups}: the "
+                             f"groups must divide n_experts={self.n_experts} and a token can pick at most all of them")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "

@@ -90,7 +90,14 @@ def _deepseek_v3(cfg: Config, where: str) -> ModelShape:
         d_ff_expert=_get(cfg, "moe_intermediate_size", where), n_dense_layers=cfg.get("first_k_dense_replace", 0),
         kv_lora_rank=_get(cfg, "kv_lora_rank", where), q_lora_rank=cfg.get("q_lora_rank") or 0,
         qk_rope_head_dim=_get(cfg, "qk_rope_head_dim", where), qk_nope_head_dim=_get(cfg, "qk_nope_head_dim", where),
-        v_head_dim=_get(cfg, "v_head_dim", where))
+        v_head_dim=_get(cfg, "v_head_dim", where), **_group_limit(cfg))
+
+
+def _group_limit(cfg: Config) -> dict[str, int]:
+    """DeepSeek's group-limited routing, ``topk_group`` of ``n_group`` expert groups per token, as the shape's
+    ``expert_groups`` and ``groups_per_token``; nothing when every group may be picked (no limit)."""
+    groups, picked = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    return {"expert_groups": groups, "groups_per_token": picked} if picked < groups else {}
 
 
 def _gpt2(cfg: Config, where: str) -> ModelShape:

@@ -36,14 +36,16 @@ PLANNING_SHAPES: dict[str, ModelShape] = {
     # a buildable llama-moe preset): Qwen3-30B-A3B (Qwen3 technical report, 2025; 30.5B / 3.3B; 128-wide heads
     # at d 2048, with q/k norms) and DeepSeek-V3
     # (DeepSeek-AI, 2024, arXiv 2412.19437; 671B / 37B; 256 routed experts and 1 shared, top-8, the first 3
-    # layers dense, multi-head latent attention with its published ranks; without the multi-token-prediction
+    # layers dense, multi-head latent attention with its published ranks, each token routed within 4 of 8
+    # expert groups (``topk_group``/``n_group``: at most 4 nodes, 2.1.2); without the multi-token-prediction
     # module, which the 671B leaves out too).
     "qwen3-30b-a3b": dataclasses.replace(_llama_moe(48, 2048, 32, 4, 6144, 151936, experts=128, top_k=8,
                                                     d_ff_expert=768), head_dim=128, qk_norm=True),
     "deepseek-v3": dataclasses.replace(
         _llama_moe(61, 7168, 128, 128, 18432, 129280, experts=256, top_k=8, d_ff_expert=2048, shared=1,
                    dense_layers=3),
-        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        expert_groups=8, groups_per_token=4),
 }
 
 

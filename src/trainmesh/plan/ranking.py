@@ -57,9 +57,17 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str,
         yield "1f1b", 1
         return
     yield from (("gpipe", 1), ("1f1b", 1), ("zb", 1))
-    for v in (2, 4):
-        if pp * v <= n_layers and microbatches % pp == 0:
-            yield "interleaved", v
+    if microbatches % pp == 0:
+        yield from (("interleaved", v) for v in interleave_depths(pp, n_layers))
+
+
+def interleave_depths(pp: int, n_layers: int) -> list[int]:
+    """The chunks per rank the search tries: 2, 4 and 8, and the deepest up to 8 the runtime runs (every
+    chunk holds a block, pp * v <= n_layers): the bubble shrinks as 1/v while the sends grow as v, so the
+    best depth is often the deepest, which for a layer count no power of two divides is not a power of
+    two (Llama 3 405B's 126 layers on 16 stages: v = 7, next to the paper's 8 [Llama 3, 3.3.2])."""
+    deepest = min(8, n_layers // pp)
+    return sorted({v for v in (2, 4, 8) if v <= deepest} | ({deepest} if deepest > 1 else set()))
 
 
 def cp_degrees(workload: Workload, cluster: Cluster) -> list[int]:
@@ -104,7 +112,7 @@ def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v in {2, 4}, cp from
+    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v per interleave_depths, cp from
     :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`, and with a pipeline the stage split
     :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
     any number of layers, uneven where the head makes that faster), hybrid sharding from

@@ -293,14 +293,45 @@ def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -
 
 
 def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """The all-to-alls of :func:`all_to_all_bytes_per_micro` on the critical path, each ep - 1 messages.
-    The ep group is ep ranks tp apart inside the data-parallel group, so it spans tp x ep ranks."""
-    sent = all_to_all_bytes_per_micro(workload, layout, stage)
-    if not sent:
+    """One micro-batch's expert all-to-alls on a rank of ``stage``, on the critical path: per MoE layer and
+    pass (forward, backward, the forward again under full recomputation) one towards the experts, in
+    ``layout.dispatch_dtype``, and one back, in the activations' dtype (:func:`all_to_all_seconds`); in the
+    activations' dtype throughout, the bytes of :func:`all_to_all_bytes_per_micro`."""
+    moe = stage_blocks(workload, layout, stage)[1]
+    if layout.ep == 1 or not moe:
         return 0.0
-    bw, alpha = cluster.link(layout.tp * layout.ep)
-    calls = stage_blocks(workload, layout, stage)[1] * (6 if layout.recompute == "full" else 4)
-    return calls * (layout.ep - 1) * alpha + sent / bw
+    passes = 3 if layout.recompute == "full" else 2
+    activation = workload.dtype_bytes.activation
+    dispatch = DTYPE_BYTES[layout.dispatch_dtype] if layout.dispatch_dtype else activation
+    return moe * passes * sum(all_to_all_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
+
+
+def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
+    """One all-to-all of a micro-batch's top_k copies of its :func:`moe_tokens` over the ep group (ep ranks tp
+    apart, so tp x ep ranks), ``element_bytes`` per element: (ep-1)/ep of the copies leave the rank, in ep - 1
+    messages, at the pace of the group's link.
+
+    A model whose routing limits the groups a token picks (:attr:`ModelShape.groups_per_token`) reaches at most
+    that many groups' nodes, and is priced with the dispatch such routing is made for: each token crosses to
+    each of its nodes once, over the inter-node link, and is forwarded there over NVLink to the ranks holding
+    its experts, both at once (DeepSeek-V3's node-limited routing, [DSV3, 2.1.2 and 3.2.2]), so the slower of
+    the two paths sets the pace (:func:`nodes_per_token`)."""
+    m, lay = workload.model, layout
+    copies = moe_tokens(workload, lay) * m.top_k * m.d_model * element_bytes
+    nodes = lay.tp * lay.ep // cluster.gpus_per_node
+    if not m.groups_per_token or nodes < 2:
+        bw, alpha = cluster.link(lay.tp * lay.ep)
+        return (lay.ep - 1) * (alpha + copies / (lay.ep * bw))
+    (inter, alpha), (intra, _) = cluster.link(cluster.gpus_per_node + 1), cluster.link(1)
+    crossing = copies / m.top_k * nodes_per_token(m, nodes) * (nodes - 1) / nodes
+    return (nodes - 1) * alpha + max(crossing / inter, copies / intra)
+
+
+def nodes_per_token(m: ModelShape, nodes: int) -> int:
+    """The nodes of an ep group over ``nodes`` nodes that a token's top_k experts lie on, at most, under
+    group-limited routing: its ``groups_per_token`` groups, each over nodes / ``expert_groups`` nodes (at least
+    one), and no more than top_k or all of them."""
+    return min(m.top_k, nodes, m.groups_per_token * max(1, nodes // m.expert_groups))
 
 
 def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
@@ -360,8 +391,9 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
 
 
 def _stage_micro_times(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> tuple[float, float, float]:
-    """(compute, tp, exposed ep) seconds of one micro-batch on a rank of ``stage``."""
-    compute = micro_compute_time(workload, layout, cluster, stage)
+    """(compute, tp, exposed ep) seconds of one micro-batch on a rank of ``stage``; compute on the compute
+    units the communication kernels leave (``layout.comm_sm_share``)."""
+    compute = micro_compute_time(workload, layout, cluster, stage) / (1 - layout.comm_sm_share)
     return (compute, _tp_time_per_micro(workload, layout, cluster, stage),
             exposed_ep_time(workload, layout, cluster, stage, compute))
 

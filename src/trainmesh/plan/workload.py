@@ -68,7 +68,11 @@ class Layout:
     schedule computes another micro-batch while one's expert all-to-all is in flight, as DualPipe pairs a
     forward and a backward chunk of different micro-batches [DeepSeek-V3, 3.2.1]; trainmesh's own schedules
     run one pass at a time, so the search leaves it off and it serves to price a published run whose schedule
-    does.
+    does. Two more settings of that kind describe a run's expert all-to-all kernels: ``dispatch_dtype`` is the
+    dtype tokens go to their experts in, forward and (as gradients) backward, where it is not the activations'
+    (DeepSeek-V3 dispatches in FP8 and combines in bf16 [DSV3, 3.3.3]; "": the activations' dtype), and
+    ``comm_sm_share`` the share of each device's compute units that communication kernels hold throughout the
+    step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]).
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
     (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
@@ -89,11 +93,17 @@ class Layout:
     stage_layers: tuple[int, ...] = ()
     a2a_overlap: bool = False
     dp_replicate: int = Settings.dp_replicate
+    dispatch_dtype: str = ""
+    comm_sm_share: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
         if self.bucket_bytes < 1:
             raise LayoutError(f"bucket_bytes={self.bucket_bytes}: must be at least 1")
+        if self.dispatch_dtype and self.dispatch_dtype not in DTYPE_BYTES:
+            raise LayoutError(f"dispatch_dtype={self.dispatch_dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+        if not 0 <= self.comm_sm_share < 1:
+            raise LayoutError(f"comm_sm_share={self.comm_sm_share}: give the share of compute units, in [0, 1)")
         validate(self.settings)
 
     @functools.cached_property
