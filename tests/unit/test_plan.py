@@ -641,11 +641,14 @@ def test_trainmesh_plan_reports_a_bad_shape_in_one_line(capsys: pytest.CaptureFi
 
 def test_context_parallel_divides_activations_and_counts_its_bytes():
     work = Workload(model_shape("llama-tiny"), 4, 64, "fp32")
-    alone = micro_batch_activation_bytes(work, Layout())
+    m = work.model
+    # Without cp the attention core saves K and V repeated to every query head; cp's ring keeps them grouped.
+    repeated = m.n_layers * 4 * (4 * 64) * 2 * (m.attention_width - m.kv_heads * m.head_size)
+    alone = micro_batch_activation_bytes(work, Layout()) - repeated
     for cp in (2, 4):  # all of it 1/cp, and the output the ring's attention keeps for its backward
-        extra = work.model.n_layers * cp_attention_output(work, Layout(cp=cp))
+        extra = m.n_layers * cp_attention_output(work, Layout(cp=cp))
         assert (micro_batch_activation_bytes(work, Layout(cp=cp)) - extra) * cp == alone
-    m, kv = work.model, 2 * 4 * 32 * work.model.kv_heads * (work.model.d_model // work.model.n_heads) * 4
+    kv = 2 * 4 * 32 * m.kv_heads * (m.d_model // m.n_heads) * 4
     assert cp_bytes_per_micro(work, Layout(cp=2)) == {"ring_kv": m.n_layers * kv, "ring_kv_grad": 3 * m.n_layers * kv}
     with pytest.raises(ValueError, match="a2a' gives each of cp\\*tp=4 ranks whole heads"):
         memory_per_rank(work, Layout(cp=4, cp_impl="a2a"))

@@ -20,6 +20,7 @@ from trainmesh.plan import (Layout, Workload, choose, estimate, format_table, ma
                             model_state_bytes, to_json)
 from trainmesh.plan.dp_traffic import dp_traffic
 from trainmesh.plan.memory import stage_units
+from trainmesh.plan.ranking import hsdp_replicas
 from trainmesh_bench.multinode import crossing_formula, planned, report_row
 
 SMALL = model_shape("small")  # every ZeRO unit divides by the ranks below: no padding
@@ -54,6 +55,48 @@ def test_ring_crossing_bytes_are_one_hop_in_each_node(world: int, per_node: int)
     psi, nodes = _psi(), world // per_node
     assert _crossing(world, per_node, 1, "h100-80gb") == pytest.approx(3 * nodes * (world - 1) / world * psi * 4)
     assert _crossing(world, per_node, nodes, "h100-80gb") == pytest.approx(2 * (nodes - 1) * psi * 4)
+
+
+def _two_node_crossing(world: int, per_node: int, ring: bool) -> float:
+    """Bytes per step all ranks of ZeRO-3 in groups of two nodes send to other nodes: each group's gathers
+    and reduce-scatter cross inside it (a ring on one hop in ``per_node``, point to point to the group's
+    ``per_node`` ranks on the other node) and the shards' ring all-reduce across the R = world / 2M groups."""
+    group, replicas, psi_b = 2 * per_node, world // (2 * per_node), _psi() * 4
+    inside = 3 * (group - 1) / per_node if ring else 3 * per_node
+    return replicas * inside * psi_b + 2 * (replicas - 1) * psi_b
+
+
+@pytest.mark.parametrize("world,per_node,gpu", [(8, 2, "cpu"), (16, 2, "cpu"), (32, 8, "h100-80gb"),
+                                                (64, 8, "h100-80gb")])
+def test_a_group_of_two_nodes_sends_its_own_gathers_across_its_nodes(world: int, per_node: int, gpu: str) -> None:
+    replicas = world // (2 * per_node)
+    assert _crossing(world, per_node, replicas, gpu) == pytest.approx(
+        _two_node_crossing(world, per_node, gpu != "cpu"), rel=1e-12)
+
+
+def test_the_search_tries_zero_groups_of_one_or_several_whole_nodes() -> None:
+    """64 ranks, 8 a node, tp4: a dp group has 2 ranks a node on 8 nodes, so groups of 1, 2 or 4 nodes."""
+    cluster = make_cluster("h100-80gb", 64)
+    assert hsdp_replicas(16, 1, 4, cluster) == [8, 4, 2]
+    assert hsdp_replicas(8, 1, 1, cluster) == []  # the whole group is one node
+    assert hsdp_replicas(8, 1, 8, cluster) == []  # one rank of it a node
+
+
+def test_a_model_too_big_for_one_node_groups_replicates_groups_of_two_nodes() -> None:
+    """llama3-70b over tp4 on 8 H200 nodes: ZeRO-3 groups of one node (2 ranks) hold 1/2 of a tp rank's
+    state and do not fit; groups of 2 nodes (4 ranks) fit and move fewer bytes across nodes than ZeRO-3
+    over all 16 dp ranks, so HSDP with R = dp / (2 x 2) = 4 is chosen and its command says so."""
+    work, cluster = Workload(model_shape("llama3-70b"), 64, 4096, "bf16"), make_cluster("h200-141gb", 64)
+    flat = Layout(dp=16, tp=4, zero=3, microbatches=4, sequence_parallel=True, recompute="full")
+    found = [estimate(work, dataclasses.replace(flat, dp_replicate=r), cluster)
+             for r in (1, *hsdp_replicas(flat.dp, flat.cp, flat.tp, cluster))]
+    one_node = next(e for e in found if e.layout.shard_ranks == 2)
+    assert one_node.memory.total > cluster.usable_bytes
+    fitting = sorted((e for e in found if e.memory.total <= cluster.usable_bytes), key=lambda e: e.time.total)
+    chosen = choose(fitting)
+    assert chosen.layout.dp_replicate == 4 and chosen.layout.shard_ranks == 4
+    words = shlex.split(train_command(work, chosen.layout, cluster, preset_source(work, "llama3-70b"))[-1])
+    assert config_from_args(cli._parser().parse_args(words[words.index("train"):])).dp_replicate == 4
 
 
 def test_inside_one_node_nothing_crosses() -> None:

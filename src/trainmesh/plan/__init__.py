@@ -10,6 +10,7 @@ rank layouts can be checked against measured memory and step times. Each formula
 * [ZB]    Qi et al., "Zero Bubble Pipeline Parallelism", 2023.
 * [THA]   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH", 2005.
 * [PALM]  Chowdhery et al., "PaLM", 2022, appendix B (model FLOPs utilization).
+* [MiCS]  Zhang et al., "MiCS: Near-linear Scaling for Training Gigantic Model on Public Cloud", VLDB 2022.
 * [DSV3]  DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437, 2024 (DualPipe, FP8 training).
 
 Conventions the estimates share with the trainmesh runtime (change them together):

@@ -112,12 +112,20 @@ def stage_expert_units(m: ModelShape, split: tuple[int, ...], pp: int, ep: int,
     return ((expert_unit(m, ep), moe),) if moe else ()
 
 
-def largest_tensor(m: ModelShape, tp: int, ep: int = 1) -> int:
-    """Elements of the largest parameter tensor one tp rank holds: a gradient bucket holds at least one."""
-    linears = [m.d_model * m.qkv_width, m.d_model * m.d_ff, m.d_model * m.vocab_size]
-    experts = m.n_experts // ep * m.d_model * m.expert_ff if m.n_experts else 0
-    positions = m.seq_len * m.d_model if m.learned_positions else 0
-    return max(max(linears) // tp, experts, positions)
+def largest_tensor(m: ModelShape, tp: int, ep: int, blocks: tuple[int, int], first: bool, last: bool) -> int:
+    """Elements of the largest parameter tensor one tp rank of a stage holds, with ``blocks`` (dense, MoE)
+    blocks, the embedding if ``first`` and the head if ``last``: a gradient bucket holds at least one. Only
+    the stages that hold the vocabulary-wide embedding or head count it (on the middle stages of a large
+    model it is twice the widest block tensor); a gated MLP's gate and up projections are one tensor
+    (``models.llama.SwiGLU.gate_up``), and routed experts one stacked tensor per projection."""
+    dense, moe = blocks
+    d, shared = m.d_model, m.n_shared_experts * m.expert_ff
+    sizes = [d * m.qkv_width // tp]
+    sizes += [(2 if m.gated_mlp else 1) * d * m.d_ff // tp] if dense else []
+    sizes += [m.n_experts // ep * d * m.expert_ff, (2 if m.gated_mlp else 1) * d * shared] if moe else []
+    sizes += [m.vocab_size * d // tp, m.seq_len * d if m.learned_positions else 0] if first else []
+    sizes += [d * m.vocab_size // tp] if last and not m.tied_embeddings else []
+    return max(sizes)
 
 
 def params_per_tp_rank(m: ModelShape, tp: int) -> int:
@@ -199,9 +207,13 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     recomputation keeps only each block's input, 2sbh (sec. 5), split by t under sequence parallelism.
     Other MLP widths and a gated MLP replace the two 4h-wide GeLU tensors by two (or four) f-wide ones.
     An MoE block (``moe``) keeps its experts' inner tensors for the top_k copies of each token (and the
-    shared experts' for every token), the copies' inputs and outputs (2 top_k sbh) and the router's scores
-    (sbE), none of it split by tp: the experts are whole on every tp rank, which routes all its tokens
-    (only sequence parallelism splits them: :func:`moe_tokens`).
+    shared experts' for every token), the copies' inputs and their outputs twice, as the experts return
+    them (``index_copy`` keeps its source for backward) and in token order (the weighting by the router's
+    gates keeps it): 3 top_k sbh (``models.moe.MoE.forward``), and the router's logits and scores, both at
+    least fp32 (``models.moe.Router``: 2 x 4 sbE bytes in bf16), none of it split by tp: the experts are
+    whole on every tp rank, which routes all its tokens (only sequence parallelism splits them:
+    :func:`moe_tokens`). Each family's block is held to its measured saved bytes in
+    ``tests/unit/test_plan_memory.py``.
     """
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
@@ -209,27 +221,55 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     seq_split = t if layout.sequence_parallel else 1
     if recompute == "full":
         return e * sbh // seq_split
-    # Norm inputs, qkv and MLP inputs, dropout masks: only sequence parallelism splits these.
-    seq_sharded = 4 * e * sbh + (2 * sbh if m.dropout else 0)
+    # The two norms (:func:`norm_saved_bytes`) and the qkv and MLP inputs after them, dropout masks: only
+    # sequence parallelism splits these.
+    seq_sharded = 2 * (norm_saved_bytes(m, e) + e) * sbh + (2 * sbh if m.dropout else 0)
     # Q, K, V, the attention projection's input, a dense MLP's inner activations: split by heads or columns.
-    # (K and V are kv_heads/n_heads of Q's size under grouped-query attention.)
-    qkv_and_proj_input = e * sbh * _attention_saved_width(m) // m.d_model
+    qkv_and_proj_input = e * sbh * _attention_saved_width(m, expanded_kv=layout.cp == 1) // m.d_model
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
     inner = (4 if m.gated_mlp else 2) * e * sbh * width // m.d_model
-    experts = (2 * m.top_k * e * sbh + e * sbh * m.n_experts // m.d_model + inner) // seq_split
+    router = 2 * max(e, DTYPE_BYTES["fp32"]) * sbh * m.n_experts // m.d_model
+    experts = (3 * m.top_k * e * sbh + router + inner) // seq_split
     mlp_inner, routed = (0, experts) if moe else (inner, 0)
     scores = m.n_heads * workload.seq_len * sbh // m.d_model
     stores_scores = recompute == "none" and not m.flash_attention
     core = scores * (e + (1 + e if m.dropout else 0)) if stores_scores else 0
-    return seq_sharded // seq_split + routed + (qkv_and_proj_input + mlp_inner + core
-                                                + cp_attention_output(workload, layout)) // t
+    return (seq_sharded // seq_split + routed + rotation_tables(workload, layout)
+            + (qkv_and_proj_input + mlp_inner + core + cp_attention_output(workload, layout)) // t)
 
 
-def _attention_saved_width(m: ModelShape) -> int:
+def rotation_tables(workload: Workload, layout: Layout) -> int:
+    """The cosines and sines of rotary position embeddings, s x head_dim each in the activation dtype: every
+    block of trainmesh's Llama family computes its own (``models.llama.Rotary``) and the rotation saves
+    them, whole on every tp rank and for any micro-batch size. One head's width per token, small beside a
+    block's other activations except where heads are few; 0 for learned positions."""
+    m = workload.model
+    if m.learned_positions:
+        return 0
+    width = m.qk_rope_head_dim if m.latent_attention else m.head_size
+    return 2 * workload.dtype_bytes.activation * local_seq(workload, layout) * width
+
+
+def norm_saved_bytes(m: ModelShape, e: int) -> int:
+    """Bytes per feature and token one norm keeps for backward, activations of ``e`` bytes. A LayerNorm
+    (``torch.nn.LayerNorm``, a model with biases) keeps its input and per-token statistics [KOR, 4.1]. An
+    RMSNorm as trainmesh's Llama family and transformers' ``LlamaRMSNorm`` write it (``x.float()`` times
+    the reciprocal root mean square, cast back, times the gain) keeps the input widened to fp32 (the input
+    itself when it is fp32 or wider) and the normalized output before the gain, measured with
+    :class:`trainmesh.metrics.SavedActivations` (``tests/unit/test_plan_memory.py``)."""
+    return e if m.bias else max(e, DTYPE_BYTES["fp32"]) + e
+
+
+def _attention_saved_width(m: ModelShape, expanded_kv: bool) -> int:
     """Features per token attention saves split by heads: Q, K, V and the projection's input (the latents
-    of latent attention are small beside its per-head keys and values, and counted with them)."""
+    of latent attention are small beside its per-head keys and values, and counted with them). Under
+    grouped-query attention K and V are kv_heads/n_heads of Q's size, but without cp (``expanded_kv``)
+    trainmesh's attention core repeats them to every query head before ``scaled_dot_product_attention``,
+    which saves the repeated copies (``models.llama.AttentionCore``); cp's ring and all-to-all attend
+    grouped (``parallel.context_parallel``)."""
     if not m.latent_attention:
-        return m.qkv_width + m.attention_width
+        kv = 2 * m.attention_width if expanded_kv else m.qkv_width - m.attention_width
+        return m.attention_width + kv + m.attention_width
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     return m.n_heads * (2 * qk + 2 * v) + m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
 
@@ -343,7 +383,9 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     if layout.zero == 2:
         stage_elems = sum(u.numel * n for u, n in units)
         bucket_bytes = min(layout.bucket_bytes, b.grad * stage_elems // (2 * layout.shard_ranks))  # the runtime's cap
-        buckets = max(2 * bucket_bytes // b.param, largest_tensor(workload.model, layout.tp, layout.ep))
+        tensor = largest_tensor(m, lay.tp, lay.ep, rank_blocks(m, split, lay.pp, stage), stage == 0,
+                                stage == lay.pp - 1)
+        buckets = max(2 * bucket_bytes // b.param, tensor)
         unit_grad = b.grad * min(buckets, stage_elems)
     else:
         unit_grad = b.grad * largest if layout.zero == 3 else 0

@@ -136,16 +136,19 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
 
 
 def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
-    """The ``dp_replicate`` worth searching beside 1 for a dp x cp group ``tp`` ranks apart: the one whose
-    ZeRO groups each fill one node (FSDP2's and torchtitan's default hybrid mesh), so that parameter
-    gathers and gradient reduce-scatters stay off the inter-node link and only the gradient shards'
-    all-reduce crosses it. None when the group fits in a node or a node holds one of its ranks (a group of
-    one rank would be plain data parallelism)."""
+    """The ``dp_replicate`` worth searching beside 1 for a dp x cp group ``tp`` ranks apart: every R >= 2 whose
+    ZeRO groups each fill a whole number of nodes, one-node groups (the largest R) first. One node per group
+    is FSDP2's and torchtitan's default hybrid mesh: parameter gathers and gradient reduce-scatters stay off
+    the inter-node link and only the gradient shards' all-reduce crosses it. Groups of k nodes (R = nodes / k)
+    hold 1/k of that state per rank, so a model whose one-node shards do not fit can still replicate across
+    groups, with ZeRO's collectives crossing only inside its k nodes (the partition groups of [MiCS]).
+    None when the group fits in a node or a node holds one of its ranks (a group of one rank would be plain
+    data parallelism)."""
     span = tp * cp * dp
     if span % cluster.gpus_per_node or tp >= cluster.gpus_per_node:
         return []
-    replicas = span // cluster.gpus_per_node
-    return [replicas] if replicas > 1 and dp % replicas == 0 else []
+    nodes = span // cluster.gpus_per_node
+    return [r for r in sorted(divisors(nodes), reverse=True) if r > 1 and dp % r == 0]
 
 
 def _candidate(workload: Workload, *args: object, **kwargs: object) -> Layout | None:
@@ -164,18 +167,24 @@ TIE_TOLERANCE = 0.01
 
 def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
     """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
-    memory per rank); :func:`choose` picks the one to run."""
+    memory per rank); :func:`choose` picks the one to run. Of a layout's hybrid-sharded variants, only the
+    one with the smallest ZeRO groups that fits is kept (:func:`hsdp_replicas` yields them smallest first):
+    a group of more nodes holds less but sends more of its gathers and reduce-scatters across nodes, so it
+    is never faster."""
     found: list[Estimate] = []
     flat: Estimate | None = None  # the last layout sharded over all its dp ranks, if it fits
+    hybrid_fits = False  # whether a hybrid-sharded variant of ``flat`` fits: larger groups are then not tried
     for layout in enumerate_layouts(workload, cluster):
-        if layout.dp_replicate > 1 and not _hybrid_may_win(workload, layout, cluster, flat):
+        if layout.dp_replicate > 1 and (hybrid_fits or not _hybrid_may_win(workload, layout, cluster, flat)):
             continue
         memory = memory_per_rank(workload, layout)
         fits = memory.total <= cluster.usable_bytes
         if fits:
             found.append(estimate(workload, layout, cluster, memory))
         if layout.dp_replicate == 1:
-            flat = found[-1] if fits else None
+            flat, hybrid_fits = (found[-1] if fits else None), False
+        else:
+            hybrid_fits = fits
     found.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.microbatches))
     return found
 
