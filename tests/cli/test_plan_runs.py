@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainmesh.app.planning import add_plan_arguments, plan_from_args
+from trainmesh.testbed import TestBed, missing_capability
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -51,20 +52,34 @@ def test_the_printed_single_node_command_trains_with_the_planned_layout(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_printed_torchrun_line_starts_the_run_on_two_nodes_once_head_node_is_filled(tmp_path: Path) -> None:
-    """Two "nodes" on 127.0.0.1, each running the printed line through bash with HEAD_NODE set (and the
-    rendezvous port moved to a free one)."""
+    """Each of two nodes runs the printed line through bash with HEAD_NODE set to node 0's address: on the
+    multi-node test bed (two network namespaces over a rate-limited link) where namespaces can be made, else
+    two "nodes" on 127.0.0.1 with the rendezvous port moved to a free one."""
     printed = _printed(["--model", "tiny", "--gpus", "4", "--gpus-per-node", "2", "--gpu", "cpu",
                         "--global-batch", "8"])
     assert printed.startswith("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    line = printed.replace(":29500", f":{port}") + " --steps 2 --out run --no-tensorboard --no-progress"
     env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env |= {"HEAD_NODE": "127.0.0.1", "RUN_ID": "plan-test", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+    env |= {"RUN_ID": "plan-test", "OMP_NUM_THREADS": "1",
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])}
-    nodes = [subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    tail = " --steps 2 --out run --no-tensorboard --no-progress"
+    if missing_capability() is None:
+        with TestBed(2, rate_mbit=200) as bed:
+            env["HEAD_NODE"] = bed.members[0].addr
+            _both_finish([bed.start(k, ["bash", "-c", printed + tail], env=env, cwd=tmp_path,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for k in range(2)])
+            assert bed.link_bytes() > 0
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env |= {"HEAD_NODE": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+        _both_finish([subprocess.Popen(["bash", "-c", printed.replace(":29500", f":{port}") + tail], cwd=tmp_path,
+                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                      for _ in range(2)])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 4
+
+
+def _both_finish(nodes: list[subprocess.Popen]) -> None:
     try:
         errors = [node.communicate(timeout=240)[1] for node in nodes]
     finally:
@@ -72,4 +87,3 @@ def test_the_printed_torchrun_line_starts_the_run_on_two_nodes_once_head_node_is
             node.kill()
     for node, err in zip(nodes, errors):
         assert node.returncode == 0, err[-3000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 4

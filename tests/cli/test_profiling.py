@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trainmesh.profiling import busy_us
 
 
@@ -13,6 +15,7 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert busy_us([]) == 0.0
 
 
+@pytest.mark.slow  # ~12 s: a two-rank profiled run
 def test_profiled_run_writes_a_trace_per_rank_and_prints_the_top_ops(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--nproc", "2", "--dp", "2", "--model",

@@ -440,6 +440,7 @@ if sys.argv[1:] == ["raise"]:
 """
 
 
+@pytest.mark.slow  # ~18 s; the exit path's other cases stay in the default set
 def test_collectives_in_flight_at_exit_finish_before_the_interpreter_goes(tmp_path):
     """Left to complete during interpreter teardown, such an all-reduce aborted 6 runs of 8 before the
     exit handler waited for it; each run is a fresh chance of the race, so several are made."""

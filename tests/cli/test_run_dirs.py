@@ -166,6 +166,7 @@ def test_resuming_drops_a_torn_last_line(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
 
 
+@pytest.mark.slow  # ~20 s; a full disk mid-run stays in the default set via test_run_pins.py's tmpfs case
 def test_full_disk_mid_run_stops_every_rank_after_a_final_checkpoint(tmp_path):
     """``--out`` on a file system with one page left, which the run's lock record takes: the first metrics
     record meets the full disk."""
