@@ -120,7 +120,7 @@ class MoEConfig:
         """True when a token may not pick from every group (:func:`limit_to_groups` applies)."""
         return self.groups_per_token < self.expert_groups
 
-    def shape_fields(self) -> dict[str, int | None]:
+    def shape_fields(self) -> dict[str, int]:
         """The planner's :class:`~trainmesh.models.spec.ModelShape` fields of these experts (its ``expert_groups``
         0 when routing is not group-limited)."""
         fields = dict(n_experts=self.n_experts, top_k=self.top_k, n_shared_experts=self.n_shared_experts,
