@@ -2,17 +2,18 @@
 (tied, as the small Qwen2.5 sizes), ``Qwen3ForCausalLM`` (heads twice hidden / heads wide),
 ``MistralForCausalLM`` (a 4-token window in 16-token sequences, heads half hidden / heads wide),
 ``Qwen3MoeForCausalLM`` (a dense first layer) and ``DeepseekV3ForCausalLM`` (latent attention with
-interleaved rotary weights, a sigmoid router with a random selection bias, a shared expert, a dense first layer)
-written by ``save_pretrained`` give transformers' own logits once imported, and the same logits once
-exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
+interleaved rotary weights, a sigmoid router with a random selection bias, a shared expert, a dense first layer;
+and with group-limited routing) written by ``save_pretrained`` give transformers' own logits once imported, and
+the same logits once exported and reloaded by transformers; the conversion round-trips every tensor bit for bit.
 
-In float64 to 1e-10 of the logits' scale, with transformers' float32 islands (RMSNorm, rotary angles)
-lifted to the model's dtype as in ``test_hf.py``."""
+In float64 to 1e-10 of the logits' scale, with transformers' float32 islands (RMSNorm, rotary angles, the
+DeepSeek-V3 router) lifted to the model's dtype as in ``test_hf.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -81,20 +82,24 @@ def fp64_families(monkeypatch, fp64_llama):
     monkeypatch.setattr(ds.DeepseekV3RMSNorm, "forward", ml.LlamaRMSNorm.forward)
     monkeypatch.setattr(ds.DeepseekV3RotaryEmbedding, "forward", ml.LlamaRotaryEmbedding.forward)
 
-    def sigmoid_route(self, hidden):  # DeepSeek-V3's router (one group), in the model's dtype
-        logits = torch.nn.functional.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
-        scores = logits.sigmoid()
-        index = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1, sorted=False)[1]
-        top = scores.gather(1, index)
-        return logits, top / top.sum(-1, keepdim=True) * self.routed_scaling_factor, index
+    route, in_float64 = ds.DeepseekV3TopkRouter.forward, types.SimpleNamespace(**{**vars(torch),
+                                                                                  "float32": torch.float64})
+
+    def sigmoid_route(self, hidden):  # transformers' own DeepSeek-V3 router, its float32 casts made float64
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ds, "torch", in_float64)
+            return route(self, hidden)
 
     monkeypatch.setattr(ds.DeepseekV3TopkRouter, "forward", sigmoid_route)
 
 
-def save_family(name: str, directory: Path, seed: int = 0) -> Path:
-    """A random float64 model of family ``name`` (biases and norm gains away from 0 and 1), saved."""
+def save_family(name: str, directory: Path, seed: int = 0, **changes: object) -> Path:
+    """A random float64 model of family ``name`` (biases and norm gains away from 0 and 1), its config with
+    ``changes``, saved."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).double()
+    hf_config = CONFIGS[name]()
+    hf_config.update(changes)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).double()
     _randomize(model, seed)
     for buffer_name, buffer in model.named_buffers():
         if buffer_name.endswith("e_score_correction_bias"):  # a selection bias that changes which experts win
@@ -134,6 +139,29 @@ def test_family_imports_and_exports_with_transformers_logits(tmp_path, fp64_fami
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == [spec.hf.architecture]
     assert_same_logits(_logits(out), expected, f"{name} exported, reloaded")
+
+
+def test_deepseek_v3_with_group_limited_routing_imports_and_exports_with_transformers_logits(tmp_path,
+                                                                                             fp64_families):
+    """Each token's 4 of 16 experts from its best 2 of 4 groups (DeepSeek-V3's 8 of 256 from 4 of 8 groups,
+    scaled down): transformers' logits imported and exported, which the same weights routed without the
+    group limit miss."""
+    directory = save_family("deepseek-v3", tmp_path / "hf", n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                            topk_group=2)
+    spec, model_config, _ = hf.read_hf(directory)
+    assert (model_config.moe.expert_groups, model_config.moe.groups_per_token) == (4, 2)
+    assert spec.hf.from_config(spec.hf.to_config(model_config)) == model_config
+    expected = _logits(directory)
+    model = hf.load_hf(spec.builder(model_config, 7).double(), directory)
+    with torch.no_grad():
+        assert_same_logits(model(TOKENS), expected, "deepseek-v3 group-limited imported, one process")
+        model.blocks["1"].mlp.router.cfg = dataclasses.replace(model_config.moe, groups_per_token=4)
+        with pytest.raises(AssertionError, match="exceeds"):
+            assert_same_logits(model(TOKENS), expected, "deepseek-v3 routed without its group limit")
+    out = hf.save_hf(model, tmp_path / "out")
+    assert {k: json.loads((out / "config.json").read_text())[k] for k in ("n_group", "topk_group")} == {
+        "n_group": 4, "topk_group": 2}
+    assert_same_logits(_logits(out), expected, "deepseek-v3 group-limited exported, reloaded")
 
 
 def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):

@@ -80,11 +80,13 @@ def test_mistral_decodes_past_its_window_with_the_kv_cache_as_without():
         assert (no_window(tokens) - full)[:, 8:].abs().max() > 1e-3  # the window changes what is seen
 
 
-def test_qwen2_dp2_qwen3_tp2_sp_mistral_cp2_ring_and_a2a_qwen3_moe_ep2_and_deepseek_tp2_sp_match_single_process():
+def test_qwen2_dp2_qwen3_tp2_sp_mistral_cp2_ring_and_a2a_qwen3_moe_ep2_and_deepseek_tp2_sp_ep2_match_single_process():
+    """DeepSeek-V3's group-limited routing (``deepseek-v3-tiny``: 2 of 4 groups) included, under tp and ep."""
     check_equivalent([_cfg(model="qwen2-tiny", dp=2), _cfg(model="qwen3-tiny", tp=2, sequence_parallel=True),
                       _cfg(model="mistral-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a"),
                       _cfg(model="qwen3-moe-tiny", dp=2, ep=2),
-                      _cfg(model="deepseek-v3-tiny", tp=2, sequence_parallel=True)], world_size=2)
+                      _cfg(model="deepseek-v3-tiny", tp=2, sequence_parallel=True),
+                      _cfg(model="deepseek-v3-tiny", dp=2, ep=2)], world_size=2)
 
 
 @pytest.mark.slow

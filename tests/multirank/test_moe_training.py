@@ -173,6 +173,10 @@ REFUSALS = {
     "capacity below 1, dropless": (dict(moe_capacity=0.5), "--moe-capacity 0.5 limits what each expert takes (below "
                                                            "1 it drops tokens even under perfect balance), but "
                                                            "routing is dropless; pass --no-moe-dropless"),
+    "top-k beyond the expert groups": (dict(model="deepseek-v3-tiny", moe_top_k=6),
+                                       "--moe-top-k 6 on deepseek-v3-tiny: top_k=6 experts per token, but its "
+                                       "groups_per_token=2 groups of 2 experts hold only 4; lower top_k or raise "
+                                       "groups_per_token"),
     "dropping without capacity": (dict(moe_dropless=False), "give the capacity factor with --moe-capacity"),
     "moe flag on a dense model": (dict(model="tiny", moe_experts=4), "--moe-experts configures mixture-of-experts "
                                                                       "layers, which tiny does not have"),

@@ -1,10 +1,12 @@
 """The MoE layer on one process, in float64 against a naive reference that routes one token at a time:
-outputs and every gradient (aux and z losses included) for each router variant, dropless and with a
-capacity; the two expert-product implementations against each other; the balance and z losses by hand.
+outputs and every gradient (aux and z losses included) for each router variant (group-limited routing
+included), dropless and with a capacity; the two expert-product implementations against each other; the
+balance and z losses by hand.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,8 +37,16 @@ def expert_out(layer: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
     return h @ ex.w2[e]
 
 
-def reference(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and weighted aux terms, token by token and sequence by sequence."""
+def allowed(cfg: MoEConfig, pick: torch.Tensor) -> list[int]:
+    """The experts of one token's ``groups_per_token`` best groups, a group scored by its best two picks."""
+    size = cfg.n_experts // cfg.expert_groups
+    groups = [range(g * size, (g + 1) * size) for g in range(cfg.expert_groups)]
+    best = sorted(groups, key=lambda group: -sum(sorted((pick[e].item() for e in group), reverse=True)[:2]))
+    return [e for group in best[: cfg.groups_per_token] for e in group]
+
+
+def reference(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Output, weighted aux terms and copies per expert, token by token and sequence by sequence."""
     cfg = layer.cfg
     batch, seq, _ = x.shape
     flat = x.reshape(-1, D)
@@ -49,7 +59,7 @@ def reference(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = layer.router.gate.weight @ flat[t]
         scores = logits.softmax(-1) if cfg.score == "softmax" else logits.sigmoid()
         pick = scores + layer.router.expert_bias  # the selection bias, whether training moves it or not
-        top = sorted(range(cfg.n_experts), key=lambda e: -pick[e].item())[: cfg.top_k]
+        top = sorted(allowed(cfg, pick), key=lambda e: -pick[e].item())[: cfg.top_k]
         w = scores[top]
         if cfg.normalize_top_k or cfg.score == "sigmoid":
             w = w / w.sum()
@@ -70,7 +80,7 @@ def reference(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f = chosen_per_seq[s] * cfg.n_experts / (cfg.top_k * seq)
         aux = aux + (f * probs_per_seq[s] / seq).sum() / batch
     z = torch.stack(lse).mean()
-    return torch.stack(outs).view_as(x), cfg.aux_coef * aux + cfg.z_coef * z
+    return torch.stack(outs).view_as(x), cfg.aux_coef * aux + cfg.z_coef * z, chosen_per_seq.sum(0)
 
 
 VARIANTS = {
@@ -80,6 +90,9 @@ VARIANTS = {
     "sigmoid top3 bias": (MoEConfig(5, 3, F_EXPERT, score="sigmoid", aux_coef=0.05, z_coef=0.02, bias_rate=0.1),
                           True, False),
     "capacity 0.75": (MoEConfig(4, 2, F_EXPERT, capacity_factor=0.75, aux_coef=0.1), False, False),
+    # DeepSeek-V3's routing: 3 of 12 experts from the best 2 of 4 groups of 3, each scored by its best two.
+    "sigmoid top3 in 2 of 4 groups": (MoEConfig(12, 3, F_EXPERT, score="sigmoid", aux_coef=0.05, bias_rate=0.1,
+                                                expert_groups=4, groups_per_token=2), True, True),
 }
 
 
@@ -94,12 +107,13 @@ def test_layer_matches_a_token_by_token_reference_in_fp64(name: str) -> None:
     grads = {n: p.grad.clone() for n, p in layer.named_parameters()} | {"x": x.grad.clone()}
     layer.zero_grad()
     x.grad = None
-    ref, aux = reference(layer, x)
+    ref, aux, chosen = reference(layer, x)
     ((ref * g).sum() + aux).backward()
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     for n, p in [*layer.named_parameters(), ("x", x)]:
         torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=1e-12, msg=f"{name}: grad of {n}")
     s = layer.stats
+    assert torch.equal(s.counts, chosen.long())  # what the bias update reads: the experts actually chosen
     assert s.routed == 15 * cfg.top_k and s.counts.sum() == s.routed and s.forwards == 1
     expected_dropped = 0 if cfg.dropless else int((s.counts - s.counts.clamp(max=cfg.capacity(15))).sum())
     assert s.dropped == expected_dropped and (s.dropped > 0) == (not cfg.dropless)
@@ -182,3 +196,29 @@ def test_dense_leading_layers_keep_their_mlp() -> None:
 def test_top_k_above_the_expert_count_is_refused() -> None:
     with pytest.raises(ValueError, match="top_k=3 experts per token out of n_experts=2; choose top_k in 1..2"):
         MoEConfig(2, 3, 4)
+
+
+def test_group_limited_routing_changes_the_choice_and_keeps_it_in_the_best_groups() -> None:
+    """Each token's experts lie in its 2 best of 4 groups, and on this input some token's differ from the
+    unlimited choice (so the reference comparison above would fail without the grouping)."""
+    cfg = VARIANTS["sigmoid top3 in 2 of 4 groups"][0]
+    layer = make_layer(cfg, True)
+    x = torch.randn(15, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grouped = layer.router(x)[0]
+    layer.router.cfg = dataclasses.replace(cfg, groups_per_token=4)
+    unlimited = layer.router(x)[0]
+    assert (grouped.sort(-1).values != unlimited.sort(-1).values).any(-1).sum() >= 1
+    assert all((g // 3).unique().numel() <= 2 for g in grouped)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(expert_groups=5), r"expert_groups=5 does not divide n_experts=12; choose expert_groups in "
+                            r"\[1, 2, 3, 4, 6, 12\]"),
+    (dict(expert_groups=4, groups_per_token=5), "groups_per_token=5 of expert_groups=4; choose groups_per_token in "
+                                                "1..4"),
+    (dict(expert_groups=4, groups_per_token=1), "top_k=4 experts per token, but its groups_per_token=1 groups of 3 "
+                                                "experts hold only 3; lower top_k or raise groups_per_token"),
+])
+def test_expert_groups_that_cannot_route_are_refused_in_one_line(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(12, 4, 4, **fields)

@@ -278,8 +278,13 @@ class Config:
         if not self.moe_dropless and not self.moe_capacity:
             raise ConfigError("--no-moe-dropless drops the tokens beyond each expert's capacity; give the capacity "
                               "factor with --moe-capacity (e.g. 1.25)")
-        return dataclasses.replace(moe, n_experts=experts, top_k=top_k, capacity_factor=self.moe_capacity,
-                                   aux_coef=self.moe_aux_coef, z_coef=self.moe_z_coef, bias_rate=self.moe_bias_rate)
+        try:
+            return dataclasses.replace(moe, n_experts=experts, top_k=top_k, capacity_factor=self.moe_capacity,
+                                       aux_coef=self.moe_aux_coef, z_coef=self.moe_z_coef, bias_rate=self.moe_bias_rate)
+        except ValueError as e:  # the model's expert groups, which --moe-experts and --moe-top-k must fit
+            flags = (("experts", self.moe_experts), ("top-k", self.moe_top_k))
+            given = " ".join(f"--moe-{flag} {n}" for flag, n in flags if n)
+            raise ConfigError(f"{given} on {self.model}: {e}") from None
 
     @property
     def stage_layer_counts(self) -> tuple[int, ...]:

@@ -1,14 +1,14 @@
 """DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report") at tiny sizes, as an option of trainmesh's
 Llama: multi-head latent attention (:class:`trainmesh.models.llama.LatentAttention`), a sigmoid router with
-its selection bias (the aux-loss-free balancing of §2.1.2, ``MoEConfig.bias_rate``), shared experts, dense
-first layers, the routed weights scaled by ``routed_scaling_factor``; and its translation to and from
-transformers' ``DeepseekV3ForCausalLM``.
+its selection bias (the aux-loss-free balancing of §2.1.2, ``MoEConfig.bias_rate``) and its group-limited
+(node-limited) routing (``n_group``/``topk_group`` as ``MoEConfig.expert_groups``/``groups_per_token``),
+shared experts, dense first layers, the routed weights scaled by ``routed_scaling_factor``; and its
+translation to and from transformers' ``DeepseekV3ForCausalLM``.
 
 Tensor parallelism splits heads: ``q_b`` (or ``q``) and ``kv_b`` by their per-head rows, ``o`` by its input;
 the compressions ``q_a``/``kv_a`` and their norms are held whole on every tp rank, each of which uses them
 for its own heads, so their gradients are summed over tp (``per_head``). Context parallelism is refused: a
-value head narrower than the query/key head does not fit the ring's accumulators. Group-limited routing
-(``n_group`` > 1 with ``topk_group`` < ``n_group``, node-limited routing of §2.1.2) and YaRN rope scaling are
+value head narrower than the query/key head does not fit the ring's accumulators. YaRN rope scaling is
 refused on import.
 """
 
@@ -27,13 +27,15 @@ from trainmesh.models.qwen import expert_names
 from trainmesh.models.spec import HFIncompatible, HFMapping
 
 PRESETS: dict[str, LlamaConfig] = {
-    # Two layers: the first dense, the second eight sigmoid-routed experts (two per token) and one shared.
+    # Two layers: the first dense, the second eight sigmoid-routed experts (two per token, from the best two of
+    # four groups of two, as DeepSeek-V3's four of eight groups) and one shared.
     "deepseek-v3-tiny": LlamaConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, d_ff=176, vocab_size=256,
                                     seq_len=32, rope_theta=10000.0, norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=16,
                                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                                     moe=MoEConfig(n_experts=8, top_k=2, d_ff_expert=32, n_shared_experts=1,
                                                   n_dense_layers=1, score="sigmoid", route_scale=2.5,
-                                                  aux_coef=0.0, bias_rate=0.001)),
+                                                  aux_coef=0.0, bias_rate=0.001, expert_groups=4,
+                                                  groups_per_token=2)),
 }
 
 TP_PLAN: dict[str, str] = {
@@ -63,7 +65,6 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
     differs = {"rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),
                "attention_bias": (bool(hf.get("attention_bias")), False),
                "norm_topk_prob": (bool(hf.get("norm_topk_prob")), True),
-               "group-limited routing (topk_group < n_group)": (hf.get("topk_group", 1) < hf.get("n_group", 1), False),
                "hidden_act": (hf.get("hidden_act"), "silu")}
     for what, (there, ours) in differs.items():
         if there != ours:
@@ -72,7 +73,8 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
     moe = MoEConfig(n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
                     d_ff_expert=hf["moe_intermediate_size"], n_shared_experts=hf.get("n_shared_experts") or 0,
                     n_dense_layers=hf.get("first_k_dense_replace", 0), score="sigmoid",
-                    route_scale=float(hf.get("routed_scaling_factor", 1.0)), aux_coef=0.0)
+                    route_scale=float(hf.get("routed_scaling_factor", 1.0)), aux_coef=0.0,
+                    expert_groups=hf.get("n_group") or 1, groups_per_token=hf.get("topk_group") or 1)
     heads = hf["num_attention_heads"]
     return LlamaConfig(n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=heads, n_kv_heads=heads,
                        d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
@@ -97,9 +99,10 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
             "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
             "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True,
             "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.d_ff_expert,
-            "n_shared_experts": m.n_shared_experts, "first_k_dense_replace": m.n_dense_layers, "n_group": 1,
-            "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": m.route_scale, "hidden_act": "silu",
-            "attention_bias": False, "bos_token_id": None, "eos_token_id": None}
+            "n_shared_experts": m.n_shared_experts, "first_k_dense_replace": m.n_dense_layers,
+            "n_group": m.expert_groups, "topk_group": m.groups_per_token, "norm_topk_prob": True,
+            "routed_scaling_factor": m.route_scale, "hidden_act": "silu", "attention_bias": False,
+            "bos_token_id": None, "eos_token_id": None}
 
 
 def _deinterleave(rows: torch.Tensor, width: int, rope: int, inverse: bool = False) -> torch.Tensor:

@@ -45,9 +45,7 @@ class ModelConfig:
 
     def shape(self) -> ModelShape:
         """The planner's view: every :class:`ModelShape` flag at its GPT-2-layout default."""
-        m = self.moe
-        experts = {} if m is None else dict(n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
-                                            d_ff_expert=m.d_ff_expert, n_dense_layers=m.n_dense_layers)
+        experts = {} if self.moe is None else self.moe.shape_fields()
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           **experts)
 

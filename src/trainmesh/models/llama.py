@@ -85,9 +85,7 @@ class LlamaConfig:
 
     def shape(self) -> ModelShape:
         """The planner's view: gated MLP, no biases, RMSNorm, no learned positions, GQA."""
-        m = self.moe
-        experts = {} if m is None else dict(n_experts=m.n_experts, top_k=m.top_k, n_shared_experts=m.n_shared_experts,
-                                            d_ff_expert=m.d_ff_expert, n_dense_layers=m.n_dense_layers)
+        experts = {} if self.moe is None else self.moe.shape_fields()
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
@@ -526,10 +524,11 @@ def mixtral_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def mixtral_to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     """The ``MixtralConfig`` attributes of ours; refused where Mixtral has no place for what ours computes
-    (shared experts, dense leading layers, sigmoid scores, unnormalised top-k)."""
+    (shared experts, dense leading layers, sigmoid scores, unnormalised top-k, group-limited routing)."""
     m = cfg.moe
     differs = {"n_shared_experts": (m.n_shared_experts, 0), "n_dense_layers": (m.n_dense_layers, 0),
-               "score": (m.score, "softmax"), "normalize_top_k": (m.normalize_top_k, True)}
+               "score": (m.score, "softmax"), "normalize_top_k": (m.normalize_top_k, True),
+               "group_limited": (m.group_limited, False)}
     for what, (here, theirs) in differs.items():
         if here != theirs:
             raise HFIncompatible(f"{what} is {here!r}; MixtralForCausalLM has {theirs!r}, so this model cannot be "

@@ -63,6 +63,10 @@ class MoEConfig:
     weights of the balance and z losses; ``bias_rate``: gamma of the bias update (0: no update).
     ``n_dense_layers``: the leading layers that keep the dense MLP (DeepSeek-V3: 3). ``route_scale``
     multiplies the chosen experts' weights (DeepSeek-V3's ``routed_scaling_factor``, 2.5).
+    ``expert_groups``, ``groups_per_token``: group-limited routing (DeepSeek-V3's node-limited routing, §2.1.2;
+    its ``n_group`` 8 and ``topk_group`` 4): the experts are split into ``expert_groups`` equal groups and each
+    token picks its ``top_k`` only within its ``groups_per_token`` best groups (:func:`limit_to_groups`); with
+    a group per node, a token's copies reach at most that many nodes. Equal numbers: no limit.
     """
 
     n_experts: int
@@ -77,6 +81,8 @@ class MoEConfig:
     z_coef: float = 0.0
     bias_rate: float = 0.0
     route_scale: float = 1.0
+    expert_groups: int = 1
+    groups_per_token: int = 1
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -94,7 +100,34 @@ class MoEConfig:
             return f"router score {self.score!r}; choose one of {', '.join(SCORES)}"
         if self.capacity_factor < 0 or self.aux_coef < 0 or self.z_coef < 0 or self.bias_rate < 0:
             return "capacity_factor, aux_coef, z_coef and bias_rate must be at least 0"
+        return self._group_problem()
+
+    def _group_problem(self) -> str | None:
+        groups, picked = self.expert_groups, self.groups_per_token
+        if groups < 1 or self.n_experts % groups:
+            return (f"expert_groups={groups} does not divide n_experts={self.n_experts}; choose expert_groups in "
+                    f"{[g for g in range(1, self.n_experts + 1) if self.n_experts % g == 0]}")
+        if not 1 <= picked <= groups:
+            return f"groups_per_token={picked} of expert_groups={groups}; choose groups_per_token in 1..{groups}"
+        if self.top_k > picked * (self.n_experts // groups):
+            return (f"top_k={self.top_k} experts per token, but its groups_per_token={picked} groups of "
+                    f"{self.n_experts // groups} experts hold only {picked * (self.n_experts // groups)}; lower "
+                    f"top_k or raise groups_per_token")
         return None
+
+    @property
+    def group_limited(self) -> bool:
+        """True when a token may not pick from every group (:func:`limit_to_groups` applies)."""
+        return self.groups_per_token < self.expert_groups
+
+    def shape_fields(self) -> dict[str, int]:
+        """The planner's :class:`~trainmesh.models.spec.ModelShape` fields of these experts (its ``expert_groups``
+        0 when routing is not group-limited)."""
+        fields = dict(n_experts=self.n_experts, top_k=self.top_k, n_shared_experts=self.n_shared_experts,
+                      d_ff_expert=self.d_ff_expert, n_dense_layers=self.n_dense_layers)
+        if self.group_limited:
+            fields.update(expert_groups=self.expert_groups, groups_per_token=self.groups_per_token)
+        return fields
 
     @property
     def dropless(self) -> bool:
@@ -166,9 +199,22 @@ class GroupedExperts(nn.Module):
         return matmul(h, self.w2, sizes)
 
 
+def limit_to_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tensor:
+    """``choice`` ``[T, E]`` with every expert outside each token's ``kept`` best of ``groups`` equal groups set
+    to -inf, a group scored by the sum of its two best experts' choice scores (DeepSeek-V3's node-limited
+    routing, §2.1.2, as transformers' ``DeepseekV3TopkRouter`` computes it)."""
+    by_group = choice.view(choice.shape[0], groups, -1)
+    group_score = by_group.topk(min(2, by_group.shape[-1]), dim=-1).values.sum(-1)
+    best = group_score.topk(kept, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+    return by_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
 class Router(nn.Module):
     """Scores every expert for every token and picks ``top_k``: ``gate`` is ``nn.Linear(d, E)``; the
-    ``expert_bias`` buffer shifts the choice only, never the weights (DeepSeek-V3 eq. 16)."""
+    ``expert_bias`` buffer shifts the choice only, never the weights (DeepSeek-V3 eq. 16), and under
+    group-limited routing the choice is among the token's best groups only. Expert parallelism swaps only
+    the dispatcher, so every layout routes with this selection."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -183,6 +229,8 @@ class Router(nn.Module):
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         choice = (scores + self.expert_bias.to(scores.dtype)).detach()  # the bias is 0 unless moved or imported
+        if self.cfg.group_limited:
+            choice = limit_to_groups(choice, self.cfg.expert_groups, self.cfg.groups_per_token)
         experts = choice.topk(self.cfg.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, experts)
         if self.cfg.normalize_top_k or self.cfg.score == "sigmoid":
@@ -411,4 +459,5 @@ def update_expert_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.
 
 
 __all__ = ["MoE", "MoEConfig", "Router", "GroupedExperts", "Dispatcher", "LocalDispatch", "is_expert_param",
-           "layer_mlp", "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss", "SequenceSplit"]
+           "layer_mlp", "begin_step", "aux_loss_total", "update_expert_bias", "moe_layers", "balance_loss", "z_loss",
+           "SequenceSplit", "limit_to_groups"]

@@ -123,9 +123,11 @@ def qwen3_moe_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
 
 def qwen3_moe_to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     """The ``Qwen3MoeConfig`` attributes of ours; refused where Qwen3-MoE has no place for what ours computes
-    (shared experts, sigmoid scores)."""
+    (shared experts, sigmoid scores, group-limited routing)."""
     m = cfg.moe
-    for what, (here, theirs) in {"n_shared_experts": (m.n_shared_experts, 0), "score": (m.score, "softmax")}.items():
+    differs = {"n_shared_experts": (m.n_shared_experts, 0), "score": (m.score, "softmax"),
+               "group_limited": (m.group_limited, False)}
+    for what, (here, theirs) in differs.items():
         if here != theirs:
             raise HFIncompatible(f"{what} is {here!r}; Qwen3MoeForCausalLM has {theirs!r}, so this model cannot be "
                                  f"written as one")

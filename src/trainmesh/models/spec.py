@@ -72,8 +72,8 @@ class ModelShape:
     ``n_shared_experts * d_ff_expert`` (with the family's biases). Group-limited routing (DeepSeek-V3's
     ``n_group`` and ``topk_group``) splits the routed experts into ``expert_groups`` equal groups and lets each
     token pick its ``top_k`` only among its ``groups_per_token`` best groups (0: no limit); with a group per
-    node it bounds the nodes a token's copies reach, which is what the planner prices (trainmesh's own router
-    does not limit groups).
+    node it bounds the nodes a token's copies reach, which is what the planner prices (trainmesh's router
+    routes the same way: ``MoEConfig.expert_groups``/``groups_per_token``).
 
     Attention variants of the families people train: ``qkv_bias`` puts biases on the q/k/v projections of a
     model that has none elsewhere (Qwen2); ``qk_norm`` is a per-head RMSNorm on queries and keys (Qwen3);
