@@ -12,7 +12,7 @@ from trainmesh.models.llama import Llama
 from trainmesh.models.rope import RopeScaling
 from trainmesh.testing import run_ranks
 
-from helpers import EQUIVALENCE_TABLE, FP64_ATOL, assert_same_training
+from helpers import EQUIVALENCE_TABLE, assert_same_training
 
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_position_embeddings=16)
 
