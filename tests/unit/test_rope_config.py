@@ -21,6 +21,8 @@ HF = {"max_position_embeddings": 64, "rope_theta": 5000.0}
      "yarn rope has partial_rotary_factor"),
     ({"rope_type": "llama3", "factor": 8.0}, "llama3 rope scaling needs original_max_position_embeddings"),
     ({"rope_type": "linear", "factor": 0.5}, "rope scaling factor is 0.5"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16, "low_freq_factor": "1"},
+     "rope scaling's low_freq_factor is '1'; it must be a finite number"),
 ])
 def test_what_trainmesh_does_not_compute_is_refused_in_one_line(rope, message):
     with pytest.raises(HFIncompatible, match=message) as e:

@@ -60,15 +60,23 @@ class RopeScaling:
         if self.rope_type not in KINDS:
             raise ValueError(f"rope type {self.rope_type!r} is not implemented by trainmesh (it has "
                              f"{', '.join(KINDS)}); use a checkpoint with one of those or none")
-        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor >= 1):
-            raise ValueError(f"rope scaling factor is {self.factor!r}; it must be a finite number of at least 1")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "float" in str(f.type) and value is not None and not _finite(value):
+                raise ValueError(f"rope scaling's {f.name} is {value!r}; it must be a finite number")
+        if self.factor < 1:
+            raise ValueError(f"rope scaling factor is {self.factor!r}; it must be at least 1")
         original = self.original_max_position_embeddings
-        if self.rope_type != "linear" and not (isinstance(original, int) and original >= 1):
+        if self.rope_type != "linear" and not (type(original) is int and original >= 1):
             raise ValueError(f"{self.rope_type} rope scaling needs original_max_position_embeddings, a whole "
                              f"number of at least 1, not {original!r}")
         if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, not "
                              f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def _base_frequencies(head_dim: int, theta: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
