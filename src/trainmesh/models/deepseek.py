@@ -78,7 +78,8 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
     heads = hf["num_attention_heads"]
     return LlamaConfig(n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=heads, n_kv_heads=heads,
                        d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
-                       rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+                       rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf["rms_norm_eps"]),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings")),
                        moe=moe, q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                        qk_rope_head_dim=hf["qk_rope_head_dim"], qk_nope_head_dim=hf["qk_nope_head_dim"],
                        v_head_dim=hf["v_head_dim"])
