@@ -108,7 +108,7 @@ def save_family(name: str, directory: Path, seed: int = 0, **changes: object) ->
     return directory
 
 
-def _logits(directory: Path) -> torch.Tensor:
+def _logits(directory: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     """transformers' logits, experts run one by one (its grouped_mm path refuses float64 on CPU)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
                                                               attn_implementation="sdpa", experts_implementation="eager")
@@ -117,7 +117,7 @@ def _logits(directory: Path) -> torch.Tensor:
         for name, tensor in (*model.named_parameters(), *model.named_buffers()):
             if tensor.dtype != torch.float64 and name in saved:  # DeepSeek's router, kept in float32: as saved
                 tensor.data = saved[name]
-        return model(TOKENS).logits
+        return model(tokens).logits
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

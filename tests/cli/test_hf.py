@@ -250,14 +250,14 @@ def test_refusals_are_one_line(tmp_path, capsys):
     scaled = tmp_path / "scaled"
     scaled.mkdir()
     config = json.loads((llama_dir / "config.json").read_text())
-    config["rope_scaling"] = config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e3}
+    config["rope_scaling"] = config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e3}
     (scaled / "config.json").write_text(json.dumps(config))
     (scaled / "model.safetensors").write_bytes((llama_dir / "model.safetensors").read_bytes())
     cases = {
         "meta-llama/Llama-3-8B": "does not exist; trainmesh never downloads",
         str(bin_only): "pytorch_model.bin (a pickle, which trainmesh never loads)",
         str(erf): "activation_function is 'gelu'",
-        str(scaled): "rope type is 'linear'",
+        str(scaled): "rope type is 'dynamic'",
     }
     capsys.readouterr()  # save_pretrained's progress bars
     for path, message in cases.items():

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from trainmesh.models import any_config, family, preset
+from trainmesh.models.rope import RopeScaling
 
 FORMAT, VERSION = "trainmesh-checkpoint", 2
 ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
@@ -146,6 +147,16 @@ def _expected_model(m: dict) -> tuple[Any, str]:
         raise ManifestError(f"config.model {show(name)} is not a model preset trainmesh knows") from None
 
 
+def _rope_scaling(value: Any) -> None:
+    """``model.rope_scaling``: none, or the fields of a :class:`~trainmesh.models.rope.RopeScaling`."""
+    if value is None:
+        return
+    try:
+        RopeScaling(**_dict(value, "model.rope_scaling"))
+    except (TypeError, ValueError) as e:
+        raise ManifestError(f"model.rope_scaling is {show(value)}: {e}") from None
+
+
 def _check_model_shape(model: Any, expected: Any, name: str) -> None:
     """``model`` holds exactly the fields of config ``expected`` (``name``), each of its type: whole numbers
     at least 1, finite positive floats, booleans; ``{}`` where ``expected`` is None."""
@@ -162,6 +173,9 @@ def _check_model_shape(model: Any, expected: Any, name: str) -> None:
         if fields[k].default is None and "int" in str(fields[k].type):  # a size that may be off (a window)
             if v is not None:
                 _int(v, f"model.{k}", 1)
+            continue
+        if k == "rope_scaling":  # any model of a family may have one
+            _rope_scaling(v)
             continue
         if fields[k].default is None:  # a sub-config (``moe``): present exactly where the family has one
             if (v is None) != (getattr(expected, k) is None) or not (v is None or isinstance(v, dict)):

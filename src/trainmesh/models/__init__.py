@@ -14,6 +14,7 @@ from torch import nn
 
 from trainmesh.models import deepseek, gpt, hf_llama, llama, mistral, qwen
 from trainmesh.models.moe import MoEConfig
+from trainmesh.models.rope import RopeScaling
 from trainmesh.models.spec import HFMapping, ModelShape, ModelSpec, Staged, StageLayout
 
 
@@ -56,9 +57,11 @@ def is_moe(cfg: object) -> bool:
 
 def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
     """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a checkpoint manifest's), its
-    MoE settings made a :class:`~trainmesh.models.moe.MoEConfig` again."""
-    moe = values.get("moe")
-    return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {})})
+    MoE settings and RoPE scaling made a :class:`~trainmesh.models.moe.MoEConfig` and
+    :class:`~trainmesh.models.rope.RopeScaling` again."""
+    moe, rope = values.get("moe"), values.get("rope_scaling")
+    return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {}),
+                         **({"rope_scaling": RopeScaling(**rope)} if rope else {})})
 
 def hf_builder(architecture: str) -> Callable[[Any, int], nn.Module]:
     """A builder of transformers' ``architecture`` from its config, initialised from ``seed`` (the global

@@ -8,8 +8,8 @@ translation to and from transformers' ``DeepseekV3ForCausalLM``.
 Tensor parallelism splits heads: ``q_b`` (or ``q``) and ``kv_b`` by their per-head rows, ``o`` by its input;
 the compressions ``q_a``/``kv_a`` and their norms are held whole on every tp rank, each of which uses them
 for its own heads, so their gradients are summed over tp (``per_head``). Context parallelism is refused: a
-value head narrower than the query/key head does not fit the ring's accumulators. YaRN rope scaling is
-refused on import.
+value head narrower than the query/key head does not fit the ring's accumulators. Its YaRN rope scaling,
+``mscale_all_dim`` included, is imported (:mod:`trainmesh.models.rope`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from trainmesh.models import llama
 from trainmesh.models.llama import LlamaConfig
 from trainmesh.models.moe import MoEConfig
 from trainmesh.models.qwen import expert_names
+from trainmesh.models.rope import rope_from_hf, rope_to_hf
 from trainmesh.models.spec import HFIncompatible, HFMapping
 
 PRESETS: dict[str, LlamaConfig] = {
@@ -61,9 +62,7 @@ every tp rank (``expert_parallel.moe_tp_plan``)."""
 
 def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
     """Our config for a ``DeepseekV3ForCausalLM`` one; anything it computes that ours does not is refused."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    differs = {"rope type": (rope.get("rope_type", rope.get("type", "default")), "default"),
-               "attention_bias": (bool(hf.get("attention_bias")), False),
+    differs = {"attention_bias": (bool(hf.get("attention_bias")), False),
                "norm_topk_prob": (bool(hf.get("norm_topk_prob")), True),
                "hidden_act": (hf.get("hidden_act"), "silu")}
     for what, (there, ours) in differs.items():
@@ -75,11 +74,12 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                     n_dense_layers=hf.get("first_k_dense_replace", 0), score="sigmoid",
                     route_scale=float(hf.get("routed_scaling_factor", 1.0)), aux_coef=0.0,
                     expert_groups=hf.get("n_group") or 1, groups_per_token=hf.get("topk_group") or 1)
+    theta, scaling = rope_from_hf(hf)
     heads = hf["num_attention_heads"]
     return LlamaConfig(n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=heads, n_kv_heads=heads,
                        d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+                       rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf["rms_norm_eps"]),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings")),
                        moe=moe, q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                        qk_rope_head_dim=hf["qk_rope_head_dim"], qk_nope_head_dim=hf["qk_nope_head_dim"],
                        v_head_dim=hf["v_head_dim"])
@@ -102,7 +102,7 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
             "n_shared_experts": m.n_shared_experts, "first_k_dense_replace": m.n_dense_layers,
             "n_group": m.expert_groups, "topk_group": m.groups_per_token, "norm_topk_prob": True,
             "routed_scaling_factor": m.route_scale, "hidden_act": "silu", "attention_bias": False,
-            "bos_token_id": None, "eos_token_id": None}
+            "bos_token_id": None, "eos_token_id": None, **rope_to_hf(cfg.rope_scaling)}
 
 
 def _deinterleave(rows: torch.Tensor, width: int, rope: int, inverse: bool = False) -> torch.Tensor:

@@ -35,6 +35,8 @@ from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
 from trainmesh.models.moe import MoEConfig, layer_mlp
+from trainmesh.models.rope import RopeScaling, attention_factor, inverse_frequencies, rope_from_hf, rope_to_hf, \
+    softmax_gain
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explicit_head_dim, stage_forward
 
 
@@ -50,7 +52,9 @@ class LlamaConfig:
     above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`).
     ``head_dim`` is each head's width where it is not ``d_model / n_heads`` (None): Qwen3's heads are 128
     wide at every size (twice ``d_model / n_heads`` in Qwen3-0.6B), Mistral-Nemo's 128 of a 5120-wide model
-    with 32 heads; queries are then ``n_heads * head_dim`` wide and ``o`` maps them back to ``d_model``."""
+    with 32 heads; queries are then ``n_heads * head_dim`` wide and ``o`` maps them back to ``d_model``.
+    ``rope_scaling`` stretches the rotary frequencies to a longer context than the model was first trained at
+    (Llama 3.1's "llama3", DeepSeek-V3's "yarn"; :mod:`trainmesh.models.rope`)."""
 
     n_layers: int
     d_model: int
@@ -72,6 +76,7 @@ class LlamaConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     head_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
 
     @property
     def head_size(self) -> int:
@@ -146,33 +151,36 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-def rotary_angles_at(positions: torch.Tensor, head_dim: int, theta: float,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position p times frequency theta^(-2i/head_dim), each ``[len(positions), head_dim]`` with
-    the ``head_dim/2`` frequencies repeated for the two halves (Su et al., 2021, RoFormer, eq. 34)."""
+def rotary_angles_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                     scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position p times frequency theta^(-2i/head_dim) (scaled by ``scaling``), each
+    ``[len(positions), head_dim]`` with the ``head_dim/2`` frequencies repeated for the two halves (Su et al.,
+    2021, RoFormer, eq. 34), both multiplied by the scaling's attention factor (YaRN's temperature)."""
     wide = torch.promote_types(dtype, torch.float32)
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=wide, device=positions.device) / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, wide, positions.device)
     angles = torch.outer(positions.to(wide), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    factor = attention_factor(scaling)
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
 
-def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device,
+                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rotary_angles_at` positions ``0 .. seq_len-1``."""
-    return rotary_angles_at(torch.arange(seq_len, device=device), head_dim, theta, dtype)
+    return rotary_angles_at(torch.arange(seq_len, device=device), head_dim, theta, dtype, scaling)
 
 
 class Rotary(nn.Module):
     """The rotary angles of given position ids; a module (without parameters) so that a parallel form that
-    holds part of a sequence can hand it the tokens' global positions."""
+    holds part of a sequence (context parallelism) hands it the tokens' global positions and gets the same
+    scaled angles a single process computes for them."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_angles_at(positions, self.head_dim, self.theta, dtype)
+        return rotary_angles_at(positions, self.head_dim, self.theta, dtype, self.scaling)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,7 +210,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.group, self.theta = cfg.head_size, cfg.group, cfg.rope_theta
         self.core = AttentionCore(cfg.sliding_window)
-        self.rope = Rotary(cfg.head_size, cfg.rope_theta)
+        self.rope = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
         heads = cfg.n_heads * cfg.head_size
         self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(heads, cfg.d_model, bias=False)
@@ -236,7 +244,10 @@ class LatentAttention(nn.Module):
     splits those by heads (and ``o`` by its input), holding the small ``q_a``/``kv_a`` whole.
 
     The rotated features use the rotate-half pairing of :func:`apply_rotary`; DeepSeek's interleaved pairs
-    are re-laid out when weights are imported (:mod:`trainmesh.models.deepseek`)."""
+    are re-laid out when weights are imported (:mod:`trainmesh.models.deepseek`). A YaRN scaling's
+    ``mscale_all_dim`` multiplies the softmax scale of every feature (:func:`~trainmesh.models.rope.softmax_gain`);
+    it multiplies the queries instead, which is the same product, so that the attention core (and context
+    parallelism's ring in its place) keeps its own ``1/sqrt(d)``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -252,8 +263,9 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.kv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.d_model, bias=False)
-        self.rope = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
+        self.rope = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.core = AttentionCore(cfg.sliding_window)
+        self.query_gain = softmax_gain(cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -266,6 +278,8 @@ class LatentAttention(nn.Module):
         cos, sin = self.rope(torch.arange(start, start + t, device=x.device), q.dtype)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary(q_rot, cos, sin)], dim=-1)
+        if self.query_gain != 1.0:
+            q = q * self.query_gain
         k_rot = apply_rotary(k_rot.unsqueeze(1), cos, sin).expand(b, k_nope.shape[1], t, self.rope_dim)
         k = torch.cat([k_nope, k_rot], dim=-1)
         if cache is not None:
@@ -361,26 +375,25 @@ sequence-parallel region under SP."""
 
 def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
     """Our config for a ``LlamaForCausalLM`` config (its ``head_dim`` kept where it is not hidden/heads);
-    anything this model would compute differently (another activation, biases, RoPE scaling) is refused."""
+    anything this model would compute differently (another activation, biases, a RoPE scaling other than
+    linear, llama3 or yarn) is refused."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     differs = {
         "hidden_act": (hf.get("hidden_act"), "silu"),
         "attention_bias": (bool(hf.get("attention_bias")), False),
         "mlp_bias": (bool(hf.get("mlp_bias")), False),
-        "rope type": (rope_type, "default"),
     }
     for what, (there, ours) in differs.items():
         if there != ours:
-            raise HFIncompatible(f"{what} is {there!r}; trainmesh's Llama has {ours!r} (RMSNorm, SwiGLU, plain "
-                                 f"RoPE, no biases), so this checkpoint cannot be imported")
+            raise HFIncompatible(f"{what} is {there!r}; trainmesh's Llama has {ours!r} (RMSNorm, SwiGLU, no "
+                                 f"biases), so this checkpoint cannot be imported")
+    theta, scaling = rope_from_hf(hf)
     return LlamaConfig(n_layers=hf["num_hidden_layers"], d_model=d, n_heads=heads,
                        n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
                        vocab_size=hf["vocab_size"], seq_len=hf["max_position_embeddings"],
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       norm_eps=float(hf["rms_norm_eps"]), tie_embeddings=bool(hf.get("tie_word_embeddings")),
-                       head_dim=explicit_head_dim(d, heads, hf.get("head_dim")))
+                       rope_theta=theta, norm_eps=float(hf["rms_norm_eps"]),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings")),
+                       head_dim=explicit_head_dim(d, heads, hf.get("head_dim")), rope_scaling=scaling)
 
 
 OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window",
@@ -403,7 +416,8 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len, "rope_theta": cfg.rope_theta,
             "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None}
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": None, "eos_token_id": None,
+            **rope_to_hf(cfg.rope_scaling)}
 
 
 def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
