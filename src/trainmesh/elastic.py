@@ -92,7 +92,7 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
                           run_id=nodes.run_id, rdzv_endpoint=nodes.endpoint, rdzv_backend="c10d",
                           rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts)
     try:
-        elastic_launch(config, sys.executable)("-m", "trainmesh", *argv)
+        elastic_launch(config, sys.executable)("-u", "-m", "trainmesh", *argv)  # unbuffered, as torchrun runs -m
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by {failure.signal_name()}"

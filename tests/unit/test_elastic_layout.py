@@ -110,7 +110,8 @@ def test_an_elastic_launch_hands_train_elastic_to_torchs_agent_at_the_endpoint(m
     assert (c.min_nodes, c.max_nodes, c.nproc_per_node, c.rdzv_backend, c.rdzv_endpoint, c.run_id, c.max_restarts) \
         == (2, 3, 1, "c10d", "10.0.0.1:29500", "job7", 2)
     assert c.rdzv_configs["join_timeout"] == "60" and c.rdzv_configs["last_call_timeout"] == "5"
-    assert started["args"] == ["-m", "trainmesh", "train", "--elastic", "--dp", "3", "--resume", "--checkpoint-dir", "ck"]
+    assert started["args"] == ["-u", "-m", "trainmesh", "train", "--elastic", "--dp", "3", "--resume", "--checkpoint-dir",
+                               "ck"]
     assert started["fresh"] == "1"
 
 
