@@ -82,11 +82,19 @@ ELASTIC = ["launch", "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoin
     ([*ELASTIC, "--max-restarts", "-1", "train"], "--max-restarts '-1' is not a whole number"),
     ([*ELASTIC, "script.py"], "restarts `trainmesh train` on the nodes that remain, so it runs `train`, not 'script.py'"),
     (["launch", "--nnodes", "2", "--rdzv-endpoint", "h:1", "x.py"], "--rdzv-endpoint is for the elastic agent"),
+    ([*ELASTIC, "train", "--dpp", "3"], "unrecognized arguments: --dpp"),
+    ([*ELASTIC, "train", "--dp", "0", "--resume", "--checkpoint-dir", "ck"], "--dp 0"),
+    ([*ELASTIC, "train", "--dp", "3"], "restarts `train` from its last checkpoint on the nodes that remain: give it "
+                                       "--checkpoint-dir DIR and --resume"),
 ])
 def test_an_elastic_launch_refuses_what_cannot_work_in_one_line_before_starting_anything(monkeypatch, capsys, argv,
                                                                                       words):
     monkeypatch.setattr(torch_launcher, "launch_agent", lambda *a, **k: pytest.fail("an agent was started"))
-    assert cli.main(argv) == 2
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's refusal of a train flag
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
 
@@ -121,6 +129,6 @@ def test_an_elastic_run_whose_ranks_fail_on_says_which_in_one_line(monkeypatch, 
 
     monkeypatch.setattr(torch_launcher, "launch_agent", agent)
     monkeypatch.setenv(elastic.FRESH_STORE_ENV, "1")
-    assert cli.main([*ELASTIC, "train", "--elastic"]) == 1
+    assert cli.main([*ELASTIC, "train", "--elastic", "--resume", "--checkpoint-dir", "ck"]) == 1
     assert capsys.readouterr().err == ("trainmesh: rank 4 failed (killed by SIGKILL) after 3 restart(s) of this "
                                        "node's ranks; its traceback is above\n")

@@ -336,6 +336,10 @@ def _launch_elastic(args: argparse.Namespace, nproc: int, span: tuple[int, int])
         argv = elastic.train_argv(args.script, args.args)
     except ValueError as e:
         raise ConfigError(f"launch: {e}") from None
+    settings = settings_from_args(_parser().parse_args(argv))  # a flag train refuses, refused before any agent
+    if not (settings.get("resume") and settings.get("checkpoint_dir")):
+        raise ConfigError(f"launch --nnodes {args.nnodes} restarts `train` from its last checkpoint on the nodes that "
+                          f"remain: give it --checkpoint-dir DIR and --resume")
     nodes = elastic.ElasticNodes(*span, args.rdzv_endpoint, args.rdzv_id, int(restarts), conf)
     return elastic.launch_elastic(argv, nproc, nodes)
 
