@@ -319,13 +319,13 @@ def _leave(mesh: Mesh) -> None:
     leaves at once with exit code 1, its traceback written: the interpreter's teardown could otherwise abort
     it, and the launcher would name the abort, not the failure.
     """
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "gloo" and not _uncaught:
-        _finish_collectives(mesh)
-    dist.destroy_process_group()
+    joined = dist.is_initialized()  # not if the script, or another mesh's exit handler, destroyed the group
+    if joined:
+        if dist.get_backend() == "gloo" and not _uncaught:
+            _finish_collectives(mesh)
+        dist.destroy_process_group()
     _release_groups(mesh)
-    if os.environ.get(STORE_CLIENT_ENV) == "1" and any(isinstance(e, Exception) for e in _uncaught):
+    if joined and os.environ.get(STORE_CLIENT_ENV) == "1" and any(isinstance(e, Exception) for e in _uncaught):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
