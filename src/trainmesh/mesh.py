@@ -17,10 +17,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import gc
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -302,7 +302,6 @@ class Mesh:
 
 
 EXIT_WAIT_S = 60.0
-GIL_HANDOFF_S = 0.05
 _uncaught: list[BaseException] = []
 
 
@@ -313,35 +312,51 @@ def leave_at_exit(mesh: Mesh) -> None:
 
 
 def _leave(mesh: Mesh) -> None:
-    """Wait for this rank's collectives still in flight, then destroy the process group.
+    """Wait for every rank's collectives (:func:`_finish_collectives`), destroy the process group, and end
+    its Gloo groups while the interpreter is still whole (:func:`_release_groups`).
 
-    A Gloo operation whose tensors Python has let go is released by Gloo's worker thread, which needs the
-    GIL to free them; if that happens while the interpreter is being torn down, the process aborts
-    ("terminate called without an active exception"). Gloo's barrier completes only after the work queued
-    on its group before it, so a barrier on every group of the mesh lets that work finish, and a short
-    sleep then hands the GIL to the worker threads waiting for it; only both together stopped the aborts.
-
-    A monitored barrier over the world, bounded by :data:`EXIT_WAIT_S`, comes first, so a rank whose peers
-    have gone does not wait for them a collective timeout long; a rank that ends by an uncaught exception
-    waits for nobody. Under the trainmesh launcher such a rank then leaves at once with exit code 1, its
-    traceback written: the interpreter's teardown could otherwise abort it the same way, and the launcher
-    would name the abort, not the failure.
+    A rank that ends by an uncaught exception waits for nobody. Under the trainmesh launcher such a rank then
+    leaves at once with exit code 1, its traceback written: the interpreter's teardown could otherwise abort
+    it, and the launcher would name the abort, not the failure.
     """
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "gloo" and not _uncaught:
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
-            for group in [None, *mesh.groups()]:
-                dist.barrier(group=group)
-            time.sleep(GIL_HANDOFF_S)
-        except RuntimeError:
-            pass  # a peer left first: it has no collective of this rank's to finish
-    dist.destroy_process_group()
-    if os.environ.get(STORE_CLIENT_ENV) == "1" and any(isinstance(e, Exception) for e in _uncaught):
+    joined = dist.is_initialized()  # not if the script, or another mesh's exit handler, destroyed the group
+    if joined:
+        if dist.get_backend() == "gloo" and not _uncaught:
+            _finish_collectives(mesh)
+        dist.destroy_process_group()
+    _release_groups(mesh)
+    if joined and os.environ.get(STORE_CLIENT_ENV) == "1" and any(isinstance(e, Exception) for e in _uncaught):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _finish_collectives(mesh: Mesh) -> None:
+    """Return once every rank has finished the collectives it queued on every group of the mesh: Gloo's
+    barrier completes only after the work queued on its group before it. A monitored barrier over the world,
+    bounded by :data:`EXIT_WAIT_S`, comes first, so a rank whose peers have gone does not wait for them a
+    collective timeout long."""
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+        for group in [None, *mesh.groups()]:
+            dist.barrier(group=group)
+    except RuntimeError:
+        pass  # a peer left first: it has no collective of this rank's to finish
+
+
+def _release_groups(mesh: Mesh) -> None:
+    """Let go of the mesh's process groups, so each Gloo group is destroyed now, its worker threads joined.
+
+    ``destroy_process_group`` forgets the groups but ends none of them while Python still refers to one, and
+    the mesh (which the exit handler holds) does, through its ``DeviceMesh``. Left to the interpreter's
+    teardown, a group's destructor would join its worker threads there, and a worker still freeing a tensor
+    Python let go needs the GIL, which teardown no longer hands out: the rank aborts ("terminate called
+    without an active exception") or hangs in the join, its peers and its launcher waiting on it. Here the
+    destructor releases the GIL while it joins, so the workers finish.
+    """
+    mesh.device_mesh = None
+    mesh.flat_groups.clear()
+    gc.collect()
 
 
 @functools.cache

@@ -7,9 +7,11 @@ shared-memory segments: the ``bed`` fixture checks after every test)."""
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,37 +110,54 @@ def test_a_rank_killed_on_one_node_is_named_by_node_and_rank_and_nothing_is_left
         assert "rank 1 on node 1 failed (killed by signal SIGKILL)" in err, err[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_lost_node_restarts_on_the_two_that_remain_and_trains_on_like_one_process(tmp_path):
-    """torchrun's elastic agent on 3 nodes (``--nnodes 2:3``, c10d rendezvous), one rank each, ``--elastic``:
-    node 2 is killed once step 4 is saved; the agents of nodes 0 and 1 restart their ranks as a world of 2,
-    which resumes from step 4 at dp 2 and finishes. Every step's loss, before and after, is one process's."""
+ELASTIC_TRAIN = ["--dp", "3", "--steps", "8", "--global-batch", "12", "--warmup-steps", "2", "--precision", "fp64",
+                 "--checkpoint-every", "2", "--resume", "--no-progress"]
+RDZV_CONF = "join_timeout=120,last_call_timeout=10"
+
+
+def _ended_within(bed: TestBed, procs: list[subprocess.Popen], seconds: float) -> bool:
+    """Whether ``procs`` all ended within ``seconds``; if not, every rank still running prints each thread's
+    Python stack into its node's log (SIGUSR1, :func:`trainmesh.app.train.setup_process`), for the failure
+    to show where it waited."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    if all(p.poll() is not None for p in procs):
+        return True
+    for pid in bed.pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"torch.distributed.run" not in argv and b"trainmesh\0train" in b"\0".join(argv):
+                os.kill(pid, signal.SIGUSR1)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    time.sleep(2)
+    return False
+
+
+def _a_lost_node_trains_on_like_one_process(tmp_path: Path, launcher: Callable[[TestBed, list[str]], list[str]],
+                                            env: dict[str, str]) -> None:
+    """3 nodes of one rank each under ``launcher(bed, train flags)``: node 2 is killed once step 4 is saved; the
+    agents of nodes 0 and 1 restart their ranks as a world of 2, which resumes from step 4 at dp 2 and
+    finishes. Every step's loss, before and after, is one process's."""
     reason = missing_capability()
     if reason:
         pytest.skip(reason)
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     cfg = in_fp64(config(dp=3, steps=8, global_batch=12, nproc=3))
-    train = ["-m", "trainmesh", "train", "--elastic", "--dp", "3", "--steps", "8", "--global-batch", "12",
-             "--warmup-steps", "2", "--precision", "fp64", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-             "--resume", "--out", str(out), "--no-progress"]
+    train = [*ELASTIC_TRAIN, "--checkpoint-dir", str(ckpt), "--out", str(out)]
     with TestBed(3, rate_mbit=RATE_MBIT) as bed:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic",
-                "--rdzv-conf", "join_timeout=120,last_call_timeout=10", "--max-restarts", "3",
-                "--monitor-interval", "0.5", *train]
         logs = [open(tmp_path / f"node{k}.log", "w") for k in range(3)]
-        env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per round (docs/multinode.md)
-        procs = [bed.start(k, argv, env=env, stdout=subprocess.DEVNULL, stderr=logs[k]) for k in range(3)]
+        procs = [bed.start(k, launcher(bed, train), env={**_env(), **env}, stdout=subprocess.DEVNULL,
+                           stderr=logs[k]) for k in range(3)]
         deadline = time.monotonic() + 300
         while not (ckpt / "step-00000004").exists():
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 4 was never saved"
             time.sleep(0.2)
         bed.kill_node(2)
-        for p in procs[:2]:
-            p.wait(timeout=400)
-        tails = [(tmp_path / f"node{k}.log").read_text()[-3000:] for k in range(3)]
-        assert [p.returncode for p in procs[:2]] == [0, 0], tails
+        ended = _ended_within(bed, procs[:2], 300)
+        tails = [(tmp_path / f"node{k}.log").read_text()[-6000:] for k in range(3)]
+        assert ended and [p.returncode for p in procs[:2]] == [0, 0], tails
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     restart = next(r for r in records if r.get("restart", {}).get("from_step", 0) > 0)
@@ -146,3 +165,30 @@ def test_a_lost_node_restarts_on_the_two_that_remain_and_trains_on_like_one_proc
     reference, _ = train_single(cfg)
     for r in records:
         assert abs(r["loss"] - reference[r["step"] - 1]) <= FP64_ATOL, f"step {r['step']}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_node_restarts_on_the_two_that_remain_and_trains_on_like_one_process(tmp_path):
+    """torchrun's elastic agent (``--nnodes 2:3``, c10d rendezvous) and ``train --elastic``."""
+    def torchrun(bed: TestBed, train: list[str]) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic",
+                "--rdzv-conf", RDZV_CONF, "--max-restarts", "3", "--monitor-interval", "0.5",
+                "-m", "trainmesh", "train", "--elastic", *train]
+
+    # a fresh store per rendezvous round (docs/multinode.md)
+    _a_lost_node_trains_on_like_one_process(tmp_path, torchrun, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_node_restarts_under_trainmesh_launch_with_a_minimum_node_count(tmp_path):
+    """``trainmesh launch --nnodes 2:3``: the same, with torch's elastic agent started by trainmesh, which adds
+    ``--elastic`` and sets the store variable itself."""
+    def launch(bed: TestBed, train: list[str]) -> list[str]:
+        return [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF,
+                "train", *train]
+
+    _a_lost_node_trains_on_like_one_process(tmp_path, launch, {})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainmesh.models import hf
 from trainmesh.tracking import runlock
-from trainmesh import shm
+from trainmesh import elastic, shm
 from trainmesh.app.checkpoints import check_resumable, claim, model_settings
 from trainmesh.checkpoint import CheckpointError, export, export_hf
 from trainmesh.app.config import (AT_LEAST_0, AT_LEAST_1, MAX_STEPS, Bound, Config, ConfigError, add_config_flags,
@@ -241,37 +241,75 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
                             description="Run SCRIPT ARGS as N local ranks, each with the environment torchrun "
                                         "gives (RANK, WORLD_SIZE, ...; trainmesh.init_mesh reads it), a rendezvous "
                                         "on 127.0.0.1 only, and every rank stopped as soon as one fails, the "
-                                        "failing rank named with its traceback. Rank 0's output is shown.")
-    launch.add_argument("--nproc", default="1", metavar="N", help="ranks to start on this node (default: 1)")
+                                        "failing rank named with its traceback. Rank 0's output is shown. With "
+                                        "--nnodes MIN:MAX, run `train ARGS` under torch's elastic agent instead, "
+                                        "restarting on the nodes that remain when one is lost.")
+    launch.add_argument("--nproc", "--nproc-per-node", dest="nproc", default="1", metavar="N",
+                        help="ranks to start on this node (default: 1)")
     launch.add_argument("--stopped-grace", default=str(STOPPED_GRACE_S), metavar="SECONDS",
                         help=f"end the job when a rank stays stopped (SIGSTOP, a debugger) this long; a warning "
                         f"names it at once (default: {STOPPED_GRACE_S:g})")
-    launch.add_argument("--nnodes", default=os.environ.get("NNODES", "1"), metavar="N",
-                        help="nodes, one launcher on each (default: $NNODES or 1)")
-    launch.add_argument("--node-rank", default=os.environ.get("NODE_RANK", "0"), metavar="K",
-                        help="this node's number, 0 to nnodes-1; node 0 hosts the rendezvous (default: $NODE_RANK or 0)")
-    launch.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"), metavar="ADDR",
+    launch.add_argument("--nnodes", default=os.environ.get("NNODES", "1"), metavar="N|MIN:MAX",
+                        help="nodes, one launcher on each (default: $NNODES or 1); a range MIN:MAX runs `train` "
+                             "under torch's elastic agent, going on with at least MIN nodes when one is lost")
+    launch.add_argument("--node-rank", metavar="K",
+                        help="this node's number, 0 to nnodes-1; node 0 hosts the rendezvous (default: $NODE_RANK "
+                             "or 0; not with MIN:MAX, whose agents number the nodes)")
+    launch.add_argument("--master-addr", metavar="ADDR",
                         help="node 0's address, where it listens for the other nodes (default: $MASTER_ADDR or "
-                             "127.0.0.1)")
-    launch.add_argument("--master-port", default=os.environ.get("MASTER_PORT", "0"), metavar="PORT",
+                             "127.0.0.1; MIN:MAX meets at --rdzv-endpoint instead)")
+    launch.add_argument("--master-port", metavar="PORT",
                         help="the port node 0 listens on (needed with --nnodes > 1; default: $MASTER_PORT)")
-    launch.add_argument("script", help="the Python file to run on every rank")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                        help="with MIN:MAX: the c10d rendezvous, one node's address (its agent hosts it) and a "
+                             "port, the same on every node")
+    launch.add_argument("--rdzv-id", default="trainmesh", metavar="ID",
+                        help="with MIN:MAX: the job's name, so jobs sharing an endpoint never meet (default: "
+                             "trainmesh)")
+    launch.add_argument("--rdzv-conf", default="", metavar="K=V,...",
+                        help="with MIN:MAX: rendezvous settings, as torchrun's (join_timeout=600, "
+                             "last_call_timeout=30, ...)")
+    launch.add_argument("--max-restarts", metavar="K",
+                        help=f"with MIN:MAX: how often each node's agent restarts its ranks after a failure or a "
+                             f"lost node (default: {elastic.DEFAULT_MAX_RESTARTS})")
+    launch.add_argument("script", help="the Python file to run on every rank (with MIN:MAX: train)")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
 
 
-def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    from trainmesh.launcher import Nodes, launch
+STATIC_ONLY = ("node_rank", "master_addr", "master_port")
+ELASTIC_ONLY = ("rdzv_endpoint", "rdzv_conf", "max_restarts")
 
+
+def _given(args: argparse.Namespace, names: Sequence[str]) -> str:
+    """The flags among ``names`` given on the command line (their defaults are None or empty), as the subject
+    of a sentence ("--a and --b are"); empty if none."""
+    flags = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
+    return f"{' and '.join(flags)} {'is' if len(flags) == 1 else 'are'}" if flags else ""
+
+
+def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     nproc = check_value("nproc", parse_flag("nproc", args.nproc), written=args.nproc)
     grace = check_value("stopped_grace", parse_flag("stopped_grace", args.stopped_grace), written=args.stopped_grace)
     check_local_ranks(nproc, _cuda_devices() > 0, _cuda_devices())
+    try:
+        span = elastic.node_range(args.nnodes)
+    except ValueError as e:
+        raise ConfigError(f"launch: {e}") from None
+    if span is not None:
+        return _launch_elastic(args, nproc, span)
+    if _given(args, ELASTIC_ONLY):
+        raise ConfigError(f"launch: {_given(args, ELASTIC_ONLY)} for the elastic agent; give "
+                          f"--nnodes MIN:MAX (e.g. {args.nnodes}:{args.nnodes}) with them, or drop them")
+    from trainmesh.launcher import Nodes, launch
+
     numbers = {}
-    for name in ("nnodes", "node_rank", "master_port"):
-        text = getattr(args, name)
+    for name, env, default in (("nnodes", "NNODES", "1"), ("node_rank", "NODE_RANK", "0"),
+                               ("master_port", "MASTER_PORT", "0")):
+        text = getattr(args, name) or os.environ.get(env, default)
         if not text.isdigit():
             raise ConfigError(f"launch: --{name.replace('_', '-')} {text!r} is not a whole number")
         numbers[name] = int(text)
-    nodes = Nodes(master_addr=args.master_addr, **numbers)
+    nodes = Nodes(master_addr=args.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1"), **numbers)
     try:
         nodes.check()
     except ValueError as e:
@@ -280,6 +318,32 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     if not script.is_file():
         raise ConfigError(f"launch: script {script} does not exist or is not a file")
     return launch(args.args, nproc, program=(str(script),), stopped_grace=grace, nodes=nodes)
+
+
+def _launch_elastic(args: argparse.Namespace, nproc: int, span: tuple[int, int]) -> int:
+    """``launch --nnodes MIN:MAX``: every flag checked, then ``train --elastic`` under torch's elastic agent."""
+    static = _given(args, STATIC_ONLY)
+    if static:
+        raise ConfigError(f"launch --nnodes {args.nnodes}: {static} for a fixed node count; the "
+                          f"elastic agents number the nodes and meet at --rdzv-endpoint, so drop them")
+    if not args.rdzv_endpoint:
+        raise ConfigError(f"launch --nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT: one node's address and a "
+                          f"port, the same on every node")
+    restarts = args.max_restarts or str(elastic.DEFAULT_MAX_RESTARTS)
+    if not restarts.isdigit():
+        raise ConfigError(f"launch: --max-restarts {restarts!r} is not a whole number")
+    try:
+        elastic.check_endpoint(args.rdzv_endpoint)
+        conf = elastic.rdzv_conf(args.rdzv_conf)
+        argv = elastic.train_argv(args.script, args.args)
+    except ValueError as e:
+        raise ConfigError(f"launch: {e}") from None
+    settings = settings_from_args(_parser().parse_args(argv))  # a flag train refuses, refused before any agent
+    if not (settings.get("resume") and settings.get("checkpoint_dir")):
+        raise ConfigError(f"launch --nnodes {args.nnodes} restarts `train` from its last checkpoint on the nodes that "
+                          f"remain: give it --checkpoint-dir DIR and --resume")
+    nodes = elastic.ElasticNodes(*span, args.rdzv_endpoint, args.rdzv_id, int(restarts), conf)
+    return elastic.launch_elastic(argv, nproc, nodes)
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:

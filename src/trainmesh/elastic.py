@@ -1,0 +1,112 @@
+"""``trainmesh launch --nnodes MIN:MAX``: a run that goes on with the nodes that remain, under torch's elastic agent.
+
+trainmesh writes no rendezvous of its own for this: the node range, the c10d rendezvous at ``--rdzv-endpoint``
+and the restarts are torchrun's elastic agent's, called through its library API
+(:func:`torch.distributed.launcher.api.elastic_launch`), exactly as ``torchrun --nnodes MIN:MAX
+--rdzv-backend c10d`` runs it. What this module adds is what makes a restart on fewer nodes train on: every
+rank runs ``trainmesh train --elastic`` (the layout scaled to the world it is given, the last checkpoint
+loaded into it), and each rendezvous round gets a store of its own (:data:`FRESH_STORE_ENV`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set to 1, rank 0 of each rendezvous round hosts the round's store on a fresh port. Shared (torch's default),
+the agents' store outlives the round, and a restarted rank could read the address a rank of the lost round
+had published and fail to connect to it (seen on the test bed)."""
+DEFAULT_MAX_RESTARTS = 3
+RUN_COMMAND = "train"
+
+
+@dataclass(frozen=True)
+class ElasticNodes:
+    """Between ``min_nodes`` and ``max_nodes`` nodes meeting at the c10d rendezvous ``endpoint`` (HOST:PORT,
+    one node's address, where that node's agent hosts it) under the job name ``run_id``; each node's ranks
+    restart up to ``max_restarts`` times. ``rdzv_conf`` goes to the rendezvous as torchrun's
+    ``--rdzv-conf`` does (``join_timeout``, ``last_call_timeout``, ...)."""
+
+    min_nodes: int
+    max_nodes: int
+    endpoint: str
+    run_id: str
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+
+
+def node_range(text: str) -> tuple[int, int] | None:
+    """``--nnodes MIN:MAX`` as (MIN, MAX); None for a plain count. One line for a range that cannot work."""
+    if ":" not in text:
+        return None
+    low, _, high = text.partition(":")
+    if not (low.isdigit() and high.isdigit()):
+        raise ValueError(f"--nnodes {text!r}: write the range as MIN:MAX, two whole numbers (e.g. 2:4)")
+    if not 1 <= int(low) <= int(high):
+        raise ValueError(f"--nnodes {text}: MIN must be at least 1 and at most MAX; e.g. --nnodes "
+                         f"{max(1, min(int(low), int(high)))}:{max(1, int(low), int(high))}")
+    return int(low), int(high)
+
+
+def check_endpoint(endpoint: str) -> None:
+    """One line unless ``endpoint`` is HOST:PORT with a port the rendezvous can listen on."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: give HOST:PORT, one node's address and a free port "
+                         f"(1 to 65535) its agent listens on, the same on every node")
+
+
+def rdzv_conf(text: str) -> dict[str, str]:
+    """``--rdzv-conf k=v,k=v`` as a dict, as torchrun reads it."""
+    pairs = [item.partition("=") for item in text.split(",") if item]
+    bad = next((key for key, eq, value in pairs if not (key and eq and value)), None)
+    if bad is not None:
+        raise ValueError(f"--rdzv-conf {text!r}: write key=value pairs separated by commas "
+                         f"(e.g. join_timeout=600,last_call_timeout=30)")
+    return {key: value for key, _, value in pairs}
+
+
+def train_argv(command: str, args: Sequence[str]) -> list[str]:
+    """The command every rank runs: ``train`` with ``--elastic`` (added once). Refused in one line for any
+    other command: only ``train`` knows how to resume at another world size."""
+    if command != RUN_COMMAND:
+        raise ValueError(f"--nnodes MIN:MAX restarts `trainmesh train` on the nodes that remain, so it runs "
+                         f"`train`, not {command!r}: write `trainmesh launch ... train --resume "
+                         f"--checkpoint-dir DIR ...`; for a script of your own use torchrun --nnodes MIN:MAX")
+    return [RUN_COMMAND, *([] if "--elastic" in args else ["--elastic"]), *args]
+
+
+def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
+    """Run ``python -m trainmesh *argv`` as ``nproc`` ranks on this node under torch's elastic agent, which
+    meets the other nodes' agents at ``nodes.endpoint`` and restarts the ranks of every node that remains
+    when one is lost; returns the exit code for the user, with one line saying why a run failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ[FRESH_STORE_ENV] = "1"
+    config = LaunchConfig(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
+                          run_id=nodes.run_id, rdzv_endpoint=nodes.endpoint, rdzv_backend="c10d",
+                          rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts)
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "trainmesh", *argv)  # unbuffered, as torchrun runs -m
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by {failure.signal_name()}"
+        _say(f"trainmesh: rank {rank} failed ({how}) after {nodes.max_restarts} restart(s) of this node's ranks; "
+             f"its traceback is above")
+        return 1
+    except RendezvousError as e:
+        _say(f"trainmesh: the rendezvous at {nodes.endpoint} (--rdzv-id {nodes.run_id}) failed: "
+             f"{type(e).__name__}: {e or 'timed out'}; are at least {nodes.min_nodes} nodes started with the same "
+             f"--rdzv-endpoint and --rdzv-id?")
+        return 1
+    return 0
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
