@@ -131,6 +131,7 @@ def _wait_for_training(launcher: subprocess.Popen, out: Path, timeout: float = 6
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # 17 s; a stopped rank is named in the default set by the grace test below
 @pytest.mark.timeout(90)
 def test_stopped_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path):
     """SIGSTOP freezes a rank wherever it is; the healthy rank times out in whatever call it was in (counted
