@@ -135,6 +135,9 @@ def test_the_launcher_killed_during_the_background_write_leaves_the_previous_che
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and records[1]["restart"]["from_step"] == 1
     assert (ckpt / "latest").read_text() == "step-00000003\n"
+    saves = json.loads((tmp_path / "run" / "summary.json").read_text())["checkpoint_saves"]
+    assert [s["step"] for s in saves] == [2, 3]
+    assert all(s["stall_s"] > 0 and s["waited_s"] >= 0 and s["write_s"] > 0 for s in saves), saves
 
 
 def _children(pid: int) -> list[int]:

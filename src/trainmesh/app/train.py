@@ -294,8 +294,9 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
 def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, pending: AsyncSave | None,
                     saves: list[Callable[[], dict]]) -> AsyncSave | None:
     """Save after ``done.step`` steps, in the background under ``--checkpoint-async`` (after the save still in
-    flight, ``pending``); appends to ``saves`` what the summary reports of it: the training stall and, for a
-    background save, its write time (read at the end, once written). Returns the save now in flight."""
+    flight, ``pending``); appends to ``saves`` what the summary reports of it: the training stall (the whole
+    save, or a background save's copy to host memory, with ``waited_s`` spent first waiting for the save in
+    flight) and a background save's write time (read at the end, once written). Returns the save now in flight."""
     start = time.perf_counter()
     if not run.cfg.checkpoint_async:
         checkpoints.save(run, done)
@@ -303,8 +304,9 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, pending: AsyncS
         saves.append(lambda: {"step": done.step, "stall_s": stall, "write_s": None})
         return None
     handle = checkpoints.save_async(run, done, pending)
-    stall = time.perf_counter() - start  # waiting for the previous save is part of this one's stall
-    saves.append(lambda: {"step": done.step, "stall_s": stall, "write_s": handle.write_s})
+    waited = time.perf_counter() - start - handle.stall_s  # for the previous save's write, before this copy
+    saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited,
+                          "write_s": handle.write_s})
     return handle
 
 
