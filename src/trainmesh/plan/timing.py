@@ -278,32 +278,44 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
 
 
 def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -> float:
-    """Bytes one rank of ``stage`` sends over ep for one micro-batch: every MoE layer dispatches and
-    combines top_k copies of each token (tokens x top_k x d x activation bytes per direction, of which
-    (ep-1)/ep leave the rank) twice forward and twice backward, twice more when the forward is recomputed.
-    Each tp rank dispatches the copies of its own :func:`moe_tokens` over its own ep group: all of its
-    micro-batch's tokens without sequence parallelism (every tp rank sends the same copies), a 1/tp
-    slice under it."""
-    m, lay = workload.model, layout
-    moe = stage_blocks(workload, lay, stage)[1]
-    if lay.ep == 1 or not moe:
+    """Bytes one rank of ``stage`` sends over ep for one micro-batch in the activations' dtype: each of its
+    :func:`_all_to_all_rounds` dispatches and combines the :func:`routed_copy_bytes` of its tokens, of which
+    (ep-1)/ep leave the rank."""
+    rounds = _all_to_all_rounds(workload, layout, stage)
+    if not rounds:
         return 0.0
-    one = moe_tokens(workload, lay) * m.top_k * m.d_model * workload.dtype_bytes.activation * (lay.ep - 1) / lay.ep
-    return moe * (6 if lay.recompute == "full" else 4) * one
+    one = routed_copy_bytes(workload, layout, workload.dtype_bytes.activation) * (layout.ep - 1) / layout.ep
+    return rounds * 2 * one
+
+
+def _all_to_all_rounds(workload: Workload, layout: Layout, stage: int) -> int:
+    """A rank of ``stage``'s dispatch-and-combine rounds per micro-batch: one per MoE layer and pass (forward,
+    backward, and the forward again under full recomputation); 0 without expert parallelism."""
+    moe = stage_blocks(workload, layout, stage)[1]
+    if layout.ep == 1 or not moe:
+        return 0
+    return moe * (3 if layout.recompute == "full" else 2)
+
+
+def routed_copy_bytes(workload: Workload, layout: Layout, element_bytes: float) -> float:
+    """The top_k copies of a micro-batch's :func:`moe_tokens`, ``element_bytes`` per element. Each tp rank
+    dispatches the copies of its own tokens over its own ep group: all of its micro-batch's tokens without
+    sequence parallelism (every tp rank sends the same copies), a 1/tp slice under it."""
+    m = workload.model
+    return moe_tokens(workload, layout) * m.top_k * m.d_model * element_bytes
 
 
 def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """One micro-batch's expert all-to-alls on a rank of ``stage``, on the critical path: per MoE layer and
-    pass (forward, backward, the forward again under full recomputation) one towards the experts, in
-    ``layout.dispatch_dtype``, and one back, in the activations' dtype (:func:`all_to_all_seconds`); in the
-    activations' dtype throughout, the bytes of :func:`all_to_all_bytes_per_micro`."""
-    moe = stage_blocks(workload, layout, stage)[1]
-    if layout.ep == 1 or not moe:
+    """One micro-batch's expert all-to-alls on a rank of ``stage``, on the critical path: in each of its
+    :func:`_all_to_all_rounds` one towards the experts, in ``layout.dispatch_dtype``, and one back, in the
+    activations' dtype (:func:`all_to_all_seconds`); in the activations' dtype throughout, the bytes of
+    :func:`all_to_all_bytes_per_micro`."""
+    rounds = _all_to_all_rounds(workload, layout, stage)
+    if not rounds:
         return 0.0
-    passes = 3 if layout.recompute == "full" else 2
     activation = workload.dtype_bytes.activation
     dispatch = DTYPE_BYTES[layout.dispatch_dtype] if layout.dispatch_dtype else activation
-    return moe * passes * sum(all_to_all_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
+    return rounds * sum(all_to_all_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
 
 
 def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
@@ -317,7 +329,7 @@ def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, ele
     its experts, both at once (DeepSeek-V3's node-limited routing, [DSV3, 2.1.2 and 3.2.2]), so the slower of
     the two paths sets the pace (:func:`nodes_per_token`)."""
     m, lay = workload.model, layout
-    copies = moe_tokens(workload, lay) * m.top_k * m.d_model * element_bytes
+    copies = routed_copy_bytes(workload, lay, element_bytes)
     nodes = lay.tp * lay.ep // cluster.gpus_per_node
     if not m.groups_per_token or nodes < 2:
         bw, alpha = cluster.link(lay.tp * lay.ep)
