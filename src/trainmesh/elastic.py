@@ -87,6 +87,8 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from trainmesh.launcher import say
+
     os.environ[FRESH_STORE_ENV] = "1"
     config = LaunchConfig(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
                           run_id=nodes.run_id, rdzv_endpoint=nodes.endpoint, rdzv_backend="c10d",
@@ -96,17 +98,12 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by {failure.signal_name()}"
-        _say(f"trainmesh: rank {rank} failed ({how}) after {nodes.max_restarts} restart(s) of this node's ranks; "
-             f"its traceback is above")
+        say(f"trainmesh: rank {rank} failed ({how}) after {nodes.max_restarts} restart(s) of this node's ranks; "
+            f"its traceback is above")
         return 1
     except RendezvousError as e:
-        _say(f"trainmesh: the rendezvous at {nodes.endpoint} (--rdzv-id {nodes.run_id}) failed: "
-             f"{type(e).__name__}: {e or 'timed out'}; are at least {nodes.min_nodes} nodes started with the same "
-             f"--rdzv-endpoint and --rdzv-id?")
+        say(f"trainmesh: the rendezvous at {nodes.endpoint} (--rdzv-id {nodes.run_id}) failed: "
+            f"{type(e).__name__}: {e or 'timed out'}; are at least {nodes.min_nodes} nodes started with the same "
+            f"--rdzv-endpoint and --rdzv-id?")
         return 1
     return 0
-
-
-def _say(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()

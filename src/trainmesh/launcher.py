@@ -408,16 +408,16 @@ class StopWatch:
             stopped = rp.proc.poll() is None and _process_state(rp.proc.pid) in STOPPED_STATES
             if stopped and rp.rank not in self.since:
                 self.since[rp.rank] = now
-                _say(f"trainmesh: warning: rank {rp.rank} (pid {rp.proc.pid}) is stopped (SIGSTOP or a debugger) "
+                say(f"trainmesh: warning: rank {rp.rank} (pid {rp.proc.pid}) is stopped (SIGSTOP or a debugger) "
                      f"and its peers wait for it; the job ends in {self.grace:g} s unless it continues "
                      f"(kill -CONT {rp.proc.pid}; --stopped-grace sets the wait)")
             elif not stopped and rp.rank in self.since:
-                _say(f"trainmesh: rank {rp.rank} (pid {rp.proc.pid}) continued after "
+                say(f"trainmesh: rank {rp.rank} (pid {rp.proc.pid}) continued after "
                      f"{now - self.since.pop(rp.rank):.1f} s stopped")
         return next((rp for rp in ranks if now - self.since.get(rp.rank, now) > self.grace), None)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
@@ -524,7 +524,7 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch,
         if late is not None:
             late.proc.kill()  # a stopped process acts on no SIGTERM until continued
             _stop(ranks)
-            _say(f"trainmesh: rank {late.rank} (pid {late.proc.pid}) stayed stopped for more than {watch.grace:g} s "
+            say(f"trainmesh: rank {late.rank} (pid {late.proc.pid}) stayed stopped for more than {watch.grace:g} s "
                  f"(--stopped-grace); stopped all ranks")
             return 1
         time.sleep(POLL_S)

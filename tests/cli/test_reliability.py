@@ -193,7 +193,7 @@ def test_stopped_rank_is_named_at_once_and_ends_the_job_after_the_grace(tmp_path
     script = tmp_path / "waiting_rank.py"
     script.write_text(WAITING_RANK)
     said: list[tuple[float, str]] = []
-    monkeypatch.setattr(launcher, "_say", lambda line: said.append((time.monotonic(), line)))
+    monkeypatch.setattr(launcher, "say", lambda line: said.append((time.monotonic(), line)))
     grace, log = 1.0, {}
     helper = threading.Thread(target=_stop_and_continue, args=(script, said, grace, log), daemon=True)
     helper.start()
