@@ -167,3 +167,12 @@ def word_tokenizer(path: Path, words: list[str]) -> Path:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(path))
     return path
+
+
+def child_pids(pid: int | str = "self") -> set[int]:
+    """The processes whose parent is ``pid`` (this process by default), from each of its threads'
+    ``/proc/PID/task/TID/children`` (Linux)."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids |= {int(p) for p in (task / "children").read_text().split()}
+    return pids

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from fuzz import CaseTimeout, deadline, json_nodes
+from helpers import child_pids
 from trainmesh.app import cli
 from trainmesh.data import DataError, TokenData, data_vocab_size, sources
 from trainmesh.data import prepare as prepare_module
@@ -137,18 +138,11 @@ def test_arrow_cells_are_read_in_place_across_batches_nulls_and_large_strings(tm
 
 # --- a worker that dies ---------------------------------------------------------------------------------
 
-def _children() -> set[int]:
-    pids: set[int] = set()
-    for task in Path("/proc/self/task").iterdir():
-        pids |= {int(p) for p in (task / "children").read_text().split()}
-    return pids
-
-
 def _kill_first_worker(before: set[int], out: Path, killed: list) -> None:
     """Once a shard exists (the run is under way), SIGKILL the first worker: a real kill -9 from outside."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        workers = sorted(_children() - before)
+        workers = sorted(child_pids() - before)
         if workers and any(out.glob("*.bin")):
             os.kill(workers[0], signal.SIGKILL)
             killed.append(workers[0])
@@ -162,7 +156,7 @@ def test_a_worker_killed_mid_run_ends_prepare_at_once_in_one_line(tmp_path, tok,
     monkeypatch.setattr(prepare_module, "BATCH_BYTES", SMALL_PIECE)
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text(_code(1 << 20))
-    out, killed, before = tmp_path / "out", [], _children()  # earlier tests may have left a forkserver
+    out, killed, before = tmp_path / "out", [], child_pids()  # earlier tests may have left a forkserver
     killer = threading.Thread(target=_kill_first_worker, args=(before, out, killed))
     killer.start()
     start = time.monotonic()
@@ -174,7 +168,7 @@ def test_a_worker_killed_mid_run_ends_prepare_at_once_in_one_line(tmp_path, tok,
     assert re.fullmatch(rf"trainmesh: error: worker [01] \(pid {killed[0]}\) was killed by signal SIGKILL \(out of "
                         rf"memory\?\) while tokenizing {tmp_path}/[ab]\.txt; nothing was kept in {out}", err), err
     assert seconds < 30 and not out.exists() and not is_prepared(str(out))
-    assert not _children() - before, "workers left running"
+    assert not child_pids() - before, "workers left running"
 
 
 def test_workers_tokenize_with_the_bytes_prepare_pinned_though_the_file_changes(tmp_path, tok, monkeypatch):

@@ -20,6 +20,8 @@ from trainmesh.mesh import world_from_env
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.testing import RankFailure, run_ranks
 
+from helpers import child_pids
+
 RUN_ID = "0123456789abcdef0123456789abcdef"  # one run id, so two saves of one state write the same manifest
 
 
@@ -119,7 +121,7 @@ def test_the_launcher_killed_during_the_background_write_leaves_the_previous_che
     while len(list(marks.iterdir())) < 2:
         assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()[-3000:] if job.poll() else "slow"
         time.sleep(0.1)
-    ranks = _children(job.pid)
+    ranks = child_pids(job.pid)
     job.kill()
     job.wait()
     deadline = time.monotonic() + 10
@@ -139,15 +141,3 @@ def test_the_launcher_killed_during_the_background_write_leaves_the_previous_che
     assert [s["step"] for s in saves] == [2, 3]
     assert all(s["stall_s"] > 0 and s["waited_s"] >= 0 and s["write_s"] > 0 for s in saves), saves
 
-
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (the launcher's ranks), from /proc."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
