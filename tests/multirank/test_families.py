@@ -65,16 +65,24 @@ def test_a_sliding_window_holds_in_the_rings_blockwise_merge(cp):
         assert (g - r).abs().max() < 1e-12
 
 
+def _full_and_cached(model: Llama, tokens: torch.Tensor, prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one full forward, and the same positions decoded with the KV cache: ``prefill`` tokens,
+    then one at a time."""
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, tokens.shape[1])
+        steps = [model(tokens[:, :prefill], cache)]
+        steps += [model(tokens[:, t:t + 1], cache) for t in range(prefill, tokens.shape[1])]
+    return full, torch.cat(steps, 1)
+
+
 def test_mistral_decodes_past_its_window_with_the_kv_cache_as_without():
     """Prefill 5 tokens, then one at a time to 24 (three windows of 8): each step's logits are the full
     forward's at that position."""
     model = Llama(preset("mistral-tiny"), seed=1).double()
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        full = model(tokens)
-        cache = KVCache(model, 24)
-        steps = [model(tokens[:, :5], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(5, 24)]
-    assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
+    full, stepped = _full_and_cached(model, tokens, prefill=5)
+    assert (stepped - full).abs().max() < 1e-12
     no_window = Llama(dataclasses.replace(preset("mistral-tiny"), sliding_window=None), seed=1).double()
     with torch.no_grad():
         assert (no_window(tokens) - full)[:, 8:].abs().max() > 1e-3  # the window changes what is seen
@@ -177,11 +185,8 @@ def test_deepseek_v3_at_tp2_dp2_ep2_zero3_matches_single_process():
 def test_each_family_decodes_with_the_kv_cache_as_without(name):
     model = Llama(preset(name), seed=1).double()
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        full = model(tokens)
-        cache = KVCache(model, 12)
-        steps = [model(tokens[:, :4], cache)] + [model(tokens[:, t:t + 1], cache) for t in range(4, 12)]
-    assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
+    full, stepped = _full_and_cached(model, tokens, prefill=4)
+    assert (stepped - full).abs().max() < 1e-12
 
 
 @pytest.mark.slow
