@@ -60,7 +60,9 @@ class Cluster:
     ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`); ``has_bf16`` says
     whether the devices compute in bf16, which is what ``--precision auto`` trains in where they do;
     ``direct_exchange`` that ZeRO's gathers and reduce-scatters between nodes go point to point (trainmesh on
-    Gloo) rather than round a ring (NCCL), which changes the bytes that cross (:mod:`trainmesh.plan.dp_traffic`).
+    Gloo) rather than round a ring (NCCL), which changes the bytes that cross (:mod:`trainmesh.plan.dp_traffic`);
+    ``memory_bw`` is the bytes/s a copy kernel streams through one device's memory, what prices the work that
+    moves data rather than multiplies it (0: unknown, and such work is not priced).
     """
 
     gpus: int
@@ -80,6 +82,7 @@ class Cluster:
     has_bf16: bool = True
     peak_flops_fp8: float = 0.0
     direct_exchange: bool = False
+    memory_bw: float = 0.0
 
     def peak_at(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
@@ -119,7 +122,8 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=gemm_half_dim(peak, hbm),
-                   comm_efficiency=comm, reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8)
+                   comm_efficiency=comm, reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8,
+                   memory_bw=hbm * STREAM_EFFICIENCY)
 
 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
@@ -144,6 +148,9 @@ def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
 # Other GPUs take the fit, the half dimension scaled by their ridge point (:func:`gemm_half_dim`).
 GPU_EFFICIENCY = (0.72, 160, 0.7)
 A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
+# The share of the datasheet's HBM bandwidth a streaming copy reaches on A100 and H100 (BabelStream's copy and
+# triad kernels measure 85-90 %); gathers of whole rows of a few KiB, as token permutations are, stream alike.
+STREAM_EFFICIENCY = 0.85
 
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
@@ -153,7 +160,8 @@ A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 # "cpu" is one core per process at 100 GFLOP/s fp32 peak, fitted to
 # ``python -m trainmesh_bench.plan --model small`` on a 2-core host: matmuls of a few hundred rows reach
 # 65 % of it, and Gloo's collectives between processes move 0.37 GB/s with 2.7 ms per ring step (its threads
-# hand work over on the cores the ranks compute on); across hosts no better than that.
+# hand work over on the cores the ranks compute on); across hosts no better than that. One core copies
+# 20 GB/s there (a 256 MiB ``Tensor.copy_``, counting read and write).
 CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9, 1.555e12),
     "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9, A100_80GB_HBM),
@@ -163,7 +171,7 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
                    gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,
-                   has_bf16=False, direct_exchange=True),
+                   has_bf16=False, direct_exchange=True, memory_bw=20e9),
 }
 
 

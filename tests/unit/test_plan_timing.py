@@ -12,7 +12,8 @@ from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
 from trainmesh.plan import Cluster, Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
 from trainmesh.plan.ranking import interleave_depths
-from trainmesh.plan.timing import all_to_all_seconds, gemm_time, head_seconds, nodes_per_token
+from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
+                                   token_movement_bytes)
 
 
 @pytest.mark.parametrize("gpu,speedup", [("h100-80gb", 1979 / 989), ("h800-80gb", 1979 / 989), ("a100-80gb", 1.0)])
@@ -84,6 +85,42 @@ def test_compute_runs_on_what_the_communication_kernels_leave() -> None:
     assert shared.compute == pytest.approx(step_time(work, layout, cluster).compute * 132 / 112, rel=1e-12)
     with pytest.raises(LayoutError, match="comm_sm_share=1"):
         Layout(dp=64, ep=64, comm_sm_share=1)
+
+
+def test_deepseek_moves_1_3_mb_a_token_through_each_moe_layer_at_ep64_with_an_fp8_dispatch() -> None:
+    """Counted by hand from the movements named in :func:`token_movement_bytes` (d = 7168, k = 8, 256
+    experts): router 3 x 256 x 4; towards the experts, FP8, gathered then sorted after the all-to-all,
+    2 x 2 k d x 1, forward and backward alike; back, bf16, the unsort 2 k d x 2 both ways, the weighted sum
+    (k + 1) d x 2 forward and (2k + 1) d x 2 backward."""
+    work, layout, _ = _deepseek(dispatch_dtype="fp8")
+    towards, unsort = 2 * 2 * 8 * 7168 * 1, 2 * 8 * 7168 * 2
+    per_token = 3 * 256 * 4 + 2 * (towards + unsort) + 9 * 7168 * 2 + 17 * 7168 * 2
+    assert per_token == 1_293_312
+    assert token_movement_bytes(work, layout) == 4096 * per_token
+
+
+def test_an_moe_block_pays_its_token_movement_at_the_devices_memory_bandwidth_and_a_dense_block_none() -> None:
+    work, layout, cluster = _deepseek()
+    unpriced = dataclasses.replace(cluster, memory_bw=0.0)
+    moved = block_seconds(work, layout, cluster, moe=True) - block_seconds(work, layout, unpriced, moe=True)
+    assert moved == pytest.approx(token_movement_bytes(work, layout) / (3.35e12 * 0.85), rel=1e-12)
+    assert block_seconds(work, layout, cluster) == block_seconds(work, layout, unpriced)
+
+
+def test_finer_experts_at_the_same_flops_move_about_twice_the_bytes() -> None:
+    """Twice the experts, each half as wide, a token to twice as many: the expert matmuls' FLOPs are the same,
+    the copies that travel to them twice as many, so the movement's share of the block grows."""
+    coarse = Workload(_moe(), 16, 512, "bf16")
+    fine = dataclasses.replace(coarse, model=dataclasses.replace(_moe(), n_experts=16, top_k=4, d_ff_expert=96))
+    layout, cluster = Layout(dp=4, ep=4, microbatches=2), make_cluster("h100-80gb", 4)
+    flops = [sum(g.flops for name, g in block_gemms(w, layout, moe=True).items() if name.startswith("experts"))
+             for w in (coarse, fine)]
+    assert flops[0] == flops[1]
+    ratio = token_movement_bytes(fine, layout) / token_movement_bytes(coarse, layout)
+    assert 1.8 < ratio < 2.0
+    shares = [token_movement_bytes(w, layout) / cluster.memory_bw / block_seconds(w, layout, cluster, moe=True)
+              for w in (coarse, fine)]
+    assert shares[1] > shares[0]
 
 
 def test_small_matmuls_are_priced_at_each_devices_own_ridge_point() -> None:

@@ -168,11 +168,42 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
     """One block's forward and backward for one micro-batch: each matmul of :func:`block_gemms` at its own
     :func:`gemm_efficiency`, three times (backward costs twice the forward), four under full
-    recomputation, the attention core once more under selective recomputation [KOR, sec. 5]."""
+    recomputation, the attention core once more under selective recomputation [KOR, sec. 5]; an MoE
+    block also streams its tokens to and from its experts (:func:`token_movement_bytes`) through device
+    memory at ``cluster.memory_bw``."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
     rerun = gemm_time(gemms["attention"], workload, cluster) if layout.recompute == "selective" else 0.0
-    return passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
+    matmuls = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
+    if not (moe and cluster.memory_bw):
+        return matmuls
+    return matmuls + token_movement_bytes(workload, layout) / cluster.memory_bw
+
+
+def token_movement_bytes(workload: Workload, layout: Layout) -> float:
+    """Bytes one rank reads and writes in device memory to take one micro-batch's :func:`moe_tokens` to their
+    experts and back, forward and backward: the work of an MoE layer that a dense block does not do, and
+    what makes fine-grained experts (many narrow ones, a token copied top_k times) slower than their FLOPs.
+
+    Each movement is counted once, as fused kernels do it (Megatron-LM's permute and unpermute): the router's
+    fp32 scores written, normalised and read by top-k (3 x n_experts x 4 bytes a token); the token's top_k
+    copies gathered into expert order (read and written, 2 k d elements), and with ep > 1 sorted once more by
+    local expert after the all-to-all; back the other way, the unsort, then the weighted sum of the k copies
+    into one token ((k + 1) d). Backward moves the gradients the same way, the combine's twice over (the
+    copies' gradients written, and the copies read again for the routing weights' gradient: (2k + 1) d). The
+    movements towards the experts are in ``layout.dispatch_dtype`` (quantised before they move, [DSV3,
+    3.3.3]), the rest in the activations' dtype. trainmesh's own combine is not fused (a zero-filled
+    index_copy, then a multiply and a sum: (6k + 1) d), so it moves more than this floor."""
+    m, e = workload.model, workload.dtype_bytes.activation
+    towards = DTYPE_BYTES[layout.dispatch_dtype] if layout.dispatch_dtype else e
+    sorts = 2 if layout.ep > 1 else 1
+    copies = m.top_k * m.d_model
+    there = sorts * 2 * copies * towards + (sorts - 1) * 2 * copies * e
+    router = 3 * m.n_experts * DTYPE_BYTES["fp32"]
+    forward = router + there + (m.top_k + 1) * m.d_model * e
+    backward = there + (2 * m.top_k + 1) * m.d_model * e
+    reruns = 2 if layout.recompute == "full" else 1
+    return moe_tokens(workload, layout) * (reruns * forward + backward)
 
 
 def head_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
