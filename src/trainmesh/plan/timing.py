@@ -82,9 +82,10 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
 @dataclass(frozen=True)
 class Gemm:
     """One matmul of a forward pass on one rank: its FLOPs, its (m, k, n) after the tp split, and whether it
-    is a block's linear layer, the matmuls ``precision="fp8"`` runs in float8 (the attention core, the router
+    is one of the block's linear layers ``precision="fp8"`` runs in float8 (the attention core, the router
     and the head stay bf16, as :attr:`trainmesh.models.spec.ModelSpec.high_precision` keeps them and
-    DeepSeek-V3's FP8 recipe does [DSV3, 3.3.1])."""
+    DeepSeek-V3's FP8 recipe does [DSV3, 3.3.1]; so do trainmesh's grouped routed experts, unless
+    ``Layout.fp8_experts`` prices a run whose experts are float8)."""
 
     flops: float
     dims: tuple[int, int, int]
@@ -128,7 +129,7 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     routed = moe_tokens(workload, layout)
     rows = max(1, layout.ep * routed * m.top_k // m.n_experts)
     gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts), linear=False)
-    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1)
+    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1, linear=layout.fp8_experts)
     if m.n_shared_experts:
         gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
     return gemms
@@ -150,10 +151,12 @@ def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:
     return tokens, m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim) // t
 
 
-def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t: int) -> dict[str, Gemm]:
-    """An MLP's input and output matmuls over ``tokens`` rows in all, ``rows`` per matmul."""
-    return {f"{name}_in": Gemm(inputs * 2 * tokens * h * f / t, (rows, h, f // t)),
-            f"{name}_out": Gemm(2 * tokens * f * h / t, (rows, f // t, h))}
+def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t: int,
+               linear: bool = True) -> dict[str, Gemm]:
+    """An MLP's input and output matmuls over ``tokens`` rows in all, ``rows`` per matmul (``linear``: see
+    :class:`Gemm`)."""
+    return {f"{name}_in": Gemm(inputs * 2 * tokens * h * f / t, (rows, h, f // t), linear),
+            f"{name}_out": Gemm(2 * tokens * f * h / t, (rows, f // t, h), linear)}
 
 
 def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:

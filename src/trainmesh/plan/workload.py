@@ -72,7 +72,10 @@ class Layout:
     dtype tokens go to their experts in, forward and (as gradients) backward, where it is not the activations'
     (DeepSeek-V3 dispatches in FP8 and combines in bf16 [DSV3, 3.3.3]; "": the activations' dtype), and
     ``comm_sm_share`` the share of each device's compute units that communication kernels hold throughout the
-    step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]).
+    step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]); and ``fp8_experts``
+    that under ``precision="fp8"`` the routed experts' grouped matmuls run in float8 too, as DeepSeek-V3's
+    do [DSV3, 3.3], where trainmesh's stay bf16 (torchao converts ``nn.Linear`` modules only,
+    :mod:`trainmesh.float8`).
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
     (:class:`~trainmesh.layout.LayoutError`), so the planner only describes layouts the runtime runs.
     """
@@ -95,6 +98,7 @@ class Layout:
     dp_replicate: int = Settings.dp_replicate
     dispatch_dtype: str = ""
     comm_sm_share: float = 0.0
+    fp8_experts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
