@@ -62,7 +62,9 @@ class Cluster:
     ``direct_exchange`` that ZeRO's gathers and reduce-scatters between nodes go point to point (trainmesh on
     Gloo) rather than round a ring (NCCL), which changes the bytes that cross (:mod:`trainmesh.plan.dp_traffic`);
     ``memory_bw`` is the bytes/s a copy kernel streams through one device's memory, what prices the work that
-    moves data rather than multiplies it (0: unknown, and such work is not priced).
+    moves data rather than multiplies it (0: unknown, and such work is not priced); ``comm_overlaps_compute``
+    whether a collective issued ahead runs while the device computes, as NCCL's kernels run beside compute
+    kernels on a GPU (False where the two share the same cores: Gloo's threads on the ranks' CPUs).
     """
 
     gpus: int
@@ -83,6 +85,7 @@ class Cluster:
     peak_flops_fp8: float = 0.0
     direct_exchange: bool = False
     memory_bw: float = 0.0
+    comm_overlaps_compute: bool = True
 
     def peak_at(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
@@ -171,7 +174,7 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
                    gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,
-                   has_bf16=False, direct_exchange=True, memory_bw=20e9),
+                   has_bf16=False, direct_exchange=True, memory_bw=20e9, comm_overlaps_compute=False),
 }
 
 

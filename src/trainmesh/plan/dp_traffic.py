@@ -15,6 +15,7 @@ of the n - g ranks on other nodes over that link while the g - 1 on its own node
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,17 +42,25 @@ def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
 @dataclass(frozen=True)
 class DpTraffic:
     """Bytes one rank sends per step over the dp axis inside its node (``intra``) and to other nodes
-    (``inter``), and the seconds that takes."""
+    (``inter``), the seconds that takes, and how many of those seconds are collectives issued ahead of the
+    compute that needs them (``prefetched``: ZeRO-3's per-unit gathers and reduce-scatters), which can run
+    while the device computes."""
 
     intra: float = 0.0
     inter: float = 0.0
     seconds: float = 0.0
+    prefetched: float = 0.0
 
     def __add__(self, other: DpTraffic) -> DpTraffic:
-        return DpTraffic(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds)
+        return DpTraffic(self.intra + other.intra, self.inter + other.inter, self.seconds + other.seconds,
+                         self.prefetched + other.prefetched)
 
     def __mul__(self, times: int) -> DpTraffic:
-        return DpTraffic(self.intra * times, self.inter * times, self.seconds * times)
+        return DpTraffic(self.intra * times, self.inter * times, self.seconds * times, self.prefetched * times)
+
+    def ahead(self) -> DpTraffic:
+        """The same traffic, all of it issued ahead of the compute that needs it."""
+        return dataclasses.replace(self, prefetched=self.seconds)
 
 
 def ranks_per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
@@ -99,7 +108,10 @@ def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, repli
     under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
     :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own. Hybrid sharding does
     all of it inside a group and all-reduces each rank's gradient shard, Psi/n, over the replicas once per
-    step (:class:`trainmesh.parallel.zero.engine.ZeroEngine`)."""
+    step (:class:`trainmesh.parallel.zero.engine.ZeroEngine`). ZeRO-3's per-unit collectives are issued ahead
+    of the unit that needs them (the next unit's gather while one computes, each unit's reduce-scatter while
+    the units before it run backward: :class:`trainmesh.parallel.zero.ZeroStage3`), so they are
+    :attr:`DpTraffic.prefetched`; the other stages' reductions wait for the backward that produces them."""
     m, b, g = layout.microbatches, workload.dtype_bytes, ranks_per_node(n, stride, cluster.gpus_per_node)
     if n * replicas == 1 or not units:
         return DpTraffic()
@@ -110,7 +122,7 @@ def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, repli
     gather = collective("all_gather", b.param * psi, n, g, cluster, calls)
     scatter = collective("reduce_scatter", b.grad * psi, n, g, cluster, calls)
     passes = 3 if layout.schedule == "zb" else 2
-    within = {1: scatter + gather, 2: scatter * m + gather, 3: (gather * passes + scatter) * m}[layout.zero]
+    within = {1: scatter + gather, 2: scatter * m + gather, 3: ((gather * passes + scatter) * m).ahead()}[layout.zero]
     across = ranks_per_node(replicas, stride * n, cluster.gpus_per_node)
     return within + collective("all_reduce", b.grad * psi / n, replicas, across, cluster)
 
@@ -118,8 +130,7 @@ def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, repli
 def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> DpTraffic:
     """Data-parallel traffic of one step on a rank of ``stage``: the dense units over the shard group (its
     dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (ep x tp apart).
-    None of it is assumed hidden behind compute: that fits Megatron-LM's ZeRO-3 measurements at 768 and
-    1536 GPUs better than perfect overlap does [NAR, Table 2]."""
+    How much of it the compute hides is :func:`trainmesh.plan.timing.exposed_dp_time`'s."""
     lay, model = layout, workload.model
     split = stage_split(workload, lay)
     dense = stage_units(model, lay.tp, split, lay.pp, stage)

@@ -194,8 +194,13 @@ def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, flat: 
     its dp ranks (:func:`enumerate_layouts` yields it just before; None: it does not fit). The two differ only
     in that the hybrid one holds more state and moves its data-parallel bytes elsewhere, so it is not when
     the flat one does not fit or moves them at least as fast."""
-    return flat is not None and max(dp_time(workload, layout, cluster, s)
-                                    for s in candidate_stages(workload, layout)) < flat.time.dp_comm
+    return flat is not None and _dp_seconds(workload, layout, cluster) < _dp_seconds(workload, flat.layout, cluster)
+
+
+def _dp_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The data-parallel traffic of the rank that has the most, hidden or not: exposed, a hybrid layout's is
+    no smaller than the flat one's when this is not (its extra part, the replica all-reduce, is never hidden)."""
+    return max(dp_time(workload, layout, cluster, s) for s in candidate_stages(workload, layout))
 
 
 def choose(found: list[Estimate]) -> Estimate | None:

@@ -168,8 +168,10 @@ def explain_hsdp(workload: Workload, cluster: Cluster, estimates: list[Estimate]
         verdict = (f"HSDP is {flat.time.total - hybrid.time.total:.3g} s/step faster: it moves "
                    f"{scaled(off, BYTE_UNITS, 1000)} per rank off the inter-node link")
     else:
-        why = ("its larger shards leave it only slower layouts" if off > 0
-               else "it moves no fewer bytes across nodes")
+        why = ("HSDP moves no fewer bytes across nodes" if off <= 0
+               else "its gathers run behind the compute, and HSDP's replica all-reduce does not"
+               if flat.time.dp_comm < hybrid.time.dp_comm
+               else "HSDP's larger shards leave it only slower layouts")
         verdict = f"ZeRO-3 over all ranks is {hybrid.time.total - flat.time.total:.3g} s/step faster: {why}"
     lay = chosen.layout
     took = f"zero={lay.zero}" + (f" with HSDP dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1

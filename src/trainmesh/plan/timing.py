@@ -1,7 +1,8 @@
 """Time of one step: each matmul at its own efficiency, the collectives of every axis (tp, cp, ep, pp, dp)
 on the critical path, and the pipeline's bubble. Communication is assumed not to overlap compute, except
-where noted (the ring's messages behind attention; the expert all-to-all behind another micro-batch's
-compute where the schedule pairs them, ``Layout.a2a_overlap``).
+where noted (the ring's messages behind attention; ZeRO-3's prefetched gathers and reduce-scatters behind
+the compute of the units around them; the expert all-to-all behind another micro-batch's compute where the
+schedule pairs them, ``Layout.a2a_overlap``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from trainmesh.state_bytes import DTYPE_BYTES, STORED_AS
 
 @dataclass(frozen=True)
 class TimeBreakdown:
-    """Seconds of one step on the critical path; communication is assumed not to overlap compute."""
+    """Seconds of one step on the critical path: each communication part is what compute does not hide."""
 
     compute: float
     dp_comm: float
@@ -392,8 +393,23 @@ def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage:
 
 def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """Seconds of one step's data-parallel traffic on a rank of ``stage``, inside and across nodes
-    (:func:`trainmesh.plan.dp_traffic.dp_traffic`)."""
+    (:func:`trainmesh.plan.dp_traffic.dp_traffic`), hidden or not."""
     return dp_traffic(workload, layout, cluster, stage).seconds
+
+
+def exposed_dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
+    """What of :func:`dp_time` shows on a rank of ``stage`` that computes for ``compute`` seconds a step.
+
+    ZeRO-3's per-unit collectives are issued ahead of the compute that needs them (``DpTraffic.prefetched``),
+    so on a device where communication runs beside compute (``cluster.comm_overlaps_compute``) they show only
+    where they outlast it; the gradient reductions of ZeRO-0/1/2 and hybrid sharding's replica all-reduce
+    wait for the backward that produces them and show whole. That is what [NAR, Table 2] measured: ZeRO-3
+    alone on 384 A100s ran 144 TFLOP/s per GPU, as fast as its gathers allow (145 predicted so, 85 with the
+    gathers exposed), and Megatron-LM of 2021 all-reduced gradients after the backward, as the SC21 fit
+    (:data:`trainmesh.hardware.GPU_EFFICIENCY`) prices it."""
+    traffic = dp_traffic(workload, layout, cluster, stage)
+    hidden = min(traffic.prefetched, compute) if cluster.comm_overlaps_compute else 0.0
+    return traffic.seconds - hidden
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:
@@ -431,7 +447,7 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     if cluster.ranks_per_core > 1:  # cores shared: each rank's compute waits its turn, bubbles are filled
         shared = compute * cluster.ranks_per_core
         compute, bubble = shared, max(0.0, compute + bubble - shared)
-    dp = max(dp_time(workload, layout, cluster, s) for s in per_stage)
+    dp = max(exposed_dp_time(workload, layout, cluster, s, m * per_stage[s][0]) for s in per_stage)
     cp = m * _cp_time_per_micro(workload, layout, cluster)
     return TimeBreakdown(compute, dp, tp, pp_time, bubble, cp, ep)
 
