@@ -68,9 +68,9 @@ class Layout:
     schedule computes another micro-batch while one's expert all-to-all is in flight, as DualPipe pairs a
     forward and a backward chunk of different micro-batches [DeepSeek-V3, 3.2.1]; trainmesh's own schedules
     run one pass at a time, so the search leaves it off and it serves to price a published run whose schedule
-    does. Two more settings of that kind describe a run's expert all-to-all kernels: ``dispatch_dtype`` is the
+    does. Three more settings of that kind describe a run's expert kernels: ``dispatch_dtype`` is the
     dtype tokens go to their experts in, forward and (as gradients) backward, where it is not the activations'
-    (DeepSeek-V3 dispatches in FP8 and combines in bf16 [DSV3, 3.3.3]; "": the activations' dtype), and
+    (DeepSeek-V3 dispatches in FP8 and combines in bf16 [DSV3, 3.3.3]; "": the activations' dtype);
     ``comm_sm_share`` the share of each device's compute units that communication kernels hold throughout the
     step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]); and ``fp8_experts``
     that under ``precision="fp8"`` the routed experts' grouped matmuls run in float8 too, as DeepSeek-V3's
