@@ -409,11 +409,11 @@ class StopWatch:
             if stopped and rp.rank not in self.since:
                 self.since[rp.rank] = now
                 say(f"trainmesh: warning: rank {rp.rank} (pid {rp.proc.pid}) is stopped (SIGSTOP or a debugger) "
-                     f"and its peers wait for it; the job ends in {self.grace:g} s unless it continues "
-                     f"(kill -CONT {rp.proc.pid}; --stopped-grace sets the wait)")
+                    f"and its peers wait for it; the job ends in {self.grace:g} s unless it continues "
+                    f"(kill -CONT {rp.proc.pid}; --stopped-grace sets the wait)")
             elif not stopped and rp.rank in self.since:
                 say(f"trainmesh: rank {rp.rank} (pid {rp.proc.pid}) continued after "
-                     f"{now - self.since.pop(rp.rank):.1f} s stopped")
+                    f"{now - self.since.pop(rp.rank):.1f} s stopped")
         return next((rp for rp in ranks if now - self.since.get(rp.rank, now) > self.grace), None)
 
 
@@ -525,7 +525,7 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch,
             late.proc.kill()  # a stopped process acts on no SIGTERM until continued
             _stop(ranks)
             say(f"trainmesh: rank {late.rank} (pid {late.proc.pid}) stayed stopped for more than {watch.grace:g} s "
-                 f"(--stopped-grace); stopped all ranks")
+                f"(--stopped-grace); stopped all ranks")
             return 1
         time.sleep(POLL_S)
 

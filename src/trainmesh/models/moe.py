@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.models.spec import divisors
+
 EXPERT_PARAM = "_trainmesh_expert"
 """The attribute :class:`GroupedExperts` sets on its parameters (see :func:`is_expert_param`)."""
 
@@ -106,7 +108,7 @@ class MoEConfig:
         groups, picked = self.expert_groups, self.groups_per_token
         if groups < 1 or self.n_experts % groups:
             return (f"expert_groups={groups} does not divide n_experts={self.n_experts}; choose expert_groups in "
-                    f"{[g for g in range(1, self.n_experts + 1) if self.n_experts % g == 0]}")
+                    f"{divisors(self.n_experts)}")
         if not 1 <= picked <= groups:
             return f"groups_per_token={picked} of expert_groups={groups}; choose groups_per_token in 1..{groups}"
         if self.top_k > picked * (self.n_experts // groups):
