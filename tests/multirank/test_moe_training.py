@@ -19,7 +19,8 @@ from trainmesh.models import moe
 from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.tracking.report import report
 from trainmesh.testing import run_ranks
-from trainmesh.app.train import full_state_dict, moe_metrics, train
+from trainmesh.app.train import build, forward_backward, full_state_dict, moe_metrics, rank_batch, setup_process, train
+from trainmesh.parallel.tensor_parallel import is_tp_partial
 
 from helpers import EQUIVALENCE_TABLE, assert_same_training, check_equivalent, config, describe_layout, in_fp64, train_single
 
@@ -63,6 +64,35 @@ def test_tp2_and_pp2_equal_one_process() -> None:
     stage back-propagates and reports its own layers' aux losses."""
     check_equivalent([_cfg(nproc=2, tp=2, moe_z_coef=0.01),
                       _cfg(nproc=2, pp=2, microbatches=2, moe_z_coef=0.01, moe_bias_rate=0.01)], world_size=2)
+
+
+def _sequence_grad_bytes(cfg: Config) -> tuple[float, int]:
+    """Runs on every rank: the bytes one step sums over tp as partial gradients, and the elements of the
+    parameters whose gradients are partial over tp (router, experts, norms: the sequence region)."""
+    torch.set_num_threads(1)
+    run = build(cfg, setup_process(cfg))
+    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    run.engine.step(cfg.lr, cfg.grad_clip)
+    partial = sum(p.numel() for p in run.model.parameters() if is_tp_partial(p))
+    return run.comm.bytes.get(("tp", "sequence_grads"), 0.0), partial
+
+
+def test_partial_gradients_are_summed_over_tp_once_a_step() -> None:
+    """Under sequence parallelism the experts, the router and the norms stay whole on each tp rank, which
+    routes or normalises only its slice of the tokens: the engine sums their accumulated gradients over tp
+    once, at the step, in its fp32 buckets (2 ranks: a ring all-reduce sends the buffer once), instead of
+    every micro-batch's gradient as each backward produces it."""
+    cfgs = [_cfg(nproc=2, tp=2, sequence_parallel=True, microbatches=m) for m in (1, 4)]
+    (one, partial), (four, _) = [run_ranks(_sequence_grad_bytes, 2, cfg, timeout=240)[0] for cfg in cfgs]
+    assert partial > 0 and one == four == 4 * partial
+
+
+@pytest.mark.parametrize("zeros", [(0, 1), (2, 3)])
+def test_tp2_sequence_parallel_with_micro_batches_equals_one_process_at_every_zero_stage(zeros) -> None:
+    """The partial gradients summed over tp at the step (above) under each engine: DataParallel's buckets,
+    ZeRO-1/2's reduced gradient shards and ZeRO-3's expert units."""
+    check_equivalent([_cfg(nproc=2, tp=2, sequence_parallel=True, microbatches=2, zero=z, moe_bias_rate=0.01)
+                      for z in zeros], world_size=2)
 
 
 def _train_with_metrics(cfg: Config) -> tuple[tuple[list[float], dict[str, torch.Tensor]], dict]:

@@ -24,6 +24,7 @@ from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage
 from trainmesh.metrics import model_state_tensors
 from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
+from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
 from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype, masters
 
 
@@ -35,6 +36,7 @@ class Bucket:
     pending: int = 0
     work: object | None = None
     views: list[torch.Tensor] = field(default_factory=list)
+    tp_sum: bool = False  # its gradients are partial over tp: summed there once per step (defer_tp_sums)
 
 
 def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -54,11 +56,24 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 def axis_buckets(params: list[nn.Parameter], bucket_bytes: int, axis: str) -> list[tuple[str, list[nn.Parameter]]]:
     """:func:`split_buckets` of ``params``, each bucket with the axis its gradients are reduced over: the
     dense parameters' buckets (over ``axis``) first, then the routed experts' (over the expert-data-parallel
-    axis, :func:`trainmesh.parallel.expert_parallel.reduction_axis`), so no bucket mixes two groups."""
-    dense = [p for p in params if reduction_axis(p, axis) == axis]
-    experts = [p for p in params if reduction_axis(p, axis) != axis]
-    return [(axis, b) for b in split_buckets(dense, bucket_bytes) if b] + \
-           [(EXPERT_AXIS, b) for b in split_buckets(experts, bucket_bytes) if b]
+    axis, :func:`trainmesh.parallel.expert_parallel.reduction_axis`), so no bucket mixes two groups; inside
+    each, the parameters whose gradients are partial over tp (:func:`~trainmesh.parallel.tensor_parallel.
+    defer_tp_sums`) get buckets of their own, which the engine sums over tp once per step."""
+    out = []
+    for reduced_over in (axis, EXPERT_AXIS):
+        mine = [p for p in params if (reduction_axis(p, axis) == axis) == (reduced_over == axis)]
+        for partial in (False, True):
+            kind = [p for p in mine if is_tp_partial(p) == partial]
+            out += [(reduced_over, b) for b in split_buckets(kind, bucket_bytes) if b]
+    return out
+
+
+def sum_over_tp(grads: Sequence[torch.Tensor], comm: Comm) -> None:
+    """Sum each of ``grads`` (buckets of gradients partial over tp, :func:`~trainmesh.parallel.tensor_parallel.
+    defer_tp_sums`) over tp in place, the all-reduces in flight together."""
+    for work in [comm.all_reduce(g, "tp", op="sequence_grads", async_op=True) for g in grads]:
+        if work is not None:
+            work.wait()
 
 
 def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
@@ -126,7 +141,7 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dty
     buckets = []
     for bucket_axis, group in axis_buckets(params, bucket_bytes, axis):
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
-        buckets.append(Bucket(group, flat, bucket_axis, views=flat_views(flat, group)))
+        buckets.append(Bucket(group, flat, bucket_axis, views=flat_views(flat, group), tp_sum=defer_tp_sums(group)))
     return buckets
 
 
@@ -287,6 +302,7 @@ class DataParallel:
         any rank; every rank computes the same norm) skips the update on every rank together.
         """
         self.finish_gradient_sync()
+        sum_over_tp([b.flat for b in self.buckets if b.tp_sum], self.comm)
         opt_params = self.masters or self.params
         grads = self._optimizer_grads(opt_params)
         tp_rank = self.comm.mesh.rank("tp")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,14 +195,44 @@ def _row_parallel_output(x: torch.Tensor, comm: Comm, sequence_parallel: bool) -
     return (_ReduceScatterToSequence if sequence_parallel else _ReduceFromTP).apply(x, comm)
 
 
+TP_PARTIAL = "_trainmesh_tp_partial"
+"""On a replicated parameter whose gradient each tp rank holds only its part of: ``"backward"`` while every
+backward's part is summed over tp by a hook (:func:`sum_grad_over_tp`), ``"step"`` once a gradient engine
+sums the accumulated gradient over tp itself, once per step (:func:`defer_tp_sums`)."""
+
+
 def sum_grad_over_tp(p: nn.Parameter, comm: Comm) -> None:
     """Make ``p``'s gradient the sum over tp ranks of each rank's contribution.
 
     For a replicated parameter in the sequence-parallel region, each rank's gradient covers only its
     slice of the sequence. The hook sums each backward's contribution before it is accumulated into
-    ``p.grad``, so gradient accumulation and any data-parallel engine see the full, identical gradient.
+    ``p.grad``, so gradient accumulation and any data-parallel engine see the full, identical gradient,
+    until an engine takes the sum over (:func:`defer_tp_sums`).
     """
-    p.register_hook(lambda grad: _all_reduce(grad, comm, op="sequence_grads"))
+    setattr(p, TP_PARTIAL, "backward")
+    p.register_hook(lambda grad: grad if getattr(p, TP_PARTIAL) == "step" else _all_reduce(grad, comm, op="sequence_grads"))
+
+
+def defer_tp_sums(params: Sequence[nn.Parameter]) -> bool:
+    """Whether a gradient engine should sum the gradients of ``params`` (one of its buckets) over tp itself,
+    once per step; if so, their hooks stop summing each backward's part.
+
+    A sum over tp commutes with accumulation over micro-batches and with the reduction over dp, so one
+    all-reduce of the accumulated (and, under ZeRO, reduce-scattered) gradient replaces one of the whole
+    gradient per micro-batch. That matters for the routed experts, which stay whole on every tp rank: under
+    sequence parallelism each rank routes only its slice of the tokens, so their gradients, the bulk of an
+    MoE model, are partial over tp. Only a bucket made of such parameters alone qualifies, since the sum
+    would corrupt a tp-sharded parameter's gradient."""
+    if not params or not all(getattr(p, TP_PARTIAL, None) for p in params):
+        return False
+    for p in params:
+        setattr(p, TP_PARTIAL, "step")
+    return True
+
+
+def is_tp_partial(p: nn.Parameter) -> bool:
+    """Whether ``p``'s gradient is summed over tp (see :data:`TP_PARTIAL`)."""
+    return getattr(p, TP_PARTIAL, None) is not None
 
 
 # --- how a parameter is split ------------------------------------------------------------------------

@@ -241,9 +241,8 @@ def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
     """Each dense block all-reduces its sbh output twice forward and twice backward (twice more when the
     forward is recomputed) [NAR, 2.3]; sequence parallelism turns each into an all-gather plus a
     reduce-scatter of the same volume [KOR, 4.2.2]. An MoE block has only its attention's half: its router
-    and experts are whole on every tp rank, so the MoE layer needs no tp collective of activations; under
-    sequence parallelism each tp rank routes its own tokens through them, so their gradients are summed
-    over tp after every micro-batch's backward (``tensor_parallel.sum_grad_over_tp``)."""
+    and experts are whole on every tp rank, so the MoE layer needs no tp collective of activations (their
+    gradients' sum over tp is :func:`_tp_partial_sums`)."""
     t, model = layout.tp, workload.model
     if t == 1:
         return 0.0
@@ -255,11 +254,30 @@ def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
         one = all_reduce_time(nbytes, t, link)
     count = 6 if layout.recompute == "full" else 4
     dense, moe = stage_blocks(workload, layout, stage)
-    activations = count * one * (dense + moe / 2)
-    if not (moe and layout.sequence_parallel):
-        return activations
-    replicated = moe * (expert_unit(model, layout.ep).numel + router_and_shared(model).numel)
-    return activations + all_reduce_time(replicated * workload.dtype_bytes.grad, t, link)
+    return count * one * (dense + moe / 2)
+
+
+def _tp_partial_sums(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """Seconds a step spends summing over tp the gradients of what an MoE layer keeps whole on
+    every tp rank, under sequence parallelism, where each tp rank routes only its slice of the tokens
+    (``tensor_parallel.defer_tp_sums``): the gradient engine sums them once a step, after its own reduction
+    over dp (so under ZeRO only the rank's shard: 1/edp of the routed experts, 1/(dp cp) of the router and
+    shared experts); ZeRO-3 does so for the routed experts, its units of their own, while the router and the
+    shared experts share their block's unit with tp-split weights and are summed after every backward."""
+    moe = stage_blocks(workload, layout, stage)[1]
+    if layout.tp == 1 or not (moe and layout.sequence_parallel):
+        return 0.0
+    sharded = layout.zero > 0
+    experts = moe * expert_unit(workload.model, layout.ep).numel / (layout.grad_ranks // layout.ep if sharded else 1)
+    rest = moe * router_and_shared(workload.model).numel
+    if layout.zero == 3:
+        at_step, each_backward = experts, rest
+    else:
+        at_step, each_backward = experts + rest / (layout.grad_ranks if sharded else 1), 0
+
+    def summed(n: float) -> float:
+        return all_reduce_time(n * workload.dtype_bytes.grad, layout.tp, cluster.link(layout.tp)) if n else 0.0
+    return summed(at_step) + layout.microbatches * summed(each_backward)
 
 
 def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> float:
@@ -440,7 +458,7 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
     kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)
     per_stage = {s: _stage_micro_times(workload, layout, cluster, s) for s, _ in kinds}
     compute = m * max(c for c, _, _ in per_stage.values())
-    tp = m * max(t for _, t, _ in per_stage.values())
+    tp = max(m * t + _tp_partial_sums(workload, layout, cluster, s) for s, (_, t, _) in per_stage.items())
     pp_time = m * _pp_time_per_micro(workload, layout, cluster)
     ep = m * max(e for _, _, e in per_stage.values())
     bubble = pipeline_bubble([sum(per_stage[s]) + pp_time / m for s, n in kinds for _ in range(n)], layout)

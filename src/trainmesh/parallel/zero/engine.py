@@ -26,6 +26,8 @@ from trainmesh.comm import Comm
 from trainmesh.mesh import REPLICA_AXIS, SHARD_AXIS
 from trainmesh.metrics import optimizer_tensors, storage_bytes
 from trainmesh.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
+from trainmesh.parallel.data_parallel import sum_over_tp
+from trainmesh.parallel.tensor_parallel import defer_tp_sums
 from trainmesh.parallel.zero import flat
 from trainmesh.parallel.zero.flat import Group, make_pieces, master_shard
 from trainmesh.precision import LossScaler
@@ -58,6 +60,7 @@ class ZeroEngine:
         self.pieces, self._piece_slots = make_pieces(groups)
         self.optimizer = make_optimizer([(f"piece{i}", p) for i, p in enumerate(self.pieces)])
         self._slot = {p: (g, i) for g in groups for i, p in enumerate(g.params)}
+        self._tp_summed = [g for g in groups if defer_tp_sums(g.params)]  # their shards summed over tp at the step
         self._next_launch = 0
         self._in_flight: list[Group] = []
         self._reset_pending()
@@ -173,6 +176,7 @@ class ZeroEngine:
         NaN on any rank) skips the update and backs the loss scale off on every rank together."""
         self.finish_gradient_sync()
         self._sum_over_replicas()
+        sum_over_tp([g.grad_shard for g in self._tp_summed], self.comm)
         grads = self._optimizer_grads()
         norm = clipped_update(self.optimizer, grads, norm_contributions(self.pieces, self.comm.mesh.rank("tp")),
                               self.comm, (self.axis, *NORM_AXES), self.scaler, lr, max_norm)
