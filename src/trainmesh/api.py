@@ -59,14 +59,18 @@ from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.manifest import show
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
-              backend: str = "auto", timeout: float = 600.0, ep: int = 1, dp_replicate: int = 1) -> Mesh:
+              backend: str = "auto", timeout: float = 600.0, ep: int = 1, dp_replicate: int = 1,
+              sequence_parallel: bool = False) -> Mesh:
     """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
 
     The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
     without any); ``dp`` defaults to what ``tp``, ``pp`` and ``cp`` (context parallelism) leave of it. ``device="auto"`` takes this
     rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
     ``timeout`` bounds every collective, in seconds. ``ep`` (expert parallelism) splits an MoE model's
-    experts over groups of ``ep`` data-parallel ranks (it divides ``dp * cp``; it adds no ranks).
+    experts over groups of ``ep`` ranks that hold different tokens: data-parallel ranks (it divides
+    ``dp * cp``; it adds no ranks), and with ``sequence_parallel`` (the model will run under
+    ``parallelize(..., sequence_parallel=True)``) tensor-parallel ranks too (it divides ``dp * cp * tp``), as
+    Megatron-core folds experts over tp: an ep group of whole tp groups stays inside a node.
     ``dp_replicate`` (hybrid sharding, HSDP) splits the dp ranks into that many groups of consecutive ranks
     (inside a node where a node's ranks are consecutive): ZeRO (``parallelize(..., zero=1..3)``) then shards
     within each group and all-reduces the gradient shards across groups.
@@ -74,12 +78,13 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
-    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, zero=1 if dp_replicate > 1 else 0),
-             world_size=world)  # the ZeRO stage is checked by parallelize
+    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, zero=1 if dp_replicate > 1 else 0,
+                    sequence_parallel=sequence_parallel), world_size=world)  # the ZeRO stage is checked by parallelize
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
-    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep, dp_replicate=dp_replicate)
+    mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep, dp_replicate=dp_replicate,
+                      sequence_parallel=sequence_parallel)
     leave_at_exit(mesh)
     return mesh
 
@@ -192,6 +197,10 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
                          f"parallelism splits the built-in families (gpt, llama)")
     if layout.precision == "fp8":
         _validate_float8(name, spec, mesh.device)
+    if ep > 1 and tp > 1 and mesh.sequence_parallel != layout.sequence_parallel:
+        raise ValueError(f"the mesh was built with sequence_parallel={mesh.sequence_parallel} and parallelize got "
+                         f"sequence_parallel={layout.sequence_parallel}: ep folds over tp only under sequence "
+                         f"parallelism; pass the same to tm.init_mesh(..., sequence_parallel=...)")
     if spec is None and ep > 1:  # no shape: the experts are counted from the modules that hold them
         layers = expert_modules(model)
         problem = experts_problem(ep, layers[0][1].experts.w1.shape[0] if layers else 0, keyword, name)
@@ -250,7 +259,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     spec = spec_for(model)
     _refuse_foreign(model, spec)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
-    plan = moe_tp_plan(plan, model, sequence_parallel) if plan is not None else None
+    plan = moe_tp_plan(plan, model, sequence_parallel, mesh.experts_over_tp) if plan is not None else None
     layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "dp_replicate")}, zero=zero,
                     sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
@@ -264,7 +273,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
     if precision == "fp8":
         convert_to_float8(model, spec.high_precision)
-    apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"))
+    apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"), mesh.experts_over_tp)
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
     split_axes = tuple(axis for axis, on in (("tp", sequence_parallel), ("cp", True)) if on and mesh.size(axis) > 1)
     if split_axes:

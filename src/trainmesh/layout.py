@@ -27,7 +27,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # what --precision takes: auto resolves by resolve_precision
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 CP_IMPLS = ("ring", "a2a")
-AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside dp x cp)
+AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside them)
 
 
 class LayoutError(ValueError):
@@ -38,7 +38,8 @@ class LayoutError(ValueError):
 class Layout:
     """Every setting a layout rule reads, under the names the command line and the API share.
 
-    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside ``dp x cp`` and adds no ranks);
+    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside the :attr:`token_ranks`, ``dp x cp``
+    and under sequence parallelism tp too, and adds no ranks);
     ``dp_replicate``, the replica groups hybrid sharding (HSDP) splits ``dp`` into (ZeRO shards inside each
     group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's
     ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per rank and optional
@@ -76,6 +77,19 @@ class Layout:
     def grad_ranks(self) -> int:
         """Ranks gradients are reduced over and ZeRO shards over: dp x cp (Megatron's dp-cp group)."""
         return self.dp * self.cp
+
+    @property
+    def token_ranks(self) -> int:
+        """Ranks that hold different tokens, which ep splits the routed experts over: dp x cp, and under
+        sequence parallelism each tp rank's slice of the sequence too (ep folds over tp, as Megatron-core's
+        MoE parallel folding does with one expert tensor-parallel rank)."""
+        return self.grad_ranks * (self.tp if self.sequence_parallel else 1)
+
+    @property
+    def expert_data_ranks(self) -> int:
+        """Ranks holding the same routed experts, over which their gradients are reduced and ZeRO shards them:
+        the token ranks an ep group leaves (dp x cp without experts split)."""
+        return self.token_ranks // self.ep if self.ep > 1 else self.grad_ranks
 
     @property
     def shard_ranks(self) -> int:
@@ -188,11 +202,14 @@ def _world(c: _Check) -> str | None:
 
 def _expert_ranks(c: _Check) -> str | None:
     lay = c.layout
-    if lay.grad_ranks % lay.ep == 0:
+    if lay.token_ranks % lay.ep == 0:
         return None
-    return (f"{c.spell('ep', lay.ep)} does not divide dp*cp = {lay.grad_ranks}: experts are split over "
-            f"data-parallel ranks (ep folds inside dp x cp); choose ep in {_braced(divisors(lay.grad_ranks))} "
-            f"or raise {c.spell('dp')}")
+    over = "dp*cp*tp" if lay.sequence_parallel else "dp*cp"
+    hint = (f", or set {c.spell('sequence_parallel', True)} so that ep folds over tp too"
+            if lay.tp > 1 and not lay.sequence_parallel and (lay.grad_ranks * lay.tp) % lay.ep == 0 else "")
+    return (f"{c.spell('ep', lay.ep)} does not divide {over} = {lay.token_ranks}: experts are split over the ranks "
+            f"that hold different tokens; choose ep in {_braced(divisors(lay.token_ranks))} or raise "
+            f"{c.spell('dp')}{hint}")
 
 
 def _hybrid_shards(c: _Check) -> str | None:

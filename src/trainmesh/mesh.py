@@ -5,10 +5,12 @@ node, where the bandwidth that tensor parallelism needs is), as Megatron-LM orde
 (context parallelism) comes next, as in Megatron-LM's ``tp-cp-ep-dp-pp`` order. Replicated parameters see
 different tokens on every dp and cp rank, so their gradients are reduced over the flattened ``dp_cp``
 axis, one group (Megatron's data-parallel-with-context-parallel group); with cp = 1 it is the dp group.
-Expert parallelism folds inside ``dp_cp`` (Megatron-core and torchtitan fold it the same way): its ``ep``
-groups are runs of ``ep`` consecutive ``dp_cp`` coordinates, and the ranks of ``dp_cp`` that hold the same
-experts form the expert-data-parallel group ``edp`` (``dp*cp/ep`` ranks), where expert gradients are reduced;
-the world stays ``pp*dp*cp*tp``. A single-process run builds no process group at all: every axis has size 1 and the collectives in
+Expert parallelism folds inside the ranks that hold different tokens (Megatron-core's MoE parallel folding,
+torchtitan's the same way): the ``dp_cp`` coordinates, and under sequence parallelism, where each tp rank
+holds its own slice of the sequence, the tp coordinates too (tp innermost, so an ep group of a multiple of tp
+ranks is made of whole tp groups, inside a node). Its ``ep`` groups are runs of ``ep`` consecutive such
+coordinates, and the ranks that hold the same experts form the expert-data-parallel group ``edp``, where expert
+gradients are reduced; the world stays ``pp*dp*cp*tp``. A single-process run builds no process group at all: every axis has size 1 and the collectives in
 :mod:`trainmesh.comm` are skipped, so the same code path serves one rank and many.
 """
 
@@ -168,11 +170,15 @@ class Mesh:
     flat_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     timeout_s: float | None = None
     """What bounds a wait for another rank (``Mesh.build``'s ``timeout_s``; None: torch's default)."""
+    sequence_parallel: bool = False
+    """Whether tp ranks hold different slices of the sequence, so that ep folds over them too."""
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
-              cp: int = 1, ep: int = 1, dp_replicate: int = 1) -> "Mesh":
-        """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis.
+              cp: int = 1, ep: int = 1, dp_replicate: int = 1, sequence_parallel: bool = False) -> "Mesh":
+        """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis;
+        ``sequence_parallel`` says the model will run under it (``parallelize(sequence_parallel=True)``), so
+        that ep folds over tp too.
 
         ``dp_replicate`` > 1 (hybrid sharding) splits the ``dp_cp`` axis into ``dp_replicate`` groups of
         contiguous ``dp_cp`` coordinates, the ``dp_shard`` axis (so a group lies inside a node when the ranks
@@ -181,9 +187,10 @@ class Mesh:
         ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
         world group's is, so the timeout is set on each axis group afterwards.
         """
-        validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
-                        zero=1 if dp_replicate > 1 else 0))  # the stage is checked where it is chosen
-        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": dp * cp // ep,
+        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
+                        zero=1 if dp_replicate > 1 else 0, sequence_parallel=sequence_parallel and tp > 1)
+        validate(layout)  # the stage is checked where it is chosen
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": layout.expert_data_ranks,
                  SHARD_AXIS: dp * cp // dp_replicate, REPLICA_AXIS: dp_replicate}
         world = pp * dp * cp * tp
         if world == 1:
@@ -197,9 +204,11 @@ class Mesh:
                 _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
-        coords["ep"], coords["edp"] = coords[GRAD_AXIS] % ep, coords[GRAD_AXIS] // ep
+        folded = layout.sequence_parallel and ep > 1
+        token = coords[GRAD_AXIS] * tp + coords["tp"] if folded else coords[GRAD_AXIS]
+        coords["ep"], coords["edp"] = token % ep, token // ep
         coords[REPLICA_AXIS], coords[SHARD_AXIS] = divmod(coords[GRAD_AXIS], sizes[SHARD_AXIS])
-        mesh = cls(sizes, coords, device, dm, timeout_s=timeout_s)
+        mesh = cls(sizes, coords, device, dm, timeout_s=timeout_s, sequence_parallel=layout.sequence_parallel)
         if cp > 1:
             mesh.flat_groups.update(mesh._grad_groups(timeout_s))
         if ep > 1:
@@ -223,11 +232,29 @@ class Mesh:
         return mine
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``ep`` and ``edp`` groups."""
+        """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks, and the ranks at the
+        same place of every run. The token ranks are the ``dp_cp`` axis at one tp coordinate, or under
+        sequence parallelism the ``dp_cp`` and tp axes together, tp innermost (:meth:`_token_ranks`)."""
         ep, edp = self.sizes["ep"], self.sizes["edp"]
-        return self._split_grad_axis(timeout_s, EP_AXES, lambda ranks: {
-            "ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
-            "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]})
+        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        mine = {}
+        for pp in range(self.sizes["pp"]):
+            for ranks in self._token_ranks(pp):
+                for axis, groups in (("ep", [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)]),
+                                     ("edp", [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)])):
+                    for members in groups if self.sizes[axis] > 1 else ():
+                        group = dist.new_group(members, **kwargs)
+                        if dist.get_rank() in members:
+                            mine[axis] = group
+        return mine
+
+    def _token_ranks(self, pp: int) -> list[list[int]]:
+        """The global ranks of stage ``pp`` that hold different tokens, one list per set of them: each tp
+        coordinate's ``dp_cp`` axis, or under sequence parallelism all of them at once, tp innermost."""
+        tp = self.sizes["tp"]
+        if self.sequence_parallel:
+            return [[r for c in zip(*(self._grad_axis_ranks(pp, t) for t in range(tp))) for r in c]]
+        return [self._grad_axis_ranks(pp, t) for t in range(tp)]
 
     def _hybrid_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
         """This rank's ``dp_shard`` group (the ``dp_cp`` coordinates ``[rS, (r+1)S)`` of replica ``r``) and its
@@ -260,6 +287,12 @@ class Mesh:
         """Global ranks of the ``dp_cp`` axis at (``pp``, ``tp``), indexed by their ``dp_cp`` coordinate."""
         cp = self.sizes["cp"]
         return [self.global_rank(pp=pp, tp=tp, dp=c // cp, cp=c % cp) for c in range(self.sizes[GRAD_AXIS])]
+
+    @property
+    def experts_over_tp(self) -> bool:
+        """Whether the ep groups fold over tp (sequence parallelism with tp and ep above 1): each tp rank then
+        holds other experts, where without it the tp ranks of an ep rank hold the same ones."""
+        return self.sequence_parallel and self.size("tp") > 1 and self.size("ep") > 1
 
     def size(self, axis: str) -> int:
         """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1, one without hybrid

@@ -19,6 +19,9 @@ from trainmesh.comm import Comm
 from trainmesh.precision import LossScaler, master_dtype
 
 TP_SHARDED = "_trainmesh_tp_sharded"
+SPLIT_OVER_TP = "_trainmesh_split_over_tp"
+"""On a parameter each tp rank holds a different one of, though no tensor-parallel layer split it: a routed
+expert of an ep group that folds over tp. The global norm counts it on every tp rank, as a tp shard."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,12 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
 
 def norm_contributions(params: Iterable[nn.Parameter], tp_rank: int) -> list[torch.Tensor]:
     """The gradients this rank adds to the global norm: each element of the model counted once."""
-    return [p.grad for p in params if p.grad is not None and (tp_rank == 0 or is_tp_sharded(p))]
+    return [p.grad for p in params if p.grad is not None and (tp_rank == 0 or differs_over_tp(p))]
+
+
+def differs_over_tp(p: torch.Tensor) -> bool:
+    """Whether tp ranks hold different values of ``p``: a tp shard, or an expert split over tp ranks."""
+    return is_tp_sharded(p) or getattr(p, SPLIT_OVER_TP, False)
 
 
 def global_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str]) -> torch.Tensor:

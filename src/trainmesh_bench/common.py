@@ -130,7 +130,8 @@ class Bench:
 
 def init_mesh(cfg: Config) -> Mesh:
     """Join the job and build the mesh of ``cfg``'s layout (:func:`trainmesh.init_mesh`)."""
-    return tm.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep)
+    return tm.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
+                        sequence_parallel=cfg.sequence_parallel)
 
 
 def model_of(cfg: Config, device: torch.device) -> torch.nn.Module:

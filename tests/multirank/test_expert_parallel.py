@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import trainmesh as tm
+
 from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
 from trainmesh.app.checkpoints import load_hf_weights
 from trainmesh.checkpoint import step_dir
@@ -126,12 +128,51 @@ def test_ep2_and_ep2_with_zero3_equal_one_process():
         assert loss_diff <= 1e-9 and param_diff <= 1e-9
 
 
+def test_ep_folds_over_tp_under_sequence_parallel():
+    """Under sequence parallelism each tp rank routes its own slice of the sequence, so an ep group may take
+    the tp ranks (here ep2 = the two tp ranks of dp1): each holds half the experts, which receive both
+    slices' tokens by all-to-all, and no expert gradient is summed over tp; under ZeRO 1 and 3 too."""
+    check_equivalent([_moe(dp=1, tp=2, sequence_parallel=True, microbatches=2),
+                      _moe(dp=1, tp=2, sequence_parallel=True, zero=1, moe_bias_rate=0.01),
+                      _moe(dp=1, tp=2, sequence_parallel=True, zero=3, model="llama-moe-tiny")], world_size=2)
+
+
+def _expert_group_ranks(sequence_parallel: bool, ep: int) -> tuple[list[int], list[int]]:
+    mesh = tm.init_mesh(dp=2, tp=2, ep=ep, sequence_parallel=sequence_parallel)
+    return tuple(dist.get_process_group_ranks(g) if g is not None else [dist.get_rank()]
+                 for g in (mesh.group("ep"), mesh.group("edp")))
+
+
+@pytest.mark.parametrize("sequence_parallel,ep,groups", [
+    (True, 2, [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]),
+    (True, 4, [([0, 1, 2, 3], [r]) for r in range(4)]),
+    (False, 2, [([0, 2], [0]), ([1, 3], [1]), ([0, 2], [2]), ([1, 3], [3])])])
+def test_ep_groups_are_whole_tp_groups_under_sequence_parallel(sequence_parallel, ep, groups):
+    """dp2 x tp2 (ranks tp-innermost): under SP, ep2 is each tp pair (one node on a GPU cluster) and its
+    expert-data-parallel group the same tp rank of each pair, ep4 all four; without SP the tp ranks hold the
+    same tokens, so ep2 is the dp pair at each tp rank, as before."""
+    assert [tuple(g) for g in run_ranks(_expert_group_ranks, 4, sequence_parallel, ep, timeout=120)] == groups
+
+
+def test_a_checkpoint_saved_with_ep_folded_over_tp_resumes_on_one_process(tmp_path):
+    """The experts of the two tp ranks are different pieces of the full tensors, so both are saved."""
+    kw = dict(tp=2, sequence_parallel=True, moe_bias_rate=0.05)
+    run_ranks(train_rank, 2, [_checkpointed(tmp_path, "saved", dp=1, ep=2, **kw)], timeout=300)
+    shutil.copytree(step_dir(tmp_path / "saved", 2), step_dir(tmp_path / "one", 2))
+    (tmp_path / "one" / "latest").write_text(step_dir(tmp_path, 2).name + "\n")
+    reference = train_single(in_fp64(_moe(moe_bias_rate=0.05)))
+    single = train(_checkpointed(tmp_path, "one", dp=1, ep=1, resume=True, moe_bias_rate=0.05),
+                   mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert_same_training((reference[0][2:], reference[1]), (single.losses, full_state_dict(single.run)))
+
+
 FOUR = {"nproc": 4, "dp": 4}
 COMPOSED = {
     "ep4 and dp4 x ep2 with ZeRO 0-2": [_moe(**FOUR, ep=4), _moe(**FOUR), _moe(**FOUR, zero=1),
                                          _moe(**FOUR, zero=2, model="llama-moe-tiny")],
     "ep2 x tp2": [_moe(nproc=4, tp=2), _moe(nproc=4, tp=2, model="llama-moe-tiny", recompute="full")],
-    "ep2 x tp2 sp": [_moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny")],
+    "ep2 x tp2 sp": [_moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny"),
+                     _moe(nproc=4, tp=2, sequence_parallel=True, ep=4, zero=2, microbatches=2)],
     "ep2 x pp2": [_moe(nproc=4, pp=2, microbatches=2), _moe(nproc=4, pp=2, microbatches=2, zero=1,
                                                             model="llama-moe-tiny")],
 }

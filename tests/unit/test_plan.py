@@ -748,7 +748,8 @@ def _moe_small(dense_layers: int = 0) -> ModelShape:
 
 def test_moe_blocks_pay_the_attention_half_of_tp_traffic_and_under_sp_the_expert_gradient_sum() -> None:
     """The MoE layer is whole on every tp rank: no activation collective of its own, but under SP each tp
-    rank's tokens give the router and experts a different gradient, summed over tp every micro-batch."""
+    rank's tokens give the router and shared expert a different gradient, summed over tp once a step; the
+    routed experts' too at ep 1, while at ep 2 the ep group folds over tp and no expert is summed there."""
     cluster = make_cluster("h100-80gb", 8)
     moe, dense = _moe_small(), dataclasses.replace(_moe_small(), n_experts=0, top_k=0, n_shared_experts=0)
     moe_work, dense_work = Workload(moe, 8, 64, "bf16"), Workload(dense, 8, 64, "bf16")
@@ -758,10 +759,11 @@ def test_moe_blocks_pay_the_attention_half_of_tp_traffic_and_under_sp_the_expert
     dense_tp = step_time(dense_work, dense_layout, cluster).tp_comm
     assert step_time(moe_work, plain, cluster).tp_comm == pytest.approx(dense_tp / 2)
     sp, dense_sp = (dataclasses.replace(x, sequence_parallel=True) for x in (plain, dense_layout))
-    per_layer = 8 // 2 * 3 * 64 * 48 + 64 * 8 + 3 * 64 * 48  # 4 routed experts, the router, the shared expert
-    grads = all_reduce_time(4 * per_layer * moe_work.dtype_bytes.grad, 2, cluster.link(2))
     dense_sp_tp = step_time(dense_work, dense_sp, cluster).tp_comm
-    assert step_time(moe_work, sp, cluster).tp_comm == pytest.approx(dense_sp_tp / 2 + grads)
+    for layout, experts in ((sp, 0), (dataclasses.replace(sp, ep=1), 8)):
+        per_layer = experts * 3 * 64 * 48 + 64 * 8 + 3 * 64 * 48  # routed experts, the router, the shared expert
+        grads = all_reduce_time(4 * per_layer * moe_work.dtype_bytes.grad, 2, cluster.link(2))
+        assert step_time(moe_work, layout, cluster).tp_comm == pytest.approx(dense_sp_tp / 2 + grads)
 
 
 @pytest.mark.parametrize("dp,ep,zero", [(4, 1, 0), (4, 2, 1), (4, 4, 2), (4, 2, 3), (8, 4, 3)])

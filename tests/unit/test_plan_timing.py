@@ -11,7 +11,7 @@ import pytest
 from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
 from trainmesh.plan import Cluster, Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
-from trainmesh.plan.ranking import interleave_depths
+from trainmesh.plan.ranking import ep_degrees, interleave_depths
 from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
                                    token_movement_bytes)
 
@@ -56,6 +56,26 @@ def test_paired_micro_batches_hide_the_all_to_all_up_to_their_compute(link_gbps:
     assert plain.ep_comm > 0
     assert paired.ep_comm == pytest.approx(max(0.0, plain.ep_comm - plain.compute), rel=1e-12)
     assert dataclasses.replace(paired, ep_comm=0) == dataclasses.replace(plain, ep_comm=0)
+
+
+def test_under_sequence_parallelism_ep_folds_over_tp_inside_a_node() -> None:
+    """tp4 x dp8 on 4 nodes: without SP, ep8 takes 8 dp ranks 4 apart, a group over 4 nodes (32 ranks), its
+    all-to-all over InfiniBand; under SP it takes two whole tp groups, 8 consecutive ranks on one node, at
+    NVLink's pace, and the search offers ep up to tp x dp (32). The experts are no longer the same on the tp
+    ranks: ZeRO shards them over the dp x tp / ep = 4 ranks holding the same ones, and their gradients need
+    no sum over tp."""
+    work, cluster = Workload(_moe(), 32, 512, "bf16"), make_cluster("h100-80gb", 32)
+    spread = Layout(dp=8, tp=4, ep=8, zero=1, microbatches=4)
+    folded = dataclasses.replace(spread, sequence_parallel=True)
+    assert (spread.ep_span, folded.ep_span) == (32, 8)
+    assert (spread.expert_shard_ranks, folded.expert_shard_ranks) == (1, 4)
+    intra, inter = cluster.link(8), cluster.link(32)
+    assert intra[0] > inter[0]
+    assert all_to_all_seconds(work, folded, cluster, 2) < all_to_all_seconds(work, spread, cluster, 2) / 2
+    assert (spread.settings.token_ranks, folded.settings.token_ranks) == (8, 32)
+    assert ep_degrees(dataclasses.replace(work.model, n_experts=32), folded.settings.token_ranks)[-1] == 32
+    with pytest.raises(LayoutError, match="set sequence_parallel=True so that ep folds over tp too"):
+        check_layout(work, dataclasses.replace(spread, ep=16, dp=4, microbatches=8))
 
 
 def _deepseek(**fields: object) -> tuple[Workload, Layout, Cluster]:

@@ -117,7 +117,7 @@ class Config:
                                    "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
     pp: int = _opt(1, "pipeline-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
     ep: int = _opt(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
-                   "ranks, tokens exchanged by all-to-all; ep divides dp*cp and the expert count, adds no ranks",
+                   "ranks, tokens exchanged by all-to-all; ep divides dp*cp (dp*cp*tp under --sequence-parallel, folding over tp) and the expert count, adds no ranks",
                    low=AT_LEAST_1, high=MAX_RANKS)
     dp_replicate: int = _opt(1, "hybrid sharding (HSDP): split dp into this many replica groups of consecutive "
                              "ranks (inside a node by default); --zero shards within a group and all-reduces the "

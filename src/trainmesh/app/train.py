@@ -65,7 +65,7 @@ def setup_process(cfg: Config) -> Mesh:
     if cfg.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
-                         cfg.dp_replicate)
+                         cfg.dp_replicate, cfg.sequence_parallel)
     start_heartbeat()
     return mesh
 

@@ -204,8 +204,8 @@ def _check_scalars(m: dict) -> None:
               for k, v in _dict(raw, "layout", keys).items()}
     if layout["world_size"] != layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]:
         raise ManifestError(f"layout {show(layout)} has world_size != dp * cp * tp * pp")
-    if (layout["dp"] * layout.get("cp", 1)) % layout.get("ep", 1):
-        raise ManifestError(f"layout {show(layout)} has an ep that does not divide dp * cp")
+    if (layout["dp"] * layout.get("cp", 1) * layout["tp"]) % layout.get("ep", 1):  # ep folds over tp under SP
+        raise ManifestError(f"layout {show(layout)} has an ep that does not divide dp * cp * tp")
     run = _dict(m["run"], "run", ("id", "config_sha256"))
     _text(run["id"], "run.id", RUN_ID)
     _text(run["config_sha256"], "run.config_sha256", HEX64)

@@ -22,7 +22,7 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import (TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
+from trainmesh.optim import (SPLIT_OVER_TP, TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
                              norm_contributions)
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
 from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype, masters
@@ -195,6 +195,9 @@ class DataParallel:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = params = [p for _, p in named]
         self.routed_norm = experts_on_any_stage(params, comm)
+        # routed experts' squares: summed over ep, whose ranks hold different experts, and over tp unless an ep
+        # group folds over tp (then it holds every tp rank's experts already: :attr:`Mesh.experts_over_tp`)
+        self._routed_axes = ("ep", "pp") if comm.mesh.experts_over_tp else ("ep", "tp", "pp")
         self._broadcast_parameters(params)
         self.masters = self._make_masters(params)
         opt_params = self.masters if self.masters else params
@@ -222,6 +225,7 @@ class DataParallel:
         copies = masters(params)
         for m, p in zip(copies, params):
             setattr(m, TP_SHARDED, is_tp_sharded(p))
+            setattr(m, SPLIT_OVER_TP, getattr(p, SPLIT_OVER_TP, False))
         return copies
 
     def _point_grads_at_buckets(self) -> None:
@@ -310,7 +314,7 @@ class DataParallel:
         dense = norm_contributions([q for q, e in zip(opt_params, experts) if not e], tp_rank)
         routed = norm_contributions([q for q, e in zip(opt_params, experts) if e], tp_rank)
         norm = clipped_update(self.optimizer, grads, dense, self.comm, ("tp", "pp"), self.scaler, lr, max_norm,
-                              extra=(routed, ("ep", "tp", "pp")) if self.routed_norm else None)
+                              extra=(routed, self._routed_axes) if self.routed_norm else None)
         if math.isfinite(norm) and self.masters:
             copy_masters_to_model(self.masters, self.params)
         for m in self.masters:

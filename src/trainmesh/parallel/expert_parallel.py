@@ -1,9 +1,11 @@
 """Expert parallelism: the routed experts of each MoE layer split over the ``ep`` ranks, tokens moved to them
 by all-to-all.
 
-The ``ep`` axis folds *inside* the data-parallel ranks (``dp x cp``), as Megatron-core and torchtitan fold
-it: ep rank ``r`` of ``P`` holds global experts ``[r E/P, (r+1) E/P)`` and every ep rank still trains on its
-own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAllTokenDispatcher``):
+The ``ep`` axis folds *inside* the ranks that hold different tokens, as Megatron-core and torchtitan fold
+it: the data-parallel ranks (``dp x cp``), and under sequence parallelism the tp ranks too, each of which
+routes its own slice of the sequence (:mod:`trainmesh.mesh`); an ep group of whole tp groups then lies inside
+a node. Ep rank ``r`` of ``P`` holds global experts ``[r E/P, (r+1) E/P)`` and every ep rank still trains on
+its own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAllTokenDispatcher``):
 
 1. the router sorts this rank's token copies by global expert and counts them per expert (``counts [E]``);
 2. :meth:`AllToAllDispatch.dispatch` sends each ep rank the copies for its experts: the per-expert counts
@@ -15,8 +17,9 @@ own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAll
 Both all-to-alls are autograd functions whose backward is the all-to-all the other way (the gradient of a
 token copy goes back to the rank that sent it), so a rank's expert gradients are the sum over every ep
 rank's tokens. Parameters are therefore reduced over two groups: the dense ones over ``dp x cp`` as
-always, the experts over the *expert-data-parallel* group (the ``dp x cp / ep`` ranks holding the same
-experts), both divided by the ``dp x cp`` size since the loss is the mean over every rank's tokens.
+always, the experts over the *expert-data-parallel* group (the ranks holding the same experts: ``dp x cp /
+ep``, or ``dp x cp x tp / ep`` folded over tp), both divided by the ``dp x cp`` size since the loss is the
+mean over every data-parallel rank's tokens (a tp rank's slice being part of its rank's).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from torch import nn
 
 from trainmesh.comm import Comm
 from trainmesh.models.moe import SequenceSplit, is_expert_param
+from trainmesh.optim import SPLIT_OVER_TP
 
 EP_AXIS = "ep"
-EXPERT_AXIS = "edp"  # expert data parallel: the ranks of dp x cp that hold the same experts
+EXPERT_AXIS = "edp"  # expert data parallel: the ranks that hold the same experts
 EP_SHARD = "_trainmesh_ep_shard"  # on a sliced expert parameter: (ep rank, ep size), split along dim 0
 
 
@@ -141,10 +145,11 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 
 
 @torch.no_grad()
-def shard_experts(moe: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+def shard_experts(moe: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None, over_tp: bool = False) -> None:
     """Keep ep rank ``rank``'s ``1/size`` of ``moe``'s routed experts (global experts
     ``[rank E/size, (rank+1) E/size)``, the first dim of every stacked weight) and dispatch by all-to-all
-    over ``group``. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`)."""
+    over ``group``. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`),
+    and, where the ep group folds over tp (``over_tp``), that tp ranks hold different experts."""
     experts = moe.experts
     for name, p in list(experts.named_parameters(recurse=False)):
         if p.shape[0] % size:
@@ -153,6 +158,7 @@ def shard_experts(moe: nn.Module, rank: int, size: int, group: dist.ProcessGroup
         piece = nn.Parameter(p[rank * local:(rank + 1) * local].clone(), requires_grad=p.requires_grad)
         piece.__dict__.update(p.__dict__)
         setattr(piece, EP_SHARD, (rank, size))
+        setattr(piece, SPLIT_OVER_TP, over_tp)
         setattr(experts, name, piece)
     moe.dispatcher = AllToAllDispatch(group)
 
@@ -176,19 +182,24 @@ def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, group: dist
     return state
 
 
-def apply_expert_parallel(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
-    """Shard every MoE layer of ``model`` to ep rank ``rank`` of ``size`` (nothing to do at ``size`` 1)."""
+def apply_expert_parallel(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None,
+                          over_tp: bool = False) -> None:
+    """Shard every MoE layer of ``model`` to ep rank ``rank`` of ``size`` (nothing to do at ``size`` 1);
+    ``over_tp``: the ep groups fold over tp (:attr:`trainmesh.mesh.Mesh.experts_over_tp`)."""
     if size == 1:
         return
     for _, moe in expert_modules(model):
-        shard_experts(moe, rank, size, group)
+        shard_experts(moe, rank, size, group, over_tp)
 
 
-def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
+def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
+                experts_over_tp: bool = False) -> dict[str, str]:
     """The family's tensor-parallel plan fitted to an MoE model: the MLP patterns that match nothing (every
-    layer's MLP is a mixture) are dropped, and the MoE layers stay replicated over tp; under sequence
+    layer's MLP is a mixture) are dropped, and the MoE layers stay whole on every tp rank; under sequence
     parallelism each tp rank routes only its slice of the sequence, so the router's, the experts' and the
-    shared experts' gradients are summed over tp (the ``sequence`` style)."""
+    shared experts' gradients are summed over tp (the ``sequence`` style), but for routed experts an ep group
+    folds over tp (``experts_over_tp``): each tp rank then holds other experts, which receive every tp rank's
+    tokens through the all-to-all."""
     layers = [name for name, _ in expert_modules(model)]
     if not layers:
         return plan
@@ -197,7 +208,8 @@ def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool)
     if sequence_parallel:
         for layer in layers:
             moe = model.get_submodule(layer)
-            parts = ["router", "experts"] + (["shared"] if getattr(moe, "shared", None) is not None else [])
+            parts = ["router"] + ([] if experts_over_tp else ["experts"]) + (
+                ["shared"] if getattr(moe, "shared", None) is not None else [])
             fitted.update({f"{layer}.{part}": "sequence" for part in parts})
     return fitted
 

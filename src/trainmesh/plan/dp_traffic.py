@@ -129,12 +129,12 @@ def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, repli
 
 def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> DpTraffic:
     """Data-parallel traffic of one step on a rank of ``stage``: the dense units over the shard group (its
-    dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (ep x tp apart).
+    dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (an ep group's span
+    apart: :attr:`~trainmesh.plan.workload.Layout.ep_span`).
     How much of it the compute hides is :func:`trainmesh.plan.timing.exposed_dp_time`'s."""
     lay, model = layout, workload.model
     split = stage_split(workload, lay)
     dense = stage_units(model, lay.tp, split, lay.pp, stage)
     experts = stage_expert_units(model, split, lay.pp, lay.ep, stage)
     return (zero_traffic(dense, lay.shard_ranks, lay.tp, lay.dp_replicate, workload, lay, cluster)
-            + zero_traffic(experts, lay.shard_ranks // lay.ep, lay.tp * lay.ep, lay.dp_replicate, workload, lay,
-                           cluster))
+            + zero_traffic(experts, lay.expert_shard_ranks, lay.ep_span, lay.dp_replicate, workload, lay, cluster))

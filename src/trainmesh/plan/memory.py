@@ -69,7 +69,8 @@ def router_and_shared(m: ModelShape) -> Unit:
 def expert_unit(m: ModelShape, ep: int) -> Unit:
     """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked (one tensor per
     projection), each whole: trainmesh splits experts over ep only, never over tp (no expert tensor
-    parallelism, unlike Megatron-core's default expert tp = tp), so every tp rank holds the same experts."""
+    parallelism; Megatron-core's expert tp of 1), so the tp ranks of an ep rank hold the same experts, or
+    under sequence parallelism, where ep folds over tp, other ones."""
     return Unit(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
 
 
@@ -178,18 +179,19 @@ class MemoryBreakdown:
 
 @functools.lru_cache(maxsize=4096)
 def _model_state(
-    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int = 1
+    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int = 1,
+    edp: int = 0
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.state_bytes.sharded_state_bytes` of
     its units over the ``dp`` ranks ZeRO shards over (under hybrid sharding, one replica group's:
     :attr:`~trainmesh.layout.Layout.shard_ranks`), plus AdamW's step scalars. A unit's shard is
     ceil(Psi_unit / dp) elements because the flat buffer is padded.
-    Routed experts are already split over ep, so ZeRO shards them over the dp / ep ranks that hold the
-    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do).
+    Routed experts are already split over ep, so ZeRO shards them over the ``edp`` ranks that hold the
+    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do; default dp / ep).
     Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
     """
     b, m = workload.dtype_bytes, workload.model
-    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), dp // ep))
+    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), edp or dp // ep))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
     shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
     steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)
@@ -401,7 +403,7 @@ def p2p_bytes(workload: Workload, layout: Layout) -> int:
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     params, grads, optimizer = _model_state(workload, layout.tp, stage_split(workload, layout), layout.pp,
-                                            layout.shard_ranks, layout.zero, stage, layout.ep)
+                                            layout.shard_ranks, layout.zero, stage, layout.ep, layout.expert_shard_ranks)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
@@ -427,7 +429,8 @@ def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = No
     check_layout(workload, layout)
     lay = layout
     split = stage_split(workload, lay)
-    return max(sum(_model_state(workload, lay.tp, split, lay.pp, lay.shard_ranks, lay.zero, s, lay.ep))
+    return max(sum(_model_state(workload, lay.tp, split, lay.pp, lay.shard_ranks, lay.zero, s, lay.ep,
+                                lay.expert_shard_ranks))
                for s in candidate_stages(workload, lay, stage))
 
 

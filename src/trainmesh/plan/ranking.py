@@ -105,10 +105,11 @@ def _splits(model: ModelShape, tp: int, pp: int) -> bool:
     return True
 
 
-def ep_degrees(model: ModelShape, grad_ranks: int) -> list[int]:
-    """The ep sizes an MoE model can take in a dp x cp group of ``grad_ranks``: those dividing both the
-    group and the expert count; [1] for a dense model."""
-    return [e for e in divisors(grad_ranks) if model.n_experts % e == 0] if model.n_experts else [1]
+def ep_degrees(model: ModelShape, token_ranks: int) -> list[int]:
+    """The ep sizes an MoE model can take over ``token_ranks`` ranks holding different tokens (dp x cp, times
+    tp under sequence parallelism: :attr:`trainmesh.layout.Layout.token_ranks`): those dividing both them and
+    the expert count; [1] for a dense model."""
+    return [e for e in divisors(token_ranks) if model.n_experts % e == 0] if model.n_experts else [1]
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
@@ -124,15 +125,15 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
         for micro in (per_replica // b for b in MICRO_BATCH_SIZES if per_replica % b == 0):
             costs = layer_seconds(workload, Layout(dp=dp, tp=tp, cp=cp, microbatches=micro), cluster)
-            options = (list(_schedules(pp, workload.model.n_layers, micro)), ZERO_STAGES, RECOMPUTE, sps,
-                       ep_degrees(workload.model, dp * cp))
+            options = (list(_schedules(pp, workload.model.n_layers, micro)), ZERO_STAGES, RECOMPUTE, sps)
             replicas = (1, *hsdp_replicas(dp, cp, tp, cluster))
-            for (schedule, v), zero, recompute, sp, ep, r in itertools.product(*options, replicas):
-                split = fastest_split(*costs, pp * v) if pp > 1 else ()
-                candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp, ep=ep,
-                                       stage_layers=split, dp_replicate=r)
-                if candidate is not None:
-                    yield candidate
+            for (schedule, v), zero, recompute, sp, r in itertools.product(*options, replicas):
+                for ep in ep_degrees(workload.model, dp * cp * (tp if sp else 1)):
+                    split = fastest_split(*costs, pp * v) if pp > 1 else ()
+                    candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp,
+                                           ep=ep, stage_layers=split, dp_replicate=r)
+                    if candidate is not None:
+                        yield candidate
 
 
 def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:

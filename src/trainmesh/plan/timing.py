@@ -268,7 +268,8 @@ def _tp_partial_sums(workload: Workload, layout: Layout, cluster: Cluster, stage
     if layout.tp == 1 or not (moe and layout.sequence_parallel):
         return 0.0
     sharded = layout.zero > 0
-    experts = moe * expert_unit(workload.model, layout.ep).numel / (layout.grad_ranks // layout.ep if sharded else 1)
+    experts = 0 if layout.experts_over_tp else (  # folded: every tp rank's tokens reach its experts by all-to-all
+        moe * expert_unit(workload.model, layout.ep).numel / (layout.expert_shard_ranks if sharded else 1))
     rest = moe * router_and_shared(workload.model).numel
     if layout.zero == 3:
         at_step, each_backward = experts, rest
@@ -373,7 +374,8 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
     """One all-to-all of a micro-batch's top_k copies of its :func:`moe_tokens` over the ep group (ep ranks tp
-    apart, so tp x ep ranks), ``element_bytes`` per element: (ep-1)/ep of the copies leave the rank, in ep - 1
+    apart, so across tp x ep ranks, or under sequence parallelism ep consecutive ones: ``Layout.ep_span``),
+    ``element_bytes`` per element: (ep-1)/ep of the copies leave the rank, in ep - 1
     messages, at the pace of the group's link.
 
     A model whose routing limits the groups a token picks (:attr:`ModelShape.groups_per_token`) reaches at most
@@ -383,9 +385,9 @@ def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, ele
     the two paths sets the pace (:func:`nodes_per_token`)."""
     m, lay = workload.model, layout
     copies = routed_copy_bytes(workload, lay, element_bytes)
-    nodes = lay.tp * lay.ep // cluster.gpus_per_node
+    nodes = lay.ep_span // cluster.gpus_per_node
     if not m.groups_per_token or nodes < 2:
-        bw, alpha = cluster.link(lay.tp * lay.ep)
+        bw, alpha = cluster.link(lay.ep_span)
         return (lay.ep - 1) * (alpha + copies / (lay.ep * bw))
     (inter, alpha), (intra, _) = cluster.link(cluster.gpus_per_node + 1), cluster.link(1)
     crossing = copies / m.top_k * nodes_per_token(m, nodes) * (nodes - 1) / nodes

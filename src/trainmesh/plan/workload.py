@@ -61,7 +61,8 @@ class Layout:
     ``microbatches`` is per data-parallel replica and step (gradient accumulation when pp = 1);
     ``virtual`` is the model chunks per pipeline rank of the interleaved schedule; ``bucket_bytes`` is
     the size of the gradient buckets ZeRO-1/2 reduce-scatter (``--bucket-mb``, counted in parameter bytes);
-    ``ep`` splits the routed experts of an MoE model over ranks of the dp x cp group (so ep divides it);
+    ``ep`` splits the routed experts of an MoE model over ranks holding different tokens (dp x cp, and tp under
+    sequence parallelism: :attr:`trainmesh.layout.Layout.token_ranks`, which ep divides);
     ``stage_layers`` gives the blocks of each of the pp x virtual chunks (``--stage-layers``; empty: the
     runtime's own split, :func:`stage_split`); ``dp_replicate`` splits dp into that many hybrid-sharding
     (HSDP) replica groups, ZeRO sharding inside each (``--dp-replicate``). ``a2a_overlap`` says the pipeline
@@ -126,6 +127,23 @@ class Layout:
     @property
     def grad_ranks(self) -> int:
         return self.settings.grad_ranks
+
+    @property
+    def experts_over_tp(self) -> bool:
+        """Whether the ep groups fold over tp: under sequence parallelism, with tp and ep above 1
+        (:attr:`trainmesh.mesh.Mesh.experts_over_tp`)."""
+        return self.sequence_parallel and self.tp > 1 and self.ep > 1
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks ZeRO shards the routed experts over (:attr:`trainmesh.layout.Layout.expert_data_ranks`; without
+        ep, the :attr:`shard_ranks` every parameter is sharded over)."""
+        return self.settings.expert_data_ranks if self.ep > 1 else self.shard_ranks
+
+    @property
+    def ep_span(self) -> int:
+        """Consecutive ranks an ep group reaches across: ep where it folds over tp, else its ranks lie tp apart."""
+        return self.ep if self.experts_over_tp else self.tp * self.ep
 
     @property
     def shard_ranks(self) -> int:
