@@ -197,10 +197,10 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
                          f"parallelism splits the built-in families (gpt, llama)")
     if layout.precision == "fp8":
         _validate_float8(name, spec, mesh.device)
-    if ep > 1 and tp > 1 and mesh.sequence_parallel != layout.sequence_parallel:
-        raise ValueError(f"the mesh was built with sequence_parallel={mesh.sequence_parallel} and parallelize got "
-                         f"sequence_parallel={layout.sequence_parallel}: ep folds over tp only under sequence "
-                         f"parallelism; pass the same to tm.init_mesh(..., sequence_parallel=...)")
+    if mesh.experts_over_tp and not layout.sequence_parallel:
+        raise ValueError("the mesh's ep groups fold over tp (tm.init_mesh(..., sequence_parallel=True)), so each tp "
+                         "rank must hold its own tokens: pass sequence_parallel=True to parallelize, or build the "
+                         "mesh without it")
     if spec is None and ep > 1:  # no shape: the experts are counted from the modules that hold them
         layers = expert_modules(model)
         problem = experts_problem(ep, layers[0][1].experts.w1.shape[0] if layers else 0, keyword, name)

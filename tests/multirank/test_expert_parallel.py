@@ -23,6 +23,7 @@ from trainmesh.parallel.expert_parallel import AllToAllDispatch
 from trainmesh.mesh import Mesh, init_distributed
 from trainmesh.app.train import build, full_state_dict, setup_process, train
 from trainmesh.testing import run_ranks
+from trainmesh.models import spec_of
 
 D = 3
 TOL = 1e-12
@@ -152,6 +153,22 @@ def test_ep_groups_are_whole_tp_groups_under_sequence_parallel(sequence_parallel
     expert-data-parallel group the same tp rank of each pair, ep4 all four; without SP the tp ranks hold the
     same tokens, so ep2 is the dp pair at each tp rank, as before."""
     assert [tuple(g) for g in run_ranks(_expert_group_ranks, 4, sequence_parallel, ep, timeout=120)] == groups
+
+
+def _parallelize_error(sequence_parallel: bool) -> str:
+    cfg = _moe(dp=1, tp=2, sequence_parallel=sequence_parallel)
+    mesh = tm.init_mesh(tp=2, ep=2, sequence_parallel=True)
+    try:
+        tm.parallelize(spec_of(cfg.model).builder(cfg.model_config, cfg.seed), mesh, sequence_parallel=sequence_parallel)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_mesh_folded_over_tp_is_refused_without_sequence_parallelism():
+    """Without SP both tp ranks would route the same tokens into one ep group and train on them twice."""
+    refused, accepted = (run_ranks(_parallelize_error, 2, sp, timeout=120)[0] for sp in (False, True))
+    assert "pass sequence_parallel=True to parallelize" in refused and "\n" not in refused and accepted == ""
 
 
 def test_a_checkpoint_saved_with_ep_folded_over_tp_resumes_on_one_process(tmp_path):
