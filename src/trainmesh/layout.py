@@ -86,6 +86,12 @@ class Layout:
         return self.grad_ranks * (self.tp if self.sequence_parallel else 1)
 
     @property
+    def experts_over_tp(self) -> bool:
+        """Whether the ep groups fold over tp: sequence parallelism with tp and ep above 1, so that each tp
+        rank holds other experts, where otherwise the tp ranks of an ep rank hold the same ones."""
+        return self.sequence_parallel and self.tp > 1 and self.ep > 1
+
+    @property
     def expert_data_ranks(self) -> int:
         """Ranks holding the same routed experts, over which their gradients are reduced and ZeRO shards them:
         the token ranks an ep group leaves (dp x cp without experts split)."""

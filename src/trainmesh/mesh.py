@@ -204,8 +204,7 @@ class Mesh:
                 _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
-        folded = layout.sequence_parallel and ep > 1
-        token = coords[GRAD_AXIS] * tp + coords["tp"] if folded else coords[GRAD_AXIS]
+        token = coords[GRAD_AXIS] * tp + coords["tp"] if layout.experts_over_tp else coords[GRAD_AXIS]
         coords["ep"], coords["edp"] = token % ep, token // ep
         coords[REPLICA_AXIS], coords[SHARD_AXIS] = divmod(coords[GRAD_AXIS], sizes[SHARD_AXIS])
         mesh = cls(sizes, coords, device, dm, timeout_s=timeout_s, sequence_parallel=layout.sequence_parallel)
@@ -290,9 +289,8 @@ class Mesh:
 
     @property
     def experts_over_tp(self) -> bool:
-        """Whether the ep groups fold over tp (sequence parallelism with tp and ep above 1): each tp rank then
-        holds other experts, where without it the tp ranks of an ep rank hold the same ones."""
-        return self.sequence_parallel and self.size("tp") > 1 and self.size("ep") > 1
+        """Whether the ep groups fold over tp (:attr:`trainmesh.layout.Layout.experts_over_tp`)."""
+        return Layout(tp=self.size("tp"), ep=self.size("ep"), sequence_parallel=self.sequence_parallel).experts_over_tp
 
     def size(self, axis: str) -> int:
         """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1, one without hybrid

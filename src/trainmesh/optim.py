@@ -98,6 +98,13 @@ def norm_contributions(params: Iterable[nn.Parameter], tp_rank: int) -> list[tor
     return [p.grad for p in params if p.grad is not None and (tp_rank == 0 or differs_over_tp(p))]
 
 
+def keep_tp_marks(copy: torch.Tensor, p: torch.Tensor) -> None:
+    """Give ``copy`` (an optimizer's master or shard piece of ``p``) ``p``'s marks of how tp holds it, so that
+    the global norm counts each element once (:func:`norm_contributions`)."""
+    setattr(copy, TP_SHARDED, is_tp_sharded(p))
+    setattr(copy, SPLIT_OVER_TP, getattr(p, SPLIT_OVER_TP, False))
+
+
 def differs_over_tp(p: torch.Tensor) -> bool:
     """Whether tp ranks hold different values of ``p``: a tp shard, or an expert split over tp ranks."""
     return is_tp_sharded(p) or getattr(p, SPLIT_OVER_TP, False)

@@ -22,7 +22,7 @@ from torch import nn
 from trainmesh.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import (SPLIT_OVER_TP, TP_SHARDED, OptimizerFactory, ParamPiece, clipped_update, is_tp_sharded,
+from trainmesh.optim import (OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
                              norm_contributions)
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
 from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype, masters
@@ -224,8 +224,7 @@ class DataParallel:
             return []
         copies = masters(params)
         for m, p in zip(copies, params):
-            setattr(m, TP_SHARDED, is_tp_sharded(p))
-            setattr(m, SPLIT_OVER_TP, getattr(p, SPLIT_OVER_TP, False))
+            keep_tp_marks(m, p)
         return copies
 
     def _point_grads_at_buckets(self) -> None:

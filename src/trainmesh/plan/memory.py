@@ -179,19 +179,18 @@ class MemoryBreakdown:
 
 @functools.lru_cache(maxsize=4096)
 def _model_state(
-    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int = 1,
-    edp: int = 0
+    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int, edp: int
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.state_bytes.sharded_state_bytes` of
     its units over the ``dp`` ranks ZeRO shards over (under hybrid sharding, one replica group's:
     :attr:`~trainmesh.layout.Layout.shard_ranks`), plus AdamW's step scalars. A unit's shard is
     ceil(Psi_unit / dp) elements because the flat buffer is padded.
     Routed experts are already split over ep, so ZeRO shards them over the ``edp`` ranks that hold the
-    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do; default dp / ep).
+    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do).
     Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
     """
     b, m = workload.dtype_bytes, workload.model
-    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), edp or dp // ep))
+    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), edp))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
     shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
     steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)

@@ -128,8 +128,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
             options = (list(_schedules(pp, workload.model.n_layers, micro)), ZERO_STAGES, RECOMPUTE, sps)
             replicas = (1, *hsdp_replicas(dp, cp, tp, cluster))
             for (schedule, v), zero, recompute, sp, r in itertools.product(*options, replicas):
+                split = fastest_split(*costs, pp * v) if pp > 1 else ()
                 for ep in ep_degrees(workload.model, dp * cp * (tp if sp else 1)):
-                    split = fastest_split(*costs, pp * v) if pp > 1 else ()
                     candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp,
                                            ep=ep, stage_layers=split, dp_replicate=r)
                     if candidate is not None:

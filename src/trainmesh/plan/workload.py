@@ -130,9 +130,7 @@ class Layout:
 
     @property
     def experts_over_tp(self) -> bool:
-        """Whether the ep groups fold over tp: under sequence parallelism, with tp and ep above 1
-        (:attr:`trainmesh.mesh.Mesh.experts_over_tp`)."""
-        return self.sequence_parallel and self.tp > 1 and self.ep > 1
+        return self.settings.experts_over_tp
 
     @property
     def expert_shard_ranks(self) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from trainmesh.comm import Comm
-from trainmesh.optim import SPLIT_OVER_TP, TP_SHARDED, is_tp_sharded
+from trainmesh.optim import keep_tp_marks
 from trainmesh.precision import master_dtype
 
 
@@ -224,8 +224,7 @@ def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[Piece
             p = group.params[i]
             shape = (1, end - start) if p.dim() >= 2 else (end - start,)
             piece = nn.Parameter(group.master[start:end].view(shape))
-            setattr(piece, TP_SHARDED, is_tp_sharded(p))
-            setattr(piece, SPLIT_OVER_TP, getattr(p, SPLIT_OVER_TP, False))
+            keep_tp_marks(piece, p)
             pieces.append(piece)
             slots.append(PieceSlot(group, start, end))
     return pieces, slots
