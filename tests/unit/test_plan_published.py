@@ -52,12 +52,14 @@ def test_deepseek_v3_throughput_within_the_stated_error() -> None:
     layout states: DualPipe pairs micro-batches so their all-to-alls overlap compute (``a2a_overlap``), on
     the 112 of 132 SMs the communication kernels leave (``comm_sm_share``); tokens go to their experts in FP8
     and come back in bf16 (``dispatch_dtype``), the experts multiplying in FP8 (``fp8_experts``); the model's
-    routing (4 of 8 groups, one per node) sends each token once to each of at most 4 nodes. Set here: DualPipe's bubble as ZB-H1's, no recomputation. The
+    routing (4 of 8 groups, one per node) and its dispatch kernels send each token once to each of at most 4
+    nodes, NVLink forwarding it to its experts there (``forward_dispatch``). Set here: DualPipe's bubble as ZB-H1's, no recomputation. The
     planner is 34 % fast: the all-to-all hides, and the compute it prices (the matmuls, and the tokens moved
     to the experts and back) is shorter than the step DeepSeek ran (docs/planner.md)."""
     work = Workload(model_shape("deepseek-v3"), 15360, 4096, "fp8")
     cluster = make_cluster("h800-80gb", 2048)
     split = fastest_split(*layer_seconds(work, Layout(dp=128, ep=64, microbatches=120), cluster), 16)
     layout = Layout(dp=128, pp=16, ep=64, zero=1, microbatches=120, schedule="zb", stage_layers=split,
-                    a2a_overlap=True, dispatch_dtype="fp8", comm_sm_share=20 / 132, fp8_experts=True)
+                    a2a_overlap=True, dispatch_dtype="fp8", comm_sm_share=20 / 132, fp8_experts=True,
+                    forward_dispatch=True)
     assert estimate(work, layout, cluster).tokens_per_s / 2048 == pytest.approx(1543, rel=0.35)

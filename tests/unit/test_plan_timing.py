@@ -5,6 +5,7 @@ pairs them (DualPipe)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -13,7 +14,7 @@ from trainmesh.models import ModelShape
 from trainmesh.plan import Cluster, Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
 from trainmesh.plan.ranking import ep_degrees, interleave_depths
 from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
-                                   token_movement_bytes)
+                                   routed_copy_bytes, token_movement_bytes)
 
 
 @pytest.mark.parametrize("gpu,speedup", [("h100-80gb", 1979 / 989), ("h800-80gb", 1979 / 989), ("a100-80gb", 1.0)])
@@ -84,15 +85,32 @@ def _deepseek(**fields: object) -> tuple[Workload, Layout, Cluster]:
     return Workload(model_shape("deepseek-v3"), 64, 4096, "bf16"), Layout(dp=64, ep=64, **fields), cluster
 
 
-def test_group_limited_routing_crosses_to_each_of_its_nodes_once() -> None:
-    """DeepSeek-V3 picks its 8 experts within 4 of 8 groups, a group per node: each token crosses InfiniBand
-    once to each of 4 nodes (7/8 of them others), not 8 times to 63/64 other ranks; NVLink forwards it."""
+def test_a_forwarded_dispatch_crosses_to_each_node_of_a_token_once() -> None:
+    """DeepSeek-V3 picks its 8 experts within 4 of 8 groups, a group per node: forwarded, each token crosses
+    InfiniBand once to each of its 4 nodes (7/8 of them others), where sent straight 7/8 of its 8 copies do;
+    NVLink forwards it. Without the group limit a token's 8 of 256 experts fall on 8 (1 - C(224, 8) / C(256, 8))
+    = 5.3 of the 8 nodes."""
     work, layout, cluster = _deepseek()
-    limited = all_to_all_seconds(work, layout, cluster, 2)
-    free = all_to_all_seconds(dataclasses.replace(work, model=dataclasses.replace(
-        work.model, expert_groups=0, groups_per_token=0)), layout, cluster, 2)
-    assert limited / free == pytest.approx((4 * 7 / 8) / (8 * 63 / 64), rel=1e-12)
+    forwarded = dataclasses.replace(layout, forward_dispatch=True)
+    straight = all_to_all_seconds(work, layout, cluster, 2)
+    assert all_to_all_seconds(work, forwarded, cluster, 2) / straight == pytest.approx((4 * 7 / 8 / 8) / (7 / 8))
+    free = dataclasses.replace(work, model=dataclasses.replace(work.model, expert_groups=0, groups_per_token=0))
     assert nodes_per_token(work.model, 8) == 4 and nodes_per_token(work.model, 16) == 8
+    assert nodes_per_token(free.model, 8) == pytest.approx(8 * (1 - math.comb(224, 8) / math.comb(256, 8)))
+    assert all_to_all_seconds(free, forwarded, cluster, 2) / all_to_all_seconds(work, forwarded, cluster, 2) == (
+        pytest.approx(nodes_per_token(free.model, 8) / 4))
+
+
+def test_an_all_to_all_over_two_nodes_moves_its_node_s_share_over_nvlink_beside_the_nic() -> None:
+    """EP16 over two H100 nodes, sent straight: half of a rank's copies cross the NIC while 7/16 go to the
+    other ranks of its node over NVLink at the same time, so the NIC's half sets the pace, not 15/16 of the
+    copies at the NIC's."""
+    cluster = dataclasses.replace(make_cluster("h100-80gb", 16), intra_latency=0.0, inter_latency=0.0)
+    work, layout = Workload(model_shape("qwen3-30b-a3b"), 16, 4096, "bf16"), Layout(dp=16, ep=16)
+    copies = routed_copy_bytes(work, layout, 2)
+    (inter, _), (intra, _) = cluster.link(16), cluster.link(8)
+    assert copies * 7 / 16 / intra < copies / 2 / inter
+    assert all_to_all_seconds(work, layout, cluster, 2) == pytest.approx(copies / 2 / inter, rel=1e-12)
 
 
 def test_an_fp8_dispatch_halves_the_bytes_towards_the_experts_only() -> None:

@@ -375,30 +375,40 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
 def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
     """One all-to-all of a micro-batch's top_k copies of its :func:`moe_tokens` over the ep group (ep ranks tp
     apart, so across tp x ep ranks, or under sequence parallelism ep consecutive ones: ``Layout.ep_span``),
-    ``element_bytes`` per element: (ep-1)/ep of the copies leave the rank, in ep - 1
-    messages, at the pace of the group's link.
+    ``element_bytes`` per element.
 
-    A model whose routing limits the groups a token picks (:attr:`ModelShape.groups_per_token`) reaches at most
-    that many groups' nodes, and is priced with the dispatch such routing is made for: each token crosses to
-    each of its nodes once, over the inter-node link, and is forwarded there over NVLink to the ranks holding
-    its experts, both at once (DeepSeek-V3's node-limited routing, [DSV3, 2.1.2 and 3.2.2]), so the slower of
-    the two paths sets the pace (:func:`nodes_per_token`)."""
+    On one node (ep-1)/ep of the copies leave the rank, in ep - 1 messages, at NVLink's pace. A group over
+    several nodes moves its bytes on two links at once, each rank's NIC and its NVLink, and the slower sets
+    the pace. Sent straight to their ranks (trainmesh's all-to-all, as NCCL's), the copies bound for the
+    other nodes, (nodes-1)/nodes of them, cross the NIC, and those for the other ranks of the sender's node
+    go over NVLink. Under ``layout.forward_dispatch`` a token crosses once to each other node holding one of
+    its experts (:func:`nodes_per_token`, which group-limited routing bounds), and NVLink there carries its
+    copies to their ranks, as DeepSeek-V3's dispatch does for its node-limited routing [DSV3, 2.1.2 and
+    3.2.2]."""
     m, lay = workload.model, layout
     copies = routed_copy_bytes(workload, lay, element_bytes)
-    nodes = lay.ep_span // cluster.gpus_per_node
-    if not m.groups_per_token or nodes < 2:
+    nodes = -(-lay.ep_span // cluster.gpus_per_node)
+    if nodes < 2:
         bw, alpha = cluster.link(lay.ep_span)
         return (lay.ep - 1) * (alpha + copies / (lay.ep * bw))
     (inter, alpha), (intra, _) = cluster.link(cluster.gpus_per_node + 1), cluster.link(1)
-    crossing = copies / m.top_k * nodes_per_token(m, nodes) * (nodes - 1) / nodes
-    return (nodes - 1) * alpha + max(crossing / inter, copies / intra)
+    if lay.forward_dispatch:
+        crossing = copies / m.top_k * nodes_per_token(m, nodes) * (nodes - 1) / nodes
+        return (nodes - 1) * alpha + max(crossing / inter, copies / intra)
+    beside = copies * (lay.ep // nodes - 1) / lay.ep
+    return (lay.ep - 1) * alpha + max(copies * (nodes - 1) / nodes / inter, beside / intra)
 
 
-def nodes_per_token(m: ModelShape, nodes: int) -> int:
-    """The nodes of an ep group over ``nodes`` nodes that a token's top_k experts lie on, at most, under
-    group-limited routing: its ``groups_per_token`` groups, each over nodes / ``expert_groups`` nodes (at least
-    one), and no more than top_k or all of them."""
-    return min(m.top_k, nodes, m.groups_per_token * max(1, nodes // m.expert_groups))
+def nodes_per_token(m: ModelShape, nodes: int) -> float:
+    """The nodes of an ep group over ``nodes`` nodes that a token's top_k experts lie on. Under group-limited
+    routing at most its ``groups_per_token`` groups' nodes (each group over nodes / ``expert_groups`` nodes,
+    at least one), and no more than top_k or all of them; otherwise, with balanced routing, the expected
+    number of nodes its top_k distinct experts fall on, a node holding n_experts / nodes of them:
+    nodes x (1 - C(E - E/nodes, k) / C(E, k))."""
+    if m.groups_per_token:
+        return min(m.top_k, nodes, m.groups_per_token * max(1, nodes // m.expert_groups))
+    elsewhere = m.n_experts - m.n_experts // nodes
+    return nodes * (1 - math.comb(elsewhere, m.top_k) / math.comb(m.n_experts, m.top_k))
 
 
 def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
