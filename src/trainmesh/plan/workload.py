@@ -73,10 +73,10 @@ class Layout:
     dtype tokens go to their experts in, forward and (as gradients) backward, where it is not the activations'
     (DeepSeek-V3 dispatches in FP8 and combines in bf16 [DSV3, 3.3.3]; "": the activations' dtype);
     ``comm_sm_share`` the share of each device's compute units that communication kernels hold throughout the
-    step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]); and ``fp8_experts``
+    step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]); ``fp8_experts``
     that under ``precision="fp8"`` the routed experts' grouped matmuls run in float8 too, as DeepSeek-V3's
     do [DSV3, 3.3], where trainmesh's stay bf16 (torchao converts ``nn.Linear`` modules only,
-    :mod:`trainmesh.float8`); ``forward_dispatch`` that a token bound for experts on another node crosses to
+    :mod:`trainmesh.float8`); and ``forward_dispatch`` that a token bound for experts on another node crosses to
     that node once and is forwarded there over NVLink (DeepSeek-V3's dispatch kernels [DSV3, 3.2.2], DeepEP's
     and HybridEP's), where trainmesh's all-to-all sends each of its top_k copies straight to its rank.
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused
