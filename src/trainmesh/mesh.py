@@ -220,32 +220,17 @@ class Mesh:
         """This rank's ``dp_cp`` group: the ``dp*cp`` ranks sharing its ``pp`` and ``tp`` coordinates, in
         ``dp_cp`` coordinate order. Built with the public ``new_group`` (every rank creates every group, in
         the same order) rather than ``DeviceMesh._flatten``, a private API that has changed between releases."""
-        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        mine = {}
-        for pp in range(self.sizes["pp"]):
-            for tp in range(self.sizes["tp"]):
-                members = self._grad_axis_ranks(pp, tp)
-                group = dist.new_group(members, **kwargs)
-                if dist.get_rank() in members:
-                    mine[GRAD_AXIS] = group
-        return mine
+        return self._split_ranks(timeout_s, (GRAD_AXIS,), self._grad_axes(), lambda ranks: {GRAD_AXIS: [ranks]})
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
         """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks, and the ranks at the
         same place of every run. The token ranks are the ``dp_cp`` axis at one tp coordinate, or under
         sequence parallelism the ``dp_cp`` and tp axes together, tp innermost (:meth:`_token_ranks`)."""
         ep, edp = self.sizes["ep"], self.sizes["edp"]
-        kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        mine = {}
-        for pp in range(self.sizes["pp"]):
-            for ranks in self._token_ranks(pp):
-                for axis, groups in (("ep", [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)]),
-                                     ("edp", [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)])):
-                    for members in groups if self.sizes[axis] > 1 else ():
-                        group = dist.new_group(members, **kwargs)
-                        if dist.get_rank() in members:
-                            mine[axis] = group
-        return mine
+        token_ranks = [ranks for pp in range(self.sizes["pp"]) for ranks in self._token_ranks(pp)]
+        return self._split_ranks(timeout_s, EP_AXES, token_ranks, lambda ranks: {
+            "ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
+            "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]})
 
     def _token_ranks(self, pp: int) -> list[list[int]]:
         """The global ranks of stage ``pp`` that hold different tokens, one list per set of them: each tp
@@ -259,27 +244,30 @@ class Mesh:
         """This rank's ``dp_shard`` group (the ``dp_cp`` coordinates ``[rS, (r+1)S)`` of replica ``r``) and its
         ``dp_replicate`` group (coordinate ``s`` of every replica)."""
         shard, replicas = self.sizes[SHARD_AXIS], self.sizes[REPLICA_AXIS]
-        return self._split_grad_axis(timeout_s, HYBRID_AXES, lambda ranks: {
+        return self._split_ranks(timeout_s, HYBRID_AXES, self._grad_axes(), lambda ranks: {
             SHARD_AXIS: [ranks[r * shard:(r + 1) * shard] for r in range(replicas)],
             REPLICA_AXIS: [ranks[s::shard] for s in range(shard)]})
 
-    def _split_grad_axis(self, timeout_s: float | None, axes: tuple[str, ...],
-                         split: Callable[[list[int]], dict[str, list[list[int]]]]) -> dict[str, dist.ProcessGroup]:
-        """This rank's group on each of ``axes`` (of size above 1), ``split`` dividing the ranks of every
-        ``dp_cp`` axis (one per pp and tp coordinate) into that axis's groups. Every rank creates every group
-        (``new_group`` is collective over the world), in the same order."""
+    def _grad_axes(self) -> list[list[int]]:
+        """The global ranks of every ``dp_cp`` axis, one per (pp, tp) coordinate."""
+        return [self._grad_axis_ranks(pp, tp) for pp in range(self.sizes["pp"]) for tp in range(self.sizes["tp"])]
+
+    def _split_ranks(self, timeout_s: float | None, axes: tuple[str, ...], rank_sets: list[list[int]],
+                     split: Callable[[list[int]], dict[str, list[list[int]]]]) -> dict[str, dist.ProcessGroup]:
+        """This rank's group on each of ``axes`` (of size above 1), ``split`` dividing each of ``rank_sets``
+        into that axis's groups. Every rank creates every group (``new_group`` is collective over the world),
+        in the same order."""
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
         mine = {}
-        for pp in range(self.sizes["pp"]):
-            for tp in range(self.sizes["tp"]):
-                groups = split(self._grad_axis_ranks(pp, tp))
-                for axis in axes:
-                    if self.sizes[axis] == 1:
-                        continue
-                    for members in groups[axis]:
-                        group = dist.new_group(members, **kwargs)
-                        if dist.get_rank() in members:
-                            mine[axis] = group
+        for ranks in rank_sets:
+            groups = split(ranks)
+            for axis in axes:
+                if self.sizes[axis] == 1:
+                    continue
+                for members in groups[axis]:
+                    group = dist.new_group(members, **kwargs)
+                    if dist.get_rank() in members:
+                        mine[axis] = group
         return mine
 
     def _grad_axis_ranks(self, pp: int, tp: int) -> list[int]:
