@@ -44,7 +44,7 @@ def main() -> None:
                                       max_position_embeddings=64)
     torch.manual_seed(0)  # every rank builds the same weights
     mesh = tm.init_mesh(tp=args.tp, pp=args.pp)
-    model = tm.parallelize(transformers.LlamaForCausalLM(config), mesh, tp_plan=tm.plans.llama,
+    model = tm.parallelize(transformers.LlamaForCausalLM(config), mesh, tp_plan=tm.tp_plans.llama,
                            sequence_parallel=args.tp > 1, zero=args.zero, microbatches=args.microbatches)
     opt = tm.optimizer(model, lr=3e-3)
     with tm.RunLog(args.out, args.steps, model=model, progress=False) as log:

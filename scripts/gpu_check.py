@@ -85,7 +85,7 @@ def layers_one_gpu_holds(model: str, mem_bytes: int) -> int:
     most :data:`STATE_SHARE` of ``mem_bytes``: bf16 parameters and gradients, fp32 masters and Adam moments (16
     bytes per parameter [ZeRO, sec. 3.1]) and the fp32 copy of the gradients the step reads (4 more)."""
     from trainmesh.models import preset, spec_of
-    from trainmesh.state_bytes import DTYPE_BYTES, precision_bytes
+    from trainmesh.training.state_bytes import DTYPE_BYTES, precision_bytes
 
     spec, cfg = spec_of(model), preset(model)
     b = precision_bytes("bf16", "bf16")
@@ -160,7 +160,7 @@ def row(case: Case, args: argparse.Namespace, s: dict, records: list[dict]) -> d
 
 def peak(precision: str, name: str | None = None) -> float:
     """This GPU's (or ``name``'s) dense peak FLOP/s at ``precision`` from trainmesh's table; 0 if unknown."""
-    from trainmesh.hardware import device_peak
+    from trainmesh.distributed.hardware import device_peak
 
     name = name if name is not None else (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
     row = device_peak(name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL
-from trainmesh.shm import TRANSPORT_ENV
+from trainmesh.distributed.shm import TRANSPORT_ENV
 
 os.environ.setdefault(TRANSPORT_ENV, "off")
 

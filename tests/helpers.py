@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.mesh import Mesh
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import full_state_dict, train
 
 FP64_ATOL = 1e-9

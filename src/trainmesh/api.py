@@ -3,7 +3,7 @@
 Shaped like torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``::
 
     mesh = tm.init_mesh(dp=2, tp=2)                               # torchrun's or trainmesh launch's env
-    model = tm.parallelize(LlamaForCausalLM(cfg), mesh, tp_plan=tm.plans.llama, zero=1)
+    model = tm.parallelize(LlamaForCausalLM(cfg), mesh, tp_plan=tm.tp_plans.llama, zero=1)
     opt = tm.optimizer(model, lr=3e-4)                            # sharded AdamW where ZeRO is on
     loss = tm.train_step(model, opt, (inputs, targets))           # the global batch; each dp rank its slice
 
@@ -30,26 +30,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.data.tokenizer import TokenizerFile
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
-from trainmesh.engine import Criterion, Engine, MicroBatches
-from trainmesh.cuda_graphs import PLAIN_MODE, compile_mode
-from trainmesh.float8 import convert_to_float8, device_capability, fp8_problem
+from trainmesh.training.engine import Criterion, Engine, MicroBatches
+from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
+from trainmesh.training.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
-from trainmesh.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
+from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
                             pick_device, world_env)
 from trainmesh.models import SPECS, moe, spec_for
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
-from trainmesh.optim import adamw_factory
+from trainmesh.training.optim import adamw_factory
 from trainmesh.pipeline.partition import gather_stages
 from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
-from trainmesh.precision import LossScaler, dtype_of
+from trainmesh.training.precision import LossScaler, dtype_of
 from trainmesh.parallel.recompute import Target, apply_recompute, recompute_modules
-from trainmesh.safe_io import sha256_hex
+from trainmesh.storage.safe_io import sha256_hex
 from trainmesh.parallel.tensor_parallel import parallelize as apply_tensor_parallel
 from trainmesh.parallel.tensor_parallel import unsharded_state_dict
 from trainmesh import checkpoint
@@ -184,7 +184,7 @@ def _validate(model: nn.Module, mesh: Mesh, spec: ModelSpec | None, tp_plan: dic
         raise ValueError(f"recompute={recompute!r} needs the model's family to name its blocks; pass the "
                          f"block classes instead, e.g. recompute=(MyBlock,)")
     if tp > 1 and tp_plan is None:
-        raise ValueError(f"tp={tp} needs a tp_plan (module-name patterns -> styles, e.g. tm.plans.llama) for {name}")
+        raise ValueError(f"tp={tp} needs a tp_plan (module-name patterns -> styles, e.g. tm.tp_plans.llama) for {name}")
     if pp > 1 and pipeline is None and not _keeps_contract(model) and (spec is None or spec.layout is None):
         raise ValueError(f"pp={pp} needs to know where {name} keeps its blocks; pass "
                          f"pipeline=tm.StageLayout(blocks='layers', pre='embed', post=('norm', 'head'), "
@@ -238,7 +238,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
     ``tp_plan``: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES` (default: the model
-    family's plan; :mod:`trainmesh.plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism), within each
+    family's plan; :mod:`trainmesh.models.tp_plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism), within each
     replica group of a mesh built with ``dp_replicate``.
     ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
     ``pipeline``: where the blocks and the modules before and after them are (default: the family's
@@ -246,10 +246,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
     ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``, ``fp8`` (bf16 whose
     linears multiply in float8 through torchao, but for the family's ``high_precision`` layers:
-    :mod:`trainmesh.float8`; not with ``tp`` > 1); gradients are reduced
+    :mod:`trainmesh.training.float8`; not with ``tp`` > 1); gradients are reduced
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
     and the loss; ``cuda_graphs`` also captures them as CUDA graphs (``mode="reduce-overhead"``) where the
-    layout allows (:mod:`trainmesh.cuda_graphs`; elsewhere rank 0 prints why once and compiles without).
+    layout allows (:mod:`trainmesh.training.cuda_graphs`; elsewhere rank 0 prints why once and compiles without).
     ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.parallel.context_parallel`);
     each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
     A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
@@ -455,7 +455,7 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
     ``microbatches`` (gradient accumulation; default: the model's), the gradient is clipped to global norm
     ``max_norm`` (0: no clipping) and AdamW steps at ``opt.lr``. Returns the mean loss over the global
     batch, the number one process would compute; ``opt.grad_norm`` is the step's gradient norm (not finite:
-    the step was skipped on every rank). ``saved`` (:class:`~trainmesh.metrics.SavedActivations`) records
+    the step was skipped on every rank). ``saved`` (:class:`~trainmesh.tracking.metrics.SavedActivations`) records
     the activation bytes of the first micro-batch.
 
     ``loss_fn(logits, targets)`` defaults to next-token cross-entropy (vocabulary-parallel where the plan

@@ -44,7 +44,7 @@ class Layout:
     group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's
     ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per rank and optional
     per-stage ``stage_layers``; memory savers and dtypes; ``compile`` (and ``cuda_graphs``, its blocks captured
-    as CUDA graphs where :mod:`trainmesh.cuda_graphs` allows); and ``timeline``, a
+    as CUDA graphs where :mod:`trainmesh.training.cuda_graphs` allows); and ``timeline``, a
     picture only a pipeline can draw (empty: none).
     """
 

@@ -30,12 +30,12 @@ import torch.distributed as dist
 import trainmesh as tm
 from trainmesh import api
 from trainmesh.app.config import Config
-from trainmesh.comm import log_all_gather
+from trainmesh.distributed.comm import log_all_gather
 from trainmesh.data import TokenData, get_batch
-from trainmesh.mesh import Mesh
-from trainmesh.metrics import SavedActivations
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import spec_of
-from trainmesh.precision import dtype_of
+from trainmesh.training.precision import dtype_of
 
 StepFn = Callable[[int], None]
 Rates = dict[str, list[float]]  # tokens/s of each timed pair's step, per implementation

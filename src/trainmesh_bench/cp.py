@@ -6,8 +6,8 @@ same warm processes (:func:`cp_rank`):
 
 * ``memory``: one training step per layout at a long sequence (its learned position table sized to it), as
   ``trainmesh train`` takes its first: the activation bytes the first micro-batch saved
-  (:class:`trainmesh.metrics.SavedActivations`) against :func:`trainmesh.plan.micro_batch_activation_bytes`,
-  the peak RSS during the step, and the bytes :class:`trainmesh.comm.Comm` counted on the ``cp`` axis
+  (:class:`trainmesh.tracking.metrics.SavedActivations`) against :func:`trainmesh.plan.micro_batch_activation_bytes`,
+  the peak RSS during the step, and the bytes :class:`trainmesh.distributed.comm.Comm` counted on the ``cp`` axis
   against :func:`trainmesh.plan.cp_bytes_per_micro`.
 * ``fit``: the longest sequence whose step fits a per-rank memory cap, as the planner answers it
   (:func:`trainmesh.plan.memory_per_rank`) and as real steps measure it (the largest tensor memory held at
@@ -38,11 +38,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 
 from trainmesh import api
-from trainmesh.comm import Comm, log_all_reduce
+from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.app.config import Config
 from trainmesh.parallel.context_parallel import AXIS, RingTimeline, ring_attention
-from trainmesh.mesh import Mesh
-from trainmesh.metrics import SavedActivations
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import spec_of
 from trainmesh.app.planning import layout_of, workload_of
 from trainmesh.plan import (
@@ -51,7 +51,7 @@ from trainmesh.plan import (
     memory_per_rank,
     micro_batch_activation_bytes,
 )
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh_bench.common import build, peak_rss, trainmesh_step
 from trainmesh_bench.plan import step_peak
 

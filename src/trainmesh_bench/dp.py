@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainmesh.app.config import Config
 from trainmesh.models.gpt import cross_entropy
-from trainmesh.optim import build_adamw
+from trainmesh.training.optim import build_adamw
 from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 

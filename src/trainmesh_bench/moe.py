@@ -23,9 +23,9 @@ import torch
 
 from trainmesh.app.config import Config
 from trainmesh.parallel.expert_parallel import expert_modules
-from trainmesh.metrics import max_rss_bytes, storage_bytes
+from trainmesh.tracking.metrics import max_rss_bytes, storage_bytes
 from trainmesh.models.moe import MATMULS
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh_bench.common import build, init_mesh, trainmesh_step
 
 MIB = 2**20

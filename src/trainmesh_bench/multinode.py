@@ -1,6 +1,6 @@
 """``make bench-multinode``: ZeRO-3 over all ranks vs hybrid sharding (HSDP) on the namespace test bed.
 
-Two nodes of two ranks (:class:`trainmesh.testbed.TestBed`), joined by a link limited to ``--rate-mbit`` each
+Two nodes of two ranks (:class:`trainmesh.distributed.testbed.TestBed`), joined by a link limited to ``--rate-mbit`` each
 way, run ``trainmesh launch --nnodes 2`` of this file once per layout: ZeRO-3 sharded over all 4 ranks, and
 HSDP 2x2 (ZeRO-3 inside each node, the gradient shards all-reduced across the two). Per step: the bytes that
 crossed the node link, counted by the kernel on each node's veth (``/sys/class/net/eth0/statistics``, read
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank:
         rank_main(args.rank, args.model, args.steps, args.global_batch, args.out)
         return 0
-    from trainmesh.testbed import TestBed, missing_capability
+    from trainmesh.distributed.testbed import TestBed, missing_capability
 
     reason = missing_capability()
     if reason:

@@ -3,7 +3,7 @@ layout, next to what a real run of that layout measures here.
 
 ``python -m trainmesh_bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
 ``tests/multirank/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
-:func:`trainmesh.testing.run_ranks` call: each rank trains each layout with
+:func:`trainmesh.distributed.testing.run_ranks` call: each rank trains each layout with
 :func:`trainmesh.app.train.train` (``trainmesh train`` itself, which writes ``metrics.jsonl`` and
 ``summary.json``), then runs a few more steps of the model and optimizer it trained with :class:`StepPeak`
 recording.
@@ -68,8 +68,8 @@ import torch.distributed as dist
 from trainmesh import api
 from trainmesh.app.config import Config
 from trainmesh.app.train import TrainResult, train
-from trainmesh.metrics import storage_bytes
-from trainmesh.optim import LRSchedule
+from trainmesh.tracking.metrics import storage_bytes
+from trainmesh.training.optim import LRSchedule
 from trainmesh.app.planning import auto_config, layout_of, workload_of
 from trainmesh.plan import (
     activation_bytes,
@@ -79,7 +79,7 @@ from trainmesh.plan import (
     model_state_bytes,
     step_time,
 )
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh_bench.common import Bench, alternating_times, trainmesh_step
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B,
@@ -344,7 +344,7 @@ def auto_choice(cfgs: Iterable[Config], model: str, world: int, global_batch: in
 def run_matrix(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
                global_batch: int = 8, timeout: float = 600.0, steps: int = 2, auto: bool = False,
                timed_rounds: int = TIMED_ROUNDS) -> list[Comparison]:
-    """Run the layouts of ``world`` in one :func:`~trainmesh.testing.run_ranks` call and compare each."""
+    """Run the layouts of ``world`` in one :func:`~trainmesh.distributed.testing.run_ranks` call and compare each."""
     cfgs = matrix_configs(model, world, out_dir, names, global_batch, steps, auto)
     results = run_ranks(measure_rank, world, list(cfgs.values()), timed_rounds, timeout=timeout)
     return [row for k, (name, cfg) in enumerate(cfgs.items())

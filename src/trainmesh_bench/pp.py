@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainmesh.app.config import Config, ConfigError, validate
-from trainmesh.optim import build_adamw, global_norm, unscale_and_clip_
+from trainmesh.training.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
 from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate

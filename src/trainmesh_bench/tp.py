@@ -22,7 +22,7 @@ from torch.nn.utils import get_total_norm
 from trainmesh.app.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
-from trainmesh.optim import build_adamw
+from trainmesh.training.optim import build_adamw
 from trainmesh.parallel.tensor_parallel import ShardSpec, match_plan, shard_tensor
 from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)

@@ -38,10 +38,10 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from trainmesh.app.config import Config
-from trainmesh.metrics import optimizer_tensors, storage_bytes
+from trainmesh.tracking.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import cross_entropy
-from trainmesh.optim import build_adamw
-from trainmesh.precision import dtype_of
+from trainmesh.training.optim import build_adamw
+from trainmesh.training.precision import dtype_of
 from trainmesh.parallel.zero import default_units, model_state_bytes_formula
 from trainmesh_bench.common import (RSS_STEPS, Bench, Result, StepFn, all_ranks, build, compare, fresh_model,
                                     init_mesh, rss_after, trainmesh_step)

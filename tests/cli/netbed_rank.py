@@ -8,7 +8,7 @@ import torch
 
 from trainmesh.app.config import Config
 from trainmesh.app.train import full_state_dict, train
-from trainmesh.mesh import world_env
+from trainmesh.distributed.mesh import world_env
 
 if __name__ == "__main__":
     result = train(Config(**json.loads(sys.argv[1])))

@@ -18,14 +18,16 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 
-from trainmesh import checkpoint, safe_io
+from trainmesh import checkpoint
+
+from trainmesh.storage import safe_io
 from trainmesh.app import checkpoints
 from trainmesh.checkpoint import CheckpointError, CheckpointMismatch, read_tensors, step_dir
 from trainmesh.checkpoint.store import flat_range_boxes, region, whole
 from trainmesh.app.config import Config
-from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor, spec_boxes
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, full_state_dict, setup_process, train
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL, config

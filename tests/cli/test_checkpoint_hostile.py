@@ -23,7 +23,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainmesh import checkpoint, safe_io
+from trainmesh import checkpoint
+
+from trainmesh.storage import safe_io
 from trainmesh.app import checkpoints
 from trainmesh.app import cli
 from trainmesh.checkpoint import (LOCK, CheckpointDamaged, CheckpointError, CheckpointMismatch, read_manifest,
@@ -31,7 +33,7 @@ from trainmesh.checkpoint import (LOCK, CheckpointDamaged, CheckpointError, Chec
 from trainmesh.checkpoint.store import RUN_ID_ENV
 from trainmesh.app.config import Config
 from trainmesh.checkpoint.manifest import ManifestError, check_manifest, check_tiling
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.app.train import build, full_state_dict, train
 
 SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"

@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 
 from trainmesh.app import cli
-from trainmesh import launcher
+from trainmesh.distributed import launcher
 from trainmesh.app.config import Config
 
 

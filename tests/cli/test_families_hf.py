@@ -31,7 +31,7 @@ from trainmesh.app.generate import load_model
 from trainmesh.app.train import build, train
 from trainmesh.checkpoint import read_manifest, recorded_model, step_dir
 from trainmesh.checkpoint.manifest import check_manifest
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import hf
 
 transformers = pytest.importorskip("transformers")

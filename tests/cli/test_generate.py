@@ -22,7 +22,7 @@ from trainmesh.checkpoint import CheckpointError, read_tensors, step_dir
 from trainmesh.app.config import Config
 from trainmesh.app.generate import (GREEDY, GenerateError, Sampling, checkpoint_path, filter_logits, generate,
                                 generate_text, load_model, next_token)
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.models.cache import KVCache
 from trainmesh.data.tokenizer import TokenizerError

@@ -27,9 +27,9 @@ from trainmesh.app import checkpoints
 from trainmesh.models import hf
 from trainmesh.app.cli import main
 from trainmesh.app.config import Config, ConfigError, config_from_args, validate
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import gpt, llama, moe, spec_of
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, setup_process
 
 transformers = pytest.importorskip("transformers")

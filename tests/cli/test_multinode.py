@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainmesh.app.config import Config
-from trainmesh.mesh import first_host, world_env
+from trainmesh.distributed.mesh import first_host, world_env
 
 from helpers import FP64_ATOL, train_single
 

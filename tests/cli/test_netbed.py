@@ -1,5 +1,5 @@
 """Multi-node runs over a real link: two "nodes" are two network namespaces joined by rate-limited veths
-(:mod:`trainmesh.testbed`), each running ``trainmesh launch --nnodes 2 --node-rank K`` or torchrun; Gloo and
+(:mod:`trainmesh.distributed.testbed`), each running ``trainmesh launch --nnodes 2 --node-rank K`` or torchrun; Gloo and
 the rendezvous bind to the namespaces' private addresses only. Runs match one process in float64, a rank
 killed on one node is named by node and rank on both, and nothing is left behind (processes, namespaces,
 shared-memory segments: the ``bed`` fixture checks after every test)."""
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.testbed import TestBed, missing_capability
+from trainmesh.distributed.testbed import TestBed, missing_capability
 
 from helpers import FP64_ATOL, assert_same_training, config, in_fp64, train_single
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainmesh.app.planning import add_plan_arguments, plan_from_args
-from trainmesh.testbed import TestBed, missing_capability
+from trainmesh.distributed.testbed import TestBed, missing_capability
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

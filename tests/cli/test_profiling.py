@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trainmesh.profiling import busy_us
+from trainmesh.tracking.profiling import busy_us
 
 
 def test_busy_time_counts_overlapping_kernels_once():

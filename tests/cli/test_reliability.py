@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from trainmesh.app import cli
-from trainmesh import launcher
-from trainmesh.comm import Comm, format_ranks
-from trainmesh.launcher import RankProcess, _parse_ranks, _report_failure
+from trainmesh.distributed import launcher
+from trainmesh.distributed.comm import Comm, format_ranks
+from trainmesh.distributed.launcher import RankProcess, _parse_ranks, _report_failure
 from trainmesh.app.config import Config
-from trainmesh.mesh import Mesh
-from trainmesh.testing import RankFailure, run_ranks
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.distributed.testing import RankFailure, run_ranks
 from trainmesh.app.train import TrainingDiverged, build, forward_backward, inject_fault, rank_batch, setup_process, train
 
 from helpers import config
@@ -255,7 +255,7 @@ def test_report_follows_the_waits_to_the_rank_that_never_arrived(capsys):
     """pp=4 x dp=2 (ranks 0-7): pipeline rank 2 of the first pipeline (global rank 4) hangs. Its pipeline
     neighbours wait on it for messages, rank 0 waits on rank 2 (itself waiting), and its data-parallel
     peer (rank 5) waits on it in a collective; ranks of the other stages did not fail yet."""
-    error = "trainmesh.comm.CollectiveError: rank {}: {} failed: Timed out waiting 4000ms\n"
+    error = "trainmesh.distributed.comm.CollectiveError: rank {}: {} failed: Timed out waiting 4000ms\n"
     failed = [_failed_rank(2, error.format(2, "p2p pp/recv 4->2 #9")),
               _failed_rank(0, error.format(0, "p2p pp/recv 2->0 #9")),
               _failed_rank(6, error.format(6, "p2p pp/send 6->4 #10")),

@@ -27,7 +27,7 @@ from trainmesh.app.cli import main
 from trainmesh.app.generate import load_model
 from trainmesh.app.train import train
 from trainmesh.checkpoint import read_manifest, step_dir
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import hf
 from trainmesh.models.rope import RopeScaling, rope_from_hf
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainmesh.app import cli, rundir
-from trainmesh import launcher
+from trainmesh.distributed import launcher
 from trainmesh.tracking import runlock
 from trainmesh.tracking import records as metrics_module
 from trainmesh.app.config import Config, ConfigError

@@ -22,7 +22,7 @@ from trainmesh.app import cli
 from trainmesh.app.config import Config
 from trainmesh.app.train import train
 from trainmesh.checkpoint import CheckpointError
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import spec_of
 from trainmesh.tracking.records import MetricsError, MetricsWriter, TensorBoardSink
 

@@ -15,7 +15,7 @@ import torch
 from trainmesh.app import cli
 from trainmesh.tracking import records as metrics
 from trainmesh.app.config import Config
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.records import METRICS_FILE, LossWindows, MetricsWriter, Progress, TensorBoardSink
 from trainmesh.tracking.report import REPORT_FILE, History, ReportError, read_records, report, summary_text
 from trainmesh.app.train import train

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 import trainmesh as tm
 from trainmesh import checkpoint
 from trainmesh.tracking import runlock
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import Staged, spec_for
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL
 
@@ -122,7 +122,7 @@ def test_hf_llama_and_a_custom_module_at_dp2_zero3_tp2_sp_pp2_match_plain_torch(
     assert_layouts_match_plain_torch([
         dict(model="hf_llama", mesh=dict(dp=2)),
         dict(model="hf_llama", mesh=dict(dp=2), zero=3, recompute="full"),
-        dict(model="hf_llama", mesh=dict(tp=2), tp_plan=tm.plans.llama, sequence_parallel=True),
+        dict(model="hf_llama", mesh=dict(tp=2), tp_plan=tm.tp_plans.llama, sequence_parallel=True),
         dict(model="hf_llama", mesh=dict(pp=2), schedule="1f1b"),
         dict(model="custom", mesh=dict(pp=2), pipeline=LAYOUT, recompute=(Block,)),
         dict(model="custom", mesh=dict(tp=2), tp_plan=PLAN, sequence_parallel=True),
@@ -130,15 +130,15 @@ def test_hf_llama_and_a_custom_module_at_dp2_zero3_tp2_sp_pp2_match_plain_torch(
 
 
 def test_hf_llama_at_dp2_tp2_matches_plain_torch():
-    assert_layouts_match_plain_torch([dict(model="hf_llama", mesh=dict(dp=2, tp=2), tp_plan=tm.plans.llama)], world=4)
+    assert_layouts_match_plain_torch([dict(model="hf_llama", mesh=dict(dp=2, tp=2), tp_plan=tm.tp_plans.llama)], world=4)
 
 
 @pytest.mark.slow
 def test_hf_llama_at_more_layouts_matches_plain_torch():
     assert_layouts_match_plain_torch([
         dict(model="hf_llama", mesh=dict(dp=2, pp=2), zero=1, schedule="1f1b"),
-        dict(model="hf_llama", mesh=dict(tp=2, pp=2), tp_plan=tm.plans.llama, sequence_parallel=True, zero=2),
-        dict(model="hf_llama", mesh=dict(dp=2, tp=2), tp_plan=tm.plans.llama, zero=3, recompute="selective"),
+        dict(model="hf_llama", mesh=dict(tp=2, pp=2), tp_plan=tm.tp_plans.llama, sequence_parallel=True, zero=2),
+        dict(model="hf_llama", mesh=dict(dp=2, tp=2), tp_plan=tm.tp_plans.llama, zero=3, recompute="selective"),
         dict(model="hf_llama", mesh=dict(pp=2, dp=2), schedule="interleaved", virtual_stages=2),
         dict(model="hf_llama", mesh=dict(pp=2, dp=2), schedule="zb"),
     ], world=4)
@@ -149,7 +149,7 @@ def save_at_tp2_sp_then_load_at_pp2(directory: str) -> tuple[list[float], list[f
     third step there. Returns both third-step losses and the step the load reported."""
     torch.set_num_threads(1)
     first = batches()
-    tp = tm.parallelize(hf_llama(), tm.init_mesh(tp=2), tp_plan=tm.plans.llama, sequence_parallel=True,
+    tp = tm.parallelize(hf_llama(), tm.init_mesh(tp=2), tp_plan=tm.tp_plans.llama, sequence_parallel=True,
                         precision="fp64", microbatches=MICRO, zero=1)
     opt = tm.optimizer(tp, lr=LR)
     for batch in first[:2]:
@@ -198,7 +198,7 @@ def test_tp_beyond_the_kv_heads_is_refused_in_one_line_before_any_work():
     model = hf_llama(layers=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"tp=4 exceeds n_kv_heads=2 .*choose tp in \{1, 2\}") as e:
-        tm.parallelize(model, mesh_of(tp=4), tp_plan=tm.plans.llama)
+        tm.parallelize(model, mesh_of(tp=4), tp_plan=tm.tp_plans.llama)
     assert "\n" not in str(e.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear

@@ -16,9 +16,9 @@ import torch
 
 import trainmesh as tm
 from trainmesh.checkpoint import candidates, read_tensors, store
-from trainmesh.mesh import world_from_env
+from trainmesh.distributed.mesh import world_from_env
 from trainmesh.models.gpt import GPT, PRESETS
-from trainmesh.testing import RankFailure, run_ranks
+from trainmesh.distributed.testing import RankFailure, run_ranks
 
 from helpers import child_pids
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 from trainmesh import api
 from trainmesh_bench.cp import largest_fitting, longest_fitting, planned_peak
-from trainmesh.comm import Comm, log_all_gather
+from trainmesh.distributed.comm import Comm, log_all_gather
 from trainmesh.parallel.context_parallel import RingTimeline, ring_attention, shard_sequence
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 MIB = 2**20
 

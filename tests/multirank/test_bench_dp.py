@@ -3,7 +3,7 @@
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh_bench.common import build, fresh_model, init_mesh, trainmesh_step
 from trainmesh_bench.dp import unsynchronised_step
 

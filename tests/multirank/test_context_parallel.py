@@ -16,8 +16,8 @@ from trainmesh.layout import validate as validate_layout
 from trainmesh.models.spec import ModelShape
 from trainmesh.models import spec_of
 
-from trainmesh.mesh import Mesh, init_distributed
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.mesh import Mesh, init_distributed
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import check_equivalent
 from helpers import config as run_config

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
 from helpers import check_equivalent, config, differences, train_rank, train_single

@@ -9,10 +9,10 @@ import torch
 
 import trainmesh.app.train
 import trainmesh.parallel.zero.flat
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.app.config import Config
 
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import FP64_ATOL, check_equivalent, differences, in_fp64, train_rank, train_single
 

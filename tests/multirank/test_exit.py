@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import trainmesh as tm
-from trainmesh import mesh as mesh_module
-from trainmesh.testing import run_ranks
+from trainmesh.distributed import mesh as mesh_module
+from trainmesh.distributed.testing import run_ranks
 
 
 def _gloo_threads() -> list[str]:

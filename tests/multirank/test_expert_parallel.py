@@ -20,9 +20,9 @@ from trainmesh.app.checkpoints import load_hf_weights
 from trainmesh.checkpoint import step_dir
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.parallel.expert_parallel import AllToAllDispatch
-from trainmesh.mesh import Mesh, init_distributed
+from trainmesh.distributed.mesh import Mesh, init_distributed
 from trainmesh.app.train import build, full_state_dict, setup_process, train
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import spec_of
 
 D = 3

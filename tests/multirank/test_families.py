@@ -13,12 +13,12 @@ import torch
 import trainmesh as tm
 from trainmesh.app import checkpoints
 from trainmesh.app.train import build, full_state_dict, train
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.models.cache import KVCache, causal_attention
 from trainmesh.models.llama import Llama
 from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL, assert_same_training, check_equivalent, in_fp64
 from helpers import config as run_config

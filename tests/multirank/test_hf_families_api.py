@@ -8,7 +8,7 @@ import torch
 import test_api
 from helpers import FP64_ATOL
 from trainmesh import models
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,8 +14,8 @@ import pytest
 
 from trainmesh.app import cli
 from trainmesh.app.config import Config
-from trainmesh.shm import TRANSPORT_ENV
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.shm import TRANSPORT_ENV
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import Training, differences, in_fp64, train_rank
 

@@ -10,7 +10,7 @@ import pytest
 from trainmesh.app.train import full_state_dict, train
 from trainmesh.checkpoint import read_tensors
 from trainmesh.layout import Layout, LayoutError, flag, validate
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import FP64_ATOL, check_equivalent, config, in_fp64, train_rank
 

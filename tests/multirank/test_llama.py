@@ -17,13 +17,13 @@ from trainmesh.app import checkpoints
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.layout import Layout, LayoutError
 from trainmesh.layout import validate as validate_layout
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import SPECS, planner_shapes, preset, spec_of
 from trainmesh.models.llama import Attention, Llama, apply_rotary, rotary_angles
 from trainmesh.plan import model_shape, params_per_tp_rank
 from trainmesh.parallel.recompute import apply_recompute
 from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, full_state_dict, train
 
 from helpers import check_equivalent, config

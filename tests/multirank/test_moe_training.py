@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from trainmesh.app.config import Config, ConfigError, validate
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.records import scalars
 from trainmesh.models import moe
 from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.tracking.report import report
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, full_state_dict, moe_metrics, rank_batch, setup_process, train
 from trainmesh.parallel.tensor_parallel import is_tp_partial
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from trainmesh.app.config import Config, ConfigError, validate
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.pipeline.partition import balanced_partition, explicit_partition, partition_model, split_model
 from trainmesh.pipeline.runtime import PipelineRuntime, forward_only, hoist_receives, last_weight_gradients
 from trainmesh.pipeline.schedules import SCHEDULES, SEND_KINDS, ActionKind, build_schedule
 from trainmesh.pipeline.simulate import simulate
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, evaluate, forward_backward, rank_batch, setup_process
 
 from helpers import check_equivalent, config

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.mesh import Mesh
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, inject_fault, rank_batch, setup_process, train
 
 from helpers import config

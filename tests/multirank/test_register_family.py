@@ -11,7 +11,7 @@ import torch
 
 import trainmesh as tm
 from trainmesh import models
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import llama
 
 from test_api import ROOT, launch

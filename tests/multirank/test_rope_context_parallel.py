@@ -6,11 +6,11 @@ import dataclasses
 import torch
 
 import trainmesh as tm
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset
 from trainmesh.models.llama import Llama
 from trainmesh.models.rope import RopeScaling
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 
 from helpers import EQUIVALENCE_TABLE, assert_same_training
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trainmesh.comm
-from trainmesh import shm
-from trainmesh.comm import Comm
-from trainmesh.mesh import Mesh, init_distributed
-from trainmesh.launcher import launch
-from trainmesh.testing import RankFailure, run_ranks
+import trainmesh.distributed.comm
+from trainmesh.distributed import shm
+from trainmesh.distributed.comm import Comm
+from trainmesh.distributed.mesh import Mesh, init_distributed
+from trainmesh.distributed.launcher import launch
+from trainmesh.distributed.testing import RankFailure, run_ranks
 
 PER_CHUNK = shm.SLOT_BYTES // 4
 CASES = [  # (numel, dtype, divisor): several chunks with a short last one, uneven rank slices, half precision,
@@ -195,7 +195,7 @@ def _open_channels_failing() -> str:
     def stuck(*args: object) -> None:
         raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
 
-    trainmesh.comm.open_channels = stuck
+    trainmesh.distributed.comm.open_channels = stuck
     try:
         comm.open_channels("pp", [(0, 1), (1, 0)], 1, 64)
     except Exception as e:  # noqa: BLE001 - the test checks its message
@@ -236,8 +236,8 @@ def test_a_segment_whose_opening_fails_leaves_no_file():
 KILLED_AFTER_CREATING = """
 # Rank 0 is killed right after creating the segment's file, before the ranks could unlink it.
 import os, signal, torch, torch.distributed as dist
-from trainmesh import shm
-from trainmesh.mesh import init_distributed
+from trainmesh.distributed import shm
+from trainmesh.distributed.mesh import init_distributed
 init_distributed("gloo", torch.device("cpu"))
 if dist.get_rank() == 0:
     shm._agree = lambda ok, group: os.kill(os.getpid(), signal.SIGKILL)

@@ -10,13 +10,13 @@ from torch import nn
 
 from trainmesh.parallel.tensor_parallel import parallelize
 from trainmesh.app.config import Config, ConfigError, validate
-from trainmesh.mesh import Mesh
-from trainmesh.metrics import SavedActivations
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import GPT_PLAN
 from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
-from trainmesh.optim import is_tp_sharded
+from trainmesh.training.optim import is_tp_sharded
 from trainmesh.parallel.tensor_parallel import ShardSpec, load_full_state_dict, shard_tensor, unsharded_state_dict
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
 from helpers import check_equivalent, config

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.app.config import Config
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
-from trainmesh.testing import run_ranks
+from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, full_state_dict, inject_fault, rank_batch, setup_process, train
 from trainmesh.parallel.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)

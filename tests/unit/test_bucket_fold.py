@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh.comm import Comm
-from trainmesh.mesh import Mesh
-from trainmesh.optim import adamw_factory
+from trainmesh.distributed.comm import Comm
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.training.optim import adamw_factory
 from trainmesh.parallel.data_parallel import DataParallel
 
 

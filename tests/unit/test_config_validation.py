@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainmesh.app import cli, config
-from trainmesh import launcher
+from trainmesh.distributed import launcher
 from trainmesh.app.config import SECTIONS, Config, ConfigError, check_value, config_from_args, load_toml, validate
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import trainmesh as tm
-from trainmesh.cuda_graphs import capture_problem, compile_mode
+from trainmesh.training.cuda_graphs import capture_problem, compile_mode
 from trainmesh.layout import Layout, LayoutError, flag, validate
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 
 DENSE = Layout(compile=True, cuda_graphs=True)

@@ -11,10 +11,10 @@ import pytest
 import torch.distributed.launcher.api as torch_launcher
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from trainmesh import elastic
+from trainmesh.distributed import elastic
 from trainmesh.app import cli
 from trainmesh.app.cli import _launch
-from trainmesh.launcher import Nodes, RankProcess, _failure_elsewhere, _post_failure, host_store
+from trainmesh.distributed.launcher import Nodes, RankProcess, _failure_elsewhere, _post_failure, host_store
 from trainmesh.app.config import ConfigError
 from trainmesh.layout import Layout, LayoutError, flag, scaled_to_world
 

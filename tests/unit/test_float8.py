@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh import float8
+from trainmesh.training import float8
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.app.train import train
-from trainmesh.hardware import DEVICE_PEAKS, make_cluster
+from trainmesh.distributed.hardware import DEVICE_PEAKS, make_cluster
 from trainmesh.layout import Layout, LayoutError, flag, validate as validate_layout
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
-from trainmesh.state_bytes import precision_bytes
+from trainmesh.training.state_bytes import precision_bytes
 
 from helpers import config
 

@@ -15,9 +15,9 @@ import torch
 
 import trainmesh as tm
 from trainmesh.app import cli
-from trainmesh import launcher
+from trainmesh.distributed import launcher
 from trainmesh.layout import Layout, LayoutError, flag, keyword, validate
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.models.spec import ModelShape
 

@@ -20,7 +20,7 @@ from trainmesh.app import cli
 from trainmesh.app.config import Config, config_from_args
 from trainmesh.app.planning import (add_plan_arguments, auto_config, layout_flags, layout_of, plan_from_args,
                                     preset_source, train_command, with_layout, workload_from, workload_of)
-from trainmesh.metrics import SavedActivations, mfu, model_flops_per_token
+from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_token
 from trainmesh.models import ModelShape
 from trainmesh.models.gpt import GPT, PRESETS, cross_entropy
 from trainmesh.pipeline.schedules import (
@@ -30,7 +30,7 @@ from trainmesh.pipeline.schedules import (
     schedule_zb_h1,
 )
 from trainmesh.pipeline.simulate import simulate
-from trainmesh.precision import dtype_of
+from trainmesh.training.precision import dtype_of
 from trainmesh.plan import (
     GIB,
     Cluster,

@@ -1,6 +1,6 @@
 """The planner's memory against what trainmesh's modules save, and at the layouts published runs used.
 
-A block's saved activations are measured with :class:`trainmesh.metrics.SavedActivations` on one block of
+A block's saved activations are measured with :class:`trainmesh.tracking.metrics.SavedActivations` on one block of
 each family at a tiny size (CPU, no ranks) and held to the planner's count. The published layouts are
 priced as their sources describe them; docs/planner.md gives the figures per component."""
 
@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from trainmesh.hardware import make_cluster
-from trainmesh.metrics import SavedActivations
+from trainmesh.distributed.hardware import make_cluster
+from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import preset, spec_of
 from trainmesh.plan import Layout, Workload, layer_activation_bytes, memory_per_rank, model_shape
 from trainmesh.plan.memory import buffer_bytes, p2p_bytes

@@ -16,7 +16,7 @@ import torch
 from trainmesh.app import cli
 from trainmesh.app.config import config_from_args
 from trainmesh.app.planning import add_plan_arguments, layout_of, plan_from_args, workload_of
-from trainmesh.metrics import model_flops_per_token
+from trainmesh.tracking.metrics import model_flops_per_token
 from trainmesh.models import SPECS, preset
 from trainmesh.models.llama import Llama
 from trainmesh.plan import Layout, Workload, active_params, cp_bytes_per_micro, model_shape

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.data import DataError, TokenData, get_batch, global_batch_offsets
-from trainmesh.mesh import Mesh
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.records import METRICS_FILE, MetricsWriter
 from trainmesh.models.gpt import GPT, PRESETS
-from trainmesh.optim import LRSchedule
+from trainmesh.training.optim import LRSchedule
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])

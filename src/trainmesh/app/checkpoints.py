@@ -30,11 +30,11 @@ from trainmesh.app.config import Config
 from trainmesh.data import pin_tokenizer
 from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerError, TokenizerFile
 from trainmesh.checkpoint.manifest import RUN_ID, show
-from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.models import register_preset, spec_of
 from trainmesh.models.weights import first_untrainable, scan_file
 from trainmesh.tracking import runlock
-from trainmesh.safe_io import fsync_dir, sha256_hex
+from trainmesh.storage.safe_io import fsync_dir, sha256_hex
 from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP_DIR, CheckpointDamaged, CheckpointError,
                                         CheckpointMismatch, CheckpointOfAnotherRun, TrainingProgress, agreed_run_id,
                                         all_gather_json, candidates, fill, local_state, notice, on_every_rank,

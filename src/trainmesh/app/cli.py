@@ -1,9 +1,9 @@
 """``trainmesh``: the command line.
 
 ``trainmesh train --nproc N`` checks the whole configuration, then spawns N local ranks through
-:mod:`trainmesh.launcher`; each rank re-enters this same entry point with ``RANK`` set and trains. Under
+:mod:`trainmesh.distributed.launcher`; each rank re-enters this same entry point with ``RANK`` set and trains. Under
 torchrun ``RANK`` is set from the start, and under srun (more than one task) ``SLURM_PROCID``, so the
-command runs as a rank directly (:func:`trainmesh.mesh.world_env`).
+command runs as a rank directly (:func:`trainmesh.distributed.mesh.world_env`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from trainmesh.models import hf
 from trainmesh.tracking import runlock
-from trainmesh import elastic, shm
+from trainmesh.distributed import elastic
+from trainmesh.distributed import shm
 from trainmesh.app.checkpoints import check_resumable, claim, model_settings
 from trainmesh.checkpoint import CheckpointError, export, export_hf
 from trainmesh.app.config import (AT_LEAST_0, AT_LEAST_1, MAX_STEPS, Bound, Config, ConfigError, add_config_flags,
@@ -26,8 +27,8 @@ from trainmesh.app.config import (AT_LEAST_0, AT_LEAST_1, MAX_STEPS, Bound, Conf
                                   parse_flag, settings_from_args, validate)
 from trainmesh.data import DataError, TokenData
 from trainmesh.app.generate import GenerateError, Sampling, generate_text
-from trainmesh.launcher import STOPPED_GRACE_S
-from trainmesh.mesh import STORE_CLIENT_ENV, world_env, world_from_env
+from trainmesh.distributed.launcher import STOPPED_GRACE_S
+from trainmesh.distributed.mesh import STORE_CLIENT_ENV, world_env, world_from_env
 from trainmesh.layout import LayoutError, scaled_to_world
 from trainmesh.layout import flag as spell_flag
 from trainmesh.tracking.records import MetricsError
@@ -300,7 +301,7 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     if _given(args, ELASTIC_ONLY):
         raise ConfigError(f"launch: {_given(args, ELASTIC_ONLY)} for the elastic agent; give "
                           f"--nnodes MIN:MAX (e.g. {args.nnodes}:{args.nnodes}) with them, or drop them")
-    from trainmesh.launcher import Nodes, launch
+    from trainmesh.distributed.launcher import Nodes, launch
 
     numbers = {}
     for name, env, default in (("nnodes", "NNODES", "1"), ("node_rank", "NODE_RANK", "0"),
@@ -466,7 +467,7 @@ def _scaled(cfg: Config, world: int) -> Config:
 
 def _export_host_transport(cfg: Config) -> None:
     """``--host-transport off`` as ``TRAINMESH_HOST_TRANSPORT=off``, the one setting the comms read
-    (:func:`trainmesh.shm.enabled`): the launcher's ranks inherit this process's environment, and under torchrun
+    (:func:`trainmesh.distributed.shm.enabled`): the launcher's ranks inherit this process's environment, and under torchrun
     each rank parses the flag itself. ``auto`` leaves the environment's say; a value there that is neither is
     refused here, before any rank starts."""
     if cfg.host_transport == "off":
@@ -536,7 +537,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with claim(cfg), runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
         make_out_fresh(cfg)
         if not _is_rank() and (cfg.nproc > 1 or cfg.max_restarts):
-            from trainmesh.launcher import launch_with_restarts
+            from trainmesh.distributed.launcher import launch_with_restarts
             from trainmesh.app.train import FAULT_ENV
 
             if cfg.plan == "auto":
@@ -550,7 +551,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _train_here(cfg: Config) -> int:
     """Train as one rank in this process (the only one, or one of many under torchrun or the launcher); the
-    process group is left at exit (:func:`trainmesh.mesh.leave_at_exit`)."""
+    process group is left at exit (:func:`trainmesh.distributed.mesh.leave_at_exit`)."""
     from trainmesh.app.train import RunStopped, train
 
     try:
@@ -569,7 +570,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
                        cfg.out or default_out_dir())
     cfg = checked_config(args)
     if not _is_rank() and cfg.nproc > 1:
-        from trainmesh.launcher import launch
+        from trainmesh.distributed.launcher import launch
 
         return launch(argv, cfg.nproc)
     from trainmesh_bench.common import write_results

@@ -19,15 +19,15 @@ from typing import Any
 
 from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
-from trainmesh.launcher import STOPPED_GRACE_S
+from trainmesh.distributed.launcher import STOPPED_GRACE_S
 from trainmesh.layout import (CP_IMPLS, PRECISION_CHOICES, RECOMPUTE, REDUCE_DTYPES, SCHEDULES, ZERO_STAGES,
                               Layout, LayoutError, resolve_precision, resolve_reduce_dtype)
-from trainmesh.float8 import fp8_problem
+from trainmesh.training.float8 import fp8_problem
 from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
 from trainmesh.models.moe import MoEConfig
-from trainmesh.safe_io import UnreadableFile, read_user_file
-from trainmesh.shm import TRANSPORTS
+from trainmesh.storage.safe_io import UnreadableFile, read_user_file
+from trainmesh.distributed.shm import TRANSPORTS
 from trainmesh.data.tokenizer import BYTE_VOCAB, padded_vocab
 
 if sys.version_info >= (3, 11):
@@ -209,7 +209,7 @@ class Config:
                                 "the launcher warns, naming the rank and its pid, within a second of the stop; from "
                                 "1 s to a week", low=AT_LEAST_1, high=MAX_SECONDS)
     host_transport: str = _opt("auto", "how the ranks of one CPU host exchange: auto sums, gathers and passes "
-                               "pipeline messages through shared memory (trainmesh.shm) where an axis's ranks share "
+                               "pipeline messages through shared memory (trainmesh.distributed.shm) where an axis's ranks share "
                                "the host; off sends every collective and message through torch.distributed, the "
                                "path NCCL runs on GPUs (TRAINMESH_HOST_TRANSPORT=off in the environment does the "
                                "same). auto is the default because it is faster on one host, 1.2x to 1.9x on "

@@ -33,7 +33,7 @@ from trainmesh.checkpoint import (MANIFEST, CheckpointDamaged, CheckpointError, 
 from trainmesh.checkpoint.store import kept_tokenizer, step_of
 from trainmesh.models.cache import KVCache
 from trainmesh.data.tokenizer import Tokenizer, TokenizerError, TokenizerFile, load_tokenizer
-from trainmesh.safe_io import IntegrityError
+from trainmesh.storage.safe_io import IntegrityError
 
 
 class GenerateError(ValueError):

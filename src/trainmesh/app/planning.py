@@ -14,14 +14,14 @@ from typing import Iterator
 from trainmesh.app.config import Config
 from trainmesh.layout import LayoutError, validate
 from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
-from trainmesh.app.run_command import ModelSource, Nodes, command_lines, planner_only, sbatch_script
+from trainmesh.app.run_command import ModelSource, NodeSpan, command_lines, planner_only, sbatch_script
 from trainmesh.layout import PRECISION_CHOICES, resolve_precision
 from trainmesh.models.hf import HFError, family_of, hf_dir
 from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, choose,
                             format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
                             to_json)
 from trainmesh.plan.hf_shape import read_hf_shape
-from trainmesh.state_bytes import DTYPE_BYTES
+from trainmesh.training.state_bytes import DTYPE_BYTES
 
 
 LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
@@ -88,11 +88,11 @@ def preset_source(workload: Workload, model: str) -> ModelSource:
     return ModelSource(("--model", model, *seq))
 
 
-def nodes_of(layout: Layout, cluster: Cluster) -> Nodes:
+def nodes_of(layout: Layout, cluster: Cluster) -> NodeSpan:
     """The nodes ``layout`` fills on ``cluster``: one when it fits in a node, else whole nodes."""
     if layout.world <= cluster.gpus_per_node:
-        return Nodes(1, layout.world)
-    return Nodes(layout.world // cluster.gpus_per_node, cluster.gpus_per_node)
+        return NodeSpan(1, layout.world)
+    return NodeSpan(layout.world // cluster.gpus_per_node, cluster.gpus_per_node)
 
 
 def train_command(workload: Workload, layout: Layout, cluster: Cluster, source: ModelSource) -> list[str]:

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.app.config import Config
 from trainmesh.data import TokenData
 from trainmesh.data.tokenizer import TokenizerFile
-from trainmesh.engine import Criterion, Engine
-from trainmesh.mesh import Mesh
+from trainmesh.training.engine import Criterion, Engine
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.pipeline.runtime import PipelineRuntime
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ def planner_only(what: str) -> ModelSource:
 
 
 @dataclass(frozen=True)
-class Nodes:
+class NodeSpan:
     """How many nodes a run spans and the ranks on each."""
 
     count: int
@@ -43,14 +43,14 @@ def _line(words: list[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def torchrun_words(nodes: Nodes, endpoint: str, run_id: str) -> list[str]:
+def torchrun_words(nodes: NodeSpan, endpoint: str, run_id: str) -> list[str]:
     """``torchrun`` with the c10d rendezvous every node of a multi-node run needs (torchrun's own docs:
     the same ``--rdzv-endpoint`` and ``--rdzv-id`` on every node)."""
     return ["torchrun", "--nnodes", str(nodes.count), "--nproc-per-node", str(nodes.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "-m", "trainmesh"]
 
 
-def command_lines(source: ModelSource, flags: list[str], nodes: Nodes) -> list[str]:
+def command_lines(source: ModelSource, flags: list[str], nodes: NodeSpan) -> list[str]:
     """The lines to paste: the model note if any, then ``trainmesh train --nproc N ...`` on one node, or the
     torchrun line to run on every node, the head node's address left as ``$HEAD_NODE`` (the shell stops
     with a message until it is set)."""
@@ -64,7 +64,7 @@ def command_lines(source: ModelSource, flags: list[str], nodes: Nodes) -> list[s
     return [*notes, f"# on each of the {nodes.count} nodes, with {HEAD_NODE} set to the first node's address:", line]
 
 
-def sbatch_script(source: ModelSource, flags: list[str], nodes: Nodes, job_name: str = "trainmesh") -> str:
+def sbatch_script(source: ModelSource, flags: list[str], nodes: NodeSpan, job_name: str = "trainmesh") -> str:
     """An sbatch script that starts the run: one task per node, each a torchrun of ``nodes.per_node`` ranks,
     rendezvousing at the job's first node (``scontrol show hostnames``) under the job's id."""
     notes = [source.note] if source.note else []

@@ -14,10 +14,10 @@ from datetime import datetime
 from pathlib import Path
 
 from trainmesh.app.config import Config, ConfigError
-from trainmesh.safe_io import remove_entry
+from trainmesh.storage.safe_io import remove_entry
 from trainmesh.tracking import runlock
 from trainmesh.tracking.records import check_no_links, run_records
-from trainmesh.state_bytes import precision_bytes
+from trainmesh.training.state_bytes import precision_bytes
 
 RUNS_ROOT = "runs"
 

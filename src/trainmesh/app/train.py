@@ -21,25 +21,25 @@ from typing import Any
 
 import torch
 
-from trainmesh.agreement import check_agreement
-from trainmesh.comm import Comm, log_all_gather, log_all_reduce
+from trainmesh.distributed.agreement import check_agreement
+from trainmesh.distributed.comm import Comm, log_all_gather, log_all_reduce
 from trainmesh.app.config import Config, vocabulary_note
 from trainmesh.data import TokenData, get_batch, pin_tokenizer
-from trainmesh.engine import MicroBatches
+from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.async_save import AsyncSave
-from trainmesh.launcher import start_heartbeat
-from trainmesh.mesh import Mesh, world_from_env
-from trainmesh.metrics import (SavedActivations, max_rss_bytes, mfu, model_flops_per_token, peak_device_bytes,
+from trainmesh.distributed.launcher import start_heartbeat
+from trainmesh.distributed.mesh import Mesh, world_from_env
+from trainmesh.tracking.metrics import (SavedActivations, max_rss_bytes, mfu, model_flops_per_token, peak_device_bytes,
                                peak_tflops, storage_bytes)
 from trainmesh.tracking.records import LossWindows, MetricsError
-from trainmesh.runlog import RunLog
+from trainmesh.tracking.runlog import RunLog
 from trainmesh.models import moe, spec_of
-from trainmesh.optim import LRSchedule
+from trainmesh.training.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
-from trainmesh.precision import dtype_of
-from trainmesh.profiling import StepProfiler
+from trainmesh.training.precision import dtype_of
+from trainmesh.tracking.profiling import StepProfiler
 from trainmesh import api, checkpoint
 from trainmesh.app import checkpoints
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from torch import nn
 
 from trainmesh.checkpoint import store
-from trainmesh.engine import Engine
-from trainmesh.mesh import Mesh
-from trainmesh.safe_io import write_durably
+from trainmesh.training.engine import Engine
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.storage.safe_io import write_durably
 
 MARKER = ".written-rank-{rank:05d}.json"
 POLL_S = 0.01

@@ -8,7 +8,7 @@ import safetensors.torch
 
 from trainmesh.checkpoint import hf_extras
 from trainmesh.models import hf
-from trainmesh.safe_io import replace_durably
+from trainmesh.storage.safe_io import replace_durably
 from trainmesh.checkpoint.store import (MANIFEST, CheckpointError, read_manifest, candidates, read_tensors)
 from trainmesh.checkpoint.source import (family_weights, recorded_model, recorded_weights, source_name)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from trainmesh.checkpoint.store import kept_tokenizer
 from trainmesh.data.tokenizer import BYTE_VOCAB, HFTokenizer
-from trainmesh.safe_io import IntegrityError, sha256_hex
+from trainmesh.storage.safe_io import IntegrityError, sha256_hex
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                "pytorch_model.bin.index.json")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from torch import nn
 
-from trainmesh.engine import Engine
-from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.training.engine import Engine
+from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.checkpoint.store import (MANIFEST, CheckpointDamaged, TrainingProgress, local_state, rng_state, on_every_rank, read_manifest, verified_tensors, fill, apply_rng)
 from trainmesh.checkpoint.source import (holds_names_of, in_family_names)
 

@@ -39,7 +39,7 @@ are checked against the manifest before they are parsed, and the manifest carrie
 
 Crash safety. A save writes into ``.tmp-step-N``; each rank ``fsync``\ s its file; rank 0 writes the
 manifest, renames the directory to ``step-N`` and then atomically replaces the ``latest`` pointer
-(:mod:`trainmesh.safe_io`). A crash or a full disk at any point leaves the previous checkpoint and the
+(:mod:`trainmesh.storage.safe_io`). A crash or a full disk at any point leaves the previous checkpoint and the
 pointer to it untouched. ``--resume`` tries ``latest``, then every other ``step-N``, newest first, and says
 which damaged ones it skipped.
 
@@ -48,7 +48,7 @@ hashes, so before any value of a manifest is used it is checked against a schema
 types, ranges, plain ``rank-N.safetensors`` file names, allowed dtypes, pieces tiling each tensor, sizes
 within the files' bytes, the step matching its directory's name), every file it names is checked to be a
 regular file inside the step directory with the recorded size before a byte of it is read
-(:mod:`trainmesh.safe_io`), and each generator state is checked when it is applied. Any damage is one
+(:mod:`trainmesh.storage.safe_io`), and each generator state is checked when it is applied. Any damage is one
 line, ``checkpoint D/step-N is damaged: <file>: <what>``, and ``--resume`` goes back to an earlier
 checkpoint of the same run, or stops.
 '''
@@ -76,13 +76,13 @@ from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 
-from trainmesh.comm import log_all_gather
-from trainmesh.engine import Engine
+from trainmesh.distributed.comm import log_all_gather
+from trainmesh.training.engine import Engine
 from trainmesh.checkpoint.manifest import FORMAT, VERSION, ManifestError, check_manifest, check_tiling, show
-from trainmesh.mesh import Mesh, world_from_env
+from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.models import moe
-from trainmesh.precision import LossScaler
-from trainmesh.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
+from trainmesh.training.precision import LossScaler
+from trainmesh.storage.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
                                remove_entry, replace_durably, sha256_hex, write_durably)
 from trainmesh.parallel.expert_parallel import place_experts
 from trainmesh.parallel.tensor_parallel import shard_boxes
@@ -456,7 +456,7 @@ def agreed_run_id(device: torch.device) -> str:
 
 
 @dataclass(frozen=True)
-class Staged:
+class PlannedSave:
     """A save planned on every rank before anything is written: where it goes (``tmp``, renamed to ``final``
     when published), every rank's pieces (``plans``) and who writes each (``writers``), and the pieces this
     ``rank`` writes (``ours``). The synchronous and the background save write exactly this."""
@@ -472,7 +472,7 @@ class Staged:
 
 
 def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
-          host: HostBuffers | None = None) -> Staged:
+          host: HostBuffers | None = None) -> PlannedSave:
     """Gather what every rank holds of ``model`` and ``engine`` (copied into ``host``'s buffers where given)
     and assign each piece one writer (a collective); the run's id is agreed here if ``progress`` has none."""
     rank, device = world_from_env()[0], mesh.device
@@ -483,7 +483,7 @@ def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: Tr
     plans = all_gather_json([item for item, _ in mine.values()], device)
     writers = assign_writers(plans)
     ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}
-    return Staged(rank, device, progress, final, final.with_name(f".tmp-{final.name}"), plans, writers, ours)
+    return PlannedSave(rank, device, progress, final, final.with_name(f".tmp-{final.name}"), plans, writers, ours)
 
 
 

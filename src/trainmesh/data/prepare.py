@@ -37,7 +37,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
-from trainmesh.safe_io import replace_durably
+from trainmesh.storage.safe_io import replace_durably
 from trainmesh.data.sources import input_files, input_size, pieces
 from trainmesh.data.text import DataError
 from trainmesh.data.workers import Workers, WorkerDied

@@ -34,7 +34,7 @@ import numpy as np
 
 from trainmesh.data.text import DataError
 from trainmesh.data.tokenizer import TokenizerError, TokenizerFile
-from trainmesh.safe_io import IntegrityError, inside
+from trainmesh.storage.safe_io import IntegrityError, inside
 
 INDEX_FILE = "index.json"
 FORMAT = "trainmesh-tokens"

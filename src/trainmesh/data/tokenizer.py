@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainmesh.safe_io import read_regular, sha256_hex
+from trainmesh.storage.safe_io import read_regular, sha256_hex
 
 VOCAB_MULTIPLE = 64
 BYTE_VOCAB = 256

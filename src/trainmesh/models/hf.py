@@ -38,7 +38,7 @@ from torch import nn
 from trainmesh.models import SPECS, is_moe
 from trainmesh.models.spec import HFIncompatible, ModelSpec
 from trainmesh.models.weights import FLOATING, first_untrainable, header_dtype_problem, scan_file
-from trainmesh.safe_io import UnreadableFile, read_user_file, replace_durably
+from trainmesh.storage.safe_io import UnreadableFile, read_user_file, replace_durably
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -371,5 +371,5 @@ class ModelSpec:
     (``attention``) and the modules taking position ids (``positions``); empty: cp cannot split this family."""
     high_precision: tuple[str, ...] = ()
     """Module-name patterns (as in ``tp_plan``) of the layers that keep computing in bf16 under
-    ``precision="fp8"``: the embedding, the output head, an MoE router (:mod:`trainmesh.float8` turns every
+    ``precision="fp8"``: the embedding, the output head, an MoE router (:mod:`trainmesh.training.float8` turns every
     other ``nn.Linear`` into a float8 one); empty: the family does not train in fp8."""

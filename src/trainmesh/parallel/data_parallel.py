@@ -19,13 +19,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
-from trainmesh.metrics import model_state_tensors
-from trainmesh.optim import (OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
+from trainmesh.tracking.metrics import model_state_tensors
+from trainmesh.training.optim import (OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
                              norm_contributions)
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
-from trainmesh.precision import LossScaler, copy_masters_to_model, master_dtype, masters
+from trainmesh.training.precision import LossScaler, copy_masters_to_model, master_dtype, masters
 
 
 @dataclass
@@ -340,7 +340,7 @@ class DataParallel:
                 for n, p, q in zip(names, self.params, self.masters or self.params)]
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """What :func:`trainmesh.metrics.storage_bytes` counts as this rank's model state."""
+        """What :func:`trainmesh.tracking.metrics.storage_bytes` counts as this rank's model state."""
         return model_state_tensors(self.module, self.optimizer) + self.masters + [b.flat for b in self.buckets]
 
     def after_update(self) -> None:

@@ -3,7 +3,7 @@ by all-to-all.
 
 The ``ep`` axis folds *inside* the ranks that hold different tokens, as Megatron-core and torchtitan fold
 it: the data-parallel ranks (``dp x cp``), and under sequence parallelism the tp ranks too, each of which
-routes its own slice of the sequence (:mod:`trainmesh.mesh`); an ep group of whole tp groups then lies inside
+routes its own slice of the sequence (:mod:`trainmesh.distributed.mesh`); an ep group of whole tp groups then lies inside
 a node. Ep rank ``r`` of ``P`` holds global experts ``[r E/P, (r+1) E/P)`` and every ep rank still trains on
 its own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAllTokenDispatcher``):
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.models.moe import SequenceSplit, is_expert_param
-from trainmesh.optim import SPLIT_OVER_TP
+from trainmesh.training.optim import SPLIT_OVER_TP
 
 EP_AXIS = "ep"
 EXPERT_AXIS = "edp"  # expert data parallel: the ranks that hold the same experts
@@ -185,7 +185,7 @@ def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, group: dist
 def apply_expert_parallel(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None,
                           over_tp: bool = False) -> None:
     """Shard every MoE layer of ``model`` to ep rank ``rank`` of ``size`` (nothing to do at ``size`` 1);
-    ``over_tp``: the ep groups fold over tp (:attr:`trainmesh.mesh.Mesh.experts_over_tp`)."""
+    ``over_tp``: the ep groups fold over tp (:attr:`trainmesh.distributed.mesh.Mesh.experts_over_tp`)."""
     if size == 1:
         return
     for _, moe in expert_modules(model):

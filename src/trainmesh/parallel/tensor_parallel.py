@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from trainmesh.comm import Comm, Pending
-from trainmesh.mesh import Mesh
-from trainmesh.optim import TP_SHARDED
-from trainmesh.precision import master_dtype
+from trainmesh.distributed.comm import Comm, Pending
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.training.optim import TP_SHARDED
+from trainmesh.training.precision import master_dtype
 
 AXIS = "tp"
 SEQ_DIM = -2

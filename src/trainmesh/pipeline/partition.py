@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.pipeline.schedules import rank_stages
 
 AXIS = "pp"

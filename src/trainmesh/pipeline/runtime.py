@@ -5,7 +5,7 @@ Consecutive SEND/RECV actions are posted together as one batch of asynchronous p
 operations (``Comm.send_recv``, counted as ``pp/p2p``) by a dedicated communication thread: Gloo copies
 a send into the socket on the thread that posts it, which would stall compute. When every rank of the
 pipeline runs on one CPU host, messages go through shared-memory channels instead
-(:func:`trainmesh.shm.open_channels`), copied on the compute thread itself, where no thread waits for a
+(:func:`trainmesh.distributed.shm.open_channels`), copied on the compute thread itself, where no thread waits for a
 core (a message's time inside a step fell several-fold, docs/performance.md). A compute action first waits for
 the messages it consumes, so communication overlaps whatever compute lies between a RECV and its
 consumer, and sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainmesh.comm import Comm, log_all_reduce
-from trainmesh.engine import Criterion, Engine, MicroBatches
-from trainmesh.mesh import Mesh, world_env
-from trainmesh.metrics import SavedActivations
+from trainmesh.distributed.comm import Comm, log_all_reduce
+from trainmesh.training.engine import Criterion, Engine, MicroBatches
+from trainmesh.distributed.mesh import Mesh, world_env
+from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
 from trainmesh.pipeline.schedules import (
     SEND_KINDS,

@@ -22,7 +22,7 @@ Conventions the estimates share with the trainmesh runtime (change them together
 * A pipeline stage owns ``n_layers / pp`` consecutive blocks (``virtual`` chunks of them when
   interleaved); stage 0 also owns the embeddings, the last stage ``ln_f`` and the head.
 
-Modules by concern (the devices and clusters are :mod:`trainmesh.hardware`): :mod:`.presets` (named
+Modules by concern (the devices and clusters are :mod:`trainmesh.distributed.hardware`): :mod:`.presets` (named
 model shapes), :mod:`.workload` (workload and layout), :mod:`.memory`, :mod:`.timing` (with
 :mod:`.dp_traffic`, the data-parallel bytes inside and across nodes), :mod:`.ranking`
 (this package's entry points: every layout, estimated, ranked) and :mod:`.table` (output). ``trainmesh plan`` and
@@ -31,7 +31,7 @@ model shapes), :mod:`.workload` (workload and layout), :mod:`.memory`, :mod:`.ti
 
 from __future__ import annotations
 
-from trainmesh.hardware import (CLUSTER_PRESETS, Cluster, DEVICE_PEAKS, DevicePeak, GIB, GPU_EFFICIENCY, device_peak,
+from trainmesh.distributed.hardware import (CLUSTER_PRESETS, Cluster, DEVICE_PEAKS, DevicePeak, GIB, GPU_EFFICIENCY, device_peak,
                                 local_cluster, make_cluster)
 from trainmesh.plan.presets import (MODEL_PRESETS, PLANNING_SHAPES, model_shape)
 from trainmesh.plan.workload import (Layout, Workload, check_layout, micro_batch_size)

@@ -2,7 +2,7 @@
 between nodes, each at its own link's bandwidth: ZeRO-0/1/2/3 over the whole dp x cp group, and hybrid
 sharding (HSDP: ZeRO inside each of ``dp_replicate`` groups, the gradient shards all-reduced across them).
 
-Where ranks sit follows the runtime (:mod:`trainmesh.mesh`): ranks are numbered node by node, tp innermost,
+Where ranks sit follows the runtime (:mod:`trainmesh.distributed.mesh`): ranks are numbered node by node, tp innermost,
 so a dp x cp group's ranks are tp apart and a hybrid-sharding group's are its consecutive dp x cp ranks
 (one node or whole nodes, by default); the replicas of a shard are a shard group's span apart.
 
@@ -19,8 +19,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from trainmesh.hardware import Cluster
-from trainmesh.plan.memory import Unit, stage_expert_units, stage_units
+from trainmesh.distributed.hardware import Cluster
+from trainmesh.plan.memory import UnitSize, stage_expert_units, stage_units
 from trainmesh.plan.workload import Layout, Workload, stage_split
 
 
@@ -99,7 +99,7 @@ def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster
     return DpTraffic(sent - inter, inter, seconds + (calls - 1) * (n - 1) * link[1])
 
 
-def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, replicas: int, workload: Workload,
+def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, replicas: int, workload: Workload,
                  layout: Layout, cluster: Cluster) -> DpTraffic:
     """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart, in ``replicas`` hybrid
     groups [ZeRO, sec. 7]. ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and
@@ -108,7 +108,7 @@ def zero_traffic(units: tuple[tuple[Unit, int], ...], n: int, stride: int, repli
     under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
     :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own. Hybrid sharding does
     all of it inside a group and all-reduces each rank's gradient shard, Psi/n, over the replicas once per
-    step (:class:`trainmesh.parallel.zero.engine.ZeroEngine`). ZeRO-3's per-unit collectives are issued ahead
+    step (:class:`trainmesh.parallel.zero.base.ZeroEngine`). ZeRO-3's per-unit collectives are issued ahead
     of the unit that needs them (the next unit's gather while one computes, each unit's reduce-scatter while
     the units before it run backward: :class:`trainmesh.parallel.zero.ZeroStage3`), so they are
     :attr:`DpTraffic.prefetched`; the other stages' reductions wait for the backward that produces them."""

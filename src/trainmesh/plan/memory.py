@@ -11,39 +11,39 @@ from dataclasses import dataclass
 from trainmesh.models.spec import ModelShape
 from trainmesh.plan.stages import rank_blocks, stage_kinds
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, stage_split
-from trainmesh.state_bytes import DTYPE_BYTES, STEP_SCALAR_BYTES, sharded_state_bytes
+from trainmesh.training.state_bytes import DTYPE_BYTES, STEP_SCALAR_BYTES, sharded_state_bytes
 
 
 @dataclass(frozen=True)
-class Unit:
+class UnitSize:
     """Parameters one rank holds of one ZeRO unit after tensor parallelism: elements and tensors."""
 
     numel: int
     tensors: int
 
 
-def _norm(m: ModelShape) -> Unit:
+def _norm(m: ModelShape) -> UnitSize:
     """LayerNorm (weight and bias) or RMSNorm (weight only); replicated across tp ranks."""
-    return Unit(m.d_model * (2 if m.bias else 1), 2 if m.bias else 1)
+    return UnitSize(m.d_model * (2 if m.bias else 1), 2 if m.bias else 1)
 
 
-def _linear(n_in: int, n_out: int, tp: int, bias: bool, bias_sharded: bool) -> Unit:
+def _linear(n_in: int, n_out: int, tp: int, bias: bool, bias_sharded: bool) -> UnitSize:
     """A Megatron-sharded linear: weight split by tp, column-parallel bias split, row-parallel bias not."""
     bias_numel = (n_out // tp if bias_sharded else n_out) if bias else 0
-    return Unit(n_in * n_out // tp + bias_numel, 2 if bias else 1)
+    return UnitSize(n_in * n_out // tp + bias_numel, 2 if bias else 1)
 
 
-def _sum(units: list[Unit]) -> Unit:
-    return Unit(sum(u.numel for u in units), sum(u.tensors for u in units))
+def _sum(units: list[UnitSize]) -> UnitSize:
+    return UnitSize(sum(u.numel for u in units), sum(u.tensors for u in units))
 
 
-def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[Unit]:
+def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[UnitSize]:
     """An MLP of hidden size ``f``: input projection(s) column-parallel, output row-parallel [NAR, 2.3]."""
     d = m.d_model
     return [_linear(d, f, tp, bias, True)] * (2 if m.gated_mlp else 1) + [_linear(f, d, tp, bias, False)]
 
 
-def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
+def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
     """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE
     block (``moe``) holds here what every ep rank holds of it: the router and the shared experts' MLP in
     place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
@@ -52,26 +52,26 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> Unit:
     if m.latent_attention:  # its down projections and latent norms whole on every tp rank, the rest split
         down = (d + 1) * (m.q_lora_rank + m.kv_lora_rank) + d * m.qk_rope_head_dim
         split = m.attention_params() - down
-        attention = [_norm(m), Unit(down + split // tp, 7 if m.q_lora_rank else 5), _norm(m)]
+        attention = [_norm(m), UnitSize(down + split // tp, 7 if m.q_lora_rank else 5), _norm(m)]
     else:
         attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(m.attention_width, d, tp, b, False),
                      _norm(m)]
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
 
 
-def router_and_shared(m: ModelShape) -> Unit:
+def router_and_shared(m: ModelShape) -> UnitSize:
     """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on
     every tp rank."""
     shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, m.bias) if m.n_shared_experts else []
-    return _sum([Unit(m.d_model * m.n_experts, 1)] + shared)
+    return _sum([UnitSize(m.d_model * m.n_experts, 1)] + shared)
 
 
-def expert_unit(m: ModelShape, ep: int) -> Unit:
+def expert_unit(m: ModelShape, ep: int) -> UnitSize:
     """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked (one tensor per
     projection), each whole: trainmesh splits experts over ep only, never over tp (no expert tensor
     parallelism; Megatron-core's expert tp of 1), so the tp ranks of an ep rank hold the same experts, or
     under sequence parallelism, where ep folds over tp, other ones."""
-    return Unit(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
+    return UnitSize(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
 
 
 def stage_blocks(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
@@ -80,19 +80,19 @@ def stage_blocks(workload: Workload, layout: Layout, stage: int) -> tuple[int, i
     return rank_blocks(workload.model, stage_split(workload, layout), layout.pp, stage)
 
 
-def embed_unit(m: ModelShape, tp: int) -> Unit:
+def embed_unit(m: ModelShape, tp: int) -> UnitSize:
     """Vocab-parallel token table plus the replicated learned positions."""
     positions = m.seq_len * m.d_model if m.learned_positions else 0
-    return Unit(m.vocab_size * m.d_model // tp + positions, 2 if m.learned_positions else 1)
+    return UnitSize(m.vocab_size * m.d_model // tp + positions, 2 if m.learned_positions else 1)
 
 
-def head_unit(m: ModelShape, tp: int) -> Unit:
+def head_unit(m: ModelShape, tp: int) -> UnitSize:
     """Vocab-parallel output projection without bias; nothing of its own when tied to the embedding."""
-    return Unit(0, 0) if m.tied_embeddings else Unit(m.d_model * m.vocab_size // tp, 1)
+    return UnitSize(0, 0) if m.tied_embeddings else UnitSize(m.d_model * m.vocab_size // tp, 1)
 
 
 @functools.cache
-def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: int) -> tuple[tuple[Unit, int], ...]:
+def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: int) -> tuple[tuple[UnitSize, int], ...]:
     """(unit, how many) one rank of ``stage`` holds under ``split`` (blocks per chunk).
 
     Cached: a search asks for the same few stages of one model thousands of times.
@@ -106,7 +106,7 @@ def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: 
 
 
 def stage_expert_units(m: ModelShape, split: tuple[int, ...], pp: int, ep: int,
-                       stage: int) -> tuple[tuple[Unit, int], ...]:
+                       stage: int) -> tuple[tuple[UnitSize, int], ...]:
     """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense
     model. The same at every tp: experts are whole on each tp rank (:func:`expert_unit`)."""
     moe = rank_blocks(m, split, pp, stage)[1]
@@ -181,7 +181,7 @@ class MemoryBreakdown:
 def _model_state(
     workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int, edp: int
 ) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.state_bytes.sharded_state_bytes` of
+    """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.training.state_bytes.sharded_state_bytes` of
     its units over the ``dp`` ranks ZeRO shards over (under hybrid sharding, one replica group's:
     :attr:`~trainmesh.layout.Layout.shard_ranks`), plus AdamW's step scalars. A unit's shard is
     ceil(Psi_unit / dp) elements because the flat buffer is padded.
@@ -257,7 +257,7 @@ def norm_saved_bytes(m: ModelShape, e: int) -> int:
     RMSNorm as trainmesh's Llama family and transformers' ``LlamaRMSNorm`` write it (``x.float()`` times
     the reciprocal root mean square, cast back, times the gain) keeps the input widened to fp32 (the input
     itself when it is fp32 or wider) and the normalized output before the gain, measured with
-    :class:`trainmesh.metrics.SavedActivations` (``tests/unit/test_plan_memory.py``)."""
+    :class:`trainmesh.tracking.metrics.SavedActivations` (``tests/unit/test_plan_memory.py``)."""
     return e if m.bias else max(e, DTYPE_BYTES["fp32"]) + e
 
 
@@ -442,7 +442,7 @@ def activation_bytes(workload: Workload, layout: Layout, stage: int | None = Non
 def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
     """Bytes one micro-batch's forward saves for backward on one rank of ``stage`` (worst when None): its
     blocks, over all of the rank's chunks, plus :func:`_stage_extras`. This is what
-    :class:`trainmesh.metrics.SavedActivations` measures of micro-batch 0, ``activation_bytes`` in
+    :class:`trainmesh.tracking.metrics.SavedActivations` measures of micro-batch 0, ``activation_bytes`` in
     ``metrics.jsonl``; :func:`activation_bytes` is the peak over the micro-batches in flight.
     """
     check_layout(workload, layout)

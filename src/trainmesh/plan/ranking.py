@@ -10,7 +10,7 @@ from typing import Iterator
 
 from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, validate
 from trainmesh.models.spec import ModelShape, divisors
-from trainmesh.hardware import GIB, Cluster
+from trainmesh.distributed.hardware import GIB, Cluster
 from trainmesh.plan.memory import MemoryBreakdown, candidate_stages, memory_per_rank
 from trainmesh.plan.stages import fastest_split
 from trainmesh.plan.timing import TimeBreakdown, dp_time, layer_seconds, peak_flops, step_flops, step_time

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from trainmesh.hardware import GIB, Cluster
+from trainmesh.distributed.hardware import GIB, Cluster
 from trainmesh.plan.dp_traffic import DpTraffic, dp_traffic
 from trainmesh.plan.memory import active_params, activation_bytes, candidate_stages, memory_per_rank
 from trainmesh.plan.ranking import TIE_TOLERANCE, Estimate, runner_up

@@ -10,16 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trainmesh.metrics import head_flops_per_token
+from trainmesh.tracking.metrics import head_flops_per_token
 from trainmesh.models.spec import ModelShape
-from trainmesh.hardware import Cluster
+from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
 from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
-from trainmesh.state_bytes import DTYPE_BYTES, STORED_AS
+from trainmesh.training.state_bytes import DTYPE_BYTES, STORED_AS
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     """FLOPs of one step.
 
     With ``recompute="none"`` these are the model FLOPs that MFU counts [PALM, app. B], the ones
-    :func:`trainmesh.metrics.model_flops_per_token` gives the runtime's MFU; with the layout's recompute,
+    :func:`trainmesh.tracking.metrics.model_flops_per_token` gives the runtime's MFU; with the layout's recompute,
     the FLOPs the devices execute, which Megatron-LM reports [NAR, app. FLOPs].
     """
     m, s = workload.model, workload.seq_len
@@ -292,7 +292,7 @@ def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
 
 def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
     """Bytes one rank sends over cp for one micro-batch's forward and backward, per op, as
-    :class:`trainmesh.comm.Comm` counts them (``cp/ring_kv`` ...).
+    :class:`trainmesh.distributed.comm.Comm` counts them (``cp/ring_kv`` ...).
 
     Ring: a layer's local K/V block (2 b (s/cp) kv_heads d_head elements) is sent cp-1 times forward, and
     in backward cp-1 times again plus its gradient cp times (fp32 or wider: the accumulation dtype), i.e.
@@ -436,14 +436,14 @@ def exposed_dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage:
     wait for the backward that produces them and show whole. That is what [NAR, Table 2] measured: ZeRO-3
     alone on 384 A100s ran 144 TFLOP/s per GPU, as fast as its gathers allow (145 predicted so, 85 with the
     gathers exposed), and Megatron-LM of 2021 all-reduced gradients after the backward, as the SC21 fit
-    (:data:`trainmesh.hardware.GPU_EFFICIENCY`) prices it."""
+    (:data:`trainmesh.distributed.hardware.GPU_EFFICIENCY`) prices it."""
     traffic = dp_traffic(workload, layout, cluster, stage)
     hidden = min(traffic.prefetched, compute) if cluster.comm_overlaps_compute else 0.0
     return traffic.seconds - hidden
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:
-    """The peak MFU divides by, as the runtime's MFU does (:func:`trainmesh.metrics.peak_tflops`): the
+    """The peak MFU divides by, as the runtime's MFU does (:func:`trainmesh.tracking.metrics.peak_tflops`): the
     precision's (fp64 at the fp32 peak: A100's and H100's fp64 tensor cores match their fp32 rate; fp8 at
     the FP8 one), the 16-bit peak on a device without FP8 tensor cores (CPU ranks emulate float8)."""
     return cluster.peak_at(workload.precision) or cluster.peak_flops

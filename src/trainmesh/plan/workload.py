@@ -12,7 +12,7 @@ from trainmesh.layout import Layout as Settings, LayoutError, resolve_reduce_dty
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.parallel.zero import DEFAULT_BUCKET_BYTES
 from trainmesh.plan.stages import parameter_split
-from trainmesh.state_bytes import DTYPE_BYTES, Precision, precision_bytes
+from trainmesh.training.state_bytes import DTYPE_BYTES, Precision, precision_bytes
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Layout:
     step, so that compute runs on the rest (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]); ``fp8_experts``
     that under ``precision="fp8"`` the routed experts' grouped matmuls run in float8 too, as DeepSeek-V3's
     do [DSV3, 3.3], where trainmesh's stay bf16 (torchao converts ``nn.Linear`` modules only,
-    :mod:`trainmesh.float8`); and ``forward_dispatch`` that a token bound for experts on another node crosses to
+    :mod:`trainmesh.training.float8`); and ``forward_dispatch`` that a token bound for experts on another node crosses to
     that node once and is forwarded there over NVLink (DeepSeek-V3's dispatch kernels [DSV3, 3.2.2], DeepEP's
     and HybridEP's), where trainmesh's all-to-all sends each of its top_k copies straight to its rank.
     The defaults are :class:`trainmesh.layout.Layout`'s, and a layout that breaks its rules is refused

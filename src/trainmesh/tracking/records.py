@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 
-from trainmesh.safe_io import open_own_file, read_regular, refuse_link, replace_durably
+from trainmesh.storage.safe_io import open_own_file, read_regular, refuse_link, replace_durably
 
 
 class MetricsError(RuntimeError):

@@ -18,7 +18,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from trainmesh.safe_io import UnreadableFile, read_user_file, replace_durably
+from trainmesh.storage.safe_io import UnreadableFile, read_user_file, replace_durably
 from trainmesh.tracking.records import METRICS_FILE, REPORT_FILE, SUMMARY_FILE, LossWindows
 MEMORY_KINDS = {"max_rss_bytes": "peak RSS", "peak_device_bytes": "peak device memory",
                 "model_state_bytes": "model state", "activation_bytes": "activations (1 micro-batch)"}

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainmesh.safe_io import read_regular
+from trainmesh.storage.safe_io import read_regular
 
 LOCK_NAME = ".trainmesh.lock"
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)

@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from trainmesh.comm import Comm
+from trainmesh.distributed.comm import Comm
 from trainmesh.layout import Layout, validate
-from trainmesh.optim import OptimizerFactory
+from trainmesh.training.optim import OptimizerFactory
 from trainmesh.parallel.data_parallel import DataParallel
-from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, ZeroEngine
+from trainmesh.parallel.zero.base import DEFAULT_BUCKET_BYTES, ZeroEngine
 from trainmesh.parallel.zero.flat import FlatLayout
 from trainmesh.parallel.zero.formulas import model_state_bytes_formula, step_comm_bytes_formula
 from trainmesh.parallel.zero.stage1 import ZeroStage1
 from trainmesh.parallel.zero.stage2 import ZeroStage2
 from trainmesh.parallel.zero.stage3 import ZeroStage3, default_units
-from trainmesh.precision import LossScaler
+from trainmesh.training.precision import LossScaler
 
 __all__ = ["FlatLayout", "ZeroEngine", "ZeroStage1", "ZeroStage2", "ZeroStage3", "build_engine", "default_units",
            "model_state_bytes_formula", "step_comm_bytes_formula"]

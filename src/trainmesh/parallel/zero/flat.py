@@ -6,7 +6,7 @@ elements [rS, (r+1)S) with S = ceil(numel / N). Module parameters become views i
 parameter names and objects stay the plain model's; in stage 3 the buffer's storage is resized to zero
 between uses (as FSDP's FlatParameter does) and the views stay valid across the re-allocation.
 
-Pieces. The optimizer (:func:`trainmesh.optim.build_adamw`) runs over the part of each parameter that
+Pieces. The optimizer (:func:`trainmesh.training.optim.build_adamw`) runs over the part of each parameter that
 falls in this rank's shard, a view into the fp32 master shard, with its gradient a view into the gradient
 shard. AdamW is elementwise, so updating pieces is updating the full parameters.
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from trainmesh.comm import Comm
-from trainmesh.optim import keep_tp_marks
-from trainmesh.precision import master_dtype
+from trainmesh.distributed.comm import Comm
+from trainmesh.training.optim import keep_tp_marks
+from trainmesh.training.precision import master_dtype
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def exchanges_directly(comm: Comm, axis: str) -> bool:
     :func:`reduce_scatter_shards`): on Gloo between hosts. Gloo's all-gather receives into a fresh buffer of
     the whole output and copies it out, and its reduce-scatter all-reduces a copy of the whole input (twice
     the bytes of a reduce-scatter), so each holds a whole unit's extra copy while it runs. NCCL writes in
-    place, and so does one host's shared segment (:meth:`~trainmesh.comm.Comm.shares_host`)."""
+    place, and so does one host's shared segment (:meth:`~trainmesh.distributed.comm.Comm.shares_host`)."""
     return (comm.mesh.size(axis) > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
             and not comm.shares_host(axis))
 
@@ -214,7 +214,7 @@ def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[Piece
     """The optimizer's parameters: each parameter's part of this rank's shard, a view into the fp32
     master shard, and where each lies (the step points its gradient at the same slice of the gradient).
 
-    A piece of a matrix is a 1 x k row so :func:`trainmesh.optim.param_groups` decays exactly the
+    A piece of a matrix is a 1 x k row so :func:`trainmesh.training.optim.param_groups` decays exactly the
     elements it decays in the full model (not the 1-D ones), and it keeps its parameter's tensor-parallel
     mark so the global norm counts each element once.
     """

@@ -2,12 +2,12 @@
 
 The planner prices a layout with them before any process starts, and the tests check the engines'
 measured bytes against them, so both sides state one model of ZeRO. Which state each stage shards is
-:func:`trainmesh.state_bytes.sharded_state_bytes`, the rule the planner's memory model uses too.
+:func:`trainmesh.training.state_bytes.sharded_state_bytes`, the rule the planner's memory model uses too.
 """
 
 from __future__ import annotations
 
-from trainmesh.state_bytes import Precision, sharded_state_bytes
+from trainmesh.training.state_bytes import Precision, sharded_state_bytes
 
 
 def model_state_bytes_formula(psi: int, n: int, stage: int, mixed_precision: bool = False,

@@ -13,12 +13,12 @@ import contextlib
 
 import torch
 from torch import nn
-from trainmesh.comm import Comm
-from trainmesh.optim import OptimizerFactory
+from trainmesh.distributed.comm import Comm
+from trainmesh.training.optim import OptimizerFactory
 from trainmesh.parallel.data_parallel import BucketFold, accumulating_locally, axis_buckets, fold_grad_into
-from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, ZeroEngine, trainable
+from trainmesh.parallel.zero.base import DEFAULT_BUCKET_BYTES, ZeroEngine, trainable
 from trainmesh.parallel.zero.flat import Group, flatten_params
-from trainmesh.precision import LossScaler
+from trainmesh.training.precision import LossScaler
 
 
 class ZeroStage1(ZeroEngine):

@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
-from trainmesh.comm import Comm
-from trainmesh.optim import OptimizerFactory
+from trainmesh.distributed.comm import Comm
+from trainmesh.training.optim import OptimizerFactory
 from trainmesh.parallel.data_parallel import axis_buckets
-from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, ZeroEngine, trainable
+from trainmesh.parallel.zero.base import DEFAULT_BUCKET_BYTES, ZeroEngine, trainable
 from trainmesh.parallel.zero.flat import Group, sharded_group
-from trainmesh.precision import LossScaler
+from trainmesh.training.precision import LossScaler
 
 
 def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world: int,

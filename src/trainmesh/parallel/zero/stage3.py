@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from trainmesh.comm import Comm
-from trainmesh.optim import OptimizerFactory
+from trainmesh.distributed.comm import Comm
+from trainmesh.training.optim import OptimizerFactory
 from trainmesh.parallel.expert_parallel import reduction_axis, with_expert_units
 from trainmesh.parallel.zero import flat
-from trainmesh.parallel.zero.engine import DEFAULT_BUCKET_BYTES, trainable
+from trainmesh.parallel.zero.base import DEFAULT_BUCKET_BYTES, trainable
 from trainmesh.parallel.zero.flat import Group, sharded_group
 from trainmesh.parallel.zero.stage2 import ZeroStage2
-from trainmesh.precision import LossScaler
+from trainmesh.training.precision import LossScaler
 
 
 def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

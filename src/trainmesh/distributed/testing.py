@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from trainmesh.launcher import host_store, rank_env
-from trainmesh.mesh import shutdown_distributed
-from trainmesh.shm import new_job, remove_segments
+from trainmesh.distributed.launcher import host_store, rank_env
+from trainmesh.distributed.mesh import shutdown_distributed
+from trainmesh.distributed.shm import new_job, remove_segments
 
 
 class RankFailure(AssertionError):

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from trainmesh import shm
-from trainmesh.mesh import STORE_CLIENT_ENV
+from trainmesh.distributed import shm
+from trainmesh.distributed.mesh import STORE_CLIENT_ENV
 
 POLL_S = 0.05
 TERMINATE_GRACE_S = 3.0
@@ -54,7 +54,7 @@ HEARTBEAT_KEY = "trainmesh/heartbeat/{rank}"
 STOP_CHECK_S = 0.5  # how often the launcher reads its ranks' process states
 STOPPED_GRACE_S = 60.0  # default of --stopped-grace: a debugger's pause is shorter, a forgotten Ctrl-Z longer
 STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, stopped by a tracer
-# the messages of trainmesh.comm.CollectiveError
+# the messages of trainmesh.distributed.comm.CollectiveError
 COLLECTIVE_RE = re.compile(r"collective (?P<name>\S+?(?: #\d+)?)(?: \(ranks (?P<ranks>[\d,-]+)\))? failed")
 P2P_RE = re.compile(r"p2p (?P<messages>\S+ \d+->\d+ #\d+(?: \+ \S+ \d+->\d+ #\d+)*) failed")
 MESSAGE_RE = re.compile(r"(\w+)/(send|recv) (\d+)->(\d+) #(\d+)")
@@ -136,7 +136,7 @@ does as well; the default does worse (docs/performance.md)."""
 
 def rank_env(rank: int, nproc: int, port: int, job: str, nodes: Nodes = Nodes()) -> dict[str, str]:
     """The environment of local rank ``rank`` of ``nproc`` on this node; ``job`` names the run's shared-memory
-    segments (:func:`trainmesh.shm.remove_segments`). On one node Gloo uses the loopback interface; across
+    segments (:func:`trainmesh.distributed.shm.remove_segments`). On one node Gloo uses the loopback interface; across
     nodes the interface ``GLOO_SOCKET_IFNAME`` names, else the one the host name resolves to."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if nodes.nnodes == 1 else "")
@@ -184,7 +184,7 @@ def _excerpt(rp: RankProcess) -> str:
 
 @dataclass(frozen=True)
 class Wait:
-    """What a failed rank was waiting for, parsed from its :class:`~trainmesh.comm.CollectiveError`."""
+    """What a failed rank was waiting for, parsed from its :class:`~trainmesh.distributed.comm.CollectiveError`."""
 
     rank: int
     what: str  # "collective dp/all_reduce #33", or "pp message 1->0 #4 (its recv from rank 1)"
@@ -192,7 +192,7 @@ class Wait:
 
 
 def _parse_ranks(text: str) -> frozenset[int]:
-    """The inverse of :func:`trainmesh.comm.format_ranks`."""
+    """The inverse of :func:`trainmesh.distributed.comm.format_ranks`."""
     ranks: set[int] = set()
     for part in text.split(","):
         first, _, last = part.partition("-")
@@ -346,7 +346,7 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
 
 @functools.cache
 def start_heartbeat() -> None:
-    """In a rank started by :func:`launch` (or :func:`trainmesh.testing.run_ranks`): a daemon thread writes
+    """In a rank started by :func:`launch` (or :func:`trainmesh.distributed.testing.run_ranks`): a daemon thread writes
     the time into the launcher's store every HEARTBEAT_S seconds, over a connection of its own.
 
     A rank that stops (SIGSTOP, a frozen process) stops writing, and the launcher can name it when the

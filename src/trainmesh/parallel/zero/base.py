@@ -9,7 +9,7 @@ low-precision gradient is added into an fp32 buffer, as DataParallel's main-grad
 reads them in fp32 (a per-step copy if the reduce dtype is narrower), unscales and clips them there,
 updates the masters and casts them into the low-precision shard, which is then all-gathered (stages 1-2)
 or kept as the shard that the next forward gathers (stage 3). fp16 scales the loss
-(:class:`~trainmesh.precision.LossScaler`); the global norm is reduced over every axis, so all ranks see
+(:class:`~trainmesh.training.precision.LossScaler`); the global norm is reduced over every axis, so all ranks see
 the same verdict and skip an overflowing step and back the scale off together. In fp32 the shard itself
 is the master copy and the gradient shard is the optimizer's gradient: nothing is copied.
 """
@@ -22,15 +22,15 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
-from trainmesh.comm import Comm
-from trainmesh.mesh import REPLICA_AXIS, SHARD_AXIS
-from trainmesh.metrics import optimizer_tensors, storage_bytes
-from trainmesh.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
+from trainmesh.distributed.comm import Comm
+from trainmesh.distributed.mesh import REPLICA_AXIS, SHARD_AXIS
+from trainmesh.tracking.metrics import optimizer_tensors, storage_bytes
+from trainmesh.training.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
 from trainmesh.parallel.data_parallel import sum_over_tp
 from trainmesh.parallel.tensor_parallel import defer_tp_sums
 from trainmesh.parallel.zero import flat
 from trainmesh.parallel.zero.flat import Group, make_pieces, master_shard
-from trainmesh.precision import LossScaler
+from trainmesh.training.precision import LossScaler
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 

@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainmesh.optim import ParamPiece
-from trainmesh.precision import LossScaler
+from trainmesh.training.optim import ParamPiece
+from trainmesh.training.precision import LossScaler
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]

@@ -11,7 +11,7 @@ holds its own slice of the sequence, the tp coordinates too (tp innermost, so an
 ranks is made of whole tp groups, inside a node). Its ``ep`` groups are runs of ``ep`` consecutive such
 coordinates, and the ranks that hold the same experts form the expert-data-parallel group ``edp``, where expert
 gradients are reduced; the world stays ``pp*dp*cp*tp``. A single-process run builds no process group at all: every axis has size 1 and the collectives in
-:mod:`trainmesh.comm` are skipped, so the same code path serves one rank and many.
+:mod:`trainmesh.distributed.comm` are skipped, so the same code path serves one rank and many.
 """
 
 from __future__ import annotations

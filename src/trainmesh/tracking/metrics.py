@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from trainmesh.hardware import device_peak
+from trainmesh.distributed.hardware import device_peak
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -77,7 +77,7 @@ def max_rss_bytes() -> int:
 
 def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> float:
     """The per-device peak that MFU divides by: ``override`` if given, else the row of the one table of
-    device peaks (:data:`trainmesh.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an
+    device peaks (:data:`trainmesh.distributed.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an
     unlisted GPU)."""
     if override > 0:
         return override

@@ -87,7 +87,7 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from trainmesh.launcher import say
+    from trainmesh.distributed.launcher import say
 
     os.environ[FRESH_STORE_ENV] = "1"
     config = LaunchConfig(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,

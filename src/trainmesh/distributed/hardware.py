@@ -1,7 +1,7 @@
 """The one catalogue of devices: per-device peak FLOP/s from datasheets, and the clusters the planner
 prices layouts on (presets, resized or overridden from the command line, or this machine's).
 
-Measurement (:func:`trainmesh.metrics.peak_tflops`, for MFU) and the planner read the same
+Measurement (:func:`trainmesh.tracking.metrics.peak_tflops`, for MFU) and the planner read the same
 :data:`DEVICE_PEAKS`, so a device is described once. This module imports only the standard library:
 it sits below both.
 """

@@ -15,7 +15,7 @@ size 1 is skipped and counts nothing. Scalars reduced only for logging go throug
 and are not counted.
 
 A failed or timed-out operation raises :class:`CollectiveError` with a message the launcher's hang report
-parses (``trainmesh.launcher``): ``rank R: collective AXIS/OP #N (ranks 0,2) failed: ...`` for a
+parses (``trainmesh.distributed.launcher``): ``rank R: collective AXIS/OP #N (ranks 0,2) failed: ...`` for a
 collective, with the ranks of its group, and ``rank R: p2p AXIS/send R->P #N failed: ...`` (or ``recv``)
 for a point-to-point message, numbered per directed pair of ranks so that the send and the receive of one
 message carry the same number on both ends.
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from trainmesh.mesh import Mesh
-from trainmesh.shm import WAIT_S, Channel, HostCollectives, enabled, open_channels
+from trainmesh.distributed.mesh import Mesh
+from trainmesh.distributed.shm import WAIT_S, Channel, HostCollectives, enabled, open_channels
 
 
 class CollectiveError(RuntimeError):
@@ -117,7 +117,7 @@ class Pending:
 
 
 class Comm:
-    """Collectives over the axes of one :class:`~trainmesh.mesh.Mesh`, with byte accounting."""
+    """Collectives over the axes of one :class:`~trainmesh.distributed.mesh.Mesh`, with byte accounting."""
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
@@ -171,7 +171,7 @@ class Comm:
                    async_op: bool = False, reduce_op=dist.ReduceOp.SUM, divisor: int = 1):
         """Sum ``t`` in place over ``axis``, then divide it by ``divisor``; ``op`` names the purpose in the
         accounting (e.g. grad_norm). A CPU sum over ranks of one host goes through shared memory
-        (:mod:`trainmesh.shm`), at once, each rank dividing the part it sums; through Gloo ``t`` is divided
+        (:mod:`trainmesh.distributed.shm`), at once, each rank dividing the part it sums; through Gloo ``t`` is divided
         first (the same bits for a power-of-two divisor)."""
         if self.mesh.size(axis) == 1:
             if divisor != 1:
@@ -192,10 +192,10 @@ class Comm:
 
     def shares_host(self, axis: str) -> bool:
         """Whether ``axis``'s float collectives go through one host's shared segment, at any size (its two
-        semaphore barriers beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.shm`); every rank
+        semaphore barriers beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.distributed.shm`); every rank
         answers alike, mapping the segment the first time (a collective over the axis). Not on GPUs, nor
         under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's, nor
-        under ``TRAINMESH_HOST_TRANSPORT=off`` (:func:`trainmesh.shm.enabled`)."""
+        under ``TRAINMESH_HOST_TRANSPORT=off`` (:func:`trainmesh.distributed.shm.enabled`)."""
         return (self.mesh.size(axis) > 1 and self.mesh.device.type == "cpu" and self.host_transport
                 and dist.get_debug_level() == dist.DebugLevel.OFF and self._host(axis) is not None)
 

@@ -5,7 +5,7 @@ Every node is a network namespace with one veth interface, ``eth0``, holding a p
 each other only through their veths, whose egress a ``tc ... tbf`` qdisc limits to the link's rate
 (``rate_mbit``; netem is not needed). Loopback inside a node stays fast, as a node's own links are. Each node's
 processes also run in a UTS namespace of their own with the node's host name, so trainmesh's shared-memory
-transport (which pairs ranks by host name and boot id, :func:`trainmesh.shm._host_id`) stays inside a node,
+transport (which pairs ranks by host name and boot id, :func:`trainmesh.distributed.shm._host_id`) stays inside a node,
 and what crosses between nodes goes over the veth, where :meth:`TestBed.link_bytes` counts it.
 
 Nothing is reachable from a node but the other nodes: rendezvous and Gloo bind to the nodes' addresses

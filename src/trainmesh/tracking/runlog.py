@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmesh.tracking import runlock
-from trainmesh.mesh import world_env
+from trainmesh.distributed.mesh import world_env
 from trainmesh.tracking.records import LossWindows, MetricsError, MetricsWriter, Progress, open_sinks
 
 if TYPE_CHECKING:

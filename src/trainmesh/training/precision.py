@@ -12,7 +12,7 @@ cores run it, but its unit roundoff (1.1e-16) leaves the summation-order noise o
 below any real divergence, so the equivalence tests train in it and assert a bound tighter than any
 machine's fp32 noise.
 
-fp8 is bf16 mixed precision whose linear layers multiply in float8 (:mod:`trainmesh.float8`).
+fp8 is bf16 mixed precision whose linear layers multiply in float8 (:mod:`trainmesh.training.float8`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, 
 
 def dtype_of(name: str) -> torch.dtype:
     """The dtype a run in precision ``name`` holds its parameters and activations in: fp8 training keeps
-    them bf16 and computes only the linears' matmuls in float8 (:mod:`trainmesh.float8`)."""
+    them bf16 and computes only the linears' matmuls in float8 (:mod:`trainmesh.training.float8`)."""
     return DTYPES[name]
 
 

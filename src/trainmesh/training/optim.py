@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainmesh.comm import Comm
-from trainmesh.precision import LossScaler, master_dtype
+from trainmesh.distributed.comm import Comm
+from trainmesh.training.precision import LossScaler, master_dtype
 
 TP_SHARDED = "_trainmesh_tp_sharded"
 SPLIT_OVER_TP = "_trainmesh_split_over_tp"

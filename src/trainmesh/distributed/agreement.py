@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainmesh.comm import log_all_gather
+from trainmesh.distributed.comm import log_all_gather
 
 
 class DisagreementError(RuntimeError):
