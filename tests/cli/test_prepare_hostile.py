@@ -224,6 +224,63 @@ def test_a_failed_prepare_removes_what_it_wrote_and_keeps_what_was_there(tmp_pat
     assert out.is_dir() and not any(out.iterdir())
 
 
+# --- signals and a second run into the same --out -----------------------------------------------------------
+
+def _prepare_cli(src: Path, tok: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainmesh", "prepare", "--input", str(src), "--tokenizer", tok,
+                             "--out", str(out), "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the workers through /proc")
+def test_sigterm_ends_prepare_with_its_workers_and_keeps_nothing(tmp_path, tok):
+    """SIGTERM used to end the parent alone: its workers lived on, re-parented, and the partial shards made
+    the rerun refuse the directory. Now the workers end with it, the output goes, and the rerun works."""
+    (tmp_path / "big.txt").write_text(_code(12 << 20))
+    out = tmp_path / "out"
+    proc = _prepare_cli(tmp_path / "big.txt", tok, out)
+    deadline_s = time.monotonic() + 60
+    while len(workers := child_pids(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    while not any(out.glob("*.bin")) and proc.poll() is None and time.monotonic() < deadline_s:
+        time.sleep(0.05)  # mid-run: the first shard is being written
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert err == f"trainmesh: error: prepare interrupted by SIGTERM; nothing was kept in {out}\n", err
+    gone_by = time.monotonic() + 5
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived prepare"
+    assert not out.exists()
+    (tmp_path / "small.txt").write_text(_code(64 << 10))
+    rerun = _prepare_cli(tmp_path / "small.txt", tok, out)
+    assert rerun.wait(timeout=60) == 0 and is_prepared(str(out))
+
+
+def test_a_directory_a_prepare_was_cut_off_in_names_the_command_that_clears_it(tmp_path, tok, capsys):
+    """What ``kill -9`` of ``prepare`` leaves (shards, no index): the rerun names the way out."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train-00000.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "a.txt").write_text(_code(4096))
+    err = _prepare_error(capsys, "--input", str(tmp_path / "a.txt"), "--tokenizer", tok, "--out", str(out))
+    assert err == (f"trainmesh: error: --out {out} exists and is not an empty directory; it holds a partial "
+                   f"prepare that was cut off; remove it (rm -r {out}) and run again"), err
+
+
+def test_two_prepares_into_one_out_at_once_one_succeeds_the_other_is_one_line(tmp_path, tok):
+    """Both used to say "prepared ...", their shards and index.json disagreeing."""
+    (tmp_path / "a.txt").write_text(_code(2 << 20))
+    out = tmp_path / "out"
+    runs = [_prepare_cli(tmp_path / "a.txt", tok, out) for _ in range(2)]
+    results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    refused = next(err for rc, err in results if rc == 2)
+    assert re.fullmatch(rf"trainmesh: error: --out {out} is in use by another run \(pid \d+ on .+, since .+\); "
+                        rf"wait for it to finish or choose another --out\n", refused), refused
+    assert is_prepared(str(out)) and _decoded(out, tok) == _code(2 << 20)
+
+
 # --- text that is not text ------------------------------------------------------------------------------
 
 def test_a_lone_surrogate_and_non_string_columns_are_one_line(tmp_path, tok, capsys):

@@ -13,8 +13,10 @@ text, never with the document or the corpus. The one exception is what Arrow its
 record batch of ``ARROW_BATCH_ROWS`` rows, decoded from the file's row group, with each cell stored once.
 
 The output is published atomically: shards are written first and ``index.json``, which marks a directory
-prepared, is renamed into place last. A failure (bad input, a worker killed, Ctrl-C) removes what this run
-wrote, so no half-written set is ever taken for a prepared one.
+prepared, is renamed into place last. A failure (bad input, a worker killed, Ctrl-C, SIGTERM) removes what
+this run wrote, so no half-written set is ever taken for a prepared one; the run holds a lock in ``--out``
+from before its first byte (:mod:`trainmesh.tracking.runlock`), so a second run into the same directory is
+refused instead of interleaving its shards with the first's.
 
 Each document ends with the tokenizer's end-of-document token. Document ``k`` is held out for
 validation when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``: every ``1/f``-th document, the
@@ -26,13 +28,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -41,6 +46,10 @@ from trainmesh.storage.safe_io import replace_durably
 from trainmesh.data.sources import input_files, input_size, pieces
 from trainmesh.data.text import DataError
 from trainmesh.data.workers import Workers, WorkerDied
+from trainmesh.tracking import runlock
+
+if TYPE_CHECKING:
+    from trainmesh.data.tokenizer import Tokenizer, TokenizerFile
 
 BATCH_BYTES = 1 << 20
 DEFAULT_SHARD_TOKENS = 1 << 27
@@ -165,13 +174,50 @@ def _held_out(doc: int, fraction: float) -> bool:
     return math.ceil((doc + 1) * fraction) > math.ceil(doc * fraction)
 
 
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+def _make_out_dir(out: Path) -> bool:
+    """Create ``out`` unless it is a directory already; whether this run created it."""
+    if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not an empty directory; choose a new directory")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"cannot create --out {out}: {e.strerror}") from None
+    return created
+
+
+def _check_empty(out: Path) -> None:
+    """Refuse a directory holding anything but this run's lock; name the way out for a run that was cut off."""
+    held = [p.name for p in out.iterdir() if p.name != runlock.LOCK_NAME]
+    if INDEX_FILE in held:
+        raise DataError(f"--out {out} holds a prepared data set already; choose a new directory")
+    if held:
+        hint = (f"it holds a partial prepare that was cut off; remove it (rm -r {out}) and run again"
+                if any(name.endswith(".bin") for name in held) else "choose a new directory")
+        raise DataError(f"--out {out} exists and is not an empty directory; {hint}")
+
+
+class Interrupted(DataError):
+    """SIGTERM or SIGINT reached ``prepare``: its workers are ended and its output removed on the way out."""
+
+
+@contextlib.contextmanager
+def _signals_interrupt(out: Path) -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`Interrupted` while ``prepare`` writes, so the workers and partial
+    shards go with it (by default SIGTERM ends the parent at once and leaves both behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise Interrupted(f"prepare interrupted by {signal.Signals(signum).name}; nothing was kept in {out}")
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _results(workers: Workers, files: list[Path]) -> Iterator[tuple[list[np.ndarray], list[bool], int]]:
@@ -191,7 +237,7 @@ def _results(workers: Workers, files: list[Path]) -> Iterator[tuple[list[np.ndar
 def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     """Tokenize ``opts.inputs`` into shards and an index under ``opts.out`` (progress on ``stream``, default
     stderr); returns the index. On any failure what was written is removed (see the module docstring)."""
-    from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, load_tokenizer
+    from trainmesh.data.tokenizer import TokenizerFile, load_tokenizer
 
     stream = stream or sys.stderr
     pinned = TokenizerFile.read(opts.tokenizer) if opts.tokenizer else None
@@ -201,8 +247,25 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
                         f"documents; train one with: trainmesh tokenizer train --out tok.json")
     files = input_files(list(opts.inputs))
     out = Path(opts.out)
-    created = not out.exists()
-    _check_out_dir(out)
+    created = _make_out_dir(out)
+    try:
+        with runlock.hold(out, "--out"), _signals_interrupt(out):
+            _check_empty(out)
+            return _write_shards(opts, out, files, pinned, tok, stream)
+    except runlock.DirectoryInUse:
+        raise
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # empty again: the failed run removed its files, the lock its file
+        raise
+
+
+def _write_shards(opts: PrepareOptions, out: Path, files: list[Path], pinned: TokenizerFile, tok: Tokenizer,
+                  stream: TextIO) -> Index:
+    """Tokenize ``files`` into ``out`` (locked and empty); on any failure remove what was written."""
+    from trainmesh.data.tokenizer import TOKENIZER_FILE
+
     dtype = token_dtype(tok.vocab_size)
     writers = {s: SplitWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
     meter = ProgressMeter(sum(input_size(f) for f in files), stream)
@@ -223,7 +286,7 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
         _write_index(index)
     except BaseException as e:
         meter.close()
-        _discard(out, created, writers.values())
+        _discard(out, writers.values())
         if isinstance(e, WorkerDied):
             raise WorkerDied(f"{e}; nothing was kept in {out}") from None
         raise
@@ -236,16 +299,12 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     return index
 
 
-def _discard(out: Path, created: bool, writers: Iterable[SplitWriter]) -> None:
-    """Remove what a failed run wrote: its shards, a half-written index, and ``out`` itself if it made it."""
+def _discard(out: Path, writers: Iterable[SplitWriter]) -> None:
+    """Remove what a failed run wrote: its shards and a half-written index (``out`` itself, if the run made
+    it, goes once the lock is released)."""
     for w in writers:
         w.discard()
     (out / (INDEX_FILE + ".tmp")).unlink(missing_ok=True)
-    if created:
-        try:
-            out.rmdir()
-        except OSError:
-            pass
 
 
 def _write_index(index: Index) -> None:

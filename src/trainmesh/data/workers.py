@@ -6,7 +6,7 @@ so neither side ever blocks writing while the other is writing too. The parent w
 and process sentinel together (:func:`multiprocessing.connection.wait`), so a death is seen the moment it
 happens, with the worker's number, its signal and the input it was tokenizing; the others are killed then.
 (``multiprocessing.Pool`` instead replaces a dead worker silently and waits forever for its lost task.)
-A worker whose parent dies exits by itself within ``POLL_S``.
+A worker whose parent dies is killed with it (``PR_SET_PDEATHSIG``; elsewhere it exits within ``POLL_S``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,15 @@ def tokenize(tokenizer: Any, dtype: np.dtype, batch: list[tuple[str, bool]]) -> 
 def _serve(conn: Connection, pinned: TokenizerFile | None, dtype: str, parent: int) -> None:
     """A worker: build the tokenizer once from the bytes the parent pinned (never from the file again, which
     may have changed since), its own thread pool off (the processes are the parallelism); then tokenize
-    batches until told to stop or orphaned. Ctrl-C is the parent's to handle."""
+    batches until told to stop or orphaned. Ctrl-C is the parent's to handle, SIGTERM ends a worker at once
+    (not through the parent's handler, inherited by the fork), and a parent's death, SIGKILL included, too."""
+    from trainmesh.distributed.launcher import _die_with_parent
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
+    if os.getppid() != parent:  # it died before the line above
+        return
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from trainmesh.data.tokenizer import load_tokenizer
 
