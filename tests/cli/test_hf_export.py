@@ -6,7 +6,12 @@ model vocabulary smaller than the data's tokenizer is refused, a larger one said
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,8 @@ import torch
 from test_hf import save_hf_llama
 from trainmesh.app.cli import main
 from trainmesh.app.generate import GREEDY, generate_text
+from trainmesh.checkpoint import candidates
+from trainmesh.checkpoint.store import content_hash
 from trainmesh.data.tokenizer import tokenizer_vocab_size
 
 transformers = pytest.importorskip("transformers")
@@ -96,3 +103,126 @@ def _save_llama(directory: Path, vocab: int, eos: int) -> None:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, "vocab_size": vocab,
                                                                       "eos_token_id": eos}))
     model.save_pretrained(directory)
+
+
+# --- hostile and careless input (issue 46): an export holds only what the checkpoint holds ----------------
+
+def _secrets(tmp_path: Path) -> Path:
+    """A folder a tamperer would like exported: a private key (0600), credentials, a valid tokenizer."""
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (secrets / "id_rsa").chmod(0o600)
+    (secrets / "credentials").write_text("[default]\naws_secret_access_key = x\n")
+    (secrets / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    return secrets
+
+
+@pytest.fixture(scope="module")
+def init_hf_run(tmp_path_factory, tok) -> tuple[Path, Path]:
+    """An ``--init-hf`` run (1 step, its source's own tokenizer) whose source holds a chat template, a 0600
+    file and ``README.md``, a link to a private key: the source and the checkpoint directory."""
+    root = tmp_path_factory.mktemp("init_hf")
+    docs, source = root / "docs.txt", root / "source"
+    docs.write_text("def main():\n    return 0\n" * 50)
+    source.mkdir()
+    (source / "tokenizer.json").write_bytes(Path(tok).read_bytes())
+    _save_llama(source, vocab=320, eos=0)
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "notes.txt").write_text("the team's notes")
+    (source / "notes.txt").chmod(0o600)
+    key = root / "id_rsa"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    key.chmod(0o600)
+    (source / "README.md").symlink_to(key)
+    ckpt = root / "ckpt"
+    assert main(["train", "--init-hf", str(source), "--data", str(docs), "--tokenizer", str(source / "tokenizer.json"),
+                 "--steps", "1", "--global-batch", "2", "--seq-len", "32", "--checkpoint-dir", str(ckpt),
+                 "--no-progress", "--out", str(root / "run")]) == 0
+    return source, ckpt
+
+
+SEEN: list[str] | None = None
+
+
+def _audit(event: str, args) -> None:
+    if SEEN is not None and event in ("open", "os.scandir", "os.listdir") and args and \
+            isinstance(args[0], (str, bytes, os.PathLike)):
+        SEEN.append(os.path.abspath(os.fsdecode(args[0])))
+
+
+@contextlib.contextmanager
+def _watching() -> Iterator[list[str]]:
+    """Every file opened and directory listed in the block (an audit hook, installed once)."""
+    global SEEN
+    if not hasattr(_watching, "installed"):
+        sys.addaudithook(_audit)
+        _watching.installed = True
+    SEEN = []
+    try:
+        yield SEEN
+    finally:
+        SEEN = None
+
+
+def test_an_init_hf_source_keeps_regular_files_only_and_exports_them_from_the_checkpoint(init_hf_run, tmp_path,
+                                                                                        capfd):
+    """Case 2: ``README.md -> id_rsa`` in the source is skipped at save time, never followed; the export
+    takes the source's files from the checkpoint, a 0600 one staying 0600, with the source moved away."""
+    source, ckpt = init_hf_run
+    moved = tmp_path / "moved"
+    source.rename(moved)
+    try:
+        out = tmp_path / "out"
+        assert main(["export", str(ckpt), "--hf", str(out)]) == 0
+    finally:
+        moved.rename(source)
+    said = capfd.readouterr().out
+    assert "README.md" not in said and not (out / "README.md").exists()
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert oct((out / "notes.txt").stat().st_mode & 0o777) == oct(0o600)
+    assert all((p.stat().st_mode & 0o777) <= 0o644 for p in out.iterdir())
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+
+
+def test_the_skipped_link_is_said_once_when_the_run_saves(tmp_path, capfd, tok):
+    source, docs = tmp_path / "source", tmp_path / "docs.txt"
+    docs.write_text("def main():\n    return 0\n" * 50)
+    save_hf_llama(source)
+    (source / "README.md").symlink_to(tmp_path / "id_rsa")
+    (tmp_path / "id_rsa").write_text("key")
+    assert main(["train", "--init-hf", str(source), "--data", str(docs), "--steps", "2", "--global-batch", "2",
+                 "--seq-len", "32", "--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    said = capfd.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if "README.md" in line]
+    assert len(lines) == 1 and "README.md (a symbolic link)" in lines[0] and "never through a link" in lines[0], lines
+    assert not list((tmp_path / "ckpt").glob("step-*/hf-README.md"))
+
+
+def test_an_export_never_reads_a_folder_a_rehashed_manifest_names(init_hf_run, tmp_path, capfd):
+    """Case 1: ``config.init_hf`` (and the tokenizer's recorded source) re-pointed at a folder holding
+    ``id_rsa`` and ``credentials``, the manifest re-hashed: the export is the checkpoint's, nothing of that
+    folder is read or written."""
+    source, ckpt = init_hf_run
+    secrets = _secrets(tmp_path)
+    forged = tmp_path / "ckpt"
+    shutil.copytree(ckpt, forged, symlinks=True)
+    step = candidates(forged)[0]
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["config"].update(init_hf=str(secrets), tokenizer=str(secrets / "id_rsa"), data=str(secrets))
+    manifest["tokenizer"]["source"] = str(secrets / "id_rsa")
+    manifest["sha256"] = content_hash(manifest)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "out"
+    with _watching() as seen:
+        assert main(["export", str(forged), "--hf", str(out)]) == 0
+    assert not [p for p in seen if p.startswith((str(secrets), str(source)))], seen
+    said = capfd.readouterr().out
+    assert "id_rsa" not in said and "credentials" not in said, said
+    assert {p.name for p in out.iterdir()} == EXPORTED
+
+
+EXPORTED = {"config.json", "model.safetensors", "chat_template.jinja", "notes.txt", "tokenizer.json",
+            "generation_config.json"}

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import struct
 import sys
@@ -150,6 +151,93 @@ def test_config_sizes_that_are_no_whole_numbers_in_range_are_one_line_naming_the
     assert f"{directory}/config.json: {message}" in _one_line_error(capsys, ["train", "--init-hf", str(directory)])
 
 
+SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, bos_token_id=None,
+             eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random Qwen2, Mistral (a window of 4), Qwen3-MoE (four experts, a dense first layer) and
+    DeepSeek-V3 (latent attention, four routed experts and one shared) folders."""
+    root = tmp_path_factory.mktemp("families")
+    configs = {
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(**SHAPE, sliding_window=4)),
+        "qwen3-moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            **SHAPE, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, mlp_only_layers=[0])),
+        "deepseek-v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+            **{**SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=12)),
+    }
+    return {name: _save(model_class, cfg, root / name) for name, (model_class, cfg) in configs.items()}
+
+
+ROPE = "rope_parameters"
+FAMILY_CASES = [
+    ("qwen3-moe", "moe_intermediate_size", 0, "moe_intermediate_size is 0; it must be a whole number from 1 to"),
+    ("qwen3-moe", "moe_intermediate_size", -32, "moe_intermediate_size is -32; it must be a whole number from 1"),
+    ("deepseek-v3", "kv_lora_rank", -16, "kv_lora_rank is -16; it must be a whole number from 1 to 2,147,483,647"),
+    ("deepseek-v3", "n_shared_experts", -1, "n_shared_experts is -1; it must be a whole number from 0 to 4,096, or null"),
+    ("deepseek-v3", "routed_scaling_factor", math.nan, "routed_scaling_factor is NaN; it must be a positive finite"),
+    ("qwen2", ROPE, {"rope_theta": -1, "rope_type": "default"}, "rope_parameters.rope_theta is -1; it must be a "
+                                                                "positive finite number"),
+    ("qwen2", ROPE, {"rope_theta": math.nan, "rope_type": "default"}, "rope_parameters.rope_theta is NaN"),
+    ("qwen2", ROPE, {"rope_theta": 0, "rope_type": "default"}, "rope_parameters.rope_theta is 0"),
+    ("qwen2", "rope_scaling", {"rope_type": "linear", "factor": math.inf}, "rope_scaling.factor is Infinity; it must "
+                                                                           "be a finite number"),
+    ("mistral", "sliding_window", -5, "sliding_window is -5; it must be a whole number from 1 to 2,147,483,647, or null"),
+    ("mistral", "sliding_window", 0, "sliding_window is 0; it must be a whole number from 1"),
+    ("qwen3-moe", "num_local_experts", INT32_MAX := 2**31 - 1, "num_local_experts is 2147483647; it must be a whole "
+                                                               "number from 1 to 4,096"),
+]
+
+
+@pytest.mark.parametrize("family,key,value,message", FAMILY_CASES,
+                         ids=[f"{f}-{k}={json.dumps(v)}" for f, k, v, _ in FAMILY_CASES])
+def test_moe_mla_rope_and_window_settings_out_of_range_are_one_line_naming_the_key(family_folders, tmp_path, capsys,
+                                                                                  family, key, value, message):
+    """Issue #46, cases 7, 8, 13 and 14: an expert width of 0 (a ZeroDivisionError in moe.py), negative
+    latent ranks and shared-expert counts (negative tensor dimensions), a rope base of -1, NaN or 0 wherever
+    it sits (imported, then NaN in every forward pass), a window of -5 (every key masked) or 0 (which became
+    full attention), 2**31 - 1 experts (a name list that took minutes): each refused in one line naming the
+    file and key, before any tensor is built, through the CLI and through ``check_weights``."""
+    directory = _edit_config(_copy(family_folders[family], tmp_path / family), **{key: value})
+    assert f"{directory}/config.json: {message}" in _one_line_error(capsys, ["train", "--init-hf", str(directory)])
+    with deadline(5):
+        with pytest.raises(hf.HFError, match="^" + re.escape(f"{directory}/config.json: {message}")):
+            hf.check_weights(directory)
+
+
+def test_each_family_loads_with_its_settings_in_range(family_folders):
+    """What the bounds keep: the tiny folders as written (null windows and query ranks included) load."""
+    for family, directory in family_folders.items():
+        hf.check_weights(directory)
+    assert hf.read_config(family_folders["mistral"])[1].sliding_window == 4
+
+
+def test_a_model_too_large_for_this_machine_is_named_by_its_folder_not_a_preset(family_folders, tmp_path, capsys):
+    """Issue #46, case 14: an ``--init-hf`` model whose state exceeds this machine's memory was refused as
+    ``--model qwen3-moe-tiny``, a flag the user never passed; the line names the folder."""
+    directory = _edit_config(_copy(family_folders["qwen3-moe"], tmp_path / "huge"), moe_intermediate_size=INT32_MAX)
+    err = _one_line_error(capsys, ["train", "--init-hf", str(directory), "--steps", "1"])
+    assert f"--init-hf {directory} at this layout needs" in err and "--model" not in err, err
+    assert f"see trainmesh plan --init-hf {directory}" in err
+
+
+def test_a_run_that_diverges_ends_in_its_one_line(tmp_path, capfd, monkeypatch):
+    """Issue #46, case 8: :class:`~trainmesh.app.train.TrainingDiverged` (NaN gradients from the first step
+    on) reached the user as an 18-line traceback; its own message says what to do, as one line, exit 2
+    (``capfd``: the rank registers faulthandler on stderr's file descriptor)."""
+    monkeypatch.setenv("TRAINMESH_FAULT", "nan@0:*")
+    err = _one_line_error(capfd, ["train", "--model", "tiny", "--steps", "6", "--max-bad-steps", "2",
+                                   "--out", str(tmp_path / "run")])
+    assert "2 consecutive steps up to step 2 had a non-finite loss or gradient" in err and "Lower --lr" in err
+
+
 # --- the fuzzer ----------------------------------------------------------------------------------------------
 
 HOSTILE = [None, True, False, -1, 0, 1, 2, 3, 7, 2**31, 2**63, 1e308, -1.5, 2.5, float("nan"), float("inf"), "",
@@ -255,3 +343,63 @@ def test_fuzzed_config_and_safetensors_headers_load_correctly_or_fail_in_one_lin
     elapsed = time.monotonic() - start
     print(f"HF folder fuzzer: {outcomes} in {elapsed:.1f} s")
     assert outcomes["refused"] > 500 and outcomes["loaded"] > 50, outcomes
+
+
+NUMBERS = [0, -1, -32, 2**31, 2**63, 1e308, math.nan, math.inf, -math.inf, 2.5, "8", True, None, [4]]
+
+
+def _numeric_keys(config: dict, prefix: str = "") -> list[str]:
+    """Every key of ``config`` holding a number (dotted into nested dicts: ``rope_parameters.rope_theta``)."""
+    keys = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            keys += _numeric_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            keys.append(prefix + key)
+    return keys
+
+
+def _set(config: dict, dotted: str, value) -> None:
+    *path, last = dotted.split(".")
+    for key in path:
+        config = config[key]
+    config[last] = value
+
+
+@pytest.mark.timeout(300)
+def test_every_numeric_moe_and_mla_setting_mutated_imports_correctly_or_fails_in_one_line(family_folders, tmp_path):
+    """Issue #46: every number in the Qwen3-MoE and DeepSeek-V3 configs (nested rope settings included)
+    set in turn to 0, negative, huge, NaN, infinite, fractional, a string, a bool, null and a list: each
+    import through ``check_weights`` either loads weights that fit a model whose forward pass is finite,
+    or is one line naming the folder; never another exception, never a hang."""
+    outcomes = {"loaded": 0, "refused": 0}
+    start = time.monotonic()
+    tokens = torch.arange(8).reshape(1, 8)
+    for family in ("qwen3-moe", "deepseek-v3"):
+        original = json.loads((family_folders[family] / hf.CONFIG).read_text())
+        for key in _numeric_keys(original):
+            for i, value in enumerate(NUMBERS):
+                config = json.loads(json.dumps(original))
+                _set(config, key, value)
+                directory = tmp_path / f"{family}-{key}-{i}"
+                shutil.copytree(family_folders[family], directory)
+                (directory / hf.CONFIG).write_text(json.dumps(config))
+                label = f"{family} {key}={json.dumps(value)}"
+                try:
+                    with deadline(10):
+                        _check_loaded(directory, label)
+                        spec, cfg, weights = hf.read_hf(directory)
+                        model = spec.builder(cfg, 0)
+                        model.load_state_dict(weights, strict=False)
+                        assert torch.isfinite(model(tokens)).all(), f"{label}: the forward pass is not finite"
+                except CaseTimeout:
+                    pytest.fail(f"{label} hung")
+                except hf.HFError as e:
+                    assert "\n" not in str(e) and str(directory) in str(e), f"{label}: {e!r}"
+                    outcomes["refused"] += 1
+                else:
+                    outcomes["loaded"] += 1
+    elapsed = time.monotonic() - start
+    print(f"MoE/MLA config fuzzer: {outcomes} in {elapsed:.1f} s")
+    assert outcomes["refused"] > 300 and outcomes["loaded"] > 20, outcomes
+

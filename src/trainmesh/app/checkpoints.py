@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP
                                         parse_manifest, read_manifest, save_state, whole_pieces)
 from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.source import recorded_model, source_name
+from trainmesh.checkpoint import hf_extras
 from trainmesh.checkpoint.load import apply_loaded, load_state
 
 if TYPE_CHECKING:
@@ -62,13 +64,21 @@ def model_source(cfg: Config) -> str:
 
 def describe(cfg: Config, mesh: Mesh, tokenizer: TokenizerFile | None) -> dict:
     """What a manifest records of a ``trainmesh train`` run besides its tensors: the model (its family, its
-    config and where it came from), the config and its hash, the layout, and the run's pinned tokenizer (a
-    copy of which the checkpoint keeps, :func:`trainmesh.data.tokenizer.tokenizer_record`)."""
+    config and where it came from), the config and its hash, the layout, the run's pinned tokenizer (a
+    copy of which the checkpoint keeps, :func:`trainmesh.data.tokenizer.tokenizer_record`) and, on rank 0
+    (which publishes), the ``--init-hf`` source's files the checkpoint keeps for ``export --hf``."""
     return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
             "model_source": {"family": spec_of(cfg.model).family, "source": model_source(cfg)},
             "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
+            "hf_files": _kept_source(cfg.init_hf) if cfg.init_hf and world_from_env()[0] == 0 else {},
             "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
                        "ep": cfg.ep, "zero": cfg.zero}}
+
+
+@functools.cache
+def _kept_source(directory: str) -> dict:
+    """The source's files, read at the first save only: every checkpoint of the run keeps the same bytes."""
+    return hf_extras.collect(Path(directory))
 
 
 def save(run: Run, progress: TrainingProgress) -> Path:

@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--to", metavar="FILE", help="the .safetensors file to write")
     target.add_argument("--hf", metavar="DIR", help="the directory to write config.json and model.safetensors to "
                         "(LlamaForCausalLM or GPT2LMHeadModel)")
+    export.add_argument("--overwrite", action="store_true", help="with --hf: replace the files of DIR the export "
+                        "writes (config.json, weights, tokenizer files...), which are otherwise refused")
     report = sub.add_parser("report", help="plot a run's loss, throughput, memory and communication",
                             description="Draw RUN_DIR/report.png from the run's metrics.jsonl (loss and eval loss, "
                                         "tokens/s, peak memory per rank, communication per mesh axis) and print a "
@@ -210,13 +212,14 @@ def _export_target(to: Path) -> None:
         raise ConfigError(f"export --to {to}: directory {to.parent} is not writable; choose another place")
 
 
-def _export_hf_target(out: Path) -> None:
+def _export_hf_target(out: Path, overwrite: bool) -> None:
     """Refuse an ``export --hf`` directory that cannot be written (it and its parents are created) or already
-    holds a model."""
+    holds a model (unless ``overwrite``)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export --hf {out} is a file; name the directory to write the model to")
-    if any((out / name).exists() for name in (hf.CONFIG, hf.WEIGHTS, hf.INDEX)):
-        raise ConfigError(f"export --hf {out} already holds a model; choose an empty or new directory")
+    if not overwrite and any(os.path.lexists(out / name) for name in (hf.CONFIG, hf.WEIGHTS, hf.INDEX)):
+        raise ConfigError(f"export --hf {out} already holds a model; choose an empty or new directory, or pass "
+                          f"--overwrite to replace it")
     existing = next(p for p in (out, *out.parents) if p.exists())  # the directory and its parents are created
     if not existing.is_dir():
         raise ConfigError(f"export --hf {out}: {existing} is a file; choose another place")
@@ -227,11 +230,11 @@ def _export_hf_target(out: Path) -> None:
 def _export(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     to = Path(args.hf or args.to)
     if args.hf:
-        _export_hf_target(to)
+        _export_hf_target(to, args.overwrite)
     else:
         _export_target(to)
     try:
-        print(export_hf(Path(args.checkpoint), to) if args.hf else export(Path(args.checkpoint), to))
+        print(export_hf(Path(args.checkpoint), to, args.overwrite) if args.hf else export(Path(args.checkpoint), to))
     except OSError as e:
         raise ConfigError(f"exporting {args.checkpoint} to {to} failed: {e}") from None
     return 0
@@ -551,13 +554,17 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _train_here(cfg: Config) -> int:
     """Train as one rank in this process (the only one, or one of many under torchrun or the launcher); the
-    process group is left at exit (:func:`trainmesh.distributed.mesh.leave_at_exit`)."""
-    from trainmesh.app.train import RunStopped, train
+    process group is left at exit (:func:`trainmesh.distributed.mesh.leave_at_exit`). A run that diverged
+    says so in its one line (every rank sees the same norms, so all stop on the same step)."""
+    from trainmesh.app.train import RunStopped, TrainingDiverged, train
 
     try:
         train(cfg)
     except RunStopped:
         pass  # another rank failed and reports it; this one only stopped with it
+    except TrainingDiverged as e:
+        print(f"trainmesh: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -150,9 +150,10 @@ def state_fit_problem(cfg: Config, world: int, cuda_devices: int = 0) -> str | N
     state = model_state_bytes(workload_of(cfg), layout_of(cfg))
     if state <= cluster.mem_bytes:
         return None
-    return (f"--model {cfg.model} at this layout needs {state / GIB:.1f} GiB of model state on each rank, more "
+    source = f"--init-hf {cfg.init_hf}" if cfg.init_hf else f"--model {cfg.model}"  # as the user named it
+    return (f"{source} at this layout needs {state / GIB:.1f} GiB of model state on each rank, more "
             f"than the {cluster.mem_bytes / GIB:.1f} GiB each of the {world} rank(s) has here; shard it over "
-            f"more ranks (--zero 3, --tp, --pp), pick a smaller preset, or see trainmesh plan --model {cfg.model}")
+            f"more ranks (--zero 3, --tp, --pp), pick a smaller model, or see trainmesh plan {source}")
 
 
 def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config, str]:

@@ -9,7 +9,9 @@ synchronous save does, and leaves a small marker saying so (``.written-rank-N.js
 length); rank 0's thread waits for every rank's marker, removes them, and publishes as the synchronous save
 does (manifest, fsync, the directory's rename, then ``latest``). So the files are the synchronous save's, byte
 for byte, and ``latest`` moves only once every rank's part is durable: a process killed during the write
-leaves ``.tmp-step-N`` behind, which ``--resume`` ignores, and the previous checkpoint as ``latest``.
+leaves ``.tmp-step-N`` behind, which ``--resume`` ignores, and the previous checkpoint as ``latest``. A rank
+whose write fails (a full disk, which may leave no room for a marker either) posts its error under a key of this
+save in the process group's store, so rank 0 stops waiting at once rather than at the timeout.
 
 The markers go through the checkpoint directory, which every rank writes into anyway, rather than through a
 collective: the training thread's collectives would race with one issued from the writer thread. At most one
@@ -24,9 +26,11 @@ import json
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
 from torch import nn
 
 from trainmesh.checkpoint import store
@@ -94,22 +98,22 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
     start = time.perf_counter()
     staged = store.stage(model, engine, mesh, root, progress, host)
     rank, final, tmp, ours = staged.rank, staged.final, staged.tmp, staged.ours
-    store.on_every_rank(lambda: store._fresh_dir(tmp) if rank == 0 else None, staged.device, f"creating {tmp}")
+    failed_key = store.on_every_rank(lambda: _begin(tmp) if rank == 0 else None, staged.device, f"creating {tmp}")[0]
     scaler, world = copy.copy(engine.scaler), len(staged.plans)
 
     def write(timeout_s: float) -> None:
         try:
             record = store._write_rank_file(tmp / f"rank-{rank:05d}.safetensors", ours)
+            write_durably(tmp / MARKER.format(rank=rank), json.dumps(record).encode())
         except Exception as e:
-            write_durably(tmp / MARKER.format(rank=rank), json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            if world > 1:
+                dist.distributed_c10d._get_default_store().set(failed_key, f"rank {rank}: {type(e).__name__}: {e}")
             raise
-        write_durably(tmp / MARKER.format(rank=rank), json.dumps(record).encode())
         if rank == 0:
-            files = _wait_for_every_rank(tmp, world, timeout_s)
             try:
+                files = _wait_for_every_rank(tmp, world, timeout_s, failed_key)
                 store._publish(tmp, final, store._manifest(description, scaler, staged.progress, staged.plans,
-                                                                    staged.writers, files),
-                               description.get("tokenizer"))
+                                                                    staged.writers, files), description)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -118,21 +122,29 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
     return AsyncSave(final, mesh, time.perf_counter() - start, write, mesh.timeout_s or 600.0, host)
 
 
-def _wait_for_every_rank(tmp: Path, world: int, timeout_s: float) -> list[dict]:
-    """Every rank's file record, once each has left its marker (within ``timeout_s``); the markers are then
-    removed, so the directory holds what a synchronous save writes."""
+def _begin(tmp: Path) -> str:
+    """Make the empty staging directory ``tmp``; the store key, new for this save, a failing rank posts to."""
+    store._fresh_dir(tmp)
+    return f"trainmesh/save-failed/{uuid.uuid4().hex}"
+
+
+def _wait_for_every_rank(tmp: Path, world: int, timeout_s: float, failed_key: str) -> list[dict]:
+    """Every rank's file record, once each has left its marker (within ``timeout_s``; a failure a rank posts
+    under ``failed_key`` ends the wait at once); the markers are then removed, so the directory holds what a
+    synchronous save writes."""
     deadline = time.monotonic() + timeout_s
     markers = [tmp / MARKER.format(rank=r) for r in range(world)]
+    kv = dist.distributed_c10d._get_default_store() if world > 1 else None
     while not all(m.exists() for m in markers):
+        if kv is not None and kv.check([failed_key]):
+            raise store.CheckpointError(f"{kv.get(failed_key).decode()}; the save was abandoned")
         if time.monotonic() > deadline:
             missing = [r for r, m in enumerate(markers) if not m.exists()]
             raise store.CheckpointError(f"rank(s) {missing} did not finish writing {tmp} within {timeout_s:.0f} s")
         time.sleep(POLL_S)
     files = []
-    for r, m in enumerate(markers):
+    for m in markers:
         record = json.loads(m.read_text())
-        if "error" in record:
-            raise store.CheckpointError(f"rank {r} could not write its part: {record['error']}")
         if set(record) != {"file", "sha256", "bytes"}:
             raise store.CheckpointError(f"{m} is not a rank's file record: it was replaced while the save ran")
         files.append(record)

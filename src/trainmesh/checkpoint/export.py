@@ -32,22 +32,31 @@ def export(source: Path, out: Path) -> str:
     return f"wrote {len(tensors)} tensors ({n_params:,} parameters, step {manifest['step']}) of {path} to {out}"
 
 
-def export_hf(source: Path, out: Path) -> str:
+def export_hf(source: Path, out: Path, overwrite: bool = False) -> str:
     """Write the weights of checkpoint ``source`` (as for :func:`export`) to directory ``out`` as the
     family's Hugging Face model (``config.json`` and ``model.safetensors``, :func:`trainmesh.models.hf.save_hf`), the
     shape taken from the manifest, with the run's tokenizer, special token ids and generation config
     (:mod:`trainmesh.checkpoint.hf_extras`), so ``AutoModelForCausalLM.from_pretrained(out)`` and
-    ``AutoTokenizer.from_pretrained(out)`` load it."""
+    ``AutoTokenizer.from_pretrained(out)`` load it. Files already in ``out`` that the export would write are
+    refused before anything is written, or with ``overwrite`` replaced."""
     path = _step_to_export(source)
     manifest = read_manifest(path)
     spec, model_config = recorded_model(manifest, path)
     tensors = recorded_weights(path, manifest)  # a routing bias moved in training is refused by the mapping
     extras = hf_extras.plan(manifest, path)
+    files = hf_extras.contents(extras, model_config.vocab_size)
+    clashes = hf_extras.clashes(out, [hf.CONFIG, hf.WEIGHTS, hf.INDEX, *files])
+    if clashes and not overwrite:
+        raise CheckpointError(f"export --hf {out} already holds {', '.join(clashes)}, which the export writes; "
+                              f"choose an empty or new directory, or pass --overwrite to replace them")
+    for name in clashes:
+        (out / name).unlink()
     try:
         hf.save_hf(tensors, out, model_config, spec, attributes=extras.token_ids)
     except hf.HFError as e:
         raise CheckpointError(f"export --hf: {e}") from None
-    written = hf_extras.write(extras, out, model_config.vocab_size)
+    written = hf_extras.write(files, out)
     notes = "".join(f"; {note}" for note in extras.notes)
+    replaced = f"; replaced {', '.join(clashes)} (--overwrite)" if clashes else ""
     return (f"wrote {spec.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
-            f"{manifest['step']}) of {path} to {out}, with {', '.join(written)}{notes}")
+            f"{manifest['step']}) of {path} to {out}, with {', '.join(written)}{replaced}{notes}")

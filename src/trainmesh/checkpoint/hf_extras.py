@@ -3,30 +3,37 @@ it came in: the run's tokenizer as Hugging Face tokenizer files (``tokenizer.jso
 ``special_tokens_map.json``), its special token ids (for ``config.json``), a ``generation_config.json``, and,
 for an ``--init-hf`` run, whatever its source directory held that training did not change.
 
-The run's tokenizer is the one its manifest records: byte tokens (ids 0-255 are the bytes of UTF-8 text,
-written as a byte-level BPE with no merges, so ``AutoTokenizer`` encodes text to exactly those ids) or a
-``tokenizer.json`` (the copy the checkpoint keeps, of the recorded SHA-256; a path a manifest names is never
-read). When it is the source directory's own
-tokenizer, the source's tokenizer files are copied as they are (chat template included) and its special token
-ids kept; a run trained on another tokenizer gets that one instead. Files are written through the
-``tokenizers`` and ``transformers`` libraries, never by hand, except ``special_tokens_map.json``, which
-transformers 5 no longer writes.
+An export holds only what the checkpoint holds: no path a manifest names is ever read (anyone who can write a
+manifest can re-hash it). The run's tokenizer is the one its manifest records: byte tokens (ids 0-255 are the
+bytes of UTF-8 text, written as a byte-level BPE with no merges, so ``AutoTokenizer`` encodes text to exactly
+those ids) or a ``tokenizer.json`` (the copy the checkpoint keeps, of the recorded SHA-256). An ``--init-hf``
+source's files are read once when the run starts (:func:`collect`: regular files only, never through a link,
+weights left out) and every checkpoint keeps copies of them with their permissions (at most ``0644``); when the
+source's ``tokenizer.json`` is the run's tokenizer, its tokenizer files are exported as they are (chat template
+included) and its special token ids kept; a run trained on another tokenizer gets that one instead. Generated
+files are written through the ``tokenizers`` and ``transformers`` libraries into a scratch directory, never by
+hand, except ``special_tokens_map.json``, which transformers 5 no longer writes; nothing already in the export
+directory is replaced unless asked (:func:`clashes`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmesh.checkpoint.store import kept_tokenizer
+from trainmesh.checkpoint.manifest import HF_FILE, HF_FILE_BYTES
+from trainmesh.checkpoint.store import CheckpointDamaged, KeptFile, kept_file, kept_tokenizer, notice
 from trainmesh.data.tokenizer import BYTE_VOCAB, HFTokenizer
-from trainmesh.storage.safe_io import IntegrityError, sha256_hex
+from trainmesh.models.hf import CONFIG  # kept for the source's token ids; the export writes its own
+from trainmesh.storage.safe_io import IntegrityError, read_regular_with_mode, sha256_hex, write_durably
 
-MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-               "pytorch_model.bin.index.json")
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")  # never kept: the export writes its own
+NEW_FILE_MODE = 0o644
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -36,13 +43,14 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 @dataclass
 class Extras:
     """What to write beside the weights: the tokenizer (None: none could be found), the special token ids,
-    the source directory whose files to copy (and whether its tokenizer files are the run's), and notes."""
+    the ``--init-hf`` source's files the checkpoint keeps (and whether its tokenizer files are the run's), and
+    notes."""
 
     tokenizer: Any = None
     vocab_size: int = 0
-    token_ids: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(TOKEN_IDS))
+    token_ids: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(TOKEN_IDS))
     special: dict[str, str] = field(default_factory=dict)
-    source: Path | None = None
+    kept: dict[str, KeptFile] = field(default_factory=dict)
     source_tokenizer: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -76,16 +84,58 @@ def plan(manifest: dict, where: Path) -> Extras:
         recorded = record.get("source") or record.get("path")
         extras.notes.append(f"no tokenizer written: {where} keeps no intact copy of the tokenizer it was trained "
                             f"with ({recorded}); a path its manifest names is never read")
-    init_hf = (manifest.get("config") or {}).get("init_hf")
-    if init_hf and Path(init_hf).is_dir():
-        extras.source = Path(init_hf)
-        theirs = extras.source / "tokenizer.json"
-        extras.source_tokenizer = (record["kind"] != "bytes" and theirs.is_file()
-                                   and sha256_hex(theirs.read_bytes()) == record["sha256"])
-        if extras.source_tokenizer:
-            config = json.loads((extras.source / "config.json").read_text())
-            extras.token_ids = {k: config.get(k) for k in TOKEN_IDS}
+    try:
+        extras.kept = {name: KeptFile(kept_file(where, name, entry), entry["mode"])
+                       for name, entry in manifest.get("hf_files", {}).items()}
+    except IntegrityError as e:
+        raise CheckpointDamaged(where, str(e)) from None
+    theirs = extras.kept.get("tokenizer.json")
+    extras.source_tokenizer = (record["kind"] != "bytes" and theirs is not None
+                               and sha256_hex(theirs.data) == record["sha256"])
+    if extras.source_tokenizer:
+        config = _json_object(extras.kept.get(CONFIG))
+        extras.token_ids = {k: _token_id(config.get(k)) for k in TOKEN_IDS}
     return extras
+
+
+def _json_object(kept: KeptFile | None) -> dict:
+    """A kept JSON file's object, or ``{}`` where it is missing or not one (it is data, never trusted)."""
+    try:
+        value = json.loads(kept.data) if kept is not None else {}
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _token_id(value: Any) -> Any:
+    """A special token id as a config may hold it (an id, or a list of them, Llama 3's ``eos_token_id``)."""
+    ids = value if isinstance(value, list) and 0 < len(value) <= 64 else [value]
+    return value if all(type(i) is int and 0 <= i < 2**31 for i in ids) else None
+
+
+def collect(directory: Path) -> dict[str, KeptFile]:
+    """What every checkpoint of a run started from ``--init-hf directory`` keeps of it, read once at the
+    run's start: its regular files but the weights, each with its permissions narrowed to at most ``0644``.
+    A link or anything else is skipped, never followed (a ``README.md`` linked to a key would otherwise be
+    exported), and said once."""
+    kept, skipped = {}, []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if entry.name.endswith(WEIGHT_FILES):
+            continue
+        why = ("a symbolic link" if entry.is_symlink() else "not a regular file"
+               if not entry.is_file(follow_symlinks=False) else "" if HF_FILE.fullmatch(entry.name) else "its name")
+        if not why:
+            try:
+                data, mode = read_regular_with_mode(Path(entry.path), HF_FILE_BYTES)
+                kept[entry.name] = KeptFile(data, mode & NEW_FILE_MODE)
+                continue
+            except OSError as e:
+                why = " ".join(str(e).removeprefix(entry.path).split())
+        skipped.append(f"{entry.name} ({why})")
+    if skipped:
+        notice(f"--init-hf {directory}: {', '.join(skipped)} not kept in the checkpoints, so not exported "
+               f"(a checkpoint keeps regular files only, never through a link)")
+    return kept
 
 
 def _kept_tokenizer(record: dict, where: Path) -> HFTokenizer | None:
@@ -98,26 +148,43 @@ def _kept_tokenizer(record: dict, where: Path) -> HFTokenizer | None:
         return None
 
 
-def write(extras: Extras, out: Path, model_vocab: int) -> list[str]:
-    """Write ``extras`` into ``out`` (which holds the weights and ``config.json``); returns what was written."""
-    written = []
-    if extras.source is not None:
-        for file in sorted(extras.source.iterdir()):
-            keep = file.name not in TOKENIZER_FILES or extras.source_tokenizer
-            if file.is_file() and file.name not in MODEL_FILES and keep and not (out / file.name).exists():
-                shutil.copyfile(file, out / file.name)
-                written.append(file.name)
+def contents(extras: Extras, model_vocab: int) -> dict[str, KeptFile]:
+    """Every file to write beside the weights and ``config.json``, by name: the kept source files (its
+    tokenizer files only where they are the run's), else the run's tokenizer, and a generation config."""
+    files = {name: f for name, f in extras.kept.items()
+             if name != CONFIG and (name not in TOKENIZER_FILES or extras.source_tokenizer)}
+    import transformers
+
     if extras.tokenizer is not None and not extras.source_tokenizer:
-        import transformers
-
-        transformers.PreTrainedTokenizerFast(tokenizer_object=extras.tokenizer, **extras.special).save_pretrained(out)
-        (out / "special_tokens_map.json").write_text(json.dumps(extras.special, indent=2) + "\n")
-        written += ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
-    if not (out / "generation_config.json").exists():
-        import transformers
-
+        files |= _rendered(transformers.PreTrainedTokenizerFast(tokenizer_object=extras.tokenizer,
+                                                                **extras.special).save_pretrained)
+        files["special_tokens_map.json"] = KeptFile((json.dumps(extras.special, indent=2) + "\n").encode(),
+                                                    NEW_FILE_MODE)
+    if "generation_config.json" not in files:
         padded = list(range(extras.vocab_size, model_vocab)) if extras.vocab_size else []
-        transformers.GenerationConfig(**extras.token_ids, **({"suppress_tokens": padded} if padded else {})
-                                      ).save_pretrained(out)
-        written.append("generation_config.json")
-    return written
+        files |= _rendered(transformers.GenerationConfig(**extras.token_ids,
+                                                         **({"suppress_tokens": padded} if padded else {})
+                                                         ).save_pretrained)
+    return files
+
+
+def _rendered(save: Callable[[str], Any]) -> dict[str, KeptFile]:
+    """The files ``save`` writes into a directory, written to a scratch one so that a library never writes
+    into (or through a link in) the export directory."""
+    with tempfile.TemporaryDirectory() as scratch:
+        save(scratch)
+        return {p.name: KeptFile(p.read_bytes(), NEW_FILE_MODE) for p in sorted(Path(scratch).iterdir())
+                if p.is_file()}
+
+
+def clashes(out: Path, names: list[str]) -> list[str]:
+    """Which of ``names`` already have an entry in ``out`` (a link counts): the user's files, never replaced
+    unless asked."""
+    return [name for name in names if os.path.lexists(out / name)]
+
+
+def write(files: dict[str, KeptFile], out: Path) -> list[str]:
+    """Write ``files`` into ``out`` as new files (never through a link) with their modes; returns their names."""
+    for name, f in files.items():
+        write_durably(out / name, f.data, f.mode)
+    return list(files)

@@ -38,7 +38,10 @@ MAX_DIMS = 8
 MAX_INT = 2**62
 KEYS = {"format", "version", "step", "progress", "loss_scaler", "model", "config", "layout", "run", "tensors",
         "files", "sha256"}
-OPTIONAL_KEYS = {"tokenizer", "model_source"}  # absent in older checkpoints: byte tokens, the model named by preset
+OPTIONAL_KEYS = {"tokenizer", "model_source", "hf_files"}  # absent in older checkpoints: byte tokens, the model
+# named by preset, no files of an ``--init-hf`` source kept
+HF_FILE = re.compile(r"(?!\.\.?$)[\w.+-]{1,200}")  # a plain file name of a model folder, never a path
+HF_FILE_BYTES = 2**30
 SOURCE_KEYS = ("family", "source")
 SOURCE_TEXT = re.compile(r"[^\x00-\x1f\x7f]{1,4200}")
 TOKENIZER_KEYS = {"bytes": ("kind",), "file": ("kind", "path", "sha256"), "copy": ("kind", "sha256", "bytes", "source")}
@@ -107,6 +110,8 @@ def check_manifest(manifest: Any, step_name: str) -> None:
     _check_scalars(m)
     if "tokenizer" in m:
         _check_tokenizer(m["tokenizer"])
+    if "hf_files" in m:
+        _check_hf_files(_dict(m["hf_files"], "hf_files"))
     files = _check_files(_dict(m["files"], "files"))
     _check_tensors(_dict(m["tensors"], "tensors"), files)
 
@@ -230,6 +235,18 @@ def _check_tokenizer(record: Any) -> None:
     _text(record["sha256"], "tokenizer.sha256", HEX64)
     if kind == "copy" and not 0 < _int(record["bytes"], "tokenizer.bytes") <= TOKENIZER_BYTES:
         raise ManifestError(f"tokenizer.bytes is {record['bytes']}; it must be from 1 to {TOKENIZER_BYTES}")
+
+
+def _check_hf_files(files: dict) -> None:
+    """The files of an ``--init-hf`` source the checkpoint keeps (``hf-<name>`` beside its shards): plain
+    names, each with its SHA-256, size, and permissions no wider than ``0644``."""
+    for name, entry in files.items():
+        _text(name, "an hf_files name", HF_FILE)
+        entry = _dict(entry, f"hf_files.{name}", ("sha256", "bytes", "mode"))
+        _text(entry["sha256"], f"hf_files.{name}.sha256", HEX64)
+        _int(entry["bytes"], f"hf_files.{name}.bytes", 0, HF_FILE_BYTES)
+        if _int(entry["mode"], f"hf_files.{name}.mode", 0, 0o644) & ~0o644:
+            raise ManifestError(f"hf_files.{name}.mode is {oct(entry['mode'])}; a kept file is at most 0o644")
 
 
 def _check_files(files: dict) -> dict[str, int]:

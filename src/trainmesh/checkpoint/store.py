@@ -90,6 +90,7 @@ from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, tokenizer_re
 
 
 MANIFEST, LATEST, LOCK = "manifest.json", "latest", "trainmesh.lock"
+HF_PREFIX = "hf-"  # ``hf-<name>``: a kept file of the run's ``--init-hf`` source, beside the shards
 
 
 STEP_DIR = re.compile(r"step-(\d{8,})")  # 8 digits at least, more past step 99,999,999
@@ -419,6 +420,8 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
         "model": description["model"], "model_source": description["model_source"],
         "config": description["config"], "layout": description["layout"],
         "tokenizer": tokenizer_record(description.get("tokenizer")),
+        **({"hf_files": {name: {"sha256": sha256_hex(f.data), "bytes": len(f.data), "mode": f.mode}
+                         for name, f in description["hf_files"].items()}} if description.get("hf_files") else {}),
         "tensors": dict(sorted(tensors.items())),
         "files": {f["file"]: {"sha256": f["sha256"], "bytes": f["bytes"]} for f in files},
     }
@@ -434,11 +437,28 @@ def kept_tokenizer(path: Path, record: dict) -> TokenizerFile:
     return TokenizerFile(str(path / TOKENIZER_FILE), data, record["sha256"])
 
 
-def _publish(tmp: Path, final: Path, manifest: dict, tokenizer: TokenizerFile | None) -> None:
-    """Write the copy of the run's ``tokenizer`` (if a file) and the manifest, make the directory ``final``
-    in one rename, then point ``latest`` at it."""
-    if tokenizer is not None:
-        write_durably(tmp / TOKENIZER_FILE, tokenizer.data)
+@dataclass(frozen=True)
+class KeptFile:
+    """A file of the run's ``--init-hf`` source that its checkpoints keep, so an export never reads the source
+    again: its bytes and its permissions (at most ``0644``)."""
+
+    data: bytes = dataclasses.field(repr=False)
+    mode: int
+
+
+def kept_file(path: Path, name: str, record: dict) -> bytes:
+    """The bytes of kept file ``name`` of checkpoint ``path`` (its manifest's ``hf_files`` ``record``), read
+    from the step directory only, never through a link, and checked against the recorded size and SHA-256."""
+    return read_verified(inside(path, HF_PREFIX + name), record["sha256"], record["bytes"])
+
+
+def _publish(tmp: Path, final: Path, manifest: dict, description: dict) -> None:
+    """Write the copy of the run's tokenizer (if a file), its kept ``--init-hf`` files and the manifest, make
+    the directory ``final`` in one rename, then point ``latest`` at it."""
+    if description.get("tokenizer") is not None:
+        write_durably(tmp / TOKENIZER_FILE, description["tokenizer"].data)
+    for name, kept in description.get("hf_files", {}).items():
+        write_durably(tmp / (HF_PREFIX + name), kept.data, kept.mode)
     write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
     replaced = final.with_name(f".replaced-{final.name}")
@@ -505,7 +525,7 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
                                f"writing the shards of {final}")
         on_every_rank(lambda: _publish(tmp, final, _manifest(description, engine.scaler, staged.progress,
                                                               staged.plans, staged.writers, files),
-                                       description.get("tokenizer"))
+                                       description)
                       if rank == 0 else None,
                        device, f"publishing {final}")
     except CheckpointError as e:
@@ -523,19 +543,27 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
 
 
 def prune(published: Path, keep_last: int) -> list[Path]:
-    """Delete the checkpoints older than ``published`` (just made the one ``latest`` names) beyond the
-    ``keep_last`` newest, ``published`` counted, oldest first; returns those deleted. Each is first renamed
-    to ``.pruned-step-N`` (one atomic step), so a crash while deleting it leaves no damaged ``step-N`` for
-    ``--resume`` to try. Checkpoints newer than ``published`` (of an attempt that ran further) and the one
-    ``latest`` names are never touched; a deletion that fails is said and the run goes on."""
+    """Delete the checkpoints older than ``published`` (just made the one ``latest`` names) that are older
+    than the ``keep_last`` newest sound ones, ``published`` counted, oldest first; returns those deleted.
+
+    Only sound checkpoints count (:func:`read_manifest` passes), so a damaged one never makes a sound one go;
+    it is deleted only once it is older than every kept one. Only the save's own entries are looked at: a
+    real directory named ``step-N`` as :func:`step_dir` names it; a link or any other name is neither counted
+    nor deleted. Each is first renamed to ``.pruned-step-N`` (one atomic step), so a crash while deleting it
+    leaves no damaged ``step-N`` for ``--resume`` to try. Checkpoints newer than ``published`` (of an attempt
+    that ran further) and the one ``latest`` names are never touched; a deletion that fails is said and the
+    run goes on."""
     root = published.parent
     if keep_last <= 0:
         return []
-    older = sorted((p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and step_of(p) < step_of(published)),
-                   key=step_of)
+    older = sorted((p for p in root.iterdir() if _own_step(p) and step_of(p) < step_of(published)), key=step_of)
+    sound = [p for p in older if _sound(p)]
+    if len(sound) < keep_last - 1:
+        return []
+    oldest_kept = step_of(sound[len(sound) - (keep_last - 1)]) if keep_last > 1 else step_of(published)
     latest, pruned = _latest_name(root), []
-    for path in older[:max(0, len(older) - (keep_last - 1))]:
-        if path.name == latest:
+    for path in older:
+        if step_of(path) >= oldest_kept or path.name == latest:
             continue
         doomed = path.with_name(f".pruned-{path.name}")
         try:
@@ -549,6 +577,20 @@ def prune(published: Path, keep_last: int) -> list[Path]:
     if pruned:
         fsync_dir(root)
     return pruned
+
+
+def _own_step(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint a save made: a directory, not a link, named as :func:`step_dir` names."""
+    return (STEP_DIR.fullmatch(path.name) is not None and path.name == step_dir(path.parent, step_of(path)).name
+            and not path.is_symlink() and path.is_dir())
+
+
+def _sound(path: Path) -> bool:
+    try:
+        read_manifest(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def read_manifest(path: Path) -> dict:

@@ -6,14 +6,25 @@ and the restarts are torchrun's elastic agent's, called through its library API
 --rdzv-backend c10d`` runs it. What this module adds is what makes a restart on fewer nodes train on: every
 rank runs ``trainmesh train --elastic`` (the layout scaled to the world it is given, the last checkpoint
 loaded into it), and each rendezvous round gets a store of its own (:data:`FRESH_STORE_ENV`).
+
+Every port listens on the interface of the address the user named: the node whose address the endpoint is
+hosts the rendezvous store on that address alone (:func:`host_rendezvous`; torch's own would listen on every
+interface), announces that address to the other nodes, and rank 0 of each round binds its store to the
+address it announces (:func:`trainmesh.distributed.mesh.init_distributed`).
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from trainmesh.distributed.mesh import bound_store
 
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1, rank 0 of each rendezvous round hosts the round's store on a fresh port. Shared (torch's default),
@@ -79,6 +90,29 @@ def train_argv(command: str, args: Sequence[str]) -> list[str]:
     return [RUN_COMMAND, *([] if "--elastic" in args else ["--elastic"]), *args]
 
 
+def host_rendezvous(nodes: ElasticNodes) -> dist.TCPStore | None:
+    """The c10d rendezvous's store, hosted here on the endpoint's address alone where that address is this
+    machine's; torch's c10d backend then takes it over (a multi-tenant server is shared by port) instead of
+    opening its own on every interface. None where it is not this node's to host: the address is another
+    machine's, another agent on this one holds the port, or ``--rdzv-conf is_host=0``."""
+    if nodes.rdzv_conf.get("is_host", "1").lower() not in ("1", "true", "t", "yes", "y"):
+        return None
+    host, _, port = nodes.endpoint.rpartition(":")
+    timeout = datetime.timedelta(seconds=int(nodes.rdzv_conf.get("read_timeout", "60")))
+    try:
+        return bound_store(host.strip("[]"), int(port), timeout, multi_tenant=True)
+    except (OSError, RuntimeError):
+        return None
+
+
+def _loopback(host: str) -> bool:
+    """Whether the endpoint is this host's loopback address, so every node of the run is on this host."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     """Run ``python -m trainmesh *argv`` as ``nproc`` ranks on this node under torch's elastic agent, which
     meets the other nodes' agents at ``nodes.endpoint`` and restarts the ranks of every node that remains
@@ -90,9 +124,13 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     from trainmesh.distributed.launcher import say
 
     os.environ[FRESH_STORE_ENV] = "1"
+    if _loopback(nodes.endpoint.rpartition(":")[0].strip("[]")):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every node on this host: Gloo on loopback too
+    store = host_rendezvous(nodes)
     config = LaunchConfig(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
                           run_id=nodes.run_id, rdzv_endpoint=nodes.endpoint, rdzv_backend="c10d",
-                          rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts)
+                          rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts,
+                          local_addr=nodes.endpoint.rpartition(":")[0].strip("[]") if store else None)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "trainmesh", *argv)  # unbuffered, as torchrun runs -m
     except ChildFailedError as e:

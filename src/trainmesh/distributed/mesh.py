@@ -22,6 +22,7 @@ import functools
 import gc
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -135,23 +136,43 @@ def world_from_env() -> tuple[int, int]:
     return world.rank, world.world_size
 
 
+def bound_store(addr: str, port: int, timeout: datetime.timedelta, **options: object) -> dist.TCPStore:
+    """A TCPStore server listening on ``addr``'s interface alone, on ``port`` (0: the kernel picks one).
+
+    TCPStore's own server listens on every interface (IPv4 and IPv6), whatever host it is given, and
+    torch's stores are unauthenticated; bound here and handed over (``master_listen_fd``), it is reachable
+    only at the address the user named. ``options`` go to TCPStore (``world_size``, ``multi_tenant``)."""
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                             timeout=timeout, **options)
+
+
 def init_distributed(backend: str, device: torch.device, timeout_s: float = 300.0) -> None:
     """Join the process group described by the environment.
 
     Ranks spawned by the trainmesh launcher are all *clients* of a store the launcher hosts on
-    127.0.0.1, so no rank opens a rendezvous port of its own. Under torchrun the usual ``env://``
-    rendezvous applies; under srun, rank 0 hosts it at the address and port :func:`world_env` derives.
+    127.0.0.1, so no rank opens a rendezvous port of its own. Under torchrun (and ``launch --nnodes
+    MIN:MAX``) with a store of the round's own, and under srun, rank 0 hosts the store at ``MASTER_ADDR``
+    (or the address :func:`world_env` derives) on that address's interface only (:func:`bound_store`);
+    where the agent hosts it (torchrun's default) every rank is its client.
     """
     world = world_env()
     if world.world_size == 1 or dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     kwargs: dict = {"backend": backend, "rank": world.rank, "world_size": world.world_size, "timeout": timeout}
-    if os.environ.get(STORE_CLIENT_ENV) == "1":
-        kwargs["store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        world_size=world.world_size, is_master=False, timeout=timeout)
-    elif world.source == "slurm":
-        kwargs["init_method"] = f"tcp://{world.master_addr}:{world.master_port}"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    addr, port = ((world.master_addr, world.master_port) if world.source == "slurm"
+                  else (os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))))
+    if os.environ.get(STORE_CLIENT_ENV) == "1" or (world.rank != 0 and addr and not agent_store):
+        kwargs["store"] = dist.TCPStore(addr, port, world_size=world.world_size, is_master=False, timeout=timeout)
+    elif world.rank == 0 and addr and not agent_store:
+        kwargs["store"] = bound_store(addr, port, timeout, world_size=world.world_size)
     else:
         kwargs["init_method"] = "env://"
     if device.type == "cuda":

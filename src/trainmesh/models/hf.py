@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -45,16 +46,31 @@ PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 CONFIG_LIMIT = 1 << 22  # a config.json is a few KB; 4 MiB bounds what is read from one
 MAX_POSITIONS = 1 << 20  # as --seq-len's bound: rotary and position tables are sized to it
 INT32_MAX = 2**31 - 1
+MAX_EXPERTS = 1 << 12  # routed experts per layer: 16x DeepSeek-V3's 256, and a name list a check builds in ms
 SIZES = {"n_layer": INT32_MAX, "n_embd": INT32_MAX, "n_head": INT32_MAX, "n_inner": INT32_MAX,
          "vocab_size": INT32_MAX, "n_positions": MAX_POSITIONS, "hidden_size": INT32_MAX,
          "intermediate_size": INT32_MAX, "num_hidden_layers": INT32_MAX, "num_attention_heads": INT32_MAX,
          "num_key_value_heads": INT32_MAX, "head_dim": INT32_MAX, "max_position_embeddings": MAX_POSITIONS,
-         "num_local_experts": INT32_MAX, "num_experts_per_tok": INT32_MAX}
+         "num_local_experts": MAX_EXPERTS, "num_experts": MAX_EXPERTS, "n_routed_experts": MAX_EXPERTS,
+         "num_experts_per_tok": MAX_EXPERTS, "moe_intermediate_size": INT32_MAX, "n_group": MAX_EXPERTS,
+         "topk_group": MAX_EXPERTS, "kv_lora_rank": INT32_MAX, "q_lora_rank": INT32_MAX,
+         "qk_rope_head_dim": INT32_MAX, "qk_nope_head_dim": INT32_MAX, "v_head_dim": INT32_MAX,
+         "sliding_window": INT32_MAX}
 """The ``config.json`` keys the families read as sizes, each a whole number from 1 to its bound."""
-DERIVED = ("n_inner", "head_dim", "num_key_value_heads")
-"""The sizes that may be ``null``: transformers or the family derives them from the others."""
-SCALES = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon")
-"""The keys the families read as positive real numbers."""
+COUNTS = {"n_shared_experts": MAX_EXPERTS, "first_k_dense_replace": INT32_MAX}
+"""The keys read as counts that may be 0 (none): whole numbers from 0 to their bound."""
+NULLABLE = ("n_inner", "head_dim", "num_key_value_heads", "q_lora_rank", "n_group", "topk_group",
+            "n_shared_experts", "sliding_window")
+"""The keys that may be ``null``: transformers or the family derives them, or null means none (no query
+compression, no expert groups, no window)."""
+SCALES = {"rope_theta": math.inf, "rms_norm_eps": math.inf, "layer_norm_epsilon": math.inf,
+          "routed_scaling_factor": 1e3}
+"""The keys the families read as positive finite numbers, each up to its bound: a routed output scaled by
+1e308 overflows (DeepSeek's own factors are 1 to 16)."""
+COEFFICIENTS = ("router_aux_loss_coef",)
+"""The keys read as real numbers from 0 (a loss weight)."""
+ROPE_DICTS = ("rope_parameters", "rope_scaling")
+"""Where a config nests its rope settings (transformers 5, earlier); every number in them must be finite."""
 
 
 class HFError(ValueError):
@@ -141,21 +157,52 @@ def _refuse_code(raw: dict[str, Any], path: Path) -> None:
             pending += value
 
 
-def _check_sizes(raw: dict[str, Any], path: Path) -> None:
-    """The sizes and scales the families read: whole numbers in range and positive finite numbers, so a
-    ``n_layer`` of 2.5 or an ``n_positions`` of -1 is one line naming the key, not a traceback later."""
-    for key, bound in SIZES.items():
-        value = raw.get(key)
-        if key not in raw or value is None and key in DERIVED:
+def check_config_values(raw: Mapping[str, Any], path: str | Path) -> None:
+    """The sizes and scales the families read: whole numbers in range and finite numbers, so a ``n_layer`` of
+    2.5, an ``n_positions`` of -1 or a NaN ``rope_theta`` is one line naming the key before any tensor is
+    built, not a traceback (or a model that computes NaN) later."""
+    for key, bound in (*SIZES.items(), *COUNTS.items()):
+        value, low = raw.get(key), 0 if key in COUNTS else 1
+        if key not in raw or value is None and key in NULLABLE:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-            raise HFError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be a whole number from 1 to "
-                          f"{bound:,}")
-    for key in SCALES:
-        value = raw.get(key)
-        if key in raw and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < float("inf")):
-            raise HFError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be a positive finite number")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= bound:
+            null = ", or null" if key in NULLABLE else ""
+            raise HFError(f"{path}: {key} is {_shown(value)}; it must be a whole number from {low} to {bound:,}{null}")
+    for key in (*SCALES, *COEFFICIENTS):
+        if key in raw:
+            _check_real(raw[key], key, key in COEFFICIENTS, path, SCALES.get(key, math.inf))
+    for key in ROPE_DICTS:
+        _check_rope(raw.get(key), key, path)
+
+
+def _shown(value: Any) -> str:
+    """A config value as its JSON (NaN and infinities as JSON writes them), cut short."""
+    return json.dumps(value)[:40]
+
+
+def _check_real(value: Any, key: str, zero: bool, path: str | Path, high: float = math.inf) -> None:
+    """``value`` of ``key`` is a finite number above 0 (from 0 with ``zero``) up to ``high``, else an HFError
+    naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= 0 if zero else value > 0) or value > high:
+        most = f" of at most {high:,g}" if high < math.inf else ""
+        raise HFError(f"{path}: {key} is {_shown(value)}; it must be a {'' if zero else 'positive '}finite number"
+                      f"{' (0 or more)' if zero else ''}{most}")
+
+
+def _check_rope(value: Any, key: str, path: str | Path) -> None:
+    """Every number in a rope dict (and the dicts nested in it, per layer type) finite, its ``rope_theta``
+    positive: a rope of base -1 or NaN imports and then computes NaN in every forward pass."""
+    if not isinstance(value, dict):
+        return
+    for name, item in value.items():
+        where = f"{key}.{name}"
+        if name == "rope_theta":
+            _check_real(item, where, False, path)
+        elif isinstance(item, dict):
+            _check_rope(item, where, path)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise HFError(f"{path}: {where} is {_shown(item)}; it must be a finite number")
 
 
 @functools.lru_cache(maxsize=8)
@@ -164,7 +211,7 @@ def _read_config(directory: Path) -> tuple[ModelSpec, Any]:
     raw = _raw_config(path)
     _refuse_code(raw, path)
     family_of(raw, str(path))
-    _check_sizes(raw, path)
+    check_config_values(raw, path)
     transformers = _transformers()
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True,

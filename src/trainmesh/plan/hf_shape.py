@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainmesh.models.hf import check_config_values
 from trainmesh.models.spec import ModelShape, explicit_head_dim
 
 Config = Mapping[str, Any]
@@ -137,4 +138,5 @@ def read_hf_shape(directory: str | Path) -> ModelShape:
         raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno}); pass an HF config.json") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} holds no JSON object; pass an HF config.json")
+    check_config_values(cfg, path)  # what --init-hf refuses (a size of 0, a NaN scale) is refused here too
     return shape_of_hf_config(cfg, str(path))

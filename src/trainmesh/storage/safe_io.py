@@ -41,11 +41,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file ``path`` and ``fsync`` it; a partial file is removed if writing fails
-    (a full disk, say), so a failed write leaves nothing that looks finished."""
+def write_durably(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to a new file ``path`` (created with permissions ``mode``, less the umask; an entry
+    already there, a symbolic link included, is refused) and ``fsync`` it; a partial file is removed if
+    writing fails (a full disk, say), so a failed write leaves nothing that looks finished."""
     try:
-        with open(path, "xb") as f:
+        with open(path, "xb", opener=lambda name, flags: os.open(name, flags, mode)) as f:
             view = memoryview(data)
             while view:
                 view = view[f.write(view):]
@@ -56,11 +57,12 @@ def write_durably(path: Path, data: bytes) -> None:
         raise
 
 
-def replace_durably(path: Path, data: bytes) -> None:
-    """Atomically make ``path`` hold ``data``: readers see the old content or the new, never a mix."""
+def replace_durably(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Atomically make ``path`` hold ``data``: readers see the old content or the new, never a mix (a link
+    at ``path`` is replaced, never followed)."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
-    write_durably(tmp, data)
+    write_durably(tmp, data, mode)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -118,11 +120,18 @@ def check_regular(path: Path, nbytes: int) -> None:
 
 def read_regular(path: Path, limit: int) -> bytes:
     """The bytes of regular file ``path``, refused if it is larger than ``limit``."""
+    return read_regular_with_mode(path, limit)[0]
+
+
+def read_regular_with_mode(path: Path, limit: int) -> tuple[bytes, int]:
+    """The bytes of regular file ``path`` (never through a symbolic link, refused past ``limit`` bytes) and
+    its permission bits, so that a copy of it is never made readable by more users than the original."""
     fd, size = _open_regular(path)
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
     if size > limit:
         os.close(fd)
         raise IntegrityError(f"{path} has {size} bytes, more than the {limit} such a file can have")
-    return _read_fd(fd, size)
+    return _read_fd(fd, size), mode
 
 
 def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
