@@ -29,7 +29,6 @@ import functools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from trainmesh.distributed import shm
-from trainmesh.distributed.mesh import STORE_CLIENT_ENV
+from trainmesh.distributed.mesh import STORE_CLIENT_ENV, bound_store
 
 POLL_S = 0.05
 TERMINATE_GRACE_S = 3.0
@@ -117,14 +116,8 @@ def _pump_stderr(rp: RankProcess, echo: bool) -> None:
 
 def host_store(addr: str = "127.0.0.1", port: int = 0) -> tuple[dist.TCPStore, int]:
     """A rendezvous store served by this process on ``addr`` only (127.0.0.1 unless node 0 of several)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, port))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=300))
-    return store, port
+    store = bound_store(addr, port, datetime.timedelta(seconds=300))
+    return store, store.port
 
 
 OMP_SPIN = "10000"
