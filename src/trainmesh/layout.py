@@ -28,6 +28,7 @@ PRECISION_CHOICES = ("auto", *PRECISIONS)  # what --precision takes: auto resolv
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 CP_IMPLS = ("ring", "a2a")
 AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside them)
+DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
 
 
 class LayoutError(ValueError):
@@ -43,9 +44,11 @@ class Layout:
     ``dp_replicate``, the replica groups hybrid sharding (HSDP) splits ``dp`` into (ZeRO shards inside each
     group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's
     ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per rank and optional
-    per-stage ``stage_layers``; memory savers and dtypes; ``compile`` (and ``cuda_graphs``, its blocks captured
-    as CUDA graphs where :mod:`trainmesh.training.cuda_graphs` allows); and ``timeline``, a
-    picture only a pipeline can draw (empty: none).
+    per-stage ``stage_layers``; memory savers and dtypes; ``bucket_mb``, the size of the gradient buckets the
+    data-parallel forms reduce (MiB of parameter bytes); ``compile`` (and ``cuda_graphs``, its blocks captured
+    as CUDA graphs where :mod:`trainmesh.training.cuda_graphs` allows); and ``timeline``, a picture only a
+    pipeline can draw (empty: none). The command line, the API, the manifest and the planner all name each
+    setting as this class does.
     """
 
     dp: int = 1
@@ -64,9 +67,18 @@ class Layout:
     precision: str = "fp32"
     reduce_dtype: str = "auto"
     cp_impl: str = "ring"
+    bucket_mb: float = DEFAULT_BUCKET_MB
     compile: bool = False
     cuda_graphs: bool = False
     timeline: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes, as the gradient engines cut their buckets."""
+        return max(1, int(self.bucket_mb * 2**20))
 
     @property
     def world(self) -> int:
@@ -102,6 +114,17 @@ class Layout:
         """Ranks ZeRO shards over: the ``dp_cp`` ranks of one hybrid-sharding replica group (all of them
         without ``dp_replicate``)."""
         return self.grad_ranks // self.dp_replicate
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks ZeRO shards the routed experts over: :attr:`expert_data_ranks`, or without ep the
+        :attr:`shard_ranks` every parameter is sharded over."""
+        return self.expert_data_ranks if self.ep > 1 else self.shard_ranks
+
+    @property
+    def ep_span(self) -> int:
+        """Consecutive ranks an ep group reaches across: ep where it folds over tp, else its ranks lie tp apart."""
+        return self.ep if self.experts_over_tp else self.tp * self.ep
 
 
 def resolve_precision(precision: str, bf16_device: bool) -> str:
@@ -181,6 +204,8 @@ def _sizes(c: _Check) -> str | None:
         value = getattr(c.layout, field)
         if value < 1:
             return f"{c.spell(field, value)}: must be at least 1"
+    if not 0 < c.layout.bucket_mb < 2**20:  # also refuses NaN
+        return f"{c.spell('bucket_mb', c.layout.bucket_mb)}: give a bucket size in MiB, above 0 and below 2**20"
     return None
 
 

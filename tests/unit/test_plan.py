@@ -284,7 +284,7 @@ def test_pipeline_schedules_keep_the_published_number_of_micro_batches_in_flight
     assert in_flight_chunks(Layout(pp=4, microbatches=2), 0) == 2
     assert in_flight_chunks(Layout(pp=4, microbatches=8), 3) == 1
     assert in_flight_chunks(Layout(pp=4, microbatches=8, schedule="gpipe"), 0) == 8
-    interleaved = Layout(pp=4, microbatches=8, schedule="interleaved", virtual=2)
+    interleaved = Layout(pp=4, microbatches=8, schedule="interleaved", virtual_stages=2)
     assert in_flight_chunks(interleaved, 0) * 96 // (4 * 2) == 96 * (1 + 3 / 8)
     # Stage 0 under 1F1B with full recomputation: L block inputs (2sbh each), one block's activations
     # rebuilt during its backward (114sbh instead of 2sbh), the embedding dropout masks of p micro-batches.
@@ -308,7 +308,7 @@ def test_closed_forms_agree_with_the_schedule_simulator(schedule: str, virtual: 
     build = {"gpipe": schedule_gpipe, "1f1b": schedule_1f1b, "zb": schedule_zb_h1}.get(schedule)
     actions = build(pp, microbatches) if build else schedule_interleaved_1f1b(pp, microbatches, virtual)
     timeline = simulate(actions)
-    layout = Layout(pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual)
+    layout = Layout(pp=pp, microbatches=microbatches, schedule=schedule, virtual_stages=virtual)
     assert bubble_fraction(schedule, pp, microbatches, virtual) == pytest.approx(timeline.bubble_fraction)
     assert tuple(in_flight_chunks(layout, s) for s in range(pp)) == timeline.peak_activations
 
@@ -514,8 +514,8 @@ def test_best_layout_says_how_to_fix_a_model_that_never_fits() -> None:
         ({"pp": 3}, r"pp=3 exceeds the 2 layers of the model; choose pp <= 2"),
         ({"dp": 3}, r"choose dp\*microbatches in"),
         ({"pp": 2, "schedule": "interleaved"}, r"schedule='interleaved' .*set virtual_stages >= 2"),
-        ({"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual": 3}, r"choose pp \* virtual_stages <= 2"),
-        ({"pp": 2, "microbatches": 1, "schedule": "interleaved", "virtual": 2}, r"microbatches to a multiple of 2"),
+        ({"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 3}, r"choose pp \* virtual_stages <= 2"),
+        ({"pp": 2, "microbatches": 1, "schedule": "interleaved", "virtual_stages": 2}, r"microbatches to a multiple of 2"),
         ({"sequence_parallel": True}, r"set tp > 1"),
         ({"schedule": "1f1f"}, r"choose gpipe, 1f1b, interleaved or zb"),
     ],
@@ -577,7 +577,7 @@ def test_zero2_buffers_two_gradient_buckets_of_at_most_a_2n_th_of_the_gradient()
     assert memory_per_rank(work, Layout(dp=2, zero=2)).buffers == 4 * TINY_PSI // 2
     assert memory_per_rank(work, Layout(dp=4, zero=2)).buffers == 4 * TINY_PSI // 4
     # Buckets of 1024 fp32 parameters: a bucket still holds a whole tensor, the largest being 64 x 256.
-    assert memory_per_rank(work, Layout(dp=2, zero=2, bucket_bytes=4096)).buffers == 4 * 64 * 256
+    assert memory_per_rank(work, Layout(dp=2, zero=2, bucket_mb=4096 / 2**20)).buffers == 4 * 64 * 256
 
 
 def test_one_micro_batch_is_the_peak_without_a_pipeline_and_a_pth_of_it_under_1f1b() -> None:
@@ -596,7 +596,7 @@ def test_one_micro_batch_is_the_peak_without_a_pipeline_and_a_pth_of_it_under_1f
 def test_config_and_layout_convert_both_ways() -> None:
     cfg = Config(model="small", nproc=4, dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_mb=0.5)
     layout = layout_of(cfg)
-    assert layout == Layout(dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_bytes=2**19)
+    assert layout == Layout(dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_mb=0.5)
     assert with_layout(Config(model="small"), layout) == dataclasses.replace(cfg, schedule="zb")
     assert workload_of(cfg) == Workload(model_shape("small"), 16, 128, "fp32", "auto")
     # Without a pipeline the schedule is irrelevant and the planner's default stands in for it.
@@ -753,7 +753,7 @@ def test_moe_blocks_pay_the_attention_half_of_tp_traffic_and_under_sp_the_expert
     cluster = make_cluster("h100-80gb", 8)
     moe, dense = _moe_small(), dataclasses.replace(_moe_small(), n_experts=0, top_k=0, n_shared_experts=0)
     moe_work, dense_work = Workload(moe, 8, 64, "bf16"), Workload(dense, 8, 64, "bf16")
-    plain = Layout(dp=4, tp=2, pp=1, zero=0, microbatches=1, schedule="1f1b", virtual=1, recompute="none",
+    plain = Layout(dp=4, tp=2, pp=1, zero=0, microbatches=1, schedule="1f1b", virtual_stages=1, recompute="none",
                    sequence_parallel=False, ep=2)
     dense_layout = dataclasses.replace(plain, ep=1)
     dense_tp = step_time(dense_work, dense_layout, cluster).tp_comm

@@ -16,7 +16,7 @@ from trainmesh.app import cli
 from trainmesh.app.config import config_from_args
 from trainmesh.app.planning import add_plan_arguments, plan_from_args, train_command, preset_source
 from trainmesh.layout import LayoutError
-from trainmesh.plan import (Layout, Workload, choose, estimate, format_table, make_cluster, model_shape,
+from trainmesh.plan import (Layout, Workload, check_layout, choose, estimate, format_table, make_cluster, model_shape,
                             model_state_bytes, to_json)
 from trainmesh.plan.dp_traffic import dp_traffic
 from trainmesh.plan.memory import stage_units
@@ -112,10 +112,11 @@ def test_hsdp_memory_is_zero_over_one_replica_group(zero: int) -> None:
 
 
 def test_the_planners_layouts_keep_the_hybrid_sharding_rule() -> None:
+    work = Workload(model_shape("gpt2-124m"), 64, 1024, "bf16")
     with pytest.raises(LayoutError, match="dp_replicate"):
-        Layout(dp=8, zero=0, dp_replicate=2)
+        check_layout(work, Layout(dp=8, zero=0, dp_replicate=2))
     with pytest.raises(LayoutError, match="does not divide"):
-        Layout(dp=8, zero=3, dp_replicate=3)
+        check_layout(work, Layout(dp=8, zero=3, dp_replicate=3))
 
 
 def test_a_chosen_hsdp_says_the_bytes_it_keeps_off_the_slow_link_and_its_command_replicates() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmesh.plan import Layout, Workload, estimate, make_cluster, model_shape
+from trainmesh.plan import Layout, Pricing, Workload, estimate, make_cluster, model_shape
 from trainmesh.plan.stages import fastest_split
 from trainmesh.plan.timing import layer_seconds
 
@@ -23,7 +23,7 @@ VIRTUAL = 7
 def _llama3(gpus: int, cp: int, dp: int, seq: int, per_dp: int) -> float:
     work, cluster = Workload(model_shape("llama3-405b"), dp * per_dp, seq, "bf16"), make_cluster("h100-80gb", gpus)
     split = fastest_split(*layer_seconds(work, Layout(dp=dp, tp=8, cp=cp, microbatches=per_dp), cluster), 16 * VIRTUAL)
-    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=1, microbatches=per_dp, schedule="interleaved", virtual=VIRTUAL,
+    layout = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=1, microbatches=per_dp, schedule="interleaved", virtual_stages=VIRTUAL,
                     sequence_parallel=True, stage_layers=split)
     return estimate(work, layout, cluster).mfu
 
@@ -49,17 +49,17 @@ def test_deepseek_v3_throughput_within_the_stated_error() -> None:
     """DeepSeek-V3 technical report (arXiv 2412.19437, 2.1.2, 3.1-3.3 and Table 1): 2048 H800s, PP16 under
     DualPipe, EP64 over 8 nodes, ZeRO-1 data parallelism, no TP, FP8 mixed precision, sequence 4096, batch
     15360; 180K H800 hours per trillion tokens, 1543 tokens/s per GPU. What the report describes and the
-    layout states: DualPipe pairs micro-batches so their all-to-alls overlap compute (``a2a_overlap``), on
+    pricing states: DualPipe pairs micro-batches so their all-to-alls overlap compute (``a2a_overlap``), on
     the 112 of 132 SMs the communication kernels leave (``comm_sm_share``); tokens go to their experts in FP8
     and come back in bf16 (``dispatch_dtype``), the experts multiplying in FP8 (``fp8_experts``); the model's
     routing (4 of 8 groups, one per node) and its dispatch kernels send each token once to each of at most 4
     nodes, NVLink forwarding it to its experts there (``forward_dispatch``). Set here: DualPipe's bubble as ZB-H1's, no recomputation. The
     planner is 34 % fast: the all-to-all hides, and the compute it prices (the matmuls, and the tokens moved
     to the experts and back) is shorter than the step DeepSeek ran (docs/planner.md)."""
-    work = Workload(model_shape("deepseek-v3"), 15360, 4096, "fp8")
+    work = Workload(model_shape("deepseek-v3"), 15360, 4096, "fp8",
+                    pricing=Pricing(a2a_overlap=True, dispatch_dtype="fp8", comm_sm_share=20 / 132, fp8_experts=True,
+                                    forward_dispatch=True))
     cluster = make_cluster("h800-80gb", 2048)
     split = fastest_split(*layer_seconds(work, Layout(dp=128, ep=64, microbatches=120), cluster), 16)
-    layout = Layout(dp=128, pp=16, ep=64, zero=1, microbatches=120, schedule="zb", stage_layers=split,
-                    a2a_overlap=True, dispatch_dtype="fp8", comm_sm_share=20 / 132, fp8_experts=True,
-                    forward_dispatch=True)
+    layout = Layout(dp=128, pp=16, ep=64, zero=1, microbatches=120, schedule="zb", stage_layers=split)
     assert estimate(work, layout, cluster).tokens_per_s / 2048 == pytest.approx(1543, rel=0.35)

@@ -52,7 +52,7 @@ def test_without_stage_layers_the_planner_models_the_runtimes_own_split(name: st
     model = spec.builder(preset(name), 0)
     built = tuple(len(r) for r in partition_model(model, chunks))
     assert parameter_split(spec.shape(preset(name)), chunks) == built
-    layout = Layout(pp=chunks, microbatches=chunks) if chunks <= 4 else Layout(pp=3, virtual=2, microbatches=3,
+    layout = Layout(pp=chunks, microbatches=chunks) if chunks <= 4 else Layout(pp=3, virtual_stages=2, microbatches=3,
                                                                                 schedule="interleaved")
     assert stage_split(Workload(spec.shape(preset(name)), 6, 32, "fp32"), layout) == built
 

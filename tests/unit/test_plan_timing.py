@@ -11,7 +11,7 @@ import pytest
 
 from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
-from trainmesh.plan import Cluster, Layout, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
+from trainmesh.plan import Cluster, Layout, Pricing, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
 from trainmesh.plan.ranking import ep_degrees, interleave_depths
 from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
                                    routed_copy_bytes, token_movement_bytes)
@@ -25,9 +25,9 @@ def test_fp8_runs_the_block_linears_at_the_fp8_peak_and_the_core_router_head_and
     an fp8 plan for it is no faster than bf16. The routed experts are trainmesh's grouped matmuls, which stay
     bf16 under fp8 (torchao converts ``nn.Linear`` only; the shared experts are one); a published run whose
     experts multiply in FP8 says so with ``fp8_experts``."""
-    shape, cluster, layout = model_shape("deepseek-v3"), make_cluster(gpu, 8), Layout(dp=8, ep=8,
-                                                                                      fp8_experts=fp8_experts)
-    fp8, bf16 = Workload(shape, 8, 4096, "fp8"), Workload(shape, 8, 4096, "bf16")
+    shape, cluster, layout = model_shape("deepseek-v3"), make_cluster(gpu, 8), Layout(dp=8, ep=8)
+    pricing = Pricing(fp8_experts=fp8_experts)
+    fp8, bf16 = Workload(shape, 8, 4096, "fp8", pricing=pricing), Workload(shape, 8, 4096, "bf16", pricing=pricing)
     for name, gemm in block_gemms(bf16, layout, moe=True).items():
         ratio = gemm_time(gemm, bf16, cluster) / gemm_time(gemm, fp8, cluster)
         in_bf16 = name in ("attention", "router") or (name.startswith("experts") and not fp8_experts)
@@ -53,7 +53,8 @@ def test_paired_micro_batches_hide_the_all_to_all_up_to_their_compute(link_gbps:
     on a fast one nothing; the rest of the step is unchanged."""
     work, cluster = Workload(_moe(), 16, 512, "bf16"), make_cluster("h100-80gb", 4, intra_gbps=link_gbps)
     plain = step_time(work, Layout(dp=4, ep=4, microbatches=2), cluster)
-    paired = step_time(work, Layout(dp=4, ep=4, microbatches=2, a2a_overlap=True), cluster)
+    paired = step_time(dataclasses.replace(work, pricing=Pricing(a2a_overlap=True)), Layout(dp=4, ep=4, microbatches=2),
+                       cluster)
     assert plain.ep_comm > 0
     assert paired.ep_comm == pytest.approx(max(0.0, plain.ep_comm - plain.compute), rel=1e-12)
     assert dataclasses.replace(paired, ep_comm=0) == dataclasses.replace(plain, ep_comm=0)
@@ -73,16 +74,21 @@ def test_under_sequence_parallelism_ep_folds_over_tp_inside_a_node() -> None:
     intra, inter = cluster.link(8), cluster.link(32)
     assert intra[0] > inter[0]
     assert all_to_all_seconds(work, folded, cluster, 2) < all_to_all_seconds(work, spread, cluster, 2) / 2
-    assert (spread.settings.token_ranks, folded.settings.token_ranks) == (8, 32)
-    assert ep_degrees(dataclasses.replace(work.model, n_experts=32), folded.settings.token_ranks)[-1] == 32
+    assert (spread.token_ranks, folded.token_ranks) == (8, 32)
+    assert ep_degrees(dataclasses.replace(work.model, n_experts=32), folded.token_ranks)[-1] == 32
     with pytest.raises(LayoutError, match="set sequence_parallel=True so that ep folds over tp too"):
         check_layout(work, dataclasses.replace(spread, ep=16, dp=4, microbatches=8))
 
 
-def _deepseek(**fields: object) -> tuple[Workload, Layout, Cluster]:
+def _deepseek(**pricing: object) -> tuple[Workload, Layout, Cluster]:
     """DeepSeek-V3 at EP64 over 8 H800 nodes, the latencies zeroed so that only the bytes count."""
     cluster = dataclasses.replace(make_cluster("h800-80gb", 64), intra_latency=0.0, inter_latency=0.0)
-    return Workload(model_shape("deepseek-v3"), 64, 4096, "bf16"), Layout(dp=64, ep=64, **fields), cluster
+    work = Workload(model_shape("deepseek-v3"), 64, 4096, "bf16", pricing=Pricing(**pricing))
+    return work, Layout(dp=64, ep=64), cluster
+
+
+def _priced(work: Workload, **pricing: object) -> Workload:
+    return dataclasses.replace(work, pricing=dataclasses.replace(work.pricing, **pricing))
 
 
 def test_a_forwarded_dispatch_crosses_to_each_node_of_a_token_once() -> None:
@@ -91,13 +97,13 @@ def test_a_forwarded_dispatch_crosses_to_each_node_of_a_token_once() -> None:
     NVLink forwards it. Without the group limit a token's 8 of 256 experts fall on 8 (1 - C(224, 8) / C(256, 8))
     = 5.3 of the 8 nodes."""
     work, layout, cluster = _deepseek()
-    forwarded = dataclasses.replace(layout, forward_dispatch=True)
+    forwarded = _priced(work, forward_dispatch=True)
     straight = all_to_all_seconds(work, layout, cluster, 2)
-    assert all_to_all_seconds(work, forwarded, cluster, 2) / straight == pytest.approx((4 * 7 / 8 / 8) / (7 / 8))
-    free = dataclasses.replace(work, model=dataclasses.replace(work.model, expert_groups=0, groups_per_token=0))
+    assert all_to_all_seconds(forwarded, layout, cluster, 2) / straight == pytest.approx((4 * 7 / 8 / 8) / (7 / 8))
+    free = dataclasses.replace(forwarded, model=dataclasses.replace(work.model, expert_groups=0, groups_per_token=0))
     assert nodes_per_token(work.model, 8) == 4 and nodes_per_token(work.model, 16) == 8
     assert nodes_per_token(free.model, 8) == pytest.approx(8 * (1 - math.comb(224, 8) / math.comb(256, 8)))
-    assert all_to_all_seconds(free, forwarded, cluster, 2) / all_to_all_seconds(work, forwarded, cluster, 2) == (
+    assert all_to_all_seconds(free, layout, cluster, 2) / all_to_all_seconds(forwarded, layout, cluster, 2) == (
         pytest.approx(nodes_per_token(free.model, 8) / 4))
 
 
@@ -117,17 +123,17 @@ def test_an_fp8_dispatch_halves_the_bytes_towards_the_experts_only() -> None:
     """Dispatch in FP8, combine in bf16 [DSV3, 3.3.3]: 1 + 2 bytes per element of the two directions, not 2 + 2."""
     work, layout, cluster = _deepseek()
     bf16 = step_time(work, layout, cluster).ep_comm
-    assert step_time(work, dataclasses.replace(layout, dispatch_dtype="fp8"), cluster).ep_comm == pytest.approx(
+    assert step_time(_priced(work, dispatch_dtype="fp8"), layout, cluster).ep_comm == pytest.approx(
         bf16 * 3 / 4, rel=1e-12)
 
 
 def test_compute_runs_on_what_the_communication_kernels_leave() -> None:
     """20 of 132 SMs serving communication leave compute 112 / 132 of the device [DSV3, 3.2.2]."""
     work, layout, cluster = _deepseek()
-    shared = step_time(work, dataclasses.replace(layout, comm_sm_share=20 / 132), cluster)
+    shared = step_time(_priced(work, comm_sm_share=20 / 132), layout, cluster)
     assert shared.compute == pytest.approx(step_time(work, layout, cluster).compute * 132 / 112, rel=1e-12)
-    with pytest.raises(LayoutError, match="comm_sm_share=1"):
-        Layout(dp=64, ep=64, comm_sm_share=1)
+    with pytest.raises(ValueError, match="comm_sm_share=1"):
+        Pricing(comm_sm_share=1)
 
 
 def test_deepseek_moves_1_3_mb_a_token_through_each_moe_layer_at_ep64_with_an_fp8_dispatch() -> None:

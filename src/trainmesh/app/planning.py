@@ -24,10 +24,10 @@ from trainmesh.plan.hf_shape import read_hf_shape
 from trainmesh.training.state_bytes import DTYPE_BYTES
 
 
-LAYOUT_FIELDS = {"dp": "dp", "tp": "tp", "pp": "pp", "zero": "zero", "microbatches": "microbatches",
-                 "schedule": "schedule", "virtual": "virtual_stages", "recompute": "recompute",
-                 "sequence_parallel": "sequence_parallel", "cp": "cp", "cp_impl": "cp_impl",
-                 "ep": "ep", "dp_replicate": "dp_replicate"}  # Layout -> Config
+PLANNED = ("dp", "tp", "pp", "zero", "microbatches", "schedule", "virtual_stages", "recompute", "sequence_parallel",
+           "cp", "cp_impl", "ep", "dp_replicate", "stage_layers", "bucket_mb")
+"""The :class:`~trainmesh.layout.Layout` settings a plan chooses; the others (precision, compile, timeline) stay
+the run's own."""
 
 
 def workload_of(cfg: Config) -> Workload:
@@ -37,18 +37,17 @@ def workload_of(cfg: Config) -> Workload:
 
 
 def layout_of(cfg: Config) -> Layout:
-    """The layout a config runs. Without a pipeline the schedule means nothing and is taken as 1F1B."""
-    fields = {name: getattr(cfg, field) for name, field in LAYOUT_FIELDS.items()}
-    if cfg.pp == 1:
-        fields.update(schedule="1f1b", virtual=1)
-    return Layout(**fields, bucket_bytes=max(1, int(cfg.bucket_mb * 2**20)), stage_layers=cfg.stage_layer_counts)
+    """The layout a config runs, as the planner prices it. Without a pipeline the schedule means nothing and
+    is taken as 1F1B."""
+    layout = Layout(**{field: getattr(cfg.layout, field) for field in PLANNED})
+    return layout if cfg.pp > 1 else dataclasses.replace(layout, schedule="1f1b", virtual_stages=1)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` running ``layout`` instead of its own (on ``layout.world`` local ranks)."""
-    fields = {field: getattr(layout, name) for name, field in LAYOUT_FIELDS.items()}
-    return dataclasses.replace(cfg, nproc=layout.world, bucket_mb=layout.bucket_bytes / 2**20,
-                               stage_layers=",".join(map(str, layout.stage_layers)), **fields)
+    """``cfg`` running ``layout``'s planned settings instead of its own (on ``layout.world`` local ranks)."""
+    fields = {field: getattr(layout, field) for field in PLANNED if field != "stage_layers"}
+    return dataclasses.replace(cfg, nproc=layout.world, stage_layers=",".join(map(str, layout.stage_layers)),
+                               **fields)
 
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
@@ -64,7 +63,8 @@ def train_flags(workload: Workload, layout: Layout) -> list[str]:
     skip |= {"ep"} if not workload.model.n_experts else set()
     skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
     skip |= {"dp_replicate"} if layout.dp_replicate == 1 else set()
-    flags = [f for field in LAYOUT_FIELDS.values() if field not in skip for f in _flag_of(cfg, field)]
+    skip |= {"stage_layers", "bucket_mb"}  # the stage split only with a pipeline, the bucket only if not default
+    flags = [f for field in PLANNED if field not in skip for f in _flag_of(cfg, field)]
     defaults = Config()
     extra = [f for field in ("bucket_mb", "reduce_dtype")
              if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
@@ -102,7 +102,7 @@ def train_command(workload: Workload, layout: Layout, cluster: Cluster, source: 
 
 def layout_flags(cfg: Config) -> list[str]:
     """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
-    return [*(f for field in (*LAYOUT_FIELDS.values(), "stage_layers") for f in _flag_of(cfg, field)), "--plan", ""]
+    return [*(f for field in PLANNED for f in _flag_of(cfg, field)), "--plan", ""]
 
 
 def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Estimate]:
@@ -166,7 +166,7 @@ def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config,
 def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
     """The one line ``--plan auto`` prints: the layout it runs, in which precision, and why."""
     lay = chosen.layout
-    sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual}" if lay.virtual > 1 else "") if lay.pp > 1 else ""
+    sched = f" schedule={lay.schedule}" + (f" virtual={lay.virtual_stages}" if lay.virtual_stages > 1 else "") if lay.pp > 1 else ""
     mem = scaled(chosen.memory.total, (" B", " KiB", " MiB", " GiB"), 1024)
     cp = f" cp={lay.cp} cp_impl={lay.cp_impl}" if lay.cp > 1 else ""
     ep = f" ep={lay.ep}" if lay.ep > 1 else ""

@@ -23,7 +23,7 @@ Conventions the estimates share with the trainmesh runtime (change them together
   interleaved); stage 0 also owns the embeddings, the last stage ``ln_f`` and the head.
 
 Modules by concern (the devices and clusters are :mod:`trainmesh.distributed.hardware`): :mod:`.presets` (named
-model shapes), :mod:`.workload` (workload and layout), :mod:`.memory`, :mod:`.timing` (with
+model shapes), :mod:`.workload` (the workload and its kernels' pricing; the layout is :class:`trainmesh.layout.Layout`), :mod:`.memory`, :mod:`.timing` (with
 :mod:`.dp_traffic`, the data-parallel bytes inside and across nodes), :mod:`.ranking`
 (this package's entry points: every layout, estimated, ranked) and :mod:`.table` (output). ``trainmesh plan`` and
 ``--plan auto`` are wired to a run's configuration in :mod:`trainmesh.app.planning`.
@@ -34,7 +34,8 @@ from __future__ import annotations
 from trainmesh.distributed.hardware import (CLUSTER_PRESETS, Cluster, DEVICE_PEAKS, DevicePeak, GIB, GPU_EFFICIENCY, device_peak,
                                 local_cluster, make_cluster)
 from trainmesh.plan.presets import (MODEL_PRESETS, PLANNING_SHAPES, model_shape)
-from trainmesh.plan.workload import (Layout, Workload, check_layout, micro_batch_size)
+from trainmesh.layout import Layout
+from trainmesh.plan.workload import (Pricing, Workload, check_layout, micro_batch_size)
 from trainmesh.plan.memory import (MemoryBreakdown, STEP_SCALAR_BYTES, activation_bytes, active_params,
                                    cp_attention_output, in_flight_chunks, layer_activation_bytes, memory_per_rank,
                                    micro_batch_activation_bytes, model_state_bytes, params_per_tp_rank)
@@ -46,7 +47,7 @@ from trainmesh.plan.ranking import (Estimate, TIE_TOLERANCE, best_layout, choose
 from trainmesh.plan.table import (format_table, scaled, to_json)
 
 __all__ = ["CLUSTER_PRESETS", "Cluster", "DEVICE_PEAKS", "DevicePeak", "DpTraffic", "Estimate", "GIB", "GPU_EFFICIENCY", "Layout",
-           "MODEL_PRESETS", "MemoryBreakdown", "PLANNING_SHAPES", "STEP_SCALAR_BYTES", "TIE_TOLERANCE",
+           "MODEL_PRESETS", "MemoryBreakdown", "PLANNING_SHAPES", "Pricing", "STEP_SCALAR_BYTES", "TIE_TOLERANCE",
            "TimeBreakdown", "Workload", "activation_bytes", "active_params", "all_reduce_time",
            "all_to_all_bytes_per_micro", "best_layout", "block_gemms", "bubble_fraction", "check_layout", "choose",
            "cp_attention_output", "cp_bytes_per_micro", "cp_degrees", "device_peak", "dp_traffic", "enumerate_layouts",

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.memory import UnitSize, stage_expert_units, stage_units
-from trainmesh.plan.workload import Layout, Workload, stage_split
+from trainmesh.layout import Layout
+from trainmesh.plan.workload import Workload, stage_split
 
 
 def ring_gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -130,7 +131,7 @@ def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, r
 def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> DpTraffic:
     """Data-parallel traffic of one step on a rank of ``stage``: the dense units over the shard group (its
     dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (an ep group's span
-    apart: :attr:`~trainmesh.plan.workload.Layout.ep_span`).
+    apart: :attr:`~trainmesh.layout.Layout.ep_span`).
     How much of it the compute hides is :func:`trainmesh.plan.timing.exposed_dp_time`'s."""
     lay, model = layout, workload.model
     split = stage_split(workload, lay)

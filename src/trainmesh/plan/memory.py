@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from trainmesh.models.spec import ModelShape
 from trainmesh.plan.stages import rank_blocks, stage_kinds
-from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, stage_split
+from trainmesh.layout import Layout
+from trainmesh.plan.workload import Workload, check_layout, local_seq, micro_batch_size, stage_split
 from trainmesh.training.state_bytes import DTYPE_BYTES, STEP_SCALAR_BYTES, sharded_state_bytes
 
 
@@ -298,7 +299,7 @@ def in_flight_chunks(layout: Layout, stage: int) -> int:
     worth [NAR, 2.2.2; KOR, 4.2.2]. These are the peaks ``Timeline.peak_activations`` of
     :mod:`trainmesh.pipeline.simulate` reports for those schedules.
     """
-    p, m, v = layout.pp, layout.microbatches, layout.virtual
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if layout.schedule == "gpipe":
         return m
     if layout.schedule == "interleaved":
@@ -346,8 +347,8 @@ def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     working = (layer_activation_bytes(workload, lay, "none", moe) - layer_activation_bytes(workload, lay, None, moe)
                if lay.recompute != "none" else 0)
     first, last = _stage_extras(workload, lay, stage)
-    total = chunks * (_stage_block_bytes(workload, lay, stage) // lay.virtual) + working
-    total += -(-chunks // lay.virtual) * first
+    total = chunks * (_stage_block_bytes(workload, lay, stage) // lay.virtual_stages) + working
+    total += -(-chunks // lay.virtual_stages) * first
     return total + (lay.microbatches if lay.schedule == "gpipe" else 1) * last
 
 

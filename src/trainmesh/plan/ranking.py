@@ -8,13 +8,13 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
-from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout as Settings, LayoutError, validate
+from trainmesh.layout import RECOMPUTE, ZERO_STAGES, Layout, LayoutError, validate
 from trainmesh.models.spec import ModelShape, divisors
 from trainmesh.distributed.hardware import GIB, Cluster
 from trainmesh.plan.memory import MemoryBreakdown, candidate_stages, memory_per_rank
 from trainmesh.plan.stages import fastest_split
 from trainmesh.plan.timing import TimeBreakdown, dp_time, layer_seconds, peak_flops, step_flops, step_time
-from trainmesh.plan.workload import Layout, Workload, check_layout
+from trainmesh.plan.workload import Workload, check_layout
 
 LONG_SEQUENCE = 16384  # from here on the search also tries context parallelism
 MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
@@ -99,7 +99,7 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
 def _splits(model: ModelShape, tp: int, pp: int) -> bool:
     """Whether tp x pp can split ``model`` by the layout's rules (whole heads per tp rank, untied embeddings)."""
     try:
-        validate(Settings(tp=tp, pp=pp), model)
+        validate(Layout(tp=tp, pp=pp), model)
     except LayoutError:
         return False
     return True
@@ -130,8 +130,9 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
             for (schedule, v), zero, recompute, sp, r in itertools.product(*options, replicas):
                 split = fastest_split(*costs, pp * v) if pp > 1 else ()
                 for ep in ep_degrees(workload.model, dp * cp * (tp if sp else 1)):
-                    candidate = _candidate(workload, dp, tp, pp, zero, micro, schedule, v, recompute, sp, cp=cp,
-                                           ep=ep, stage_layers=split, dp_replicate=r)
+                    candidate = _candidate(workload, dp=dp, tp=tp, pp=pp, zero=zero, microbatches=micro,
+                                           schedule=schedule, virtual_stages=v, recompute=recompute,
+                                           sequence_parallel=sp, cp=cp, ep=ep, stage_layers=split, dp_replicate=r)
                     if candidate is not None:
                         yield candidate
 
@@ -152,10 +153,10 @@ def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
     return [r for r in sorted(divisors(nodes), reverse=True) if r > 1 and dp % r == 0]
 
 
-def _candidate(workload: Workload, *args: object, **kwargs: object) -> Layout | None:
-    """``Layout(*args, **kwargs)`` if it keeps the layout's rules for ``workload``, else None."""
+def _candidate(workload: Workload, **settings: object) -> Layout | None:
+    """``Layout(**settings)`` if it keeps the layout's rules for ``workload``, else None."""
     try:
-        layout = Layout(*args, **kwargs)
+        layout = Layout(**settings)
         check_layout(workload, layout)
     except LayoutError:
         return None

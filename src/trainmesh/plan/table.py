@@ -24,7 +24,7 @@ def scaled(value: float, steps: tuple[str, ...], base: int) -> str:
 
 def _row(workload: Workload, cluster: Cluster, e: Estimate, chosen: Estimate | None) -> list[str]:
     lay = e.layout
-    sched = f"{lay.schedule}x{lay.virtual}" if lay.virtual > 1 else lay.schedule
+    sched = f"{lay.schedule}x{lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
     layout = [lay.dp, lay.cp, lay.tp, lay.pp, *([lay.ep] if workload.model.n_experts else []), lay.zero,
               lay.dp_replicate, micro_batch_size(workload, lay), lay.microbatches, sched,
               compact_split(stage_split(workload, lay)), lay.recompute, "y" if lay.sequence_parallel else "n"]
@@ -88,7 +88,7 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
 def layout_name(workload: Workload, e: Estimate) -> str:
     """A layout in one phrase, as the table's columns give it."""
     lay = e.layout
-    sched = (f" {lay.schedule}" + (f"x{lay.virtual}" if lay.virtual > 1 else "")
+    sched = (f" {lay.schedule}" + (f"x{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
              + f" blocks/stage {compact_split(stage_split(workload, lay))}" if lay.pp > 1 else "")
     extra = ((f" cp={lay.cp}" if lay.cp > 1 else "") + (f" ep={lay.ep}" if lay.ep > 1 else "")
              + (f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else ""))

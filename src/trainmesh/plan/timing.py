@@ -2,7 +2,7 @@
 on the critical path, and the pipeline's bubble. Communication is assumed not to overlap compute, except
 where noted (the ring's messages behind attention; ZeRO-3's prefetched gathers and reduce-scatters behind
 the compute of the units around them; the expert all-to-all behind another micro-batch's compute where the
-schedule pairs them, ``Layout.a2a_overlap``).
+schedule pairs them, ``Pricing.a2a_overlap``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from trainmesh.plan.flops import (attention_forward_flops, attention_weights, bl
                                   is_moe_layer)
 from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
-from trainmesh.plan.workload import Layout, Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
+from trainmesh.layout import Layout
+from trainmesh.plan.workload import Workload, check_layout, local_seq, micro_batch_size, moe_tokens, stage_split
 from trainmesh.training.state_bytes import DTYPE_BYTES, STORED_AS
 
 
@@ -86,7 +87,7 @@ class Gemm:
     is one of the block's linear layers ``precision="fp8"`` runs in float8 (the attention core, the router
     and the head stay bf16, as :attr:`trainmesh.models.spec.ModelSpec.high_precision` keeps them and
     DeepSeek-V3's FP8 recipe does [DSV3, 3.3.1]; so do trainmesh's grouped routed experts, unless
-    ``Layout.fp8_experts`` prices a run whose experts are float8)."""
+    ``Pricing.fp8_experts`` prices a run whose experts are float8)."""
 
     flops: float
     dims: tuple[int, int, int]
@@ -130,7 +131,7 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     routed = moe_tokens(workload, layout)
     rows = max(1, layout.ep * routed * m.top_k // m.n_experts)
     gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts), linear=False)
-    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1, linear=layout.fp8_experts)
+    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1, linear=workload.pricing.fp8_experts)
     if m.n_shared_experts:
         gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
     return gemms
@@ -195,11 +196,11 @@ def token_movement_bytes(workload: Workload, layout: Layout) -> float:
     local expert after the all-to-all; back the other way, the unsort, then the weighted sum of the k copies
     into one token ((k + 1) d). Backward moves the gradients the same way, the combine's twice over (the
     copies' gradients written, and the copies read again for the routing weights' gradient: (2k + 1) d). The
-    movements towards the experts are in ``layout.dispatch_dtype`` (quantised before they move, [DSV3,
+    movements towards the experts are in ``workload.pricing.dispatch_dtype`` (quantised before they move, [DSV3,
     3.3.3]), the rest in the activations' dtype. trainmesh's own combine is not fused (a zero-filled
     index_copy, then a multiply and a sum: (6k + 1) d), so it moves more than this floor."""
     m, e = workload.model, workload.dtype_bytes.activation
-    towards = DTYPE_BYTES[layout.dispatch_dtype] if layout.dispatch_dtype else e
+    towards = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else e
     sorts = 2 if layout.ep > 1 else 1
     copies = m.top_k * m.d_model
     there = sorts * 2 * copies * towards + (sorts - 1) * 2 * copies * e
@@ -287,7 +288,7 @@ def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
         return 0.0
     bw, alpha = cluster.link(layout.world)
     nbytes = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.d_model // layout.tp
-    return 2 * layout.virtual * (alpha + nbytes * workload.dtype_bytes.activation / bw)
+    return 2 * layout.virtual_stages * (alpha + nbytes * workload.dtype_bytes.activation / bw)
 
 
 def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
@@ -361,14 +362,14 @@ def routed_copy_bytes(workload: Workload, layout: Layout, element_bytes: float) 
 
 def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """One micro-batch's expert all-to-alls on a rank of ``stage``, on the critical path: in each of its
-    :func:`_all_to_all_rounds` one towards the experts, in ``layout.dispatch_dtype``, and one back, in the
+    :func:`_all_to_all_rounds` one towards the experts, in ``workload.pricing.dispatch_dtype``, and one back, in the
     activations' dtype (:func:`all_to_all_seconds`); in the activations' dtype throughout, the bytes of
     :func:`all_to_all_bytes_per_micro`."""
     rounds = _all_to_all_rounds(workload, layout, stage)
     if not rounds:
         return 0.0
     activation = workload.dtype_bytes.activation
-    dispatch = DTYPE_BYTES[layout.dispatch_dtype] if layout.dispatch_dtype else activation
+    dispatch = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else activation
     return rounds * sum(all_to_all_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
 
 
@@ -381,7 +382,7 @@ def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, ele
     several nodes moves its bytes on two links at once, each rank's NIC and its NVLink, and the slower sets
     the pace. Sent straight to their ranks (trainmesh's all-to-all, as NCCL's), the copies bound for the
     other nodes, (nodes-1)/nodes of them, cross the NIC, and those for the other ranks of the sender's node
-    go over NVLink. Under ``layout.forward_dispatch`` a token crosses once to each other node holding one of
+    go over NVLink. Under ``workload.pricing.forward_dispatch`` a token crosses once to each other node holding one of
     its experts (:func:`nodes_per_token`, which group-limited routing bounds), and NVLink there carries its
     copies to their ranks, as DeepSeek-V3's dispatch does for its node-limited routing [DSV3, 2.1.2 and
     3.2.2]."""
@@ -392,7 +393,7 @@ def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, ele
         bw, alpha = cluster.link(lay.ep_span)
         return (lay.ep - 1) * (alpha + copies / (lay.ep * bw))
     (inter, alpha), (intra, _) = cluster.link(cluster.gpus_per_node + 1), cluster.link(1)
-    if lay.forward_dispatch:
+    if workload.pricing.forward_dispatch:
         crossing = copies / m.top_k * nodes_per_token(m, nodes) * (nodes - 1) / nodes
         return (nodes - 1) * alpha + max(crossing / inter, copies / intra)
     beside = copies * (lay.ep // nodes - 1) / lay.ep
@@ -414,11 +415,11 @@ def nodes_per_token(m: ModelShape, nodes: int) -> float:
 def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
     """What of one micro-batch's expert all-to-alls (:func:`_ep_time_per_micro`) shows on a rank of ``stage``
     whose compute per micro-batch is ``compute``: all of it, unless the schedule pairs micro-batches
-    (``layout.a2a_overlap``): then a micro-batch's dispatch and combine run while the paired one computes, as
+    (``workload.pricing.a2a_overlap``): then a micro-batch's dispatch and combine run while the paired one computes, as
     DualPipe overlaps a forward chunk's all-to-alls with a backward chunk's compute and the other way round
     [DSV3, 3.2.1], and only what exceeds that compute shows, max(0, a2a - compute)."""
     a2a = _ep_time_per_micro(workload, layout, cluster, stage)
-    return max(0.0, a2a - compute) if layout.a2a_overlap else a2a
+    return max(0.0, a2a - compute) if workload.pricing.a2a_overlap else a2a
 
 
 def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
@@ -484,8 +485,8 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
 
 def _stage_micro_times(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> tuple[float, float, float]:
     """(compute, tp, exposed ep) seconds of one micro-batch on a rank of ``stage``; compute on the compute
-    units the communication kernels leave (``layout.comm_sm_share``)."""
-    compute = micro_compute_time(workload, layout, cluster, stage) / (1 - layout.comm_sm_share)
+    units the communication kernels leave (``workload.pricing.comm_sm_share``)."""
+    compute = micro_compute_time(workload, layout, cluster, stage) / (1 - workload.pricing.comm_sm_share)
     return (compute, _tp_time_per_micro(workload, layout, cluster, stage),
             exposed_ep_time(workload, layout, cluster, stage, compute))
 
@@ -500,5 +501,5 @@ def pipeline_bubble(stage_times: list[float], layout: Layout) -> float:
     pp, m = layout.pp, layout.microbatches
     if pp == 1:
         return 0.0
-    f = bubble_fraction(layout.schedule, pp, m, layout.virtual)
+    f = bubble_fraction(layout.schedule, pp, m, layout.virtual_stages)
     return (sum(stage_times) - max(stage_times)) * m / (pp - 1) * f / (1 - f)
