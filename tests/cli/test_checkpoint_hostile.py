@@ -382,6 +382,55 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(ckpt):
         os.close(fd)
 
 
+# --- retention: --keep-last counts only sound checkpoints of its own names (issue 46) --------------------
+
+def _tiny_saves(root: Path, steps: list[int]) -> tuple:
+    """``tm.save`` of a tiny model at each of ``steps`` into ``root``; the model and optimizer."""
+    import trainmesh as tm
+
+    torch.manual_seed(0)
+    model = tm.parallelize(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)), _mesh())
+    opt = tm.optimizer(model, lr=1e-2)
+    for step in steps:
+        tm.save(model, opt, root, step=step)
+    return model, opt
+
+
+def test_keep_last_never_prunes_a_sound_checkpoint_to_keep_a_damaged_one(tmp_path, capsys):
+    """Case 6: sound step-4 and step-6, step-7 with a truncated shard, ``--keep-last 2`` publishing step-8:
+    step-6 stays (the damaged step-7 does not count), step-4 goes."""
+    import trainmesh as tm
+
+    model, opt = _tiny_saves(tmp_path, [4, 6, 7])
+    shard = step_dir(tmp_path, 7) / SHARD
+    shard.write_bytes(shard.read_bytes()[:100])
+    capsys.readouterr()
+    tm.save(model, opt, tmp_path, step=8, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000006", "step-00000007", "step-00000008"]
+    assert "; deleted step-00000004 (--keep-last 2)" in capsys.readouterr().err
+    tm.save(model, opt, tmp_path, step=9, keep_last=2)  # older than the oldest kept sound one: the damaged one goes
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000008", "step-00000009"]
+
+
+def test_keep_last_neither_counts_nor_deletes_names_that_are_not_its_own(tmp_path, capsys):
+    """Case 6's second half: a ``step-00000009`` link (to a sound step), a ``step-50`` link and a misnamed
+    ``step-000000003`` directory beside sound step-2 and step-8; publishing step-10 with ``--keep-last 2``
+    keeps step-8 and deletes only step-2, and the planted names stay as they were."""
+    import trainmesh as tm
+
+    model, opt = _tiny_saves(tmp_path / "elsewhere", [9])
+    _tiny_saves(tmp_path / "ckpt", [2, 8])
+    root = tmp_path / "ckpt"
+    (root / "step-00000009").symlink_to(step_dir(tmp_path / "elsewhere", 9))
+    (root / "step-50").symlink_to(step_dir(root, 8))
+    (root / "step-000000003").mkdir()
+    tm.save(model, opt, root, step=10, keep_last=2)
+    assert {p.name for p in root.glob("step-*")} == {"step-000000003", "step-00000008", "step-00000009",
+                                                     "step-00000010", "step-50"}
+    assert (step_dir(tmp_path / "elsewhere", 9) / MANIFEST).is_file()
+    assert "deleted step-00000002 (--keep-last 2)" in capsys.readouterr().err
+
+
 # --- the fuzzer ----------------------------------------------------------------------------------------
 
 HOSTILE = [None, True, False, -1, 0, 1, 3, 2**31, 2**63, 10**30, -3, 1.5, float("nan"), float("inf"), "", "x",

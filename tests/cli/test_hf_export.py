@@ -9,19 +9,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from fuzz import deadline
 from test_hf import save_hf_llama
 from trainmesh.app.cli import main
 from trainmesh.app.generate import GREEDY, generate_text
 from trainmesh.checkpoint import candidates
 from trainmesh.checkpoint.store import content_hash
+from trainmesh.storage.safe_io import sha256_hex
 from trainmesh.data.tokenizer import tokenizer_vocab_size
 
 transformers = pytest.importorskip("transformers")
@@ -226,3 +230,135 @@ def test_an_export_never_reads_a_folder_a_rehashed_manifest_names(init_hf_run, t
 
 EXPORTED = {"config.json", "model.safetensors", "chat_template.jinja", "notes.txt", "tokenizer.json",
             "generation_config.json"}
+
+
+def test_an_export_never_replaces_the_users_files_unless_overwrite(init_hf_run, tmp_path, capfd):
+    """Case 4: a folder holding the user's own tokenizer files is refused in one line naming them, nothing
+    written; ``--overwrite`` replaces them and says so."""
+    _, ckpt = init_hf_run
+    out = tmp_path / "mine"
+    out.mkdir()
+    theirs = {name: f"the user's {name}" for name in ("tokenizer.json", "generation_config.json", "notes.txt")}
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    (out / "chat_template.jinja").symlink_to(tmp_path / "elsewhere")
+    capfd.readouterr()
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(
+        f"export --hf {out} already holds chat_template.jinja, generation_config.json, notes.txt, tokenizer.json, "
+        f"which the export writes; choose an empty or new directory, or pass --overwrite to replace them"), err
+    assert {p.name for p in out.iterdir()} == {*theirs, "chat_template.jinja"}
+    assert all((out / name).read_text() == text for name, text in theirs.items())
+    assert main(["export", str(ckpt), "--hf", str(out), "--overwrite"]) == 0
+    said = capfd.readouterr().out
+    assert "; replaced chat_template.jinja, generation_config.json, notes.txt, tokenizer.json (--overwrite)" in said
+    assert not (out / "chat_template.jinja").is_symlink() and not (tmp_path / "elsewhere").exists()
+    assert {p.name for p in out.iterdir()} == EXPORTED
+
+
+def test_an_export_over_a_model_is_refused_unless_overwrite(init_hf_run, tmp_path, capfd):
+    _, ckpt = init_hf_run
+    out = tmp_path / "out"
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 0
+    capfd.readouterr()
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("already holds a model; choose an empty or new directory, or pass "
+                                             "--overwrite to replace it"), err
+    assert main(["export", str(ckpt), "--hf", str(out), "--overwrite"]) == 0
+    assert "replaced config.json, model.safetensors, chat_template.jinja" in capfd.readouterr().out
+
+
+# --- the export fuzzer: every path-bearing manifest field, and the kept files themselves -----------------
+
+def _path_fields(manifest: dict) -> list[tuple[dict, str]]:
+    """Every (container, key) of a manifest that holds or could hold a path: every ``config.*`` field, the
+    recorded sources of the tokenizer and the model, and the kept files' names (as the key to rename)."""
+    return ([(manifest["config"], k) for k in manifest["config"]] + [(manifest["tokenizer"], "source"),
+            (manifest["model_source"], "source")] + [(manifest["hf_files"], k) for k in manifest["hf_files"]])
+
+
+def _mutate(rng: random.Random, step: Path, secrets: Path) -> str:
+    """One mutation of checkpoint ``step``, re-hashed as a tamperer would (mostly); what it did."""
+    manifest = json.loads((step / "manifest.json").read_text())
+    hostile = [str(secrets), str(secrets / "id_rsa"), "../secrets", "../../secrets/id_rsa", "/etc/passwd",
+               "/dev/zero", str(secrets / "fifo"), "", "..", ".", "a\nb", None, 1, [], {}, "x" * 300]
+    container, key = rng.choice(_path_fields(manifest))
+    how = rng.random()
+    if container is manifest["hf_files"] and how < 0.5:  # rename a kept file, or plant a link/FIFO as it
+        name = rng.choice(hostile[:11] + ["id_rsa", "credentials"])
+        entry = container.pop(key)
+        if isinstance(name, str) and name in ("id_rsa", "credentials"):
+            data = (secrets / name).read_bytes()
+            container[name] = {"sha256": sha256_hex(data), "bytes": len(data), "mode": 0o600}
+            (step / f"hf-{name}").symlink_to(secrets / name)
+        else:
+            container[name] = entry
+        what = f"hf_files {key!r} -> {name!r}"
+    elif container is manifest["hf_files"] and how < 0.75:
+        target = step / f"hf-{key}"
+        target.unlink()
+        kind = rng.choice(["link", "fifo", "dir"])
+        if kind == "link":
+            target.symlink_to(secrets / "id_rsa")
+            data = (secrets / "id_rsa").read_bytes()
+            container[key] = {"sha256": sha256_hex(data), "bytes": len(data), "mode": 0o600}
+        elif kind == "fifo":
+            os.mkfifo(target)
+        else:
+            target.mkdir()
+        what = f"hf-{key} is a {kind}"
+    elif container is manifest["hf_files"]:
+        container[key]["mode"] = rng.choice([0o777, 0o4755, 0o666, -1, "0644", None])
+        what = f"hf_files {key!r} mode {container[key]['mode']!r}"
+    else:
+        container[key] = rng.choice(hostile)
+        what = f"{key!r} = {container[key]!r}"
+    if rng.random() < 0.9:
+        manifest["sha256"] = content_hash(manifest)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    return what
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_path_fields_export_only_the_checkpoints_files_or_fail_in_one_line(init_hf_run, tmp_path, capfd):
+    """Mutants of every path-bearing manifest field (``config.*``, the tokenizer's and model's sources, the
+    kept files' names, modes and kinds), pointed at a folder holding a private key: each exports only files
+    the checkpoint holds, with modes at most 0644, or fails in one line; none reads outside the checkpoint."""
+    source, ckpt = init_hf_run
+    secrets = _secrets(tmp_path)
+    os.mkfifo(secrets / "fifo")
+    pristine = candidates(ckpt)[0]
+    secret_bytes = {(secrets / name).read_bytes() for name in ("id_rsa", "credentials")}
+    rng = random.Random(46)
+    outcomes = {"exported": 0, "refused": 0}
+    start = time.monotonic()
+    for case in range(500):
+        step = tmp_path / "ckpt" / pristine.name
+        shutil.rmtree(step.parent, ignore_errors=True)
+        shutil.copytree(pristine, step, symlinks=True)
+        what = _mutate(rng, step, secrets)
+        out = tmp_path / f"out-{case}"
+        capfd.readouterr()
+        with deadline(10), _watching() as seen:
+            code = main(["export", str(step), "--hf", str(out)])
+        said = capfd.readouterr()
+        label = f"case {case} ({what})"
+        strays = [p for p in seen if p.startswith(str(tmp_path)) and not p.startswith((str(step), str(out)))
+                  or p.startswith(str(source))]
+        assert not strays, f"{label} read {strays}"
+        if code == 0:
+            files = {p.name: p for p in out.iterdir()}
+            assert set(files) <= EXPORTED | {"tokenizer_config.json", "special_tokens_map.json"}, f"{label}: {files}"
+            assert all(p.is_file() and not p.is_symlink() and p.stat().st_mode & 0o777 <= 0o644
+                       and p.read_bytes() not in secret_bytes for p in files.values()), label
+            outcomes["exported"] += 1
+        else:
+            lines = said.err.strip().splitlines()
+            assert code == 2 and len(lines) == 1, f"{label}: {said.err}"
+            outcomes["refused"] += 1
+        shutil.rmtree(out, ignore_errors=True)
+    elapsed = time.monotonic() - start
+    print(f"export fuzzer: {outcomes} in {elapsed:.1f} s")
+    assert outcomes["refused"] > 50 and outcomes["exported"] > 50, outcomes

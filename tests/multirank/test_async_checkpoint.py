@@ -3,6 +3,7 @@ save's, byte for byte, even while training overwrites the state being written; `
 every rank's part is durable, so a rank killed during the background write leaves the previous checkpoint
 as ``latest`` and loadable."""
 
+import errno
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import trainmesh as tm
-from trainmesh.checkpoint import candidates, read_tensors, store
+from trainmesh.checkpoint import async_save, candidates, read_tensors, store
 from trainmesh.distributed.mesh import world_from_env
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.distributed.testing import RankFailure, run_ranks
@@ -79,6 +80,46 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
     assert candidates(tmp_path)[0].name == "step-00000001"
     assert not (tmp_path / "step-00000002").exists()
     assert "model/head.weight" in read_tensors(tmp_path / "step-00000001", "model/")
+
+
+def _no_room_for_the_marker(root: str) -> dict:
+    """Save step 1; save step 2 in the background, where rank 1's disk fills after its shard, so that its
+    done-marker cannot be written (as with ENOSPC): how long until the save failed, and the message."""
+    torch.set_num_threads(1)
+    pm, opt, batch = _model()
+    tm.train_step(pm, opt, batch)
+    tm.save(pm, opt, root, 1, async_=True).wait()
+    tm.train_step(pm, opt, batch)
+    if world_from_env()[0] == 1:
+        real = async_save.write_durably
+
+        def full(path, data, *args):
+            if path.name.startswith(".written-"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real(path, data, *args)
+        async_save.write_durably = full
+    start = time.monotonic()
+    handle = tm.save(pm, opt, root, 2, async_=True)
+    try:
+        handle.wait()
+    except store.CheckpointError as e:
+        return {"message": str(e), "seconds": time.monotonic() - start}
+    return {"message": "", "seconds": time.monotonic() - start}
+
+
+def test_a_rank_that_cannot_write_its_marker_fails_the_async_save_at_once_on_every_rank(tmp_path):
+    """Case 5: rank 1's disk is full when it would leave its done-marker. Rank 0 learns it through the store
+    at once, not at the collective timeout; every rank fails the save in one line naming rank 1, the file and
+    the errno, and step 1 stays ``latest``."""
+    outcomes = run_ranks(_no_room_for_the_marker, 2, str(tmp_path), timeout=200)
+    marker = tmp_path / ".tmp-step-00000002" / ".written-rank-00001.json"
+    for outcome in outcomes:
+        message = outcome["message"]
+        assert "\n" not in message and outcome["seconds"] < 20, outcome
+        assert f"rank 1: OSError: [Errno {errno.ENOSPC}] No space left on device: '{marker}'" in message, message
+        assert "the previous checkpoint (step-00000001) is untouched" in message, message
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert not (tmp_path / "step-00000002").exists() and not marker.parent.exists()
 
 
 # Loaded by every process of the job through PYTHONPATH: each rank's background write of step 2 finishes its

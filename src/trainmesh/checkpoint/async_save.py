@@ -42,6 +42,10 @@ MARKER = ".written-rank-{rank:05d}.json"
 POLL_S = 0.01
 
 
+class OtherRankFailed(store.CheckpointError):
+    """Rank 0 stopped waiting because another rank posted its failure; that rank reports it itself."""
+
+
 class AsyncSave:
     """A checkpoint being written in the background. ``stall_s``: what the training thread spent staging;
     ``write_s``: the background write (on rank 0, until published). :meth:`wait` before relying on it."""
@@ -72,13 +76,14 @@ class AsyncSave:
         if not self._finished:
             self._thread.join()
             self._finished = True
-            error = self._error
+            error = None if isinstance(self._error, OtherRankFailed) else self._error
             try:
                 store.on_every_rank(lambda: _reraise(error), self.mesh.device, f"writing {self.path} in the background")
             except store.CheckpointError as e:
                 previous = next((p.name for p in store.candidates(self.path.parent)), None)
                 raise store.CheckpointError(f"saving checkpoint {self.path} failed: {e}; the previous checkpoint "
-                                            f"({previous or 'none'}) is untouched and --resume will use it") from e
+                                            f"({previous or 'none'}) is untouched and --resume will use it; free "
+                                            f"space in {self.path.parent} or choose another --checkpoint-dir") from e
         return self.path
 
 
@@ -137,7 +142,7 @@ def _wait_for_every_rank(tmp: Path, world: int, timeout_s: float, failed_key: st
     kv = dist.distributed_c10d._get_default_store() if world > 1 else None
     while not all(m.exists() for m in markers):
         if kv is not None and kv.check([failed_key]):
-            raise store.CheckpointError(f"{kv.get(failed_key).decode()}; the save was abandoned")
+            raise OtherRankFailed(kv.get(failed_key).decode())
         if time.monotonic() > deadline:
             missing = [r for r, m in enumerate(markers) if not m.exists()]
             raise store.CheckpointError(f"rank(s) {missing} did not finish writing {tmp} within {timeout_s:.0f} s")
