@@ -15,6 +15,10 @@ reads each rank's process state every :data:`STOP_CHECK_S`, warns as soon as it 
 rank and its pid, and ends the job when it stays stopped for the grace period (``--stopped-grace``), so a
 stopped rank is never silent for a whole collective timeout.
 
+When a rank fails, the launcher's line naming it comes first: rank 0's output stops being echoed at the first
+traceback or stack dump it prints, or once a rank has failed, so a survivor's errors never bury the cause; each
+rank not to blame gets one line after the report, naming the file with its full output.
+
 When a rank fails, the report blames, in order: a rank that stopped responding (its process stopped, or
 its heartbeat in the store silent), a rank that failed on its own, or the ranks the failed ranks were
 waiting on (in a numbered collective, or for a numbered point-to-point message) that never arrived.
@@ -31,11 +35,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -59,6 +65,10 @@ P2P_RE = re.compile(r"p2p (?P<messages>\S+ \d+->\d+ #\d+(?: \+ \S+ \d+->\d+ #\d+
 MESSAGE_RE = re.compile(r"(\w+)/(send|recv) (\d+)->(\d+) #(\d+)")
 # What a rank says when a peer went away under it, in a collective trainmesh names or in one it does not
 # (object gathers, barriers): Gloo's and NCCL's own words.
+# Where a rank's output turns to a failure: a traceback, or a stack dump (SIGUSR1, faulthandler)
+FAILURE_START_RE = re.compile(r"^(?:\[rank\d+\]: )?(?:Traceback \(most recent call last\)|Thread 0x|"
+                              r"Current thread 0x|Fatal Python error)", re.M)
+ERROR_NAME_RE = re.compile(r"^(?:\[rank\d+\]: )?(?:\w+\.)*(\w+(?:Error|Exception))\b", re.M)
 PEER_LOST_RE = re.compile(r"Connection closed by peer|Connection reset by peer|remote process exited|"
                           r"NCCL communicator was aborted")
 
@@ -100,6 +110,8 @@ class RankProcess:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
     node: int | None = None  # set across nodes, to name it in reports
+    quiet: bool = False  # echo no more: the rank printed a traceback or stack dump, or a rank failed
+    held: list[str] = field(default_factory=list)  # what was not echoed, printed if the run succeeds after all
 
 
 def _where(rp: RankProcess) -> str:
@@ -107,9 +119,14 @@ def _where(rp: RankProcess) -> str:
 
 
 def _pump_stderr(rp: RankProcess, echo: bool) -> None:
+    """Keep the rank's last lines for the report; echo rank 0's until it turns to a failure (held back then,
+    so the launcher's line naming the cause is printed first)."""
     for line in iter(rp.proc.stderr.readline, ""):
         rp.tail.append(line)
-        if echo:
+        rp.quiet = rp.quiet or FAILURE_START_RE.match(line) is not None
+        if echo and rp.quiet:
+            rp.held.append(line)
+        elif echo:
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -316,13 +333,36 @@ def _never_arrived_lines(waits: dict[int, Wait], rcs: dict[int, int]) -> tuple[l
 
 
 def _write(headline: str, shown: Sequence[int], ranks: Sequence[RankProcess]) -> None:
-    """The report: the headline, then the last traceback or stack of each rank named in it."""
+    """The report: the headline, the last traceback or stack of each rank named in it, then one line for each
+    other rank that printed a failure, naming the file that holds its output."""
     sys.stderr.write(headline + "\n")
     for rp in ranks:
         excerpt = _excerpt(rp) if rp.rank in shown else ""
         if excerpt:
             sys.stderr.write(f"--- rank {rp.rank} ---\n{excerpt}\n")
+    others = [rp for rp in ranks if rp.rank not in shown and FAILURE_START_RE.search("".join(rp.tail))]
+    logs = _save_logs(ranks) if others else None
+    for rp in others:
+        sys.stderr.write(f"trainmesh: rank {rp.rank} {_aftermath(rp, len(ranks))}; its output: {logs[rp.rank]}\n")
     sys.stderr.flush()
+
+
+def _aftermath(rp: RankProcess, world: int) -> str:
+    """What a rank not to blame went through, in a few words: the call it failed in, or that it was stopped."""
+    wait = _wait_of(rp, world)
+    errors = ERROR_NAME_RE.findall("".join(rp.tail))
+    what = (f"failed waiting for {wait.what}" if wait else "lost its connection to a peer" if _lost_a_peer(rp)
+            else "failed" if errors else "was stopped (its stack was dumped)")
+    return what + (f" ({errors[-1]})" if errors else "")
+
+
+def _save_logs(ranks: Sequence[RankProcess]) -> dict[int, Path]:
+    """Each rank's last TAIL_LINES lines of stderr in ``rank-N.log`` of a new temporary directory."""
+    folder = Path(tempfile.mkdtemp(prefix="trainmesh-ranks-"))
+    logs = {rp.rank: folder / f"rank-{rp.rank}.log" for rp in ranks}
+    for rp in ranks:
+        logs[rp.rank].write_text("".join(rp.tail))
+    return logs
 
 
 def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
@@ -494,6 +534,8 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch,
             if rc is None:
                 running = True
             elif rc != 0:
+                for other in ranks:
+                    other.quiet = True  # the cause's line comes first: nothing more is echoed
                 if nodes.nnodes > 1:
                     _post_failure(store, rp, rc)
                 _collect_stacks(ranks)
@@ -512,6 +554,7 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch,
         if not running:
             for rp in ranks:
                 rp.reader.join(timeout=1.0)
+                sys.stderr.writelines(rp.held)  # a traceback a rank printed and survived
             return 0
         late = watch.overdue(ranks)
         if late is not None:
