@@ -8,11 +8,18 @@ The public API (:mod:`trainmesh.api`): :func:`init_mesh`, :func:`parallelize`, :
 that ``parallelize`` then recognises, without editing trainmesh.
 """
 
+from importlib.metadata import PackageNotFoundError, version as _version
+
 from trainmesh.models import tp_plans
 from trainmesh.api import Optimizer, ParallelModel, init_mesh, load, optimizer, parallelize, save, train_step
 from trainmesh.models import register_family
 from trainmesh.models.spec import ModelShape, ModelSpec, StageLayout
 from trainmesh.tracking.runlog import RunLog
 
-__all__ = ["init_mesh", "parallelize", "optimizer", "train_step", "save", "load", "StageLayout", "ParallelModel",
+try:
+    __version__ = _version("trainmesh")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "init_mesh", "parallelize", "optimizer", "train_step", "save", "load", "StageLayout", "ParallelModel",
            "Optimizer", "tp_plans", "RunLog", "register_family", "ModelSpec", "ModelShape"]

@@ -36,7 +36,7 @@ from trainmesh.parallel.context_parallel import apply_context_parallel, shard_se
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
 from trainmesh.training.float8 import convert_to_float8, device_capability, fp8_problem
-from trainmesh.layout import Layout, experts_problem, keyword, validate
+from trainmesh.layout import MESH_SHAPE_RULES, Layout, experts_problem, keyword, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
 from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
@@ -78,8 +78,8 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
-    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, zero=1 if dp_replicate > 1 else 0,
-                    sequence_parallel=sequence_parallel), world_size=world)  # the ZeRO stage is checked by parallelize
+    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, sequence_parallel=sequence_parallel),
+             world_size=world, rules=MESH_SHAPE_RULES)  # parallelize checks every rule once the rest is chosen
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)

@@ -254,12 +254,17 @@ def _hybrid_shards(c: _Check) -> str | None:
     if lay.dp % lay.dp_replicate:
         return (f"{s('dp_replicate', lay.dp_replicate)} does not divide {s('dp', lay.dp)}: the dp ranks split into "
                 f"dp_replicate groups of equal size; choose dp_replicate in {_braced(divisors(lay.dp))}")
-    if lay.zero == 0:
-        return (f"{s('dp_replicate', lay.dp_replicate)} replicates ZeRO's shards across groups, and "
-                f"{s('zero', 0)} shards nothing; set {s('zero')} to 1, 2 or 3, or drop {s('dp_replicate')}")
     if lay.ep > 1:
         return (f"{s('dp_replicate', lay.dp_replicate)} with {s('ep', lay.ep)}: hybrid sharding does not split "
                 f"the expert-data-parallel groups; use {s('ep', 1)} or drop {s('dp_replicate')}")
+    return None
+
+
+def _hybrid_needs_zero(c: _Check) -> str | None:
+    lay, s = c.layout, c.spell
+    if lay.dp_replicate > 1 and lay.zero == 0:
+        return (f"{s('dp_replicate', lay.dp_replicate)} replicates ZeRO's shards across groups, and "
+                f"{s('zero', 0)} shards nothing; set {s('zero')} to 1, 2 or 3, or drop {s('dp_replicate')}")
     return None
 
 
@@ -354,10 +359,13 @@ def _stage_layers(c: _Check) -> str | None:
             f"summing to {layers}")
 
 
-MESH_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _hybrid_shards, _sequence_parallel,
-                                _pipeline_only, _virtual_stages, _interleaved_groups, _zero_bubble, _cuda_graphs,
-                                _compiled_ring, _float8_tensor_parallel,
-                                _stage_layers)
+MESH_SHAPE_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _hybrid_shards, _sequence_parallel)
+"""The rules on the mesh's sizes alone: what ``init_mesh`` checks before the ZeRO stage, the schedule and the
+rest are chosen (by ``parallelize``, which checks every rule)."""
+
+MESH_RULES: tuple[Rule, ...] = (*MESH_SHAPE_RULES, _hybrid_needs_zero, _pipeline_only, _virtual_stages,
+                                _interleaved_groups, _zero_bubble, _cuda_graphs, _compiled_ring,
+                                _float8_tensor_parallel, _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 
 
@@ -471,15 +479,16 @@ def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layou
 
 
 def validate(layout: Layout, model: ModelShape | None = None, world_size: int | None = None, *,
-             spell: Spell = keyword, name: str = "the model") -> None:
+             spell: Spell = keyword, name: str = "the model", rules: Sequence[Rule] = MESH_RULES) -> None:
     """Raise :class:`LayoutError` for the first rule ``layout`` breaks, spelled by ``spell``.
 
     ``model`` (its shape, ``spec.shape(config)``, called ``name`` in messages) adds the rules on how the layout
     splits it; ``world_size`` the rule that the mesh covers exactly the ranks that run. Either may be unknown
-    (None): a planner's candidate is checked before any model is, a mesh before its world is known.
+    (None): a planner's candidate is checked before any model is. ``rules`` narrows the settings' rules to those
+    whose settings are known (:data:`MESH_SHAPE_RULES` for a mesh built before the rest is chosen).
     """
     check = _Check(layout, model, world_size, spell, name)
-    for rule in MESH_RULES + (MODEL_RULES if model is not None else ()):
+    for rule in (*rules, *(MODEL_RULES if model is not None else ())):
         problem = rule(check)
         if problem:
             raise LayoutError(problem)

@@ -67,6 +67,17 @@ def test_bad_config_fails_before_spawn(monkeypatch, capsys, args, message):
     assert "Traceback" not in err
 
 
+def test_version_is_the_installed_packages_from_the_shell_and_the_api():
+    from importlib.metadata import version
+
+    import trainmesh
+
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"trainmesh {version('trainmesh')}", result
+    assert trainmesh.__version__ == version("trainmesh")
+
+
 def test_bad_config_exit_code_from_the_shell(tmp_path):
     result = trainmesh("train", "--nproc", "2", "--dp", "4", "--out", str(tmp_path / "run"))
     assert result.returncode == 2

@@ -344,7 +344,7 @@ def test_schedule_command_prints_and_draws(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "bubble fraction 0.2727" in result.stdout
     assert png.read_bytes().startswith(PNG_SIGNATURE)
-    bad = _trainmesh("schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved", "--virtual", "2")
+    bad = _trainmesh("schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved", "--virtual-stages", "2")
     assert bad.returncode == 2 and "multiple of n_stages" in bad.stderr and "Traceback" not in bad.stderr
 
 

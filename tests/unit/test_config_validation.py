@@ -242,7 +242,7 @@ def test_a_config_that_is_no_regular_file_or_nests_deeply_is_one_line_at_once(tm
 OTHER_COMMANDS = [
     (["schedule", "--pp", "65"], "argument --pp: 65: must be in [1, 64]"),
     (["schedule", "--microbatches", "0"], "argument --microbatches: 0: must be in [1, 256]"),
-    (["schedule", "--virtual", "1e3"], "argument --virtual: 1e3: must be a whole number"),
+    (["schedule", "--virtual-stages", "1e3"], "argument --virtual-stages: 1e3: must be a whole number"),
     (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--seed", str(2**63)],
      f"argument --seed: {2**63}: must be in [0, 9,223,372,036,854,775,807]"),
     (["generate", "--checkpoint-dir", "c", "--prompt", "p", "--max-new-tokens", "1048577"],

@@ -193,3 +193,23 @@ def test_the_layout_names_every_schedule_and_recompute_mode_the_runtime_builds()
     from trainmesh.pipeline.schedules import SCHEDULES as BUILDERS
     from trainmesh.layout import RECOMPUTE, SCHEDULES
     assert tuple(BUILDERS) == SCHEDULES and MODES == RECOMPUTE
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_the_planner_refuses_each_layout_with_the_apis_own_line(case):
+    """The third front door: the planner's check of a candidate raises the very line the API raises, since both
+    come from the one :func:`trainmesh.layout.validate` (only the model's name differs: the planner prices a
+    shape, the API holds the module)."""
+    from trainmesh.plan import Workload, check_layout
+
+    refusal = REFUSALS[case]
+    model = _model(refusal)
+    with pytest.raises(ValueError) as api:
+        tm.parallelize(model, _mesh(**refusal.mesh), **refusal.kwargs)
+    shape = spec_of(refusal.model).shape(spec_of(refusal.model).config_of(model))
+    layout = Layout(**{**refusal.mesh, **refusal.kwargs})
+    microbatches = layout.microbatches * layout.dp
+    with pytest.raises(LayoutError) as planner:
+        check_layout(Workload(shape, microbatches, shape.seq_len), layout)
+    assert _one_line(str(planner.value)) == str(api.value).replace(type(model).__name__, "the model"), (
+        str(planner.value), str(api.value))

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import trainmesh
 from trainmesh.models import hf
 from trainmesh.tracking import runlock
 from trainmesh.distributed import elastic
@@ -50,6 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainmesh", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"trainmesh {trainmesh.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")
     add_config_flags(train)
@@ -380,28 +382,29 @@ def _add_schedule_parser(sub: argparse._SubParsersAction) -> None:
     schedule.add_argument("--microbatches", type=number_flag(int, AT_LEAST_1, Bound(256)), default=8,
                           help="micro-batches per step, at most 256 (default: 8)")
     schedule.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help="default: 1f1b")
-    schedule.add_argument("--virtual", type=number_flag(int, AT_LEAST_1, Bound(16)), default=1,
+    schedule.add_argument("--virtual-stages", type=number_flag(int, AT_LEAST_1, Bound(16)), default=1,
                           help="model chunks per rank, interleaved only, at most 16 (default: 1); pp x "
-                          f"microbatches x virtual at most {SCHEDULE_ACTIONS:,}")
+                          f"microbatches x virtual stages at most {SCHEDULE_ACTIONS:,}")
     schedule.add_argument("--png", help="draw the timeline (ranks x time, coloured by action) to this file")
     schedule.add_argument("--costs", help="simulate with the measured costs (JSON) that trainmesh train --timeline "
                           "writes beside its picture, instead of F=1, B=2 and free communication")
 
 
 SCHEDULE_ACTIONS = 2048
-"""Largest pp x microbatches x virtual ``schedule`` simulates: the simulation and the table it prints grow
+"""Largest pp x microbatches x virtual stages ``schedule`` simulates: the simulation and the table it prints grow
 with it, and beyond this they take minutes and print more than anyone reads."""
 
 
 def _schedule(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     from trainmesh.pipeline.draw import schedule_command
 
-    if args.pp * args.microbatches * args.virtual > SCHEDULE_ACTIONS:
-        raise ConfigError(f"--pp {args.pp} x --microbatches {args.microbatches} x --virtual {args.virtual} is more "
+    if args.pp * args.microbatches * args.virtual_stages > SCHEDULE_ACTIONS:
+        raise ConfigError(f"--pp {args.pp} x --microbatches {args.microbatches} x --virtual-stages "
+                          f"{args.virtual_stages} is more "
                           f"than the {SCHEDULE_ACTIONS:,} stage-micro-batches schedule simulates; choose fewer")
 
     try:
-        print(schedule_command(args.pp, args.microbatches, args.schedule, args.virtual, args.png, args.costs))
+        print(schedule_command(args.pp, args.microbatches, args.schedule, args.virtual_stages, args.png, args.costs))
     except (ValueError, ImportError) as e:
         print(f"trainmesh: error: {e}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainmesh.layout import Layout, validate
+from trainmesh.layout import Layout
 
 AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # dp x cp flattened: where gradients of replicated parameters are reduced
@@ -209,8 +209,7 @@ class Mesh:
         world group's is, so the timeout is set on each axis group afterwards.
         """
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
-                        zero=1 if dp_replicate > 1 else 0, sequence_parallel=sequence_parallel and tp > 1)
-        validate(layout)  # the stage is checked where it is chosen
+                        sequence_parallel=sequence_parallel and tp > 1)  # validated by its callers
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": layout.expert_data_ranks,
                  SHARD_AXIS: dp * cp // dp_replicate, REPLICA_AXIS: dp_replicate}
         world = pp * dp * cp * tp
