@@ -18,7 +18,7 @@ import torch
 
 from trainmesh.app import cli
 from trainmesh.app.config import Config, config_from_args
-from trainmesh.app.planning import (add_plan_arguments, auto_config, layout_flags, layout_of, plan_from_args,
+from trainmesh.app.planning import (add_plan_arguments, auto_config, layout_of, plan_from_args,
                                     preset_source, train_command, with_layout, workload_from, workload_of)
 from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_token
 from trainmesh.models import ModelShape
@@ -603,11 +603,33 @@ def test_config_and_layout_convert_both_ways() -> None:
     assert layout_of(Config(schedule="gpipe")).schedule == "1f1b"
 
 
-def test_layout_flags_pin_the_layout_for_spawned_ranks_and_turn_planning_off() -> None:
-    planned = Config(plan="auto", nproc=4, dp=2, tp=2, zero=3, sequence_parallel=True, recompute="selective")
-    args = cli._parser().parse_args(["train", "--plan", "auto", *layout_flags(planned)])
-    got = config_from_args(args)
-    assert layout_of(got) == layout_of(planned) and got.plan == ""
+def test_ranks_are_handed_the_launchers_resolved_run_not_a_command_line(monkeypatch, tmp_path) -> None:
+    """``--plan auto`` is resolved once, by the process that launches: the ranks are started as ``trainmesh
+    train`` with no flags, and each one's configuration is the launcher's, planned layout included, with no
+    second plan (a rank that planned again would print the plan's line)."""
+    from trainmesh.distributed import launcher
+
+    started = {}
+
+    def spawn(argv, nproc, max_restarts, env_of, **_kwargs):
+        started.update(argv=list(argv), env=env_of(False), restarted=env_of(True))
+        return 0
+
+    monkeypatch.setattr(launcher, "launch_with_restarts", spawn)
+    monkeypatch.setattr(cli, "_planned", lambda cfg, world: dataclasses.replace(cfg, dp=1, tp=2))
+    assert cli.main(["train", "--nproc", "2", "--plan", "auto", "--out", str(tmp_path / "run")]) == 0
+    launched = config_from_args(cli._parser().parse_args(["train", "--nproc", "2", "--plan", "auto", "--tp", "2",
+                                                         "--dp", "1", "--out", str(tmp_path / "run")]))
+    assert started["argv"] == ["train"]
+    monkeypatch.setattr(cli, "_planned", lambda *_: pytest.fail("a rank planned again"))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        **started["env"]}.items():
+        monkeypatch.setenv(name, value)
+    got = cli.checked_config(cli._parser().parse_args(["train"]))
+    assert got == launched and (got.tp, got.dp, got.plan) == (2, 1, "auto")
+    monkeypatch.setenv(cli.RESOLVED_ENV, started["restarted"][cli.RESOLVED_ENV])
+    assert cli.checked_config(cli._parser().parse_args(["train"])) == dataclasses.replace(
+        launched, resume=True, overwrite=False)
 
 
 def test_plan_auto_takes_the_fastest_layout_the_runtime_accepts() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -439,8 +441,24 @@ def _world_from_env() -> int | None:
     return world if _is_rank() else None
 
 
+RESOLVED_ENV = "TRAINMESH_RESOLVED_RUN"
+"""Where a rank trainmesh's launcher starts finds its run: the launcher's resolved, validated configuration as
+JSON (:func:`resolved_env`), so ranks are started with no training command line to parse, plan or check again."""
+
+
+def resolved_env(cfg: Config, restarted: bool = False) -> dict[str, str]:
+    """The environment that hands the ranks ``cfg``; restarted ranks resume from the latest complete
+    checkpoint, which the first attempt already cleared the directory for."""
+    if restarted:
+        cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
+    return {RESOLVED_ENV: json.dumps(dataclasses.asdict(cfg))}
+
+
 def checked_config(args: argparse.Namespace) -> Config:
-    """The configuration, validated against this process's world (or the one about to be spawned)."""
+    """The configuration, validated against this process's world (or the one about to be spawned); a rank
+    the launcher started takes the one it was handed (:data:`RESOLVED_ENV`)."""
+    if _is_rank() and RESOLVED_ENV in os.environ:
+        return Config(**json.loads(os.environ[RESOLVED_ENV]))
     given = settings_from_args(args)
     cfg = Config(**given)
     if cfg.resume and cfg.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
@@ -518,12 +536,9 @@ def _planned(cfg: Config, world: int) -> Config:
     return cfg
 
 
-def _with_out_dir(argv: Sequence[str], cfg: Config) -> tuple[list[str], Config]:
+def _with_out_dir(cfg: Config) -> Config:
     """Fix the run directory before spawning so every rank (and the user) agrees on it."""
-    if cfg.out:
-        return list(argv), cfg
-    out = default_out_dir()
-    return [*argv, "--out", out], dataclasses.replace(cfg, out=out)
+    return cfg if cfg.out else dataclasses.replace(cfg, out=default_out_dir())
 
 
 def _owns_run_dirs() -> bool:
@@ -533,12 +548,12 @@ def _owns_run_dirs() -> bool:
     return not _is_rank() or (world_env().rank == 0 and os.environ.get(STORE_CLIENT_ENV) != "1")
 
 
-def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _train(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     cfg = checked_config(args)
     if not _owns_run_dirs():
         return _train_here(cfg)
     if not _is_rank():
-        argv, cfg = _with_out_dir(argv, cfg)
+        cfg = _with_out_dir(cfg)
     check_run_dirs(cfg)
     with claim(cfg), runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
         make_out_fresh(cfg)
@@ -546,11 +561,8 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             from trainmesh.distributed.launcher import launch_with_restarts
             from trainmesh.app.train import FAULT_ENV
 
-            if cfg.plan == "auto":
-                from trainmesh.app.planning import layout_flags
-
-                argv = [*argv, *layout_flags(cfg)]
-            return launch_with_restarts(argv, cfg.nproc, cfg.max_restarts, clear_on_restart=(FAULT_ENV,),
+            return launch_with_restarts(["train"], cfg.nproc, cfg.max_restarts,
+                                        functools.partial(resolved_env, cfg), clear_on_restart=(FAULT_ENV,),
                                         stopped_grace=cfg.stopped_grace)
         return _train_here(cfg)
 

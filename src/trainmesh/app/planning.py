@@ -8,19 +8,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Iterator
 
-from trainmesh.app.config import Config
+from trainmesh.app.config import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Bound, Config, number_flag
 from trainmesh.layout import LayoutError, validate
 from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
 from trainmesh.app.run_command import ModelSource, NodeSpan, command_lines, planner_only, sbatch_script
 from trainmesh.layout import PRECISION_CHOICES, resolve_precision
-from trainmesh.models.hf import HFError, family_of, hf_dir
+from trainmesh.models.hf import MAX_EXPERTS, HFError, family_of, hf_dir
 from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estimate, Layout, Workload, choose,
                             format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
                             to_json)
 from trainmesh.plan.hf_shape import read_hf_shape
+from trainmesh.plan.ranking import MAX_GPUS
 from trainmesh.training.state_bytes import DTYPE_BYTES
 
 
@@ -98,11 +101,6 @@ def nodes_of(layout: Layout, cluster: Cluster) -> NodeSpan:
 def train_command(workload: Workload, layout: Layout, cluster: Cluster, source: ModelSource) -> list[str]:
     """The lines that start ``layout``'s run (:func:`trainmesh.app.run_command.command_lines`)."""
     return command_lines(source, train_flags(workload, layout), nodes_of(layout, cluster))
-
-
-def layout_flags(cfg: Config) -> list[str]:
-    """Command-line flags that pin ``cfg``'s layout and turn ``--plan`` off, for the ranks a planned run spawns."""
-    return [*(f for field in PLANNED for f in _flag_of(cfg, field)), "--plan", ""]
 
 
 def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Estimate]:
@@ -189,6 +187,35 @@ VARIANT_FLAGS = {"kv-heads": "n_kv_heads", "head-dim": "head_dim", "experts": "n
 MLP_KINDS = {"gelu": {"gated_mlp": False, "bias": True, "learned_positions": True},
              "swiglu": {"gated_mlp": True, "bias": False, "learned_positions": False}}
 HF_SEQ = 4096  # the sequence an HF config is planned at without --seq (its max_position_embeddings if shorter)
+SIZE_LIMIT = Bound(1 << 20)  # widths, heads, vocabulary, sequence, batch: as train's bounds, far beyond any model
+LAYER_LIMIT = Bound(1 << 12)  # 32x Llama 3 405B's 126 layers; the search splits them over pipeline stages
+MAY_BE_0 = ("n_shared_experts", "n_dense_layers", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+            "qk_nope_head_dim", "v_head_dim")
+"""The shape fields where 0 means none (no shared experts, no latent attention, a full query projection)."""
+RATE_LIMIT = Bound(1e6)  # TFLOP/s and GB/s per device: hundreds of times today's fastest
+
+
+def _shape_flag(field: str) -> Callable[[str], int]:
+    """The argparse type of the flag for ModelShape ``field``: a whole number from 1 (0 where it means none)
+    up to the field's bound."""
+    high = {"n_layers": LAYER_LIMIT, "n_dense_layers": LAYER_LIMIT, "n_experts": Bound(MAX_EXPERTS),
+            "top_k": Bound(MAX_EXPERTS), "n_shared_experts": Bound(MAX_EXPERTS)}.get(field, SIZE_LIMIT)
+    return number_flag(int, AT_LEAST_0 if field in MAY_BE_0 else AT_LEAST_1, high)
+
+
+def _script_path(text: str) -> str:
+    """``--slurm``'s FILE, checked before the search: a regular file (new or not) in a writable directory,
+    never a directory or a device (/dev/full), which would fail only after the search."""
+    path = Path(text)
+    try:
+        if path.exists() and not path.is_file():
+            raise argparse.ArgumentTypeError(f"{text} is not a regular file; name the script file to write")
+        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK) or path.exists() and \
+                not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text} cannot be written; name a file in a writable directory")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror}; name the script file to write") from None
+    return text
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,29 +231,35 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         "qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt2)")
     source.add_argument("--init-hf", metavar="DIR", help="as --hf-config, and the command starts from DIR's weights")
     for flag in SHAPE_FLAGS:
-        parser.add_argument(f"--{flag}", type=int, help="explicit shape or override of the model's")
+        parser.add_argument(f"--{flag}", type=_shape_flag(SHAPE_FLAGS[flag]),
+                            help="explicit shape or override of the model's")
     for flag in VARIANT_FLAGS:
-        parser.add_argument(f"--{flag}", type=int, dest=VARIANT_FLAGS[flag],
+        parser.add_argument(f"--{flag}", type=_shape_flag(VARIANT_FLAGS[flag]), dest=VARIANT_FLAGS[flag],
                             help="explicit shape or override of the model's (ModelShape." + VARIANT_FLAGS[flag] + ")")
     parser.add_argument("--mlp", choices=list(MLP_KINDS), help="gelu: GPT-2 blocks (the default of an explicit "
                         "shape); swiglu: Llama blocks (gated MLP, RMSNorm, RoPE, no biases)")
     parser.add_argument("--tied", action="store_true", default=None, help="the head shares the embedding's weight")
-    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: one per device)")
+    parser.add_argument("--global-batch", type=number_flag(int, AT_LEAST_1, SIZE_LIMIT),
+                        help="sequences per optimizer step (default: one per device)")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
                         help="as trainmesh train's (default: auto: bf16 with fp32 master weights on GPUs, fp32 on cpu)")
     parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
                         help="dtype gradients are held and reduced in, as trainmesh train's (default: "
                              f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int)
+    devices = number_flag(int, AT_LEAST_1, Bound(MAX_GPUS))
+    parser.add_argument("--gpus", type=devices, required=True, help=f"devices to plan for (1 to {MAX_GPUS:,})")
+    parser.add_argument("--gpus-per-node", type=devices)
     parser.add_argument("--gpu", choices=list(CLUSTER_PRESETS), default="a100-80gb")
-    parser.add_argument("--mem-gb", type=float, help="memory per device in GiB (overrides --gpu)")
-    parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (overrides --gpu)")
-    parser.add_argument("--intra-gbps", type=float, help="intra-node GB/s per device (overrides --gpu)")
-    parser.add_argument("--inter-gbps", type=float, help="inter-node GB/s per device (overrides --gpu)")
-    parser.add_argument("--top", type=int, default=20, help="rows to print")
+    parser.add_argument("--mem-gb", type=number_flag(float, ABOVE_0, SIZE_LIMIT),
+                        help="memory per device in GiB (overrides --gpu)")
+    rate = number_flag(float, ABOVE_0, RATE_LIMIT)
+    parser.add_argument("--peak-tflops", type=rate, help="peak bf16 TFLOP/s per device (overrides --gpu)")
+    parser.add_argument("--intra-gbps", type=rate, help="intra-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--inter-gbps", type=rate, help="inter-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--top", type=number_flag(int, AT_LEAST_1, SIZE_LIMIT), default=20, help="rows to print")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--slurm", metavar="FILE", help="also write an sbatch script that starts the chosen run")
+    parser.add_argument("--slurm", metavar="FILE", type=_script_path,
+                        help="also write an sbatch script that starts the chosen run")
 
 
 def workload_from(
@@ -304,8 +337,13 @@ def plan_from_args(args: argparse.Namespace) -> str:
         return to_json(workload, cluster, estimates, chosen, args.top)
     command = [] if chosen is None else train_command(workload, chosen.layout, cluster, _source(args, workload, fields))
     if args.slurm and chosen is not None:
-        Path(args.slurm).write_text(sbatch_script(_source(args, workload, fields), train_flags(workload, chosen.layout),
-                                                  nodes_of(chosen.layout, cluster)))
+        script = sbatch_script(_source(args, workload, fields), train_flags(workload, chosen.layout),
+                               nodes_of(chosen.layout, cluster))
+        try:
+            Path(args.slurm).write_text(script)
+        except OSError as e:
+            raise ValueError(f"--slurm {args.slurm}: cannot write the script ({e.strerror}); name another file") \
+                from None
         command.append(f"# sbatch script written to {args.slurm}")
     note = f" ({args.precision}: {'bf16 devices' if cluster.has_bf16 else 'no bf16 on cpu'})" if args.precision == "auto" else ""
     return format_table(workload, cluster, estimates, chosen, command, args.top, note)

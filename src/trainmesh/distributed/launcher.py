@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -467,18 +467,20 @@ def _join_store(nodes: Nodes) -> tuple[dist.TCPStore, int]:
 
 
 def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh"),
-           stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes()) -> int:
+           stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes(),
+           env: Mapping[str, str] | None = None) -> int:
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
-    user's script) as ``nproc`` ranks on this node (of ``nodes``); returns the exit code for the user. A rank
-    stopped for longer than ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
+    user's script) as ``nproc`` ranks on this node (of ``nodes``), ``env`` added to each rank's environment;
+    returns the exit code for the user. A rank stopped for longer than ``stopped_grace`` seconds ends the job
+    (:class:`StopWatch`)."""
     nodes.check()
     store, port = _join_store(nodes)
     job = shm.new_job()
     ranks: list[RankProcess] = []
     for local in range(nproc):
-        env = rank_env(local, nproc, port, job, nodes)
-        rank = int(env["RANK"])
-        proc = subprocess.Popen([sys.executable, *program, *argv], env=env,
+        environment = {**rank_env(local, nproc, port, job, nodes), **(env or {})}
+        rank = int(environment["RANK"])
+        proc = subprocess.Popen([sys.executable, *program, *argv], env=environment,
                                 stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=_die_with_parent)
         rp = RankProcess(rank, proc, node=nodes.node_rank if nodes.nnodes > 1 else None)
@@ -573,16 +575,17 @@ def _stopped_for(elsewhere: str, nodes: Nodes) -> int:
 
 
 def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
-                         clear_on_restart: Sequence[str] = (), stopped_grace: float = STOPPED_GRACE_S) -> int:
-    """:func:`launch`, and after a failure launch every rank again with ``--resume`` (up to ``max_restarts``
-    times), so the run continues from its latest complete checkpoint (``--no-overwrite``: the first attempt
-    already cleared the directory); returns the last attempt's exit code.
+                         env_of: Callable[[bool], Mapping[str, str]], clear_on_restart: Sequence[str] = (),
+                         stopped_grace: float = STOPPED_GRACE_S) -> int:
+    """:func:`launch`, and after a failure launch every rank again (up to ``max_restarts`` times) with
+    ``env_of(True)`` in place of ``env_of(False)``: the run handed to restarted ranks resumes from its latest
+    complete checkpoint; returns the last attempt's exit code.
 
     Restarted ranks run without the environment variables in ``clear_on_restart`` (the fault injection
     ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
     the restarted run must not meet again at the same step.
     """
-    rc = launch(argv, nproc, stopped_grace=stopped_grace)
+    rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(False))
     for attempt in range(1, max_restarts + 1):
         if rc == 0:
             break
@@ -590,6 +593,6 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          f"(restart {attempt} of {max_restarts})\n")
         for name in clear_on_restart:
             os.environ.pop(name, None)
-        rc = launch([*argv, "--resume", "--no-overwrite"], nproc, stopped_grace=stopped_grace)
+        rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(True))
     return rc
 
