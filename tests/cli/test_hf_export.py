@@ -334,7 +334,7 @@ def test_fuzzed_path_fields_export_only_the_checkpoints_files_or_fail_in_one_lin
     rng = random.Random(46)
     outcomes = {"exported": 0, "refused": 0}
     start = time.monotonic()
-    for case in range(500):
+    for case in range(300):
         step = tmp_path / "ckpt" / pristine.name
         shutil.rmtree(step.parent, ignore_errors=True)
         shutil.copytree(pristine, step, symlinks=True)
@@ -361,4 +361,4 @@ def test_fuzzed_path_fields_export_only_the_checkpoints_files_or_fail_in_one_lin
         shutil.rmtree(out, ignore_errors=True)
     elapsed = time.monotonic() - start
     print(f"export fuzzer: {outcomes} in {elapsed:.1f} s")
-    assert outcomes["refused"] > 50 and outcomes["exported"] > 50, outcomes
+    assert outcomes["refused"] > 30 and outcomes["exported"] > 30, outcomes

@@ -115,8 +115,8 @@ def save_state_async(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, p
                 dist.distributed_c10d._get_default_store().set(failed_key, f"rank {rank}: {type(e).__name__}: {e}")
             raise
         if rank == 0:
+            files = _wait_for_every_rank(tmp, world, timeout_s, failed_key)  # other ranks may still be writing
             try:
-                files = _wait_for_every_rank(tmp, world, timeout_s, failed_key)
                 store._publish(tmp, final, store._manifest(description, scaler, staged.progress, staged.plans,
                                                                     staged.writers, files), description)
             except BaseException:

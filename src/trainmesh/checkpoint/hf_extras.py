@@ -7,7 +7,7 @@ An export holds only what the checkpoint holds: no path a manifest names is ever
 manifest can re-hash it). The run's tokenizer is the one its manifest records: byte tokens (ids 0-255 are the
 bytes of UTF-8 text, written as a byte-level BPE with no merges, so ``AutoTokenizer`` encodes text to exactly
 those ids) or a ``tokenizer.json`` (the copy the checkpoint keeps, of the recorded SHA-256). An ``--init-hf``
-source's files are read once when the run starts (:func:`collect`: regular files only, never through a link,
+source's files are read once, at the run's first save (:func:`collect`: regular files only, never through a link,
 weights left out) and every checkpoint keeps copies of them with their permissions (at most ``0644``); when the
 source's ``tokenizer.json`` is the run's tokenizer, its tokenizer files are exported as they are (chat template
 included) and its special token ids kept; a run trained on another tokenizer gets that one instead. Generated
@@ -114,8 +114,8 @@ def _token_id(value: Any) -> Any:
 
 
 def collect(directory: Path) -> dict[str, KeptFile]:
-    """What every checkpoint of a run started from ``--init-hf directory`` keeps of it, read once at the
-    run's start: its regular files but the weights, each with its permissions narrowed to at most ``0644``.
+    """What every checkpoint of a run started from ``--init-hf directory`` keeps of it, read once (at
+    its first save): its regular files but the weights, each with its permissions narrowed to at most ``0644``.
     A link or anything else is skipped, never followed (a ``README.md`` linked to a key would otherwise be
     exported), and said once."""
     kept, skipped = {}, []
@@ -123,7 +123,8 @@ def collect(directory: Path) -> dict[str, KeptFile]:
         if entry.name.endswith(WEIGHT_FILES):
             continue
         why = ("a symbolic link" if entry.is_symlink() else "not a regular file"
-               if not entry.is_file(follow_symlinks=False) else "" if HF_FILE.fullmatch(entry.name) else "its name")
+               if not entry.is_file(follow_symlinks=False) else "" if HF_FILE.fullmatch(entry.name)
+               else "not a plain file name")
         if not why:
             try:
                 data, mode = read_regular_with_mode(Path(entry.path), HF_FILE_BYTES)
