@@ -34,8 +34,19 @@ def trainmesh(*args, env=None, timeout=120):
 
 
 def _pids_with(marker: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """Processes of the run whose command line (the launcher's) or environment (its ranks', handed the resolved
+    run) holds ``marker``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            seen = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in seen:
+            found.append(int(proc.name))
+    return found
 
 
 _cfg = functools.partial(config, dp=2, steps=5, warmup_steps=5)
