@@ -244,10 +244,11 @@ def test_sigterm_ends_prepare_with_its_workers_and_keeps_nothing(tmp_path, tok):
         time.sleep(0.05)
     while not any(out.glob("*.bin")) and proc.poll() is None and time.monotonic() < deadline_s:
         time.sleep(0.05)  # mid-run: the first shard is being written
+    assert proc.poll() is None, "prepare ended before it could be interrupted; give it a larger corpus"
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=120)
     assert err == f"trainmesh: error: prepare interrupted by SIGTERM; nothing was kept in {out}\n", err
-    gone_by = time.monotonic() + 5
+    gone_by = time.monotonic() + 60  # a bound on a hang only: the workers die with their parent
     while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < gone_by:
         time.sleep(0.05)
     assert len(workers) == 2 and not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived prepare"
