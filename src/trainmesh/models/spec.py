@@ -17,6 +17,7 @@ start at and each block the :class:`~trainmesh.models.cache.LayerCache` of its a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,10 @@ def stage_forward(model: nn.Module, x: torch.Tensor, cache: KVCache | None = Non
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, found up to its square root: the planner takes those of up to a
+    million ranks in its inner loops."""
+    low = [d for d in range(1, math.isqrt(max(n, 0)) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int | None:
@@ -133,6 +137,13 @@ class ModelShape:
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_kv_heads={self.kv_heads} does not divide n_heads={self.n_heads}; "
                              f"choose n_kv_heads in {divisors(self.n_heads)}")
+        if self.n_experts and not (1 <= self.top_k <= self.n_experts and self.n_dense_layers <= self.n_layers):
+            raise ValueError(f"top_k={self.top_k} of n_experts={self.n_experts} with n_dense_layers="
+                             f"{self.n_dense_layers} of n_layers={self.n_layers}: a token picks 1 to n_experts "
+                             f"experts and at most every layer is dense")
+        if self.latent_attention and not (self.qk_nope_head_dim + self.qk_rope_head_dim and self.v_head_dim):
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs heads: give qk_nope_head_dim "
+                             f"or qk_rope_head_dim, and v_head_dim, of at least 1")
 
     @property
     def kv_heads(self) -> int:

@@ -5,6 +5,7 @@ ranked by predicted step time (:func:`search`, :func:`best_layout`).
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -167,16 +168,29 @@ def _candidate(workload: Workload, **settings: object) -> Layout | None:
 TIE_TOLERANCE = 0.01
 
 
-def search(workload: Workload, cluster: Cluster) -> list[Estimate]:
+MAX_GPUS = 1 << 20
+"""The most devices the search takes: over 2**20 a tiny model's search takes ~1 s and DeepSeek-V3's ~2 min
+(one shared CPU core); larger counts are typos (a billion ran for hours, enumerating its divisors)."""
+SEARCH_LIMIT_S = 300.0
+"""How long :func:`search` may run before it stops in one line instead of running on unseen."""
+
+
+def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S) -> list[Estimate]:
     """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
     memory per rank); :func:`choose` picks the one to run. Of a layout's hybrid-sharded variants, only the
     one with the smallest ZeRO groups that fits is kept (:func:`hsdp_replicas` yields them smallest first):
     a group of more nodes holds less but sends more of its gathers and reduce-scatters across nodes, so it
-    is never faster."""
+    is never faster. A ValueError for more than :data:`MAX_GPUS` devices or a search past ``limit_s``."""
+    if not 1 <= cluster.gpus <= MAX_GPUS:
+        raise ValueError(f"{cluster.gpus:,} devices: the planner searches 1 to {MAX_GPUS:,}; plan fewer")
     found: list[Estimate] = []
     flat: Estimate | None = None  # the last layout sharded over all its dp ranks, if it fits
     hybrid_fits = False  # whether a hybrid-sharded variant of ``flat`` fits: larger groups are then not tried
-    for layout in enumerate_layouts(workload, cluster):
+    stop = time.monotonic() + limit_s
+    for tried, layout in enumerate(enumerate_layouts(workload, cluster)):
+        if time.monotonic() > stop:
+            raise ValueError(f"the layout search over {cluster.gpus:,} devices passed its {limit_s:g} s limit after "
+                             f"{tried:,} layouts; plan fewer devices or a smaller global batch")
         if layout.dp_replicate > 1 and (hybrid_fits or not _hybrid_may_win(workload, layout, cluster, flat)):
             continue
         memory = memory_per_rank(workload, layout)
