@@ -160,7 +160,7 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
             f"bubble {timeline.bubble_fraction:.4f}, simulated from its measured costs {simulated:.4f} "
             f"({replayed:.4f} with each action's and message's own measured time; "
             f"trainmesh schedule --pp {cfg.pp} --microbatches {cfg.microbatches} --schedule {cfg.schedule} "
-            f"--virtual {cfg.virtual_stages} --costs {costs})")
+            f"--virtual-stages {cfg.virtual_stages} --costs {costs})")
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
