@@ -311,6 +311,28 @@ def _check_loaded(directory: Path, label: str) -> None:
         assert weights[name].is_floating_point() and torch.isfinite(weights[name]).all(), label
 
 
+
+def _tally(outcomes: dict, label: str, directory: Path, seconds: float, check) -> None:
+    """Run one fuzzed case under a deadline: it loads, or is refused in one line naming its folder."""
+    try:
+        with deadline(seconds):
+            check()
+    except CaseTimeout:
+        pytest.fail(f"{label} hung")
+    except hf.HFError as e:
+        assert "\n" not in str(e) and str(directory) in str(e), f"{label}: {e!r}"
+        outcomes["refused"] += 1
+    else:
+        outcomes["loaded"] += 1
+
+
+def _trains_finitely(directory: Path, label: str, tokens: torch.Tensor) -> None:
+    _check_loaded(directory, label)
+    spec, cfg, weights = hf.read_hf(directory)
+    model = spec.builder(cfg, 0)
+    model.load_state_dict(weights, strict=False)
+    assert torch.isfinite(model(tokens)).all(), f"{label}: the forward pass is not finite"
+
 @pytest.mark.timeout(120)
 def test_fuzzed_config_and_safetensors_headers_load_correctly_or_fail_in_one_line(folders, tmp_path):
     """1,050 mutants of the two folders (700 of config.json, 350 of the safetensors file), each through the
@@ -330,16 +352,7 @@ def test_fuzzed_config_and_safetensors_headers_load_correctly_or_fail_in_one_lin
             data, what = _mutate_config(rng, (folders[family] / hf.CONFIG).read_text())
             (directory / hf.CONFIG).write_bytes(data)
         label = f"case {case} ({family}: {what})"
-        try:
-            with deadline(5):
-                _check_loaded(directory, label)
-        except CaseTimeout:
-            pytest.fail(f"{label} hung")
-        except hf.HFError as e:
-            assert "\n" not in str(e) and str(directory) in str(e), f"{label}: {e!r}"
-            outcomes["refused"] += 1
-        else:
-            outcomes["loaded"] += 1
+        _tally(outcomes, label, directory, 5, lambda: _check_loaded(directory, label))
     elapsed = time.monotonic() - start
     print(f"HF folder fuzzer: {outcomes} in {elapsed:.1f} s")
     assert outcomes["refused"] > 500 and outcomes["loaded"] > 50, outcomes
@@ -385,20 +398,7 @@ def test_every_numeric_moe_and_mla_setting_mutated_imports_correctly_or_fails_in
                 shutil.copytree(family_folders[family], directory)
                 (directory / hf.CONFIG).write_text(json.dumps(config))
                 label = f"{family} {key}={json.dumps(value)}"
-                try:
-                    with deadline(10):
-                        _check_loaded(directory, label)
-                        spec, cfg, weights = hf.read_hf(directory)
-                        model = spec.builder(cfg, 0)
-                        model.load_state_dict(weights, strict=False)
-                        assert torch.isfinite(model(tokens)).all(), f"{label}: the forward pass is not finite"
-                except CaseTimeout:
-                    pytest.fail(f"{label} hung")
-                except hf.HFError as e:
-                    assert "\n" not in str(e) and str(directory) in str(e), f"{label}: {e!r}"
-                    outcomes["refused"] += 1
-                else:
-                    outcomes["loaded"] += 1
+                _tally(outcomes, label, directory, 10, lambda: _trains_finitely(directory, label, tokens))
     elapsed = time.monotonic() - start
     print(f"MoE/MLA config fuzzer: {outcomes} in {elapsed:.1f} s")
     assert outcomes["refused"] > 300 and outcomes["loaded"] > 20, outcomes

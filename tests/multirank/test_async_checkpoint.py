@@ -60,14 +60,20 @@ def test_an_async_save_writes_the_synchronous_files_byte_for_byte(tmp_path):
     assert all(t["stall_s"] > 0 and t["write_s"] > 0 for t in times)
 
 
-def _killed_while_writing(root: str) -> None:
-    """Save step 1 and wait; save step 2 in the background, where rank 1 dies by SIGKILL before its file is
-    written (rank 0 has written its own and waits for rank 1's)."""
+def _saved_step_1_and_trained_on(root: str) -> tuple:
+    """A model saved at step 1 in the background and trained one step further, ready for the save under test."""
     torch.set_num_threads(1)
     pm, opt, batch = _model()
     tm.train_step(pm, opt, batch)
     tm.save(pm, opt, root, 1, async_=True).wait()
     tm.train_step(pm, opt, batch)
+    return pm, opt, batch
+
+
+def _killed_while_writing(root: str) -> None:
+    """Save step 1 and wait; save step 2 in the background, where rank 1 dies by SIGKILL before its file is
+    written (rank 0 has written its own and waits for rank 1's)."""
+    pm, opt, batch = _saved_step_1_and_trained_on(root)
     if world_from_env()[0] == 1:
         store._write_rank_file = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
     tm.save(pm, opt, root, 2, async_=True).wait()
@@ -85,11 +91,7 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
 def _no_room_for_the_marker(root: str) -> dict:
     """Save step 1; save step 2 in the background, where rank 1's disk fills after its shard, so that its
     done-marker cannot be written (as with ENOSPC): how long until the save failed, and the message."""
-    torch.set_num_threads(1)
-    pm, opt, batch = _model()
-    tm.train_step(pm, opt, batch)
-    tm.save(pm, opt, root, 1, async_=True).wait()
-    tm.train_step(pm, opt, batch)
+    pm, opt, batch = _saved_step_1_and_trained_on(root)
     if world_from_env()[0] == 1:
         real = async_save.write_durably
 
