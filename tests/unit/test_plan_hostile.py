@@ -51,6 +51,7 @@ FLAG_CASES = [
     (["--global-batch", "0"], "argument --global-batch: 0: must be in [1, 1,048,576]"),
     (["--top", "-3"], "argument --top: -3: must be in [1, 1,048,576]"),
     (["--slurm", "/dev/full"], "argument --slurm: /dev/full is not a regular file; name the script file to write"),
+    (["--layers", "4097"], "argument --layers: 4097: must be in [1, 4,096]"),
 ]
 
 
@@ -77,6 +78,16 @@ def test_a_search_past_its_time_limit_stops_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(ranking.search, "__defaults__", (0.0,))
     err = _one_line(capsys, TINY)
     assert "the layout search over 8 devices passed its 0 s limit after" in err and "plan fewer devices" in err
+
+
+def test_an_hf_config_of_more_layers_than_the_search_splits_is_one_line(tmp_path, capsys):
+    """``num_hidden_layers`` 2**31 - 1 is a size ``--init-hf`` accepts (its weights would be missing), but
+    its stage splits would never end: the search takes up to ``ranking.MAX_LAYERS``."""
+    (tmp_path / "config.json").write_text(json.dumps({**HF_MOE, "num_hidden_layers": 2**31 - 1}))
+    start = time.monotonic()
+    err = _one_line(capsys, ["plan", "--hf-config", str(tmp_path), "--gpus", "64"])
+    assert "2,147,483,647 layers: the planner searches models of up to 4,096" in err
+    assert time.monotonic() - start < 5
 
 
 def test_the_largest_device_count_is_searched_in_seconds(capsys):

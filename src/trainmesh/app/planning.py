@@ -23,7 +23,7 @@ from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estima
                             format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
                             to_json)
 from trainmesh.plan.hf_shape import read_hf_shape
-from trainmesh.plan.ranking import MAX_GPUS
+from trainmesh.plan.ranking import MAX_GPUS, MAX_LAYERS
 from trainmesh.training.state_bytes import DTYPE_BYTES
 
 
@@ -188,7 +188,6 @@ MLP_KINDS = {"gelu": {"gated_mlp": False, "bias": True, "learned_positions": Tru
              "swiglu": {"gated_mlp": True, "bias": False, "learned_positions": False}}
 HF_SEQ = 4096  # the sequence an HF config is planned at without --seq (its max_position_embeddings if shorter)
 SIZE_LIMIT = Bound(1 << 20)  # widths, heads, vocabulary, sequence, batch: as train's bounds, far beyond any model
-LAYER_LIMIT = Bound(1 << 12)  # 32x Llama 3 405B's 126 layers; the search splits them over pipeline stages
 MAY_BE_0 = ("n_shared_experts", "n_dense_layers", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
             "qk_nope_head_dim", "v_head_dim")
 """The shape fields where 0 means none (no shared experts, no latent attention, a full query projection)."""
@@ -198,7 +197,7 @@ RATE_LIMIT = Bound(1e6)  # TFLOP/s and GB/s per device: hundreds of times today'
 def _shape_flag(field: str) -> Callable[[str], int]:
     """The argparse type of the flag for ModelShape ``field``: a whole number from 1 (0 where it means none)
     up to the field's bound."""
-    high = {"n_layers": LAYER_LIMIT, "n_dense_layers": LAYER_LIMIT, "n_experts": Bound(MAX_EXPERTS),
+    high = {"n_layers": Bound(MAX_LAYERS), "n_dense_layers": Bound(MAX_LAYERS), "n_experts": Bound(MAX_EXPERTS),
             "top_k": Bound(MAX_EXPERTS), "n_shared_experts": Bound(MAX_EXPERTS)}.get(field, SIZE_LIMIT)
     return number_flag(int, AT_LEAST_0 if field in MAY_BE_0 else AT_LEAST_1, high)
 

@@ -171,8 +171,12 @@ TIE_TOLERANCE = 0.01
 MAX_GPUS = 1 << 20
 """The most devices the search takes: over 2**20 a tiny model's search takes ~1 s and DeepSeek-V3's ~2 min
 (one shared CPU core); larger counts are typos (a billion ran for hours, enumerating its divisors)."""
+MAX_LAYERS = 1 << 12
+"""The most layers the search splits over pipeline stages: 32x Llama 3 405B's 126 (an HF config may give
+2**31 - 1, whose stage splits alone would not end)."""
 SEARCH_LIMIT_S = 300.0
-"""How long :func:`search` may run before it stops in one line instead of running on unseen."""
+"""How long :func:`search` may run (checked between layouts) before it stops in one line instead of running
+on unseen."""
 
 
 def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S) -> list[Estimate]:
@@ -183,6 +187,9 @@ def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S
     is never faster. A ValueError for more than :data:`MAX_GPUS` devices or a search past ``limit_s``."""
     if not 1 <= cluster.gpus <= MAX_GPUS:
         raise ValueError(f"{cluster.gpus:,} devices: the planner searches 1 to {MAX_GPUS:,}; plan fewer")
+    if workload.model.n_layers > MAX_LAYERS:
+        raise ValueError(f"{workload.model.n_layers:,} layers: the planner searches models of up to {MAX_LAYERS:,}; "
+                         f"plan fewer (--layers)")
     found: list[Estimate] = []
     flat: Estimate | None = None  # the last layout sharded over all its dp ranks, if it fits
     hybrid_fits = False  # whether a hybrid-sharded variant of ``flat`` fits: larger groups are then not tried
@@ -190,7 +197,7 @@ def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S
     for tried, layout in enumerate(enumerate_layouts(workload, cluster)):
         if time.monotonic() > stop:
             raise ValueError(f"the layout search over {cluster.gpus:,} devices passed its {limit_s:g} s limit after "
-                             f"{tried:,} layouts; plan fewer devices or a smaller global batch")
+                             f"{tried:,} layouts; plan fewer devices or layers, or a smaller global batch")
         if layout.dp_replicate > 1 and (hybrid_fits or not _hybrid_may_win(workload, layout, cluster, flat)):
             continue
         memory = memory_per_rank(workload, layout)
