@@ -62,9 +62,12 @@ def test_killed_rank_is_named_with_its_signal(tmp_path):
     cause = lines.index("trainmesh: rank 1 failed (killed by signal SIGKILL); stopped the other ranks")
     before, after = "\n".join(lines[:cause]), lines[cause + 1:]
     assert not any(word in before for word in ("Traceback", "Error", "Thread 0x", "Connection")), result.stderr
-    assert all(re.fullmatch(r"trainmesh: rank 0 .+; its output: \S+/rank-0\.log", line) for line in after), after
-    survivor = "".join(Path(line.rsplit(" ", 1)[1]).read_text() for line in after) + result.stderr
-    assert "Timed out" not in survivor and "timed out" not in survivor
+    log = tmp_path / "r" / "logs" / "rank-0.log"
+    assert after and all(re.fullmatch(rf"trainmesh: rank 0 .+; its output: {log}", line) for line in after), after
+    survivor = log.read_text()
+    assert survivor.startswith("==> rank 0 of 2 (local rank 0) on ") and "trainmesh: tiny (" in survivor  # stdout too
+    assert "Timed out" not in survivor + result.stderr and "timed out" not in survivor + result.stderr
+    assert (tmp_path / "r" / "logs" / "rank-1.log").read_text().startswith("==> rank 1 of 2 ")
 
 
 def test_rank_failing_in_a_zero_bubble_pipeline_is_named_with_its_traceback(tmp_path):

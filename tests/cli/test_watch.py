@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from trainmesh.tracking import records as metrics
 from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.records import METRICS_FILE, LossWindows, MetricsWriter, Progress, TensorBoardSink
+from trainmesh.tracking import report as report_module
 from trainmesh.tracking.report import REPORT_FILE, History, ReportError, read_records, report, summary_text
 from trainmesh.app.train import train
 
@@ -84,11 +86,14 @@ def test_wandb_sink_logs_each_step_offline_by_default(tmp_path, monkeypatch):
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    writer = MetricsWriter(str(tmp_path), enabled=True, sinks=metrics.open_sinks(tmp_path, False, "proj", {"lr": 1}))
+    config = {"lr": 1, "dp": 2, "tp": 2, "pp": 1, "zero": 1, "precision": "bf16"}
+    writer = MetricsWriter(str(tmp_path), enabled=True, sinks=metrics.open_sinks(tmp_path, False, "proj", config))
     writer.write(_record(1, 4.0))
     writer.close()
     (_, init), (_, step, data), finish = fake.calls
-    assert init == {"project": "proj", "dir": str(tmp_path), "name": tmp_path.name, "config": {"lr": 1},
+    run_id = (tmp_path / metrics.WANDB_ID_FILE).read_text()
+    assert init == {"project": "proj", "dir": str(tmp_path), "name": tmp_path.name, "config": config,
+                    "group": "dp2 tp2 pp1 zero1", "job_type": "bf16", "id": run_id, "resume": "allow",
                     "mode": "offline"}
     assert step == 1 and data == metrics.scalars(_record(1, 4.0)) and finish == ("finish",)
 
@@ -100,6 +105,30 @@ def test_wandb_offline_run_is_written_without_network(tmp_path, monkeypatch):
     sink.write(_record(1, 4.0))
     sink.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_wandb_groups_runs_by_layout_and_precision_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch):
+    """Offline: the group and job type say the layout and precision; a resumed run (resume_from) opens the
+    W&B run of the same id again, a fresh run in another directory a new one."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = {"dp": 2, "cp": 1, "tp": 1, "pp": 1, "ep": 1, "zero": 0, "precision": "fp32", "lr": 3e-4}
+    first = metrics.WandbSink("trainmesh-test", tmp_path / "a", config)
+    first.write(_record(1, 4.0))
+    ids = [first._run.id]
+    assert (first._run.group, first._run.job_type) == ("dp2 cp1 tp1 pp1 ep1 zero0", "fp32")
+    first.close()
+    resumed = metrics.WandbSink("trainmesh-test", tmp_path / "a", config, resume_from=1)
+    resumed.write(_record(2, 3.5))
+    ids.append(resumed._run.id)
+    resumed.close()
+    other = metrics.WandbSink("trainmesh-test", tmp_path / "b", {**config, "precision": "bf16"})
+    assert other._run.job_type == "bf16"
+    ids.append(other._run.id)
+    other.close()
+    assert ids[0] == ids[1] == (tmp_path / "a" / metrics.WANDB_ID_FILE).read_text() != ids[2]
+    runs = list((tmp_path / "a" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(ids[0] in run.name for run in runs)
 
 
 def test_wandb_without_the_package_is_one_line_before_any_rank(tmp_path, monkeypatch, capsys):
@@ -171,6 +200,47 @@ def test_report_draws_a_png_and_summarises_the_run(run_dirs, capsys):
     assert re.search(r"eval loss \d\.\d{4} at step 8 \(best \d\.\d{4} at step \d\)", text)
     assert re.search(r"peak RSS per rank: [\d.]+ [KMG]iB\n", text)
     assert "no communication (one rank)" in text and "resumed from the checkpoint of step 6" in text
+
+
+def _run_dir(path, records: list[dict], config: dict | None = None):
+    path.mkdir()
+    (path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    if config is not None:
+        (path / "summary.json").write_text(json.dumps({"model": "tiny", "config": config}))
+    return path
+
+
+def test_report_of_two_runs_overlays_them_labelled_by_what_differs(tmp_path, capsys):
+    """Two layouts and learning rates: one figure, a label and a table row each naming only what differs."""
+    config = {"model": "tiny", "dp": 2, "tp": 1, "pp": 1, "zero": 0, "precision": "fp32", "lr": 1e-3,
+              "out": "a", "seed": 0}
+    a = _run_dir(tmp_path / "a", [_record(s, 5.0 - s / 10) for s in (1, 2, 3)], config)
+    b = _run_dir(tmp_path / "b", [_record(s, 5.0 - s / 5) for s in (1, 2, 3)],
+                 {**config, "dp": 1, "tp": 2, "lr": 3e-3, "out": "b"})
+    png = tmp_path / "both.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli.main(["report", str(a), str(b), "--png", str(png)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "2 runs; they differ in dp, tp, lr"
+    assert lines[1].split() == ["run", "dp", "tp", "lr", "last", "loss", "eval", "loss", "tokens/s", "peak",
+                                "memory"]
+    assert lines[2].split()[:5] == [str(a), "2", "1", "0.001", "4.7000"]
+    assert lines[3].split()[:5] == [str(b), "1", "2", "0.003", "4.4000"]
+    assert lines[-1] == f"  figure: {png}" and png.read_bytes().startswith(PNG_SIGNATURE)
+    runs = [report_module.Run.read(d) for d in (a, b)]
+    assert report_module._labels(runs, report_module.differences(runs)) == ["dp=2 tp=1 lr=0.001",
+                                                                              "dp=1 tp=2 lr=0.003"]
+    assert runs[0].history.tokens == [10.0, 30.0, 60.0]  # tokens/s x step time, summed
+
+
+def test_report_of_a_run_with_nothing_to_label_warns_nothing(tmp_path):
+    """A script's run without memory or tokens: the memory panel says so instead of an empty legend."""
+    run = _run_dir(tmp_path / "script", [{"step": s, "loss": 5.0 - s / 10, "step_time_s": 0.1} for s in (1, 2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "figure:" in report(run)
+        assert "figure:" in report_module.compare([run, run], tmp_path / "twice.png")
 
 
 def test_report_refuses_a_directory_without_records(tmp_path):

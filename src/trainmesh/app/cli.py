@@ -84,20 +84,29 @@ def _parser() -> argparse.ArgumentParser:
                         "(LlamaForCausalLM or GPT2LMHeadModel)")
     export.add_argument("--overwrite", action="store_true", help="with --hf: replace the files of DIR the export "
                         "writes (config.json, weights, tokenizer files...), which are otherwise refused")
-    report = sub.add_parser("report", help="plot a run's loss, throughput, memory and communication",
+    report = sub.add_parser("report", help="plot a run's loss, throughput, memory and communication, or compare runs",
                             description="Draw RUN_DIR/report.png from the run's metrics.jsonl (loss and eval loss, "
                                         "tokens/s, peak memory per rank, communication per mesh axis) and print a "
-                                        "summary. Works on a finished, crashed or running run.")
-    report.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --out directory")
+                                        "summary. Works on a finished, crashed or running run. Given several runs, "
+                                        "overlay them on one figure (loss against step and tokens, tokens/s, peak "
+                                        "memory), each labelled by the settings in which they differ, and print "
+                                        "those differences as a table.")
+    report.add_argument("run_dir", metavar="RUN_DIR", nargs="+", help="a training run's --out directory, or several")
+    report.add_argument("--png", metavar="FILE", help="where to draw the figure (default: RUN_DIR/report.png for "
+                        "one run, compare.png here for several)")
     _add_data_parsers(sub)
     _add_generate_parser(sub)
     return parser
 
 
 def _report(args: argparse.Namespace, _argv: Sequence[str]) -> int:
-    from trainmesh.tracking.report import report
+    from trainmesh.tracking.report import COMPARE_FILE, compare, report
 
-    print(report(Path(args.run_dir)))
+    runs = [Path(d) for d in args.run_dir]
+    if len(runs) == 1:
+        print(report(runs[0], Path(args.png) if args.png else None))
+    else:
+        print(compare(runs, Path(args.png or COMPARE_FILE)))
     return 0
 
 
@@ -249,7 +258,8 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
                             description="Run SCRIPT ARGS as N local ranks, each with the environment torchrun "
                                         "gives (RANK, WORLD_SIZE, ...; trainmesh.init_mesh reads it), a rendezvous "
                                         "on 127.0.0.1 only, and every rank stopped as soon as one fails, the "
-                                        "failing rank named with its traceback. Rank 0's output is shown. With "
+                                        "failing rank named with its traceback. Rank 0's output is shown (--tee: others), every "
+                                        "rank's kept with --log-dir. With "
                                         "--nnodes MIN:MAX, run `train ARGS` under torch's elastic agent instead, "
                                         "restarting on the nodes that remain when one is lost.")
     launch.add_argument("--nproc", "--nproc-per-node", dest="nproc", default="1", metavar="N",
@@ -257,6 +267,11 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--stopped-grace", default=str(STOPPED_GRACE_S), metavar="SECONDS",
                         help=f"end the job when a rank stays stopped (SIGSTOP, a debugger) this long; a warning "
                         f"names it at once (default: {STOPPED_GRACE_S:g})")
+    launch.add_argument("--log-dir", metavar="DIR", help="keep each rank's stdout and stderr in DIR/rank-N.log "
+                        "(a header names its host); a failing run's report names these files")
+    launch.add_argument("--tee", default="0", metavar="RANKS", help="ranks whose output is streamed here, "
+                        "comma-separated (0,1) or all; each line then starts [rank N] (rank 0 alone streams "
+                        "unprefixed; default: 0)")
     launch.add_argument("--nnodes", default=os.environ.get("NNODES", "1"), metavar="N|MIN:MAX",
                         help="nodes, one launcher on each (default: $NNODES or 1); a range MIN:MAX runs `train` "
                              "under torch's elastic agent, going on with at least MIN nodes when one is lost")
@@ -325,7 +340,8 @@ def _launch(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise ConfigError(f"launch: script {script} does not exist or is not a file")
-    return launch(args.args, nproc, program=(str(script),), stopped_grace=grace, nodes=nodes)
+    return launch(args.args, nproc, program=(str(script),), stopped_grace=grace, nodes=nodes,
+                  log_dir=Path(args.log_dir) if args.log_dir else None, tee=_tee(args.tee, nodes.nnodes * nproc))
 
 
 def _launch_elastic(args: argparse.Namespace, nproc: int, span: tuple[int, int]) -> int:
@@ -472,6 +488,7 @@ def checked_config(args: argparse.Namespace) -> Config:
              cuda_capability=_cuda_capability() if cfg.precision == "fp8" else None)
     _export_host_transport(cfg)
     if not _is_rank():
+        _tee(cfg.tee, cfg.nproc)
         _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
         data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
@@ -563,8 +580,23 @@ def _train(args: argparse.Namespace, _argv: Sequence[str]) -> int:
 
             return launch_with_restarts(["train"], cfg.nproc, cfg.max_restarts,
                                         functools.partial(resolved_env, cfg), clear_on_restart=(FAULT_ENV,),
-                                        stopped_grace=cfg.stopped_grace)
+                                        stopped_grace=cfg.stopped_grace, log_dir=Path(cfg.out) / LOGS_DIR,
+                                        tee=_tee(cfg.tee, cfg.nproc))
         return _train_here(cfg)
+
+
+LOGS_DIR = "logs"
+"""Where in ``--out`` the launcher keeps each rank's output (``rank-N.log``)."""
+
+
+def _tee(text: str, world: int) -> frozenset[int]:
+    """``--tee`` as the launcher takes it, or one line saying what to give."""
+    from trainmesh.distributed.launcher import parse_tee
+
+    try:
+        return parse_tee(text, world)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _train_here(cfg: Config) -> int:

@@ -233,7 +233,11 @@ class Config:
     tensorboard: bool = _opt(True, "write TensorBoard event files to --out (tensorboard --logdir DIR) when the "
                              "tensorboard package is installed")
     wandb: str = _opt("", "also log to this Weights & Biases project (needs the wandb package); offline under "
-                      "--out unless WANDB_MODE=online")
+                      "--out unless WANDB_MODE=online; runs are grouped by layout and precision, and a resumed "
+                      "run continues its W&B run")
+    tee: str = _opt("0", "ranks whose output is streamed here, comma-separated (0,1) or all; each line then starts "
+                    "[rank N] (rank 0 alone streams unprefixed). Every rank's stdout and stderr are also kept in "
+                    "--out's logs/rank-N.log")
 
     def __post_init__(self) -> None:
         if self.precision == "auto":
@@ -336,7 +340,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "runtime": ("backend", "device", "compile", "cuda_graphs", "collective_timeout", "debug_collectives",
                 "stopped_grace", "host_transport",
                 "max_bad_steps",
-                "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb"),
+                "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb", "tee"),
     "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from trainmesh.distributed.agreement import check_agreement
-from trainmesh.distributed.comm import Comm, log_all_gather, log_all_reduce
+from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.app.config import Config, vocabulary_note
 from trainmesh.data import TokenData, get_batch, pin_tokenizer
 from trainmesh.training.engine import MicroBatches
@@ -30,8 +30,8 @@ from trainmesh.app.run import Run
 from trainmesh.checkpoint.async_save import AsyncSave
 from trainmesh.distributed.launcher import start_heartbeat
 from trainmesh.distributed.mesh import Mesh, world_from_env
-from trainmesh.tracking.metrics import (SavedActivations, max_rss_bytes, mfu, model_flops_per_token, peak_device_bytes,
-                               peak_tflops, storage_bytes)
+from trainmesh.tracking import metrics
+from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_token, peak_tflops
 from trainmesh.tracking.records import LossWindows, MetricsError
 from trainmesh.tracking.runlog import RunLog
 from trainmesh.models import moe, spec_of
@@ -237,17 +237,9 @@ def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
     return out
 
 
-PER_RANK_STATS = ("max_rss_bytes", "model_state_bytes", "peak_device_bytes", "activation_bytes")
-
-
 def per_rank_stats(run: Run, activation_bytes: int) -> dict[str, list[int]]:
-    """Peak RSS, model-state bytes, peak device memory and saved activation bytes of one micro-batch
-    (measured at step 0) of every rank, gathered to all."""
-    mine = torch.tensor([max_rss_bytes(), storage_bytes(run.engine.state_tensors()),
-                         peak_device_bytes(run.mesh.device), activation_bytes],
-                        dtype=torch.int64, device=run.mesh.device)
-    rows = log_all_gather(mine).tolist()
-    return {name: [r[k] for r in rows] for k, name in enumerate(PER_RANK_STATS)}
+    """Each rank's memory (:func:`trainmesh.tracking.metrics.per_rank_stats`), gathered to all."""
+    return metrics.per_rank_stats(run.engine.state_tensors(), run.mesh.device, activation_bytes)
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:

@@ -1,5 +1,9 @@
 """Spawn N local ranks, stream rank 0's output, and stop everything as soon as any rank fails.
 
+Every rank's stdout and stderr also go to ``rank-N.log`` in a log directory when one is given (the CLI gives
+``--out``'s ``logs/``), as torchrun's ``--log-dir`` keeps them; ``tee`` names the ranks whose output is
+streamed (rank 0 alone by default, unprefixed as ever; any other choice prefixes each line ``[rank N]``).
+
 The launcher hosts the rendezvous store itself on a socket it binds to 127.0.0.1 (port chosen by the
 kernel, so no port race), and every rank joins as a client; Gloo is told to use the loopback interface,
 so a local run listens on no external address. Across nodes (:class:`Nodes`: ``--nnodes``, ``--node-rank``,
@@ -32,7 +36,9 @@ import datetime
 import functools
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +53,7 @@ import torch.distributed as dist
 
 from trainmesh.distributed import shm
 from trainmesh.distributed.mesh import STORE_CLIENT_ENV, bound_store
+from trainmesh.storage.safe_io import open_own_file
 
 POLL_S = 0.05
 TERMINATE_GRACE_S = 3.0
@@ -100,6 +107,9 @@ class Nodes:
                              "listens on at --master-addr for the other nodes")
 
 
+TERMINAL_ENV = "TRAINMESH_TERMINAL"
+"""Set to 1 for a rank whose stdout the launcher streams, unprefixed, to a terminal: its pipe is not one, but
+its progress bar may be drawn in place (:class:`trainmesh.tracking.records.Progress` reads it)."""
 FAILED_KEY = "trainmesh/failed"  # "<rank> <node> <what>": the first rank that failed on its own, on any node
 
 
@@ -108,27 +118,95 @@ class RankProcess:
     rank: int
     proc: subprocess.Popen
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    reader: threading.Thread | None = None
     node: int | None = None  # set across nodes, to name it in reports
     quiet: bool = False  # echo no more: the rank printed a traceback or stack dump, or a rank failed
     held: list[str] = field(default_factory=list)  # what was not echoed, printed if the run succeeds after all
+    log: RankLog | None = None
+    pumps: list[threading.Thread] = field(default_factory=list)  # readers of stdout and stderr
+
+    def join(self, timeout: float) -> None:
+        for thread in self.pumps:
+            thread.join(timeout=timeout)
+
+
+class RankLog:
+    """A rank's whole output, stdout and stderr as they come, in ``rank-N.log`` (appended, so a restart's output
+    follows the failed attempt's under a header of its own); written from two reader threads, a chunk at a time."""
+
+    def __init__(self, path: Path, header: str) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # never through a planted link
+        self._lock = threading.Lock()
+        self.write(f"==> {header} <==\n".encode())
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``; a failed write (a full disk) stops this log with one line, never the rank, whose
+        output must still be read from its pipe."""
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                os.write(self._fd, data)
+            except OSError as e:
+                os.close(self._fd)
+                self._fd = None
+                say(f"trainmesh: warning: writing {self.path} failed ({e.strerror or e}); the rest of its output "
+                    f"is not logged")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def _where(rp: RankProcess) -> str:
     return f"rank {rp.rank}" + (f" on node {rp.node}" if rp.node is not None else "")
 
 
-def _pump_stderr(rp: RankProcess, echo: bool) -> None:
-    """Keep the rank's last lines for the report; echo rank 0's until it turns to a failure (held back then,
-    so the launcher's line naming the cause is printed first)."""
+def _pump_stderr(rp: RankProcess, echo: bool, prefix: str) -> None:
+    """Keep the rank's last lines for the report and log them; echo a streamed rank's until it turns to a
+    failure (held back then, so the launcher's line naming the cause is printed first)."""
     for line in iter(rp.proc.stderr.readline, ""):
         rp.tail.append(line)
+        if rp.log is not None:
+            rp.log.write(line.encode(errors="replace"))
         rp.quiet = rp.quiet or FAILURE_START_RE.match(line) is not None
         if echo and rp.quiet:
-            rp.held.append(line)
+            rp.held.append(prefix + line)
         elif echo:
-            sys.stderr.write(line)
+            sys.stderr.write(prefix + line)
             sys.stderr.flush()
+
+
+def _pump_stdout(rp: RankProcess, echo: bool, prefix: str) -> None:
+    """Log the rank's stdout and echo a streamed rank's: raw chunks unprefixed (a progress bar's carriage
+    returns redraw in place), whole lines under a prefix."""
+    fd, pending = rp.proc.stdout.fileno(), b""
+    while chunk := os.read(fd, 1 << 16):
+        if rp.log is not None:
+            rp.log.write(chunk)
+        if echo and prefix:
+            *lines, pending = (pending + chunk).split(b"\n")
+            _echo(b"".join(prefix.encode() + line + b"\n" for line in lines))
+        elif echo:
+            _echo(chunk)
+    if echo and pending:
+        _echo(prefix.encode() + pending + b"\n")
+
+
+def _echo(data: bytes) -> None:
+    """Write a rank's bytes to this process's stdout (its bytes, where it has them: a caller may have put a
+    text-only stream there)."""
+    out = sys.stdout
+    if hasattr(out, "buffer"):
+        out.flush()
+        out.buffer.write(data)
+        out.buffer.flush()
+    else:
+        out.write(data.decode(errors="replace"))
+        out.flush()
 
 
 def host_store(addr: str = "127.0.0.1", port: int = 0) -> tuple[dist.TCPStore, int]:
@@ -279,8 +357,7 @@ def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess
     ranks that the failed ranks were waiting on in a collective or for a message and that never arrived.
     """
     for rp in ranks:
-        if rp.reader is not None:
-            rp.reader.join(timeout=1.0)
+        rp.join(timeout=1.0)
     waits = {rp.rank: w for rp, _ in failed if (w := _wait_of(rp, len(ranks)))}
     first, first_rc = failed[0]
     if unresponsive:
@@ -341,7 +418,7 @@ def _write(headline: str, shown: Sequence[int], ranks: Sequence[RankProcess]) ->
         if excerpt:
             sys.stderr.write(f"--- rank {rp.rank} ---\n{excerpt}\n")
     others = [rp for rp in ranks if rp.rank not in shown and FAILURE_START_RE.search("".join(rp.tail))]
-    logs = _save_logs(ranks) if others else None
+    logs = _log_paths(ranks) if others else None
     for rp in others:
         sys.stderr.write(f"trainmesh: rank {rp.rank} {_aftermath(rp, len(ranks))}; its output: {logs[rp.rank]}\n")
     sys.stderr.flush()
@@ -356,8 +433,11 @@ def _aftermath(rp: RankProcess, world: int) -> str:
     return what + (f" ({errors[-1]})" if errors else "")
 
 
-def _save_logs(ranks: Sequence[RankProcess]) -> dict[int, Path]:
-    """Each rank's last TAIL_LINES lines of stderr in ``rank-N.log`` of a new temporary directory."""
+def _log_paths(ranks: Sequence[RankProcess]) -> dict[int, Path]:
+    """Where each rank's output is: its ``rank-N.log`` in the run's log directory, else its last TAIL_LINES
+    lines of stderr in ``rank-N.log`` of a new temporary directory."""
+    if all(rp.log is not None for rp in ranks):
+        return {rp.rank: rp.log.path for rp in ranks}
     folder = Path(tempfile.mkdtemp(prefix="trainmesh-ranks-"))
     logs = {rp.rank: folder / f"rank-{rp.rank}.log" for rp in ranks}
     for rp in ranks:
@@ -466,27 +546,55 @@ def _join_store(nodes: Nodes) -> tuple[dist.TCPStore, int]:
     return store, nodes.master_port
 
 
+def parse_tee(text: str, world: int) -> frozenset[int]:
+    """``--tee``: ``all`` or comma-separated global ranks below ``world``; a ValueError says what to give."""
+    if text.strip() == "all":
+        return frozenset(range(world))
+    try:
+        ranks = frozenset(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tee {text!r}: give rank numbers separated by commas (0,1) or all") from None
+    if not ranks or not all(0 <= r < world for r in ranks):
+        raise ValueError(f"--tee {text}: the ranks are 0 to {world - 1}; give some of them (0,1) or all")
+    return ranks
+
+
+def _start_rank(local: int, nproc: int, command: list[str], environment: dict[str, str], nodes: Nodes,
+                log_dir: Path | None, tee: frozenset[int]) -> RankProcess:
+    """Start one rank with readers that log its output and stream it if ``tee`` holds it."""
+    rank = int(environment["RANK"])
+    if rank in tee and tee == {0} and sys.stdout.isatty():  # its output reaches a terminal, through a pipe
+        environment = {**environment, TERMINAL_ENV: "1", "COLUMNS": str(shutil.get_terminal_size().columns)}
+    proc = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent)
+    rp = RankProcess(rank, proc, node=nodes.node_rank if nodes.nnodes > 1 else None)
+    if log_dir is not None:
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        rp.log = RankLog(log_dir / f"rank-{rank}.log", f"rank {rank} of {environment['WORLD_SIZE']} (local rank "
+                         f"{local}) on {socket.gethostname()}, pid {proc.pid}, started {started}")
+    prefix = "" if tee == {0} else f"[rank {rank}] "
+    rp.pumps = [threading.Thread(target=pump, args=(rp, rank in tee, prefix), daemon=True)
+                for pump in (_pump_stderr, _pump_stdout)]
+    for thread in rp.pumps:
+        thread.start()
+    return rp
+
+
 def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "trainmesh"),
            stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes(),
-           env: Mapping[str, str] | None = None) -> int:
+           env: Mapping[str, str] | None = None, log_dir: Path | None = None,
+           tee: frozenset[int] = frozenset({0})) -> int:
     """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
     user's script) as ``nproc`` ranks on this node (of ``nodes``), ``env`` added to each rank's environment;
-    returns the exit code for the user. A rank stopped for longer than ``stopped_grace`` seconds ends the job
-    (:class:`StopWatch`)."""
+    returns the exit code for the user. Each rank's output goes to ``log_dir/rank-N.log`` (when given) and, for
+    the global ranks in ``tee``, to this process's stdout and stderr. A rank stopped for longer than
+    ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
     nodes.check()
     store, port = _join_store(nodes)
     job = shm.new_job()
-    ranks: list[RankProcess] = []
-    for local in range(nproc):
-        environment = {**rank_env(local, nproc, port, job, nodes), **(env or {})}
-        rank = int(environment["RANK"])
-        proc = subprocess.Popen([sys.executable, *program, *argv], env=environment,
-                                stdout=None if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=_die_with_parent)
-        rp = RankProcess(rank, proc, node=nodes.node_rank if nodes.nnodes > 1 else None)
-        rp.reader = threading.Thread(target=_pump_stderr, args=(rp, rank == 0), daemon=True)
-        rp.reader.start()
-        ranks.append(rp)
+    ranks = [_start_rank(local, nproc, [sys.executable, *program, *argv],
+                         {**rank_env(local, nproc, port, job, nodes), **(env or {})}, nodes, log_dir, tee)
+             for local in range(nproc)]
 
     def on_signal(signum, _frame):
         _stop(ranks)
@@ -501,6 +609,10 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
             signal.signal(s, handler)
         del store
         shm.remove_segments(job)  # every rank has ended: _supervise returns only then
+        for rp in ranks:
+            rp.join(timeout=1.0)
+            if rp.log is not None:
+                rp.log.close()
 
 
 def _post_failure(store: dist.TCPStore, rp: RankProcess, rc: int) -> None:
@@ -555,7 +667,7 @@ def _supervise(ranks: list[RankProcess], store: dist.TCPStore, watch: StopWatch,
             return _stopped_for(elsewhere, nodes)
         if not running:
             for rp in ranks:
-                rp.reader.join(timeout=1.0)
+                rp.join(timeout=1.0)
                 sys.stderr.writelines(rp.held)  # a traceback a rank printed and survived
             return 0
         late = watch.overdue(ranks)
@@ -576,7 +688,8 @@ def _stopped_for(elsewhere: str, nodes: Nodes) -> int:
 
 def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          env_of: Callable[[bool], Mapping[str, str]], clear_on_restart: Sequence[str] = (),
-                         stopped_grace: float = STOPPED_GRACE_S) -> int:
+                         stopped_grace: float = STOPPED_GRACE_S, log_dir: Path | None = None,
+                         tee: frozenset[int] = frozenset({0})) -> int:
     """:func:`launch`, and after a failure launch every rank again (up to ``max_restarts`` times) with
     ``env_of(True)`` in place of ``env_of(False)``: the run handed to restarted ranks resumes from its latest
     complete checkpoint; returns the last attempt's exit code.
@@ -585,7 +698,7 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
     ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
     the restarted run must not meet again at the same step.
     """
-    rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(False))
+    rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(False), log_dir=log_dir, tee=tee)
     for attempt in range(1, max_restarts + 1):
         if rc == 0:
             break
@@ -593,6 +706,6 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          f"(restart {attempt} of {max_restarts})\n")
         for name in clear_on_restart:
             os.environ.pop(name, None)
-        rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(True))
+        rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(True), log_dir=log_dir, tee=tee)
     return rc
 

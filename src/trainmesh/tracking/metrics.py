@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from trainmesh.distributed.comm import log_all_gather
 from trainmesh.distributed.hardware import device_peak
 
 
@@ -123,3 +124,16 @@ def mfu(tokens_per_s: float, flops_per_token: int, world_size: int, peak: float)
 
 def peak_device_bytes(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+PER_RANK_STATS = ("max_rss_bytes", "model_state_bytes", "peak_device_bytes", "activation_bytes")
+
+
+def per_rank_stats(state: Iterable[torch.Tensor | None], device: torch.device,
+                   activation_bytes: int = 0) -> dict[str, list[int]]:
+    """Peak RSS, bytes of model ``state``, peak device memory and saved activation bytes of one micro-batch
+    of every rank, gathered to all (a collective: every rank calls it), as a run's records hold them."""
+    mine = torch.tensor([max_rss_bytes(), storage_bytes(state), peak_device_bytes(device), activation_bytes],
+                        dtype=torch.int64, device=device)
+    rows = log_all_gather(mine).tolist()
+    return {name: [r[k] for r in rows] for k, name in enumerate(PER_RANK_STATS)}

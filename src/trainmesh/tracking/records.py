@@ -17,7 +17,9 @@ import io
 import json
 import math
 import os
+import secrets
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -184,20 +186,40 @@ def append_whole(fd: int, data: bytes) -> None:
         raise
 
 
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def wandb_group(config: dict[str, Any]) -> tuple[str, str]:
+    """The W&B group (the layout) and job type (the precision) of a run's settings, so W&B's grouped view
+    sets runs side by side as ``trainmesh report RUN1 RUN2`` does; absent settings are left out."""
+    layout = " ".join(f"{axis}{config[axis]}" for axis in ("dp", "cp", "tp", "pp", "ep", "zero")
+                      if config.get(axis) is not None)
+    return layout or "unknown layout", str(config.get("precision") or "unknown precision")
+
+
 class WandbSink:
     """A Weights & Biases run of ``project``, kept under the run directory.
 
     Offline unless ``WANDB_MODE`` says otherwise: a run must not stall or fail on a cluster node without
     network or credentials; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later, and
-    ``WANDB_MODE=online`` (after ``wandb login``) streams it live.
+    ``WANDB_MODE=online`` (after ``wandb login``) streams it live. Its id is kept in ``RUN_DIR/wandb-run-id``,
+    so a resumed run (``resume_from``) continues the same W&B run rather than starting a second one.
     """
 
-    def __init__(self, project: str, run_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, project: str, run_dir: Path, config: dict[str, Any], resume_from: int | None = None) -> None:
         import wandb
 
         self.where = f"the W&B run in {run_dir}"
-
-        self._run = wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config,
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = read_regular(id_file, 256).decode().strip() if resume_from is not None and id_file.is_file() \
+            else ""
+        if not run_id:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_id = secrets.token_hex(4)  # a W&B run id: lowercase letters and digits
+            replace_durably(id_file, run_id.encode())
+        group, job_type = wandb_group(config)
+        self._run = wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config, group=group,
+                               job_type=job_type, id=run_id, resume="allow",
                                mode=os.environ.get("WANDB_MODE", "offline"))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -217,7 +239,7 @@ def open_sinks(run_dir: Path, tensorboard: bool, wandb_project: str, config: dic
         if tensorboard and package_available("tensorboard"):
             sinks.append(TensorBoardSink(run_dir, None if resume_from is None else resume_from + 1))
         if wandb_project:
-            sinks.append(WandbSink(wandb_project, run_dir, config))
+            sinks.append(WandbSink(wandb_project, run_dir, config, resume_from))
     except OSError as e:
         for sink in sinks:
             sink.close()
@@ -341,6 +363,12 @@ def step_text(record: dict[str, Any], val_loss: float | None) -> str:
             f"{record['step_time_s'] * 1000:.0f} ms/step")
 
 
+def _terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` reaches a terminal: it is one, or it is the pipe through which trainmesh's launcher
+    streams this rank to one (``TRAINMESH_TERMINAL``, :data:`trainmesh.distributed.launcher.TERMINAL_ENV`)."""
+    return stream.isatty() or (stream is sys.stdout and os.environ.get("TRAINMESH_TERMINAL") == "1")
+
+
 class Progress:
     """What rank 0 prints while training: per-step progress, and messages (start, checkpoints, summary).
 
@@ -360,7 +388,7 @@ class Progress:
         self.start = time.perf_counter()
         self.val_loss: float | None = None
         self._bar: Any = None  # drawn at the first step, below the messages printed before it
-        self._terminal = self.enabled and stream.isatty() and package_available("tqdm")
+        self._terminal = self.enabled and _terminal(stream) and package_available("tqdm")
 
     def _terminal_bar(self) -> Any:
         from tqdm import tqdm

@@ -5,6 +5,10 @@ how fast is it (tokens/s, MFU), how much memory does each rank hold at its peak,
 axis send per step; for a mixture of experts, also how the tokens spread over the experts of each layer
 and how even that is (max/mean load) with the fraction dropped. It reads only the run directory, so it works on a finished run, a crashed one, or a
 live one (the records written so far).
+
+``trainmesh report RUN1 RUN2 ...`` overlays runs on one figure instead (loss against step and against tokens,
+tokens/s, peak memory per rank), each labelled by the settings in which the runs differ, and prints those
+differences as a table: comparing two layouts, precisions or learning rates is one picture.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class History:
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)  # tokens trained on by the end of each step, where counted
     mfu: list[float] = field(default_factory=list)
     eval_steps: list[int] = field(default_factory=list)
     eval_loss: list[float] = field(default_factory=list)
@@ -55,6 +60,8 @@ class History:
             h.steps.append(r["step"])
             h.loss.append(r["loss"])
             h.tokens_per_s.append(r.get("tokens_per_s") or 0.0)  # a script's RunLog.log may not count tokens
+            if r.get("tokens_per_s") and _is_number(r.get("step_time_s")):
+                h.tokens.append((h.tokens[-1] if h.tokens else 0.0) + r["tokens_per_s"] * r["step_time_s"])
             if r.get("mfu") is not None:
                 h.mfu.append(r["mfu"])
             if r.get("val_loss") is not None:
@@ -238,6 +245,11 @@ def _draw_throughput(ax: Any, h: History) -> None:
 
 def _draw_memory(ax: Any, h: History) -> None:
     """Grouped bars on a log scale: a process's RSS can be a hundred times its model state, and both matter."""
+    ax.set_title("peak memory per rank")
+    if not h.memory:
+        ax.text(0.5, 0.5, "no memory recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
     ranks = max((len(p) for p in h.memory.values()), default=0)
     scale, unit = _unit(max((max(p) for p in h.memory.values()), default=0))
     width = 0.8 / max(1, len(h.memory))
@@ -248,7 +260,7 @@ def _draw_memory(ax: Any, h: History) -> None:
             ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
     ax.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.set_yscale("log")
-    ax.set(title="peak memory per rank", ylabel=f"{unit} (log scale)")
+    ax.set(ylabel=f"{unit} (log scale)")
     ax.set_ylim(top=ax.get_ylim()[1] * 30)  # room for the labels and the legend above the tallest bar
     ax.legend(frameon=False, fontsize=8, loc="upper center", ncols=2)
 
@@ -326,23 +338,148 @@ def draw_report(h: History, path: Path, title: str) -> Path:
     return path
 
 
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """The run's ``summary.json`` (written at the end), or {} when there is none or it cannot be read."""
+    try:
+        summary = json.loads(read_user_file(run_dir / SUMMARY_FILE, SUMMARY_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def _title(run_dir: Path, h: History) -> str:
     """The run directory, and the model and layout if ``summary.json`` (written at the end) says them."""
     try:
-        summary = json.loads(read_user_file(run_dir / SUMMARY_FILE, SUMMARY_LIMIT))
+        summary = _summary(run_dir)
         cfg = summary["config"]
         layout = (f" — {summary.get('model') or cfg['model']}, dp={cfg['dp']} tp={cfg['tp']} pp={cfg['pp']} "
                   f"zero={cfg['zero']}")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (KeyError, TypeError):
         layout = ""
     return f"{run_dir.resolve().name}{layout}, steps {h.steps[0]}-{h.steps[-1]}"
 
 
-def report(run_dir: Path) -> str:
-    """Write ``run_dir/report.png``; return the text summary and where the picture is."""
+def _checked_png(path: Path) -> Path:
+    if path.is_symlink():
+        raise ReportError(f"{path} is a symbolic link; report writes its own file there and never follows a link: "
+                          f"remove it")
+    return path
+
+
+def report(run_dir: Path, path: Path | None = None) -> str:
+    """Write ``path`` (default ``run_dir/report.png``); return the text summary and where the picture is."""
     h = History.of(read_records(run_dir))
-    if (run_dir / REPORT_FILE).is_symlink():
-        raise ReportError(f"{run_dir / REPORT_FILE} is a symbolic link; report writes its own file there and never "
-                          f"follows a link: remove it")
-    path = draw_report(h, run_dir / REPORT_FILE, _title(run_dir, h))
+    path = draw_report(h, _checked_png(path or run_dir / REPORT_FILE), _title(run_dir, h))
     return f"{summary_text(h, run_dir)}\n  figure: {path}"
+
+
+COMPARE_FILE = "compare.png"
+UNCOMPARED = frozenset({"out", "checkpoint_dir", "resume", "overwrite", "progress", "progress_every", "tensorboard",
+                        "wandb", "tee", "config", "checkpoint_every", "keep_last", "checkpoint_async", "max_restarts",
+                        "stopped_grace", "collective_timeout", "timeline", "profile_steps"})
+"""Settings that say where a run writes or how it is watched, not what it trains: never a run's label."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a comparison: its directory, series and settings (its summary's config over its first
+    record's layout, so a crashed or live run is labelled too)."""
+
+    directory: Path
+    history: History
+    settings: dict[str, Any]
+
+    @classmethod
+    def read(cls, directory: Path) -> "Run":
+        records = read_records(directory)
+        layout = next((r["layout"] for r in records if isinstance(r.get("layout"), dict)), {})
+        config = _summary(directory).get("config")
+        return cls(directory, History.of(records), {**layout, **(config if isinstance(config, dict) else {})})
+
+
+def differences(runs: Sequence[Run]) -> list[str]:
+    """The settings every run records whose values are not the same in all, in the first run's order (a setting
+    one run does not record, as a script's run records few, is unknown there rather than different)."""
+    keys = [k for k in runs[0].settings if k not in UNCOMPARED and all(k in run.settings for run in runs)]
+    return [k for k in keys if len({json.dumps(run.settings.get(k), sort_keys=True) for run in runs}) > 1]
+
+
+def _labels(runs: Sequence[Run], keys: Sequence[str]) -> list[str]:
+    """Each run's label: the settings in which the runs differ, or its directory's name if none do."""
+    if not keys:
+        return [run.directory.resolve().name for run in runs]
+    return [" ".join(f"{k}={run.settings.get(k, '-')}" for k in keys) for run in runs]
+
+
+def compare_text(runs: Sequence[Run], keys: Sequence[str]) -> str:
+    """A table of the runs: the settings that differ, then the loss, eval loss, tokens/s and peak memory."""
+    header = ["run", *keys, "last loss", "eval loss", "tokens/s", "peak memory"]
+    rows = []
+    for run in runs:
+        h = run.history
+        peak = max((max(p) for p in h.memory.values()), default=0)
+        rows.append([str(run.directory), *(str(run.settings.get(k, "-")) for k in keys),
+                     f"{LossWindows.of(h.loss).last:.4f}", f"{h.eval_loss[-1]:.4f}" if h.eval_loss else "-",
+                     f"{h.steady_tokens_per_s:,.0f}", _bytes(peak) if peak else "-"])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    what = ", ".join(keys) if keys else "no setting (labelled by directory)"
+    return "\n".join([f"{len(runs)} runs; they differ in {what}", *lines])
+
+
+def _draw_overlay(panels: Any, runs: Sequence[Run], labels: Sequence[str]) -> None:
+    """Loss against step and against tokens, tokens/s against step, and each run's peak memory per rank."""
+    by_step, by_tokens, speed, memory = panels
+    ranks = max((len(p) for run in runs for p in run.history.memory.values()), default=0)
+    width = 0.8 / len(runs)
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        h, colour = run.history, f"C{i}"
+        window = max(1, len(h.loss) // 20)
+        by_step.plot(h.steps, _moving_mean(h.loss, window), color=colour, linewidth=2, label=label)
+        if h.eval_loss:
+            by_step.plot(h.eval_steps, h.eval_loss, "o--", color=colour, linewidth=1)
+        if len(h.tokens) == len(h.loss):
+            by_tokens.plot(h.tokens, _moving_mean(h.loss, window), color=colour, linewidth=2, label=label)
+        speed.plot(h.steps, _moving_mean(h.tokens_per_s, window), color=colour, linewidth=2, label=label)
+        kind = next((k for k in ("peak_device_bytes", "max_rss_bytes") if k in h.memory), None)
+        if kind is not None:
+            peaks = h.memory[kind]
+            memory.bar([r + (i - (len(runs) - 1) / 2) * width for r in range(len(peaks))],
+                       [n / 2**20 for n in peaks], width, color=colour, label=f"{label} ({MEMORY_KINDS[kind]})")
+    by_step.set(title="loss (dashed: eval)", xlabel="step", ylabel="cross-entropy")
+    by_tokens.set(title="loss against tokens trained on", xlabel="tokens", ylabel="cross-entropy")
+    speed.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    speed.set_ylim(bottom=0)
+    memory.set(title="peak memory per rank", ylabel="MiB")
+    memory.set_ylim(top=memory.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    memory.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    for ax in panels:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(frameon=False, fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+
+
+def draw_comparison(runs: Sequence[Run], labels: Sequence[str], path: Path) -> Path:
+    """The runs overlaid, one colour each, in one PNG at ``path``."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ReportError("trainmesh report draws with matplotlib: pip install 'trainmesh[watch]'") from None
+    figure = Figure(figsize=(13, 8.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    _draw_overlay(list(figure.subplots(2, 2).flat), runs, labels)
+    figure.suptitle(", ".join(run.directory.resolve().name for run in runs))
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    replace_durably(path, png.getvalue())
+    return path
+
+
+def compare(run_dirs: Sequence[Path], path: Path = Path(COMPARE_FILE)) -> str:
+    """Overlay the runs in ``path``; return the table of how they differ and where the picture is."""
+    runs = [Run.read(d) for d in run_dirs]
+    keys = differences(runs)
+    figure = draw_comparison(runs, _labels(runs, keys), _checked_png(path))
+    return f"{compare_text(runs, keys)}\n  figure: {figure}"

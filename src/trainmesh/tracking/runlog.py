@@ -8,9 +8,10 @@
             loss = tm.train_step(model, opt, batch(step))
             log.log(step + 1, loss=loss, tokens=batch_tokens)
 
-so ``trainmesh report runs/mine`` reads a script's run as it reads the command line's. Every rank may
-call it; only global rank 0 writes, prints and holds the directory's lock (the one ``trainmesh train``
-holds on ``--out``), so two live runs never write one directory.
+so ``trainmesh report runs/mine`` reads a script's run as it reads the command line's. Given the model, every
+rank calls :meth:`RunLog.log` (it gathers each rank's memory, as ``trainmesh train``'s records hold it); only
+global rank 0 writes, prints and holds the directory's lock (the one ``trainmesh train`` holds on ``--out``),
+so two live runs never write one directory.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainmesh.tracking import runlock
 from trainmesh.distributed.mesh import world_env
+from trainmesh.tracking.metrics import PER_RANK_STATS, per_rank_stats
 from trainmesh.tracking.records import LossWindows, MetricsError, MetricsWriter, Progress, open_sinks
 
 if TYPE_CHECKING:
@@ -76,23 +78,43 @@ class RunLog:
     def log(self, step: int, loss: float, tokens: int = 0, **metrics: Any) -> None:
         """Record step ``step`` (1-based, the steps done): its ``loss``, the time since the last record,
         ``tokens`` trained on (for tokens/s) and any other ``metrics`` (JSON values; ``val_loss`` is shown
-        in the progress line). Raises :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be
-        written (a full disk), after which the run should stop."""
+        in the progress line). With a model, the record also holds the step's communication per mesh axis and
+        operation, every rank's memory (a collective: every rank calls ``log``) and, first, the layout.
+        Raises :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be written (a full
+        disk), after which the run should stop."""
         now = time.perf_counter()
         step_time, self._last = metrics.pop("step_time_s", now - self._last), now
         record: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": step_time}
         if tokens:
             record["tokens_per_s"] = tokens / step_time
-        if self.model is not None and "comm_bytes_by_op" not in metrics:
-            comm = self._comm()
-            record["comm_bytes_by_op"] = {k: round(v - self._comm_before.get(k, 0.0)) for k, v in comm.items()
-                                          if v - self._comm_before.get(k, 0.0)}
-            self._comm_before = comm
+        if self.model is not None:
+            record.update(self._model_metrics(metrics.keys()))
         record.update(metrics)
         self.losses.append(loss)
         self.times.append(step_time)
         self.writer.write(record)
         self.progress.update(record)
+
+    def _model_metrics(self, given: Any) -> dict[str, Any]:
+        """What ``trainmesh train``'s records hold of the model and were not ``given``: communication since the
+        last record (per ``axis/op`` and per axis), each rank's memory, and the layout in the first record."""
+        out: dict[str, Any] = {}
+        if "comm_bytes_by_op" not in given:
+            comm = self._comm()
+            out["comm_bytes_by_op"] = {k: round(v - self._comm_before.get(k, 0.0)) for k, v in comm.items()
+                                       if v - self._comm_before.get(k, 0.0)}
+            self._comm_before = comm
+            axes: dict[str, int] = {}
+            for key, n in out["comm_bytes_by_op"].items():
+                axes[key.partition("/")[0]] = axes.get(key.partition("/")[0], 0) + n
+            out["comm_bytes"] = axes
+        if not given & set(PER_RANK_STATS):
+            engine = self.model.engine
+            out.update(per_rank_stats(engine.state_tensors() if engine is not None else self.model.module.parameters(),
+                                      self.model.mesh.device))
+        if not self.losses:
+            out["layout"] = {"world_size": self.model.mesh.world_size, **_layout(self.model)}
+        return out
 
     def message(self, text: str) -> None:
         """Print a line of its own on rank 0 (the progress bar, if any, is redrawn below it)."""
