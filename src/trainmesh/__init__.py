@@ -10,6 +10,10 @@ that ``parallelize`` then recognises, without editing trainmesh.
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from trainmesh.quiet import quiet_dependencies
+
+quiet_dependencies()  # before torchao or transformers is first imported, by trainmesh or the user's script
+
 from trainmesh.models import tp_plans
 from trainmesh.api import Optimizer, ParallelModel, init_mesh, load, optimizer, parallelize, save, train_step
 from trainmesh.models import register_family

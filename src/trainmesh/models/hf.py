@@ -404,6 +404,12 @@ def spec_of_config(cfg: Any) -> ModelSpec:
     raise HFError(f"{type(cfg).__name__} is no trainmesh model family's config")
 
 
+def _dtype_attribute(config: Any) -> str:
+    """The config attribute naming the weights' dtype in the installed transformers: ``dtype`` where
+    ``torch_dtype`` is only its deprecated alias (a property that warns), ``torch_dtype`` before that."""
+    return "dtype" if isinstance(getattr(type(config), "torch_dtype", None), property) else "torch_dtype"
+
+
 def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, model_config: Any = None,
             spec: ModelSpec | None = None, attributes: Mapping[str, Any] | None = None) -> Path:
     """Write ``weights`` (a trainmesh model, or its full state dict with ``model_config``) to directory ``out``
@@ -424,7 +430,7 @@ def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, mo
     config = _transformers().AutoConfig.for_model(spec.hf.model_type, architectures=[spec.hf.architecture],
                                                   **attributes)
     tensors = {k: v.detach().to("cpu").clone() for k, v in converted.items()}
-    config.torch_dtype = next(iter(tensors.values())).dtype  # from_pretrained(dtype="auto") keeps it
+    setattr(config, _dtype_attribute(config), next(iter(tensors.values())).dtype)  # from_pretrained(dtype="auto")
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     replace_durably(directory / WEIGHTS, safetensors.torch.save(tensors, metadata={"format": "pt"}))
