@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trainmesh
-from trainmesh.models import hf
+from trainmesh.models import any_config, config_from_dict, family, hf, preset, register_preset, spec_of
 from trainmesh.tracking import runlock
 from trainmesh.distributed import elastic
 from trainmesh.distributed import shm
@@ -463,18 +463,33 @@ JSON (:func:`resolved_env`), so ranks are started with no training command line 
 
 
 def resolved_env(cfg: Config, restarted: bool = False) -> dict[str, str]:
-    """The environment that hands the ranks ``cfg``; restarted ranks resume from the latest complete
-    checkpoint, which the first attempt already cleared the directory for."""
+    """The environment that hands the ranks ``cfg``, with its preset's family and config: a preset the
+    launcher registered for this run alone (a model a script saved, resumed by name) is one the ranks lack.
+    Restarted ranks resume from the latest complete checkpoint, which the first attempt already cleared the
+    directory for."""
     if restarted:
         cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
-    return {RESOLVED_ENV: json.dumps(dataclasses.asdict(cfg))}
+    run = {"config": dataclasses.asdict(cfg)}
+    if not cfg.init_hf:
+        run |= {"family": spec_of(cfg.model).family, "preset": dataclasses.asdict(preset(cfg.model))}
+    return {RESOLVED_ENV: json.dumps(run)}
+
+
+def _handed_config() -> Config:
+    """The run :func:`resolved_env` handed this rank, its preset registered here as in the launcher."""
+    run = json.loads(os.environ[RESOLVED_ENV])
+    cfg = Config(**run["config"])
+    if "family" in run:
+        spec = family(run["family"])
+        register_preset(spec, cfg.model, config_from_dict(any_config(spec), run["preset"]))
+    return cfg
 
 
 def checked_config(args: argparse.Namespace) -> Config:
     """The configuration, validated against this process's world (or the one about to be spawned); a rank
     the launcher started takes the one it was handed (:data:`RESOLVED_ENV`)."""
-    if _is_rank() and RESOLVED_ENV in os.environ:
-        return Config(**json.loads(os.environ[RESOLVED_ENV]))
+    if RESOLVED_ENV in os.environ and _is_rank():
+        return _handed_config()
     given = settings_from_args(args)
     cfg = Config(**given)
     if cfg.resume and cfg.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
