@@ -2,28 +2,46 @@
 
 The public API (:mod:`trainmesh.api`): :func:`init_mesh`, :func:`parallelize`, :func:`optimizer`,
 :func:`train_step`, :func:`save`, :func:`load`; :class:`StageLayout` names a model's blocks for the pipeline;
-:mod:`trainmesh.models.tp_plans` (``tm.tp_plans``) holds tensor-parallel plans by model family; :class:`RunLog` writes a run directory
-(metrics, summary, TensorBoard events) as ``trainmesh train`` does, for ``trainmesh report``;
-:func:`register_family` adds a model family (a :class:`ModelSpec`, its planner view a :class:`ModelShape`)
-that ``parallelize`` then recognises, without editing trainmesh.
+:mod:`trainmesh.models.tp_plans` (``tm.tp_plans``) holds tensor-parallel plans by model family;
+:class:`RunLog` writes a run directory (metrics, summary, TensorBoard events) as ``trainmesh train`` does,
+for ``trainmesh report``; :func:`register_family` adds a model family (a :class:`ModelSpec`, its planner view
+a :class:`ModelShape`) that ``parallelize`` then recognises, without editing trainmesh.
+
+The names are imported on first use (PEP 562), so that the command line can say what it starts before torch
+is imported.
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from trainmesh.quiet import quiet_dependencies
 
 quiet_dependencies()  # before torchao or transformers is first imported, by trainmesh or the user's script
 
-from trainmesh.models import tp_plans
-from trainmesh.api import Optimizer, ParallelModel, init_mesh, load, optimizer, parallelize, save, train_step
-from trainmesh.models import register_family
-from trainmesh.models.spec import ModelShape, ModelSpec, StageLayout
-from trainmesh.tracking.runlog import RunLog
-
 try:
     __version__ = _version("trainmesh")
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "init_mesh", "parallelize", "optimizer", "train_step", "save", "load", "StageLayout", "ParallelModel",
-           "Optimizer", "tp_plans", "RunLog", "register_family", "ModelSpec", "ModelShape"]
+_HOMES = {"init_mesh": "trainmesh.api", "parallelize": "trainmesh.api", "optimizer": "trainmesh.api",
+          "train_step": "trainmesh.api", "save": "trainmesh.api", "load": "trainmesh.api",
+          "ParallelModel": "trainmesh.api", "Optimizer": "trainmesh.api",
+          "StageLayout": "trainmesh.models.spec", "ModelSpec": "trainmesh.models.spec",
+          "ModelShape": "trainmesh.models.spec", "register_family": "trainmesh.models",
+          "RunLog": "trainmesh.tracking.runlog", "tp_plans": "trainmesh.models.tp_plans"}  # a module itself
+
+__all__ = ["__version__", "init_mesh", "parallelize", "optimizer", "train_step", "save", "load", "StageLayout",
+           "ParallelModel", "Optimizer", "tp_plans", "RunLog", "register_family", "ModelSpec", "ModelShape"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'trainmesh' has no attribute {name!r}")
+    home = import_module(_HOMES[name])
+    value = home if home.__name__.endswith("." + name) else getattr(home, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

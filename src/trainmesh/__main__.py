@@ -2,6 +2,6 @@
 
 import sys
 
-from trainmesh.app.cli import main
+from trainmesh.app.entry import main
 
 sys.exit(main())

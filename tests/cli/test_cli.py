@@ -78,6 +78,17 @@ def test_version_is_the_installed_packages_from_the_shell_and_the_api():
     assert trainmesh.__version__ == version("trainmesh")
 
 
+def test_train_says_what_starts_before_torch_is_imported(tmp_path):
+    """The first line comes before the second-long import of torch (the order of events, not a time): the
+    entry point and the package's face import no torch, and the line is the run's first."""
+    probe = ("import sys, trainmesh, trainmesh.app.entry; "
+             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules), sorted(sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).returncode == 0
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--steps", "0", "--out", str(tmp_path / "r")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[0] == "trainmesh train: checking the run before any rank starts", result
+
+
 def test_bad_config_exit_code_from_the_shell(tmp_path):
     result = trainmesh("train", "--nproc", "2", "--dp", "4", "--out", str(tmp_path / "run"))
     assert result.returncode == 2
