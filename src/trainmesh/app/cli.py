@@ -44,6 +44,12 @@ MAX_VOCAB = Bound(1 << 20)  # tokens in a vocabulary (the largest published are 
 MAX_WORKERS = 1024  # tokenizing processes: beyond the cores they only add memory; a larger count is a typo
 
 
+DESCRIPTION = ("Train one model across many processes: data, ZeRO, tensor, pipeline, context and expert parallel on "
+               "one device mesh; plan a layout, report, export and decode a run. 'trainmesh COMMAND --help' lists a "
+               "command's flags.")
+"""What ``trainmesh --help`` says first: plain text, as a terminal shows it."""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors that point at ``--help``."""
 
@@ -52,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="trainmesh", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="trainmesh", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"trainmesh {trainmesh.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model", description="Train a model on one or many ranks.")

@@ -454,8 +454,8 @@ def check_value(name: str, value: Any, source: str = "", written: str | None = N
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`Config` field, listed under its TOML section; defaults are suppressed so only
-    flags given on the line count.
+    """One flag per :class:`Config` field, listed under its TOML section, its default said once (by its help
+    where that names it; an empty one is not said); defaults are suppressed so only flags given on the line count.
 
     Values stay text here: :func:`check_value` converts and checks them, the same way for a flag as for
     a TOML value, so both give the same message for the same mistake.
@@ -466,8 +466,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = groups[SECTION_OF[f.name]]
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
         low, high = f.metadata["low"], f.metadata["high"]
-        allowed = f"; {_range_text(low, high)}" if low or high else ""
-        help_text = f"{f.metadata['help']} (default: {f.default}{allowed})"
+        notes = [] if "(default:" in f.metadata["help"] or f.default == "" else [f"default: {f.default}"]
+        notes += [_range_text(low, high)] if low or high else []
+        help_text = f.metadata["help"] + (f" ({'; '.join(notes)})" if notes else "")
         if _type_of(f.name) is bool:
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
             continue

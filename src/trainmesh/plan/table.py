@@ -22,6 +22,20 @@ def scaled(value: float, steps: tuple[str, ...], base: int) -> str:
     return f"{value / base**exponent:.1f}{steps[exponent]}"
 
 
+def apart(a: float, b: float) -> tuple[str, str]:
+    """Byte counts ``a`` and ``b`` in one unit at a precision that tells them apart: one decimal, else two, else
+    the next smaller unit (15.04 GiB against 14.97 GiB, never 15.0 against 15.0); equal values read equal."""
+    top = 0
+    while top < len(GIB_UNITS) - 1 and max(abs(a), abs(b)) >= 1024 ** (top + 1):
+        top += 1
+    tries = [(top, 1), (top, 2), *((e, 1) for e in range(top - 1, -1, -1))]
+    for e, digits in tries:
+        texts = tuple(f"{v / 1024**e:.{digits}f}{GIB_UNITS[e]}" for v in (a, b))
+        if texts[0] != texts[1]:
+            return texts
+    return (f"{a / 1024**top:.1f}{GIB_UNITS[top]}",) * 2
+
+
 def _row(workload: Workload, cluster: Cluster, e: Estimate, chosen: Estimate | None) -> list[str]:
     lay = e.layout
     sched = f"{lay.schedule}x{lay.virtual_stages}" if lay.virtual_stages > 1 else lay.schedule
@@ -109,7 +123,7 @@ def explain_choice(workload: Workload, cluster: Cluster, estimates: list[Estimat
     other = runner_up(estimates, chosen)
     if other is None:
         return "why: it is the only layout that fits"
-    free = [scaled(cluster.usable_bytes - e.memory.total, GIB_UNITS, 1024) for e in (chosen, other)]
+    free = apart(*(cluster.usable_bytes - e.memory.total for e in (chosen, other)))
     headroom = f"{free[0]} free per rank against {free[1]}"
     versus = f"the runner-up ({layout_name(workload, other)}, {other.time.total:.4g} s/step)"
     if other.time.total <= chosen.time.total:
