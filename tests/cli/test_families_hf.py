@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -196,3 +199,42 @@ def test_a_qwen3_with_wide_heads_trains_from_hf_and_exports_them(tmp_path, fp64_
     older = {**manifest, "model": {k: v for k, v in manifest["model"].items() if k != "head_dim"}}
     check_manifest(older, step.name)
     assert recorded_model(older, step)[1] == dataclasses.replace(recorded_model(manifest, step)[1], head_dim=None)
+
+
+@pytest.mark.parametrize("source", ["transformers", "trainmesh"])
+def test_a_deepseek_v3_folder_trains_from_hf_at_ep2_and_exports_its_logits(tmp_path, fp64_families, source):
+    """Its routing biases (``e_score_correction_bias``: buffers, not parameters) are neither counted as
+    parameters nor dropped: a folder transformers wrote (a random bias), or trainmesh's own export of a
+    deepseek-v3-tiny run whose bias moved (trained until its logits are large enough to show a misplaced
+    weight), trains with ``--init-hf`` at dp2 x ep2 and exports again with the
+    source's logits. The learning rate is 1e-14, so Adam moves each weight by about that."""
+    directory = tmp_path / "hf"
+    if source == "transformers":
+        save_family("deepseek-v3", directory)
+    else:
+        train(config(model="deepseek-v3-tiny", precision="fp64", steps=20, global_batch=2, seq_len=16, lr=0.03,
+                     warmup_steps=0, moe_bias_rate=0.01, checkpoint_dir=str(tmp_path / "own")),
+              Mesh.build(1, 1, 1, torch.device("cpu")))
+        assert main(["export", str(tmp_path / "own"), "--hf", str(directory)]) == 0
+    assert load_file(directory / hf.WEIGHTS)["model.layers.1.mlp.gate.e_score_correction_bias"].count_nonzero() > 0
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--init-hf", str(directory), "--nproc", "2",
+                          "--dp", "2", "--ep", "2", "--steps", "1", "--global-batch", "2", "--seq-len", "16",
+                          "--precision", "fp64", "--lr", "1e-14", "--min-lr", "0", "--no-progress",
+                          "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out")]) == 0
+    assert_same_logits(_logits(tmp_path / "out"), _logits(directory),
+                       f"deepseek-v3 from {source}, trained at ep2 from HF, exported")
+
+
+def test_weights_that_do_not_fit_an_init_hf_folder_name_the_folder_not_a_model_never_given(tmp_path):
+    directory = save_family("deepseek-v3", tmp_path / "hf")
+    run = build(Config(init_hf=str(directory), model="deepseek-v3-tiny", progress=False),
+                Mesh.build(1, 1, 1, torch.device("cpu")))
+    full = {**hf.read_hf(directory)[2], "extra.weight": torch.zeros(3)}
+    with pytest.raises(checkpoints.CheckpointMismatch, match=rf"--init-hf {directory} holds 105,635 parameters, "
+                                                             rf"the model of {directory}/config.json has 105,632; "):
+        checkpoints.load_full(run, full, f"--init-hf {directory}")

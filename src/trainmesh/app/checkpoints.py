@@ -39,7 +39,7 @@ from trainmesh.storage.safe_io import fsync_dir, sha256_hex
 from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP_DIR, CheckpointDamaged, CheckpointError,
                                         CheckpointMismatch, CheckpointOfAnotherRun, TrainingProgress, agreed_run_id,
                                         all_gather_json, candidates, fill, local_state, notice, on_every_rank,
-                                        parse_manifest, read_manifest, save_state, whole_pieces)
+                                        parse_manifest, read_manifest, routing_state, save_state, whole_pieces)
 from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.source import recorded_model, source_name
 from trainmesh.checkpoint import hf_extras
@@ -238,20 +238,26 @@ def load_hf_weights(run: Run, path: Path) -> None:
 
 def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
-    under the plain model's names; ``source`` names where they came from in errors."""
+    under the plain model's names, and the routing biases ``full`` carries (DeepSeek-V3's, not parameters);
+    ``source`` names where they came from in errors."""
+    model = f"the model of {run.cfg.init_hf}/config.json" if run.cfg.init_hf else f"--model {run.cfg.model}"
+    with torch.device("meta"):
+        buffers = {name for name, _ in spec_of(run.cfg.model).builder(run.cfg.model_config, 0).named_buffers()}
+    weights = {k: t for k, t in full.items() if k not in buffers}
     wanted = [t for t in local_state(run.model, run.engine) if t.name.startswith("model/")]
     missing = next((t.name.removeprefix("model/") for t in wanted if t.name.removeprefix("model/") not in full), None)
     if missing is not None:
-        raise CheckpointMismatch(f"{source} lacks {missing}, a weight of --model {run.cfg.model}; use complete "
-                                 f"weights of this model")
-    n_params = sum(t.numel() for t in full.values())
+        raise CheckpointMismatch(f"{source} lacks {missing}, a weight of {model}; use complete weights of this "
+                                 f"model")
+    n_params = sum(t.numel() for t in weights.values())
     if n_params != run.cfg.model_config.n_params():
-        raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, --model {run.cfg.model} has "
+        raise CheckpointMismatch(f"{source} holds {n_params:,} parameters, {model} has "
                                  f"{run.cfg.model_config.n_params():,}; use weights of this model")
-    index = whole_pieces(full, "weights", prefix="model/")
-    fill(wanted, index, lambda _: full, Path(source),
-         lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of "
-                                         f"--model {run.cfg.model}"))
+    index = {**whole_pieces(weights, "weights", prefix="model/"),
+             **whole_pieces({k: t for k, t in full.items() if k in buffers}, "weights", prefix="buffer/")}
+    routing = [t for t in routing_state(run.model, listed=index) if t.name in index]
+    fill(wanted + routing, index, lambda _: full, Path(source),
+         lambda what: CheckpointMismatch(f"{source} holds a different model: {what}; use weights of {model}"))
     run.engine.after_update()
 
 

@@ -24,7 +24,7 @@ def load_state(model: nn.Module, engine: Engine, mesh: Mesh, path: Path, manifes
     if "hf_config" in manifest.get("model_source", {}) and not holds_names_of(model, manifest):
         index, open_file = in_family_names(path, manifest)
     try:
-        fill(local_state(model, engine) + rng, index, open_file, path,
+        fill(local_state(model, engine, listed=index) + rng, index, open_file, path,
              lambda what: CheckpointDamaged(path, f"{path / MANIFEST} lists the model this run has, but {what}"))
     except OSError as e:  # reading a file that passed every check failed (permissions, an I/O error)
         raise CheckpointDamaged(path, str(e)) from None

@@ -9,7 +9,8 @@ file per rank and ``manifest.json``. Every tensor of the training state has a *g
   they are not stored and are rebuilt bit for bit on load;
 * ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``, ``optim/<param>/step``: AdamW's state;
 * ``buffer/<layer>.router.expert_bias``: the routing bias of each MoE layer whose aux-loss-free update is
-  on (``bias_rate``), training state that is not a weight (so not exported as one); every rank holding the
+  on (``bias_rate``) or which is not 0 (imported with DeepSeek-V3's weights), state that is not a parameter
+  (``export --hf`` writes it as DeepSeek-V3's ``e_score_correction_bias``); every rank holding the
   layer holds it whole (the router is replicated over ep, tp and dp), so any layout reads it back;
 * ``rng/<rank>/cpu`` (and ``cuda``): each rank's generator state, restored when the world size is the one
   that saved it (training itself draws nothing from these generators; in another layout there is no
@@ -65,7 +66,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,9 +229,9 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.load_state_dict(state)
 
 
-def local_state(model: nn.Module, engine: Engine) -> list[LocalTensor]:
+def local_state(model: nn.Module, engine: Engine, listed: Collection[str] = ()) -> list[LocalTensor]:
     """Every tensor of training state this rank holds (its part of ``model`` and ``engine``'s optimizer),
-    each placed in its global tensor."""
+    each placed in its global tensor; with the routing biases ``listed`` names (:func:`routing_state`)."""
     geometry = place_experts(shard_boxes(model), model)
     optimizer = engine.optimizer
     ensure_optimizer_state(optimizer)
@@ -242,16 +243,18 @@ def local_state(model: nn.Module, engine: Engine) -> list[LocalTensor]:
         out.append(LocalTensor(f"model/{piece.name}", tuple(shape), boxes, [piece.master, piece.param]))
         out += [LocalTensor(f"optim/{piece.name}/{k}", tuple(shape), boxes, [state[k].view(-1)]) for k in MOMENTS]
         out.append(LocalTensor(f"optim/{piece.name}/step", (), [SCALAR], [state["step"].view(-1)]))
-    return out + routing_state(model)
+    return out + routing_state(model, listed)
 
 
-def routing_state(model: nn.Module) -> list[LocalTensor]:
-    """The routing bias of every MoE layer of ``model`` that the aux-loss-free update moves: without it a
-    resumed run would route as if the bias were back at 0. Layers without the update keep theirs at 0 and
-    save nothing, so checkpoints written before biases were saved still load."""
+def routing_state(model: nn.Module, listed: Collection[str] = ()) -> list[LocalTensor]:
+    """The routing bias of every MoE layer of ``model`` that the aux-loss-free update moves, that is not 0 (an
+    imported DeepSeek-V3's ``e_score_correction_bias``) or that ``listed`` (the names a checkpoint holds)
+    names: without it a resumed run or an export would route as if the bias were back at 0. A layer whose
+    bias stays 0 saves nothing, so checkpoints written before biases were saved still load."""
     return [LocalTensor(f"buffer/{name}.router.expert_bias", tuple(layer.router.expert_bias.shape),
                         [whole(tuple(layer.router.expert_bias.shape))], [layer.router.expert_bias.view(-1)])
-            for name, layer in moe.moe_layers(model) if layer.cfg.bias_rate]
+            for name, layer in moe.moe_layers(model)
+            if layer.cfg.bias_rate or layer.router.expert_bias.any() or f"buffer/{name}.router.expert_bias" in listed]
 
 
 def rng_state(rank: int, device: torch.device) -> list[LocalTensor]:
