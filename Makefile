@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-cp bench-moe bench-data bench-multinode clean
+.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-cp bench-moe bench-data bench-multinode clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -m "not slow" -q --durations=10
+
+# The cases marked slow (larger worlds, longer runs, the network-namespace bed): CI runs them after `make test`.
+test-slow: setup
+	$(BIN)/python -m pytest -m slow -q --durations=10
 
 test-all: setup
 	$(BIN)/python -m pytest -q --durations=10
