@@ -80,12 +80,15 @@ PEER_LOST_RE = re.compile(r"Connection closed by peer|Connection reset by peer|r
                           r"NCCL communicator was aborted")
 
 
-def _die_with_parent() -> None:
-    """Linux: a rank gets SIGKILL if the launcher dies, so no rank outlives it."""
+def _die_with_parent(parent: int | None = None) -> None:
+    """Linux: a rank gets SIGKILL if the launcher dies, so no rank outlives it; one whose launcher ``parent``
+    died before this ran (between fork and here, where no signal will come) ends at once."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -566,7 +569,7 @@ def _start_rank(local: int, nproc: int, command: list[str], environment: dict[st
     if rank in tee and tee == {0} and sys.stdout.isatty():  # its output reaches a terminal, through a pipe
         environment = {**environment, TERMINAL_ENV: "1", "COLUMNS": str(shutil.get_terminal_size().columns)}
     proc = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=functools.partial(_die_with_parent, os.getpid()))
     rp = RankProcess(rank, proc, node=nodes.node_rank if nodes.nnodes > 1 else None)
     if log_dir is not None:
         started = datetime.datetime.now().isoformat(timespec="seconds")
