@@ -109,7 +109,7 @@ def _first_losses(bench: Bench, model: nn.Module) -> tuple[float, float]:
 
 
 def bench_tp(cfg: Config, pairs: int) -> list[Result]:
-    """trainmesh :func:`~trainmesh.parallel.tensor_parallel.parallelize` vs ``parallelize_module``, tokens/s."""
+    """trainmesh :func:`~trainmesh.parallel.tensor_parallel.apply_tensor_parallel` vs ``parallelize_module``, tokens/s."""
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
         raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
                           "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh.parallel.tensor_parallel import parallelize
+from trainmesh.parallel.tensor_parallel import apply_tensor_parallel
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.metrics import SavedActivations
@@ -62,7 +62,7 @@ def test_sharded_layers_hold_one_tp_th_of_the_parameter_bytes(tp):
     full = {n: p.nbytes for n, p in GPT(TINY).named_parameters()}
     for rank in range(tp):
         model = GPT(TINY)
-        parallelize(model, _mesh_at(tp, rank), GPT_PLAN)
+        apply_tensor_parallel(model, _mesh_at(tp, rank), GPT_PLAN)
         params = dict(model.named_parameters())
         assert {n for n, p in params.items() if is_tp_sharded(p)} == SHARDED
         for name, p in params.items():
@@ -153,7 +153,7 @@ def _user_model_step() -> tuple[float, float]:
     """Forward, backward and an SGD step of a plain MLP, split by a two-line plan vs. the same MLP whole."""
     mesh = setup_process(Config(nproc=2, tp=2))
     ref, model = _mlp(), _mlp()
-    assert parallelize(model, mesh, {"0": "colwise", "2": "rowwise"}) is None
+    assert apply_tensor_parallel(model, mesh, {"0": "colwise", "2": "rowwise"}) is None
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     outputs = []
     for m in (ref, model):
@@ -180,7 +180,7 @@ def _load_and_compare(sp: bool) -> tuple[bool, float]:
     """Full weights of another seed loaded into a sharded GPT: gathered back bit for bit, same loss."""
     mesh = setup_process(Config(nproc=2, tp=2, sequence_parallel=sp))
     model, source = GPT(TINY, seed=0), GPT(TINY, seed=1)
-    criterion = parallelize(model, mesh, GPT_PLAN, sp)
+    criterion = apply_tensor_parallel(model, mesh, GPT_PLAN, sp)
     load_full_state_dict(model, source.state_dict())
     gathered = unsharded_state_dict(model)
     exact = all(torch.equal(gathered[k], v) for k, v in source.state_dict().items())
@@ -200,17 +200,17 @@ def test_full_weights_load_into_a_tp_model_with_and_without_sp():
 
 def test_plan_errors_say_what_to_fix():
     with pytest.raises(ValueError, match="tp=3 does not divide vocab size=256 of embed.tok; .* or pad"):
-        parallelize(GPT(TINY), _mesh_at(3, 0), GPT_PLAN)
+        apply_tensor_parallel(GPT(TINY), _mesh_at(3, 0), GPT_PLAN)
     with pytest.raises(ValueError, match="tp=3 does not divide out_features/3=64 of blocks.0.attn.qkv"):
-        parallelize(GPT(TINY), _mesh_at(3, 0), {"blocks.*.attn.qkv": "colwise_qkv"})
+        apply_tensor_parallel(GPT(TINY), _mesh_at(3, 0), {"blocks.*.attn.qkv": "colwise_qkv"})
     with pytest.raises(ValueError, match="'blocks.*.mlp.fc2' matches no module"):
-        parallelize(GPT(TINY), _mesh_at(2, 0), {"blocks.*.mlp.fc2": "colwise"})
+        apply_tensor_parallel(GPT(TINY), _mesh_at(2, 0), {"blocks.*.mlp.fc2": "colwise"})
     with pytest.raises(ValueError, match="unknown plan style 'diagonal'"):
-        parallelize(GPT(TINY), _mesh_at(2, 0), {"head": "diagonal"})
+        apply_tensor_parallel(GPT(TINY), _mesh_at(2, 0), {"head": "diagonal"})
     with pytest.raises(TypeError, match="'rowwise' applies to Linear, but blocks.0.ln1 is a LayerNorm"):
-        parallelize(GPT(TINY), _mesh_at(2, 0), {"blocks.0.ln1": "rowwise"})
+        apply_tensor_parallel(GPT(TINY), _mesh_at(2, 0), {"blocks.0.ln1": "rowwise"})
     model = copy.deepcopy(_mlp())
-    parallelize(model, _mesh_at(1, 0), {"0": "colwise"})
+    apply_tensor_parallel(model, _mesh_at(1, 0), {"0": "colwise"})
     assert isinstance(model[0], nn.Linear), "tp=1 leaves the model as it is"
 
 

@@ -532,7 +532,7 @@ def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
     return matched
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: bool = False,
+def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: bool = False,
                 comm: Comm | None = None) -> Criterion | None:
     """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place, as ``plan`` says.
 
