@@ -50,7 +50,7 @@ from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.training.precision import LossScaler, dtype_of
 from trainmesh.parallel.recompute import Target, apply_recompute, recompute_modules
 from trainmesh.storage.safe_io import sha256_hex
-from trainmesh.parallel.tensor_parallel import parallelize as apply_tensor_parallel
+from trainmesh.parallel.tensor_parallel import apply_tensor_parallel
 from trainmesh.parallel.tensor_parallel import unsharded_state_dict
 from trainmesh import checkpoint
 from trainmesh.tracking import runlock
