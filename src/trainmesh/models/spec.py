@@ -2,7 +2,7 @@
 and the shape the planner reasons about.
 
 Nothing outside ``trainmesh.models`` names a model class: ``train.build`` looks the ``--model`` preset up
-in the registry (:mod:`trainmesh.models`) and hands the spec's plan to ``tensor_parallel.parallelize`` and
+in the registry (:mod:`trainmesh.models`) and hands the spec's plan to ``tensor_parallel.apply_tensor_parallel`` and
 its recompute targets to ``recompute.apply_recompute``, so adding an architecture touches no parallel form
 (torchtitan's ``TrainSpec`` registers its model families the same way).
 
