@@ -273,7 +273,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     model = _staged(model, spec, pipeline).to(mesh.device, dtype_of(precision))
     if precision == "fp8":
         convert_to_float8(model, spec.high_precision)
-    apply_expert_parallel(model, mesh.rank("ep"), mesh.size("ep"), mesh.group("ep"), mesh.experts_over_tp)
+    apply_expert_parallel(model, comm, mesh.experts_over_tp)
     criterion = apply_tensor_parallel(model, mesh, dict(plan or {}), sequence_parallel, comm)
     split_axes = tuple(axis for axis, on in (("tp", sequence_parallel), ("cp", True)) if on and mesh.size(axis) > 1)
     if split_axes:

@@ -4,8 +4,8 @@ experts' grouped GEMM against a per-expert loop. Prints; asserts nothing.
 Every ep runs ``moe-tiny`` on the same 4 data-parallel ranks (ep folds inside dp, so the ranks, the tokens
 and the work stay the same; only where the experts live changes), each in fresh processes so that peak
 RSS is that layout's. Per step it reports the token bytes each rank's dispatchers sent to *other* ranks
-(:class:`trainmesh.parallel.expert_parallel.AllToAllDispatch` counts them; forward dispatch and combine and their
-backward, four transfers per MoE layer) against the formula: a rank's ``tokens x top-k`` copies of
+(what the comm counts on the ep axis for :class:`trainmesh.parallel.expert_parallel.AllToAllDispatch`;
+forward dispatch and combine and their backward, four transfers per MoE layer) against the formula: a rank's ``tokens x top-k`` copies of
 ``hidden x dtype bytes`` each, per direction, of which ``(ep-1)/ep`` leave the rank under even routing.
 Tokens/s is the median (min-max) over the timed steps; model state is rank 0's parameters, gradients and
 optimizer state (the experts' share of it shrinks as 1/ep). The GEMM comparison times
@@ -22,7 +22,8 @@ import time
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.parallel.expert_parallel import expert_modules
+from trainmesh.distributed.comm import Comm
+from trainmesh.parallel.expert_parallel import EP_AXIS, expert_modules
 from trainmesh.tracking.metrics import max_rss_bytes, storage_bytes
 from trainmesh.models.moe import MATMULS
 from trainmesh.distributed.testing import run_ranks
@@ -35,19 +36,23 @@ def _median_range(values: list[float], fmt: str = "{:,.0f}") -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def _token_bytes(comm: Comm) -> float:
+    """The token bytes the dispatchers' all-to-alls have sent so far, their expert counts left out."""
+    return sum(n for (axis, op), n in comm.bytes.items() if axis == EP_AXIS and op != "moe_counts")
+
+
 def _ep_rank(cfg: Config, steps: int) -> dict:
     """Runs on every rank: ``steps`` training steps (the first untimed); per-step sent bytes and times."""
     torch.set_num_threads(1)
     bench = build(cfg, init_mesh(cfg))
     model, train_step = bench.model, trainmesh_step(bench)
-    dispatchers = [m.dispatcher for _, m in expert_modules(model.module) if hasattr(m.dispatcher, "sent_bytes")]
     sent, times = [], []
     for step in range(steps):
-        before = sum(d.sent_bytes for d in dispatchers)
+        before = _token_bytes(model.comm)
         t0 = time.perf_counter()
         train_step(step)
         times.append(time.perf_counter() - t0)
-        sent.append(sum(d.sent_bytes for d in dispatchers) - before)
+        sent.append(_token_bytes(model.comm) - before)
     return {"sent": sent[1:], "times": times[1:], "rss": max_rss_bytes(), "layers": len(expert_modules(model.module)),
             "state": storage_bytes(model.engine.state_tensors())}
 

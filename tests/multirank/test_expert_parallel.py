@@ -20,6 +20,7 @@ from trainmesh.app.checkpoints import load_hf_weights
 from trainmesh.checkpoint import step_dir
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.parallel.expert_parallel import AllToAllDispatch
+from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import Mesh, init_distributed
 from trainmesh.app.train import build, full_state_dict, setup_process, train
 from trainmesh.distributed.testing import run_ranks
@@ -59,7 +60,8 @@ def _dispatch_rank(n_experts: int, rows: list[int], empty_experts: tuple[int, ..
     mine = slice(sum(rows[:rank]), sum(rows[:rank + 1]))
 
     # expert parallel: this rank's copies dispatched to the ranks holding their experts
-    dispatcher = AllToAllDispatch(dist.group.WORLD)
+    comm = Comm(Mesh.build(1, world, 1, torch.device("cpu"), ep=world))
+    dispatcher = AllToAllDispatch(comm)
     x = xs[rank].clone().requires_grad_()
     w = w_full[rank * local:(rank + 1) * local].clone().requires_grad_()
     counts = torch.bincount(routing[rank], minlength=n_experts)
@@ -68,7 +70,14 @@ def _dispatch_rank(n_experts: int, rows: list[int], empty_experts: tuple[int, ..
     y = dispatcher.combine(_experts_apply(x_local, local_experts, w), handle)
     (y * grads_out[rank]).sum().backward()
     expected_counts = torch.stack([torch.bincount(r, minlength=n_experts) for r in routing]).sum(0)
-    return {"y": (y - y_ref[mine]).abs().max().item() if y.numel() else 0.0,
+    mine_experts = [((r >= rank * local) & (r < (rank + 1) * local)).sum().item() for r in routing]
+    sent, returned = rows[rank] - mine_experts[rank], sum(mine_experts) - mine_experts[rank]  # copies leaving
+    row = D * 8
+    expected_bytes = {"ep/moe_counts": (world - 1) * local * 8, "ep/moe_dispatch": sent * row,
+                      "ep/moe_combine": returned * row, "ep/moe_dispatch_backward": returned * row,
+                      "ep/moe_combine_backward": sent * row}
+    return {"bytes": comm.snapshot(), "expected_bytes": expected_bytes,
+            "y": (y - y_ref[mine]).abs().max().item() if y.numel() else 0.0,
             "x_grad": (x.grad - x_ref.grad[mine]).abs().max().item() if x.numel() else 0.0,
             "w_grad": (w.grad - w_ref.grad[rank * local:(rank + 1) * local]).abs().max().item(),
             "counts_ok": torch.equal(local_counts, expected_counts[rank * local:(rank + 1) * local]),
@@ -81,11 +90,14 @@ def _dispatch_rank(n_experts: int, rows: list[int], empty_experts: tuple[int, ..
     (4, 8, [5, 7, 0, 6], (0, 5, 6, 7)),  # rank 3 holds only experts that receive no token
 ], ids=["ep2", "ep4"])
 def test_all_to_all_dispatch_equals_a_single_process_gather(world, n_experts, rows, empty):
+    """And each rank's comm counts, per op on the ep axis, the bytes of the copies that leave it (a routing
+    known in advance, copies to its own experts staying) and (ep-1)/ep of the expert counts."""
     results = run_ranks(_dispatch_rank, world, n_experts, rows, empty, timeout=60)
     for rank, r in enumerate(results):
         assert r["counts_ok"] and r["sorted"], f"rank {rank}: {r}"
         assert r["rows"][0] == rows[rank]
         assert max(r["y"], r["x_grad"], r["w_grad"]) < TOL, f"rank {rank}: {r}"
+        assert r["bytes"] == r["expected_bytes"], f"rank {rank}: counted {r['bytes']}, sent {r['expected_bytes']}"
     assert results[-1]["rows"][1] == 0 if world == 4 else True
 
 

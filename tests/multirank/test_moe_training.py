@@ -5,6 +5,7 @@ bad settings refused in one line before any rank starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import json
@@ -110,6 +111,21 @@ def test_cp2_equals_one_process_and_counts_each_token_once() -> None:
     training, metrics = run_ranks(_train_with_metrics, 2, cfg, timeout=240)[0]
     EQUIVALENCE_TABLE.append((describe_layout(cfg), *assert_same_training(train_single(cfg), training)))
     assert [sum(layer["expert_tokens"]) for layer in metrics.values()] == [8 * 32 * 2] * 2
+
+
+@pytest.mark.parametrize("model", ["moe-tiny", "deepseek-v3-tiny"])
+def test_at_pp2_the_expert_metrics_cover_every_stages_layers(model: str) -> None:
+    """Rank 0 writes the record but holds only the first stage (deepseek-v3-tiny's: its dense layer alone):
+    the metrics are gathered from every stage, and are the one-process run's."""
+    cfg = in_fp64(_cfg(nproc=2, pp=2, microbatches=2, moe_z_coef=0.01, model=model))
+    metrics = run_ranks(_train_with_metrics, 2, cfg, timeout=240)[0][1]
+    single = train(dataclasses.replace(cfg, nproc=1, pp=1), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    expected = moe_metrics(single.run)
+    assert list(metrics) == list(expected) == [f"blocks.{i}.mlp" for i in range(model == "deepseek-v3-tiny", 2)]
+    for name, layer in expected.items():
+        assert metrics[name]["expert_tokens"] == layer["expert_tokens"]
+        assert all(abs(metrics[name][k] - layer[k]) <= 1e-9 for k in ("dropped_fraction", "aux_loss", "z_loss",
+                                                                        "balance")), (name, metrics[name], layer)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from trainmesh.data import TokenData, get_batch, pin_tokenizer
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.async_save import AsyncSave
+from trainmesh.checkpoint.store import all_gather_json
 from trainmesh.distributed.launcher import start_heartbeat
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.tracking import metrics
@@ -216,25 +217,30 @@ class NonFiniteGuard:
 
 
 def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
-    """Per MoE layer of this rank, over the step's global batch: token copies routed to each expert, the
+    """Per MoE layer of the model, over the step's global batch: token copies routed to each expert, the
     fraction dropped by capacity, the mean balance and z losses (unweighted) and the balance (max/mean
-    expert load, 1 when even). One uncounted all-reduce; empty for a dense model."""
+    expert load, 1 when even). One uncounted all-reduce over the data-parallel ranks, and under a pipeline
+    a gather over the stages, so that rank 0, which writes the record, has every stage's layers; empty for a
+    dense model."""
     layers = list(moe.moe_layers(run.model))
-    if not layers:
-        return {}
-    rows = [torch.cat([layer.stats.counts.double().cpu(),
-                       torch.tensor([layer.stats.dropped, layer.stats.routed, layer.stats.aux_loss,
-                                     layer.stats.z_loss, layer.stats.forwards], dtype=torch.float64)])
-            for _, layer in layers]
-    sizes = [len(row) for row in rows]
-    summed = api.sum_over_data(run.mesh, torch.cat(rows)).cpu().split(sizes)
     out = {}
-    for (name, _), row in zip(layers, summed):
-        counts, (dropped, routed, aux, z, forwards) = row[:-5], row[-5:].tolist()
-        out[name] = {"expert_tokens": [int(c) for c in counts.tolist()], "dropped_fraction": dropped / max(routed, 1),
-                     "aux_loss": aux / max(forwards, 1), "z_loss": z / max(forwards, 1),
-                     "balance": (counts.max() / counts.mean()).item() if routed else 1.0}
-    return out
+    if layers:
+        rows = [torch.cat([layer.stats.counts.double().cpu(),
+                           torch.tensor([layer.stats.dropped, layer.stats.routed, layer.stats.aux_loss,
+                                         layer.stats.z_loss, layer.stats.forwards], dtype=torch.float64)])
+                for _, layer in layers]
+        sizes = [len(row) for row in rows]
+        summed = api.sum_over_data(run.mesh, torch.cat(rows)).cpu().split(sizes)
+        for (name, _), row in zip(layers, summed):
+            counts, (dropped, routed, aux, z, forwards) = row[:-5], row[-5:].tolist()
+            out[name] = {"expert_tokens": [int(c) for c in counts.tolist()],
+                         "dropped_fraction": dropped / max(routed, 1), "aux_loss": aux / max(forwards, 1),
+                         "z_loss": z / max(forwards, 1),
+                         "balance": (counts.max() / counts.mean()).item() if routed else 1.0}
+    if run.mesh.size("pp") == 1:
+        return out
+    stages = all_gather_json(out, run.mesh.device, run.mesh.group("pp"))
+    return {name: layer for stage in stages for name, layer in stage.items()}
 
 
 def per_rank_stats(run: Run, activation_bytes: int) -> dict[str, list[int]]:

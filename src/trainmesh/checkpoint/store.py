@@ -73,6 +73,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
@@ -275,13 +276,14 @@ def set_rng_state(tensors: list[LocalTensor], device: torch.device) -> None:
             torch.cuda.set_rng_state(t.views[0], device)
 
 
-def all_gather_json(obj: Any, device: torch.device) -> list[Any]:
-    """Every rank's ``obj``, in rank order, as JSON bytes in tensors (``all_gather_object`` would unpickle)."""
+def all_gather_json(obj: Any, device: torch.device, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` over ``group`` (the world by default), in rank order, as JSON bytes in tensors
+    (``all_gather_object`` would unpickle)."""
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    lengths = log_all_gather(torch.tensor([data.numel()], device=device)).view(-1).tolist()
+    lengths = log_all_gather(torch.tensor([data.numel()], device=device), group).view(-1).tolist()
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data.to(device)
-    rows = log_all_gather(padded).cpu()
+    rows = log_all_gather(padded, group).cpu()
     return [json.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 

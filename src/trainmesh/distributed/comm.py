@@ -7,7 +7,8 @@ ZeRO paper uses in §7): over a group of n ranks, for a tensor of S bytes each r
 * all-gather:        (n-1)/n · S   (S = the gathered output)
 * reduce-scatter:    (n-1)/n · S   (S = the full input)
 * broadcast:         (n-1)/n · S   (pipelined ring)
-* all-to-all:        (n-1)/n · S   (S = the input; the slice for this rank itself stays)
+* all-to-all:        (n-1)/n · S   (S = the input; the slice for this rank itself stays; with uneven
+                                   slices, all of S but that slice)
 * send:              S
 
 so a run's counted volume can be checked against the theoretical optimum. A collective over an axis of
@@ -23,6 +24,7 @@ message carry the same number on both ends.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -251,14 +253,21 @@ class Comm:
 
         return self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(), launch, async_op)
 
-    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "all_to_all") -> None:
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "all_to_all",
+                   out_splits: list[int] | None = None, in_splits: list[int] | None = None) -> None:
         """Send slice i (along dim 0) of ``full`` to the rank at coordinate i of ``axis``; slice j of ``out``
-        is what that rank's coordinate j sent (DeepSpeed-Ulysses's exchange)."""
-        if self.mesh.size(axis) == 1:
+        is what that rank's coordinate j sent (DeepSpeed-Ulysses's exchange). ``in_splits``/``out_splits``
+        give uneven slices in rows (expert parallelism's token copies); counted is what leaves this rank, all
+        rows but its own slice, which is the formula's (n-1)/n of ``full`` when the slices are even."""
+        n = self.mesh.size(axis)
+        if n == 1:
             out.copy_(full)
             return
-        self._issue(axis, op, self._ring(axis) * full.numel() * full.element_size(),
-                    lambda: dist.all_to_all_single(out, full, group=self.mesh.group(axis), async_op=True),
+        kept = in_splits[self.mesh.rank(axis)] if in_splits is not None else full.shape[0] // n
+        row = math.prod(full.shape[1:]) * full.element_size()
+        self._issue(axis, op, (full.shape[0] - kept) * row,
+                    lambda: dist.all_to_all_single(out, full, out_splits, in_splits, group=self.mesh.group(axis),
+                                                   async_op=True),
                     async_op=False)
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, op: str = "broadcast") -> None:
@@ -339,11 +348,12 @@ def log_all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None = None,
     return values
 
 
-def log_all_gather(values: torch.Tensor) -> torch.Tensor:
-    """Stack every rank's copy of ``values`` (rows in rank order), uncounted; for per-rank metrics."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def log_all_gather(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Stack every rank's copy of ``values`` over ``group`` (the world by default; rows in rank order),
+    uncounted; for per-rank metrics."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return values.unsqueeze(0)
-    flat = values.reshape(-1)
-    out = torch.empty(dist.get_world_size() * flat.numel(), dtype=values.dtype, device=values.device)
-    _uncounted("log_all_gather", None, dist.all_gather_single(out, flat, async_op=True))
-    return out.view(dist.get_world_size(), *values.shape)
+    flat, n = values.reshape(-1), dist.get_world_size(group)
+    out = torch.empty(n * flat.numel(), dtype=values.dtype, device=values.device)
+    _uncounted("log_all_gather", group, dist.all_gather_single(out, flat, group=group, async_op=True))
+    return out.view(n, *values.shape)

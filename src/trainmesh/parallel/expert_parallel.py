@@ -42,39 +42,36 @@ EP_SHARD = "_trainmesh_ep_shard"  # on a sliced expert parameter: (ep rank, ep s
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with the given splits forward; the reverse all-to-all (splits swapped) backward."""
+    """An all-to-all of token rows with the given splits forward (counted as ``op``); backward, the reverse
+    all-to-all (splits swapped, counted as ``op_backward``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, dispatcher) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.dispatcher = (out_splits, in_splits), group, dispatcher
-        return dispatcher.exchange(x, out_splits, in_splits)
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dispatcher: AllToAllDispatch,
+                op: str) -> torch.Tensor:
+        ctx.splits, ctx.dispatcher, ctx.op = (out_splits, in_splits), dispatcher, op
+        return dispatcher.exchange(x, out_splits, in_splits, op)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        return ctx.dispatcher.exchange(grad.contiguous(), in_splits, out_splits), None, None, None, None
+        back = ctx.dispatcher.exchange(grad.contiguous(), in_splits, out_splits, f"{ctx.op}_backward")
+        return back, None, None, None, None
 
 
 class AllToAllDispatch:
-    """The MoE ``Dispatcher`` over an ep process group (``None`` or a group of one: nothing moves).
+    """The MoE ``Dispatcher`` over the ``ep`` axis of ``comm``'s mesh (``None`` or an axis of one: nothing
+    moves). Every exchange goes through ``comm``, which counts the bytes each leaves on the ep axis per op
+    (``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward``): every copy but those
+    routed to this rank's own experts crosses the network once per direction, the planner's all-to-all."""
 
-    ``sent_bytes`` counts the token bytes this rank sent to *other* ranks (forward and backward), the
-    volume the planner's all-to-all formula predicts: every copy but those routed to this rank's own
-    experts crosses the network once per direction.
-    """
+    def __init__(self, comm: Comm | None) -> None:
+        self.comm = comm
+        self.size = comm.mesh.size(EP_AXIS) if comm is not None else 1
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.sent_bytes = 0
-
-    def exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    def exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], op: str) -> torch.Tensor:
         """Send ``in_splits[r]`` rows of ``x`` to rank ``r``; receive ``out_splits[r]`` rows from it."""
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        row = math.prod(x.shape[1:]) * x.element_size()
-        self.sent_bytes += (sum(in_splits) - in_splits[self.rank]) * row
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
+        self.comm.all_to_all(out, x.contiguous(), EP_AXIS, op, out_splits, in_splits)
         return out
 
     def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -87,11 +84,11 @@ class AllToAllDispatch:
             raise ValueError(f"ep={self.size} does not divide the {n_experts} experts; choose ep dividing it")
         local = n_experts // self.size
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        self.comm.all_to_all(received, counts.contiguous(), EP_AXIS, "moe_counts")
         received = received.view(self.size, local)  # [source rank, local expert]
         in_splits = counts.view(self.size, local).sum(1).tolist()
         out_splits = received.sum(1).tolist()
-        y = _AllToAll.apply(x, out_splits, in_splits, self.group, self)
+        y = _AllToAll.apply(x, out_splits, in_splits, self, "moe_dispatch")
         expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(self.size),
                                                 received.reshape(-1).to(x.device))
         order = torch.sort(expert_of_row, stable=True).indices
@@ -103,7 +100,7 @@ class AllToAllDispatch:
             return y
         order, out_splits, in_splits = handle
         by_source = y.index_select(0, torch.argsort(order))
-        return _AllToAll.apply(by_source, in_splits, out_splits, self.group, self)
+        return _AllToAll.apply(by_source, in_splits, out_splits, self, "moe_combine")
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -145,11 +142,12 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 
 
 @torch.no_grad()
-def shard_experts(moe: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None, over_tp: bool = False) -> None:
-    """Keep ep rank ``rank``'s ``1/size`` of ``moe``'s routed experts (global experts
-    ``[rank E/size, (rank+1) E/size)``, the first dim of every stacked weight) and dispatch by all-to-all
-    over ``group``. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`),
+def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
+    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts (rank ``r``: global experts
+    ``[r E/ep, (r+1) E/ep)``, the first dim of every stacked weight) and dispatch by all-to-all over
+    ``comm``'s ep axis. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`),
     and, where the ep group folds over tp (``over_tp``), that tp ranks hold different experts."""
+    rank, size = comm.mesh.rank(EP_AXIS), comm.mesh.size(EP_AXIS)
     experts = moe.experts
     for name, p in list(experts.named_parameters(recurse=False)):
         if p.shape[0] % size:
@@ -160,7 +158,7 @@ def shard_experts(moe: nn.Module, rank: int, size: int, group: dist.ProcessGroup
         setattr(piece, EP_SHARD, (rank, size))
         setattr(piece, SPLIT_OVER_TP, over_tp)
         setattr(experts, name, piece)
-    moe.dispatcher = AllToAllDispatch(group)
+    moe.dispatcher = AllToAllDispatch(comm)
 
 
 def ep_place(p: torch.Tensor) -> tuple[int, int]:
@@ -182,14 +180,13 @@ def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, group: dist
     return state
 
 
-def apply_expert_parallel(model: nn.Module, rank: int, size: int, group: dist.ProcessGroup | None,
-                          over_tp: bool = False) -> None:
-    """Shard every MoE layer of ``model`` to ep rank ``rank`` of ``size`` (nothing to do at ``size`` 1);
+def apply_expert_parallel(model: nn.Module, comm: Comm, over_tp: bool = False) -> None:
+    """Shard every MoE layer of ``model`` over the ep axis of ``comm``'s mesh (nothing to do at ep 1);
     ``over_tp``: the ep groups fold over tp (:attr:`trainmesh.distributed.mesh.Mesh.experts_over_tp`)."""
-    if size == 1:
+    if comm.mesh.size(EP_AXIS) == 1:
         return
     for _, moe in expert_modules(model):
-        shard_experts(moe, rank, size, group, over_tp)
+        shard_experts(moe, comm, over_tp)
 
 
 def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
