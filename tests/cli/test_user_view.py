@@ -2,6 +2,7 @@
 the planner's differences shown, dependencies' noise dropped at its source, and a walk-through of the
 commands that prints nothing but trainmesh's own lines."""
 
+import io
 import json
 import logging
 import os
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from trainmesh.app import cli
+from trainmesh.distributed.launcher import TERMINAL_ENV
 from trainmesh.plan.table import apart
 from trainmesh.quiet import quiet_dependencies
+from trainmesh.tracking.records import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN_LINE = re.compile(r"^(\[rank \d+\] )?trainmesh: ")
@@ -51,6 +54,15 @@ def test_train_keeps_each_ranks_log_in_out_and_tee_all_prefixes_every_line(tmp_p
     assert "\n[rank 0] trainmesh: tiny (" in "\n" + result.stdout and "\n[rank 0] done: loss" in result.stdout
     assert "trainmesh: tiny (" in (tmp_path / "run" / "logs" / "rank-0.log").read_text()
     assert (tmp_path / "run" / "logs" / "rank-1.log").read_text().startswith("==> rank 1 of 2 ")
+
+
+def test_rank_0_streamed_to_a_terminal_through_the_launchers_pipe_draws_its_bar(monkeypatch):
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setenv(TERMINAL_ENV, "1")
+    assert Progress(10, 1, sys.stdout)._terminal and not Progress(10, 1, io.StringIO())._terminal
+    monkeypatch.delenv(TERMINAL_ENV)
+    assert not Progress(10, 1, sys.stdout)._terminal
 
 
 @pytest.mark.parametrize("tee, problem", [("2", "--tee 2: the ranks are 0 to 1; give some of them (0,1) or all"),
