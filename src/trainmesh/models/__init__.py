@@ -2,10 +2,13 @@
 name (``--model``). Registering a family (here, or from outside trainmesh with :func:`register_family`) is
 all it takes for ``trainmesh train`` and ``plan`` to offer its presets, ``--init-hf`` and ``export --hf`` to
 read and write its Hugging Face architecture, and ``trainmesh.parallelize`` to recognise its models; no
-parallel form names a model class."""
+parallel form names a model class. An installed package adds a family through the ``trainmesh.families``
+entry-point group (:func:`load_installed_families`), loaded the first time a name is not found."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -154,6 +157,33 @@ def register_family(spec: ModelSpec) -> ModelSpec:
     return spec
 
 
+ENTRY_POINT_GROUP = "trainmesh.families"
+_TRIED_ENTRY_POINTS: set[str] = set()  # loaded once per process, failures included, so each is said once
+
+
+def load_installed_families() -> bool:
+    """Register the family each installed package names in the ``trainmesh.families`` entry-point group (a
+    :class:`ModelSpec`, ``name = "package.module:SPEC"``), so that a pip-installed family is a ``--model`` and
+    ``--init-hf`` name without an import. Called only when a name is not found among the registered
+    families, so trainmesh imports no such package otherwise. An entry point that fails to load is one line
+    on stderr naming it, and the others still load. True if any family was added."""
+    added = False
+    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if point.value in _TRIED_ENTRY_POINTS:
+            continue
+        _TRIED_ENTRY_POINTS.add(point.value)
+        try:
+            register_family(point.load())
+        except Exception as e:  # noqa: BLE001 - a broken package must not stop the families that load
+            package = f" of {point.dist.name}" if point.dist is not None else ""
+            reason = (str(e).splitlines() or [""])[0]
+            print(f"trainmesh: entry point {point.name} = {point.value}{package} ({ENTRY_POINT_GROUP}) failed to "
+                  f"load ({type(e).__name__}: {reason}); fix or uninstall that package", file=sys.stderr)
+            continue
+        added = True
+    return added
+
+
 class _PresetNames(Collection):
     """Every preset ``trainmesh train`` can build (full-sized ones included), read from the registry at each
     use, so a preset added to a family's table later (a user's, or a test's) is a valid ``--model`` too."""
@@ -162,7 +192,9 @@ class _PresetNames(Collection):
         return (name for spec in SPECS for name in (*spec.presets, *spec.planner_presets))
 
     def __contains__(self, name: object) -> bool:
-        return any(name in spec.presets or name in spec.planner_presets for spec in SPECS)
+        def known() -> bool:
+            return any(name in spec.presets or name in spec.planner_presets for spec in SPECS)
+        return known() or (load_installed_families() and known())
 
     def __len__(self) -> int:
         return sum(len(spec.presets) + len(spec.planner_presets) for spec in SPECS)
@@ -172,10 +204,9 @@ PRESET_NAMES = _PresetNames()
 
 
 def _find(name: str) -> tuple[ModelSpec, Any]:
-    for spec in SPECS:
-        presets = {**spec.presets, **spec.planner_presets}
-        if name in presets:
-            return spec, presets[name]
+    if name in PRESET_NAMES:  # an installed family's, loaded on the way
+        spec = next(s for s in SPECS if name in s.presets or name in s.planner_presets)
+        return spec, {**spec.presets, **spec.planner_presets}[name]
     raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
 
 
@@ -199,6 +230,8 @@ def family(name: str) -> ModelSpec:
     for spec in SPECS:
         if spec.family == name:
             return spec
+    if load_installed_families():
+        return family(name)
     raise ValueError(f"unknown model family {name!r}; trainmesh has {', '.join(s.family for s in SPECS)}")
 
 
@@ -225,4 +258,5 @@ def planner_shapes() -> dict[str, ModelShape]:
 
 __all__ = ["config_from_dict", "is_moe", "GPT_PLAN", "ModelShape", "ModelSpec", "SPECS", "register_family",
            "llama_variant", "PRESET_NAMES", "StageLayout", "Staged", "spec_for",
-           "spec_of", "preset", "planner_shapes", "family", "register_preset", "any_config"]
+           "spec_of", "preset", "planner_shapes", "family", "register_preset", "any_config",
+           "load_installed_families", "ENTRY_POINT_GROUP"]

@@ -36,7 +36,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from trainmesh.models import SPECS, is_moe
+from trainmesh.models import SPECS, is_moe, load_installed_families
 from trainmesh.models.spec import HFIncompatible, ModelSpec
 from trainmesh.models.weights import FLOATING, first_untrainable, header_dtype_problem, scan_file
 from trainmesh.storage.safe_io import UnreadableFile, read_user_file, replace_durably
@@ -119,6 +119,8 @@ def family_of(hf_config: Mapping[str, Any], where: str = "config.json") -> Model
     for spec in SPECS:
         if spec.hf and (hf_config.get("model_type") == spec.hf.model_type or spec.hf.architecture in architectures):
             return spec
+    if load_installed_families():
+        return family_of(hf_config, where)
     known = ", ".join(f"{s.hf.architecture} ({s.hf.model_type})" for s in SPECS if s.hf)
     found = _quoted(hf_config.get("model_type") or architectures or "no model_type")
     raise HFError(f"{where} describes {found}; trainmesh imports {known}")
