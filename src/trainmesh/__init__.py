@@ -14,7 +14,7 @@ is imported.
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from trainmesh.quiet import quiet_dependencies
+from trainmesh.tracking.quiet import quiet_dependencies
 
 quiet_dependencies()  # before torchao or transformers is first imported, by trainmesh or the user's script
 

@@ -16,7 +16,7 @@ import pytest
 from trainmesh.app import cli
 from trainmesh.distributed.launcher import TERMINAL_ENV
 from trainmesh.plan.table import apart
-from trainmesh.quiet import quiet_dependencies
+from trainmesh.tracking.quiet import quiet_dependencies
 from trainmesh.tracking.records import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
