@@ -226,7 +226,22 @@ REFUSALS = {
     "dropping without capacity": (dict(moe_dropless=False), "give the capacity factor with --moe-capacity"),
     "moe flag on a dense model": (dict(model="tiny", moe_experts=4), "--moe-experts configures mixture-of-experts "
                                                                       "layers, which tiny does not have"),
+    "no layer left for experts": (dict(moe_dense_layers=2), "--moe-dense-layers 2 leaves no mixture-of-experts layer "
+                                                            "among the 2 layers of moe-tiny; choose --moe-dense-layers "
+                                                            "below 2, or a dense model"),
+    "dense layers of a dense model": (dict(model="llama-tiny", moe_dense_layers=1),
+                                      "--moe-dense-layers configures mixture-of-experts layers, which llama-tiny does "
+                                      "not have"),
 }
+
+
+def test_dense_first_layers_from_the_command_line_equal_one_process() -> None:
+    """``--moe-dense-layers 1`` gives moe-tiny and llama-moe-tiny a dense first layer: under tp2 with sequence
+    parallelism it is split as the dense family's MLP is, the MoE layer stays whole; at pp2 it is stage 0."""
+    assert _cfg(moe_dense_layers=1).model_config.moe.n_dense_layers == 1
+    check_equivalent([_cfg(nproc=2, tp=2, sequence_parallel=True, moe_dense_layers=1),
+                      _cfg(nproc=2, tp=2, sequence_parallel=True, moe_dense_layers=1, model="llama-moe-tiny"),
+                      _cfg(nproc=2, pp=2, microbatches=2, moe_dense_layers=1, model="llama-moe-tiny")], world_size=2)
 
 
 @pytest.mark.parametrize("case", REFUSALS)

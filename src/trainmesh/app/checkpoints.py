@@ -334,8 +334,8 @@ def claim(cfg: Config) -> Iterator[str]:
         yield run_id
 
 
-MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef",
-                  "moe_z_coef", "moe_bias_rate")
+MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dense_layers", "moe_dropless", "moe_capacity",
+                  "moe_aux_coef", "moe_z_coef", "moe_bias_rate")
 """The settings besides ``model`` that shape a ``trainmesh train`` run's model."""
 
 

@@ -92,6 +92,9 @@ class Config:
                             low=AT_LEAST_0, high=MAX_EXPERTS)
     moe_top_k: int = _opt(0, "experts each token is routed to, overriding the preset's (0: the preset's)",
                           low=AT_LEAST_0, high=MAX_EXPERTS)
+    moe_dense_layers: int = _opt(0, "leading layers that keep a dense MLP, the rest mixtures of experts "
+                                 "(DeepSeek-V3's first_k_dense_replace), overriding the preset's (0: the preset's; "
+                                 "moe-tiny has none, deepseek-v3-tiny 1)", low=AT_LEAST_0, high=Bound(1 << 12))
     moe_dropless: bool = _opt(True, "route every token to its top-k experts however uneven the load; "
                               "--no-moe-dropless with --moe-capacity drops the copies beyond each expert's capacity")
     moe_capacity: float = _opt(0.0, "capacity factor under --no-moe-dropless: each expert takes at most "
@@ -266,12 +269,16 @@ class Config:
             base = preset(self.model)
             base = base if vocab is None else dataclasses.replace(base, vocab_size=padded_vocab(vocab, self.tp))
         if getattr(base, "moe", None) is not None:
-            base = dataclasses.replace(base, moe=self._moe_config(base.moe))
+            base = dataclasses.replace(base, moe=self._moe_config(base.moe, base.n_layers))
         return dataclasses.replace(base, seq_len=self.seq_len) if self.seq_len else base
 
-    def _moe_config(self, moe: MoEConfig) -> MoEConfig:
+    def _moe_config(self, moe: MoEConfig, n_layers: int) -> MoEConfig:
         """The model's MoE layers with the ``--moe-*`` settings; one line naming the flag if they cannot run."""
         experts, top_k = self.moe_experts or moe.n_experts, self.moe_top_k or moe.top_k
+        if self.moe_dense_layers >= n_layers:
+            raise ConfigError(f"--moe-dense-layers {self.moe_dense_layers} leaves no mixture-of-experts layer among "
+                              f"the {n_layers} layers of {_model_name(self)}; choose --moe-dense-layers below "
+                              f"{n_layers}, or a dense model")
         if top_k > experts:
             raise ConfigError(f"--moe-top-k {top_k} exceeds the {experts} experts per layer of {self.model}; choose "
                               f"--moe-top-k in 1..{experts} (or more experts with --moe-experts)")
@@ -284,6 +291,7 @@ class Config:
                               "factor with --moe-capacity (e.g. 1.25)")
         try:
             return dataclasses.replace(moe, n_experts=experts, top_k=top_k, capacity_factor=self.moe_capacity,
+                                       n_dense_layers=self.moe_dense_layers or moe.n_dense_layers,
                                        aux_coef=self.moe_aux_coef, z_coef=self.moe_z_coef, bias_rate=self.moe_bias_rate)
         except ValueError as e:  # the model's expert groups, which --moe-experts and --moe-top-k must fit
             flags = (("experts", self.moe_experts), ("top-k", self.moe_top_k))
@@ -341,7 +349,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                 "stopped_grace", "host_transport",
                 "max_bad_steps",
                 "profile_steps", "peak_tflops", "out", "progress", "progress_every", "tensorboard", "wandb", "tee"),
-    "moe": ("moe_experts", "moe_top_k", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
+    "moe": ("moe_experts", "moe_top_k", "moe_dense_layers", "moe_dropless", "moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"),
 }
 SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
 FIELDS = {f.name: f for f in fields(Config)}
@@ -661,7 +669,7 @@ def _validate_checkpoints(cfg: Config) -> None:
                           "of them")
 
 
-MOE_ONLY = ("moe_experts", "moe_top_k", "moe_capacity", "moe_bias_rate")
+MOE_ONLY = ("moe_experts", "moe_top_k", "moe_dense_layers", "moe_capacity", "moe_bias_rate")
 
 
 def _validate_moe(cfg: Config) -> None:

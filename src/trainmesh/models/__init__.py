@@ -48,12 +48,6 @@ position) embeddings, the output head and, in MoE models, the router, whose top-
 score changes (torchtitan and DeepSeek-V3's FP8 recipe keep the same ones in high precision)."""
 
 
-def without_mlp(plan: dict[str, str]) -> dict[str, str]:
-    """A family's plan for its mixture-of-experts models: the router and the experts stay whole on every tp
-    rank (expert parallelism, not tensor parallelism, is what splits experts), the rest as in ``plan``."""
-    return {pattern: style for pattern, style in plan.items() if ".mlp." not in pattern}
-
-
 def is_moe(cfg: object) -> bool:
     return getattr(cfg, "moe", None) is not None
 
@@ -123,11 +117,11 @@ SPECS: list[ModelSpec] = [
     llama_family("qwen2", qwen.QWEN2_PRESETS, qwen.QWEN2_PLANNER_PRESETS, llama.TP_PLAN, qwen.QWEN2_MAPPING),
     llama_family("qwen3", qwen.QWEN3_PRESETS, qwen.QWEN3_PLANNER_PRESETS, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MAPPING),
     llama_family("mistral", mistral.PRESETS, mistral.PLANNER_PRESETS, llama.TP_PLAN, mistral.HF_MAPPING),
-    ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, without_mlp(GPT_PLAN),
+    ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
               high_precision=(*GPT_BF16, ROUTER), accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
-    llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, without_mlp(llama.TP_PLAN),
+    llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, llama.TP_PLAN,
                  llama.MIXTRAL_MAPPING, moe=True),
     llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
     llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True, cp_plan={}),
