@@ -202,7 +202,7 @@ def test_a_qwen3_with_wide_heads_trains_from_hf_and_exports_them(tmp_path, fp64_
 
 
 @pytest.mark.parametrize("source", ["transformers", "trainmesh"])
-def test_a_deepseek_v3_folder_trains_from_hf_at_ep2_and_exports_its_logits(tmp_path, fp64_families, source):
+def test_a_deepseek_v3_folder_trains_from_hf_at_ep2_and_exports_its_logits(tmp_path, fp64_families, source, capsys):
     """Its routing biases (``e_score_correction_bias``: buffers, not parameters) are neither counted as
     parameters nor dropped: a folder transformers wrote (a random bias), or trainmesh's own export of a
     deepseek-v3-tiny run whose bias moved (trained until its logits are large enough to show a misplaced
@@ -226,6 +226,7 @@ def test_a_deepseek_v3_folder_trains_from_hf_at_ep2_and_exports_its_logits(tmp_p
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out")]) == 0
+    assert f"({hf.read_config(directory)[1].n_params():,} parameters, step 1)" in capsys.readouterr().out  # no bias
     assert_same_logits(_logits(tmp_path / "out"), _logits(directory),
                        f"deepseek-v3 from {source}, trained at ep2 from HF, exported")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import safetensors.torch
@@ -58,5 +59,7 @@ def export_hf(source: Path, out: Path, overwrite: bool = False) -> str:
     written = hf_extras.write(files, out)
     notes = "".join(f"; {note}" for note in extras.notes)
     replaced = f"; replaced {', '.join(clashes)} (--overwrite)" if clashes else ""
-    return (f"wrote {spec.hf.architecture} ({sum(t.numel() for t in tensors.values()):,} parameters, step "
+    n_params = sum(math.prod(entry["shape"]) for name, entry in manifest["tensors"].items()
+                   if name.startswith("model/"))  # not the routing biases, which are no parameters
+    return (f"wrote {spec.hf.architecture} ({n_params:,} parameters, step "
             f"{manifest['step']}) of {path} to {out}, with {', '.join(written)}{replaced}{notes}")
