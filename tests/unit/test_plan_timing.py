@@ -14,7 +14,7 @@ from trainmesh.models import ModelShape
 from trainmesh.plan import Cluster, Layout, Pricing, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
 from trainmesh.plan.ranking import ep_degrees, interleave_depths
 from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
-                                   routed_copy_bytes, token_movement_bytes)
+                                   routed_copy_bytes, token_movement_bytes, expert_elementwise_bytes)
 
 
 @pytest.mark.parametrize("gpu,speedup", [("h100-80gb", 1979 / 989), ("h800-80gb", 1979 / 989), ("a100-80gb", 1.0)])
@@ -152,7 +152,10 @@ def test_an_moe_block_pays_its_token_movement_at_the_devices_memory_bandwidth_an
     work, layout, cluster = _deepseek()
     unpriced = dataclasses.replace(cluster, memory_bw=0.0)
     moved = block_seconds(work, layout, cluster, moe=True) - block_seconds(work, layout, unpriced, moe=True)
-    assert moved == pytest.approx(token_movement_bytes(work, layout) / (3.35e12 * 0.85), rel=1e-12)
+    streamed = token_movement_bytes(work, layout) + expert_elementwise_bytes(work, layout, cluster)
+    assert moved == pytest.approx(streamed / (3.35e12 * 0.85), rel=1e-12)
+    # the experts' SwiGLU, 8 f elements of bf16 a copy (d_ff_expert 2048, top-8, 4096 tokens)
+    assert expert_elementwise_bytes(work, layout, cluster) == 4096 * 8 * 8 * 2048 * 2
     assert block_seconds(work, layout, cluster) == block_seconds(work, layout, unpriced)
 
 

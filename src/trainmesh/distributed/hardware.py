@@ -64,7 +64,9 @@ class Cluster:
     ``memory_bw`` is the bytes/s a copy kernel streams through one device's memory, what prices the work that
     moves data rather than multiplies it (0: unknown, and such work is not priced); ``comm_overlaps_compute``
     whether a collective issued ahead runs while the device computes, as NCCL's kernels run beside compute
-    kernels on a GPU (False where the two share the same cores: Gloo's threads on the ranks' CPUs).
+    kernels on a GPU (False where the two share the same cores: Gloo's threads on the ranks' CPUs);
+    ``hopper`` that the device is an H100-class part (H100, H800, H200: the same SMs at the same clocks), whose
+    fused attention core is priced from its measured curves (:mod:`trainmesh.plan.kernels`).
     """
 
     gpus: int
@@ -86,6 +88,7 @@ class Cluster:
     direct_exchange: bool = False
     memory_bw: float = 0.0
     comm_overlaps_compute: bool = True
+    hopper: bool = False
 
     def peak_at(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
@@ -113,7 +116,7 @@ class Cluster:
         return self.inter_bw * self.comm_efficiency, self.inter_latency
 
 
-def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float) -> Cluster:
+def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float, hopper: bool = False) -> Cluster:
     """One 8-GPU node from datasheet figures, ``hbm`` its memory bandwidth in bytes/s.
 
     The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
@@ -126,7 +129,7 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=gemm_half_dim(peak, hbm),
                    comm_efficiency=comm, reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8,
-                   memory_bw=hbm * STREAM_EFFICIENCY)
+                   memory_bw=hbm * STREAM_EFFICIENCY, hopper=hopper)
 
 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
@@ -168,9 +171,9 @@ STREAM_EFFICIENCY = 0.85
 CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100-40gb": _gpu_node(40 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9, 1.555e12),
     "a100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["A100"], 300e9, 25e9, A100_80GB_HBM),
-    "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9, 3.35e12),
-    "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9, 4.8e12),
-    "h800-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H800"], 200e9, 50e9, 3.35e12),
+    "h100-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H100"], 450e9, 50e9, 3.35e12, hopper=True),
+    "h200-141gb": _gpu_node(141 * 10**9, DEVICE_PEAKS["H200"], 450e9, 50e9, 4.8e12, hopper=True),
+    "h800-80gb": _gpu_node(80 * GIB, DEVICE_PEAKS["H800"], 200e9, 50e9, 3.35e12, hopper=True),
     "cpu": Cluster(gpus=8, gpus_per_node=8, mem_bytes=16 * GIB, peak_flops=1e11, peak_flops_fp32=1e11,
                    intra_bw=0.37e9, inter_bw=0.37e9, intra_latency=2.7e-3, inter_latency=2.7e-3,
                    gemm_efficiency=0.65, gemm_half_dim=32, comm_efficiency=1.0, reserved_bytes=GIB,

@@ -7,6 +7,7 @@ schedule pairs them, ``Pricing.a2a_overlap``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
+from trainmesh.plan.kernels import ATTENTION_PEAK, BACKWARD_FLOPS, attention_rates, busiest_expert_rank
 from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.layout import Layout
@@ -173,16 +175,69 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
     """One block's forward and backward for one micro-batch: each matmul of :func:`block_gemms` at its own
     :func:`gemm_efficiency`, three times (backward costs twice the forward), four under full
-    recomputation, the attention core once more under selective recomputation [KOR, sec. 5]; an MoE
-    block also streams its tokens to and from its experts (:func:`token_movement_bytes`) through device
-    memory at ``cluster.memory_bw``."""
+    recomputation; the attention core as :func:`attention_core_seconds` prices it. An MoE block's routed
+    experts run on the busiest rank of the ep group (:func:`expert_gemm_seconds`), and it also
+    streams its tokens to and from its experts and through its experts' element-wise work
+    (:func:`token_movement_bytes`, :func:`expert_elementwise_bytes`) at ``cluster.memory_bw``."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
-    rerun = gemm_time(gemms["attention"], workload, cluster) if layout.recompute == "selective" else 0.0
-    matmuls = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + rerun
+    core = attention_core_seconds(gemms.pop("attention"), workload, layout, cluster)
+    experts = {k: gemms.pop(k) for k in list(gemms) if k.startswith("experts")}
+    matmuls = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + core
+    if experts:
+        matmuls += passes * sum(expert_gemm_seconds(g, workload, layout, cluster) for g in experts.values())
     if not (moe and cluster.memory_bw):
         return matmuls
-    return matmuls + token_movement_bytes(workload, layout) / cluster.memory_bw
+    moved = token_movement_bytes(workload, layout) + expert_elementwise_bytes(workload, layout, cluster)
+    return matmuls + moved / cluster.memory_bw
+
+
+def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The attention core's forward and backward for one micro-batch, with its rerun under recomputation.
+
+    Where a run names its kernel (``Pricing.attention_kernel``), a fused core on an H100-class device
+    (``cluster.hopper``) runs at that kernel's measured rate at its head dimension and the keys one call sees (the sequence, or under
+    cp one ring step's s / cp), :func:`trainmesh.plan.kernels.attention_rates`: forward F at the forward
+    rate, backward 2.5 F at the backward one (the FLOPs the papers count). Otherwise, by default, as
+    matmuls of head_dim-wide blocks at :func:`gemm_efficiency`, the pricing the dense fit rests on
+    (docs/planner.md, "Kernel curves": the measured curves are faster, and with them no one efficiency
+    holds the dense rows and brings the MoE ones closer)."""
+    if not (workload.pricing.attention_kernel and cluster.hopper and workload.model.flash_attention):
+        passes = 4 if layout.recompute == "full" else 3
+        return (passes + (layout.recompute == "selective")) * gemm_time(core, workload, cluster)
+    fwd, bwd = attention_rates(workload.pricing.attention_kernel, core_width(workload.model)[0],
+                               local_seq(workload, layout))
+    scale = cluster.peak_flops / ATTENTION_PEAK
+    forwards = 2 if layout.recompute in ("selective", "full") else 1
+    return core.flops * (forwards / fwd + BACKWARD_FLOPS / bwd) / scale
+
+
+def expert_gemm_seconds(gemm: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """One routed-expert grouped matmul of a forward at :func:`gemm_efficiency` of its rows per expert, on the
+    busiest rank of the ep group, whose load :func:`trainmesh.plan.kernels.busiest_expert_rank` sizes under
+    balanced routing: the step waits for the rank that received the most copies."""
+    copies = moe_tokens(workload, layout) * workload.model.top_k
+    return gemm_time(gemm, workload, cluster) * busiest_expert_rank(layout.ep, copies)
+
+
+def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """Bytes one rank streams per micro-batch through its routed experts' element-wise work, which scales
+    with tokens x top_k x width: the gated activation (SwiGLU reads gate and up, 2f, and writes f forward;
+    backward reads both and the output's gradient and writes both gradients: 8f elements a copy, in the
+    activations' dtype), and, where the experts multiply in FP8 (``Pricing.fp8_experts``) on a device with
+    FP8 tensor cores, the casts with per-tile scales before each grouped matmul: the input read in bf16 and
+    written in FP8 row-wise and column-wise (the backward's weight gradient reads the transpose on Hopper),
+    4 bytes an element, for the inputs of both matmuls (d and f) forward and their output gradients (d and
+    2f) backward. Once more forward under full recomputation."""
+    m, e = workload.model, workload.dtype_bytes.activation
+    copies = moe_tokens(workload, layout) * m.top_k
+    f = m.expert_ff
+    act = (8 if m.gated_mlp else 4) * f * e
+    casts = 0.0
+    if workload.pricing.fp8_experts and workload.precision == "fp8" and cluster.peak_flops_fp8:
+        casts = 4 * ((m.d_model + f) + (m.d_model + (2 if m.gated_mlp else 1) * f))
+    rerun = (3 * f * e) if layout.recompute == "full" else 0.0
+    return copies * (act + casts + rerun)
 
 
 def token_movement_bytes(workload: Workload, layout: Layout) -> float:
@@ -327,7 +382,8 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
     if layout.cp_impl == "a2a":
         return 8 * layers * alpha + sent / bw
     attention = block_gemms(workload, layout)["attention"]
-    hidden = layers * 3 * gemm_time(attention, workload, cluster)  # the core as it runs (causal_share)
+    hidden = layers * attention_core_seconds(attention, workload, dataclasses.replace(layout, recompute="none"),
+                                             cluster)  # the core as it runs (causal_share)
     messages = layers * (3 * layout.cp - 2)
     return max(0.0, messages * alpha + sent / bw - hidden)
 

@@ -28,6 +28,10 @@ class Pricing:
     run in float8 too [DSV3, 3.3] (trainmesh's stay bf16: torchao converts ``nn.Linear`` only).
     ``forward_dispatch``: a token bound for another node crosses once and is forwarded there over NVLink
     (DeepSeek-V3's, DeepEP's and HybridEP's dispatch), where trainmesh sends each top_k copy straight.
+    ``attention_kernel``: price the fused attention core on an H100-class device from a measured curve
+    (:data:`trainmesh.plan.kernels.ATTENTION`): "fa2", FlashAttention-2 (what PyTorch's
+    ``scaled_dot_product_attention`` runs); "cudnn", cuDNN's fused attention (Transformer Engine's on Hopper:
+    Megatron-LM, NeMo); "fa3", FlashAttention-3; "" (the default): as matmuls at the dense fit's efficiency.
     """
 
     a2a_overlap: bool = False
@@ -35,10 +39,13 @@ class Pricing:
     comm_sm_share: float = 0.0
     fp8_experts: bool = False
     forward_dispatch: bool = False
+    attention_kernel: str = ""
 
     def __post_init__(self) -> None:
         if self.dispatch_dtype and self.dispatch_dtype not in DTYPE_BYTES:
             raise ValueError(f"dispatch_dtype={self.dispatch_dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+        if self.attention_kernel not in ("", "fa2", "cudnn", "fa3"):
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose fa2, cudnn or fa3 (or '')")
         if not 0 <= self.comm_sm_share < 1:
             raise ValueError(f"comm_sm_share={self.comm_sm_share}: give the share of compute units, in [0, 1)")
 

@@ -1,0 +1,75 @@
+"""Published kernel measurements the step-time model prices from, each interpolated in the shape parameter
+that drives it. Every curve is cited in docs/planner.md ("Kernel curves") with its source, figure or table,
+device and precision; ``tests/unit/test_plan_published.py`` shows that removing any one of them moves at
+least one published row. The attention curves price a run that names its kernel
+(``Pricing.attention_kernel``); the default stays the dense fit's matmul pricing (docs/planner.md says why).
+
+* :data:`ATTENTION`: the fused attention core's forward and backward TFLOP/s on an H100 80GB SXM5 in bf16,
+  by head dimension (64, 128) and sequence length (512 to 16K), for FlashAttention-2, cuDNN and
+  FlashAttention-3 [FA3: Shah et al., "FlashAttention-3", arXiv 2407.08608, Figures 5 and 6].
+* :func:`busiest_expert_rank`: how far the busiest rank of an ep group is above the mean under balanced
+  routing, from the multinomial spread of the copies over the ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+# Sequence lengths of the FlashAttention-3 benchmarks (batch x sequence = 16K tokens, 2048 wide) [FA3, 4.1].
+SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
+
+# kernel -> head dim -> (causal forward, non-causal forward, backward) TFLOP/s at SEQUENCES, H100 SXM5, bf16
+# [FA3, Figure 5 (forward, causal and not) and Figure 6 (backward, without causal mask)]. FLOPs as the
+# papers count them: a causal forward is half of 4 s^2 d h, the backward 2.5 times its forward.
+ATTENTION: dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]]] = {
+    "fa2": {64: ((180, 229, 262, 284, 295, 299), (282, 306, 318, 321, 322, 324), (198, 238, 264, 279, 287, 291)),
+            128: ((191, 260, 298, 319, 333, 335), (309, 350, 362, 368, 370, 370), (214, 260, 291, 310, 318, 322))},
+    "cudnn": {64: ((225, 288, 334, 363, 379, 388), (335, 373, 395, 408, 412, 413), (266, 348, 395, 417, 432, 433)),
+              128: ((315, 410, 484, 518, 529, 539), (497, 574, 617, 609, 600, 595), (305, 408, 465, 499, 518, 516))},
+    "fa3": {64: ((197, 265, 371, 420, 460, 473), (333, 392, 460, 476, 496, 497), (272, 363, 422, 453, 472, 474)),
+            128: ((292, 423, 521, 579, 602, 616), (467, 565, 625, 638, 646, 648), (316, 424, 501, 542, 559, 561))},
+}
+ATTENTION_PEAK = 989e12  # the H100 SXM5's dense bf16 peak the curves were measured against
+BACKWARD_FLOPS = 2.5  # an attention backward's FLOPs per forward FLOP (five matmuls against two) [FA2, 3.1]
+
+def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear in log2(x) through ``points`` (sorted by x), flat beyond both ends."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        return points[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    w = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+    return y0 + w * (y1 - y0)
+
+
+def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq``
+    keys: the measured curves interpolated in log sequence and linearly in head dimension between 64 and
+    128 (flat outside: MLA's 192-wide queries and keys take the 128 curve). The papers measure the backward
+    without a causal mask only; a causal backward is taken at that rate times the forward's causal /
+    non-causal ratio at the same length (the masked-out tiles cost both passes alike)."""
+    table = ATTENTION[kernel]
+
+    def at(d: int) -> tuple[float, float]:
+        causal, full, backward = (tuple(zip(SEQUENCES, c)) for c in table[d])
+        fwd = _interpolate(causal, seq)
+        return fwd, _interpolate(backward, seq) * fwd / _interpolate(full, seq)
+
+    lo, hi = at(64), at(128)
+    w = min(1.0, max(0.0, (head_dim - 64) / 64))
+    return tuple(1e12 * (a + w * (b - a)) for a, b in zip(lo, hi))  # type: ignore[return-value]
+
+
+def busiest_expert_rank(ep: int, copies: float) -> float:
+    """Load of the busiest of ``ep`` ranks over the mean, when ``copies`` routed copies fall on the ranks
+    uniformly at random (balanced routing, as the runs that force balance state): each rank's count is
+    binomial(copies, 1/ep), and the largest of ep such counts lies about sqrt(2 ln ep) standard deviations
+    above the mean (the expected maximum of ep normal variables). 1 without expert parallelism."""
+    if ep <= 1 or copies <= 0:
+        return 1.0
+    mean = copies / ep
+    return 1.0 + math.sqrt(2 * math.log(ep)) * math.sqrt(mean * (1 - 1 / ep)) / mean
