@@ -15,7 +15,6 @@ from typing import Callable
 
 from trainmesh.distributed.hardware import Cluster, make_cluster
 from trainmesh.layout import Layout
-from trainmesh.models.spec import ModelShape
 from trainmesh.plan.presets import _llama_moe, model_shape
 from trainmesh.plan.ranking import estimate
 from trainmesh.plan.stages import fastest_split
