@@ -185,16 +185,23 @@ def _pump_stderr(rp: RankProcess, echo: bool, prefix: str) -> None:
 
 def _pump_stdout(rp: RankProcess, echo: bool, prefix: str) -> None:
     """Log the rank's stdout and echo a streamed rank's: raw chunks unprefixed (a progress bar's carriage
-    returns redraw in place), whole lines under a prefix."""
-    fd, pending = rp.proc.stdout.fileno(), b""
+    returns redraw in place), whole lines under a prefix. The log takes whole lines (up to a newline or a
+    carriage return), so that stderr's lines, logged by another thread, never land inside one."""
+    fd, pending, unlogged = rp.proc.stdout.fileno(), b"", b""
     while chunk := os.read(fd, 1 << 16):
         if rp.log is not None:
-            rp.log.write(chunk)
+            unlogged += chunk
+            end = max(unlogged.rfind(b"\n"), unlogged.rfind(b"\r")) + 1
+            if end:
+                rp.log.write(unlogged[:end])
+                unlogged = unlogged[end:]
         if echo and prefix:
             *lines, pending = (pending + chunk).split(b"\n")
             _echo(b"".join(prefix.encode() + line + b"\n" for line in lines))
         elif echo:
             _echo(chunk)
+    if rp.log is not None and unlogged:
+        rp.log.write(unlogged)
     if echo and pending:
         _echo(prefix.encode() + pending + b"\n")
 
