@@ -55,13 +55,19 @@ FLAG_CASES = [
 
 
 @pytest.mark.parametrize("flags,message", FLAG_CASES, ids=[" ".join(f) for f, _ in FLAG_CASES])
-def test_plan_numbers_out_of_range_are_one_line_naming_the_flag_and_range(capsys, flags, message):
+def test_plan_numbers_out_of_range_are_one_line_naming_the_flag_and_range(capsys, no_search, flags, message):
     """Each was a traceback (OverflowError, AssertionError, ZeroDivisionError, "cannot convert float NaN to
     integer", "min() arg is an empty sequence"), a plan of nonsense, an endless search (``--gpus``) or a
     silent rewrite (``--global-batch 0`` planned as 8); each is now refused before the search."""
-    start = time.monotonic()
     assert message in _one_line(capsys, [*TINY, *flags])
-    assert time.monotonic() - start < 5
+
+
+@pytest.fixture
+def no_search(monkeypatch):
+    """The order of events, not a time: a refusal must come before the search enumerates any layout."""
+    def enumerated(*_args):
+        raise AssertionError("the search began before the refusal")
+    monkeypatch.setattr(ranking, "enumerate_layouts", enumerated)
 
 
 def test_slurm_into_a_directory_or_unwritable_place_is_refused_before_the_search(capsys, tmp_path):
@@ -79,21 +85,19 @@ def test_a_search_past_its_time_limit_stops_in_one_line(monkeypatch, capsys):
     assert "the layout search over 8 devices passed its 0 s limit after" in err and "plan fewer devices" in err
 
 
-def test_an_hf_config_of_more_layers_than_the_search_splits_is_one_line(tmp_path, capsys):
+def test_an_hf_config_of_more_layers_than_the_search_splits_is_one_line(tmp_path, capsys, no_search):
     """``num_hidden_layers`` 2**31 - 1 is a size ``--init-hf`` accepts (its weights would be missing), but
     its stage splits would never end: the search takes up to ``ranking.MAX_LAYERS``."""
     (tmp_path / "config.json").write_text(json.dumps({**HF_MOE, "num_hidden_layers": 2**31 - 1}))
-    start = time.monotonic()
     err = _one_line(capsys, ["plan", "--hf-config", str(tmp_path), "--gpus", "64"])
     assert "2,147,483,647 layers: the planner searches models of up to 4,096" in err
-    assert time.monotonic() - start < 5
 
 
 def test_the_largest_device_count_is_searched_in_seconds(capsys):
-    """``--gpus 1,048,576`` (the bound) of a small model: a plan, in seconds (a billion never finished)."""
-    start = time.monotonic()
+    """``--gpus 1,048,576`` (the bound) of a small model: a plan (a billion never finished). Exit 0 says the
+    search ended inside its own limit (``ranking.SEARCH_LIMIT_S``), past which it refuses in one line."""
     assert _run(["plan", "--model", "tiny", "--gpus", str(ranking.MAX_GPUS)]) == 0
-    assert time.monotonic() - start < 20 and "--nnodes" in capsys.readouterr().out
+    assert "--nnodes" in capsys.readouterr().out
 
 
 # --- the fuzzer ----------------------------------------------------------------------------------------------
@@ -187,4 +191,3 @@ def test_fuzzed_plan_command_lines_print_a_plan_or_one_line(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nplan fuzzer: {outcomes} in {elapsed:.1f} s; slowest {slowest[0]:.1f} s ({slowest[1]})")
     assert outcomes["planned"] > 150 and outcomes["refused"] > 600, outcomes
-    assert elapsed < 60, f"{elapsed:.0f} s for 1,050 cases"
