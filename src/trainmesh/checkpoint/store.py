@@ -76,7 +76,6 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Box
 
 from trainmesh.distributed.comm import log_all_gather
 from trainmesh.training.engine import Engine
@@ -87,7 +86,7 @@ from trainmesh.training.precision import LossScaler
 from trainmesh.storage.safe_io import (IntegrityError, check_regular, fsync_dir, inside, read_regular, read_verified,
                                remove_entry, replace_durably, sha256_hex, write_durably)
 from trainmesh.parallel.expert_parallel import place_experts
-from trainmesh.parallel.tensor_parallel import shard_boxes
+from trainmesh.parallel.tensor_parallel import Box, shard_boxes
 from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerFile, tokenizer_record
 
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from trainmesh.distributed.comm import Comm
 from trainmesh.models.moe import SequenceSplit, is_expert_param
+from trainmesh.parallel.tensor_parallel import Box
 from trainmesh.training.optim import SPLIT_OVER_TP
 
 EP_AXIS = "ep"
@@ -216,7 +217,6 @@ def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.M
     :func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
     tensor: ``size`` times the experts, this rank's box at expert ``rank * E_local``. A checkpoint saved
     at one ep then reads back at any other, or on one process, as the boxes intersect."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     out = dict(geometry)
     for name, p in model.named_parameters():
         rank, size = ep_place(p)
@@ -224,7 +224,7 @@ def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.M
             continue
         shape, boxes = out[name]
         local = p.shape[0]
-        moved = [ChunkStorageMetadata(torch.Size([b.offsets[0] + rank * local, *b.offsets[1:]]), b.sizes) for b in boxes]
+        moved = [Box(torch.Size([b.offsets[0] + rank * local, *b.offsets[1:]]), b.sizes) for b in boxes]
         out[name] = (torch.Size([shape[0] * size, *shape[1:]]), moved)
     return out
 

@@ -29,12 +29,12 @@ import fnmatch
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from trainmesh.distributed.comm import Comm, Pending
 from trainmesh.distributed.mesh import Mesh
@@ -590,8 +590,16 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
         tensor.copy_(src)
 
 
+class Box(NamedTuple):
+    """Where a part lies in a full tensor: its start and its size per dimension (what DCP calls a chunk).
+    Ours, not DCP's class: importing ``torch.distributed.checkpoint`` costs every rank ~0.5 s at start."""
+
+    offsets: torch.Size
+    sizes: torch.Size
+
+
 def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
-               size: int) -> tuple[torch.Size, list[ChunkStorageMetadata]]:
+               size: int) -> tuple[torch.Size, list[Box]]:
     """The full shape of a tensor split by ``spec`` and where rank ``rank``'s part (of ``local_shape``) lies in
     it: one box per chunk, in the order :func:`shard_tensor` concatenates them.
 
@@ -611,11 +619,11 @@ def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
         offsets[spec.dim] = (c * size + rank) * part
         sizes = list(local_shape)
         sizes[spec.dim] = part
-        boxes.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+        boxes.append(Box(torch.Size(offsets), torch.Size(sizes)))
     return torch.Size(full), boxes
 
 
-def shard_boxes(model: nn.Module) -> dict[str, tuple[torch.Size, list[ChunkStorageMetadata]]]:
+def shard_boxes(model: nn.Module) -> dict[str, tuple[torch.Size, list[Box]]]:
     """Every parameter's full shape and the boxes of the full tensor that this rank's tensor holds
     (:func:`spec_boxes`; one box covering all of a replicated parameter), under the plain model's names.
 
@@ -629,6 +637,6 @@ def shard_boxes(model: nn.Module) -> dict[str, tuple[torch.Size, list[ChunkStora
             module, pname = sharded[name]
             out[name] = spec_boxes(p.shape, module.specs[pname], *module._coords())
         else:
-            out[name] = (p.shape, [ChunkStorageMetadata(torch.Size([0] * p.dim()), p.shape)])
+            out[name] = (p.shape, [Box(torch.Size([0] * p.dim()), p.shape)])
     return out
 
