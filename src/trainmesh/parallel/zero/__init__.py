@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from trainmesh.distributed.comm import Comm
-from trainmesh.layout import Layout, validate
 from trainmesh.training.optim import OptimizerFactory
 from trainmesh.parallel.data_parallel import DataParallel
 from trainmesh.parallel.zero.base import DEFAULT_BUCKET_BYTES, ZeroEngine
@@ -41,7 +40,7 @@ def build_engine(module: nn.Module, comm: Comm, stage: int, make_optimizer: Opti
     """The engine of ZeRO ``stage`` over ``axis`` (stage 0: plain data parallelism), with the optimizer
     ``make_optimizer`` builds over its shards (and an fp32 master shard when ``module``'s parameters are
     bf16/fp16). Stage 3 communicates unit by unit (:func:`default_units`), so ``bucket_bytes`` applies to
-    stages 0 to 2. The stage is checked by the layout's rules, as every front door checks it."""
-    validate(Layout(zero=stage))
+    stages 0 to 2.
+    The stage comes validated (:func:`trainmesh.layout.validate`, in ``parallelize``)."""
     engines = {0: DataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
     return engines[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)
