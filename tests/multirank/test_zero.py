@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from trainmesh.distributed.comm import Comm
+import trainmesh as tm
+
 from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, forward_backward, full_state_dict, inject_fault, rank_batch, setup_process, train
-from trainmesh.parallel.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
+from trainmesh.parallel.zero import (FlatLayout, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
 from helpers import check_equivalent, config
@@ -376,6 +377,6 @@ def test_wrapping_policy_rejects_uncovered_and_shared_parameters():
 
 
 def test_zero_rejects_an_unknown_stage_with_the_fix():
-    comm = Comm(Mesh.build(1, 1, 1, torch.device("cpu")))
+    mesh = Mesh.build(1, 1, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"^zero=4: choose 0, 1, 2 or 3$"):
-        build_engine(GPT(TINY), comm, 4, lambda named: torch.optim.AdamW([p for _, p in named]))
+        tm.parallelize(GPT(TINY), mesh, zero=4)
