@@ -68,8 +68,7 @@ class HFTokenizer:
         self.path = path
         self._tok = _read_hf(path) if data is None else _parse_hf(path, data)
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id: int | None = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None),
-                                       None)
+        self.eos_id: int | None = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -85,8 +84,7 @@ def _tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError:
-        raise TokenizerError("a tokenizer.json needs the 'tokenizers' package; pip install 'trainmesh[data]'") \
-            from None
+        raise TokenizerError("a tokenizer.json needs the 'tokenizers' package; pip install 'trainmesh[data]'") from None
     return tokenizers
 
 

@@ -149,8 +149,7 @@ def padded_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.
     """Rows ``x`` (grouped by expert, ``counts[e]`` rows for expert ``e``) times their expert's ``w[e]`` as one
     batched GEMM over ``[E, max(counts), d]``: one kernel whatever E, at the price of the padding rows."""
     width = max(counts, default=0)
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                     torch.tensor(counts, device=x.device))
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device))
     starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
     padded = x.new_zeros(len(counts), width, x.shape[1]).index_put((expert, slot), x)

@@ -154,8 +154,7 @@ def moe_to_hf(cfg: LlamaConfig, ours: llama.Tensors, i: int) -> dict[str, torch.
     """The inverse of :func:`moe_from_hf`."""
     if i < cfg.moe.n_dense_layers:
         return llama.dense_mlp_to_hf(cfg, ours, i)
-    return llama.unstack_experts(cfg, ours, i, expert_names, f"model.layers.{i}.mlp.gate.weight",
-                                 "Qwen3MoeForCausalLM")
+    return llama.unstack_experts(cfg, ours, i, expert_names, f"model.layers.{i}.mlp.gate.weight", "Qwen3MoeForCausalLM")
 
 
 QWEN3_MOE_MAPPING = HFMapping("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe_from_hf_config, qwen3_moe_to_hf_config,

@@ -22,8 +22,7 @@ from torch import nn
 from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.tracking.metrics import model_state_tensors
-from trainmesh.training.optim import (OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
-                             norm_contributions)
+from trainmesh.training.optim import OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks, norm_contributions
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
 from trainmesh.training.precision import LossScaler, copy_masters_to_model, master_dtype, masters
 

@@ -55,8 +55,7 @@ def _split(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
     return x.chunk(comm.mesh.size(AXIS), dim)[comm.mesh.rank(AXIS)].contiguous()
 
 
-def _launch_all_gather(x: torch.Tensor, dim: int, comm: Comm,
-                       op: str = "all_gather") -> tuple[torch.Tensor, Pending]:
+def _launch_all_gather(x: torch.Tensor, dim: int, comm: Comm, op: str = "all_gather") -> tuple[torch.Tensor, Pending]:
     """Start concatenating every tp rank's ``x`` along ``dim``, in rank order (valid once waited on)."""
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((comm.mesh.size(AXIS) * x.shape[0], *x.shape[1:]))

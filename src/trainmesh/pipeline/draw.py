@@ -8,12 +8,7 @@ from pathlib import Path
 from trainmesh.pipeline.schedules import ActionKind, build_schedule, hoist_receives
 from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord, simulate
 
-COLOURS = {
-    ActionKind.F: "#4c72b0",
-    ActionKind.B: "#dd8452",
-    ActionKind.BI: "#c44e52",
-    ActionKind.BW: "#55a868",
-}
+COLOURS = {ActionKind.F: "#4c72b0", ActionKind.B: "#dd8452", ActionKind.BI: "#c44e52", ActionKind.BW: "#55a868"}
 LABELS = {
     ActionKind.F: "F forward",
     ActionKind.B: "B backward",
@@ -29,9 +24,7 @@ def _matplotlib() -> tuple[type, type, type]:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as error:
-        raise ImportError(
-            "drawing a pipeline timeline needs matplotlib: pip install 'trainmesh[viz]'"
-        ) from error
+        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install 'trainmesh[viz]'") from error
     return Figure, FigureCanvasAgg, Patch
 
 

@@ -156,8 +156,7 @@ class _Posted:
         self.sending = []
 
 
-def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]],
-                recvs: list[tuple[torch.Tensor, int]]) -> Posting:
+def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Posting:
     """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
     handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
     for the whole batch, which every part then waits for. The time posting returned is when the sends had

@@ -79,9 +79,7 @@ class Action:
         if not isinstance(self.kind, ActionKind):
             raise TypeError(f"Action.kind must be an ActionKind (e.g. ActionKind.F), got {self.kind!r}")
         if self.microbatch < 0 or self.stage < 0:
-            raise ValueError(
-                f"Action needs microbatch >= 0 and stage >= 0, got {self.microbatch}, {self.stage}"
-            )
+            raise ValueError(f"Action needs microbatch >= 0 and stage >= 0, got {self.microbatch}, {self.stage}")
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.microbatch}s{self.stage}"
@@ -179,9 +177,7 @@ _Busy = tuple[list[float], list[float]]
 _PLACEMENT_COST = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.BI: 1.0, ActionKind.BW: 1.0}
 
 
-def _ideal_times(
-    orders: Sequence[Sequence[Action]], n_total_stages: int
-) -> dict[Action, tuple[float, float]]:
+def _ideal_times(orders: Sequence[Sequence[Action]], n_total_stages: int) -> dict[Action, tuple[float, float]]:
     """(start, end) of every compute action when products reach other ranks instantly."""
     ready: dict[Token, float] = {}
     times: dict[Action, tuple[float, float]] = {}

@@ -76,9 +76,7 @@ class Costs:
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             if value is not None and any(v <= 0 for v in values):
-                raise ValueError(
-                    f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
-                )
+                raise ValueError(f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}")
         if self.lone <= 0:
             raise ValueError(f"Costs.lone must be > 0 (a duration multiplier), got {self.lone}")
         for name in ("comm", "post", "dispatch"):
@@ -386,9 +384,7 @@ def _check_placement(schedule: Sequence[Sequence[Action]], n_total: int, n_micro
                 )
             seen[action] += 1
             if seen[action] > 1:
-                raise ScheduleError(
-                    f"duplicated action {action} on rank {rank}: each action must run exactly once"
-                )
+                raise ScheduleError(f"duplicated action {action} on rank {rank}: each action must run exactly once")
 
 
 def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microbatches: int) -> None:

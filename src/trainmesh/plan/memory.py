@@ -199,8 +199,7 @@ def _model_state(
     return params, grads, optimizer + steps
 
 
-def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None,
-                           moe: bool = False) -> int:
+def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None, moe: bool = False) -> int:
     """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1].
 
     With dropout and 2-byte activations this is exactly sbh(34 + 5as/h) (eq. 1), sbh(10 + 24/t + 5as/(ht))

@@ -13,8 +13,7 @@ from trainmesh.models import ModelShape, planner_shapes
 def _gpt3_like(n_layers: int, d_model: int, n_heads: int) -> ModelShape:
     """A Megatron GPT shape [NAR, Table 1]: d_ff = 4h, vocab 51200 (GPT-2's padded), sequence 2048,
     dropout, attention that stores its score matrix."""
-    return ModelShape(n_layers, d_model, n_heads, 4 * d_model, 51200, 2048, dropout=True,
-                      flash_attention=False)
+    return ModelShape(n_layers, d_model, n_heads, 4 * d_model, 51200, 2048, dropout=True, flash_attention=False)
 
 
 def _llama_moe(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab: int, experts: int,

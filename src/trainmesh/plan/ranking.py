@@ -37,9 +37,7 @@ class Estimate:
     tokens_per_s: float
 
 
-def estimate(
-    workload: Workload, layout: Layout, cluster: Cluster, memory: MemoryBreakdown | None = None
-) -> Estimate:
+def estimate(workload: Workload, layout: Layout, cluster: Cluster, memory: MemoryBreakdown | None = None) -> Estimate:
     """Memory and time of one layout (``memory`` may be passed in when already computed)."""
     time = step_time(workload, layout, cluster)
     t = time.total

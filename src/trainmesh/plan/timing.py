@@ -365,8 +365,7 @@ def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
           else 2 * tokens * m.kv_heads * m.head_size // lay.tp)
     if lay.cp_impl == "ring":
         grad = max(e, DTYPE_BYTES["fp32"])
-        return {"ring_kv": layers * (cp - 1) * kv * e,
-                "ring_kv_grad": layers * ((cp - 1) * kv * e + cp * kv * grad)}
+        return {"ring_kv": layers * (cp - 1) * kv * e, "ring_kv_grad": layers * ((cp - 1) * kv * e + cp * kv * grad)}
     q_and_out = 2 * tokens * m.attention_width // lay.tp
     return {"all_to_all": layers * 2 * (cp - 1) / cp * (q_and_out + kv) * e}
 

@@ -211,8 +211,7 @@ class WandbSink:
 
         self.where = f"the W&B run in {run_dir}"
         id_file = run_dir / WANDB_ID_FILE
-        run_id = read_regular(id_file, 256).decode().strip() if resume_from is not None and id_file.is_file() \
-            else ""
+        run_id = read_regular(id_file, 256).decode().strip() if resume_from is not None and id_file.is_file() else ""
         if not run_id:
             run_dir.mkdir(parents=True, exist_ok=True)
             run_id = secrets.token_hex(4)  # a W&B run id: lowercase letters and digits

@@ -183,8 +183,7 @@ def _bytes(n: float) -> str:
 def summary_text(h: History, run_dir: Path) -> str:
     """What the figure shows, as lines to read in a terminal."""
     windows = LossWindows.of(h.loss)
-    lines = [f"{run_dir}: steps {h.steps[0]}-{h.steps[-1]} ({len(h.steps)} records)",
-             f"  {windows.text()}"]
+    lines = [f"{run_dir}: steps {h.steps[0]}-{h.steps[-1]} ({len(h.steps)} records)", f"  {windows.text()}"]
     if h.eval_loss:
         best = min(range(len(h.eval_loss)), key=h.eval_loss.__getitem__)
         lines.append(f"  eval loss {h.eval_loss[-1]:.4f} at step {h.eval_steps[-1]} "

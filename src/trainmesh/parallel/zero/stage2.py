@@ -22,8 +22,7 @@ from trainmesh.parallel.zero.flat import Group, sharded_group
 from trainmesh.training.precision import LossScaler
 
 
-def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world: int,
-                        grad_dtype: torch.dtype) -> int:
+def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world: int, grad_dtype: torch.dtype) -> int:
     """Stage 2's bucket: ``bucket_bytes``, but at most 1/(2N) of the full gradient's bytes.
 
     Stage 2 holds 1/N of the gradients; its only full gradients are the transient buckets (one alive at a
