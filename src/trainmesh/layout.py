@@ -1,15 +1,9 @@
 """One layout of a training run and the rules it must keep, each written once for every front door.
 
-A layout (how one step is spread over ranks and held in memory) reaches trainmesh three ways: the command
-line's flags and TOML file (:mod:`trainmesh.app.config`), the Python API's keyword arguments
-(``trainmesh.init_mesh``/``parallelize``), and the planner's candidates (:mod:`trainmesh.plan`). Each front door
-builds a :class:`Layout` and calls :func:`validate`, which raises :class:`LayoutError` with one line that names
-the setting and the fix. The line is spelled for the caller's audience by a :data:`Spell`: :func:`flag` for
-the command line (``--virtual-stages 2``), :func:`keyword` for the API (``virtual_stages=2``), so one rule
-never has to be written twice to be read right in both places.
-
-This module sits low: it reads a model only as a :class:`~trainmesh.models.spec.ModelShape` and imports
-nothing from the modules that call it.
+The CLI (:mod:`trainmesh.app.config`), the Python API and the planner each build a :class:`Layout` and
+call :func:`validate`, which raises :class:`LayoutError` with one line naming the setting and the fix,
+spelled for the audience by a :data:`Spell` (:func:`flag` or :func:`keyword`). This module sits low: it
+reads a model only as a :class:`~trainmesh.models.spec.ModelShape`.
 """
 
 from __future__ import annotations
@@ -37,18 +31,11 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Every setting a layout rule reads, under the names the command line and the API share.
+    """Every setting a layout rule reads, under the names the command line, API, manifest and planner share.
 
-    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside the :attr:`token_ranks`, ``dp x cp``
-    and under sequence parallelism tp too, and adds no ranks);
-    ``dp_replicate``, the replica groups hybrid sharding (HSDP) splits ``dp`` into (ZeRO shards inside each
-    group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's
-    ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per rank and optional
-    per-stage ``stage_layers``; memory savers and dtypes; ``bucket_mb``, the size of the gradient buckets the
-    data-parallel forms reduce (MiB of parameter bytes); ``compile`` (and ``cuda_graphs``, its blocks captured
-    as CUDA graphs where :mod:`trainmesh.training.cuda_graphs` allows); and ``timeline``, a picture only a
-    pipeline can draw (empty: none). The command line, the API, the manifest and the planner all name each
-    setting as this class does.
+    Mesh sizes (``ep`` folds inside :attr:`token_ranks` and adds no ranks), ``dp_replicate`` (HSDP replica
+    groups), the ZeRO stage, the pipeline's schedule, memory savers and dtypes, ``bucket_mb`` (MiB of
+    gradient buckets), ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none).
     """
 
     dp: int = 1
@@ -480,12 +467,9 @@ def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layou
 
 def validate(layout: Layout, model: ModelShape | None = None, world_size: int | None = None, *,
              spell: Spell = keyword, name: str = "the model", rules: Sequence[Rule] = MESH_RULES) -> None:
-    """Raise :class:`LayoutError` for the first rule ``layout`` breaks, spelled by ``spell``.
-
-    ``model`` (its shape, ``spec.shape(config)``, called ``name`` in messages) adds the rules on how the layout
-    splits it; ``world_size`` the rule that the mesh covers exactly the ranks that run. Either may be unknown
-    (None): a planner's candidate is checked before any model is. ``rules`` narrows the settings' rules to those
-    whose settings are known (:data:`MESH_SHAPE_RULES` for a mesh built before the rest is chosen).
+    """Raise :class:`LayoutError` for the first rule ``layout`` breaks, spelled by ``spell``. ``model``
+    (called ``name``) and ``world_size`` add their rules when known; ``rules`` narrows to those whose
+    settings are known (:data:`MESH_SHAPE_RULES`).
     """
     check = _Check(layout, model, world_size, spell, name)
     for rule in (*rules, *(MODEL_RULES if model is not None else ())):

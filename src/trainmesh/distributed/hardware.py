@@ -1,9 +1,5 @@
-"""The one catalogue of devices: per-device peak FLOP/s from datasheets, and the clusters the planner
-prices layouts on (presets, resized or overridden from the command line, or this machine's).
-
-Measurement (:func:`trainmesh.tracking.metrics.peak_tflops`, for MFU) and the planner read the same
-:data:`DEVICE_PEAKS`, so a device is described once. This module imports only the standard library:
-it sits below both.
+"""The one catalogue of devices: datasheet peak FLOP/s and the clusters the planner prices layouts on.
+MFU measurement and the planner read the same :data:`DEVICE_PEAKS`; standard library only.
 """
 
 from __future__ import annotations
@@ -50,23 +46,13 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices and links. Bandwidths are bytes/s per device in one direction (``inter_bw`` is one NIC's),
-    latencies are per ring hop, and ``reserved_bytes`` of each device's memory are not available to the
-    model (runtime, fragmentation).
+    """Devices and links: bandwidths in bytes/s per device one way (``inter_bw`` one NIC's), latencies per
+    ring hop, ``reserved_bytes`` not available to the model.
 
-    How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
-    its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
-    (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
-    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`); ``has_bf16`` says
-    whether the devices compute in bf16, which is what ``--precision auto`` trains in where they do;
-    ``direct_exchange`` that ZeRO's gathers and reduce-scatters between nodes go point to point (trainmesh on
-    Gloo) rather than round a ring (NCCL), which changes the bytes that cross (:mod:`trainmesh.plan.dp_traffic`);
-    ``memory_bw`` is the bytes/s a copy kernel streams through one device's memory, what prices the work that
-    moves data rather than multiplies it (0: unknown, and such work is not priced); ``comm_overlaps_compute``
-    whether a collective issued ahead runs while the device computes, as NCCL's kernels run beside compute
-    kernels on a GPU (False where the two share the same cores: Gloo's threads on the ranks' CPUs);
-    ``hopper`` that the device is an H100-class part (H100, H800, H200: the same SMs at the same clocks), whose
-    fused attention core is priced from its measured curves (:mod:`trainmesh.plan.kernels`).
+    Matmuls reach ``gemm_efficiency`` scaled by d / (d + ``gemm_half_dim``) per dimension, collectives
+    ``comm_efficiency`` of bandwidth. ``ranks_per_core`` > 1: CPU ranks sharing cores; ``direct_exchange``:
+    ZeRO exchanges point to point (Gloo); ``memory_bw``: copy bandwidth (0: unpriced);
+    ``comm_overlaps_compute``: NCCL-style overlap; ``hopper``: attention priced from measured curves.
     """
 
     gpus: int
@@ -117,12 +103,8 @@ class Cluster:
 
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float, hopper: bool = False) -> Cluster:
-    """One 8-GPU node from datasheet figures, ``hbm`` its memory bandwidth in bytes/s.
-
-    The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
-    (``tests/unit/test_plan.py`` holds the table and checks the fit), the half dimension scaled to this device
-    by :func:`gemm_half_dim`. NCCL's per-hop latency is about 2 us over NVLink and 10 us over InfiniBand;
-    2 GiB stay reserved for the CUDA context, NCCL's own buffers and allocator fragmentation.
+    """One 8-GPU node from datasheet figures (``hbm`` in bytes/s), efficiencies :data:`GPU_EFFICIENCY` fitted
+    to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`.
     """
     gemm, _, comm = GPU_EFFICIENCY
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
@@ -133,15 +115,10 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
 
 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
-    """The matmul dimension at which a device reaches half its large-matmul efficiency: the fit's 160 on the
-    A100-80GB, scaled by the device's roofline ridge point (16-bit peak / memory bandwidth) against the A100's.
-
-    Why the ridge: a matmul with one dimension d small does about 2d FLOPs per 2-byte element it reads, so
-    it is memory-bound below d = peak / bandwidth, the ridge point [Williams et al., "Roofline", 2009]; the
-    A100-80GB's is 312 / 2.04 = 153 elements, the fitted half dimension's 160 within 5 %. An H100 doubles
-    the peak on 1.6 times the bandwidth (989 / 3.35 = 295), so its small matmuls (attention heads, thin tp
-    shards) reach less of its peak than an A100's. FP8 halves the bytes and doubles the peak: the same
-    ridge in elements."""
+    """The matmul dimension at which a device reaches half its large-matmul efficiency: the A100-80GB fit's
+    160 scaled by the roofline ridge point (16-bit peak / memory bandwidth) [Williams et al., "Roofline",
+    2009], since a thin matmul is memory-bound below it (docs/planner.md, "The model").
+    """
     _, reference_dim, _ = GPU_EFFICIENCY
     return round(reference_dim * (peak.half / hbm) / (DEVICE_PEAKS["A100"].half / A100_80GB_HBM))
 

@@ -1,31 +1,11 @@
 """Spawn N local ranks, stream rank 0's output, and stop everything as soon as any rank fails.
 
-Every rank's stdout and stderr also go to ``rank-N.log`` in a log directory when one is given (the CLI gives
-``--out``'s ``logs/``), as torchrun's ``--log-dir`` keeps them; ``tee`` names the ranks whose output is
-streamed (rank 0 alone by default, unprefixed as ever; any other choice prefixes each line ``[rank N]``).
-
-The launcher hosts the rendezvous store itself on a socket it binds to 127.0.0.1 (port chosen by the
-kernel, so no port race), and every rank joins as a client; Gloo is told to use the loopback interface,
-so a local run listens on no external address. Across nodes (:class:`Nodes`: ``--nnodes``, ``--node-rank``,
-``--master-addr``, ``--master-port``, as torchrun's static rendezvous) node 0's launcher hosts the store at
-the master address only, the others join it, each starts its node's ranks (global ranks
-``node_rank * nproc + local rank``), and a rank that fails on one node stops every node: its launcher
-posts it in the store, where the others look before blaming a rank of their own. Ranks get the environment torchrun would give them
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), which is why the same entry point also runs unchanged
-under torchrun across machines.
-
-A rank that is stopped (SIGSTOP, a debugger's halt) does not fail: its peers only wait for it. The launcher
-reads each rank's process state every :data:`STOP_CHECK_S`, warns as soon as it sees one stopped, naming the
-rank and its pid, and ends the job when it stays stopped for the grace period (``--stopped-grace``), so a
-stopped rank is never silent for a whole collective timeout.
-
-When a rank fails, the launcher's line naming it comes first: rank 0's output stops being echoed at the first
-traceback or stack dump it prints, or once a rank has failed, so a survivor's errors never bury the cause; each
-rank not to blame gets one line after the report, naming the file with its full output.
-
-When a rank fails, the report blames, in order: a rank that stopped responding (its process stopped, or
-its heartbeat in the store silent), a rank that failed on its own, or the ranks the failed ranks were
-waiting on (in a numbered collective, or for a numbered point-to-point message) that never arrived.
+The launcher hosts the rendezvous store on 127.0.0.1 (a kernel-chosen port, so no race); across nodes
+(:class:`Nodes`, torchrun's static rendezvous) node 0 hosts it and a failure on one node stops all.
+Ranks get torchrun's environment, so the same entry point runs under torchrun. Each rank's output goes
+to ``rank-N.log``; ``tee`` names the ranks streamed. A stopped rank is warned about and ends the job after
+``--stopped-grace``. The failure report comes first and blames (in order) an unresponsive rank, a rank
+that failed on its own, or the ranks the others waited on.
 """
 
 from __future__ import annotations
@@ -359,12 +339,9 @@ def _unresponsive(ranks: Sequence[RankProcess], store: dist.TCPStore) -> dict[in
 
 def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess, int]],
                     unresponsive: dict[int, str]) -> tuple[RankProcess, int]:
-    """Say which rank is to blame and how; returns the failed rank whose exit code the launcher returns.
-
-    In order: a rank that stopped responding (whatever stopped it, SIGSTOP included: the ranks waiting on
-    it only time out, and may do so in any call); a rank that failed on its own rather than while waiting
-    for a peer (a peer that died makes the waiting ranks fail with "connection closed" too); else the
-    ranks that the failed ranks were waiting on in a collective or for a message and that never arrived.
+    """Say which rank is to blame; returns the failed rank whose exit code the launcher returns. In order: a
+    rank that stopped responding, one that failed on its own (not while waiting on a peer), else the ranks
+    the failed ones waited on.
     """
     for rp in ranks:
         rp.join(timeout=1.0)
@@ -469,15 +446,9 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
 
 @functools.cache
 def start_heartbeat() -> None:
-    """In a rank started by :func:`launch` (or :func:`trainmesh.distributed.testing.run_ranks`): a daemon thread writes
-    the time into the launcher's store every HEARTBEAT_S seconds, over a connection of its own.
-
-    A rank that stops (SIGSTOP, a frozen process) stops writing, and the launcher can name it when the
-    other ranks time out waiting for it, wherever they were waiting. A rank that hangs in Python keeps
-    beating; the collective numbering in the waiting ranks' errors names that one. One thread per process
-    however many runs it trains (cached), stopped and joined at exit: a thread still inside the store's
-    C++ client while the interpreter tears down aborts the process ("terminate called without an active
-    exception").
+    """In a rank started by :func:`launch`: a daemon thread writes the time into the store every HEARTBEAT_S,
+    so a stopped (SIGSTOP, frozen) rank can be named. One per process (cached), joined at exit, since a
+    thread inside the store's C++ client at teardown aborts the process.
     """
     if os.environ.get(STORE_CLIENT_ENV) != "1":
         return
@@ -594,11 +565,10 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
            stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes(),
            env: Mapping[str, str] | None = None, log_dir: Path | None = None,
            tee: frozenset[int] = frozenset({0})) -> int:
-    """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
-    user's script) as ``nproc`` ranks on this node (of ``nodes``), ``env`` added to each rank's environment;
-    returns the exit code for the user. Each rank's output goes to ``log_dir/rank-N.log`` (when given) and, for
-    the global ranks in ``tee``, to this process's stdout and stderr. A rank stopped for longer than
-    ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
+    """Run ``python *program *argv`` as ``nproc`` ranks on this node (of ``nodes``) with ``env`` added; return
+    the user's exit code. Output goes to ``log_dir/rank-N.log`` and, for ranks in ``tee``, to stdout/stderr;
+    a rank stopped past ``stopped_grace`` ends the job.
+    """
     nodes.check()
     store, port = _join_store(nodes)
     job = shm.new_job()
@@ -700,13 +670,8 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          env_of: Callable[[bool], Mapping[str, str]], clear_on_restart: Sequence[str] = (),
                          stopped_grace: float = STOPPED_GRACE_S, log_dir: Path | None = None,
                          tee: frozenset[int] = frozenset({0})) -> int:
-    """:func:`launch`, and after a failure launch every rank again (up to ``max_restarts`` times) with
-    ``env_of(True)`` in place of ``env_of(False)``: the run handed to restarted ranks resumes from its latest
-    complete checkpoint; returns the last attempt's exit code.
-
-    Restarted ranks run without the environment variables in ``clear_on_restart`` (the fault injection
-    ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
-    the restarted run must not meet again at the same step.
+    """:func:`launch`, relaunching every rank after a failure (up to ``max_restarts``) with ``env_of(True)`` to
+    resume from the latest checkpoint, without ``clear_on_restart`` variables (an injected fault is one-off).
     """
     rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(False), log_dir=log_dir, tee=tee)
     for attempt in range(1, max_restarts + 1):

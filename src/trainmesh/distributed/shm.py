@@ -1,18 +1,11 @@
-"""Collectives and messages through shared memory, for the ranks of a group that all run on one CPU host:
-:class:`HostCollectives` for sums, all-gathers and reduce-scatters, :class:`Channel` for pipeline messages.
+"""Collectives and messages through shared memory for the ranks of a group on one CPU host:
+:class:`HostCollectives` (sums, all-gathers, reduce-scatters) and :class:`Channel` (pipeline messages).
 
-Gloo moves every collective through TCP sockets, even between processes of one machine: the kernel copies
-each byte into and out of a socket buffer, on cores the ranks also compute on. Through a segment every rank
-maps, a rank writes its tensor once, sums its own 1/n of every rank's copy and reads the others' sums:
-a fraction of Gloo's time at every size on a 2-core host (docs/performance.md, "Shared-memory collectives
-against Gloo"). DeepSpeed reduces among one host's CPU ranks the same way.
-
-The segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has finished a
-chunk may write its next chunk into the other set while a slower rank still reads this one. An all-gather or
-a reduce-scatter needs one barrier per chunk (after the writes), an all-reduce two (after the writes, after
-the sums), each on the segment's own semaphores, which cost a fraction of a Gloo barrier. Sums run in rank order
-(``x0 + x1 + ...``), so every rank gets the same bits whatever the timing. The segment's file is removed as
-soon as every rank has mapped it, so a rank that dies later leaves nothing behind in ``/dev/shm``.
+Gloo copies every byte through sockets even on one machine; through a mapped segment each rank writes
+once, sums its 1/n and reads the others' (docs/performance.md, "Shared-memory collectives against
+Gloo"), as DeepSpeed does among CPU ranks. Two slot sets alternate between chunks, barriers are the
+segment's own semaphores, sums run in rank order (identical bits on every rank), and the file is removed
+once all ranks mapped it, so nothing is left in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -133,12 +126,10 @@ class Semaphore:
 
 
 class HostCollectives:
-    """Sums, all-gathers and reduce-scatters over ``group`` through a shared segment; build it with :meth:`open`.
-
-    The segment starts with one semaphore per (barrier parity, rank), then the two slot sets. A barrier posts
-    every other rank's semaphore of its parity and waits on its own as often: no rank can be two barriers
-    ahead of another (it would need that rank's posts for the barrier between), so posts for the next barrier
-    land on the other parity and are never counted towards this one."""
+    """Sums, all-gathers and reduce-scatters over ``group`` through a shared segment (build with :meth:`open`).
+    One semaphore per (barrier parity, rank): no rank can be two barriers ahead, so next-barrier posts never
+    count towards this one.
+    """
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, timeout_s: float) -> None:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)

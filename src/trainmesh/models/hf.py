@@ -1,24 +1,11 @@
-"""Hugging Face checkpoints in and out: a local ``transformers`` model directory read into a trainmesh model
-family, and a trainmesh model written as one that ``AutoModelForCausalLM.from_pretrained`` loads.
+"""Hugging Face checkpoints in and out: a local ``transformers`` directory read into a trainmesh family, and
+a trainmesh model written so ``AutoModelForCausalLM.from_pretrained`` loads it.
 
-What differs between the two is data in each family's spec (:class:`trainmesh.models.spec.HFMapping`: the
-architecture, the config translation both ways, the tensor renames and re-layouts); this module only reads
-and writes directories and dispatches through the spec. Three rules:
-
-* no pickle is ever loaded: weights are read from ``model.safetensors`` (or the shards a
-  ``model.safetensors.index.json`` lists); a directory holding only ``pytorch_model.bin`` is refused;
-* nothing is downloaded: a path that does not exist (a hub id such as ``meta-llama/Llama-3-8B``) is an
-  error asking for a local copy, and transformers reads configs with ``local_files_only``;
-* config files are read and written by transformers' own config classes (which fill in every default a
-  ``config.json`` leaves out), tensors by safetensors. transformers is imported only here and only when
-  a config is read or written, so trainmesh itself imports and trains without it (the ``hf`` extra);
-* nothing from a model folder executes: a ``config.json`` with ``auto_map`` (which points transformers at
-  Python files beside it) is refused before transformers sees it, transformers is called with
-  ``trust_remote_code=False`` (so it never asks on the terminal, and never reads stdin), and the sizes
-  trainmesh reads from the config are checked to be whole numbers in range, naming the key.
-
-Weights must be able to train (:mod:`trainmesh.models.weights`): floating point and finite, checked before
-any rank starts, naming the tensor.
+Per-family differences are data (:class:`trainmesh.models.spec.HFMapping`). Rules: no pickle (only
+safetensors); nothing downloaded (a hub id asks for a local copy); configs through transformers' own
+classes, imported lazily (the ``hf`` extra); nothing from a model folder executes (``auto_map`` refused,
+``trust_remote_code=False``, sizes range-checked); weights must be finite floats
+(:mod:`trainmesh.models.weights`).
 """
 
 from __future__ import annotations
@@ -414,11 +401,10 @@ def _dtype_attribute(config: Any) -> str:
 
 def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, model_config: Any = None,
             spec: ModelSpec | None = None, attributes: Mapping[str, Any] | None = None) -> Path:
-    """Write ``weights`` (a trainmesh model, or its full state dict with ``model_config``) to directory ``out``
-    (created with its parents) as ``config.json`` and ``model.safetensors`` of the HF architecture of
-    ``spec``'s family (default: the family of ``model_config``), with ``attributes`` (the special token ids)
-    set in the config; returns ``out``. The tokenizer and generation config are the checkpoint's to give
-    (:func:`trainmesh.checkpoint.export_hf`)."""
+    """Write ``weights`` (a model, or a full state dict with ``model_config``) to ``out`` as ``config.json`` and
+    ``model.safetensors`` of ``spec``'s HF architecture, ``attributes`` (special token ids) in the config;
+    returns ``out``. Tokenizer and generation config: :func:`trainmesh.checkpoint.export_hf`.
+    """
     if isinstance(weights, nn.Module):
         model_config, weights = weights.cfg if model_config is None else model_config, weights.state_dict()
     spec = spec or spec_of_config(model_config)

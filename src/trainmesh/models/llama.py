@@ -1,24 +1,10 @@
 """A Llama-family decoder (Touvron et al., 2023; Llama 3, Grattafiori et al., 2024) as a plain ``nn.Module``.
 
-Pre-norm RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention and no biases. It keeps
-the stage contract of :class:`trainmesh.models.gpt.GPT` (``embed``, ``blocks`` keyed by layer index,
-``ln_f``, ``head``, each end possibly ``None`` on a pipeline stage), so pipeline partitioning, ZeRO units
-and sharded checkpoints work on it unchanged, and like the GPT it knows nothing of parallelism: attention
-derives its head counts from the widths of the tensors it receives, so a tensor-parallel rank holding
-``1/tp`` of the heads computes just those.
-
-Two layouts are chosen for tensor parallelism:
-
-* ``attn.qkv`` is one fused linear whose output rows are grouped by key/value head, Megatron-LM's GQA
-  layout: for each KV head ``g``, its ``n_heads / n_kv_heads`` query heads, then K_g, then V_g. Splitting
-  the rows evenly over tp therefore hands each rank whole groups, a query head always lands with the KV
-  head it attends with (query head ``j`` uses KV head ``j // group``, as in Hugging Face's ``repeat_kv``),
-  and one all-gather (under sequence parallelism) serves q, k and v.
-* ``mlp.gate_up`` is one fused ``[gate | up]`` linear, split by the plan chunk by chunk.
-
-Rotary embeddings use the "rotate half" pairing (dimension ``i`` with ``i + head_dim/2``) of Hugging Face's
-Llama. They are applied after the q/k projection, where a column-parallel linear has already gathered the
-whole sequence under sequence parallelism, so positions are always global token positions.
+Pre-norm RMSNorm, RoPE (HF's rotate-half pairing, applied after the projection so positions are global
+under sp), SwiGLU, grouped-query attention, no biases. It keeps GPT's stage contract and knows nothing of
+parallelism: attention derives head counts from its tensors' widths. For tp, ``attn.qkv`` is fused with
+rows grouped by KV head (Megatron-LM's GQA layout, so a tp split hands out whole groups) and
+``mlp.gate_up`` is one fused ``[gate | up]`` linear.
 """
 
 from __future__ import annotations
@@ -42,19 +28,11 @@ from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explici
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head); with
-    ``moe``, the MLP of every layer after ``moe.n_dense_layers`` is a mixture of SwiGLU experts (Mixtral,
-    Qwen3-MoE, DeepSeek-V3).
-
-    The attention options of the families built on it: ``qkv_bias`` (Qwen2: biases on q, k and v only),
-    ``qk_norm`` (Qwen3: an RMSNorm over each query and key head before the rotation) and ``sliding_window``
-    (Mistral: each token attends to itself and the ``sliding_window - 1`` tokens before it). ``kv_lora_rank``
-    above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`).
-    ``head_dim`` is each head's width where it is not ``d_model / n_heads`` (None): Qwen3's heads are 128
-    wide at every size (twice ``d_model / n_heads`` in Qwen3-0.6B), Mistral-Nemo's 128 of a 5120-wide model
-    with 32 heads; queries are then ``n_heads * head_dim`` wide and ``o`` maps them back to ``d_model``.
-    ``rope_scaling`` stretches the rotary frequencies to a longer context than the model was first trained at
-    (Llama 3.1's "llama3", DeepSeek-V3's "yarn"; :mod:`trainmesh.models.rope`)."""
+    """Shape of a Llama: ``n_kv_heads < n_heads`` is GQA; ``moe`` makes the MLPs after ``moe.n_dense_layers``
+    SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3). ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
+    ``sliding_window`` (Mistral), ``kv_lora_rank`` > 0 (:class:`LatentAttention`), ``head_dim`` where not
+    ``d_model / n_heads`` (Qwen3, Mistral-Nemo), ``rope_scaling`` (:mod:`trainmesh.models.rope`).
+    """
 
     n_layers: int
     d_model: int
@@ -190,10 +168,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax attention of query heads over their shared key/value heads, within ``window`` tokens
-    when one is set; parameter-free, its own module so that selective recomputation (Korthikanti et al.,
-    2022, §5) redoes exactly this part, including the repeated K and V, and so that context parallelism
-    finds the window it must keep (``window``)."""
+    """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set; its own
+    module so selective recomputation [KOR, §5] redoes exactly this and cp finds its window.
+    """
 
     def __init__(self, window: int | None = None) -> None:
         super().__init__()
@@ -235,19 +212,11 @@ class Attention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", §2.1; DeepSeek-V3 keeps it): keys and
-    values of every head are expanded (``kv_b``) from one compressed vector per token (``kv_a``, then an
-    RMSNorm) of ``kv_lora_rank`` features, queries likewise through a ``q_lora_rank`` bottleneck (``q_a``,
-    ``q_norm``, ``q_b``; a full ``q`` projection when it is 0). Position enters only a decoupled part: each
-    head's query has ``qk_rope_head_dim`` rotated features, its key the same rotated features, shared by every
-    head, from ``kv_a`` (eq. 14-19). Heads are independent after ``q_b``/``kv_b``, so tensor parallelism
-    splits those by heads (and ``o`` by its input), holding the small ``q_a``/``kv_a`` whole.
-
-    The rotated features use the rotate-half pairing of :func:`apply_rotary`; DeepSeek's interleaved pairs
-    are re-laid out when weights are imported (:mod:`trainmesh.models.deepseek`). A YaRN scaling's
-    ``mscale_all_dim`` multiplies the softmax scale of every feature (:func:`~trainmesh.models.rope.softmax_gain`);
-    it multiplies the queries instead, which is the same product, so that the attention core (and context
-    parallelism's ring in its place) keeps its own ``1/sqrt(d)``."""
+    """Multi-head latent attention (DeepSeek-V2 §2.1, kept by V3): keys and values expanded (``kv_b``) from one
+    compressed ``kv_lora_rank`` vector per token, queries through a ``q_lora_rank`` bottleneck, position in a
+    decoupled rotated part shared by heads (eq. 14-19). tp splits ``q_b``/``kv_b`` by heads and ``o`` by input.
+    YaRN's ``mscale_all_dim`` scales the queries, so the attention core keeps its ``1/sqrt(d)``.
+    """
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -473,10 +442,10 @@ def dense_mlp_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.
 
 
 def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, torch.Tensor]:
-    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps. HF's q/k rows are already in
-    the rotate-half order our RoPE uses (the interleaved-pair permutation happens when Meta's weights are
-    converted to HF's), so only the fusion into KV groups re-lays attention out. A tied checkpoint that also
-    stores ``lm_head.weight`` must store the embedding there."""
+    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps: only the fusion into KV groups
+    re-lays attention out (HF's q/k rows are already rotate-half). A tied checkpoint's ``lm_head.weight``
+    must be the embedding.
+    """
     out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
     head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
     if head is not None and not head.is_meta and not torch.equal(head, out["embed.weight"]):
@@ -559,10 +528,9 @@ def _expert_names(i: int, e: int) -> tuple[str, str, str]:
 
 
 def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s router and experts from Mixtral's checkpoint layout (``block_sparse_moe.gate``, and per
-    expert ``w1``/``w3`` ``[f, d]`` and ``w2`` ``[d, f]``, which ``save_pretrained`` writes), stacked into
-    our ``[E, d, f]``/``[E, f, d]`` experts; or from transformers' fused in-memory layout (``mlp.gate``,
-    ``mlp.experts.gate_up_proj`` ``[E, 2f, d]``, ``mlp.experts.down_proj`` ``[E, d, f]``)."""
+    """Layer ``i``'s router and experts, stacked into our ``[E, d, f]``/``[E, f, d]``, from Mixtral's saved
+    layout (``block_sparse_moe``, per-expert ``w1``/``w2``/``w3``) or transformers' fused in-memory one.
+    """
     ours, fused = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
     if fused + "gate.weight" in hf:
         w1, w3 = hf[fused + "experts.gate_up_proj"].transpose(1, 2).chunk(2, dim=2)

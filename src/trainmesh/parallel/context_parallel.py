@@ -1,27 +1,14 @@
 """Context parallelism: each sequence split over the ``cp`` axis, attention computed across the split.
 
-Everything in a transformer block but attention is per token, so a rank holding ``1/cp`` of every sequence
-computes those parts unchanged and its activations are ``1/cp`` of one process's. Attention needs every
-earlier token, and two ways of supplying them are implemented here:
+* **ring** (Liu et al., 2023, Ring Attention; Megatron-core's p2p CP): K/V blocks travel the ring,
+partial results merge by log-sum-exp (online softmax, Milakov & Gimelshein, 2018; FlashAttention,
+Dao et al., 2022, Alg. 1), accumulated in at least fp32; backward runs the ring again.
+* **a2a** (DeepSpeed-Ulysses, Jacobs et al., 2023): all-to-all trades the sequence split for a head
+split; heads must divide by cp.
 
-* **ring** (Liu et al., 2023, "Ring Attention with Blockwise Transformers"; Megatron-core's p2p CP): the
-  key/value blocks travel around the cp ring; each rank attends its queries to the block at hand while the
-  next one is in flight, and the partial results merge exactly through their log-sum-exp (the online
-  softmax of Milakov & Gimelshein, 2018, as FlashAttention uses it, Dao et al., 2022, Alg. 1). Backward
-  runs the ring again: K/V travel as in forward and their gradients travel with them, accumulating each
-  rank's contribution until they arrive home. Partial outputs, log-sum-exps and gradients are accumulated
-  in at least fp32.
-* **a2a** (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all trades the sequence split for a head
-  split, the model's own attention runs on whole sequences for ``1/cp`` of the heads, and a second
-  all-to-all trades back. Heads (and key/value heads) must divide by cp.
-
-Load balance under the causal mask (Megatron-core / torchtitan "head-tail"): each sequence is cut into
-``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp−1−r``, so every rank has the same number of
-visible query-key pairs. Tokens keep their global positions: :func:`apply_context_parallel` remaps the
-position ids the model's position modules receive (a learned table, a rotary embedding).
-
-The model knows nothing of this: like tensor parallelism, a plan of module-name patterns names the
-attention cores and position modules of a model family (``ModelSpec.cp_plan``).
+Causal load balance (Megatron-core / torchtitan "head-tail"): rank r holds chunks r and 2·cp−1−r of
+2·cp. Position ids stay global (:func:`apply_context_parallel`); a plan (``ModelSpec.cp_plan``) names the
+attention cores and position modules.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""Expert parallelism: the routed experts of each MoE layer split over the ``ep`` ranks, tokens moved to them
-by all-to-all.
+"""Expert parallelism: each MoE layer's routed experts split over ``ep`` ranks, tokens moved by all-to-all.
 
-The ``ep`` axis folds *inside* the ranks that hold different tokens, as Megatron-core and torchtitan fold
-it: the data-parallel ranks (``dp x cp``), and under sequence parallelism the tp ranks too, each of which
-routes its own slice of the sequence (:mod:`trainmesh.distributed.mesh`); an ep group of whole tp groups then lies inside
-a node. Ep rank ``r`` of ``P`` holds global experts ``[r E/P, (r+1) E/P)`` and every ep rank still trains on
-its own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAllTokenDispatcher``):
-
-1. the router sorts this rank's token copies by global expert and counts them per expert (``counts [E]``);
-2. :meth:`AllToAllDispatch.dispatch` sends each ep rank the copies for its experts: the per-expert counts
-   are exchanged first (an all-to-all of ``E`` integers), which gives every rank the split sizes of the
-   all-to-all of the copies themselves; what arrives is grouped by source rank, and one stable sort makes
-   it contiguous per local expert, as the grouped GEMM wants it;
-3. :meth:`AllToAllDispatch.combine` undoes the sort and sends every result back by the reverse all-to-all.
-
-Both all-to-alls are autograd functions whose backward is the all-to-all the other way (the gradient of a
-token copy goes back to the rank that sent it), so a rank's expert gradients are the sum over every ep
-rank's tokens. Parameters are therefore reduced over two groups: the dense ones over ``dp x cp`` as
-always, the experts over the *expert-data-parallel* group (the ranks holding the same experts: ``dp x cp /
-ep``, or ``dp x cp x tp / ep`` folded over tp), both divided by the ``dp x cp`` size since the loss is the
-mean over every data-parallel rank's tokens (a tp rank's slice being part of its rank's).
+``ep`` folds inside the token-holding ranks (``dp x cp``, and tp under sp), as Megatron-core and
+torchtitan do; ep rank r holds experts ``[r E/P, (r+1) E/P)``. As Megatron-core's
+``MoEAlltoAllTokenDispatcher``, :meth:`AllToAllDispatch.dispatch` exchanges per-expert counts, then the
+copies, sorted per local expert; :meth:`AllToAllDispatch.combine` reverses it. Both are autograd
+functions whose backward is the reverse all-to-all. Dense parameters reduce over ``dp x cp``, experts
+over the expert-data-parallel group, both divided by the ``dp x cp`` size.
 """
 
 from __future__ import annotations
@@ -114,11 +100,9 @@ def is_expert(p: torch.Tensor) -> bool:
 
 
 def experts_on_any_stage(params: list[nn.Parameter], comm: Comm) -> bool:
-    """Whether any pipeline stage holds routed experts, every rank answering alike (a sum over ``pp``).
-
-    A stage of dense layers only (DeepSeek-V3's first ones) holds none, yet must join every collective
-    over ``pp`` that sums the experts' squared gradient norms with the stages that do, contributing zero:
-    deciding from its own parameters, it would skip them and the other stages would wait forever."""
+    """Whether any pipeline stage holds routed experts (a sum over ``pp``): a dense-only stage must still join
+    the experts' norm collectives, contributing zero, or the others wait forever.
+    """
     held = torch.tensor([float(any(is_expert(p) for p in params))], dtype=torch.float64, device=comm.mesh.device)
     comm.all_reduce(held, "pp", op="expert_stages")
     return held.item() > 0
@@ -191,12 +175,10 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, over_tp: bool = False) -
 
 def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
                 experts_over_tp: bool = False) -> dict[str, str]:
-    """The family's tensor-parallel plan fitted to an MoE model: the MLP patterns that match nothing (every
-    layer's MLP is a mixture) are dropped, and the MoE layers stay whole on every tp rank; under sequence
-    parallelism each tp rank routes only its slice of the sequence, so the router's, the experts' and the
-    shared experts' gradients are summed over tp (the ``sequence`` style), but for routed experts an ep group
-    folds over tp (``experts_over_tp``): each tp rank then holds other experts, which receive every tp rank's
-    tokens through the all-to-all."""
+    """The family's tp plan fitted to an MoE model: unmatched MLP patterns dropped, MoE layers whole on every tp
+    rank; under sp their gradients are summed over tp (``sequence``), routed experts folded over tp
+    (``experts_over_tp``) when ep folds there.
+    """
     layers = [name for name, _ in expert_modules(model)]
     if not layers:
         return plan
@@ -245,16 +227,10 @@ class _SumOverAxis(torch.autograd.Function):
 
 
 def split_sequence_stats(model: nn.Module, comm: Comm, axes: tuple[str, ...]) -> None:
-    """Each rank of ``axes`` holds a slice of every sequence (``tp`` under sequence parallelism, ``cp``
-    under context parallelism, or both): the MoE layers' per-sequence balance statistics and z-loss are
-    summed over all of them, so every rank holds the whole sequence's values (the interface's
-    :class:`~trainmesh.models.moe.SequenceSplit`); the expert counts over ``tp`` only, since the metrics
-    and the bias update sum them over dp x cp themselves.
-
-    Backward, each rank keeps the gradient of its own tokens' part. The router's gradients are summed over
-    tp (the ``sequence`` style), so a tp rank's part is right as it is; they are averaged over cp with
-    every replicated parameter's (dp x cp), as suits the main loss, whose mean over a cp rank's 1/cp of
-    the tokens is cp times that rank's share of the whole, so a cp rank's part is scaled by cp to match."""
+    """Each rank of ``axes`` holds a slice of every sequence (tp under sp, cp): per-sequence balance statistics
+    and z-loss are summed over all (:class:`~trainmesh.models.moe.SequenceSplit`), expert counts over tp only.
+    Backward keeps each rank's own part, scaled by cp to match the main loss's averaging over cp.
+    """
     scale = {"tp": 1.0, "cp": float(comm.mesh.size("cp"))}
 
     def summed(t: torch.Tensor, over: tuple[str, ...]) -> torch.Tensor:

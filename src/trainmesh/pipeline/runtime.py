@@ -1,32 +1,15 @@
 """The pipeline runtime: executes one rank's action list (:mod:`.schedules`) on real tensors.
 
-The runtime decides nothing about order: it walks the rank's list and does what each action says.
-Consecutive SEND/RECV actions are posted together as one batch of asynchronous point-to-point
-operations (``Comm.send_recv``, counted as ``pp/p2p``) by a dedicated communication thread: Gloo copies
-a send into the socket on the thread that posts it, which would stall compute. When every rank of the
-pipeline runs on one CPU host, messages go through shared-memory channels instead
-(:func:`trainmesh.distributed.shm.open_channels`), copied on the compute thread itself, where no thread waits for a
-core (a message's time inside a step fell several-fold, docs/performance.md). A compute action first waits for
-the messages it consumes, so communication overlaps whatever compute lies between a RECV and its
-consumer, and sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
-until matched (see :func:`~trainmesh.pipeline.schedules._insert_communication`), so posting them
-earlier and waiting later cannot deadlock either.
+It decides nothing about order. Consecutive SEND/RECV actions are posted as one async batch
+(``Comm.send_recv``, ``pp/p2p``) by a communication thread, since Gloo copies a send on the posting
+thread; on one CPU host, shared-memory channels are used instead, on the compute thread
+(docs/performance.md). A compute action waits only for the messages it consumes; sends are waited for at
+step end, which cannot deadlock since the lists are deadlock-free under blocking sends.
 
-Gradients accumulate over micro-batches in the parameters' ``.grad`` as in the single-process loop;
-each stage's *last* weight-gradient action (B, or BW for zero bubble) runs with the engine's gradient
-sync enabled and every other one inside ``engine.no_sync()``, so data-parallel buckets fire exactly once
-per step on every rank. The zero-bubble split (Qi et al. 2023, §2) computes the input gradient (BI)
-with ``torch.autograd.grad`` on the retained graph, keeping the gradient of every parameter-owning
-module's output; the weight gradient (BW) later back-propagates each of those into only that module's
-own parameters, so autograd skips the weight matmuls in BI and the activation path in BW, and the
-gradients land in ``.grad`` through the usual accumulate hooks.
-
-Each backward action (B, BI or BW) runs inside ``engine.backward_pass()``: BW makes one autograd call
-per module, and an engine that reduces gradients or frees gathered parameters at the end of a backward
-(ZeRO-2/3) must do so once per action, not once per call. BW visits the modules in reverse forward
-order, the order a plain backward produces gradients in, so buckets and ZeRO-3 units complete, are
-reduced and freed in the order they are launched; before each call ``engine.unshard_for_backward``
-gathers ZeRO-3 parameters, which no unit-output hook gathers for a call starting inside the unit.
+Gradients accumulate in ``.grad``; each stage's last weight-gradient action syncs with the engine, the
+rest run in ``engine.no_sync()``. The zero-bubble split (Qi et al. 2023, §2) computes BI with
+``torch.autograd.grad`` keeping each parameter-owning module's output gradient, and BW back-propagates
+those into the modules' own parameters in reverse forward order, each inside ``engine.backward_pass()``.
 """
 
 from __future__ import annotations
@@ -157,12 +140,10 @@ class _Posted:
 
 
 def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Posting:
-    """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
-    handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
-    for the whole batch, which every part then waits for. The time posting returned is when the sends had
-    left: Gloo copies them into the socket on the posting thread once the peer's receive is posted, a
-    channel into its slot; the simulator's measured transfer time
-    (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
+    """Post one batch and split its handles into [sends, receive 0, receive 1, ...] (Gloo: one per operation;
+    a coalesced NCCL batch: one shared). The time posting returned is when the sends left, the simulator's
+    measured transfer time (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`).
+    """
     works = comm.send_recv(sends, recvs, axis=AXIS)
     posted = time.perf_counter()
     if len(works) != len(sends) + len(recvs):
@@ -197,10 +178,8 @@ class _Step:
 
 
 class _LeafOutputs:
-    """Records (output, own parameters) of every parameter-owning module while active, for the BI/BW split.
-
-    A parameter must be used only inside the forward of the module that owns it (true of the GPT; a tied
-    embedding used by the head would miss the head's share of its gradient).
+    """Records (output, own parameters) of every parameter-owning module while active, for the BI/BW split; a
+    parameter must be used only in its owner's forward.
     """
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
@@ -327,11 +306,10 @@ class PipelineRuntime:
         return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
 
     def _open_channels(self, numel: int) -> None:
-        """At the first step (a collective over ``pp``), when every rank of the pipeline is on one CPU host:
-        a shared-memory channel each way between neighbouring ranks, as deep as the most messages one rank
-        sends another in a step, its slots one activation each. Messages then leave and land on the compute
-        thread at once; through Gloo a send waits for a core on the communication thread while every rank of
-        the host computes, which lengthens every wait on it."""
+        """At the first step (a collective over ``pp``), when the pipeline is on one CPU host: a shared-memory
+        channel each way between neighbours, as deep as a step's messages, so messages move on the compute thread
+        instead of waiting for a core through Gloo.
+        """
         if self._shared is not None:
             return
         ring = [self.mesh.global_rank(pp=r) for r in range(self.n_ranks)]
@@ -486,11 +464,10 @@ class PipelineRuntime:
 def build_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: int, hidden_size: int,
                    dtype: torch.dtype, virtual_stages: int = 1, layers_per_stage: Sequence[int] = (),
                    seq_shards: int = 1) -> tuple[nn.Module, PipelineRuntime]:
-    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameter
-    count) and build the runtime for ``schedule``; returns the rank's part of the model and the runtime.
-
-    ``hidden_size`` and ``dtype`` describe the activations sent between stages (of ``seq_shards`` sequence
-    shards under sequence parallelism), so receives can be posted before the sender has run."""
+    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameters) and
+    build the runtime for ``schedule``; ``hidden_size``/``dtype`` describe the activations so receives can
+    be posted early.
+    """
     mesh = comm.mesh
     n_ranks = mesh.size(AXIS)
     layers = partition_model(model, n_ranks * virtual_stages, layers_per_stage)

@@ -23,10 +23,8 @@ MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
 
 @dataclass(frozen=True)
 class Estimate:
-    """A layout with its worst-stage memory and predicted step.
-
-    ``mfu`` counts model FLOPs only [PALM, app. B]; ``tflops_per_device`` counts executed FLOPs,
-    recomputation included, as Megatron-LM reports throughput [NAR, 5.1].
+    """A layout with its worst-stage memory and predicted step; ``mfu`` counts model FLOPs [PALM, app. B],
+    ``tflops_per_device`` executed ones [NAR, 5.1].
     """
 
     layout: Layout
@@ -112,13 +110,10 @@ def ep_degrees(model: ModelShape, token_ranks: int) -> list[int]:
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v per interleave_depths, cp from
-    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`, and with a pipeline the stage split
-    :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
-    any number of layers, uneven where the head makes that faster), hybrid sharding from
-    :func:`hsdp_replicas`; a combination the layout's rules refuse (the zero-bubble schedule with cp, hybrid
-    sharding without ZeRO or with ep) is skipped. A hybrid-sharded layout comes just after the same layout
-    sharded over all of its dp ranks, which the hybrid one's rules include."""
+    """Every valid layout on the cluster: micro-batch sizes, v, cp, ep, the pipeline's fastest stage split and
+    hybrid sharding, skipping what the layout's rules refuse; a hybrid layout comes right after its fully
+    sharded twin.
+    """
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
@@ -137,14 +132,10 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
 
 
 def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
-    """The ``dp_replicate`` worth searching beside 1 for a dp x cp group ``tp`` ranks apart: every R >= 2 whose
-    ZeRO groups each fill a whole number of nodes, one-node groups (the largest R) first. One node per group
-    is FSDP2's and torchtitan's default hybrid mesh: parameter gathers and gradient reduce-scatters stay off
-    the inter-node link and only the gradient shards' all-reduce crosses it. Groups of k nodes (R = nodes / k)
-    hold 1/k of that state per rank, so a model whose one-node shards do not fit can still replicate across
-    groups, with ZeRO's collectives crossing only inside its k nodes (the partition groups of [MiCS]).
-    None when the group fits in a node or a node holds one of its ranks (a group of one rank would be plain
-    data parallelism)."""
+    """The ``dp_replicate`` worth searching beside 1: every R >= 2 whose ZeRO groups fill whole nodes, one-node
+    groups first (FSDP2's and torchtitan's default: only the all-reduce crosses nodes; larger groups hold
+    less, as [MiCS]'s partition groups). None when the group fits in a node or a node holds one rank.
+    """
     span = tp * cp * dp
     if span % cluster.gpus_per_node or tp >= cluster.gpus_per_node:
         return []
@@ -178,11 +169,10 @@ on unseen."""
 
 
 def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S) -> list[Estimate]:
-    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
-    memory per rank); :func:`choose` picks the one to run. Of a layout's hybrid-sharded variants, only the
-    one with the smallest ZeRO groups that fits is kept (:func:`hsdp_replicas` yields them smallest first):
-    a group of more nodes holds less but sends more of its gathers and reduce-scatters across nodes, so it
-    is never faster. A ValueError for more than :data:`MAX_GPUS` devices or a search past ``limit_s``."""
+    """All layouts fitting ``cluster.usable_bytes`` per rank, fastest first (then least memory); of hybrid
+    variants only the smallest fitting groups are kept, never slower. ValueError beyond :data:`MAX_GPUS`
+    devices or past ``limit_s``.
+    """
     if not 1 <= cluster.gpus <= MAX_GPUS:
         raise ValueError(f"{cluster.gpus:,} devices: the planner searches 1 to {MAX_GPUS:,}; plan fewer")
     if workload.model.n_layers > MAX_LAYERS:

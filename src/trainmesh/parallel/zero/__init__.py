@@ -1,18 +1,9 @@
-"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state over the ``dp`` axis.
+"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state over the ``dp`` axis (§5).
 
-Plain data parallelism keeps all parameters, gradients and AdamW state on every rank. ZeRO-DP partitions
-them over the N data-parallel ranks (§5), one more kind per stage, each cutting memory further for the
-same or a little more communication:
-
-* stage 1, P_os (§5.1): AdamW state for this rank's 1/N of the elements only (:mod:`.stage1`).
-* stage 2, P_os+g (§5.2): gradients reduce-scattered into a 1/N shard during every backward
-  (:mod:`.stage2`).
-* stage 3, P_os+g+p (§5.3): parameters sharded too, each unit gathered for its forward and its backward
-  and freed after (:mod:`.stage3`).
-
-The stages share :class:`~.engine.ZeroEngine` (the sharded optimizer, the ordered reduce-scatters, the
-step) and the flat buffers and shard exchanges of :mod:`.flat`; :mod:`.formulas` states the memory and
-communication per rank (§5, §7.2) that the planner uses and the tests check measured values against.
+Stage 1, P_os (§5.1): AdamW state sharded (:mod:`.stage1`); stage 2, P_os+g (§5.2): gradients too
+(:mod:`.stage2`); stage 3, P_os+g+p (§5.3): parameters too, gathered per unit (:mod:`.stage3`). The
+stages share :class:`~.engine.ZeroEngine` and :mod:`.flat`; :mod:`.formulas` states per-rank memory and
+communication (§5, §7.2) for the planner and the tests.
 """
 
 from __future__ import annotations

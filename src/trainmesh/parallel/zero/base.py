@@ -1,17 +1,10 @@
 """What the ZeRO stages share (:class:`ZeroEngine`): the sharded optimizer, the gradient reduce-scatters
 issued in one order on every rank, the step, and the accounting of the model state held.
 
-Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, whose K = 12 counts the fp32 master copy as
-optimizer state). Parameters, gathered units and activations are bf16/fp16. Each rank keeps an fp32
-*master* copy of its shard only, which the pieces view, so master weights and moments are both 1/N.
-Gradients are accumulated and reduce-scattered in ``reduce_dtype`` (fp32 by default: each micro-batch's
-low-precision gradient is added into an fp32 buffer, as DataParallel's main-grad path does); the step
-reads them in fp32 (a per-step copy if the reduce dtype is narrower), unscales and clips them there,
-updates the masters and casts them into the low-precision shard, which is then all-gathered (stages 1-2)
-or kept as the shard that the next forward gathers (stage 3). fp16 scales the loss
-(:class:`~trainmesh.training.precision.LossScaler`); the global norm is reduced over every axis, so all ranks see
-the same verdict and skip an overflowing step and back the scale off together. In fp32 the shard itself
-is the master copy and the gradient shard is the optimizer's gradient: nothing is copied.
+Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, K = 12): low-precision parameters, an fp32 master
+of this rank's shard only; gradients reduced in ``reduce_dtype``, unscaled and clipped in fp32, the masters
+cast back into the shard. fp16 scales the loss; the global norm is reduced over every axis so all ranks
+skip an overflowing step together. In fp32 nothing is copied.
 """
 
 from __future__ import annotations
@@ -43,12 +36,8 @@ def trainable(module: nn.Module) -> list[nn.Parameter]:
 
 
 class ZeroEngine:
-    """What the stages share: the sharded AdamW, gradient reduce-scatter in order, the step, accounting.
-
-    Groups are reduce-scattered in index order on every rank (a group that is ready early waits for the
-    ones before it), so the collectives match across ranks, as in
-    :class:`~trainmesh.parallel.data_parallel.DataParallel`.
-    Run backward on the loss times :attr:`loss_scale` (1 except in fp16).
+    """What the stages share: the sharded AdamW, gradient reduce-scatter in index order on every rank (so
+    collectives match, as in DataParallel), the step, accounting. Backward on the loss times :attr:`loss_scale`.
     """
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory, groups: list[Group],
@@ -241,10 +230,8 @@ class ZeroEngine:
             piece.grad = None
 
     def param_pieces(self) -> list[ParamPiece]:
-        """This rank's shard of each parameter, for checkpoints: elements ``[start, end)`` of the parameter
-        flattened, as the optimizer's piece (the fp32 master) and as the same slice of the parameter shard.
-
-        After writing into them, call :meth:`after_update` so that stages 1-2 gather the full parameters.
+        """This rank's shard of each parameter for checkpoints: elements ``[start, end)`` of it flattened, as the
+        optimizer's fp32 piece and the parameter shard's slice. Call :meth:`after_update` after writing them.
         """
         names = {id(p): n for n, p in self.module.named_parameters()}
         pieces = iter(self.pieces)

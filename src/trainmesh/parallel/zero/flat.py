@@ -1,19 +1,10 @@
 """ZeRO's flat buffers, the optimizer's pieces of them, and the shard exchanges over a sharding axis.
 
-Layout. The parameters of a group (a gradient bucket in stages 1-2, a unit in stage 3) lie back to back
-in one flat buffer padded to a multiple of N elements, so any parameter size and any N work; rank r owns
-elements [rS, (r+1)S) with S = ceil(numel / N). Module parameters become views into that buffer, so
-parameter names and objects stay the plain model's; in stage 3 the buffer's storage is resized to zero
-between uses (as FSDP's FlatParameter does) and the views stay valid across the re-allocation.
-
-Pieces. The optimizer (:func:`trainmesh.training.optim.build_adamw`) runs over the part of each parameter that
-falls in this rank's shard, a view into the fp32 master shard, with its gradient a view into the gradient
-shard. AdamW is elementwise, so updating pieces is updating the full parameters.
-
-Exchanges. A group's shards are all-gathered (:func:`gather_shards`) and its gradient reduce-scattered
-(:func:`reduce_scatter_shards`) through the communicator's collectives, or point to point where those
-would copy the whole buffer (:func:`exchanges_directly`). The engines look both up on this module when
-they call them, so that one substituted here (a test's planted bug) is the one every stage runs.
+A group's parameters (a bucket in stages 1-2, a unit in stage 3) lie in one flat buffer padded to a
+multiple of N; rank r owns [rS, (r+1)S), S = ceil(numel / N). Parameters are views into it (stage 3
+resizes its storage to zero between uses, as FSDP's FlatParameter). AdamW runs over this rank's pieces,
+elementwise so equal to the full update. Exchanges are looked up on this module at call time, so a
+test's substitute is what every stage runs.
 """
 
 from __future__ import annotations
@@ -82,10 +73,8 @@ class FlatLayout:
 
 @dataclass
 class Group:
-    """One flat buffer's worth of parameters: a gradient bucket (stages 1-2) or a unit (stage 3).
-
-    ``flat`` and ``shard`` are in the parameters' dtype, ``grad_flat`` and ``grad_shard`` in the reduce
-    dtype; ``master`` is the fp32 shard the optimizer updates (``shard`` itself in fp32 training).
+    """One flat buffer's worth of parameters (bucket or unit): ``flat``/``shard`` in the parameters' dtype,
+    ``grad_flat``/``grad_shard`` in the reduce dtype, ``master`` the fp32 shard (``shard`` itself in fp32).
     """
 
     name: str
@@ -143,11 +132,9 @@ class Exchange:
 
 
 def exchanges_directly(comm: Comm, axis: str) -> bool:
-    """Whether ``axis``'s all-gathers and reduce-scatters go point to point (:func:`gather_shards`,
-    :func:`reduce_scatter_shards`): on Gloo between hosts. Gloo's all-gather receives into a fresh buffer of
-    the whole output and copies it out, and its reduce-scatter all-reduces a copy of the whole input (twice
-    the bytes of a reduce-scatter), so each holds a whole unit's extra copy while it runs. NCCL writes in
-    place, and so does one host's shared segment (:meth:`~trainmesh.distributed.comm.Comm.shares_host`)."""
+    """Whether ``axis``'s all-gathers and reduce-scatters go point to point: on Gloo between hosts, whose
+    collectives hold a whole unit's extra copy (NCCL and one host's shared segment work in place).
+    """
     return (comm.mesh.size(axis) > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
             and not comm.shares_host(axis))
 
@@ -211,12 +198,9 @@ class PieceSlot:
 
 
 def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[PieceSlot]]:
-    """The optimizer's parameters: each parameter's part of this rank's shard, a view into the fp32
-    master shard, and where each lies (the step points its gradient at the same slice of the gradient).
-
-    A piece of a matrix is a 1 x k row so :func:`trainmesh.training.optim.param_groups` decays exactly the
-    elements it decays in the full model (not the 1-D ones), and it keeps its parameter's tensor-parallel
-    mark so the global norm counts each element once.
+    """The optimizer's parameters: each parameter's part of this rank's fp32 master shard, and where it lies.
+    Matrix pieces are 1 x k rows so weight decay picks the same elements, and keep their tp mark so the
+    norm counts each element once.
     """
     pieces, slots = [], []
     for group in groups:
