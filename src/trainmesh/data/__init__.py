@@ -1,12 +1,6 @@
-"""Training data: where tokens come from and how each step's batch is drawn.
-
-* :mod:`~trainmesh.data.text`: local text read into memory, as bytes or with ``--tokenizer`` (the default
-  corpus is this Python's standard library sources, so a first run needs no download);
-* :mod:`~trainmesh.data.prepare` and :mod:`~trainmesh.data.sources`: ``trainmesh prepare``, which tokenizes a
-  corpus of any size, and documents of any length, into shards; :mod:`~trainmesh.data.jsonl` streams a long
-  JSONL line, :mod:`~trainmesh.data.workers` runs the tokenizing processes;
-* :mod:`~trainmesh.data.shards`: the shards and their index, memory-mapped for training and checked first;
-* :mod:`~trainmesh.data.sampler`: each step's global batch as a pure function of ``(seed, step)``.
+"""Training data: where tokens come from and how each step's batch is drawn: local text (:mod:`.text`),
+``trainmesh prepare`` into shards (:mod:`.prepare`, :mod:`.sources`, :mod:`.jsonl`, :mod:`.workers`),
+memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(seed, step)`` (:mod:`.sampler`).
 """
 
 from __future__ import annotations

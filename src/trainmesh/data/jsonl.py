@@ -1,13 +1,8 @@
 """The ``text`` field of each line of a JSONL file, in bounded memory however long the line.
 
-A line of up to ``read_bytes`` is parsed whole by :func:`json.loads`. A longer line is never held whole:
-it is read ``read_bytes`` at a time (:class:`LongLine`), its top-level object parsed as it arrives, and its
-``text`` string decoded run by run (plain characters and escapes at C speed with :func:`json.decoder.scanstring`)
-and handed on in parts of ``read_bytes`` characters. An escape or a UTF-8 character split between
-reads is completed from the next read; a surrogate pair split between reads is joined. Its other fields are
-parsed whole by :mod:`json`, so each must fit in ``read_bytes``. Either way a line must be one JSON object
-with one string ``text`` field of valid Unicode: a lone surrogate (``"\\ud800"``), which no tokenizer can
-encode, is one line naming the file, the line and the character.
+Lines up to ``read_bytes`` go to :func:`json.loads`; longer ones are read in parts (:class:`LongLine`) and
+their ``text`` decoded run by run, splits of escapes, UTF-8 and surrogate pairs completed across reads.
+Each line must be one object with a valid-Unicode string ``text`` (a lone surrogate is one line naming it).
 """
 
 from __future__ import annotations

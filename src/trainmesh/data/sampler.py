@@ -1,10 +1,8 @@
 """The sampler that hands each data-parallel rank its slice of a global batch.
 
-The global batch of step ``s`` is a function of ``(seed, s)`` alone: start offsets drawn from a generator
-seeded with both, into one token sequence (a tensor held in memory, or memory-mapped shards). Sequences
-are packed: a window runs across document ends, marked by the end-of-document token, as in GPT-2 and
-Megatron-LM. A data-parallel rank takes a contiguous slice of the batch, so every layout sees the global
-batch a single process would see, and resuming at step ``s`` needs no loader state beyond ``s`` itself.
+Step s's batch depends on ``(seed, s)`` alone (packed windows across document ends, as GPT-2 and
+Megatron-LM); a rank takes a contiguous slice, so every layout sees one process's batch and resuming
+needs only ``s``.
 """
 
 from __future__ import annotations

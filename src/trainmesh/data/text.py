@@ -1,9 +1,6 @@
-"""Local text read whole into memory: the zero-setup path (``--data FILE_OR_DIR``, or nothing).
-
-The default corpus is this Python's own standard-library source, which is on every machine that runs
-trainmesh, so a first run needs no download. Tokens are bytes (vocabulary 256) unless ``--tokenizer``
-names a ``tokenizer.json``; then each file is one document, tokenized here with an end-of-document token
-after it. Corpora larger than memory go through ``trainmesh prepare`` into memory-mapped shards instead.
+"""Local text read whole into memory (``--data FILE_OR_DIR``, or by default this Python's stdlib sources, so
+a first run needs no download): bytes, or one document per file with ``--tokenizer``. Larger corpora go
+through ``trainmesh prepare``.
 """
 
 from __future__ import annotations

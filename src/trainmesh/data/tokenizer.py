@@ -1,13 +1,7 @@
-"""Tokenizers: bytes by default, or any Hugging Face ``tokenizer.json`` (``--tokenizer``).
-
-Bytes (vocabulary 256) need no training and accept any text, so a first run needs no setup. A subword
-tokenizer is read and trained with the ``tokenizers`` library (the ``data`` extra), imported only when a
-``tokenizer.json`` is used, so the core package trains without it. ``trainmesh tokenizer train`` trains a
-byte-level BPE (GPT-2's scheme: Radford et al., 2019, §2.2) on local text, offline.
-
-The model's vocabulary follows the tokenizer, padded up to a multiple of 64·tp as Megatron-LM does
-(``--make-vocab-size-divisible-by 128`` times tp): every tensor-parallel rank then holds an equal,
-matmul-friendly slice of the embedding and output head. The pad rows are never an input or a target.
+"""Tokenizers: bytes by default (no setup), or any Hugging Face ``tokenizer.json`` (``--tokenizer``, the
+``data`` extra, imported lazily); ``trainmesh tokenizer train`` trains a byte-level BPE (GPT-2, Radford
+et al., 2019, §2.2). The vocabulary is padded to a multiple of 64·tp as Megatron-LM does, so tp slices are
+equal; pad rows are never inputs or targets.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The tokenizing worker processes of ``trainmesh prepare``: batches out, results back in input order, and a
-worker that dies (``kill -9``, the kernel's out-of-memory killer) ends the whole command at once.
-
-Each worker has its own pipe and holds at most one batch: the parent sends it a batch only when it is idle,
-so neither side ever blocks writing while the other is writing too. The parent waits on every worker's pipe
-and process sentinel together (:func:`multiprocessing.connection.wait`), so a death is seen the moment it
-happens, with the worker's number, its signal and the input it was tokenizing; the others are killed then.
-(``multiprocessing.Pool`` instead replaces a dead worker silently and waits forever for its lost task.)
-A worker whose parent dies is killed with it (``PR_SET_PDEATHSIG``; elsewhere it exits within ``POLL_S``).
+"""The tokenizing workers of ``trainmesh prepare``: batches out, results back in input order, and a worker
+that dies ends the command at once (``multiprocessing.Pool`` would wait forever for its lost task).
+Each worker holds one batch over its own pipe; the parent waits on pipes and sentinels together, and
+workers die with their parent (``PR_SET_PDEATHSIG``, else within ``POLL_S``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""RoPE scaling: the rotary frequencies of a model trained at ``original_max_position_embeddings`` tokens
-stretched to a longer context, as Llama 3.1+ ("llama3"), DeepSeek-V3 and long-context Qwen ("yarn") and
-position interpolation ("linear") checkpoints were trained with.
+"""RoPE scaling: rotary frequencies stretched to a longer context, in the conventions of transformers'
+``modeling_rope_utils`` so a checkpoint's ``rope_scaling`` means the same here.
 
-The formulas are those of the papers, in the conventions transformers' ``modeling_rope_utils`` uses, so a
-checkpoint's ``rope_scaling`` (``rope_parameters`` in transformers 5) means here what it means there:
+* linear (Chen et al., 2023, Positional Interpolation): every frequency divided by ``factor``;
+* llama3 (Grattafiori et al., 2024, Llama 3): short wavelengths kept, long ones divided by ``factor``,
+blended in between;
+* yarn (Peng et al., 2023, YaRN, §3.2-3.4): the NTK-by-parts ramp and the attention factor
+``0.1 ln(factor) + 1`` (eq. 21); DeepSeek's softmax gain in :func:`softmax_gain`.
 
-* linear (Chen et al., 2023, "Extending Context Window ... via Positional Interpolation"): every frequency
-  divided by ``factor``;
-* llama3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models", and Meta's reference code): wavelengths
-  shorter than ``original / high_freq_factor`` kept, longer than ``original / low_freq_factor`` divided by
-  ``factor``, linearly blended in between by ``original / wavelength``;
-* yarn (Peng et al., 2023, "YaRN", §3.2-3.4): the "NTK-by-parts" ramp between interpolated and original
-  frequencies over the dimensions that turn ``beta_slow`` .. ``beta_fast`` times in the original context, and
-  cos/sin multiplied by the attention factor ``0.1 ln(factor) + 1`` (eq. 21; DeepSeek's ``mscale``/
-  ``mscale_all_dim`` ratio where both are given). DeepSeek's latent attention also multiplies its softmax
-  scale by ``(0.1 mscale_all_dim ln(factor) + 1)^2`` (:func:`softmax_gain`).
-
-Other rope types ("dynamic", "longrope", ...) are refused by name on import.
+Other rope types are refused by name on import.
 """
 
 from __future__ import annotations

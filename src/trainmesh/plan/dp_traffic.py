@@ -1,16 +1,9 @@
-"""Data-parallel traffic of one step, split into the bytes that stay inside a node and the bytes that cross
-between nodes, each at its own link's bandwidth: ZeRO-0/1/2/3 over the whole dp x cp group, and hybrid
-sharding (HSDP: ZeRO inside each of ``dp_replicate`` groups, the gradient shards all-reduced across them).
+"""Data-parallel traffic of one step, split into bytes that stay inside a node and bytes that cross nodes,
+each at its own link's bandwidth: ZeRO-0/1/2/3 over dp x cp, and hybrid sharding (HSDP).
 
-Where ranks sit follows the runtime (:mod:`trainmesh.distributed.mesh`): ranks are numbered node by node, tp innermost,
-so a dp x cp group's ranks are tp apart and a hybrid-sharding group's are its consecutive dp x cp ranks
-(one node or whole nodes, by default); the replicas of a shard are a shard group's span apart.
-
-Two exchange patterns cross nodes differently. A ring (NCCL; every all-reduce) of n ranks, g of them on each
-node, crosses nodes on one hop in g, and that hop carries the whole ring's traffic, so the ring runs at the
-inter-node link's pace [THA]. Point-to-point exchanges (trainmesh's ZeRO gathers and reduce-scatters over
-Gloo between hosts, :func:`trainmesh.parallel.zero.flat.exchanges_directly`) send each rank's shard to each
-of the n - g ranks on other nodes over that link while the g - 1 on its own node take theirs in parallel.
+Ranks sit as :mod:`trainmesh.distributed.mesh` places them (node by node, tp innermost). A ring (NCCL,
+every all-reduce) runs at the inter-node link's pace [THA]; point-to-point exchanges
+(:func:`trainmesh.parallel.zero.flat.exchanges_directly`) use both links at once.
 """
 
 from __future__ import annotations
@@ -79,11 +72,10 @@ def crossing_share(n: int, per_node: int, direct: bool) -> float:
 
 
 def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster, calls: int = 1) -> DpTraffic:
-    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` in total over n ranks,
-    ``per_node`` on each node, issued as ``calls`` collectives (ZeRO-3: one per unit, a latency each). A rank
-    sends (n-1)/n of the bytes (twice that to all-reduce) [THA]; a ring inside a node runs at the intra-node
-    link, one that crosses at the inter-node link's pace; point to point (``cluster.direct_exchange``, all
-    but all-reduces) each part goes at its own link, both at once."""
+    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` over n ranks (``per_node`` a
+    node), as ``calls`` collectives: a rank sends (n-1)/n of the bytes, twice to all-reduce [THA], at the
+    ring's slowest link or, point to point, each part at its own.
+    """
     if n == 1:
         return DpTraffic()
     sent = nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
@@ -102,17 +94,11 @@ def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster
 
 def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, replicas: int, workload: Workload,
                  layout: Layout, cluster: Cluster) -> DpTraffic:
-    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart, in ``replicas`` hybrid
-    groups [ZeRO, sec. 7]. ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and
-    all-gathers the updated parameters (the same 2 Psi); ZeRO-2 reduce-scatters after every micro-batch;
-    ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per micro-batch), and
-    under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
-    :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own. Hybrid sharding does
-    all of it inside a group and all-reduces each rank's gradient shard, Psi/n, over the replicas once per
-    step (:class:`trainmesh.parallel.zero.base.ZeroEngine`). ZeRO-3's per-unit collectives are issued ahead
-    of the unit that needs them (the next unit's gather while one computes, each unit's reduce-scatter while
-    the units before it run backward: :class:`trainmesh.parallel.zero.ZeroStage3`), so they are
-    :attr:`DpTraffic.prefetched`; the other stages' reductions wait for the backward that produces them."""
+    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart in ``replicas`` groups
+    [ZeRO, sec. 7]: ZeRO-0/1 2 Psi, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3 3 Psi per micro-batch
+    (4 Psi under zero bubble, :class:`trainmesh.parallel.zero.ZeroStage3`), issued ahead of use so
+    :attr:`DpTraffic.prefetched`. Hybrid sharding adds an all-reduce of each gradient shard over the replicas.
+    """
     m, b, g = layout.microbatches, workload.dtype_bytes, ranks_per_node(n, stride, cluster.gpus_per_node)
     if n * replicas == 1 or not units:
         return DpTraffic()

@@ -1,8 +1,5 @@
-"""Forward FLOPs per token of a block (dense or MoE), on which step FLOPs and MFU are built.
-
-A block is 2 FLOPs per weight of its matmuls plus 4sh for QK^T and AV [NAR, app. FLOPs], which is what
-:func:`trainmesh.tracking.metrics.block_flops_per_token` counts for the runtime's MFU, so the planner's MFU and the
-runtime's agree for every model trainmesh builds.
+"""Forward FLOPs per token of a block (dense or MoE): 2 per matmul weight plus 4sh for QK^T and AV
+[NAR, app. FLOPs], as :func:`trainmesh.tracking.metrics.block_flops_per_token` counts, so MFU agrees.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A Hugging Face ``config.json`` as the planner's :class:`ModelShape`, for the decoder families people train:
-llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3 and gpt2.
-
-The JSON is read here, with transformers' defaults for the fields a config may leave out, so planning needs
-no transformers install and runs no code from the directory: a config whose ``auto_map`` points at remote
-code is refused. Each field's meaning is the one in transformers' ``configuration_<type>.py``; the counts
-agree with ``sum(p.numel())`` of the transformers model of each type (``tests/unit/test_plan_shapes.py``).
+"""A Hugging Face ``config.json`` as the planner's :class:`ModelShape` (llama, mistral, qwen2, qwen3,
+mixtral, qwen3_moe, deepseek_v3, gpt2), read with transformers' defaults but without transformers or
+remote code (``auto_map`` refused); counts match ``sum(p.numel())`` (tests/unit/test_plan_shapes.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Published kernel measurements the step-time model prices from, each interpolated in the shape parameter
-that drives it. Every curve is cited in docs/planner.md ("Kernel curves") with its source, figure or table,
-device and precision; ``tests/unit/test_plan_published.py`` shows that removing any one of them moves at
-least one published row. The attention curves price a run that names its kernel
-(``Pricing.attention_kernel``); the default stays the dense fit's matmul pricing (docs/planner.md says why).
+that drives it and cited in docs/planner.md ("Kernel curves"); test_plan_published.py shows each one
+matters.
 
-* :data:`ATTENTION`: the fused attention core's forward and backward TFLOP/s on an H100 80GB SXM5 in bf16,
-  by head dimension (64, 128) and sequence length (512 to 16K), for FlashAttention-2, cuDNN and
-  FlashAttention-3 [FA3: Shah et al., "FlashAttention-3", arXiv 2407.08608, Figures 5 and 6].
-* :func:`busiest_expert_rank`: how far the busiest rank of an ep group is above the mean under balanced
-  routing, from the multinomial spread of the copies over the ranks.
+* :data:`ATTENTION`: fused attention TFLOP/s on an H100 SXM5 in bf16 by head dimension and sequence
+length, for FlashAttention-2, cuDNN and FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6].
+* :func:`busiest_expert_rank`: the busiest ep rank's excess over the mean under balanced routing.
 """
 
 from __future__ import annotations
@@ -47,11 +43,10 @@ def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
 
 
 def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq``
-    keys: the measured curves interpolated in log sequence and linearly in head dimension between 64 and
-    128 (flat outside: MLA's 192-wide queries and keys take the 128 curve). The papers measure the backward
-    without a causal mask only; a causal backward is taken at that rate times the forward's causal /
-    non-causal ratio at the same length (the masked-out tiles cost both passes alike)."""
+    """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq`` keys,
+    interpolated (log sequence, linear head dimension, flat outside); the causal backward is the non-causal
+    rate times the forward's causal / non-causal ratio.
+    """
     table = ATTENTION[kernel]
 
     def at(d: int) -> tuple[float, float]:

@@ -1,10 +1,6 @@
 """Published production runs the step-time model is held to (docs/planner.md, "Production runs"), and the
-planner's own choice beside each published recipe.
-
-Each :class:`PublishedRun` is the published layout, what the source states about its kernels
-(:class:`trainmesh.plan.Pricing`), the published figure and the error the planner is held to. What a source
-leaves open is set once for all rows and named where the row is defined. A run the runtime cannot run
-(FP8 with tp > 1, refused by ``train``) is listed in :data:`NOT_RUNNABLE`, not planned.
+planner's own choice beside each: layout, stated kernels (:class:`trainmesh.plan.Pricing`), figure and
+allowed error. Runs the runtime cannot run are in :data:`NOT_RUNNABLE`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Pipeline stage splits: which blocks each stage holds, and the split the planner searches for.
 
-The runtime cuts a pipeline into ``pp * virtual`` chunks of whole blocks (``--stage-layers``; chunk ``c``
-runs on rank ``c % pp``, chunk 0 also holds the embedding and the last one the final norm and head). Given
-no split it balances parameter counts (:func:`trainmesh.pipeline.partition.balanced_partition`); the
-planner models exactly that for a layout without ``stage_layers``, and for the layouts it proposes takes
-:func:`fastest_split` of the blocks' and the head's modelled times: the split that minimises the slowest
-chunk, the slack taken off the first. Llama 3 405B's 126 layers on 16 stages come out as the paper's
-7, 8 x 14, 7 [Llama 3, 3.3.2].
+The runtime cuts ``pp * virtual`` chunks of whole blocks (``--stage-layers``, else balanced by
+parameters), which the planner models; for its own proposals it takes :func:`fastest_split` of the
+modelled times, e.g. Llama 3 405B's 126 layers on 16 stages as the paper's 7, 8 x 14, 7 [Llama 3, 3.3.2].
 """
 
 from __future__ import annotations

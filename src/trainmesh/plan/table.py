@@ -71,11 +71,10 @@ def compact_split(split: tuple[int, ...]) -> str:
 
 def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
                  command: list[str], top: int = 20, precision_note: str = "") -> str:
-    """The ``top`` fastest layouts as a text table (fastest first, the chosen one marked ``*``), why the
-    chosen one beat the runner-up, and ``command``: the lines that run it (empty when nothing fits).
-    ``R`` is the hybrid-sharding replica count (``--dp-replicate``), ``dp x-node`` the bytes a rank sends per
-    step over the data-parallel axis to other nodes.
-    ``precision_note`` says how the precision was resolved (``auto``)."""
+    """The ``top`` fastest layouts as a text table (chosen one marked ``*``), why it beat the runner-up, and
+    ``command`` that runs it (empty when nothing fits). ``R`` is ``--dp-replicate``, ``dp x-node`` the dp
+    bytes a rank sends to other nodes per step; ``precision_note`` explains ``auto``.
+    """
     head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "R", "mbs", "m",
             "schedule", "blocks/stage", "recompute", "sp", "dp x-node", "mem/rank", "step s", "MFU", "tokens/s"]
     pair = zero3_against_hsdp(workload, cluster, estimates) or ()

@@ -17,21 +17,14 @@ from trainmesh.training.state_bytes import DTYPE_BYTES, Precision, precision_byt
 
 @dataclass(frozen=True)
 class Pricing:
-    """How a run's kernels behave where the layout does not say, for pricing a published run whose kernels are
-    not trainmesh's; the defaults are what trainmesh runs, and the search never changes them.
+    """How a run's kernels behave where the layout does not say, for pricing published runs; defaults are
+    trainmesh's and the search never changes them.
 
-    ``a2a_overlap``: the schedule computes another micro-batch while one's expert all-to-all is in flight, as
-    DualPipe pairs a forward and a backward chunk [DeepSeek-V3, 3.2.1]. ``dispatch_dtype``: the dtype tokens go
-    to their experts in where it is not the activations' (DeepSeek-V3 dispatches in FP8 [DSV3, 3.3.3]; "": the
-    activations'). ``comm_sm_share``: the share of compute units communication kernels hold through the step
-    (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]). ``fp8_experts``: under fp8 the routed experts' grouped matmuls
-    run in float8 too [DSV3, 3.3] (trainmesh's stay bf16: torchao converts ``nn.Linear`` only).
-    ``forward_dispatch``: a token bound for another node crosses once and is forwarded there over NVLink
-    (DeepSeek-V3's, DeepEP's and HybridEP's dispatch), where trainmesh sends each top_k copy straight.
-    ``attention_kernel``: price the fused attention core on an H100-class device from a measured curve
-    (:data:`trainmesh.plan.kernels.ATTENTION`): "fa2", FlashAttention-2 (what PyTorch's
-    ``scaled_dot_product_attention`` runs); "cudnn", cuDNN's fused attention (Transformer Engine's on Hopper:
-    Megatron-LM, NeMo); "fa3", FlashAttention-3; "" (the default): as matmuls at the dense fit's efficiency.
+    ``a2a_overlap``: DualPipe-style overlap [DSV3, 3.2.1]; ``dispatch_dtype``: FP8 dispatch [DSV3, 3.3.3]
+    ("": activations'); ``comm_sm_share``: SMs held by communication [DSV3, 3.2.2]; ``fp8_experts``: float8
+    grouped matmuls [DSV3, 3.3]; ``forward_dispatch``: cross once per node (DeepEP's dispatch);
+    ``attention_kernel``: "fa2", "cudnn" or "fa3" priced from :data:`trainmesh.plan.kernels.ATTENTION` ("":
+    as matmuls).
     """
 
     a2a_overlap: bool = False
@@ -52,12 +45,9 @@ class Pricing:
 
 @dataclass(frozen=True)
 class Workload:
-    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
-
-    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in, ``auto`` resolved as ``train``
-    resolves it; both default to :class:`trainmesh.layout.Layout`'s (the command line's too), so a plan holds
-    for the run that ``trainmesh train`` starts with the same flags. ``pricing`` holds what the layout does not
-    say about the run's kernels (:class:`Pricing`).
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``; ``reduce_dtype``
+    and ``precision`` default to :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train``
+    flags; ``pricing`` per :class:`Pricing`.
     """
 
     model: ModelShape

@@ -1,14 +1,8 @@
 """``trainmesh report RUN_DIR``: one picture and a few lines of text from a run's ``metrics.jsonl``.
 
-The figure answers what a person asks of a run, one panel each: is the loss going down (train and eval),
-how fast is it (tokens/s, MFU), how much memory does each rank hold at its peak, and what does each mesh
-axis send per step; for a mixture of experts, also how the tokens spread over the experts of each layer
-and how even that is (max/mean load) with the fraction dropped. It reads only the run directory, so it works on a finished run, a crashed one, or a
-live one (the records written so far).
-
-``trainmesh report RUN1 RUN2 ...`` overlays runs on one figure instead (loss against step and against tokens,
-tokens/s, peak memory per rank), each labelled by the settings in which the runs differ, and prints those
-differences as a table: comparing two layouts, precisions or learning rates is one picture.
+A panel each for loss, speed (tokens/s, MFU), peak memory per rank, bytes per mesh axis and, for MoE,
+expert load; it reads only the run directory, so finished, crashed and live runs work. Several runs are
+overlaid, labelled and tabled by the settings in which they differ.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The one contract every training engine fulfils.
-
-An engine is what a data-parallel form makes of a model: plain data parallelism
-(:class:`~trainmesh.parallel.data_parallel.DataParallel`) or ZeRO (:mod:`trainmesh.parallel.zero`). The training loop, the
-pipeline runtime and checkpoints talk to it only through :class:`Engine`, so a new form is one class that
-fulfils it, and neither the loop nor checkpoints test which form they hold.
+"""The one contract every training engine (DataParallel or ZeRO) fulfils: the loop, the pipeline runtime
+and checkpoints talk to it only through :class:`Engine`, so a new form is one class.
 """
 
 from __future__ import annotations

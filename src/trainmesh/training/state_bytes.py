@@ -1,8 +1,5 @@
-"""Bytes per element of each kind of model state (parameters, gradients, optimizer state) by precision,
-and which of them each ZeRO stage shards [ZeRO, sec. 3.1 and 5]: the formula of one rank's model state.
-
-Plain arithmetic on counts, with no import beyond the standard library, so that the planner and the
-ZeRO engines can both state their model state with it without importing each other.
+"""Bytes per element of each kind of model state by precision, and which ones each ZeRO stage shards
+[ZeRO, sec. 3.1 and 5]; standard library only, so the planner and the engines share it.
 """
 
 from __future__ import annotations
@@ -35,12 +32,9 @@ STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter t
 
 @functools.cache
 def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
-    """Parameters and activations in ``precision``, gradients in ``reduce_dtype``.
-
-    fp32 training keeps Adam's two moments (K = 8; fp64: 16); mixed precision adds fp32 master weights
-    (K = 12) [ZeRO, 3.1]. The ZeRO paper's 2 Psi of gradients assumes they are reduced in the low
-    precision; trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead. fp8 costs
-    what bf16 does (:data:`STORED_AS`).
+    """Parameters and activations in ``precision``, gradients in ``reduce_dtype``: K = 8 in fp32 (16 in fp64),
+    12 with fp32 masters [ZeRO, 3.1]; fp32 gradient reduction holds 4 Psi (Megatron's ``main_grad``); fp8
+    costs what bf16 does.
     """
     size = DTYPE_BYTES[STORED_AS.get(precision, precision)]
     return Precision(size, DTYPE_BYTES[reduce_dtype], 2 * size if precision in FULL_PRECISIONS else 12, size)
