@@ -3,9 +3,9 @@
 
 * linear (Chen et al., 2023, Positional Interpolation): every frequency divided by ``factor``;
 * llama3 (Grattafiori et al., 2024, Llama 3): short wavelengths kept, long ones divided by ``factor``,
-blended in between;
+  blended in between;
 * yarn (Peng et al., 2023, YaRN, §3.2-3.4): the NTK-by-parts ramp and the attention factor
-``0.1 ln(factor) + 1`` (eq. 21); DeepSeek's softmax gain in :func:`softmax_gain`.
+  ``0.1 ln(factor) + 1`` (eq. 21); DeepSeek's softmax gain in :func:`softmax_gain`.
 
 Other rope types are refused by name on import.
 """

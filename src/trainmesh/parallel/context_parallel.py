@@ -1,10 +1,10 @@
 """Context parallelism: each sequence split over the ``cp`` axis, attention computed across the split.
 
 * **ring** (Liu et al., 2023, Ring Attention; Megatron-core's p2p CP): K/V blocks travel the ring,
-partial results merge by log-sum-exp (online softmax, Milakov & Gimelshein, 2018; FlashAttention,
-Dao et al., 2022, Alg. 1), accumulated in at least fp32; backward runs the ring again.
+  partial results merge by log-sum-exp (online softmax, Milakov & Gimelshein, 2018; FlashAttention,
+  Dao et al., 2022, Alg. 1), accumulated in at least fp32; backward runs the ring again.
 * **a2a** (DeepSpeed-Ulysses, Jacobs et al., 2023): all-to-all trades the sequence split for a head
-split; heads must divide by cp.
+  split; heads must divide by cp.
 
 Causal load balance (Megatron-core / torchtitan "head-tail"): rank r holds chunks r and 2·cp−1−r of
 2·cp. Position ids stay global (:func:`apply_context_parallel`); a plan (``ModelSpec.cp_plan``) names the

@@ -6,7 +6,7 @@ measurements. Sources cited by the formulas:
 * [ZeRO]  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
 * [KOR]   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022.
 * [NAR]   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", 2021; "app. FLOPs" is its appendix deriving F = 96Bslh^2(1 + s/6h + V/16lh).
+          Megatron-LM", 2021; "app. FLOPs" is its appendix deriving F = 96Bslh^2(1 + s/6h + V/16lh).
 * [ZB]    Qi et al., "Zero Bubble Pipeline Parallelism", 2023.
 * [THA]   Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH", 2005.
 * [PALM]  Chowdhery et al., "PaLM", 2022, appendix B (model FLOPs utilization).

@@ -3,7 +3,7 @@ that drives it and cited in docs/planner.md ("Kernel curves"); test_plan_publish
 matters.
 
 * :data:`ATTENTION`: fused attention TFLOP/s on an H100 SXM5 in bf16 by head dimension and sequence
-length, for FlashAttention-2, cuDNN and FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6].
+  length, for FlashAttention-2, cuDNN and FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6].
 * :func:`busiest_expert_rank`: the busiest ep rank's excess over the mean under balanced routing.
 """
 
