@@ -3,8 +3,7 @@
 The CLI (:mod:`trainmesh.app.config`), the Python API and the planner each build a :class:`Layout` and
 call :func:`validate`, which raises :class:`LayoutError` with one line naming the setting and the fix,
 spelled for the audience by a :data:`Spell` (:func:`flag` or :func:`keyword`). This module sits low: it
-reads a model only as a :class:`~trainmesh.models.spec.ModelShape`.
-"""
+reads a model only as a :class:`~trainmesh.models.spec.ModelShape`."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class Layout:
 
     Mesh sizes (``ep`` folds inside :attr:`token_ranks` and adds no ranks), ``dp_replicate`` (HSDP replica
     groups), the ZeRO stage, the pipeline's schedule, memory savers and dtypes, ``bucket_mb`` (MiB of
-    gradient buckets), ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none).
-    """
+    gradient buckets), ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
 
     dp: int = 1
     tp: int = 1
@@ -469,8 +467,7 @@ def validate(layout: Layout, model: ModelShape | None = None, world_size: int | 
              spell: Spell = keyword, name: str = "the model", rules: Sequence[Rule] = MESH_RULES) -> None:
     """Raise :class:`LayoutError` for the first rule ``layout`` breaks, spelled by ``spell``. ``model``
     (called ``name``) and ``world_size`` add their rules when known; ``rules`` narrows to those whose
-    settings are known (:data:`MESH_SHAPE_RULES`).
-    """
+    settings are known (:data:`MESH_SHAPE_RULES`)."""
     check = _Check(layout, model, world_size, spell, name)
     for rule in (*rules, *(MODEL_RULES if model is not None else ())):
         problem = rule(check)

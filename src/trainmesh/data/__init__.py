@@ -1,7 +1,6 @@
 """Training data: where tokens come from and how each step's batch is drawn: local text (:mod:`.text`),
 ``trainmesh prepare`` into shards (:mod:`.prepare`, :mod:`.sources`, :mod:`.jsonl`, :mod:`.workers`),
-memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(seed, step)`` (:mod:`.sampler`).
-"""
+memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(seed, step)`` (:mod:`.sampler`)."""
 
 from __future__ import annotations
 

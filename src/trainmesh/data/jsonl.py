@@ -2,8 +2,7 @@
 
 Lines up to ``read_bytes`` go to :func:`json.loads`; longer ones are read in parts (:class:`LongLine`) and
 their ``text`` decoded run by run, splits of escapes, UTF-8 and surrogate pairs completed across reads.
-Each line must be one object with a valid-Unicode string ``text`` (a lone surrogate is one line naming it).
-"""
+Each line must be one object with a valid-Unicode string ``text`` (a lone surrogate is one line naming it)."""
 
 from __future__ import annotations
 

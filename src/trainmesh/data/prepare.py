@@ -5,8 +5,7 @@ workers tokenize them, and the parent writes in input order, so output does not 
 count; memory is bounded by ``BATCH_BYTES + 2·PIECE_BYTES`` whatever the corpus (plus one Arrow batch).
 Shards are published atomically (``index.json`` last), a failure removes what this run wrote, and a lock
 in ``--out`` (:mod:`trainmesh.tracking.runlock`) refuses a second run. Document k is held out when
-``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``.
-"""
+``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``."""
 
 from __future__ import annotations
 

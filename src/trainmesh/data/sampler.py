@@ -2,8 +2,7 @@
 
 Step s's batch depends on ``(seed, s)`` alone (packed windows across document ends, as GPT-2 and
 Megatron-LM); a rank takes a contiguous slice, so every layout sees one process's batch and resuming
-needs only ``s``.
-"""
+needs only ``s``."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 ``trainmesh prepare`` writes them; ``train --data DIR`` maps them, so rank memory does not grow with the
 corpus. Validation documents are held out whole (``val-*.bin``). Every index field is checked on read
 (:func:`read_index`) and every shard against it before any rank starts (:func:`verify_shard`: hash,
-size, a full scan of token ids), each failure one line naming the file.
-"""
+size, a full scan of token ids), each failure one line naming the file."""
 
 from __future__ import annotations
 
@@ -259,8 +258,7 @@ def _map(path: Path) -> mmap.mmap:
 
 class ShardStream:
     """One split's shards as a single memory-mapped token sequence (``len()`` and slicing). Windows crossing a
-    boundary are stitched; pages read are dropped (``MADV_DONTNEED``) so resident memory stays flat.
-    """
+    boundary are stitched; pages read are dropped (``MADV_DONTNEED``) so resident memory stays flat."""
 
     def __init__(self, index: Index, shards: tuple[Shard, ...]) -> None:
         self.itemsize = index.dtype.itemsize

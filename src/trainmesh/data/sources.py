@@ -1,8 +1,7 @@
 """Documents streamed from ``trainmesh prepare``'s inputs, in a fixed order, in bounded memory: text files,
 JSONL (``text`` field), Parquet and ``datasets.save_to_disk`` directories (``text`` column), or directories
 of them. Every document passes :func:`document_pieces`, which hands it on in pieces of at most two
-``PIECE_BYTES`` reads, so no document is ever held whole.
-"""
+``PIECE_BYTES`` reads, so no document is ever held whole."""
 
 from __future__ import annotations
 

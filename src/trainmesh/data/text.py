@@ -1,7 +1,6 @@
 """Local text read whole into memory (``--data FILE_OR_DIR``, or by default this Python's stdlib sources, so
 a first run needs no download): bytes, or one document per file with ``--tokenizer``. Larger corpora go
-through ``trainmesh prepare``.
-"""
+through ``trainmesh prepare``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Tokenizers: bytes by default (no setup), or any Hugging Face ``tokenizer.json`` (``--tokenizer``, the
 ``data`` extra, imported lazily); ``trainmesh tokenizer train`` trains a byte-level BPE (GPT-2, Radford
 et al., 2019, §2.2). The vocabulary is padded to a multiple of 64·tp as Megatron-LM does, so tp slices are
-equal; pad rows are never inputs or targets.
-"""
+equal; pad rows are never inputs or targets."""
 
 from __future__ import annotations
 

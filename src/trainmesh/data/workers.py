@@ -1,8 +1,7 @@
 """The tokenizing workers of ``trainmesh prepare``: batches out, results back in input order, and a worker
 that dies ends the command at once (``multiprocessing.Pool`` would wait forever for its lost task).
 Each worker holds one batch over its own pipe; the parent waits on pipes and sentinels together, and
-workers die with their parent (``PR_SET_PDEATHSIG``, else within ``POLL_S``).
-"""
+workers die with their parent (``PR_SET_PDEATHSIG``, else within ``POLL_S``)."""
 
 from __future__ import annotations
 

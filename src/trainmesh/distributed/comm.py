@@ -4,8 +4,7 @@ Counts follow the bandwidth-optimal ring algorithms (Patarasuk & Yuan, 2009; ZeR
 2 (n-1)/n · S, all-gather, reduce-scatter, broadcast and all-to-all (n-1)/n · S, send S. Size-1 axes are
 skipped; :func:`log_all_reduce` is not counted. Failures raise :class:`CollectiveError` in the form the
 launcher's hang report parses: ``rank R: collective AXIS/OP #N (ranks 0,2) failed: ...`` or ``rank R: p2p
-AXIS/send R->P #N failed: ...``, numbered per directed pair.
-"""
+AXIS/send R->P #N failed: ...``, numbered per directed pair."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 class Pending:
     """A launched collective or message; :meth:`wait` re-raises a failure as :class:`CollectiveError` naming
-    the op, its per-axis sequence number (the same call on every rank) and its group's ranks.
-    """
+    the op, its per-axis sequence number (the same call on every rank) and its group's ranks."""
 
     def __init__(self, work, desc: str, group: dist.ProcessGroup | None = None, collective: bool = True) -> None:
         self.work, self.desc, self.group, self.collective = work, desc, group, collective
@@ -114,8 +112,7 @@ class Comm:
     @property
     def transport(self) -> str:
         """What this comm's traffic went through, for the summary: ``shm+torch.distributed`` once it mapped shared
-        memory, else ``torch.distributed``.
-        """
+        memory, else ``torch.distributed``."""
         shared = self.channels or any(host is not None for host in self.hosts.values())
         return "shm+torch.distributed" if shared else "torch.distributed"
 
@@ -151,8 +148,7 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "all_reduce",
                    async_op: bool = False, reduce_op=dist.ReduceOp.SUM, divisor: int = 1):
         """Sum ``t`` in place over ``axis``, then divide by ``divisor``; ``op`` names it in the accounting. Through
-        shared memory on one CPU host, else Gloo (divided first: the same bits for a power-of-two divisor).
-        """
+        shared memory on one CPU host, else Gloo (divided first: the same bits for a power-of-two divisor)."""
         if self.mesh.size(axis) == 1:
             if divisor != 1:
                 t.div_(divisor)
@@ -172,8 +168,7 @@ class Comm:
 
     def shares_host(self, axis: str) -> bool:
         """Whether ``axis``'s float collectives go through one host's shared segment (mapped on first use, every
-        rank answering alike); not on GPUs, ``--debug-collectives`` or ``TRAINMESH_HOST_TRANSPORT=off``.
-        """
+        rank answering alike); not on GPUs, ``--debug-collectives`` or ``TRAINMESH_HOST_TRANSPORT=off``."""
         return (self.mesh.size(axis) > 1 and self.mesh.device.type == "cpu" and self.host_transport
                 and dist.get_debug_level() == dist.DebugLevel.OFF and self._host(axis) is not None)
 
@@ -232,8 +227,7 @@ class Comm:
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "all_to_all",
                    out_splits: list[int] | None = None, in_splits: list[int] | None = None) -> None:
         """Send slice i (dim 0) of ``full`` to coordinate i of ``axis`` (Ulysses's exchange); ``in_splits``/
-        ``out_splits`` give uneven rows. Counted: all rows but this rank's own slice.
-        """
+        ``out_splits`` give uneven rows. Counted: all rows but this rank's own slice."""
         n = self.mesh.size(axis)
         if n == 1:
             out.copy_(full)
@@ -258,8 +252,7 @@ class Comm:
                   axis: str = "pp", op: str = "p2p") -> list:
         """Post point-to-point sends and receives together (``(tensor, global peer rank)`` pairs) so neighbours
         exchange without blocking; returns work handles, sends first. Pairs with a :meth:`open_channels` channel
-        go through shared memory instead.
-        """
+        go through shared memory instead."""
         messages = [(dist.isend, t, peer, self.channels.get((self.rank, peer))) for t, peer in sends]
         messages += [(dist.irecv, t, peer, self.channels.get((peer, self.rank))) for t, peer in recvs]
         if not messages:
@@ -279,8 +272,7 @@ class Comm:
 
     def open_channels(self, axis: str, pairs: Sequence[tuple[int, int]], depth: int, slot_bytes: int) -> bool:
         """Shared-memory channels for the directed ``pairs`` of ``axis`` (a collective), ``depth`` messages of up
-        to ``slot_bytes`` each; False on every rank where they cannot be made (several hosts, GPU, turned off).
-        """
+        to ``slot_bytes`` each; False on every rank where they cannot be made (several hosts, GPU, turned off)."""
         if self.mesh.device.type != "cpu" or self.mesh.size(axis) == 1 or not self.host_transport:
             return False
         opened: list[dict[tuple[int, int], Channel] | None] = []

@@ -1,17 +1,9 @@
 """``trainmesh launch --nnodes MIN:MAX``: a run that goes on with the nodes that remain, under torch's elastic agent.
 
-trainmesh writes no rendezvous of its own for this: the node range, the c10d rendezvous at ``--rdzv-endpoint``
-and the restarts are torchrun's elastic agent's, called through its library API
-(:func:`torch.distributed.launcher.api.elastic_launch`), exactly as ``torchrun --nnodes MIN:MAX
---rdzv-backend c10d`` runs it. What this module adds is what makes a restart on fewer nodes train on: every
-rank runs ``trainmesh train --elastic`` (the layout scaled to the world it is given, the last checkpoint
-loaded into it), and each rendezvous round gets a store of its own (:data:`FRESH_STORE_ENV`).
-
-Every port listens on the interface of the address the user named: the node whose address the endpoint is
-hosts the rendezvous store on that address alone (:func:`host_rendezvous`; torch's own would listen on every
-interface), announces that address to the other nodes, and rank 0 of each round binds its store to the
-address it announces (:func:`trainmesh.distributed.mesh.init_distributed`).
-"""
+Rendezvous and restarts are torchrun's (``elastic_launch``, as ``torchrun --rdzv-backend c10d``); this
+module makes a restart on fewer nodes train on: every rank runs ``trainmesh train --elastic`` and each
+round gets its own store (:data:`FRESH_STORE_ENV`). Every port listens only on the named address's
+interface (:func:`host_rendezvous`; rank 0's store via ``init_distributed``)."""
 
 from __future__ import annotations
 

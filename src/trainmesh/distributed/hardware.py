@@ -1,6 +1,5 @@
 """The one catalogue of devices: datasheet peak FLOP/s and the clusters the planner prices layouts on.
-MFU measurement and the planner read the same :data:`DEVICE_PEAKS`; standard library only.
-"""
+MFU measurement and the planner read the same :data:`DEVICE_PEAKS`; standard library only."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class Cluster:
     Matmuls reach ``gemm_efficiency`` scaled by d / (d + ``gemm_half_dim``) per dimension, collectives
     ``comm_efficiency`` of bandwidth. ``ranks_per_core`` > 1: CPU ranks sharing cores; ``direct_exchange``:
     ZeRO exchanges point to point (Gloo); ``memory_bw``: copy bandwidth (0: unpriced);
-    ``comm_overlaps_compute``: NCCL-style overlap; ``hopper``: attention priced from measured curves.
-    """
+    ``comm_overlaps_compute``: NCCL-style overlap; ``hopper``: attention priced from measured curves."""
 
     gpus: int
     gpus_per_node: int
@@ -104,8 +102,7 @@ class Cluster:
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float, hopper: bool = False) -> Cluster:
     """One 8-GPU node from datasheet figures (``hbm`` in bytes/s), efficiencies :data:`GPU_EFFICIENCY` fitted
-    to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`.
-    """
+    to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`."""
     gemm, _, comm = GPU_EFFICIENCY
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
@@ -117,8 +114,7 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
     """The matmul dimension at which a device reaches half its large-matmul efficiency: the A100-80GB fit's
     160 scaled by the roofline ridge point (16-bit peak / memory bandwidth) [Williams et al., "Roofline",
-    2009], since a thin matmul is memory-bound below it (docs/planner.md, "The model").
-    """
+    2009], since a thin matmul is memory-bound below it (docs/planner.md, "The model")."""
     _, reference_dim, _ = GPU_EFFICIENCY
     return round(reference_dim * (peak.half / hbm) / (DEVICE_PEAKS["A100"].half / A100_80GB_HBM))
 

@@ -5,8 +5,7 @@ The launcher hosts the rendezvous store on 127.0.0.1 (a kernel-chosen port, so n
 Ranks get torchrun's environment, so the same entry point runs under torchrun. Each rank's output goes
 to ``rank-N.log``; ``tee`` names the ranks streamed. A stopped rank is warned about and ends the job after
 ``--stopped-grace``. The failure report comes first and blames (in order) an unresponsive rank, a rank
-that failed on its own, or the ranks the others waited on.
-"""
+that failed on its own, or the ranks the others waited on."""
 
 from __future__ import annotations
 
@@ -341,8 +340,7 @@ def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess
                     unresponsive: dict[int, str]) -> tuple[RankProcess, int]:
     """Say which rank is to blame; returns the failed rank whose exit code the launcher returns. In order: a
     rank that stopped responding, one that failed on its own (not while waiting on a peer), else the ranks
-    the failed ones waited on.
-    """
+    the failed ones waited on."""
     for rp in ranks:
         rp.join(timeout=1.0)
     waits = {rp.rank: w for rp, _ in failed if (w := _wait_of(rp, len(ranks)))}
@@ -448,8 +446,7 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
 def start_heartbeat() -> None:
     """In a rank started by :func:`launch`: a daemon thread writes the time into the store every HEARTBEAT_S,
     so a stopped (SIGSTOP, frozen) rank can be named. One per process (cached), joined at exit, since a
-    thread inside the store's C++ client at teardown aborts the process.
-    """
+    thread inside the store's C++ client at teardown aborts the process."""
     if os.environ.get(STORE_CLIENT_ENV) != "1":
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -567,8 +564,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
            tee: frozenset[int] = frozenset({0})) -> int:
     """Run ``python *program *argv`` as ``nproc`` ranks on this node (of ``nodes``) with ``env`` added; return
     the user's exit code. Output goes to ``log_dir/rank-N.log`` and, for ranks in ``tee``, to stdout/stderr;
-    a rank stopped past ``stopped_grace`` ends the job.
-    """
+    a rank stopped past ``stopped_grace`` ends the job."""
     nodes.check()
     store, port = _join_store(nodes)
     job = shm.new_job()
@@ -671,8 +667,7 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          stopped_grace: float = STOPPED_GRACE_S, log_dir: Path | None = None,
                          tee: frozenset[int] = frozenset({0})) -> int:
     """:func:`launch`, relaunching every rank after a failure (up to ``max_restarts``) with ``env_of(True)`` to
-    resume from the latest checkpoint, without ``clear_on_restart`` variables (an injected fault is one-off).
-    """
+    resume from the latest checkpoint, without ``clear_on_restart`` variables (an injected fault is one-off)."""
     rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(False), log_dir=log_dir, tee=tee)
     for attempt in range(1, max_restarts + 1):
         if rc == 0:

@@ -3,8 +3,7 @@
 ``tp`` is innermost so a tp group is consecutive ranks (one node), then ``cp``, as Megatron-LM orders
 them; gradients of replicated parameters reduce over the flattened ``dp_cp`` axis. Expert parallelism
 folds inside the ``dp_cp`` coordinates (and tp under sp), as Megatron-core's MoE folding; ranks holding
-the same experts form ``edp``. A single-process run builds no process group and skips every collective.
-"""
+the same experts form ``edp``. A single-process run builds no process group and skips every collective."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def world_env(env: Mapping[str, str] = os.environ) -> WorldEnv:
 
 def _slurm_world(env: Mapping[str, str]) -> WorldEnv:
     """One rank per ``srun`` task; task 0 hosts the rendezvous at the step's first node (not the launch node,
-    which may be a login node), on a port derived from the job id; ``MASTER_ADDR``/``MASTER_PORT`` override.
-    """
+    which may be a login node), on a port derived from the job id; ``MASTER_ADDR``/``MASTER_PORT`` override."""
     world = int(env["SLURM_NTASKS"])
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else env.get("SLURM_LAUNCH_NODE_IPADDR"))
@@ -128,8 +126,7 @@ def world_from_env() -> tuple[int, int]:
 
 def bound_store(addr: str, port: int, timeout: datetime.timedelta, **options: object) -> dist.TCPStore:
     """A TCPStore server listening on ``addr``'s interface alone (port 0: kernel's pick): TCPStore's own listens
-    on every interface and is unauthenticated. ``options`` go to TCPStore.
-    """
+    on every interface and is unauthenticated. ``options`` go to TCPStore."""
     family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -142,8 +139,7 @@ def bound_store(addr: str, port: int, timeout: datetime.timedelta, **options: ob
 
 def init_distributed(backend: str, device: torch.device, timeout_s: float = 300.0) -> None:
     """Join the process group described by the environment: as a client of the trainmesh launcher's store, or,
-    under torchrun/srun with the round's own store, rank 0 hosting it on ``MASTER_ADDR``'s interface only.
-    """
+    under torchrun/srun with the round's own store, rank 0 hosting it on ``MASTER_ADDR``'s interface only."""
     world = world_env()
     if world.world_size == 1 or dist.is_initialized():
         return
@@ -183,8 +179,7 @@ class Mesh:
         """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis (set per
         axis group, since ``init_device_mesh`` gives sub-groups torch's default); ``sequence_parallel`` folds ep
         over tp too. ``dp_replicate`` > 1 (hybrid sharding) splits ``dp_cp`` into contiguous ``dp_shard``
-        groups replicated across ``dp_replicate``.
-        """
+        groups replicated across ``dp_replicate``."""
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
                         sequence_parallel=sequence_parallel and tp > 1)  # validated by its callers
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": layout.expert_data_ranks,
@@ -330,8 +325,7 @@ def leave_at_exit(mesh: Mesh) -> None:
 def _leave(mesh: Mesh) -> None:
     """Wait for every rank's collectives, destroy the process group and end its Gloo groups while the
     interpreter is whole. A rank ending by an uncaught exception waits for nobody and, under the launcher,
-    exits 1 at once, so teardown cannot abort it and hide the failure.
-    """
+    exits 1 at once, so teardown cannot abort it and hide the failure."""
     joined = dist.is_initialized()  # not if the script, or another mesh's exit handler, destroyed the group
     if joined:
         if dist.get_backend() == "gloo" and not _uncaught:
@@ -346,8 +340,7 @@ def _leave(mesh: Mesh) -> None:
 
 def _finish_collectives(mesh: Mesh) -> None:
     """Return once every rank finished the collectives queued on every mesh group (Gloo's barrier follows
-    earlier work), after a world barrier bounded by :data:`EXIT_WAIT_S` so departed peers are not awaited.
-    """
+    earlier work), after a world barrier bounded by :data:`EXIT_WAIT_S` so departed peers are not awaited."""
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
         for group in [None, *mesh.groups()]:
@@ -358,8 +351,7 @@ def _finish_collectives(mesh: Mesh) -> None:
 
 def _release_groups(mesh: Mesh) -> None:
     """Let go of the mesh's process groups so each Gloo group is destroyed now, its workers joined: left to
-    interpreter teardown, a worker needing the GIL makes the rank abort or hang.
-    """
+    interpreter teardown, a worker needing the GIL makes the rank abort or hang."""
     mesh.device_mesh = None
     mesh.flat_groups.clear()
     gc.collect()

@@ -5,8 +5,7 @@ Gloo copies every byte through sockets even on one machine; through a mapped seg
 once, sums its 1/n and reads the others' (docs/performance.md, "Shared-memory collectives against
 Gloo"), as DeepSpeed does among CPU ranks. Two slot sets alternate between chunks, barriers are the
 segment's own semaphores, sums run in rank order (identical bits on every rank), and the file is removed
-once all ranks mapped it, so nothing is left in ``/dev/shm``.
-"""
+once all ranks mapped it, so nothing is left in ``/dev/shm``."""
 
 from __future__ import annotations
 
@@ -128,8 +127,7 @@ class Semaphore:
 class HostCollectives:
     """Sums, all-gathers and reduce-scatters over ``group`` through a shared segment (build with :meth:`open`).
     One semaphore per (barrier parity, rank): no rank can be two barriers ahead, so next-barrier posts never
-    count towards this one.
-    """
+    count towards this one."""
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, timeout_s: float) -> None:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)

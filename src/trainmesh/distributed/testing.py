@@ -1,11 +1,6 @@
-"""A small harness that runs a function on N ranks (processes on 127.0.0.1) and returns their results.
-
-Each rank gets the environment the launcher gives (a store hosted by the calling process on loopback,
-Gloo on ``lo``), runs ``fn(*args)`` and hands back its return value. A rank that raises, dies or
-outlives ``timeout`` fails the call with the rank's number and traceback, and every other rank is killed,
-so a broken or hung test fails instead of hanging CI. (PyTorch's ``MultiProcessTestCase`` and DeepSpeed's
-``DistributedTest`` play this role in those projects.)
-"""
+"""A small harness that runs a function on N ranks (processes on 127.0.0.1) and returns their results, as
+PyTorch's ``MultiProcessTestCase`` or DeepSpeed's ``DistributedTest``: a rank that raises, dies or
+outlives ``timeout`` fails the call with its number and traceback, and the others are killed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The registry of model families (:class:`~trainmesh.models.spec.ModelSpec`, looked up by preset name):
 registering one, here or by :func:`register_family` or the ``trainmesh.families`` entry points, is all
-``train``, ``plan``, ``--init-hf``, ``export --hf`` and ``parallelize`` need.
-"""
+``train``, ``plan``, ``--init-hf``, ``export --hf`` and ``parallelize`` need."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ SPECS: list[ModelSpec] = [
 def register_family(spec: ModelSpec) -> ModelSpec:
     """Add ``spec``'s family for this process: its presets become ``--model`` names, ``parallelize`` recognises
     its models, its ``hf`` mapping serves ``--init-hf``/``export --hf``. A taken family, preset or
-    architecture is refused (the same spec again is a no-op). Returns ``spec``.
-    """
+    architecture is refused (the same spec again is a no-op). Returns ``spec``."""
     if any(s is spec for s in SPECS):
         return spec
     if not isinstance(spec, ModelSpec):
@@ -154,8 +152,7 @@ _TRIED_ENTRY_POINTS: set[str] = set()  # loaded once per process, failures inclu
 
 def load_installed_families() -> bool:
     """Register each family named in the ``trainmesh.families`` entry-point group (``"package.module:SPEC"``),
-    only when a name is not found; one that fails to load is one stderr line. True if any was added.
-    """
+    only when a name is not found; one that fails to load is one stderr line. True if any was added."""
     added = False
     for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if point.value in _TRIED_ENTRY_POINTS:

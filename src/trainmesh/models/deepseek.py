@@ -1,16 +1,10 @@
-"""DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report") at tiny sizes, as an option of trainmesh's
-Llama: multi-head latent attention (:class:`trainmesh.models.llama.LatentAttention`), a sigmoid router with
-its selection bias (the aux-loss-free balancing of §2.1.2, ``MoEConfig.bias_rate``) and its group-limited
-(node-limited) routing (``n_group``/``topk_group`` as ``MoEConfig.expert_groups``/``groups_per_token``),
-shared experts, dense first layers, the routed weights scaled by ``routed_scaling_factor``; and its
-translation to and from transformers' ``DeepseekV3ForCausalLM``.
+"""DeepSeek-V3 (DeepSeek-AI, 2024) at tiny sizes as an option of trainmesh's Llama: latent attention, a
+sigmoid router with the aux-loss-free bias (§2.1.2) and group-limited routing, shared experts, dense
+first layers, ``routed_scaling_factor``, and the translation to and from ``DeepseekV3ForCausalLM``.
 
-Tensor parallelism splits heads: ``q_b`` (or ``q``) and ``kv_b`` by their per-head rows, ``o`` by its input;
-the compressions ``q_a``/``kv_a`` and their norms are held whole on every tp rank, each of which uses them
-for its own heads, so their gradients are summed over tp (``per_head``). Context parallelism is refused: a
-value head narrower than the query/key head does not fit the ring's accumulators. Its YaRN rope scaling,
-``mscale_all_dim`` included, is imported (:mod:`trainmesh.models.rope`).
-"""
+tp splits heads (``q_b``/``kv_b`` rows, ``o`` input) and keeps the compressions whole (gradients summed
+over tp, ``per_head``). cp is refused: a value head narrower than the query/key head does not fit the
+ring's accumulators. YaRN scaling is imported (:mod:`trainmesh.models.rope`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Attention derives its head count from its tensors' widths, so a tp plan can shard ``qkv``/``proj``; the
 blocks are an ``nn.ModuleDict`` by layer index and any top-level piece may be ``None``, so a pipeline stage
-is this class with layers deleted and names stay identical across layouts (as torchtitan builds stages).
-"""
+is this class with layers deleted and names stay identical across layouts (as torchtitan builds stages)."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ class Embedding(nn.Module):
 
 class GPT(nn.Module):
     """Decoder-only transformer: ``embed -> blocks -> ln_f -> head``; ``forward`` returns logits, or hidden
-    states where ``embed``/``head`` are ``None`` on a stage.
-    """
+    states where ``embed``/``head`` are ``None`` on a stage."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         super().__init__()
@@ -164,8 +162,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """GPT-2 init (N(0, 0.02), residual projections scaled by 1/sqrt(2L)) from a private generator, so the
-        weights depend on the seed alone in every layout and the global RNG is untouched.
-        """
+        weights depend on the seed alone in every layout and the global RNG is untouched."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
         for name, p in self.named_parameters():

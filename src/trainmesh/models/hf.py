@@ -5,8 +5,7 @@ Per-family differences are data (:class:`trainmesh.models.spec.HFMapping`). Rule
 safetensors); nothing downloaded (a hub id asks for a local copy); configs through transformers' own
 classes, imported lazily (the ``hf`` extra); nothing from a model folder executes (``auto_map`` refused,
 ``trust_remote_code=False``, sizes range-checked); weights must be finite floats
-(:mod:`trainmesh.models.weights`).
-"""
+(:mod:`trainmesh.models.weights`)."""
 
 from __future__ import annotations
 
@@ -403,8 +402,7 @@ def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, mo
             spec: ModelSpec | None = None, attributes: Mapping[str, Any] | None = None) -> Path:
     """Write ``weights`` (a model, or a full state dict with ``model_config``) to ``out`` as ``config.json`` and
     ``model.safetensors`` of ``spec``'s HF architecture, ``attributes`` (special token ids) in the config;
-    returns ``out``. Tokenizer and generation config: :func:`trainmesh.checkpoint.export_hf`.
-    """
+    returns ``out``. Tokenizer and generation config: :func:`trainmesh.checkpoint.export_hf`."""
     if isinstance(weights, nn.Module):
         model_config, weights = weights.cfg if model_config is None else model_config, weights.state_dict()
     spec = spec or spec_of_config(model_config)

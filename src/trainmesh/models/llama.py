@@ -4,8 +4,7 @@ Pre-norm RMSNorm, RoPE (HF's rotate-half pairing, applied after the projection s
 under sp), SwiGLU, grouped-query attention, no biases. It keeps GPT's stage contract and knows nothing of
 parallelism: attention derives head counts from its tensors' widths. For tp, ``attn.qkv`` is fused with
 rows grouped by KV head (Megatron-LM's GQA layout, so a tp split hands out whole groups) and
-``mlp.gate_up`` is one fused ``[gate | up]`` linear.
-"""
+``mlp.gate_up`` is one fused ``[gate | up]`` linear."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class LlamaConfig:
     """Shape of a Llama: ``n_kv_heads < n_heads`` is GQA; ``moe`` makes the MLPs after ``moe.n_dense_layers``
     SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3). ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
     ``sliding_window`` (Mistral), ``kv_lora_rank`` > 0 (:class:`LatentAttention`), ``head_dim`` where not
-    ``d_model / n_heads`` (Qwen3, Mistral-Nemo), ``rope_scaling`` (:mod:`trainmesh.models.rope`).
-    """
+    ``d_model / n_heads`` (Qwen3, Mistral-Nemo), ``rope_scaling`` (:mod:`trainmesh.models.rope`)."""
 
     n_layers: int
     d_model: int
@@ -169,8 +167,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class AttentionCore(nn.Module):
     """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set; its own
-    module so selective recomputation [KOR, §5] redoes exactly this and cp finds its window.
-    """
+    module so selective recomputation [KOR, §5] redoes exactly this and cp finds its window."""
 
     def __init__(self, window: int | None = None) -> None:
         super().__init__()
@@ -215,8 +212,7 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 §2.1, kept by V3): keys and values expanded (``kv_b``) from one
     compressed ``kv_lora_rank`` vector per token, queries through a ``q_lora_rank`` bottleneck, position in a
     decoupled rotated part shared by heads (eq. 14-19). tp splits ``q_b``/``kv_b`` by heads and ``o`` by input.
-    YaRN's ``mscale_all_dim`` scales the queries, so the attention core keeps its ``1/sqrt(d)``.
-    """
+    YaRN's ``mscale_all_dim`` scales the queries, so the attention core keeps its ``1/sqrt(d)``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -444,8 +440,7 @@ def dense_mlp_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.
 def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, torch.Tensor]:
     """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps: only the fusion into KV groups
     re-lays attention out (HF's q/k rows are already rotate-half). A tied checkpoint's ``lm_head.weight``
-    must be the embedding.
-    """
+    must be the embedding."""
     out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
     head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
     if head is not None and not head.is_meta and not torch.equal(head, out["embed.weight"]):
@@ -529,8 +524,7 @@ def _expert_names(i: int, e: int) -> tuple[str, str, str]:
 
 def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
     """Layer ``i``'s router and experts, stacked into our ``[E, d, f]``/``[E, f, d]``, from Mixtral's saved
-    layout (``block_sparse_moe``, per-expert ``w1``/``w2``/``w3``) or transformers' fused in-memory one.
-    """
+    layout (``block_sparse_moe``, per-expert ``w1``/``w2``/``w3``) or transformers' fused in-memory one."""
     ours, fused = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
     if fused + "gate.weight" in hf:
         w1, w3 = hf[fused + "experts.gate_up_proj"].transpose(1, 2).chunk(2, dim=2)

@@ -8,8 +8,7 @@ A :class:`Dispatcher` moves them (:class:`LocalDispatch` here; expert parallelis
 Balancing (:class:`MoEConfig`): the per-sequence aux loss ``sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20), so
 it is the same however the batch is split; the router z-loss (ST-MoE, Zoph et al., 2022, eq. 5); the
 aux-loss-free bias (Wang et al., 2024; DeepSeek-V3 §2.1.2, :func:`update_expert_bias`). Aux terms enter
-backward through the output (:class:`InjectAuxGrad`, as Megatron-core's ``MoEAuxLossAutoScaler``).
-"""
+backward through the output (:class:`InjectAuxGrad`, as Megatron-core's ``MoEAuxLossAutoScaler``)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class MoEConfig:
     ``score``: ``softmax`` (Mixtral, Switch) or ``sigmoid`` (DeepSeek-V3, always top-k normalised).
     ``capacity_factor`` 0 is dropless, else each expert takes at most ceil(cf * tokens * top_k / E) copies
     and drops the rest. ``route_scale`` is DeepSeek-V3's ``routed_scaling_factor``; ``expert_groups`` and
-    ``groups_per_token`` its node-limited routing (§2.1.2, :func:`limit_to_groups`; equal numbers: no limit).
-    """
+    ``groups_per_token`` its node-limited routing (§2.1.2, :func:`limit_to_groups`; equal numbers: no limit)."""
 
     n_experts: int
     top_k: int
@@ -190,8 +188,7 @@ def limit_to_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tenso
 
 class Router(nn.Module):
     """Scores every expert per token and picks ``top_k``; the ``expert_bias`` buffer shifts the choice only
-    (DeepSeek-V3 eq. 16). Expert parallelism swaps only the dispatcher, so every layout routes alike.
-    """
+    (DeepSeek-V3 eq. 16). Expert parallelism swaps only the dispatcher, so every layout routes alike."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -265,8 +262,7 @@ class InjectAuxGrad(torch.autograd.Function):
 def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_experts: int, top_k: int,
                  split: "SequenceSplit | None" = None) -> torch.Tensor:
     """Mean over the ``batch`` sequences of ``sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20 without the coefficient):
-    1 for even routing, E at collapse. With ``split``, per-sequence sums are taken over all its shards.
-    """
+    1 for even routing, E at collapse. With ``split``, per-sequence sums are taken over all its shards."""
     chosen = F.one_hot(experts, n_experts).sum(1).to(probs.dtype).view(batch, -1, n_experts)
     tokens = chosen.shape[1]
     routed, scored = chosen.sum(1), probs.view(batch, tokens, n_experts).sum(1)
@@ -280,8 +276,7 @@ def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_exper
 class SequenceSplit:
     """Every sequence split over ``shards`` processes (sp or cp): ``total`` sums a per-sequence statistic over
     them, backward giving each its own tokens' gradient; ``total_counts`` sums expert counts without counting
-    a token twice.
-    """
+    a token twice."""
 
     shards: int
     total: Callable[[torch.Tensor], torch.Tensor]
@@ -314,8 +309,7 @@ def _recomputing() -> bool:
 class MoE(nn.Module):
     """The MoE layer: ``[B, S, d]`` -> ``[B, S, d]``, a drop-in for a block's MLP. ``gated``: SwiGLU experts,
     else GELU; ``shared``: the shared experts' MLP or None; ``impl``: one of :data:`MATMULS`;
-    ``aux_grad_scale``: the aux losses' gradient per forward (set by :func:`begin_step`).
-    """
+    ``aux_grad_scale``: the aux losses' gradient per forward (set by :func:`begin_step`)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, gated: bool, shared: nn.Module | None = None,
                  impl: str = "loop") -> None:

@@ -1,18 +1,7 @@
-"""Qwen2/Qwen2.5 (Yang et al., 2024) and Qwen3 (Yang et al., 2025) as options of trainmesh's Llama
-(:mod:`trainmesh.models.llama`): the same module, the same tensor layout, the same Hugging Face tensor names.
-
-* Qwen2 puts biases on the q, k and v projections and nowhere else (``LlamaConfig.qkv_bias``); its small
-  sizes tie the output head to the embedding.
-* Qwen3 drops those biases and normalises each query and key head by an RMSNorm over its ``head_dim``
-  before the rotation (``LlamaConfig.qk_norm``); its heads are 128 wide at every size, which is not
-  ``d_model / n_heads`` in most (``LlamaConfig.head_dim``).
-* Qwen3-MoE is Qwen3 with each MLP a softmax-routed mixture of SwiGLU experts (``LlamaConfig.moe``, the
-  existing MoE layer and its expert parallelism).
-
-What is left here is data: the tiny presets the tests train, the published shapes the planner plans, and
-the translation of transformers' ``Qwen2Config``/``Qwen3Config`` both ways. Their sliding-window layers
-(``use_sliding_window``, off in every released Qwen2/Qwen3 checkpoint) are refused.
-"""
+"""Qwen2/Qwen2.5 (Yang et al., 2024) and Qwen3 (Yang et al., 2025) as options of trainmesh's Llama: the same
+module, tensor layout and HF names. Qwen2 adds q/k/v biases (``qkv_bias``), Qwen3 per-head q/k RMSNorm
+(``qk_norm``) and 128-wide heads (``head_dim``), Qwen3-MoE SwiGLU experts (``moe``). Here: presets,
+planner shapes and the config translation; sliding-window layers are refused."""
 
 from __future__ import annotations
 

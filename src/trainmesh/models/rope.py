@@ -7,8 +7,7 @@
 * yarn (Peng et al., 2023, YaRN, §3.2-3.4): the NTK-by-parts ramp and the attention factor
   ``0.1 ln(factor) + 1`` (eq. 21); DeepSeek's softmax gain in :func:`softmax_gain`.
 
-Other rope types are refused by name on import.
-"""
+Other rope types are refused by name on import."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ and the shape the planner reasons about, so adding an architecture touches no pa
 torchtitan's ``TrainSpec``).
 
 Models keep :class:`trainmesh.models.gpt.GPT`'s stage contract (``embed``, ``blocks`` as a ModuleDict,
-``ln_f``, ``head``, any possibly None on a stage); other models are presented in it by :class:`Staged`.
-"""
+``ln_f``, ``head``, any possibly None on a stage); other models are presented in it by :class:`Staged`."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from trainmesh.models.cache import KVCache
 
 def stage_forward(model: nn.Module, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
     """``embed -> blocks -> ln_f -> head``, skipping what this stage does not hold. With a ``cache``
-    (decoding), ``x`` holds the tokens after the cached positions and each block extends its layer's cache.
-    """
+    (decoding), ``x`` holds the tokens after the cached positions and each block extends its layer's cache."""
     if model.embed is not None:
         x = model.embed(x) if cache is None else model.embed(x, cache.length)
     for name, block in model.blocks.items():
@@ -55,8 +53,7 @@ class ModelShape:
     (``n_experts`` > 0) follow :mod:`trainmesh.models.moe`, with group-limited routing as DeepSeek-V3's
     ``n_group``/``topk_group``. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral);
     ``kv_lora_rank`` > 0 is multi-head latent attention (DeepSeek-V2/V3). ``head_dim`` None means
-    ``d_model / n_heads``.
-    """
+    ``d_model / n_heads``."""
 
     n_layers: int
     d_model: int
@@ -188,8 +185,7 @@ CONTRACT = ("embed", "blocks", "ln_f", "head")
 @dataclass(frozen=True)
 class StageLayout:
     """Module paths of the stage contract's parts: ``blocks`` (``"model.layers"``), ``pre`` before them,
-    ``post`` after (final norm then head); the model must compute ``post(blocks(pre(x)))``.
-    """
+    ``post`` after (final norm then head); the model must compute ``post(blocks(pre(x)))``."""
 
     blocks: str
     pre: str | None = None
@@ -216,8 +212,7 @@ def _set_path(root: nn.Module, path: str, value: nn.Module | None) -> None:
 
 class Staged(nn.Module):
     """A model presented in the stage contract without renaming: it holds the model's own children, so
-    parameter names, checkpoints and TP plans stay the model's; blocks become a ModuleDict by layer index.
-    """
+    parameter names, checkpoints and TP plans stay the model's; blocks become a ModuleDict by layer index."""
 
     def __init__(self, model: nn.Module, layout: StageLayout) -> None:
         super().__init__()
@@ -278,8 +273,7 @@ class HFIncompatible(ValueError):
 class HFMapping:
     """How a family meets Hugging Face transformers, as data and pure functions (no transformers import):
     config.json's ``architecture``/``model_type``, ``from_config``/``to_config`` (or :class:`HFIncompatible`),
-    ``from_hf``/``to_hf`` renaming state dicts both ways, and ``buffers``, a regex of non-weight tensors.
-    """
+    ``from_hf``/``to_hf`` renaming state dicts both ways, and ``buffers``, a regex of non-weight tensors."""
 
     architecture: str
     model_type: str
@@ -297,8 +291,7 @@ class ModelSpec:
 
     ``presets`` train on a CPU; ``planner_presets`` are full-sized published shapes. A family not keeping the
     stage contract adds ``accepts``, ``layout``, ``config_of`` and ``prepare`` for :class:`Staged`. Add
-    one's own with :func:`trainmesh.register_family`.
-    """
+    one's own with :func:`trainmesh.register_family`."""
 
     family: str
     presets: Mapping[str, Any]

@@ -8,8 +8,7 @@
 
 Causal load balance (Megatron-core / torchtitan "head-tail"): rank r holds chunks r and 2·cp−1−r of
 2·cp. Position ids stay global (:func:`apply_context_parallel`); a plan (``ModelSpec.cp_plan``) names the
-attention cores and position modules.
-"""
+attention cores and position modules."""
 
 from __future__ import annotations
 

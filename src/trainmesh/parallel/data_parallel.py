@@ -2,8 +2,7 @@
 
 As PyTorch DDP (Li et al., VLDB 2020, §3.2): buckets in reverse registration order, gradients as views
 into flat buffers, and a hook launching a bucket's async AllReduce once complete, overlapping backward.
-Buckets launch in index order so collectives match across ranks.
-"""
+Buckets launch in index order so collectives match across ranks."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 def axis_buckets(params: list[nn.Parameter], bucket_bytes: int, axis: str) -> list[tuple[str, list[nn.Parameter]]]:
     """:func:`split_buckets` of ``params`` with each bucket's reduction axis: dense over ``axis`` first, then
     routed experts over the edp axis, so no bucket mixes groups; tp-partial parameters
-    (:func:`~trainmesh.parallel.tensor_parallel.defer_tp_sums`) get buckets of their own.
-    """
+    (:func:`~trainmesh.parallel.tensor_parallel.defer_tp_sums`) get buckets of their own."""
     out = []
     for reduced_over in (axis, EXPERT_AXIS):
         mine = [p for p in params if (reduction_axis(p, axis) == axis) == (reduced_over == axis)]
@@ -73,8 +71,7 @@ def sum_over_tp(grads: Sequence[torch.Tensor], comm: Comm) -> None:
 
 def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
     """Make ``view`` (a bucket slice) hold ``p``'s accumulated gradient: ``p.grad`` is the view where dtypes
-    agree (copied back if reset to None), else each micro-batch's gradient is added in and dropped.
-    """
+    agree (copied back if reset to None), else each micro-batch's gradient is added in and dropped."""
     if view.dtype != p.dtype:
         view.add_(p.grad)
         p.grad = None
@@ -86,8 +83,7 @@ def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
 class BucketFold:
     """Adds low-precision gradients into their wider bucket views a bucket at a time, with one
     ``torch._foreach_add_`` instead of one kernel per parameter and micro-batch. Buckets left incomplete
-    are folded at the end of backward (autograd's queued callback, as DDP's reducer).
-    """
+    are folded at the end of backward (autograd's queued callback, as DDP's reducer)."""
 
     def __init__(self, sizes: Mapping[Hashable, int]) -> None:
         self.sizes = dict(sizes)
@@ -160,8 +156,7 @@ class DataParallel:
 
     Run backward on the loss times :attr:`loss_scale` (inside :meth:`no_sync` but for the last
     micro-batch), then :meth:`step`; the module is not wrapped. Low-precision parameters get fp32 masters,
-    gradients reduced in ``reduce_dtype`` (as Megatron's ``main_grad``, via :class:`BucketFold`).
-    """
+    gradients reduced in ``reduce_dtype`` (as Megatron's ``main_grad``, via :class:`BucketFold`)."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype = torch.float32,
@@ -277,8 +272,7 @@ class DataParallel:
     def step(self, lr: float, max_norm: float) -> float:
         """Finish the AllReduce, unscale, clip by the global norm and update; returns the pre-clip norm. The norm
         is reduced over ``tp`` and ``pp`` (and experts over ``ep``, on every stage: :func:`experts_on_any_stage`);
-        a non-finite norm skips the update on every rank.
-        """
+        a non-finite norm skips the update on every rank."""
         self.finish_gradient_sync()
         sum_over_tp([b.flat for b in self.buckets if b.tp_sum], self.comm)
         opt_params = self.masters or self.params

@@ -5,8 +5,7 @@ torchtitan do; ep rank r holds experts ``[r E/P, (r+1) E/P)``. As Megatron-core'
 ``MoEAlltoAllTokenDispatcher``, :meth:`AllToAllDispatch.dispatch` exchanges per-expert counts, then the
 copies, sorted per local expert; :meth:`AllToAllDispatch.combine` reverses it. Both are autograd
 functions whose backward is the reverse all-to-all. Dense parameters reduce over ``dp x cp``, experts
-over the expert-data-parallel group, both divided by the ``dp x cp`` size.
-"""
+over the expert-data-parallel group, both divided by the ``dp x cp`` size."""
 
 from __future__ import annotations
 
@@ -101,8 +100,7 @@ def is_expert(p: torch.Tensor) -> bool:
 
 def experts_on_any_stage(params: list[nn.Parameter], comm: Comm) -> bool:
     """Whether any pipeline stage holds routed experts (a sum over ``pp``): a dense-only stage must still join
-    the experts' norm collectives, contributing zero, or the others wait forever.
-    """
+    the experts' norm collectives, contributing zero, or the others wait forever."""
     held = torch.tensor([float(any(is_expert(p) for p in params))], dtype=torch.float64, device=comm.mesh.device)
     comm.all_reduce(held, "pp", op="expert_stages")
     return held.item() > 0
@@ -177,8 +175,7 @@ def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
                 experts_over_tp: bool = False) -> dict[str, str]:
     """The family's tp plan fitted to an MoE model: unmatched MLP patterns dropped, MoE layers whole on every tp
     rank; under sp their gradients are summed over tp (``sequence``), routed experts folded over tp
-    (``experts_over_tp``) when ep folds there.
-    """
+    (``experts_over_tp``) when ep folds there."""
     layers = [name for name, _ in expert_modules(model)]
     if not layers:
         return plan
@@ -229,8 +226,7 @@ class _SumOverAxis(torch.autograd.Function):
 def split_sequence_stats(model: nn.Module, comm: Comm, axes: tuple[str, ...]) -> None:
     """Each rank of ``axes`` holds a slice of every sequence (tp under sp, cp): per-sequence balance statistics
     and z-loss are summed over all (:class:`~trainmesh.models.moe.SequenceSplit`), expert counts over tp only.
-    Backward keeps each rank's own part, scaled by cp to match the main loss's averaging over cp.
-    """
+    Backward keeps each rank's own part, scaled by cp to match the main loss's averaging over cp."""
     scale = {"tp": 1.0, "cp": float(comm.mesh.size("cp"))}
 
     def summed(t: torch.Tensor, over: tuple[str, ...]) -> torch.Tensor:

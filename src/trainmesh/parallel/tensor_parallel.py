@@ -6,8 +6,7 @@ and head split by vocabulary, the loss computed without gathering logits. Sequen
 (Korthikanti et al., 2022, §4.2.2) splits the regions between along the sequence: ``f``/``g`` become
 all-gather/reduce-scatter and replicated parameters there get their gradients summed over tp.
 :func:`parallelize` takes an ``nn.Module`` and a plan of module-name patterns -> :data:`STYLES`.
-Activations are ``[batch, seq, hidden]``.
-"""
+Activations are ``[batch, seq, hidden]``."""
 
 from __future__ import annotations
 
@@ -143,8 +142,7 @@ class _GatherFromSequence(torch.autograd.Function):
 class _ColumnParallelLinear(torch.autograd.Function):
     """``f`` fused with the linear: forward ``x A^T + b`` (all-gathering ``x`` under SP); backward all-reduces
     (reduce-scatters under SP) the input gradient while the weight gradient is computed, as Megatron-LM's
-    ``LinearWithGradAccumulationAndAsyncCommunication``. Under SP only the local slice is saved [KOR, 4.2.2].
-    """
+    ``LinearWithGradAccumulationAndAsyncCommunication``. Under SP only the local slice is saved [KOR, 4.2.2]."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
@@ -184,8 +182,7 @@ sums the accumulated gradient over tp itself, once per step (:func:`defer_tp_sum
 
 def sum_grad_over_tp(p: nn.Parameter, comm: Comm) -> None:
     """Make ``p``'s gradient the sum over tp ranks: a replicated parameter in the SP region sees only its slice
-    of the sequence. Summed per backward unless an engine takes it over (:func:`defer_tp_sums`).
-    """
+    of the sequence. Summed per backward unless an engine takes it over (:func:`defer_tp_sums`)."""
     setattr(p, TP_PARTIAL, "backward")
     p.register_hook(lambda grad: grad if getattr(p, TP_PARTIAL) == "step" else _all_reduce(grad, comm, op="sequence_grads"))
 
@@ -193,8 +190,7 @@ def sum_grad_over_tp(p: nn.Parameter, comm: Comm) -> None:
 def defer_tp_sums(params: Sequence[nn.Parameter]) -> bool:
     """Whether an engine should sum ``params`` (one bucket) over tp itself once per step, turning off their
     per-backward hooks. The sum commutes with accumulation and dp reduction, which saves one all-reduce per
-    micro-batch of the routed experts' gradients under SP. Only buckets of such parameters alone qualify.
-    """
+    micro-batch of the routed experts' gradients under SP. Only buckets of such parameters alone qualify."""
     if not params or not all(getattr(p, TP_PARTIAL, None) for p in params):
         return False
     for p in params:
@@ -281,8 +277,7 @@ class ColumnParallelLinear(ShardedModule):
 
 class LocalColumnLinear(ShardedModule):
     """A column-parallel linear whose input the module's ``prepare_input`` already made whole: no communication
-    of its own (as torchtitan's ``PrepareModuleInput`` for separate q/k/v).
-    """
+    of its own (as torchtitan's ``PrepareModuleInput`` for separate q/k/v)."""
 
     def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__(comm, sequence_parallel)
@@ -409,8 +404,7 @@ def _first_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor]:
 
 def _prepare_input(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     """Make a module's input whole once on entry for its ``colwise_local`` linears (``f``, or an all-gather
-    under SP); runs before other pre-hooks so they see the whole input.
-    """
+    under SP); runs before other pre-hooks so they see the whole input."""
     entry = _GatherFromSequence if sp else _CopyToTP
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -505,8 +499,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_par
 
     Full weights are sharded, so identically built models become their tp split. Returns the
     vocabulary-parallel cross-entropy when the head is split by vocabulary, else None. ``tp == 1`` only
-    checks the plan.
-    """
+    checks the plan."""
     matched = match_plan(model, plan)
     if mesh.size(AXIS) == 1:
         return None
@@ -558,8 +551,7 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
 def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
                size: int) -> tuple[torch.Size, list[ChunkStorageMetadata]]:
     """The full shape of a tensor split by ``spec`` and the boxes rank ``rank``'s part covers, in
-    :func:`shard_tensor`'s order: how a checkpoint maps local elements into the full tensor.
-    """
+    :func:`shard_tensor`'s order: how a checkpoint maps local elements into the full tensor."""
     if spec.chunks > 1 and spec.dim != 0:
         raise ValueError(f"a tensor split in {spec.chunks} chunks along dim {spec.dim} has no row-major box "
                          f"layout; split fused tensors along dim 0")
@@ -578,8 +570,7 @@ def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
 
 def shard_boxes(model: nn.Module) -> dict[str, tuple[torch.Size, list[ChunkStorageMetadata]]]:
     """Every parameter's full shape and the boxes this rank holds (:func:`spec_boxes`), under the plain model's
-    names: the tp half of a checkpoint's geometry, so any layout reads what another wrote.
-    """
+    names: the tp half of a checkpoint's geometry, so any layout reads what another wrote."""
     sharded = _sharded_params(model)
     out = {}
     for name, p in model.named_parameters():

@@ -35,12 +35,8 @@ def _shade(record: TimelineRecord, n_ranks: int, n_chunks: int) -> float:
 
 
 def draw_timeline(timeline: Timeline, path_png: str | Path, title: str | None = None) -> Path:
-    """Draw one box per compute action (colour = kind, number = microbatch) and save a PNG.
-
-    The title gets the bubble fraction appended.
-    Comm actions are not drawn: the gaps they leave are exactly the bubbles being looked at.
-    Times are shifted so the first action starts at 0, so measured clocks need no offset.
-    """
+    """Draw one box per compute action (colour = kind, number = microbatch) and save a PNG titled with the
+    bubble fraction. Comm actions leave gaps (the bubbles); times start at 0."""
     figure_class, canvas_class, patch_class = _matplotlib()
     compute = [r for r in timeline.records if r.action.is_compute]
     if not compute:
@@ -87,13 +83,9 @@ def draw_timeline(timeline: Timeline, path_png: str | Path, title: str | None = 
 
 def schedule_command(pp: int, microbatches: int, schedule: str, virtual: int, png: str | None,
                      costs: str | None = None) -> str:
-    """Text for ``trainmesh schedule``: each rank's compute order, busy/idle, peak activations.
-
-    Simulated with F=1, B=2 (BI=BW=1) per stage or chunk and free communication, the setting in
-    which the textbook bubble formulas hold, or with the measured ``costs`` (seconds) that
-    ``trainmesh train --timeline`` writes, which reproduces that run's simulated bubble (the lists are
-    the runtime's, receives hoisted); draws the timeline to ``png`` when given.
-    """
+    """Text for ``trainmesh schedule``: each rank's compute order, busy/idle, peak activations, simulated with
+    F=1, B=2 and free communication (the textbook setting) or with a run's measured ``costs``; draws the
+    timeline to ``png`` when given."""
     actions = [hoist_receives(a) for a in build_schedule(schedule, pp, microbatches, virtual)]  # as the runtime runs them
     timeline = simulate(actions, Costs() if costs is None else Costs.load(costs))
     unit = "" if costs is None else " s"

@@ -9,8 +9,7 @@ step end, which cannot deadlock since the lists are deadlock-free under blocking
 Gradients accumulate in ``.grad``; each stage's last weight-gradient action syncs with the engine, the
 rest run in ``engine.no_sync()``. The zero-bubble split (Qi et al. 2023, §2) computes BI with
 ``torch.autograd.grad`` keeping each parameter-owning module's output gradient, and BW back-propagates
-those into the modules' own parameters in reverse forward order, each inside ``engine.backward_pass()``.
-"""
+those into the modules' own parameters in reverse forward order, each inside ``engine.backward_pass()``."""
 
 from __future__ import annotations
 
@@ -142,8 +141,7 @@ class _Posted:
 def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Posting:
     """Post one batch and split its handles into [sends, receive 0, receive 1, ...] (Gloo: one per operation;
     a coalesced NCCL batch: one shared). The time posting returned is when the sends left, the simulator's
-    measured transfer time (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`).
-    """
+    measured transfer time (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
     works = comm.send_recv(sends, recvs, axis=AXIS)
     posted = time.perf_counter()
     if len(works) != len(sends) + len(recvs):
@@ -179,8 +177,7 @@ class _Step:
 
 class _LeafOutputs:
     """Records (output, own parameters) of every parameter-owning module while active, for the BI/BW split; a
-    parameter must be used only in its owner's forward.
-    """
+    parameter must be used only in its owner's forward."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self._active: list[Leaf] | None = None
@@ -308,8 +305,7 @@ class PipelineRuntime:
     def _open_channels(self, numel: int) -> None:
         """At the first step (a collective over ``pp``), when the pipeline is on one CPU host: a shared-memory
         channel each way between neighbours, as deep as a step's messages, so messages move on the compute thread
-        instead of waiting for a core through Gloo.
-        """
+        instead of waiting for a core through Gloo."""
         if self._shared is not None:
             return
         ring = [self.mesh.global_rank(pp=r) for r in range(self.n_ranks)]
@@ -466,8 +462,7 @@ def build_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: in
                    seq_shards: int = 1) -> tuple[nn.Module, PipelineRuntime]:
     """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameters) and
     build the runtime for ``schedule``; ``hidden_size``/``dtype`` describe the activations so receives can
-    be posted early.
-    """
+    be posted early."""
     mesh = comm.mesh
     n_ranks = mesh.size(AXIS)
     layers = partition_model(model, n_ranks * virtual_stages, layers_per_stage)

@@ -4,8 +4,7 @@ A schedule says what each rank does and in which order, knowing nothing of tenso
 can be printed, simulated (:mod:`trainmesh.pipeline.simulate`) and drawn before a runtime executes it.
 ``p`` is the pipeline degree, ``v`` chunks per rank (rank r holds global stages r, r+p, ...
 [NAR, 2.2.2]), ``m`` microbatches per step. Communication is explicit SEND/RECV actions ordered to stay
-deadlock-free under rendezvous sends (:func:`_insert_communication`).
-"""
+deadlock-free under rendezvous sends (:func:`_insert_communication`)."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.BI})
 @dataclass(frozen=True)
 class Action:
     """One step of a rank's schedule; ``stage`` is the global stage, also for comm actions (``SEND_F3s1``
-    sends what ``F3s1`` produced).
-    """
+    sends what ``F3s1`` produced)."""
 
     kind: ActionKind
     microbatch: int
@@ -193,8 +191,7 @@ def _is_free(busy: _Busy, instant: float) -> bool:
 
 def _meeting_time(earliest: float, latest: float, sender: _Busy, receiver: _Busy) -> float:
     """Earliest instant in [earliest, latest] at which neither rank is mid-compute, else ``earliest``
-    (free instants begin at compute ends, so only those are tried).
-    """
+    (free instants begin at compute ends, so only those are tried)."""
     in_range = (
         ends[bisect.bisect_right(ends, earliest) : bisect.bisect_right(ends, latest)]
         for _, ends in (sender, receiver)
@@ -209,8 +206,7 @@ def _insert_communication(orders: Sequence[Sequence[Action]], n_total_stages: in
     Each message gets a global key (a meeting time between producer end and consumer start, then stage,
     kind, microbatch) and both ranks meet their messages in key order. Under rendezvous the unfinished
     message with the smallest key always completes, whatever the real durations, so no deadlock; the
-    meeting time only reduces a blocking sender's idle wait.
-    """
+    meeting time only reduces a blocking sender's idle wait."""
     n_ranks = len(orders)
     times = _ideal_times(orders, n_total_stages)
     busy = [_busy_intervals(order, times) for order in orders]
@@ -264,8 +260,7 @@ def schedule_gpipe(n_stages: int, n_microbatches: int) -> Schedule:
 
 def schedule_1f1b(n_stages: int, n_microbatches: int) -> Schedule:
     """1F1B / PipeDream-Flush [NAR, 2.2.1]: p-r-1 warmup forwards, then one forward one backward, then drain.
-    GPipe's bubble, but rank r holds at most min(p-r, m) microbatches.
-    """
+    GPipe's bubble, but rank r holds at most min(p-r, m) microbatches."""
     _check_counts(n_stages, n_microbatches)
     orders = []
     for rank in range(n_stages):
@@ -293,8 +288,7 @@ def schedule_interleaved_1f1b(n_stages: int, n_microbatches: int, n_virtual: int
 
     Bubble fraction (p-1) / (v·m + p-1), v times less than 1F1B. For v > 1 warmup runs p-r-1 forwards more
     than needed, as Megatron-LM does, so the slack absorbs the v-times more p2p latency (figures in
-    docs/parallel-forms.md); with v = 1 it is exactly 1F1B.
-    """
+    docs/parallel-forms.md); with v = 1 it is exactly 1F1B."""
     _check_counts(n_stages, n_microbatches, n_virtual)
     if n_microbatches % n_stages:
         lower = n_microbatches - n_microbatches % n_stages
@@ -323,8 +317,7 @@ def schedule_zb_h1(n_stages: int, n_microbatches: int) -> Schedule:
 
     Backward splits into BI (input gradient, critical path) and BW (weight gradient); rank r runs 1F1B with
     BI and defers its last r BWs into the drain, holding at most p microbatches. Idle per rank is
-    (p-1)·max(t_F, t_BI, t_F + t_BI - t_BW): a third of 1F1B's when all are equal [ZB, 3.1].
-    """
+    (p-1)·max(t_F, t_BI, t_F + t_BI - t_BW): a third of 1F1B's when all are equal [ZB, 3.1]."""
     _check_counts(n_stages, n_microbatches)
     orders = []
     for rank in range(n_stages):
@@ -370,8 +363,7 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, n_virtual: int
 
 def hoist_receives(actions: Sequence[Action]) -> list[Action]:
     """Move every RECV up to just after the previous comm action, so Gloo's transfer (which starts at the
-    posted receive) overlaps compute. Comm order is kept, so the lists stay deadlock-free.
-    """
+    posted receive) overlaps compute. Comm order is kept, so the lists stay deadlock-free."""
     out: list[Action] = []
     after_last_comm = 0
     for action in actions:

@@ -3,8 +3,7 @@ measured timestamps, so simulated and real runs are analysed and drawn alike.
 
 Each rank runs its list in order; a compute action starts when its rank is free and its inputs are
 there. Verification treats SEND/RECV as a rendezvous (the strictest semantics), so a passing schedule
-also runs with async p2p. Bubble fraction = ``1 - sum(busy) / (p · makespan)``, busy counting compute.
-"""
+also runs with async p2p. Bubble fraction = ``1 - sum(busy) / (p · makespan)``, busy counting compute."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class ScheduleError(ValueError):
 class Costs:
     """Duration of each action kind; backward halves default to half of ``backward`` (Qi et al. 2023, §2).
     ``comm`` a message's transfer, ``post`` a SEND/RECV's host cost, ``dispatch`` the gap between actions
-    (all 0: the textbook setting); ``lone`` scales actions no other rank overlaps (borrowed cores).
-    """
+    (all 0: the textbook setting); ``lone`` scales actions no other rank overlaps (borrowed cores)."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
@@ -130,8 +128,7 @@ class TimelineRecord:
 @dataclass(frozen=True)
 class Timeline:
     """What ran where and when (build with :meth:`from_records`); ``sent``: when each SEND's data was handed to
-    the transport, empty when simulated.
-    """
+    the transport, empty when simulated."""
 
     records: tuple[TimelineRecord, ...]
     n_ranks: int
@@ -157,8 +154,7 @@ class Timeline:
 
     def transfers(self, link: float) -> dict[Action, float]:
         """Each measured message's transfer time (keyed by its SEND): from the later post until its send returned,
-        plus ``link``, an idle link's time.
-        """
+        plus ``link``, an idle link's time."""
         posted = {r.action: r.start for r in self.records if r.action.is_comm}
         return {send: max(at - max(posted[send], posted.get(send.partner, posted[send])), 0.0) + link
                 for send, at in self.sent.items() if send in posted}
@@ -189,8 +185,7 @@ class Timeline:
     @property
     def peak_activations(self) -> tuple[int, ...]:
         """Most microbatches whose activations a rank holds at once, per rank: from F until B, or until BW with a
-        split backward (Qi et al. 2023, §2.1); counted in execution order.
-        """
+        split backward (Qi et al. 2023, §2.1); counted in execution order."""
         peaks = []
         for rank in range(self.n_ranks):
             held = peak = 0
@@ -208,8 +203,7 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
                    lone: Collection[Action] = frozenset()) -> Costs:
     """Mean measured duration of each compute kind per stage and of posting a message (a mean, so the total
     work matches the measured step); dispatch is the median gap; ``lone`` actions are kept apart. ``comm``
-    is the mean of :meth:`Timeline.transfers` where sends were recorded.
-    """
+    is the mean of :meth:`Timeline.transfers` where sends were recorded."""
     durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
     alone: list[TimelineRecord] = []
     posts, gaps = [], []
@@ -248,8 +242,7 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
 def predicted_bubble(schedule: Sequence[Sequence[Action]], timelines: Sequence[Timeline], n_stages: int,
                      link: float, lone: Collection[Action] = frozenset()) -> float:
     """Median over steps of the bubble simulated with each step's own :func:`measured_costs`: pooled means
-    even out which stage is slowest and predict too small a bubble (docs/performance.md, ``make bench-pp4``).
-    """
+    even out which stage is slowest and predict too small a bubble (docs/performance.md, ``make bench-pp4``)."""
     return statistics.median(simulate(schedule, measured_costs([t], n_stages, link, lone)).bubble_fraction
                              for t in timelines)
 
@@ -273,8 +266,7 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
                     link: float | None = None) -> float:
     """Median over steps of the bubble simulated with each action and message taking what it took in that step
     (other costs from ``costs``): keeps the variation mean costs lose, so what remains against the measured
-    bubble is waiting the simulator does not model.
-    """
+    bubble is waiting the simulator does not model."""
     fields = {**asdict(costs), "lone": 1.0}  # a recorded duration is what the action took, borrowed cores or not
     return statistics.median(
         simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute},
@@ -284,8 +276,7 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
 
 def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
     """How many ranks compute during each compute action with uniform costs (F=1, B=2), so every rank derives
-    the same answer before any step: a lone action may borrow idle ranks' cores.
-    """
+    the same answer before any step: a lone action may borrow idle ranks' cores."""
     n_ranks = len(schedule)
     n_total = n_ranks * (max((a.stage // n_ranks for actions in schedule for a in actions), default=0) + 1)
     timeline = _Run(schedule, Costs(), n_total, blocking=False).timeline()  # also runs forward-only lists
@@ -307,8 +298,7 @@ def simulate(
 
     ``blocking_comm`` False times async posting (only compute order matters), True blocking p2p. Give
     ``n_stages``/``n_microbatches`` to catch a schedule missing a stage or microbatch. Raises
-    :class:`ScheduleError` naming the rank and action when it cannot run.
-    """
+    :class:`ScheduleError` naming the rank and action when it cannot run."""
     n_ranks = len(schedule)
     if n_ranks == 0:
         raise ScheduleError("the schedule has no ranks; pass one action list per pipeline rank")
@@ -390,8 +380,7 @@ def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microb
 class _Run:
     """Dataflow execution of a placed, complete schedule; a deadlock raises ScheduleError. ``blocking`` makes
     SEND/RECV rendezvous, else data lands ``comm`` after both are posted. Start times are a max over free
-    and input times, so stepping order does not matter.
-    """
+    and input times, so stepping order does not matter."""
 
     def __init__(
         self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool,

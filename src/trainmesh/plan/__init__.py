@@ -15,8 +15,7 @@ measurements. Sources cited by the formulas:
 
 Conventions shared with the runtime: ranks ordered tp fastest, then dp, then pp; a ZeRO unit is one
 top-level piece of the GPT, padded to a multiple of dp; stage 0 holds the embedding, the last ``ln_f`` and
-the head. Entry points are in :mod:`.ranking`; ``trainmesh plan`` is wired in :mod:`trainmesh.app.planning`.
-"""
+the head. Entry points are in :mod:`.ranking`; ``trainmesh plan`` is wired in :mod:`trainmesh.app.planning`."""
 
 from __future__ import annotations
 

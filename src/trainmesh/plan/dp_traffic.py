@@ -3,8 +3,7 @@ each at its own link's bandwidth: ZeRO-0/1/2/3 over dp x cp, and hybrid sharding
 
 Ranks sit as :mod:`trainmesh.distributed.mesh` places them (node by node, tp innermost). A ring (NCCL,
 every all-reduce) runs at the inter-node link's pace [THA]; point-to-point exchanges
-(:func:`trainmesh.parallel.zero.flat.exchanges_directly`) use both links at once.
-"""
+(:func:`trainmesh.parallel.zero.flat.exchanges_directly`) use both links at once."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def crossing_share(n: int, per_node: int, direct: bool) -> float:
 def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster, calls: int = 1) -> DpTraffic:
     """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` over n ranks (``per_node`` a
     node), as ``calls`` collectives: a rank sends (n-1)/n of the bytes, twice to all-reduce [THA], at the
-    ring's slowest link or, point to point, each part at its own.
-    """
+    ring's slowest link or, point to point, each part at its own."""
     if n == 1:
         return DpTraffic()
     sent = nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
@@ -97,8 +95,7 @@ def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, r
     """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart in ``replicas`` groups
     [ZeRO, sec. 7]: ZeRO-0/1 2 Psi, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3 3 Psi per micro-batch
     (4 Psi under zero bubble, :class:`trainmesh.parallel.zero.ZeroStage3`), issued ahead of use so
-    :attr:`DpTraffic.prefetched`. Hybrid sharding adds an all-reduce of each gradient shard over the replicas.
-    """
+    :attr:`DpTraffic.prefetched`. Hybrid sharding adds an all-reduce of each gradient shard over the replicas."""
     m, b, g = layout.microbatches, workload.dtype_bytes, ranks_per_node(n, stride, cluster.gpus_per_node)
     if n * replicas == 1 or not units:
         return DpTraffic()

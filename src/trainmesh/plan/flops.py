@@ -1,6 +1,5 @@
 """Forward FLOPs per token of a block (dense or MoE): 2 per matmul weight plus 4sh for QK^T and AV
-[NAR, app. FLOPs], as :func:`trainmesh.tracking.metrics.block_flops_per_token` counts, so MFU agrees.
-"""
+[NAR, app. FLOPs], as :func:`trainmesh.tracking.metrics.block_flops_per_token` counts, so MFU agrees."""
 
 from __future__ import annotations
 

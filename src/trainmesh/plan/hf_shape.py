@@ -1,7 +1,6 @@
 """A Hugging Face ``config.json`` as the planner's :class:`ModelShape` (llama, mistral, qwen2, qwen3,
 mixtral, qwen3_moe, deepseek_v3, gpt2), read with transformers' defaults but without transformers or
-remote code (``auto_map`` refused); counts match ``sum(p.numel())`` (tests/unit/test_plan_shapes.py).
-"""
+remote code (``auto_map`` refused); counts match ``sum(p.numel())`` (tests/unit/test_plan_shapes.py)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ matters.
 
 * :data:`ATTENTION`: fused attention TFLOP/s on an H100 SXM5 in bf16 by head dimension and sequence
   length, for FlashAttention-2, cuDNN and FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6].
-* :func:`busiest_expert_rank`: the busiest ep rank's excess over the mean under balanced routing.
-"""
+* :func:`busiest_expert_rank`: the busiest ep rank's excess over the mean under balanced routing."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
 def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]:
     """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq`` keys,
     interpolated (log sequence, linear head dimension, flat outside); the causal backward is the non-causal
-    rate times the forward's causal / non-causal ratio.
-    """
+    rate times the forward's causal / non-causal ratio."""
     table = ATTENTION[kernel]
 
     def at(d: int) -> tuple[float, float]:

@@ -1,6 +1,5 @@
 """Memory of one rank: parameters per ZeRO unit, model state under ZeRO, activations kept for backward,
-and transient buffers, stage by stage (conventions as in :mod:`trainmesh.plan`).
-"""
+and transient buffers, stage by stage (conventions as in :mod:`trainmesh.plan`)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[UnitSize]:
 
 def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
     """One block: qkv and MLP-in column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE block
-    holds the router and shared experts whole on every tp rank; its routed experts are :func:`expert_unit`.
-    """
+    holds the router and shared experts whole on every tp rank; its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
     if m.latent_attention:  # its down projections and latent norms whole on every tp rank, the rest split
         down = (d + 1) * (m.q_lora_rank + m.kv_lora_rank) + d * m.qk_rope_head_dim
@@ -67,8 +65,7 @@ def router_and_shared(m: ModelShape) -> UnitSize:
 
 def expert_unit(m: ModelShape, ep: int) -> UnitSize:
     """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked and whole (split over
-    ep only, never tp, as Megatron-core's expert tp of 1).
-    """
+    ep only, never tp, as Megatron-core's expert tp of 1)."""
     return UnitSize(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
 
 
@@ -110,8 +107,7 @@ def stage_expert_units(m: ModelShape, split: tuple[int, ...], pp: int, ep: int,
 
 def largest_tensor(m: ModelShape, tp: int, ep: int, blocks: tuple[int, int], first: bool, last: bool) -> int:
     """Elements of the largest parameter tensor one tp rank of a stage holds (a gradient bucket holds at least
-    one): the embedding or head on the end stages, else the widest block tensor.
-    """
+    one): the embedding or head on the end stages, else the widest block tensor."""
     dense, moe = blocks
     d, shared = m.d_model, m.n_shared_experts * m.expert_ff
     sizes = [d * m.qkv_width // tp]
@@ -139,8 +135,7 @@ def active_params(m: ModelShape) -> int:
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes one rank of ``stage`` holds at its peak: model state, activations in flight, and transients
-    (``buffers`` per :func:`buffer_bytes`, ``p2p`` its pipeline part, ``logits`` per :func:`logits_bytes`).
-    """
+    (``buffers`` per :func:`buffer_bytes`, ``p2p`` its pipeline part, ``logits`` per :func:`logits_bytes`)."""
 
     stage: int
     params: int
@@ -170,8 +165,7 @@ def _model_state(
     workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int, edp: int
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank: its units sharded over the ``dp`` ranks ZeRO shards over
-    (padded to ceil(Psi_unit / dp)), routed experts over ``edp``, plus AdamW's step scalars. Cached.
-    """
+    (padded to ceil(Psi_unit / dp)), routed experts over ``edp``, plus AdamW's step scalars. Cached."""
     b, m = workload.dtype_bytes, workload.model
     groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), edp))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
@@ -187,8 +181,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
     sbh(34 + 5as/h) with dropout and 2-byte activations (eq. 1), sbh(10 + 24/t + 5as/(ht)) under tp (eq. 2),
     sbh/t (34 + 5as/h) with sp (eq. 3); the 5as/h term goes with selective recomputation (eq. 6) or a fused
     kernel; full recomputation keeps 2sbh (sec. 5). An MoE block keeps its experts' tensors for top_k copies
-    and the router's fp32 logits and scores. Checked against measured bytes in tests/unit/test_plan_memory.py.
-    """
+    and the router's fp32 logits and scores. Checked against measured bytes in tests/unit/test_plan_memory.py."""
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
     sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * m.d_model
@@ -214,8 +207,7 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
 
 def rotation_tables(workload: Workload, layout: Layout) -> int:
     """RoPE cosines and sines, s x head_dim each in the activation dtype, saved by every block of the Llama
-    family (``models.llama.Rotary``); 0 for learned positions.
-    """
+    family (``models.llama.Rotary``); 0 for learned positions."""
     m = workload.model
     if m.learned_positions:
         return 0
@@ -225,15 +217,13 @@ def rotation_tables(workload: Workload, layout: Layout) -> int:
 
 def norm_saved_bytes(m: ModelShape, e: int) -> int:
     """Bytes per feature and token one norm keeps for backward: a LayerNorm its input and statistics
-    [KOR, 4.1]; an RMSNorm its fp32-widened input and normalized output (as measured in test_plan_memory.py).
-    """
+    [KOR, 4.1]; an RMSNorm its fp32-widened input and normalized output (as measured in test_plan_memory.py)."""
     return e if m.bias else max(e, DTYPE_BYTES["fp32"]) + e
 
 
 def _attention_saved_width(m: ModelShape, expanded_kv: bool) -> int:
     """Features per token attention saves split by heads: Q, K, V and the projection's input. Without cp
-    (``expanded_kv``) K and V are repeated to every query head before SDPA, which saves the copies.
-    """
+    (``expanded_kv``) K and V are repeated to every query head before SDPA, which saves the copies."""
     if not m.latent_attention:
         kv = 2 * m.attention_width if expanded_kv else m.qkv_width - m.attention_width
         return m.attention_width + kv + m.attention_width
@@ -258,8 +248,7 @@ def cp_attention_output(workload: Workload, layout: Layout) -> int:
 def in_flight_chunks(layout: Layout, stage: int) -> int:
     """Micro-batch chunks whose activations ``stage`` holds at once: GPipe m; 1F1B min(p - stage, m); ZB-H1
     min(p, m) [ZB, 3.1]; interleaved 2(p - stage - 1) + (v - 1)p + 1 [NAR, 2.2.2; KOR, 4.2.2]. Equal to the
-    simulator's ``Timeline.peak_activations``.
-    """
+    simulator's ``Timeline.peak_activations``."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if layout.schedule == "gpipe":
         return m
@@ -270,8 +259,7 @@ def in_flight_chunks(layout: Layout, stage: int) -> int:
 
 def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
     """(first, last): what one micro-batch saves outside the blocks on ``stage`` [KOR, sec. 4.3]: embedding
-    dropout masks on stage 0, final norm and head inputs and fp32 logits on the last.
-    """
+    dropout masks on stage 0, final norm and head inputs and fp32 logits on the last."""
     m, e, lay = workload.model, workload.dtype_bytes.activation, layout
     sbh = local_seq(workload, lay) * micro_batch_size(workload, lay) * m.d_model
     seq_split = lay.tp if lay.sequence_parallel else 1
@@ -294,8 +282,7 @@ def _micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int
 
 def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3]: blocks in flight times the per-block
-    cost plus :func:`_stage_extras`, and one block's full activations under recomputation.
-    """
+    cost plus :func:`_stage_extras`, and one block's full activations under recomputation."""
     lay = layout
     chunks = in_flight_chunks(lay, stage)
     moe = stage_blocks(workload, lay, stage)[1] > 0
@@ -309,8 +296,7 @@ def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 
 def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """The logits alive while the last stage's loss runs (0 elsewhere): the head's output and its fp32 copy.
-    Not saved for backward, so a transient for one micro-batch (:attr:`MemoryBreakdown.transients`).
-    """
+    Not saved for backward, so a transient for one micro-batch (:attr:`MemoryBreakdown.transients`)."""
     if stage != layout.pp - 1:
         return 0
     sbv = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.vocab_size // layout.tp
@@ -321,8 +307,7 @@ def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     """Transient communication buffers: ZeRO-3's current and prefetched unit plus one unit's gradient
     [ZeRO, 5.3]; ZeRO-2's two gradient buckets [ZeRO, 5.2 and 6.2 "CB"] (``zero.stage2_bucket_bytes``);
-    a pipeline stage's :func:`p2p_bytes`.
-    """
+    a pipeline stage's :func:`p2p_bytes`."""
     b, m, lay = workload.dtype_bytes, workload.model, layout
     split = stage_split(workload, lay)
     units = stage_units(m, lay.tp, split, lay.pp, stage) + stage_expert_units(m, split, lay.pp, lay.ep, stage)
@@ -388,7 +373,6 @@ def activation_bytes(workload: Workload, layout: Layout, stage: int | None = Non
 
 def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
     """Bytes one micro-batch's forward saves on one rank of ``stage`` (worst when None), as
-    ``SavedActivations`` measures (``activation_bytes`` in metrics.jsonl); :func:`activation_bytes` is the peak.
-    """
+    ``SavedActivations`` measures (``activation_bytes`` in metrics.jsonl); :func:`activation_bytes` is the peak."""
     check_layout(workload, layout)
     return max(_micro_batch_activation_bytes(workload, layout, s) for s in candidate_stages(workload, layout, stage))

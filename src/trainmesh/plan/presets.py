@@ -1,7 +1,6 @@
 """Named model shapes the planner knows: every preset of the model registry
 (:func:`trainmesh.models.planner_shapes`, buildable families and their full-sized planning shapes) and,
-in :data:`PLANNING_SHAPES`, published models of families trainmesh does not build.
-"""
+in :data:`PLANNING_SHAPES`, published models of families trainmesh does not build."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Published production runs the step-time model is held to (docs/planner.md, "Production runs"), and the
 planner's own choice beside each: layout, stated kernels (:class:`trainmesh.plan.Pricing`), figure and
-allowed error. Runs the runtime cannot run are in :data:`NOT_RUNNABLE`.
-"""
+allowed error. Runs the runtime cannot run are in :data:`NOT_RUNNABLE`."""
 
 from __future__ import annotations
 

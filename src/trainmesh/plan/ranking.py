@@ -1,6 +1,5 @@
 """The layout search: every layout the cluster can run, each estimated (:func:`estimate`), the ones that fit
-ranked by predicted step time (:func:`search`, :func:`best_layout`).
-"""
+ranked by predicted step time (:func:`search`, :func:`best_layout`)."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
 @dataclass(frozen=True)
 class Estimate:
     """A layout with its worst-stage memory and predicted step; ``mfu`` counts model FLOPs [PALM, app. B],
-    ``tflops_per_device`` executed ones [NAR, 5.1].
-    """
+    ``tflops_per_device`` executed ones [NAR, 5.1]."""
 
     layout: Layout
     memory: MemoryBreakdown
@@ -112,8 +110,7 @@ def ep_degrees(model: ModelShape, token_ranks: int) -> list[int]:
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every valid layout on the cluster: micro-batch sizes, v, cp, ep, the pipeline's fastest stage split and
     hybrid sharding, skipping what the layout's rules refuse; a hybrid layout comes right after its fully
-    sharded twin.
-    """
+    sharded twin."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
@@ -134,8 +131,7 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
 def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
     """The ``dp_replicate`` worth searching beside 1: every R >= 2 whose ZeRO groups fill whole nodes, one-node
     groups first (FSDP2's and torchtitan's default: only the all-reduce crosses nodes; larger groups hold
-    less, as [MiCS]'s partition groups). None when the group fits in a node or a node holds one rank.
-    """
+    less, as [MiCS]'s partition groups). None when the group fits in a node or a node holds one rank."""
     span = tp * cp * dp
     if span % cluster.gpus_per_node or tp >= cluster.gpus_per_node:
         return []
@@ -171,8 +167,7 @@ on unseen."""
 def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S) -> list[Estimate]:
     """All layouts fitting ``cluster.usable_bytes`` per rank, fastest first (then least memory); of hybrid
     variants only the smallest fitting groups are kept, never slower. ValueError beyond :data:`MAX_GPUS`
-    devices or past ``limit_s``.
-    """
+    devices or past ``limit_s``."""
     if not 1 <= cluster.gpus <= MAX_GPUS:
         raise ValueError(f"{cluster.gpus:,} devices: the planner searches 1 to {MAX_GPUS:,}; plan fewer")
     if workload.model.n_layers > MAX_LAYERS:

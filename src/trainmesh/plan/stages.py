@@ -2,8 +2,7 @@
 
 The runtime cuts ``pp * virtual`` chunks of whole blocks (``--stage-layers``, else balanced by
 parameters), which the planner models; for its own proposals it takes :func:`fastest_split` of the
-modelled times, e.g. Llama 3 405B's 126 layers on 16 stages as the paper's 7, 8 x 14, 7 [Llama 3, 3.3.2].
-"""
+modelled times, e.g. Llama 3 405B's 126 layers on 16 stages as the paper's 7, 8 x 14, 7 [Llama 3, 3.3.2]."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The search's answer for people and for programs: a text table of the fastest layouts with the chosen
-one's command line and why it splits what it splits (:func:`format_table`), or the same as JSON.
-"""
+one's command line and why it splits what it splits (:func:`format_table`), or the same as JSON."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate]
                  command: list[str], top: int = 20, precision_note: str = "") -> str:
     """The ``top`` fastest layouts as a text table (chosen one marked ``*``), why it beat the runner-up, and
     ``command`` that runs it (empty when nothing fits). ``R`` is ``--dp-replicate``, ``dp x-node`` the dp
-    bytes a rank sends to other nodes per step; ``precision_note`` explains ``auto``.
-    """
+    bytes a rank sends to other nodes per step; ``precision_note`` explains ``auto``."""
     head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "R", "mbs", "m",
             "schedule", "blocks/stage", "recompute", "sp", "dp x-node", "mem/rank", "step s", "MFU", "tokens/s"]
     pair = zero3_against_hsdp(workload, cluster, estimates) or ()

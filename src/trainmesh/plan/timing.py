@@ -1,7 +1,6 @@
 """Time of one step: each matmul at its own efficiency, every axis's collectives on the critical path, and
 the pipeline's bubble. Communication does not overlap compute except where noted (ring messages, ZeRO-3
-prefetch, the expert all-to-all under ``Pricing.a2a_overlap``).
-"""
+prefetch, the expert all-to-all under ``Pricing.a2a_overlap``)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class TimeBreakdown:
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
     """Idle fraction of the pipeline in closed form, equal to ``simulate(schedule_*(...)).bubble_fraction``
     for uniform stages: (p-1)/(m+p-1) for GPipe and 1F1B [NAR, 2.2.1], divided by v interleaved [NAR, 2.2.2],
-    a third of 1F1B's for ZB-H1 when T_F = T_B = T_W [ZB, 3.1].
-    """
+    a third of 1F1B's for ZB-H1 when T_F = T_B = T_W [ZB, 3.1]."""
     p, m = pp - 1, microbatches
     ideal = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
     return p / (ideal + p)
@@ -52,8 +50,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> 
 
 def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> float:
     """Executed FLOPs of one block per token, forward and backward: 3x the forward, 4x under full
-    recomputation [NAR, app. FLOPs]; selective recomputation reruns only QK^T and AV [KOR, sec. 5].
-    """
+    recomputation [NAR, app. FLOPs]; selective recomputation reruns only QK^T and AV [KOR, sec. 5]."""
     fwd = block_forward_flops(m, seq_len)
     core = attention_forward_flops(m, seq_len) - 2 * attention_weights(m)
     return {"none": 3 * fwd, "selective": 3 * fwd + core, "full": 4 * fwd}[recompute]
@@ -61,8 +58,7 @@ def block_pass_flops_per_token(m: ModelShape, seq_len: int, recompute: str) -> f
 
 def step_flops(workload: Workload, recompute: str = "none") -> float:
     """FLOPs of one step: with ``recompute="none"`` the model FLOPs MFU counts [PALM, app. B]; with the
-    layout's recompute, the FLOPs the devices execute [NAR, app. FLOPs].
-    """
+    layout's recompute, the FLOPs the devices execute [NAR, app. FLOPs]."""
     m, s = workload.model, workload.seq_len
     moe_layers = m.n_layers - m.n_dense_layers if m.n_experts else 0
     blocks = (m.n_layers - moe_layers) * block_forward_flops(m, s) + moe_layers * block_forward_flops(m, s, moe=True)
@@ -77,8 +73,7 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
 class Gemm:
     """One forward matmul on one rank: FLOPs, (m, k, n) after the tp split, and whether ``precision="fp8"``
     runs it in float8 (attention core, router, head and grouped experts stay bf16 [DSV3, 3.3.1], unless
-    ``Pricing.fp8_experts``).
-    """
+    ``Pricing.fp8_experts``)."""
 
     flops: float
     dims: tuple[int, int, int]
@@ -87,8 +82,7 @@ class Gemm:
 
 def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
     """Fraction of peak a matmul reaches: ``gemm_efficiency`` times d / (d + d_half) per dimension, a saturating
-    curve for small dimensions leaving tiles idle [NAR, 5.1].
-    """
+    curve for small dimensions leaving tiles idle [NAR, 5.1]."""
     return cluster.gemm_efficiency * math.prod(d / (d + cluster.gemm_half_dim) for d in dims)
 
 
@@ -97,8 +91,7 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
 
     An MoE block has the router and its routed experts in place of the MLP: each expert's matmul takes
     ep x tokens x top_k / n_experts rows under balanced routing (why ep makes them efficient); experts are not
-    split by tp, and the tokens are :func:`moe_tokens`.
-    """
+    split by tp, and the tokens are :func:`moe_tokens`."""
     m, t = workload.model, layout.tp
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
@@ -159,8 +152,7 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
     """One block's forward and backward for one micro-batch: each matmul at its :func:`gemm_efficiency` (3x,
     4x under full recomputation), the attention core per :func:`attention_core_seconds`; an MoE block adds the
-    busiest ep rank's experts and its token movement at ``cluster.memory_bw``.
-    """
+    busiest ep rank's experts and its token movement at ``cluster.memory_bw``."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
     core = attention_core_seconds(gemms.pop("attention"), workload, layout, cluster)
@@ -179,8 +171,7 @@ def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, clust
 
     With ``Pricing.attention_kernel`` on a Hopper device, at that kernel's measured rate
     (:func:`trainmesh.plan.kernels.attention_rates`); otherwise as head_dim-wide matmuls at
-    :func:`gemm_efficiency` (docs/planner.md, "Kernel curves").
-    """
+    :func:`gemm_efficiency` (docs/planner.md, "Kernel curves")."""
     if not (workload.pricing.attention_kernel and cluster.hopper and workload.model.flash_attention):
         passes = 4 if layout.recompute == "full" else 3
         return (passes + (layout.recompute == "selective")) * gemm_time(core, workload, cluster)
@@ -202,8 +193,7 @@ def expert_gemm_seconds(gemm: Gemm, workload: Workload, layout: Layout, cluster:
 def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluster) -> float:
     """Bytes one rank streams per micro-batch through its routed experts' element-wise work (SwiGLU: 8f
     elements a copy), plus the FP8 casts before each grouped matmul under ``Pricing.fp8_experts``; once more
-    forward under full recomputation.
-    """
+    forward under full recomputation."""
     m, e = workload.model, workload.dtype_bytes.activation
     copies = moe_tokens(workload, layout) * m.top_k
     f = m.expert_ff
@@ -221,8 +211,7 @@ def token_movement_bytes(workload: Workload, layout: Layout) -> float:
 
     Counted once per movement as fused kernels do (Megatron-LM's permute/unpermute): router scores, top_k
     gathers, the unsort and the weighted combine; dispatch in ``pricing.dispatch_dtype`` [DSV3, 3.3.3].
-    trainmesh's own unfused combine moves more than this floor.
-    """
+    trainmesh's own unfused combine moves more than this floor."""
     m, e = workload.model, workload.dtype_bytes.activation
     towards = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else e
     sorts = 2 if layout.ep > 1 else 1
@@ -265,8 +254,7 @@ def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, sta
 def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """A dense block all-reduces its output twice forward and twice backward (more when recomputed) [NAR, 2.3];
     sequence parallelism makes each an all-gather plus reduce-scatter [KOR, 4.2.2]. An MoE block has only
-    its attention's half (see :func:`_tp_partial_sums`).
-    """
+    its attention's half (see :func:`_tp_partial_sums`)."""
     t, model = layout.tp, workload.model
     if t == 1:
         return 0.0
@@ -283,8 +271,7 @@ def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 def _tp_partial_sums(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """Seconds a step spends summing over tp the gradients of what an MoE layer keeps whole on every tp rank,
-    under sequence parallelism (``tensor_parallel.defer_tp_sums``): once a step, over the rank's ZeRO shard.
-    """
+    under sequence parallelism (``tensor_parallel.defer_tp_sums``): once a step, over the rank's ZeRO shard."""
     moe = stage_blocks(workload, layout, stage)[1]
     if layout.tp == 1 or not (moe and layout.sequence_parallel):
         return 0.0
@@ -315,8 +302,7 @@ def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
     """Bytes one rank sends over cp for one micro-batch's forward and backward, per op as ``Comm`` counts them.
 
     Ring: (cp-1)/cp of a layer's K/V per direction, plus its gradient [Liu et al., 2023, Ring Attention].
-    a2a: q, k, v and output through one all-to-all each way [Jacobs et al., 2023, Ulysses].
-    """
+    a2a: q, k, v and output through one all-to-all each way [Jacobs et al., 2023, Ulysses]."""
     m, lay, e = workload.model, layout, workload.dtype_bytes.activation
     cp, layers = lay.cp, most_blocks(workload, lay)
     if cp == 1:
@@ -379,8 +365,7 @@ def routed_copy_bytes(workload: Workload, layout: Layout, element_bytes: float) 
 
 def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """One micro-batch's expert all-to-alls on a rank of ``stage``: per :func:`_all_to_all_rounds`, one towards
-    the experts in ``pricing.dispatch_dtype`` and one back (:func:`all_to_all_seconds`).
-    """
+    the experts in ``pricing.dispatch_dtype`` and one back (:func:`all_to_all_seconds`)."""
     rounds = _all_to_all_rounds(workload, layout, stage)
     if not rounds:
         return 0.0
@@ -394,8 +379,7 @@ def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, ele
 
     On one node at NVLink's pace; across nodes the NIC and NVLink run at once and the slower sets the pace.
     Under ``pricing.forward_dispatch`` a token crosses once to each node holding its experts
-    (:func:`nodes_per_token`), as DeepSeek-V3's dispatch does [DSV3, 2.1.2 and 3.2.2].
-    """
+    (:func:`nodes_per_token`), as DeepSeek-V3's dispatch does [DSV3, 2.1.2 and 3.2.2]."""
     m, lay = workload.model, layout
     copies = routed_copy_bytes(workload, lay, element_bytes)
     nodes = -(-lay.ep_span // cluster.gpus_per_node)
@@ -412,8 +396,7 @@ def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, ele
 
 def nodes_per_token(m: ModelShape, nodes: int) -> float:
     """Nodes of an ep group that a token's top_k experts lie on: bounded by ``groups_per_token`` under
-    group-limited routing, else the expected count nodes x (1 - C(E - E/nodes, k) / C(E, k)).
-    """
+    group-limited routing, else the expected count nodes x (1 - C(E - E/nodes, k) / C(E, k))."""
     if m.groups_per_token:
         return min(m.top_k, nodes, m.groups_per_token * max(1, nodes // m.expert_groups))
     elsewhere = m.n_experts - m.n_experts // nodes
@@ -422,8 +405,7 @@ def nodes_per_token(m: ModelShape, nodes: int) -> float:
 
 def exposed_ep_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
     """What of one micro-batch's expert all-to-alls shows beside ``compute``: all of it, unless
-    ``pricing.a2a_overlap`` pairs micro-batches as DualPipe does [DSV3, 3.2.1]: max(0, a2a - compute).
-    """
+    ``pricing.a2a_overlap`` pairs micro-batches as DualPipe does [DSV3, 3.2.1]: max(0, a2a - compute)."""
     a2a = _ep_time_per_micro(workload, layout, cluster, stage)
     return max(0.0, a2a - compute) if workload.pricing.a2a_overlap else a2a
 
@@ -439,8 +421,7 @@ def exposed_dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage:
 
     ZeRO-3's prefetched collectives show only past the compute where ``cluster.comm_overlaps_compute``;
     ZeRO-0/1/2 reductions and hybrid sharding's all-reduce wait for the backward and show whole
-    [NAR, Table 2]; docs/planner.md compares both with the measurement.
-    """
+    [NAR, Table 2]; docs/planner.md compares both with the measurement."""
     traffic = dp_traffic(workload, layout, cluster, stage)
     hidden = min(traffic.prefetched, compute) if cluster.comm_overlaps_compute else 0.0
     return traffic.seconds - hidden
@@ -463,8 +444,7 @@ def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreak
 
     The bubble is sum(t_s) - max(t_s), (p-1)t for uniform stages [NAR, 2.2], scaled by the schedule as in
     :func:`bubble_fraction`. With ``ranks_per_core`` r > 1 compute takes r times as long and only the bubble
-    beyond that shows.
-    """
+    beyond that shows."""
     check_layout(workload, layout)
     m = layout.microbatches
     kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)
@@ -492,8 +472,7 @@ def _stage_micro_times(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 def pipeline_bubble(stage_times: list[float], layout: Layout) -> float:
     """Seconds the pipeline adds to m times its slowest stage: the fill and drain sum(t) - max(t), (p-1)t for
-    equal stages [NAR, 2.2.1], scaled per schedule as :func:`bubble_fraction` does.
-    """
+    equal stages [NAR, 2.2.1], scaled per schedule as :func:`bubble_fraction` does."""
     pp, m = layout.pp, layout.microbatches
     if pp == 1:
         return 0.0

@@ -1,7 +1,6 @@
 """What the planner prices: a :class:`Workload` (one optimizer step of a model shape at a precision, with the
 :class:`Pricing` of its kernels) spread over ranks by a :class:`trainmesh.layout.Layout`, the one layout class
-the runtime runs, with the checks and per-rank sizes both derive.
-"""
+the runtime runs, with the checks and per-rank sizes both derive."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class Pricing:
     ("": activations'); ``comm_sm_share``: SMs held by communication [DSV3, 3.2.2]; ``fp8_experts``: float8
     grouped matmuls [DSV3, 3.3]; ``forward_dispatch``: cross once per node (DeepEP's dispatch);
     ``attention_kernel``: "fa2", "cudnn" or "fa3" priced from :data:`trainmesh.plan.kernels.ATTENTION` ("":
-    as matmuls).
-    """
+    as matmuls)."""
 
     a2a_overlap: bool = False
     dispatch_dtype: str = ""
@@ -47,8 +45,7 @@ class Pricing:
 class Workload:
     """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``; ``reduce_dtype``
     and ``precision`` default to :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train``
-    flags; ``pricing`` per :class:`Pricing`.
-    """
+    flags; ``pricing`` per :class:`Pricing`."""
 
     model: ModelShape
     global_batch: int

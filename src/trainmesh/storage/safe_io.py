@@ -3,8 +3,7 @@
 Every file is ``fsync``-ed before its atomic rename and its directory after, since a rename of data not
 yet on disk can leave zeros behind. Reading checks SHA-256 and length on the bytes read once and parses
 only those; the file must be a regular file reached without a symbolic link (a FIFO or ``/dev/zero``
-would block or never end), its size checked before reading.
-"""
+would block or never end), its size checked before reading."""
 
 from __future__ import annotations
 
@@ -192,8 +191,7 @@ class UnreadableFile(OSError):
 def read_user_file(path: str | Path, limit: int) -> bytes:
     """The bytes of a file a user named (``--config``, ``metrics.jsonl``, ``config.json``), at most ``limit``.
     Links are followed, but it must be a regular file (FIFOs opened non-blocking and refused); the bound is
-    checked before reading and by reading one byte past it.
-    """
+    checked before reading and by reading one byte past it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

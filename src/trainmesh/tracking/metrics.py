@@ -1,7 +1,6 @@
 """What a step costs, measured: memory a rank holds (model state, saved activations, peak RSS and device
 memory) and FLOPs (model FLOPs per token, MFU). ``model_state_bytes`` counts each storage once, the
-quantity the ZeRO paper's formulas predict.
-"""
+quantity the ZeRO paper's formulas predict."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 class SavedActivations:
     """Bytes of the tensors autograd saves for backward while active, parameters excluded (recomputed ones
-    are never saved). Parameters are recognised by their storage at pack time, since ZeRO-3 re-allocates.
-    """
+    are never saved). Parameters are recognised by their storage at pack time, since ZeRO-3 re-allocates."""
 
     def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
         self._exclude = list(exclude)

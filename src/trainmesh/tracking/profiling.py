@@ -1,11 +1,6 @@
-"""A ``torch.profiler`` trace of a run's last steps, and where their time went.
-
-MFU says how far a run is from the device's peak, a trace says where the rest went: which kernels took the
-device's time, and how much of the wall clock the device sat idle waiting on the host. As torchtitan's
-profiling does, every rank writes its own trace (Chrome trace format: Perfetto or ``chrome://tracing`` opens
-it); rank 0 prints the ops that took the most time. Profiled steps run somewhat slower than the others
-(every op is recorded), so profile a few steps at the end of a run, not the ones whose speed is reported.
-"""
+"""A ``torch.profiler`` trace of a run's last steps, and where their time went (kernels, device idle on the
+host). As torchtitan, every rank writes its own Chrome trace; rank 0 prints the top ops. Profiled steps
+run slower, so profile a few at the end."""
 
 from __future__ import annotations
 

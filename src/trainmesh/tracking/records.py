@@ -1,8 +1,7 @@
 """A run's records: ``metrics.jsonl``, its sinks (TensorBoard, W&B), ``summary.json`` and rank 0's progress.
 
 Steps count from 1 wherever a person reads them: step N's record and checkpoint ``step-N`` describe the
-same weights, and a run resumed from ``step-N`` logs step N+1 next.
-"""
+same weights, and a run resumed from ``step-N`` logs step N+1 next."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def check_no_links(run_dir: Path, lock_name: str) -> None:
 
 def keep_steps_through(path: Path, step: int) -> int:
     """Rewrite ``path`` atomically keeping only whole records of steps up to ``step``, so steps a resumed run
-    replays have one record; returns how many later records it dropped.
-    """
+    replays have one record; returns how many later records it dropped."""
     if not os.path.lexists(path):
         return 0
     lines = read_regular(path, METRICS_LIMIT).splitlines(keepends=True)
@@ -121,8 +119,7 @@ class TensorBoardSink:
 
     Not ``SummaryWriter``, whose thread meets a full disk alone: here each step is one write, cut back on
     ``ENOSPC`` and raised to :class:`MetricsWriter`. ``purge_step`` makes TensorBoard hide a resumed run's
-    replayed steps.
-    """
+    replayed steps."""
 
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
@@ -184,8 +181,7 @@ def wandb_group(config: dict[str, Any]) -> tuple[str, str]:
 
 class WandbSink:
     """A Weights & Biases run of ``project`` under the run directory, offline unless ``WANDB_MODE`` says
-    otherwise (no stall without network); its id in ``RUN_DIR/wandb-run-id`` lets a resumed run continue it.
-    """
+    otherwise (no stall without network); its id in ``RUN_DIR/wandb-run-id`` lets a resumed run continue it."""
 
     def __init__(self, project: str, run_dir: Path, config: dict[str, Any], resume_from: int | None = None) -> None:
         import wandb
@@ -233,14 +229,12 @@ def _reason(e: OSError) -> str:
 
 class MetricsWriter:
     """Writes ``metrics.jsonl`` and ``summary.json`` and feeds its sinks; a no-op off rank 0. Each record is one
-    ``O_APPEND`` write of a whole line; ``ENOSPC`` is cut back and raised as :class:`MetricsError`.
-    """
+    ``O_APPEND`` write of a whole line; ``ENOSPC`` is cut back and raised as :class:`MetricsError`."""
 
     def __init__(self, out_dir: str | None, enabled: bool, resume_from: int | None = None,
                  sinks: Sequence[Sink] = ()) -> None:
         """``resume_from``: the step a resumed run's checkpoint holds; the file is cut to it and the first record
-        carries ``"restart": {"from_step": N, "replayed_steps": K}``. None starts a new file.
-        """
+        carries ``"restart": {"from_step": N, "replayed_steps": K}``. None starts a new file."""
         self.enabled = enabled and bool(out_dir)
         self.dir = Path(out_dir) if out_dir else None
         self.path = self.dir / METRICS_FILE if self.dir else None
@@ -345,8 +339,7 @@ def _terminal(stream: TextIO) -> bool:
 
 class Progress:
     """What rank 0 prints: per-step progress (a tqdm bar on a terminal, else a line every ``every`` steps) and
-    messages, which always print. Other terminal writes mid-run go inside :meth:`paused`.
-    """
+    messages, which always print. Other terminal writes mid-run go inside :meth:`paused`."""
 
     def __init__(self, total: int, first: int, stream: TextIO | None, enabled: bool = True, every: int = 0) -> None:
         """``first``: the step this run starts at (later than 1 when resumed); ``stream``: where to print
@@ -387,8 +380,7 @@ class Progress:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Clear the bar while the body writes to the terminal and redraw it after (left on its own line if the
-        body raised); the body's stderr goes to the bar's stream so relayed output cannot land on the bar's line.
-        """
+        body raised); the body's stderr goes to the bar's stream so relayed output cannot land on the bar's line."""
         if self._bar is None:
             yield
             return

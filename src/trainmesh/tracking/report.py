@@ -2,8 +2,7 @@
 
 A panel each for loss, speed (tokens/s, MFU), peak memory per rank, bytes per mesh axis and, for MoE,
 expert load; it reads only the run directory, so finished, crashed and live runs work. Several runs are
-overlaid, labelled and tabled by the settings in which they differ.
-"""
+overlaid, labelled and tabled by the settings in which they differ."""
 
 from __future__ import annotations
 

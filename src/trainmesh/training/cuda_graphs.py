@@ -1,8 +1,7 @@
 """CUDA graphs for the compiled step: whether a layout's compiled blocks can be captured, and the
 ``torch.compile`` mode that follows. ``reduce-overhead`` replays each graph with one launch instead of a
 host-bound stream of launches (docs/performance.md), but needs fixed shapes and addresses and no host
-sync; :func:`capture_problem` says where a layout breaks that, and the run says why once.
-"""
+sync; :func:`capture_problem` says where a layout breaks that, and the run says why once."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The one contract every training engine (DataParallel or ZeRO) fulfils: the loop, the pipeline runtime
-and checkpoints talk to it only through :class:`Engine`, so a new form is one class.
-"""
+and checkpoints talk to it only through :class:`Engine`, so a new form is one class."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 class Engine(Protocol):
     """Gradient synchronisation, the optimizer step, and the state a checkpoint saves.
 
-    Backward runs on the loss times :attr:`loss_scale` (1 except under fp16 loss scaling).
-    """
+    Backward runs on the loss times :attr:`loss_scale` (1 except under fp16 loss scaling)."""
 
     scaler: LossScaler
     optimizer: torch.optim.Optimizer

@@ -4,8 +4,7 @@ Parameters, activations and gradients stay bf16 with fp32 masters; linear matmul
 per-tensor dynamic scales (Micikevicius et al., "FP8 Formats for Deep Learning", 2022), as torchtitan does.
 Embedding, head and router stay bf16 (:attr:`~trainmesh.models.spec.ModelSpec.high_precision`), as do
 grouped experts and dimensions not divisible by 16. Parameter names are kept, so checkpoints move between
-fp8 and bf16 runs. Runs on CPU (slowly) and on GPUs with FP8 tensor cores (compute capability 8.9+).
-"""
+fp8 and bf16 runs. Runs on CPU (slowly) and on GPUs with FP8 tensor cores (compute capability 8.9+)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """AdamW, the learning-rate schedule and gradient clipping by the norm of the whole model's gradient,
 assembled from per-rank sums of squares with each element counted once (a tp-replicated parameter only
-on tp-rank 0, as Megatron-LM's ``clip_grad_norm``).
-"""
+on tp-rank 0, as Megatron-LM's ``clip_grad_norm``)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ expert of an ep group that folds over tp. The global norm counts it on every tp 
 class ParamPiece:
     """Elements ``[start, end)`` of parameter ``name`` flattened (of its tp shard) as a rank's optimizer holds
     them, so a checkpoint restores them in any layout: ``master`` the fp32 copy, ``param`` the model's,
-    ``optim_param`` the key to their AdamW state.
-    """
+    ``optim_param`` the key to their AdamW state."""
 
     name: str
     start: int
@@ -126,8 +124,7 @@ def squared_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str])
 def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float,
                       loss_scale: float = 1.0) -> None:
     """Divide ``grads`` by the loss scale and clip to global norm ``max_norm`` (0: none) in one pass, by a Python
-    number so CUDA runs one multi-tensor kernel; ``total_norm`` is the unscaled norm.
-    """
+    number so CUDA runs one multi-tensor kernel; ``total_norm`` is the unscaled norm."""
     coef = 1.0 / loss_scale
     if max_norm > 0:
         coef *= min(max_norm / (total_norm + 1e-6), 1.0)
@@ -141,8 +138,7 @@ def clipped_update(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tenso
                    extra: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None) -> float:
     """One guarded optimizer step shared by every engine; returns the unscaled pre-clip norm. The norm is
     reduced over ``axes`` (``extra`` adds contributions with their own axes), so a non-finite one skips the
-    step and backs the loss scale off on every rank together. The caller copies masters back.
-    """
+    step and backs the loss scale off on every rank together. The caller copies masters back."""
     sq = squared_norm(contributions, comm, axes)
     if extra is not None:
         sq = sq + squared_norm(extra[0], comm, extra[1])

@@ -1,6 +1,5 @@
 """Bytes per element of each kind of model state by precision, and which ones each ZeRO stage shards
-[ZeRO, sec. 3.1 and 5]; standard library only, so the planner and the engines share it.
-"""
+[ZeRO, sec. 3.1 and 5]; standard library only, so the planner and the engines share it."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter t
 def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
     """Parameters and activations in ``precision``, gradients in ``reduce_dtype``: K = 8 in fp32 (16 in fp64),
     12 with fp32 masters [ZeRO, 3.1]; fp32 gradient reduction holds 4 Psi (Megatron's ``main_grad``); fp8
-    costs what bf16 does.
-    """
+    costs what bf16 does."""
     size = DTYPE_BYTES[STORED_AS.get(precision, precision)]
     return Precision(size, DTYPE_BYTES[reduce_dtype], 2 * size if precision in FULL_PRECISIONS else 12, size)
 

@@ -3,8 +3,7 @@
 Stage 1, P_os (§5.1): AdamW state sharded (:mod:`.stage1`); stage 2, P_os+g (§5.2): gradients too
 (:mod:`.stage2`); stage 3, P_os+g+p (§5.3): parameters too, gathered per unit (:mod:`.stage3`). The
 stages share :class:`~.engine.ZeroEngine` and :mod:`.flat`; :mod:`.formulas` states per-rank memory and
-communication (§5, §7.2) for the planner and the tests.
-"""
+communication (§5, §7.2) for the planner and the tests."""
 
 from __future__ import annotations
 

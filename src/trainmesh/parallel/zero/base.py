@@ -4,8 +4,7 @@ issued in one order on every rank, the step, and the accounting of the model sta
 Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, K = 12): low-precision parameters, an fp32 master
 of this rank's shard only; gradients reduced in ``reduce_dtype``, unscaled and clipped in fp32, the masters
 cast back into the shard. fp16 scales the loss; the global norm is reduced over every axis so all ranks
-skip an overflowing step together. In fp32 nothing is copied.
-"""
+skip an overflowing step together. In fp32 nothing is copied."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def trainable(module: nn.Module) -> list[nn.Parameter]:
 
 class ZeroEngine:
     """What the stages share: the sharded AdamW, gradient reduce-scatter in index order on every rank (so
-    collectives match, as in DataParallel), the step, accounting. Backward on the loss times :attr:`loss_scale`.
-    """
+    collectives match, as in DataParallel), the step, accounting. Backward on the loss times :attr:`loss_scale`."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory, groups: list[Group],
                  scaler: LossScaler | None, axis: str) -> None:
@@ -231,8 +229,7 @@ class ZeroEngine:
 
     def param_pieces(self) -> list[ParamPiece]:
         """This rank's shard of each parameter for checkpoints: elements ``[start, end)`` of it flattened, as the
-        optimizer's fp32 piece and the parameter shard's slice. Call :meth:`after_update` after writing them.
-        """
+        optimizer's fp32 piece and the parameter shard's slice. Call :meth:`after_update` after writing them."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         pieces = iter(self.pieces)
         out = []

@@ -4,8 +4,7 @@ A group's parameters (a bucket in stages 1-2, a unit in stage 3) lie in one flat
 multiple of N; rank r owns [rS, (r+1)S), S = ceil(numel / N). Parameters are views into it (stage 3
 resizes its storage to zero between uses, as FSDP's FlatParameter). AdamW runs over this rank's pieces,
 elementwise so equal to the full update. Exchanges are looked up on this module at call time, so a
-test's substitute is what every stage runs.
-"""
+test's substitute is what every stage runs."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ class FlatLayout:
 @dataclass
 class Group:
     """One flat buffer's worth of parameters (bucket or unit): ``flat``/``shard`` in the parameters' dtype,
-    ``grad_flat``/``grad_shard`` in the reduce dtype, ``master`` the fp32 shard (``shard`` itself in fp32).
-    """
+    ``grad_flat``/``grad_shard`` in the reduce dtype, ``master`` the fp32 shard (``shard`` itself in fp32)."""
 
     name: str
     params: list[nn.Parameter]
@@ -133,8 +131,7 @@ class Exchange:
 
 def exchanges_directly(comm: Comm, axis: str) -> bool:
     """Whether ``axis``'s all-gathers and reduce-scatters go point to point: on Gloo between hosts, whose
-    collectives hold a whole unit's extra copy (NCCL and one host's shared segment work in place).
-    """
+    collectives hold a whole unit's extra copy (NCCL and one host's shared segment work in place)."""
     return (comm.mesh.size(axis) > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
             and not comm.shares_host(axis))
 
@@ -200,8 +197,7 @@ class PieceSlot:
 def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[PieceSlot]]:
     """The optimizer's parameters: each parameter's part of this rank's fp32 master shard, and where it lies.
     Matrix pieces are 1 x k rows so weight decay picks the same elements, and keep their tp mark so the
-    norm counts each element once.
-    """
+    norm counts each element once."""
     pieces, slots = [], []
     for group in groups:
         for i, start, end in group.layout.pieces():

@@ -1,6 +1,5 @@
 """ZeRO stage 1, P_os (§5.1): each rank keeps AdamW state for its 1/N of the elements only, the largest part
-of the model state, for DP's communication: reduce-scatter, local update, all-gather (2Ψ(N-1)/N).
-"""
+of the model state, for DP's communication: reduce-scatter, local update, all-gather (2Ψ(N-1)/N)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from trainmesh.training.precision import LossScaler
 
 class ZeroStage1(ZeroEngine):
     """P_os (§5.1): full parameters and gradients (accumulated as in DP, ``BucketFold`` across dtypes), AdamW
-    state for this rank's shard; buckets are reduce-scattered as the last micro-batch's backward completes them.
-    """
+    state for this rank's shard; buckets are reduce-scattered as the last micro-batch's backward completes them."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,

@@ -1,7 +1,6 @@
 """ZeRO stage 2, P_os+g (§5.2): gradients, too, are kept as a 1/N shard per rank, reduce-scattered during
 every micro-batch's backward (``no_sync`` does not defer, as in DeepSpeed): Ψ(N-1)/N per extra
-micro-batch for 1/N of the gradient memory.
-"""
+micro-batch for 1/N of the gradient memory."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from trainmesh.training.precision import LossScaler
 
 def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world: int, grad_dtype: torch.dtype) -> int:
     """Stage 2's bucket: ``bucket_bytes``, but at most 1/(2N) of the full gradient's bytes, so its transient
-    full buckets add at most one gradient shard and the peak stays below stage 1's.
-    """
+    full buckets add at most one gradient shard and the peak stays below stage 1's."""
     itemsize = torch.empty((), dtype=grad_dtype).element_size()
     grad_bytes = sum(p.numel() for p in params) * itemsize
     return max(1, min(bucket_bytes, grad_bytes // (2 * world)))
@@ -32,8 +30,7 @@ class ZeroStage2(ZeroEngine):
 
     A hook copies a complete bucket's gradients into a transient flat buffer and reduce-scatters it into the
     persistent shard, overlapping backward; one bucket buffer lives at a time. The end of a backward pass
-    (or of :meth:`backward_pass`, for the zero-bubble split, Qi et al. 2023, §2) lands every reduce-scatter.
-    """
+    (or of :meth:`backward_pass`, for the zero-bubble split, Qi et al. 2023, §2) lands every reduce-scatter."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,

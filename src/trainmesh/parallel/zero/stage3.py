@@ -1,7 +1,6 @@
 """ZeRO stage 3, P_os+g+p (§5.3): parameters, too, are kept as 1/N shards. Each unit
 (:func:`default_units`) is gathered before its forward and its backward, freed after, the next one
-prefetched; gradients are reduce-scattered once complete: 1.5x DP's communication.
-"""
+prefetched; gradients are reduce-scattered once complete: 1.5x DP's communication."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from trainmesh.training.precision import LossScaler
 
 def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The stage-3 wrapping policy: each top-level child a unit, each block of a ModuleDict/ModuleList its own,
-    in registration order (the prefetch's forward order).
-    """
+    in registration order (the prefetch's forward order)."""
     units: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
@@ -115,8 +113,7 @@ class ZeroStage3(ZeroStage2):
     Hooks gather a unit and prefetch the next in forward, gather again and prefetch the previous in backward,
     and free it and reduce-scatter its gradients once all are in (stage 2's machinery); the order depends
     only on the model. Under the zero-bubble split a unit is gathered three times per micro-batch (4Ψ(N-1)/N),
-    the weight-gradient pass by the caller through :meth:`unshard_for_backward`.
-    """
+    the weight-gradient pass by the caller through :meth:`unshard_for_backward`."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -194,8 +191,7 @@ class ZeroStage3(ZeroStage2):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Stage 2's handling, then the backward prefetch once half the unit's gradient elements are in: by then
-        its freed activations exceed the prefetch's buffer, and the gather still overlaps the other half.
-        """
+        its freed activations exceed the prefetch's buffer, and the gather still overlaps the other half."""
         unit = self._unit_of[self._slot[p][0].name]
         unit.grad_elements += p.numel()
         following = self._neighbour(unit, -1)
@@ -234,8 +230,7 @@ class ZeroStage3(ZeroStage2):
     def gathered(self) -> Iterator[None]:
         """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit.
 
-        A collective: every dp rank must enter it.
-        """
+        A collective: every dp rank must enter it."""
         for unit in self.units:
             self._unshard(unit, "state_dict_all_gather")
         try:
