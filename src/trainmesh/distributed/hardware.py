@@ -154,28 +154,19 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
 }
 
 
-def make_cluster(
-    gpu: str,
-    gpus: int,
-    gpus_per_node: int | None = None,
-    *,
-    mem_gb: float | None = None,
-    peak_tflops: float | None = None,
-    intra_gbps: float | None = None,
-    inter_gbps: float | None = None,
-) -> Cluster:
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, mem_gb: float | None = None,
+                 peak_tflops: float | None = None, intra_gbps: float | None = None,
+                 inter_gbps: float | None = None) -> Cluster:
     """A preset resized to ``gpus`` devices, with any explicit figure (GiB, TFLOP/s, GB/s) overriding it."""
     try:
         base = CLUSTER_PRESETS[gpu]
     except KeyError:
         raise ValueError(f"unknown gpu preset {gpu!r}; choose one of {', '.join(CLUSTER_PRESETS)}") from None
     per_node = gpus_per_node or min(gpus, base.gpus_per_node)
-    overrides = {
-        "mem_bytes": None if mem_gb is None else int(mem_gb * GIB),
-        "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
-        "intra_bw": None if intra_gbps is None else intra_gbps * 1e9,
-        "inter_bw": None if inter_gbps is None else inter_gbps * 1e9,
-    }
+    overrides = {"mem_bytes": None if mem_gb is None else int(mem_gb * GIB),
+                 "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
+                 "intra_bw": None if intra_gbps is None else intra_gbps * 1e9,
+                 "inter_bw": None if inter_gbps is None else inter_gbps * 1e9}
     given = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(base, gpus=gpus, gpus_per_node=per_node, **given)
 

@@ -194,13 +194,11 @@ the same ``F.gelu(approximate="tanh")``, ``gelu_new`` (GPT-2's own) spells out t
 def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Our config for a ``GPT2LMHeadModel`` config; anything this model would compute differently (the exact
     erf GELU, another LayerNorm epsilon, attention scaled otherwise) is refused."""
-    differs = {
-        "activation_function": (hf.get("activation_function"), TANH_GELUS),
-        "layer_norm_epsilon": (hf.get("layer_norm_epsilon"), (1e-5,)),
-        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
-        "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), (False,)),
-        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
-    }
+    differs = {"activation_function": (hf.get("activation_function"), TANH_GELUS),
+               "layer_norm_epsilon": (hf.get("layer_norm_epsilon"), (1e-5,)),
+               "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+               "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+               "add_cross_attention": (hf.get("add_cross_attention", False), (False,))}
     for what, (there, ours) in differs.items():
         if there not in ours:
             raise HFIncompatible(f"{what} is {there!r}; trainmesh's GPT computes {ours[0]!r} (GPT-2 layout, "

@@ -343,11 +343,8 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
     anything this model would compute differently (another activation, biases, a RoPE scaling other than
     linear, llama3 or yarn) is refused."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    differs = {
-        "hidden_act": (hf.get("hidden_act"), "silu"),
-        "attention_bias": (bool(hf.get("attention_bias")), False),
-        "mlp_bias": (bool(hf.get("mlp_bias")), False),
-    }
+    differs = {"hidden_act": (hf.get("hidden_act"), "silu"), "attention_bias": (bool(hf.get("attention_bias")), False),
+               "mlp_bias": (bool(hf.get("mlp_bias")), False)}
     for what, (there, ours) in differs.items():
         if there != ours:
             raise HFIncompatible(f"{what} is {there!r}; trainmesh's Llama has {ours!r} (RMSNorm, SwiGLU, no "

@@ -35,17 +35,8 @@ from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.distributed.mesh import Mesh, world_env
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
-from trainmesh.pipeline.schedules import (
-    SEND_KINDS,
-    Action,
-    ActionKind,
-    Token,
-    action_inputs,
-    action_output,
-    build_schedule,
-    hoist_receives,
-    stage_to_rank,
-)
+from trainmesh.pipeline.schedules import (SEND_KINDS, Action, ActionKind, Token, action_inputs, action_output,
+                                          build_schedule, hoist_receives, stage_to_rank)
 from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord, concurrency
 
 Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]

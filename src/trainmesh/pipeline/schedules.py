@@ -103,14 +103,9 @@ def rank_stages(rank: int, n_ranks: int, n_virtual: int = 1) -> tuple[int, ...]:
 def action_output(action: Action) -> Token | None:
     """The token ``action`` makes available on its own rank (a RECV delivers its peer's product)."""
     mb, s = action.microbatch, action.stage
-    return {
-        ActionKind.F: ("act", s, mb),
-        ActionKind.B: ("grad", s, mb),
-        ActionKind.BI: ("grad", s, mb),
-        ActionKind.BW: ("wgrad", s, mb),
-        ActionKind.RECV_F: ("act", s - 1, mb),
-        ActionKind.RECV_B: ("grad", s + 1, mb),
-    }.get(action.kind)
+    return {ActionKind.F: ("act", s, mb), ActionKind.B: ("grad", s, mb), ActionKind.BI: ("grad", s, mb),
+            ActionKind.BW: ("wgrad", s, mb), ActionKind.RECV_F: ("act", s - 1, mb),
+            ActionKind.RECV_B: ("grad", s + 1, mb)}.get(action.kind)
 
 
 def action_inputs(action: Action, n_total_stages: int) -> tuple[Token, ...]:
@@ -336,12 +331,8 @@ def schedule_zb_h1(n_stages: int, n_microbatches: int) -> Schedule:
     return _insert_communication(orders, n_stages)
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": schedule_gpipe,
-    "1f1b": schedule_1f1b,
-    "interleaved": schedule_interleaved_1f1b,
-    "zb": schedule_zb_h1,
-}
+SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": schedule_gpipe, "1f1b": schedule_1f1b,
+                                                 "interleaved": schedule_interleaved_1f1b, "zb": schedule_zb_h1}
 VIRTUAL_SCHEDULES = frozenset({"interleaved"})
 """Schedules that take ``n_virtual``; the others hold exactly one stage per rank."""
 

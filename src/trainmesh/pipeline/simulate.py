@@ -14,17 +14,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmesh.pipeline.schedules import (
-    Action,
-    COMPUTE_KINDS,
-    SEND_KINDS,
-    ActionKind,
-    Token,
-    action_inputs,
-    action_output,
-    required_messages,
-    stage_to_rank,
-)
+from trainmesh.pipeline.schedules import (Action, COMPUTE_KINDS, SEND_KINDS, ActionKind, Token, action_inputs,
+                                          action_output, required_messages, stage_to_rank)
 
 Cost = float | tuple[float, ...]
 """Seconds (or any unit) for one action: one value for all stages, or one per global stage."""
@@ -91,12 +82,9 @@ class Costs:
         if action.is_comm:
             return self.comm
         half = _scaled(self.backward, 0.5)
-        cost = {
-            ActionKind.F: self.forward,
-            ActionKind.B: self.backward,
-            ActionKind.BI: half if self.backward_input is None else self.backward_input,
-            ActionKind.BW: half if self.backward_weight is None else self.backward_weight,
-        }[action.kind]
+        cost = {ActionKind.F: self.forward, ActionKind.B: self.backward,
+                ActionKind.BI: half if self.backward_input is None else self.backward_input,
+                ActionKind.BW: half if self.backward_weight is None else self.backward_weight}[action.kind]
         if not isinstance(cost, tuple):
             return cost
         if action.stage >= len(cost):
@@ -286,14 +274,8 @@ def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
             for record in computing}
 
 
-def simulate(
-    schedule: Sequence[Sequence[Action]],
-    costs: Costs = Costs(),
-    *,
-    n_microbatches: int | None = None,
-    n_virtual: int | None = None,
-    blocking_comm: bool = False,
-) -> Timeline:
+def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *, n_microbatches: int | None = None,
+             n_virtual: int | None = None, blocking_comm: bool = False) -> Timeline:
     """Verify ``schedule`` (one action list per rank) under rendezvous sends and time it under ``costs``.
 
     ``blocking_comm`` False times async posting (only compute order matters), True blocking p2p. Give
@@ -382,10 +364,8 @@ class _Run:
     SEND/RECV rendezvous, else data lands ``comm`` after both are posted. Start times are a max over free
     and input times, so stepping order does not matter."""
 
-    def __init__(
-        self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool,
-        lone: Collection[Action] = frozenset(),
-    ) -> None:
+    def __init__(self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool,
+                 lone: Collection[Action] = frozenset()) -> None:
         self.schedule = schedule
         self.lone = lone
         self.costs = costs

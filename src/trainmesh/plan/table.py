@@ -249,13 +249,9 @@ def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], cho
             "tflops_per_device": e.tflops_per_device,
             "tokens_per_s": e.tokens_per_s,
         }
-    return json.dumps({
-        "workload": dataclasses.asdict(workload),
-        "cluster": dataclasses.asdict(cluster),
-        "fitting_layouts": len(estimates),
-        "chosen": row(chosen) if chosen is not None else None,
-        "layouts": [row(e) for e in estimates[:top]],
-    }, indent=2)
+    return json.dumps({"workload": dataclasses.asdict(workload), "cluster": dataclasses.asdict(cluster),
+                       "fitting_layouts": len(estimates), "chosen": row(chosen) if chosen is not None else None,
+                       "layouts": [row(e) for e in estimates[:top]]}, indent=2)
 
 
 # ----------------------------------------------------------------------------------------------------------
