@@ -30,11 +30,10 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Every setting a layout rule reads, under the names the command line, API, manifest and planner share.
-
-    Mesh sizes (``ep`` folds inside :attr:`token_ranks` and adds no ranks), ``dp_replicate`` (HSDP replica
-    groups), the ZeRO stage, the pipeline's schedule, memory savers and dtypes, ``bucket_mb`` (MiB of
-    gradient buckets), ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
+    """Every setting a layout rule reads, under the names the command line, API, manifest and planner share. Mesh
+    sizes (``ep`` folds inside :attr:`token_ranks` and adds no ranks), ``dp_replicate`` (HSDP replica groups), the
+    ZeRO stage, the pipeline's schedule, memory savers and dtypes, ``bucket_mb`` (MiB of gradient buckets),
+    ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
 
     dp: int = 1
     tp: int = 1
@@ -229,10 +228,9 @@ def _expert_ranks(c: _Check) -> str | None:
 
 
 def _hybrid_shards(c: _Check) -> str | None:
-    """Hybrid sharding (HSDP; FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups of
-    contiguous ranks, each holding one whole set of ZeRO shards; so it needs ZeRO, and a dp it divides. Expert
-    parallelism shards its experts over its own expert-data-parallel groups, which hybrid sharding does not
-    split (yet)."""
+    """Hybrid sharding (HSDP; FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups of contiguous
+    ranks, each holding one whole set of ZeRO shards; so it needs ZeRO, and a dp it divides. Expert parallelism shards
+    its experts over its own expert-data-parallel groups, which hybrid sharding does not split (yet)."""
     lay, s = c.layout, c.spell
     if lay.dp_replicate == 1:
         return None

@@ -1,8 +1,7 @@
 """The sampler that hands each data-parallel rank its slice of a global batch.
 
-Step s's batch depends on ``(seed, s)`` alone (packed windows across document ends, as GPT-2 and
-Megatron-LM); a rank takes a contiguous slice, so every layout sees one process's batch and resuming
-needs only ``s``."""
+Step s's batch depends on ``(seed, s)`` alone (packed windows across document ends, as GPT-2 and Megatron-LM); a rank
+takes a contiguous slice, so every layout sees one process's batch and resuming needs only ``s``."""
 
 from __future__ import annotations
 

@@ -179,9 +179,8 @@ class Comm:
         return None
 
     def _host(self, axis: str) -> HostCollectives | None:
-        """The axis's shared segment, mapped at its first use (None where its ranks span hosts; None too after
-        mapping it failed, a peer gone, so the run's later collectives fail through Gloo at once, not one by
-        one)."""
+        """The axis's shared segment, mapped at its first use (None where its ranks span hosts; None too after mapping
+        it failed, a peer gone, so the run's later collectives fail through Gloo at once, not one by one)."""
         if axis not in self.hosts:
             self.hosts[axis] = None
             self.hosts[axis] = HostCollectives.open(self.mesh.group(axis), self.mesh.timeout_s or WAIT_S)

@@ -45,13 +45,11 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices and links: bandwidths in bytes/s per device one way (``inter_bw`` one NIC's), latencies per
-    ring hop, ``reserved_bytes`` not available to the model.
-
-    Matmuls reach ``gemm_efficiency`` scaled by d / (d + ``gemm_half_dim``) per dimension, collectives
-    ``comm_efficiency`` of bandwidth. ``ranks_per_core`` > 1: CPU ranks sharing cores; ``direct_exchange``:
-    ZeRO exchanges point to point (Gloo); ``memory_bw``: copy bandwidth (0: unpriced);
-    ``comm_overlaps_compute``: NCCL-style overlap; ``hopper``: attention priced from measured curves."""
+    """Devices and links: bandwidths in bytes/s per device one way (``inter_bw`` one NIC's), latencies per ring hop,
+    ``reserved_bytes`` not available to the model. Matmuls reach ``gemm_efficiency`` scaled by d / (d +
+    ``gemm_half_dim``) per dimension, collectives ``comm_efficiency`` of bandwidth. ``ranks_per_core`` > 1: CPU ranks
+    sharing cores; ``direct_exchange``: ZeRO exchanges point to point (Gloo); ``memory_bw``: copy bandwidth (0:
+    unpriced); ``comm_overlaps_compute``: NCCL-style overlap; ``hopper``: attention priced from measured curves."""
 
     gpus: int
     gpus_per_node: int
@@ -93,8 +91,7 @@ class Cluster:
         return self.mem_bytes - self.reserved_bytes
 
     def link(self, span: int) -> tuple[float, float]:
-        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC
-        beyond."""
+        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC beyond."""
         if span <= self.gpus_per_node:
             return self.intra_bw * self.comm_efficiency, self.intra_latency
         return self.inter_bw * self.comm_efficiency, self.inter_latency
@@ -177,9 +174,8 @@ GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "H800": "h800-80gb", "A1
 
 
 def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:
-    """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU
-    processes sharing this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's
-    figures otherwise)."""
+    """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU processes sharing
+    this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's figures otherwise)."""
     if gpu_name is None:
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         cpu = make_cluster("cpu", world, mem_gb=host / world / GIB)

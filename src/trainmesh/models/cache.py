@@ -1,6 +1,5 @@
-"""A key/value cache for autoregressive decoding, and the causal attention that reads it: each step runs
-only the new tokens, attending over stored keys and values (Pope et al., 2022, §2); ``cache=None`` is the
-unchanged training path."""
+"""A key/value cache for autoregressive decoding, and the causal attention that reads it: each step runs only the new
+tokens, attending over stored keys and values (Pope et al., 2022, §2); ``cache=None`` is the unchanged training path."""
 
 from __future__ import annotations
 

@@ -39,12 +39,11 @@ def is_expert_param(p: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One MoE layer's routing and balancing.
-
-    ``score``: ``softmax`` (Mixtral, Switch) or ``sigmoid`` (DeepSeek-V3, always top-k normalised).
-    ``capacity_factor`` 0 is dropless, else each expert takes at most ceil(cf * tokens * top_k / E) copies
-    and drops the rest. ``route_scale`` is DeepSeek-V3's ``routed_scaling_factor``; ``expert_groups`` and
-    ``groups_per_token`` its node-limited routing (§2.1.2, :func:`limit_to_groups`; equal numbers: no limit)."""
+    """One MoE layer's routing and balancing. ``score``: ``softmax`` (Mixtral, Switch) or ``sigmoid`` (DeepSeek-V3,
+    always top-k normalised). ``capacity_factor`` 0 is dropless, else each expert takes at most ceil(cf * tokens *
+    top_k / E) copies and drops the rest. ``route_scale`` is DeepSeek-V3's ``routed_scaling_factor``;
+    ``expert_groups`` and ``groups_per_token`` its node-limited routing (§2.1.2, :func:`limit_to_groups`; equal
+    numbers: no limit)."""
 
     n_experts: int
     top_k: int
@@ -197,9 +196,8 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, d]`` -> (chosen experts ``[T, k]``, their weights ``[T, k]``, each token's scores
-        normalised over all experts ``[T, E]`` (the P of the balance loss), logits ``[T, E]``), in at
-        least float32."""
+        """``x`` ``[T, d]`` -> (chosen experts ``[T, k]``, their weights ``[T, k]``, each token's scores normalised
+        over all experts ``[T, E]`` (the P of the balance loss), logits ``[T, E]``), in at least float32."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         choice = (scores + self.expert_bias.to(scores.dtype)).detach()  # the bias is 0 unless moved or imported
@@ -381,9 +379,8 @@ class MoE(nn.Module):
 
 def layer_mlp(d_model: int, d_ff: int, cfg: MoEConfig | None, layer: int,
               dense: Callable[[int, int], nn.Module], gated: bool) -> nn.Module:
-    """Layer ``layer``'s MLP in a family whose dense MLP is ``dense(d_model, width)``: that MLP, or (an MoE
-    model past its dense layers) experts of the same kind, with the shared experts as one ``dense`` of
-    their summed width."""
+    """Layer ``layer``'s MLP in a family whose dense MLP is ``dense(d_model, width)``: that MLP, or (an MoE model past
+    its dense layers) experts of the same kind, with the shared experts as one ``dense`` of their summed width."""
     if cfg is None or layer < cfg.n_dense_layers:
         return dense(d_model, d_ff)
     shared = dense(d_model, cfg.n_shared_experts * cfg.d_ff_expert) if cfg.n_shared_experts else None
@@ -396,9 +393,8 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
 
 
 def begin_step(model: nn.Module, aux_grad_scale: float) -> None:
-    """Start a step: clear every layer's statistics and set the gradient its aux losses get per forward
-    (the factor the main loss of one micro-batch is multiplied by before backward: loss scale divided by
-    the micro-batch count)."""
+    """Start a step: clear every layer's statistics and set the gradient its aux losses get per forward (the factor
+    the main loss of one micro-batch is multiplied by before backward: loss scale divided by the micro-batch count)."""
     for _, layer in moe_layers(model):
         layer.stats = MoEStats(torch.zeros_like(layer.stats.counts))
         layer.aux_grad_scale = aux_grad_scale

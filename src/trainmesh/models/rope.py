@@ -167,9 +167,8 @@ def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def rope_to_hf(scaling: RopeScaling | None) -> dict[str, Any]:
-    """``scaling`` as the ``rope_scaling`` attribute transformers' configs take (5 turns it into
-    ``rope_parameters``): the fields its type reads and any other set away from its default; nothing for an
-    unscaled rope."""
+    """``scaling`` as the ``rope_scaling`` attribute transformers' configs take (5 turns it into ``rope_parameters``):
+    the fields its type reads and any other set away from its default; nothing for an unscaled rope."""
     if scaling is None:
         return {}
     read = {"linear": ("factor",),

@@ -77,10 +77,9 @@ def _scores(q5: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale:
 
 
 class Accumulator:
-    """Running softmax attention of one query segment: the normalised output so far and its log-sum-exp.
-
-    Merging a block's (output, lse) rescales both sides by ``exp(lse_side - lse_new)`` with
-    ``lse_new = logaddexp(lse, lse_block)``: the online softmax, exact in exact arithmetic."""
+    """Running softmax attention of one query segment: the normalised output so far and its log-sum-exp. Merging a
+    block's (output, lse) rescales both sides by ``exp(lse_side - lse_new)`` with ``lse_new = logaddexp(lse,
+    lse_block)``: the online softmax, exact in exact arithmetic."""
 
     def __init__(self, q5: torch.Tensor) -> None:
         self.out = torch.zeros(q5.shape, dtype=_wide(q5.dtype), device=q5.device)

@@ -152,11 +152,10 @@ def accumulating_locally(engine: Syncing) -> Iterator[None]:
 
 
 class DataParallel:
-    """Gradient synchronisation for a replicated ``module`` over the ``dp`` axis of ``comm``'s mesh.
-
-    Run backward on the loss times :attr:`loss_scale` (inside :meth:`no_sync` but for the last
-    micro-batch), then :meth:`step`; the module is not wrapped. Low-precision parameters get fp32 masters,
-    gradients reduced in ``reduce_dtype`` (as Megatron's ``main_grad``, via :class:`BucketFold`)."""
+    """Gradient synchronisation for a replicated ``module`` over the ``dp`` axis of ``comm``'s mesh. Run backward on
+    the loss times :attr:`loss_scale` (inside :meth:`no_sync` but for the last micro-batch), then :meth:`step`; the
+    module is not wrapped. Low-precision parameters get fp32 masters, gradients reduced in ``reduce_dtype`` (as
+    Megatron's ``main_grad``, via :class:`BucketFold`)."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype = torch.float32,

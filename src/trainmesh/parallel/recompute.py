@@ -1,8 +1,7 @@
-"""Activation recomputation, applied to a plain model from outside: ``full`` recomputes whole blocks (Chen
-et al., 2016), ``selective`` only the attention core, whose softmax grows with s² but is cheap to redo
-(Korthikanti et al., 2022, §5). Targets come from ``ModelSpec.recompute``; ``forward`` is replaced on the
-instance, so names, hooks and ``state_dict`` are unchanged, and non-reentrant checkpointing recomputes
-after ZeRO-3's gather hooks."""
+"""Activation recomputation, applied to a plain model from outside: ``full`` recomputes whole blocks (Chen et al.,
+2016), ``selective`` only the attention core, whose softmax grows with s² but is cheap to redo (Korthikanti et al.,
+2022, §5). Targets come from ``ModelSpec.recompute``; ``forward`` is replaced on the instance, so names, hooks and
+``state_dict`` are unchanged, and non-reentrant checkpointing recomputes after ZeRO-3's gather hooks."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Tensor parallelism: layers split over the ``tp`` axis, applied to a plain model by a plan.
 
-Megatron-LM (Shoeybi et al., 2019, §3): column-parallel then row-parallel linears, with the pair ``f``
-(identity / all-reduce backward) and ``g`` (all-reduce / identity) as all the communication; embedding
-and head split by vocabulary, the loss computed without gathering logits. Sequence parallelism
-(Korthikanti et al., 2022, §4.2.2) splits the regions between along the sequence: ``f``/``g`` become
-all-gather/reduce-scatter and replicated parameters there get their gradients summed over tp.
-:func:`parallelize` takes an ``nn.Module`` and a plan of module-name patterns -> :data:`STYLES`.
-Activations are ``[batch, seq, hidden]``."""
+Megatron-LM (Shoeybi et al., 2019, §3): column-parallel then row-parallel linears, with the pair ``f`` (identity /
+all-reduce backward) and ``g`` (all-reduce / identity) as all the communication; embedding and head split by
+vocabulary, the loss computed without gathering logits. Sequence parallelism (Korthikanti et al., 2022, §4.2.2) splits
+the regions between along the sequence: ``f``/``g`` become all-gather/reduce-scatter and replicated parameters there
+get their gradients summed over tp. :func:`parallelize` takes an ``nn.Module`` and a plan of module-name patterns ->
+:data:`STYLES`. Activations are ``[batch, seq, hidden]``."""
 
 from __future__ import annotations
 
@@ -495,11 +494,9 @@ def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: bool = False,
                 comm: Comm | None = None) -> Criterion | None:
-    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place, as ``plan`` says.
-
-    Full weights are sharded, so identically built models become their tp split. Returns the
-    vocabulary-parallel cross-entropy when the head is split by vocabulary, else None. ``tp == 1`` only
-    checks the plan."""
+    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place, as ``plan`` says. Full weights are
+    sharded, so identically built models become their tp split. Returns the vocabulary-parallel cross-entropy when the
+    head is split by vocabulary, else None. ``tp == 1`` only checks the plan."""
     matched = match_plan(model, plan)
     if mesh.size(AXIS) == 1:
         return None

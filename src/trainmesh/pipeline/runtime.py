@@ -451,9 +451,8 @@ class PipelineRuntime:
 def build_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: int, hidden_size: int,
                    dtype: torch.dtype, virtual_stages: int = 1, layers_per_stage: Sequence[int] = (),
                    seq_shards: int = 1) -> tuple[nn.Module, PipelineRuntime]:
-    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameters) and
-    build the runtime for ``schedule``; ``hidden_size``/``dtype`` describe the activations so receives can
-    be posted early."""
+    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameters) and build
+    the runtime for ``schedule``; ``hidden_size``/``dtype`` describe the activations so receives can be posted early."""
     mesh = comm.mesh
     n_ranks = mesh.size(AXIS)
     layers = partition_model(model, n_ranks * virtual_stages, layers_per_stage)

@@ -34,10 +34,9 @@ def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
 
 @dataclass(frozen=True)
 class DpTraffic:
-    """Bytes one rank sends per step over the dp axis inside its node (``intra``) and to other nodes
-    (``inter``), the seconds that takes, and how many of those seconds are collectives issued ahead of the
-    compute that needs them (``prefetched``: ZeRO-3's per-unit gathers and reduce-scatters), which can run
-    while the device computes."""
+    """Bytes one rank sends per step over the dp axis inside its node (``intra``) and to other nodes (``inter``), the
+    seconds that takes, and how many of those seconds are collectives issued ahead of the compute that needs them
+    (``prefetched``: ZeRO-3's per-unit gathers and reduce-scatters), which can run while the device computes."""
 
     intra: float = 0.0
     inter: float = 0.0

@@ -57,8 +57,7 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
 
 
 def router_and_shared(m: ModelShape) -> UnitSize:
-    """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on
-    every tp rank."""
+    """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on every tp rank."""
     shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, m.bias) if m.n_shared_experts else []
     return _sum([UnitSize(m.d_model * m.n_experts, 1)] + shared)
 
@@ -176,12 +175,11 @@ def _model_state(
 
 
 def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None, moe: bool = False) -> int:
-    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1].
-
-    sbh(34 + 5as/h) with dropout and 2-byte activations (eq. 1), sbh(10 + 24/t + 5as/(ht)) under tp (eq. 2),
-    sbh/t (34 + 5as/h) with sp (eq. 3); the 5as/h term goes with selective recomputation (eq. 6) or a fused
-    kernel; full recomputation keeps 2sbh (sec. 5). An MoE block keeps its experts' tensors for top_k copies
-    and the router's fp32 logits and scores. Checked against measured bytes in tests/unit/test_plan_memory.py."""
+    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1]. sbh(34 + 5as/h) with
+    dropout and 2-byte activations (eq. 1), sbh(10 + 24/t + 5as/(ht)) under tp (eq. 2), sbh/t (34 + 5as/h) with sp
+    (eq. 3); the 5as/h term goes with selective recomputation (eq. 6) or a fused kernel; full recomputation keeps 2sbh
+    (sec. 5). An MoE block keeps its experts' tensors for top_k copies and the router's fp32 logits and scores.
+    Checked against measured bytes in tests/unit/test_plan_memory.py."""
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
     sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * m.d_model

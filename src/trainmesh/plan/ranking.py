@@ -108,9 +108,8 @@ def ep_degrees(model: ModelShape, token_ranks: int) -> list[int]:
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every valid layout on the cluster: micro-batch sizes, v, cp, ep, the pipeline's fastest stage split and
-    hybrid sharding, skipping what the layout's rules refuse; a hybrid layout comes right after its fully
-    sharded twin."""
+    """Every valid layout on the cluster: micro-batch sizes, v, cp, ep, the pipeline's fastest stage split and hybrid
+    sharding, skipping what the layout's rules refuse; a hybrid layout comes right after its fully sharded twin."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)

@@ -87,11 +87,10 @@ def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
 
 
 def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
-    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs].
-
-    An MoE block has the router and its routed experts in place of the MLP: each expert's matmul takes
-    ep x tokens x top_k / n_experts rows under balanced routing (why ep makes them efficient); experts are not
-    split by tp, and the tokens are :func:`moe_tokens`."""
+    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]. An MoE block
+    has the router and its routed experts in place of the MLP: each expert's matmul takes ep x tokens x top_k /
+    n_experts rows under balanced routing (why ep makes them efficient); experts are not split by tp, and the tokens
+    are :func:`moe_tokens`."""
     m, t = workload.model, layout.tp
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
@@ -124,9 +123,8 @@ def causal_share(m: ModelShape) -> float:
 
 
 def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:
-    """The q/k/v projection's matmul shape on one tp rank; latent attention's projections (down to the
-    latents, up to the heads) are priced as one matmul of their FLOPs shaped as its key/value up-projection,
-    the largest of them."""
+    """The q/k/v projection's matmul shape on one tp rank; latent attention's projections (down to the latents, up to
+    the heads) are priced as one matmul of their FLOPs shaped as its key/value up-projection, the largest of them."""
     if not m.latent_attention:
         return tokens, m.d_model, m.qkv_width // t
     return tokens, m.kv_lora_rank, m.n_heads * (m.qk_nope_head_dim + m.v_head_dim) // t
@@ -167,11 +165,10 @@ def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: boo
 
 
 def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """The attention core's forward and backward for one micro-batch, rerun under recomputation.
-
-    With ``Pricing.attention_kernel`` on a Hopper device, at that kernel's measured rate
-    (:func:`trainmesh.plan.kernels.attention_rates`); otherwise as head_dim-wide matmuls at
-    :func:`gemm_efficiency` (docs/planner.md, "Kernel curves")."""
+    """The attention core's forward and backward for one micro-batch, rerun under recomputation. With
+    ``Pricing.attention_kernel`` on a Hopper device, at that kernel's measured rate
+    (:func:`trainmesh.plan.kernels.attention_rates`); otherwise as head_dim-wide matmuls at :func:`gemm_efficiency`
+    (docs/planner.md, "Kernel curves")."""
     if not (workload.pricing.attention_kernel and cluster.hopper and workload.model.flash_attention):
         passes = 4 if layout.recompute == "full" else 3
         return (passes + (layout.recompute == "selective")) * gemm_time(core, workload, cluster)
@@ -206,12 +203,10 @@ def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluste
 
 
 def token_movement_bytes(workload: Workload, layout: Layout) -> float:
-    """Bytes one rank moves in device memory to take one micro-batch's :func:`moe_tokens` to their experts and
-    back, forward and backward: why fine-grained experts are slower than their FLOPs.
-
-    Counted once per movement as fused kernels do (Megatron-LM's permute/unpermute): router scores, top_k
-    gathers, the unsort and the weighted combine; dispatch in ``pricing.dispatch_dtype`` [DSV3, 3.3.3].
-    trainmesh's own unfused combine moves more than this floor."""
+    """Bytes one rank moves in device memory to take one micro-batch's :func:`moe_tokens` to their experts and back,
+    forward and backward: why fine-grained experts are slower than their FLOPs. Counted once per movement as fused
+    kernels do (Megatron-LM's permute/unpermute): router scores, top_k gathers, the unsort and the weighted combine;
+    dispatch in ``pricing.dispatch_dtype`` [DSV3, 3.3.3]. trainmesh's own unfused combine moves more than this floor."""
     m, e = workload.model, workload.dtype_bytes.activation
     towards = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else e
     sorts = 2 if layout.ep > 1 else 1
@@ -299,10 +294,9 @@ def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
 
 
 def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
-    """Bytes one rank sends over cp for one micro-batch's forward and backward, per op as ``Comm`` counts them.
-
-    Ring: (cp-1)/cp of a layer's K/V per direction, plus its gradient [Liu et al., 2023, Ring Attention].
-    a2a: q, k, v and output through one all-to-all each way [Jacobs et al., 2023, Ulysses]."""
+    """Bytes one rank sends over cp for one micro-batch's forward and backward, per op as ``Comm`` counts them. Ring:
+    (cp-1)/cp of a layer's K/V per direction, plus its gradient [Liu et al., 2023, Ring Attention]. a2a: q, k, v and
+    output through one all-to-all each way [Jacobs et al., 2023, Ulysses]."""
     m, lay, e = workload.model, layout, workload.dtype_bytes.activation
     cp, layers = lay.cp, most_blocks(workload, lay)
     if cp == 1:
@@ -375,11 +369,10 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 
 def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
-    """One all-to-all of a micro-batch's top_k token copies over the ep group (``Layout.ep_span``).
-
-    On one node at NVLink's pace; across nodes the NIC and NVLink run at once and the slower sets the pace.
-    Under ``pricing.forward_dispatch`` a token crosses once to each node holding its experts
-    (:func:`nodes_per_token`), as DeepSeek-V3's dispatch does [DSV3, 2.1.2 and 3.2.2]."""
+    """One all-to-all of a micro-batch's top_k token copies over the ep group (``Layout.ep_span``). On one node at
+    NVLink's pace; across nodes the NIC and NVLink run at once and the slower sets the pace. Under
+    ``pricing.forward_dispatch`` a token crosses once to each node holding its experts (:func:`nodes_per_token`), as
+    DeepSeek-V3's dispatch does [DSV3, 2.1.2 and 3.2.2]."""
     m, lay = workload.model, layout
     copies = routed_copy_bytes(workload, lay, element_bytes)
     nodes = -(-lay.ep_span // cluster.gpus_per_node)
@@ -417,11 +410,10 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
 
 
 def exposed_dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
-    """What of :func:`dp_time` shows on a rank computing ``compute`` seconds a step.
-
-    ZeRO-3's prefetched collectives show only past the compute where ``cluster.comm_overlaps_compute``;
-    ZeRO-0/1/2 reductions and hybrid sharding's all-reduce wait for the backward and show whole
-    [NAR, Table 2]; docs/planner.md compares both with the measurement."""
+    """What of :func:`dp_time` shows on a rank computing ``compute`` seconds a step. ZeRO-3's prefetched collectives
+    show only past the compute where ``cluster.comm_overlaps_compute``; ZeRO-0/1/2 reductions and hybrid sharding's
+    all-reduce wait for the backward and show whole [NAR, Table 2]; docs/planner.md compares both with the
+    measurement."""
     traffic = dp_traffic(workload, layout, cluster, stage)
     hidden = min(traffic.prefetched, compute) if cluster.comm_overlaps_compute else 0.0
     return traffic.seconds - hidden
@@ -440,11 +432,9 @@ def most_blocks(workload: Workload, layout: Layout) -> int:
 
 
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
-    """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic.
-
-    The bubble is sum(t_s) - max(t_s), (p-1)t for uniform stages [NAR, 2.2], scaled by the schedule as in
-    :func:`bubble_fraction`. With ``ranks_per_core`` r > 1 compute takes r times as long and only the bubble
-    beyond that shows."""
+    """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic. The bubble is
+    sum(t_s) - max(t_s), (p-1)t for uniform stages [NAR, 2.2], scaled by the schedule as in :func:`bubble_fraction`.
+    With ``ranks_per_core`` r > 1 compute takes r times as long and only the bubble beyond that shows."""
     check_layout(workload, layout)
     m = layout.microbatches
     kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)

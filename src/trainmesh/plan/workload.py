@@ -16,13 +16,11 @@ from trainmesh.training.state_bytes import DTYPE_BYTES, Precision, precision_byt
 
 @dataclass(frozen=True)
 class Pricing:
-    """How a run's kernels behave where the layout does not say, for pricing published runs; defaults are
-    trainmesh's and the search never changes them.
-
-    ``a2a_overlap``: DualPipe-style overlap [DSV3, 3.2.1]; ``dispatch_dtype``: FP8 dispatch [DSV3, 3.3.3]
-    ("": activations'); ``comm_sm_share``: SMs held by communication [DSV3, 3.2.2]; ``fp8_experts``: float8
-    grouped matmuls [DSV3, 3.3]; ``forward_dispatch``: cross once per node (DeepEP's dispatch);
-    ``attention_kernel``: "fa2", "cudnn" or "fa3" priced from :data:`trainmesh.plan.kernels.ATTENTION` ("":
+    """How a run's kernels behave where the layout does not say, for pricing published runs; defaults are trainmesh's
+    and the search never changes them. ``a2a_overlap``: DualPipe-style overlap [DSV3, 3.2.1]; ``dispatch_dtype``: FP8
+    dispatch [DSV3, 3.3.3] ("": activations'); ``comm_sm_share``: SMs held by communication [DSV3, 3.2.2];
+    ``fp8_experts``: float8 grouped matmuls [DSV3, 3.3]; ``forward_dispatch``: cross once per node (DeepEP's
+    dispatch); ``attention_kernel``: "fa2", "cudnn" or "fa3" priced from :data:`trainmesh.plan.kernels.ATTENTION` ("":
     as matmuls)."""
 
     a2a_overlap: bool = False

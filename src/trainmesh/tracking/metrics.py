@@ -66,9 +66,8 @@ def max_rss_bytes() -> int:
 
 
 def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> float:
-    """The per-device peak that MFU divides by: ``override`` if given, else the row of the one table of
-    device peaks (:data:`trainmesh.distributed.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an
-    unlisted GPU)."""
+    """The per-device peak that MFU divides by: ``override`` if given, else the row of the one table of device peaks
+    (:data:`trainmesh.distributed.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an unlisted GPU)."""
     if override > 0:
         return override
     if device.type != "cuda":
@@ -79,9 +78,8 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> 
 
 def block_flops_per_token(d_model: int, d_ff: int, seq_len: int, gated_mlp: bool = False,
                           qkv_width: int | None = None, attention_width: int | None = None) -> int:
-    """Forward FLOPs of one block per token: 2 per matmul weight and 4sh for QK^T and AV (Narayanan et al.,
-    2021, app. "FLOPs"), biases, norms and softmax left out; ``qkv_width`` and ``attention_width`` cover GQA
-    and a set head_dim."""
+    """Forward FLOPs of one block per token: 2 per matmul weight and 4sh for QK^T and AV (Narayanan et al., 2021, app.
+    "FLOPs"), biases, norms and softmax left out; ``qkv_width`` and ``attention_width`` cover GQA and a set head_dim."""
     heads = attention_width or d_model
     weights = ((qkv_width or 3 * d_model) + heads) * d_model + (3 if gated_mlp else 2) * d_model * d_ff
     return 2 * weights + 4 * seq_len * heads

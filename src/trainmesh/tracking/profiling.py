@@ -40,9 +40,8 @@ class StepProfiler:
             self._prof.stop()
 
     def finish(self, trace: Path | None) -> str:
-        """Write the trace to ``trace`` (if given) and return the summary: the top ops by their own time on
-        the device (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time in which
-        some kernel ran."""
+        """Write the trace to ``trace`` (if given) and return the summary: the top ops by their own time on the device
+        (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time in which some kernel ran."""
         if self._prof is None:
             return "profile: no step ran (the run had already reached --steps)"
         if trace is not None:

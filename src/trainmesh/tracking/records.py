@@ -115,11 +115,9 @@ def package_available(name: str) -> bool:
 
 
 class TensorBoardSink:
-    """TensorBoard events in a new event file of the run directory, written when each step is logged.
-
-    Not ``SummaryWriter``, whose thread meets a full disk alone: here each step is one write, cut back on
-    ``ENOSPC`` and raised to :class:`MetricsWriter`. ``purge_step`` makes TensorBoard hide a resumed run's
-    replayed steps."""
+    """TensorBoard events in a new event file of the run directory, written when each step is logged. Not
+    ``SummaryWriter``, whose thread meets a full disk alone: here each step is one write, cut back on ``ENOSPC`` and
+    raised to :class:`MetricsWriter`. ``purge_step`` makes TensorBoard hide a resumed run's replayed steps."""
 
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog

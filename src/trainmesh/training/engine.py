@@ -18,9 +18,8 @@ MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Engine(Protocol):
-    """Gradient synchronisation, the optimizer step, and the state a checkpoint saves.
-
-    Backward runs on the loss times :attr:`loss_scale` (1 except under fp16 loss scaling)."""
+    """Gradient synchronisation, the optimizer step, and the state a checkpoint saves. Backward runs on the loss times
+    :attr:`loss_scale` (1 except under fp16 loss scaling)."""
 
     scaler: LossScaler
     optimizer: torch.optim.Optimizer

@@ -49,10 +49,8 @@ OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Op
 
 def build_adamw(named_params: Iterable[tuple[str, nn.Parameter]], device: torch.device, lr: float,
                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1) -> torch.optim.Optimizer:
-    """AdamW with the fused kernel on CUDA and CPU, the multi-tensor (foreach) one elsewhere.
-
-    On CPU too the fused kernel makes one pass over each tensor instead of foreach's dozen, several times
-    faster (docs/performance.md)."""
+    """AdamW with the fused kernel on CUDA and CPU, the multi-tensor (foreach) one elsewhere. On CPU too the fused
+    kernel makes one pass over each tensor instead of foreach's dozen, several times faster (docs/performance.md)."""
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(named_params, weight_decay), lr=lr, betas=betas, eps=1e-8,
                              fused=fused, foreach=not fused)

@@ -1,10 +1,9 @@
 """ZeRO's flat buffers, the optimizer's pieces of them, and the shard exchanges over a sharding axis.
 
-A group's parameters (a bucket in stages 1-2, a unit in stage 3) lie in one flat buffer padded to a
-multiple of N; rank r owns [rS, (r+1)S), S = ceil(numel / N). Parameters are views into it (stage 3
-resizes its storage to zero between uses, as FSDP's FlatParameter). AdamW runs over this rank's pieces,
-elementwise so equal to the full update. Exchanges are looked up on this module at call time, so a
-test's substitute is what every stage runs."""
+A group's parameters (a bucket in stages 1-2, a unit in stage 3) lie in one flat buffer padded to a multiple of N;
+rank r owns [rS, (r+1)S), S = ceil(numel / N). Parameters are views into it (stage 3 resizes its storage to zero
+between uses, as FSDP's FlatParameter). AdamW runs over this rank's pieces, elementwise so equal to the full update.
+Exchanges are looked up on this module at call time, so a test's substitute is what every stage runs."""
 
 from __future__ import annotations
 
@@ -143,10 +142,9 @@ def _peers(comm: Comm, axis: str) -> list[tuple[int, int]]:
 
 
 def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str, op: str):
-    """Start gathering every rank's ``shard`` of ``axis`` into ``flat`` (rank j's at slice j); returns the
-    handle to wait on. On Gloo each shard goes straight from its owner into its slice of ``flat``: no
-    staging copy of the whole buffer (:func:`exchanges_directly`); the bytes sent are the ring's,
-    (N-1)·S per rank."""
+    """Start gathering every rank's ``shard`` of ``axis`` into ``flat`` (rank j's at slice j); returns the handle to
+    wait on. On Gloo each shard goes straight from its owner into its slice of ``flat``: no staging copy of the whole
+    buffer (:func:`exchanges_directly`); the bytes sent are the ring's, (N-1)·S per rank."""
     if not exchanges_directly(comm, axis):
         return comm.all_gather(flat, shard, axis, op=op, async_op=True)
     size = shard.numel()

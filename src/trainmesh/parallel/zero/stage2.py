@@ -26,11 +26,10 @@ def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world
 
 
 class ZeroStage2(ZeroEngine):
-    """P_os+g (§5.2): full parameters; gradients reduce-scattered into a 1/N shard during backward.
-
-    A hook copies a complete bucket's gradients into a transient flat buffer and reduce-scatters it into the
-    persistent shard, overlapping backward; one bucket buffer lives at a time. The end of a backward pass
-    (or of :meth:`backward_pass`, for the zero-bubble split, Qi et al. 2023, §2) lands every reduce-scatter."""
+    """P_os+g (§5.2): full parameters; gradients reduce-scattered into a 1/N shard during backward. A hook copies a
+    complete bucket's gradients into a transient flat buffer and reduce-scatters it into the persistent shard,
+    overlapping backward; one bucket buffer lives at a time. The end of a backward pass (or of :meth:`backward_pass`,
+    for the zero-bubble split, Qi et al. 2023, §2) lands every reduce-scatter."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -49,9 +48,8 @@ class ZeroStage2(ZeroEngine):
 
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:
-        """Treat the autograd calls inside as one backward pass, ended once on exit (not on an error,
-        after which the ranks' collectives no longer match anyway); ``input_only``: they compute no
-        parameter gradient."""
+        """Treat the autograd calls inside as one backward pass, ended once on exit (not on an error, after which the
+        ranks' collectives no longer match anyway); ``input_only``: they compute no parameter gradient."""
         self._in_pass, self._input_only = True, input_only
         try:
             yield

@@ -108,12 +108,11 @@ class Unit:
 
 
 class ZeroStage3(ZeroStage2):
-    """P_os+g+p (§5.3): parameters sharded too; each unit is gathered for its forward and its backward.
-
-    Hooks gather a unit and prefetch the next in forward, gather again and prefetch the previous in backward,
-    and free it and reduce-scatter its gradients once all are in (stage 2's machinery); the order depends
-    only on the model. Under the zero-bubble split a unit is gathered three times per micro-batch (4Ψ(N-1)/N),
-    the weight-gradient pass by the caller through :meth:`unshard_for_backward`."""
+    """P_os+g+p (§5.3): parameters sharded too; each unit is gathered for its forward and its backward. Hooks gather a
+    unit and prefetch the next in forward, gather again and prefetch the previous in backward, and free it and
+    reduce-scatter its gradients once all are in (stage 2's machinery); the order depends only on the model. Under the
+    zero-bubble split a unit is gathered three times per micro-batch (4Ψ(N-1)/N), the weight-gradient pass by the
+    caller through :meth:`unshard_for_backward`."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -228,9 +227,8 @@ class ZeroStage3(ZeroStage2):
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit.
-
-        A collective: every dp rank must enter it."""
+        """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit. A collective:
+        every dp rank must enter it."""
         for unit in self.units:
             self._unshard(unit, "state_dict_all_gather")
         try:
