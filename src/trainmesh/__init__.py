@@ -1,8 +1,5 @@
-"""trainmesh: parallel forms applied to a plain ``nn.Module`` over a device mesh.
-
-The public API is :mod:`trainmesh.api` (``init_mesh``, ``parallelize``, ``optimizer``, ``train_step``,
-``save``, ``load``), plus ``StageLayout``, ``tp_plans``, ``RunLog`` and ``register_family``. Names are
-imported on first use (PEP 562), so the command line can speak before torch is imported."""
+"""trainmesh: parallel forms applied to a plain ``nn.Module`` over a device mesh. The public API is :mod:`trainmesh.api`;
+names are imported on first use (PEP 562), so the command line can speak before torch is imported."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version as _version

@@ -1,8 +1,6 @@
-"""The ``text`` field of each line of a JSONL file, in bounded memory however long the line.
-
-Lines up to ``read_bytes`` go to :func:`json.loads`; longer ones are read in parts (:class:`LongLine`) and
-their ``text`` decoded run by run, splits of escapes, UTF-8 and surrogate pairs completed across reads.
-Each line must be one object with a valid-Unicode string ``text`` (a lone surrogate is one line naming it)."""
+"""The ``text`` field of each line of a JSONL file, in bounded memory however long the line: long lines are read in
+parts (:class:`LongLine`) and their ``text`` decoded run by run. Each line must be one object with a valid-Unicode
+string ``text``."""
 
 from __future__ import annotations
 

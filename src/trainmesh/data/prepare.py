@@ -1,11 +1,8 @@
 """``trainmesh prepare``: tokenize a corpus once, in parallel worker processes, into token shards.
 
-The parent streams documents in pieces (:mod:`trainmesh.data.sources`) batched to ``BATCH_BYTES``,
-workers tokenize them, and the parent writes in input order, so output does not depend on the worker
-count; memory is bounded by ``BATCH_BYTES + 2·PIECE_BYTES`` whatever the corpus (plus one Arrow batch).
-Shards are published atomically (``index.json`` last), a failure removes what this run wrote, and a lock
-in ``--out`` (:mod:`trainmesh.tracking.runlock`) refuses a second run. Document k is held out when
-``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``."""
+Output is in input order whatever the worker count, memory bounded by ``BATCH_BYTES + 2·PIECE_BYTES``; shards are
+published atomically (``index.json`` last), removed on failure, and a lock refuses a second run into ``--out``.
+Document k is held out when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Token shards on disk: fixed-dtype binary files plus one small JSON index, memory-mapped for training.
-
-``trainmesh prepare`` writes them; ``train --data DIR`` maps them, so rank memory does not grow with the
-corpus. Validation documents are held out whole (``val-*.bin``). Every index field is checked on read
-(:func:`read_index`) and every shard against it before any rank starts (:func:`verify_shard`: hash,
-size, a full scan of token ids), each failure one line naming the file."""
+"""Token shards on disk: fixed-dtype binary files plus one small JSON index, memory-mapped for training, so rank memory
+does not grow with the corpus. The index is checked on read (:func:`read_index`) and every shard against it before
+any rank starts (:func:`verify_shard`), each failure one line naming the file."""
 
 from __future__ import annotations
 

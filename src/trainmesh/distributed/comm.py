@@ -1,10 +1,8 @@
 """The collectives trainmesh issues, each counted in bytes sent per rank, per mesh axis and per op.
 
-Counts follow the bandwidth-optimal ring algorithms (Patarasuk & Yuan, 2009; ZeRO §7): all-reduce
-2 (n-1)/n · S, all-gather, reduce-scatter, broadcast and all-to-all (n-1)/n · S, send S. Size-1 axes are
-skipped; :func:`log_all_reduce` is not counted. Failures raise :class:`CollectiveError` in the form the
-launcher's hang report parses: ``rank R: collective AXIS/OP #N (ranks 0,2) failed: ...`` or ``rank R: p2p
-AXIS/send R->P #N failed: ...``, numbered per directed pair."""
+Counts follow the ring algorithms (Patarasuk & Yuan, 2009; ZeRO §7): all-reduce 2 (n-1)/n · S, the others
+(n-1)/n · S, send S. Failures raise :class:`CollectiveError` as the launcher's hang report parses it: ``rank R:
+collective AXIS/OP #N (ranks 0,2) failed: ...`` or ``rank R: p2p AXIS/send R->P #N failed: ...``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""``trainmesh launch --nnodes MIN:MAX``: a run that goes on with the nodes that remain, under torch's elastic agent.
-
-Rendezvous and restarts are torchrun's (``elastic_launch``, as ``torchrun --rdzv-backend c10d``); this
-module makes a restart on fewer nodes train on: every rank runs ``trainmesh train --elastic`` and each
-round gets its own store (:data:`FRESH_STORE_ENV`). Every port listens only on the named address's
-interface (:func:`host_rendezvous`; rank 0's store via ``init_distributed``)."""
+"""``trainmesh launch --nnodes MIN:MAX``: a run that goes on with the nodes that remain, under torch's elastic agent
+(``elastic_launch``, as torchrun's c10d rendezvous). Each rank runs ``trainmesh train --elastic``, each round gets its
+own store (:data:`FRESH_STORE_ENV`), and every port listens only on the named address (:func:`host_rendezvous`)."""
 
 from __future__ import annotations
 

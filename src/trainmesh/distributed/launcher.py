@@ -1,10 +1,8 @@
 """Spawn N local ranks, stream rank 0's output, and stop everything as soon as any rank fails.
 
-The launcher hosts the rendezvous store on 127.0.0.1 (a kernel-chosen port, so no race); across nodes (:class:`Nodes`,
-torchrun's static rendezvous) node 0 hosts it and a failure on one node stops all. Ranks get torchrun's environment,
-so the same entry point runs under torchrun. Each rank's output goes to ``rank-N.log``; ``tee`` names the ranks
-streamed. A stopped rank is warned about and ends the job after ``--stopped-grace``. The failure report comes first
-and blames (in order) an unresponsive rank, a rank that failed on its own, or the ranks the others waited on."""
+The launcher hosts the store on 127.0.0.1 (node 0 across nodes, torchrun's static rendezvous) and gives ranks
+torchrun's environment; output goes to ``rank-N.log``. A stopped rank ends the job after ``--stopped-grace``; the
+report blames an unresponsive rank, then one that failed on its own, then the ranks the others waited on."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The device mesh: the world of ranks as named axes ``pp x dp x cp x tp``, one process group per axis.
 
-``tp`` is innermost so a tp group is consecutive ranks (one node), then ``cp``, as Megatron-LM orders
-them; gradients of replicated parameters reduce over the flattened ``dp_cp`` axis. Expert parallelism
-folds inside the ``dp_cp`` coordinates (and tp under sp), as Megatron-core's MoE folding; ranks holding
-the same experts form ``edp``. A single-process run builds no process group and skips every collective."""
+``tp`` innermost (one node), then ``cp``, as Megatron-LM orders them; replicated gradients reduce over ``dp_cp``; ep
+folds inside it (and tp under sp) as Megatron-core does. A single-process run builds no process group at all."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Collectives and messages through shared memory for the ranks of a group on one CPU host: :class:`HostCollectives`
-(sums, all-gathers, reduce-scatters) and :class:`Channel` (pipeline messages).
-
-Gloo copies every byte through sockets even on one machine; through a mapped segment each rank writes once, sums its
-1/n and reads the others' (docs/performance.md, "Shared-memory collectives against Gloo"), as DeepSpeed does among CPU
-ranks. Two slot sets alternate between chunks, barriers are the segment's own semaphores, sums run in rank order
-(identical bits on every rank), and the file is removed once all ranks mapped it, so nothing is left in ``/dev/shm``."""
+"""Collectives (:class:`HostCollectives`) and pipeline messages (:class:`Channel`) through shared memory, for the ranks
+of a group on one CPU host, where Gloo would copy every byte through sockets (docs/performance.md, "Shared-memory
+collectives against Gloo"), as DeepSpeed does. Sums run in rank order, so every rank gets the same bits; the file is
+removed once all ranks mapped it, leaving nothing in ``/dev/shm``."""
 
 from __future__ import annotations
 

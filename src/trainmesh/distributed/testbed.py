@@ -1,10 +1,8 @@
 """A multi-node test bed on one Linux host: each "node" a network namespace, the link between them real.
 
-Each node has one veth ``eth0`` (``10.77.0.<k+1>/24``) on a hub bridge, rate-limited by ``tc tbf``
-(``rate_mbit``), and its own UTS namespace (host name), so the shared-memory transport stays inside a node
-and cross-node bytes go over the veth (:meth:`TestBed.link_bytes`). Only the nodes reach each other.
-:meth:`TestBed.close` removes processes, namespaces and ``/etc/netns`` files; :func:`missing_capability`
-names what the host lacks (root, ``ip``, ``tc``, ``unshare``), for a test to skip with."""
+Each node has a rate-limited veth ``eth0`` (``10.77.0.<k+1>/24``, ``tc tbf``) on a hub bridge and its own host name,
+so shared memory stays inside a node and cross-node bytes are counted (:meth:`TestBed.link_bytes`).
+:func:`missing_capability` names what the host lacks (root, ``ip``, ``tc``, ``unshare``)."""
 
 from __future__ import annotations
 

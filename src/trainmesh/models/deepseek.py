@@ -1,10 +1,7 @@
-"""DeepSeek-V3 (DeepSeek-AI, 2024) at tiny sizes as an option of trainmesh's Llama: latent attention, a
-sigmoid router with the aux-loss-free bias (§2.1.2) and group-limited routing, shared experts, dense
-first layers, ``routed_scaling_factor``, and the translation to and from ``DeepseekV3ForCausalLM``.
-
-tp splits heads (``q_b``/``kv_b`` rows, ``o`` input) and keeps the compressions whole (gradients summed
-over tp, ``per_head``). cp is refused: a value head narrower than the query/key head does not fit the
-ring's accumulators. YaRN scaling is imported (:mod:`trainmesh.models.rope`)."""
+"""DeepSeek-V3 (DeepSeek-AI, 2024) at tiny sizes as an option of trainmesh's Llama: latent attention, sigmoid routing
+with the aux-loss-free bias (§2.1.2) and group limits, shared experts, dense first layers, and the
+``DeepseekV3ForCausalLM`` translation. tp splits heads and keeps the compressions whole (``per_head``); cp is refused
+(a value head narrower than the query/key head does not fit the ring's accumulators)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A GPT-style decoder written as a plain ``nn.Module`` that knows nothing of parallelism.
-
-Attention derives its head count from its tensors' widths, so a tp plan can shard ``qkv``/``proj``; the
-blocks are an ``nn.ModuleDict`` by layer index and any top-level piece may be ``None``, so a pipeline stage
-is this class with layers deleted and names stay identical across layouts (as torchtitan builds stages)."""
+"""A GPT-style decoder as a plain ``nn.Module`` that knows nothing of parallelism: attention derives its head count from
+its tensors' widths (so tp can shard it), and blocks are a ``ModuleDict`` whose pieces a pipeline stage deletes,
+keeping names identical across layouts (as torchtitan)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Hugging Face checkpoints in and out: a local ``transformers`` directory read into a trainmesh family, and a
-trainmesh model written so ``AutoModelForCausalLM.from_pretrained`` loads it.
-
-Per-family differences are data (:class:`trainmesh.models.spec.HFMapping`). Rules: no pickle (only safetensors);
-nothing downloaded (a hub id asks for a local copy); configs through transformers' own classes, imported lazily (the
-``hf`` extra); nothing from a model folder executes (``auto_map`` refused, ``trust_remote_code=False``, sizes
-range-checked); weights must be finite floats (:mod:`trainmesh.models.weights`)."""
+"""Hugging Face checkpoints in and out: a local ``transformers`` directory read into a trainmesh family, and a model
+written so ``AutoModelForCausalLM.from_pretrained`` loads it. Per-family differences are data (``HFMapping``).
+No pickle, no download, transformers imported lazily, nothing from a model folder executes (``auto_map`` refused,
+``trust_remote_code=False``), weights finite floats (:mod:`trainmesh.models.weights`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """transformers' ``LlamaForCausalLM`` and its variants (Qwen2, Qwen3, Mistral) as model families: specs, not code in a
-parallel form.
-
-The model is used as transformers builds it (names unchanged, so checkpoints fit); what its ``forward`` does around
-the layers is done here so any stage runs any subset (:class:`~trainmesh.models.spec.Staged`, :func:`add_rotary`),
-with causal ``sdpa`` and no mask. transformers is never imported: the family is recognised by class name and module."""
+parallel form. The model is used as built (names unchanged); what its ``forward`` does around the layers is done here
+so any stage runs any subset. transformers is never imported: the family is recognised by class name and module."""
 
 from __future__ import annotations
 

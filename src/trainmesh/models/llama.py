@@ -1,10 +1,8 @@
 """A Llama-family decoder (Touvron et al., 2023; Llama 3, Grattafiori et al., 2024) as a plain ``nn.Module``.
 
-Pre-norm RMSNorm, RoPE (HF's rotate-half pairing, applied after the projection so positions are global
-under sp), SwiGLU, grouped-query attention, no biases. It keeps GPT's stage contract and knows nothing of
-parallelism: attention derives head counts from its tensors' widths. For tp, ``attn.qkv`` is fused with
-rows grouped by KV head (Megatron-LM's GQA layout, so a tp split hands out whole groups) and
-``mlp.gate_up`` is one fused ``[gate | up]`` linear."""
+Pre-norm RMSNorm, RoPE (rotate-half, after the projection so positions stay global), SwiGLU, GQA, no biases; GPT's
+stage contract. ``attn.qkv`` rows are grouped by KV head (Megatron-LM's GQA layout, so tp hands out whole groups)
+and ``mlp.gate_up`` is one fused ``[gate | up]`` linear."""
 
 from __future__ import annotations
 

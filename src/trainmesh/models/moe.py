@@ -1,14 +1,9 @@
 """A mixture-of-experts layer in place of a block's MLP, knowing nothing of parallelism.
 
-Each token goes to ``top_k`` of ``n_experts`` expert MLPs picked by a learned router and comes back as
-their router-weighted sum (Shazeer et al., 2017; GShard; Switch), plus always-on shared experts
-(DeepSeekMoE, Dai et al., 2024). Copies are sorted by expert so each expert's tokens are contiguous.
-A :class:`Dispatcher` moves them (:class:`LocalDispatch` here; expert parallelism swaps in its own).
-
-Balancing (:class:`MoEConfig`): the per-sequence aux loss ``sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20), so
-it is the same however the batch is split; the router z-loss (ST-MoE, Zoph et al., 2022, eq. 5); the
-aux-loss-free bias (Wang et al., 2024; DeepSeek-V3 §2.1.2, :func:`update_expert_bias`). Aux terms enter
-backward through the output (:class:`InjectAuxGrad`, as Megatron-core's ``MoEAuxLossAutoScaler``)."""
+Each token goes to ``top_k`` of ``n_experts`` expert MLPs picked by a router (Shazeer et al., 2017; GShard; Switch),
+plus shared experts (DeepSeekMoE, Dai et al., 2024); a :class:`Dispatcher` moves the expert-sorted copies. Balancing:
+the per-sequence aux loss (DeepSeek-V3 eq. 17-20), the z-loss (ST-MoE, Zoph et al., 2022, eq. 5) and the aux-loss-free
+bias (Wang et al., 2024; DeepSeek-V3 §2.1.2), the aux terms entering backward via :class:`InjectAuxGrad`."""
 
 from __future__ import annotations
 

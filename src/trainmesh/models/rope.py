@@ -1,13 +1,6 @@
-"""RoPE scaling: rotary frequencies stretched to a longer context, in the conventions of transformers'
-``modeling_rope_utils`` so a checkpoint's ``rope_scaling`` means the same here.
-
-* linear (Chen et al., 2023, Positional Interpolation): every frequency divided by ``factor``;
-* llama3 (Grattafiori et al., 2024, Llama 3): short wavelengths kept, long ones divided by ``factor``,
-  blended in between;
-* yarn (Peng et al., 2023, YaRN, §3.2-3.4): the NTK-by-parts ramp and the attention factor
-  ``0.1 ln(factor) + 1`` (eq. 21); DeepSeek's softmax gain in :func:`softmax_gain`.
-
-Other rope types are refused by name on import."""
+"""RoPE scaling in transformers' ``modeling_rope_utils`` conventions, so a checkpoint's ``rope_scaling`` means the same:
+linear (Chen et al., 2023, Positional Interpolation), llama3 (Grattafiori et al., 2024) and yarn (Peng et al., 2023,
+YaRN, §3.2-3.4, eq. 21; DeepSeek's gain in :func:`softmax_gain`). Other types are refused by name on import."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A model family as data: how to build it, how tensor parallelism splits it, what recomputation wraps, and the shape
-the planner reasons about, so adding an architecture touches no parallel form (as torchtitan's ``TrainSpec``).
-
-Models keep :class:`trainmesh.models.gpt.GPT`'s stage contract (``embed``, ``blocks`` as a ModuleDict, ``ln_f``,
-``head``, any possibly None on a stage); other models are presented in it by :class:`Staged`."""
+"""A model family as data: builder, tensor-parallel plan, recompute targets and planner shape, so adding an
+architecture touches no parallel form (as torchtitan's ``TrainSpec``). Models keep GPT's stage contract (``embed``,
+``blocks``, ``ln_f``, ``head``, any None on a stage); other models are presented in it by :class:`Staged`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Context parallelism: each sequence split over the ``cp`` axis, attention computed across the split.
 
-* **ring** (Liu et al., 2023, Ring Attention; Megatron-core's p2p CP): K/V blocks travel the ring,
-  partial results merge by log-sum-exp (online softmax, Milakov & Gimelshein, 2018; FlashAttention,
-  Dao et al., 2022, Alg. 1), accumulated in at least fp32; backward runs the ring again.
-* **a2a** (DeepSpeed-Ulysses, Jacobs et al., 2023): all-to-all trades the sequence split for a head
-  split; heads must divide by cp.
-
-Causal load balance (Megatron-core / torchtitan "head-tail"): rank r holds chunks r and 2·cp−1−r of
-2·cp. Position ids stay global (:func:`apply_context_parallel`); a plan (``ModelSpec.cp_plan``) names the
-attention cores and position modules."""
+``ring`` (Liu et al., 2023, Ring Attention; Megatron-core's p2p CP) passes K/V blocks round and merges partial
+results by log-sum-exp (online softmax; Dao et al., 2022, Alg. 1) in at least fp32; ``a2a`` (DeepSpeed-Ulysses,
+Jacobs et al., 2023) trades the sequence split for a head split. Rank r holds chunks r and 2·cp−1−r of 2·cp
+(Megatron-core's causal balance); position ids stay global; ``ModelSpec.cp_plan`` names the modules."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Data parallelism: every rank holds the whole model; gradients are averaged by bucketed AllReduce.
-
-As PyTorch DDP (Li et al., VLDB 2020, §3.2): buckets in reverse registration order, gradients as views
-into flat buffers, and a hook launching a bucket's async AllReduce once complete, overlapping backward.
-Buckets launch in index order so collectives match across ranks."""
+"""Data parallelism: every rank holds the whole model; gradients are averaged by bucketed AllReduce, as PyTorch DDP
+(Li et al., VLDB 2020, §3.2): gradients are views into reverse-order buckets, each launched asynchronously once
+complete, in index order so collectives match across ranks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Expert parallelism: each MoE layer's routed experts split over ``ep`` ranks, tokens moved by all-to-all.
 
-``ep`` folds inside the token-holding ranks (``dp x cp``, and tp under sp), as Megatron-core and
-torchtitan do; ep rank r holds experts ``[r E/P, (r+1) E/P)``. As Megatron-core's
-``MoEAlltoAllTokenDispatcher``, :meth:`AllToAllDispatch.dispatch` exchanges per-expert counts, then the
-copies, sorted per local expert; :meth:`AllToAllDispatch.combine` reverses it. Both are autograd
-functions whose backward is the reverse all-to-all. Dense parameters reduce over ``dp x cp``, experts
-over the expert-data-parallel group, both divided by the ``dp x cp`` size."""
+``ep`` folds inside the token-holding ranks (``dp x cp``, tp too under sp), as Megatron-core and torchtitan do.
+:class:`AllToAllDispatch` exchanges counts then copies and reverses it, as Megatron-core's
+``MoEAlltoAllTokenDispatcher``; experts reduce over the expert-data-parallel group, divided by the ``dp x cp`` size."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Tensor parallelism: layers split over the ``tp`` axis, applied to a plain model by a plan.
 
-Megatron-LM (Shoeybi et al., 2019, §3): column-parallel then row-parallel linears, with the pair ``f`` (identity /
-all-reduce backward) and ``g`` (all-reduce / identity) as all the communication; embedding and head split by
-vocabulary, the loss computed without gathering logits. Sequence parallelism (Korthikanti et al., 2022, §4.2.2) splits
-the regions between along the sequence: ``f``/``g`` become all-gather/reduce-scatter and replicated parameters there
-get their gradients summed over tp. :func:`parallelize` takes an ``nn.Module`` and a plan of module-name patterns ->
-:data:`STYLES`. Activations are ``[batch, seq, hidden]``."""
+Megatron-LM (Shoeybi et al., 2019, §3): column- then row-parallel linears joined by the conjugate ``f``/``g``,
+vocabulary-split embedding, head and loss. Sequence parallelism (Korthikanti et al., 2022, §4.2.2) makes ``f``/``g``
+all-gather/reduce-scatter and sums the gradients of replicated parameters between them over tp. A plan maps
+module-name patterns to :data:`STYLES`; activations are ``[batch, seq, hidden]``."""
 
 from __future__ import annotations
 

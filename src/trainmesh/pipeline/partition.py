@@ -1,8 +1,6 @@
-"""Cut a model into pipeline stages of whole layers, and put the stages back together for export.
-
-A stage is the plain model with the layers it does not own deleted (the GPT contract), so parameter names
-stay the plain model's in every layout, as torchtitan does. Global stage s of ``p * v`` runs on rank
-``s % p``; the embedding is stage 0's, final norm and head the last stage's."""
+"""Cut a model into pipeline stages of whole layers, and put the stages back together for export. A stage is the plain
+model with the layers it does not own deleted, so names stay the plain model's (as torchtitan); global stage s of
+``p * v`` runs on rank ``s % p``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""The pipeline runtime: executes one rank's action list (:mod:`.schedules`) on real tensors.
+"""The pipeline runtime: executes one rank's action list (:mod:`.schedules`) on real tensors, deciding nothing.
 
-It decides nothing about order. Consecutive SEND/RECV actions are posted as one async batch
-(``Comm.send_recv``, ``pp/p2p``) by a communication thread, since Gloo copies a send on the posting
-thread; on one CPU host, shared-memory channels are used instead, on the compute thread
-(docs/performance.md). A compute action waits only for the messages it consumes; sends are waited for at
-step end, which cannot deadlock since the lists are deadlock-free under blocking sends.
-
-Gradients accumulate in ``.grad``; each stage's last weight-gradient action syncs with the engine, the
-rest run in ``engine.no_sync()``. The zero-bubble split (Qi et al. 2023, §2) computes BI with
-``torch.autograd.grad`` keeping each parameter-owning module's output gradient, and BW back-propagates
-those into the modules' own parameters in reverse forward order, each inside ``engine.backward_pass()``."""
+SEND/RECV runs go out as one async batch from a communication thread (shared-memory channels on one CPU host,
+docs/performance.md); a compute action waits only for what it consumes. Gradients accumulate in ``.grad``, synced on
+each stage's last weight-gradient action; zero bubble (Qi et al. 2023, §2) computes BI with ``torch.autograd.grad``
+and BW per module in reverse forward order, each inside ``engine.backward_pass()``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Pipeline-parallel schedules as pure data: one list of :class:`Action` per pipeline rank.
 
-A schedule says what each rank does and in which order, knowing nothing of tensors or processes, so it
-can be printed, simulated (:mod:`trainmesh.pipeline.simulate`) and drawn before a runtime executes it.
-``p`` is the pipeline degree, ``v`` chunks per rank (rank r holds global stages r, r+p, ...
-[NAR, 2.2.2]), ``m`` microbatches per step. Communication is explicit SEND/RECV actions ordered to stay
-deadlock-free under rendezvous sends (:func:`_insert_communication`)."""
+Knowing nothing of tensors, a schedule can be printed, simulated and drawn before it runs. ``p`` ranks, ``v`` chunks
+per rank (rank r holds global stages r, r+p, ... [NAR, 2.2.2]), ``m`` microbatches; explicit SEND/RECV actions are
+ordered to stay deadlock-free under rendezvous sends (:func:`_insert_communication`)."""
 
 from __future__ import annotations
 

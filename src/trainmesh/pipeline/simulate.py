@@ -1,9 +1,6 @@
-"""Simulate and verify a pipeline schedule; its :class:`Timeline` is also what a runtime builds from
-measured timestamps, so simulated and real runs are analysed and drawn alike.
-
-Each rank runs its list in order; a compute action starts when its rank is free and its inputs are
-there. Verification treats SEND/RECV as a rendezvous (the strictest semantics), so a passing schedule
-also runs with async p2p. Bubble fraction = ``1 - sum(busy) / (p · makespan)``, busy counting compute."""
+"""Simulate and verify a pipeline schedule; its :class:`Timeline` is also what a runtime builds from measured
+timestamps, so simulated and real runs are analysed alike. Verification treats SEND/RECV as a rendezvous (the
+strictest semantics); bubble fraction = ``1 - sum(busy) / (p · makespan)``, busy counting compute only."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Data-parallel traffic of one step, split into bytes that stay inside a node and bytes that cross nodes,
-each at its own link's bandwidth: ZeRO-0/1/2/3 over dp x cp, and hybrid sharding (HSDP).
-
-Ranks sit as :mod:`trainmesh.distributed.mesh` places them (node by node, tp innermost). A ring (NCCL,
-every all-reduce) runs at the inter-node link's pace [THA]; point-to-point exchanges
+"""Data-parallel traffic of one step (ZeRO-0/1/2/3 and hybrid sharding), split into bytes inside a node and bytes
+across nodes, each at its link's bandwidth: a ring runs at the inter-node link's pace [THA], point-to-point exchanges
 (:func:`trainmesh.parallel.zero.flat.exchanges_directly`) use both links at once."""
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Published kernel measurements the step-time model prices from, each interpolated in the shape parameter
-that drives it and cited in docs/planner.md ("Kernel curves"); test_plan_published.py shows each one
-matters.
-
-* :data:`ATTENTION`: fused attention TFLOP/s on an H100 SXM5 in bf16 by head dimension and sequence
-  length, for FlashAttention-2, cuDNN and FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6].
-* :func:`busiest_expert_rank`: the busiest ep rank's excess over the mean under balanced routing."""
+"""Published kernel measurements the step-time model prices from, cited in docs/planner.md ("Kernel curves"):
+:data:`ATTENTION`, fused attention TFLOP/s on an H100 by head dimension and length (FlashAttention-2, cuDNN,
+FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6]); :func:`busiest_expert_rank`, the ep load spread."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Pipeline stage splits: which blocks each stage holds, and the split the planner searches for.
-
-The runtime cuts ``pp * virtual`` chunks of whole blocks (``--stage-layers``, else balanced by
-parameters), which the planner models; for its own proposals it takes :func:`fastest_split` of the
-modelled times, e.g. Llama 3 405B's 126 layers on 16 stages as the paper's 7, 8 x 14, 7 [Llama 3, 3.3.2]."""
+"""Pipeline stage splits: which blocks each stage holds. The runtime balances parameters unless ``--stage-layers`` is
+given; the planner proposes :func:`fastest_split` of the modelled times (Llama 3 405B's 126 layers on 16 stages come
+out as the paper's 7, 8 x 14, 7 [Llama 3, 3.3.2])."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Durable and verified file IO: what a checkpoint needs from the file system to survive crashes and damage.
-
-Every file is ``fsync``-ed before its atomic rename and its directory after, since a rename of data not
-yet on disk can leave zeros behind. Reading checks SHA-256 and length on the bytes read once and parses
-only those; the file must be a regular file reached without a symbolic link (a FIFO or ``/dev/zero``
-would block or never end), its size checked before reading."""
+"""Durable and verified file IO: what a checkpoint needs from the file system to survive crashes and damage. Files
+are ``fsync``-ed before their atomic rename and the directory after; reads verify SHA-256 and length on the bytes
+parsed, and refuse anything but a regular file reached without a symbolic link, checking its size first."""
 
 from __future__ import annotations
 

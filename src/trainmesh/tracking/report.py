@@ -1,8 +1,6 @@
-"""``trainmesh report RUN_DIR``: one picture and a few lines of text from a run's ``metrics.jsonl``.
-
-A panel each for loss, speed (tokens/s, MFU), peak memory per rank, bytes per mesh axis and, for MoE,
-expert load; it reads only the run directory, so finished, crashed and live runs work. Several runs are
-overlaid, labelled and tabled by the settings in which they differ."""
+"""``trainmesh report RUN_DIR``: one picture and a few lines of text from a run's ``metrics.jsonl`` (loss, speed,
+memory, communication, expert load), for finished, crashed or live runs; several runs are overlaid and tabled by
+the settings in which they differ."""
 
 from __future__ import annotations
 

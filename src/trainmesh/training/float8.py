@@ -1,10 +1,8 @@
 """FP8 training of the linear layers through torchao's ``Float8Linear`` (``pip install 'trainmesh[fp8]'``).
 
-Parameters, activations and gradients stay bf16 with fp32 masters; linear matmuls cast to e4m3/e5m2 with
-per-tensor dynamic scales (Micikevicius et al., "FP8 Formats for Deep Learning", 2022), as torchtitan does.
-Embedding, head and router stay bf16 (:attr:`~trainmesh.models.spec.ModelSpec.high_precision`), as do
-grouped experts and dimensions not divisible by 16. Parameter names are kept, so checkpoints move between
-fp8 and bf16 runs. Runs on CPU (slowly) and on GPUs with FP8 tensor cores (compute capability 8.9+)."""
+State stays bf16 with fp32 masters; linear matmuls run in e4m3/e5m2 with dynamic per-tensor scales (Micikevicius et
+al., "FP8 Formats for Deep Learning", 2022), as torchtitan does. ``high_precision`` layers, grouped experts and
+dimensions not divisible by 16 stay bf16; names are kept, so checkpoints move between fp8 and bf16 runs."""
 
 from __future__ import annotations
 

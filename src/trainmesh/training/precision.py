@@ -1,9 +1,6 @@
-"""Mixed precision: low-precision compute with fp32 master weights, and dynamic loss scaling for fp16.
-
-As Micikevicius et al. (ICLR 2018): bf16/fp16 parameters and activations, fp32 masters and moments; fp16
-scales the loss (§3.2), halving on a non-finite gradient on any rank and doubling after
-``growth_interval`` clean steps. fp64 is a full precision whose roundoff keeps parallel summation noise
-far below divergence, so equivalence tests use it. fp8 is bf16 with float8 linears (:mod:`.float8`)."""
+"""Mixed precision (Micikevicius et al., ICLR 2018): bf16/fp16 compute with fp32 masters and moments, and dynamic loss
+scaling for fp16 (§3.2), halved on a non-finite gradient on any rank, doubled after ``growth_interval`` clean steps.
+fp64 is a full precision for the equivalence tests; fp8 is bf16 with float8 linears (:mod:`.float8`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state over the ``dp`` axis (§5).
-
-Stage 1, P_os (§5.1): AdamW state sharded (:mod:`.stage1`); stage 2, P_os+g (§5.2): gradients too
-(:mod:`.stage2`); stage 3, P_os+g+p (§5.3): parameters too, gathered per unit (:mod:`.stage3`). The
-stages share :class:`~.engine.ZeroEngine` and :mod:`.flat`; :mod:`.formulas` states per-rank memory and
-communication (§5, §7.2) for the planner and the tests."""
+"""ZeRO (Rajbhandari et al., 2020, §5): data parallelism sharding the model state over ``dp``: AdamW state in stage 1
+(:mod:`.stage1`), gradients too in stage 2 (:mod:`.stage2`), parameters too in stage 3 (:mod:`.stage3`), on a shared
+:class:`~.engine.ZeroEngine`; :mod:`.formulas` states per-rank memory and traffic (§5, §7.2)."""
 
 from __future__ import annotations
 

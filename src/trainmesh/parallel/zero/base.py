@@ -1,10 +1,8 @@
-"""What the ZeRO stages share (:class:`ZeroEngine`): the sharded optimizer, the gradient reduce-scatters
-issued in one order on every rank, the step, and the accounting of the model state held.
+"""What the ZeRO stages share (:class:`ZeroEngine`): the sharded optimizer, ordered gradient reduce-scatters, the step.
 
-Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, K = 12): low-precision parameters, an fp32 master
-of this rank's shard only; gradients reduced in ``reduce_dtype``, unscaled and clipped in fp32, the masters
-cast back into the shard. fp16 scales the loss; the global norm is reduced over every axis so all ranks
-skip an overflowing step together. In fp32 nothing is copied."""
+Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, K = 12) keeps an fp32 master of this rank's shard only;
+gradients are reduced in ``reduce_dtype``, clipped in fp32, and a non-finite global norm skips the step on every rank.
+"""
 
 from __future__ import annotations
 

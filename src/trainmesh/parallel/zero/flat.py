@@ -1,9 +1,6 @@
-"""ZeRO's flat buffers, the optimizer's pieces of them, and the shard exchanges over a sharding axis.
-
-A group's parameters (a bucket in stages 1-2, a unit in stage 3) lie in one flat buffer padded to a multiple of N;
-rank r owns [rS, (r+1)S), S = ceil(numel / N). Parameters are views into it (stage 3 resizes its storage to zero
-between uses, as FSDP's FlatParameter). AdamW runs over this rank's pieces, elementwise so equal to the full update.
-Exchanges are looked up on this module at call time, so a test's substitute is what every stage runs."""
+"""ZeRO's flat buffers, the optimizer's pieces of them, and the shard exchanges over a sharding axis. A group's
+parameters are views into one flat buffer padded to a multiple of N, rank r owning [rS, (r+1)S) (stage 3 frees its
+storage between uses, as FSDP's FlatParameter); exchanges are looked up at call time, so a test can substitute them."""
 
 from __future__ import annotations
 
