@@ -31,9 +31,8 @@ def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
 
 @dataclass(frozen=True)
 class DpTraffic:
-    """Bytes one rank sends per step over the dp axis inside its node (``intra``) and to other nodes (``inter``), the
-    seconds that takes, and how many of those seconds are collectives issued ahead of the compute that needs them
-    (``prefetched``: ZeRO-3's per-unit gathers and reduce-scatters), which can run while the device computes."""
+    """Bytes one rank sends per step over dp inside its node (``intra``) and across nodes (``inter``), the seconds that
+    takes, and how many are ``prefetched`` (ZeRO-3's per-unit collectives, which may run beside compute)."""
 
     intra: float = 0.0
     inter: float = 0.0
@@ -58,18 +57,17 @@ def ranks_per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
 
 
 def crossing_share(n: int, per_node: int, direct: bool) -> float:
-    """The part of what a rank of an n-rank exchange sends, on average, that crosses between nodes, with
-    ``per_node`` of the n ranks on each node: a ring's 1 hop in ``per_node`` (each carries the same bytes),
-    or point to point the n - g of its n - 1 peers on other nodes."""
+    """The average share of what a rank of an n-rank exchange sends that crosses nodes (``per_node`` ranks a node): a
+    ring's 1 hop in ``per_node``, or point to point its n - g peers on other nodes."""
     if per_node >= n:
         return 0.0
     return (n - per_node) / (n - 1) if direct else 1 / per_node
 
 
 def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster, calls: int = 1) -> DpTraffic:
-    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` over n ranks (``per_node`` a
-    node), as ``calls`` collectives: a rank sends (n-1)/n of the bytes, twice to all-reduce [THA], at the
-    ring's slowest link or, point to point, each part at its own."""
+    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` over n ranks as ``calls`` collectives: a
+    rank sends (n-1)/n of the bytes, twice to all-reduce [THA], at the ring's slowest link or point to point at each's
+    own."""
     if n == 1:
         return DpTraffic()
     sent = nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
@@ -88,10 +86,9 @@ def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster
 
 def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, replicas: int, workload: Workload,
                  layout: Layout, cluster: Cluster) -> DpTraffic:
-    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart in ``replicas`` groups
-    [ZeRO, sec. 7]: ZeRO-0/1 2 Psi, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3 3 Psi per micro-batch
-    (4 Psi under zero bubble, :class:`trainmesh.parallel.zero.ZeroStage3`), issued ahead of use so
-    :attr:`DpTraffic.prefetched`. Hybrid sharding adds an all-reduce of each gradient shard over the replicas."""
+    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart in ``replicas`` groups [ZeRO, sec. 7]:
+    2 Psi for ZeRO-0/1, a reduce-scatter per micro-batch for ZeRO-2, 3 Psi per micro-batch (4 under zero bubble,
+    prefetched) for ZeRO-3; hybrid sharding adds an all-reduce of each gradient shard over the replicas."""
     m, b, g = layout.microbatches, workload.dtype_bytes, ranks_per_node(n, stride, cluster.gpus_per_node)
     if n * replicas == 1 or not units:
         return DpTraffic()
@@ -108,10 +105,9 @@ def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, r
 
 
 def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> DpTraffic:
-    """Data-parallel traffic of one step on a rank of ``stage``: the dense units over the shard group (its
-    dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (an ep group's span
-    apart: :attr:`~trainmesh.layout.Layout.ep_span`).
-    How much of it the compute hides is :func:`trainmesh.plan.timing.exposed_dp_time`'s."""
+    """Data-parallel traffic of one step on a rank of ``stage``: dense units over the shard group (dp x cp, tp apart),
+    routed experts over their edp group (``Layout.ep_span`` apart); :func:`~trainmesh.plan.timing.exposed_dp_time`
+    hides it."""
     lay, model = layout, workload.model
     split = stage_split(workload, lay)
     dense = stage_units(model, lay.tp, split, lay.pp, stage)

@@ -30,9 +30,9 @@ def attention_forward_flops(m: ModelShape, seq_len: int) -> int:
 
 
 def block_forward_flops(m: ModelShape, seq_len: int, moe: bool = False) -> int:
-    """Forward FLOPs of one block per token. An MoE block (``moe``) is a dense block whose MLP is ``top_k``
-    routed plus the shared experts (an MLP of their summed width), and the router's d x E matmul: active
-    parameters, not total. Without latent attention this is :func:`trainmesh.tracking.metrics.block_flops_per_token`."""
+    """Forward FLOPs of one block per token; an MoE block counts active parameters (``top_k`` routed plus shared
+    experts and the router). Without latent attention this is
+    :func:`trainmesh.tracking.metrics.block_flops_per_token`."""
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
     router = 2 * m.d_model * m.n_experts if moe else 0
     plain = block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width, m.attention_width)

@@ -58,9 +58,8 @@ def _mixtral(cfg: Config, where: str) -> ModelShape:
 
 
 def _qwen3_moe(cfg: Config, where: str) -> ModelShape:
-    """Qwen3's attention; MoE layers of ``num_experts`` experts of ``moe_intermediate_size`` (no shared ones),
-    every layer unless ``decoder_sparse_step``/``mlp_only_layers`` make some dense, which the shape (dense
-    layers first) cannot place."""
+    """Qwen3's attention and MoE layers of ``num_experts`` experts (no shared ones); dense layers that
+    ``decoder_sparse_step``/``mlp_only_layers`` place anywhere but first are refused."""
     if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
         raise ValueError(f"{where}: decoder_sparse_step/mlp_only_layers interleave dense layers among the MoE ones; "
                          f"the planner's shapes hold dense layers only first")

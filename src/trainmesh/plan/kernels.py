@@ -39,8 +39,7 @@ def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
 
 def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]:
     """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq`` keys,
-    interpolated (log sequence, linear head dimension, flat outside); the causal backward is the non-causal
-    rate times the forward's causal / non-causal ratio."""
+    interpolated; the causal backward is the non-causal rate times the forward's causal / non-causal ratio."""
     table = ATTENTION[kernel]
 
     def at(d: int) -> tuple[float, float]:
@@ -54,10 +53,8 @@ def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]
 
 
 def busiest_expert_rank(ep: int, copies: float) -> float:
-    """Load of the busiest of ``ep`` ranks over the mean, when ``copies`` routed copies fall on the ranks
-    uniformly at random (balanced routing, as the runs that force balance state): each rank's count is
-    binomial(copies, 1/ep), and the largest of ep such counts lies about sqrt(2 ln ep) standard deviations
-    above the mean (the expected maximum of ep normal variables). 1 without expert parallelism."""
+    """Load of the busiest of ``ep`` ranks over the mean when ``copies`` fall uniformly at random: binomial counts,
+    whose maximum lies about sqrt(2 ln ep) standard deviations above the mean. 1 without expert parallelism."""
     if ep <= 1 or copies <= 0:
         return 1.0
     mean = copies / ep

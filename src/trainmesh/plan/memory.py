@@ -175,11 +175,10 @@ def _model_state(
 
 
 def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None, moe: bool = False) -> int:
-    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1]. sbh(34 + 5as/h) with
-    dropout and 2-byte activations (eq. 1), sbh(10 + 24/t + 5as/(ht)) under tp (eq. 2), sbh/t (34 + 5as/h) with sp
-    (eq. 3); the 5as/h term goes with selective recomputation (eq. 6) or a fused kernel; full recomputation keeps 2sbh
-    (sec. 5). An MoE block keeps its experts' tensors for top_k copies and the router's fp32 logits and scores.
-    Checked against measured bytes in tests/unit/test_plan_memory.py."""
+    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1]: sbh(34 + 5as/h) (eq. 1),
+    sbh(10 + 24/t + 5as/(ht)) under tp (eq. 2), sbh/t (34 + 5as/h) with sp (eq. 3), no 5as/h term under selective
+    recomputation (eq. 6) or a fused kernel, 2sbh under full recomputation (sec. 5); MoE blocks add top_k expert copies
+    and fp32 router outputs. Checked against measured bytes in tests/unit/test_plan_memory.py."""
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
     sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * m.d_model
@@ -230,9 +229,8 @@ def _attention_saved_width(m: ModelShape, expanded_kv: bool) -> int:
 
 
 def cp_attention_output(workload: Workload, layout: Layout) -> int:
-    """What context-parallel attention keeps beside the projection's input (measured by ``bench.cp``): the
-    ring its merged output in the accumulation dtype (fp32 or wider) and its log-sum-exp; Ulysses the
-    core's output, still in head-split order. 0 without cp."""
+    """What cp attention keeps beside the projection's input (measured by ``bench.cp``): the ring its fp32 merged
+    output and log-sum-exp, Ulysses the core's head-split output; 0 without cp."""
     if layout.cp == 1:
         return 0
     e = workload.dtype_bytes.activation
@@ -244,9 +242,9 @@ def cp_attention_output(workload: Workload, layout: Layout) -> int:
 
 
 def in_flight_chunks(layout: Layout, stage: int) -> int:
-    """Micro-batch chunks whose activations ``stage`` holds at once: GPipe m; 1F1B min(p - stage, m); ZB-H1
-    min(p, m) [ZB, 3.1]; interleaved 2(p - stage - 1) + (v - 1)p + 1 [NAR, 2.2.2; KOR, 4.2.2]. Equal to the
-    simulator's ``Timeline.peak_activations``."""
+    """Micro-batch chunks ``stage`` holds at once: GPipe m, 1F1B min(p - stage, m), ZB-H1 min(p, m) [ZB, 3.1],
+    interleaved 2(p - stage - 1) + (v - 1)p + 1 [NAR, 2.2.2; KOR, 4.2.2], as the simulator's
+    ``Timeline.peak_activations``."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if layout.schedule == "gpipe":
         return m
@@ -303,9 +301,9 @@ def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 
 
 def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
-    """Transient communication buffers: ZeRO-3's current and prefetched unit plus one unit's gradient
-    [ZeRO, 5.3]; ZeRO-2's two gradient buckets [ZeRO, 5.2 and 6.2 "CB"] (``zero.stage2_bucket_bytes``);
-    a pipeline stage's :func:`p2p_bytes`."""
+    """Transient communication buffers: ZeRO-3's current and prefetched unit and one unit's gradient [ZeRO, 5.3],
+    ZeRO-2's two buckets [ZeRO, 5.2 and 6.2 "CB"] (``zero.stage2_bucket_bytes``), a pipeline stage's
+    :func:`p2p_bytes`."""
     b, m, lay = workload.dtype_bytes, workload.model, layout
     split = stage_split(workload, lay)
     units = stage_units(m, lay.tp, split, lay.pp, stage) + stage_expert_units(m, split, lay.pp, lay.ep, stage)

@@ -57,18 +57,16 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str,
 
 
 def interleave_depths(pp: int, n_layers: int) -> list[int]:
-    """The chunks per rank the search tries: 2, 4 and 8, and the deepest up to 8 the runtime runs (every
-    chunk holds a block, pp * v <= n_layers): the bubble shrinks as 1/v while the sends grow as v, so the
-    best depth is often the deepest, which for a layer count no power of two divides is not a power of
-    two (Llama 3 405B's 126 layers on 16 stages: v = 7, next to the paper's 8 [Llama 3, 3.3.2])."""
+    """The chunks per rank the search tries: 2, 4, 8 and the deepest up to 8 the runtime runs (pp * v <= n_layers),
+    since the bubble shrinks as 1/v (Llama 3 405B's 126 layers on 16 stages: v = 7, beside the paper's 8 [Llama 3,
+    3.3.2])."""
     deepest = min(8, n_layers // pp)
     return sorted({v for v in (2, 4, 8) if v <= deepest} | ({deepest} if deepest > 1 else set()))
 
 
 def cp_degrees(workload: Workload, cluster: Cluster) -> list[int]:
-    """The cp sizes worth searching: 1, and from :data:`LONG_SEQUENCE` tokens on, every power of two that
-    splits the sequence into 2·cp chunks of at least :data:`MIN_CP_CHUNK` tokens (shorter chunks leave the
-    ring's messages nothing to hide behind)."""
+    """The cp sizes worth searching: 1, and from :data:`LONG_SEQUENCE` tokens every power of two leaving chunks of at
+    least :data:`MIN_CP_CHUNK` tokens (shorter ones leave the ring's messages nothing to hide behind)."""
     if workload.seq_len < LONG_SEQUENCE:
         return [1]
     degrees, cp = [1], 2
@@ -101,9 +99,8 @@ def _splits(model: ModelShape, tp: int, pp: int) -> bool:
 
 
 def ep_degrees(model: ModelShape, token_ranks: int) -> list[int]:
-    """The ep sizes an MoE model can take over ``token_ranks`` ranks holding different tokens (dp x cp, times
-    tp under sequence parallelism: :attr:`trainmesh.layout.Layout.token_ranks`): those dividing both them and
-    the expert count; [1] for a dense model."""
+    """The ep sizes an MoE model can take over ``token_ranks`` (:attr:`trainmesh.layout.Layout.token_ranks`): those
+    dividing both them and the expert count; [1] for a dense model."""
     return [e for e in divisors(token_ranks) if model.n_experts % e == 0] if model.n_experts else [1]
 
 
@@ -128,9 +125,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
 
 
 def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
-    """The ``dp_replicate`` worth searching beside 1: every R >= 2 whose ZeRO groups fill whole nodes, one-node
-    groups first (FSDP2's and torchtitan's default: only the all-reduce crosses nodes; larger groups hold
-    less, as [MiCS]'s partition groups). None when the group fits in a node or a node holds one rank."""
+    """The ``dp_replicate`` worth searching beside 1: every R >= 2 whose ZeRO groups fill whole nodes, one-node groups
+    first (FSDP2's and torchtitan's default; larger as [MiCS]'s partition groups); None when a group fits in a node."""
     span = tp * cp * dp
     if span % cluster.gpus_per_node or tp >= cluster.gpus_per_node:
         return []
@@ -164,9 +160,8 @@ on unseen."""
 
 
 def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S) -> list[Estimate]:
-    """All layouts fitting ``cluster.usable_bytes`` per rank, fastest first (then least memory); of hybrid
-    variants only the smallest fitting groups are kept, never slower. ValueError beyond :data:`MAX_GPUS`
-    devices or past ``limit_s``."""
+    """All layouts fitting ``cluster.usable_bytes`` per rank, fastest first (then least memory), hybrid variants only
+    at their smallest fitting groups. ValueError beyond :data:`MAX_GPUS` devices or past ``limit_s``."""
     if not 1 <= cluster.gpus <= MAX_GPUS:
         raise ValueError(f"{cluster.gpus:,} devices: the planner searches 1 to {MAX_GPUS:,}; plan fewer")
     if workload.model.n_layers > MAX_LAYERS:
@@ -195,10 +190,8 @@ def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S
 
 
 def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, flat: Estimate | None) -> bool:
-    """Whether hybrid-sharded ``layout`` is worth estimating beside ``flat``, the same layout sharded over all
-    its dp ranks (:func:`enumerate_layouts` yields it just before; None: it does not fit). The two differ only
-    in that the hybrid one holds more state and moves its data-parallel bytes elsewhere, so it is not when
-    the flat one does not fit or moves them at least as fast."""
+    """Whether hybrid-sharded ``layout`` is worth estimating beside ``flat``, the same layout over all its dp ranks
+    (None: it does not fit): not when ``flat`` does not fit or moves its dp bytes at least as fast."""
     return flat is not None and _dp_seconds(workload, layout, cluster) < _dp_seconds(workload, flat.layout, cluster)
 
 
@@ -209,9 +202,8 @@ def _dp_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
 
 
 def choose(found: list[Estimate]) -> Estimate | None:
-    """The layout to run among ``found`` (fastest first): the fastest, except that among the layouts within
-    :data:`TIE_TOLERANCE` of it the one with the most headroom (least memory per rank) is taken: a layout
-    that barely fits is the first to fail on fragmentation or a longer sequence. None when nothing fits."""
+    """The layout to run among ``found`` (fastest first): among those within :data:`TIE_TOLERANCE` of the fastest, the
+    one with most headroom, since a layout that barely fits fails first. None when nothing fits."""
     if not found:
         return None
     tied = [e for e in found if e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE)]

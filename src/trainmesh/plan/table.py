@@ -70,9 +70,8 @@ def compact_split(split: tuple[int, ...]) -> str:
 
 def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
                  command: list[str], top: int = 20, precision_note: str = "") -> str:
-    """The ``top`` fastest layouts as a text table (chosen one marked ``*``), why it beat the runner-up, and
-    ``command`` that runs it (empty when nothing fits). ``R`` is ``--dp-replicate``, ``dp x-node`` the dp
-    bytes a rank sends to other nodes per step; ``precision_note`` explains ``auto``."""
+    """The ``top`` fastest layouts as a table (chosen ``*``; ``R`` is ``--dp-replicate``, ``dp x-node`` dp bytes across
+    nodes), why the choice won, and ``command`` that runs it (empty when nothing fits)."""
     head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "R", "mbs", "m",
             "schedule", "blocks/stage", "recompute", "sp", "dp x-node", "mem/rank", "step s", "MFU", "tokens/s"]
     pair = zero3_against_hsdp(workload, cluster, estimates) or ()
@@ -114,9 +113,8 @@ TIME_PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "dat
 
 
 def explain_choice(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate) -> str:
-    """Why ``chosen`` beat the runner-up (the fastest other layout): within :data:`TIE_TOLERANCE` of it, its
-    memory headroom; else the parts of the step where it saves most time (the bubble, traffic over the
-    inter-node link, ...), and both headrooms."""
+    """Why ``chosen`` beat the runner-up: within :data:`TIE_TOLERANCE`, its memory headroom; else the parts of the step
+    where it saves most time, and both headrooms."""
     other = runner_up(estimates, chosen)
     if other is None:
         return "why: it is the only layout that fits"
@@ -149,9 +147,8 @@ def _slow_link(workload: Workload, cluster: Cluster, chosen: Estimate, other: Es
 
 def zero3_against_hsdp(workload: Workload, cluster: Cluster,
                        estimates: list[Estimate]) -> tuple[Estimate, Estimate] | None:
-    """The fastest layout with ZeRO-3 under hybrid sharding, and the same layout with ZeRO-3 over its whole
-    data-parallel group (which holds less, so it fits too): the two differ only in where their bytes go.
-    None unless the search found both."""
+    """The fastest ZeRO-3 layout under hybrid sharding and the same layout over its whole dp group (which fits too):
+    they differ only in where their bytes go. None unless the search found both."""
     hybrid = next((e for e in estimates if e.layout.zero == 3 and e.layout.dp_replicate > 1), None)
     if hybrid is None:
         return None
@@ -160,9 +157,8 @@ def zero3_against_hsdp(workload: Workload, cluster: Cluster,
 
 
 def explain_hsdp(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate) -> str:
-    """ZeRO-3 over the whole data-parallel group against ZeRO-3 under hybrid sharding (:func:`zero3_against_hsdp`;
-    empty without both): each one's step, its data-parallel bytes per rank and step across nodes and inside
-    them, its memory, which of the two is faster and why, and what the choice took."""
+    """ZeRO-3 over the whole dp group against ZeRO-3 under hybrid sharding (empty without both): each one's step, dp
+    bytes across and inside nodes, memory, and which is faster and why."""
     pair = zero3_against_hsdp(workload, cluster, estimates)
     if pair is None:
         return ""

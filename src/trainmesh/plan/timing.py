@@ -40,9 +40,8 @@ class TimeBreakdown:
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
-    """Idle fraction of the pipeline in closed form, equal to ``simulate(schedule_*(...)).bubble_fraction``
-    for uniform stages: (p-1)/(m+p-1) for GPipe and 1F1B [NAR, 2.2.1], divided by v interleaved [NAR, 2.2.2],
-    a third of 1F1B's for ZB-H1 when T_F = T_B = T_W [ZB, 3.1]."""
+    """Idle fraction of the pipeline in closed form (as ``simulate`` gives for uniform stages): (p-1)/(m+p-1) for
+    GPipe and 1F1B [NAR, 2.2.1], divided by v interleaved [NAR, 2.2.2], a third of 1F1B's for ZB-H1 [ZB, 3.1]."""
     p, m = pp - 1, microbatches
     ideal = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
     return p / (ideal + p)
@@ -71,9 +70,8 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
 
 @dataclass(frozen=True)
 class Gemm:
-    """One forward matmul on one rank: FLOPs, (m, k, n) after the tp split, and whether ``precision="fp8"``
-    runs it in float8 (attention core, router, head and grouped experts stay bf16 [DSV3, 3.3.1], unless
-    ``Pricing.fp8_experts``)."""
+    """One forward matmul on one rank: FLOPs, (m, k, n) after the tp split, and whether fp8 runs it in float8 (attention
+    core, router, head and grouped experts stay bf16 [DSV3, 3.3.1] unless ``Pricing.fp8_experts``)."""
 
     flops: float
     dims: tuple[int, int, int]
@@ -87,10 +85,8 @@ def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
 
 
 def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
-    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]. An MoE block
-    has the router and its routed experts in place of the MLP: each expert's matmul takes ep x tokens x top_k /
-    n_experts rows under balanced routing (why ep makes them efficient); experts are not split by tp, and the tokens
-    are :func:`moe_tokens`."""
+    """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]; an MoE expert's
+    take ep x tokens x top_k / n_experts rows under balanced routing (why ep makes them efficient)."""
     m, t = workload.model, layout.tp
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
@@ -116,9 +112,8 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
 
 
 def causal_share(m: ModelShape) -> float:
-    """The part of the s x s score matrix the attention core computes: a fused (flash) kernel skips the
-    blocks a causal mask hides, half of them [Dao, FlashAttention-2, 2023, 3.1]; an unfused core computes
-    the whole matrix and masks it (Megatron-LM in 2021 [NAR])."""
+    """The part of the s x s score matrix the attention core computes: half for a fused causal kernel [Dao,
+    FlashAttention-2, 2023, 3.1], all of it for an unfused core (Megatron-LM in 2021 [NAR])."""
     return 0.5 if m.flash_attention else 1.0
 
 
@@ -139,18 +134,16 @@ def _mlp_gemms(name: str, tokens: int, rows: int, f: int, inputs: int, h: int, t
 
 
 def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
-    """Seconds of one matmul at its shape's :func:`gemm_efficiency`: a block's linear at the peak of the
-    workload's precision (FP8's under fp8, :meth:`Cluster.peak_at`), any other at the peak of the dtype the
-    activations are held in (bf16 under fp8, :data:`STORED_AS`); the 16-bit peak where the device has none."""
+    """Seconds of one matmul at :func:`gemm_efficiency`: a block's linear at the workload precision's peak
+    (:meth:`Cluster.peak_at`), any other at the stored dtype's (:data:`STORED_AS`), else the 16-bit peak."""
     held = workload.precision if gemm.linear else STORED_AS.get(workload.precision, workload.precision)
     peak = cluster.peak_at(held) or cluster.peak_flops
     return gemm.flops / (peak * gemm_efficiency(cluster, gemm.dims))
 
 
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
-    """One block's forward and backward for one micro-batch: each matmul at its :func:`gemm_efficiency` (3x,
-    4x under full recomputation), the attention core per :func:`attention_core_seconds`; an MoE block adds the
-    busiest ep rank's experts and its token movement at ``cluster.memory_bw``."""
+    """One block's forward and backward for one micro-batch: each matmul 3x (4x under full recomputation), the attention
+    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts and token movement."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
     core = attention_core_seconds(gemms.pop("attention"), workload, layout, cluster)
@@ -165,10 +158,8 @@ def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: boo
 
 
 def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """The attention core's forward and backward for one micro-batch, rerun under recomputation. With
-    ``Pricing.attention_kernel`` on a Hopper device, at that kernel's measured rate
-    (:func:`trainmesh.plan.kernels.attention_rates`); otherwise as head_dim-wide matmuls at :func:`gemm_efficiency`
-    (docs/planner.md, "Kernel curves")."""
+    """The attention core's forward and backward for one micro-batch: at ``Pricing.attention_kernel``'s measured rate on
+    Hopper (:func:`trainmesh.plan.kernels.attention_rates`), else as matmuls (docs/planner.md, "Kernel curves")."""
     if not (workload.pricing.attention_kernel and cluster.hopper and workload.model.flash_attention):
         passes = 4 if layout.recompute == "full" else 3
         return (passes + (layout.recompute == "selective")) * gemm_time(core, workload, cluster)
@@ -180,17 +171,15 @@ def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, clust
 
 
 def expert_gemm_seconds(gemm: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """One routed-expert grouped matmul of a forward at :func:`gemm_efficiency` of its rows per expert, on the
-    busiest rank of the ep group, whose load :func:`trainmesh.plan.kernels.busiest_expert_rank` sizes under
-    balanced routing: the step waits for the rank that received the most copies."""
+    """One grouped routed-expert matmul at :func:`gemm_efficiency`, on the busiest ep rank
+    (:func:`trainmesh.plan.kernels.busiest_expert_rank`): the step waits for the rank with the most copies."""
     copies = moe_tokens(workload, layout) * workload.model.top_k
     return gemm_time(gemm, workload, cluster) * busiest_expert_rank(layout.ep, copies)
 
 
 def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """Bytes one rank streams per micro-batch through its routed experts' element-wise work (SwiGLU: 8f
-    elements a copy), plus the FP8 casts before each grouped matmul under ``Pricing.fp8_experts``; once more
-    forward under full recomputation."""
+    """Bytes one rank streams per micro-batch through its routed experts' element-wise work (SwiGLU: 8f a copy), plus
+    FP8 casts under ``Pricing.fp8_experts``; once more under full recomputation."""
     m, e = workload.model, workload.dtype_bytes.activation
     copies = moe_tokens(workload, layout) * m.top_k
     f = m.expert_ff
@@ -203,10 +192,9 @@ def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluste
 
 
 def token_movement_bytes(workload: Workload, layout: Layout) -> float:
-    """Bytes one rank moves in device memory to take one micro-batch's :func:`moe_tokens` to their experts and back,
-    forward and backward: why fine-grained experts are slower than their FLOPs. Counted once per movement as fused
-    kernels do (Megatron-LM's permute/unpermute): router scores, top_k gathers, the unsort and the weighted combine;
-    dispatch in ``pricing.dispatch_dtype`` [DSV3, 3.3.3]. trainmesh's own unfused combine moves more than this floor."""
+    """Bytes one rank moves in memory taking a micro-batch's :func:`moe_tokens` to their experts and back (why
+    fine-grained experts are slower than their FLOPs), counted once per movement as Megatron-LM's fused permute does
+    [DSV3, 3.3.3]."""
     m, e = workload.model, workload.dtype_bytes.activation
     towards = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else e
     sorts = 2 if layout.ep > 1 else 1
@@ -247,9 +235,8 @@ def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 
 def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
-    """A dense block all-reduces its output twice forward and twice backward (more when recomputed) [NAR, 2.3];
-    sequence parallelism makes each an all-gather plus reduce-scatter [KOR, 4.2.2]. An MoE block has only
-    its attention's half (see :func:`_tp_partial_sums`)."""
+    """A dense block all-reduces its output twice forward and twice backward [NAR, 2.3], each an all-gather plus
+    reduce-scatter under sp [KOR, 4.2.2]; an MoE block only its attention's half (:func:`_tp_partial_sums`)."""
     t, model = layout.tp, workload.model
     if t == 1:
         return 0.0
@@ -294,9 +281,9 @@ def _pp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
 
 
 def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
-    """Bytes one rank sends over cp for one micro-batch's forward and backward, per op as ``Comm`` counts them. Ring:
-    (cp-1)/cp of a layer's K/V per direction, plus its gradient [Liu et al., 2023, Ring Attention]. a2a: q, k, v and
-    output through one all-to-all each way [Jacobs et al., 2023, Ulysses]."""
+    """Bytes one rank sends over cp per micro-batch, per op as ``Comm`` counts them: ring (cp-1)/cp of each layer's
+    K/V and its gradient [Liu et al., 2023, Ring Attention]; a2a q, k, v and output each way [Jacobs et al., 2023,
+    Ulysses]."""
     m, lay, e = workload.model, layout, workload.dtype_bytes.activation
     cp, layers = lay.cp, most_blocks(workload, lay)
     if cp == 1:
@@ -330,9 +317,8 @@ def _cp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster) -> 
 
 
 def all_to_all_bytes_per_micro(workload: Workload, layout: Layout, stage: int) -> float:
-    """Bytes one rank of ``stage`` sends over ep for one micro-batch in the activations' dtype: each of its
-    :func:`_all_to_all_rounds` dispatches and combines the :func:`routed_copy_bytes` of its tokens, of which
-    (ep-1)/ep leave the rank."""
+    """Bytes one rank of ``stage`` sends over ep per micro-batch in the activations' dtype: (ep-1)/ep of the
+    :func:`routed_copy_bytes` dispatched and combined in each of its :func:`_all_to_all_rounds`."""
     rounds = _all_to_all_rounds(workload, layout, stage)
     if not rounds:
         return 0.0
@@ -350,9 +336,8 @@ def _all_to_all_rounds(workload: Workload, layout: Layout, stage: int) -> int:
 
 
 def routed_copy_bytes(workload: Workload, layout: Layout, element_bytes: float) -> float:
-    """The top_k copies of a micro-batch's :func:`moe_tokens`, ``element_bytes`` per element. Each tp rank
-    dispatches the copies of its own tokens over its own ep group: all of its micro-batch's tokens without
-    sequence parallelism (every tp rank sends the same copies), a 1/tp slice under it."""
+    """The top_k copies of a micro-batch's :func:`moe_tokens`, ``element_bytes`` each: each tp rank dispatches its own
+    tokens' copies, all of them without sequence parallelism, a 1/tp slice under it."""
     m = workload.model
     return moe_tokens(workload, layout) * m.top_k * m.d_model * element_bytes
 
@@ -369,10 +354,9 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 
 def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
-    """One all-to-all of a micro-batch's top_k token copies over the ep group (``Layout.ep_span``). On one node at
-    NVLink's pace; across nodes the NIC and NVLink run at once and the slower sets the pace. Under
-    ``pricing.forward_dispatch`` a token crosses once to each node holding its experts (:func:`nodes_per_token`), as
-    DeepSeek-V3's dispatch does [DSV3, 2.1.2 and 3.2.2]."""
+    """One all-to-all of a micro-batch's top_k token copies over the ep group, at the slower of NIC and NVLink across
+    nodes; under ``pricing.forward_dispatch`` once per node holding its experts, as DeepSeek-V3 does [DSV3, 2.1.2 and
+    3.2.2]."""
     m, lay = workload.model, layout
     copies = routed_copy_bytes(workload, lay, element_bytes)
     nodes = -(-lay.ep_span // cluster.gpus_per_node)
@@ -410,19 +394,16 @@ def dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int) ->
 
 
 def exposed_dp_time(workload: Workload, layout: Layout, cluster: Cluster, stage: int, compute: float) -> float:
-    """What of :func:`dp_time` shows on a rank computing ``compute`` seconds a step. ZeRO-3's prefetched collectives
-    show only past the compute where ``cluster.comm_overlaps_compute``; ZeRO-0/1/2 reductions and hybrid sharding's
-    all-reduce wait for the backward and show whole [NAR, Table 2]; docs/planner.md compares both with the
-    measurement."""
+    """What of :func:`dp_time` shows beside ``compute`` seconds: ZeRO-3's prefetched collectives only past the compute
+    where comm overlaps it, other reductions whole [NAR, Table 2] (compared with measurements in docs/planner.md)."""
     traffic = dp_traffic(workload, layout, cluster, stage)
     hidden = min(traffic.prefetched, compute) if cluster.comm_overlaps_compute else 0.0
     return traffic.seconds - hidden
 
 
 def peak_flops(workload: Workload, cluster: Cluster) -> float:
-    """The peak MFU divides by, as the runtime's MFU does (:func:`trainmesh.tracking.metrics.peak_tflops`): the
-    precision's (fp64 at the fp32 peak: A100's and H100's fp64 tensor cores match their fp32 rate; fp8 at
-    the FP8 one), the 16-bit peak on a device without FP8 tensor cores (CPU ranks emulate float8)."""
+    """The peak MFU divides by, as the runtime's (:func:`trainmesh.tracking.metrics.peak_tflops`): the precision's
+    (fp64 at the fp32 peak, fp8 at FP8's), the 16-bit peak on a device without FP8 tensor cores."""
     return cluster.peak_at(workload.precision) or cluster.peak_flops
 
 
@@ -432,9 +413,8 @@ def most_blocks(workload: Workload, layout: Layout) -> int:
 
 
 def step_time(workload: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
-    """Predicted step time: the slowest stage's micro-batches, the bubble around them, then dp traffic. The bubble is
-    sum(t_s) - max(t_s), (p-1)t for uniform stages [NAR, 2.2], scaled by the schedule as in :func:`bubble_fraction`.
-    With ``ranks_per_core`` r > 1 compute takes r times as long and only the bubble beyond that shows."""
+    """Predicted step time: the slowest stage's micro-batches, the bubble sum(t_s) - max(t_s) scaled per schedule
+    [NAR, 2.2], then dp traffic; with ``ranks_per_core`` r > 1 compute takes r times as long."""
     check_layout(workload, layout)
     m = layout.microbatches
     kinds = stage_kinds(workload.model, stage_split(workload, layout), layout.pp)

@@ -16,12 +16,10 @@ from trainmesh.training.state_bytes import DTYPE_BYTES, Precision, precision_byt
 
 @dataclass(frozen=True)
 class Pricing:
-    """How a run's kernels behave where the layout does not say, for pricing published runs; defaults are trainmesh's
-    and the search never changes them. ``a2a_overlap``: DualPipe-style overlap [DSV3, 3.2.1]; ``dispatch_dtype``: FP8
-    dispatch [DSV3, 3.3.3] ("": activations'); ``comm_sm_share``: SMs held by communication [DSV3, 3.2.2];
-    ``fp8_experts``: float8 grouped matmuls [DSV3, 3.3]; ``forward_dispatch``: cross once per node (DeepEP's
-    dispatch); ``attention_kernel``: "fa2", "cudnn" or "fa3" priced from :data:`trainmesh.plan.kernels.ATTENTION` ("":
-    as matmuls)."""
+    """How a run's kernels behave where the layout does not say, for pricing published runs (the search never changes
+    them): ``a2a_overlap`` [DSV3, 3.2.1], FP8 ``dispatch_dtype`` [DSV3, 3.3.3], ``comm_sm_share`` [DSV3, 3.2.2],
+    ``fp8_experts`` [DSV3, 3.3], ``forward_dispatch`` (DeepEP's), ``attention_kernel`` "fa2"/"cudnn"/"fa3"
+    (:data:`~trainmesh.plan.kernels.ATTENTION`)."""
 
     a2a_overlap: bool = False
     dispatch_dtype: str = ""
@@ -41,9 +39,8 @@ class Pricing:
 
 @dataclass(frozen=True)
 class Workload:
-    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``; ``reduce_dtype``
-    and ``precision`` default to :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train``
-    flags; ``pricing`` per :class:`Pricing`."""
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens; precision and ``reduce_dtype`` default to
+    :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train`` flags."""
 
     model: ModelShape
     global_batch: int
@@ -99,10 +96,8 @@ def micro_batch_size(workload: Workload, layout: Layout) -> int:
 
 
 def moe_tokens(workload: Workload, layout: Layout) -> int:
-    """Tokens one tp rank routes through each MoE layer per micro-batch. The MoE layer is whole on every tp
-    rank, so without sequence parallelism each tp rank routes all of its micro-batch's tokens (the same
-    work on every tp rank); under sequence parallelism the MoE layer sits in the sequence-split region
-    and each tp rank routes only its 1/tp slice of every sequence (``trainmesh.models.moe.SequenceSplit``)."""
+    """Tokens one tp rank routes through each MoE layer per micro-batch: all of them without sequence parallelism (the
+    layer is whole on every tp rank), a 1/tp slice under it (``trainmesh.models.moe.SequenceSplit``)."""
     tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
     return tokens // layout.tp if layout.sequence_parallel else tokens
 
