@@ -114,9 +114,9 @@ class BucketFold:
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None,
                  axis: str = "dp") -> list[Bucket]:
-    """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``, holding
-    gradients in ``dtype`` (default: each parameter's own), each reduced over ``axis`` or, for routed
-    experts, over the expert-data-parallel axis (:func:`axis_buckets`)."""
+    """Group ``params`` (in reverse order of use) into buckets of about ``bucket_bytes`` of ``dtype`` gradients
+    (default: each parameter's own), reduced over ``axis`` or, for routed experts, the edp axis
+    (:func:`axis_buckets`)."""
     buckets = []
     for bucket_axis, group in axis_buckets(params, bucket_bytes, axis):
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
@@ -150,10 +150,10 @@ def accumulating_locally(engine: Syncing) -> Iterator[None]:
 
 
 class DataParallel:
-    """Gradient synchronisation for a replicated ``module`` over the ``dp`` axis of ``comm``'s mesh. Run backward on
-    the loss times :attr:`loss_scale` (inside :meth:`no_sync` but for the last micro-batch), then :meth:`step`; the
-    module is not wrapped. Low-precision parameters get fp32 masters, gradients reduced in ``reduce_dtype`` (as
-    Megatron's ``main_grad``, via :class:`BucketFold`)."""
+    """Gradient synchronisation for a replicated ``module`` over ``comm``'s ``dp`` axis, the module unwrapped:
+    backward on the loss times :attr:`loss_scale` (in :meth:`no_sync` but for the last micro-batch), then
+    :meth:`step`. Low-precision parameters get fp32 masters and ``reduce_dtype`` gradients (Megatron's ``main_grad``).
+    """
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype = torch.float32,
@@ -288,9 +288,8 @@ class DataParallel:
         return norm
 
     def _optimizer_grads(self, opt_params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Point the optimizer's parameters at the reduced gradients: views of the buckets where dtypes agree,
-        else views of each bucket converted whole (fp32 masters of bf16 buckets), one copy per bucket rather
-        than one per parameter: 150 kernel launches fewer per gpt2-124m step."""
+        """Point the optimizer's parameters at the reduced gradients: bucket views where dtypes agree, else views of
+        each bucket converted whole, one copy per bucket rather than one kernel per parameter."""
         owner = dict(zip(self.params, opt_params))
         for bucket in self.buckets:
             flat = bucket.flat.to(owner[bucket.params[0]].dtype)

@@ -41,10 +41,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 class AllToAllDispatch:
-    """The MoE ``Dispatcher`` over the ``ep`` axis of ``comm``'s mesh (``None`` or an axis of one: nothing
-    moves). Every exchange goes through ``comm``, which counts the bytes each leaves on the ep axis per op
-    (``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward``): every copy but those
-    routed to this rank's own experts crosses the network once per direction, the planner's all-to-all."""
+    """The MoE ``Dispatcher`` over ``comm``'s ``ep`` axis (``None`` or size 1: nothing moves); ``comm`` counts the
+    bytes of ``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward``, the planner's all-to-all."""
 
     def __init__(self, comm: Comm | None) -> None:
         self.comm = comm
@@ -122,10 +120,9 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 
 @torch.no_grad()
 def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
-    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts (rank ``r``: global experts
-    ``[r E/ep, (r+1) E/ep)``, the first dim of every stacked weight) and dispatch by all-to-all over
-    ``comm``'s ep axis. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`),
-    and, where the ep group folds over tp (``over_tp``), that tp ranks hold different experts."""
+    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts (``[r E/ep, (r+1) E/ep)``) and dispatch over
+    ``comm``'s ep axis; parameters keep names and marks and record their place (:data:`EP_SHARD`) and whether ep folds
+    over tp."""
     rank, size = comm.mesh.rank(EP_AXIS), comm.mesh.size(EP_AXIS)
     experts = moe.experts
     for name, p in list(experts.named_parameters(recurse=False)):
@@ -188,10 +185,8 @@ def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
 
 
 def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.Module) -> dict[str, tuple[torch.Size, list[Any]]]:
-    """A checkpoint's geometry (full shape and the boxes this rank holds, per parameter:
-    :func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
-    tensor: ``size`` times the experts, this rank's box at expert ``rank * E_local``. A checkpoint saved
-    at one ep then reads back at any other, or on one process, as the boxes intersect."""
+    """A checkpoint's geometry (:func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert
+    placed in the plain model's tensor at expert ``rank * E_local``, so a checkpoint reads back at any ep."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     out = dict(geometry)
     for name, p in model.named_parameters():

@@ -58,10 +58,9 @@ def _temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any
 
 
 def lone_actions(schedule: Sequence[Sequence[Action]]) -> frozenset[Action]:
-    """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`).
-    When the pipeline's ranks share one host and nothing else runs there, such an action may use the whole
-    host's cores: the other ranks are waiting (at pp=2, 1F1B's first forward, the last stage's first backward
-    and the first stage's last backward). torch's schedules leave that core idle."""
+    """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`): on a host
+    the pipeline has to itself they may use every core, since the other ranks wait (torch's schedules leave them
+    idle)."""
     return frozenset(action for action, n in concurrency(schedule).items() if n == 1)
 
 
@@ -90,10 +89,8 @@ def p2p_seconds(comm: Comm, numel: int, dtype: torch.dtype) -> float:
 
 
 def p2p_fit(comm: Comm, numel: int, dtype: torch.dtype) -> tuple[float, float]:
-    """(latency s, bandwidth B/s): a least-squares line through the time of messages of a quarter, half and
-    all of ``numel`` elements, measured once per run for the simulator's transfer term
-    (:meth:`~trainmesh.pipeline.simulate.Costs.transfer`). A non-positive slope (noise swamping the size
-    effect) leaves all of the time to the latency."""
+    """(latency s, bandwidth B/s): a least-squares line through the times of messages of a quarter, half and all of
+    ``numel`` elements, for :meth:`~trainmesh.pipeline.simulate.Costs.transfer`; a non-positive slope is all latency."""
     numels = [max(1, int(numel * f)) for f in FIT_FRACTIONS]
     times = [p2p_seconds(comm, n, dtype) for n in numels]
     sizes = [n * dtype.itemsize for n in numels]
@@ -205,10 +202,8 @@ class PipelineRuntime:
     def __init__(self, chunks: dict[int, nn.Module], comm: Comm, schedule: str, n_microbatches: int,
                  n_virtual: int, hidden_size: int, dtype: torch.dtype, seq_shards: int = 1,
                  host_cores: int = 0) -> None:
-        """``seq_shards``: how many ways the sequence of the activations passed between stages is split
-        (tp under sequence parallelism, whose stage outputs hold 1/tp of the sequence). ``host_cores``: the
-        cores of a host that this pipeline's ranks alone share (0 when they do not), all of which an action
-        the schedule leaves alone uses (:func:`lone_actions`)."""
+        """``seq_shards``: ways the activations' sequence is split between stages (tp under sp); ``host_cores``: cores
+        this pipeline's ranks alone share (0: none), which a lone action uses (:func:`lone_actions`)."""
         self.comm, self.mesh = comm, comm.mesh
         self.n_ranks, self.rank = self.mesh.size(AXIS), self.mesh.rank(AXIS)
         self.chunks = chunks
@@ -257,9 +252,8 @@ class PipelineRuntime:
         return step.loss
 
     def transfer_seconds(self, micro_batch: int, seq_len: int) -> tuple[float, float, float]:
-        """Measure the link once (a collective over ``pp``): (latency s, bandwidth B/s, seconds for one
-        activation of a ``micro_batch x seq_len`` micro-batch), the simulator's ``Costs.comm``. The probe
-        messages go through a comm of their own, so the run's byte counts stay those of training."""
+        """Measure the link once (a collective over ``pp``): (latency s, bandwidth B/s, seconds per activation), the
+        simulator's ``Costs.comm``, through a comm of its own so training's byte counts stay clean."""
         numel = micro_batch * (seq_len // self.seq_shards) * self.hidden_size
         self._open_channels(numel)
         probe = Comm(self.mesh)

@@ -194,10 +194,9 @@ def _meeting_time(earliest: float, latest: float, sender: _Busy, receiver: _Busy
 
 
 def _insert_communication(orders: Sequence[Sequence[Action]], n_total_stages: int) -> Schedule:
-    """Add SEND/RECV actions to per-rank compute orders so that blocking p2p cannot deadlock. Each message gets a
-    global key (a meeting time between producer end and consumer start, then stage, kind, microbatch) and both ranks
-    meet their messages in key order. Under rendezvous the unfinished message with the smallest key always completes,
-    whatever the real durations, so no deadlock; the meeting time only reduces a blocking sender's idle wait."""
+    """Add SEND/RECV actions so blocking p2p cannot deadlock: each message gets a global key (a meeting time, then
+    stage, kind, microbatch) and both ranks meet messages in key order, so the smallest unfinished one always
+    completes."""
     n_ranks = len(orders)
     times = _ideal_times(orders, n_total_stages)
     busy = [_busy_intervals(order, times) for order in orders]
@@ -275,10 +274,8 @@ def _interleaved_order(
 
 
 def schedule_interleaved_1f1b(n_stages: int, n_microbatches: int, n_virtual: int) -> Schedule:
-    """Interleaved 1F1B with ``v`` model chunks per rank [NAR, 2.2.2]; needs ``m % p == 0``. Bubble fraction (p-1) /
-    (v·m + p-1), v times less than 1F1B. For v > 1 warmup runs p-r-1 forwards more than needed, as Megatron-LM does,
-    so the slack absorbs the v-times more p2p latency (figures in docs/parallel-forms.md); with v = 1 it is exactly
-    1F1B."""
+    """Interleaved 1F1B with ``v`` chunks per rank [NAR, 2.2.2], ``m % p == 0``: bubble (p-1) / (v·m + p-1). For v > 1
+    warm-up runs p-r-1 extra forwards, as Megatron-LM, to absorb p2p latency (docs/parallel-forms.md); v = 1 is 1F1B."""
     _check_counts(n_stages, n_microbatches, n_virtual)
     if n_microbatches % n_stages:
         lower = n_microbatches - n_microbatches % n_stages
@@ -303,10 +300,8 @@ def schedule_interleaved_1f1b(n_stages: int, n_microbatches: int, n_virtual: int
 
 
 def schedule_zb_h1(n_stages: int, n_microbatches: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.1). Backward splits into BI (input gradient,
-    critical path) and BW (weight gradient); rank r runs 1F1B with BI and defers its last r BWs into the drain,
-    holding at most p microbatches. Idle per rank is (p-1)·max(t_F, t_BI, t_F + t_BI - t_BW): a third of 1F1B's when
-    all are equal [ZB, 3.1]."""
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.1): 1F1B with BI, each rank r deferring its last
+    r BWs into the drain (at most p microbatches held); idle (p-1)·max(t_F, t_BI, t_F + t_BI - t_BW) [ZB, 3.1]."""
     _check_counts(n_stages, n_microbatches)
     orders = []
     for rank in range(n_stages):

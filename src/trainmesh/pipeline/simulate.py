@@ -273,10 +273,9 @@ def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
 
 def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *, n_microbatches: int | None = None,
              n_virtual: int | None = None, blocking_comm: bool = False) -> Timeline:
-    """Verify ``schedule`` (one action list per rank) under rendezvous sends and time it under ``costs``.
-    ``blocking_comm`` False times async posting (only compute order matters), True blocking p2p. Give
-    ``n_stages``/``n_microbatches`` to catch a schedule missing a stage or microbatch. Raises :class:`ScheduleError`
-    naming the rank and action when it cannot run."""
+    """Verify ``schedule`` (one action list per rank) under rendezvous sends and time it under ``costs`` (async
+    posting, or blocking p2p with ``blocking_comm``); :class:`ScheduleError` names the rank and action that cannot
+    run."""
     n_ranks = len(schedule)
     if n_ranks == 0:
         raise ScheduleError("the schedule has no ranks; pass one action list per pipeline rank")

@@ -25,10 +25,9 @@ __all__ = ["FlatLayout", "ZeroEngine", "ZeroStage1", "ZeroStage2", "ZeroStage3",
 def build_engine(module: nn.Module, comm: Comm, stage: int, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
                  scaler: LossScaler | None = None, axis: str = "dp") -> ZeroEngine | DataParallel:
-    """The engine of ZeRO ``stage`` over ``axis`` (stage 0: plain data parallelism), with the optimizer
-    ``make_optimizer`` builds over its shards (and an fp32 master shard when ``module``'s parameters are
-    bf16/fp16). Stage 3 communicates unit by unit (:func:`default_units`), so ``bucket_bytes`` applies to
-    stages 0 to 2. The stage is checked by the layout's rules, as every front door checks it."""
+    """The engine of ZeRO ``stage`` over ``axis`` (0: plain data parallelism) with ``make_optimizer``'s optimizer over
+    its shards (fp32 masters for bf16/fp16 parameters); ``bucket_bytes`` applies to stages 0 to 2, stage 3 going by
+    unit."""
     validate(Layout(zero=stage))
     engines = {0: DataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
     return engines[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)

@@ -80,8 +80,8 @@ class ZeroEngine:
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:
         """Mark the autograd calls inside as one micro-batch's backward (see
-        :class:`~trainmesh.parallel.zero.stage2.ZeroStage2`); stage 1 reduces once per step, on the last
-        micro-batch's gradients, so a pass needs nothing here."""
+        :class:`~trainmesh.parallel.zero.stage2.ZeroStage2`); stage 1 reduces once per step, so it needs nothing here.
+        """
         yield
 
     def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
@@ -130,9 +130,8 @@ class ZeroEngine:
         self._reset_pending()
 
     def _stage_grads(self, group: Group) -> None:
-        """Copy the gradients ``group``'s parameters hold into a fresh full flat buffer (zeros where a
-        parameter got none), then drop them; the reduce-scatters in flight land first, so that one
-        group's full gradient is staged at a time."""
+        """Copy ``group``'s gradients into a fresh zero-filled flat buffer and drop them, after the reduce-scatters in
+        flight land, so one group's full gradient is staged at a time."""
         self._land_in_flight()
         full = group.grad_shard.new_empty(group.layout.padded)
         full[group.layout.numel:].zero_()
@@ -155,10 +154,9 @@ class ZeroEngine:
         """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Finish gradient sync, unscale and clip the shards by the whole model's norm, update, re-gather;
-        returns the (unscaled) norm before clipping. Shards are disjoint, so the squares are summed over
-        ``dp`` as well; every rank then holds the same norm, so a non-finite one (an fp16 overflow or a
-        NaN on any rank) skips the update and backs the loss scale off on every rank together."""
+        """Finish gradient sync, unscale and clip the shards by the whole model's norm (squares summed over ``dp``
+        too), update and re-gather; returns the unscaled pre-clip norm. A non-finite norm skips the step on every rank
+        together."""
         self.finish_gradient_sync()
         self._sum_over_replicas()
         sum_over_tp([g.grad_shard for g in self._tp_summed], self.comm)
@@ -172,10 +170,8 @@ class ZeroEngine:
         return norm
 
     def _sum_over_replicas(self) -> None:
-        """Hybrid sharding (HSDP, as FSDP2's 2-D mesh and DeepSpeed's MiCS): all-reduce each gradient shard,
-        reduce-scattered inside this rank's group, over the replica groups that hold the same shard, once per
-        step. Only these Ψ/S bytes per rank cross between groups; the parameter gathers and the reduce-scatters
-        (divided by all R x S ranks already) stay inside the group."""
+        """Hybrid sharding (as FSDP2's 2-D mesh and DeepSpeed's MiCS): all-reduce each gradient shard over the replica
+        groups once per step, so only Ψ/S bytes per rank cross between groups."""
         if self.replicas == 1:
             return
         works = [self.comm.all_reduce(g.grad_shard, REPLICA_AXIS, op="grad_replica_all_reduce", async_op=True)
@@ -184,9 +180,8 @@ class ZeroEngine:
             work.wait()
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
-        """Point each piece's gradient at its slice of the reduced gradient shard, in the masters' dtype: a
-        view when the reduce dtype is that dtype, else a copy made for this step (freed by
-        :meth:`zero_grad`); returns the gradient shards the optimizer reads."""
+        """Point each piece's gradient at its slice of the reduced shard in the masters' dtype (a view, or a per-step
+        copy freed by :meth:`zero_grad`); returns the gradient shards the optimizer reads."""
         grads = {g.name: g.grad_shard.to(g.master.dtype) for g in self.groups}
         for piece, slot in zip(self.pieces, self._piece_slots):
             piece.grad = grads[slot.group.name][slot.start:slot.end].view(piece.shape)
@@ -248,9 +243,8 @@ class ZeroEngine:
                 + optimizer_tensors(self.optimizer))
 
     def _note_peak(self) -> None:
-        """Track the most model state held at any point of a step (transient buffers included), while
-        :attr:`peak_state_bytes` is a number: set it (to the state held now, say) to start tracking. Each
-        sample walks every state tensor, several times per unit, so it is off (``None``) by default."""
+        """Track the most model state held during a step while :attr:`peak_state_bytes` is a number (set it to start);
+        off (``None``) by default, since each sample walks every state tensor."""
         if self.peak_state_bytes is not None:
             self.peak_state_bytes = max(self.peak_state_bytes, storage_bytes(self.state_tensors()))
 

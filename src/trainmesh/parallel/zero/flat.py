@@ -101,9 +101,8 @@ def flatten_params(params: list[nn.Parameter], comm: Comm, axis: str) -> tuple[F
 
 def sharded_group(name: str, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype,
                   own_shard: bool = False) -> Group:
-    """A group whose gradient is kept only as this rank's shard (stages 2 and 3). The parameter shard is a
-    view of the flat buffer, or with ``own_shard`` a copy of it, which survives the buffer's storage being
-    freed between uses (stage 3)."""
+    """A group whose gradient is kept only as this rank's shard (stages 2 and 3); ``own_shard`` copies the parameter
+    shard so it survives the buffer's storage being freed (stage 3)."""
     layout, flat = flatten_params(params, comm, axis)
     shard = layout.shard_of(flat)
     return Group(name, params, layout, flat, shard.clone() if own_shard else shard,
@@ -139,9 +138,8 @@ def _peers(comm: Comm, axis: str) -> list[tuple[int, int]]:
 
 
 def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str, op: str):
-    """Start gathering every rank's ``shard`` of ``axis`` into ``flat`` (rank j's at slice j); returns the handle to
-    wait on. On Gloo each shard goes straight from its owner into its slice of ``flat``: no staging copy of the whole
-    buffer (:func:`exchanges_directly`); the bytes sent are the ring's, (N-1)·S per rank."""
+    """Start gathering every rank's ``shard`` of ``axis`` into ``flat`` (rank j's at slice j) and return the handle;
+    on Gloo each shard goes straight into its slice (no staging copy), (N-1)·S bytes per rank."""
     if not exchanges_directly(comm, axis):
         return comm.all_gather(flat, shard, axis, op=op, async_op=True)
     size = shard.numel()
@@ -153,10 +151,9 @@ def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str
 
 
 def reduce_scatter_shards(comm: Comm, out: torch.Tensor, full: torch.Tensor, axis: str, op: str, divisor: int = 1):
-    """Start summing ``full`` over ``axis``, divided by ``divisor``, into ``out``, this rank's slice; returns
-    the handle to wait on. Point to point every rank sends each other rank its slice (divided first) and adds
-    the N-1 slices it receives to its own when waited on: (N-1)·S bytes sent, N-1 slices of receive buffer,
-    no copy of the whole input."""
+    """Start summing ``full`` over ``axis`` divided by ``divisor`` into ``out``, this rank's slice, and return the
+    handle; point to point each rank sends each other its slice and adds what it receives: (N-1)·S bytes, no whole
+    copy."""
     if not exchanges_directly(comm, axis):
         return comm.reduce_scatter(out, full, axis, op=op, async_op=True, divisor=divisor)
     if divisor != 1:
@@ -190,9 +187,8 @@ class PieceSlot:
 
 
 def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[PieceSlot]]:
-    """The optimizer's parameters: each parameter's part of this rank's fp32 master shard, and where it lies.
-    Matrix pieces are 1 x k rows so weight decay picks the same elements, and keep their tp mark so the
-    norm counts each element once."""
+    """The optimizer's parameters, each parameter's part of this rank's fp32 master shard, and where it lies; matrix
+    pieces are 1 x k rows (so weight decay picks the same elements) keeping their tp mark."""
     pieces, slots = [], []
     for group in groups:
         for i, start, end in group.layout.pieces():

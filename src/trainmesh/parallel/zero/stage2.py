@@ -26,10 +26,9 @@ def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world
 
 
 class ZeroStage2(ZeroEngine):
-    """P_os+g (§5.2): full parameters; gradients reduce-scattered into a 1/N shard during backward. A hook copies a
-    complete bucket's gradients into a transient flat buffer and reduce-scatters it into the persistent shard,
-    overlapping backward; one bucket buffer lives at a time. The end of a backward pass (or of :meth:`backward_pass`,
-    for the zero-bubble split, Qi et al. 2023, §2) lands every reduce-scatter."""
+    """P_os+g (§5.2): full parameters; each complete bucket's gradients are staged in a transient flat buffer and
+    reduce-scattered into the persistent 1/N shard during backward, landing by the end of the backward pass (or of
+    :meth:`backward_pass`, for the zero-bubble split, Qi et al. 2023, §2)."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -68,10 +67,8 @@ class ZeroStage2(ZeroEngine):
         self._callback_queued = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Count ``p``'s gradient in; once its group has them all, stage them (:meth:`_stage_grads`) and
-        launch the reduce-scatters now in order. Until then each gradient stays the tensor autograd made:
-        a group's full buffer exists only from its last gradient to its reduce-scatter's landing, as FSDP2
-        holds its unsharded gradients, rather than from its first gradient on."""
+        """Count ``p``'s gradient in; once its group has them all, stage them and launch the reduce-scatters in order,
+        so a group's full buffer lives only from its last gradient to its landing, as FSDP2's unsharded gradients."""
         self._queue_end_of_backward()
         group, _ = self._slot[p]
         self._note_peak()

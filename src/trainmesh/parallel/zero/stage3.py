@@ -64,10 +64,8 @@ def _grad_tensors(values: object) -> list[torch.Tensor]:
 
 
 def _when_backward_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
-    """Call ``fn`` (idempotent: once per tensor) as backward is about to go through the nodes that made
-    ``tensors``. A node pre-hook runs after the tensor hooks on those nodes' outputs, so when a unit's
-    output is the next unit's input, the next unit is freed (:func:`_when_all_have_grads`) before this
-    one is gathered and the one before it prefetched: two units at a time, not three."""
+    """Call ``fn`` (once per tensor) as backward reaches the nodes that made ``tensors``; a node pre-hook runs after
+    the tensor hooks, so the next unit is freed before this one is gathered: two units at a time, not three."""
     for t in tensors:
         if t.grad_fn is not None:
             t.grad_fn.register_prehook(lambda grads: fn())
@@ -76,9 +74,8 @@ def _when_backward_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) 
 
 
 def _when_all_have_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
-    """Call ``fn`` once the gradient of every one of ``tensors`` has been computed (the graph's one
-    backward through them). ``register_multi_grad_hook(mode="all")`` would do, but refuses a leaf
-    input of ``torch.autograd.grad``, which a pipeline stage's received input is."""
+    """Call ``fn`` once every one of ``tensors`` has its gradient (``register_multi_grad_hook(mode="all")`` refuses
+    the leaf input of ``torch.autograd.grad`` a pipeline stage receives)."""
     left = [len(tensors)]
 
     def hook(_grad: torch.Tensor) -> None:
@@ -108,11 +105,9 @@ class Unit:
 
 
 class ZeroStage3(ZeroStage2):
-    """P_os+g+p (§5.3): parameters sharded too; each unit is gathered for its forward and its backward. Hooks gather a
-    unit and prefetch the next in forward, gather again and prefetch the previous in backward, and free it and
-    reduce-scatter its gradients once all are in (stage 2's machinery); the order depends only on the model. Under the
-    zero-bubble split a unit is gathered three times per micro-batch (4Ψ(N-1)/N), the weight-gradient pass by the
-    caller through :meth:`unshard_for_backward`."""
+    """P_os+g+p (§5.3): parameters sharded too; hooks gather each unit for its forward and its backward, prefetching the
+    next, and free it and reduce-scatter its gradients once all are in, in an order set by the model alone. Zero bubble
+    gathers a unit three times per micro-batch (4Ψ(N-1)/N), the weight pass through :meth:`unshard_for_backward`."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -205,9 +200,8 @@ class ZeroStage3(ZeroStage2):
             self._reshard(unit)
 
     def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
-        """Gather the unit(s) holding ``params`` for an autograd call that computes their gradients from
-        inside the unit, prefetching the unit before; each is freed once its gradients are all in, or
-        when the backward pass ends."""
+        """Gather the unit(s) holding ``params`` for an autograd call starting inside them, prefetching the unit
+        before; each is freed once its gradients are in or the backward pass ends."""
         for name in dict.fromkeys(self._slot[p][0].name for p in params):
             self._gather_now_and_prefetch(self._unit_of[name], -1, "bwd_param_all_gather")
 
