@@ -19,9 +19,8 @@ class TokenSequence(Protocol):
 
 
 def global_batch_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
-    """Start offsets of the ``global_batch`` sequences of ``step``: the same in every layout. The generator's
-    seed is taken modulo 2**64, the range ``manual_seed`` accepts, so any seed up to 2**63 - 1 works (and
-    every smaller one gives the offsets it always gave)."""
+    """Start offsets of ``step``'s ``global_batch`` sequences, the same in every layout; the seed is taken modulo
+    2**64, as ``manual_seed`` accepts."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**64)
     return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=gen)
 

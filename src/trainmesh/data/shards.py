@@ -214,10 +214,9 @@ def verify_shard(index: Index, shard: Shard) -> None:
 
 
 def index_tokenizer(index: Index, given: str) -> TokenizerFile:
-    """The tokenizer prepared data was tokenized with, pinned by content: ``given`` (``--tokenizer``) if its
-    SHA-256 is the one the index records, else the copy ``prepare`` keeps in the data directory. The index
-    names that copy by a plain file name in its directory: a path leading anywhere else is refused unread,
-    and so is a copy that is missing or whose SHA-256 differs, each in one line naming both hashes."""
+    """The tokenizer prepared data was tokenized with, pinned by content: ``given`` if its SHA-256 matches the index,
+    else the copy ``prepare`` kept beside the data (a plain file name; a path elsewhere, missing or mismatched copy
+    refused)."""
     want = (f"{index.root} was prepared with ({index.root / index.tokenizer_path}, SHA-256 "
             f"{index.tokenizer_sha256[:12]})")
     if given:

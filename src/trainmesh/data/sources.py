@@ -33,10 +33,8 @@ class Piece:
 
 
 def document_pieces(reads: Reads) -> Iterator[Piece]:
-    """One document from its text in reads: whole when it comes in one read, else in pieces cut after the last
-    newline of each read (what follows is carried into the next). Tokens at a cut may differ from tokenizing
-    the whole document, as if it had a document-internal boundary there; only documents over one read have
-    cuts. A piece holds at most the carried rest and one read, so at most two reads."""
+    """One document from its text in reads: whole in one read, else pieces cut after each read's last newline (the
+    rest carried on), so a piece holds at most two reads; tokens at a cut may differ, as at a document boundary."""
     rest, held = "", None
     for read in reads:
         if held is not None:

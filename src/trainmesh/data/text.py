@@ -77,9 +77,8 @@ def decode_utf8(decoder: codecs.IncrementalDecoder, raw: bytes, where: str, offs
 
 
 def read_documents(files: list[Path], max_bytes: int | None = None, skip_invalid: bool = False) -> list[bytes]:
-    """The contents of ``files``, one document each, which must be UTF-8 text: a binary or token file passed by
-    mistake would otherwise be trained on silently. ``skip_invalid`` drops such files instead (the default
-    corpus holds a few deliberately mis-encoded test files). Stops once ``max_bytes`` are read."""
+    """The contents of ``files``, one document each, which must be UTF-8 (a binary file would train silently);
+    ``skip_invalid`` drops such files instead. Stops once ``max_bytes`` are read."""
     docs, total = [], 0
     for f in files:
         try:

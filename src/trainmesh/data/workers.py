@@ -43,10 +43,8 @@ def tokenize(tokenizer: Any, dtype: np.dtype, batch: list[tuple[str, bool]]) -> 
 
 
 def _serve(conn: Connection, pinned: TokenizerFile | None, dtype: str, parent: int) -> None:
-    """A worker: build the tokenizer once from the bytes the parent pinned (never from the file again, which
-    may have changed since), its own thread pool off (the processes are the parallelism); then tokenize
-    batches until told to stop or orphaned. Ctrl-C is the parent's to handle, SIGTERM ends a worker at once
-    (not through the parent's handler, inherited by the fork), and a parent's death, SIGKILL included, too."""
+    """A worker: build the tokenizer once from the parent's pinned bytes, its thread pool off, and tokenize batches
+    until stopped or orphaned; SIGTERM ends it at once (not through the parent's inherited handler)."""
     from trainmesh.distributed.launcher import _die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -32,9 +32,8 @@ def fingerprint(settings: Mapping[str, object], model: nn.Module, world_size: in
 
 
 def check_agreement(settings: Mapping[str, object], model: nn.Module, device: torch.device) -> None:
-    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's. ``settings``
-    are the values every rank must share (the CLI passes its config without the fields that are each rank's own view
-    of local resources)."""
+    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's; ``settings``
+    are the values all must share (the CLI's config less each rank's local view)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     names, mine = zip(*fingerprint(settings, model, dist.get_world_size(), dist.get_backend()).items())

@@ -45,11 +45,9 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices and links: bandwidths in bytes/s per device one way (``inter_bw`` one NIC's), latencies per ring hop,
-    ``reserved_bytes`` not available to the model. Matmuls reach ``gemm_efficiency`` scaled by d / (d +
-    ``gemm_half_dim``) per dimension, collectives ``comm_efficiency`` of bandwidth. ``ranks_per_core`` > 1: CPU ranks
-    sharing cores; ``direct_exchange``: ZeRO exchanges point to point (Gloo); ``memory_bw``: copy bandwidth (0:
-    unpriced); ``comm_overlaps_compute``: NCCL-style overlap; ``hopper``: attention priced from measured curves."""
+    """Devices and links: one-way bytes/s per device (``inter_bw`` one NIC's), per-hop latencies, ``reserved_bytes``
+    off limits; matmul and collective efficiencies; ``ranks_per_core``, ``direct_exchange`` (Gloo), ``memory_bw`` (0:
+    unpriced), ``comm_overlaps_compute`` (NCCL) and ``hopper`` (measured attention curves)."""
 
     gpus: int
     gpus_per_node: int

@@ -174,10 +174,9 @@ class Mesh:
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
               cp: int = 1, ep: int = 1, dp_replicate: int = 1, sequence_parallel: bool = False) -> "Mesh":
-        """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis (set per
-        axis group, since ``init_device_mesh`` gives sub-groups torch's default); ``sequence_parallel`` folds ep
-        over tp too. ``dp_replicate`` > 1 (hybrid sharding) splits ``dp_cp`` into contiguous ``dp_shard``
-        groups replicated across ``dp_replicate``."""
+        """The mesh over the current process group: ``timeout_s`` bounds every collective on every axis group;
+        ``sequence_parallel`` folds ep over tp; ``dp_replicate`` > 1 splits ``dp_cp`` into contiguous ``dp_shard``
+        groups."""
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
                         sequence_parallel=sequence_parallel and tp > 1)  # validated by its callers
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": layout.expert_data_ranks,

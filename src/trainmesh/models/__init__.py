@@ -50,9 +50,8 @@ def is_moe(cfg: object) -> bool:
 
 
 def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
-    """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a checkpoint manifest's), its
-    MoE settings and RoPE scaling made a :class:`~trainmesh.models.moe.MoEConfig` and
-    :class:`~trainmesh.models.rope.RopeScaling` again."""
+    """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a manifest's), with its ``MoEConfig``
+    and ``RopeScaling`` rebuilt."""
     moe, rope = values.get("moe"), values.get("rope_scaling")
     return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {}),
                          **({"rope_scaling": RopeScaling(**rope)} if rope else {})})
@@ -228,9 +227,8 @@ def any_config(spec: ModelSpec) -> Any:
 
 
 def register_preset(spec: ModelSpec, name: str, cfg: Any) -> None:
-    """Make ``name`` a buildable preset of ``spec``'s family with config ``cfg``, for this process: how a model
-    that is no preset (an ``--init-hf`` import, a model a script saved) is named and built by ``trainmesh
-    train``. Re-registering a name with the same config is a no-op; with another, an error."""
+    """Make ``name`` a buildable preset of ``spec``'s family with config ``cfg`` for this process (how an
+    ``--init-hf`` import or a saved model is built by ``train``); the same name with another config is an error."""
     presets = {**spec.presets, **spec.planner_presets}
     if name in presets and presets[name] != cfg:
         raise ValueError(f"model preset {name!r} exists with another config; choose another name")

@@ -357,10 +357,8 @@ def read_hf(path: str | Path) -> tuple[ModelSpec, Any, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load the weights of HF directory ``path`` into ``model``, a trainmesh model of the directory's family
-    and shape (``models.spec_of(...).builder(read_config(path)[1])``), before it is parallelized, or a
-    pipeline stage of one (it takes the tensors it holds). The training path (``trainmesh train
-    --init-hf``) reshards them onto any layout itself. Returns ``model``."""
+    """Load HF directory ``path``'s weights into ``model`` (a trainmesh model of its family and shape, or a pipeline
+    stage of one) before it is parallelized; ``train --init-hf`` reshards onto any layout itself. Returns ``model``."""
     spec, _, weights = read_hf(path)
     for name, p in model.named_parameters():
         if name not in weights or weights[name].shape != p.shape:

@@ -25,10 +25,9 @@ from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explici
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama: ``n_kv_heads < n_heads`` is GQA; ``moe`` makes the MLPs after ``moe.n_dense_layers``
-    SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3). ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
-    ``sliding_window`` (Mistral), ``kv_lora_rank`` > 0 (:class:`LatentAttention`), ``head_dim`` where not
-    ``d_model / n_heads`` (Qwen3, Mistral-Nemo), ``rope_scaling`` (:mod:`trainmesh.models.rope`)."""
+    """Shape of a Llama: GQA when ``n_kv_heads < n_heads``; ``moe`` (Mixtral, Qwen3-MoE, DeepSeek-V3), ``qkv_bias``
+    (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral), ``kv_lora_rank`` (:class:`LatentAttention`),
+    ``head_dim`` and ``rope_scaling`` (:mod:`trainmesh.models.rope`) for the families built on it."""
 
     n_layers: int
     d_model: int
@@ -207,10 +206,9 @@ class Attention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 §2.1, kept by V3): keys and values expanded (``kv_b``) from one
-    compressed ``kv_lora_rank`` vector per token, queries through a ``q_lora_rank`` bottleneck, position in a
-    decoupled rotated part shared by heads (eq. 14-19). tp splits ``q_b``/``kv_b`` by heads and ``o`` by input.
-    YaRN's ``mscale_all_dim`` scales the queries, so the attention core keeps its ``1/sqrt(d)``."""
+    """Multi-head latent attention (DeepSeek-V2 §2.1, eq. 14-19): keys and values expanded (``kv_b``) from one
+    compressed vector per token, queries through a ``q_lora_rank`` bottleneck, a decoupled shared rotary part; tp
+    splits heads. YaRN's ``mscale_all_dim`` scales the queries, so the core keeps its ``1/sqrt(d)``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -300,8 +298,9 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in GPT-2, norm
-        gains 1, biases 0, from a private generator so the weights depend on the seed alone in every layout."""
+        """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in
+        GPT-2, norm gains 1, biases 0, from a private generator so the weights depend on the seed alone in every
+        layout."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -482,9 +481,8 @@ HF_MAPPING = HFMapping("LlamaForCausalLM", "llama", from_hf_config, to_hf_config
 # --- Hugging Face MixtralForCausalLM -------------------------------------------------------------------
 
 def mixtral_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``MixtralForCausalLM`` config: a Llama whose every MLP is a softmax-routed mixture
-    of SwiGLU experts with renormalised top-k weights. Sliding-window attention and router jitter, which
-    our model does not compute, are refused."""
+    """Our config for a ``MixtralForCausalLM`` config: softmax-routed SwiGLU experts with renormalised top-k weights;
+    sliding windows and router jitter are refused."""
     for what, ours in (("sliding_window", None), ("router_jitter_noise", 0.0)):
         if hf.get(what) not in (ours, 0):
             raise HFIncompatible(f"{what} is {hf.get(what)!r}; trainmesh's Llama has {ours!r}, so this Mixtral "

@@ -26,19 +26,17 @@ IMPLS = ("loop", "padded")
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
-    """True for a routed expert's weight (first dimension: the local experts), which expert parallelism
-    shards over ``ep`` and reduces over the expert-data-parallel group only; False for every other
-    parameter (the router and shared experts included)."""
+    """True for a routed expert's weight (first dimension: the local experts), sharded over ``ep`` and reduced over
+    the edp group only; False for the router, shared experts and every other parameter."""
     return bool(getattr(p, EXPERT_PARAM, False))
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One MoE layer's routing and balancing. ``score``: ``softmax`` (Mixtral, Switch) or ``sigmoid`` (DeepSeek-V3,
-    always top-k normalised). ``capacity_factor`` 0 is dropless, else each expert takes at most ceil(cf * tokens *
-    top_k / E) copies and drops the rest. ``route_scale`` is DeepSeek-V3's ``routed_scaling_factor``;
-    ``expert_groups`` and ``groups_per_token`` its node-limited routing (§2.1.2, :func:`limit_to_groups`; equal
-    numbers: no limit)."""
+    """One MoE layer's routing and balancing: ``score`` ``softmax`` (Mixtral) or ``sigmoid`` (DeepSeek-V3);
+    ``capacity_factor`` 0 is dropless, else copies past ceil(cf * tokens * top_k / E) per expert drop;
+    ``route_scale``, ``expert_groups`` and ``groups_per_token`` as DeepSeek-V3's (§2.1.2, :func:`limit_to_groups`;
+    equal numbers: no limit)."""
 
     n_experts: int
     top_k: int
@@ -237,9 +235,8 @@ class LocalDispatch:
 
 
 class InjectAuxGrad(torch.autograd.Function):
-    """Forward: ``output`` unchanged; backward: ``output``'s gradient as it is, and ``scale`` as the gradient
-    of the scalar ``aux`` (Megatron-core's MoEAuxLossAutoScaler), so the aux loss is back-propagated
-    with the main loss without being added to it."""
+    """Forward ``output`` unchanged; backward ``scale`` as the gradient of scalar ``aux`` (Megatron-core's
+    MoEAuxLossAutoScaler), so the aux loss back-propagates with the main loss without being added to it."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
@@ -402,9 +399,8 @@ def aux_loss_total(model: nn.Module) -> float:
 
 
 def update_expert_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-    """The aux-loss-free bias update of every layer with a ``bias_rate``, from this step's expert counts
-    summed over the global batch: ``reduce`` sums the stacked ``[layers, E]`` counts over the processes
-    that saw other tokens (identity on one process). Call after the optimizer step."""
+    """The aux-loss-free bias update of every layer with a ``bias_rate`` from this step's expert counts, ``reduce``
+    summing the ``[layers, E]`` counts over processes that saw other tokens. Call after the optimizer step."""
     layers = [layer for _, layer in moe_layers(model) if layer.cfg.bias_rate]
     if not layers:
         return

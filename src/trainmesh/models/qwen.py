@@ -95,10 +95,8 @@ QWEN3_MOE_PRESETS: dict[str, LlamaConfig] = {
 
 
 def qwen3_moe_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``Qwen3MoeForCausalLM`` one: Qwen3 attention; every layer past the leading
-    ``mlp_only_layers`` a softmax router over ``num_local_experts`` (``num_experts`` in older configs) SwiGLU experts of ``moe_intermediate_size``,
-    ``num_experts_per_tok`` per token, renormalised if ``norm_topk_prob``. Dense layers anywhere but first
-    (``decoder_sparse_step`` above 1, scattered ``mlp_only_layers``) are refused."""
+    """Our config for a ``Qwen3MoeForCausalLM`` one: Qwen3 attention, softmax-routed SwiGLU experts past the leading
+    ``mlp_only_layers``; dense layers anywhere but first (``decoder_sparse_step`` above 1) are refused."""
     dense = list(hf.get("mlp_only_layers") or [])
     if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
         raise HFIncompatible(f"decoder_sparse_step {hf.get('decoder_sparse_step')} and mlp_only_layers {dense} put "

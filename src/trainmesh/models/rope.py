@@ -22,10 +22,8 @@ the base, which :class:`~trainmesh.models.llama.LlamaConfig` holds as ``rope_the
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """One rope scaling, its fields named as in Hugging Face's rope dict; each type reads only its own
-    (linear: ``factor``; llama3: also ``original_max_position_embeddings`` and the two frequency factors;
-    yarn: also ``beta_fast``/``beta_slow``, ``mscale``/``mscale_all_dim`` or an explicit ``attention_factor``,
-    and ``truncate``, whether the ramp's ends are rounded to whole dimensions)."""
+    """One rope scaling, fields named as in Hugging Face's rope dict, each type reading its own (linear ``factor``;
+    llama3 the frequency factors; yarn ``beta_*``, ``mscale*`` or ``attention_factor`` and ``truncate``)."""
 
     rope_type: str
     factor: float

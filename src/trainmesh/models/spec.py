@@ -44,11 +44,10 @@ def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int |
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs to know of a decoder-only transformer. Defaults describe trainmesh's GPT; ``bias=False``
-    means LLaMA-style (RMSNorm, no biases). MoE fields (``n_experts`` > 0) follow :mod:`trainmesh.models.moe`, with
-    group-limited routing as DeepSeek-V3's ``n_group``/``topk_group``. ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
-    ``sliding_window`` (Mistral); ``kv_lora_rank`` > 0 is multi-head latent attention (DeepSeek-V2/V3). ``head_dim``
-    None means ``d_model / n_heads``."""
+    """What the planner needs to know of a decoder-only transformer: defaults are trainmesh's GPT, ``bias=False``
+    LLaMA-style; MoE fields follow :mod:`trainmesh.models.moe`; ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
+    ``sliding_window`` (Mistral), ``kv_lora_rank`` > 0 latent attention (DeepSeek-V2/V3), ``head_dim`` None meaning
+    ``d_model / n_heads``."""
 
     n_layers: int
     d_model: int
@@ -281,11 +280,9 @@ class HFMapping:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model family: presets, builder, tensor-parallel plan (patterns -> ``tensor_parallel.STYLES``), recompute
-    targets, planner shape and Hugging Face mapping (:class:`HFMapping`). ``presets`` train on a CPU;
-    ``planner_presets`` are full-sized published shapes. A family not keeping the stage contract adds ``accepts``,
-    ``layout``, ``config_of`` and ``prepare`` for :class:`Staged`. Add one's own with
-    :func:`trainmesh.register_family`."""
+    """One model family: presets (CPU sizes), ``planner_presets`` (published shapes), builder, tp plan, recompute
+    targets, planner shape and :class:`HFMapping`; families outside the stage contract add ``accepts``, ``layout``,
+    ``config_of`` and ``prepare`` for :class:`Staged` (:func:`trainmesh.register_family`)."""
 
     family: str
     presets: Mapping[str, Any]

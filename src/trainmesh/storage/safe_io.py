@@ -141,9 +141,8 @@ def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
 # --- a run folder's own files: written without following a symbolic link planted at their names ----------
 
 def refuse_link(path: Path, what: str) -> None:
-    """Raise :class:`IntegrityError` naming ``path`` if it is a symbolic link: a run writes its own files
-    (metrics, summary, report, lock, staging directories) and a link planted at one of their names would
-    make it write wherever the link leads."""
+    """Raise :class:`IntegrityError` naming ``path`` if it is a symbolic link, which would make a run write its own
+    files wherever the link leads."""
     if path.is_symlink():
         raise IntegrityError(f"{path} is a symbolic link (to {os.readlink(path)}); {what} writes its own file "
                              f"there and never follows a link: remove the link")

@@ -205,9 +205,8 @@ class WandbSink:
 
 def open_sinks(run_dir: Path, tensorboard: bool, wandb_project: str, config: dict[str, Any],
                resume_from: int | None = None) -> list[Sink]:
-    """The sinks a run asked for: TensorBoard if ``tensorboard`` and the package is installed (it is on by
-    default, so its absence is not an error), W&B if ``wandb_project`` is given (the CLI has checked that
-    ``wandb`` is installed before spawning any rank)."""
+    """The sinks a run asked for: TensorBoard if ``tensorboard`` and installed (on by default, so absence is no
+    error), W&B if ``wandb_project`` is given (checked installed before any rank spawned)."""
     sinks: list[Sink] = []
     try:
         if tensorboard and package_available("tensorboard"):

@@ -39,8 +39,7 @@ def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
 
 
 def sharded_state_bytes(full: Count, shard: Count, stage: int, b: Precision) -> tuple[Count, Count, Count]:
-    """(params, grads, optimizer) bytes of a rank whose model has ``full`` elements, ``shard`` of them its
-    ZeRO shard [ZeRO, sec. 5, Fig. 1]: stage 1 shards the optimizer state, stage 2 also the gradients,
-    stage 3 also the parameters. Unsharded, (2 + 2 + K) Psi in mixed precision."""
+    """(params, grads, optimizer) bytes of a rank with ``full`` elements and ``shard`` of them its ZeRO shard [ZeRO,
+    sec. 5, Fig. 1]: stage 1 shards the optimizer state, 2 also gradients, 3 also parameters."""
     return (b.param * (shard if stage >= 3 else full), b.grad * (shard if stage >= 2 else full),
             b.optimizer * (shard if stage >= 1 else full))
