@@ -30,10 +30,9 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Every setting a layout rule reads, under the names the command line, API, manifest and planner share. Mesh
-    sizes (``ep`` folds inside :attr:`token_ranks` and adds no ranks), ``dp_replicate`` (HSDP replica groups), the
-    ZeRO stage, the pipeline's schedule, memory savers and dtypes, ``bucket_mb`` (MiB of gradient buckets),
-    ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
+    """Every setting a layout rule reads, under the names the command line, API, manifest and planner share: mesh
+    sizes (``ep`` folds inside :attr:`token_ranks`), ``dp_replicate``, ZeRO stage, schedule, memory savers and dtypes,
+    ``bucket_mb``, ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
 
     dp: int = 1
     tp: int = 1
@@ -112,9 +111,8 @@ class Layout:
 
 
 def resolve_precision(precision: str, bf16_device: bool) -> str:
-    """The precision a run trains in: ``precision``, or for ``auto`` bf16 (with fp32 master weights) where the
-    device computes in bf16 and fp32 elsewhere (a CPU), as every production run on GPUs does. ``trainmesh
-    train`` (for the local device) and ``trainmesh plan`` (for the target cluster) both resolve it here."""
+    """The precision a run trains in: ``precision``, or for ``auto`` bf16 with fp32 masters where the device computes
+    in bf16, else fp32; ``train`` (local device) and ``plan`` (target cluster) both resolve it here."""
     if precision != "auto":
         return precision
     return "bf16" if bf16_device else "fp32"
@@ -228,9 +226,8 @@ def _expert_ranks(c: _Check) -> str | None:
 
 
 def _hybrid_shards(c: _Check) -> str | None:
-    """Hybrid sharding (HSDP; FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups of contiguous
-    ranks, each holding one whole set of ZeRO shards; so it needs ZeRO, and a dp it divides. Expert parallelism shards
-    its experts over its own expert-data-parallel groups, which hybrid sharding does not split (yet)."""
+    """Hybrid sharding (FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups each holding a set
+    of ZeRO shards: it needs ZeRO and a dp it divides, and does not (yet) split expert-data-parallel groups."""
     lay, s = c.layout, c.spell
     if lay.dp_replicate == 1:
         return None
@@ -321,9 +318,9 @@ def _compiled_ring(c: _Check) -> str | None:
 
 
 def _float8_tensor_parallel(c: _Check) -> str | None:
-    """torchao's float8 linears compose with tensor parallelism through DTensor (torchtitan's
-    ``Float8ColwiseParallel``); trainmesh's tensor-parallel linears run their own matmuls in bf16, so the two
-    are not combined rather than the split layers silently losing float8."""
+    """trainmesh's tensor-parallel linears run their own bf16 matmuls (torchao's float8 composes with tp only through
+    DTensor, as torchtitan's ``Float8ColwiseParallel``), so fp8 and tp are refused together rather than losing float8.
+    """
     lay, s = c.layout, c.spell
     if lay.precision == "fp8" and lay.tp > 1:
         return (f"{s('precision', 'fp8')} with {s('tp', lay.tp)}: tensor-parallel linears run their own bf16 "
@@ -443,10 +440,8 @@ MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _tied_embeddings, 
 
 
 def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layout:
-    """``layout`` on ``world`` ranks by its data-parallel axis alone: ``dp`` becomes what ``cp*tp*pp`` leaves,
-    and under hybrid sharding ``dp_replicate`` follows, each group keeping its size (a lost node takes its
-    replicas with it). For a run torchrun's elastic agent restarts on the nodes that remain; refused in one
-    line if no whole dp fits."""
+    """``layout`` on ``world`` ranks by its dp axis alone (``dp_replicate`` following, groups keeping their size), for
+    a run the elastic agent restarts on the nodes that remain; refused in one line if no whole dp fits."""
     others, shard = layout.cp * layout.tp * layout.pp, layout.dp // layout.dp_replicate
     if world % others:
         raise LayoutError(f"{spell('elastic', True)}: {world} ranks are not a multiple of cp*tp*pp = {others}, so no "

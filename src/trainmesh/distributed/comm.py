@@ -119,9 +119,8 @@ class Comm:
         return f"rank {self.rank}: collective {axis}/{op} #{self.seq[axis]}"
 
     def _describe_p2p(self, axis: str, kind: str, src: int, dst: int) -> str:
-        """Number a message on its directed pair of ranks: Gloo and NCCL match the sends and receives of one
-        pair in the order they are posted, so the n-th send src->dst is the n-th receive at dst from src,
-        whatever else either rank exchanges with other peers."""
+        """Number a message on its directed pair of ranks: Gloo and NCCL match one pair's sends and receives in
+        posting order, so the n-th send src->dst is the n-th receive at dst from src."""
         self.p2p_seq[(src, dst)] += 1
         return f"{axis}/{kind} {src}->{dst} #{self.p2p_seq[(src, dst)]}"
 
@@ -202,9 +201,8 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "reduce_scatter",
                        async_op: bool = False, divisor: int = 1):
-        """Sum ``full`` over ``axis``, divided by ``divisor``, and keep this rank's 1/n slice (along dim 0) in
-        ``out`` (through the host's segment where the axis's ranks share one, as :meth:`all_reduce`; through
-        Gloo ``full`` is divided first)."""
+        """Sum ``full`` over ``axis``, divided by ``divisor``, keeping this rank's 1/n slice (dim 0) in ``out``:
+        through the host's segment where shared, as :meth:`all_reduce`, else Gloo."""
         if self.mesh.size(axis) == 1:
             out.copy_(full.reshape(out.shape))
             if divisor != 1:

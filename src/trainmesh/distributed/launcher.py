@@ -160,9 +160,8 @@ def _pump_stderr(rp: RankProcess, echo: bool, prefix: str) -> None:
 
 
 def _pump_stdout(rp: RankProcess, echo: bool, prefix: str) -> None:
-    """Log the rank's stdout and echo a streamed rank's: raw chunks unprefixed (a progress bar's carriage
-    returns redraw in place), whole lines under a prefix. The log takes whole lines (up to a newline or a
-    carriage return), so that stderr's lines, logged by another thread, never land inside one."""
+    """Log the rank's stdout in whole lines (to a newline or carriage return, so stderr's lines never land inside one)
+    and echo a streamed rank's: raw chunks unprefixed, whole lines under a prefix."""
     fd, pending, unlogged = rp.proc.stdout.fileno(), b"", b""
     while chunk := os.read(fd, 1 << 16):
         if rp.log is not None:
@@ -209,9 +208,8 @@ does as well; the default does worse (docs/performance.md)."""
 
 
 def rank_env(rank: int, nproc: int, port: int, job: str, nodes: Nodes = Nodes()) -> dict[str, str]:
-    """The environment of local rank ``rank`` of ``nproc`` on this node; ``job`` names the run's shared-memory
-    segments (:func:`trainmesh.distributed.shm.remove_segments`). On one node Gloo uses the loopback interface; across
-    nodes the interface ``GLOO_SOCKET_IFNAME`` names, else the one the host name resolves to."""
+    """The environment of local rank ``rank`` of ``nproc`` on this node (``job`` names its shared-memory segments);
+    Gloo uses loopback on one node, else ``GLOO_SOCKET_IFNAME`` or the host name's interface."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if nodes.nnodes == 1 else "")
     env = {**os.environ, "RANK": str(nodes.node_rank * nproc + rank), "LOCAL_RANK": str(rank),
@@ -335,9 +333,8 @@ def _unresponsive(ranks: Sequence[RankProcess], store: dist.TCPStore) -> dict[in
 
 def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess, int]],
                     unresponsive: dict[int, str]) -> tuple[RankProcess, int]:
-    """Say which rank is to blame; returns the failed rank whose exit code the launcher returns. In order: a
-    rank that stopped responding, one that failed on its own (not while waiting on a peer), else the ranks
-    the failed ones waited on."""
+    """Say which rank is to blame and return it (its exit code is the launcher's): one that stopped responding, else
+    one that failed on its own, else those the failed ones waited on."""
     for rp in ranks:
         rp.join(timeout=1.0)
     waits = {rp.rank: w for rp, _ in failed if (w := _wait_of(rp, len(ranks)))}
@@ -441,9 +438,9 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
 
 @functools.cache
 def start_heartbeat() -> None:
-    """In a rank started by :func:`launch`: a daemon thread writes the time into the store every HEARTBEAT_S,
-    so a stopped (SIGSTOP, frozen) rank can be named. One per process (cached), joined at exit, since a
-    thread inside the store's C++ client at teardown aborts the process."""
+    """In a rank started by :func:`launch`: a daemon thread writes the time into the store every HEARTBEAT_S so a
+    stopped rank can be named; one per process, joined at exit (a thread in the store's C++ client at teardown
+    aborts)."""
     if os.environ.get(STORE_CLIENT_ENV) != "1":
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -559,9 +556,9 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
            stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes(),
            env: Mapping[str, str] | None = None, log_dir: Path | None = None,
            tee: frozenset[int] = frozenset({0})) -> int:
-    """Run ``python *program *argv`` as ``nproc`` ranks on this node (of ``nodes``) with ``env`` added; return
-    the user's exit code. Output goes to ``log_dir/rank-N.log`` and, for ranks in ``tee``, to stdout/stderr;
-    a rank stopped past ``stopped_grace`` ends the job."""
+    """Run ``python *program *argv`` as ``nproc`` ranks on this node with ``env`` added and return the user's exit code;
+    output to ``log_dir/rank-N.log`` and, for ``tee``, to stdout/stderr; a rank stopped past ``stopped_grace`` ends it.
+    """
     nodes.check()
     store, port = _join_store(nodes)
     job = shm.new_job()

@@ -51,9 +51,8 @@ def pick_backend(backend: str, device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class WorldEnv:
-    """Where this process sits in the job, as whoever started it said: ``env`` (torchrun, or
-    ``trainmesh train --nproc``: ``RANK``, ``WORLD_SIZE``, ...), ``slurm`` (one ``srun`` task per rank:
-    ``SLURM_PROCID``, ``SLURM_NTASKS``, ...), or ``single`` (nobody: one process)."""
+    """Where this process sits in the job, as whoever started it said: ``env`` (torchrun, ``train --nproc``),
+    ``slurm`` (one ``srun`` task per rank) or ``single`` (one process)."""
 
     source: str
     rank: int = 0
@@ -206,15 +205,13 @@ class Mesh:
         return mesh
 
     def _grad_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``dp_cp`` group: the ``dp*cp`` ranks sharing its ``pp`` and ``tp`` coordinates, in
-        ``dp_cp`` coordinate order. Built with the public ``new_group`` (every rank creates every group, in
-        the same order) rather than ``DeviceMesh._flatten``, a private API that has changed between releases."""
+        """This rank's ``dp_cp`` group (the ranks sharing its ``pp`` and ``tp`` coordinates), built with the public
+        ``new_group`` on every rank in one order rather than the private ``DeviceMesh._flatten``."""
         return self._split_ranks(timeout_s, (GRAD_AXIS,), self._grad_axes(), lambda ranks: {GRAD_AXIS: [ranks]})
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks, and the ranks at the
-        same place of every run. The token ranks are the ``dp_cp`` axis at one tp coordinate, or under
-        sequence parallelism the ``dp_cp`` and tp axes together, tp innermost (:meth:`_token_ranks`)."""
+        """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks (:meth:`_token_ranks`), and
+        the ranks at the same place of every run."""
         ep, edp = self.sizes["ep"], self.sizes["edp"]
         token_ranks = [ranks for pp in range(self.sizes["pp"]) for ranks in self._token_ranks(pp)]
         return self._split_ranks(timeout_s, EP_AXES, token_ranks, lambda ranks: {
@@ -243,9 +240,8 @@ class Mesh:
 
     def _split_ranks(self, timeout_s: float | None, axes: tuple[str, ...], rank_sets: list[list[int]],
                      split: Callable[[list[int]], dict[str, list[list[int]]]]) -> dict[str, dist.ProcessGroup]:
-        """This rank's group on each of ``axes`` (of size above 1), ``split`` dividing each of ``rank_sets``
-        into that axis's groups. Every rank creates every group (``new_group`` is collective over the world),
-        in the same order."""
+        """This rank's group on each of ``axes`` above size 1, ``split`` dividing ``rank_sets`` into that axis's
+        groups; every rank creates every group in one order (``new_group`` is collective)."""
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
         mine = {}
         for ranks in rank_sets:
@@ -320,9 +316,8 @@ def leave_at_exit(mesh: Mesh) -> None:
 
 
 def _leave(mesh: Mesh) -> None:
-    """Wait for every rank's collectives, destroy the process group and end its Gloo groups while the
-    interpreter is whole. A rank ending by an uncaught exception waits for nobody and, under the launcher,
-    exits 1 at once, so teardown cannot abort it and hide the failure."""
+    """Wait for every rank's collectives, then destroy the process group and its Gloo groups while the interpreter is
+    whole; a rank ending by an uncaught exception waits for nobody and exits 1, so teardown cannot hide the failure."""
     joined = dist.is_initialized()  # not if the script, or another mesh's exit handler, destroyed the group
     if joined:
         if dist.get_backend() == "gloo" and not _uncaught:

@@ -88,9 +88,8 @@ class TestBed:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _name_service(self) -> None:
-        """Give every namespace (``ip netns exec`` mounts ``/etc/netns/<name>/*`` over ``/etc``) a hosts file
-        naming the nodes and a resolver with no server: a name lookup (c10d looks up every peer's name)
-        is answered at once instead of waiting for a DNS server no namespace can reach."""
+        """Give every namespace a hosts file naming the nodes and a resolver with no server (via ``/etc/netns``), so
+        c10d's name lookups are answered at once instead of waiting for an unreachable DNS server."""
         hosts = "127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.hostname}\n" for n in self.members)
         for ns in self._made:
             etc = ETC_NETNS / ns

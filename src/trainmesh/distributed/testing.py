@@ -44,9 +44,8 @@ def _kill_all(procs: list[mp.Process]) -> None:
 
 
 def _context() -> mp.context.BaseContext:
-    """Ranks fork from a server process that has imported torch and trainmesh once: a spawned rank
-    spends over a second of CPU importing them, the bulk of a small multi-rank test.
-    The server itself never computes (no thread pools started before the fork), so forking it is safe."""
+    """Ranks fork from a server process that imported torch and trainmesh once (a second of CPU per spawned rank
+    otherwise); it never computes, so forking it is safe."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "trainmesh.app.train"])
     return ctx

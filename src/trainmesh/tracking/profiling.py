@@ -15,9 +15,8 @@ TOP_OPS = 15
 
 
 class StepProfiler:
-    """Profiles steps ``first`` (or the first step run, if later) to ``last``: started by :meth:`before` the
-    first, stopped by :meth:`after` the last, once its time is taken and before the evaluation that ends a
-    run (whose recompiles and new shapes would swamp a few steps)."""
+    """Profiles steps ``first`` (or the first run, if later) to ``last``, from :meth:`before` the first to
+    :meth:`after` the last, stopping before the final evaluation, whose recompiles would swamp a few steps."""
 
     def __init__(self, first: int, last: int, device: torch.device) -> None:
         self.first, self.last, self.device = first, last, device

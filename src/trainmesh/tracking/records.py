@@ -46,9 +46,8 @@ def run_records(run_dir: Path) -> list[Path]:
 
 
 def check_no_links(run_dir: Path, lock_name: str) -> None:
-    """Refuse, as :class:`MetricsError` naming it, a symbolic link at the name of a file a run writes in
-    ``run_dir`` (its metrics, summary, report, lock ``lock_name``, TensorBoard events): nothing is written
-    through it. The writers also open without following links; this says so before a run starts."""
+    """Refuse, as :class:`MetricsError`, a symbolic link at the name of a file a run writes in ``run_dir`` (metrics,
+    summary, report, lock ``lock_name``, events), before the run starts; the writers never follow links either."""
     for path in (*(run_dir / name for name in (METRICS_FILE, SUMMARY_FILE, REPORT_FILE, lock_name)),
                  *run_dir.glob(EVENTS_GLOB)):
         try:
@@ -91,9 +90,8 @@ class Sink(Protocol):
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The plottable numbers of one ``metrics.jsonl`` record under the tags every sink uses: one chart per
-    quantity, one series per rank (memory) or mesh axis (communication), and for each MoE layer its balance,
-    dropped fraction, aux and z losses and each expert's token copies."""
+    """The plottable numbers of one ``metrics.jsonl`` record under the tags every sink uses: a chart per quantity, a
+    series per rank or mesh axis, and each MoE layer's balance, drops, aux and z losses and expert copies."""
     out = {tag: float(record[key]) for key, tag in (
         ("loss", "train/loss"), ("val_loss", "eval/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
         ("loss_scale", "train/loss_scale"), ("tokens_per_s", "perf/tokens_per_s"),
