@@ -29,9 +29,8 @@ class TokenData:
 
     @classmethod
     def load(cls, path: str, seq_len: int, tokenizer: str = "", verify: bool = False) -> "TokenData":
-        """The data of ``--data`` (``""``: the default corpus): a directory ``trainmesh prepare`` wrote is
-        memory-mapped, anything else is text read into memory. ``verify`` checks every shard's hash and ids
-        (done once, before ranks start)."""
+        """The data of ``--data`` (``""``: the default corpus): prepared shards memory-mapped, else text read into
+        memory; ``verify`` checks every shard's hash and ids once, before ranks start."""
         if is_prepared(path):
             return cls._prepared(path, seq_len, tokenizer, verify)
         tokens = load_tokens(path, tokenizer)
@@ -69,9 +68,8 @@ def data_vocab_size(path: str, tokenizer: str) -> int | None:
 
 
 def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
-    """The tokenizer the run's token ids come from, pinned by content (None: byte tokens): ``--tokenizer``,
-    checked against the one prepared data ``path`` records (:func:`~trainmesh.data.shards.index_tokenizer`),
-    else that one. Read once when the run starts; its checkpoints keep a copy of exactly these bytes."""
+    """The run's tokenizer pinned by content (None: bytes): ``--tokenizer`` checked against what prepared data ``path``
+    records (:func:`~trainmesh.data.shards.index_tokenizer`), else that one; read once, copied into checkpoints."""
     if is_prepared(path):
         return index_tokenizer(read_index(path), tokenizer)
     return TokenizerFile.read(tokenizer) if tokenizer else None

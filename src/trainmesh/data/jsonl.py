@@ -59,9 +59,8 @@ def _twice(where: str) -> DataError:
 
 
 class LongLine:
-    """One line too long to parse whole, read ``read_bytes`` at a time up to its newline. ``buf[pos:]`` is the decoded
-    text not yet parsed; it never holds more than one read beyond what is being parsed (a field other than ``text`` of
-    at most ``read_bytes``, or a few characters of an escape)."""
+    """One line too long to parse whole, read ``read_bytes`` at a time up to its newline; ``buf[pos:]``, the decoded
+    text not yet parsed, never holds more than one read beyond what is being parsed."""
 
     def __init__(self, f: BinaryIO, head: bytes, where: str, read_bytes: int) -> None:
         self.f, self.where, self.read_bytes = f, where, read_bytes

@@ -158,9 +158,8 @@ TOKENIZER_LIMIT = 2**30
 
 @dataclass(frozen=True)
 class TokenizerFile:
-    """A tokenizer pinned by content: its bytes, read once, their SHA-256, and where they were read
-    (``source``, for messages). A run holds the one it started with and every checkpoint keeps a copy of
-    exactly these bytes, so a file changed or deleted later cannot change what a run trains or decodes with."""
+    """A tokenizer pinned by content (bytes read once, SHA-256, ``source`` for messages): runs and their checkpoints
+    keep exactly these bytes, so a file changed later cannot change what a run trains or decodes with."""
 
     source: str
     data: bytes = field(repr=False)
@@ -185,9 +184,8 @@ class TokenizerFile:
 
 
 def tokenizer_record(pinned: TokenizerFile | None) -> dict[str, Any]:
-    """What a manifest records of a tokenizer (``None``: byte tokens): for a file, the SHA-256 and size of
-    the copy kept as ``tokenizer.json`` beside it (the only place a reader looks), and the path it came from
-    (shown, never read)."""
+    """What a manifest records of a tokenizer (``None``: byte tokens): the SHA-256 and size of the ``tokenizer.json``
+    copy beside it (the only one read) and its source path (shown, never read)."""
     if pinned is None:
         return {"kind": "bytes"}
     return {"kind": "copy", "sha256": pinned.sha256, "bytes": len(pinned.data),

@@ -142,9 +142,8 @@ def _refuse_code(raw: dict[str, Any], path: Path) -> None:
 
 
 def check_config_values(raw: Mapping[str, Any], path: str | Path) -> None:
-    """The sizes and scales the families read: whole numbers in range and finite numbers, so a ``n_layer`` of
-    2.5, an ``n_positions`` of -1 or a NaN ``rope_theta`` is one line naming the key before any tensor is
-    built, not a traceback (or a model that computes NaN) later."""
+    """The sizes and scales the families read must be whole numbers in range and finite, so a bad ``n_layer`` or NaN
+    ``rope_theta`` is one line naming the key before any tensor is built."""
     for key, bound in (*SIZES.items(), *COUNTS.items()):
         value, low = raw.get(key), 0 if key in COUNTS else 1
         if key not in raw or value is None and key in NULLABLE:
@@ -311,9 +310,8 @@ def to_trainmesh(spec: ModelSpec, cfg: Any, tensors: Mapping[str, torch.Tensor],
 
 
 def _check_shapes(spec: ModelSpec, cfg: Any, ours: Mapping[str, torch.Tensor], where: str) -> None:
-    """Every parameter of the model ``config.json`` describes has a tensor of its shape: a mapping renames
-    and re-lays out tensors but does not check every shape (a GPT-2 whose ``n_embd`` is missing from its
-    config gets transformers' 768 while its tensors are 16 wide)."""
+    """Every parameter of the model ``config.json`` describes has a tensor of its shape (mappings do not check every
+    shape: a GPT-2 config missing ``n_embd`` gets 768 while its tensors are 16 wide)."""
     for name, shape in _parameter_shapes(spec.family, cfg).items():
         if name not in ours:
             raise HFError(f"{where} gives no tensor for {name} of a {spec.hf.architecture} of its config.json")

@@ -101,9 +101,8 @@ def _with_rotary(rotary: nn.Module, window: int | None, _attn: nn.Module, args: 
 
 
 def add_rotary(model: nn.Module) -> None:
-    """Give every decoder layer's attention its rotary embedding, from the input it sees (the whole
-    sequence, once a tensor-parallel plan's ``prepare_input`` has gathered it under sequence parallelism).
-    Refuses an attention implementation that would need a mask to be causal."""
+    """Give every decoder layer's attention its rotary embedding from the input it sees (whole, once ``prepare_input``
+    gathered it under sp); refuses an attention implementation needing a mask to be causal."""
     config = model.model.config
     if config._attn_implementation not in CAUSAL_IMPLEMENTATIONS:
         raise ValueError(f"this Llama uses attn_implementation={config._attn_implementation!r}, which needs an "

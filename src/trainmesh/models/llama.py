@@ -144,9 +144,8 @@ def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
 
 
 class Rotary(nn.Module):
-    """The rotary angles of given position ids; a module (without parameters) so that a parallel form that
-    holds part of a sequence (context parallelism) hands it the tokens' global positions and gets the same
-    scaled angles a single process computes for them."""
+    """The rotary angles of given position ids, a parameter-free module so cp can hand it the tokens' global positions
+    and get the angles a single process computes."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
@@ -298,9 +297,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in
-        GPT-2, norm gains 1, biases 0, from a private generator so the weights depend on the seed alone in every
-        layout."""
+        """GPT-2 init: N(0, 0.02) matrices, output projections scaled by 1/sqrt(2L), gains 1, biases 0, from a private
+        generator so the weights depend on the seed alone in every layout."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -336,9 +334,8 @@ sequence-parallel region under SP."""
 # --- Hugging Face LlamaForCausalLM ---------------------------------------------------------------------
 
 def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``LlamaForCausalLM`` config (its ``head_dim`` kept where it is not hidden/heads);
-    anything this model would compute differently (another activation, biases, a RoPE scaling other than
-    linear, llama3 or yarn) is refused."""
+    """Our config for a ``LlamaForCausalLM`` config (its ``head_dim`` kept); anything computed differently
+    (activation, biases, a RoPE scaling but linear, llama3 or yarn) is refused."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     differs = {"hidden_act": (hf.get("hidden_act"), "silu"), "attention_bias": (bool(hf.get("attention_bias")), False),
                "mlp_bias": (bool(hf.get("mlp_bias")), False)}
@@ -380,9 +377,8 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF's separate ``q_proj``/``k_proj``/``v_proj`` rows in our KV-group order: for each KV head ``g``,
-    the query heads ``g*group .. (g+1)*group-1`` that attend with it, then K_g, then V_g (weights, or
-    biases as one-column weights)."""
+    """HF's separate ``q_proj``/``k_proj``/``v_proj`` rows in our KV-group order: per KV head ``g``, its query heads,
+    then K_g, then V_g (biases as one-column weights)."""
     if q.dim() == 1:
         return fuse_qkv(cfg, q[:, None], k[:, None], v[:, None])[:, 0]
     d = q.shape[1]
@@ -432,9 +428,9 @@ def dense_mlp_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.
 
 
 def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, torch.Tensor]:
-    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps: only the fusion into KV groups
-    re-lays attention out (HF's q/k rows are already rotate-half). A tied checkpoint's ``lm_head.weight``
-    must be the embedding."""
+    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps: only the KV-group fusion re-lays
+    attention out (HF's q/k rows are rotate-half already); a tied checkpoint's ``lm_head.weight`` must be the
+    embedding."""
     out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
     head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
     if head is not None and not head.is_meta and not torch.equal(head, out["embed.weight"]):

@@ -33,10 +33,9 @@ def is_expert_param(p: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One MoE layer's routing and balancing: ``score`` ``softmax`` (Mixtral) or ``sigmoid`` (DeepSeek-V3);
-    ``capacity_factor`` 0 is dropless, else copies past ceil(cf * tokens * top_k / E) per expert drop;
-    ``route_scale``, ``expert_groups`` and ``groups_per_token`` as DeepSeek-V3's (§2.1.2, :func:`limit_to_groups`;
-    equal numbers: no limit)."""
+    """One MoE layer's routing and balancing: ``softmax`` (Mixtral) or ``sigmoid`` (DeepSeek-V3) scores;
+    ``capacity_factor`` 0 dropless, else ceil(cf * tokens * top_k / E) copies per expert; DeepSeek-V3's scaling and
+    group limits (§2.1.2)."""
 
     n_experts: int
     top_k: int
@@ -264,9 +263,8 @@ def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_exper
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """Every sequence split over ``shards`` processes (sp or cp): ``total`` sums a per-sequence statistic over
-    them, backward giving each its own tokens' gradient; ``total_counts`` sums expert counts without counting
-    a token twice."""
+    """Every sequence split over ``shards`` processes (sp or cp): ``total`` sums per-sequence statistics over them
+    (backward: each its own tokens' part); ``total_counts`` sums expert counts without counting a token twice."""
 
     shards: int
     total: Callable[[torch.Tensor], torch.Tensor]

@@ -132,9 +132,8 @@ def softmax_gain(scaling: RopeScaling | None) -> float:
 
 
 def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """The base and scaling of a Hugging Face config dict, read from ``rope_parameters`` (transformers 5)
-    or ``rope_scaling`` and ``rope_theta`` (earlier); refused in one line for a rope trainmesh does not
-    compute (another type, or a key it does not know)."""
+    """The base and scaling of a HF config dict (``rope_parameters`` in transformers 5, else ``rope_scaling`` and
+    ``rope_theta``); refused in one line for a type or key trainmesh does not compute."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))

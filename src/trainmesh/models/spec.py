@@ -44,10 +44,9 @@ def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int |
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs to know of a decoder-only transformer: defaults are trainmesh's GPT, ``bias=False``
-    LLaMA-style; MoE fields follow :mod:`trainmesh.models.moe`; ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3),
-    ``sliding_window`` (Mistral), ``kv_lora_rank`` > 0 latent attention (DeepSeek-V2/V3), ``head_dim`` None meaning
-    ``d_model / n_heads``."""
+    """What the planner needs to know of a decoder-only transformer (defaults: trainmesh's GPT; ``bias=False``:
+    LLaMA-style); variants as in :class:`~trainmesh.models.llama.LlamaConfig`; ``head_dim`` None means ``d_model /
+    n_heads``."""
 
     n_layers: int
     d_model: int
