@@ -198,9 +198,8 @@ class _Blockwise(torch.autograd.Function):
 def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blocks: Sequence[torch.Tensor],
                         q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True,
                         window: int | None = None) -> torch.Tensor:
-    """Attention of ``q`` ``[b, h, t, d]`` (segments starting at ``q_starts``) over key/value blocks ``[b, kv_heads,
-    s, d]`` starting at ``k_starts[i]``, merged by log-sum-exp, backward by :func:`block_grads`; ``window`` as the
-    ring's."""
+    """Attention of ``q`` ``[b, h, t, d]`` (segments from ``q_starts``) over key/value blocks ``[b, kv_heads, s, d]``
+    (from ``k_starts[i]``), merged by log-sum-exp, backward by :func:`block_grads`; ``window`` as the ring's."""
     return _Blockwise.apply(q, q_starts, k_starts, causal, window, *k_blocks, *v_blocks)
 
 
@@ -300,9 +299,8 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True,
                    timeline: RingTimeline | None = None, window: int | None = None) -> torch.Tensor:
-    """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence, keys/values spread
-    alike; ``timeline`` records each step's compute and wait; ``window`` masks block pairs, skipping those outside it.
-    """
+    """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence; ``timeline``
+    records each step's compute and wait; ``window`` masks block pairs, skipping those outside it."""
     return _RingAttention.apply(q, k, v, comm, causal, timeline, window)
 
 

@@ -115,8 +115,7 @@ class BucketFold:
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None,
                  axis: str = "dp") -> list[Bucket]:
     """Group ``params`` (in reverse order of use) into buckets of about ``bucket_bytes`` of ``dtype`` gradients
-    (default: each parameter's own), reduced over ``axis`` or, for routed experts, the edp axis
-    (:func:`axis_buckets`)."""
+    (default: the parameter's), reduced over ``axis`` or, for routed experts, the edp axis (:func:`axis_buckets`)."""
     buckets = []
     for bucket_axis, group in axis_buckets(params, bucket_bytes, axis):
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
@@ -150,10 +149,9 @@ def accumulating_locally(engine: Syncing) -> Iterator[None]:
 
 
 class DataParallel:
-    """Gradient synchronisation for a replicated ``module`` over ``comm``'s ``dp`` axis, the module unwrapped:
-    backward on the loss times :attr:`loss_scale` (in :meth:`no_sync` but for the last micro-batch), then
-    :meth:`step`. Low-precision parameters get fp32 masters and ``reduce_dtype`` gradients (Megatron's ``main_grad``).
-    """
+    """Gradient synchronisation for a replicated, unwrapped ``module`` over ``comm``'s ``dp`` axis: backward on the
+    loss times :attr:`loss_scale` (in :meth:`no_sync` but for the last micro-batch), then :meth:`step`; low-precision
+    parameters get fp32 masters and ``reduce_dtype`` gradients (Megatron's ``main_grad``)."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype = torch.float32,

@@ -120,9 +120,8 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 
 @torch.no_grad()
 def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
-    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts (``[r E/ep, (r+1) E/ep)``) and dispatch over
-    ``comm``'s ep axis; parameters keep names and marks and record their place (:data:`EP_SHARD`) and whether ep folds
-    over tp."""
+    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts and dispatch over ``comm``'s ep axis; parameters keep
+    names and marks and record their place (:data:`EP_SHARD`) and whether ep folds over tp."""
     rank, size = comm.mesh.rank(EP_AXIS), comm.mesh.size(EP_AXIS)
     experts = moe.experts
     for name, p in list(experts.named_parameters(recurse=False)):
@@ -167,9 +166,8 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, over_tp: bool = False) -
 
 def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
                 experts_over_tp: bool = False) -> dict[str, str]:
-    """The family's tp plan fitted to an MoE model: unmatched MLP patterns dropped, MoE layers whole on every tp
-    rank; under sp their gradients are summed over tp (``sequence``), routed experts folded over tp
-    (``experts_over_tp``) when ep folds there."""
+    """The family's tp plan fitted to an MoE model: unmatched MLP patterns dropped, MoE layers whole on every tp rank
+    with gradients summed over tp under sp (``sequence``), or ``experts_over_tp`` where ep folds there."""
     layers = [name for name, _ in expert_modules(model)]
     if not layers:
         return plan

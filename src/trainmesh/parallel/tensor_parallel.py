@@ -492,9 +492,8 @@ def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: bool = False,
                 comm: Comm | None = None) -> Criterion | None:
-    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place, as ``plan`` says. Full weights are
-    sharded, so identically built models become their tp split. Returns the vocabulary-parallel cross-entropy when the
-    head is split by vocabulary, else None. ``tp == 1`` only checks the plan."""
+    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place as ``plan`` says, sharding its full
+    weights; returns the vocabulary-parallel cross-entropy when the head is split by vocabulary, else None."""
     matched = match_plan(model, plan)
     if mesh.size(AXIS) == 1:
         return None

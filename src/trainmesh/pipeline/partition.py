@@ -104,9 +104,8 @@ def _keep(target: nn.Module, source: nn.Module, layers: Sequence[int], first: bo
 
 def split_model(model: nn.Module, layers: Sequence[range], rank: int, n_ranks: int,
                 n_virtual: int = 1) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """Cut ``model`` in place down to what pipeline ``rank`` holds; returns ``(part, chunks)``: ``part`` the
-    model the engine optimises, ``chunks`` each global stage's module (``part`` itself, or with ``v`` chunks
-    hollow copies sharing its modules)."""
+    """Cut ``model`` in place to what pipeline ``rank`` holds; returns ``(part, chunks)``: the model the engine
+    optimises, and each global stage's module (``part``, or with ``v`` chunks hollow copies sharing its modules)."""
     n_total = n_ranks * n_virtual
     if len(layers) != n_total:
         raise ValueError(f"got {len(layers)} layer ranges for {n_total} stages (pp * virtual stages)")

@@ -58,9 +58,8 @@ def _temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any
 
 
 def lone_actions(schedule: Sequence[Sequence[Action]]) -> frozenset[Action]:
-    """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`): on a host
-    the pipeline has to itself they may use every core, since the other ranks wait (torch's schedules leave them
-    idle)."""
+    """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`), which may
+    use every core of a host the pipeline has to itself, since the other ranks wait."""
     return frozenset(action for action, n in concurrency(schedule).items() if n == 1)
 
 
@@ -107,9 +106,8 @@ Posting = tuple[list[list], float]
 
 
 class _Posted:
-    """One part of a batch of point-to-point operations, posted by the communication thread or (through
-    shared-memory channels) at once: its sends (part 0) or one of its receives (part 1 + i). Holds the
-    tensors being sent until they are gone."""
+    """One part of a batch of point-to-point operations (its sends, part 0, or receive i, part 1 + i), posted by the
+    communication thread or through shared-memory channels; holds the tensors sent until they are gone."""
 
     def __init__(self, batch: Future[Posting], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
         self.batch, self.part, self.sending = batch, part, list(sending)
@@ -121,9 +119,8 @@ class _Posted:
 
 
 def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Posting:
-    """Post one batch and split its handles into [sends, receive 0, receive 1, ...] (Gloo: one per operation;
-    a coalesced NCCL batch: one shared). The time posting returned is when the sends left, the simulator's
-    measured transfer time (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
+    """Post one batch and split its handles into [sends, receive 0, ...] (Gloo: one per operation; NCCL: one shared);
+    the time posting returned is when the sends left (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
     works = comm.send_recv(sends, recvs, axis=AXIS)
     posted = time.perf_counter()
     if len(works) != len(sends) + len(recvs):

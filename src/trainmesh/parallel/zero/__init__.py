@@ -25,9 +25,8 @@ __all__ = ["FlatLayout", "ZeroEngine", "ZeroStage1", "ZeroStage2", "ZeroStage3",
 def build_engine(module: nn.Module, comm: Comm, stage: int, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
                  scaler: LossScaler | None = None, axis: str = "dp") -> ZeroEngine | DataParallel:
-    """The engine of ZeRO ``stage`` over ``axis`` (0: plain data parallelism) with ``make_optimizer``'s optimizer over
-    its shards (fp32 masters for bf16/fp16 parameters); ``bucket_bytes`` applies to stages 0 to 2, stage 3 going by
-    unit."""
+    """The engine of ZeRO ``stage`` over ``axis`` (0: plain DP) with ``make_optimizer``'s optimizer over its shards
+    (fp32 masters for 16-bit parameters); ``bucket_bytes`` applies to stages 0 to 2, stage 3 going unit by unit."""
     validate(Layout(zero=stage))
     engines = {0: DataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
     return engines[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)

@@ -79,9 +79,8 @@ class ZeroEngine:
 
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:
-        """Mark the autograd calls inside as one micro-batch's backward (see
-        :class:`~trainmesh.parallel.zero.stage2.ZeroStage2`); stage 1 reduces once per step, so it needs nothing here.
-        """
+        """Mark the autograd calls inside as one micro-batch's backward (see :class:`~.stage2.ZeroStage2`); stage 1
+        reduces once per step, so it needs nothing here."""
         yield
 
     def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
@@ -154,9 +153,8 @@ class ZeroEngine:
         """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Finish gradient sync, unscale and clip the shards by the whole model's norm (squares summed over ``dp``
-        too), update and re-gather; returns the unscaled pre-clip norm. A non-finite norm skips the step on every rank
-        together."""
+        """Finish gradient sync, unscale and clip the shards by the whole model's norm, update and re-gather; returns
+        the unscaled pre-clip norm, a non-finite one skipping the step on every rank."""
         self.finish_gradient_sync()
         self._sum_over_replicas()
         sum_over_tp([g.grad_shard for g in self._tp_summed], self.comm)

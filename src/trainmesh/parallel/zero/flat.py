@@ -151,8 +151,8 @@ def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str
 
 
 def reduce_scatter_shards(comm: Comm, out: torch.Tensor, full: torch.Tensor, axis: str, op: str, divisor: int = 1):
-    """Start summing ``full`` over ``axis`` divided by ``divisor`` into ``out``, this rank's slice, and return the
-    handle; point to point each rank sends each other its slice and adds what it receives: (N-1)·S bytes, no whole
+    """Start summing ``full`` over ``axis`` divided by ``divisor`` into ``out`` (this rank's slice) and return the
+    handle; point to point, each rank sends each other its slice and adds what it receives: (N-1)·S bytes, no whole
     copy."""
     if not exchanges_directly(comm, axis):
         return comm.reduce_scatter(out, full, axis, op=op, async_op=True, divisor=divisor)
