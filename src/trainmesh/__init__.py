@@ -1,15 +1,5 @@
-"""trainmesh: parallel forms applied to a plain ``nn.Module`` over a device mesh.
-
-The public API (:mod:`trainmesh.api`): :func:`init_mesh`, :func:`parallelize`, :func:`optimizer`,
-:func:`train_step`, :func:`save`, :func:`load`; :class:`StageLayout` names a model's blocks for the pipeline;
-:mod:`trainmesh.models.tp_plans` (``tm.tp_plans``) holds tensor-parallel plans by model family;
-:class:`RunLog` writes a run directory (metrics, summary, TensorBoard events) as ``trainmesh train`` does,
-for ``trainmesh report``; :func:`register_family` adds a model family (a :class:`ModelSpec`, its planner view
-a :class:`ModelShape`) that ``parallelize`` then recognises, without editing trainmesh.
-
-The names are imported on first use (PEP 562), so that the command line can say what it starts before torch
-is imported.
-"""
+"""trainmesh: parallel forms applied to a plain ``nn.Module`` over a device mesh. The public API is :mod:`trainmesh.api`;
+names are imported on first use (PEP 562), so the command line can speak before torch is imported."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version as _version

@@ -1,16 +1,9 @@
 """One layout of a training run and the rules it must keep, each written once for every front door.
 
-A layout (how one step is spread over ranks and held in memory) reaches trainmesh three ways: the command
-line's flags and TOML file (:mod:`trainmesh.app.config`), the Python API's keyword arguments
-(``trainmesh.init_mesh``/``parallelize``), and the planner's candidates (:mod:`trainmesh.plan`). Each front door
-builds a :class:`Layout` and calls :func:`validate`, which raises :class:`LayoutError` with one line that names
-the setting and the fix. The line is spelled for the caller's audience by a :data:`Spell`: :func:`flag` for
-the command line (``--virtual-stages 2``), :func:`keyword` for the API (``virtual_stages=2``), so one rule
-never has to be written twice to be read right in both places.
-
-This module sits low: it reads a model only as a :class:`~trainmesh.models.spec.ModelShape` and imports
-nothing from the modules that call it.
-"""
+The CLI (:mod:`trainmesh.app.config`), the Python API and the planner each build a :class:`Layout` and
+call :func:`validate`, which raises :class:`LayoutError` with one line naming the setting and the fix,
+spelled for the audience by a :data:`Spell` (:func:`flag` or :func:`keyword`). This module sits low: it
+reads a model only as a :class:`~trainmesh.models.spec.ModelShape`."""
 
 from __future__ import annotations
 
@@ -37,19 +30,9 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Every setting a layout rule reads, under the names the command line and the API share.
-
-    Mesh sizes ``dp``, ``tp``, ``pp``, ``cp`` and ``ep`` (which folds inside the :attr:`token_ranks`, ``dp x cp``
-    and under sequence parallelism tp too, and adds no ranks);
-    ``dp_replicate``, the replica groups hybrid sharding (HSDP) splits ``dp`` into (ZeRO shards inside each
-    group of ``dp / dp_replicate`` ranks, replicated across groups); the ZeRO stage; the pipeline's
-    ``schedule`` over ``microbatches`` micro-batches with ``virtual_stages`` chunks per rank and optional
-    per-stage ``stage_layers``; memory savers and dtypes; ``bucket_mb``, the size of the gradient buckets the
-    data-parallel forms reduce (MiB of parameter bytes); ``compile`` (and ``cuda_graphs``, its blocks captured
-    as CUDA graphs where :mod:`trainmesh.training.cuda_graphs` allows); and ``timeline``, a picture only a
-    pipeline can draw (empty: none). The command line, the API, the manifest and the planner all name each
-    setting as this class does.
-    """
+    """Every setting a layout rule reads, under the names the command line, API, manifest and planner share: mesh
+    sizes (``ep`` folds inside :attr:`token_ranks`), ``dp_replicate``, ZeRO stage, schedule, memory savers and dtypes,
+    ``bucket_mb``, ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
 
     dp: int = 1
     tp: int = 1
@@ -128,9 +111,8 @@ class Layout:
 
 
 def resolve_precision(precision: str, bf16_device: bool) -> str:
-    """The precision a run trains in: ``precision``, or for ``auto`` bf16 (with fp32 master weights) where the
-    device computes in bf16 and fp32 elsewhere (a CPU), as every production run on GPUs does. ``trainmesh
-    train`` (for the local device) and ``trainmesh plan`` (for the target cluster) both resolve it here."""
+    """The precision a run trains in: ``precision``, or for ``auto`` bf16 with fp32 masters where the device computes
+    in bf16, else fp32; ``train`` (local device) and ``plan`` (target cluster) both resolve it here."""
     if precision != "auto":
         return precision
     return "bf16" if bf16_device else "fp32"
@@ -244,10 +226,8 @@ def _expert_ranks(c: _Check) -> str | None:
 
 
 def _hybrid_shards(c: _Check) -> str | None:
-    """Hybrid sharding (HSDP; FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups of
-    contiguous ranks, each holding one whole set of ZeRO shards; so it needs ZeRO, and a dp it divides. Expert
-    parallelism shards its experts over its own expert-data-parallel groups, which hybrid sharding does not
-    split (yet)."""
+    """Hybrid sharding (FSDP2's 2-D mesh, DeepSpeed's MiCS) splits dp into ``dp_replicate`` groups each holding a set
+    of ZeRO shards: it needs ZeRO and a dp it divides, and does not (yet) split expert-data-parallel groups."""
     lay, s = c.layout, c.spell
     if lay.dp_replicate == 1:
         return None
@@ -338,9 +318,9 @@ def _compiled_ring(c: _Check) -> str | None:
 
 
 def _float8_tensor_parallel(c: _Check) -> str | None:
-    """torchao's float8 linears compose with tensor parallelism through DTensor (torchtitan's
-    ``Float8ColwiseParallel``); trainmesh's tensor-parallel linears run their own matmuls in bf16, so the two
-    are not combined rather than the split layers silently losing float8."""
+    """trainmesh's tensor-parallel linears run their own bf16 matmuls (torchao's float8 composes with tp only through
+    DTensor, as torchtitan's ``Float8ColwiseParallel``), so fp8 and tp are refused together rather than losing float8.
+    """
     lay, s = c.layout, c.spell
     if lay.precision == "fp8" and lay.tp > 1:
         return (f"{s('precision', 'fp8')} with {s('tp', lay.tp)}: tensor-parallel linears run their own bf16 "
@@ -460,10 +440,8 @@ MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _tied_embeddings, 
 
 
 def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layout:
-    """``layout`` on ``world`` ranks by its data-parallel axis alone: ``dp`` becomes what ``cp*tp*pp`` leaves,
-    and under hybrid sharding ``dp_replicate`` follows, each group keeping its size (a lost node takes its
-    replicas with it). For a run torchrun's elastic agent restarts on the nodes that remain; refused in one
-    line if no whole dp fits."""
+    """``layout`` on ``world`` ranks by its dp axis alone (``dp_replicate`` following, groups keeping their size), for
+    a run the elastic agent restarts on the nodes that remain; refused in one line if no whole dp fits."""
     others, shard = layout.cp * layout.tp * layout.pp, layout.dp // layout.dp_replicate
     if world % others:
         raise LayoutError(f"{spell('elastic', True)}: {world} ranks are not a multiple of cp*tp*pp = {others}, so no "
@@ -480,13 +458,9 @@ def scaled_to_world(layout: Layout, world: int, spell: Spell = keyword) -> Layou
 
 def validate(layout: Layout, model: ModelShape | None = None, world_size: int | None = None, *,
              spell: Spell = keyword, name: str = "the model", rules: Sequence[Rule] = MESH_RULES) -> None:
-    """Raise :class:`LayoutError` for the first rule ``layout`` breaks, spelled by ``spell``.
-
-    ``model`` (its shape, ``spec.shape(config)``, called ``name`` in messages) adds the rules on how the layout
-    splits it; ``world_size`` the rule that the mesh covers exactly the ranks that run. Either may be unknown
-    (None): a planner's candidate is checked before any model is. ``rules`` narrows the settings' rules to those
-    whose settings are known (:data:`MESH_SHAPE_RULES` for a mesh built before the rest is chosen).
-    """
+    """Raise :class:`LayoutError` for the first rule ``layout`` breaks, spelled by ``spell``. ``model``
+    (called ``name``) and ``world_size`` add their rules when known; ``rules`` narrows to those whose
+    settings are known (:data:`MESH_SHAPE_RULES`)."""
     check = _Check(layout, model, world_size, spell, name)
     for rule in (*rules, *(MODEL_RULES if model is not None else ())):
         problem = rule(check)

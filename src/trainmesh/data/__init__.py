@@ -1,13 +1,6 @@
-"""Training data: where tokens come from and how each step's batch is drawn.
-
-* :mod:`~trainmesh.data.text`: local text read into memory, as bytes or with ``--tokenizer`` (the default
-  corpus is this Python's standard library sources, so a first run needs no download);
-* :mod:`~trainmesh.data.prepare` and :mod:`~trainmesh.data.sources`: ``trainmesh prepare``, which tokenizes a
-  corpus of any size, and documents of any length, into shards; :mod:`~trainmesh.data.jsonl` streams a long
-  JSONL line, :mod:`~trainmesh.data.workers` runs the tokenizing processes;
-* :mod:`~trainmesh.data.shards`: the shards and their index, memory-mapped for training and checked first;
-* :mod:`~trainmesh.data.sampler`: each step's global batch as a pure function of ``(seed, step)``.
-"""
+"""Training data: where tokens come from and how each step's batch is drawn: local text (:mod:`.text`),
+``trainmesh prepare`` into shards (:mod:`.prepare`, :mod:`.sources`, :mod:`.jsonl`, :mod:`.workers`),
+memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(seed, step)`` (:mod:`.sampler`)."""
 
 from __future__ import annotations
 
@@ -36,9 +29,8 @@ class TokenData:
 
     @classmethod
     def load(cls, path: str, seq_len: int, tokenizer: str = "", verify: bool = False) -> "TokenData":
-        """The data of ``--data`` (``""``: the default corpus): a directory ``trainmesh prepare`` wrote is
-        memory-mapped, anything else is text read into memory. ``verify`` checks every shard's hash and ids
-        (done once, before ranks start)."""
+        """The data of ``--data`` (``""``: the default corpus): prepared shards memory-mapped, else text read into
+        memory; ``verify`` checks every shard's hash and ids once, before ranks start."""
         if is_prepared(path):
             return cls._prepared(path, seq_len, tokenizer, verify)
         tokens = load_tokens(path, tokenizer)
@@ -76,9 +68,8 @@ def data_vocab_size(path: str, tokenizer: str) -> int | None:
 
 
 def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
-    """The tokenizer the run's token ids come from, pinned by content (None: byte tokens): ``--tokenizer``,
-    checked against the one prepared data ``path`` records (:func:`~trainmesh.data.shards.index_tokenizer`),
-    else that one. Read once when the run starts; its checkpoints keep a copy of exactly these bytes."""
+    """The run's tokenizer pinned by content (None: bytes): ``--tokenizer`` checked against what prepared data ``path``
+    records (:func:`~trainmesh.data.shards.index_tokenizer`), else that one; read once, copied into checkpoints."""
     if is_prepared(path):
         return index_tokenizer(read_index(path), tokenizer)
     return TokenizerFile.read(tokenizer) if tokenizer else None

@@ -1,14 +1,6 @@
-"""The ``text`` field of each line of a JSONL file, in bounded memory however long the line.
-
-A line of up to ``read_bytes`` is parsed whole by :func:`json.loads`. A longer line is never held whole:
-it is read ``read_bytes`` at a time (:class:`LongLine`), its top-level object parsed as it arrives, and its
-``text`` string decoded run by run (plain characters and escapes at C speed with :func:`json.decoder.scanstring`)
-and handed on in parts of ``read_bytes`` characters. An escape or a UTF-8 character split between
-reads is completed from the next read; a surrogate pair split between reads is joined. Its other fields are
-parsed whole by :mod:`json`, so each must fit in ``read_bytes``. Either way a line must be one JSON object
-with one string ``text`` field of valid Unicode: a lone surrogate (``"\\ud800"``), which no tokenizer can
-encode, is one line naming the file, the line and the character.
-"""
+"""The ``text`` field of each line of a JSONL file, in bounded memory however long the line: long lines are read in
+parts (:class:`LongLine`) and their ``text`` decoded run by run. Each line must be one object with a valid-Unicode
+string ``text``."""
 
 from __future__ import annotations
 
@@ -67,10 +59,8 @@ def _twice(where: str) -> DataError:
 
 
 class LongLine:
-    """One line too long to parse whole, read ``read_bytes`` at a time up to its newline.
-
-    ``buf[pos:]`` is the decoded text not yet parsed; it never holds more than one read beyond what is
-    being parsed (a field other than ``text`` of at most ``read_bytes``, or a few characters of an escape)."""
+    """One line too long to parse whole, read ``read_bytes`` at a time up to its newline; ``buf[pos:]``, the decoded
+    text not yet parsed, never holds more than one read beyond what is being parsed."""
 
     def __init__(self, f: BinaryIO, head: bytes, where: str, read_bytes: int) -> None:
         self.f, self.where, self.read_bytes = f, where, read_bytes

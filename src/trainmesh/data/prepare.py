@@ -1,27 +1,8 @@
 """``trainmesh prepare``: tokenize a corpus once, in parallel worker processes, into token shards.
 
-The parent streams documents from the inputs (:mod:`trainmesh.data.sources`) in pieces, grouped into
-batches of about ``BATCH_BYTES``; worker processes tokenize them (:mod:`trainmesh.data.workers`); the
-parent writes the results in input order, so the output does not depend on the number of workers.
-
-Memory is bounded whatever the corpus and however long one document is: a piece holds at most two reads
-of ``PIECE_BYTES`` (:func:`trainmesh.data.sources.document_pieces`), so a batch holds at most
-``BATCH_BYTES`` plus one piece of text; each worker tokenizes one batch at a time, and the parent holds
-at most two batches per worker with their ids. Beyond its baseline (Python, the tokenizer) a process's
-memory therefore grows with ``BATCH_BYTES + 2·PIECE_BYTES`` and the tokenizer's bytes per character of
-text, never with the document or the corpus. The one exception is what Arrow itself holds: a Parquet
-record batch of ``ARROW_BATCH_ROWS`` rows, decoded from the file's row group, with each cell stored once.
-
-The output is published atomically: shards are written first and ``index.json``, which marks a directory
-prepared, is renamed into place last. A failure (bad input, a worker killed, Ctrl-C, SIGTERM) removes what
-this run wrote, so no half-written set is ever taken for a prepared one; the run holds a lock in ``--out``
-from before its first byte (:mod:`trainmesh.tracking.runlock`), so a second run into the same directory is
-refused instead of interleaving its shards with the first's.
-
-Each document ends with the tokenizer's end-of-document token. Document ``k`` is held out for
-validation when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``: every ``1/f``-th document, the
-first included, so any corpus of two or more documents has both splits.
-"""
+Output is in input order whatever the worker count, memory bounded by ``BATCH_BYTES + 2·PIECE_BYTES``; shards are
+published atomically (``index.json`` last), removed on failure, and a lock refuses a second run into ``--out``.
+Document k is held out when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The sampler that hands each data-parallel rank its slice of a global batch.
 
-The global batch of step ``s`` is a function of ``(seed, s)`` alone: start offsets drawn from a generator
-seeded with both, into one token sequence (a tensor held in memory, or memory-mapped shards). Sequences
-are packed: a window runs across document ends, marked by the end-of-document token, as in GPT-2 and
-Megatron-LM. A data-parallel rank takes a contiguous slice of the batch, so every layout sees the global
-batch a single process would see, and resuming at step ``s`` needs no loader state beyond ``s`` itself.
-"""
+Step s's batch depends on ``(seed, s)`` alone (packed windows across document ends, as GPT-2 and Megatron-LM); a rank
+takes a contiguous slice, so every layout sees one process's batch and resuming needs only ``s``."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ class TokenSequence(Protocol):
 
 
 def global_batch_offsets(n_tokens: int, seq_len: int, global_batch: int, seed: int, step: int) -> torch.Tensor:
-    """Start offsets of the ``global_batch`` sequences of ``step``: the same in every layout. The generator's
-    seed is taken modulo 2**64, the range ``manual_seed`` accepts, so any seed up to 2**63 - 1 works (and
-    every smaller one gives the offsets it always gave)."""
+    """Start offsets of ``step``'s ``global_batch`` sequences, the same in every layout; the seed is taken modulo
+    2**64, as ``manual_seed`` accepts."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**64)
     return torch.randint(0, n_tokens - seq_len, (global_batch,), generator=gen)
 

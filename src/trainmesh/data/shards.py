@@ -1,22 +1,6 @@
-"""Token shards on disk: fixed-dtype binary files plus one small JSON index, memory-mapped for training.
-
-``trainmesh prepare`` writes them (:mod:`trainmesh.data.prepare`); ``train --data DIR`` memory-maps them
-as numpy arrays, so a rank's memory does not grow with the corpus: only the windows a step reads are
-paged in, and released again (:class:`ShardStream`). Documents are held out for validation whole (``val-*.bin``), never cut at a byte offset.
-
-The index records, per shard, its split, token and document counts and SHA-256, and for the corpus the
-tokenizer's hash and vocabulary size, the end-of-document id and the dtype (uint16 when the vocabulary
-fits, else uint32). Every field is checked when the index is read (:func:`read_index`): only the dtype
-``prepare`` writes for the vocabulary, counts that are integers (not NaN, Infinity, fractions or
-negatives) with totals equal to the shards' sums, shard names ``prepare`` writes; anything else is one
-line naming the index. Before any rank starts, every shard is checked against it (:func:`verify_shard`),
-so a truncated, empty or altered shard, a token id outside the vocabulary or a different tokenizer is one
-line naming the file.
-
-Token ids are checked by a full scan in that same pass (the SHA-256 reads every byte anyway, so the
-maximum costs one more reduction per read) rather than by a maximum recorded in the index, which a
-damaged or edited shard would not honour. The dtypes are unsigned, so no id is negative.
-"""
+"""Token shards on disk: fixed-dtype binary files plus one small JSON index, memory-mapped for training, so rank memory
+does not grow with the corpus. The index is checked on read (:func:`read_index`) and every shard against it before
+any rank starts (:func:`verify_shard`), each failure one line naming the file."""
 
 from __future__ import annotations
 
@@ -230,10 +214,9 @@ def verify_shard(index: Index, shard: Shard) -> None:
 
 
 def index_tokenizer(index: Index, given: str) -> TokenizerFile:
-    """The tokenizer prepared data was tokenized with, pinned by content: ``given`` (``--tokenizer``) if its
-    SHA-256 is the one the index records, else the copy ``prepare`` keeps in the data directory. The index
-    names that copy by a plain file name in its directory: a path leading anywhere else is refused unread,
-    and so is a copy that is missing or whose SHA-256 differs, each in one line naming both hashes."""
+    """The tokenizer prepared data was tokenized with, pinned by content: ``given`` if its SHA-256 matches the index,
+    else the copy ``prepare`` kept beside the data (a plain file name; a path elsewhere, missing or mismatched copy
+    refused)."""
     want = (f"{index.root} was prepared with ({index.root / index.tokenizer_path}, SHA-256 "
             f"{index.tokenizer_sha256[:12]})")
     if given:
@@ -270,12 +253,8 @@ def _map(path: Path) -> mmap.mmap:
 
 
 class ShardStream:
-    """One split's shards as a single memory-mapped token sequence: ``len()`` and slicing, as a tensor has.
-
-    A slice that crosses a shard boundary is stitched from both (documents run on across shards as they
-    run on within one, separated by the end-of-document token). A window is copied out and its pages are
-    then dropped from this process's mapping (``MADV_DONTNEED``; they stay in the kernel's page cache), so
-    a rank's resident memory stays flat however long it samples, rather than growing towards the corpus."""
+    """One split's shards as a single memory-mapped token sequence (``len()`` and slicing). Windows crossing a
+    boundary are stitched; pages read are dropped (``MADV_DONTNEED``) so resident memory stays flat."""
 
     def __init__(self, index: Index, shards: tuple[Shard, ...]) -> None:
         self.itemsize = index.dtype.itemsize

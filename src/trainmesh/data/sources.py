@@ -1,16 +1,7 @@
-"""Documents streamed from the inputs of ``trainmesh prepare``, in a fixed order, in bounded memory.
-
-Each input is a text file (one document), a JSONL file (one document per line, its ``text`` field), a
-Parquet file (its ``text`` column, read a batch of rows at a time with pyarrow), a directory saved by
-Hugging Face ``datasets`` ``save_to_disk`` (its ``text`` column, memory-mapped Arrow; nothing is
-downloaded), or a directory of such files.
-
-No document is ever held whole as Python text, whatever its length: a text file is read ``PIECE_BYTES`` at a
-time, an Arrow cell is viewed ``PIECE_BYTES`` of its UTF-8 bytes at a time, and a JSONL line longer than
-``PIECE_BYTES`` is parsed as it is read (:mod:`trainmesh.data.jsonl`). All three go through one cutter,
-:func:`document_pieces`, which hands a document on in pieces of at most two reads, cut after a newline, so
-a tokenizer never sees more than that at once.
-"""
+"""Documents streamed from ``trainmesh prepare``'s inputs, in a fixed order, in bounded memory: text files,
+JSONL (``text`` field), Parquet and ``datasets.save_to_disk`` directories (``text`` column), or directories
+of them. Every document passes :func:`document_pieces`, which hands it on in pieces of at most two
+``PIECE_BYTES`` reads, so no document is ever held whole."""
 
 from __future__ import annotations
 
@@ -42,10 +33,8 @@ class Piece:
 
 
 def document_pieces(reads: Reads) -> Iterator[Piece]:
-    """One document from its text in reads: whole when it comes in one read, else in pieces cut after the last
-    newline of each read (what follows is carried into the next). Tokens at a cut may differ from tokenizing
-    the whole document, as if it had a document-internal boundary there; only documents over one read have
-    cuts. A piece holds at most the carried rest and one read, so at most two reads."""
+    """One document from its text in reads: whole in one read, else pieces cut after each read's last newline (the
+    rest carried on), so a piece holds at most two reads; tokens at a cut may differ, as at a document boundary."""
     rest, held = "", None
     for read in reads:
         if held is not None:

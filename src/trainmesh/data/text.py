@@ -1,10 +1,6 @@
-"""Local text read whole into memory: the zero-setup path (``--data FILE_OR_DIR``, or nothing).
-
-The default corpus is this Python's own standard-library source, which is on every machine that runs
-trainmesh, so a first run needs no download. Tokens are bytes (vocabulary 256) unless ``--tokenizer``
-names a ``tokenizer.json``; then each file is one document, tokenized here with an end-of-document token
-after it. Corpora larger than memory go through ``trainmesh prepare`` into memory-mapped shards instead.
-"""
+"""Local text read whole into memory (``--data FILE_OR_DIR``, or by default this Python's stdlib sources, so
+a first run needs no download): bytes, or one document per file with ``--tokenizer``. Larger corpora go
+through ``trainmesh prepare``."""
 
 from __future__ import annotations
 
@@ -81,9 +77,8 @@ def decode_utf8(decoder: codecs.IncrementalDecoder, raw: bytes, where: str, offs
 
 
 def read_documents(files: list[Path], max_bytes: int | None = None, skip_invalid: bool = False) -> list[bytes]:
-    """The contents of ``files``, one document each, which must be UTF-8 text: a binary or token file passed by
-    mistake would otherwise be trained on silently. ``skip_invalid`` drops such files instead (the default
-    corpus holds a few deliberately mis-encoded test files). Stops once ``max_bytes`` are read."""
+    """The contents of ``files``, one document each, which must be UTF-8 (a binary file would train silently);
+    ``skip_invalid`` drops such files instead. Stops once ``max_bytes`` are read."""
     docs, total = [], 0
     for f in files:
         try:

@@ -1,14 +1,7 @@
-"""Tokenizers: bytes by default, or any Hugging Face ``tokenizer.json`` (``--tokenizer``).
-
-Bytes (vocabulary 256) need no training and accept any text, so a first run needs no setup. A subword
-tokenizer is read and trained with the ``tokenizers`` library (the ``data`` extra), imported only when a
-``tokenizer.json`` is used, so the core package trains without it. ``trainmesh tokenizer train`` trains a
-byte-level BPE (GPT-2's scheme: Radford et al., 2019, §2.2) on local text, offline.
-
-The model's vocabulary follows the tokenizer, padded up to a multiple of 64·tp as Megatron-LM does
-(``--make-vocab-size-divisible-by 128`` times tp): every tensor-parallel rank then holds an equal,
-matmul-friendly slice of the embedding and output head. The pad rows are never an input or a target.
-"""
+"""Tokenizers: bytes by default (no setup), or any Hugging Face ``tokenizer.json`` (``--tokenizer``, the
+``data`` extra, imported lazily); ``trainmesh tokenizer train`` trains a byte-level BPE (GPT-2, Radford
+et al., 2019, §2.2). The vocabulary is padded to a multiple of 64·tp as Megatron-LM does, so tp slices are
+equal; pad rows are never inputs or targets."""
 
 from __future__ import annotations
 
@@ -68,8 +61,7 @@ class HFTokenizer:
         self.path = path
         self._tok = _read_hf(path) if data is None else _parse_hf(path, data)
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id: int | None = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None),
-                                       None)
+        self.eos_id: int | None = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -85,8 +77,7 @@ def _tokenizers() -> Any:
     try:
         import tokenizers
     except ImportError:
-        raise TokenizerError("a tokenizer.json needs the 'tokenizers' package; pip install 'trainmesh[data]'") \
-            from None
+        raise TokenizerError("a tokenizer.json needs the 'tokenizers' package; pip install 'trainmesh[data]'") from None
     return tokenizers
 
 
@@ -167,9 +158,8 @@ TOKENIZER_LIMIT = 2**30
 
 @dataclass(frozen=True)
 class TokenizerFile:
-    """A tokenizer pinned by content: its bytes, read once, their SHA-256, and where they were read
-    (``source``, for messages). A run holds the one it started with and every checkpoint keeps a copy of
-    exactly these bytes, so a file changed or deleted later cannot change what a run trains or decodes with."""
+    """A tokenizer pinned by content (bytes read once, SHA-256, ``source`` for messages): runs and their checkpoints
+    keep exactly these bytes, so a file changed later cannot change what a run trains or decodes with."""
 
     source: str
     data: bytes = field(repr=False)
@@ -194,9 +184,8 @@ class TokenizerFile:
 
 
 def tokenizer_record(pinned: TokenizerFile | None) -> dict[str, Any]:
-    """What a manifest records of a tokenizer (``None``: byte tokens): for a file, the SHA-256 and size of
-    the copy kept as ``tokenizer.json`` beside it (the only place a reader looks), and the path it came from
-    (shown, never read)."""
+    """What a manifest records of a tokenizer (``None``: byte tokens): the SHA-256 and size of the ``tokenizer.json``
+    copy beside it (the only one read) and its source path (shown, never read)."""
     if pinned is None:
         return {"kind": "bytes"}
     return {"kind": "copy", "sha256": pinned.sha256, "bytes": len(pinned.data),

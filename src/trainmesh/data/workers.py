@@ -1,13 +1,7 @@
-"""The tokenizing worker processes of ``trainmesh prepare``: batches out, results back in input order, and a
-worker that dies (``kill -9``, the kernel's out-of-memory killer) ends the whole command at once.
-
-Each worker has its own pipe and holds at most one batch: the parent sends it a batch only when it is idle,
-so neither side ever blocks writing while the other is writing too. The parent waits on every worker's pipe
-and process sentinel together (:func:`multiprocessing.connection.wait`), so a death is seen the moment it
-happens, with the worker's number, its signal and the input it was tokenizing; the others are killed then.
-(``multiprocessing.Pool`` instead replaces a dead worker silently and waits forever for its lost task.)
-A worker whose parent dies is killed with it (``PR_SET_PDEATHSIG``; elsewhere it exits within ``POLL_S``).
-"""
+"""The tokenizing workers of ``trainmesh prepare``: batches out, results back in input order, and a worker
+that dies ends the command at once (``multiprocessing.Pool`` would wait forever for its lost task).
+Each worker holds one batch over its own pipe; the parent waits on pipes and sentinels together, and
+workers die with their parent (``PR_SET_PDEATHSIG``, else within ``POLL_S``)."""
 
 from __future__ import annotations
 
@@ -49,10 +43,8 @@ def tokenize(tokenizer: Any, dtype: np.dtype, batch: list[tuple[str, bool]]) -> 
 
 
 def _serve(conn: Connection, pinned: TokenizerFile | None, dtype: str, parent: int) -> None:
-    """A worker: build the tokenizer once from the bytes the parent pinned (never from the file again, which
-    may have changed since), its own thread pool off (the processes are the parallelism); then tokenize
-    batches until told to stop or orphaned. Ctrl-C is the parent's to handle, SIGTERM ends a worker at once
-    (not through the parent's handler, inherited by the fork), and a parent's death, SIGKILL included, too."""
+    """A worker: build the tokenizer once from the parent's pinned bytes, its thread pool off, and tokenize batches
+    until stopped or orphaned; SIGTERM ends it at once (not through the parent's inherited handler)."""
     from trainmesh.distributed.launcher import _die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,11 +1,6 @@
-"""Before step 1, every rank checks that it agrees with rank 0 on the config, the model and the layout.
-
-Ranks launched separately (torchrun on several machines, each with its own command line) can disagree
-silently, and a disagreement shows up much later as a hang or as garbage. Each rank hashes every config
-field, the plain model's structure (parameter names, shapes and dtypes) and its view of the world, and
-the hashes, plain int64 tensors, are all-gathered: no pickled objects cross the wire. A mismatch names
-the rank and the field.
-"""
+"""Before step 1, every rank checks that it agrees with rank 0 on the config, the model and the layout: separately
+launched ranks can disagree silently and hang later. Hashes of each config field, the model's structure and the world
+view are all-gathered as int64 tensors (nothing pickled); a mismatch names the rank and the field."""
 
 from __future__ import annotations
 
@@ -37,10 +32,8 @@ def fingerprint(settings: Mapping[str, object], model: nn.Module, world_size: in
 
 
 def check_agreement(settings: Mapping[str, object], model: nn.Module, device: torch.device) -> None:
-    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's.
-
-    ``settings`` are the values every rank must share (the CLI passes its config without the fields that
-    are each rank's own view of local resources)."""
+    """Raise :class:`DisagreementError` on every rank if any rank's fingerprint differs from rank 0's; ``settings``
+    are the values all must share (the CLI's config less each rank's local view)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     names, mine = zip(*fingerprint(settings, model, dist.get_world_size(), dist.get_backend()).items())

@@ -1,26 +1,8 @@
 """The collectives trainmesh issues, each counted in bytes sent per rank, per mesh axis and per op.
 
-Counted bytes follow the bandwidth-optimal ring algorithms (Patarasuk & Yuan, 2009; the accounting the
-ZeRO paper uses in §7): over a group of n ranks, for a tensor of S bytes each rank sends
-
-* all-reduce:      2 (n-1)/n · S   (reduce-scatter followed by all-gather)
-* all-gather:        (n-1)/n · S   (S = the gathered output)
-* reduce-scatter:    (n-1)/n · S   (S = the full input)
-* broadcast:         (n-1)/n · S   (pipelined ring)
-* all-to-all:        (n-1)/n · S   (S = the input; the slice for this rank itself stays; with uneven
-                                   slices, all of S but that slice)
-* send:              S
-
-so a run's counted volume can be checked against the theoretical optimum. A collective over an axis of
-size 1 is skipped and counts nothing. Scalars reduced only for logging go through :func:`log_all_reduce`
-and are not counted.
-
-A failed or timed-out operation raises :class:`CollectiveError` with a message the launcher's hang report
-parses (``trainmesh.distributed.launcher``): ``rank R: collective AXIS/OP #N (ranks 0,2) failed: ...`` for a
-collective, with the ranks of its group, and ``rank R: p2p AXIS/send R->P #N failed: ...`` (or ``recv``)
-for a point-to-point message, numbered per directed pair of ranks so that the send and the receive of one
-message carry the same number on both ends.
-"""
+Counts follow the ring algorithms (Patarasuk & Yuan, 2009; ZeRO §7): all-reduce 2 (n-1)/n · S, the others
+(n-1)/n · S, send S. Failures raise :class:`CollectiveError` as the launcher's hang report parses it: ``rank R:
+collective AXIS/OP #N (ranks 0,2) failed: ...`` or ``rank R: p2p AXIS/send R->P #N failed: ...``."""
 
 from __future__ import annotations
 
@@ -98,14 +80,8 @@ def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 
 class Pending:
-    """A launched collective or message; :meth:`wait` re-raises a failure as :class:`CollectiveError`
-    naming the op, its number and (for a collective) the ranks of its group.
-
-    The ranks of one axis group issue that axis's collectives in the same order, so the per-axis sequence
-    number identifies the same call on each of them: a hang report can say which call the waiting ranks
-    were stuck in, and which ranks of the group never reported it. The group's ranks are looked up only
-    when the operation fails.
-    """
+    """A launched collective or message; :meth:`wait` re-raises a failure as :class:`CollectiveError` naming
+    the op, its per-axis sequence number (the same call on every rank) and its group's ranks."""
 
     def __init__(self, work, desc: str, group: dist.ProcessGroup | None = None, collective: bool = True) -> None:
         self.work, self.desc, self.group, self.collective = work, desc, group, collective
@@ -133,10 +109,8 @@ class Comm:
 
     @property
     def transport(self) -> str:
-        """What this comm's collectives and messages went through, for a run's summary:
-        ``shm+torch.distributed`` once it mapped one host's segment or channels (its float collectives and
-        pipeline messages go there, the rest through torch.distributed), else ``torch.distributed``, the path
-        of GPUs, of ranks on several hosts and of ``TRAINMESH_HOST_TRANSPORT=off``."""
+        """What this comm's traffic went through, for the summary: ``shm+torch.distributed`` once it mapped shared
+        memory, else ``torch.distributed``."""
         shared = self.channels or any(host is not None for host in self.hosts.values())
         return "shm+torch.distributed" if shared else "torch.distributed"
 
@@ -145,9 +119,8 @@ class Comm:
         return f"rank {self.rank}: collective {axis}/{op} #{self.seq[axis]}"
 
     def _describe_p2p(self, axis: str, kind: str, src: int, dst: int) -> str:
-        """Number a message on its directed pair of ranks: Gloo and NCCL match the sends and receives of one
-        pair in the order they are posted, so the n-th send src->dst is the n-th receive at dst from src,
-        whatever else either rank exchanges with other peers."""
+        """Number a message on its directed pair of ranks: Gloo and NCCL match one pair's sends and receives in
+        posting order, so the n-th send src->dst is the n-th receive at dst from src."""
         self.p2p_seq[(src, dst)] += 1
         return f"{axis}/{kind} {src}->{dst} #{self.p2p_seq[(src, dst)]}"
 
@@ -171,10 +144,8 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "all_reduce",
                    async_op: bool = False, reduce_op=dist.ReduceOp.SUM, divisor: int = 1):
-        """Sum ``t`` in place over ``axis``, then divide it by ``divisor``; ``op`` names the purpose in the
-        accounting (e.g. grad_norm). A CPU sum over ranks of one host goes through shared memory
-        (:mod:`trainmesh.distributed.shm`), at once, each rank dividing the part it sums; through Gloo ``t`` is divided
-        first (the same bits for a power-of-two divisor)."""
+        """Sum ``t`` in place over ``axis``, then divide by ``divisor``; ``op`` names it in the accounting. Through
+        shared memory on one CPU host, else Gloo (divided first: the same bits for a power-of-two divisor)."""
         if self.mesh.size(axis) == 1:
             if divisor != 1:
                 t.div_(divisor)
@@ -193,11 +164,8 @@ class Comm:
         return dist.all_reduce(t, op=reduce_op, group=self.mesh.group(axis), async_op=True)
 
     def shares_host(self, axis: str) -> bool:
-        """Whether ``axis``'s float collectives go through one host's shared segment, at any size (its two
-        semaphore barriers beat Gloo's loopback round trip from 32 bytes up, :mod:`trainmesh.distributed.shm`); every rank
-        answers alike, mapping the segment the first time (a collective over the axis). Not on GPUs, nor
-        under ``--debug-collectives``, whose checks of every collective's shapes across ranks are Gloo's, nor
-        under ``TRAINMESH_HOST_TRANSPORT=off`` (:func:`trainmesh.distributed.shm.enabled`)."""
+        """Whether ``axis``'s float collectives go through one host's shared segment (mapped on first use, every
+        rank answering alike); not on GPUs, ``--debug-collectives`` or ``TRAINMESH_HOST_TRANSPORT=off``."""
         return (self.mesh.size(axis) > 1 and self.mesh.device.type == "cpu" and self.host_transport
                 and dist.get_debug_level() == dist.DebugLevel.OFF and self._host(axis) is not None)
 
@@ -208,9 +176,8 @@ class Comm:
         return None
 
     def _host(self, axis: str) -> HostCollectives | None:
-        """The axis's shared segment, mapped at its first use (None where its ranks span hosts; None too after
-        mapping it failed, a peer gone, so the run's later collectives fail through Gloo at once, not one by
-        one)."""
+        """The axis's shared segment, mapped at its first use (None where its ranks span hosts; None too after mapping
+        it failed, a peer gone, so the run's later collectives fail through Gloo at once, not one by one)."""
         if axis not in self.hosts:
             self.hosts[axis] = None
             self.hosts[axis] = HostCollectives.open(self.mesh.group(axis), self.mesh.timeout_s or WAIT_S)
@@ -234,9 +201,8 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "reduce_scatter",
                        async_op: bool = False, divisor: int = 1):
-        """Sum ``full`` over ``axis``, divided by ``divisor``, and keep this rank's 1/n slice (along dim 0) in
-        ``out`` (through the host's segment where the axis's ranks share one, as :meth:`all_reduce`; through
-        Gloo ``full`` is divided first)."""
+        """Sum ``full`` over ``axis``, divided by ``divisor``, keeping this rank's 1/n slice (dim 0) in ``out``:
+        through the host's segment where shared, as :meth:`all_reduce`, else Gloo."""
         if self.mesh.size(axis) == 1:
             out.copy_(full.reshape(out.shape))
             if divisor != 1:
@@ -255,10 +221,8 @@ class Comm:
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, axis: str, op: str = "all_to_all",
                    out_splits: list[int] | None = None, in_splits: list[int] | None = None) -> None:
-        """Send slice i (along dim 0) of ``full`` to the rank at coordinate i of ``axis``; slice j of ``out``
-        is what that rank's coordinate j sent (DeepSpeed-Ulysses's exchange). ``in_splits``/``out_splits``
-        give uneven slices in rows (expert parallelism's token copies); counted is what leaves this rank, all
-        rows but its own slice, which is the formula's (n-1)/n of ``full`` when the slices are even."""
+        """Send slice i (dim 0) of ``full`` to coordinate i of ``axis`` (Ulysses's exchange); ``in_splits``/
+        ``out_splits`` give uneven rows. Counted: all rows but this rank's own slice."""
         n = self.mesh.size(axis)
         if n == 1:
             out.copy_(full)
@@ -281,14 +245,9 @@ class Comm:
 
     def send_recv(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
                   axis: str = "pp", op: str = "p2p") -> list:
-        """Post point-to-point sends and receives together (``(tensor, global peer rank)`` pairs).
-
-        Posting both directions in one batch lets neighbouring pipeline stages exchange activations and
-        gradients without either blocking first; returns the work handles to wait on, sends first, one per
-        operation where the backend gives one per operation (Gloo), else one for the whole batch (NCCL).
-        A message between ranks with a :meth:`open_channels` channel goes through it instead: a send is
-        copied there at once, a receive copied out when waited for.
-        """
+        """Post point-to-point sends and receives together (``(tensor, global peer rank)`` pairs) so neighbours
+        exchange without blocking; returns work handles, sends first. Pairs with a :meth:`open_channels` channel
+        go through shared memory instead."""
         messages = [(dist.isend, t, peer, self.channels.get((self.rank, peer))) for t, peer in sends]
         messages += [(dist.irecv, t, peer, self.channels.get((peer, self.rank))) for t, peer in recvs]
         if not messages:
@@ -307,11 +266,8 @@ class Comm:
         return [Pending(work, f"rank {self.rank}: p2p {desc}", collective=False) for work, desc in zip(handles, descs)]
 
     def open_channels(self, axis: str, pairs: Sequence[tuple[int, int]], depth: int, slot_bytes: int) -> bool:
-        """Channels through shared memory for the directed ``pairs`` of global ranks of ``axis`` (a collective
-        over it; the same pairs on every rank), each holding ``depth`` messages of up to ``slot_bytes`` in
-        flight, a receive waiting at most the mesh's timeout; False, on every rank alike, where they cannot be
-        made (ranks on several hosts, a GPU, ``TRAINMESH_HOST_TRANSPORT=off``). Numbered and named like a
-        collective, so a rank that fails while mapping them (a peer stopped) says what it waited for."""
+        """Shared-memory channels for the directed ``pairs`` of ``axis`` (a collective), ``depth`` messages of up
+        to ``slot_bytes`` each; False on every rank where they cannot be made (several hosts, GPU, turned off)."""
         if self.mesh.device.type != "cpu" or self.mesh.size(axis) == 1 or not self.host_transport:
             return False
         opened: list[dict[tuple[int, int], Channel] | None] = []

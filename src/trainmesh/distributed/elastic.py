@@ -1,17 +1,6 @@
-"""``trainmesh launch --nnodes MIN:MAX``: a run that goes on with the nodes that remain, under torch's elastic agent.
-
-trainmesh writes no rendezvous of its own for this: the node range, the c10d rendezvous at ``--rdzv-endpoint``
-and the restarts are torchrun's elastic agent's, called through its library API
-(:func:`torch.distributed.launcher.api.elastic_launch`), exactly as ``torchrun --nnodes MIN:MAX
---rdzv-backend c10d`` runs it. What this module adds is what makes a restart on fewer nodes train on: every
-rank runs ``trainmesh train --elastic`` (the layout scaled to the world it is given, the last checkpoint
-loaded into it), and each rendezvous round gets a store of its own (:data:`FRESH_STORE_ENV`).
-
-Every port listens on the interface of the address the user named: the node whose address the endpoint is
-hosts the rendezvous store on that address alone (:func:`host_rendezvous`; torch's own would listen on every
-interface), announces that address to the other nodes, and rank 0 of each round binds its store to the
-address it announces (:func:`trainmesh.distributed.mesh.init_distributed`).
-"""
+"""``trainmesh launch --nnodes MIN:MAX``: a run that goes on with the nodes that remain, under torch's elastic agent
+(``elastic_launch``, as torchrun's c10d rendezvous). Each rank runs ``trainmesh train --elastic``, each round gets its
+own store (:data:`FRESH_STORE_ENV`), and every port listens only on the named address (:func:`host_rendezvous`)."""
 
 from __future__ import annotations
 
@@ -36,10 +25,8 @@ RUN_COMMAND = "train"
 
 @dataclass(frozen=True)
 class ElasticNodes:
-    """Between ``min_nodes`` and ``max_nodes`` nodes meeting at the c10d rendezvous ``endpoint`` (HOST:PORT,
-    one node's address, where that node's agent hosts it) under the job name ``run_id``; each node's ranks
-    restart up to ``max_restarts`` times. ``rdzv_conf`` goes to the rendezvous as torchrun's
-    ``--rdzv-conf`` does (``join_timeout``, ``last_call_timeout``, ...)."""
+    """Between ``min_nodes`` and ``max_nodes`` nodes meeting at c10d rendezvous ``endpoint`` (HOST:PORT, hosted by
+    that node's agent) as job ``run_id``, ranks restarted up to ``max_restarts`` times; ``rdzv_conf`` as torchrun's."""
 
     min_nodes: int
     max_nodes: int
@@ -91,10 +78,8 @@ def train_argv(command: str, args: Sequence[str]) -> list[str]:
 
 
 def host_rendezvous(nodes: ElasticNodes) -> dist.TCPStore | None:
-    """The c10d rendezvous's store, hosted here on the endpoint's address alone where that address is this
-    machine's; torch's c10d backend then takes it over (a multi-tenant server is shared by port) instead of
-    opening its own on every interface. None where it is not this node's to host: the address is another
-    machine's, another agent on this one holds the port, or ``--rdzv-conf is_host=0``."""
+    """The c10d rendezvous store, hosted on the endpoint's address alone where it is this machine's (torch's backend
+    takes it over instead of listening everywhere); None where the address or port is another's, or ``is_host=0``."""
     if nodes.rdzv_conf.get("is_host", "1").lower() not in ("1", "true", "t", "yes", "y"):
         return None
     host, _, port = nodes.endpoint.rpartition(":")
@@ -114,9 +99,8 @@ def _loopback(host: str) -> bool:
 
 
 def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
-    """Run ``python -m trainmesh *argv`` as ``nproc`` ranks on this node under torch's elastic agent, which
-    meets the other nodes' agents at ``nodes.endpoint`` and restarts the ranks of every node that remains
-    when one is lost; returns the exit code for the user, with one line saying why a run failed."""
+    """Run ``python -m trainmesh *argv`` as ``nproc`` ranks under torch's elastic agent, which meets the other nodes at
+    ``nodes.endpoint`` and restarts the survivors when one is lost; returns the exit code, saying why a run failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -1,10 +1,5 @@
-"""The one catalogue of devices: per-device peak FLOP/s from datasheets, and the clusters the planner
-prices layouts on (presets, resized or overridden from the command line, or this machine's).
-
-Measurement (:func:`trainmesh.tracking.metrics.peak_tflops`, for MFU) and the planner read the same
-:data:`DEVICE_PEAKS`, so a device is described once. This module imports only the standard library:
-it sits below both.
-"""
+"""The one catalogue of devices: datasheet peak FLOP/s and the clusters the planner prices layouts on.
+MFU measurement and the planner read the same :data:`DEVICE_PEAKS`; standard library only."""
 
 from __future__ import annotations
 
@@ -50,24 +45,9 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Cluster:
-    """Devices and links. Bandwidths are bytes/s per device in one direction (``inter_bw`` is one NIC's),
-    latencies are per ring hop, and ``reserved_bytes`` of each device's memory are not available to the
-    model (runtime, fragmentation).
-
-    How close the device gets to those figures: a matmul reaches ``gemm_efficiency`` of peak when all of
-    its dimensions are large, and each dimension d scales that by d / (d + ``gemm_half_dim``)
-    (:func:`gemm_efficiency`); collectives move data at ``comm_efficiency`` of the link bandwidth.
-    ``ranks_per_core`` > 1 means CPU processes sharing fewer cores (:func:`step_time`); ``has_bf16`` says
-    whether the devices compute in bf16, which is what ``--precision auto`` trains in where they do;
-    ``direct_exchange`` that ZeRO's gathers and reduce-scatters between nodes go point to point (trainmesh on
-    Gloo) rather than round a ring (NCCL), which changes the bytes that cross (:mod:`trainmesh.plan.dp_traffic`);
-    ``memory_bw`` is the bytes/s a copy kernel streams through one device's memory, what prices the work that
-    moves data rather than multiplies it (0: unknown, and such work is not priced); ``comm_overlaps_compute``
-    whether a collective issued ahead runs while the device computes, as NCCL's kernels run beside compute
-    kernels on a GPU (False where the two share the same cores: Gloo's threads on the ranks' CPUs);
-    ``hopper`` that the device is an H100-class part (H100, H800, H200: the same SMs at the same clocks), whose
-    fused attention core is priced from its measured curves (:mod:`trainmesh.plan.kernels`).
-    """
+    """Devices and links: one-way bytes/s per device (``inter_bw`` one NIC's), per-hop latencies, ``reserved_bytes``
+    off limits; matmul and collective efficiencies; ``ranks_per_core``, ``direct_exchange`` (Gloo), ``memory_bw`` (0:
+    unpriced), ``comm_overlaps_compute`` (NCCL) and ``hopper`` (measured attention curves)."""
 
     gpus: int
     gpus_per_node: int
@@ -109,21 +89,15 @@ class Cluster:
         return self.mem_bytes - self.reserved_bytes
 
     def link(self, span: int) -> tuple[float, float]:
-        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC
-        beyond."""
+        """(achieved bandwidth, latency) of a group of ``span`` consecutive ranks: NVLink inside a node, NIC beyond."""
         if span <= self.gpus_per_node:
             return self.intra_bw * self.comm_efficiency, self.intra_latency
         return self.inter_bw * self.comm_efficiency, self.inter_latency
 
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float, hopper: bool = False) -> Cluster:
-    """One 8-GPU node from datasheet figures, ``hbm`` its memory bandwidth in bytes/s.
-
-    The efficiencies are :data:`GPU_EFFICIENCY`, fitted to Megatron-LM's weak-scaling table [NAR, Table 1]
-    (``tests/unit/test_plan.py`` holds the table and checks the fit), the half dimension scaled to this device
-    by :func:`gemm_half_dim`. NCCL's per-hop latency is about 2 us over NVLink and 10 us over InfiniBand;
-    2 GiB stay reserved for the CUDA context, NCCL's own buffers and allocator fragmentation.
-    """
+    """One 8-GPU node from datasheet figures (``hbm`` in bytes/s), efficiencies :data:`GPU_EFFICIENCY` fitted
+    to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`."""
     gemm, _, comm = GPU_EFFICIENCY
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
@@ -133,15 +107,9 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
 
 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
-    """The matmul dimension at which a device reaches half its large-matmul efficiency: the fit's 160 on the
-    A100-80GB, scaled by the device's roofline ridge point (16-bit peak / memory bandwidth) against the A100's.
-
-    Why the ridge: a matmul with one dimension d small does about 2d FLOPs per 2-byte element it reads, so
-    it is memory-bound below d = peak / bandwidth, the ridge point [Williams et al., "Roofline", 2009]; the
-    A100-80GB's is 312 / 2.04 = 153 elements, the fitted half dimension's 160 within 5 %. An H100 doubles
-    the peak on 1.6 times the bandwidth (989 / 3.35 = 295), so its small matmuls (attention heads, thin tp
-    shards) reach less of its peak than an A100's. FP8 halves the bytes and doubles the peak: the same
-    ridge in elements."""
+    """The matmul dimension at which a device reaches half its large-matmul efficiency: the A100-80GB fit's
+    160 scaled by the roofline ridge point (16-bit peak / memory bandwidth) [Williams et al., "Roofline",
+    2009], since a thin matmul is memory-bound below it (docs/planner.md, "The model")."""
     _, reference_dim, _ = GPU_EFFICIENCY
     return round(reference_dim * (peak.half / hbm) / (DEVICE_PEAKS["A100"].half / A100_80GB_HBM))
 
@@ -181,28 +149,19 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
 }
 
 
-def make_cluster(
-    gpu: str,
-    gpus: int,
-    gpus_per_node: int | None = None,
-    *,
-    mem_gb: float | None = None,
-    peak_tflops: float | None = None,
-    intra_gbps: float | None = None,
-    inter_gbps: float | None = None,
-) -> Cluster:
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None = None, *, mem_gb: float | None = None,
+                 peak_tflops: float | None = None, intra_gbps: float | None = None,
+                 inter_gbps: float | None = None) -> Cluster:
     """A preset resized to ``gpus`` devices, with any explicit figure (GiB, TFLOP/s, GB/s) overriding it."""
     try:
         base = CLUSTER_PRESETS[gpu]
     except KeyError:
         raise ValueError(f"unknown gpu preset {gpu!r}; choose one of {', '.join(CLUSTER_PRESETS)}") from None
     per_node = gpus_per_node or min(gpus, base.gpus_per_node)
-    overrides = {
-        "mem_bytes": None if mem_gb is None else int(mem_gb * GIB),
-        "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
-        "intra_bw": None if intra_gbps is None else intra_gbps * 1e9,
-        "inter_bw": None if inter_gbps is None else inter_gbps * 1e9,
-    }
+    overrides = {"mem_bytes": None if mem_gb is None else int(mem_gb * GIB),
+                 "peak_flops": None if peak_tflops is None else peak_tflops * 1e12,
+                 "intra_bw": None if intra_gbps is None else intra_gbps * 1e9,
+                 "inter_bw": None if inter_gbps is None else inter_gbps * 1e9}
     given = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(base, gpus=gpus, gpus_per_node=per_node, **given)
 
@@ -213,9 +172,8 @@ GPU_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "H800": "h800-80gb", "A1
 
 
 def local_cluster(world: int, gpu_name: str | None = None, gpu_mem_bytes: int | None = None) -> Cluster:
-    """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU
-    processes sharing this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's
-    figures otherwise)."""
+    """The devices ``world`` local ranks run on: one GPU each when ``gpu_name`` is given, else CPU processes sharing
+    this host's physical memory and cores (``ranks_per_core``; the ``cpu`` preset's figures otherwise)."""
     if gpu_name is None:
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         cpu = make_cluster("cpu", world, mem_gb=host / world / GIB)

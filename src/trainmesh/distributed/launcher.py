@@ -1,32 +1,8 @@
 """Spawn N local ranks, stream rank 0's output, and stop everything as soon as any rank fails.
 
-Every rank's stdout and stderr also go to ``rank-N.log`` in a log directory when one is given (the CLI gives
-``--out``'s ``logs/``), as torchrun's ``--log-dir`` keeps them; ``tee`` names the ranks whose output is
-streamed (rank 0 alone by default, unprefixed as ever; any other choice prefixes each line ``[rank N]``).
-
-The launcher hosts the rendezvous store itself on a socket it binds to 127.0.0.1 (port chosen by the
-kernel, so no port race), and every rank joins as a client; Gloo is told to use the loopback interface,
-so a local run listens on no external address. Across nodes (:class:`Nodes`: ``--nnodes``, ``--node-rank``,
-``--master-addr``, ``--master-port``, as torchrun's static rendezvous) node 0's launcher hosts the store at
-the master address only, the others join it, each starts its node's ranks (global ranks
-``node_rank * nproc + local rank``), and a rank that fails on one node stops every node: its launcher
-posts it in the store, where the others look before blaming a rank of their own. Ranks get the environment torchrun would give them
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...), which is why the same entry point also runs unchanged
-under torchrun across machines.
-
-A rank that is stopped (SIGSTOP, a debugger's halt) does not fail: its peers only wait for it. The launcher
-reads each rank's process state every :data:`STOP_CHECK_S`, warns as soon as it sees one stopped, naming the
-rank and its pid, and ends the job when it stays stopped for the grace period (``--stopped-grace``), so a
-stopped rank is never silent for a whole collective timeout.
-
-When a rank fails, the launcher's line naming it comes first: rank 0's output stops being echoed at the first
-traceback or stack dump it prints, or once a rank has failed, so a survivor's errors never bury the cause; each
-rank not to blame gets one line after the report, naming the file with its full output.
-
-When a rank fails, the report blames, in order: a rank that stopped responding (its process stopped, or
-its heartbeat in the store silent), a rank that failed on its own, or the ranks the failed ranks were
-waiting on (in a numbered collective, or for a numbered point-to-point message) that never arrived.
-"""
+The launcher hosts the store on 127.0.0.1 (node 0 across nodes, torchrun's static rendezvous) and gives ranks
+torchrun's environment; output goes to ``rank-N.log``. A stopped rank ends the job after ``--stopped-grace``; the
+report blames an unresponsive rank, then one that failed on its own, then the ranks the others waited on."""
 
 from __future__ import annotations
 
@@ -184,9 +160,8 @@ def _pump_stderr(rp: RankProcess, echo: bool, prefix: str) -> None:
 
 
 def _pump_stdout(rp: RankProcess, echo: bool, prefix: str) -> None:
-    """Log the rank's stdout and echo a streamed rank's: raw chunks unprefixed (a progress bar's carriage
-    returns redraw in place), whole lines under a prefix. The log takes whole lines (up to a newline or a
-    carriage return), so that stderr's lines, logged by another thread, never land inside one."""
+    """Log the rank's stdout in whole lines (to a newline or carriage return, so stderr's lines never land inside one)
+    and echo a streamed rank's: raw chunks unprefixed, whole lines under a prefix."""
     fd, pending, unlogged = rp.proc.stdout.fileno(), b"", b""
     while chunk := os.read(fd, 1 << 16):
         if rp.log is not None:
@@ -233,9 +208,8 @@ does as well; the default does worse (docs/performance.md)."""
 
 
 def rank_env(rank: int, nproc: int, port: int, job: str, nodes: Nodes = Nodes()) -> dict[str, str]:
-    """The environment of local rank ``rank`` of ``nproc`` on this node; ``job`` names the run's shared-memory
-    segments (:func:`trainmesh.distributed.shm.remove_segments`). On one node Gloo uses the loopback interface; across
-    nodes the interface ``GLOO_SOCKET_IFNAME`` names, else the one the host name resolves to."""
+    """The environment of local rank ``rank`` of ``nproc`` on this node (``job`` names its shared-memory segments);
+    Gloo uses loopback on one node, else ``GLOO_SOCKET_IFNAME`` or the host name's interface."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo" if nodes.nnodes == 1 else "")
     env = {**os.environ, "RANK": str(nodes.node_rank * nproc + rank), "LOCAL_RANK": str(rank),
@@ -359,13 +333,8 @@ def _unresponsive(ranks: Sequence[RankProcess], store: dist.TCPStore) -> dict[in
 
 def _report_failure(ranks: Sequence[RankProcess], failed: list[tuple[RankProcess, int]],
                     unresponsive: dict[int, str]) -> tuple[RankProcess, int]:
-    """Say which rank is to blame and how; returns the failed rank whose exit code the launcher returns.
-
-    In order: a rank that stopped responding (whatever stopped it, SIGSTOP included: the ranks waiting on
-    it only time out, and may do so in any call); a rank that failed on its own rather than while waiting
-    for a peer (a peer that died makes the waiting ranks fail with "connection closed" too); else the
-    ranks that the failed ranks were waiting on in a collective or for a message and that never arrived.
-    """
+    """Say which rank is to blame and return it (its exit code is the launcher's): one that stopped responding, else
+    one that failed on its own, else those the failed ones waited on."""
     for rp in ranks:
         rp.join(timeout=1.0)
     waits = {rp.rank: w for rp, _ in failed if (w := _wait_of(rp, len(ranks)))}
@@ -469,16 +438,9 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
 
 @functools.cache
 def start_heartbeat() -> None:
-    """In a rank started by :func:`launch` (or :func:`trainmesh.distributed.testing.run_ranks`): a daemon thread writes
-    the time into the launcher's store every HEARTBEAT_S seconds, over a connection of its own.
-
-    A rank that stops (SIGSTOP, a frozen process) stops writing, and the launcher can name it when the
-    other ranks time out waiting for it, wherever they were waiting. A rank that hangs in Python keeps
-    beating; the collective numbering in the waiting ranks' errors names that one. One thread per process
-    however many runs it trains (cached), stopped and joined at exit: a thread still inside the store's
-    C++ client while the interpreter tears down aborts the process ("terminate called without an active
-    exception").
-    """
+    """In a rank started by :func:`launch`: a daemon thread writes the time into the store every HEARTBEAT_S so a
+    stopped rank can be named; one per process, joined at exit (a thread in the store's C++ client at teardown
+    aborts)."""
     if os.environ.get(STORE_CLIENT_ENV) != "1":
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -594,11 +556,9 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
            stopped_grace: float = STOPPED_GRACE_S, nodes: Nodes = Nodes(),
            env: Mapping[str, str] | None = None, log_dir: Path | None = None,
            tee: frozenset[int] = frozenset({0})) -> int:
-    """Run ``python *program *argv`` (by default trainmesh's own command line; ``trainmesh launch`` passes a
-    user's script) as ``nproc`` ranks on this node (of ``nodes``), ``env`` added to each rank's environment;
-    returns the exit code for the user. Each rank's output goes to ``log_dir/rank-N.log`` (when given) and, for
-    the global ranks in ``tee``, to this process's stdout and stderr. A rank stopped for longer than
-    ``stopped_grace`` seconds ends the job (:class:`StopWatch`)."""
+    """Run ``python *program *argv`` as ``nproc`` ranks on this node with ``env`` added and return the user's exit code;
+    output to ``log_dir/rank-N.log`` and, for ``tee``, to stdout/stderr; a rank stopped past ``stopped_grace`` ends it.
+    """
     nodes.check()
     store, port = _join_store(nodes)
     job = shm.new_job()
@@ -700,14 +660,8 @@ def launch_with_restarts(argv: Sequence[str], nproc: int, max_restarts: int,
                          env_of: Callable[[bool], Mapping[str, str]], clear_on_restart: Sequence[str] = (),
                          stopped_grace: float = STOPPED_GRACE_S, log_dir: Path | None = None,
                          tee: frozenset[int] = frozenset({0})) -> int:
-    """:func:`launch`, and after a failure launch every rank again (up to ``max_restarts`` times) with
-    ``env_of(True)`` in place of ``env_of(False)``: the run handed to restarted ranks resumes from its latest
-    complete checkpoint; returns the last attempt's exit code.
-
-    Restarted ranks run without the environment variables in ``clear_on_restart`` (the fault injection
-    ``TRAINMESH_FAULT``): an injected fault stands for a one-off failure, a lost node or an OOM kill, which
-    the restarted run must not meet again at the same step.
-    """
+    """:func:`launch`, relaunching every rank after a failure (up to ``max_restarts``) with ``env_of(True)`` to
+    resume from the latest checkpoint, without ``clear_on_restart`` variables (an injected fault is one-off)."""
     rc = launch(argv, nproc, stopped_grace=stopped_grace, env=env_of(False), log_dir=log_dir, tee=tee)
     for attempt in range(1, max_restarts + 1):
         if rc == 0:

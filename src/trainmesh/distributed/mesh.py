@@ -1,18 +1,7 @@
-"""The device mesh: the world of ranks viewed as named axes ``pp x dp x cp x tp``, one process group per axis.
+"""The device mesh: the world of ranks as named axes ``pp x dp x cp x tp``, one process group per axis.
 
-``tp`` is innermost so that a tensor-parallel group is made of consecutive ranks (on a GPU cluster: one
-node, where the bandwidth that tensor parallelism needs is), as Megatron-LM orders its groups; ``cp``
-(context parallelism) comes next, as in Megatron-LM's ``tp-cp-ep-dp-pp`` order. Replicated parameters see
-different tokens on every dp and cp rank, so their gradients are reduced over the flattened ``dp_cp``
-axis, one group (Megatron's data-parallel-with-context-parallel group); with cp = 1 it is the dp group.
-Expert parallelism folds inside the ranks that hold different tokens (Megatron-core's MoE parallel folding,
-torchtitan's the same way): the ``dp_cp`` coordinates, and under sequence parallelism, where each tp rank
-holds its own slice of the sequence, the tp coordinates too (tp innermost, so an ep group of a multiple of tp
-ranks is made of whole tp groups, inside a node). Its ``ep`` groups are runs of ``ep`` consecutive such
-coordinates, and the ranks that hold the same experts form the expert-data-parallel group ``edp``, where expert
-gradients are reduced; the world stays ``pp*dp*cp*tp``. A single-process run builds no process group at all: every axis has size 1 and the collectives in
-:mod:`trainmesh.distributed.comm` are skipped, so the same code path serves one rank and many.
-"""
+``tp`` innermost (one node), then ``cp``, as Megatron-LM orders them; replicated gradients reduce over ``dp_cp``; ep
+folds inside it (and tp under sp) as Megatron-core does. A single-process run builds no process group at all."""
 
 from __future__ import annotations
 
@@ -62,9 +51,8 @@ def pick_backend(backend: str, device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class WorldEnv:
-    """Where this process sits in the job, as whoever started it said: ``env`` (torchrun, or
-    ``trainmesh train --nproc``: ``RANK``, ``WORLD_SIZE``, ...), ``slurm`` (one ``srun`` task per rank:
-    ``SLURM_PROCID``, ``SLURM_NTASKS``, ...), or ``single`` (nobody: one process)."""
+    """Where this process sits in the job, as whoever started it said: ``env`` (torchrun, ``train --nproc``),
+    ``slurm`` (one ``srun`` task per rank) or ``single`` (one process)."""
 
     source: str
     rank: int = 0
@@ -92,11 +80,8 @@ def world_env(env: Mapping[str, str] = os.environ) -> WorldEnv:
 
 
 def _slurm_world(env: Mapping[str, str]) -> WorldEnv:
-    """One rank per ``srun`` task. Rank 0 (task 0, on the first node of the step) hosts the rendezvous:
-    the first host of the step's node list, not ``SLURM_LAUNCH_NODE_IPADDR``, which is the login node when
-    srun runs from an ``salloc`` shell there (that address is the fallback when no node list is set). The
-    port is derived from the job id, so every task computes the same one without talking and two jobs
-    sharing a node rarely collide; ``MASTER_ADDR``/``MASTER_PORT`` override both."""
+    """One rank per ``srun`` task; task 0 hosts the rendezvous at the step's first node (not the launch node,
+    which may be a login node), on a port derived from the job id; ``MASTER_ADDR``/``MASTER_PORT`` override."""
     world = int(env["SLURM_NTASKS"])
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else env.get("SLURM_LAUNCH_NODE_IPADDR"))
@@ -137,11 +122,8 @@ def world_from_env() -> tuple[int, int]:
 
 
 def bound_store(addr: str, port: int, timeout: datetime.timedelta, **options: object) -> dist.TCPStore:
-    """A TCPStore server listening on ``addr``'s interface alone, on ``port`` (0: the kernel picks one).
-
-    TCPStore's own server listens on every interface (IPv4 and IPv6), whatever host it is given, and
-    torch's stores are unauthenticated; bound here and handed over (``master_listen_fd``), it is reachable
-    only at the address the user named. ``options`` go to TCPStore (``world_size``, ``multi_tenant``)."""
+    """A TCPStore server listening on ``addr``'s interface alone (port 0: kernel's pick): TCPStore's own listens
+    on every interface and is unauthenticated. ``options`` go to TCPStore."""
     family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -153,14 +135,8 @@ def bound_store(addr: str, port: int, timeout: datetime.timedelta, **options: ob
 
 
 def init_distributed(backend: str, device: torch.device, timeout_s: float = 300.0) -> None:
-    """Join the process group described by the environment.
-
-    Ranks spawned by the trainmesh launcher are all *clients* of a store the launcher hosts on
-    127.0.0.1, so no rank opens a rendezvous port of its own. Under torchrun (and ``launch --nnodes
-    MIN:MAX``) with a store of the round's own, and under srun, rank 0 hosts the store at ``MASTER_ADDR``
-    (or the address :func:`world_env` derives) on that address's interface only (:func:`bound_store`);
-    where the agent hosts it (torchrun's default) every rank is its client.
-    """
+    """Join the process group described by the environment: as a client of the trainmesh launcher's store, or,
+    under torchrun/srun with the round's own store, rank 0 hosting it on ``MASTER_ADDR``'s interface only."""
     world = world_env()
     if world.world_size == 1 or dist.is_initialized():
         return
@@ -197,17 +173,9 @@ class Mesh:
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
               cp: int = 1, ep: int = 1, dp_replicate: int = 1, sequence_parallel: bool = False) -> "Mesh":
-        """The mesh over the current process group; ``timeout_s`` bounds every collective on every axis;
-        ``sequence_parallel`` says the model will run under it (``parallelize(sequence_parallel=True)``), so
-        that ep folds over tp too.
-
-        ``dp_replicate`` > 1 (hybrid sharding) splits the ``dp_cp`` axis into ``dp_replicate`` groups of
-        contiguous ``dp_cp`` coordinates, the ``dp_shard`` axis (so a group lies inside a node when the ranks
-        of a node are consecutive, as launchers number them), and the ``dp_replicate`` axis across them.
-
-        ``init_device_mesh`` gives its sub-groups torch's default timeout (30 minutes on Gloo) whatever the
-        world group's is, so the timeout is set on each axis group afterwards.
-        """
+        """The mesh over the current process group: ``timeout_s`` bounds every collective on every axis group;
+        ``sequence_parallel`` folds ep over tp; ``dp_replicate`` > 1 splits ``dp_cp`` into contiguous ``dp_shard``
+        groups."""
         layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
                         sequence_parallel=sequence_parallel and tp > 1)  # validated by its callers
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": layout.expert_data_ranks,
@@ -237,15 +205,13 @@ class Mesh:
         return mesh
 
     def _grad_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``dp_cp`` group: the ``dp*cp`` ranks sharing its ``pp`` and ``tp`` coordinates, in
-        ``dp_cp`` coordinate order. Built with the public ``new_group`` (every rank creates every group, in
-        the same order) rather than ``DeviceMesh._flatten``, a private API that has changed between releases."""
+        """This rank's ``dp_cp`` group (the ranks sharing its ``pp`` and ``tp`` coordinates), built with the public
+        ``new_group`` on every rank in one order rather than the private ``DeviceMesh._flatten``."""
         return self._split_ranks(timeout_s, (GRAD_AXIS,), self._grad_axes(), lambda ranks: {GRAD_AXIS: [ranks]})
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks, and the ranks at the
-        same place of every run. The token ranks are the ``dp_cp`` axis at one tp coordinate, or under
-        sequence parallelism the ``dp_cp`` and tp axes together, tp innermost (:meth:`_token_ranks`)."""
+        """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks (:meth:`_token_ranks`), and
+        the ranks at the same place of every run."""
         ep, edp = self.sizes["ep"], self.sizes["edp"]
         token_ranks = [ranks for pp in range(self.sizes["pp"]) for ranks in self._token_ranks(pp)]
         return self._split_ranks(timeout_s, EP_AXES, token_ranks, lambda ranks: {
@@ -274,9 +240,8 @@ class Mesh:
 
     def _split_ranks(self, timeout_s: float | None, axes: tuple[str, ...], rank_sets: list[list[int]],
                      split: Callable[[list[int]], dict[str, list[list[int]]]]) -> dict[str, dist.ProcessGroup]:
-        """This rank's group on each of ``axes`` (of size above 1), ``split`` dividing each of ``rank_sets``
-        into that axis's groups. Every rank creates every group (``new_group`` is collective over the world),
-        in the same order."""
+        """This rank's group on each of ``axes`` above size 1, ``split`` dividing ``rank_sets`` into that axis's
+        groups; every rank creates every group in one order (``new_group`` is collective)."""
         kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
         mine = {}
         for ranks in rank_sets:
@@ -351,13 +316,8 @@ def leave_at_exit(mesh: Mesh) -> None:
 
 
 def _leave(mesh: Mesh) -> None:
-    """Wait for every rank's collectives (:func:`_finish_collectives`), destroy the process group, and end
-    its Gloo groups while the interpreter is still whole (:func:`_release_groups`).
-
-    A rank that ends by an uncaught exception waits for nobody. Under the trainmesh launcher such a rank then
-    leaves at once with exit code 1, its traceback written: the interpreter's teardown could otherwise abort
-    it, and the launcher would name the abort, not the failure.
-    """
+    """Wait for every rank's collectives, then destroy the process group and its Gloo groups while the interpreter is
+    whole; a rank ending by an uncaught exception waits for nobody and exits 1, so teardown cannot hide the failure."""
     joined = dist.is_initialized()  # not if the script, or another mesh's exit handler, destroyed the group
     if joined:
         if dist.get_backend() == "gloo" and not _uncaught:
@@ -371,10 +331,8 @@ def _leave(mesh: Mesh) -> None:
 
 
 def _finish_collectives(mesh: Mesh) -> None:
-    """Return once every rank has finished the collectives it queued on every group of the mesh: Gloo's
-    barrier completes only after the work queued on its group before it. A monitored barrier over the world,
-    bounded by :data:`EXIT_WAIT_S`, comes first, so a rank whose peers have gone does not wait for them a
-    collective timeout long."""
+    """Return once every rank finished the collectives queued on every mesh group (Gloo's barrier follows
+    earlier work), after a world barrier bounded by :data:`EXIT_WAIT_S` so departed peers are not awaited."""
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
         for group in [None, *mesh.groups()]:
@@ -384,15 +342,8 @@ def _finish_collectives(mesh: Mesh) -> None:
 
 
 def _release_groups(mesh: Mesh) -> None:
-    """Let go of the mesh's process groups, so each Gloo group is destroyed now, its worker threads joined.
-
-    ``destroy_process_group`` forgets the groups but ends none of them while Python still refers to one, and
-    the mesh (which the exit handler holds) does, through its ``DeviceMesh``. Left to the interpreter's
-    teardown, a group's destructor would join its worker threads there, and a worker still freeing a tensor
-    Python let go needs the GIL, which teardown no longer hands out: the rank aborts ("terminate called
-    without an active exception") or hangs in the join, its peers and its launcher waiting on it. Here the
-    destructor releases the GIL while it joins, so the workers finish.
-    """
+    """Let go of the mesh's process groups so each Gloo group is destroyed now, its workers joined: left to
+    interpreter teardown, a worker needing the GIL makes the rank abort or hang."""
     mesh.device_mesh = None
     mesh.flat_groups.clear()
     gc.collect()

@@ -1,19 +1,7 @@
-"""Collectives and messages through shared memory, for the ranks of a group that all run on one CPU host:
-:class:`HostCollectives` for sums, all-gathers and reduce-scatters, :class:`Channel` for pipeline messages.
-
-Gloo moves every collective through TCP sockets, even between processes of one machine: the kernel copies
-each byte into and out of a socket buffer, on cores the ranks also compute on. Through a segment every rank
-maps, a rank writes its tensor once, sums its own 1/n of every rank's copy and reads the others' sums:
-a fraction of Gloo's time at every size on a 2-core host (docs/performance.md, "Shared-memory collectives
-against Gloo"). DeepSpeed reduces among one host's CPU ranks the same way.
-
-The segment holds two sets of one slot per rank, used in turn by successive chunks: a rank that has finished a
-chunk may write its next chunk into the other set while a slower rank still reads this one. An all-gather or
-a reduce-scatter needs one barrier per chunk (after the writes), an all-reduce two (after the writes, after
-the sums), each on the segment's own semaphores, which cost a fraction of a Gloo barrier. Sums run in rank order
-(``x0 + x1 + ...``), so every rank gets the same bits whatever the timing. The segment's file is removed as
-soon as every rank has mapped it, so a rank that dies later leaves nothing behind in ``/dev/shm``.
-"""
+"""Collectives (:class:`HostCollectives`) and pipeline messages (:class:`Channel`) through shared memory, for the ranks
+of a group on one CPU host, where Gloo would copy every byte through sockets (docs/performance.md, "Shared-memory
+collectives against Gloo"), as DeepSpeed does. Sums run in rank order, so every rank gets the same bits; the file is
+removed once all ranks mapped it, leaving nothing in ``/dev/shm``."""
 
 from __future__ import annotations
 
@@ -48,10 +36,8 @@ TRANSPORTS = ("auto", "off")
 
 
 def enabled() -> bool:
-    """Whether one host's ranks may sum, gather and message through shared memory (:data:`TRANSPORT_ENV`
-    ``auto``). ``off`` sends everything through torch.distributed, the calls NCCL runs on GPUs, so that a
-    CPU run (the float64 equivalence tests) proves that path. An environment variable, because it must be the
-    same on every rank, spawned or under torchrun, and reach code that builds a ``Comm`` without a config."""
+    """Whether one host's ranks may use shared memory (:data:`TRANSPORT_ENV` ``auto``); ``off`` sends everything through
+    torch.distributed so a CPU run proves the GPU path. An environment variable, so every rank and ``Comm`` agrees."""
     setting = os.environ.get(TRANSPORT_ENV, "auto")
     if setting not in TRANSPORTS:
         raise ValueError(f"{TRANSPORT_ENV}={setting!r} is not one of {', '.join(TRANSPORTS)}; set it to auto "
@@ -70,17 +56,15 @@ def _segment_name() -> str:
 
 
 def remove_segments(job: str) -> None:
-    """Remove the segment files job ``job``'s ranks left behind; call it once they have all ended. A rank
-    unlinks its segment's file as soon as every rank has mapped it, but one killed in between cannot, and
-    the file would hold its memory (32 MiB for 2 ranks) until the machine reboots."""
+    """Remove the segment files job ``job``'s ranks left behind, once all have ended: a rank killed before every rank
+    mapped its segment leaves a file holding memory until reboot."""
     for path in SHM_DIR.glob(f"trainmesh-{job}-*"):
         path.unlink(missing_ok=True)
 
 
 def _host_id() -> str:
-    """Names this machine: two ranks on one host share a boot id (containers on one host do too, and may
-    still not share ``/dev/shm``: mapping the segment then fails on every rank but its creator, and the
-    group falls back to Gloo)."""
+    """Names this machine by boot id (containers on one host share it but may not share ``/dev/shm``; mapping then
+    fails and the group falls back to Gloo)."""
     boot = Path("/proc/sys/kernel/random/boot_id")
     return f"{socket.gethostname()}:{boot.read_text().strip() if boot.exists() else ''}"
 
@@ -106,9 +90,8 @@ class _Timespec(ctypes.Structure):
 
 
 class Semaphore:
-    """A POSIX semaphore at ``address`` in a segment that several processes map: a wait blocks in the kernel
-    (no spinning on cores the ranks compute on) until a post from any of them, and orders the memory
-    written before the post before the reads after the wait."""
+    """A POSIX semaphore at ``address`` in a shared segment: waits block in the kernel (no spinning on compute cores)
+    and order memory written before a post before reads after the wait."""
 
     def __init__(self, address: int) -> None:
         self.address = ctypes.c_void_p(address)
@@ -133,12 +116,9 @@ class Semaphore:
 
 
 class HostCollectives:
-    """Sums, all-gathers and reduce-scatters over ``group`` through a shared segment; build it with :meth:`open`.
-
-    The segment starts with one semaphore per (barrier parity, rank), then the two slot sets. A barrier posts
-    every other rank's semaphore of its parity and waits on its own as often: no rank can be two barriers
-    ahead of another (it would need that rank's posts for the barrier between), so posts for the next barrier
-    land on the other parity and are never counted towards this one."""
+    """Sums, all-gathers and reduce-scatters over ``group`` through a shared segment (build with :meth:`open`).
+    One semaphore per (barrier parity, rank): no rank can be two barriers ahead, so next-barrier posts never
+    count towards this one."""
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor, timeout_s: float) -> None:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
@@ -160,9 +140,8 @@ class HostCollectives:
 
     @classmethod
     def open(cls, group: dist.ProcessGroup, timeout_s: float) -> HostCollectives | None:
-        """Map a segment on every rank of ``group`` (a collective over it); None, on every rank alike, where
-        the ranks span hosts, the C library has no shared semaphores, or the segment cannot be mapped. A
-        barrier waits ``timeout_s`` for a peer before it raises."""
+        """Map a segment on every rank of ``group`` (a collective); None on every rank alike across hosts, without
+        shared semaphores or where mapping fails. A barrier waits ``timeout_s`` for a peer."""
         if _libc() is None:
             return None
         size = dist.get_world_size(group)
@@ -176,9 +155,8 @@ class HostCollectives:
         return cls(group, segment, timeout_s) if segment is not None else None
 
     def all_reduce(self, t: torch.Tensor, divisor: int = 1) -> None:
-        """Sum contiguous ``t`` over the group, in place, chunk by chunk, divided by ``divisor``: each rank
-        divides the part it summed, while it is still in cache, rather than every rank its whole tensor
-        before the sum (the same bits where the divisor is a power of two)."""
+        """Sum contiguous ``t`` over the group in place, chunk by chunk, each rank dividing by ``divisor`` the part it
+        summed while in cache (the same bits for a power-of-two divisor)."""
         flat = t.view(-1)
         per_chunk = SLOT_BYTES // t.element_size()
         for start in range(0, flat.numel(), per_chunk):
@@ -196,9 +174,8 @@ class HostCollectives:
             whole[:, start:start + part.numel()].copy_(slots)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, divisor: int = 1) -> None:
-        """Into contiguous ``out``, the sum over the group of slice ``rank`` of every rank's contiguous ``full``
-        (``size`` slices of ``out``'s length), divided by ``divisor``, chunk by chunk: each rank writes its
-        chunk of every slice, then sums the chunks of its own slice in rank order."""
+        """Into contiguous ``out``, the sum over the group of slice ``rank`` of every rank's ``full``, divided by
+        ``divisor``, chunk by chunk, summed in rank order."""
         mine, slices = out.view(-1), full.view(self.size, -1)
         per_chunk = SLOT_BYTES // (self.size * full.element_size())
         for start in range(0, mine.numel(), per_chunk):
@@ -249,9 +226,8 @@ def _sum_in_rank_order(out: torch.Tensor, parts: torch.Tensor, divisor: int) -> 
 
 def open_segment(group: dist.ProcessGroup, nbytes: int,
                  prepare: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
-    """``nbytes`` of memory shared by every rank of ``group`` (a collective over it), zeroed, and
-    ``prepare``d by its first rank before any other maps it; None on every rank alike where the ranks are
-    on different hosts or any of them cannot map it. The file is gone once every rank has mapped it."""
+    """``nbytes`` of zeroed memory shared by every rank of ``group`` (a collective), ``prepare``d by its first rank;
+    None on every rank alike across hosts or where mapping fails. The file is gone once all have mapped it."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     hosts: list = [None] * size
     dist.all_gather_object(hosts, _host_id(), group=group)
@@ -278,9 +254,8 @@ def open_segment(group: dist.ProcessGroup, nbytes: int,
 
 
 def _map(path: Path, nbytes: int, create: bool = True) -> torch.Tensor | None:
-    """Map ``path``'s ``nbytes``. The creator reserves them first: a mapping of a sparse file on a full tmpfs
-    (Docker's ``/dev/shm`` is 64 MiB) succeeds, and the first write past the space left kills the rank with
-    SIGBUS; a reservation that fails leaves the group on Gloo instead."""
+    """Map ``path``'s ``nbytes``, the creator reserving them first: on a full tmpfs a sparse mapping succeeds and a
+    later write kills the rank with SIGBUS, whereas a failed reservation leaves the group on Gloo."""
     if not create and not path.exists():
         return None
     try:
@@ -307,10 +282,9 @@ def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
 
 
 class Channel:
-    """Messages from one rank to another through a ring of ``depth`` slots in a shared segment, in the order
-    they were sent: the sender copies into a free slot and posts ``filled``; the receiver waits for it,
-    copies out into the buffer of its oldest posted receive and posts ``free``. Both copies run on the
-    calling thread, so a message leaves and lands at once, with no communication thread waiting for a core."""
+    """Messages from one rank to another through a ring of ``depth`` shared slots, in order: the sender fills a slot
+    and posts ``filled``, the receiver copies out and posts ``free``, both on the calling thread (no thread waits for
+    a core)."""
 
     HEADER = 2 * SEM_BYTES
 
@@ -365,9 +339,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def open_channels(group: dist.ProcessGroup, pairs: list[tuple[int, int]], depth: int, slot_bytes: int,
                   timeout_s: float) -> dict[tuple[int, int], Channel] | None:
-    """A :class:`Channel` for each directed pair ``(sender, receiver)`` of global ranks of ``group`` (the
-    same list on every rank), in one segment (a collective over ``group``); None on every rank alike where
-    the ranks span hosts, the C library has no shared semaphores, or the segment cannot be mapped."""
+    """A :class:`Channel` per directed pair ``(sender, receiver)`` of ``group``'s global ranks, in one segment (a
+    collective); None on every rank alike across hosts, without shared semaphores or where mapping fails."""
     if _libc() is None:
         return None
     slot_bytes = -(-slot_bytes // 64) * 64  # each slot starts on a cache line

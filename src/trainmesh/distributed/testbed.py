@@ -1,19 +1,8 @@
 """A multi-node test bed on one Linux host: each "node" a network namespace, the link between them real.
 
-Every node is a network namespace with one veth interface, ``eth0``, holding a private address
-(``10.77.0.<k+1>/24``); the other end of each veth sits in a hub namespace on one bridge, so the nodes reach
-each other only through their veths, whose egress a ``tc ... tbf`` qdisc limits to the link's rate
-(``rate_mbit``; netem is not needed). Loopback inside a node stays fast, as a node's own links are. Each node's
-processes also run in a UTS namespace of their own with the node's host name, so trainmesh's shared-memory
-transport (which pairs ranks by host name and boot id, :func:`trainmesh.distributed.shm._host_id`) stays inside a node,
-and what crosses between nodes goes over the veth, where :meth:`TestBed.link_bytes` counts it.
-
-Nothing is reachable from a node but the other nodes: rendezvous and Gloo bind to the nodes' addresses
-(``GLOO_SOCKET_IFNAME=eth0``), which exist only inside the namespaces the bed made. :meth:`TestBed.close`
-(also on leaving the ``with`` block, whatever happened in it) kills the processes still in the bed's
-namespaces and deletes the namespaces, which removes their veths and bridge, and their ``/etc/netns`` files. :func:`missing_capability`
-names what the host lacks to build one (root, ``ip``, ``tc``, ``unshare``), for a test to skip with.
-"""
+Each node has a rate-limited veth ``eth0`` (``10.77.0.<k+1>/24``, ``tc tbf``) on a hub bridge and its own host name,
+so shared memory stays inside a node and cross-node bytes are counted (:meth:`TestBed.link_bytes`).
+:func:`missing_capability` names what the host lacks (root, ``ip``, ``tc``, ``unshare``)."""
 
 from __future__ import annotations
 
@@ -99,9 +88,8 @@ class TestBed:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _name_service(self) -> None:
-        """Give every namespace (``ip netns exec`` mounts ``/etc/netns/<name>/*`` over ``/etc``) a hosts file
-        naming the nodes and a resolver with no server: a name lookup (c10d looks up every peer's name)
-        is answered at once instead of waiting for a DNS server no namespace can reach."""
+        """Give every namespace a hosts file naming the nodes and a resolver with no server (via ``/etc/netns``), so
+        c10d's name lookups are answered at once instead of waiting for an unreachable DNS server."""
         hosts = "127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.hostname}\n" for n in self.members)
         for ns in self._made:
             etc = ETC_NETNS / ns

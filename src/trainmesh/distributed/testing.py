@@ -1,11 +1,6 @@
-"""A small harness that runs a function on N ranks (processes on 127.0.0.1) and returns their results.
-
-Each rank gets the environment the launcher gives (a store hosted by the calling process on loopback,
-Gloo on ``lo``), runs ``fn(*args)`` and hands back its return value. A rank that raises, dies or
-outlives ``timeout`` fails the call with the rank's number and traceback, and every other rank is killed,
-so a broken or hung test fails instead of hanging CI. (PyTorch's ``MultiProcessTestCase`` and DeepSpeed's
-``DistributedTest`` play this role in those projects.)
-"""
+"""A small harness that runs a function on N ranks (processes on 127.0.0.1) and returns their results, as
+PyTorch's ``MultiProcessTestCase`` or DeepSpeed's ``DistributedTest``: a rank that raises, dies or
+outlives ``timeout`` fails the call with its number and traceback, and the others are killed."""
 
 from __future__ import annotations
 
@@ -49,9 +44,8 @@ def _kill_all(procs: list[mp.Process]) -> None:
 
 
 def _context() -> mp.context.BaseContext:
-    """Ranks fork from a server process that has imported torch and trainmesh once: a spawned rank
-    spends over a second of CPU importing them, the bulk of a small multi-rank test.
-    The server itself never computes (no thread pools started before the fork), so forking it is safe."""
+    """Ranks fork from a server process that imported torch and trainmesh once (a second of CPU per spawned rank
+    otherwise); it never computes, so forking it is safe."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "trainmesh.app.train"])
     return ctx

@@ -1,9 +1,6 @@
-"""The registry of model families: each is a :class:`~trainmesh.models.spec.ModelSpec`, looked up by preset
-name (``--model``). Registering a family (here, or from outside trainmesh with :func:`register_family`) is
-all it takes for ``trainmesh train`` and ``plan`` to offer its presets, ``--init-hf`` and ``export --hf`` to
-read and write its Hugging Face architecture, and ``trainmesh.parallelize`` to recognise its models; no
-parallel form names a model class. An installed package adds a family through the ``trainmesh.families``
-entry-point group (:func:`load_installed_families`), loaded the first time a name is not found."""
+"""The registry of model families (:class:`~trainmesh.models.spec.ModelSpec`, looked up by preset name):
+registering one, here or by :func:`register_family` or the ``trainmesh.families`` entry points, is all
+``train``, ``plan``, ``--init-hf``, ``export --hf`` and ``parallelize`` need."""
 
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ def is_moe(cfg: object) -> bool:
 
 
 def config_from_dict(like: Any, values: dict[str, Any]) -> Any:
-    """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a checkpoint manifest's), its
-    MoE settings and RoPE scaling made a :class:`~trainmesh.models.moe.MoEConfig` and
-    :class:`~trainmesh.models.rope.RopeScaling` again."""
+    """A model config of ``like``'s type from its ``dataclasses.asdict`` form (a manifest's), with its ``MoEConfig``
+    and ``RopeScaling`` rebuilt."""
     moe, rope = values.get("moe"), values.get("rope_scaling")
     return type(like)(**{**values, **({"moe": MoEConfig(**moe)} if moe else {}),
                          **({"rope_scaling": RopeScaling(**rope)} if rope else {})})
@@ -130,11 +126,9 @@ SPECS: list[ModelSpec] = [
 
 
 def register_family(spec: ModelSpec) -> ModelSpec:
-    """Add ``spec``'s family to trainmesh, for this process, without editing trainmesh: its presets become
-    ``--model`` names, ``trainmesh.parallelize`` recognises its models (``spec.accepts``), and with an
-    ``hf`` mapping ``--init-hf`` reads and ``export --hf`` writes its architecture. A family, preset name or
-    Hugging Face architecture already taken is refused (registering the same spec again is a no-op).
-    Returns ``spec``."""
+    """Add ``spec``'s family for this process: its presets become ``--model`` names, ``parallelize`` recognises
+    its models, its ``hf`` mapping serves ``--init-hf``/``export --hf``. A taken family, preset or
+    architecture is refused (the same spec again is a no-op). Returns ``spec``."""
     if any(s is spec for s in SPECS):
         return spec
     if not isinstance(spec, ModelSpec):
@@ -156,11 +150,8 @@ _TRIED_ENTRY_POINTS: set[str] = set()  # loaded once per process, failures inclu
 
 
 def load_installed_families() -> bool:
-    """Register the family each installed package names in the ``trainmesh.families`` entry-point group (a
-    :class:`ModelSpec`, ``name = "package.module:SPEC"``), so that a pip-installed family is a ``--model`` and
-    ``--init-hf`` name without an import. Called only when a name is not found among the registered
-    families, so trainmesh imports no such package otherwise. An entry point that fails to load is one line
-    on stderr naming it, and the others still load. True if any family was added."""
+    """Register each family named in the ``trainmesh.families`` entry-point group (``"package.module:SPEC"``),
+    only when a name is not found; one that fails to load is one stderr line. True if any was added."""
     added = False
     for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if point.value in _TRIED_ENTRY_POINTS:
@@ -236,9 +227,8 @@ def any_config(spec: ModelSpec) -> Any:
 
 
 def register_preset(spec: ModelSpec, name: str, cfg: Any) -> None:
-    """Make ``name`` a buildable preset of ``spec``'s family with config ``cfg``, for this process: how a model
-    that is no preset (an ``--init-hf`` import, a model a script saved) is named and built by ``trainmesh
-    train``. Re-registering a name with the same config is a no-op; with another, an error."""
+    """Make ``name`` a buildable preset of ``spec``'s family with config ``cfg`` for this process (how an
+    ``--init-hf`` import or a saved model is built by ``train``); the same name with another config is an error."""
     presets = {**spec.presets, **spec.planner_presets}
     if name in presets and presets[name] != cfg:
         raise ValueError(f"model preset {name!r} exists with another config; choose another name")

@@ -1,10 +1,5 @@
-"""A key/value cache for autoregressive decoding, and the causal attention that reads it.
-
-Decoding one token at a time would otherwise recompute every earlier position's keys and values at each
-step; with the cache a step runs the model on the new tokens only and their queries attend over the keys
-and values stored so far (Pope et al., 2022, "Efficiently Scaling Transformer Inference", §2). The model
-stays a plain module: ``forward(x, cache)`` with ``cache=None`` (training) is the uncached path, unchanged.
-"""
+"""A key/value cache for autoregressive decoding, and the causal attention that reads it: each step runs only the new
+tokens, attending over stored keys and values (Pope et al., 2022, §2); ``cache=None`` is the unchanged training path."""
 
 from __future__ import annotations
 
@@ -51,15 +46,9 @@ class KVCache:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Causal softmax attention where the queries are the *last* ``q.shape[2]`` of the key positions, each
-    seeing only the ``window`` keys up to its own when a window is given (Mistral's sliding window, as
-    transformers masks it: key ``j`` is visible to query ``i`` iff ``i - window < j <= i``).
-
-    Training without a window passes equal lengths and takes SDPA's ``is_causal`` path. With a cache the
-    keys also cover earlier positions; SDPA's ``is_causal`` would then align the mask to the top left, so
-    the query at offset ``i`` gets an explicit mask admitting keys up to ``k_len - q_len + i`` (and, with a
-    window, from ``k_len - q_len + i - window + 1``): the cache keeps every position, the mask the window.
-    """
+    """Causal softmax attention where the queries are the last ``q.shape[2]`` key positions, within ``window``
+    keys when given (transformers' mask: key j visible to query i iff i - window < j <= i). Equal lengths
+    without a window take SDPA's ``is_causal``; otherwise an explicit bottom-right-aligned mask."""
     q_len, k_len = q.shape[2], k.shape[2]
     if q_len == k_len and (window is None or window >= k_len):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -1,16 +1,7 @@
-"""DeepSeek-V3 (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report") at tiny sizes, as an option of trainmesh's
-Llama: multi-head latent attention (:class:`trainmesh.models.llama.LatentAttention`), a sigmoid router with
-its selection bias (the aux-loss-free balancing of §2.1.2, ``MoEConfig.bias_rate``) and its group-limited
-(node-limited) routing (``n_group``/``topk_group`` as ``MoEConfig.expert_groups``/``groups_per_token``),
-shared experts, dense first layers, the routed weights scaled by ``routed_scaling_factor``; and its
-translation to and from transformers' ``DeepseekV3ForCausalLM``.
-
-Tensor parallelism splits heads: ``q_b`` (or ``q``) and ``kv_b`` by their per-head rows, ``o`` by its input;
-the compressions ``q_a``/``kv_a`` and their norms are held whole on every tp rank, each of which uses them
-for its own heads, so their gradients are summed over tp (``per_head``). Context parallelism is refused: a
-value head narrower than the query/key head does not fit the ring's accumulators. Its YaRN rope scaling,
-``mscale_all_dim`` included, is imported (:mod:`trainmesh.models.rope`).
-"""
+"""DeepSeek-V3 (DeepSeek-AI, 2024) at tiny sizes as an option of trainmesh's Llama: latent attention, sigmoid routing
+with the aux-loss-free bias (§2.1.2) and group limits, shared experts, dense first layers, and the
+``DeepseekV3ForCausalLM`` translation. tp splits heads and keeps the compressions whole (``per_head``); cp is refused
+(a value head narrower than the query/key head does not fit the ring's accumulators)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""A GPT-style decoder written as a plain ``nn.Module`` that knows nothing of parallelism.
-
-Parallel forms are applied *to* this model from outside (see ``trainmesh.parallelize``). Two choices make
-that possible without special cases:
-
-* attention derives its head count from the width of the tensors it receives, so a tensor-parallel plan
-  can shard the ``qkv``/``proj`` linears and each rank then computes ``n_heads / tp`` heads;
-* the blocks live in an ``nn.ModuleDict`` keyed by layer index and every top-level piece may be removed
-  (set to ``None``), so a pipeline stage is this same class with the layers it does not own deleted,
-  and parameter names stay identical across layouts (which sharded checkpoints rely on). torchtitan
-  builds its pipeline stages the same way.
-"""
+"""A GPT-style decoder as a plain ``nn.Module`` that knows nothing of parallelism: attention derives its head count from
+its tensors' widths (so tp can shard it), and blocks are a ``ModuleDict`` whose pieces a pipeline stage deletes,
+keeping names identical across layouts (as torchtitan)."""
 
 from __future__ import annotations
 
@@ -154,11 +145,8 @@ class Embedding(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: ``embed -> blocks -> ln_f -> head``; ``forward`` returns logits.
-
-    Any of ``embed``, ``ln_f`` and ``head`` may be ``None`` and ``blocks`` may hold a subset of layers:
-    the input is then hidden states instead of token ids and the output hidden states instead of logits.
-    """
+    """Decoder-only transformer: ``embed -> blocks -> ln_f -> head``; ``forward`` returns logits, or hidden
+    states where ``embed``/``head`` are ``None`` on a stage."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         super().__init__()
@@ -171,12 +159,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """GPT-2 init (N(0, 0.02), residual projections, experts' ``w2`` among them, scaled by 1/sqrt(2L))
-        from a private generator.
-
-        A private generator makes the weights a function of the seed alone, identical on every rank and in
-        every layout, without touching the global RNG that dropout or data code may use.
-        """
+        """GPT-2 init (N(0, 0.02), residual projections scaled by 1/sqrt(2L)) from a private generator, so the
+        weights depend on the seed alone in every layout and the global RNG is untouched."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
         for name, p in self.named_parameters():
@@ -208,13 +192,11 @@ the same ``F.gelu(approximate="tanh")``, ``gelu_new`` (GPT-2's own) spells out t
 def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
     """Our config for a ``GPT2LMHeadModel`` config; anything this model would compute differently (the exact
     erf GELU, another LayerNorm epsilon, attention scaled otherwise) is refused."""
-    differs = {
-        "activation_function": (hf.get("activation_function"), TANH_GELUS),
-        "layer_norm_epsilon": (hf.get("layer_norm_epsilon"), (1e-5,)),
-        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
-        "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), (False,)),
-        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
-    }
+    differs = {"activation_function": (hf.get("activation_function"), TANH_GELUS),
+               "layer_norm_epsilon": (hf.get("layer_norm_epsilon"), (1e-5,)),
+               "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+               "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+               "add_cross_attention": (hf.get("add_cross_attention", False), (False,))}
     for what, (there, ours) in differs.items():
         if there not in ours:
             raise HFIncompatible(f"{what} is {there!r}; trainmesh's GPT computes {ours[0]!r} (GPT-2 layout, "

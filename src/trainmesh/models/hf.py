@@ -1,25 +1,7 @@
-"""Hugging Face checkpoints in and out: a local ``transformers`` model directory read into a trainmesh model
-family, and a trainmesh model written as one that ``AutoModelForCausalLM.from_pretrained`` loads.
-
-What differs between the two is data in each family's spec (:class:`trainmesh.models.spec.HFMapping`: the
-architecture, the config translation both ways, the tensor renames and re-layouts); this module only reads
-and writes directories and dispatches through the spec. Three rules:
-
-* no pickle is ever loaded: weights are read from ``model.safetensors`` (or the shards a
-  ``model.safetensors.index.json`` lists); a directory holding only ``pytorch_model.bin`` is refused;
-* nothing is downloaded: a path that does not exist (a hub id such as ``meta-llama/Llama-3-8B``) is an
-  error asking for a local copy, and transformers reads configs with ``local_files_only``;
-* config files are read and written by transformers' own config classes (which fill in every default a
-  ``config.json`` leaves out), tensors by safetensors. transformers is imported only here and only when
-  a config is read or written, so trainmesh itself imports and trains without it (the ``hf`` extra);
-* nothing from a model folder executes: a ``config.json`` with ``auto_map`` (which points transformers at
-  Python files beside it) is refused before transformers sees it, transformers is called with
-  ``trust_remote_code=False`` (so it never asks on the terminal, and never reads stdin), and the sizes
-  trainmesh reads from the config are checked to be whole numbers in range, naming the key.
-
-Weights must be able to train (:mod:`trainmesh.models.weights`): floating point and finite, checked before
-any rank starts, naming the tensor.
-"""
+"""Hugging Face checkpoints in and out: a local ``transformers`` directory read into a trainmesh family, and a model
+written so ``AutoModelForCausalLM.from_pretrained`` loads it. Per-family differences are data (``HFMapping``).
+No pickle, no download, transformers imported lazily, nothing from a model folder executes (``auto_map`` refused,
+``trust_remote_code=False``), weights finite floats (:mod:`trainmesh.models.weights`)."""
 
 from __future__ import annotations
 
@@ -160,9 +142,8 @@ def _refuse_code(raw: dict[str, Any], path: Path) -> None:
 
 
 def check_config_values(raw: Mapping[str, Any], path: str | Path) -> None:
-    """The sizes and scales the families read: whole numbers in range and finite numbers, so a ``n_layer`` of
-    2.5, an ``n_positions`` of -1 or a NaN ``rope_theta`` is one line naming the key before any tensor is
-    built, not a traceback (or a model that computes NaN) later."""
+    """The sizes and scales the families read must be whole numbers in range and finite, so a bad ``n_layer`` or NaN
+    ``rope_theta`` is one line naming the key before any tensor is built."""
     for key, bound in (*SIZES.items(), *COUNTS.items()):
         value, low = raw.get(key), 0 if key in COUNTS else 1
         if key not in raw or value is None and key in NULLABLE:
@@ -329,9 +310,8 @@ def to_trainmesh(spec: ModelSpec, cfg: Any, tensors: Mapping[str, torch.Tensor],
 
 
 def _check_shapes(spec: ModelSpec, cfg: Any, ours: Mapping[str, torch.Tensor], where: str) -> None:
-    """Every parameter of the model ``config.json`` describes has a tensor of its shape: a mapping renames
-    and re-lays out tensors but does not check every shape (a GPT-2 whose ``n_embd`` is missing from its
-    config gets transformers' 768 while its tensors are 16 wide)."""
+    """Every parameter of the model ``config.json`` describes has a tensor of its shape (mappings do not check every
+    shape: a GPT-2 config missing ``n_embd`` gets 768 while its tensors are 16 wide)."""
     for name, shape in _parameter_shapes(spec.family, cfg).items():
         if name not in ours:
             raise HFError(f"{where} gives no tensor for {name} of a {spec.hf.architecture} of its config.json")
@@ -375,10 +355,8 @@ def read_hf(path: str | Path) -> tuple[ModelSpec, Any, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load the weights of HF directory ``path`` into ``model``, a trainmesh model of the directory's family
-    and shape (``models.spec_of(...).builder(read_config(path)[1])``), before it is parallelized, or a
-    pipeline stage of one (it takes the tensors it holds). The training path (``trainmesh train
-    --init-hf``) reshards them onto any layout itself. Returns ``model``."""
+    """Load HF directory ``path``'s weights into ``model`` (a trainmesh model of its family and shape, or a pipeline
+    stage of one) before it is parallelized; ``train --init-hf`` reshards onto any layout itself. Returns ``model``."""
     spec, _, weights = read_hf(path)
     for name, p in model.named_parameters():
         if name not in weights or weights[name].shape != p.shape:
@@ -414,11 +392,9 @@ def _dtype_attribute(config: Any) -> str:
 
 def save_hf(weights: nn.Module | Mapping[str, torch.Tensor], out: str | Path, model_config: Any = None,
             spec: ModelSpec | None = None, attributes: Mapping[str, Any] | None = None) -> Path:
-    """Write ``weights`` (a trainmesh model, or its full state dict with ``model_config``) to directory ``out``
-    (created with its parents) as ``config.json`` and ``model.safetensors`` of the HF architecture of
-    ``spec``'s family (default: the family of ``model_config``), with ``attributes`` (the special token ids)
-    set in the config; returns ``out``. The tokenizer and generation config are the checkpoint's to give
-    (:func:`trainmesh.checkpoint.export_hf`)."""
+    """Write ``weights`` (a model, or a full state dict with ``model_config``) to ``out`` as ``config.json`` and
+    ``model.safetensors`` of ``spec``'s HF architecture, ``attributes`` (special token ids) in the config;
+    returns ``out``. Tokenizer and generation config: :func:`trainmesh.checkpoint.export_hf`."""
     if isinstance(weights, nn.Module):
         model_config, weights = weights.cfg if model_config is None else model_config, weights.state_dict()
     spec = spec or spec_of_config(model_config)

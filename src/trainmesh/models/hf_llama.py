@@ -1,18 +1,6 @@
-"""Hugging Face transformers' ``LlamaForCausalLM`` as a model family, and its variants ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM`` and ``MistralForCausalLM`` (the same layout, names and rotary embedding): specs, not code
-in a parallel form.
-
-The model is used as transformers builds it (``model.embed_tokens``, the ``model.layers`` list of
-``LlamaDecoderLayer``, ``model.norm``, ``lm_head``; parameter names unchanged, so its checkpoints still fit).
-What its own ``forward`` does around the layers is done here so that any pipeline stage can run any
-subset of them: the stage layout names the parts for :class:`~trainmesh.models.spec.Staged`, and
-:func:`add_rotary` gives each attention module its rotary ``(cos, sin)`` from the sequence it sees,
-computed by the model's own ``rotary_emb``. Attention runs causal with no mask (``sdpa``'s ``is_causal``),
-which is what the model does for unpadded training batches.
-
-``transformers`` is never imported here: the family is recognised by class name and module, so
-``import trainmesh`` works without it.
-"""
+"""transformers' ``LlamaForCausalLM`` and its variants (Qwen2, Qwen3, Mistral) as model families: specs, not code in a
+parallel form. The model is used as built (names unchanged); what its ``forward`` does around the layers is done here
+so any stage runs any subset. transformers is never imported: the family is recognised by class name and module."""
 
 from __future__ import annotations
 
@@ -113,9 +101,8 @@ def _with_rotary(rotary: nn.Module, window: int | None, _attn: nn.Module, args: 
 
 
 def add_rotary(model: nn.Module) -> None:
-    """Give every decoder layer's attention its rotary embedding, from the input it sees (the whole
-    sequence, once a tensor-parallel plan's ``prepare_input`` has gathered it under sequence parallelism).
-    Refuses an attention implementation that would need a mask to be causal."""
+    """Give every decoder layer's attention its rotary embedding from the input it sees (whole, once ``prepare_input``
+    gathered it under sp); refuses an attention implementation needing a mask to be causal."""
     config = model.model.config
     if config._attn_implementation not in CAUSAL_IMPLEMENTATIONS:
         raise ValueError(f"this Llama uses attn_implementation={config._attn_implementation!r}, which needs an "

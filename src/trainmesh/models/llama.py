@@ -1,25 +1,8 @@
 """A Llama-family decoder (Touvron et al., 2023; Llama 3, Grattafiori et al., 2024) as a plain ``nn.Module``.
 
-Pre-norm RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention and no biases. It keeps
-the stage contract of :class:`trainmesh.models.gpt.GPT` (``embed``, ``blocks`` keyed by layer index,
-``ln_f``, ``head``, each end possibly ``None`` on a pipeline stage), so pipeline partitioning, ZeRO units
-and sharded checkpoints work on it unchanged, and like the GPT it knows nothing of parallelism: attention
-derives its head counts from the widths of the tensors it receives, so a tensor-parallel rank holding
-``1/tp`` of the heads computes just those.
-
-Two layouts are chosen for tensor parallelism:
-
-* ``attn.qkv`` is one fused linear whose output rows are grouped by key/value head, Megatron-LM's GQA
-  layout: for each KV head ``g``, its ``n_heads / n_kv_heads`` query heads, then K_g, then V_g. Splitting
-  the rows evenly over tp therefore hands each rank whole groups, a query head always lands with the KV
-  head it attends with (query head ``j`` uses KV head ``j // group``, as in Hugging Face's ``repeat_kv``),
-  and one all-gather (under sequence parallelism) serves q, k and v.
-* ``mlp.gate_up`` is one fused ``[gate | up]`` linear, split by the plan chunk by chunk.
-
-Rotary embeddings use the "rotate half" pairing (dimension ``i`` with ``i + head_dim/2``) of Hugging Face's
-Llama. They are applied after the q/k projection, where a column-parallel linear has already gathered the
-whole sequence under sequence parallelism, so positions are always global token positions.
-"""
+Pre-norm RMSNorm, RoPE (rotate-half, after the projection so positions stay global), SwiGLU, GQA, no biases; GPT's
+stage contract. ``attn.qkv`` rows are grouped by KV head (Megatron-LM's GQA layout, so tp hands out whole groups)
+and ``mlp.gate_up`` is one fused ``[gate | up]`` linear."""
 
 from __future__ import annotations
 
@@ -42,19 +25,9 @@ from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explici
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama: ``n_kv_heads < n_heads`` is grouped-query attention (equal: multi-head); with
-    ``moe``, the MLP of every layer after ``moe.n_dense_layers`` is a mixture of SwiGLU experts (Mixtral,
-    Qwen3-MoE, DeepSeek-V3).
-
-    The attention options of the families built on it: ``qkv_bias`` (Qwen2: biases on q, k and v only),
-    ``qk_norm`` (Qwen3: an RMSNorm over each query and key head before the rotation) and ``sliding_window``
-    (Mistral: each token attends to itself and the ``sliding_window - 1`` tokens before it). ``kv_lora_rank``
-    above 0 replaces the attention by DeepSeek's multi-head latent attention (:class:`LatentAttention`).
-    ``head_dim`` is each head's width where it is not ``d_model / n_heads`` (None): Qwen3's heads are 128
-    wide at every size (twice ``d_model / n_heads`` in Qwen3-0.6B), Mistral-Nemo's 128 of a 5120-wide model
-    with 32 heads; queries are then ``n_heads * head_dim`` wide and ``o`` maps them back to ``d_model``.
-    ``rope_scaling`` stretches the rotary frequencies to a longer context than the model was first trained at
-    (Llama 3.1's "llama3", DeepSeek-V3's "yarn"; :mod:`trainmesh.models.rope`)."""
+    """Shape of a Llama: GQA when ``n_kv_heads < n_heads``; ``moe`` (Mixtral, Qwen3-MoE, DeepSeek-V3), ``qkv_bias``
+    (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral), ``kv_lora_rank`` (:class:`LatentAttention`),
+    ``head_dim`` and ``rope_scaling`` (:mod:`trainmesh.models.rope`) for the families built on it."""
 
     n_layers: int
     d_model: int
@@ -171,9 +144,8 @@ def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
 
 
 class Rotary(nn.Module):
-    """The rotary angles of given position ids; a module (without parameters) so that a parallel form that
-    holds part of a sequence (context parallelism) hands it the tokens' global positions and gets the same
-    scaled angles a single process computes for them."""
+    """The rotary angles of given position ids, a parameter-free module so cp can hand it the tokens' global positions
+    and get the angles a single process computes."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
@@ -190,10 +162,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax attention of query heads over their shared key/value heads, within ``window`` tokens
-    when one is set; parameter-free, its own module so that selective recomputation (Korthikanti et al.,
-    2022, §5) redoes exactly this part, including the repeated K and V, and so that context parallelism
-    finds the window it must keep (``window``)."""
+    """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set; its own
+    module so selective recomputation [KOR, §5] redoes exactly this and cp finds its window."""
 
     def __init__(self, window: int | None = None) -> None:
         super().__init__()
@@ -235,19 +205,9 @@ class Attention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2", §2.1; DeepSeek-V3 keeps it): keys and
-    values of every head are expanded (``kv_b``) from one compressed vector per token (``kv_a``, then an
-    RMSNorm) of ``kv_lora_rank`` features, queries likewise through a ``q_lora_rank`` bottleneck (``q_a``,
-    ``q_norm``, ``q_b``; a full ``q`` projection when it is 0). Position enters only a decoupled part: each
-    head's query has ``qk_rope_head_dim`` rotated features, its key the same rotated features, shared by every
-    head, from ``kv_a`` (eq. 14-19). Heads are independent after ``q_b``/``kv_b``, so tensor parallelism
-    splits those by heads (and ``o`` by its input), holding the small ``q_a``/``kv_a`` whole.
-
-    The rotated features use the rotate-half pairing of :func:`apply_rotary`; DeepSeek's interleaved pairs
-    are re-laid out when weights are imported (:mod:`trainmesh.models.deepseek`). A YaRN scaling's
-    ``mscale_all_dim`` multiplies the softmax scale of every feature (:func:`~trainmesh.models.rope.softmax_gain`);
-    it multiplies the queries instead, which is the same product, so that the attention core (and context
-    parallelism's ring in its place) keeps its own ``1/sqrt(d)``."""
+    """Multi-head latent attention (DeepSeek-V2 §2.1, eq. 14-19): keys and values expanded (``kv_b``) from one
+    compressed vector per token, queries through a ``q_lora_rank`` bottleneck, a decoupled shared rotary part; tp
+    splits heads. YaRN's ``mscale_all_dim`` scales the queries, so the core keeps its ``1/sqrt(d)``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -337,8 +297,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """N(0, 0.02) matrices, output projections (``o``, ``down``, experts' ``w2``) scaled by 1/sqrt(2L) as in GPT-2, norm
-        gains 1, biases 0, from a private generator so the weights depend on the seed alone in every layout."""
+        """GPT-2 init: N(0, 0.02) matrices, output projections scaled by 1/sqrt(2L), gains 1, biases 0, from a private
+        generator so the weights depend on the seed alone in every layout."""
         gen = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
@@ -374,15 +334,11 @@ sequence-parallel region under SP."""
 # --- Hugging Face LlamaForCausalLM ---------------------------------------------------------------------
 
 def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``LlamaForCausalLM`` config (its ``head_dim`` kept where it is not hidden/heads);
-    anything this model would compute differently (another activation, biases, a RoPE scaling other than
-    linear, llama3 or yarn) is refused."""
+    """Our config for a ``LlamaForCausalLM`` config (its ``head_dim`` kept); anything computed differently
+    (activation, biases, a RoPE scaling but linear, llama3 or yarn) is refused."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    differs = {
-        "hidden_act": (hf.get("hidden_act"), "silu"),
-        "attention_bias": (bool(hf.get("attention_bias")), False),
-        "mlp_bias": (bool(hf.get("mlp_bias")), False),
-    }
+    differs = {"hidden_act": (hf.get("hidden_act"), "silu"), "attention_bias": (bool(hf.get("attention_bias")), False),
+               "mlp_bias": (bool(hf.get("mlp_bias")), False)}
     for what, (there, ours) in differs.items():
         if there != ours:
             raise HFIncompatible(f"{what} is {there!r}; trainmesh's Llama has {ours!r} (RMSNorm, SwiGLU, no "
@@ -421,9 +377,8 @@ def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF's separate ``q_proj``/``k_proj``/``v_proj`` rows in our KV-group order: for each KV head ``g``,
-    the query heads ``g*group .. (g+1)*group-1`` that attend with it, then K_g, then V_g (weights, or
-    biases as one-column weights)."""
+    """HF's separate ``q_proj``/``k_proj``/``v_proj`` rows in our KV-group order: per KV head ``g``, its query heads,
+    then K_g, then V_g (biases as one-column weights)."""
     if q.dim() == 1:
         return fuse_qkv(cfg, q[:, None], k[:, None], v[:, None])[:, 0]
     d = q.shape[1]
@@ -473,10 +428,9 @@ def dense_mlp_to_hf(cfg: LlamaConfig, ours: Tensors, i: int) -> dict[str, torch.
 
 
 def _from_hf(cfg: LlamaConfig, hf: Tensors, mlp_from_hf: LayerMap) -> dict[str, torch.Tensor]:
-    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps. HF's q/k rows are already in
-    the rotate-half order our RoPE uses (the interleaved-pair permutation happens when Meta's weights are
-    converted to HF's), so only the fusion into KV groups re-lays attention out. A tied checkpoint that also
-    stores ``lm_head.weight`` must store the embedding there."""
+    """Our state dict from a Llama-layout one whose MLPs ``mlp_from_hf`` maps: only the KV-group fusion re-lays
+    attention out (HF's q/k rows are rotate-half already); a tied checkpoint's ``lm_head.weight`` must be the
+    embedding."""
     out = {ours: hf[theirs] for ours, theirs in _top_names(cfg).items()}
     head = hf["lm_head.weight"] if cfg.tie_embeddings and "lm_head.weight" in hf else None
     if head is not None and not head.is_meta and not torch.equal(head, out["embed.weight"]):
@@ -523,9 +477,8 @@ HF_MAPPING = HFMapping("LlamaForCausalLM", "llama", from_hf_config, to_hf_config
 # --- Hugging Face MixtralForCausalLM -------------------------------------------------------------------
 
 def mixtral_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``MixtralForCausalLM`` config: a Llama whose every MLP is a softmax-routed mixture
-    of SwiGLU experts with renormalised top-k weights. Sliding-window attention and router jitter, which
-    our model does not compute, are refused."""
+    """Our config for a ``MixtralForCausalLM`` config: softmax-routed SwiGLU experts with renormalised top-k weights;
+    sliding windows and router jitter are refused."""
     for what, ours in (("sliding_window", None), ("router_jitter_noise", 0.0)):
         if hf.get(what) not in (ours, 0):
             raise HFIncompatible(f"{what} is {hf.get(what)!r}; trainmesh's Llama has {ours!r}, so this Mixtral "
@@ -559,10 +512,8 @@ def _expert_names(i: int, e: int) -> tuple[str, str, str]:
 
 
 def moe_from_hf(cfg: LlamaConfig, hf: Tensors, i: int) -> dict[str, torch.Tensor]:
-    """Layer ``i``'s router and experts from Mixtral's checkpoint layout (``block_sparse_moe.gate``, and per
-    expert ``w1``/``w3`` ``[f, d]`` and ``w2`` ``[d, f]``, which ``save_pretrained`` writes), stacked into
-    our ``[E, d, f]``/``[E, f, d]`` experts; or from transformers' fused in-memory layout (``mlp.gate``,
-    ``mlp.experts.gate_up_proj`` ``[E, 2f, d]``, ``mlp.experts.down_proj`` ``[E, d, f]``)."""
+    """Layer ``i``'s router and experts, stacked into our ``[E, d, f]``/``[E, f, d]``, from Mixtral's saved
+    layout (``block_sparse_moe``, per-expert ``w1``/``w2``/``w3``) or transformers' fused in-memory one."""
     ours, fused = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
     if fused + "gate.weight" in hf:
         w1, w3 = hf[fused + "experts.gate_up_proj"].transpose(1, 2).chunk(2, dim=2)

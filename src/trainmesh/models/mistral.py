@@ -1,12 +1,6 @@
-"""Mistral (Jiang et al., 2023, "Mistral 7B") as an option of trainmesh's Llama (:mod:`trainmesh.models.llama`):
-the same model, with each token attending to itself and the ``sliding_window - 1`` tokens before it
-(``LlamaConfig.sliding_window``; None: the whole sequence, as Mistral's later releases).
-
-The window is a property of the attention core, so it holds wherever the core runs: under tensor
-parallelism (heads split, each with the window), under context parallelism (the ring masks each block pair
-by its global positions and skips pairs wholly outside the window; all-to-all runs the core on whole
-sequences) and when decoding with a KV cache (every position is cached, the mask keeps the window).
-"""
+"""Mistral (Jiang et al., 2023, "Mistral 7B") as an option of trainmesh's Llama: each token attends to
+itself and the ``sliding_window - 1`` tokens before it. The window belongs to the attention core, so it
+holds under tp, cp (the ring masks and skips block pairs by global position) and KV-cache decoding."""
 
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
-"""A mixture-of-experts layer that takes the place of a block's MLP, knowing nothing of parallelism.
+"""A mixture-of-experts layer in place of a block's MLP, knowing nothing of parallelism.
 
-Each token's hidden state goes to ``top_k`` of ``n_experts`` expert MLPs picked by a learned router and
-comes back as the router-weighted sum of their outputs (Shazeer et al., 2017; GShard, Lepikhin et al., 2020;
-Switch, Fedus et al., 2021), plus the output of always-on shared experts if any (DeepSeekMoE, Dai et al.,
-2024). The token copies are sorted by expert with one stable sort, so each expert's tokens are one contiguous
-slice (what a grouped GEMM and an all-to-all both want), and put back by the inverse permutation.
-
-Where the token copies go is a :class:`Dispatcher`'s business: :class:`LocalDispatch` keeps them on this
-process; expert parallelism (``trainmesh.parallel.expert_parallel``) swaps in one that exchanges them between ranks.
-Nothing here imports ``torch.distributed``: the statistics the balancing needs over a whole batch
-(expert counts for the bias update) are handed in already reduced by the caller.
-
-Load balancing, all coefficients in :class:`MoEConfig`:
-
-* the auxiliary balance loss ``sum_i f_i P_i`` of Switch/GShard, computed per sequence and averaged over
-  sequences (DeepSeek-V3's sequence-wise form, Liu et al., 2024, eq. 17-20), so that it is the same number
-  however the batch is split over micro-batches and data-parallel ranks;
-* the router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE, Zoph et al., 2022, eq. 5);
-* the auxiliary-loss-free bias (Wang et al., 2024; DeepSeek-V3 §2.1.2): a per-expert bias added to the
-  scores for the top-k choice only, moved by ``bias_rate`` against the sign of each expert's load error
-  after every optimizer step (:func:`update_expert_bias`).
-
-The aux terms enter backward through the layer's output (:class:`InjectAuxGrad`, as Megatron-core's
-``MoEAuxLossAutoScaler``), so whoever back-propagates the output back-propagates them too, pipeline stages
-included; the caller sets the gradient scale they get (:func:`begin_step`).
-"""
+Each token goes to ``top_k`` of ``n_experts`` expert MLPs picked by a router (Shazeer et al., 2017; GShard; Switch),
+plus shared experts (DeepSeekMoE, Dai et al., 2024); a :class:`Dispatcher` moves the expert-sorted copies. Balancing:
+the per-sequence aux loss (DeepSeek-V3 eq. 17-20), the z-loss (ST-MoE, Zoph et al., 2022, eq. 5) and the aux-loss-free
+bias (Wang et al., 2024; DeepSeek-V3 §2.1.2), the aux terms entering backward via :class:`InjectAuxGrad`."""
 
 from __future__ import annotations
 
@@ -47,29 +26,16 @@ IMPLS = ("loop", "padded")
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
-    """True for a routed expert's weight (first dimension: the local experts), which expert parallelism
-    shards over ``ep`` and reduces over the expert-data-parallel group only; False for every other
-    parameter (the router and shared experts included)."""
+    """True for a routed expert's weight (first dimension: the local experts), sharded over ``ep`` and reduced over
+    the edp group only; False for the router, shared experts and every other parameter."""
     return bool(getattr(p, EXPERT_PARAM, False))
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """One MoE layer's routing and balancing.
-
-    ``score``: ``softmax`` over all experts (Mixtral, Switch) or ``sigmoid`` per expert (DeepSeek-V3);
-    ``normalize_top_k`` rescales the chosen weights to sum to 1 (always on for sigmoid, whose scores do not
-    sum to 1). ``capacity_factor`` 0 is dropless; above 0 each expert takes at most
-    ``ceil(capacity_factor * tokens * top_k / n_experts)`` token copies per micro-batch, first come first
-    served, and the rest are dropped (the token keeps its residual path). ``aux_coef``, ``z_coef``:
-    weights of the balance and z losses; ``bias_rate``: gamma of the bias update (0: no update).
-    ``n_dense_layers``: the leading layers that keep the dense MLP (DeepSeek-V3: 3). ``route_scale``
-    multiplies the chosen experts' weights (DeepSeek-V3's ``routed_scaling_factor``, 2.5).
-    ``expert_groups``, ``groups_per_token``: group-limited routing (DeepSeek-V3's node-limited routing, §2.1.2;
-    its ``n_group`` 8 and ``topk_group`` 4): the experts are split into ``expert_groups`` equal groups and each
-    token picks its ``top_k`` only within its ``groups_per_token`` best groups (:func:`limit_to_groups`); with
-    a group per node, a token's copies reach at most that many nodes. Equal numbers: no limit.
-    """
+    """One MoE layer's routing and balancing: ``softmax`` (Mixtral) or ``sigmoid`` (DeepSeek-V3) scores;
+    ``capacity_factor`` 0 dropless, else ceil(cf * tokens * top_k / E) copies per expert; DeepSeek-V3's scaling and
+    group limits (§2.1.2)."""
 
     n_experts: int
     top_k: int
@@ -149,8 +115,7 @@ def padded_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.
     """Rows ``x`` (grouped by expert, ``counts[e]`` rows for expert ``e``) times their expert's ``w[e]`` as one
     batched GEMM over ``[E, max(counts), d]``: one kernel whatever E, at the price of the padding rows."""
     width = max(counts, default=0)
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                     torch.tensor(counts, device=x.device))
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device))
     starts = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0)
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
     padded = x.new_zeros(len(counts), width, x.shape[1]).index_put((expert, slot), x)
@@ -213,10 +178,8 @@ def limit_to_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tenso
 
 
 class Router(nn.Module):
-    """Scores every expert for every token and picks ``top_k``: ``gate`` is ``nn.Linear(d, E)``; the
-    ``expert_bias`` buffer shifts the choice only, never the weights (DeepSeek-V3 eq. 16), and under
-    group-limited routing the choice is among the token's best groups only. Expert parallelism swaps only
-    the dispatcher, so every layout routes with this selection."""
+    """Scores every expert per token and picks ``top_k``; the ``expert_bias`` buffer shifts the choice only
+    (DeepSeek-V3 eq. 16). Expert parallelism swaps only the dispatcher, so every layout routes alike."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -225,9 +188,8 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` ``[T, d]`` -> (chosen experts ``[T, k]``, their weights ``[T, k]``, each token's scores
-        normalised over all experts ``[T, E]`` (the P of the balance loss), logits ``[T, E]``), in at
-        least float32."""
+        """``x`` ``[T, d]`` -> (chosen experts ``[T, k]``, their weights ``[T, k]``, each token's scores normalised
+        over all experts ``[T, E]`` (the P of the balance loss), logits ``[T, E]``), in at least float32."""
         logits = self.gate(x).to(torch.promote_types(x.dtype, torch.float32))
         scores = logits.softmax(-1) if self.cfg.score == "softmax" else logits.sigmoid()
         choice = (scores + self.expert_bias.to(scores.dtype)).detach()  # the bias is 0 unless moved or imported
@@ -272,9 +234,8 @@ class LocalDispatch:
 
 
 class InjectAuxGrad(torch.autograd.Function):
-    """Forward: ``output`` unchanged; backward: ``output``'s gradient as it is, and ``scale`` as the gradient
-    of the scalar ``aux`` (Megatron-core's MoEAuxLossAutoScaler), so the aux loss is back-propagated
-    with the main loss without being added to it."""
+    """Forward ``output`` unchanged; backward ``scale`` as the gradient of scalar ``aux`` (Megatron-core's
+    MoEAuxLossAutoScaler), so the aux loss back-propagates with the main loss without being added to it."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
@@ -289,11 +250,8 @@ class InjectAuxGrad(torch.autograd.Function):
 
 def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_experts: int, top_k: int,
                  split: "SequenceSplit | None" = None) -> torch.Tensor:
-    """Mean over the ``batch`` sequences of ``sum_i f_i P_i``, where over one sequence's tokens
-    ``f_i = E / (k T) * (copies routed to expert i)`` and ``P_i`` is the mean normalised score of expert i
-    (DeepSeek-V3 eq. 17-20 without the coefficient); 1 when routing is perfectly even, E at collapse.
-    ``experts`` ``[B*T, k]`` and ``probs`` ``[B*T, E]`` hold the sequences one after the other. When each
-    process holds ``1/split.shards`` of every sequence, the per-sequence sums are taken over all of them."""
+    """Mean over the ``batch`` sequences of ``sum_i f_i P_i`` (DeepSeek-V3 eq. 17-20 without the coefficient):
+    1 for even routing, E at collapse. With ``split``, per-sequence sums are taken over all its shards."""
     chosen = F.one_hot(experts, n_experts).sum(1).to(probs.dtype).view(batch, -1, n_experts)
     tokens = chosen.shape[1]
     routed, scored = chosen.sum(1), probs.view(batch, tokens, n_experts).sum(1)
@@ -305,11 +263,8 @@ def balance_loss(experts: torch.Tensor, probs: torch.Tensor, batch: int, n_exper
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """Every sequence split over ``shards`` processes (sequence or context parallelism): ``total`` sums a
-    per-sequence statistic over them in forward, and backward gives each process the gradient of its own
-    tokens' part, scaled as the parallel form then reduces the router's gradients over the processes.
-    ``total_counts`` sums the expert counts over those of the processes that the caller's own sum of the
-    counts (metrics, bias update) does not cover, so no token is counted twice."""
+    """Every sequence split over ``shards`` processes (sp or cp): ``total`` sums per-sequence statistics over them
+    (backward: each its own tokens' part); ``total_counts`` sums expert counts without counting a token twice."""
 
     shards: int
     total: Callable[[torch.Tensor], torch.Tensor]
@@ -340,14 +295,9 @@ def _recomputing() -> bool:
 
 
 class MoE(nn.Module):
-    """The MoE layer: ``[B, S, d]`` -> ``[B, S, d]``, a drop-in for a block's MLP.
-
-    ``gated``: SwiGLU experts (the Llama family), else GELU MLPs (GPT). ``shared``: the always-on shared
-    experts as one dense MLP (the family's own), or None. ``impl``: how the experts' products run
-    (:data:`MATMULS`).
-    ``aux_grad_scale`` is the gradient the aux losses get per forward (1: as if added to the loss; the
-    training loop sets loss scale / micro-batches with :func:`begin_step`).
-    """
+    """The MoE layer: ``[B, S, d]`` -> ``[B, S, d]``, a drop-in for a block's MLP. ``gated``: SwiGLU experts,
+    else GELU; ``shared``: the shared experts' MLP or None; ``impl``: one of :data:`MATMULS`;
+    ``aux_grad_scale``: the aux losses' gradient per forward (set by :func:`begin_step`)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, gated: bool, shared: nn.Module | None = None,
                  impl: str = "loop") -> None:
@@ -419,9 +369,8 @@ class MoE(nn.Module):
 
 def layer_mlp(d_model: int, d_ff: int, cfg: MoEConfig | None, layer: int,
               dense: Callable[[int, int], nn.Module], gated: bool) -> nn.Module:
-    """Layer ``layer``'s MLP in a family whose dense MLP is ``dense(d_model, width)``: that MLP, or (an MoE
-    model past its dense layers) experts of the same kind, with the shared experts as one ``dense`` of
-    their summed width."""
+    """Layer ``layer``'s MLP in a family whose dense MLP is ``dense(d_model, width)``: that MLP, or (an MoE model past
+    its dense layers) experts of the same kind, with the shared experts as one ``dense`` of their summed width."""
     if cfg is None or layer < cfg.n_dense_layers:
         return dense(d_model, d_ff)
     shared = dense(d_model, cfg.n_shared_experts * cfg.d_ff_expert) if cfg.n_shared_experts else None
@@ -434,9 +383,8 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
 
 
 def begin_step(model: nn.Module, aux_grad_scale: float) -> None:
-    """Start a step: clear every layer's statistics and set the gradient its aux losses get per forward
-    (the factor the main loss of one micro-batch is multiplied by before backward: loss scale divided by
-    the micro-batch count)."""
+    """Start a step: clear every layer's statistics and set the gradient its aux losses get per forward (the factor
+    the main loss of one micro-batch is multiplied by before backward: loss scale divided by the micro-batch count)."""
     for _, layer in moe_layers(model):
         layer.stats = MoEStats(torch.zeros_like(layer.stats.counts))
         layer.aux_grad_scale = aux_grad_scale
@@ -449,9 +397,8 @@ def aux_loss_total(model: nn.Module) -> float:
 
 
 def update_expert_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-    """The aux-loss-free bias update of every layer with a ``bias_rate``, from this step's expert counts
-    summed over the global batch: ``reduce`` sums the stacked ``[layers, E]`` counts over the processes
-    that saw other tokens (identity on one process). Call after the optimizer step."""
+    """The aux-loss-free bias update of every layer with a ``bias_rate`` from this step's expert counts, ``reduce``
+    summing the ``[layers, E]`` counts over processes that saw other tokens. Call after the optimizer step."""
     layers = [layer for _, layer in moe_layers(model) if layer.cfg.bias_rate]
     if not layers:
         return

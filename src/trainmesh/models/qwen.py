@@ -1,18 +1,7 @@
-"""Qwen2/Qwen2.5 (Yang et al., 2024) and Qwen3 (Yang et al., 2025) as options of trainmesh's Llama
-(:mod:`trainmesh.models.llama`): the same module, the same tensor layout, the same Hugging Face tensor names.
-
-* Qwen2 puts biases on the q, k and v projections and nowhere else (``LlamaConfig.qkv_bias``); its small
-  sizes tie the output head to the embedding.
-* Qwen3 drops those biases and normalises each query and key head by an RMSNorm over its ``head_dim``
-  before the rotation (``LlamaConfig.qk_norm``); its heads are 128 wide at every size, which is not
-  ``d_model / n_heads`` in most (``LlamaConfig.head_dim``).
-* Qwen3-MoE is Qwen3 with each MLP a softmax-routed mixture of SwiGLU experts (``LlamaConfig.moe``, the
-  existing MoE layer and its expert parallelism).
-
-What is left here is data: the tiny presets the tests train, the published shapes the planner plans, and
-the translation of transformers' ``Qwen2Config``/``Qwen3Config`` both ways. Their sliding-window layers
-(``use_sliding_window``, off in every released Qwen2/Qwen3 checkpoint) are refused.
-"""
+"""Qwen2/Qwen2.5 (Yang et al., 2024) and Qwen3 (Yang et al., 2025) as options of trainmesh's Llama: the same
+module, tensor layout and HF names. Qwen2 adds q/k/v biases (``qkv_bias``), Qwen3 per-head q/k RMSNorm
+(``qk_norm``) and 128-wide heads (``head_dim``), Qwen3-MoE SwiGLU experts (``moe``). Here: presets,
+planner shapes and the config translation; sliding-window layers are refused."""
 
 from __future__ import annotations
 
@@ -106,10 +95,8 @@ QWEN3_MOE_PRESETS: dict[str, LlamaConfig] = {
 
 
 def qwen3_moe_from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """Our config for a ``Qwen3MoeForCausalLM`` one: Qwen3 attention; every layer past the leading
-    ``mlp_only_layers`` a softmax router over ``num_local_experts`` (``num_experts`` in older configs) SwiGLU experts of ``moe_intermediate_size``,
-    ``num_experts_per_tok`` per token, renormalised if ``norm_topk_prob``. Dense layers anywhere but first
-    (``decoder_sparse_step`` above 1, scattered ``mlp_only_layers``) are refused."""
+    """Our config for a ``Qwen3MoeForCausalLM`` one: Qwen3 attention, softmax-routed SwiGLU experts past the leading
+    ``mlp_only_layers``; dense layers anywhere but first (``decoder_sparse_step`` above 1) are refused."""
     dense = list(hf.get("mlp_only_layers") or [])
     if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
         raise HFIncompatible(f"decoder_sparse_step {hf.get('decoder_sparse_step')} and mlp_only_layers {dense} put "
@@ -154,8 +141,7 @@ def moe_to_hf(cfg: LlamaConfig, ours: llama.Tensors, i: int) -> dict[str, torch.
     """The inverse of :func:`moe_from_hf`."""
     if i < cfg.moe.n_dense_layers:
         return llama.dense_mlp_to_hf(cfg, ours, i)
-    return llama.unstack_experts(cfg, ours, i, expert_names, f"model.layers.{i}.mlp.gate.weight",
-                                 "Qwen3MoeForCausalLM")
+    return llama.unstack_experts(cfg, ours, i, expert_names, f"model.layers.{i}.mlp.gate.weight", "Qwen3MoeForCausalLM")
 
 
 QWEN3_MOE_MAPPING = HFMapping("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe_from_hf_config, qwen3_moe_to_hf_config,

@@ -1,23 +1,6 @@
-"""RoPE scaling: the rotary frequencies of a model trained at ``original_max_position_embeddings`` tokens
-stretched to a longer context, as Llama 3.1+ ("llama3"), DeepSeek-V3 and long-context Qwen ("yarn") and
-position interpolation ("linear") checkpoints were trained with.
-
-The formulas are those of the papers, in the conventions transformers' ``modeling_rope_utils`` uses, so a
-checkpoint's ``rope_scaling`` (``rope_parameters`` in transformers 5) means here what it means there:
-
-* linear (Chen et al., 2023, "Extending Context Window ... via Positional Interpolation"): every frequency
-  divided by ``factor``;
-* llama3 (Grattafiori et al., 2024, "The Llama 3 Herd of Models", and Meta's reference code): wavelengths
-  shorter than ``original / high_freq_factor`` kept, longer than ``original / low_freq_factor`` divided by
-  ``factor``, linearly blended in between by ``original / wavelength``;
-* yarn (Peng et al., 2023, "YaRN", §3.2-3.4): the "NTK-by-parts" ramp between interpolated and original
-  frequencies over the dimensions that turn ``beta_slow`` .. ``beta_fast`` times in the original context, and
-  cos/sin multiplied by the attention factor ``0.1 ln(factor) + 1`` (eq. 21; DeepSeek's ``mscale``/
-  ``mscale_all_dim`` ratio where both are given). DeepSeek's latent attention also multiplies its softmax
-  scale by ``(0.1 mscale_all_dim ln(factor) + 1)^2`` (:func:`softmax_gain`).
-
-Other rope types ("dynamic", "longrope", ...) are refused by name on import.
-"""
+"""RoPE scaling in transformers' ``modeling_rope_utils`` conventions, so a checkpoint's ``rope_scaling`` means the same:
+linear (Chen et al., 2023, Positional Interpolation), llama3 (Grattafiori et al., 2024) and yarn (Peng et al., 2023,
+YaRN, §3.2-3.4, eq. 21; DeepSeek's gain in :func:`softmax_gain`). Other types are refused by name on import."""
 
 from __future__ import annotations
 
@@ -39,10 +22,8 @@ the base, which :class:`~trainmesh.models.llama.LlamaConfig` holds as ``rope_the
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """One rope scaling, its fields named as in Hugging Face's rope dict; each type reads only its own
-    (linear: ``factor``; llama3: also ``original_max_position_embeddings`` and the two frequency factors;
-    yarn: also ``beta_fast``/``beta_slow``, ``mscale``/``mscale_all_dim`` or an explicit ``attention_factor``,
-    and ``truncate``, whether the ramp's ends are rounded to whole dimensions)."""
+    """One rope scaling, fields named as in Hugging Face's rope dict, each type reading its own (linear ``factor``;
+    llama3 the frequency factors; yarn ``beta_*``, ``mscale*`` or ``attention_factor`` and ``truncate``)."""
 
     rope_type: str
     factor: float
@@ -151,9 +132,8 @@ def softmax_gain(scaling: RopeScaling | None) -> float:
 
 
 def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """The base and scaling of a Hugging Face config dict, read from ``rope_parameters`` (transformers 5)
-    or ``rope_scaling`` and ``rope_theta`` (earlier); refused in one line for a rope trainmesh does not
-    compute (another type, or a key it does not know)."""
+    """The base and scaling of a HF config dict (``rope_parameters`` in transformers 5, else ``rope_scaling`` and
+    ``rope_theta``); refused in one line for a type or key trainmesh does not compute."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -177,9 +157,8 @@ def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def rope_to_hf(scaling: RopeScaling | None) -> dict[str, Any]:
-    """``scaling`` as the ``rope_scaling`` attribute transformers' configs take (5 turns it into
-    ``rope_parameters``): the fields its type reads and any other set away from its default; nothing for an
-    unscaled rope."""
+    """``scaling`` as the ``rope_scaling`` attribute transformers' configs take (5 turns it into ``rope_parameters``):
+    the fields its type reads and any other set away from its default; nothing for an unscaled rope."""
     if scaling is None:
         return {}
     read = {"linear": ("factor",),

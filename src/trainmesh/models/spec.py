@@ -1,19 +1,6 @@
-"""A model family as data: how to build it, how tensor parallelism splits it, what recomputation wraps,
-and the shape the planner reasons about.
-
-Nothing outside ``trainmesh.models`` names a model class: ``train.build`` looks the ``--model`` preset up
-in the registry (:mod:`trainmesh.models`) and hands the spec's plan to ``tensor_parallel.apply_tensor_parallel`` and
-its recompute targets to ``recompute.apply_recompute``, so adding an architecture touches no parallel form
-(torchtitan's ``TrainSpec`` registers its model families the same way).
-
-Every model trainmesh parallelizes keeps the stage contract of :class:`trainmesh.models.gpt.GPT` that the
-pipeline relies on: top-level ``embed``, ``blocks`` (an ``nn.ModuleDict`` keyed by layer index), ``ln_f`` and
-``head``, any of ``embed``/``ln_f``/``head`` possibly ``None`` on a stage. A model written otherwise (a
-Hugging Face ``LlamaForCausalLM``: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``) is
-presented in that contract by :class:`Staged`, from a :class:`StageLayout` naming those modules. For decoding
-with a :class:`~trainmesh.models.cache.KVCache`, a family's own ``embed`` also takes the position its tokens
-start at and each block the :class:`~trainmesh.models.cache.LayerCache` of its attention.
-"""
+"""A model family as data: builder, tensor-parallel plan, recompute targets and planner shape, so adding an
+architecture touches no parallel form (as torchtitan's ``TrainSpec``). Models keep GPT's stage contract (``embed``,
+``blocks``, ``ln_f``, ``head``, any None on a stage); other models are presented in it by :class:`Staged`."""
 
 from __future__ import annotations
 
@@ -29,12 +16,8 @@ from trainmesh.models.cache import KVCache
 
 
 def stage_forward(model: nn.Module, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-    """``embed -> blocks -> ln_f -> head``, skipping whatever this pipeline stage does not hold: a stage
-    without ``embed`` takes hidden states, one without ``head`` returns them.
-
-    With a ``cache`` (decoding), ``x`` holds the tokens after the ``cache.length`` positions already
-    cached: the embedding is told where they start and each block reads and extends its layer's cache.
-    Without one, every module is called exactly as in training."""
+    """``embed -> blocks -> ln_f -> head``, skipping what this stage does not hold. With a ``cache``
+    (decoding), ``x`` holds the tokens after the cached positions and each block extends its layer's cache."""
     if model.embed is not None:
         x = model.embed(x) if cache is None else model.embed(x, cache.length)
     for name, block in model.blocks.items():
@@ -61,38 +44,9 @@ def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int |
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs to know of a decoder-only transformer.
-
-    The defaults describe trainmesh's own GPT (GPT-2 layout, no dropout, attention through
-    ``scaled_dot_product_attention``, which never stores the s x s score matrix). ``bias=False`` means a
-    LLaMA-style model: no biases anywhere and RMSNorm (one weight vector per norm). ``n_kv_heads`` below
-    ``n_heads`` is grouped-query attention (None: one key/value head per query head);
-    ``tied_embeddings`` means the output head reuses the token embedding's weight.
-
-    A mixture of experts (``n_experts`` > 0, :mod:`trainmesh.models.moe`) replaces the MLP of every layer
-    after the first ``n_dense_layers`` by a router (``d x n_experts``, no bias), ``n_experts`` routed expert
-    MLPs of hidden size ``d_ff_expert`` (None: ``d_ff``; no biases; gated like the dense MLP) of which each
-    token uses ``top_k``, and ``n_shared_experts`` always-on ones, held as one dense MLP of hidden size
-    ``n_shared_experts * d_ff_expert`` (with the family's biases). Group-limited routing (DeepSeek-V3's
-    ``n_group`` and ``topk_group``) splits the routed experts into ``expert_groups`` equal groups and lets each
-    token pick its ``top_k`` only among its ``groups_per_token`` best groups (0: no limit); with a group per
-    node it bounds the nodes a token's copies reach, which is what the planner prices (trainmesh's router
-    routes the same way: ``MoEConfig.expert_groups``/``groups_per_token``).
-
-    Attention variants of the families people train: ``qkv_bias`` puts biases on the q/k/v projections of a
-    model that has none elsewhere (Qwen2); ``qk_norm`` is a per-head RMSNorm on queries and keys (Qwen3);
-    ``sliding_window`` lets each token see only that many before it (Mistral; None: all). Multi-head latent
-    attention (DeepSeek-V2/V3) is on when ``kv_lora_rank`` > 0: keys and values come from one compressed
-    vector of that width (plus a shared rotary key of ``qk_rope_head_dim``), queries through a rank
-    ``q_lora_rank`` bottleneck (0: a full projection); each head's query/key is ``qk_nope_head_dim +
-    qk_rope_head_dim`` wide and its value ``v_head_dim``. What the KV cache holds per token is then
-    ``kv_lora_rank + qk_rope_head_dim``, not ``2 * kv_heads * head_dim``.
-
-    ``head_dim`` is the width of each query, key and value head (None: ``d_model / n_heads``). Qwen3
-    (1024 wide, 16 heads of 128 in its 0.6B) and Mistral-Nemo (5120 wide, 32 heads of 128) set it apart from
-    ``d_model / n_heads``; the queries are then ``n_heads * head_dim`` wide (:attr:`attention_width`) and the
-    output projection maps that width back to ``d_model``.
-    """
+    """What the planner needs to know of a decoder-only transformer (defaults: trainmesh's GPT; ``bias=False``:
+    LLaMA-style); variants as in :class:`~trainmesh.models.llama.LlamaConfig`; ``head_dim`` None means ``d_model /
+    n_heads``."""
 
     n_layers: int
     d_model: int
@@ -223,13 +177,8 @@ CONTRACT = ("embed", "blocks", "ln_f", "head")
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Where a model keeps the parts of the stage contract, as module paths: ``blocks`` the list of
-    transformer blocks (``"model.layers"``), ``pre`` what runs before them (the embedding), ``post`` what
-    runs after them (the final norm and the output head, at most two modules, in that order).
-
-    The model's computation must be ``post(blocks(pre(x)))`` with ``[batch, seq, hidden_size]``
-    activations between blocks; ``hidden_size`` is what a pipeline stage receives.
-    """
+    """Module paths of the stage contract's parts: ``blocks`` (``"model.layers"``), ``pre`` before them,
+    ``post`` after (final norm then head); the model must compute ``post(blocks(pre(x)))``."""
 
     blocks: str
     pre: str | None = None
@@ -255,12 +204,8 @@ def _set_path(root: nn.Module, path: str, value: nn.Module | None) -> None:
 
 
 class Staged(nn.Module):
-    """A model presented in the stage contract without renaming anything: it holds the model's own
-    children, so parameter names (and checkpoints, and TP plans) are the model's, and ``embed``,
-    ``blocks``, ``ln_f`` and ``head`` read and write the modules :class:`StageLayout` names. The block list
-    becomes an ``nn.ModuleDict`` keyed by layer index (the names a ``ModuleList`` gives them), so a stage can
-    hold any subset. ``forward`` is :func:`stage_forward`: each block is called with the hidden states only.
-    """
+    """A model presented in the stage contract without renaming: it holds the model's own children, so
+    parameter names, checkpoints and TP plans stay the model's; blocks become a ModuleDict by layer index."""
 
     def __init__(self, model: nn.Module, layout: StageLayout) -> None:
         super().__init__()
@@ -320,17 +265,8 @@ class HFIncompatible(ValueError):
 @dataclass(frozen=True)
 class HFMapping:
     """How a family meets Hugging Face transformers, as data and pure functions (no transformers import):
-
-    * ``architecture``/``model_type``: the ``architectures[0]`` and ``model_type`` of its ``config.json``;
-    * ``from_config(hf)``: our config from the HF config's attributes (``PretrainedConfig.to_dict()``, so
-      transformers has already filled in its defaults), or :class:`HFIncompatible` for anything our model
-      would compute differently;
-    * ``to_config(cfg)``: the HF config's attributes for one of ours (HFIncompatible where it has none);
-    * ``from_hf(cfg, tensors)`` / ``to_hf(cfg, tensors)``: full state dicts renamed and re-laid-out (fused
-      projections split or joined, transposed, tied weights dropped or copied), inverse of each other;
-    * ``buffers``: a regular expression of names that older checkpoints store but that are no weights (a
-      causal mask, RoPE frequencies); every other tensor of a checkpoint must be used.
-    """
+    config.json's ``architecture``/``model_type``, ``from_config``/``to_config`` (or :class:`HFIncompatible`),
+    ``from_hf``/``to_hf`` renaming state dicts both ways, and ``buffers``, a regex of non-weight tensors."""
 
     architecture: str
     model_type: str
@@ -343,23 +279,9 @@ class HFMapping:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model family: its presets, how to build one, its tensor-parallel plan (module-name patterns ->
-    ``tensor_parallel.STYLES``), the module classes each recompute mode checkpoints (``full``: whole blocks;
-    ``selective``: the attention core), its shape for the planner, and how it maps to a Hugging Face
-    architecture (:class:`HFMapping`, used by :mod:`trainmesh.models.hf`).
-
-    ``presets`` are the sizes the tests and examples train on a CPU; ``planner_presets`` are full-sized
-    published shapes (an 8B model's weights alone exceed a CPU machine's memory), which ``trainmesh train``
-    builds too, so that the layout ``trainmesh plan`` prints for one is a command that runs.
-
-    A family whose models do not keep the stage contract themselves (one trainmesh did not write) adds:
-    ``accepts``, which says whether a model object is of the family (``trainmesh.parallelize`` looks the
-    model up with it); ``layout``, which names its parts (:class:`StageLayout`) for :class:`Staged`;
-    ``config_of``, its config object (what ``shape`` reads); and ``prepare``, run on the :class:`Staged`
-    model before any parallel form, for what the model's own ``forward`` did around the blocks.
-
-    A family of one's own is added with :func:`trainmesh.register_family`.
-    """
+    """One model family: presets (CPU sizes), ``planner_presets`` (published shapes), builder, tp plan, recompute
+    targets, planner shape and :class:`HFMapping`; families outside the stage contract add ``accepts``, ``layout``,
+    ``config_of`` and ``prepare`` for :class:`Staged` (:func:`trainmesh.register_family`)."""
 
     family: str
     presets: Mapping[str, Any]

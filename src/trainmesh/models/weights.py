@@ -1,10 +1,6 @@
-"""Initial weights a model can train from: floating point, and finite.
-
-Weights loaded from a file (``--init-hf``'s safetensors, ``--init-from``'s model file) are copied into the
-model's parameters, which casts whatever they hold: integer tensors (uint8, int64, bool) become numbers that
-were never weights, and a NaN or an infinity in any of them makes every loss NaN, a run that trains
-``loss nan -> nan`` and exits 0. Both are refused before training starts, naming the first such tensor.
-"""
+"""Initial weights a model can train from: floating point and finite. Loaded tensors are cast into the
+parameters, so integer tensors or a NaN/inf would train garbage (``loss nan``, exit 0); both are refused
+before training, naming the tensor."""
 
 from __future__ import annotations
 

@@ -1,28 +1,9 @@
 """Context parallelism: each sequence split over the ``cp`` axis, attention computed across the split.
 
-Everything in a transformer block but attention is per token, so a rank holding ``1/cp`` of every sequence
-computes those parts unchanged and its activations are ``1/cp`` of one process's. Attention needs every
-earlier token, and two ways of supplying them are implemented here:
-
-* **ring** (Liu et al., 2023, "Ring Attention with Blockwise Transformers"; Megatron-core's p2p CP): the
-  key/value blocks travel around the cp ring; each rank attends its queries to the block at hand while the
-  next one is in flight, and the partial results merge exactly through their log-sum-exp (the online
-  softmax of Milakov & Gimelshein, 2018, as FlashAttention uses it, Dao et al., 2022, Alg. 1). Backward
-  runs the ring again: K/V travel as in forward and their gradients travel with them, accumulating each
-  rank's contribution until they arrive home. Partial outputs, log-sum-exps and gradients are accumulated
-  in at least fp32.
-* **a2a** (DeepSpeed-Ulysses, Jacobs et al., 2023): an all-to-all trades the sequence split for a head
-  split, the model's own attention runs on whole sequences for ``1/cp`` of the heads, and a second
-  all-to-all trades back. Heads (and key/value heads) must divide by cp.
-
-Load balance under the causal mask (Megatron-core / torchtitan "head-tail"): each sequence is cut into
-``2·cp`` chunks and rank ``r`` holds chunks ``r`` and ``2·cp−1−r``, so every rank has the same number of
-visible query-key pairs. Tokens keep their global positions: :func:`apply_context_parallel` remaps the
-position ids the model's position modules receive (a learned table, a rotary embedding).
-
-The model knows nothing of this: like tensor parallelism, a plan of module-name patterns names the
-attention cores and position modules of a model family (``ModelSpec.cp_plan``).
-"""
+``ring`` (Liu et al., 2023, Ring Attention; Megatron-core's p2p CP) passes K/V blocks round and merges partial
+results by log-sum-exp (online softmax; Dao et al., 2022, Alg. 1) in at least fp32; ``a2a`` (DeepSpeed-Ulysses,
+Jacobs et al., 2023) trades the sequence split for a head split. Rank r holds chunks r and 2·cp−1−r of 2·cp
+(Megatron-core's causal balance); position ids stay global; ``ModelSpec.cp_plan`` names the modules."""
 
 from __future__ import annotations
 
@@ -67,9 +48,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def _mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool, device: torch.device,
           window: int | None = None) -> torch.Tensor | None | bool:
-    """Visibility of a key segment to a query segment: False (nothing visible: skip the pair), None (all
-    visible) or a boolean ``[q_len, k_len]`` mask (the causal diagonal, and with a sliding ``window`` key
-    ``j`` visible to query ``i`` only if ``i - window < j``, as :func:`trainmesh.models.cache.causal_attention`)."""
+    """Visibility of a key segment to a query segment: False (skip the pair), None (all visible) or a boolean
+    ``[q_len, k_len]`` causal (and ``window``) mask, as :func:`trainmesh.models.cache.causal_attention` masks."""
     if not causal or (k_start + k_len - 1 <= q_start and (window is None or k_start > q_start + q_len - 1 - window)):
         return None
     if k_start > q_start + q_len - 1 or (window is not None and k_start + k_len - 1 <= q_start - window):
@@ -91,10 +71,8 @@ def _scores(q5: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale:
 
 
 class Accumulator:
-    """Running softmax attention of one query segment: the normalised output so far and its log-sum-exp.
-
-    Merging a block's (output, lse) rescales both sides by ``exp(lse_side - lse_new)`` with
-    ``lse_new = logaddexp(lse, lse_block)``: the online softmax, exact in exact arithmetic."""
+    """Running softmax attention of one query segment (normalised output and log-sum-exp); merging a block rescales
+    both sides by ``exp(lse_side - logaddexp(lse, lse_block))``: the online softmax, exact in exact arithmetic."""
 
     def __init__(self, q5: torch.Tensor) -> None:
         self.out = torch.zeros(q5.shape, dtype=_wide(q5.dtype), device=q5.device)
@@ -186,9 +164,8 @@ def _ungroup(x5: torch.Tensor) -> torch.Tensor:
 
 
 class _Blockwise(torch.autograd.Function):
-    """Attention of ``q`` over key/value blocks taken one at a time: the ring's arithmetic without the ring,
-    so that it can be checked against one ``scaled_dot_product_attention``. The blocks come as separate
-    tensor arguments (``k_1..k_n, v_1..v_n``) so that autograd gives each its gradient."""
+    """Attention of ``q`` over key/value blocks one at a time: the ring's arithmetic without the ring, checkable
+    against one SDPA; blocks are separate arguments (``k_1..k_n, v_1..v_n``) so autograd gives each its gradient."""
 
     @staticmethod
     def forward(ctx, q, q_starts, k_starts, causal, window, *kv):
@@ -221,10 +198,8 @@ class _Blockwise(torch.autograd.Function):
 def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blocks: Sequence[torch.Tensor],
                         q_starts: Starts, k_starts: Sequence[Starts], causal: bool = True,
                         window: int | None = None) -> torch.Tensor:
-    """Attention of ``q`` ``[b, h, t, d]`` (its equal sequence segments starting at global positions
-    ``q_starts``) over key/value blocks ``[b, kv_heads, s, d]`` whose segments start at ``k_starts[i]``,
-    merged by log-sum-exp; backward by :func:`block_grads`. Differentiable in ``q`` and in every block.
-    ``window``: a sliding window, as :func:`ring_attention`'s."""
+    """Attention of ``q`` ``[b, h, t, d]`` (segments from ``q_starts``) over key/value blocks ``[b, kv_heads, s, d]``
+    (from ``k_starts[i]``), merged by log-sum-exp, backward by :func:`block_grads`; ``window`` as the ring's."""
     return _Blockwise.apply(q, q_starts, k_starts, causal, window, *k_blocks, *v_blocks)
 
 
@@ -232,9 +207,8 @@ def blockwise_attention(q: torch.Tensor, k_blocks: Sequence[torch.Tensor], v_blo
 
 @dataclass
 class RingTimeline:
-    """Seconds each ring step spent on its blockwise attention (``compute``) and, after it, waiting for the
-    next block's transfer (``wait``): the wait is the part of the transfer that compute did not hide.
-    Backward's extra step ``cp`` is the wait for the key/value gradients to arrive home."""
+    """Seconds each ring step spent computing and then waiting for the next block (the transfer compute did not hide);
+    backward's extra step ``cp`` is the wait for the key/value gradients to come home."""
 
     events: list[tuple[str, int, str, float]] = field(default_factory=list)  # (pass, step, kind, seconds)
 
@@ -325,10 +299,8 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True,
                    timeline: RingTimeline | None = None, window: int | None = None) -> torch.Tensor:
-    """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence,
-    whose keys/values ``[b, kv_heads, t, d]`` are spread over the cp ranks the same way; ``timeline``, if
-    given, records each ring step's compute and wait; ``window``: a sliding window (each query sees its
-    ``window`` latest keys), kept by the masks of the block pairs, skipping pairs wholly outside it."""
+    """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence; ``timeline``
+    records each step's compute and wait; ``window`` masks block pairs, skipping those outside it."""
     return _RingAttention.apply(q, k, v, comm, causal, timeline, window)
 
 
@@ -387,9 +359,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: A
 # --- applying context parallelism to a plain model -----------------------------------------------------
 
 def _attention_style(module: nn.Module, comm: Comm, impl: str) -> None:
-    """Route an attention core's forward through the cp attention (on the instance, so recomputation
-    that wraps the core's ``forward`` afterwards checkpoints the cp attention). The ring keeps the core's
-    sliding ``window`` (its attribute, if any); a2a runs the core itself on whole sequences, window and all."""
+    """Route an attention core's forward through cp attention, on the instance so recomputation wrapping it later
+    checkpoints the cp attention; the ring keeps the core's ``window``, a2a runs the core itself on whole sequences."""
     if impl == "ring":
         window = getattr(module, "window", None)
         module.forward = lambda q, k, v: ring_attention(q, k, v, comm, window=window)
@@ -405,9 +376,8 @@ def _positions_style(module: nn.Module, positions: torch.Tensor) -> None:
 
 def apply_context_parallel(model: nn.Module, plan: Mapping[str, str], comm: Comm, seq_len: int,
                            impl: str = "ring") -> None:
-    """Make ``model`` compute on this cp rank's head-tail part of each ``seq_len`` sequence as if it had the
-    whole: ``plan`` maps module-name patterns to ``attention`` (a parameter-free core taking q, k, v) or
-    ``positions`` (a module taking position ids). Every pattern must match."""
+    """Make ``model`` compute on this cp rank's head-tail part of each sequence as if whole: ``plan`` maps module-name
+    patterns to ``attention`` (parameter-free cores) or ``positions`` (modules taking position ids); all must match."""
     if impl not in CP_IMPLS:
         raise ValueError(f"unknown cp implementation {impl!r}; choose one of {', '.join(CP_IMPLS)}")
     mesh = comm.mesh

@@ -1,12 +1,6 @@
-"""Data parallelism: every rank holds the whole model; gradients are averaged by bucketed AllReduce.
-
-The design follows PyTorch DDP (Li et al., VLDB 2020, §3.2): parameters are grouped into buckets in
-*reverse* order of registration (roughly the order backward produces their gradients); each gradient is
-a view into its bucket's flat buffer, so autograd accumulates straight into the buffer; a
-post-accumulate-grad hook counts ready gradients and launches the bucket's asynchronous AllReduce the
-moment the bucket is complete, so communication overlaps the rest of backward. Buckets are launched in
-index order on every rank (a later bucket waits for earlier ones) so the collectives match across ranks.
-"""
+"""Data parallelism: every rank holds the whole model; gradients are averaged by bucketed AllReduce, as PyTorch DDP
+(Li et al., VLDB 2020, §3.2): gradients are views into reverse-order buckets, each launched asynchronously once
+complete, in index order so collectives match across ranks."""
 
 from __future__ import annotations
 
@@ -22,8 +16,7 @@ from torch import nn
 from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.tracking.metrics import model_state_tensors
-from trainmesh.training.optim import (OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
-                             norm_contributions)
+from trainmesh.training.optim import OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks, norm_contributions
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
 from trainmesh.training.precision import LossScaler, copy_masters_to_model, master_dtype, masters
 
@@ -54,11 +47,9 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 
 
 def axis_buckets(params: list[nn.Parameter], bucket_bytes: int, axis: str) -> list[tuple[str, list[nn.Parameter]]]:
-    """:func:`split_buckets` of ``params``, each bucket with the axis its gradients are reduced over: the
-    dense parameters' buckets (over ``axis``) first, then the routed experts' (over the expert-data-parallel
-    axis, :func:`trainmesh.parallel.expert_parallel.reduction_axis`), so no bucket mixes two groups; inside
-    each, the parameters whose gradients are partial over tp (:func:`~trainmesh.parallel.tensor_parallel.
-    defer_tp_sums`) get buckets of their own, which the engine sums over tp once per step."""
+    """:func:`split_buckets` of ``params`` with each bucket's reduction axis: dense over ``axis`` first, then
+    routed experts over the edp axis, so no bucket mixes groups; tp-partial parameters
+    (:func:`~trainmesh.parallel.tensor_parallel.defer_tp_sums`) get buckets of their own."""
     out = []
     for reduced_over in (axis, EXPERT_AXIS):
         mine = [p for p in params if (reduction_axis(p, axis) == axis) == (reduced_over == axis)]
@@ -77,12 +68,8 @@ def sum_over_tp(grads: Sequence[torch.Tensor], comm: Comm) -> None:
 
 
 def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
-    """Make ``view`` (a slice of a gradient bucket) hold ``p``'s accumulated gradient.
-
-    Where dtypes agree ``p.grad`` *is* the view and autograd accumulated into it already; if someone set
-    the gradient to None, the fresh one is copied back. Where they differ (bf16 parameters, fp32
-    buckets) each micro-batch's gradient is added into the bucket and dropped.
-    """
+    """Make ``view`` (a bucket slice) hold ``p``'s accumulated gradient: ``p.grad`` is the view where dtypes
+    agree (copied back if reset to None), else each micro-batch's gradient is added in and dropped."""
     if view.dtype != p.dtype:
         view.add_(p.grad)
         p.grad = None
@@ -92,17 +79,9 @@ def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
 
 
 class BucketFold:
-    """Adds low-precision gradients into their buckets' wider views a bucket at a time.
-
-    Under bf16 parameters with fp32 buckets each micro-batch's gradient must be added into its bucket view
-    and dropped (:func:`fold_grad_into`); added one parameter at a time as each gradient arrives, that is one
-    kernel launch per parameter and micro-batch (about 150 per ``gpt2-124m`` micro-batch). Here a bucket's
-    gradients are held until its last one arrives and then added with one multi-tensor kernel
-    (``torch._foreach_add_``), the same additions in the same dtype; a bucket some of whose parameters got no
-    gradient is folded at the end of the backward pass (autograd's queued callback, as DDP's reducer uses),
-    so every gradient is in its bucket before anything reads or reduces it. Holding a bucket's gradients costs
-    at most one bucket of low-precision bytes.
-    """
+    """Adds low-precision gradients into their wider bucket views a bucket at a time, with one
+    ``torch._foreach_add_`` instead of one kernel per parameter and micro-batch. Buckets left incomplete
+    are folded at the end of backward (autograd's queued callback, as DDP's reducer)."""
 
     def __init__(self, sizes: Mapping[Hashable, int]) -> None:
         self.sizes = dict(sizes)
@@ -135,9 +114,8 @@ class BucketFold:
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int, dtype: torch.dtype | None = None,
                  axis: str = "dp") -> list[Bucket]:
-    """Group ``params`` (already in reverse order of use) into buckets of about ``bucket_bytes``, holding
-    gradients in ``dtype`` (default: each parameter's own), each reduced over ``axis`` or, for routed
-    experts, over the expert-data-parallel axis (:func:`axis_buckets`)."""
+    """Group ``params`` (in reverse order of use) into buckets of about ``bucket_bytes`` of ``dtype`` gradients
+    (default: the parameter's), reduced over ``axis`` or, for routed experts, the edp axis (:func:`axis_buckets`)."""
     buckets = []
     for bucket_axis, group in axis_buckets(params, bucket_bytes, axis):
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype or group[0].dtype, device=group[0].device)
@@ -171,18 +149,9 @@ def accumulating_locally(engine: Syncing) -> Iterator[None]:
 
 
 class DataParallel:
-    """Gradient synchronisation for a replicated ``module`` over the ``dp`` axis of ``comm``'s mesh.
-
-    Use: run forward and backward as usual on the loss times :attr:`loss_scale` (inside :meth:`no_sync`
-    for all but the last micro-batch of a step), then :meth:`step`. The module itself is not wrapped, so
-    its parameter names and ``state_dict`` are unchanged.
-
-    When the module's parameters are bf16/fp16, the optimizer (from ``make_optimizer``) owns fp32 master
-    copies, and gradients are accumulated and all-reduced in ``reduce_dtype`` (fp32 by default: each
-    micro-batch's low-precision gradient is added into the fp32 bucket, as Megatron's ``main_grad``, a bucket
-    at a time: :class:`BucketFold`).
-    When ``reduce_dtype`` equals the parameters' dtype, gradients are views into the buckets (no copy).
-    """
+    """Gradient synchronisation for a replicated, unwrapped ``module`` over ``comm``'s ``dp`` axis: backward on the
+    loss times :attr:`loss_scale` (in :meth:`no_sync` but for the last micro-batch), then :meth:`step`; low-precision
+    parameters get fp32 masters and ``reduce_dtype`` gradients (Megatron's ``main_grad``)."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = 25 * 2**20, reduce_dtype: torch.dtype = torch.float32,
@@ -296,14 +265,9 @@ class DataParallel:
         self._reset_pending()
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Finish the AllReduce, unscale and clip by the global norm, update; returns the pre-clip norm.
-
-        The norm is reduced over ``tp`` and ``pp`` (the axes that split a replicated model) but not over
-        ``dp``, whose ranks all hold the same averaged gradient; routed experts' squares are summed over
-        ``ep`` too, whose ranks hold different experts, on every rank of a model with experts on any stage
-        (a stage holding none adds zero: :func:`experts_on_any_stage`). A non-finite norm (an overflow or NaN on
-        any rank; every rank computes the same norm) skips the update on every rank together.
-        """
+        """Finish the AllReduce, unscale, clip by the global norm and update; returns the pre-clip norm. The norm
+        is reduced over ``tp`` and ``pp`` (and experts over ``ep``, on every stage: :func:`experts_on_any_stage`);
+        a non-finite norm skips the update on every rank."""
         self.finish_gradient_sync()
         sum_over_tp([b.flat for b in self.buckets if b.tp_sum], self.comm)
         opt_params = self.masters or self.params
@@ -322,9 +286,8 @@ class DataParallel:
         return norm
 
     def _optimizer_grads(self, opt_params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """Point the optimizer's parameters at the reduced gradients: views of the buckets where dtypes agree,
-        else views of each bucket converted whole (fp32 masters of bf16 buckets), one copy per bucket rather
-        than one per parameter: 150 kernel launches fewer per gpt2-124m step."""
+        """Point the optimizer's parameters at the reduced gradients: bucket views where dtypes agree, else views of
+        each bucket converted whole, one copy per bucket rather than one kernel per parameter."""
         owner = dict(zip(self.params, opt_params))
         for bucket in self.buckets:
             flat = bucket.flat.to(owner[bucket.params[0]].dtype)

@@ -1,26 +1,8 @@
-"""Expert parallelism: the routed experts of each MoE layer split over the ``ep`` ranks, tokens moved to them
-by all-to-all.
+"""Expert parallelism: each MoE layer's routed experts split over ``ep`` ranks, tokens moved by all-to-all.
 
-The ``ep`` axis folds *inside* the ranks that hold different tokens, as Megatron-core and torchtitan fold
-it: the data-parallel ranks (``dp x cp``), and under sequence parallelism the tp ranks too, each of which
-routes its own slice of the sequence (:mod:`trainmesh.distributed.mesh`); an ep group of whole tp groups then lies inside
-a node. Ep rank ``r`` of ``P`` holds global experts ``[r E/P, (r+1) E/P)`` and every ep rank still trains on
-its own tokens. One MoE layer's forward on an ep rank (Megatron-core's ``MoEAlltoAllTokenDispatcher``):
-
-1. the router sorts this rank's token copies by global expert and counts them per expert (``counts [E]``);
-2. :meth:`AllToAllDispatch.dispatch` sends each ep rank the copies for its experts: the per-expert counts
-   are exchanged first (an all-to-all of ``E`` integers), which gives every rank the split sizes of the
-   all-to-all of the copies themselves; what arrives is grouped by source rank, and one stable sort makes
-   it contiguous per local expert, as the grouped GEMM wants it;
-3. :meth:`AllToAllDispatch.combine` undoes the sort and sends every result back by the reverse all-to-all.
-
-Both all-to-alls are autograd functions whose backward is the all-to-all the other way (the gradient of a
-token copy goes back to the rank that sent it), so a rank's expert gradients are the sum over every ep
-rank's tokens. Parameters are therefore reduced over two groups: the dense ones over ``dp x cp`` as
-always, the experts over the *expert-data-parallel* group (the ranks holding the same experts: ``dp x cp /
-ep``, or ``dp x cp x tp / ep`` folded over tp), both divided by the ``dp x cp`` size since the loss is the
-mean over every data-parallel rank's tokens (a tp rank's slice being part of its rank's).
-"""
+``ep`` folds inside the token-holding ranks (``dp x cp``, tp too under sp), as Megatron-core and torchtitan do.
+:class:`AllToAllDispatch` exchanges counts then copies and reverses it, as Megatron-core's
+``MoEAlltoAllTokenDispatcher``; experts reduce over the expert-data-parallel group, divided by the ``dp x cp`` size."""
 
 from __future__ import annotations
 
@@ -60,10 +42,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 class AllToAllDispatch:
-    """The MoE ``Dispatcher`` over the ``ep`` axis of ``comm``'s mesh (``None`` or an axis of one: nothing
-    moves). Every exchange goes through ``comm``, which counts the bytes each leaves on the ep axis per op
-    (``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward``): every copy but those
-    routed to this rank's own experts crosses the network once per direction, the planner's all-to-all."""
+    """The MoE ``Dispatcher`` over ``comm``'s ``ep`` axis (``None`` or size 1: nothing moves); ``comm`` counts the
+    bytes of ``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward``, the planner's all-to-all."""
 
     def __init__(self, comm: Comm | None) -> None:
         self.comm = comm
@@ -115,11 +95,8 @@ def is_expert(p: torch.Tensor) -> bool:
 
 
 def experts_on_any_stage(params: list[nn.Parameter], comm: Comm) -> bool:
-    """Whether any pipeline stage holds routed experts, every rank answering alike (a sum over ``pp``).
-
-    A stage of dense layers only (DeepSeek-V3's first ones) holds none, yet must join every collective
-    over ``pp`` that sums the experts' squared gradient norms with the stages that do, contributing zero:
-    deciding from its own parameters, it would skip them and the other stages would wait forever."""
+    """Whether any pipeline stage holds routed experts (a sum over ``pp``): a dense-only stage must still join
+    the experts' norm collectives, contributing zero, or the others wait forever."""
     held = torch.tensor([float(any(is_expert(p) for p in params))], dtype=torch.float64, device=comm.mesh.device)
     comm.all_reduce(held, "pp", op="expert_stages")
     return held.item() > 0
@@ -144,10 +121,8 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 
 @torch.no_grad()
 def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
-    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts (rank ``r``: global experts
-    ``[r E/ep, (r+1) E/ep)``, the first dim of every stacked weight) and dispatch by all-to-all over
-    ``comm``'s ep axis. Parameters keep their names and marks; each also records its place (:data:`EP_SHARD`),
-    and, where the ep group folds over tp (``over_tp``), that tp ranks hold different experts."""
+    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts and dispatch over ``comm``'s ep axis; parameters keep
+    names and marks and record their place (:data:`EP_SHARD`) and whether ep folds over tp."""
     rank, size = comm.mesh.rank(EP_AXIS), comm.mesh.size(EP_AXIS)
     experts = moe.experts
     for name, p in list(experts.named_parameters(recurse=False)):
@@ -192,12 +167,8 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, over_tp: bool = False) -
 
 def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
                 experts_over_tp: bool = False) -> dict[str, str]:
-    """The family's tensor-parallel plan fitted to an MoE model: the MLP patterns that match nothing (every
-    layer's MLP is a mixture) are dropped, and the MoE layers stay whole on every tp rank; under sequence
-    parallelism each tp rank routes only its slice of the sequence, so the router's, the experts' and the
-    shared experts' gradients are summed over tp (the ``sequence`` style), but for routed experts an ep group
-    folds over tp (``experts_over_tp``): each tp rank then holds other experts, which receive every tp rank's
-    tokens through the all-to-all."""
+    """The family's tp plan fitted to an MoE model: unmatched MLP patterns dropped, MoE layers whole on every tp rank
+    with gradients summed over tp under sp (``sequence``), or ``experts_over_tp`` where ep folds there."""
     layers = [name for name, _ in expert_modules(model)]
     if not layers:
         return plan
@@ -213,10 +184,8 @@ def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
 
 
 def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.Module) -> dict[str, tuple[torch.Size, list[Any]]]:
-    """A checkpoint's geometry (full shape and the boxes this rank holds, per parameter:
-    :func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert placed in the plain model's
-    tensor: ``size`` times the experts, this rank's box at expert ``rank * E_local``. A checkpoint saved
-    at one ep then reads back at any other, or on one process, as the boxes intersect."""
+    """A checkpoint's geometry (:func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert
+    placed in the plain model's tensor at expert ``rank * E_local``, so a checkpoint reads back at any ep."""
     out = dict(geometry)
     for name, p in model.named_parameters():
         rank, size = ep_place(p)
@@ -245,16 +214,9 @@ class _SumOverAxis(torch.autograd.Function):
 
 
 def split_sequence_stats(model: nn.Module, comm: Comm, axes: tuple[str, ...]) -> None:
-    """Each rank of ``axes`` holds a slice of every sequence (``tp`` under sequence parallelism, ``cp``
-    under context parallelism, or both): the MoE layers' per-sequence balance statistics and z-loss are
-    summed over all of them, so every rank holds the whole sequence's values (the interface's
-    :class:`~trainmesh.models.moe.SequenceSplit`); the expert counts over ``tp`` only, since the metrics
-    and the bias update sum them over dp x cp themselves.
-
-    Backward, each rank keeps the gradient of its own tokens' part. The router's gradients are summed over
-    tp (the ``sequence`` style), so a tp rank's part is right as it is; they are averaged over cp with
-    every replicated parameter's (dp x cp), as suits the main loss, whose mean over a cp rank's 1/cp of
-    the tokens is cp times that rank's share of the whole, so a cp rank's part is scaled by cp to match."""
+    """Each rank of ``axes`` holds a slice of every sequence (tp under sp, cp): per-sequence balance statistics
+    and z-loss are summed over all (:class:`~trainmesh.models.moe.SequenceSplit`), expert counts over tp only.
+    Backward keeps each rank's own part, scaled by cp to match the main loss's averaging over cp."""
     scale = {"tp": 1.0, "cp": float(comm.mesh.size("cp"))}
 
     def summed(t: torch.Tensor, over: tuple[str, ...]) -> torch.Tensor:

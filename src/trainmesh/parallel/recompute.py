@@ -1,14 +1,7 @@
-"""Activation recomputation (checkpointing), applied to a plain model from outside.
-
-``full`` keeps only each transformer block's input and recomputes the block in backward (Chen et al.,
-2016); ``selective`` recomputes only the attention core, whose saved softmax is the part of the
-activations that grows with sequence length squared while costing few FLOPs to redo (Korthikanti et al.,
-2022, §5). Which module classes are "the block" and "the attention core" is the model family's business
-(``ModelSpec.recompute``). The modules' ``forward`` is replaced on the instance, so parameter names, hooks
-registered on the modules (ZeRO-3's gather/free) and ``state_dict`` are unchanged; non-reentrant
-checkpointing runs the recomputation inside backward, after the hooks that gather a unit's parameters for
-its backward.
-"""
+"""Activation recomputation, applied to a plain model from outside: ``full`` recomputes whole blocks (Chen et al.,
+2016), ``selective`` only the attention core, whose softmax grows with s² but is cheap to redo (Korthikanti et al.,
+2022, §5). Targets come from ``ModelSpec.recompute``; ``forward`` is replaced on the instance, so names, hooks and
+``state_dict`` are unchanged, and non-reentrant checkpointing recomputes after ZeRO-3's gather hooks."""
 
 from __future__ import annotations
 

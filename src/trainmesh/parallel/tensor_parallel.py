@@ -1,27 +1,9 @@
-"""Tensor parallelism: individual layers split over the ``tp`` axis, applied to a plain model by a plan.
+"""Tensor parallelism: layers split over the ``tp`` axis, applied to a plain model by a plan.
 
-Megatron-LM (Shoeybi et al., 2019, §3) splits a transformer block so that it needs two all-reduces in
-forward and two in backward: the first linear of attention and of the MLP is split by output features
-(*column-parallel*: each rank computes ``n_heads / tp`` heads, or ``d_ff / tp`` hidden units), the second
-by input features (*row-parallel*: each rank's partial product is summed). The conjugate pair ``f``
-(identity forward, all-reduce backward) and ``g`` (all-reduce forward, identity backward) around each
-half is all the communication (``f`` is fused into the column-parallel linear, so that its all-reduce
-overlaps the weight gradient's matmul). The embedding and output head are split by vocabulary, and the
-loss is computed from the vocabulary shards without ever gathering full logits (§3, "output embedding").
-
-Sequence parallelism (Korthikanti et al., 2022, §4.2.2) splits the regions *between* those halves
-(LayerNorm, residual adds, dropout) along the sequence, so their activations are ``1/tp`` per rank:
-``f`` becomes an all-gather along the sequence (reduce-scatter backward) and ``g`` a reduce-scatter
-(all-gather backward), moving the same bytes as the all-reduce they replace, plus one all-gather per
-column-parallel layer in backward to rebuild the input it saved split. Parameters that live in
-that region stay replicated but each rank sees only its slice of the sequence, so their gradients are
-summed over ``tp`` (Megatron all-reduces its "sequence-parallel" LayerNorm gradients the same way).
-
-The model knows nothing of this: :func:`parallelize` takes a plain ``nn.Module`` and a plan mapping
-module-name patterns to styles (see :data:`STYLES`; each model family's plan is in its spec in
-:mod:`trainmesh.models`), shards the full weights it finds in place, and gives back the loss to use. Activations are batch-first
-``[batch, seq, hidden]``, so the sequence is dimension -2.
-"""
+Megatron-LM (Shoeybi et al., 2019, §3): column- then row-parallel linears joined by the conjugate ``f``/``g``,
+vocabulary-split embedding, head and loss. Sequence parallelism (Korthikanti et al., 2022, §4.2.2) makes ``f``/``g``
+all-gather/reduce-scatter and sums the gradients of replicated parameters between them over tp. A plan maps
+module-name patterns to :data:`STYLES`; activations are ``[batch, seq, hidden]``."""
 
 from __future__ import annotations
 
@@ -55,8 +37,7 @@ def _split(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
     return x.chunk(comm.mesh.size(AXIS), dim)[comm.mesh.rank(AXIS)].contiguous()
 
 
-def _launch_all_gather(x: torch.Tensor, dim: int, comm: Comm,
-                       op: str = "all_gather") -> tuple[torch.Tensor, Pending]:
+def _launch_all_gather(x: torch.Tensor, dim: int, comm: Comm, op: str = "all_gather") -> tuple[torch.Tensor, Pending]:
     """Start concatenating every tp rank's ``x`` along ``dim``, in rank order (valid once waited on)."""
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((comm.mesh.size(AXIS) * x.shape[0], *x.shape[1:]))
@@ -156,14 +137,9 @@ class _GatherFromSequence(torch.autograd.Function):
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
-    """``f`` fused with the linear: forward ``x A^T + b``, all-gathering ``x`` along the sequence under SP;
-    backward all-reduces the input gradient (reduce-scatters it under SP) while computing the weight's.
-
-    Fusing lets the input gradient's collective run while the weight gradient is computed (Megatron-LM's
-    ``LinearWithGradAccumulationAndAsyncCommunication``). Under SP only this rank's sequence slice of the
-    input is saved and it is all-gathered again in backward, so the saved input is 1/tp too (Korthikanti
-    et al., 2022, §4.2.2), at the cost of one more all-gather, overlapped with the input gradient's matmul.
-    """
+    """``f`` fused with the linear: forward ``x A^T + b`` (all-gathering ``x`` under SP); backward all-reduces
+    (reduce-scatters under SP) the input gradient while the weight gradient is computed, as Megatron-LM's
+    ``LinearWithGradAccumulationAndAsyncCommunication``. Under SP only the local slice is saved [KOR, 4.2.2]."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
@@ -202,27 +178,16 @@ sums the accumulated gradient over tp itself, once per step (:func:`defer_tp_sum
 
 
 def sum_grad_over_tp(p: nn.Parameter, comm: Comm) -> None:
-    """Make ``p``'s gradient the sum over tp ranks of each rank's contribution.
-
-    For a replicated parameter in the sequence-parallel region, each rank's gradient covers only its
-    slice of the sequence. The hook sums each backward's contribution before it is accumulated into
-    ``p.grad``, so gradient accumulation and any data-parallel engine see the full, identical gradient,
-    until an engine takes the sum over (:func:`defer_tp_sums`).
-    """
+    """Make ``p``'s gradient the sum over tp ranks: a replicated parameter in the SP region sees only its slice
+    of the sequence. Summed per backward unless an engine takes it over (:func:`defer_tp_sums`)."""
     setattr(p, TP_PARTIAL, "backward")
     p.register_hook(lambda grad: grad if getattr(p, TP_PARTIAL) == "step" else _all_reduce(grad, comm, op="sequence_grads"))
 
 
 def defer_tp_sums(params: Sequence[nn.Parameter]) -> bool:
-    """Whether a gradient engine should sum the gradients of ``params`` (one of its buckets) over tp itself,
-    once per step; if so, their hooks stop summing each backward's part.
-
-    A sum over tp commutes with accumulation over micro-batches and with the reduction over dp, so one
-    all-reduce of the accumulated (and, under ZeRO, reduce-scattered) gradient replaces one of the whole
-    gradient per micro-batch. That matters for the routed experts, which stay whole on every tp rank: under
-    sequence parallelism each rank routes only its slice of the tokens, so their gradients, the bulk of an
-    MoE model, are partial over tp. Only a bucket made of such parameters alone qualifies, since the sum
-    would corrupt a tp-sharded parameter's gradient."""
+    """Whether an engine should sum ``params`` (one bucket) over tp itself once per step, turning off their
+    per-backward hooks. The sum commutes with accumulation and dp reduction, which saves one all-reduce per
+    micro-batch of the routed experts' gradients under SP. Only buckets of such parameters alone qualify."""
     if not params or not all(getattr(p, TP_PARTIAL, None) for p in params):
         return False
     for p in params:
@@ -296,10 +261,7 @@ class ShardedModule(nn.Module):
 
 
 class ColumnParallelLinear(ShardedModule):
-    """``y = x A^T + b`` with ``A`` and ``b`` split by output features; the output stays split.
-
-    ``chunks=3`` shards a fused ``[q | k | v]`` projection so each rank holds its heads of all three.
-    """
+    """``y = x A^T + b`` split by output features (output stays split); ``chunks=3`` shards a fused qkv per head."""
 
     def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool, chunks: int = 1) -> None:
         super().__init__(comm, sequence_parallel)
@@ -311,10 +273,8 @@ class ColumnParallelLinear(ShardedModule):
 
 
 class LocalColumnLinear(ShardedModule):
-    """A column-parallel linear inside a module whose input :data:`STYLES` ``prepare_input`` already made
-    whole: a plain linear over this rank's output features, with no communication of its own (the module's
-    one ``f`` serves every such linear in it, as torchtitan's ``PrepareModuleInput`` does for separate
-    q/k/v projections)."""
+    """A column-parallel linear whose input the module's ``prepare_input`` already made whole: no communication
+    of its own (as torchtitan's ``PrepareModuleInput`` for separate q/k/v)."""
 
     def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__(comm, sequence_parallel)
@@ -440,10 +400,8 @@ def _first_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor]:
 
 
 def _prepare_input(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
-    """A module (attention, MLP) whose column-parallel linears (``colwise_local``) all read its input: that
-    input is made whole once on entry, ``f`` (an all-reduce of its gradient), or under SP an all-gather
-    along the sequence (a reduce-scatter of its gradient). Runs before any other pre-hook on the module,
-    so hooks that read the input (the shape of the sequence) see the whole of it."""
+    """Make a module's input whole once on entry for its ``colwise_local`` linears (``f``, or an all-gather
+    under SP); runs before other pre-hooks so they see the whole input."""
     entry = _GatherFromSequence if sp else _CopyToTP
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -534,14 +492,8 @@ def match_plan(model: nn.Module, plan: Plan) -> dict[str, str]:
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_parallel: bool = False,
                 comm: Comm | None = None) -> Criterion | None:
-    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place, as ``plan`` says.
-
-    The full weights found in the model are sharded, so a model built identically on every rank (from
-    the same seed, or loaded from a full checkpoint) becomes the tensor-parallel split of that model.
-    Collectives are counted in ``comm`` (pass the run's). Returns the vocabulary-parallel cross-entropy
-    when the plan splits an output head by vocabulary (its logits are then split, so the ordinary loss
-    no longer applies), else None. With ``tp == 1`` the plan is checked and the model left as it is.
-    """
+    """Apply tensor parallelism over ``mesh``'s ``tp`` axis to ``model`` in place as ``plan`` says, sharding its full
+    weights; returns the vocabulary-parallel cross-entropy when the head is split by vocabulary, else None."""
     matched = match_plan(model, plan)
     if mesh.size(AXIS) == 1:
         return None
@@ -591,8 +543,8 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
 
 
 class Box(NamedTuple):
-    """Where a part lies in a full tensor: its start and its size per dimension (what DCP calls a chunk).
-    Ours, not DCP's class: importing ``torch.distributed.checkpoint`` costs every rank ~0.5 s at start."""
+    """Where a part lies in a full tensor: its start and size per dimension (DCP's chunk). Ours, not DCP's
+    class: importing ``torch.distributed.checkpoint`` costs every rank ~0.5 s at start."""
 
     offsets: torch.Size
     sizes: torch.Size
@@ -600,13 +552,8 @@ class Box(NamedTuple):
 
 def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
                size: int) -> tuple[torch.Size, list[Box]]:
-    """The full shape of a tensor split by ``spec`` and where rank ``rank``'s part (of ``local_shape``) lies in
-    it: one box per chunk, in the order :func:`shard_tensor` concatenates them.
-
-    Along ``spec.dim`` (0 whenever ``chunks > 1``, as for a fused qkv) the boxes' contents read row-major
-    and concatenated are the local tensor flattened, which is how a checkpoint maps local elements to
-    their place in the full tensor.
-    """
+    """The full shape of a tensor split by ``spec`` and the boxes rank ``rank``'s part covers, in
+    :func:`shard_tensor`'s order: how a checkpoint maps local elements into the full tensor."""
     if spec.chunks > 1 and spec.dim != 0:
         raise ValueError(f"a tensor split in {spec.chunks} chunks along dim {spec.dim} has no row-major box "
                          f"layout; split fused tensors along dim 0")
@@ -624,12 +571,8 @@ def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
 
 
 def shard_boxes(model: nn.Module) -> dict[str, tuple[torch.Size, list[Box]]]:
-    """Every parameter's full shape and the boxes of the full tensor that this rank's tensor holds
-    (:func:`spec_boxes`; one box covering all of a replicated parameter), under the plain model's names.
-
-    This is the tensor-parallel half of a checkpoint's geometry: it stores each tensor by its place in the
-    full tensor, so any layout can read what any other wrote.
-    """
+    """Every parameter's full shape and the boxes this rank holds (:func:`spec_boxes`), under the plain model's
+    names: the tp half of a checkpoint's geometry, so any layout reads what another wrote."""
     sharded = _sharded_params(model)
     out = {}
     for name, p in model.named_parameters():

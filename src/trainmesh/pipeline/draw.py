@@ -8,18 +8,9 @@ from pathlib import Path
 from trainmesh.pipeline.schedules import ActionKind, build_schedule, hoist_receives
 from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord, simulate
 
-COLOURS = {
-    ActionKind.F: "#4c72b0",
-    ActionKind.B: "#dd8452",
-    ActionKind.BI: "#c44e52",
-    ActionKind.BW: "#55a868",
-}
-LABELS = {
-    ActionKind.F: "F forward",
-    ActionKind.B: "B backward",
-    ActionKind.BI: "BI backward (input)",
-    ActionKind.BW: "BW backward (weights)",
-}
+COLOURS = {ActionKind.F: "#4c72b0", ActionKind.B: "#dd8452", ActionKind.BI: "#c44e52", ActionKind.BW: "#55a868"}
+LABELS = {ActionKind.F: "F forward", ActionKind.B: "B backward", ActionKind.BI: "BI backward (input)",
+          ActionKind.BW: "BW backward (weights)"}
 
 
 def _matplotlib() -> tuple[type, type, type]:
@@ -29,9 +20,7 @@ def _matplotlib() -> tuple[type, type, type]:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as error:
-        raise ImportError(
-            "drawing a pipeline timeline needs matplotlib: pip install 'trainmesh[viz]'"
-        ) from error
+        raise ImportError("drawing a pipeline timeline needs matplotlib: pip install 'trainmesh[viz]'") from error
     return Figure, FigureCanvasAgg, Patch
 
 
@@ -42,12 +31,8 @@ def _shade(record: TimelineRecord, n_ranks: int, n_chunks: int) -> float:
 
 
 def draw_timeline(timeline: Timeline, path_png: str | Path, title: str | None = None) -> Path:
-    """Draw one box per compute action (colour = kind, number = microbatch) and save a PNG.
-
-    The title gets the bubble fraction appended.
-    Comm actions are not drawn: the gaps they leave are exactly the bubbles being looked at.
-    Times are shifted so the first action starts at 0, so measured clocks need no offset.
-    """
+    """Draw one box per compute action (colour = kind, number = microbatch) and save a PNG titled with the
+    bubble fraction. Comm actions leave gaps (the bubbles); times start at 0."""
     figure_class, canvas_class, patch_class = _matplotlib()
     compute = [r for r in timeline.records if r.action.is_compute]
     if not compute:
@@ -61,26 +46,13 @@ def draw_timeline(timeline: Timeline, path_png: str | Path, title: str | None = 
     axes = figure.add_subplot()
     for record in compute:
         left = record.start - origin
-        axes.barh(
-            record.rank,
-            record.duration,
-            left=left,
-            height=0.8,
-            color=COLOURS[record.action.kind],
-            alpha=_shade(record, timeline.n_ranks, n_chunks),
-            edgecolor="black",
-            linewidth=0.4,
-        )
+        axes.barh(record.rank, record.duration, left=left, height=0.8, color=COLOURS[record.action.kind],
+                  alpha=_shade(record, timeline.n_ranks, n_chunks), edgecolor="black", linewidth=0.4)
         label = str(record.action.microbatch)
         axes.text(left + record.duration / 2, record.rank, label, ha="center", va="center", fontsize=7)
     kinds = [kind for kind in COLOURS if any(r.action.kind is kind for r in compute)]
-    figure.legend(
-        handles=[patch_class(color=COLOURS[kind], label=LABELS[kind]) for kind in kinds],
-        loc="lower center",
-        ncol=len(kinds),
-        fontsize=8,
-        frameon=False,
-    )
+    figure.legend(handles=[patch_class(color=COLOURS[kind], label=LABELS[kind]) for kind in kinds], loc="lower center",
+                  ncol=len(kinds), fontsize=8, frameon=False)
     axes.set_yticks(range(timeline.n_ranks), [f"rank {rank}" for rank in range(timeline.n_ranks)])
     axes.set_ylim(timeline.n_ranks - 0.5, -0.5)
     axes.set_xlim(0, timeline.makespan)
@@ -94,23 +66,17 @@ def draw_timeline(timeline: Timeline, path_png: str | Path, title: str | None = 
 
 def schedule_command(pp: int, microbatches: int, schedule: str, virtual: int, png: str | None,
                      costs: str | None = None) -> str:
-    """Text for ``trainmesh schedule``: each rank's compute order, busy/idle, peak activations.
-
-    Simulated with F=1, B=2 (BI=BW=1) per stage or chunk and free communication, the setting in
-    which the textbook bubble formulas hold, or with the measured ``costs`` (seconds) that
-    ``trainmesh train --timeline`` writes, which reproduces that run's simulated bubble (the lists are
-    the runtime's, receives hoisted); draws the timeline to ``png`` when given.
-    """
+    """Text for ``trainmesh schedule``: each rank's compute order, busy/idle, peak activations, simulated with
+    F=1, B=2 and free communication (the textbook setting) or with a run's measured ``costs``; draws the
+    timeline to ``png`` when given."""
     actions = [hoist_receives(a) for a in build_schedule(schedule, pp, microbatches, virtual)]  # as the runtime runs them
     timeline = simulate(actions, Costs() if costs is None else Costs.load(costs))
     unit = "" if costs is None else " s"
     setting = ("F=1, B=2, BI=BW=1 per stage, or per chunk when interleaved; comm free" if costs is None
                else f"measured costs from {costs}")
-    lines = [
-        f"schedule {schedule!r}: pp={pp}, microbatches={microbatches}, virtual={virtual} ({setting})",
-        "peak act: most microbatches (per chunk when interleaved) whose activations a rank holds at once",
-        f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'peak act':>8}  compute order (send/recv omitted)",
-    ]
+    lines = [f"schedule {schedule!r}: pp={pp}, microbatches={microbatches}, virtual={virtual} ({setting})",
+             "peak act: most microbatches (per chunk when interleaved) whose activations a rank holds at once",
+             f"{'rank':>4}  {'busy':>8}  {'idle':>8}  {'peak act':>8}  compute order (send/recv omitted)"]
     for rank, (busy, peak) in enumerate(zip(timeline.busy_times, timeline.peak_activations, strict=True)):
         order = " ".join(str(a) for a in actions[rank] if a.is_compute)
         lines.append(f"{rank:>4}  {busy:>8.4g}  {timeline.makespan - busy:>8.4g}  {peak:>8}  {order}")

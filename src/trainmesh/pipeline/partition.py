@@ -1,12 +1,6 @@
-"""Cut a model into pipeline stages of whole layers, and put the stages back together for export.
-
-A stage is the plain model with the layers it does not own deleted: the GPT contract is that ``embed``,
-``ln_f`` and ``head`` may be ``None`` and ``blocks`` is an ``nn.ModuleDict`` keyed by layer index, so
-parameter names stay the plain model's names in every layout (torchtitan cuts its pipeline stages the
-same way). Global stage ``s`` of ``p * v`` (``v`` model chunks per rank) runs on rank ``s % p``
-(:func:`~trainmesh.pipeline.schedules.stage_to_rank`); the embedding belongs to stage 0, the final norm
-and output head to the last stage.
-"""
+"""Cut a model into pipeline stages of whole layers, and put the stages back together for export. A stage is the plain
+model with the layers it does not own deleted, so names stay the plain model's (as torchtitan); global stage s of
+``p * v`` runs on rank ``s % p``."""
 
 from __future__ import annotations
 
@@ -33,12 +27,8 @@ def _layer_keys(model: nn.Module) -> list[str]:
 
 def balanced_partition(layer_sizes: Sequence[int], n_stages: int, first_extra: int = 0,
                        last_extra: int = 0) -> list[range]:
-    """Contiguous layers per stage, at least one each, minimising the largest stage's parameter count.
-
-    ``first_extra``/``last_extra`` are what the first/last stage hold besides layers (embedding; norm and
-    head), so a model with a large vocabulary gets fewer layers on its end stages. Exact, by dynamic
-    programming over (stage, last layer) in O(stages · layers²).
-    """
+    """Contiguous layers per stage, at least one each, minimising the largest stage's parameter count with
+    ``first_extra``/``last_extra`` on the end stages; exact by dynamic programming in O(stages · layers²)."""
     n = len(layer_sizes)
     if not 1 <= n_stages <= n:
         raise ValueError(f"cannot cut {n} layers into {n_stages} stages of at least one layer; "
@@ -114,13 +104,8 @@ def _keep(target: nn.Module, source: nn.Module, layers: Sequence[int], first: bo
 
 def split_model(model: nn.Module, layers: Sequence[range], rank: int, n_ranks: int,
                 n_virtual: int = 1) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """Cut ``model`` in place down to what pipeline ``rank`` holds; returns ``(part, chunks)``.
-
-    ``part`` is the model with every layer this rank does not own deleted: what the engine optimises and
-    what :func:`gather_stages` exports. ``chunks`` maps each of the rank's global stages to a module
-    that runs just that stage; with one stage per rank it is ``part`` itself, with ``v`` chunks each is a
-    hollow copy of the model holding that chunk's modules (shared with ``part``, none with each other).
-    """
+    """Cut ``model`` in place to what pipeline ``rank`` holds; returns ``(part, chunks)``: the model the engine
+    optimises, and each global stage's module (``part``, or with ``v`` chunks hollow copies sharing its modules)."""
     n_total = n_ranks * n_virtual
     if len(layers) != n_total:
         raise ValueError(f"got {len(layers)} layer ranges for {n_total} stages (pp * virtual stages)")
@@ -138,11 +123,8 @@ def split_model(model: nn.Module, layers: Sequence[range], rank: int, n_ranks: i
 
 
 def gather_stages(state: dict[str, torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:
-    """Every pipeline rank's state dict merged, on every pipeline rank (a collective over ``pp``).
-
-    Names and shapes travel as objects, tensors by broadcast from their owner (counted as
-    ``pp/state_gather``), so the result is the plain model's full state dict wherever it is called.
-    """
+    """Every pipeline rank's state dict merged, on every pipeline rank (a collective over ``pp``): tensors
+    broadcast from their owner (``pp/state_gather``), giving the plain model's full state dict."""
     group = comm.mesh.group(AXIS)
     metas: list = [None] * comm.mesh.size(AXIS)
     dist.all_gather_object(metas, [(k, v.shape, v.dtype) for k, v in state.items()], group=group)

@@ -1,33 +1,9 @@
-"""The pipeline runtime: executes one rank's action list (:mod:`.schedules`) on real tensors.
+"""The pipeline runtime: executes one rank's action list (:mod:`.schedules`) on real tensors, deciding nothing.
 
-The runtime decides nothing about order: it walks the rank's list and does what each action says.
-Consecutive SEND/RECV actions are posted together as one batch of asynchronous point-to-point
-operations (``Comm.send_recv``, counted as ``pp/p2p``) by a dedicated communication thread: Gloo copies
-a send into the socket on the thread that posts it, which would stall compute. When every rank of the
-pipeline runs on one CPU host, messages go through shared-memory channels instead
-(:func:`trainmesh.distributed.shm.open_channels`), copied on the compute thread itself, where no thread waits for a
-core (a message's time inside a step fell several-fold, docs/performance.md). A compute action first waits for
-the messages it consumes, so communication overlaps whatever compute lies between a RECV and its
-consumer, and sends are waited for only at the end of the step. The lists are deadlock-free even when sends block
-until matched (see :func:`~trainmesh.pipeline.schedules._insert_communication`), so posting them
-earlier and waiting later cannot deadlock either.
-
-Gradients accumulate over micro-batches in the parameters' ``.grad`` as in the single-process loop;
-each stage's *last* weight-gradient action (B, or BW for zero bubble) runs with the engine's gradient
-sync enabled and every other one inside ``engine.no_sync()``, so data-parallel buckets fire exactly once
-per step on every rank. The zero-bubble split (Qi et al. 2023, §2) computes the input gradient (BI)
-with ``torch.autograd.grad`` on the retained graph, keeping the gradient of every parameter-owning
-module's output; the weight gradient (BW) later back-propagates each of those into only that module's
-own parameters, so autograd skips the weight matmuls in BI and the activation path in BW, and the
-gradients land in ``.grad`` through the usual accumulate hooks.
-
-Each backward action (B, BI or BW) runs inside ``engine.backward_pass()``: BW makes one autograd call
-per module, and an engine that reduces gradients or frees gathered parameters at the end of a backward
-(ZeRO-2/3) must do so once per action, not once per call. BW visits the modules in reverse forward
-order, the order a plain backward produces gradients in, so buckets and ZeRO-3 units complete, are
-reduced and freed in the order they are launched; before each call ``engine.unshard_for_backward``
-gathers ZeRO-3 parameters, which no unit-output hook gathers for a call starting inside the unit.
-"""
+SEND/RECV runs go out as one async batch from a communication thread (shared-memory channels on one CPU host,
+docs/performance.md); a compute action waits only for what it consumes. Gradients accumulate in ``.grad``, synced on
+each stage's last weight-gradient action; zero bubble (Qi et al. 2023, §2) computes BI with ``torch.autograd.grad``
+and BW per module in reverse forward order, each inside ``engine.backward_pass()``."""
 
 from __future__ import annotations
 
@@ -53,17 +29,8 @@ from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.distributed.mesh import Mesh, world_env
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
-from trainmesh.pipeline.schedules import (
-    SEND_KINDS,
-    Action,
-    ActionKind,
-    Token,
-    action_inputs,
-    action_output,
-    build_schedule,
-    hoist_receives,
-    stage_to_rank,
-)
+from trainmesh.pipeline.schedules import (SEND_KINDS, Action, ActionKind, Token, action_inputs, action_output,
+                                          build_schedule, hoist_receives, stage_to_rank)
 from trainmesh.pipeline.simulate import Costs, Timeline, TimelineRecord, concurrency
 
 Leaf = tuple[torch.Tensor, tuple[nn.Parameter, ...]]
@@ -91,10 +58,8 @@ def _temporarily(get: Callable[[], Any], set_: Callable[[Any], None], value: Any
 
 
 def lone_actions(schedule: Sequence[Sequence[Action]]) -> frozenset[Action]:
-    """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`).
-    When the pipeline's ranks share one host and nothing else runs there, such an action may use the whole
-    host's cores: the other ranks are waiting (at pp=2, 1F1B's first forward, the last stage's first backward
-    and the first stage's last backward). torch's schedules leave that core idle."""
+    """The compute actions no other rank computes during (:func:`~trainmesh.pipeline.simulate.concurrency`), which may
+    use every core of a host the pipeline has to itself, since the other ranks wait."""
     return frozenset(action for action, n in concurrency(schedule).items() if n == 1)
 
 
@@ -123,10 +88,8 @@ def p2p_seconds(comm: Comm, numel: int, dtype: torch.dtype) -> float:
 
 
 def p2p_fit(comm: Comm, numel: int, dtype: torch.dtype) -> tuple[float, float]:
-    """(latency s, bandwidth B/s): a least-squares line through the time of messages of a quarter, half and
-    all of ``numel`` elements, measured once per run for the simulator's transfer term
-    (:meth:`~trainmesh.pipeline.simulate.Costs.transfer`). A non-positive slope (noise swamping the size
-    effect) leaves all of the time to the latency."""
+    """(latency s, bandwidth B/s): a least-squares line through the times of messages of a quarter, half and all of
+    ``numel`` elements, for :meth:`~trainmesh.pipeline.simulate.Costs.transfer`; a non-positive slope is all latency."""
     numels = [max(1, int(numel * f)) for f in FIT_FRACTIONS]
     times = [p2p_seconds(comm, n, dtype) for n in numels]
     sizes = [n * dtype.itemsize for n in numels]
@@ -143,9 +106,8 @@ Posting = tuple[list[list], float]
 
 
 class _Posted:
-    """One part of a batch of point-to-point operations, posted by the communication thread or (through
-    shared-memory channels) at once: its sends (part 0) or one of its receives (part 1 + i). Holds the
-    tensors being sent until they are gone."""
+    """One part of a batch of point-to-point operations (its sends, part 0, or receive i, part 1 + i), posted by the
+    communication thread or through shared-memory channels; holds the tensors sent until they are gone."""
 
     def __init__(self, batch: Future[Posting], part: int, sending: Sequence[torch.Tensor] = ()) -> None:
         self.batch, self.part, self.sending = batch, part, list(sending)
@@ -156,14 +118,9 @@ class _Posted:
         self.sending = []
 
 
-def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]],
-                recvs: list[tuple[torch.Tensor, int]]) -> Posting:
-    """Post one batch and split its work handles into [sends, receive 0, receive 1, ...]. Gloo gives one
-    handle per operation, so each receive is waited for alone; a coalesced batch (NCCL) gives one handle
-    for the whole batch, which every part then waits for. The time posting returned is when the sends had
-    left: Gloo copies them into the socket on the posting thread once the peer's receive is posted, a
-    channel into its slot; the simulator's measured transfer time
-    (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
+def _post_batch(comm: Comm, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> Posting:
+    """Post one batch and split its handles into [sends, receive 0, ...] (Gloo: one per operation; NCCL: one shared);
+    the time posting returned is when the sends left (:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`)."""
     works = comm.send_recv(sends, recvs, axis=AXIS)
     posted = time.perf_counter()
     if len(works) != len(sends) + len(recvs):
@@ -198,11 +155,8 @@ class _Step:
 
 
 class _LeafOutputs:
-    """Records (output, own parameters) of every parameter-owning module while active, for the BI/BW split.
-
-    A parameter must be used only inside the forward of the module that owns it (true of the GPT; a tied
-    embedding used by the head would miss the head's share of its gradient).
-    """
+    """Records (output, own parameters) of every parameter-owning module while active, for the BI/BW split; a
+    parameter must be used only in its owner's forward."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self._active: list[Leaf] | None = None
@@ -245,10 +199,8 @@ class PipelineRuntime:
     def __init__(self, chunks: dict[int, nn.Module], comm: Comm, schedule: str, n_microbatches: int,
                  n_virtual: int, hidden_size: int, dtype: torch.dtype, seq_shards: int = 1,
                  host_cores: int = 0) -> None:
-        """``seq_shards``: how many ways the sequence of the activations passed between stages is split
-        (tp under sequence parallelism, whose stage outputs hold 1/tp of the sequence). ``host_cores``: the
-        cores of a host that this pipeline's ranks alone share (0 when they do not), all of which an action
-        the schedule leaves alone uses (:func:`lone_actions`)."""
+        """``seq_shards``: ways the activations' sequence is split between stages (tp under sp); ``host_cores``: cores
+        this pipeline's ranks alone share (0: none), which a lone action uses (:func:`lone_actions`)."""
         self.comm, self.mesh = comm, comm.mesh
         self.n_ranks, self.rank = self.mesh.size(AXIS), self.mesh.rank(AXIS)
         self.chunks = chunks
@@ -297,9 +249,8 @@ class PipelineRuntime:
         return step.loss
 
     def transfer_seconds(self, micro_batch: int, seq_len: int) -> tuple[float, float, float]:
-        """Measure the link once (a collective over ``pp``): (latency s, bandwidth B/s, seconds for one
-        activation of a ``micro_batch x seq_len`` micro-batch), the simulator's ``Costs.comm``. The probe
-        messages go through a comm of their own, so the run's byte counts stay those of training."""
+        """Measure the link once (a collective over ``pp``): (latency s, bandwidth B/s, seconds per activation), the
+        simulator's ``Costs.comm``, through a comm of its own so training's byte counts stay clean."""
         numel = micro_batch * (seq_len // self.seq_shards) * self.hidden_size
         self._open_channels(numel)
         probe = Comm(self.mesh)
@@ -328,11 +279,9 @@ class PipelineRuntime:
         return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
 
     def _open_channels(self, numel: int) -> None:
-        """At the first step (a collective over ``pp``), when every rank of the pipeline is on one CPU host:
-        a shared-memory channel each way between neighbouring ranks, as deep as the most messages one rank
-        sends another in a step, its slots one activation each. Messages then leave and land on the compute
-        thread at once; through Gloo a send waits for a core on the communication thread while every rank of
-        the host computes, which lengthens every wait on it."""
+        """At the first step (a collective over ``pp``), when the pipeline is on one CPU host: a shared-memory
+        channel each way between neighbours, as deep as a step's messages, so messages move on the compute thread
+        instead of waiting for a core through Gloo."""
         if self._shared is not None:
             return
         ring = [self.mesh.global_rank(pp=r) for r in range(self.n_ranks)]
@@ -487,11 +436,8 @@ class PipelineRuntime:
 def build_pipeline(model: nn.Module, comm: Comm, schedule: str, microbatches: int, hidden_size: int,
                    dtype: torch.dtype, virtual_stages: int = 1, layers_per_stage: Sequence[int] = (),
                    seq_shards: int = 1) -> tuple[nn.Module, PipelineRuntime]:
-    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameter
-    count) and build the runtime for ``schedule``; returns the rank's part of the model and the runtime.
-
-    ``hidden_size`` and ``dtype`` describe the activations sent between stages (of ``seq_shards`` sequence
-    shards under sequence parallelism), so receives can be posted before the sender has run."""
+    """Cut ``model`` in place to this rank's stage(s) (``layers_per_stage``, else balanced by parameters) and build
+    the runtime for ``schedule``; ``hidden_size``/``dtype`` describe the activations so receives can be posted early."""
     mesh = comm.mesh
     n_ranks = mesh.size(AXIS)
     layers = partition_model(model, n_ranks * virtual_stages, layers_per_stage)

@@ -1,26 +1,8 @@
 """Pipeline-parallel schedules as pure data: one list of :class:`Action` per pipeline rank.
 
-A schedule says *what* each rank does and *in which order*; it knows nothing about tensors or
-processes, so it can be printed, simulated and verified (:mod:`trainmesh.pipeline.simulate`) and
-drawn (:mod:`trainmesh.pipeline.draw`) before a runtime ever executes it.
-
-Vocabulary
-----------
-* ``p`` (``n_stages``): the pipeline-parallel degree, i.e. the number of ranks in the pipeline.
-* ``v`` (``n_virtual``): model chunks per rank (Narayanan et al. 2021, §2.2.2). The model is cut
-  into ``p * v`` *global stages* ``0 .. p*v-1``; rank ``r`` holds stages ``r, r+p, r+2p, ...``
-  (:func:`stage_to_rank`, :func:`rank_stages`). Without interleaving ``v == 1`` and stage == rank.
-* ``m`` (``n_microbatches``): microbatches per optimizer step.
-
-Communication is explicit: a compute action whose product is consumed on another rank is followed
-(later in the producer's list) by a ``SEND_*`` and preceded (earlier in the consumer's list) by the
-matching ``RECV_*``. The runtime executes exactly these lists, one action at a time. The comm
-actions are ordered so that the lists stay deadlock-free even when every send blocks until the peer
-reaches the matching receive (rendezvous, the strictest semantics a p2p backend may have), and
-messages between two ranks are met in the same order on both; see :func:`_insert_communication`
-for the construction and the argument, and :func:`trainmesh.pipeline.simulate.simulate`, which
-checks it for any list.
-"""
+Knowing nothing of tensors, a schedule can be printed, simulated and drawn before it runs. ``p`` ranks, ``v`` chunks
+per rank (rank r holds global stages r, r+p, ... [NAR, 2.2.2]), ``m`` microbatches; explicit SEND/RECV actions are
+ordered to stay deadlock-free under rendezvous sends (:func:`_insert_communication`)."""
 
 from __future__ import annotations
 
@@ -65,11 +47,8 @@ BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.BI})
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule.
-
-    ``stage`` is the *global* stage the action belongs to, also for comm actions: ``SEND_F3s1``
-    sends what ``F3s1`` produced, ``RECV_F3s2`` receives what ``F3s2`` consumes.
-    """
+    """One step of a rank's schedule; ``stage`` is the global stage, also for comm actions (``SEND_F3s1``
+    sends what ``F3s1`` produced)."""
 
     kind: ActionKind
     microbatch: int
@@ -79,9 +58,7 @@ class Action:
         if not isinstance(self.kind, ActionKind):
             raise TypeError(f"Action.kind must be an ActionKind (e.g. ActionKind.F), got {self.kind!r}")
         if self.microbatch < 0 or self.stage < 0:
-            raise ValueError(
-                f"Action needs microbatch >= 0 and stage >= 0, got {self.microbatch}, {self.stage}"
-            )
+            raise ValueError(f"Action needs microbatch >= 0 and stage >= 0, got {self.microbatch}, {self.stage}")
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.microbatch}s{self.stage}"
@@ -124,23 +101,13 @@ def rank_stages(rank: int, n_ranks: int, n_virtual: int = 1) -> tuple[int, ...]:
 def action_output(action: Action) -> Token | None:
     """The token ``action`` makes available on its own rank (a RECV delivers its peer's product)."""
     mb, s = action.microbatch, action.stage
-    return {
-        ActionKind.F: ("act", s, mb),
-        ActionKind.B: ("grad", s, mb),
-        ActionKind.BI: ("grad", s, mb),
-        ActionKind.BW: ("wgrad", s, mb),
-        ActionKind.RECV_F: ("act", s - 1, mb),
-        ActionKind.RECV_B: ("grad", s + 1, mb),
-    }.get(action.kind)
+    return {ActionKind.F: ("act", s, mb), ActionKind.B: ("grad", s, mb), ActionKind.BI: ("grad", s, mb),
+            ActionKind.BW: ("wgrad", s, mb), ActionKind.RECV_F: ("act", s - 1, mb),
+            ActionKind.RECV_B: ("grad", s + 1, mb)}.get(action.kind)
 
 
 def action_inputs(action: Action, n_total_stages: int) -> tuple[Token, ...]:
-    """Tokens that must exist on the action's rank before it can run.
-
-    F needs the previous stage's activation; B/BI need this stage's stashed activation and the
-    next stage's input gradient; BW needs its BI (which leaves behind the output gradient);
-    a SEND needs what it sends. A RECV needs nothing locally: it waits for its peer's SEND.
-    """
+    """Tokens that must exist on the action's rank before it can run (a RECV needs nothing local)."""
     mb, s = action.microbatch, action.stage
     kind = action.kind
     if kind is ActionKind.F:
@@ -158,10 +125,7 @@ def action_inputs(action: Action, n_total_stages: int) -> tuple[Token, ...]:
 
 
 def required_messages(action: Action, n_ranks: int, n_total_stages: int) -> tuple[tuple[Action, Action], ...]:
-    """(SEND, RECV) pairs a compute action implies: its product is needed on a different rank.
-
-    Consecutive stages on one rank (only when ``p == 1``) hand over locally, without a message.
-    """
+    """(SEND, RECV) pairs a compute action implies; consecutive stages on one rank hand over locally."""
     mb, s = action.microbatch, action.stage
     rank = stage_to_rank(s, n_ranks)
     if action.kind is ActionKind.F and s < n_total_stages - 1 and stage_to_rank(s + 1, n_ranks) != rank:
@@ -179,9 +143,7 @@ _Busy = tuple[list[float], list[float]]
 _PLACEMENT_COST = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.BI: 1.0, ActionKind.BW: 1.0}
 
 
-def _ideal_times(
-    orders: Sequence[Sequence[Action]], n_total_stages: int
-) -> dict[Action, tuple[float, float]]:
+def _ideal_times(orders: Sequence[Sequence[Action]], n_total_stages: int) -> dict[Action, tuple[float, float]]:
     """(start, end) of every compute action when products reach other ranks instantly."""
     ready: dict[Token, float] = {}
     times: dict[Action, tuple[float, float]] = {}
@@ -221,12 +183,8 @@ def _is_free(busy: _Busy, instant: float) -> bool:
 
 
 def _meeting_time(earliest: float, latest: float, sender: _Busy, receiver: _Busy) -> float:
-    """Earliest instant in [earliest, latest] at which neither rank is mid-compute.
-
-    The free instants of a rank form closed intervals that begin at compute ends, so the first
-    common one is ``earliest`` or some compute end in range. Without one, one of the two ranks has
-    to wait whatever we choose (the compute order, not the comm order, causes it); ``earliest``.
-    """
+    """Earliest instant in [earliest, latest] at which neither rank is mid-compute, else ``earliest``
+    (free instants begin at compute ends, so only those are tried)."""
     in_range = (
         ends[bisect.bisect_right(ends, earliest) : bisect.bisect_right(ends, latest)]
         for _, ends in (sender, receiver)
@@ -236,20 +194,9 @@ def _meeting_time(earliest: float, latest: float, sender: _Busy, receiver: _Busy
 
 
 def _insert_communication(orders: Sequence[Sequence[Action]], n_total_stages: int) -> Schedule:
-    """Add SEND/RECV actions to per-rank compute orders so that blocking p2p cannot deadlock.
-
-    Every message gets one global key: a meeting time between its producer's end and its
-    consumer's start (ideal times, :data:`_PLACEMENT_COST`) at which both ranks are between
-    compute actions, then stage, kind, microbatch to break ties. Each rank sorts its actions by
-    time; a comm action sorts by its key and before a compute action starting at the same instant.
-    So a SEND follows its producer, a RECV precedes its consumer, and *both ranks meet their
-    messages in the same global key order*. Why that suffices under rendezvous semantics: take the
-    unfinished message with the smallest key; everything before it on both endpoint ranks is a
-    finished message or compute whose inputs are local or already received, so both ranks reach it
-    and it completes. That argument does not use the placement costs, so the lists cannot deadlock
-    for any real durations. The meeting time only matters to a runtime whose sends block: there a
-    sender that reaches its SEND while the receiver computes waits, and that wait is idle time.
-    """
+    """Add SEND/RECV actions so blocking p2p cannot deadlock: each message gets a global key (a meeting time, then
+    stage, kind, microbatch) and both ranks meet messages in key order, so the smallest unfinished one always
+    completes."""
     n_ranks = len(orders)
     times = _ideal_times(orders, n_total_stages)
     busy = [_busy_intervals(order, times) for order in orders]
@@ -291,10 +238,7 @@ def _one_f_one_b(forwards: Sequence[Action], backwards: Sequence[Action], n_warm
 
 
 def schedule_gpipe(n_stages: int, n_microbatches: int) -> Schedule:
-    """GPipe (Huang et al. 2019): every rank runs all m forwards, then all m backwards.
-
-    Bubble fraction (p-1)/(m+p-1) for uniform stages; holds activations of all m microbatches.
-    """
+    """GPipe (Huang et al. 2019): all m forwards, then all m backwards; bubble (p-1)/(m+p-1), m in flight."""
     _check_counts(n_stages, n_microbatches)
     mbs = range(n_microbatches)
     orders = [
@@ -305,12 +249,8 @@ def schedule_gpipe(n_stages: int, n_microbatches: int) -> Schedule:
 
 
 def schedule_1f1b(n_stages: int, n_microbatches: int) -> Schedule:
-    """1F1B / PipeDream-Flush (Narayanan et al. 2021, §2.2.1).
-
-    Rank r runs ``p-r-1`` warmup forwards, then alternates one forward and one backward, then drains
-    the remaining backwards. Same bubble as GPipe, (p-1)/(m+p-1), but rank r never holds more than
-    ``min(p-r, m)`` microbatches of activations (p on rank 0) instead of m.
-    """
+    """1F1B / PipeDream-Flush [NAR, 2.2.1]: p-r-1 warmup forwards, then one forward one backward, then drain.
+    GPipe's bubble, but rank r holds at most min(p-r, m) microbatches."""
     _check_counts(n_stages, n_microbatches)
     orders = []
     for rank in range(n_stages):
@@ -323,10 +263,7 @@ def schedule_1f1b(n_stages: int, n_microbatches: int) -> Schedule:
 def _interleaved_order(
     rank: int, n_stages: int, n_microbatches: int, n_virtual: int, *, reverse: bool
 ) -> list[tuple[int, int]]:
-    """(stage, mb) in the order rank runs them: groups of p microbatches, chunk by chunk.
-
-    Forwards walk the chunks in model order, backwards in reverse (Narayanan et al. 2021, §2.2.2).
-    """
+    """(stage, mb) in the order rank runs them: groups of p microbatches chunk by chunk, backwards in reverse."""
     chunks = range(n_virtual - 1, -1, -1) if reverse else range(n_virtual)
     return [
         (rank + chunk * n_stages, group + i)
@@ -337,22 +274,8 @@ def _interleaved_order(
 
 
 def schedule_interleaved_1f1b(n_stages: int, n_microbatches: int, n_virtual: int) -> Schedule:
-    """Interleaved 1F1B with ``v`` model chunks per rank (Narayanan et al. 2021, §2.2.2).
-
-    Rank r holds chunks r, r+p, ...; microbatches go in groups of p through chunk 0 of every rank,
-    then chunk 1, ... (backwards in reverse chunk order), hence ``m % p == 0``. A chunk costs 1/v
-    of a full stage, so filling and draining the pipeline costs (p-1)·(t_f+t_b)/v while the useful
-    work stays m·(t_f+t_b): with per-chunk costs f, b the bubble fraction (idle / total over ranks)
-    is exactly ``(p-1) / (v·m + p-1)`` — the paper's bubble/ideal ratio (p-1)/(v·m), v times less
-    bubble time than 1F1B. The simulator reproduces it for any f:b when comm is free.
-
-    Warmup on rank r: its first backward is microbatch 0 in its last chunk; before it the rank runs
-    group 0 through its first v-1 chunks ((v-1)·p forwards) plus, as in 1F1B, p-r-1 more. That
-    already reaches the bubble above when comm is free; for v > 1 we add p-r-1 more, as
-    Megatron-LM does, because every microbatch crosses v times more links and the slack absorbs
-    their latency (simulated, p=4, m=16, v=2, comm = 0.2·f: bubble 0.11 instead of 0.17) at the
-    price of p-r-1 more chunk activations. With v = 1 the schedule is exactly 1F1B.
-    """
+    """Interleaved 1F1B with ``v`` chunks per rank [NAR, 2.2.2], ``m % p == 0``: bubble (p-1) / (v·m + p-1). For v > 1
+    warm-up runs p-r-1 extra forwards, as Megatron-LM, to absorb p2p latency (docs/parallel-forms.md); v = 1 is 1F1B."""
     _check_counts(n_stages, n_microbatches, n_virtual)
     if n_microbatches % n_stages:
         lower = n_microbatches - n_microbatches % n_stages
@@ -377,19 +300,8 @@ def schedule_interleaved_1f1b(n_stages: int, n_microbatches: int, n_virtual: int
 
 
 def schedule_zb_h1(n_stages: int, n_microbatches: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.1 "memory efficient schedule").
-
-    The backward is split into BI (input gradient, on the critical path between ranks) and BW
-    (weight gradient, needed by nobody else until the optimizer step). Rank r follows 1F1B with BI
-    in place of B, but keeps its last ``r`` BWs pending and runs them while it would otherwise wait
-    for the drain. Rank r then holds at most ``(p-r) + r = p`` microbatches (a microbatch stays in
-    flight until its BW), the peak of rank 0 in 1F1B. With t_F = t_BI = t_BW = t (the paper's
-    setting) each rank idles (p-1)·t, a third of 1F1B's (p-1)·3t: bubble fraction
-    ``(p-1) / (3m + p-1)``. In general (m >= p) the simulated idle per rank is
-    (p-1)·max(t_F, t_BI, t_F + t_BI - t_BW); the last term is the paper's estimate (p-1)(t_F+t_B-t_W), the
-    first two are floors: the last rank waits (p-1)·t_F for its first F, and rank 0, holding p
-    microbatches, has nothing to run while its first BI crosses the other p-1 ranks.
-    """
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §2.1): 1F1B with BI, each rank r deferring its last
+    r BWs into the drain (at most p microbatches held); idle (p-1)·max(t_F, t_BI, t_F + t_BI - t_BW) [ZB, 3.1]."""
     _check_counts(n_stages, n_microbatches)
     orders = []
     for rank in range(n_stages):
@@ -408,12 +320,8 @@ def schedule_zb_h1(n_stages: int, n_microbatches: int) -> Schedule:
     return _insert_communication(orders, n_stages)
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": schedule_gpipe,
-    "1f1b": schedule_1f1b,
-    "interleaved": schedule_interleaved_1f1b,
-    "zb": schedule_zb_h1,
-}
+SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": schedule_gpipe, "1f1b": schedule_1f1b,
+                                                 "interleaved": schedule_interleaved_1f1b, "zb": schedule_zb_h1}
 VIRTUAL_SCHEDULES = frozenset({"interleaved"})
 """Schedules that take ``n_virtual``; the others hold exactly one stage per rank."""
 
@@ -434,15 +342,8 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, n_virtual: int
 
 
 def hoist_receives(actions: Sequence[Action]) -> list[Action]:
-    """Move every RECV up past the compute actions before it, to just after the previous comm action.
-
-    Gloo (like a rendezvous protocol) starts moving a message only once its receive is posted, so a RECV
-    posted right before its consumer costs a full transfer; posted earlier, the transfer overlaps that
-    compute. Comm actions keep their order, so messages still match FIFO, and the lists stay
-    deadlock-free even with blocking sends: the argument of
-    :func:`~trainmesh.pipeline.schedules._insert_communication` only needs each rank to meet its messages
-    in key order, with every compute after the receives it consumes (the tests simulate it).
-    """
+    """Move every RECV up to just after the previous comm action, so Gloo's transfer (which starts at the
+    posted receive) overlaps compute. Comm order is kept, so the lists stay deadlock-free."""
     out: list[Action] = []
     after_last_comm = 0
     for action in actions:

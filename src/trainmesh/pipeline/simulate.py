@@ -1,22 +1,6 @@
-"""Simulate and verify a pipeline schedule; the :class:`Timeline` it yields is also what a runtime
-builds from measured timestamps, so simulated and real runs are analysed and drawn the same way.
-
-Execution model:
-
-* each rank runs its list strictly in order, one action at a time;
-* a compute action starts when its rank is free and its inputs are on the rank
-  (:func:`~trainmesh.pipeline.schedules.action_inputs`);
-* verification treats a SEND and its matching RECV as a rendezvous (both ranks must have reached
-  them), the strictest semantics a runtime may face, so a schedule that passes also runs with
-  asynchronous sends and receives, under which every action can only start earlier. Timing uses
-  either semantics (``blocking_comm``), with ``Costs.comm`` as the time a message takes from the
-  later of its SEND and RECV being posted to its data being usable on the peer, and ``Costs.post`` as the time a rank spends
-  posting one SEND or RECV (host work that is neither compute nor idle waiting); every action of a
-  rank starts ``Costs.dispatch`` after the previous one ends at the earliest (the runtime's own work).
-
-Bubble fraction = idle / total over ranks = ``1 - sum(busy) / (p · makespan)``, busy counting
-compute only (communication is not useful work).
-"""
+"""Simulate and verify a pipeline schedule; its :class:`Timeline` is also what a runtime builds from measured
+timestamps, so simulated and real runs are analysed alike. Verification treats SEND/RECV as a rendezvous (the
+strictest semantics); bubble fraction = ``1 - sum(busy) / (p · makespan)``, busy counting compute only."""
 
 from __future__ import annotations
 
@@ -27,17 +11,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainmesh.pipeline.schedules import (
-    Action,
-    COMPUTE_KINDS,
-    SEND_KINDS,
-    ActionKind,
-    Token,
-    action_inputs,
-    action_output,
-    required_messages,
-    stage_to_rank,
-)
+from trainmesh.pipeline.schedules import (Action, COMPUTE_KINDS, SEND_KINDS, ActionKind, Token, action_inputs,
+                                          action_output, required_messages, stage_to_rank)
 
 Cost = float | tuple[float, ...]
 """Seconds (or any unit) for one action: one value for all stages, or one per global stage."""
@@ -52,15 +27,9 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Costs:
-    """Duration of each action kind. ``backward_input``/``backward_weight`` default to half of
-    ``backward``, the usual split when both are matmuls of the same size (Qi et al. 2023, §2).
-
-    ``comm`` is one message's transfer time (build it from a latency/bandwidth fit with
-    :meth:`transfer`); ``post`` is what posting one SEND or RECV costs the posting rank's host thread;
-    ``dispatch`` the host time between two actions of a rank (the runtime's own Python). All are zero by
-    default: the setting of the textbook bubble formulas. ``lone`` multiplies the duration of an action
-    no other rank computes during (:func:`concurrency`), which a runtime sharing one host between its
-    ranks runs on the idle ranks' cores too (measured by :func:`measured_costs`; 1: no such borrowing)."""
+    """Duration of each action kind; backward halves default to half of ``backward`` (Qi et al. 2023, §2).
+    ``comm`` a message's transfer, ``post`` a SEND/RECV's host cost, ``dispatch`` the gap between actions
+    (all 0: the textbook setting); ``lone`` scales actions no other rank overlaps (borrowed cores)."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
@@ -76,9 +45,7 @@ class Costs:
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             if value is not None and any(v <= 0 for v in values):
-                raise ValueError(
-                    f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}"
-                )
+                raise ValueError(f"Costs.{name} must be > 0 (a free compute action would hide bubbles), got {value}")
         if self.lone <= 0:
             raise ValueError(f"Costs.lone must be > 0 (a duration multiplier), got {self.lone}")
         for name in ("comm", "post", "dispatch"):
@@ -112,12 +79,9 @@ class Costs:
         if action.is_comm:
             return self.comm
         half = _scaled(self.backward, 0.5)
-        cost = {
-            ActionKind.F: self.forward,
-            ActionKind.B: self.backward,
-            ActionKind.BI: half if self.backward_input is None else self.backward_input,
-            ActionKind.BW: half if self.backward_weight is None else self.backward_weight,
-        }[action.kind]
+        cost = {ActionKind.F: self.forward, ActionKind.B: self.backward,
+                ActionKind.BI: half if self.backward_input is None else self.backward_input,
+                ActionKind.BW: half if self.backward_weight is None else self.backward_weight}[action.kind]
         if not isinstance(cost, tuple):
             return cost
         if action.stage >= len(cost):
@@ -148,10 +112,8 @@ class TimelineRecord:
 
 @dataclass(frozen=True)
 class Timeline:
-    """What ran where and when. Build it with :meth:`from_records` so records are sorted.
-
-    ``sent``: when each SEND's data had been handed to the transport (a runtime's measurement: the moment its
-    send returned on the thread that posted it), on the records' clock; empty for a simulated timeline."""
+    """What ran where and when (build with :meth:`from_records`); ``sent``: when each SEND's data was handed to
+    the transport, empty when simulated."""
 
     records: tuple[TimelineRecord, ...]
     n_ranks: int
@@ -176,11 +138,8 @@ class Timeline:
         return cls(ordered, n_ranks, dict(sent or {}))
 
     def transfers(self, link: float) -> dict[Action, float]:
-        """Each measured message's transfer time (keyed by its SEND), the simulator's ``Costs.comm`` for it:
-        from the later of its SEND and RECV being posted until its send returned, plus ``link``, the time
-        one message takes on an idle link (:meth:`Costs.transfer`). On a host whose cores all compute, the
-        send waits for a core before Gloo copies it into the socket, several times the idle link's time: most
-        of what a replay with the idle link's time alone leaves unexplained."""
+        """Each measured message's transfer time (keyed by its SEND): from the later post until its send returned,
+        plus ``link``, an idle link's time."""
         posted = {r.action: r.start for r in self.records if r.action.is_comm}
         return {send: max(at - max(posted[send], posted.get(send.partner, posted[send])), 0.0) + link
                 for send, at in self.sent.items() if send in posted}
@@ -210,13 +169,8 @@ class Timeline:
 
     @property
     def peak_activations(self) -> tuple[int, ...]:
-        """Most microbatches whose activations a rank holds at once, per rank.
-
-        A microbatch is held from its F until its B, or with a split backward until its BW: BI
-        frees what only the input gradient needed, but the stage inputs and output gradients stay
-        for the weight gradient (Qi et al. 2023, §2.1). Counted in execution order, so the answer
-        does not depend on durations.
-        """
+        """Most microbatches whose activations a rank holds at once, per rank: from F until B, or until BW with a
+        split backward (Qi et al. 2023, §2.1); counted in execution order."""
         peaks = []
         for rank in range(self.n_ranks):
             held = peak = 0
@@ -232,14 +186,9 @@ class Timeline:
 
 def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
                    lone: Collection[Action] = frozenset()) -> Costs:
-    """Mean measured duration of each compute kind per global stage, and of posting one message; B stands
-    for BI + BW where absent. A mean, not a median: a preempted action lengthens the measured step, and
-    the simulated one must carry the same total work to be comparable. The dispatch time is the median gap
-    between a rank's consecutive actions: most gaps are the runtime's own work, the few long ones waits.
-    The ``lone`` actions (run on borrowed cores) stay out of those means; ``Costs.lone`` is their mean
-    duration over the mean of their kind and stage. ``comm`` is one message's time on an idle link; where
-    the timelines record when their sends left (:attr:`Timeline.sent`), ``Costs.comm`` is the mean of
-    their messages' :meth:`Timeline.transfers` instead, the time messages took inside the step."""
+    """Mean measured duration of each compute kind per stage and of posting a message (a mean, so the total
+    work matches the measured step); dispatch is the median gap; ``lone`` actions are kept apart. ``comm``
+    is the mean of :meth:`Timeline.transfers` where sends were recorded."""
     durations: dict[tuple[ActionKind, int], list[float]] = defaultdict(list)
     alone: list[TimelineRecord] = []
     posts, gaps = [], []
@@ -277,11 +226,8 @@ def measured_costs(timelines: Sequence[Timeline], n_stages: int, comm: float,
 
 def predicted_bubble(schedule: Sequence[Sequence[Action]], timelines: Sequence[Timeline], n_stages: int,
                      link: float, lone: Collection[Action] = frozenset()) -> float:
-    """The median over recorded steps of the bubble simulated with that step's own :func:`measured_costs`.
-
-    Per step, not pooled: a pipeline runs at the pace of its slowest stage, and on a host whose ranks share
-    cores which stage is slowest changes from step to step (whichever rank the OS preempted), so means pooled
-    over steps even the stages out and predict too small a bubble (docs/performance.md, ``make bench-pp4``)."""
+    """Median over steps of the bubble simulated with each step's own :func:`measured_costs`: pooled means
+    even out which stage is slowest and predict too small a bubble (docs/performance.md, ``make bench-pp4``)."""
     return statistics.median(simulate(schedule, measured_costs([t], n_stages, link, lone)).bubble_fraction
                              for t in timelines)
 
@@ -303,15 +249,9 @@ class _Replayed(Costs):
 
 def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timelines: Sequence[Timeline],
                     link: float | None = None) -> float:
-    """The median over recorded steps of the bubble simulated with every compute action taking the time it
-    took in that step and, given the idle ``link`` time, every message its :meth:`Timeline.transfers` of that
-    step; the other costs (posting, dispatch, messages without a record) being ``costs``'s.
-
-    Mean costs (:func:`measured_costs`) predict a step whose actions all last their kind's mean, but a
-    pipeline waits on its slowest path, so actions that vary from one micro-batch to the next (as they do
-    on a CPU shared with communication threads) make the real step longer. Replaying each step's own
-    durations keeps that variation, so what is left between this figure and the measured one is waiting the
-    simulator does not model (a late post, a receive read late), not the durations or the messages."""
+    """Median over steps of the bubble simulated with each action and message taking what it took in that step
+    (other costs from ``costs``): keeps the variation mean costs lose, so what remains against the measured
+    bubble is waiting the simulator does not model."""
     fields = {**asdict(costs), "lone": 1.0}  # a recorded duration is what the action took, borrowed cores or not
     return statistics.median(
         simulate(schedule, _Replayed(**fields, taken={r.action: r.duration for r in t.records if r.action.is_compute},
@@ -320,10 +260,8 @@ def replayed_bubble(schedule: Sequence[Sequence[Action]], costs: Costs, timeline
 
 
 def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
-    """How many ranks compute during each compute action (itself included) when every stage costs the
-    same (F=1, B=2): where the schedule leaves an action alone on its host, its rank may borrow the cores
-    of the idle ranks (:class:`~trainmesh.pipeline.runtime.PipelineRuntime`). Uniform costs, not measured
-    ones, so every rank derives the same answer from the action lists alone, before any step has run."""
+    """How many ranks compute during each compute action with uniform costs (F=1, B=2), so every rank derives
+    the same answer before any step: a lone action may borrow idle ranks' cores."""
     n_ranks = len(schedule)
     n_total = n_ranks * (max((a.stage // n_ranks for actions in schedule for a in actions), default=0) + 1)
     timeline = _Run(schedule, Costs(), n_total, blocking=False).timeline()  # also runs forward-only lists
@@ -333,26 +271,11 @@ def concurrency(schedule: Sequence[Sequence[Action]]) -> dict[Action, int]:
             for record in computing}
 
 
-def simulate(
-    schedule: Sequence[Sequence[Action]],
-    costs: Costs = Costs(),
-    *,
-    n_microbatches: int | None = None,
-    n_virtual: int | None = None,
-    blocking_comm: bool = False,
-) -> Timeline:
-    """Verify ``schedule`` (one action list per rank) and time it under ``costs``.
-
-    Verification always assumes blocking (rendezvous) sends, the strictest semantics, so a schedule
-    that passes runs with blocking ``dist.send``/``dist.recv`` as well as with ``isend``/``irecv``.
-    The timing follows ``blocking_comm``: False (default) times a runtime that posts every SEND and
-    RECV asynchronously and lets the consuming compute wait for the data (the timing then depends
-    only on the compute order); True one whose sends and receives block until both ranks meet
-    (then a busy receiver stalls the sender, so the position of comm actions in the lists matters).
-    The model size (``p · v`` stages) and microbatch count are taken from the actions unless given;
-    give them to also catch a schedule that forgot the last stage or microbatch entirely.
-    Raises :class:`ScheduleError` naming the rank and action when the schedule cannot run.
-    """
+def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(), *, n_microbatches: int | None = None,
+             n_virtual: int | None = None, blocking_comm: bool = False) -> Timeline:
+    """Verify ``schedule`` (one action list per rank) under rendezvous sends and time it under ``costs`` (async
+    posting, or blocking p2p with ``blocking_comm``); :class:`ScheduleError` names the rank and action that cannot
+    run."""
     n_ranks = len(schedule)
     if n_ranks == 0:
         raise ScheduleError("the schedule has no ranks; pass one action list per pipeline rank")
@@ -386,9 +309,7 @@ def _check_placement(schedule: Sequence[Sequence[Action]], n_total: int, n_micro
                 )
             seen[action] += 1
             if seen[action] > 1:
-                raise ScheduleError(
-                    f"duplicated action {action} on rank {rank}: each action must run exactly once"
-                )
+                raise ScheduleError(f"duplicated action {action} on rank {rank}: each action must run exactly once")
 
 
 def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microbatches: int) -> None:
@@ -434,19 +355,12 @@ def _check_complete(schedule: Sequence[Sequence[Action]], n_total: int, n_microb
 
 
 class _Run:
-    """Dataflow execution of a placed, complete schedule; a deadlock raises ScheduleError.
+    """Dataflow execution of a placed, complete schedule; a deadlock raises ScheduleError. ``blocking`` makes
+    SEND/RECV rendezvous, else data lands ``comm`` after both are posted. Start times are a max over free
+    and input times, so stepping order does not matter."""
 
-    ``lone`` actions take ``Costs.lone`` times their duration. ``blocking``: a SEND and its RECV
-    rendezvous (both ranks busy for the latency), like ``dist.send``/``dist.recv``. Otherwise both only post the operation (``isend``/``irecv``) and
-    return at once; the data lands ``comm`` after both are posted and its consumer waits for it.
-    Start times are a max over the rank's free time and input times, so the result does not depend
-    on the order in which ranks are stepped.
-    """
-
-    def __init__(
-        self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool,
-        lone: Collection[Action] = frozenset(),
-    ) -> None:
+    def __init__(self, schedule: Sequence[Sequence[Action]], costs: Costs, n_total: int, blocking: bool,
+                 lone: Collection[Action] = frozenset()) -> None:
         self.schedule = schedule
         self.lone = lone
         self.costs = costs

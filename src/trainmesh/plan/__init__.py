@@ -1,7 +1,7 @@
 """Predict, before launching, whether a layout fits in memory and how long one step takes; pick the best.
 
-Every estimate is a plain function of (model shape, workload, layout, cluster), so the same functions that
-rank layouts can be checked against measured memory and step times. Each formula cites its source:
+Every estimate is a plain function of (model shape, workload, layout, cluster), checked against
+measurements. Sources cited by the formulas:
 
 * [ZeRO]  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020.
 * [KOR]   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022.
@@ -13,21 +13,9 @@ rank layouts can be checked against measured memory and step times. Each formula
 * [MiCS]  Zhang et al., "MiCS: Near-linear Scaling for Training Gigantic Model on Public Cloud", VLDB 2022.
 * [DSV3]  DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437, 2024 (DualPipe, FP8 training).
 
-Conventions the estimates share with the trainmesh runtime (change them together):
-
-* Ranks are ordered tp fastest, then dp, then pp (Megatron's default), so a tp group is ``tp``
-  consecutive ranks, a dp group spans ``tp * dp`` and a pipeline spans the whole world.
-* A ZeRO unit is one top-level piece of :class:`trainmesh.models.gpt.GPT` (``embed``, each block,
-  ``ln_f``, ``head``); each unit's flat shard is padded up to a multiple of the dp size.
-* A pipeline stage owns ``n_layers / pp`` consecutive blocks (``virtual`` chunks of them when
-  interleaved); stage 0 also owns the embeddings, the last stage ``ln_f`` and the head.
-
-Modules by concern (the devices and clusters are :mod:`trainmesh.distributed.hardware`): :mod:`.presets` (named
-model shapes), :mod:`.workload` (the workload and its kernels' pricing; the layout is :class:`trainmesh.layout.Layout`), :mod:`.memory`, :mod:`.timing` (with
-:mod:`.dp_traffic`, the data-parallel bytes inside and across nodes), :mod:`.ranking`
-(this package's entry points: every layout, estimated, ranked) and :mod:`.table` (output). ``trainmesh plan`` and
-``--plan auto`` are wired to a run's configuration in :mod:`trainmesh.app.planning`.
-"""
+Conventions shared with the runtime: ranks ordered tp fastest, then dp, then pp; a ZeRO unit is one
+top-level piece of the GPT, padded to a multiple of dp; stage 0 holds the embedding, the last ``ln_f`` and
+the head. Entry points are in :mod:`.ranking`; ``trainmesh plan`` is wired in :mod:`trainmesh.app.planning`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Data-parallel traffic of one step, split into the bytes that stay inside a node and the bytes that cross
-between nodes, each at its own link's bandwidth: ZeRO-0/1/2/3 over the whole dp x cp group, and hybrid
-sharding (HSDP: ZeRO inside each of ``dp_replicate`` groups, the gradient shards all-reduced across them).
-
-Where ranks sit follows the runtime (:mod:`trainmesh.distributed.mesh`): ranks are numbered node by node, tp innermost,
-so a dp x cp group's ranks are tp apart and a hybrid-sharding group's are its consecutive dp x cp ranks
-(one node or whole nodes, by default); the replicas of a shard are a shard group's span apart.
-
-Two exchange patterns cross nodes differently. A ring (NCCL; every all-reduce) of n ranks, g of them on each
-node, crosses nodes on one hop in g, and that hop carries the whole ring's traffic, so the ring runs at the
-inter-node link's pace [THA]. Point-to-point exchanges (trainmesh's ZeRO gathers and reduce-scatters over
-Gloo between hosts, :func:`trainmesh.parallel.zero.flat.exchanges_directly`) send each rank's shard to each
-of the n - g ranks on other nodes over that link while the g - 1 on its own node take theirs in parallel.
-"""
+"""Data-parallel traffic of one step (ZeRO-0/1/2/3 and hybrid sharding), split into bytes inside a node and bytes
+across nodes, each at its link's bandwidth: a ring runs at the inter-node link's pace [THA], point-to-point exchanges
+(:func:`trainmesh.parallel.zero.flat.exchanges_directly`) use both links at once."""
 
 from __future__ import annotations
 
@@ -42,10 +31,8 @@ def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
 
 @dataclass(frozen=True)
 class DpTraffic:
-    """Bytes one rank sends per step over the dp axis inside its node (``intra``) and to other nodes
-    (``inter``), the seconds that takes, and how many of those seconds are collectives issued ahead of the
-    compute that needs them (``prefetched``: ZeRO-3's per-unit gathers and reduce-scatters), which can run
-    while the device computes."""
+    """Bytes one rank sends per step over dp inside its node (``intra``) and across nodes (``inter``), the seconds that
+    takes, and how many are ``prefetched`` (ZeRO-3's per-unit collectives, which may run beside compute)."""
 
     intra: float = 0.0
     inter: float = 0.0
@@ -70,20 +57,17 @@ def ranks_per_node(ranks: int, stride: int, gpus_per_node: int) -> int:
 
 
 def crossing_share(n: int, per_node: int, direct: bool) -> float:
-    """The part of what a rank of an n-rank exchange sends, on average, that crosses between nodes, with
-    ``per_node`` of the n ranks on each node: a ring's 1 hop in ``per_node`` (each carries the same bytes),
-    or point to point the n - g of its n - 1 peers on other nodes."""
+    """The average share of what a rank of an n-rank exchange sends that crosses nodes (``per_node`` ranks a node): a
+    ring's 1 hop in ``per_node``, or point to point its n - g peers on other nodes."""
     if per_node >= n:
         return 0.0
     return (n - per_node) / (n - 1) if direct else 1 / per_node
 
 
 def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster, calls: int = 1) -> DpTraffic:
-    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` in total over n ranks,
-    ``per_node`` on each node, issued as ``calls`` collectives (ZeRO-3: one per unit, a latency each). A rank
-    sends (n-1)/n of the bytes (twice that to all-reduce) [THA]; a ring inside a node runs at the intra-node
-    link, one that crosses at the inter-node link's pace; point to point (``cluster.direct_exchange``, all
-    but all-reduces) each part goes at its own link, both at once."""
+    """One ``all_gather``, ``reduce_scatter`` or ``all_reduce`` of ``nbytes`` over n ranks as ``calls`` collectives: a
+    rank sends (n-1)/n of the bytes, twice to all-reduce [THA], at the ring's slowest link or point to point at each's
+    own."""
     if n == 1:
         return DpTraffic()
     sent = nbytes * (n - 1) / n * (2 if kind == "all_reduce" else 1)
@@ -102,17 +86,9 @@ def collective(kind: str, nbytes: float, n: int, per_node: int, cluster: Cluster
 
 def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, replicas: int, workload: Workload,
                  layout: Layout, cluster: Cluster) -> DpTraffic:
-    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart, in ``replicas`` hybrid
-    groups [ZeRO, sec. 7]. ZeRO-0 all-reduces gradients once (2 Psi); ZeRO-1 reduce-scatters them and
-    all-gathers the updated parameters (the same 2 Psi); ZeRO-2 reduce-scatters after every micro-batch;
-    ZeRO-3 also gathers each unit for every micro-batch's forward and backward (3 Psi per micro-batch), and
-    under zero bubble for its input- and weight-gradient passes apart (4 Psi; see
-    :class:`trainmesh.parallel.zero.ZeroStage3`), each unit in a collective of its own. Hybrid sharding does
-    all of it inside a group and all-reduces each rank's gradient shard, Psi/n, over the replicas once per
-    step (:class:`trainmesh.parallel.zero.base.ZeroEngine`). ZeRO-3's per-unit collectives are issued ahead
-    of the unit that needs them (the next unit's gather while one computes, each unit's reduce-scatter while
-    the units before it run backward: :class:`trainmesh.parallel.zero.ZeroStage3`), so they are
-    :attr:`DpTraffic.prefetched`; the other stages' reductions wait for the backward that produces them."""
+    """One step's traffic of ``units`` ZeRO-sharded over n ranks ``stride`` apart in ``replicas`` groups [ZeRO, sec. 7]:
+    2 Psi for ZeRO-0/1, a reduce-scatter per micro-batch for ZeRO-2, 3 Psi per micro-batch (4 under zero bubble,
+    prefetched) for ZeRO-3; hybrid sharding adds an all-reduce of each gradient shard over the replicas."""
     m, b, g = layout.microbatches, workload.dtype_bytes, ranks_per_node(n, stride, cluster.gpus_per_node)
     if n * replicas == 1 or not units:
         return DpTraffic()
@@ -129,10 +105,9 @@ def zero_traffic(units: tuple[tuple[UnitSize, int], ...], n: int, stride: int, r
 
 
 def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> DpTraffic:
-    """Data-parallel traffic of one step on a rank of ``stage``: the dense units over the shard group (its
-    dp x cp ranks, tp apart), the routed experts over their expert-data-parallel group (an ep group's span
-    apart: :attr:`~trainmesh.layout.Layout.ep_span`).
-    How much of it the compute hides is :func:`trainmesh.plan.timing.exposed_dp_time`'s."""
+    """Data-parallel traffic of one step on a rank of ``stage``: dense units over the shard group (dp x cp, tp apart),
+    routed experts over their edp group (``Layout.ep_span`` apart); :func:`~trainmesh.plan.timing.exposed_dp_time`
+    hides it."""
     lay, model = layout, workload.model
     split = stage_split(workload, lay)
     dense = stage_units(model, lay.tp, split, lay.pp, stage)

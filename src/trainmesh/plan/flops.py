@@ -1,9 +1,5 @@
-"""Forward FLOPs per token of a block (dense or MoE), on which step FLOPs and MFU are built.
-
-A block is 2 FLOPs per weight of its matmuls plus 4sh for QK^T and AV [NAR, app. FLOPs], which is what
-:func:`trainmesh.tracking.metrics.block_flops_per_token` counts for the runtime's MFU, so the planner's MFU and the
-runtime's agree for every model trainmesh builds.
-"""
+"""Forward FLOPs per token of a block (dense or MoE): 2 per matmul weight plus 4sh for QK^T and AV
+[NAR, app. FLOPs], as :func:`trainmesh.tracking.metrics.block_flops_per_token` counts, so MFU agrees."""
 
 from __future__ import annotations
 
@@ -34,9 +30,9 @@ def attention_forward_flops(m: ModelShape, seq_len: int) -> int:
 
 
 def block_forward_flops(m: ModelShape, seq_len: int, moe: bool = False) -> int:
-    """Forward FLOPs of one block per token. An MoE block (``moe``) is a dense block whose MLP is ``top_k``
-    routed plus the shared experts (an MLP of their summed width), and the router's d x E matmul: active
-    parameters, not total. Without latent attention this is :func:`trainmesh.tracking.metrics.block_flops_per_token`."""
+    """Forward FLOPs of one block per token; an MoE block counts active parameters (``top_k`` routed plus shared
+    experts and the router). Without latent attention this is
+    :func:`trainmesh.tracking.metrics.block_flops_per_token`."""
     width = (m.top_k + m.n_shared_experts) * m.expert_ff if moe else m.d_ff
     router = 2 * m.d_model * m.n_experts if moe else 0
     plain = block_flops_per_token(m.d_model, width, seq_len, m.gated_mlp, m.qkv_width, m.attention_width)

@@ -1,11 +1,6 @@
-"""A Hugging Face ``config.json`` as the planner's :class:`ModelShape`, for the decoder families people train:
-llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3 and gpt2.
-
-The JSON is read here, with transformers' defaults for the fields a config may leave out, so planning needs
-no transformers install and runs no code from the directory: a config whose ``auto_map`` points at remote
-code is refused. Each field's meaning is the one in transformers' ``configuration_<type>.py``; the counts
-agree with ``sum(p.numel())`` of the transformers model of each type (``tests/unit/test_plan_shapes.py``).
-"""
+"""A Hugging Face ``config.json`` as the planner's :class:`ModelShape` (llama, mistral, qwen2, qwen3,
+mixtral, qwen3_moe, deepseek_v3, gpt2), read with transformers' defaults but without transformers or
+remote code (``auto_map`` refused); counts match ``sum(p.numel())`` (tests/unit/test_plan_shapes.py)."""
 
 from __future__ import annotations
 
@@ -63,9 +58,8 @@ def _mixtral(cfg: Config, where: str) -> ModelShape:
 
 
 def _qwen3_moe(cfg: Config, where: str) -> ModelShape:
-    """Qwen3's attention; MoE layers of ``num_experts`` experts of ``moe_intermediate_size`` (no shared ones),
-    every layer unless ``decoder_sparse_step``/``mlp_only_layers`` make some dense, which the shape (dense
-    layers first) cannot place."""
+    """Qwen3's attention and MoE layers of ``num_experts`` experts (no shared ones); dense layers that
+    ``decoder_sparse_step``/``mlp_only_layers`` place anywhere but first are refused."""
     if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
         raise ValueError(f"{where}: decoder_sparse_step/mlp_only_layers interleave dense layers among the MoE ones; "
                          f"the planner's shapes hold dense layers only first")

@@ -1,15 +1,6 @@
-"""Published kernel measurements the step-time model prices from, each interpolated in the shape parameter
-that drives it. Every curve is cited in docs/planner.md ("Kernel curves") with its source, figure or table,
-device and precision; ``tests/unit/test_plan_published.py`` shows that removing any one of them moves at
-least one published row. The attention curves price a run that names its kernel
-(``Pricing.attention_kernel``); the default stays the dense fit's matmul pricing (docs/planner.md says why).
-
-* :data:`ATTENTION`: the fused attention core's forward and backward TFLOP/s on an H100 80GB SXM5 in bf16,
-  by head dimension (64, 128) and sequence length (512 to 16K), for FlashAttention-2, cuDNN and
-  FlashAttention-3 [FA3: Shah et al., "FlashAttention-3", arXiv 2407.08608, Figures 5 and 6].
-* :func:`busiest_expert_rank`: how far the busiest rank of an ep group is above the mean under balanced
-  routing, from the multinomial spread of the copies over the ranks.
-"""
+"""Published kernel measurements the step-time model prices from, cited in docs/planner.md ("Kernel curves"):
+:data:`ATTENTION`, fused attention TFLOP/s on an H100 by head dimension and length (FlashAttention-2, cuDNN,
+FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6]); :func:`busiest_expert_rank`, the ep load spread."""
 
 from __future__ import annotations
 
@@ -47,11 +38,8 @@ def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
 
 
 def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq``
-    keys: the measured curves interpolated in log sequence and linearly in head dimension between 64 and
-    128 (flat outside: MLA's 192-wide queries and keys take the 128 curve). The papers measure the backward
-    without a causal mask only; a causal backward is taken at that rate times the forward's causal /
-    non-causal ratio at the same length (the masked-out tiles cost both passes alike)."""
+    """(forward, backward) FLOP/s of a causal fused attention core on an H100 at ``head_dim`` and ``seq`` keys,
+    interpolated; the causal backward is the non-causal rate times the forward's causal / non-causal ratio."""
     table = ATTENTION[kernel]
 
     def at(d: int) -> tuple[float, float]:
@@ -65,10 +53,8 @@ def attention_rates(kernel: str, head_dim: int, seq: int) -> tuple[float, float]
 
 
 def busiest_expert_rank(ep: int, copies: float) -> float:
-    """Load of the busiest of ``ep`` ranks over the mean, when ``copies`` routed copies fall on the ranks
-    uniformly at random (balanced routing, as the runs that force balance state): each rank's count is
-    binomial(copies, 1/ep), and the largest of ep such counts lies about sqrt(2 ln ep) standard deviations
-    above the mean (the expected maximum of ep normal variables). 1 without expert parallelism."""
+    """Load of the busiest of ``ep`` ranks over the mean when ``copies`` fall uniformly at random: binomial counts,
+    whose maximum lies about sqrt(2 ln ep) standard deviations above the mean. 1 without expert parallelism."""
     if ep <= 1 or copies <= 0:
         return 1.0
     mean = copies / ep

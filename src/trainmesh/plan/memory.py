@@ -1,7 +1,5 @@
-"""Memory of one rank: the parameters it holds of each ZeRO unit, its model state under ZeRO, the
-activations it keeps for backward, and its transient buffers, stage by stage of the pipeline (units and
-stages as the conventions of :mod:`trainmesh.plan` state them).
-"""
+"""Memory of one rank: parameters per ZeRO unit, model state under ZeRO, activations kept for backward,
+and transient buffers, stage by stage (conventions as in :mod:`trainmesh.plan`)."""
 
 from __future__ import annotations
 
@@ -45,10 +43,8 @@ def _mlp(m: ModelShape, f: int, tp: int, bias: bool) -> list[UnitSize]:
 
 
 def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
-    """One block: qkv and MLP-in are column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE
-    block (``moe``) holds here what every ep rank holds of it: the router and the shared experts' MLP in
-    place of the dense one, both whole on every tp rank (the MoE families' tp plans leave the MoE layer
-    out: ``trainmesh.parallel.expert_parallel.moe_tp_plan``); its routed experts are :func:`expert_unit`."""
+    """One block: qkv and MLP-in column-parallel, attention and MLP out row-parallel [NAR, 2.3]. An MoE block
+    holds the router and shared experts whole on every tp rank; its routed experts are :func:`expert_unit`."""
     d, b = m.d_model, m.bias
     if m.latent_attention:  # its down projections and latent norms whole on every tp rank, the rest split
         down = (d + 1) * (m.q_lora_rank + m.kv_lora_rank) + d * m.qk_rope_head_dim
@@ -61,17 +57,14 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
 
 
 def router_and_shared(m: ModelShape) -> UnitSize:
-    """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on
-    every tp rank."""
+    """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on every tp rank."""
     shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, m.bias) if m.n_shared_experts else []
     return _sum([UnitSize(m.d_model * m.n_experts, 1)] + shared)
 
 
 def expert_unit(m: ModelShape, ep: int) -> UnitSize:
-    """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked (one tensor per
-    projection), each whole: trainmesh splits experts over ep only, never over tp (no expert tensor
-    parallelism; Megatron-core's expert tp of 1), so the tp ranks of an ep rank hold the same experts, or
-    under sequence parallelism, where ep folds over tp, other ones."""
+    """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked and whole (split over
+    ep only, never tp, as Megatron-core's expert tp of 1)."""
     return UnitSize(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
 
 
@@ -94,10 +87,7 @@ def head_unit(m: ModelShape, tp: int) -> UnitSize:
 
 @functools.cache
 def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: int) -> tuple[tuple[UnitSize, int], ...]:
-    """(unit, how many) one rank of ``stage`` holds under ``split`` (blocks per chunk).
-
-    Cached: a search asks for the same few stages of one model thousands of times.
-    """
+    """(unit, how many) one rank of ``stage`` holds under ``split``; cached since a search asks thousands of times."""
     first = ((embed_unit(m, tp), 1),) if stage == 0 else ()
     last = ((_norm(m), 1), (head_unit(m, tp), 1)) if stage == pp - 1 else ()
     dense, moe = rank_blocks(m, split, pp, stage)
@@ -115,11 +105,8 @@ def stage_expert_units(m: ModelShape, split: tuple[int, ...], pp: int, ep: int,
 
 
 def largest_tensor(m: ModelShape, tp: int, ep: int, blocks: tuple[int, int], first: bool, last: bool) -> int:
-    """Elements of the largest parameter tensor one tp rank of a stage holds, with ``blocks`` (dense, MoE)
-    blocks, the embedding if ``first`` and the head if ``last``: a gradient bucket holds at least one. Only
-    the stages that hold the vocabulary-wide embedding or head count it (on the middle stages of a large
-    model it is twice the widest block tensor); a gated MLP's gate and up projections are one tensor
-    (``models.llama.SwiGLU.gate_up``), and routed experts one stacked tensor per projection."""
+    """Elements of the largest parameter tensor one tp rank of a stage holds (a gradient bucket holds at least
+    one): the embedding or head on the end stages, else the widest block tensor."""
     dense, moe = blocks
     d, shared = m.d_model, m.n_shared_experts * m.expert_ff
     sizes = [d * m.qkv_width // tp]
@@ -146,11 +133,8 @@ def active_params(m: ModelShape) -> int:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes one rank of ``stage`` holds at its peak: model state, activations in flight, and transients.
-
-    ``buffers`` are all communication buffers (:func:`buffer_bytes`), ``p2p`` the pipeline's part of them,
-    ``logits`` what the loss holds while it runs (:func:`logits_bytes`).
-    """
+    """Bytes one rank of ``stage`` holds at its peak: model state, activations in flight, and transients
+    (``buffers`` per :func:`buffer_bytes`, ``p2p`` its pipeline part, ``logits`` per :func:`logits_bytes`)."""
 
     stage: int
     params: int
@@ -167,10 +151,7 @@ class MemoryBreakdown:
 
     @property
     def transients(self) -> int:
-        """The larger of the two moments transients peak. The loss runs at the end of a micro-batch's
-        forward, when ZeRO holds no gathered unit (each is freed after its forward) and no gradient bucket
-        (they fill during backward), but a pipeline's receive may be posted: logits plus p2p buffers. In
-        backward the logits are gone and every buffer may be in use."""
+        """The larger transient peak: at the loss (logits plus p2p buffers) or in backward (every buffer)."""
         return max(self.buffers, self.p2p + self.logits)
 
     @property
@@ -182,14 +163,8 @@ class MemoryBreakdown:
 def _model_state(
     workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int, edp: int
 ) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of one rank: :func:`~trainmesh.training.state_bytes.sharded_state_bytes` of
-    its units over the ``dp`` ranks ZeRO shards over (under hybrid sharding, one replica group's:
-    :attr:`~trainmesh.layout.Layout.shard_ranks`), plus AdamW's step scalars. A unit's shard is
-    ceil(Psi_unit / dp) elements because the flat buffer is padded.
-    Routed experts are already split over ep, so ZeRO shards them over the ``edp`` ranks that hold the
-    same experts (the expert-data-parallel group, as Megatron-core and torchtitan do).
-    Cached: a search meets the same (tp, pp, dp, zero) under every schedule and micro-batch size.
-    """
+    """(params, grads, optimizer) bytes of one rank: its units sharded over the ``dp`` ranks ZeRO shards over
+    (padded to ceil(Psi_unit / dp)), routed experts over ``edp``, plus AdamW's step scalars. Cached."""
     b, m = workload.dtype_bytes, workload.model
     groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), edp))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
@@ -199,24 +174,11 @@ def _model_state(
     return params, grads, optimizer + steps
 
 
-def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None,
-                           moe: bool = False) -> int:
-    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1].
-
-    With dropout and 2-byte activations this is exactly sbh(34 + 5as/h) (eq. 1), sbh(10 + 24/t + 5as/(ht))
-    under tensor parallelism (eq. 2), sbh/t (34 + 5as/h) with sequence parallelism (eq. 3), and the
-    5as/h term disappears with selective recomputation (eq. 6) or a fused attention kernel. Full
-    recomputation keeps only each block's input, 2sbh (sec. 5), split by t under sequence parallelism.
-    Other MLP widths and a gated MLP replace the two 4h-wide GeLU tensors by two (or four) f-wide ones.
-    An MoE block (``moe``) keeps its experts' inner tensors for the top_k copies of each token (and the
-    shared experts' for every token), the copies' inputs and their outputs twice, as the experts return
-    them (``index_copy`` keeps its source for backward) and in token order (the weighting by the router's
-    gates keeps it): 3 top_k sbh (``models.moe.MoE.forward``), and the router's logits and scores, both at
-    least fp32 (``models.moe.Router``: 2 x 4 sbE bytes in bf16), none of it split by tp: the experts are
-    whole on every tp rank, which routes all its tokens (only sequence parallelism splits them:
-    :func:`moe_tokens`). Each family's block is held to its measured saved bytes in
-    ``tests/unit/test_plan_memory.py``.
-    """
+def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | None = None, moe: bool = False) -> int:
+    """Bytes one block keeps for backward per micro-batch, item by item from [KOR, sec. 4.1]: sbh(34 + 5as/h) (eq. 1),
+    sbh(10 + 24/t + 5as/(ht)) under tp (eq. 2), sbh/t (34 + 5as/h) with sp (eq. 3), no 5as/h term under selective
+    recomputation (eq. 6) or a fused kernel, 2sbh under full recomputation (sec. 5); MoE blocks add top_k expert copies
+    and fp32 router outputs. Checked against measured bytes in tests/unit/test_plan_memory.py."""
     m, t, e = workload.model, layout.tp, workload.dtype_bytes.activation
     recompute = recompute or layout.recompute
     sbh = local_seq(workload, layout) * micro_batch_size(workload, layout) * m.d_model
@@ -241,10 +203,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, recompute: str | 
 
 
 def rotation_tables(workload: Workload, layout: Layout) -> int:
-    """The cosines and sines of rotary position embeddings, s x head_dim each in the activation dtype: every
-    block of trainmesh's Llama family computes its own (``models.llama.Rotary``) and the rotation saves
-    them, whole on every tp rank and for any micro-batch size. One head's width per token, small beside a
-    block's other activations except where heads are few; 0 for learned positions."""
+    """RoPE cosines and sines, s x head_dim each in the activation dtype, saved by every block of the Llama
+    family (``models.llama.Rotary``); 0 for learned positions."""
     m = workload.model
     if m.learned_positions:
         return 0
@@ -253,22 +213,14 @@ def rotation_tables(workload: Workload, layout: Layout) -> int:
 
 
 def norm_saved_bytes(m: ModelShape, e: int) -> int:
-    """Bytes per feature and token one norm keeps for backward, activations of ``e`` bytes. A LayerNorm
-    (``torch.nn.LayerNorm``, a model with biases) keeps its input and per-token statistics [KOR, 4.1]. An
-    RMSNorm as trainmesh's Llama family and transformers' ``LlamaRMSNorm`` write it (``x.float()`` times
-    the reciprocal root mean square, cast back, times the gain) keeps the input widened to fp32 (the input
-    itself when it is fp32 or wider) and the normalized output before the gain, measured with
-    :class:`trainmesh.tracking.metrics.SavedActivations` (``tests/unit/test_plan_memory.py``)."""
+    """Bytes per feature and token one norm keeps for backward: a LayerNorm its input and statistics
+    [KOR, 4.1]; an RMSNorm its fp32-widened input and normalized output (as measured in test_plan_memory.py)."""
     return e if m.bias else max(e, DTYPE_BYTES["fp32"]) + e
 
 
 def _attention_saved_width(m: ModelShape, expanded_kv: bool) -> int:
-    """Features per token attention saves split by heads: Q, K, V and the projection's input (the latents
-    of latent attention are small beside its per-head keys and values, and counted with them). Under
-    grouped-query attention K and V are kv_heads/n_heads of Q's size, but without cp (``expanded_kv``)
-    trainmesh's attention core repeats them to every query head before ``scaled_dot_product_attention``,
-    which saves the repeated copies (``models.llama.AttentionCore``); cp's ring and all-to-all attend
-    grouped (``parallel.context_parallel``)."""
+    """Features per token attention saves split by heads: Q, K, V and the projection's input. Without cp
+    (``expanded_kv``) K and V are repeated to every query head before SDPA, which saves the copies."""
     if not m.latent_attention:
         kv = 2 * m.attention_width if expanded_kv else m.qkv_width - m.attention_width
         return m.attention_width + kv + m.attention_width
@@ -277,9 +229,8 @@ def _attention_saved_width(m: ModelShape, expanded_kv: bool) -> int:
 
 
 def cp_attention_output(workload: Workload, layout: Layout) -> int:
-    """What context-parallel attention keeps beside the projection's input (measured by ``bench.cp``): the
-    ring its merged output in the accumulation dtype (fp32 or wider) and its log-sum-exp; Ulysses the
-    core's output, still in head-split order. 0 without cp."""
+    """What cp attention keeps beside the projection's input (measured by ``bench.cp``): the ring its fp32 merged
+    output and log-sum-exp, Ulysses the core's head-split output; 0 without cp."""
     if layout.cp == 1:
         return 0
     e = workload.dtype_bytes.activation
@@ -291,14 +242,9 @@ def cp_attention_output(workload: Workload, layout: Layout) -> int:
 
 
 def in_flight_chunks(layout: Layout, stage: int) -> int:
-    """Micro-batch chunks (n_layers / (pp * virtual) blocks each) whose activations ``stage`` holds at once.
-
-    GPipe keeps all m micro-batches; 1F1B keeps min(p - stage, m); ZB-H1 defers weight gradients, so
-    every stage keeps min(p, m), 1F1B's peak [ZB, 3.1]; Megatron's interleaved schedule runs
-    2(p - stage - 1) + (v - 1)p warm-up chunks plus one, so stage 0 holds L(1 + (p - 1)/(pv)) blocks'
-    worth [NAR, 2.2.2; KOR, 4.2.2]. These are the peaks ``Timeline.peak_activations`` of
-    :mod:`trainmesh.pipeline.simulate` reports for those schedules.
-    """
+    """Micro-batch chunks ``stage`` holds at once: GPipe m, 1F1B min(p - stage, m), ZB-H1 min(p, m) [ZB, 3.1],
+    interleaved 2(p - stage - 1) + (v - 1)p + 1 [NAR, 2.2.2; KOR, 4.2.2], as the simulator's
+    ``Timeline.peak_activations``."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if layout.schedule == "gpipe":
         return m
@@ -308,11 +254,8 @@ def in_flight_chunks(layout: Layout, stage: int) -> int:
 
 
 def _stage_extras(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
-    """(first, last): what one micro-batch saves outside the blocks on ``stage`` [KOR, sec. 4.3].
-
-    Stage 0 keeps the embedding dropout masks (sbh); the last stage keeps the final norm and head inputs
-    (2 x e sbh) and the fp32 logits (4sbv/t) that the loss saves.
-    """
+    """(first, last): what one micro-batch saves outside the blocks on ``stage`` [KOR, sec. 4.3]: embedding
+    dropout masks on stage 0, final norm and head inputs and fp32 logits on the last."""
     m, e, lay = workload.model, workload.dtype_bytes.activation, layout
     sbh = local_seq(workload, lay) * micro_batch_size(workload, lay) * m.d_model
     seq_split = lay.tp if lay.sequence_parallel else 1
@@ -334,13 +277,8 @@ def _micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int
 
 
 def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
-    """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3].
-
-    Blocks in flight times the per-block cost, plus :func:`_stage_extras`: stage 0's for every
-    micro-batch in flight, the last stage's for one micro-batch since its backward follows its forward at
-    once (all m under GPipe). Recomputation needs one block's full activations back while that block
-    runs backward, so that working set is added once.
-    """
+    """Peak activation bytes of one rank of ``stage`` [KOR, sec. 4.2-4.3]: blocks in flight times the per-block
+    cost plus :func:`_stage_extras`, and one block's full activations under recomputation."""
     lay = layout
     chunks = in_flight_chunks(lay, stage)
     moe = stage_blocks(workload, lay, stage)[1] > 0
@@ -353,13 +291,8 @@ def _activation_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 
 
 def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
-    """The logits alive while the last stage's loss runs (0 on other stages): the head's output in the
-    activation dtype, s b v / t elements, and the fp32 copy the loss computes in unless that dtype is fp32.
-
-    Neither is saved for backward (the loss saves its own fp32 result, which :func:`_stage_extras` counts
-    as [KOR, 4.3] does), so they are not activations in flight: they add to the peak for one micro-batch,
-    while the loss runs (:attr:`MemoryBreakdown.transients`).
-    """
+    """The logits alive while the last stage's loss runs (0 elsewhere): the head's output and its fp32 copy.
+    Not saved for backward, so a transient for one micro-batch (:attr:`MemoryBreakdown.transients`)."""
     if stage != layout.pp - 1:
         return 0
     sbv = local_seq(workload, layout) * micro_batch_size(workload, layout) * workload.model.vocab_size // layout.tp
@@ -368,15 +301,9 @@ def logits_bytes(workload: Workload, layout: Layout, stage: int) -> int:
 
 
 def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
-    """Transient communication buffers.
-
-    ZeRO-3 gathers the current and the prefetched unit and holds one unit's full gradient before the
-    reduce-scatter [ZeRO, 5.3]. ZeRO-2 reduce-scatters gradients in constant-size buckets [ZeRO, 5.2 and
-    6.2 "CB"]: the one filling and the one in flight, ``bucket_bytes`` of parameters each but at most
-    1/(2N) of the stage's gradients (``zero.stage2_bucket_bytes``, so that stage 2 never holds them all at
-    once), and at least one whole tensor. A pipeline
-    stage adds :func:`p2p_bytes`.
-    """
+    """Transient communication buffers: ZeRO-3's current and prefetched unit and one unit's gradient [ZeRO, 5.3],
+    ZeRO-2's two buckets [ZeRO, 5.2 and 6.2 "CB"] (``zero.stage2_bucket_bytes``), a pipeline stage's
+    :func:`p2p_bytes`."""
     b, m, lay = workload.dtype_bytes, workload.model, layout
     split = stage_split(workload, lay)
     units = stage_units(m, lay.tp, split, lay.pp, stage) + stage_expert_units(m, split, lay.pp, lay.ep, stage)
@@ -441,10 +368,7 @@ def activation_bytes(workload: Workload, layout: Layout, stage: int | None = Non
 
 
 def micro_batch_activation_bytes(workload: Workload, layout: Layout, stage: int | None = None) -> int:
-    """Bytes one micro-batch's forward saves for backward on one rank of ``stage`` (worst when None): its
-    blocks, over all of the rank's chunks, plus :func:`_stage_extras`. This is what
-    :class:`trainmesh.tracking.metrics.SavedActivations` measures of micro-batch 0, ``activation_bytes`` in
-    ``metrics.jsonl``; :func:`activation_bytes` is the peak over the micro-batches in flight.
-    """
+    """Bytes one micro-batch's forward saves on one rank of ``stage`` (worst when None), as
+    ``SavedActivations`` measures (``activation_bytes`` in metrics.jsonl); :func:`activation_bytes` is the peak."""
     check_layout(workload, layout)
     return max(_micro_batch_activation_bytes(workload, layout, s) for s in candidate_stages(workload, layout, stage))

@@ -1,7 +1,6 @@
 """Named model shapes the planner knows: every preset of the model registry
 (:func:`trainmesh.models.planner_shapes`, buildable families and their full-sized planning shapes) and,
-in :data:`PLANNING_SHAPES`, published models of families trainmesh does not build.
-"""
+in :data:`PLANNING_SHAPES`, published models of families trainmesh does not build."""
 
 from __future__ import annotations
 
@@ -13,15 +12,13 @@ from trainmesh.models import ModelShape, planner_shapes
 def _gpt3_like(n_layers: int, d_model: int, n_heads: int) -> ModelShape:
     """A Megatron GPT shape [NAR, Table 1]: d_ff = 4h, vocab 51200 (GPT-2's padded), sequence 2048,
     dropout, attention that stores its score matrix."""
-    return ModelShape(n_layers, d_model, n_heads, 4 * d_model, 51200, 2048, dropout=True,
-                      flash_attention=False)
+    return ModelShape(n_layers, d_model, n_heads, 4 * d_model, 51200, 2048, dropout=True, flash_attention=False)
 
 
 def _llama_moe(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, vocab: int, experts: int,
                top_k: int, d_ff_expert: int, shared: int = 0, dense_layers: int = 0) -> ModelShape:
-    """A Llama-family mixture of experts (SwiGLU experts, RMSNorm, RoPE, untied head), planned at 4096
-    tokens per sequence, the pretraining length of DeepSeek-V3 and of Qwen3's first stage (``--seq``
-    changes it)."""
+    """A Llama-family mixture of experts (SwiGLU experts, RMSNorm, RoPE, untied head), planned at 4096 tokens per
+    sequence, the pretraining length of DeepSeek-V3 and of Qwen3's first stage (``--seq`` changes it)."""
     return ModelShape(n_layers, d_model, n_heads, d_ff, vocab, 4096, gated_mlp=True, bias=False,
                       learned_positions=False, n_kv_heads=n_kv_heads, n_experts=experts, top_k=top_k,
                       n_shared_experts=shared, d_ff_expert=d_ff_expert, n_dense_layers=dense_layers)

@@ -1,11 +1,6 @@
 """Published production runs the step-time model is held to (docs/planner.md, "Production runs"), and the
-planner's own choice beside each published recipe.
-
-Each :class:`PublishedRun` is the published layout, what the source states about its kernels
-(:class:`trainmesh.plan.Pricing`), the published figure and the error the planner is held to. What a source
-leaves open is set once for all rows and named where the row is defined. A run the runtime cannot run
-(FP8 with tp > 1, refused by ``train``) is listed in :data:`NOT_RUNNABLE`, not planned.
-"""
+planner's own choice beside each: layout, stated kernels (:class:`trainmesh.plan.Pricing`), figure and
+allowed error. Runs the runtime cannot run are in :data:`NOT_RUNNABLE`."""
 
 from __future__ import annotations
 
@@ -40,9 +35,8 @@ TE = Pricing()
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """One published run: ``metric`` is "mfu" (bf16 MFU, as the source reports it) or "tokens" (tokens/s per
-    GPU); ``bound`` the relative error the planner is held to; ``layout`` builds the published layout for
-    the workload on the cluster (stage splits need the model's block times)."""
+    """One published run: ``metric`` "mfu" (bf16 MFU) or "tokens" (tokens/s per GPU), ``bound`` the relative error
+    allowed, ``layout`` the published layout for the workload on the cluster."""
 
     name: str
     source: str
@@ -76,9 +70,8 @@ def _fixed(layout: Layout) -> Callable[[Workload, Cluster], Layout]:
 
 
 def _llama3(gpus: int, cp: int, dp: int, seq: int, per_dp: int, mfu: float) -> PublishedRun:
-    """Llama 3 405B ("The Llama 3 Herd of Models", 2024, Table 4 and 3.3.2): TP8, PP16 with one block fewer
-    on the first and last stages, bf16, no recomputation. Set here: v = 7 (the deepest interleaving the
-    runtime runs for 126 layers on 16 stages), ZeRO-1, sequence parallelism."""
+    """Llama 3 405B (Llama 3 Herd, 2024, Table 4 and 3.3.2): TP8, PP16 with one block fewer on the end stages, bf16, no
+    recomputation. Set here: v = 7 (the deepest the runtime runs), ZeRO-1, sequence parallelism."""
     work = Workload(model_shape("llama3-405b"), dp * per_dp, seq, "bf16")
     base = Layout(dp=dp, tp=8, pp=16, cp=cp, zero=1, microbatches=per_dp, schedule="interleaved", virtual_stages=7,
                   sequence_parallel=True)
@@ -175,10 +168,9 @@ class Beside:
 
 
 def beside_published(run: PublishedRun) -> Beside:
-    """Search ``run``'s workload on its cluster as ``trainmesh plan`` does and set the chosen layout beside
-    the published one. The reason names what decided it: that the published layout does not fit in the
-    planner's memory (trainmesh's modules keep more activations than the fused kernels those runs used), or
-    which parts of the step the planner's choice shortens and by how much."""
+    """Search ``run``'s workload as ``trainmesh plan`` does and set the chosen layout beside the published one, naming
+    what decided it: the published one not fitting the planner's memory, or which parts of the step the choice
+    shortens."""
     from trainmesh.plan.ranking import best_layout
 
     cluster, mine = run.cluster, run.layout()

@@ -1,6 +1,5 @@
 """The layout search: every layout the cluster can run, each estimated (:func:`estimate`), the ones that fit
-ranked by predicted step time (:func:`search`, :func:`best_layout`).
-"""
+ranked by predicted step time (:func:`search`, :func:`best_layout`)."""
 
 from __future__ import annotations
 
@@ -23,11 +22,8 @@ MIN_CP_CHUNK = 1024  # tokens per head-tail chunk below which cp is not tried
 
 @dataclass(frozen=True)
 class Estimate:
-    """A layout with its worst-stage memory and predicted step.
-
-    ``mfu`` counts model FLOPs only [PALM, app. B]; ``tflops_per_device`` counts executed FLOPs,
-    recomputation included, as Megatron-LM reports throughput [NAR, 5.1].
-    """
+    """A layout with its worst-stage memory and predicted step; ``mfu`` counts model FLOPs [PALM, app. B],
+    ``tflops_per_device`` executed ones [NAR, 5.1]."""
 
     layout: Layout
     memory: MemoryBreakdown
@@ -37,9 +33,7 @@ class Estimate:
     tokens_per_s: float
 
 
-def estimate(
-    workload: Workload, layout: Layout, cluster: Cluster, memory: MemoryBreakdown | None = None
-) -> Estimate:
+def estimate(workload: Workload, layout: Layout, cluster: Cluster, memory: MemoryBreakdown | None = None) -> Estimate:
     """Memory and time of one layout (``memory`` may be passed in when already computed)."""
     time = step_time(workload, layout, cluster)
     t = time.total
@@ -63,18 +57,16 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> Iterator[tuple[str,
 
 
 def interleave_depths(pp: int, n_layers: int) -> list[int]:
-    """The chunks per rank the search tries: 2, 4 and 8, and the deepest up to 8 the runtime runs (every
-    chunk holds a block, pp * v <= n_layers): the bubble shrinks as 1/v while the sends grow as v, so the
-    best depth is often the deepest, which for a layer count no power of two divides is not a power of
-    two (Llama 3 405B's 126 layers on 16 stages: v = 7, next to the paper's 8 [Llama 3, 3.3.2])."""
+    """The chunks per rank the search tries: 2, 4, 8 and the deepest up to 8 the runtime runs (pp * v <= n_layers),
+    since the bubble shrinks as 1/v (Llama 3 405B's 126 layers on 16 stages: v = 7, beside the paper's 8 [Llama 3,
+    3.3.2])."""
     deepest = min(8, n_layers // pp)
     return sorted({v for v in (2, 4, 8) if v <= deepest} | ({deepest} if deepest > 1 else set()))
 
 
 def cp_degrees(workload: Workload, cluster: Cluster) -> list[int]:
-    """The cp sizes worth searching: 1, and from :data:`LONG_SEQUENCE` tokens on, every power of two that
-    splits the sequence into 2·cp chunks of at least :data:`MIN_CP_CHUNK` tokens (shorter chunks leave the
-    ring's messages nothing to hide behind)."""
+    """The cp sizes worth searching: 1, and from :data:`LONG_SEQUENCE` tokens every power of two leaving chunks of at
+    least :data:`MIN_CP_CHUNK` tokens (shorter ones leave the ring's messages nothing to hide behind)."""
     if workload.seq_len < LONG_SEQUENCE:
         return [1]
     degrees, cp = [1], 2
@@ -107,20 +99,14 @@ def _splits(model: ModelShape, tp: int, pp: int) -> bool:
 
 
 def ep_degrees(model: ModelShape, token_ranks: int) -> list[int]:
-    """The ep sizes an MoE model can take over ``token_ranks`` ranks holding different tokens (dp x cp, times
-    tp under sequence parallelism: :attr:`trainmesh.layout.Layout.token_ranks`): those dividing both them and
-    the expert count; [1] for a dense model."""
+    """The ep sizes an MoE model can take over ``token_ranks`` (:attr:`trainmesh.layout.Layout.token_ranks`): those
+    dividing both them and the expert count; [1] for a dense model."""
     return [e for e in divisors(token_ranks) if model.n_experts % e == 0] if model.n_experts else [1]
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every valid layout on the cluster: micro-batch sizes from MICRO_BATCH_SIZES, v per interleave_depths, cp from
-    :func:`cp_degrees` (ring attention), ep from :func:`ep_degrees`, and with a pipeline the stage split
-    :func:`~trainmesh.plan.stages.fastest_split` finds for the blocks' and the head's modelled times (for
-    any number of layers, uneven where the head makes that faster), hybrid sharding from
-    :func:`hsdp_replicas`; a combination the layout's rules refuse (the zero-bubble schedule with cp, hybrid
-    sharding without ZeRO or with ep) is skipped. A hybrid-sharded layout comes just after the same layout
-    sharded over all of its dp ranks, which the hybrid one's rules include."""
+    """Every valid layout on the cluster: micro-batch sizes, v, cp, ep, the pipeline's fastest stage split and hybrid
+    sharding, skipping what the layout's rules refuse; a hybrid layout comes right after its fully sharded twin."""
     for dp, cp, tp, pp in _meshes(workload, cluster):
         per_replica = workload.global_batch // dp
         sps = (False, True) if tp > 1 and (workload.seq_len // cp) % tp == 0 else (False,)
@@ -139,14 +125,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster) -> Iterator[Layout]:
 
 
 def hsdp_replicas(dp: int, cp: int, tp: int, cluster: Cluster) -> list[int]:
-    """The ``dp_replicate`` worth searching beside 1 for a dp x cp group ``tp`` ranks apart: every R >= 2 whose
-    ZeRO groups each fill a whole number of nodes, one-node groups (the largest R) first. One node per group
-    is FSDP2's and torchtitan's default hybrid mesh: parameter gathers and gradient reduce-scatters stay off
-    the inter-node link and only the gradient shards' all-reduce crosses it. Groups of k nodes (R = nodes / k)
-    hold 1/k of that state per rank, so a model whose one-node shards do not fit can still replicate across
-    groups, with ZeRO's collectives crossing only inside its k nodes (the partition groups of [MiCS]).
-    None when the group fits in a node or a node holds one of its ranks (a group of one rank would be plain
-    data parallelism)."""
+    """The ``dp_replicate`` worth searching beside 1: every R >= 2 whose ZeRO groups fill whole nodes, one-node groups
+    first (FSDP2's and torchtitan's default; larger as [MiCS]'s partition groups); None when a group fits in a node."""
     span = tp * cp * dp
     if span % cluster.gpus_per_node or tp >= cluster.gpus_per_node:
         return []
@@ -180,11 +160,8 @@ on unseen."""
 
 
 def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S) -> list[Estimate]:
-    """All layouts that fit in ``cluster.usable_bytes`` per rank, fastest predicted step first (then least
-    memory per rank); :func:`choose` picks the one to run. Of a layout's hybrid-sharded variants, only the
-    one with the smallest ZeRO groups that fits is kept (:func:`hsdp_replicas` yields them smallest first):
-    a group of more nodes holds less but sends more of its gathers and reduce-scatters across nodes, so it
-    is never faster. A ValueError for more than :data:`MAX_GPUS` devices or a search past ``limit_s``."""
+    """All layouts fitting ``cluster.usable_bytes`` per rank, fastest first (then least memory), hybrid variants only
+    at their smallest fitting groups. ValueError beyond :data:`MAX_GPUS` devices or past ``limit_s``."""
     if not 1 <= cluster.gpus <= MAX_GPUS:
         raise ValueError(f"{cluster.gpus:,} devices: the planner searches 1 to {MAX_GPUS:,}; plan fewer")
     if workload.model.n_layers > MAX_LAYERS:
@@ -213,10 +190,8 @@ def search(workload: Workload, cluster: Cluster, limit_s: float = SEARCH_LIMIT_S
 
 
 def _hybrid_may_win(workload: Workload, layout: Layout, cluster: Cluster, flat: Estimate | None) -> bool:
-    """Whether hybrid-sharded ``layout`` is worth estimating beside ``flat``, the same layout sharded over all
-    its dp ranks (:func:`enumerate_layouts` yields it just before; None: it does not fit). The two differ only
-    in that the hybrid one holds more state and moves its data-parallel bytes elsewhere, so it is not when
-    the flat one does not fit or moves them at least as fast."""
+    """Whether hybrid-sharded ``layout`` is worth estimating beside ``flat``, the same layout over all its dp ranks
+    (None: it does not fit): not when ``flat`` does not fit or moves its dp bytes at least as fast."""
     return flat is not None and _dp_seconds(workload, layout, cluster) < _dp_seconds(workload, flat.layout, cluster)
 
 
@@ -227,9 +202,8 @@ def _dp_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
 
 
 def choose(found: list[Estimate]) -> Estimate | None:
-    """The layout to run among ``found`` (fastest first): the fastest, except that among the layouts within
-    :data:`TIE_TOLERANCE` of it the one with the most headroom (least memory per rank) is taken: a layout
-    that barely fits is the first to fail on fragmentation or a longer sequence. None when nothing fits."""
+    """The layout to run among ``found`` (fastest first): among those within :data:`TIE_TOLERANCE` of the fastest, the
+    one with most headroom, since a layout that barely fits fails first. None when nothing fits."""
     if not found:
         return None
     tied = [e for e in found if e.time.total <= found[0].time.total * (1 + TIE_TOLERANCE)]

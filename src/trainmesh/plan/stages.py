@@ -1,13 +1,6 @@
-"""Pipeline stage splits: which blocks each stage holds, and the split the planner searches for.
-
-The runtime cuts a pipeline into ``pp * virtual`` chunks of whole blocks (``--stage-layers``; chunk ``c``
-runs on rank ``c % pp``, chunk 0 also holds the embedding and the last one the final norm and head). Given
-no split it balances parameter counts (:func:`trainmesh.pipeline.partition.balanced_partition`); the
-planner models exactly that for a layout without ``stage_layers``, and for the layouts it proposes takes
-:func:`fastest_split` of the blocks' and the head's modelled times: the split that minimises the slowest
-chunk, the slack taken off the first. Llama 3 405B's 126 layers on 16 stages come out as the paper's
-7, 8 x 14, 7 [Llama 3, 3.3.2].
-"""
+"""Pipeline stage splits: which blocks each stage holds. The runtime balances parameters unless ``--stage-layers`` is
+given; the planner proposes :func:`fastest_split` of the modelled times (Llama 3 405B's 126 layers on 16 stages come
+out as the paper's 7, 8 x 14, 7 [Llama 3, 3.3.2])."""
 
 from __future__ import annotations
 
@@ -20,10 +13,9 @@ from trainmesh.plan.flops import is_moe_layer
 
 @functools.lru_cache(maxsize=4096)
 def fastest_split(costs: tuple[float, ...], head: float, chunks: int) -> tuple[int, ...]:
-    """Blocks per chunk that minimise the slowest chunk, given each block's cost in model order and the
-    head's (on the last chunk): the least bound that :func:`_fill_to` meets, by bisection, and the chunks
-    it fills, from the last backwards, so the first chunk (which holds the embedding and, under 1F1B, the
-    most micro-batches in flight) gets what is left."""
+    """Blocks per chunk minimising the slowest chunk (given block costs in model order and the head's), by bisection
+    over :func:`_fill_to`, filled from the last chunk so the first (embedding, most micro-batches in flight) gets the
+    rest."""
     low, high = max(costs), sum(costs) + head
     for _ in range(100):
         if high - low <= 1e-12 * high:
@@ -36,9 +28,8 @@ def fastest_split(costs: tuple[float, ...], head: float, chunks: int) -> tuple[i
 
 
 def _fill_to(costs: tuple[float, ...], head: float, chunks: int, bound: float) -> tuple[int, ...] | None:
-    """Chunks filled from the last backwards, each as full as ``bound`` allows while leaving a block for
-    every chunk before it; None if the first chunk then exceeds ``bound`` (packing greedily from one end
-    takes the fewest chunks, so no split meets the bound then)."""
+    """Chunks filled from the last backwards, each as full as ``bound`` allows while leaving a block per earlier chunk;
+    None if the first then exceeds ``bound`` (greedy packing takes the fewest chunks, so nothing meets it)."""
     counts, stop = [], len(costs)
     for k in range(chunks - 1, 0, -1):
         load, start = head if k == chunks - 1 else 0.0, stop
@@ -82,9 +73,8 @@ def _rank_blocks(split: tuple[int, ...], pp: int, stage: int, dense_layers: int)
 
 
 def stage_kinds(m: ModelShape, split: tuple[int, ...], pp: int) -> tuple[tuple[int, int], ...]:
-    """(the first stage of its kind, how many stages are of it) for each kind of stage: its dense and MoE
-    blocks, and whether it is the first or the last. Estimates of a stage depend on nothing else, and a
-    later stage of a kind keeps no more micro-batches in flight than the first."""
+    """(first stage of its kind, how many) for each kind of stage (dense and MoE blocks, first or last): a stage's
+    estimates depend on nothing else, and later stages of a kind hold no more micro-batches than the first."""
     return _stage_kinds(split, pp, m.n_dense_layers if m.n_experts else m.n_layers)
 
 

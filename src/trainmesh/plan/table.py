@@ -1,6 +1,5 @@
 """The search's answer for people and for programs: a text table of the fastest layouts with the chosen
-one's command line and why it splits what it splits (:func:`format_table`), or the same as JSON.
-"""
+one's command line and why it splits what it splits (:func:`format_table`), or the same as JSON."""
 
 from __future__ import annotations
 
@@ -71,11 +70,8 @@ def compact_split(split: tuple[int, ...]) -> str:
 
 def format_table(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate | None,
                  command: list[str], top: int = 20, precision_note: str = "") -> str:
-    """The ``top`` fastest layouts as a text table (fastest first, the chosen one marked ``*``), why the
-    chosen one beat the runner-up, and ``command``: the lines that run it (empty when nothing fits).
-    ``R`` is the hybrid-sharding replica count (``--dp-replicate``), ``dp x-node`` the bytes a rank sends per
-    step over the data-parallel axis to other nodes.
-    ``precision_note`` says how the precision was resolved (``auto``)."""
+    """The ``top`` fastest layouts as a table (chosen ``*``; ``R`` is ``--dp-replicate``, ``dp x-node`` dp bytes across
+    nodes), why the choice won, and ``command`` that runs it (empty when nothing fits)."""
     head = ["", "dp", "cp", "tp", "pp", *(["ep"] if workload.model.n_experts else []), "zero", "R", "mbs", "m",
             "schedule", "blocks/stage", "recompute", "sp", "dp x-node", "mem/rank", "step s", "MFU", "tokens/s"]
     pair = zero3_against_hsdp(workload, cluster, estimates) or ()
@@ -117,9 +113,8 @@ TIME_PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "dat
 
 
 def explain_choice(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate) -> str:
-    """Why ``chosen`` beat the runner-up (the fastest other layout): within :data:`TIE_TOLERANCE` of it, its
-    memory headroom; else the parts of the step where it saves most time (the bubble, traffic over the
-    inter-node link, ...), and both headrooms."""
+    """Why ``chosen`` beat the runner-up: within :data:`TIE_TOLERANCE`, its memory headroom; else the parts of the step
+    where it saves most time, and both headrooms."""
     other = runner_up(estimates, chosen)
     if other is None:
         return "why: it is the only layout that fits"
@@ -152,9 +147,8 @@ def _slow_link(workload: Workload, cluster: Cluster, chosen: Estimate, other: Es
 
 def zero3_against_hsdp(workload: Workload, cluster: Cluster,
                        estimates: list[Estimate]) -> tuple[Estimate, Estimate] | None:
-    """The fastest layout with ZeRO-3 under hybrid sharding, and the same layout with ZeRO-3 over its whole
-    data-parallel group (which holds less, so it fits too): the two differ only in where their bytes go.
-    None unless the search found both."""
+    """The fastest ZeRO-3 layout under hybrid sharding and the same layout over its whole dp group (which fits too):
+    they differ only in where their bytes go. None unless the search found both."""
     hybrid = next((e for e in estimates if e.layout.zero == 3 and e.layout.dp_replicate > 1), None)
     if hybrid is None:
         return None
@@ -163,9 +157,8 @@ def zero3_against_hsdp(workload: Workload, cluster: Cluster,
 
 
 def explain_hsdp(workload: Workload, cluster: Cluster, estimates: list[Estimate], chosen: Estimate) -> str:
-    """ZeRO-3 over the whole data-parallel group against ZeRO-3 under hybrid sharding (:func:`zero3_against_hsdp`;
-    empty without both): each one's step, its data-parallel bytes per rank and step across nodes and inside
-    them, its memory, which of the two is faster and why, and what the choice took."""
+    """ZeRO-3 over the whole dp group against ZeRO-3 under hybrid sharding (empty without both): each one's step, dp
+    bytes across and inside nodes, memory, and which is faster and why."""
     pair = zero3_against_hsdp(workload, cluster, estimates)
     if pair is None:
         return ""
@@ -252,13 +245,9 @@ def to_json(workload: Workload, cluster: Cluster, estimates: list[Estimate], cho
             "tflops_per_device": e.tflops_per_device,
             "tokens_per_s": e.tokens_per_s,
         }
-    return json.dumps({
-        "workload": dataclasses.asdict(workload),
-        "cluster": dataclasses.asdict(cluster),
-        "fitting_layouts": len(estimates),
-        "chosen": row(chosen) if chosen is not None else None,
-        "layouts": [row(e) for e in estimates[:top]],
-    }, indent=2)
+    return json.dumps({"workload": dataclasses.asdict(workload), "cluster": dataclasses.asdict(cluster),
+                       "fitting_layouts": len(estimates), "chosen": row(chosen) if chosen is not None else None,
+                       "layouts": [row(e) for e in estimates[:top]]}, indent=2)
 
 
 # ----------------------------------------------------------------------------------------------------------

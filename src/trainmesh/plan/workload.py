@@ -1,7 +1,6 @@
 """What the planner prices: a :class:`Workload` (one optimizer step of a model shape at a precision, with the
 :class:`Pricing` of its kernels) spread over ranks by a :class:`trainmesh.layout.Layout`, the one layout class
-the runtime runs, with the checks and per-rank sizes both derive.
-"""
+the runtime runs, with the checks and per-rank sizes both derive."""
 
 from __future__ import annotations
 
@@ -17,22 +16,10 @@ from trainmesh.training.state_bytes import DTYPE_BYTES, Precision, precision_byt
 
 @dataclass(frozen=True)
 class Pricing:
-    """How a run's kernels behave where the layout does not say, for pricing a published run whose kernels are
-    not trainmesh's; the defaults are what trainmesh runs, and the search never changes them.
-
-    ``a2a_overlap``: the schedule computes another micro-batch while one's expert all-to-all is in flight, as
-    DualPipe pairs a forward and a backward chunk [DeepSeek-V3, 3.2.1]. ``dispatch_dtype``: the dtype tokens go
-    to their experts in where it is not the activations' (DeepSeek-V3 dispatches in FP8 [DSV3, 3.3.3]; "": the
-    activations'). ``comm_sm_share``: the share of compute units communication kernels hold through the step
-    (DeepSeek-V3: 20 of 132 SMs [DSV3, 3.2.2]). ``fp8_experts``: under fp8 the routed experts' grouped matmuls
-    run in float8 too [DSV3, 3.3] (trainmesh's stay bf16: torchao converts ``nn.Linear`` only).
-    ``forward_dispatch``: a token bound for another node crosses once and is forwarded there over NVLink
-    (DeepSeek-V3's, DeepEP's and HybridEP's dispatch), where trainmesh sends each top_k copy straight.
-    ``attention_kernel``: price the fused attention core on an H100-class device from a measured curve
-    (:data:`trainmesh.plan.kernels.ATTENTION`): "fa2", FlashAttention-2 (what PyTorch's
-    ``scaled_dot_product_attention`` runs); "cudnn", cuDNN's fused attention (Transformer Engine's on Hopper:
-    Megatron-LM, NeMo); "fa3", FlashAttention-3; "" (the default): as matmuls at the dense fit's efficiency.
-    """
+    """How a run's kernels behave where the layout does not say, for pricing published runs (the search never changes
+    them): ``a2a_overlap`` [DSV3, 3.2.1], FP8 ``dispatch_dtype`` [DSV3, 3.3.3], ``comm_sm_share`` [DSV3, 3.2.2],
+    ``fp8_experts`` [DSV3, 3.3], ``forward_dispatch`` (DeepEP's), ``attention_kernel`` "fa2"/"cudnn"/"fa3"
+    (:data:`~trainmesh.plan.kernels.ATTENTION`)."""
 
     a2a_overlap: bool = False
     dispatch_dtype: str = ""
@@ -52,13 +39,8 @@ class Pricing:
 
 @dataclass(frozen=True)
 class Workload:
-    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens at ``precision``.
-
-    ``reduce_dtype`` is the dtype gradients are accumulated and reduced in, ``auto`` resolved as ``train``
-    resolves it; both default to :class:`trainmesh.layout.Layout`'s (the command line's too), so a plan holds
-    for the run that ``trainmesh train`` starts with the same flags. ``pricing`` holds what the layout does not
-    say about the run's kernels (:class:`Pricing`).
-    """
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens; precision and ``reduce_dtype`` default to
+    :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train`` flags."""
 
     model: ModelShape
     global_batch: int
@@ -114,10 +96,8 @@ def micro_batch_size(workload: Workload, layout: Layout) -> int:
 
 
 def moe_tokens(workload: Workload, layout: Layout) -> int:
-    """Tokens one tp rank routes through each MoE layer per micro-batch. The MoE layer is whole on every tp
-    rank, so without sequence parallelism each tp rank routes all of its micro-batch's tokens (the same
-    work on every tp rank); under sequence parallelism the MoE layer sits in the sequence-split region
-    and each tp rank routes only its 1/tp slice of every sequence (``trainmesh.models.moe.SequenceSplit``)."""
+    """Tokens one tp rank routes through each MoE layer per micro-batch: all of them without sequence parallelism (the
+    layer is whole on every tp rank), a 1/tp slice under it (``trainmesh.models.moe.SequenceSplit``)."""
     tokens = local_seq(workload, layout) * micro_batch_size(workload, layout)
     return tokens // layout.tp if layout.sequence_parallel else tokens
 

@@ -1,18 +1,6 @@
-"""Durable and verified file IO: what a checkpoint needs from the file system to survive crashes and damage.
-
-A rename is atomic, but only a rename of data that has reached the disk: a crash after ``rename`` and
-before the kernel writes the file back can leave the new name pointing at zeros or a short file
-(the "ext4 data=ordered vs. delayed allocation" bug class). So every file is ``fsync``-ed before it is
-renamed into place, and the directory holding it is ``fsync``-ed after, which makes the name itself
-durable (POSIX leaves directory entries out of a file's ``fsync``).
-
-Reading goes the other way: the bytes are read once, their SHA-256 and length are checked against what
-the writer recorded, and only those same bytes are handed on to be parsed, so nothing is parsed that was
-not verified (no window between checking a file and reading it again). A file to be read must be a
-regular file reached without following a symbolic link: a FIFO would block the reader forever, a device
-such as ``/dev/zero`` would feed it without end, and a link could lead anywhere. Its size is compared with
-the expected one before a byte is read, so nothing larger is ever allocated.
-"""
+"""Durable and verified file IO: what a checkpoint needs from the file system to survive crashes and damage. Files
+are ``fsync``-ed before their atomic rename and the directory after; reads verify SHA-256 and length on the bytes
+parsed, and refuse anything but a regular file reached without a symbolic link, checking its size first."""
 
 from __future__ import annotations
 
@@ -153,9 +141,8 @@ def read_verified(path: Path, sha256: str, nbytes: int) -> bytes:
 # --- a run folder's own files: written without following a symbolic link planted at their names ----------
 
 def refuse_link(path: Path, what: str) -> None:
-    """Raise :class:`IntegrityError` naming ``path`` if it is a symbolic link: a run writes its own files
-    (metrics, summary, report, lock, staging directories) and a link planted at one of their names would
-    make it write wherever the link leads."""
+    """Raise :class:`IntegrityError` naming ``path`` if it is a symbolic link, which would make a run write its own
+    files wherever the link leads."""
     if path.is_symlink():
         raise IntegrityError(f"{path} is a symbolic link (to {os.readlink(path)}); {what} writes its own file "
                              f"there and never follows a link: remove the link")
@@ -198,13 +185,9 @@ class UnreadableFile(OSError):
 
 
 def read_user_file(path: str | Path, limit: int) -> bytes:
-    """The bytes of the file a user named (a ``--config`` TOML, a run's ``metrics.jsonl``, a model folder's
-    ``config.json``), at most ``limit`` of them.
-
-    Unlike a checkpoint's files, such a file may be a symbolic link (to a shared config, say), so links are
-    followed; but it must be a regular file: a FIFO would block the reader forever and ``/dev/zero`` would
-    feed it without end. The FIFO is opened non-blocking, refused after ``fstat``, and the size is checked
-    before reading and again by reading one byte past the bound (a file that grows while it is read)."""
+    """The bytes of a file a user named (``--config``, ``metrics.jsonl``, ``config.json``), at most ``limit``.
+    Links are followed, but it must be a regular file (FIFOs opened non-blocking and refused); the bound is
+    checked before reading and by reading one byte past it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -1,10 +1,6 @@
 """What a step costs, measured: memory a rank holds (model state, saved activations, peak RSS and device
-memory) and FLOPs (model FLOPs per token, MFU against a device's peak).
-
-``model_state_bytes`` counts the bytes of parameters, gradients and optimizer state a rank actually
-holds, each storage once (a gradient that is a view into a bucket counts as part of the bucket) and a
-freed tensor not at all; it is the quantity the ZeRO paper's memory formulas predict.
-"""
+memory) and FLOPs (model FLOPs per token, MFU). ``model_state_bytes`` counts each storage once, the
+quantity the ZeRO paper's formulas predict."""
 
 from __future__ import annotations
 
@@ -42,15 +38,8 @@ def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 
 class SavedActivations:
-    """Bytes of the tensors autograd saves for backward while active, parameters excluded.
-
-    This is the activation memory of a forward pass as backward will need it: tensors dropped by
-    activation recomputation are never saved, so they are not counted.
-
-    A saved tensor is a parameter (or a view of one) if it shares the storage a parameter has *at pack
-    time*: ZeRO-3 gathers each unit into a freshly allocated buffer every pass, so addresses taken at
-    construction go stale (and a freed unit's old address may come back as an activation's).
-    """
+    """Bytes of the tensors autograd saves for backward while active, parameters excluded (recomputed ones
+    are never saved). Parameters are recognised by their storage at pack time, since ZeRO-3 re-allocates."""
 
     def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
         self._exclude = list(exclude)
@@ -77,9 +66,8 @@ def max_rss_bytes() -> int:
 
 
 def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> float:
-    """The per-device peak that MFU divides by: ``override`` if given, else the row of the one table of
-    device peaks (:data:`trainmesh.distributed.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an
-    unlisted GPU)."""
+    """The per-device peak that MFU divides by: ``override`` if given, else the row of the one table of device peaks
+    (:data:`trainmesh.distributed.hardware.DEVICE_PEAKS`) at ``precision``; 0 if unknown (a CPU, an unlisted GPU)."""
     if override > 0:
         return override
     if device.type != "cuda":
@@ -90,12 +78,8 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0) -> 
 
 def block_flops_per_token(d_model: int, d_ff: int, seq_len: int, gated_mlp: bool = False,
                           qkv_width: int | None = None, attention_width: int | None = None) -> int:
-    """Forward FLOPs of one transformer block per token: 2 per weight of its matmuls (4h^2 in attention,
-    2hf in the MLP, 3hf when gated) and 4sh for QK^T and AV (Narayanan et al., 2021, Megatron-LM, appendix
-    "FLOPs"). Biases, norms and the softmax are left out, as there. ``qkv_width`` is the q/k/v projection's
-    output width, 3h unless grouped-query attention shares K/V heads (h + 2·kv_heads·head_dim);
-    ``attention_width`` the query heads' (n_heads·head_dim, h unless head_dim is set apart from h/n_heads),
-    which the output projection takes in and QK^T and AV multiply over (4s·n_heads·head_dim)."""
+    """Forward FLOPs of one block per token: 2 per matmul weight and 4sh for QK^T and AV (Narayanan et al., 2021, app.
+    "FLOPs"), biases, norms and softmax left out; ``qkv_width`` and ``attention_width`` cover GQA and a set head_dim."""
     heads = attention_width or d_model
     weights = ((qkv_width or 3 * d_model) + heads) * d_model + (3 if gated_mlp else 2) * d_model * d_ff
     return 2 * weights + 4 * seq_len * heads
@@ -109,9 +93,8 @@ def head_flops_per_token(d_model: int, vocab_size: int) -> int:
 def model_flops_per_token(n_layers: int, d_model: int, d_ff: int, vocab_size: int, seq_len: int,
                           gated_mlp: bool = False, qkv_width: int | None = None,
                           attention_width: int | None = None) -> int:
-    """Training FLOPs per token that MFU counts: forward and backward (twice the forward) of every block and
-    the head, without recomputation (Chowdhery et al., 2022, PaLM, appendix B: 6N + 12LHQT); embedding
-    lookups are free. The planner's step FLOPs are built on the same functions."""
+    """Training FLOPs per token that MFU counts: forward and backward of every block and the head without
+    recomputation (Chowdhery et al., 2022, PaLM, appendix B: 6N + 12LHQT), the planner's building blocks too."""
     block = block_flops_per_token(d_model, d_ff, seq_len, gated_mlp, qkv_width, attention_width)
     forward = n_layers * block + head_flops_per_token(d_model, vocab_size)
     return 3 * forward

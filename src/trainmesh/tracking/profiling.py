@@ -1,11 +1,6 @@
-"""A ``torch.profiler`` trace of a run's last steps, and where their time went.
-
-MFU says how far a run is from the device's peak, a trace says where the rest went: which kernels took the
-device's time, and how much of the wall clock the device sat idle waiting on the host. As torchtitan's
-profiling does, every rank writes its own trace (Chrome trace format: Perfetto or ``chrome://tracing`` opens
-it); rank 0 prints the ops that took the most time. Profiled steps run somewhat slower than the others
-(every op is recorded), so profile a few steps at the end of a run, not the ones whose speed is reported.
-"""
+"""A ``torch.profiler`` trace of a run's last steps, and where their time went (kernels, device idle on the
+host). As torchtitan, every rank writes its own Chrome trace; rank 0 prints the top ops. Profiled steps
+run slower, so profile a few at the end."""
 
 from __future__ import annotations
 
@@ -20,9 +15,8 @@ TOP_OPS = 15
 
 
 class StepProfiler:
-    """Profiles steps ``first`` (or the first step run, if later) to ``last``: started by :meth:`before` the
-    first, stopped by :meth:`after` the last, once its time is taken and before the evaluation that ends a
-    run (whose recompiles and new shapes would swamp a few steps)."""
+    """Profiles steps ``first`` (or the first run, if later) to ``last``, from :meth:`before` the first to
+    :meth:`after` the last, stopping before the final evaluation, whose recompiles would swamp a few steps."""
 
     def __init__(self, first: int, last: int, device: torch.device) -> None:
         self.first, self.last, self.device = first, last, device
@@ -45,9 +39,8 @@ class StepProfiler:
             self._prof.stop()
 
     def finish(self, trace: Path | None) -> str:
-        """Write the trace to ``trace`` (if given) and return the summary: the top ops by their own time on
-        the device (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time in which
-        some kernel ran."""
+        """Write the trace to ``trace`` (if given) and return the summary: the top ops by their own time on the device
+        (the CPU when there is none) and, on a GPU, the fraction of the profiled wall time in which some kernel ran."""
         if self._prof is None:
             return "profile: no step ran (the run had already reached --steps)"
         if trace is not None:

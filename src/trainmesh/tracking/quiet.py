@@ -1,13 +1,7 @@
-"""Silence the few lines dependencies print that tell a trainmesh user nothing they can act on.
-
-Each is dropped at its source by its exact words, on the one logger that prints it, so every other warning of
-the same library still shows:
-
-* torchao's ``Failed to load .../torchao/_C_*.so``: its optional prebuilt kernels (built for one CUDA
-  architecture and Python) do not load here; trainmesh's float8 training uses none of them.
-* torch's ``<enum ...> is an Enum subclass and is now natively supported by torch.compile``: torchao
-  registers its enums with a call torch has deprecated; nothing in the user's code makes it.
-"""
+"""Silence the few lines dependencies print that tell a trainmesh user nothing they can act on, each by its
+exact words on the one logger that prints it: torchao's ``Failed to load .../torchao/_C_*.so`` (kernels
+trainmesh does not use) and torch's ``... is an Enum subclass and is now natively supported by
+torch.compile`` (a deprecated call inside torchao)."""
 
 from __future__ import annotations
 

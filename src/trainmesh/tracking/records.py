@@ -1,12 +1,7 @@
-"""A run's records: ``metrics.jsonl`` (one JSON line per step) and the sinks fed from it (TensorBoard,
-W&B), ``summary.json``, and the progress line rank 0 prints.
+"""A run's records: ``metrics.jsonl``, its sinks (TensorBoard, W&B), ``summary.json`` and rank 0's progress.
 
-Steps count from 1 everywhere a person reads them: ``metrics.jsonl``, progress lines, TensorBoard and
-checkpoint directories. Step N is the N-th optimizer step; its record is written once it is done, so the
-record of step N and the checkpoint ``step-N`` describe the same weights, and a run resumed from
-``step-N`` logs step N+1 next. (Inside the loop, data sampling and the learning-rate schedule take the
-0-based index N-1.)
-"""
+Steps count from 1 wherever a person reads them: step N's record and checkpoint ``step-N`` describe the
+same weights, and a run resumed from ``step-N`` logs step N+1 next."""
 
 from __future__ import annotations
 
@@ -51,9 +46,8 @@ def run_records(run_dir: Path) -> list[Path]:
 
 
 def check_no_links(run_dir: Path, lock_name: str) -> None:
-    """Refuse, as :class:`MetricsError` naming it, a symbolic link at the name of a file a run writes in
-    ``run_dir`` (its metrics, summary, report, lock ``lock_name``, TensorBoard events): nothing is written
-    through it. The writers also open without following links; this says so before a run starts."""
+    """Refuse, as :class:`MetricsError`, a symbolic link at the name of a file a run writes in ``run_dir`` (metrics,
+    summary, report, lock ``lock_name``, events), before the run starts; the writers never follow links either."""
     for path in (*(run_dir / name for name in (METRICS_FILE, SUMMARY_FILE, REPORT_FILE, lock_name)),
                  *run_dir.glob(EVENTS_GLOB)):
         try:
@@ -63,13 +57,8 @@ def check_no_links(run_dir: Path, lock_name: str) -> None:
 
 
 def keep_steps_through(path: Path, step: int) -> int:
-    """Rewrite the metrics file ``path`` keeping only the whole records of steps up to ``step``; returns
-    how many records of later steps it dropped.
-
-    A run that crashed logged the steps after its last checkpoint, which the resumed run trains and logs
-    again; keeping both would give those steps two records. A last line without its newline (a write cut
-    short by the kill) is dropped too. The rewrite is atomic, so a crash during it leaves the old file.
-    """
+    """Rewrite ``path`` atomically keeping only whole records of steps up to ``step``, so steps a resumed run
+    replays have one record; returns how many later records it dropped."""
     if not os.path.lexists(path):
         return 0
     lines = read_regular(path, METRICS_LIMIT).splitlines(keepends=True)
@@ -101,9 +90,8 @@ class Sink(Protocol):
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The plottable numbers of one ``metrics.jsonl`` record under the tags every sink uses: one chart per
-    quantity, one series per rank (memory) or mesh axis (communication), and for each MoE layer its balance,
-    dropped fraction, aux and z losses and each expert's token copies."""
+    """The plottable numbers of one ``metrics.jsonl`` record under the tags every sink uses: a chart per quantity, a
+    series per rank or mesh axis, and each MoE layer's balance, drops, aux and z losses and expert copies."""
     out = {tag: float(record[key]) for key, tag in (
         ("loss", "train/loss"), ("val_loss", "eval/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
         ("loss_scale", "train/loss_scale"), ("tokens_per_s", "perf/tokens_per_s"),
@@ -125,19 +113,9 @@ def package_available(name: str) -> bool:
 
 
 class TensorBoardSink:
-    """TensorBoard events in the run directory (``tensorboard --logdir RUN_DIR``), in an event file of its
-    own, new (never opened through a symbolic link), written in this process when each step is logged.
-
-    Not through ``SummaryWriter``: its writer thread meets a full disk alone, prints that thread's
-    traceback and hands the error back at some later call, whereas here each step's events are one write
-    whose failure (``ENOSPC``) is cut back to the previous record's end and raised to :class:`MetricsWriter`,
-    which stops the run cleanly as for ``metrics.jsonl``. The records are TensorBoard's own (its
-    ``RecordWriter`` framing and ``Event`` protos; scalars built by ``torch.utils.tensorboard``).
-
-    A resumed run passes ``purge_step``, the first step it logs: the file starts with a session start at
-    that step, so TensorBoard hides the events the interrupted attempt wrote for that step and later, as
-    ``metrics.jsonl`` drops their records.
-    """
+    """TensorBoard events in a new event file of the run directory, written when each step is logged. Not
+    ``SummaryWriter``, whose thread meets a full disk alone: here each step is one write, cut back on ``ENOSPC`` and
+    raised to :class:`MetricsWriter`. ``purge_step`` makes TensorBoard hide a resumed run's replayed steps."""
 
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
@@ -198,21 +176,15 @@ def wandb_group(config: dict[str, Any]) -> tuple[str, str]:
 
 
 class WandbSink:
-    """A Weights & Biases run of ``project``, kept under the run directory.
-
-    Offline unless ``WANDB_MODE`` says otherwise: a run must not stall or fail on a cluster node without
-    network or credentials; ``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later, and
-    ``WANDB_MODE=online`` (after ``wandb login``) streams it live. Its id is kept in ``RUN_DIR/wandb-run-id``,
-    so a resumed run (``resume_from``) continues the same W&B run rather than starting a second one.
-    """
+    """A Weights & Biases run of ``project`` under the run directory, offline unless ``WANDB_MODE`` says
+    otherwise (no stall without network); its id in ``RUN_DIR/wandb-run-id`` lets a resumed run continue it."""
 
     def __init__(self, project: str, run_dir: Path, config: dict[str, Any], resume_from: int | None = None) -> None:
         import wandb
 
         self.where = f"the W&B run in {run_dir}"
         id_file = run_dir / WANDB_ID_FILE
-        run_id = read_regular(id_file, 256).decode().strip() if resume_from is not None and id_file.is_file() \
-            else ""
+        run_id = read_regular(id_file, 256).decode().strip() if resume_from is not None and id_file.is_file() else ""
         if not run_id:
             run_dir.mkdir(parents=True, exist_ok=True)
             run_id = secrets.token_hex(4)  # a W&B run id: lowercase letters and digits
@@ -231,9 +203,8 @@ class WandbSink:
 
 def open_sinks(run_dir: Path, tensorboard: bool, wandb_project: str, config: dict[str, Any],
                resume_from: int | None = None) -> list[Sink]:
-    """The sinks a run asked for: TensorBoard if ``tensorboard`` and the package is installed (it is on by
-    default, so its absence is not an error), W&B if ``wandb_project`` is given (the CLI has checked that
-    ``wandb`` is installed before spawning any rank)."""
+    """The sinks a run asked for: TensorBoard if ``tensorboard`` and installed (on by default, so absence is no
+    error), W&B if ``wandb_project`` is given (checked installed before any rank spawned)."""
     sinks: list[Sink] = []
     try:
         if tensorboard and package_available("tensorboard"):
@@ -252,21 +223,13 @@ def _reason(e: OSError) -> str:
 
 
 class MetricsWriter:
-    """Writes ``metrics.jsonl`` (one object per step) and ``summary.json``, and hands each record to its
-    sinks; a no-op off rank 0.
-
-    Each record is one ``os.write`` of a whole line to a file opened with ``O_APPEND``, never split over
-    buffer flushes, so a rank killed mid-run leaves whole lines behind; a write the disk cannot take
-    (``ENOSPC``) is cut back to the previous line's end and raised as :class:`MetricsError` naming the
-    file, and the run stops (see ``train``).
-    """
+    """Writes ``metrics.jsonl`` and ``summary.json`` and feeds its sinks; a no-op off rank 0. Each record is one
+    ``O_APPEND`` write of a whole line; ``ENOSPC`` is cut back and raised as :class:`MetricsError`."""
 
     def __init__(self, out_dir: str | None, enabled: bool, resume_from: int | None = None,
                  sinks: Sequence[Sink] = ()) -> None:
-        """``resume_from``: the step a resumed or restarted run's checkpoint holds. The file is kept up to
-        that step (:func:`keep_steps_through`) and the first record written (step ``resume_from + 1``)
-        carries ``"restart": {"from_step": N, "replayed_steps": K}`` (K records of the earlier attempt
-        dropped), so every step has exactly one record, the last run's. None starts a new file."""
+        """``resume_from``: the step a resumed run's checkpoint holds; the file is cut to it and the first record
+        carries ``"restart": {"from_step": N, "replayed_steps": K}``. None starts a new file."""
         self.enabled = enabled and bool(out_dir)
         self.dir = Path(out_dir) if out_dir else None
         self.path = self.dir / METRICS_FILE if self.dir else None
@@ -370,14 +333,8 @@ def _terminal(stream: TextIO) -> bool:
 
 
 class Progress:
-    """What rank 0 prints while training: per-step progress, and messages (start, checkpoints, summary).
-
-    On a terminal with ``tqdm`` installed the progress is one bar redrawn in place, with elapsed time and
-    ETA; otherwise (a log file, a pipe, no tqdm) a plain line every ``every`` steps and at the last step.
-    ``enabled=False`` (``--no-progress``) drops only the per-step output; messages always print. Anything
-    else that writes to the terminal mid-run (a checkpoint notice on stderr) does so inside
-    :meth:`paused`, which takes the bar off the line first and draws it again after.
-    """
+    """What rank 0 prints: per-step progress (a tqdm bar on a terminal, else a line every ``every`` steps) and
+    messages, which always print. Other terminal writes mid-run go inside :meth:`paused`."""
 
     def __init__(self, total: int, first: int, stream: TextIO | None, enabled: bool = True, every: int = 0) -> None:
         """``first``: the step this run starts at (later than 1 when resumed); ``stream``: where to print
@@ -417,13 +374,8 @@ class Progress:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Clear the bar while the body writes to the terminal; redraw it below what was written, or, if the
-        body raised, leave it drawn on a line of its own so the error that follows starts on a fresh one.
-
-        What the body prints to stderr goes to the bar's stream meanwhile: under ``--nproc`` the launcher
-        relays rank 0's stderr through a pipe, so a notice sent there would reach the terminal after the bar
-        is redrawn, and land on the bar's line.
-        """
+        """Clear the bar while the body writes to the terminal and redraw it after (left on its own line if the
+        body raised); the body's stderr goes to the bar's stream so relayed output cannot land on the bar's line."""
         if self._bar is None:
             yield
             return

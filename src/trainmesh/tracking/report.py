@@ -1,15 +1,6 @@
-"""``trainmesh report RUN_DIR``: one picture and a few lines of text from a run's ``metrics.jsonl``.
-
-The figure answers what a person asks of a run, one panel each: is the loss going down (train and eval),
-how fast is it (tokens/s, MFU), how much memory does each rank hold at its peak, and what does each mesh
-axis send per step; for a mixture of experts, also how the tokens spread over the experts of each layer
-and how even that is (max/mean load) with the fraction dropped. It reads only the run directory, so it works on a finished run, a crashed one, or a
-live one (the records written so far).
-
-``trainmesh report RUN1 RUN2 ...`` overlays runs on one figure instead (loss against step and against tokens,
-tokens/s, peak memory per rank), each labelled by the settings in which the runs differ, and prints those
-differences as a table: comparing two layouts, precisions or learning rates is one picture.
-"""
+"""``trainmesh report RUN_DIR``: one picture and a few lines of text from a run's ``metrics.jsonl`` (loss, speed,
+memory, communication, expert load), for finished, crashed or live runs; several runs are overlaid and tabled by
+the settings in which they differ."""
 
 from __future__ import annotations
 
@@ -183,8 +174,7 @@ def _bytes(n: float) -> str:
 def summary_text(h: History, run_dir: Path) -> str:
     """What the figure shows, as lines to read in a terminal."""
     windows = LossWindows.of(h.loss)
-    lines = [f"{run_dir}: steps {h.steps[0]}-{h.steps[-1]} ({len(h.steps)} records)",
-             f"  {windows.text()}"]
+    lines = [f"{run_dir}: steps {h.steps[0]}-{h.steps[-1]} ({len(h.steps)} records)", f"  {windows.text()}"]
     if h.eval_loss:
         best = min(range(len(h.eval_loss)), key=h.eval_loss.__getitem__)
         lines.append(f"  eval loss {h.eval_loss[-1]:.4f} at step {h.eval_steps[-1]} "

@@ -1,14 +1,7 @@
 """CUDA graphs for the compiled step: whether a layout's compiled blocks can be captured, and the
-``torch.compile`` mode that follows.
-
-A compiled block still costs the host about a millisecond of kernel launches per forward and per backward
-(docs/performance.md: some 1,050 launches per step of ``gpt2-124m``, the GPU waiting for the host a fifth of
-the step). ``torch.compile(mode="reduce-overhead")`` records each compiled graph's kernels once as a CUDA
-graph and replays them with one launch (Inductor's CUDA graph trees); that needs the same shapes and the
-same input addresses at every replay and no host synchronisation inside. :func:`capture_problem` says, as a
-pure function of the layout and model, where trainmesh's compiled regions break those conditions; the run
-then compiles without graphs and says why once (:func:`compile_mode`).
-"""
+``torch.compile`` mode that follows. ``reduce-overhead`` replays each graph with one launch instead of a
+host-bound stream of launches (docs/performance.md), but needs fixed shapes and addresses and no host
+sync; :func:`capture_problem` says where a layout breaks that, and the run says why once."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The one contract every training engine fulfils.
-
-An engine is what a data-parallel form makes of a model: plain data parallelism
-(:class:`~trainmesh.parallel.data_parallel.DataParallel`) or ZeRO (:mod:`trainmesh.parallel.zero`). The training loop, the
-pipeline runtime and checkpoints talk to it only through :class:`Engine`, so a new form is one class that
-fulfils it, and neither the loop nor checkpoints test which form they hold.
-"""
+"""The one contract every training engine (DataParallel or ZeRO) fulfils: the loop, the pipeline runtime
+and checkpoints talk to it only through :class:`Engine`, so a new form is one class."""
 
 from __future__ import annotations
 
@@ -23,10 +18,8 @@ MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Engine(Protocol):
-    """Gradient synchronisation, the optimizer step, and the state a checkpoint saves.
-
-    Backward runs on the loss times :attr:`loss_scale` (1 except under fp16 loss scaling).
-    """
+    """Gradient synchronisation, the optimizer step, and the state a checkpoint saves. Backward runs on the loss times
+    :attr:`loss_scale` (1 except under fp16 loss scaling)."""
 
     scaler: LossScaler
     optimizer: torch.optim.Optimizer

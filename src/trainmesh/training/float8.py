@@ -1,23 +1,8 @@
-"""FP8 training of the linear layers, through torchao's float8 training (``torchao.float8``).
+"""FP8 training of the linear layers through torchao's ``Float8Linear`` (``pip install 'trainmesh[fp8]'``).
 
-Under ``precision="fp8"`` the parameters, activations and gradients stay bf16 and the optimizer keeps fp32
-masters, exactly as under bf16; what changes is the matmuls of the linear layers: torchao's ``Float8Linear``
-casts each one's input and weight to float8 e4m3 (and the output gradient to e5m2) with one dynamic scale
-per tensor, multiplies with ``torch._scaled_mm`` and returns bf16 (Micikevicius et al., "FP8 Formats for
-Deep Learning", 2022; torchtitan and Megatron-LM/Transformer Engine train so on Hopper). The layers whose
-precision matters most stay bf16: the embedding, the output head and an MoE router, named per family
-(:attr:`~trainmesh.models.spec.ModelSpec.high_precision`); so do the grouped MoE experts (not
-``nn.Linear``) and any linear with a dimension not divisible by 16 (``_scaled_mm``'s alignment).
-
-``Float8Linear`` keeps the ``nn.Linear``'s own ``weight`` and ``bias`` parameters under the same names, so
-checkpoints, ZeRO's flat buffers and pipeline stages see the model they would see under bf16, and a
-checkpoint written by an fp8 run loads into a bf16 run and back.
-
-torchao is optional (``pip install 'trainmesh[fp8]'``) and imported only when fp8 is asked for. Checked
-with torchao 0.18 on torch 2.13 (CPU build): ``torch._scaled_mm`` and ``Float8Linear``'s forward and
-backward run on CPU too, so CPU runs take fp8 (slowly: a CPU has no float8 units); a CUDA device needs
-FP8 tensor cores (compute capability 8.9: Ada, Hopper and later).
-"""
+State stays bf16 with fp32 masters; linear matmuls run in e4m3/e5m2 with dynamic per-tensor scales (Micikevicius et
+al., "FP8 Formats for Deep Learning", 2022), as torchtitan does. ``high_precision`` layers, grouped experts and
+dimensions not divisible by 16 stay bf16; names are kept, so checkpoints move between fp8 and bf16 runs."""
 
 from __future__ import annotations
 

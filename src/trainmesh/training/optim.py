@@ -1,10 +1,6 @@
-"""AdamW, the learning-rate schedule and gradient clipping by the norm of the *whole* model's gradient.
-
-Under model parallelism no rank holds the whole gradient, so the norm is assembled from per-rank sums of
-squares reduced over the axes that split the model; each element must be counted exactly once, so a
-parameter replicated over ``tp`` (a LayerNorm, say) contributes only on tp-rank 0 (Megatron-LM's
-``clip_grad_norm`` does the same).
-"""
+"""AdamW, the learning-rate schedule and gradient clipping by the norm of the whole model's gradient,
+assembled from per-rank sums of squares with each element counted once (a tp-replicated parameter only
+on tp-rank 0, as Megatron-LM's ``clip_grad_norm``)."""
 
 from __future__ import annotations
 
@@ -26,13 +22,9 @@ expert of an ep group that folds over tp. The global norm counts it on every tp 
 
 @dataclass(frozen=True)
 class ParamPiece:
-    """Elements ``[start, end)`` of parameter ``name`` flattened (of this rank's tensor-parallel shard of it,
-    under tp) as a rank's optimizer holds them, so a checkpoint can read and restore them in any layout.
-
-    ``master`` is the fp32 copy the optimizer updates, ``param`` the model's copy in the compute dtype (the
-    same elements when training in fp32), both 1-D views of live storage; ``optim_param`` is the key to
-    their AdamW state.
-    """
+    """Elements ``[start, end)`` of parameter ``name`` flattened (of its tp shard) as a rank's optimizer holds
+    them, so a checkpoint restores them in any layout: ``master`` the fp32 copy, ``param`` the model's,
+    ``optim_param`` the key to their AdamW state."""
 
     name: str
     start: int
@@ -57,10 +49,8 @@ OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Op
 
 def build_adamw(named_params: Iterable[tuple[str, nn.Parameter]], device: torch.device, lr: float,
                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1) -> torch.optim.Optimizer:
-    """AdamW with the fused kernel on CUDA and CPU, the multi-tensor (foreach) one elsewhere.
-
-    On CPU too the fused kernel makes one pass over each tensor instead of foreach's dozen, several times
-    faster (docs/performance.md)."""
+    """AdamW with the fused kernel on CUDA and CPU, the multi-tensor (foreach) one elsewhere. On CPU too the fused
+    kernel makes one pass over each tensor instead of foreach's dozen, several times faster (docs/performance.md)."""
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(named_params, weight_decay), lr=lr, betas=betas, eps=1e-8,
                              fused=fused, foreach=not fused)
@@ -131,12 +121,8 @@ def squared_norm(grads: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str])
 
 def unscale_and_clip_(grads: Sequence[torch.Tensor], total_norm: float, max_norm: float,
                       loss_scale: float = 1.0) -> None:
-    """Divide ``grads`` by the loss scale and clip them to global norm ``max_norm`` (0: no clipping), in
-    one pass; ``total_norm`` is the norm of the *unscaled* gradients.
-
-    The factor is a Python number (the norm is on the host already, to decide whether to skip the step):
-    ``_foreach_mul_`` by a 0-dim device tensor falls back to one kernel per gradient on CUDA, against one
-    multi-tensor kernel for a number."""
+    """Divide ``grads`` by the loss scale and clip to global norm ``max_norm`` (0: none) in one pass, by a Python
+    number so CUDA runs one multi-tensor kernel; ``total_norm`` is the unscaled norm."""
     coef = 1.0 / loss_scale
     if max_norm > 0:
         coef *= min(max_norm / (total_norm + 1e-6), 1.0)
@@ -148,14 +134,9 @@ def clipped_update(optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tenso
                    contributions: Sequence[torch.Tensor], comm: Comm, axes: Sequence[str], scaler: LossScaler,
                    lr: float, max_norm: float,
                    extra: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None) -> float:
-    """One guarded optimizer step shared by every engine; returns the unscaled norm before clipping.
-
-    The norm of ``contributions`` is reduced over ``axes``, so every rank holds the same value: a
-    non-finite one (an fp16 overflow or a NaN on any rank) skips the update and backs the loss scale off
-    on every rank together. Otherwise ``grads`` are unscaled and clipped in one pass and the optimizer
-    steps at ``lr``. The caller copies masters back and zeroes gradients. ``extra``: more contributions
-    with the axes their squares are summed over (routed experts, held differently on each ep rank).
-    """
+    """One guarded optimizer step shared by every engine; returns the unscaled pre-clip norm. The norm is
+    reduced over ``axes`` (``extra`` adds contributions with their own axes), so a non-finite one skips the
+    step and backs the loss scale off on every rank together. The caller copies masters back."""
     sq = squared_norm(contributions, comm, axes)
     if extra is not None:
         sq = sq + squared_norm(extra[0], comm, extra[1])

@@ -1,19 +1,6 @@
-"""Mixed precision: low-precision compute with fp32 master weights, and dynamic loss scaling for fp16.
-
-Following Micikevicius et al., "Mixed Precision Training" (ICLR 2018): the model's parameters and
-activations are bf16 or fp16; the optimizer keeps an fp32 *master* copy of every parameter (or of its
-shard, under ZeRO) and fp32 moments, updates the masters, and copies them back into the model. fp16's
-narrow exponent range needs the loss scaled up before backward (§3.2); the scale halves whenever any
-rank sees a non-finite gradient (the step is then skipped on every rank together) and doubles after
-``growth_interval`` clean steps. bf16 has fp32's exponent range and needs no scaling.
-
-fp64 is a full precision like fp32 (parameters are their own masters): slow, and no accelerator's tensor
-cores run it, but its unit roundoff (1.1e-16) leaves the summation-order noise of a parallel layout far
-below any real divergence, so the equivalence tests train in it and assert a bound tighter than any
-machine's fp32 noise.
-
-fp8 is bf16 mixed precision whose linear layers multiply in float8 (:mod:`trainmesh.training.float8`).
-"""
+"""Mixed precision (Micikevicius et al., ICLR 2018): bf16/fp16 compute with fp32 masters and moments, and dynamic loss
+scaling for fp16 (§3.2), halved on a non-finite gradient on any rank, doubled after ``growth_interval`` clean steps.
+fp64 is a full precision for the equivalence tests; fp8 is bf16 with float8 linears (:mod:`.float8`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Bytes per element of each kind of model state (parameters, gradients, optimizer state) by precision,
-and which of them each ZeRO stage shards [ZeRO, sec. 3.1 and 5]: the formula of one rank's model state.
-
-Plain arithmetic on counts, with no import beyond the standard library, so that the planner and the
-ZeRO engines can both state their model state with it without importing each other.
-"""
+"""Bytes per element of each kind of model state by precision, and which ones each ZeRO stage shards
+[ZeRO, sec. 3.1 and 5]; standard library only, so the planner and the engines share it."""
 
 from __future__ import annotations
 
@@ -35,20 +31,15 @@ STEP_SCALAR_BYTES = 4  # AdamW keeps one float32 ``step`` tensor per parameter t
 
 @functools.cache
 def precision_bytes(precision: str, reduce_dtype: str) -> Precision:
-    """Parameters and activations in ``precision``, gradients in ``reduce_dtype``.
-
-    fp32 training keeps Adam's two moments (K = 8; fp64: 16); mixed precision adds fp32 master weights
-    (K = 12) [ZeRO, 3.1]. The ZeRO paper's 2 Psi of gradients assumes they are reduced in the low
-    precision; trainmesh's default fp32 reduction (Megatron's ``main_grad``) holds 4 Psi instead. fp8 costs
-    what bf16 does (:data:`STORED_AS`).
-    """
+    """Parameters and activations in ``precision``, gradients in ``reduce_dtype``: K = 8 in fp32 (16 in fp64),
+    12 with fp32 masters [ZeRO, 3.1]; fp32 gradient reduction holds 4 Psi (Megatron's ``main_grad``); fp8
+    costs what bf16 does."""
     size = DTYPE_BYTES[STORED_AS.get(precision, precision)]
     return Precision(size, DTYPE_BYTES[reduce_dtype], 2 * size if precision in FULL_PRECISIONS else 12, size)
 
 
 def sharded_state_bytes(full: Count, shard: Count, stage: int, b: Precision) -> tuple[Count, Count, Count]:
-    """(params, grads, optimizer) bytes of a rank whose model has ``full`` elements, ``shard`` of them its
-    ZeRO shard [ZeRO, sec. 5, Fig. 1]: stage 1 shards the optimizer state, stage 2 also the gradients,
-    stage 3 also the parameters. Unsharded, (2 + 2 + K) Psi in mixed precision."""
+    """(params, grads, optimizer) bytes of a rank with ``full`` elements and ``shard`` of them its ZeRO shard [ZeRO,
+    sec. 5, Fig. 1]: stage 1 shards the optimizer state, 2 also gradients, 3 also parameters."""
     return (b.param * (shard if stage >= 3 else full), b.grad * (shard if stage >= 2 else full),
             b.optimizer * (shard if stage >= 1 else full))

@@ -1,19 +1,6 @@
-"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state over the ``dp`` axis.
-
-Plain data parallelism keeps all parameters, gradients and AdamW state on every rank. ZeRO-DP partitions
-them over the N data-parallel ranks (§5), one more kind per stage, each cutting memory further for the
-same or a little more communication:
-
-* stage 1, P_os (§5.1): AdamW state for this rank's 1/N of the elements only (:mod:`.stage1`).
-* stage 2, P_os+g (§5.2): gradients reduce-scattered into a 1/N shard during every backward
-  (:mod:`.stage2`).
-* stage 3, P_os+g+p (§5.3): parameters sharded too, each unit gathered for its forward and its backward
-  and freed after (:mod:`.stage3`).
-
-The stages share :class:`~.engine.ZeroEngine` (the sharded optimizer, the ordered reduce-scatters, the
-step) and the flat buffers and shard exchanges of :mod:`.flat`; :mod:`.formulas` states the memory and
-communication per rank (§5, §7.2) that the planner uses and the tests check measured values against.
-"""
+"""ZeRO (Rajbhandari et al., 2020, §5): data parallelism sharding the model state over ``dp``: AdamW state in stage 1
+(:mod:`.stage1`), gradients too in stage 2 (:mod:`.stage2`), parameters too in stage 3 (:mod:`.stage3`), on a shared
+:class:`~.engine.ZeroEngine`; :mod:`.formulas` states per-rank memory and traffic (§5, §7.2)."""
 
 from __future__ import annotations
 
@@ -37,10 +24,8 @@ __all__ = ["FlatLayout", "ZeroEngine", "ZeroStage1", "ZeroStage2", "ZeroStage3",
 def build_engine(module: nn.Module, comm: Comm, stage: int, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
                  scaler: LossScaler | None = None, axis: str = "dp") -> ZeroEngine | DataParallel:
-    """The engine of ZeRO ``stage`` over ``axis`` (stage 0: plain data parallelism), with the optimizer
-    ``make_optimizer`` builds over its shards (and an fp32 master shard when ``module``'s parameters are
-    bf16/fp16). Stage 3 communicates unit by unit (:func:`default_units`), so ``bucket_bytes`` applies to
-    stages 0 to 2.
+    """The engine of ZeRO ``stage`` over ``axis`` (0: plain DP) with ``make_optimizer``'s optimizer over its shards
+    (fp32 masters for 16-bit parameters); ``bucket_bytes`` applies to stages 0 to 2, stage 3 going unit by unit.
     The stage comes validated (:func:`trainmesh.layout.validate`, in ``parallelize``)."""
     engines = {0: DataParallel, 1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
     return engines[stage](module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis)

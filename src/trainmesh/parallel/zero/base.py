@@ -1,17 +1,7 @@
-"""What the ZeRO stages share (:class:`ZeroEngine`): the sharded optimizer, the gradient reduce-scatters
-issued in one order on every rank, the step, and the accounting of the model state held.
+"""What the ZeRO stages share (:class:`ZeroEngine`): the sharded optimizer, ordered gradient reduce-scatters, the step.
 
-Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, whose K = 12 counts the fp32 master copy as
-optimizer state). Parameters, gathered units and activations are bf16/fp16. Each rank keeps an fp32
-*master* copy of its shard only, which the pieces view, so master weights and moments are both 1/N.
-Gradients are accumulated and reduce-scattered in ``reduce_dtype`` (fp32 by default: each micro-batch's
-low-precision gradient is added into an fp32 buffer, as DataParallel's main-grad path does); the step
-reads them in fp32 (a per-step copy if the reduce dtype is narrower), unscales and clips them there,
-updates the masters and casts them into the low-precision shard, which is then all-gathered (stages 1-2)
-or kept as the shard that the next forward gathers (stage 3). fp16 scales the loss
-(:class:`~trainmesh.training.precision.LossScaler`); the global norm is reduced over every axis, so all ranks see
-the same verdict and skip an overflowing step and back the scale off together. In fp32 the shard itself
-is the master copy and the gradient shard is the optimizer's gradient: nothing is copied.
+Mixed precision (Micikevicius et al., 2018; ZeRO §3.1, K = 12) keeps an fp32 master of this rank's shard only;
+gradients are reduced in ``reduce_dtype``, clipped in fp32, and a non-finite global norm skips the step on every rank.
 """
 
 from __future__ import annotations
@@ -43,13 +33,8 @@ def trainable(module: nn.Module) -> list[nn.Parameter]:
 
 
 class ZeroEngine:
-    """What the stages share: the sharded AdamW, gradient reduce-scatter in order, the step, accounting.
-
-    Groups are reduce-scattered in index order on every rank (a group that is ready early waits for the
-    ones before it), so the collectives match across ranks, as in
-    :class:`~trainmesh.parallel.data_parallel.DataParallel`.
-    Run backward on the loss times :attr:`loss_scale` (1 except in fp16).
-    """
+    """What the stages share: the sharded AdamW, gradient reduce-scatter in index order on every rank (so
+    collectives match, as in DataParallel), the step, accounting. Backward on the loss times :attr:`loss_scale`."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory, groups: list[Group],
                  scaler: LossScaler | None, axis: str) -> None:
@@ -94,9 +79,8 @@ class ZeroEngine:
 
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:
-        """Mark the autograd calls inside as one micro-batch's backward (see
-        :class:`~trainmesh.parallel.zero.stage2.ZeroStage2`); stage 1 reduces once per step, on the last
-        micro-batch's gradients, so a pass needs nothing here."""
+        """Mark the autograd calls inside as one micro-batch's backward (see :class:`~.stage2.ZeroStage2`); stage 1
+        reduces once per step, so it needs nothing here."""
         yield
 
     def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
@@ -145,9 +129,8 @@ class ZeroEngine:
         self._reset_pending()
 
     def _stage_grads(self, group: Group) -> None:
-        """Copy the gradients ``group``'s parameters hold into a fresh full flat buffer (zeros where a
-        parameter got none), then drop them; the reduce-scatters in flight land first, so that one
-        group's full gradient is staged at a time."""
+        """Copy ``group``'s gradients into a fresh zero-filled flat buffer and drop them, after the reduce-scatters in
+        flight land, so one group's full gradient is staged at a time."""
         self._land_in_flight()
         full = group.grad_shard.new_empty(group.layout.padded)
         full[group.layout.numel:].zero_()
@@ -170,10 +153,8 @@ class ZeroEngine:
         """Stages 2 and 3 land every reduce-scatter at the end of each backward; nothing is left here."""
 
     def step(self, lr: float, max_norm: float) -> float:
-        """Finish gradient sync, unscale and clip the shards by the whole model's norm, update, re-gather;
-        returns the (unscaled) norm before clipping. Shards are disjoint, so the squares are summed over
-        ``dp`` as well; every rank then holds the same norm, so a non-finite one (an fp16 overflow or a
-        NaN on any rank) skips the update and backs the loss scale off on every rank together."""
+        """Finish gradient sync, unscale and clip the shards by the whole model's norm, update and re-gather; returns
+        the unscaled pre-clip norm, a non-finite one skipping the step on every rank."""
         self.finish_gradient_sync()
         self._sum_over_replicas()
         sum_over_tp([g.grad_shard for g in self._tp_summed], self.comm)
@@ -187,10 +168,8 @@ class ZeroEngine:
         return norm
 
     def _sum_over_replicas(self) -> None:
-        """Hybrid sharding (HSDP, as FSDP2's 2-D mesh and DeepSpeed's MiCS): all-reduce each gradient shard,
-        reduce-scattered inside this rank's group, over the replica groups that hold the same shard, once per
-        step. Only these Ψ/S bytes per rank cross between groups; the parameter gathers and the reduce-scatters
-        (divided by all R x S ranks already) stay inside the group."""
+        """Hybrid sharding (as FSDP2's 2-D mesh and DeepSpeed's MiCS): all-reduce each gradient shard over the replica
+        groups once per step, so only Ψ/S bytes per rank cross between groups."""
         if self.replicas == 1:
             return
         works = [self.comm.all_reduce(g.grad_shard, REPLICA_AXIS, op="grad_replica_all_reduce", async_op=True)
@@ -199,9 +178,8 @@ class ZeroEngine:
             work.wait()
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
-        """Point each piece's gradient at its slice of the reduced gradient shard, in the masters' dtype: a
-        view when the reduce dtype is that dtype, else a copy made for this step (freed by
-        :meth:`zero_grad`); returns the gradient shards the optimizer reads."""
+        """Point each piece's gradient at its slice of the reduced shard in the masters' dtype (a view, or a per-step
+        copy freed by :meth:`zero_grad`); returns the gradient shards the optimizer reads."""
         grads = {g.name: g.grad_shard.to(g.master.dtype) for g in self.groups}
         for piece, slot in zip(self.pieces, self._piece_slots):
             piece.grad = grads[slot.group.name][slot.start:slot.end].view(piece.shape)
@@ -241,11 +219,8 @@ class ZeroEngine:
             piece.grad = None
 
     def param_pieces(self) -> list[ParamPiece]:
-        """This rank's shard of each parameter, for checkpoints: elements ``[start, end)`` of the parameter
-        flattened, as the optimizer's piece (the fp32 master) and as the same slice of the parameter shard.
-
-        After writing into them, call :meth:`after_update` so that stages 1-2 gather the full parameters.
-        """
+        """This rank's shard of each parameter for checkpoints: elements ``[start, end)`` of it flattened, as the
+        optimizer's fp32 piece and the parameter shard's slice. Call :meth:`after_update` after writing them."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         pieces = iter(self.pieces)
         out = []
@@ -266,9 +241,8 @@ class ZeroEngine:
                 + optimizer_tensors(self.optimizer))
 
     def _note_peak(self) -> None:
-        """Track the most model state held at any point of a step (transient buffers included), while
-        :attr:`peak_state_bytes` is a number: set it (to the state held now, say) to start tracking. Each
-        sample walks every state tensor, several times per unit, so it is off (``None``) by default."""
+        """Track the most model state held during a step while :attr:`peak_state_bytes` is a number (set it to start);
+        off (``None``) by default, since each sample walks every state tensor."""
         if self.peak_state_bytes is not None:
             self.peak_state_bytes = max(self.peak_state_bytes, storage_bytes(self.state_tensors()))
 

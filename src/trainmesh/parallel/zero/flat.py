@@ -1,20 +1,6 @@
-"""ZeRO's flat buffers, the optimizer's pieces of them, and the shard exchanges over a sharding axis.
-
-Layout. The parameters of a group (a gradient bucket in stages 1-2, a unit in stage 3) lie back to back
-in one flat buffer padded to a multiple of N elements, so any parameter size and any N work; rank r owns
-elements [rS, (r+1)S) with S = ceil(numel / N). Module parameters become views into that buffer, so
-parameter names and objects stay the plain model's; in stage 3 the buffer's storage is resized to zero
-between uses (as FSDP's FlatParameter does) and the views stay valid across the re-allocation.
-
-Pieces. The optimizer (:func:`trainmesh.training.optim.build_adamw`) runs over the part of each parameter that
-falls in this rank's shard, a view into the fp32 master shard, with its gradient a view into the gradient
-shard. AdamW is elementwise, so updating pieces is updating the full parameters.
-
-Exchanges. A group's shards are all-gathered (:func:`gather_shards`) and its gradient reduce-scattered
-(:func:`reduce_scatter_shards`) through the communicator's collectives, or point to point where those
-would copy the whole buffer (:func:`exchanges_directly`). The engines look both up on this module when
-they call them, so that one substituted here (a test's planted bug) is the one every stage runs.
-"""
+"""ZeRO's flat buffers, the optimizer's pieces of them, and the shard exchanges over a sharding axis. A group's
+parameters are views into one flat buffer padded to a multiple of N, rank r owning [rS, (r+1)S) (stage 3 frees its
+storage between uses, as FSDP's FlatParameter); exchanges are looked up at call time, so a test can substitute them."""
 
 from __future__ import annotations
 
@@ -82,11 +68,8 @@ class FlatLayout:
 
 @dataclass
 class Group:
-    """One flat buffer's worth of parameters: a gradient bucket (stages 1-2) or a unit (stage 3).
-
-    ``flat`` and ``shard`` are in the parameters' dtype, ``grad_flat`` and ``grad_shard`` in the reduce
-    dtype; ``master`` is the fp32 shard the optimizer updates (``shard`` itself in fp32 training).
-    """
+    """One flat buffer's worth of parameters (bucket or unit): ``flat``/``shard`` in the parameters' dtype,
+    ``grad_flat``/``grad_shard`` in the reduce dtype, ``master`` the fp32 shard (``shard`` itself in fp32)."""
 
     name: str
     params: list[nn.Parameter]
@@ -118,9 +101,8 @@ def flatten_params(params: list[nn.Parameter], comm: Comm, axis: str) -> tuple[F
 
 def sharded_group(name: str, params: list[nn.Parameter], comm: Comm, axis: str, grad_dtype: torch.dtype,
                   own_shard: bool = False) -> Group:
-    """A group whose gradient is kept only as this rank's shard (stages 2 and 3). The parameter shard is a
-    view of the flat buffer, or with ``own_shard`` a copy of it, which survives the buffer's storage being
-    freed between uses (stage 3)."""
+    """A group whose gradient is kept only as this rank's shard (stages 2 and 3); ``own_shard`` copies the parameter
+    shard so it survives the buffer's storage being freed (stage 3)."""
     layout, flat = flatten_params(params, comm, axis)
     shard = layout.shard_of(flat)
     return Group(name, params, layout, flat, shard.clone() if own_shard else shard,
@@ -143,11 +125,8 @@ class Exchange:
 
 
 def exchanges_directly(comm: Comm, axis: str) -> bool:
-    """Whether ``axis``'s all-gathers and reduce-scatters go point to point (:func:`gather_shards`,
-    :func:`reduce_scatter_shards`): on Gloo between hosts. Gloo's all-gather receives into a fresh buffer of
-    the whole output and copies it out, and its reduce-scatter all-reduces a copy of the whole input (twice
-    the bytes of a reduce-scatter), so each holds a whole unit's extra copy while it runs. NCCL writes in
-    place, and so does one host's shared segment (:meth:`~trainmesh.distributed.comm.Comm.shares_host`)."""
+    """Whether ``axis``'s all-gathers and reduce-scatters go point to point: on Gloo between hosts, whose
+    collectives hold a whole unit's extra copy (NCCL and one host's shared segment work in place)."""
     return (comm.mesh.size(axis) > 1 and dist.get_backend(comm.mesh.group(axis)) == "gloo"
             and not comm.shares_host(axis))
 
@@ -159,10 +138,8 @@ def _peers(comm: Comm, axis: str) -> list[tuple[int, int]]:
 
 
 def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str, op: str):
-    """Start gathering every rank's ``shard`` of ``axis`` into ``flat`` (rank j's at slice j); returns the
-    handle to wait on. On Gloo each shard goes straight from its owner into its slice of ``flat``: no
-    staging copy of the whole buffer (:func:`exchanges_directly`); the bytes sent are the ring's,
-    (N-1)·S per rank."""
+    """Start gathering every rank's ``shard`` of ``axis`` into ``flat`` (rank j's at slice j) and return the handle;
+    on Gloo each shard goes straight into its slice (no staging copy), (N-1)·S bytes per rank."""
     if not exchanges_directly(comm, axis):
         return comm.all_gather(flat, shard, axis, op=op, async_op=True)
     size = shard.numel()
@@ -174,10 +151,9 @@ def gather_shards(comm: Comm, flat: torch.Tensor, shard: torch.Tensor, axis: str
 
 
 def reduce_scatter_shards(comm: Comm, out: torch.Tensor, full: torch.Tensor, axis: str, op: str, divisor: int = 1):
-    """Start summing ``full`` over ``axis``, divided by ``divisor``, into ``out``, this rank's slice; returns
-    the handle to wait on. Point to point every rank sends each other rank its slice (divided first) and adds
-    the N-1 slices it receives to its own when waited on: (N-1)·S bytes sent, N-1 slices of receive buffer,
-    no copy of the whole input."""
+    """Start summing ``full`` over ``axis`` divided by ``divisor`` into ``out`` (this rank's slice) and return the
+    handle; point to point, each rank sends each other its slice and adds what it receives: (N-1)·S bytes, no whole
+    copy."""
     if not exchanges_directly(comm, axis):
         return comm.reduce_scatter(out, full, axis, op=op, async_op=True, divisor=divisor)
     if divisor != 1:
@@ -211,13 +187,8 @@ class PieceSlot:
 
 
 def make_pieces(groups: Sequence[Group]) -> tuple[list[nn.Parameter], list[PieceSlot]]:
-    """The optimizer's parameters: each parameter's part of this rank's shard, a view into the fp32
-    master shard, and where each lies (the step points its gradient at the same slice of the gradient).
-
-    A piece of a matrix is a 1 x k row so :func:`trainmesh.training.optim.param_groups` decays exactly the
-    elements it decays in the full model (not the 1-D ones), and it keeps its parameter's tensor-parallel
-    mark so the global norm counts each element once.
-    """
+    """The optimizer's parameters, each parameter's part of this rank's fp32 master shard, and where it lies; matrix
+    pieces are 1 x k rows (so weight decay picks the same elements) keeping their tp mark."""
     pieces, slots = [], []
     for group in groups:
         for i, start, end in group.layout.pieces():

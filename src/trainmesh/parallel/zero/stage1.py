@@ -1,11 +1,5 @@
-"""ZeRO stage 1, P_os (§5.1): each rank keeps AdamW state for its 1/N of the elements only.
-
-The optimizer state is the largest part of the model state (K = 12 of 16 bytes per parameter in mixed
-precision), and sharding it costs no more communication than plain data parallelism: gradients are
-accumulated in full as in DP, reduce-scattered bucket by bucket as the last micro-batch's backward produces
-them, each rank updates its shard, and the updated parameters are all-gathered, the same 2Ψ(N-1)/N bytes
-as DP's all-reduce.
-"""
+"""ZeRO stage 1, P_os (§5.1): each rank keeps AdamW state for its 1/N of the elements only, the largest part
+of the model state, for DP's communication: reduce-scatter, local update, all-gather (2Ψ(N-1)/N)."""
 
 from __future__ import annotations
 
@@ -22,13 +16,8 @@ from trainmesh.training.precision import LossScaler
 
 
 class ZeroStage1(ZeroEngine):
-    """P_os (§5.1): full parameters and gradients, AdamW state for this rank's shard only.
-
-    Gradients accumulate into full flat buckets in the reduce dtype (views where it is the parameters'
-    dtype, as in DP; otherwise each gradient is added in and dropped, a bucket at a time: ``BucketFold``); on the last micro-batch each
-    bucket is reduce-scattered as soon as backward completes it, and the averaged shard is copied over
-    this rank's slice of the bucket, which the step reads.
-    """
+    """P_os (§5.1): full parameters and gradients (accumulated as in DP, ``BucketFold`` across dtypes), AdamW
+    state for this rank's shard; buckets are reduce-scattered as the last micro-batch's backward completes them."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,

@@ -1,11 +1,6 @@
-"""ZeRO stage 2, P_os+g (§5.2): gradients, too, are kept as a 1/N shard per rank.
-
-Gradients are reduce-scattered during *every* micro-batch's backward into a persistent 1/N gradient shard;
-a bucket's full gradient lives only until its reduce-scatter lands. Holding the full accumulated gradient
-between micro-batches is exactly what stage 2 removes, so :meth:`ZeroEngine.no_sync` does not defer
-communication here (DeepSpeed does the same): each extra micro-batch costs one more reduce-scatter,
-Ψ(N-1)/N bytes, in exchange for 1/N of the gradient memory.
-"""
+"""ZeRO stage 2, P_os+g (§5.2): gradients, too, are kept as a 1/N shard per rank, reduce-scattered during
+every micro-batch's backward (``no_sync`` does not defer, as in DeepSpeed): Ψ(N-1)/N per extra
+micro-batch for 1/N of the gradient memory."""
 
 from __future__ import annotations
 
@@ -22,37 +17,18 @@ from trainmesh.parallel.zero.flat import Group, sharded_group
 from trainmesh.training.precision import LossScaler
 
 
-def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world: int,
-                        grad_dtype: torch.dtype) -> int:
-    """Stage 2's bucket: ``bucket_bytes``, but at most 1/(2N) of the full gradient's bytes.
-
-    Stage 2 holds 1/N of the gradients; its only full gradients are the transient buckets (one alive at a
-    time, two where backward fills them out of order). Capped so, they add at most one gradient shard at
-    the peak, which then falls below stage 1's, holding every full gradient; a 25 MB bucket on a model
-    whose gradients fit in one would hold them all at once, as plain DP does, and peak above stage 1.
-    """
+def stage2_bucket_bytes(params: Sequence[nn.Parameter], bucket_bytes: int, world: int, grad_dtype: torch.dtype) -> int:
+    """Stage 2's bucket: ``bucket_bytes``, but at most 1/(2N) of the full gradient's bytes, so its transient
+    full buckets add at most one gradient shard and the peak stays below stage 1's."""
     itemsize = torch.empty((), dtype=grad_dtype).element_size()
     grad_bytes = sum(p.numel() for p in params) * itemsize
     return max(1, min(bucket_bytes, grad_bytes // (2 * world)))
 
 
 class ZeroStage2(ZeroEngine):
-    """P_os+g (§5.2): full parameters; gradients reduce-scattered into a 1/N shard during backward.
-
-    A post-accumulate-grad hook counts each gradient in; once a bucket has them all they are copied into
-    its transient flat buffer and dropped, and the bucket is reduce-scattered at once, into the
-    persistent gradient shard itself on a step's first pass (added to it from a buffer after that), and
-    landing it frees the full buffer. The reduce-scatter overlaps backward until the next bucket is
-    complete, when it is landed, so one bucket's flat buffer is alive at a time (two only where backward
-    fills buckets out of order).
-
-    The end of a backward pass lands every reduce-scatter (launching the buckets that got no gradient,
-    so every rank issues the same collectives). That is the end of the autograd call, unless the calls
-    run inside :meth:`backward_pass`: the zero-bubble schedule (Qi et al. 2023, §2) splits a
-    micro-batch's backward into an input-gradient pass (``input_only``), which produces no parameter
-    gradient and so reduces nothing, and a weight-gradient pass of one autograd call per module, whose
-    gradients are reduced once when the pass ends rather than once per call.
-    """
+    """P_os+g (§5.2): full parameters; each complete bucket's gradients are staged in a transient flat buffer and
+    reduce-scattered into the persistent 1/N shard during backward, landing by the end of the backward pass (or of
+    :meth:`backward_pass`, for the zero-bubble split, Qi et al. 2023, §2)."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -71,9 +47,8 @@ class ZeroStage2(ZeroEngine):
 
     @contextlib.contextmanager
     def backward_pass(self, input_only: bool = False) -> Iterator[None]:
-        """Treat the autograd calls inside as one backward pass, ended once on exit (not on an error,
-        after which the ranks' collectives no longer match anyway); ``input_only``: they compute no
-        parameter gradient."""
+        """Treat the autograd calls inside as one backward pass, ended once on exit (not on an error, after which the
+        ranks' collectives no longer match anyway); ``input_only``: they compute no parameter gradient."""
         self._in_pass, self._input_only = True, input_only
         try:
             yield
@@ -92,10 +67,8 @@ class ZeroStage2(ZeroEngine):
         self._callback_queued = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Count ``p``'s gradient in; once its group has them all, stage them (:meth:`_stage_grads`) and
-        launch the reduce-scatters now in order. Until then each gradient stays the tensor autograd made:
-        a group's full buffer exists only from its last gradient to its reduce-scatter's landing, as FSDP2
-        holds its unsharded gradients, rather than from its first gradient on."""
+        """Count ``p``'s gradient in; once its group has them all, stage them and launch the reduce-scatters in order,
+        so a group's full buffer lives only from its last gradient to its landing, as FSDP2's unsharded gradients."""
         self._queue_end_of_backward()
         group, _ = self._slot[p]
         self._note_peak()

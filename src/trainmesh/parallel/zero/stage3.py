@@ -1,11 +1,6 @@
-"""ZeRO stage 3, P_os+g+p (§5.3): parameters, too, are kept as 1/N shards.
-
-The model is split into units (:func:`default_units`). A unit's parameters are all-gathered in one
-collective before its forward and again before its backward, and freed after each; the next unit's gather
-is issued while the current one computes; its gradients are reduce-scattered as soon as backward has
-produced them all. So only the units in use are whole at any time, for 1.5x DP's communication
-(:func:`~trainmesh.parallel.zero.formulas.step_comm_bytes_formula`).
-"""
+"""ZeRO stage 3, P_os+g+p (§5.3): parameters, too, are kept as 1/N shards. Each unit
+(:func:`default_units`) is gathered before its forward and its backward, freed after, the next one
+prefetched; gradients are reduce-scattered once complete: 1.5x DP's communication."""
 
 from __future__ import annotations
 
@@ -26,12 +21,8 @@ from trainmesh.training.precision import LossScaler
 
 
 def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The stage-3 wrapping policy: each top-level child is a unit, each block of a ModuleDict/ModuleList
-    its own; for :class:`~trainmesh.models.gpt.GPT`: ``embed``, every block, ``ln_f``, ``head``.
-
-    Units are returned in registration order, which the prefetch takes as the forward order (a unit run
-    out of that order is simply gathered on the spot).
-    """
+    """The stage-3 wrapping policy: each top-level child a unit, each block of a ModuleDict/ModuleList its own,
+    in registration order (the prefetch's forward order)."""
     units: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
@@ -73,10 +64,8 @@ def _grad_tensors(values: object) -> list[torch.Tensor]:
 
 
 def _when_backward_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
-    """Call ``fn`` (idempotent: once per tensor) as backward is about to go through the nodes that made
-    ``tensors``. A node pre-hook runs after the tensor hooks on those nodes' outputs, so when a unit's
-    output is the next unit's input, the next unit is freed (:func:`_when_all_have_grads`) before this
-    one is gathered and the one before it prefetched: two units at a time, not three."""
+    """Call ``fn`` (once per tensor) as backward reaches the nodes that made ``tensors``; a node pre-hook runs after
+    the tensor hooks, so the next unit is freed before this one is gathered: two units at a time, not three."""
     for t in tensors:
         if t.grad_fn is not None:
             t.grad_fn.register_prehook(lambda grads: fn())
@@ -85,9 +74,8 @@ def _when_backward_reaches(tensors: list[torch.Tensor], fn: Callable[[], None]) 
 
 
 def _when_all_have_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
-    """Call ``fn`` once the gradient of every one of ``tensors`` has been computed (the graph's one
-    backward through them). ``register_multi_grad_hook(mode="all")`` would do, but refuses a leaf
-    input of ``torch.autograd.grad``, which a pipeline stage's received input is."""
+    """Call ``fn`` once every one of ``tensors`` has its gradient (``register_multi_grad_hook(mode="all")`` refuses
+    the leaf input of ``torch.autograd.grad`` a pipeline stage receives)."""
     left = [len(tensors)]
 
     def hook(_grad: torch.Tensor) -> None:
@@ -117,21 +105,9 @@ class Unit:
 
 
 class ZeroStage3(ZeroStage2):
-    """P_os+g+p (§5.3): parameters sharded too; each unit is gathered for its forward and its backward.
-
-    Forward: a pre-hook gathers the unit (waiting on its prefetch) and issues the next unit's gather;
-    a post-hook frees it and hooks its outputs. Backward: the first gradient reaching a unit's outputs
-    gathers it again and prefetches the unit before it; once all its parameters' gradients are in, the
-    unit is freed and its gradients reduce-scattered (stage 2's machinery, one group per unit). The
-    order of collectives depends only on the model, so it is the same on every rank.
-
-    Under the zero-bubble split each unit is gathered three times per micro-batch, so that parameters
-    stay sharded between passes (4Ψ(N-1)/N bytes per micro-batch in place of 3Ψ(N-1)/N): for the
-    forward; for the input-gradient pass, by the hooks above, which produces no parameter gradient to
-    free the unit by, so it is freed once the gradient has reached the unit's inputs; and for the
-    weight-gradient pass, whose autograd calls start at module outputs inside the unit, where no output
-    hook sees them: the caller gathers their unit with :meth:`unshard_for_backward`.
-    """
+    """P_os+g+p (§5.3): parameters sharded too; hooks gather each unit for its forward and its backward, prefetching the
+    next, and free it and reduce-scatter its gradients once all are in, in an order set by the model alone. Zero bubble
+    gathers a unit three times per micro-batch (4Ψ(N-1)/N), the weight pass through :meth:`unshard_for_backward`."""
 
     def __init__(self, module: nn.Module, comm: Comm, make_optimizer: OptimizerFactory,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype = torch.float32,
@@ -208,14 +184,8 @@ class ZeroStage3(ZeroStage2):
             self._wait_gathered(unit)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        """Stage 2's handling, then the backward prefetch once half of the unit's gradient elements are in.
-
-        Backward is the step's memory peak: its first unit starts with every activation saved. Its
-        activations are freed as fast as its gradients arrive, so by half of its gradient the unit has
-        released far more than the prefetch's buffer (on ``small``, its MLP's 10 MiB against 3 MiB), and the
-        gather still overlaps the other half of its backward. Prefetching at the unit's start instead
-        holds three units' buffers (this one's parameters and gradient, the next one's parameters) on top
-        of every activation."""
+        """Stage 2's handling, then the backward prefetch once half the unit's gradient elements are in: by then
+        its freed activations exceed the prefetch's buffer, and the gather still overlaps the other half."""
         unit = self._unit_of[self._slot[p][0].name]
         unit.grad_elements += p.numel()
         following = self._neighbour(unit, -1)
@@ -230,9 +200,8 @@ class ZeroStage3(ZeroStage2):
             self._reshard(unit)
 
     def unshard_for_backward(self, params: Sequence[nn.Parameter]) -> None:
-        """Gather the unit(s) holding ``params`` for an autograd call that computes their gradients from
-        inside the unit, prefetching the unit before; each is freed once its gradients are all in, or
-        when the backward pass ends."""
+        """Gather the unit(s) holding ``params`` for an autograd call starting inside them, prefetching the unit
+        before; each is freed once its gradients are in or the backward pass ends."""
         for name in dict.fromkeys(self._slot[p][0].name for p in params):
             self._gather_now_and_prefetch(self._unit_of[name], -1, "bwd_param_all_gather")
 
@@ -252,10 +221,8 @@ class ZeroStage3(ZeroStage2):
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit.
-
-        A collective: every dp rank must enter it.
-        """
+        """Hold every unit's full parameters, e.g. to export ``module.state_dict()``; freed on exit. A collective:
+        every dp rank must enter it."""
         for unit in self.units:
             self._unshard(unit, "state_dict_all_gather")
         try:
