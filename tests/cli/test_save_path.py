@@ -43,6 +43,7 @@ def test_the_cli_saves_through_tm_save_and_a_script_saving_the_same_run_writes_t
     real_save = api.save
     monkeypatch.setattr(api, "save", lambda *args, **kw: saved_by.append(args[0]) or real_save(*args, **kw))
     cli = read_manifest(checkpoints.save(run, done))
+    monkeypatch.undo()  # before the script's tm.save, which trainmesh resolves (and keeps) on first use
     assert saved_by == [run.parallel]
 
     model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(torch.float64)
