@@ -25,7 +25,7 @@ import torch
 from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import full_state_dict, train
+from trainmesh.app.train import train
 
 FP64_ATOL = 1e-9
 
@@ -65,7 +65,7 @@ def train_single(cfg: Config) -> Training:
     if reusable and key in _REFERENCES:
         return _REFERENCES[key]
     result = train(single, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    training = result.losses, full_state_dict(result.run)
+    training = result.losses, result.run.parallel.state_dict()
     if reusable:
         _REFERENCES[key] = training
     return training
@@ -77,7 +77,7 @@ def train_rank(cfgs: list[Config]) -> list[Training]:
     out = []
     for cfg in cfgs:
         result = train(cfg)
-        out.append((result.losses, full_state_dict(result.run)))
+        out.append((result.losses, result.run.parallel.state_dict()))
     return out
 
 

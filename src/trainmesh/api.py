@@ -19,11 +19,13 @@ contract without renaming a parameter.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import os
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from trainmesh.parallel.context_parallel import apply_context_parallel, shard_se
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
 from trainmesh.training.float8 import convert_to_float8, device_capability, fp8_problem
-from trainmesh.layout import MESH_SHAPE_RULES, Layout, experts_problem, keyword, validate
+from trainmesh.layout import MESH_SHAPE_RULES, Layout, experts_problem, keyword, resolve_reduce_dtype, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
 from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
@@ -49,14 +51,15 @@ from trainmesh.pipeline.partition import gather_stages
 from trainmesh.pipeline.runtime import PipelineRuntime, build_pipeline
 from trainmesh.training.precision import LossScaler, dtype_of
 from trainmesh.parallel.recompute import Target, apply_recompute, recompute_modules
-from trainmesh.storage.safe_io import sha256_hex
 from trainmesh.parallel.tensor_parallel import apply_tensor_parallel
 from trainmesh.parallel.tensor_parallel import unsharded_state_dict
 from trainmesh import checkpoint
 from trainmesh.tracking import runlock
 from trainmesh.parallel import zero
+from trainmesh.checkpoint import hf_extras
 from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
 from trainmesh.checkpoint.manifest import show
+from trainmesh.checkpoint.store import KeptFile, agreed_run_id
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
               backend: str = "auto", timeout: float = 600.0, ep: int = 1, dp_replicate: int = 1,
@@ -96,7 +99,8 @@ class ParallelModel:
     ``module`` is that part (tensor-parallel shards, this pipeline stage's blocks), under the plain
     model's parameter names; call the :class:`ParallelModel` for logits (a pipeline has no single
     forward: use :func:`train_step`). ``criterion`` is the loss the layout needs (the vocabulary-parallel
-    cross-entropy when the plan splits the output head). ``engine`` is set by :func:`optimizer`.
+    cross-entropy when the plan splits the output head). ``layout`` is what :func:`parallelize` applied.
+    ``engine`` is set by :func:`optimizer`.
     """
 
     module: nn.Module
@@ -104,11 +108,7 @@ class ParallelModel:
     comm: Comm
     criterion: Criterion
     vocab_parallel: bool
-    zero: int
-    precision: str
-    microbatches: int
-    reduce_dtype: str = "auto"
-    bucket_mb: float = 25.0
+    layout: Layout
     pipeline: PipelineRuntime | None = None
     engine: Engine | None = field(default=None, repr=False)
     description: tuple[dict, dict] = field(default=({}, {"family": "", "source": "model"}), repr=False)
@@ -264,8 +264,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                     sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
-                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, compile=compile,
-                    cuda_graphs=cuda_graphs)
+                    precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, bucket_mb=bucket_mb,
+                    compile=compile, cuda_graphs=cuda_graphs)
     _validate(model, mesh, spec, plan, pipeline, layout, recompute)
     comm = comm or Comm(mesh)
     hidden = _hidden_size(model, spec, pipeline)
@@ -301,8 +301,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
                                         dtype_of(precision), virtual_stages, tuple(stage_layers),
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
-    return ParallelModel(model, mesh, comm, loss, criterion is not None, zero, precision,
-                         microbatches, reduce_dtype, bucket_mb, runtime, description=description)
+    return ParallelModel(model, mesh, comm, loss, criterion is not None, layout, runtime, description=description)
 
 
 def _compile_mode(model: nn.Module, mesh: Mesh, layout: Layout) -> str:
@@ -354,20 +353,20 @@ class Optimizer:
 def optimizer(model: ParallelModel, lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
               weight_decay: float = 0.1) -> Optimizer:
     """AdamW for ``model`` (weight decay on matrices only, not on biases and norm gains; eps 1e-8), with
-    the gradient synchronisation of its layout: bucketed all-reduce over dp, or ZeRO stage ``model.zero``,
+    the gradient synchronisation of its layout: bucketed all-reduce over dp, or ZeRO stage ``model.layout.zero``,
     whose optimizer state (and gradients, and parameters) are sharded over dp. Call once, before training."""
     if model.engine is not None:
         raise RuntimeError("this model already has an optimizer; call trainmesh.optimizer once per model")
     make_optimizer = adamw_factory(model.mesh.device, lr, betas, weight_decay)
-    reduce = model.reduce_dtype if model.reduce_dtype != "auto" else ("fp64" if model.precision == "fp64" else "fp32")
-    args = dict(bucket_bytes=int(model.bucket_mb * 2**20), reduce_dtype=dtype_of(reduce),
-                scaler=LossScaler(enabled=model.precision == "fp16"),
-                axis=_sharding_axis(model.mesh))
+    layout = model.layout
+    args = dict(bucket_bytes=layout.bucket_bytes, reduce_dtype=dtype_of(resolve_reduce_dtype(layout.precision,
+                                                                                              layout.reduce_dtype)),
+                scaler=LossScaler(enabled=layout.precision == "fp16"), axis=_sharding_axis(model.mesh))
     units = _zero3_units(model.module)
-    if model.zero == 3 and units is not None:
+    if layout.zero == 3 and units is not None:
         model.engine = zero.ZeroStage3(model.module, model.comm, make_optimizer, **args, units=units)
     else:
-        model.engine = zero.build_engine(model.module, model.comm, model.zero, make_optimizer, **args)
+        model.engine = zero.build_engine(model.module, model.comm, layout.zero, make_optimizer, **args)
     return Optimizer(model.engine, lr)
 
 
@@ -466,9 +465,9 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
     if loss_fn is not None and model.vocab_parallel:
         raise ValueError("the tp plan splits the output head by vocabulary, so each rank holds a slice of the "
                          "logits; use the default loss (loss_fn=None) or give the head another style")
-    m = microbatches or model.microbatches
-    if model.pipeline is not None and m != model.microbatches:
-        raise ValueError(f"the pipeline schedule was built for {model.microbatches} micro-batches; pass "
+    m = microbatches or model.layout.microbatches
+    if model.pipeline is not None and m != model.layout.microbatches:
+        raise ValueError(f"the pipeline schedule was built for {model.layout.microbatches} micro-batches; pass "
                          f"microbatches={m} to parallelize instead")
     if model.engine is None:
         raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
@@ -492,20 +491,26 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     return gather_stages(state, comm) if pipelined else state
 
 
-def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int, tokenizer: str = "",
-         keep_last: int = 0, *, async_: bool = False) -> Path | AsyncSave:
+def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int | checkpoint.TrainingProgress,
+         tokenizer: str | TokenizerFile | None = "", keep_last: int = 0, *, async_: bool = False,
+         config: dict | None = None, hf_source: str = "") -> Path | AsyncSave:
     """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
     collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
-    then names it. Returns the step directory. The checkpoint records the model (its family and config,
-    so ``trainmesh generate``, ``export`` and ``train --resume`` build it), the layout, and ``tokenizer``
-    (a ``tokenizer.json`` the token ids came from; "" for byte tokens), which ``generate`` decodes with.
-    ``keep_last`` K > 0 deletes, once the new checkpoint is complete, the older ones beyond the K newest
-    (oldest first, never the one ``latest`` names), as ``trainmesh train --keep-last`` does; 0 keeps all.
+    then names it. Returns the step directory. ``trainmesh train`` saves through this function too, so the
+    manifest describes both alike (:func:`describe`): the model (its family and config, so ``trainmesh
+    generate``, ``export`` and ``train --resume`` build it), the layout, ``config`` (the run's settings, plain
+    values; by default the tokenizer's path) and ``tokenizer`` (a ``tokenizer.json``, or one read earlier
+    and pinned, whose copy the checkpoint keeps for ``generate`` to decode with; "" for byte tokens).
+    ``step`` is the steps done, or the loop's :class:`~trainmesh.checkpoint.TrainingProgress` (its skipped-step
+    counters and its run's id). ``hf_source``: the Hugging Face directory the weights came from, whose other
+    files every checkpoint keeps for ``export --hf``. ``keep_last`` K > 0 deletes, once the new checkpoint is
+    complete, the older ones beyond the K newest (oldest first, never the one ``latest`` names); 0 keeps all.
 
-    From its first save there, the model holds ``directory``'s lock (the one ``trainmesh train`` holds on
-    its ``--checkpoint-dir``) until it is garbage-collected or the process exits, so two live runs never
-    write one directory: a directory another live run holds is refused on every rank before anything is
-    written, naming the holder.
+    From its first save there, the model holds ``directory``'s lock until it is garbage-collected or the
+    process exits, so two live runs never write one directory: a directory another live run holds is refused
+    on every rank before anything is written, naming the holder. The lock belongs to a run, not a process:
+    one its holder noted for the run ``step`` belongs to (``trainmesh train`` holds its ``--checkpoint-dir``'s
+    so in the process that launches the ranks) is that run's already, and the save goes ahead under it.
 
     With ``async_`` the call returns, as an :class:`~trainmesh.checkpoint.async_save.AsyncSave` handle, once
     this rank's state is copied to host memory; the same files are written in the background and ``latest``
@@ -514,31 +519,45 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int,
     next :func:`save` waits for the previous one."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
-    if model.pending_save is not None:
-        model.pending_save.wait()
-        model.pending_save = None
-    hold_directory(model, Path(directory))
-    mesh = model.mesh
-    settings = {"model": "", "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches,
-                "tokenizer": tokenizer}
-    config, source = model.description
-    description = {"config_sha256": sha256_hex(repr(sorted(settings.items())).encode()), "model": config,
-                   "model_source": source, "config": settings,
-                   "tokenizer": TokenizerFile.read(tokenizer) if tokenizer else None,
-                   "layout": {"world_size": mesh.world_size, **{a: mesh.size(a) for a in ("dp", "cp", "tp", "pp", "ep")},
-                              "zero": model.zero}}
+    root, mesh, previous = Path(directory), model.mesh, model.pending_save
+    if previous is not None and not async_:
+        previous.wait()
+        model.pending_save = previous = None
+    progress = step if isinstance(step, checkpoint.TrainingProgress) else checkpoint.TrainingProgress(step)
+    if not progress.run_id:
+        progress = dataclasses.replace(progress, run_id=agreed_run_id(mesh.device))
+    hold_directory(model, root, progress.run_id)
+    description = describe(model, tokenizer, config, hf_source)
     if async_:
-        model.pending_save = save_state_async(model.module, model.engine, mesh, Path(directory),
-                                              checkpoint.TrainingProgress(step), description, keep_last=keep_last)
+        model.pending_save = save_state_async(model.module, model.engine, mesh, root, progress, description, previous,
+                                              keep_last)
         return model.pending_save
-    return checkpoint.save_state(model.module, model.engine, mesh, Path(directory), checkpoint.TrainingProgress(step),
-                                 description, keep_last=keep_last)
+    return checkpoint.save_state(model.module, model.engine, mesh, root, progress, description, keep_last=keep_last)
 
 
-def hold_directory(model: ParallelModel, root: Path) -> None:
-    """Rank 0 takes ``root``'s lock for ``model``'s life, once; a collective that raises
-    :class:`~trainmesh.checkpoint.CheckpointError` on every rank if another live run holds it. The lock is
-    taken by one process, as ``trainmesh train`` takes it in the process that launches the ranks."""
+def describe(model: ParallelModel, tokenizer: str | TokenizerFile | None = "", config: dict | None = None,
+             hf_source: str = "") -> dict:
+    """What a manifest records besides the tensors (:func:`save`'s arguments): the model, the run's settings,
+    the tokenizer, the layout (:meth:`~trainmesh.layout.Layout.record`, as a run log's records name it) and, on
+    rank 0 (which publishes), the files of ``hf_source`` the checkpoint keeps."""
+    pinned = TokenizerFile.read(tokenizer) if isinstance(tokenizer, str) and tokenizer else tokenizer or None
+    family_config, source = model.description
+    return {"model": family_config, "model_source": source, "tokenizer": pinned, "layout": model.layout.record(),
+            "config": {"model": "", "tokenizer": pinned.source if pinned else ""} if config is None else config,
+            "hf_files": _kept_source(hf_source) if hf_source and world_env().rank == 0 else {}}
+
+
+@functools.cache
+def _kept_source(directory: str) -> dict[str, KeptFile]:
+    """The source's files, read at the first save only: every checkpoint of the run keeps the same bytes."""
+    return hf_extras.collect(Path(directory))
+
+
+def hold_directory(model: ParallelModel, root: Path, run_id: str) -> None:
+    """Rank 0 takes ``root``'s lock for ``model``'s life, once, noting ``run_id``; a collective that raises
+    :class:`~trainmesh.checkpoint.CheckpointError` on every rank if another live run holds it. A lock held for
+    ``run_id`` (by this process or another) is the run's already: ``trainmesh train`` takes it once, in the
+    process that launches the ranks, and its ranks save under it."""
     if root.resolve() in model.saves_to:
         return
     held = contextlib.ExitStack()
@@ -548,9 +567,11 @@ def hold_directory(model: ParallelModel, root: Path) -> None:
             return
         try:
             root.mkdir(parents=True, exist_ok=True)
-            held.enter_context(runlock.hold(root, "directory", checkpoint.LOCK))
+            held.enter_context(runlock.hold(root, "directory", checkpoint.LOCK)).note(run_id=run_id)
         except runlock.DirectoryInUse as e:
             pid, run = e.holder.get("pid"), e.holder.get("run_id")
+            if run == run_id:
+                return
             whose = (" (this process)" if pid == os.getpid() else "") + (f", run {show(run)}" if run else "")
             raise checkpoint.CheckpointError(
                 f"checkpoint directory {root} is in use by another live run: pid {show(pid)} on host "
@@ -564,17 +585,18 @@ def hold_directory(model: ParallelModel, root: Path) -> None:
     model.saves_to.add(root.resolve())
 
 
-def load(model: ParallelModel, opt: Optimizer, directory: str | Path) -> int:
-    """Load a checkpoint :func:`save` wrote, in any layout, into ``model`` and ``opt`` in theirs (each rank
-    reads the parts it holds); ``directory`` is a ``step-N`` directory or the directory holding them (its
-    ``latest``). Returns the step it was saved at. A collective: an error on any rank is raised on all."""
+def load(model: ParallelModel, opt: Optimizer, directory: str | Path, *, run_id: str = "",
+         accept: Callable[[dict, Path], None] = lambda manifest, path: None) -> int:
+    """Load the newest sound checkpoint :func:`save` wrote, in any layout, into ``model`` and ``opt`` in theirs
+    (each rank reads the parts it holds); ``directory`` is a ``step-N`` directory or the directory holding them:
+    ``latest``, then every other ``step-N``, newest first, one that is damaged skipped and said, as ``trainmesh
+    train --resume`` does through this function. ``run_id``: only a checkpoint of that run; ``accept(manifest,
+    path)`` may refuse one, raising :class:`~trainmesh.checkpoint.CheckpointError` to skip it or
+    :class:`~trainmesh.checkpoint.CheckpointMismatch` to stop. Returns the step it was saved at. A collective:
+    an error on any rank is raised on all."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if model.pending_save is not None:
         model.pending_save.wait()
         model.pending_save = None
-    root = Path(directory)
-    path = root if (root / checkpoint.MANIFEST).exists() else next(iter(checkpoint.candidates(root)), None)
-    if path is None:
-        raise checkpoint.CheckpointError(f"{root} holds no checkpoint (no step-N directory, no manifest.json)")
-    return checkpoint.load_anywhere(model.module, model.engine, model.mesh, path).step
+    return checkpoint.load_newest(model.module, model.engine, model.mesh, Path(directory), run_id, accept).step

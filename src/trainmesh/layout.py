@@ -58,6 +58,12 @@ class Layout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
 
+    def record(self) -> dict[str, int | str]:
+        """The layout as every record of a run names it: a checkpoint's manifest, a run log's first record and
+        summary (which ``trainmesh report`` labels runs by), written here only so that they all agree."""
+        names = ("dp", "dp_replicate", "cp", "tp", "pp", "ep", "zero", "microbatches", "schedule", "precision")
+        return {"world_size": self.world, **{name: getattr(self, name) for name in names}}
+
     @property
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes, as the gradient engines cut their buckets."""

@@ -7,11 +7,11 @@ import sys
 import torch
 
 from trainmesh.app.config import Config
-from trainmesh.app.train import full_state_dict, train
+from trainmesh.app.train import train
 from trainmesh.distributed.mesh import world_env
 
 if __name__ == "__main__":
     result = train(Config(**json.loads(sys.argv[1])))
-    state = full_state_dict(result.run)
+    state = result.run.parallel.state_dict()
     if world_env().rank == 0:
         torch.save((result.losses, state), sys.argv[2])

@@ -28,7 +28,7 @@ from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor, spec_boxes
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, full_state_dict, setup_process, train
+from trainmesh.app.train import build, setup_process, train
 
 from helpers import EQUIVALENCE_TABLE, FP64_ATOL, config
 
@@ -86,7 +86,7 @@ def _load_and_resave(cfg: Config, mesh: Mesh, resaved: Path) -> dict[str, torch.
     run = build(cfg, mesh)
     progress = checkpoints.restore(run)
     checkpoints.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(resaved))), progress)
-    return full_state_dict(run)
+    return run.parallel.state_dict()
 
 
 def _train_and_reshard(root: Path, same: dict[str, Config], reshard: dict[str, Config], imported: Config) -> dict:
@@ -94,7 +94,7 @@ def _train_and_reshard(root: Path, same: dict[str, Config], reshard: dict[str, C
     out: dict = {"trained": {}, "resharded": {}}
     for name, cfg in same.items():
         result = train(cfg)
-        out["trained"][name] = (result.losses, full_state_dict(result.run))
+        out["trained"][name] = (result.losses, result.run.parallel.state_dict())
     if world_from_env()[0] == 0:
         for name in reshard:
             _copy_step(root / "dp4", root / name)
@@ -105,7 +105,7 @@ def _train_and_reshard(root: Path, same: dict[str, Config], reshard: dict[str, C
         out["resharded"][name] = (loaded, train(cfg).losses)
     run = build(imported, setup_process(imported))
     checkpoints.restore(run)
-    out["imported"] = full_state_dict(run)
+    out["imported"] = run.parallel.state_dict()
     return out
 
 
@@ -148,7 +148,7 @@ def _resume_fresh(same: dict[str, Config], disk_full: Config) -> dict:
     out = {}
     for name, cfg in same.items():
         result = train(cfg)
-        out[name] = (result.losses, full_state_dict(result.run))
+        out[name] = (result.losses, result.run.parallel.state_dict())
     out["disk_full"] = _disk_full_on_rank_1(disk_full)
     return out
 
@@ -330,7 +330,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_previous_checkpoint(saved,
     assert checkpoints.resume(run).step == 2
     err = capsys.readouterr().err
     assert "step-00000004 is damaged" in err and message in err and "falling back" in err
-    _exact(full_state_dict(run), _model(read_tensors(step_dir(saved, 2))))
+    _exact(run.parallel.state_dict(), _model(read_tensors(step_dir(saved, 2))))
     assert not sentinel.exists(), "a pickle payload ran"
 
 
@@ -343,7 +343,9 @@ def test_a_save_torn_by_a_crash_is_ignored_and_replaced(saved, tmp_path):
     cfg = dataclasses.replace(_cfg(tmp_path, "ckpt", resume=True), steps=6, checkpoint_every=2)
     result = train(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert len(result.losses) == 2
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006"]
+    # the lock: the run that saved there (through tm.save) holds the directory while it lives, as result.run does
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006",
+                                                      checkpoint.LOCK]
     assert (root / "latest").read_text().strip() == "step-00000006"
 
 

@@ -7,6 +7,7 @@ as a tamperer would) and loads each mutant in this process, with an audit hook r
 opened and a timer per case."""
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainmesh import checkpoint
+from trainmesh import api, checkpoint
 
 from trainmesh.storage import safe_io
 from trainmesh.app import checkpoints
@@ -34,7 +35,7 @@ from trainmesh.checkpoint.store import RUN_ID_ENV
 from trainmesh.app.config import Config
 from trainmesh.checkpoint.manifest import ManifestError, check_manifest, check_tiling
 from trainmesh.distributed.mesh import Mesh
-from trainmesh.app.train import build, full_state_dict, train
+from trainmesh.app.train import build, train
 
 SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"
 OTHER_RUN = "0123456789abcdef0123456789abcdef"
@@ -108,7 +109,7 @@ def _resumed_falls_back_to_step_2(root: Path, capsys) -> str:
     lines = [line for line in err.splitlines() if "is damaged" in line]
     assert len(lines) == 1 and "falling back to the previous complete checkpoint" in lines[0], err
     expected = {k.removeprefix("model/"): v for k, v in read_tensors(step_dir(root, 2), "model/").items()}
-    got = full_state_dict(run)
+    got = run.parallel.state_dict()
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
     return lines[0]
 
@@ -534,7 +535,8 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
     outside = _outside_copy(ckpt)
     _plant(step, outside)
     run = build(_cfg(ckpt, resume=True, steps=6), _mesh())
-    checkpoints.load(run, step)
+    fits = functools.partial(checkpoints.check_fits, run)  # what --resume asks of a checkpoint
+    api.load(run.parallel, run.opt, step, accept=fits)
     original, original_rng = _snapshot(run), torch.get_rng_state()
     text, shard = (step / MANIFEST).read_text(), (step / SHARD).read_bytes()
     sys.addaudithook(_audit)
@@ -556,8 +558,8 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
         label = f"case {case} ({'header' if case % 4 == 3 else 'manifest'} {what})"
         try:
             with deadline(5):
-                manifest = checkpoints.load(run, step)
-                progress = checkpoint.load.apply_loaded(run.engine, manifest)
+                api.load(run.parallel, run.opt, step, accept=fits)
+                manifest = read_manifest(step)
         except CaseTimeout:
             pytest.fail(f"{label} hung")
         except CheckpointError as e:
@@ -569,7 +571,8 @@ def test_fuzzed_manifests_names_and_headers_load_equal_or_fail_in_one_line(ckpt)
             assert all(torch.equal(a, b) for a, b in zip(_snapshot(run), original)), f"{label} loaded other data"
             if manifest["layout"]["world_size"] == 1:
                 assert torch.equal(torch.get_rng_state(), original_rng), label
-            assert 0 <= progress.bad_steps_in_a_row <= progress.skipped_steps <= progress.step, label
+            progress = manifest["progress"]
+            assert 0 <= progress["bad_steps_in_a_row"] <= progress["skipped_steps"] <= progress["step"], label
             outcomes["equal"] += 1
         finally:
             opened, OPENED = OPENED, None

@@ -23,7 +23,8 @@ from trainmesh.distributed.launcher import RankProcess, _parse_ranks, _report_fa
 from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import RankFailure, run_ranks
-from trainmesh.app.train import TrainingDiverged, build, forward_backward, inject_fault, rank_batch, setup_process, train
+from trainmesh.app.train import TrainingDiverged, build, inject_fault, rank_batch, setup_process, train
+from trainmesh import api
 
 from helpers import config
 
@@ -368,7 +369,8 @@ def _nan_step_rank(cfg: Config):
     for step in range(cfg.steps):
         undo = inject_fault(run, step, torch.distributed.get_rank())
         before = [p.detach().clone() for p in run.model.parameters()]
-        forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+        api.forward_backward(run.model, run.engine, run.pipeline,
+                             rank_batch(run, run.data.train, step, cfg.global_batch), run.criterion)
         scale = run.engine.loss_scale
         run.engine.step(cfg.lr, cfg.grad_clip)
         undo()

@@ -5,7 +5,8 @@ import torch
 
 from trainmesh.app.config import Config
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
+from trainmesh.app.train import build, rank_batch, setup_process
+from trainmesh import api
 
 from helpers import check_equivalent, config, differences, train_rank, train_single
 
@@ -40,7 +41,8 @@ def _one_step_events(cfg: Config):
     torch.set_num_threads(1)
     run = build(cfg, setup_process(cfg))
     grad_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    api.forward_backward(run.model, run.engine, run.pipeline,
+                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
     events = list(run.engine.events)
     run.engine.step(cfg.lr, cfg.grad_clip)
     return events, len(run.engine.buckets), grad_bytes, dict(run.comm.bytes)

@@ -22,7 +22,7 @@ from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.parallel.expert_parallel import AllToAllDispatch
 from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import Mesh, init_distributed
-from trainmesh.app.train import build, full_state_dict, setup_process, train
+from trainmesh.app.train import build, setup_process, train
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import spec_of
 
@@ -192,7 +192,7 @@ def test_a_checkpoint_saved_with_ep_folded_over_tp_resumes_on_one_process(tmp_pa
     reference = train_single(in_fp64(_moe(moe_bias_rate=0.05)))
     single = train(_checkpointed(tmp_path, "one", dp=1, ep=1, resume=True, moe_bias_rate=0.05),
                    mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    assert_same_training((reference[0][2:], reference[1]), (single.losses, full_state_dict(single.run)))
+    assert_same_training((reference[0][2:], reference[1]), (single.losses, single.run.parallel.state_dict()))
 
 
 FOUR = {"nproc": 4, "dp": 4}
@@ -238,7 +238,7 @@ def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...],
         assert_same_training((reference[0][2:], reference[1]), (losses, params))
     single = train(_checkpointed(root, "ep1", dp=1, ep=1, resume=True, **kw),
                    mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    assert_same_training((reference[0][2:], reference[1]), (single.losses, full_state_dict(single.run)))
+    assert_same_training((reference[0][2:], reference[1]), (single.losses, single.run.parallel.state_dict()))
 
 
 def test_a_checkpoint_saved_at_ep2_resumes_on_one_process_with_its_routing_bias(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 import trainmesh as tm
 from trainmesh.app import checkpoints
-from trainmesh.app.train import build, full_state_dict, train
+from trainmesh.app.train import build, train
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.models.cache import KVCache, causal_attention
@@ -197,7 +197,7 @@ def test_families_at_tp2_cp2_and_dp2_pp2_match_single_process():
 
 def _train_full_params(cfg) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    return full_state_dict(train(cfg).run)
+    return train(cfg).run.parallel.state_dict()
 
 
 def _resumes_in_one_process_exactly(cfg) -> None:
@@ -207,7 +207,7 @@ def _resumes_in_one_process_exactly(cfg) -> None:
                                  resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
-    loaded = full_state_dict(run)
+    loaded = run.parallel.state_dict()
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], t) for k, t in trained.items())
 
 

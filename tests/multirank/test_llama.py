@@ -24,7 +24,7 @@ from trainmesh.plan import model_shape, params_per_tp_rank
 from trainmesh.parallel.recompute import apply_recompute
 from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, full_state_dict, train
+from trainmesh.app.train import build, train
 
 from helpers import check_equivalent, config
 
@@ -180,7 +180,7 @@ def test_llama_dp2_tp2_matches_single_process():
 
 def _train_full_params(cfg: Config) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    return full_state_dict(train(cfg).run)
+    return train(cfg).run.parallel.state_dict()
 
 
 def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
@@ -190,7 +190,7 @@ def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
     single = dataclasses.replace(cfg, nproc=1, tp=1, sequence_parallel=False, resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
-    loaded = full_state_dict(run)
+    loaded = run.parallel.state_dict()
     assert loaded.keys() == trained.keys()
     for name, tensor in trained.items():
         assert torch.equal(loaded[name], tensor), name

@@ -20,7 +20,8 @@ from trainmesh.models import moe
 from trainmesh.models.moe import MoE, MoEConfig
 from trainmesh.tracking.report import report
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, full_state_dict, moe_metrics, rank_batch, setup_process, train
+from trainmesh.app.train import build, moe_metrics, rank_batch, setup_process, train
+from trainmesh import api
 from trainmesh.parallel.tensor_parallel import is_tp_partial
 
 from helpers import EQUIVALENCE_TABLE, assert_same_training, check_equivalent, config, describe_layout, in_fp64, train_single
@@ -72,7 +73,8 @@ def _sequence_grad_bytes(cfg: Config) -> tuple[float, int]:
     parameters whose gradients are partial over tp (router, experts, norms: the sequence region)."""
     torch.set_num_threads(1)
     run = build(cfg, setup_process(cfg))
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    api.forward_backward(run.model, run.engine, run.pipeline,
+                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
     run.engine.step(cfg.lr, cfg.grad_clip)
     partial = sum(p.numel() for p in run.model.parameters() if is_tp_partial(p))
     return run.comm.bytes.get(("tp", "sequence_grads"), 0.0), partial
@@ -100,7 +102,7 @@ def _train_with_metrics(cfg: Config) -> tuple[tuple[list[float], dict[str, torch
     """Runs on every rank: the training and the last step's expert metrics over the global batch."""
     torch.set_num_threads(1)
     result = train(cfg)
-    return (result.losses, full_state_dict(result.run)), moe_metrics(result.run)
+    return (result.losses, result.run.parallel.state_dict()), moe_metrics(result.run)
 
 
 def test_cp2_equals_one_process_and_counts_each_token_once() -> None:

@@ -22,7 +22,8 @@ from trainmesh.pipeline.runtime import PipelineRuntime, forward_only, hoist_rece
 from trainmesh.pipeline.schedules import SCHEDULES, SEND_KINDS, ActionKind, build_schedule
 from trainmesh.pipeline.simulate import simulate
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, evaluate, forward_backward, rank_batch, setup_process
+from trainmesh.app.train import build, evaluate, rank_batch, setup_process
+from trainmesh import api
 
 from helpers import check_equivalent, config
 
@@ -82,7 +83,8 @@ def _zero_step_events(cfgs: list[Config]) -> list[dict]:
     facts = []
     for cfg in cfgs:
         run = build(cfg, setup_process(cfg))
-        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        api.forward_backward(run.model, run.engine, run.pipeline,
+                             rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
         engine, counts, gathered, most = run.engine, collections.Counter(), set(), 0
         for kind, name, *op in engine.events:
             if kind in ("gather", "reduce_scatter"):
@@ -127,7 +129,8 @@ def _step_facts(cfgs: list[Config]) -> list[dict]:
     for cfg in cfgs:
         run = build(cfg, setup_process(cfg))
         run.pipeline.recording = True
-        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        api.forward_backward(run.model, run.engine, run.pipeline,
+                             rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
         launched = [i for kind, i in run.engine.events if kind == "launch"]
         ready = sum(kind == "ready" for kind, _ in run.engine.events)
         run.pipeline.recording = False

@@ -10,7 +10,8 @@ import torch
 from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, inject_fault, rank_batch, setup_process, train
+from trainmesh.app.train import build, inject_fault, rank_batch, setup_process, train
+from trainmesh import api
 
 from helpers import config
 
@@ -83,7 +84,8 @@ def _fp16_overflow_rank(cfg: Config, fault: str):
     for step in range(cfg.steps):
         undo = inject_fault(run, step, rank)
         before = [p.detach().clone() for p in run.model.parameters()]
-        forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+        api.forward_backward(run.model, run.engine, run.pipeline,
+                             rank_batch(run, run.data.train, step, cfg.global_batch), run.criterion)
         scale = run.engine.loss_scale
         norm = run.engine.step(1e-3, 1.0)
         undo()

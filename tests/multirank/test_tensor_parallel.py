@@ -17,7 +17,8 @@ from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
 from trainmesh.training.optim import is_tp_sharded
 from trainmesh.parallel.tensor_parallel import ShardSpec, load_full_state_dict, shard_tensor, unsharded_state_dict
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
+from trainmesh.app.train import build, rank_batch, setup_process
+from trainmesh import api
 
 from helpers import check_equivalent, config
 
@@ -115,7 +116,8 @@ def _step_counts(cfg: Config) -> tuple[dict[str, float], list[torch.Size], int]:
         if isinstance(module, nn.LayerNorm):
             module.register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
     saved = SavedActivations(run.model.parameters())
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch), saved)
+    api.forward_backward(run.model, run.engine, run.pipeline,
+                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion, saved)
     run.engine.step(cfg.lr, cfg.grad_clip)
     return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes, saved.bytes
 

@@ -16,7 +16,8 @@ from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, full_state_dict, inject_fault, rank_batch, setup_process, train
+from trainmesh.app.train import build, inject_fault, rank_batch, setup_process, train
+from trainmesh import api
 from trainmesh.parallel.zero import (FlatLayout, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
@@ -73,7 +74,8 @@ def test_compiled_zero3_compiles_each_block_once_and_computes_what_eager_does():
         out = []
         for step in range(3):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
-                out.append(forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch)).item())
+                micro = rank_batch(run, run.data.train, step, cfg.global_batch)
+                out.append(api.forward_backward(run.model, run.engine, run.pipeline, micro, run.criterion).item())
             run.engine.step(cfg.lr, cfg.grad_clip)
         return out
 
@@ -103,7 +105,8 @@ def test_mixed_precision_zero_in_one_process_trains_like_plain_dp(stage, precisi
 def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard():
     cfg = _cfg(1, 3, precision="bf16", reduce_dtype="bf16")
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    api.forward_backward(run.model, run.engine, run.pipeline,
+                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
     run.engine.step(cfg.lr, cfg.grad_clip)
     groups = run.engine.groups
     assert all(g.shard.dtype == g.flat.dtype == torch.bfloat16 for g in groups)
@@ -120,12 +123,13 @@ def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard
 def test_non_finite_gradient_skips_the_update(stage):
     cfg = _cfg(1, stage)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    before = full_state_dict(run)
+    before = run.parallel.state_dict()
     poison = next(run.model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    api.forward_backward(run.model, run.engine, run.pipeline,
+                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
     poison.remove()
     assert math.isnan(run.engine.step(cfg.lr, cfg.grad_clip))
-    after = full_state_dict(run)
+    after = run.parallel.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -141,12 +145,13 @@ def _nan_step_traces(cfgs: list[Config]) -> list[tuple[list[tuple[float, float, 
         trace = []
         for step in range(cfg.steps):
             undo = inject_fault(run, step, torch.distributed.get_rank())
-            before = full_state_dict(run)
-            forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+            before = run.parallel.state_dict()
+            api.forward_backward(run.model, run.engine, run.pipeline,
+                                 rank_batch(run, run.data.train, step, cfg.global_batch), run.criterion)
             scale = run.engine.loss_scale
             run.engine.step(cfg.lr, cfg.grad_clip)
             undo()
-            after = full_state_dict(run)
+            after = run.parallel.state_dict()
             trace.append((scale, run.engine.loss_scale, all(torch.equal(before[k], after[k]) for k in before)))
         out.append((trace, run.engine.scaler.skipped_steps))
     return out
@@ -266,7 +271,8 @@ def _one_step_events(cfgs: list[Config]) -> dict[int, tuple]:
     out = {}
     for cfg in cfgs:
         run = build(cfg, mesh)
-        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        api.forward_backward(run.model, run.engine, run.pipeline,
+                             rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
         events = list(run.engine.events)
         units = [u.name for u in getattr(run.engine, "units", [])]
         still_gathered = [u.name for u in getattr(run.engine, "units", []) if u.gathered]
@@ -320,7 +326,8 @@ def _in_step_peaks(cfgs: list[Config]) -> list[int]:
     for cfg in cfgs:
         run = build(cfg, mesh)
         run.engine.peak_state_bytes = 0
-        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        api.forward_backward(run.model, run.engine, run.pipeline,
+                             rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
         run.engine.step(cfg.lr, cfg.grad_clip)
         peaks.append(run.engine.peak_state_bytes)
     return peaks

@@ -2,8 +2,9 @@
 the lock on ``--checkpoint-dir``, and the model ``--resume`` takes from the checkpoint it continues.
 
 Run identity. Every run has an id (a UUID) that its manifests record with a hash of its config. The
-process that launches a run holds ``D/trainmesh.lock`` (:func:`claim`) for the run's life, so a second live
-run on ``D`` is refused with the holder's pid; a fresh run refuses a ``D`` that holds another run's
+process that launches a run holds ``D/trainmesh.lock`` (:func:`claim`) for the run's life, noting the run's id,
+so a second live run on ``D`` is refused with the holder's pid while the ranks' saves (through
+:func:`trainmesh.api.save`, which takes a lock noted for the run it saves as held) go ahead; a fresh run refuses a ``D`` that holds another run's
 checkpoints unless ``--overwrite`` (which deletes them first), ``--resume`` continues the id of the run it
 resumes, and a fallback never loads a checkpoint of another run.
 """
@@ -12,11 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import json
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -26,31 +24,25 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from trainmesh import api
 from trainmesh.models import hf
 from trainmesh.app.config import Config
 from trainmesh.data import pin_tokenizer
 from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerError, TokenizerFile
 from trainmesh.checkpoint.manifest import RUN_ID, show
-from trainmesh.distributed.mesh import Mesh, world_from_env
+from trainmesh.distributed.mesh import world_from_env
 from trainmesh.models import register_preset, spec_of
 from trainmesh.models.weights import first_untrainable, scan_file
 from trainmesh.tracking import runlock
-from trainmesh.storage.safe_io import fsync_dir, sha256_hex
-from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP_DIR, CheckpointDamaged, CheckpointError,
-                                        CheckpointMismatch, CheckpointOfAnotherRun, TrainingProgress, agreed_run_id,
-                                        all_gather_json, candidates, fill, local_state, notice, on_every_rank,
-                                        parse_manifest, read_manifest, routing_state, save_state, whole_pieces)
-from trainmesh.checkpoint.async_save import AsyncSave, save_state_async
+from trainmesh.storage.safe_io import fsync_dir
+from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP_DIR, CheckpointError, CheckpointMismatch,
+                                        TrainingProgress, agreed_run_id, candidates, fill, local_state, notice,
+                                        on_every_rank, parse_manifest, read_manifest, routing_state, whole_pieces)
+from trainmesh.checkpoint.async_save import AsyncSave
 from trainmesh.checkpoint.source import recorded_model, source_name
-from trainmesh.checkpoint import hf_extras
-from trainmesh.checkpoint.load import apply_loaded, load_state
 
 if TYPE_CHECKING:
     from trainmesh.app.run import Run
-
-
-def config_hash(cfg: Config) -> str:
-    return sha256_hex(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
 
 
 def model_source(cfg: Config) -> str:
@@ -62,33 +54,16 @@ def model_source(cfg: Config) -> str:
     return f"{architecture} from {cfg.init_hf}"
 
 
-def describe(cfg: Config, mesh: Mesh, tokenizer: TokenizerFile | None) -> dict:
-    """What a manifest records of a ``trainmesh train`` run besides its tensors: the model (its family, its
-    config and where it came from), the config and its hash, the layout, the run's pinned tokenizer (a
-    copy of which the checkpoint keeps, :func:`trainmesh.data.tokenizer.tokenizer_record`) and, on rank 0
-    (which publishes), the ``--init-hf`` source's files the checkpoint keeps for ``export --hf``."""
-    return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
-            "model_source": {"family": spec_of(cfg.model).family, "source": model_source(cfg)},
-            "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-            "hf_files": _kept_source(cfg.init_hf) if cfg.init_hf and world_from_env()[0] == 0 else {},
-            "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
-                       "ep": cfg.ep, "zero": cfg.zero}}
-
-
-@functools.cache
-def _kept_source(directory: str) -> dict:
-    """The source's files, read at the first save only: every checkpoint of the run keeps the same bytes."""
-    return hf_extras.collect(Path(directory))
-
-
-def save(run: Run, progress: TrainingProgress) -> Path:
-    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective), with a
+def save(run: Run, progress: TrainingProgress, async_: bool = False) -> Path | AsyncSave:
+    """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective) through
+    :func:`trainmesh.api.save`, with the run's settings, its ``--keep-last`` and its ``--init-hf`` source, and a
     copy of the tokenizer the run started with; a tokenizer file changed or deleted since is said, and the
-    checkpoint still keeps the one the run trained with."""
+    checkpoint still keeps the one the run trained with. ``async_``: in the background (``--checkpoint-async``)."""
     if run.tokenizer is not None and world_from_env()[0] == 0:
         notice_changed_tokenizer(run.tokenizer)
-    return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
-                      describe(run.cfg, run.mesh, run.tokenizer), keep_last=run.cfg.keep_last)
+    cfg = run.cfg
+    return api.save(run.parallel, run.opt, cfg.checkpoint_dir, progress, run.tokenizer, cfg.keep_last, async_=async_,
+                    config=dataclasses.asdict(cfg), hf_source=cfg.init_hf)
 
 
 def notice_changed_tokenizer(pinned: TokenizerFile) -> None:
@@ -118,14 +93,6 @@ def check_tokenizer(manifest: dict, path: Path, pinned: TokenizerFile | None) ->
                              f"tokenizer it was trained with{copy}")
 
 
-def save_async(run: Run, progress: TrainingProgress, previous: AsyncSave | None) -> AsyncSave:
-    """:func:`save` with the files written in the background (``--checkpoint-async``), after ``previous``."""
-    if run.tokenizer is not None and world_from_env()[0] == 0:
-        notice_changed_tokenizer(run.tokenizer)
-    return save_state_async(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
-                            describe(run.cfg, run.mesh, run.tokenizer), previous, keep_last=run.cfg.keep_last)
-
-
 def due(cfg: Config, steps_done: int) -> bool:
     """Whether to save after ``steps_done`` steps: every ``--checkpoint-every`` steps and at the end."""
     every = cfg.checkpoint_every
@@ -147,18 +114,11 @@ def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
                                  f"--checkpoint-dir to start afresh")
 
 
-def load(run: Run, path: Path, run_id: str | None = None) -> dict:
-    """Read checkpoint ``path`` into this rank's part of ``run``, in ``run``'s own layout; returns the
-    manifest. A checkpoint of a run other than ``run_id`` (if given) is refused before anything is loaded.
-    Only reads (no collective): :func:`resume` agrees across ranks, then :func:`apply_loaded` finishes."""
-    manifest = read_manifest(path)
-    if run_id and manifest["run"]["id"] != run_id:
-        raise CheckpointOfAnotherRun(f"checkpoint {path} belongs to run {manifest['run']['id']}, not to run "
-                                     f"{run_id} that is being resumed; it is not used")
+def check_fits(run: Run, manifest: dict, path: Path) -> None:
+    """Refuse (:class:`CheckpointMismatch`) checkpoint ``path`` (its sound ``manifest``) if it holds another
+    model or was trained with another tokenizer than ``run``'s."""
     _check_model(manifest, run.cfg, path)
     check_tokenizer(manifest, path, run.tokenizer)
-    load_state(run.model, run.engine, run.mesh, path, manifest)
-    return manifest
 
 
 def run_to_continue(root: Path) -> str | None:
@@ -177,40 +137,18 @@ def run_to_continue(root: Path) -> str | None:
 
 
 def resume(run: Run) -> TrainingProgress | None:
-    """Load the newest sound checkpoint of this run under ``--checkpoint-dir``; None if there is none (a
-    collective).
-
-    The run is the one ``TRAINMESH_RUN_ID`` names (set by :func:`claim`), else :func:`run_to_continue`'s.
-    Every rank tries the same candidates in the same order; if any rank finds a file of one damaged (or the
-    checkpoint is another run's), all of them move on to the next, and rank 0 says what it skipped. A
-    checkpoint of another model is an error, not a reason to go back further.
-    """
-    start = time.perf_counter()
-    root, device = Path(run.cfg.checkpoint_dir), run.mesh.device
-    run_id = os.environ.get(RUN_ID_ENV) or run_to_continue(root)
-    paths = candidates(root)
-    tried = []
-    for i, path in enumerate(paths):
-        try:
-            manifest, error = load(run, path, run_id), None
-        except CheckpointMismatch:
-            raise
-        except CheckpointError as e:
-            manifest, error = None, str(e)
-        except OSError as e:
-            manifest, error = None, str(CheckpointDamaged(path, str(e)))
-        errors = [e for e in all_gather_json(error, device) if e]
-        if not errors:
-            progress = apply_loaded(run.engine, manifest)
-            notice(f"resumed from {path} (step {progress.step}) in {time.perf_counter() - start:.2f} s")
-            return progress
-        tried.append(errors[0])
-        then = "falling back to the previous complete checkpoint" if i + 1 < len(paths) else "none is left to try"
-        notice(f"{errors[0]}; {then}")
-    if tried:
-        raise CheckpointError(f"no sound checkpoint of run {run_id} in {root}: " + "; ".join(tried))
-    notice(f"no checkpoint in {root} yet; starting at step 0")
-    return None
+    """Load the newest sound checkpoint of this run under ``--checkpoint-dir`` through :func:`trainmesh.api.load`
+    (which skips damaged ones); None if there is none (a collective). The run is the one ``TRAINMESH_RUN_ID``
+    names (set by :func:`claim`), else :func:`run_to_continue`'s. A checkpoint of another model is an error
+    (:func:`check_fits`), not a reason to go back further."""
+    root = Path(run.cfg.checkpoint_dir)
+    if not candidates(root):
+        notice(f"no checkpoint in {root} yet; starting at step 0")
+        return None
+    loaded = []
+    api.load(run.parallel, run.opt, root, run_id=os.environ.get(RUN_ID_ENV) or run_to_continue(root) or "",
+             accept=lambda manifest, path: check_fits(run, manifest, path) or loaded.append(manifest))
+    return TrainingProgress(**loaded[-1]["progress"], run_id=loaded[-1]["run"]["id"])
 
 
 def load_weights(run: Run, path: Path) -> None:

@@ -27,7 +27,6 @@ from trainmesh.app.config import Config, vocabulary_note
 from trainmesh.data import TokenData, get_batch, pin_tokenizer
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
-from trainmesh.checkpoint.async_save import AsyncSave
 from trainmesh.checkpoint.store import all_gather_json
 from trainmesh.distributed.launcher import start_heartbeat
 from trainmesh.distributed.mesh import Mesh, world_from_env
@@ -86,22 +85,11 @@ def build(cfg: Config, mesh: Mesh) -> Run:
                                cuda_graphs=cfg.cuda_graphs,
                                cp_impl=cfg.cp_impl, comm=comm)
     opt = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    parallel.description = (parallel.description[0], {**parallel.description[1],
+                                                      "source": checkpoints.model_source(cfg)})
     tokenizer = pin_tokenizer(cfg.data, cfg.tokenizer)
     data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
     return Run(cfg, parallel, opt, data, tokenizer)
-
-
-def full_state_dict(run: Run) -> dict[str, torch.Tensor]:
-    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective)."""
-    return api.full_state_dict(run.model, run.engine, run.comm, pipelined=run.pipeline is not None)
-
-
-def forward_backward(run: Run, micro_batches: MicroBatches, saved: SavedActivations | None = None) -> torch.Tensor:
-    """Accumulate gradients of the mean loss over ``micro_batches``; sync only on the last one.
-
-    ``saved``, if given, records the activation bytes of the first micro-batch's forward.
-    """
-    return api.forward_backward(run.model, run.engine, run.pipeline, micro_batches, run.criterion, saved)
 
 
 def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,11 +103,6 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
     return api.rank_slice(run.mesh, rank_share(run, tokens, step, global_batch), run.cfg.microbatches, dp_sliced=True)
 
 
-def global_mean(run: Run, value: torch.Tensor) -> float:
-    """The loss one process would compute, from each rank's share (:func:`trainmesh.api.global_mean`)."""
-    return api.global_mean(run.mesh, value)
-
-
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean validation loss over ``eval_batches`` global batches, each micro-batched like training."""
@@ -131,7 +114,7 @@ def evaluate(run: Run) -> float:
             loss = run.pipeline.evaluate(micro, run.criterion)
         else:
             loss = sum(run.criterion(run.model(x), y) for x, y in micro) / len(micro)
-        losses.append(global_mean(run, loss))
+        losses.append(api.global_mean(run.mesh, loss))
     run.model.train()
     return sum(losses) / len(losses)
 
@@ -289,23 +272,21 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
     raise MetricsError(f"{error}; stopped after step {done.step}; {note}")
 
 
-def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, pending: AsyncSave | None,
-                    saves: list[Callable[[], dict]]) -> AsyncSave | None:
+def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Callable[[], dict]]) -> None:
     """Save after ``done.step`` steps, in the background under ``--checkpoint-async`` (after the save still in
-    flight, ``pending``); appends to ``saves`` what the summary reports of it: the training stall (the whole
-    save, or a background save's copy to host memory, with ``waited_s`` spent first waiting for the save in
-    flight) and a background save's write time (read at the end, once written). Returns the save now in flight."""
+    flight); appends to ``saves`` what the summary reports of it: the training stall (the whole save, or a
+    background save's copy to host memory, with ``waited_s`` spent first waiting for the save in flight) and a
+    background save's write time (read at the end, once written)."""
     start = time.perf_counter()
     if not run.cfg.checkpoint_async:
         checkpoints.save(run, done)
         stall = time.perf_counter() - start
         saves.append(lambda: {"step": done.step, "stall_s": stall, "write_s": None})
-        return None
-    handle = checkpoints.save_async(run, done, pending)
+        return
+    handle = checkpoints.save(run, done, async_=True)
     waited = time.perf_counter() - start - handle.stall_s  # for the previous save's write, before this copy
     saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited,
                           "write_s": handle.write_s})
-    return handle
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
@@ -335,7 +316,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     profiler = StepProfiler(cfg.steps - cfg.profile_steps, cfg.steps - 1, mesh.device) if cfg.profile_steps \
         else None
-    pending, saves = None, []
+    saves = []
     for step in range(start.step, cfg.steps):
         if profiler is not None:
             profiler.before(step)
@@ -364,8 +345,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
                   **per_rank_stats(run, saved.bytes)}
         if step == start.step:  # a run's (or a restart's) first record names the layout it runs
-            record["layout"] = {"world_size": mesh.world_size, "dp": cfg.dp, "dp_replicate": cfg.dp_replicate,
-                                "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp, "zero": cfg.zero}
+            record["layout"] = run.parallel.layout.record()
         experts = moe_metrics(run)
         if experts:
             record["moe"] = experts
@@ -376,11 +356,11 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         done = checkpoint.TrainingProgress(step + 1, guard.total, guard.consecutive, start.run_id)
         if checkpoints.due(cfg, step + 1):
             with progress.paused():
-                pending = save_checkpoint(run, done, pending, saves)
+                save_checkpoint(run, done, saves)
         with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
-    if pending is not None:
-        pending.wait()
+    if run.parallel.pending_save is not None:
+        run.parallel.pending_save.wait()
     progress.close()
     if profiler is not None:
         progress.message(profiler.finish(Path(cfg.out) / "profile" / f"rank{rank}.json" if cfg.out else None))

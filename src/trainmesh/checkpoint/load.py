@@ -3,13 +3,18 @@ is the boxes this layout holds intersected with those the checkpoint's layout sa
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
 
 from trainmesh.training.engine import Engine
 from trainmesh.distributed.mesh import Mesh, world_from_env
-from trainmesh.checkpoint.store import (MANIFEST, CheckpointDamaged, TrainingProgress, local_state, rng_state, on_every_rank, read_manifest, verified_tensors, fill, apply_rng)
+from trainmesh.checkpoint.store import (MANIFEST, CheckpointDamaged, CheckpointError, CheckpointMismatch,
+                                        CheckpointOfAnotherRun, TrainingProgress, all_gather_json, apply_rng,
+                                        candidates, fill, local_state, notice, read_manifest, rng_state,
+                                        verified_tensors)
 from trainmesh.checkpoint.source import (holds_names_of, in_family_names)
 
 
@@ -31,12 +36,42 @@ def load_state(model: nn.Module, engine: Engine, mesh: Mesh, path: Path, manifes
     apply_rng(rng, manifest, path, device)
 
 
-def load_anywhere(model: nn.Module, engine: Engine, mesh: Mesh, path: Path) -> TrainingProgress:
-    """Load checkpoint ``path``, written in any layout, into this rank's part of ``model`` and ``engine`` (a
-    collective: a failure on any rank is raised on every rank); returns the progress it records."""
-    manifest = read_manifest(path)
-    on_every_rank(lambda: load_state(model, engine, mesh, path, manifest), mesh.device, f"loading {path}")
-    return apply_loaded(engine, manifest)
+def load_newest(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, run_id: str = "",
+                accept: Callable[[dict, Path], None] = lambda manifest, path: None) -> TrainingProgress:
+    """Load the newest sound checkpoint ``root`` is or holds (``latest``, then every other ``step-N``, newest
+    first), written in any layout, into this rank's part of ``model`` and ``engine``; its progress (a
+    collective). Every rank tries the same ones in the same order; one any rank finds damaged, of a run other
+    than ``run_id`` (if given) or refused by ``accept(manifest, path)`` (a :class:`CheckpointError`) is
+    skipped on all, rank 0 saying why. A :class:`CheckpointMismatch` is raised: no older one would fit either."""
+    start = time.perf_counter()
+    paths = [root] if (root / MANIFEST).exists() else candidates(root)
+    tried = []
+    for i, path in enumerate(paths):
+        try:
+            manifest, error = read_manifest(path), None
+            if run_id and manifest["run"]["id"] != run_id:
+                raise CheckpointOfAnotherRun(f"checkpoint {path} belongs to run {manifest['run']['id']}, not to "
+                                             f"run {run_id} that is being resumed; it is not used")
+            accept(manifest, path)
+            load_state(model, engine, mesh, path, manifest)
+        except CheckpointMismatch:
+            raise
+        except CheckpointError as e:
+            error = str(e)
+        except OSError as e:
+            error = str(CheckpointDamaged(path, str(e)))
+        errors = [e for e in all_gather_json(error, mesh.device) if e]
+        if not errors:
+            progress = apply_loaded(engine, manifest)
+            notice(f"resumed from {path} (step {progress.step}) in {time.perf_counter() - start:.2f} s")
+            return progress
+        tried.append(errors[0])
+        then = "falling back to the previous complete checkpoint" if i + 1 < len(paths) else "none is left to try"
+        notice(f"{errors[0]}; {then}")
+    of_run = f" of run {run_id}" if run_id else ""
+    if tried:
+        raise CheckpointError(f"no sound checkpoint{of_run} in {root}: " + "; ".join(tried))
+    raise CheckpointError(f"{root} holds no checkpoint{of_run} (no step-N directory, no manifest.json)")
 
 
 def apply_loaded(engine: Engine, manifest: dict) -> TrainingProgress:

@@ -50,6 +50,8 @@ TOKENIZER_PATH = re.compile(r"[^\x00-\x1f\x7f]{1,4096}")
 PROGRESS_KEYS = ("step", "skipped_steps", "bad_steps_in_a_row")
 SCALER_KEYS = ("scale", "clean_steps", "skipped_steps")
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "zero")
+LAYOUT_TEXT = ("schedule", "precision")  # :meth:`trainmesh.layout.Layout.record`'s names; the rest are integers
+LAYOUT_NEWER = ("cp", "ep", "dp_replicate", "microbatches", *LAYOUT_TEXT)  # absent in older checkpoints
 PIECE_KEYS = {"key", "file", "offsets", "sizes"}
 
 
@@ -203,10 +205,11 @@ def _check_scalars(m: dict) -> None:
     _int(scaler["clean_steps"], "loss_scaler.clean_steps")
     _int(scaler["skipped_steps"], "loss_scaler.skipped_steps")
     _check_model_shape(m["model"], *_expected_model(m))
-    raw = _dict(m["layout"], "layout")
-    keys = LAYOUT_KEYS + tuple(k for k in ("cp", "ep") if k in raw)  # checkpoints from before cp / ep: 1
+    raw = _dict(m["layout"], "layout", LAYOUT_KEYS, LAYOUT_NEWER)
     layout = {k: _int(v, f"layout.{k}", 0 if k == "zero" else 1, 3 if k == "zero" else 2**20)
-              for k, v in _dict(raw, "layout", keys).items()}
+              for k, v in raw.items() if k not in LAYOUT_TEXT}
+    for k in set(LAYOUT_TEXT) & set(raw):
+        _text(raw[k], f"layout.{k}", re.compile(r"[\w-]{1,16}"))
     if layout["world_size"] != layout["dp"] * layout.get("cp", 1) * layout["tp"] * layout["pp"]:
         raise ManifestError(f"layout {show(layout)} has world_size != dp * cp * tp * pp")
     if (layout["dp"] * layout.get("cp", 1) * layout["tp"]) % layout.get("ep", 1):  # ep folds over tp under SP

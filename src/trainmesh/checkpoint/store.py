@@ -418,7 +418,8 @@ def _manifest(description: dict, scaler: LossScaler, progress: TrainingProgress,
     manifest = {
         "format": FORMAT, "version": VERSION, "step": progress.step,
         "progress": {k: v for k, v in dataclasses.asdict(progress).items() if k != "run_id"},
-        "run": {"id": progress.run_id, "config_sha256": description["config_sha256"]},
+        "run": {"id": progress.run_id, "config_sha256": sha256_hex(json.dumps(description["config"],
+                                                                              sort_keys=True).encode())},
         "loss_scaler": {"scale": scaler.scale, "clean_steps": scaler.clean_steps,
                         "skipped_steps": scaler.skipped_steps},
         "model": description["model"], "model_source": description["model_source"],
@@ -514,8 +515,8 @@ def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: Tr
 def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
                description: dict, keep_last: int = 0) -> Path:
     """Save this rank's part of ``model`` and ``engine``'s optimizer after ``progress.step`` steps as
-    ``root/step-N`` (a collective); ``description`` (:func:`describe`) goes into the manifest. Once it is
-    published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
+    ``root/step-N`` (a collective); ``description`` (:func:`trainmesh.api.describe`) goes into the manifest.
+    Once it is published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
 
     A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
     the one ``latest`` names.

@@ -31,14 +31,6 @@ if TYPE_CHECKING:
     from trainmesh.api import ParallelModel
 
 
-def _layout(model: ParallelModel | None) -> dict[str, Any]:
-    """The layout a report's title names, from the model's mesh."""
-    if model is None:
-        return {}
-    sizes = {axis: model.mesh.size(axis) for axis in ("dp", "cp", "tp", "pp", "ep")}
-    return {**sizes, "zero": model.zero, "precision": model.precision, "microbatches": model.microbatches}
-
-
 class RunLog:
     """Metrics, summary, TensorBoard events and progress of one training run in directory ``out``.
 
@@ -57,7 +49,7 @@ class RunLog:
         self.out, self.model, self.steps = Path(out), model, steps
         self.writes = world_env().rank == 0 and bool(str(out))
         self.name = name or (model.description[1]["source"] if model is not None else "")
-        self.config = {**_layout(model), "model": self.name, **(config or {})}
+        self.config = {**(model.layout.record() if model is not None else {}), "model": self.name, **(config or {})}
         self._held = contextlib.ExitStack()
         if self.writes and lock:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +105,7 @@ class RunLog:
             out.update(per_rank_stats(engine.state_tensors() if engine is not None else self.model.module.parameters(),
                                       self.model.mesh.device))
         if not self.losses:
-            out["layout"] = {"world_size": self.model.mesh.world_size, **_layout(self.model)}
+            out["layout"] = self.model.layout.record()
         return out
 
     def message(self, text: str) -> None:
