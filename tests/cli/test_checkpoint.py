@@ -85,7 +85,7 @@ def _load_and_resave(cfg: Config, mesh: Mesh, resaved: Path) -> dict[str, torch.
     """Load ``cfg``'s checkpoint into its layout, save it straight back to ``resaved``; the full parameters."""
     run = build(cfg, mesh)
     progress = checkpoints.restore(run)
-    checkpoints.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(resaved))), progress)
+    checkpoints.save(dataclasses.replace(run, cfg=cfg.replace(checkpoint_dir=str(resaved))), progress)
     return full_state_dict(run)
 
 
@@ -270,7 +270,7 @@ class Payload:
 def saved(tmp_path_factory) -> Path:
     """A single-process run's checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("saved") / "ckpt"
-    cfg = dataclasses.replace(_cfg(root.parent, "ckpt"), steps=4, checkpoint_every=2)
+    cfg = _cfg(root.parent, "ckpt").replace(steps=4, checkpoint_every=2)
     train(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     return root
 

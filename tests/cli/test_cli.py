@@ -103,7 +103,7 @@ def test_toml_config_and_flag_override(tmp_path):
     toml.write_text('[layout]\ndp = 2\nnproc = 2\n[optim]\nsteps = 7\nlr = 0.01\n')
     args = cli._parser().parse_args(["train", "--config", str(toml), "--steps", "3"])
     cfg = cli.config_from_args(args)
-    assert (cfg.dp, cfg.nproc, cfg.steps, cfg.lr) == (2, 2, 3, 0.01)
+    assert (cfg.layout.dp, cfg.launch.nproc, cfg.optim.steps, cfg.optim.lr) == (2, 2, 3, 0.01)
 
 
 def test_failing_rank_stops_the_run_and_is_named(tmp_path):

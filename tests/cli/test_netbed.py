@@ -52,7 +52,7 @@ def _launch_nodes(bed: TestBed, cfg: Config, out: Path, extra_env: dict[str, str
                   timeout: float = 200.0) -> list[tuple[int, str]]:
     """``trainmesh launch`` on each node, half the ranks each; returns each node's exit code and stderr."""
     argv = lambda k: [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2", "--node-rank", str(k),
-                      "--master-addr", bed.members[0].addr, "--master-port", str(PORT), "--nproc", str(cfg.nproc // 2),
+                      "--master-addr", bed.members[0].addr, "--master-port", str(PORT), "--nproc", str(cfg.launch.nproc // 2),
                       str(RANK_SCRIPT), json.dumps(dataclasses.asdict(cfg)), str(out)]
     procs = [bed.start(k, argv(k), env={**_env(), **(extra_env or {})}, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, text=True) for k in range(2)]

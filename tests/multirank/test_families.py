@@ -203,8 +203,8 @@ def _train_full_params(cfg) -> dict[str, torch.Tensor]:
 def _resumes_in_one_process_exactly(cfg) -> None:
     """Two steps of ``cfg`` saved by its two ranks, read back by one process: every tensor equal."""
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
-    single = dataclasses.replace(cfg, nproc=1, dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1,
-                                 resume=True, steps=3)
+    single = cfg.replace(nproc=1, dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1,
+                         resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
     loaded = full_state_dict(run)

@@ -50,16 +50,16 @@ if TYPE_CHECKING:
 
 
 def config_hash(cfg: Config) -> str:
-    return sha256_hex(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+    return sha256_hex(json.dumps(cfg.settings(), sort_keys=True).encode())
 
 
 def model_source(cfg: Config) -> str:
     """How runs, summaries and reports name the model of a ``trainmesh train`` run: its preset, or for an
     ``--init-hf`` import the architecture and the directory it came from (``LlamaForCausalLM from DIR``)."""
-    if not cfg.init_hf:
-        return cfg.model
-    architecture = spec_of(cfg.model).hf.architecture
-    return f"{architecture} from {cfg.init_hf}"
+    if not cfg.checkpoint.init_hf:
+        return cfg.model.model
+    architecture = spec_of(cfg.model.model).hf.architecture
+    return f"{architecture} from {cfg.checkpoint.init_hf}"
 
 
 def describe(cfg: Config, mesh: Mesh, tokenizer: TokenizerFile | None) -> dict:
@@ -68,11 +68,11 @@ def describe(cfg: Config, mesh: Mesh, tokenizer: TokenizerFile | None) -> dict:
     copy of which the checkpoint keeps, :func:`trainmesh.data.tokenizer.tokenizer_record`) and, on rank 0
     (which publishes), the ``--init-hf`` source's files the checkpoint keeps for ``export --hf``."""
     return {"config_sha256": config_hash(cfg), "model": dataclasses.asdict(cfg.model_config),
-            "model_source": {"family": spec_of(cfg.model).family, "source": model_source(cfg)},
-            "config": dataclasses.asdict(cfg), "tokenizer": tokenizer,
-            "hf_files": _kept_source(cfg.init_hf) if cfg.init_hf and world_from_env()[0] == 0 else {},
-            "layout": {"world_size": mesh.world_size, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp,
-                       "ep": cfg.ep, "zero": cfg.zero}}
+            "model_source": {"family": spec_of(cfg.model.model).family, "source": model_source(cfg)},
+            "config": cfg.settings(), "tokenizer": tokenizer,
+            "hf_files": _kept_source(cfg.checkpoint.init_hf) if cfg.checkpoint.init_hf and world_from_env()[0] == 0 else {},
+            "layout": {"world_size": mesh.world_size, "dp": cfg.layout.dp, "cp": cfg.layout.cp, "tp": cfg.layout.tp, "pp": cfg.layout.pp,
+                       "ep": cfg.layout.ep, "zero": cfg.layout.zero}}
 
 
 @functools.cache
@@ -87,8 +87,8 @@ def save(run: Run, progress: TrainingProgress) -> Path:
     checkpoint still keeps the one the run trained with."""
     if run.tokenizer is not None and world_from_env()[0] == 0:
         notice_changed_tokenizer(run.tokenizer)
-    return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
-                      describe(run.cfg, run.mesh, run.tokenizer), keep_last=run.cfg.keep_last)
+    return save_state(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint.checkpoint_dir), progress,
+                      describe(run.cfg, run.mesh, run.tokenizer), keep_last=run.cfg.checkpoint.keep_last)
 
 
 def notice_changed_tokenizer(pinned: TokenizerFile) -> None:
@@ -122,14 +122,14 @@ def save_async(run: Run, progress: TrainingProgress, previous: AsyncSave | None)
     """:func:`save` with the files written in the background (``--checkpoint-async``), after ``previous``."""
     if run.tokenizer is not None and world_from_env()[0] == 0:
         notice_changed_tokenizer(run.tokenizer)
-    return save_state_async(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint_dir), progress,
-                            describe(run.cfg, run.mesh, run.tokenizer), previous, keep_last=run.cfg.keep_last)
+    return save_state_async(run.model, run.engine, run.mesh, Path(run.cfg.checkpoint.checkpoint_dir), progress,
+                            describe(run.cfg, run.mesh, run.tokenizer), previous, keep_last=run.cfg.checkpoint.keep_last)
 
 
 def due(cfg: Config, steps_done: int) -> bool:
     """Whether to save after ``steps_done`` steps: every ``--checkpoint-every`` steps and at the end."""
-    every = cfg.checkpoint_every
-    return bool(cfg.checkpoint_dir) and ((every > 0 and steps_done % every == 0) or steps_done == cfg.steps)
+    every = cfg.checkpoint.checkpoint_every
+    return bool(cfg.checkpoint.checkpoint_dir) and ((every > 0 and steps_done % every == 0) or steps_done == cfg.optim.steps)
 
 
 def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
@@ -138,7 +138,7 @@ def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
               if there.get(k) != v]
     if len(differ) == 1 and differ[0].startswith("vocab_size "):
         raise CheckpointMismatch(f"{path} holds a model with vocabulary {there.get('vocab_size')}, and this run's "
-                                 f"tokenizer/data gives {cfg.model_config.vocab_size} (padded for tp={cfg.tp}); "
+                                 f"tokenizer/data gives {cfg.model_config.vocab_size} (padded for tp={cfg.layout.tp}); "
                                  f"pass the tokenizer and data the checkpoint was trained with "
                                  f"(--tokenizer {manifest['config'].get('tokenizer') or '(bytes)'})")
     if differ:
@@ -186,7 +186,7 @@ def resume(run: Run) -> TrainingProgress | None:
     checkpoint of another model is an error, not a reason to go back further.
     """
     start = time.perf_counter()
-    root, device = Path(run.cfg.checkpoint_dir), run.mesh.device
+    root, device = Path(run.cfg.checkpoint.checkpoint_dir), run.mesh.device
     run_id = os.environ.get(RUN_ID_ENV) or run_to_continue(root)
     paths = candidates(root)
     tried = []
@@ -240,9 +240,9 @@ def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
     under the plain model's names, and the routing biases ``full`` carries (DeepSeek-V3's, not parameters);
     ``source`` names where they came from in errors."""
-    model = f"the model of {run.cfg.init_hf}/config.json" if run.cfg.init_hf else f"--model {run.cfg.model}"
+    model = f"the model of {run.cfg.checkpoint.init_hf}/config.json" if run.cfg.checkpoint.init_hf else f"--model {run.cfg.model.model}"
     with torch.device("meta"):
-        buffers = {name for name, _ in spec_of(run.cfg.model).builder(run.cfg.model_config, 0).named_buffers()}
+        buffers = {name for name, _ in spec_of(run.cfg.model.model).builder(run.cfg.model_config, 0).named_buffers()}
     weights = {k: t for k, t in full.items() if k not in buffers}
     wanted = [t for t in local_state(run.model, run.engine) if t.name.startswith("model/")]
     missing = next((t.name.removeprefix("model/") for t in wanted if t.name.removeprefix("model/") not in full), None)
@@ -265,11 +265,11 @@ def start_fresh(cfg: Config) -> None:
     """Make ``--checkpoint-dir`` ready for a fresh run: a directory holding checkpoints (of another run) is
     refused, or with ``--overwrite`` emptied of them first (step directories, leftovers of interrupted
     saves and the ``latest`` pointer), so no step of the other run survives to be resumed or fallen back to."""
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.checkpoint.checkpoint_dir)
     existing = candidates(root)
     if not existing:
         return
-    if not cfg.overwrite:
+    if not cfg.checkpoint.overwrite:
         more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
         raise CheckpointError(f"{root} holds checkpoints of another run ({existing[0].name}{more}, run "
                               f"{run_to_continue(root) or 'unknown'}); pass --resume to continue that run, "
@@ -286,20 +286,20 @@ def restore(run: Run) -> TrainingProgress:
     the weights of ``--init-from``, else step 0 as built; a fresh run first makes ``--checkpoint-dir`` its
     own (:func:`start_fresh`). The progress returned carries the run's id, which every save records."""
     cfg, device = run.cfg, run.mesh.device
-    progress = resume(run) if cfg.resume else None
-    if progress is not None and progress.step >= cfg.steps:
-        raise CheckpointError(f"the checkpoint in {cfg.checkpoint_dir} is at step {progress.step}, which --steps "
-                              f"{cfg.steps} has reached; pass a larger --steps to train further")
+    progress = resume(run) if cfg.checkpoint.resume else None
+    if progress is not None and progress.step >= cfg.optim.steps:
+        raise CheckpointError(f"the checkpoint in {cfg.checkpoint.checkpoint_dir} is at step {progress.step}, which --steps "
+                              f"{cfg.optim.steps} has reached; pass a larger --steps to train further")
     if progress is not None:
         return progress
-    if cfg.checkpoint_dir and not cfg.resume:
+    if cfg.checkpoint.checkpoint_dir and not cfg.checkpoint.resume:
         rank = world_from_env()[0]
         on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
-                       f"starting a fresh run in {cfg.checkpoint_dir}")
-    if cfg.init_from:
-        load_weights(run, Path(cfg.init_from))
-    if cfg.init_hf:
-        load_hf_weights(run, Path(cfg.init_hf))
+                       f"starting a fresh run in {cfg.checkpoint.checkpoint_dir}")
+    if cfg.checkpoint.init_from:
+        load_weights(run, Path(cfg.checkpoint.init_from))
+    if cfg.checkpoint.init_hf:
+        load_hf_weights(run, Path(cfg.checkpoint.init_hf))
     return TrainingProgress(run_id=agreed_run_id(device))
 
 
@@ -309,10 +309,10 @@ def claim(cfg: Config) -> Iterator[str]:
     launches the ranks) and decide the run's id: the id of the run ``--resume`` continues, else a new one
     for a fresh run (after :func:`start_fresh`). The ranks this process starts inherit the id in
     ``TRAINMESH_RUN_ID``. A directory that another live run holds is an error naming that run's pid."""
-    if not cfg.checkpoint_dir:
+    if not cfg.checkpoint.checkpoint_dir:
         yield ""
         return
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.checkpoint.checkpoint_dir)
     with contextlib.ExitStack() as held:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -324,9 +324,9 @@ def claim(cfg: Config) -> Iterator[str]:
         except OSError as e:
             raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {e}") from None
         held.callback(os.environ.pop, RUN_ID_ENV, None)
-        run_id = run_to_continue(root) if cfg.resume else None
+        run_id = run_to_continue(root) if cfg.checkpoint.resume else None
         if run_id is None:
-            if not cfg.resume:
+            if not cfg.checkpoint.resume:
                 start_fresh(cfg)
             run_id = uuid.uuid4().hex
         lock.note(run_id=run_id)
@@ -376,22 +376,22 @@ def _check_trainable(path: Path) -> None:
 def check_resumable(cfg: Config) -> None:
     """Before spawning: a checkpoint of another model (or a missing ``--init-from``, an ``--init-hf``
     directory whose weights do not fit its config) is a one-line error."""
-    if cfg.init_from and not Path(cfg.init_from).is_file():
-        raise CheckpointError(f"--init-from {cfg.init_from} does not exist")
-    if cfg.init_from:
-        _check_trainable(Path(cfg.init_from))
-    if cfg.init_hf:
+    if cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_file():
+        raise CheckpointError(f"--init-from {cfg.checkpoint.init_from} does not exist")
+    if cfg.checkpoint.init_from:
+        _check_trainable(Path(cfg.checkpoint.init_from))
+    if cfg.checkpoint.init_hf:
         try:
-            hf.check_weights(cfg.init_hf)
+            hf.check_weights(cfg.checkpoint.init_hf)
         except hf.HFError as e:
             raise CheckpointError(f"--init-hf: {e}") from None
-    if not cfg.resume:
+    if not cfg.checkpoint.resume:
         return
-    for path in candidates(Path(cfg.checkpoint_dir)):
+    for path in candidates(Path(cfg.checkpoint.checkpoint_dir)):
         try:
             manifest = read_manifest(path)
         except CheckpointError:
             continue
         _check_model(manifest, cfg, path)
-        check_tokenizer(manifest, path, pin_tokenizer(cfg.data, cfg.tokenizer))
+        check_tokenizer(manifest, path, pin_tokenizer(cfg.data.data, cfg.data.tokenizer))
         return
