@@ -51,6 +51,28 @@ def option(default: Any, help: str, choices: Collection | None = None, low: Boun
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high})
 
 
+def _number(value: float) -> str:
+    """A bound as a person reads it: whole numbers with thousands separators (1,048,576), others short."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+def range_text(low: Bound | None, high: Bound | None) -> str:
+    """The range ``low``..``high`` as a message says it: ``in [1, 1,048,576]``, ``at least 0``."""
+    if low and high:
+        opening, closing = "(" if low.strict else "[", ")" if high.strict else "]"
+        return f"in {opening}{_number(low.value)}, {_number(high.value)}{closing}"
+    if low:
+        return f"{'greater than' if low.strict else 'at least'} {_number(low.value)}"
+    return f"{'less than' if high.strict else 'at most'} {_number(high.value)}"
+
+
+def outside(value: float, low: Bound | None, high: Bound | None) -> bool:
+    """Whether ``value`` lies beyond ``low`` or ``high`` (NaN does not: check finiteness first)."""
+    below = low is not None and (value <= low.value if low.strict else value < low.value)
+    above = high is not None and (value >= high.value if high.strict else value > high.value)
+    return below or above
+
+
 AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
 MAX_RANKS = Bound(1 << 20)  # ranks and parallel degrees: far beyond any cluster, far below int overflow
 MAX_SEQUENCES = Bound(1 << 20)  # sequences per step (global batch, micro-batches): 1M, 16x Llama 3's
@@ -246,25 +268,15 @@ class _Check:
 Rule = Callable[[_Check], str | None]
 
 
-def _sizes(c: _Check) -> str | None:
-    for field in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "microbatches", "virtual_stages"):
-        value = getattr(c.layout, field)
-        if value < 1:
-            return f"{c.spell(field, value)}: must be at least 1"
-    if not 0 < c.layout.bucket_mb < 2**20:  # also refuses NaN
-        return f"{c.spell('bucket_mb', c.layout.bucket_mb)}: give a bucket size in MiB, above 0 and below 2**20"
-    return None
-
-
-CHOICES = {"zero": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS,
-           "reduce_dtype": REDUCE_DTYPES, "cp_impl": CP_IMPLS}
-
-
-def _choices(c: _Check) -> str | None:
-    for field, allowed in CHOICES.items():
-        value = getattr(c.layout, field)
-        if value not in allowed:
-            return f"{c.spell(field, value)}: choose {_either(allowed)}"
+def _values(c: _Check) -> str | None:
+    """Each setting among its field's choices and within its bounds, as the command line checks its flags."""
+    for f in dataclasses.fields(Layout):
+        value, meta = getattr(c.layout, f.name), f.metadata
+        allowed = PRECISIONS if f.name == "precision" else meta["choices"]  # a layout's precision is resolved
+        if allowed is not None and value not in allowed:
+            return f"{c.spell(f.name, value)}: choose {_either(allowed)}"
+        if meta["low"] and (value != value or outside(value, meta["low"], meta["high"])):  # NaN is outside too
+            return f"{c.spell(f.name, value)}: must be {range_text(meta['low'], meta['high'])}"
     return None
 
 
@@ -406,7 +418,7 @@ def _stage_layers(c: _Check) -> str | None:
             f"summing to {layers}")
 
 
-MESH_SHAPE_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _hybrid_shards, _sequence_parallel)
+MESH_SHAPE_RULES: tuple[Rule, ...] = (_values, _world, _expert_ranks, _hybrid_shards, _sequence_parallel)
 """The rules on the mesh's sizes alone: what ``init_mesh`` checks before the ZeRO stage, the schedule and the
 rest are chosen (by ``parallelize``, which checks every rule)."""
 

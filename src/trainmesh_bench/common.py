@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -142,12 +142,9 @@ def model_of(cfg: Config, device: torch.device) -> torch.nn.Module:
 def build(cfg: Config, mesh: Mesh) -> Bench:
     """``cfg``'s model with its parallel forms applied through the public API (:func:`trainmesh.parallelize`,
     :func:`trainmesh.optimizer`), as ``trainmesh train`` builds it, and its data."""
-    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model.model).tp_plan),
-                           sequence_parallel=cfg.layout.sequence_parallel, zero=cfg.layout.zero, recompute=cfg.layout.recompute,
-                           schedule=cfg.layout.schedule, microbatches=cfg.layout.microbatches, virtual_stages=cfg.layout.virtual_stages,
-                           stage_layers=cfg.layout.stage_layers, precision=cfg.layout.precision,
-                           reduce_dtype=cfg.layout.grad_dtype, bucket_mb=cfg.layout.bucket_mb, compile=cfg.layout.compile,
-                           cp_impl=cfg.layout.cp_impl)
+    forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
+             if f.name not in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "timeline")}
+    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model.model).tp_plan), **forms)
     opt = tm.optimizer(model, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
     return Bench(cfg, model, opt, TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer))
 

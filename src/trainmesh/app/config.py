@@ -18,11 +18,13 @@ from dataclasses import dataclass, field, fields
 from collections.abc import Callable, Collection
 from typing import Any
 
+import torch
+
 from trainmesh.models import hf
 from trainmesh.data import data_vocab_size
 from trainmesh.distributed.launcher import STOPPED_GRACE_S
 from trainmesh.layout import (ABOVE_0, AT_LEAST_0, AT_LEAST_1, MAX_RANKS, MAX_SEQUENCES, Bound, Layout, LayoutError,
-                              option, resolve_precision)
+                              option, outside, range_text, resolve_precision)
 from trainmesh.training.float8 import fp8_problem
 from trainmesh.layout import flag as flag_spelling, validate as validate_layout
 from trainmesh.models import PRESET_NAMES, preset, spec_of
@@ -222,11 +224,8 @@ class LaunchSettings:
 
 @dataclass(frozen=True)
 class Config:
-    """A ``trainmesh train`` run: one section per TOML table and ``--help`` group, each field one flag.
-
-    Build one from flat settings (the flag names, underscored) with :meth:`from_settings`; sections are read as
-    ``cfg.optim.lr``, ``cfg.layout.tp``.
-    """
+    """A ``trainmesh train`` run: one section per TOML table and ``--help`` group (``cfg.optim.lr`` is ``[optim]
+    lr``), each field one flag; :meth:`from_settings` builds one from the flag names, underscored."""
 
     model: ModelSettings = field(default_factory=ModelSettings)
     moe: MoESettings = field(default_factory=MoESettings)
@@ -241,14 +240,13 @@ class Config:
     def from_settings(cls, **settings: Any) -> Config:
         """The run the flat ``settings`` give (the rest the defaults), ``--precision auto`` resolved for this
         machine; an unknown name is a :class:`ConfigError`."""
-        unknown = settings.keys() - FIELDS.keys()
+        unknown = sorted(settings.keys() - TABLE_OF.keys())
         if unknown:
-            raise ConfigError(f"unknown setting {sorted(unknown)[0]}; settings are the flag names (trainmesh train --help)")
-        precision = settings.get("precision", "auto")
-        if precision == "auto":
+            raise ConfigError(f"unknown setting {unknown[0]}; settings are the flag names (trainmesh train --help)")
+        if settings.get("precision", "auto") == "auto":
             settings = {**settings, "precision": resolve_precision("auto", _bf16_device(settings.get("device", "auto")))}
-        return cls(**{f.name: f.default_factory(**{name: settings[name] for name in _names(f.default_factory)
-                                                   if name in settings}) for f in fields(cls)})
+        return cls(**{table: section(**{name: value for name, value in settings.items() if TABLE_OF[name] == table})
+                      for table, section in SECTIONS.items()})
 
     def replace(self, **settings: Any) -> Config:
         """This run with the flat ``settings`` changed."""
@@ -256,7 +254,7 @@ class Config:
 
     def settings(self) -> dict[str, Any]:
         """Every setting by its flat name, as manifests, ``summary.json`` and the ranks' handed run record it."""
-        return {name: getattr(getattr(self, f.name), name) for f in fields(self) for name in _names(f.default_factory)}
+        return {name: getattr(getattr(self, table), name) for name, table in TABLE_OF.items()}
 
     @property
     def model_config(self) -> Any:
@@ -315,22 +313,15 @@ class Config:
 def _bf16_device(device: str) -> bool:
     """Whether a run on ``device`` computes in bf16: a visible CUDA device that supports it, unless
     ``--device cpu``. Ranks on one machine (and the nodes of one job) answer the same."""
-    if device == "cpu":
-        return False
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def _names(section: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(section))
+    return device != "cpu" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 RANK_LOCAL_FIELDS = frozenset({"nproc", "progress", "out"})
 SECTIONS = {f.name: f.default_factory for f in fields(Config)}
 """Each section's name (its TOML table, its ``--help`` group and its attribute) and its class."""
 FIELDS = {f.name: f for section in SECTIONS.values() for f in fields(section)}
-TABLE_OF = {name: table for table, section in SECTIONS.items() for name in _names(section)}
+TABLE_OF = {f.name: table for table, section in SECTIONS.items() for f in fields(section)}
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -352,26 +343,6 @@ def _choices_text(choices: Collection) -> str:
     return ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
-def _number(value: float) -> str:
-    """A bound as a person reads it: whole numbers with thousands separators (1,048,576), others short."""
-    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
-
-
-def _range_text(low: Bound | None, high: Bound | None) -> str:
-    if low and high:
-        opening, closing = "(" if low.strict else "[", ")" if high.strict else "]"
-        return f"in {opening}{_number(low.value)}, {_number(high.value)}{closing}"
-    if low:
-        return f"{'greater than' if low.strict else 'at least'} {_number(low.value)}"
-    return f"{'less than' if high.strict else 'at most'} {_number(high.value)}"
-
-
-def _outside(value: float, low: Bound | None, high: Bound | None) -> bool:
-    below = low is not None and (value <= low.value if low.strict else value < low.value)
-    above = high is not None and (value >= high.value if high.strict else value > high.value)
-    return below or above
-
-
 def number_flag(kind: type, low: Bound, high: Bound) -> Callable[[str], Any]:
     """An argparse ``type`` for a numeric flag of the commands besides ``train`` (``generate``, ``schedule``,
     ``bench``, ``tokenizer``): the text as ``kind`` (int or float), finite and within ``low``..``high``, else
@@ -381,8 +352,8 @@ def number_flag(kind: type, low: Bound, high: Bound) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text}: must be a {'whole ' if kind is int else ''}number") from None
-        if not math.isfinite(value) or _outside(value, low, high):
-            raise argparse.ArgumentTypeError(f"{text}: must be {_range_text(low, high)}")
+        if not math.isfinite(value) or outside(value, low, high):
+            raise argparse.ArgumentTypeError(f"{text}: must be {range_text(low, high)}")
         return value
 
     return parse
@@ -419,8 +390,8 @@ def _problem(name: str, value: Any) -> str | None:
         return "must be less than 2**63 in magnitude"
     if meta["choices"] is not None and value not in meta["choices"]:
         return f"choose {_choices_text(meta['choices'])}"
-    if kind in (int, float) and _outside(value, meta["low"], meta["high"]):
-        return f"must be {_range_text(meta['low'], meta['high'])}"
+    if kind in (int, float) and outside(value, meta["low"], meta["high"]):
+        return f"must be {range_text(meta['low'], meta['high'])}"
     return None
 
 
@@ -459,7 +430,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
         low, high = f.metadata["low"], f.metadata["high"]
         notes = [] if "(default:" in f.metadata["help"] or f.default in ("", ()) else [f"default: {f.default}"]
-        notes += [_range_text(low, high)] if low or high else []
+        notes += [range_text(low, high)] if low or high else []
         help_text = f.metadata["help"] + (f" ({'; '.join(notes)})" if notes else "")
         if _type_of(f.name) is bool:
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
@@ -654,14 +625,11 @@ def _validate_checkpoints(cfg: Config) -> None:
                           "of them")
 
 
-MOE_ONLY = ("moe_experts", "moe_top_k", "moe_dense_layers", "moe_capacity", "moe_bias_rate")
-
-
 def _validate_moe(cfg: Config) -> None:
-    """The ``--moe-*`` settings: refused on a dense model (``Config._moe_config`` checks them against the
-    model's experts)."""
+    """The ``[moe]`` settings: any changed from its default is refused on a dense model
+    (``Config._moe_config`` checks them against the model's experts)."""
     if getattr(cfg.model_config, "moe", None) is None:
-        given = [f for f in MOE_ONLY if getattr(cfg.moe, f)] + (["moe_dropless"] if not cfg.moe.moe_dropless else [])
+        given = [f.name for f in fields(cfg.moe) if getattr(cfg.moe, f.name) != f.default]
         if given:
             flag = "--no-moe-dropless" if given[0] == "moe_dropless" else _flag(given[0])
             raise ConfigError(f"{flag} configures mixture-of-experts layers, which "

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +78,9 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     spec = spec_of(cfg.model.model)
     model = spec.builder(cfg.model_config, cfg.model.seed).to(mesh.device, dtype_of(cfg.layout.precision))
     check_agreement(cfg.shared_settings(), model, mesh.device)
-    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), sequence_parallel=cfg.layout.sequence_parallel,
-                               zero=cfg.layout.zero, recompute=cfg.layout.recompute, schedule=cfg.layout.schedule,
-                               microbatches=cfg.layout.microbatches, virtual_stages=cfg.layout.virtual_stages,
-                               stage_layers=cfg.layout.stage_layers, precision=cfg.layout.precision,
-                               reduce_dtype=cfg.layout.grad_dtype, bucket_mb=cfg.layout.bucket_mb, compile=cfg.layout.compile,
-                               cuda_graphs=cfg.layout.cuda_graphs,
-                               cp_impl=cfg.layout.cp_impl, comm=comm)
+    forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
+             if f.name not in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "timeline")}
+    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), comm=comm, **forms)
     opt = api.optimizer(parallel, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
     tokenizer = pin_tokenizer(cfg.data.data, cfg.data.tokenizer)
     data = TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer)
