@@ -46,8 +46,7 @@ class Bound:
 
 def option(default: Any, help: str, choices: Collection | None = None, low: Bound | None = None,
            high: Bound | None = None) -> Any:
-    """A setting's field with its help text and what ``trainmesh.app.config.check_value`` accepts: ``choices``,
-    or ``low``/``high``; the command line's ``--help``, its checks and the API's documentation read them."""
+    """A setting's field with its help text (``--help``) and what it accepts: ``choices``, or ``low``/``high``."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high})
 
 

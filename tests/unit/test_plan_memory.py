@@ -91,5 +91,5 @@ def test_llama3_405b_without_model_parallelism_does_not_fit() -> None:
     work, layout = llama3_405b(1, 64, 8192, 32)
     unsplit = dataclasses.replace(layout, tp=1, pp=1, dp=8192, microbatches=1, sequence_parallel=False,
                                   stage_layers=())
-    work = work.replace(global_batch=8192)
+    work = dataclasses.replace(work, global_batch=8192)
     assert memory_per_rank(work, unsplit).total > make_cluster("h100-80gb", 8192).usable_bytes

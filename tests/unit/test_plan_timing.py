@@ -100,7 +100,7 @@ def test_a_forwarded_dispatch_crosses_to_each_node_of_a_token_once() -> None:
     forwarded = _priced(work, forward_dispatch=True)
     straight = all_to_all_seconds(work, layout, cluster, 2)
     assert all_to_all_seconds(forwarded, layout, cluster, 2) / straight == pytest.approx((4 * 7 / 8 / 8) / (7 / 8))
-    free = forwarded.replace(model=dataclasses.replace(work.model, expert_groups=0, groups_per_token=0))
+    free = dataclasses.replace(forwarded, model=dataclasses.replace(work.model, expert_groups=0, groups_per_token=0))
     assert nodes_per_token(work.model, 8) == 4 and nodes_per_token(work.model, 16) == 8
     assert nodes_per_token(free.model, 8) == pytest.approx(8 * (1 - math.comb(224, 8) / math.comb(256, 8)))
     assert all_to_all_seconds(free, layout, cluster, 2) / all_to_all_seconds(forwarded, layout, cluster, 2) == (
@@ -163,7 +163,7 @@ def test_finer_experts_at_the_same_flops_move_about_twice_the_bytes() -> None:
     """Twice the experts, each half as wide, a token to twice as many: the expert matmuls' FLOPs are the same,
     the copies that travel to them twice as many, so the movement's share of the block grows."""
     coarse = Workload(_moe(), 16, 512, "bf16")
-    fine = coarse.replace(model=dataclasses.replace(_moe(), n_experts=16, top_k=4, d_ff_expert=96))
+    fine = dataclasses.replace(coarse, model=dataclasses.replace(_moe(), n_experts=16, top_k=4, d_ff_expert=96))
     layout, cluster = Layout(dp=4, ep=4, microbatches=2), make_cluster("h100-80gb", 4)
     flops = [sum(g.flops for name, g in block_gemms(w, layout, moe=True).items() if name.startswith("experts"))
              for w in (coarse, fine)]

@@ -180,11 +180,10 @@ class LoggingSettings:
                                 "took the most time and, on a GPU, how busy the device was; profiled steps run slower",
                                 low=AT_LEAST_0, high=Bound(10_000))
     peak_tflops: float = option(0.0, "per-device peak TFLOP/s for MFU (default: looked up from the GPU name)",
-                                 low=AT_LEAST_0, high=Bound(1e6))
+                                low=AT_LEAST_0, high=Bound(1e6))
     tee: str = option("0", "ranks whose output is streamed here, comma-separated (0,1) or all; each line then starts "
                       "[rank N] (rank 0 alone streams unprefixed). Every rank's stdout and stderr are also kept in "
                       "--out's logs/rank-N.log")
-
 
 
 @dataclass(frozen=True)
@@ -311,8 +310,7 @@ class Config:
 
 
 def _bf16_device(device: str) -> bool:
-    """Whether a run on ``device`` computes in bf16: a visible CUDA device that supports it, unless
-    ``--device cpu``. Ranks on one machine (and the nodes of one job) answer the same."""
+    """Whether ``device`` computes in bf16 (a visible CUDA device that has it): the same on every rank of a job."""
     return device != "cpu" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
