@@ -67,7 +67,7 @@ def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, globa
              f"{'layout':<8}{'a2a KiB/step':>14}{'formula KiB':>13}{'per direction KiB':>19}"
              f"{'tokens/s':>24}{'model state KiB':>17}{'peak RSS MiB':>14}"]
     for ep in degrees:
-        cfg = Config.from_settings(**{**base.__dict__, "ep": ep})
+        cfg = Config.from_settings(**{**base.settings(), "ep": ep})
         results = run_ranks(_ep_rank, world, cfg, steps, timeout=600)
         layers = results[0]["layers"]
         per_direction = tokens * m.moe.top_k * copy_bytes

@@ -152,7 +152,7 @@ def run_dirs(tmp_path_factory):
     stdout, sys.stdout = sys.stdout, io.StringIO()
     try:
         first = train(cfg, mesh)
-        resumed = train(Config.from_settings(**{**cfg.__dict__, "steps": 8, "resume": True}), mesh)
+        resumed = train(Config.from_settings(**{**cfg.settings(), "steps": 8, "resume": True}), mesh)
         printed = sys.stdout.getvalue()
     finally:
         sys.stdout = stdout

@@ -79,7 +79,7 @@ CASES = {
 
 @pytest.mark.parametrize("mutation", list(CASES))
 def test_the_equivalence_check_rejects_a_planted_bug(mutation):
-    cfg = in_fp64(Config.from_settings(**{**CASES[mutation].__dict__, "steps": 3, "global_batch": 8, "progress": False,
+    cfg = in_fp64(Config.from_settings(**{**CASES[mutation].settings(), "steps": 3, "global_batch": 8, "progress": False,
                                           "warmup_steps": 1}))
     parallel = run_ranks(mutated_rank, 2, [cfg], mutation, timeout=240)[0][0]
     loss_diff, param_diff = differences(train_single(cfg), parallel)
@@ -89,5 +89,5 @@ def test_the_equivalence_check_rejects_a_planted_bug(mutation):
 
 def test_the_same_layouts_unmutated_pass():
     """The control: without the planted bugs the same three layouts are equivalent."""
-    check_equivalent([Config.from_settings(**{**cfg.__dict__, "steps": 3, "global_batch": 8, "progress": False,
+    check_equivalent([Config.from_settings(**{**cfg.settings(), "steps": 3, "global_batch": 8, "progress": False,
                                               "warmup_steps": 1}) for cfg in CASES.values()], world_size=2)

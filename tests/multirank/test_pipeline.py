@@ -319,7 +319,6 @@ BAD = [
     (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=3, global_batch=6), "multiple of 2"),
     (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2), "stages exceed the 2 layers"),
     (dict(pp=2, model="tiny-deep", stage_layers=(3, 4)), "summing to the 8 layers"),
-    (dict(pp=2, stage_layers="1;1"), "not a comma-separated list"),
     (dict(pp=1, virtual_stages=2), "--virtual-stages is a pipeline setting"),
     (dict(pp=1, timeline="t.png"), "--timeline is a pipeline setting"),
     (dict(pp=2, schedule="zb", compile=True), "drop --compile"),

@@ -36,6 +36,7 @@ BAD_FLAGS = [
     (["--zero", "5"], "--zero 5: choose 0, 1, 2 or 3"),
     (["--precision", "fp4"], "--precision fp4: choose auto, fp32, bf16, fp16, fp64 or fp8"),
     (["--dp", "2.0"], "--dp 2.0: must be a whole number"),
+    (["--stage-layers", "1;1"], "--stage-layers 1;1: must be a comma-separated list of layer counts, e.g. 1,3"),
     (["--steps", "0"], "--steps 0: must be in [1, 1,000,000,000]"),
     (["--lr", "0"], "--lr 0: must be in (0, 10]"),
     (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr 0.1 exceeds --lr 0.01"),

@@ -312,7 +312,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     start = checkpoints.restore(run)
     rank, _ = world_from_env()
     resume_from = start.step if cfg.checkpoint.resume else None
-    log = RunLog(cfg.logging.out, cfg.optim.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.__dict__,
+    log = RunLog(cfg.logging.out, cfg.optim.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.settings(),
                  name=checkpoints.model_source(cfg), tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                  progress=cfg.logging.progress, progress_every=cfg.logging.progress_every, lock=False)
     progress = log.progress
@@ -388,7 +388,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                           mfu=mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                           world_size=mesh.world_size, transport=run.comm.transport,
                           checkpoint_saves=[save() for save in saves],
-                          **per_rank_stats(run, saved.bytes), config=cfg.__dict__)
+                          **per_rank_stats(run, saved.bytes), config=cfg.settings())
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     progress.message(f"done: {LossWindows.of(log.losses).text()}, val {val_loss:.4f} "
                      f"(perplexity {perplexity(val_loss):,.2f}), "
