@@ -324,7 +324,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_previous_checkpoint(saved,
         read_tensors(step_dir(root, 4))
     assert message in str(error.value)
 
-    cfg = dataclasses.replace(_cfg(tmp_path, "ckpt", resume=True), steps=6)
+    cfg = _cfg(tmp_path, "ckpt", resume=True).replace(steps=6)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     capsys.readouterr()
     assert checkpoints.resume(run).step == 2
@@ -340,7 +340,7 @@ def test_a_save_torn_by_a_crash_is_ignored_and_replaced(saved, tmp_path):
     torn = root / ".tmp-step-00000006"
     torn.mkdir()
     (torn / SHARD).write_bytes((root / "step-00000004" / SHARD).read_bytes()[:1000])
-    cfg = dataclasses.replace(_cfg(tmp_path, "ckpt", resume=True), steps=6, checkpoint_every=2)
+    cfg = _cfg(tmp_path, "ckpt", resume=True).replace(steps=6, checkpoint_every=2)
     result = train(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert len(result.losses) == 2
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006"]

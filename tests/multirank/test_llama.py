@@ -185,7 +185,7 @@ def _train_full_params(cfg: Config) -> dict[str, torch.Tensor]:
 
 def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
     """The grouped qkv and the [gate | up] pair are stored by their place in the full tensors."""
-    cfg = dataclasses.replace(_cfg(tp=2, sequence_parallel=True), steps=2, checkpoint_dir=str(tmp_path))
+    cfg = _cfg(tp=2, sequence_parallel=True).replace(steps=2, checkpoint_dir=str(tmp_path))
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
     single = cfg.replace(nproc=1, tp=1, sequence_parallel=False, resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
