@@ -14,7 +14,6 @@ such a bug under its own noise (its AdamW-amplified parameter differences reach 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,13 +40,13 @@ def config(**settings) -> Config:
     """The one way the tests build a run's settings: :data:`DEFAULTS` (ten steps of eight sequences, two
     warm-up steps, no progress line) under ``settings``, started on as many processes as the layout has
     ranks unless ``nproc`` is given."""
-    cfg = Config(**{**DEFAULTS, **settings})
-    return cfg if "nproc" in settings else dataclasses.replace(cfg, nproc=cfg.world_size)
+    cfg = Config.from_settings(**{**DEFAULTS, **settings})
+    return cfg if "nproc" in settings else cfg.replace(nproc=cfg.layout.world)
 
 
 def in_fp64(cfg: Config) -> Config:
     """The config an equivalence test runs: the same layout in float64 (gradients reduced in float64)."""
-    return dataclasses.replace(cfg, precision="fp64", reduce_dtype="auto")
+    return cfg.replace(precision="fp64", reduce_dtype="auto")
 
 
 _REFERENCES: dict[str, Training] = {}  # single-process runs already trained in this pytest process
@@ -58,10 +57,10 @@ def train_single(cfg: Config) -> Training:
 
     Many layouts share one reference, and training is deterministic for a given thread count, so a run
     that writes nothing besides its metrics is trained once per test session and thread count, and reused."""
-    single = dataclasses.replace(cfg, nproc=1, dp=1, cp=1, tp=1, pp=1, ep=1, zero=0, sequence_parallel=False,
-                                 schedule="1f1b", virtual_stages=1, stage_layers="")
-    reusable = not (single.checkpoint_dir or single.init_from)
-    key = f"{torch.get_num_threads()} threads: {dataclasses.replace(single, out='')!r}"
+    single = cfg.replace(nproc=1, dp=1, cp=1, tp=1, pp=1, ep=1, zero=0, sequence_parallel=False,
+                         schedule="1f1b", virtual_stages=1, stage_layers=())
+    reusable = not (single.checkpoint.checkpoint_dir or single.checkpoint.init_from)
+    key = f"{torch.get_num_threads()} threads: {single.replace(out='')!r}"
     if reusable and key in _REFERENCES:
         return _REFERENCES[key]
     result = train(single, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
@@ -120,15 +119,15 @@ def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0
 
 def describe_layout(cfg: Config) -> str:
     """A short name for a layout, e.g. ``dp2 tp2 sp pp2 1f1b zero1 mb2``."""
-    parts = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(cfg, axis) > 1]
-    parts += [f"hsdp{cfg.dp_replicate}x{cfg.dp // cfg.dp_replicate}"] if cfg.dp_replicate > 1 else []
-    parts += [cfg.cp_impl] if cfg.cp > 1 else []
-    parts += ["sp"] if cfg.sequence_parallel else []
-    if cfg.pp > 1:
-        parts += [f"pp{cfg.pp}", cfg.schedule + (f" v{cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")]
-    parts += [f"zero{cfg.zero}"] if cfg.zero else []
-    parts += [f"mb{cfg.microbatches}"] if cfg.microbatches > 1 else []
-    return " ".join(parts + ([cfg.model] if cfg.model != "tiny" else [])) or "single"
+    parts = [f"{axis}{getattr(cfg.layout, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(cfg.layout, axis) > 1]
+    parts += [f"hsdp{cfg.layout.dp_replicate}x{cfg.layout.dp // cfg.layout.dp_replicate}"] if cfg.layout.dp_replicate > 1 else []
+    parts += [cfg.layout.cp_impl] if cfg.layout.cp > 1 else []
+    parts += ["sp"] if cfg.layout.sequence_parallel else []
+    if cfg.layout.pp > 1:
+        parts += [f"pp{cfg.layout.pp}", cfg.layout.schedule + (f" v{cfg.layout.virtual_stages}" if cfg.layout.virtual_stages > 1 else "")]
+    parts += [f"zero{cfg.layout.zero}"] if cfg.layout.zero else []
+    parts += [f"mb{cfg.layout.microbatches}"] if cfg.layout.microbatches > 1 else []
+    return " ".join(parts + ([cfg.model.model] if cfg.model.model != "tiny" else [])) or "single"
 
 
 PAGE = 4096  # what a tmpfs allocates at a time

@@ -8,8 +8,9 @@ reads a model only as a :class:`~trainmesh.models.spec.ModelShape`."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from trainmesh.models.spec import ModelShape, divisors
 
@@ -29,31 +30,93 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class Bound:
+    """One end of a setting's allowed range; ``strict`` excludes the bound itself."""
+
+    value: float
+    strict: bool = False
+
+
+def option(default: Any, help: str, choices: Collection | None = None, low: Bound | None = None,
+           high: Bound | None = None) -> Any:
+    """A setting's field with its help text (``--help``) and what it accepts: ``choices``, or ``low``/``high``."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high})
+
+
+def _number(value: float) -> str:
+    """A bound as a person reads it: whole numbers with thousands separators (1,048,576), others short."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+def range_text(low: Bound | None, high: Bound | None) -> str:
+    """The range ``low``..``high`` as a message says it: ``in [1, 1,048,576]``, ``at least 0``."""
+    if low and high:
+        opening, closing = "(" if low.strict else "[", ")" if high.strict else "]"
+        return f"in {opening}{_number(low.value)}, {_number(high.value)}{closing}"
+    if low:
+        return f"{'greater than' if low.strict else 'at least'} {_number(low.value)}"
+    return f"{'less than' if high.strict else 'at most'} {_number(high.value)}"
+
+
+def outside(value: float, low: Bound | None, high: Bound | None) -> bool:
+    """Whether ``value`` lies beyond ``low`` or ``high`` (NaN does not: check finiteness first)."""
+    below = low is not None and (value <= low.value if low.strict else value < low.value)
+    above = high is not None and (value >= high.value if high.strict else value > high.value)
+    return below or above
+
+
+AT_LEAST_0, AT_LEAST_1, ABOVE_0 = Bound(0), Bound(1), Bound(0, strict=True)
+MAX_RANKS = Bound(1 << 20)  # ranks and parallel degrees: far beyond any cluster, far below int overflow
+MAX_SEQUENCES = Bound(1 << 20)  # sequences per step (global batch, micro-batches): 1M, 16x Llama 3's
+
+
+@dataclass(frozen=True)
 class Layout:
     """Every setting a layout rule reads, under the names the command line, API, manifest and planner share: mesh
     sizes (``ep`` folds inside :attr:`token_ranks`), ``dp_replicate``, ZeRO stage, schedule, memory savers and dtypes,
     ``bucket_mb``, ``compile``/``cuda_graphs`` and ``timeline`` (a pipeline picture; empty: none)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_replicate: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    microbatches: int = 1
-    stage_layers: tuple[int, ...] = ()
-    recompute: str = "none"
-    precision: str = "fp32"
-    reduce_dtype: str = "auto"
-    cp_impl: str = "ring"
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    compile: bool = False
-    cuda_graphs: bool = False
-    timeline: str = ""
+    dp: int = option(1, "data-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
+    tp: int = option(1, "tensor-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
+    pp: int = option(1, "pipeline-parallel degree", low=AT_LEAST_1, high=MAX_RANKS)
+    cp: int = option(1, "context-parallel degree: each sequence split over cp ranks (2*cp head-tail chunks)",
+                     low=AT_LEAST_1, high=MAX_RANKS)
+    ep: int = option(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
+                     "ranks, tokens exchanged by all-to-all; ep divides dp*cp (dp*cp*tp under --sequence-parallel, "
+                     "folding over tp) and the expert count, adds no ranks", low=AT_LEAST_1, high=MAX_RANKS)
+    dp_replicate: int = option(1, "hybrid sharding (HSDP): split dp into this many replica groups of consecutive "
+                               "ranks (inside a node by default); --zero shards within a group and all-reduces the "
+                               "gradient shards across groups", low=AT_LEAST_1, high=MAX_RANKS)
+    zero: int = option(0, "ZeRO stage on the data-parallel axis (dp x cp under --cp)", ZERO_STAGES)
+    sequence_parallel: bool = option(False, "sequence parallelism over tp: LayerNorm regions split along the "
+                                     "sequence, all-gather/reduce-scatter in place of all-reduce (needs --tp > 1)")
+    schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over --virtual-stages "
+                           "chunks per rank) or zb (zero-bubble ZB-H1)", SCHEDULES)
+    virtual_stages: int = option(1, "model chunks per pipeline rank: at least 2 with --schedule interleaved, "
+                                 "1 with any other", low=AT_LEAST_1, high=Bound(1024))
+    microbatches: int = option(1, "micro-batches per step on each data-parallel rank (gradient accumulation); "
+                               "at most the sequences each rank gets per step", low=AT_LEAST_1, high=MAX_SEQUENCES)
+    stage_layers: tuple[int, ...] = option((), "layers of each pipeline stage in model order, comma-separated "
+                                           "(one per stage, pp * virtual-stages of them), e.g. 1,3; default: "
+                                           "balanced by parameter count")
+    recompute: str = option("none", "activation recomputation: full (each block) or selective (attention core)",
+                            RECOMPUTE)
+    precision: str = option("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and "
+                            "optimizer state (fp16 with dynamic loss scaling); fp8 is bf16 with the block linears "
+                            "multiplying in float8 (torchao; FP8 GPUs or CPU; not with --tp); fp64 for exact "
+                            "equivalence checks (default: auto, bf16 on a GPU that has it, else fp32)",
+                            PRECISION_CHOICES)
+    reduce_dtype: str = option("auto", "dtype gradients are accumulated and reduced in (auto: fp32, or fp64 under "
+                               "--precision fp64)", REDUCE_DTYPES)
+    cp_impl: str = option("ring", "context-parallel attention: ring (K/V blocks passed around the cp ranks) or "
+                          "a2a (all-to-all to whole sequences for 1/cp of the heads, DeepSpeed-Ulysses)", CP_IMPLS)
+    bucket_mb: float = option(DEFAULT_BUCKET_MB, "gradient bucket size in MB for the data-parallel AllReduce",
+                              low=ABOVE_0, high=Bound(1 << 20))
+    compile: bool = option(False, "torch.compile each transformer block")
+    cuda_graphs: bool = option(False, "with --compile on CUDA: capture the compiled blocks as CUDA graphs "
+                               "(mode reduce-overhead); MoE models, pipelines, ZeRO-3, --tp and CPU runs compile "
+                               "without them and say why once")
+    timeline: str = option("", "draw the last step's measured pipeline timeline (ranks x time) to this PNG")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # as given, or read back from JSON
@@ -68,6 +131,11 @@ class Layout:
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes, as the gradient engines cut their buckets."""
         return max(1, int(self.bucket_mb * 2**20))
+
+    @property
+    def grad_dtype(self) -> str:
+        """``reduce_dtype`` resolved (:func:`resolve_reduce_dtype`)."""
+        return resolve_reduce_dtype(self.precision, self.reduce_dtype)
 
     @property
     def world(self) -> int:
@@ -187,25 +255,15 @@ class _Check:
 Rule = Callable[[_Check], str | None]
 
 
-def _sizes(c: _Check) -> str | None:
-    for field in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "microbatches", "virtual_stages"):
-        value = getattr(c.layout, field)
-        if value < 1:
-            return f"{c.spell(field, value)}: must be at least 1"
-    if not 0 < c.layout.bucket_mb < 2**20:  # also refuses NaN
-        return f"{c.spell('bucket_mb', c.layout.bucket_mb)}: give a bucket size in MiB, above 0 and below 2**20"
-    return None
-
-
-CHOICES = {"zero": ZERO_STAGES, "schedule": SCHEDULES, "recompute": RECOMPUTE, "precision": PRECISIONS,
-           "reduce_dtype": REDUCE_DTYPES, "cp_impl": CP_IMPLS}
-
-
-def _choices(c: _Check) -> str | None:
-    for field, allowed in CHOICES.items():
-        value = getattr(c.layout, field)
-        if value not in allowed:
-            return f"{c.spell(field, value)}: choose {_either(allowed)}"
+def _values(c: _Check) -> str | None:
+    """Each setting among its field's choices and within its bounds, as the command line checks its flags."""
+    for f in dataclasses.fields(Layout):
+        value, meta = getattr(c.layout, f.name), f.metadata
+        allowed = PRECISIONS if f.name == "precision" else meta["choices"]  # a layout's precision is resolved
+        if allowed is not None and value not in allowed:
+            return f"{c.spell(f.name, value)}: choose {_either(allowed)}"
+        if meta["low"] and (value != value or outside(value, meta["low"], meta["high"])):  # NaN is outside too
+            return f"{c.spell(f.name, value)}: must be {range_text(meta['low'], meta['high'])}"
     return None
 
 
@@ -345,7 +403,7 @@ def _stage_layers(c: _Check) -> str | None:
             f"summing to {layers}")
 
 
-MESH_SHAPE_RULES: tuple[Rule, ...] = (_sizes, _choices, _world, _expert_ranks, _hybrid_shards, _sequence_parallel)
+MESH_SHAPE_RULES: tuple[Rule, ...] = (_values, _world, _expert_ranks, _hybrid_shards, _sequence_parallel)
 """The rules on the mesh's sizes alone: what ``init_mesh`` checks before the ZeRO stage, the schedule and the
 rest are chosen (by ``parallelize``, which checks every rule)."""
 

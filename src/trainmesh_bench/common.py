@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -120,36 +120,33 @@ class Bench:
         """This dp rank's share of the global batch of ``step``, as ``trainmesh train`` draws it (only its
         sequences are read), so that every implementation trains on the same tokens."""
         cfg, mesh = self.cfg, self.mesh
-        return get_batch(self.data.train, cfg.model_config.seq_len, cfg.global_batch, cfg.seed, step,
+        return get_batch(self.data.train, cfg.model_config.seq_len, cfg.optim.global_batch, cfg.model.seed, step,
                          mesh.rank("dp"), mesh.size("dp"))
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of ``step`` on its device: what a torch peer feeds its model."""
-        return api.rank_slice(self.mesh, self.batch(step), self.cfg.microbatches, dp_sliced=True)
+        return api.rank_slice(self.mesh, self.batch(step), self.cfg.layout.microbatches, dp_sliced=True)
 
 
 def init_mesh(cfg: Config) -> Mesh:
     """Join the job and build the mesh of ``cfg``'s layout (:func:`trainmesh.init_mesh`)."""
-    return tm.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
-                        sequence_parallel=cfg.sequence_parallel)
+    return tm.init_mesh(cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout, cfg.layout.ep,
+                        sequence_parallel=cfg.layout.sequence_parallel)
 
 
 def model_of(cfg: Config, device: torch.device) -> torch.nn.Module:
-    """``cfg.model`` as its family builds it from ``cfg.seed``, on ``device`` in ``cfg.precision``."""
-    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
+    """``cfg.model.model`` as its family builds it from ``cfg.model.seed``, on ``device`` in ``cfg.layout.precision``."""
+    return spec_of(cfg.model.model).builder(cfg.model_config, cfg.model.seed).to(device, dtype_of(cfg.layout.precision))
 
 
 def build(cfg: Config, mesh: Mesh) -> Bench:
     """``cfg``'s model with its parallel forms applied through the public API (:func:`trainmesh.parallelize`,
     :func:`trainmesh.optimizer`), as ``trainmesh train`` builds it, and its data."""
-    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model).tp_plan),
-                           sequence_parallel=cfg.sequence_parallel, zero=cfg.zero, recompute=cfg.recompute,
-                           schedule=cfg.schedule, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
-                           stage_layers=cfg.stage_layer_counts, precision=cfg.precision,
-                           reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
-                           cp_impl=cfg.cp_impl)
-    opt = tm.optimizer(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
-    return Bench(cfg, model, opt, TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer))
+    forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
+             if f.name not in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "timeline")}
+    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model.model).tp_plan), **forms)
+    opt = tm.optimizer(model, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
+    return Bench(cfg, model, opt, TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer))
 
 
 def fresh_model(bench: Bench) -> torch.nn.Module:
@@ -161,7 +158,7 @@ def trainmesh_step(bench: Bench, saved: SavedActivations | None = None) -> StepF
     """Step ``i`` of ``bench`` as ``trainmesh train`` takes it (:func:`trainmesh.train_step` on this rank's share
     of batch ``i``, clipped to ``--grad-clip``); ``saved`` records the first micro-batch's activations."""
     def step(i: int) -> None:
-        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True,
+        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.optim.grad_clip, dp_sliced=True,
                       saved=saved)
 
     return step

@@ -77,8 +77,8 @@ def memory_rank(seq_len: int, global_batch: int, cp: int, impl: str, mesh: Mesh)
     """On every rank: one training step of ``small`` at ``seq_len`` tokens, as ``trainmesh train`` takes its
     first: the activation bytes its first micro-batch saved, the peak RSS during the step (the process's
     high-water mark reset first, :func:`trainmesh_bench.common.peak_rss`) and the bytes counted on ``cp``."""
-    cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, nproc=cp, cp_impl=impl,
-                 steps=1, eval_batches=1, progress=False)
+    cfg = Config.from_settings(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, nproc=cp, cp_impl=impl,
+                               steps=1, eval_batches=1, progress=False)
     bench = build(cfg, mesh)
     saved = SavedActivations(bench.model.module.parameters())
     before = bench.model.comm.totals().get(AXIS, 0)
@@ -95,7 +95,7 @@ def format_memory(seq_len: int, global_batch: int, got: dict[int, dict[str, dict
     base = None
     for cp, impls in got.items():
         for impl, record in impls.items():
-            cfg = Config(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, cp_impl=impl)
+            cfg = Config.from_settings(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, cp_impl=impl)
             layout = Layout(cp=cp, cp_impl=impl)
             predicted = micro_batch_activation_bytes(workload_of(cfg), layout)
             measured = record["activation_bytes"]
@@ -130,8 +130,8 @@ def largest_fitting(fits: Callable[[int], bool], unit: int, guess: int) -> int:
 
 
 def _small(seq_len: int, cp: int, **kw) -> Config:
-    return Config(model="small", seq_len=seq_len, global_batch=1, cp=cp, nproc=cp, steps=1, warmup_steps=1,
-                  eval_batches=1, progress=False, **kw)
+    return Config.from_settings(model="small", seq_len=seq_len, global_batch=1, cp=cp, nproc=cp, steps=1, warmup_steps=1,
+                                eval_batches=1, progress=False, **kw)
 
 
 def planned_peak(seq_len: int, cp: int) -> int:
@@ -207,7 +207,7 @@ def format_fit(cap: int, got: dict[int, dict]) -> str:
 
 def _attention_inputs(seq_len: int, cp: int, seed: int) -> list[torch.Tensor]:
     """q, k, v at ``small``'s attention shape (8 heads of 32) for ``seq_len / cp`` tokens."""
-    shape = spec_of("small").shape(Config(model="small").model_config)
+    shape = spec_of("small").shape(Config.from_settings(model="small").model_config)
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(1, shape.n_heads, seq_len // cp, shape.d_model // shape.n_heads, generator=gen,
                         requires_grad=True) for _ in range(3)]

@@ -58,7 +58,7 @@ def _ep_rank(cfg: Config, steps: int) -> dict:
 
 
 def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, global_batch: int) -> str:
-    base = Config(model=model, nproc=world, dp=world, global_batch=global_batch, steps=steps, progress=False)
+    base = Config.from_settings(model=model, nproc=world, dp=world, global_batch=global_batch, steps=steps, progress=False)
     m = base.model_config
     tokens = global_batch // world * m.seq_len
     copy_bytes = m.d_model * 4
@@ -67,7 +67,7 @@ def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, globa
              f"{'layout':<8}{'a2a KiB/step':>14}{'formula KiB':>13}{'per direction KiB':>19}"
              f"{'tokens/s':>24}{'model state KiB':>17}{'peak RSS MiB':>14}"]
     for ep in degrees:
-        cfg = Config(**{**base.__dict__, "ep": ep})
+        cfg = Config.from_settings(**{**base.settings(), "ep": ep})
         results = run_ranks(_ep_rank, world, cfg, steps, timeout=600)
         layers = results[0]["layers"]
         per_direction = tokens * m.moe.top_k * copy_bytes

@@ -214,7 +214,7 @@ def step_peak(bench: Bench, first_step: int, steps: int = PEAK_STEPS) -> StepPea
     train``'s learning rate of each step."""
     model, cfg = bench.model, bench.cfg
     peak = StepPeak.of(model)
-    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    schedule = LRSchedule(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.optim.steps)
 
     def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with peak.holding(logits):
@@ -224,7 +224,7 @@ def step_peak(bench: Bench, first_step: int, steps: int = PEAK_STEPS) -> StepPea
         for step in range(first_step, first_step + steps):
             api.forward_backward(model.module, model.engine, model.pipeline, bench.micro_batches(step), criterion)
             peak.sample()
-            model.engine.step(schedule.at(step), cfg.grad_clip)
+            model.engine.step(schedule.at(step), cfg.optim.grad_clip)
             peak.sample()
     return peak
 
@@ -242,11 +242,11 @@ def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object
     out, benches = [], []
     for cfg in cfgs:
         bench = trained(cfg, train(cfg))
-        peak = step_peak(bench, cfg.steps)
-        summary = json.loads(Path(cfg.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
+        peak = step_peak(bench, cfg.optim.steps)
+        summary = json.loads(Path(cfg.logging.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
         out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
         benches.append(bench)
-    first = max(cfg.steps for cfg in cfgs) + PEAK_STEPS
+    first = max(cfg.optim.steps for cfg in cfgs) + PEAK_STEPS
     times = alternating_times([trainmesh_step(bench) for bench in benches], first, timed_rounds, STEPS_PER_VISIT,
                               benches[0].mesh.device)
     for row, layout_times in zip(out, times):
@@ -300,23 +300,23 @@ def predicted(cfg: Config, stage: int) -> dict[str, int]:
 def compare(name: str, cfg: Config, per_rank: list[dict[str, object]]) -> list[Comparison]:
     """One :class:`Comparison` per pipeline stage from every rank's :func:`measure_rank` result for ``cfg``."""
     summary = per_rank[0]["summary"]
-    ranks_per_stage = cfg.dp * cfg.cp * cfg.tp
+    ranks_per_stage = cfg.layout.dp * cfg.layout.cp * cfg.layout.tp
     rows = []
-    for stage in range(cfg.pp):
+    for stage in range(cfg.layout.pp):
         ranks = range(stage * ranks_per_stage, (stage + 1) * ranks_per_stage)
         measured = {"model_state": max(summary["model_state_bytes"][r] for r in ranks),
                     "activation": max(summary["activation_bytes"][r] for r in ranks),
                     "peak_activation": max(per_rank[r]["peak_activation_bytes"] for r in ranks),
                     "peak": max(per_rank[r]["peak_bytes"] for r in ranks)}
-        rows.append(Comparison(name, cfg.world_size, stage, predicted(cfg, stage), measured,
+        rows.append(Comparison(name, cfg.layout.world, stage, predicted(cfg, stage), measured,
                                max(summary["max_rss_bytes"][r] for r in ranks), predicted_step(cfg),
-                               tuple(per_rank[0]["step_times"]), cfg.global_batch * workload_of(cfg).seq_len))
+                               tuple(per_rank[0]["step_times"]), cfg.optim.global_batch * workload_of(cfg).seq_len))
     return rows
 
 
 def predicted_step(cfg: Config) -> float:
     """Seconds per step the planner predicts for ``cfg`` on this machine, as ``--plan auto`` sees it."""
-    return step_time(workload_of(cfg), layout_of(cfg), local_cluster(cfg.world_size)).total
+    return step_time(workload_of(cfg), layout_of(cfg), local_cluster(cfg.layout.world)).total
 
 
 def matrix_configs(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
@@ -326,18 +326,18 @@ def matrix_configs(model: str, world: int, out_dir: str, names: Iterable[str] | 
     layouts = MATRIX[world]
     chosen = list(layouts) if names is None else list(names)
     base = {**BASE, "steps": steps}
-    cfgs = {name: Config(model=model, nproc=world, global_batch=global_batch, out=str(Path(out_dir, name)),
-                         **base, **layouts[name]) for name in chosen}
+    cfgs = {name: Config.from_settings(model=model, nproc=world, global_batch=global_batch, out=str(Path(out_dir, name)),
+                                       **base, **layouts[name]) for name in chosen}
     if auto and not auto_choice(cfgs.values(), model, world, global_batch):
-        planned = auto_config(Config(model=model, nproc=world, global_batch=global_batch, **base), world,
+        planned = auto_config(Config.from_settings(model=model, nproc=world, global_batch=global_batch, **base), world,
                               local_cluster(world))[0]
-        cfgs["auto"] = dataclasses.replace(planned, out=str(Path(out_dir, f"auto-{world}")))
+        cfgs["auto"] = planned.replace(out=str(Path(out_dir, f"auto-{world}")))
     return cfgs
 
 
 def auto_choice(cfgs: Iterable[Config], model: str, world: int, global_batch: int) -> Config | None:
     """The config among ``cfgs`` running the layout ``--plan auto`` picks at ``world``, if any."""
-    planned = auto_config(Config(model=model, nproc=world, global_batch=global_batch), world, local_cluster(world))[0]
+    planned = auto_config(Config.from_settings(model=model, nproc=world, global_batch=global_batch), world, local_cluster(world))[0]
     return next((c for c in cfgs if layout_of(c) == layout_of(planned)), None)
 
 

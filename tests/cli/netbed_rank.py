@@ -11,7 +11,7 @@ from trainmesh.app.train import train
 from trainmesh.distributed.mesh import world_env
 
 if __name__ == "__main__":
-    result = train(Config(**json.loads(sys.argv[1])))
+    result = train(Config.from_settings(**json.loads(sys.argv[1])))
     state = result.run.parallel.state_dict()
     if world_env().rank == 0:
         torch.save((result.losses, state), sys.argv[2])

@@ -85,7 +85,7 @@ def _load_and_resave(cfg: Config, mesh: Mesh, resaved: Path) -> dict[str, torch.
     """Load ``cfg``'s checkpoint into its layout, save it straight back to ``resaved``; the full parameters."""
     run = build(cfg, mesh)
     progress = checkpoints.restore(run)
-    checkpoints.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(resaved))), progress)
+    checkpoints.save(dataclasses.replace(run, cfg=cfg.replace(checkpoint_dir=str(resaved))), progress)
     return run.parallel.state_dict()
 
 
@@ -270,7 +270,7 @@ class Payload:
 def saved(tmp_path_factory) -> Path:
     """A single-process run's checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("saved") / "ckpt"
-    cfg = dataclasses.replace(_cfg(root.parent, "ckpt"), steps=4, checkpoint_every=2)
+    cfg = _cfg(root.parent, "ckpt").replace(steps=4, checkpoint_every=2)
     train(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     return root
 
@@ -324,7 +324,7 @@ def test_damage_is_named_and_resume_falls_back_to_the_previous_checkpoint(saved,
         read_tensors(step_dir(root, 4))
     assert message in str(error.value)
 
-    cfg = dataclasses.replace(_cfg(tmp_path, "ckpt", resume=True), steps=6)
+    cfg = _cfg(tmp_path, "ckpt", resume=True).replace(steps=6)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     capsys.readouterr()
     assert checkpoints.resume(run).step == 2
@@ -340,7 +340,7 @@ def test_a_save_torn_by_a_crash_is_ignored_and_replaced(saved, tmp_path):
     torn = root / ".tmp-step-00000006"
     torn.mkdir()
     (torn / SHARD).write_bytes((root / "step-00000004" / SHARD).read_bytes()[:1000])
-    cfg = dataclasses.replace(_cfg(tmp_path, "ckpt", resume=True), steps=6, checkpoint_every=2)
+    cfg = _cfg(tmp_path, "ckpt", resume=True).replace(steps=6, checkpoint_every=2)
     result = train(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert len(result.losses) == 2
     # the lock: the run that saved there (through tm.save) holds the directory while it lives, as result.run does

@@ -53,8 +53,8 @@ def test_tokenizer_round_trip_and_padded_vocabulary(tok):
     b = load_tokenizer("")
     assert b.vocab_size == 256 and b.decode(b.encode(text)) == text
     assert (padded_vocab(300, 1), padded_vocab(300, 2), padded_vocab(256, 4)) == (320, 384, 256)
-    assert Config(tokenizer=tok).model_config.vocab_size == 320
-    assert Config(tokenizer=tok, tp=2).model_config.vocab_size == 384
+    assert Config.from_settings(tokenizer=tok).model_config.vocab_size == 320
+    assert Config.from_settings(tokenizer=tok, tp=2).model_config.vocab_size == 384
     assert Config().model_config.vocab_size == 256  # bytes: the preset's vocabulary
 
 

@@ -170,7 +170,7 @@ def test_deepseek_v3_with_group_limited_routing_imports_and_exports_with_transfo
 def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):
     """Through the training path (one process: tp and pp refuse tied embeddings) and out again."""
     directory = save_family("qwen2", tmp_path / "hf")
-    run = build(Config(init_hf=str(directory), model="qwen2-tiny", precision="fp64", progress=False),
+    run = build(Config.from_settings(init_hf=str(directory), model="qwen2-tiny", precision="fp64", progress=False),
                 Mesh.build(1, 1, 1, torch.device("cpu")))
     checkpoints.restore(run)
     assert run.model.head.weight is run.model.embed.weight
@@ -233,7 +233,7 @@ def test_a_deepseek_v3_folder_trains_from_hf_at_ep2_and_exports_its_logits(tmp_p
 
 def test_weights_that_do_not_fit_an_init_hf_folder_name_the_folder_not_a_model_never_given(tmp_path):
     directory = save_family("deepseek-v3", tmp_path / "hf")
-    run = build(Config(init_hf=str(directory), model="deepseek-v3-tiny", progress=False),
+    run = build(Config.from_settings(init_hf=str(directory), model="deepseek-v3-tiny", progress=False),
                 Mesh.build(1, 1, 1, torch.device("cpu")))
     full = {**hf.read_hf(directory)[2], "extra.weight": torch.zeros(3)}
     with pytest.raises(checkpoints.CheckpointMismatch, match=rf"--init-hf {directory} holds 105,635 parameters, "

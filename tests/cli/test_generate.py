@@ -37,8 +37,8 @@ def _random_model(name: str, seed: int = 1) -> torch.nn.Module:
 
 def _train(root: Path, **kw) -> Path:
     """The checkpoint directory of a single-process run (2 steps of 4 sequences unless ``kw`` says otherwise)."""
-    cfg = Config(**{"steps": 2, "global_batch": 4, "warmup_steps": 1, "progress": False, "checkpoint_dir": str(root),
-                    "out": str(root.parent / f"{root.name}-out"), **kw})
+    cfg = Config.from_settings(**{"steps": 2, "global_batch": 4, "warmup_steps": 1, "progress": False, "checkpoint_dir": str(root),
+                                  "out": str(root.parent / f"{root.name}-out"), **kw})
     train(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     return root
 

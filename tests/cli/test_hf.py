@@ -158,7 +158,7 @@ def test_tied_llama_imports_and_exports_tied(tmp_path, fp64_llama):
     """A tied Llama (no ``lm_head.weight`` stored) through the training path's loading (one process: tp and
     pp refuse tied embeddings), then out again: still tied, same logits."""
     directory = save_hf_llama(tmp_path / "hf", tie=True)
-    cfg = Config(init_hf=str(directory), model="llama-tiny", precision="fp64", progress=False)
+    cfg = Config.from_settings(init_hf=str(directory), model="llama-tiny", precision="fp64", progress=False)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     checkpoints.restore(run)
     assert run.model.head.weight is run.model.embed.weight
@@ -206,7 +206,7 @@ def test_import_at_tp2_pp2_and_export_hf_round_trip(tmp_path, fp64_llama):
     base = dict(tp=2, pp=2, nproc=4, precision="fp64", progress=False, global_batch=2)
     cfgs = [config_from_args(_args(init_hf=str(d), checkpoint_dir=str(tmp_path / f"ckpt-{name}"), **base))
             for name, d in dirs.items()]
-    assert [cfg.model for cfg in cfgs] == ["llama-tiny", "tiny"]
+    assert [cfg.model.model for cfg in cfgs] == ["llama-tiny", "tiny"]
     results = run_ranks(_import_and_save, 4, cfgs, timeout=120)
     for k, (name, directory) in enumerate(dirs.items()):
         expected = hf_logits(directory)
@@ -267,7 +267,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert main(["train", "--init-hf", str(llama_dir), "--model", "llama-small"]) == 2
     assert "--model llama-small conflicts with --init-hf" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--model tiny is a gpt model"):
-        validate(Config(init_hf=str(llama_dir), model="tiny"))
+        validate(Config.from_settings(init_hf=str(llama_dir), model="tiny"))
 
 
 def test_extra_tensors_are_refused(tmp_path):
@@ -333,7 +333,7 @@ def test_mixtral_conversion_round_trips_the_saved_tensors_bit_for_bit(tmp_path):
 def test_mixtral_in_through_the_training_path_and_out_again_gives_transformers_logits(tmp_path, fp64_mixtral):
     directory = save_hf_mixtral(tmp_path / "hf")
     cfg = config_from_args(_args(init_hf=str(directory), precision="fp64", progress=False))
-    assert cfg.model == "llama-moe-tiny" and cfg.model_config.moe.d_ff_expert == 32
+    assert cfg.model.model == "llama-moe-tiny" and cfg.model_config.moe.d_ff_expert == 32
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     checkpoints.restore(run)
     expected = mixtral_logits(directory)
@@ -343,7 +343,7 @@ def test_mixtral_in_through_the_training_path_and_out_again_gives_transformers_l
     assert json.loads((out / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     assert_same_logits(mixtral_logits(out), expected, "mixtral exported, reloaded")
     ckpt = tmp_path / "ckpt"
-    checkpoints.save(dataclasses.replace(run, cfg=dataclasses.replace(cfg, checkpoint_dir=str(ckpt))),
+    checkpoints.save(dataclasses.replace(run, cfg=cfg.replace(checkpoint_dir=str(ckpt))),
                     checkpoint.TrainingProgress(0))
     assert main(["export", str(ckpt), "--hf", str(tmp_path / "exported")]) == 0
     assert_same_logits(mixtral_logits(tmp_path / "exported"), expected, "mixtral checkpoint exported, reloaded")

@@ -206,7 +206,7 @@ def test_the_skipped_link_is_said_once_when_the_run_saves(tmp_path, capfd, tok):
 
 
 def test_an_export_never_reads_a_folder_a_rehashed_manifest_names(init_hf_run, tmp_path, capfd):
-    """Case 1: ``config.init_hf`` (and the tokenizer's recorded source) re-pointed at a folder holding
+    """Case 1: ``config.checkpoint.init_hf`` (and the tokenizer's recorded source) re-pointed at a folder holding
     ``id_rsa`` and ``credentials``, the manifest re-hashed: the export is the checkpoint's, nothing of that
     folder is read or written."""
     source, ckpt = init_hf_run

@@ -129,7 +129,7 @@ def test_initial_weights_that_cannot_train_are_refused_naming_the_tensor(folders
     ours = tmp_path / "weights.safetensors"
     save_file({"embed.weight": tensors[name]}, ours)
     with pytest.raises(CheckpointError, match="^--init-from .*: tensor embed.weight (holds 1 non-finite|is )"):
-        checkpoints.check_resumable(Config(init_from=str(ours)))
+        checkpoints.check_resumable(Config.from_settings(init_from=str(ours)))
 
 
 # --- config sizes ----------------------------------------------------------------------------------------------

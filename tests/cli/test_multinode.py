@@ -57,7 +57,7 @@ def _losses(out: Path, world_size: int) -> list[float]:
 
 
 def _assert_single_process_losses(losses: list[float]) -> None:
-    reference, _ = train_single(Config(steps=STEPS, global_batch=GLOBAL_BATCH, progress=False, precision="fp64"))
+    reference, _ = train_single(Config.from_settings(steps=STEPS, global_batch=GLOBAL_BATCH, progress=False, precision="fp64"))
     assert len(losses) == len(reference)
     for step, (a, b) in enumerate(zip(losses, reference)):
         assert abs(a - b) <= FP64_ATOL, f"step {step}: loss {a} vs single-process {b}"

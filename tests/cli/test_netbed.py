@@ -4,7 +4,6 @@ the rendezvous bind to the namespaces' private addresses only. Runs match one pr
 killed on one node is named by node and rank on both, and nothing is left behind (processes, namespaces,
 shared-memory segments: the ``bed`` fixture checks after every test)."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -52,8 +51,8 @@ def _launch_nodes(bed: TestBed, cfg: Config, out: Path, extra_env: dict[str, str
                   timeout: float = 200.0) -> list[tuple[int, str]]:
     """``trainmesh launch`` on each node, half the ranks each; returns each node's exit code and stderr."""
     argv = lambda k: [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2", "--node-rank", str(k),
-                      "--master-addr", bed.members[0].addr, "--master-port", str(PORT), "--nproc", str(cfg.nproc // 2),
-                      str(RANK_SCRIPT), json.dumps(dataclasses.asdict(cfg)), str(out)]
+                      "--master-addr", bed.members[0].addr, "--master-port", str(PORT), "--nproc", str(cfg.launch.nproc // 2),
+                      str(RANK_SCRIPT), json.dumps(cfg.settings()), str(out)]
     procs = [bed.start(k, argv(k), env={**_env(), **(extra_env or {})}, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, text=True) for k in range(2)]
     errs = [p.communicate(timeout=timeout)[1] for p in procs]
@@ -92,7 +91,7 @@ def test_dp_and_tp_inside_a_node_match_one_process_under_torchrun(bed, tmp_path)
     out = tmp_path / "out.pt"
     argv = lambda k: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                       "--node-rank", str(k), "--master-addr", bed.members[0].addr, "--master-port", str(PORT),
-                      str(RANK_SCRIPT), json.dumps(dataclasses.asdict(cfg)), str(out)]
+                      str(RANK_SCRIPT), json.dumps(cfg.settings()), str(out)]
     procs = [bed.start(k, argv(k), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for k in range(2)]
     errs = [p.communicate(timeout=300)[1] for p in procs]

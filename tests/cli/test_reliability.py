@@ -366,13 +366,13 @@ def _nan_step_rank(cfg: Config):
     os.environ["TRAINMESH_FAULT"] = "nan@1:2"
     run = build(cfg, setup_process(cfg))
     trace = []
-    for step in range(cfg.steps):
+    for step in range(cfg.optim.steps):
         undo = inject_fault(run, step, torch.distributed.get_rank())
         before = [p.detach().clone() for p in run.model.parameters()]
         api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, step, cfg.global_batch), run.criterion)
+                             rank_batch(run, run.data.train, step, cfg.optim.global_batch), run.criterion)
         scale = run.engine.loss_scale
-        run.engine.step(cfg.lr, cfg.grad_clip)
+        run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
         undo()
         unchanged = all(torch.equal(a, p) for a, p in zip(before, run.model.parameters()))
         trace.append((scale, run.engine.loss_scale, unchanged))

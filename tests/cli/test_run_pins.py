@@ -109,7 +109,7 @@ def test_a_checkpoint_lacking_a_weight_is_neither_exported_nor_loaded(copied, ca
     assert not to.exists() and not hf_dir.exists()
 
     cfg = _cfg(copied)
-    model = tm.parallelize(spec_of(cfg.model).builder(cfg.model_config, 0), _mesh())
+    model = tm.parallelize(spec_of(cfg.model.model).builder(cfg.model_config, 0), _mesh())
     with pytest.raises(CheckpointError, match=r"model/head.weight is missing there"):
         tm.load(model, tm.optimizer(model), step)
 

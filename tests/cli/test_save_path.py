@@ -46,14 +46,14 @@ def test_the_cli_saves_through_tm_save_and_a_script_saving_the_same_run_writes_t
     monkeypatch.undo()  # before the script's tm.save, which trainmesh resolves (and keeps) on first use
     assert saved_by == [run.parallel]
 
-    model = spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(torch.float64)
+    model = spec_of(cfg.model.model).builder(cfg.model_config, cfg.model.seed).to(torch.float64)
     script = tm.parallelize(model, run.mesh, zero=1, microbatches=2, precision="fp64")
     theirs = read_manifest(tm.save(script, tm.optimizer(script), tmp_path / "script", done, run.tokenizer,
-                                   config=dataclasses.asdict(cfg)))
+                                   config=cfg.settings()))
     assert cli["layout"] == theirs["layout"] == {"world_size": 1, "dp": 1, "dp_replicate": 1, "cp": 1, "tp": 1,
                                                  "pp": 1, "ep": 1, "zero": 1, "microbatches": 2, "schedule": "1f1b",
                                                  "precision": "fp64"}
-    assert cli["model_source"] == {"family": "gpt", "source": cfg.model}
+    assert cli["model_source"] == {"family": "gpt", "source": cfg.model.model}
     assert theirs["model_source"]["family"] == "gpt"
     differ = {k for k in cli if cli[k] != theirs[k]}
     assert differ == {"model_source", "files", "sha256"}, differ  # the name, and the bytes of rng and the hash
@@ -83,7 +83,7 @@ def _save_in_another_process(root: Path, step: int, env: dict[str, str]) -> subp
 
 def test_the_ranks_a_claiming_process_starts_save_under_its_lock_and_another_process_is_refused(tmp_path):
     root = tmp_path / "ckpt"
-    with checkpoints.claim(Config(checkpoint_dir=str(root))) as run_id:  # as trainmesh train's launcher does
+    with checkpoints.claim(Config.from_settings(checkpoint_dir=str(root))) as run_id:  # as trainmesh train's launcher does
         rank = _save_in_another_process(root, 1, dict(os.environ))  # inherits TRAINMESH_RUN_ID
         other = _save_in_another_process(root, 2, {k: v for k, v in os.environ.items() if k != RUN_ID_ENV})
     assert rank.returncode == 0, rank.stderr

@@ -146,13 +146,13 @@ def test_wandb_without_the_package_is_one_line_before_any_rank(tmp_path, monkeyp
 def run_dirs(tmp_path_factory):
     """A 6-step run evaluating every 3 steps and saving at step 3 and 6, resumed to step 8; its output."""
     root = tmp_path_factory.mktemp("watched")
-    cfg = Config(steps=6, global_batch=4, warmup_steps=1, eval_every=3, eval_batches=1, out=str(root / "run"),
-                 checkpoint_dir=str(root / "ckpt"), checkpoint_every=3, progress_every=2)
+    cfg = Config.from_settings(steps=6, global_batch=4, warmup_steps=1, eval_every=3, eval_batches=1, out=str(root / "run"),
+                               checkpoint_dir=str(root / "ckpt"), checkpoint_every=3, progress_every=2)
     mesh = Mesh.build(1, 1, 1, torch.device("cpu"))
     stdout, sys.stdout = sys.stdout, io.StringIO()
     try:
         first = train(cfg, mesh)
-        resumed = train(Config(**{**cfg.__dict__, "steps": 8, "resume": True}), mesh)
+        resumed = train(Config.from_settings(**{**cfg.settings(), "steps": 8, "resume": True}), mesh)
         printed = sys.stdout.getvalue()
     finally:
         sys.stdout = stdout

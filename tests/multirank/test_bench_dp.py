@@ -12,7 +12,7 @@ def _two_steps_each() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torc
     """On one rank, where nothing is synchronised anyway: the start, trainmesh's DP after two steps, and the
     bound's model after the same two steps."""
     torch.set_num_threads(1)
-    cfg = Config(nproc=1, dp=1, model="tiny", global_batch=8, microbatches=2, progress=False)
+    cfg = Config.from_settings(nproc=1, dp=1, model="tiny", global_batch=8, microbatches=2, progress=False)
     bench = build(cfg, init_mesh(cfg))
     start = [p.detach().clone() for p in fresh_model(bench).parameters()]
     model = fresh_model(bench)

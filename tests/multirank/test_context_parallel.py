@@ -98,7 +98,7 @@ def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
     spec = dataclasses.replace(spec_of("tiny"), cp_plan={})
     monkeypatch.setattr(config, "spec_of", lambda _name: spec)
     with pytest.raises(ConfigError, match="names no attention core context parallelism can split"):
-        validate(Config(nproc=2, cp=2))
+        validate(Config.from_settings(nproc=2, cp=2))
 
 
 # --- equivalence to one process (float64, helpers.FP64_ATOL) ---------------------------------------------

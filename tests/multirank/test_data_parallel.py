@@ -42,9 +42,9 @@ def _one_step_events(cfg: Config):
     run = build(cfg, setup_process(cfg))
     grad_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
     api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
+                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
     events = list(run.engine.events)
-    run.engine.step(cfg.lr, cfg.grad_clip)
+    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
     return events, len(run.engine.buckets), grad_bytes, dict(run.comm.bytes)
 
 

@@ -71,16 +71,16 @@ def mutated_rank(cfgs: list[Config], mutation: str) -> list:
 
 
 CASES = {
-    "a dp gradient contribution off by 1e-6 relative": Config(nproc=2, dp=2),
-    "a ZeRO gradient shard off by one element": Config(nproc=2, dp=2, zero=2),
-    "a dropped micro-batch": Config(nproc=2, dp=2, microbatches=2),
+    "a dp gradient contribution off by 1e-6 relative": Config.from_settings(nproc=2, dp=2),
+    "a ZeRO gradient shard off by one element": Config.from_settings(nproc=2, dp=2, zero=2),
+    "a dropped micro-batch": Config.from_settings(nproc=2, dp=2, microbatches=2),
 }
 
 
 @pytest.mark.parametrize("mutation", list(CASES))
 def test_the_equivalence_check_rejects_a_planted_bug(mutation):
-    cfg = in_fp64(Config(**{**CASES[mutation].__dict__, "steps": 3, "global_batch": 8, "progress": False,
-                            "warmup_steps": 1}))
+    cfg = in_fp64(Config.from_settings(**{**CASES[mutation].settings(), "steps": 3, "global_batch": 8, "progress": False,
+                                          "warmup_steps": 1}))
     parallel = run_ranks(mutated_rank, 2, [cfg], mutation, timeout=240)[0][0]
     loss_diff, param_diff = differences(train_single(cfg), parallel)
     assert max(loss_diff, param_diff) > 100 * FP64_ATOL, (
@@ -89,5 +89,5 @@ def test_the_equivalence_check_rejects_a_planted_bug(mutation):
 
 def test_the_same_layouts_unmutated_pass():
     """The control: without the planted bugs the same three layouts are equivalent."""
-    check_equivalent([Config(**{**cfg.__dict__, "steps": 3, "global_batch": 8, "progress": False,
-                                "warmup_steps": 1}) for cfg in CASES.values()], world_size=2)
+    check_equivalent([Config.from_settings(**{**cfg.settings(), "steps": 3, "global_batch": 8, "progress": False,
+                                              "warmup_steps": 1}) for cfg in CASES.values()], world_size=2)

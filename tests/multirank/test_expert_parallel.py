@@ -5,7 +5,6 @@ Every rank draws every rank's token copies and routing from one seed, so each ca
 outputs, gradients of the copies and gradients of its experts.
 """
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -131,7 +130,7 @@ def test_a_single_rank_dispatches_nothing():
 def _moe(**kw) -> Config:
     base = {"model": "moe-tiny", "nproc": 2, "dp": 2, "ep": 2, "steps": 4, "global_batch": 8, "progress": False,
             "warmup_steps": 1}
-    return Config(**{**base, **kw})
+    return Config.from_settings(**{**base, **kw})
 
 
 def test_ep2_and_ep2_with_zero3_equal_one_process():
@@ -171,7 +170,7 @@ def _parallelize_error(sequence_parallel: bool) -> str:
     cfg = _moe(dp=1, tp=2, sequence_parallel=sequence_parallel)
     mesh = tm.init_mesh(tp=2, ep=2, sequence_parallel=True)
     try:
-        tm.parallelize(spec_of(cfg.model).builder(cfg.model_config, cfg.seed), mesh, sequence_parallel=sequence_parallel)
+        tm.parallelize(spec_of(cfg.model.model).builder(cfg.model_config, cfg.model.seed), mesh, sequence_parallel=sequence_parallel)
     except ValueError as e:
         return str(e)
     return ""
@@ -218,7 +217,7 @@ def test_ep_layouts_on_four_ranks_equal_one_process(layouts):
 
 def _checkpointed(root: Path, name: str, **kw) -> Config:
     cfg = _moe(**{"precision": "fp64", "checkpoint_every": 2, "checkpoint_dir": str(root / name), **kw})
-    return dataclasses.replace(cfg, nproc=cfg.world_size)
+    return cfg.replace(nproc=cfg.layout.world)
 
 
 def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...], **kw) -> None:
@@ -251,7 +250,7 @@ def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
 
 
 def _mixtral_config(directory: Path, **layout) -> Config:
-    return Config(model="llama-moe-tiny", init_hf=str(directory), precision="fp64", progress=False, **layout)
+    return Config.from_settings(model="llama-moe-tiny", init_hf=str(directory), precision="fp64", progress=False, **layout)
 
 
 def _mixtral_logits_rank(directory: Path, tokens: torch.Tensor) -> torch.Tensor:

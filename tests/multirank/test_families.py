@@ -203,8 +203,8 @@ def _train_full_params(cfg) -> dict[str, torch.Tensor]:
 def _resumes_in_one_process_exactly(cfg) -> None:
     """Two steps of ``cfg`` saved by its two ranks, read back by one process: every tensor equal."""
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
-    single = dataclasses.replace(cfg, nproc=1, dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1,
-                                 resume=True, steps=3)
+    single = cfg.replace(nproc=1, dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1,
+                         resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
     loaded = run.parallel.state_dict()
@@ -213,8 +213,8 @@ def _resumes_in_one_process_exactly(cfg) -> None:
 
 def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
     """Saved by two cp ranks (the window kept by the ring)."""
-    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2,
-                                                        checkpoint_dir=str(tmp_path)))
+    cfg = _cfg(model="mistral-tiny", cp=2, precision="fp64")
+    _resumes_in_one_process_exactly(cfg.replace(steps=2, checkpoint_dir=str(tmp_path)))
 
 
 @pytest.mark.slow
@@ -223,12 +223,12 @@ def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_pa
                                          ("qwen3-moe-tiny", dict(dp=2, ep=2))])
 def test_each_familys_checkpoint_saved_at_two_ranks_resumes_in_one_process_exactly(tmp_path, name, layout):
     """Saved across two ranks of tp (Qwen2's q/k/v biases split), pp (Qwen3) or ep (Qwen3-MoE's experts)."""
-    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model=name, precision="fp64", **layout), steps=2,
-                                                        checkpoint_dir=str(tmp_path)))
+    cfg = _cfg(model=name, precision="fp64", **layout)
+    _resumes_in_one_process_exactly(cfg.replace(steps=2, checkpoint_dir=str(tmp_path)))
 
 
 @pytest.mark.slow
 def test_a_deepseek_v3_checkpoint_saved_at_pp2_resumes_in_one_process_exactly(tmp_path):
     """Saved by two pipeline stages, the first without experts, the second with their routing bias."""
-    _resumes_in_one_process_exactly(dataclasses.replace(
-        _cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64"), steps=2, checkpoint_dir=str(tmp_path)))
+    cfg = _cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64")
+    _resumes_in_one_process_exactly(cfg.replace(steps=2, checkpoint_dir=str(tmp_path)))

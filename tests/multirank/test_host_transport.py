@@ -5,7 +5,6 @@ summary say which path was taken."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -31,11 +30,11 @@ def _trainings(setting: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> tupl
     """Every layout trained for 3 float64 steps on 2 ranks under ``TRAINMESH_HOST_TRANSPORT=setting``, with the
     transport each run's ``summary.json`` records."""
     monkeypatch.setenv(TRANSPORT_ENV, setting)
-    base = Config(nproc=2, steps=3, global_batch=8, warmup_steps=1, progress=False, tensorboard=False)
-    cfgs = [in_fp64(dataclasses.replace(base, out=str(out / setting / name.replace(" ", "-")), **layout))
+    base = Config.from_settings(nproc=2, steps=3, global_batch=8, warmup_steps=1, progress=False, tensorboard=False)
+    cfgs = [in_fp64(base.replace(out=str(out / setting / name.replace(" ", "-")), **layout))
             for name, layout in LAYOUTS.items()]
     trainings = run_ranks(train_rank, 2, cfgs, timeout=240)[0]
-    return trainings, [json.loads(Path(cfg.out, "summary.json").read_text())["transport"] for cfg in cfgs]
+    return trainings, [json.loads(Path(cfg.logging.out, "summary.json").read_text())["transport"] for cfg in cfgs]
 
 
 def test_the_host_transport_trains_the_same_bits_as_torch_distributed(tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 gradient shards are all-reduced across the groups. It trains like one process (float64), composes with tp
 and pp, and its checkpoints are the same global tensors, so they reload under plain ZeRO-3 and back."""
 
-import dataclasses
 import functools
 
 import pytest
@@ -54,8 +53,8 @@ def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     runs = [in_fp64(config(dp=4, zero=3, steps=2 * (k + 1), checkpoint_dir=root, resume=k > 0, **kw, **constant_lr))
             for k, kw in enumerate(steps)]
     results = run_ranks(train_rank, 4, runs, timeout=400)[0]
-    single = train(dataclasses.replace(runs[-1], dp=1, dp_replicate=1, zero=0, nproc=1, checkpoint_dir="",
-                                       resume=False))
+    single = train(runs[-1].replace(dp=1, dp_replicate=1, zero=0, nproc=1, checkpoint_dir="",
+                                    resume=False))
     losses = [loss for run_losses, _ in results for loss in run_losses]
     assert len(losses) == 6
     assert max(abs(a - b) for a, b in zip(losses, single.losses)) <= FP64_ATOL

@@ -141,8 +141,8 @@ def test_tied_embeddings_share_one_tensor_and_are_refused_under_tp_and_pp():
 
 def test_tp_beyond_the_kv_heads_is_refused_with_the_valid_choices():
     with pytest.raises(ConfigError, match=r"^--tp 4 exceeds n_kv_heads=2 of llama-tiny .*; choose tp in \{1, 2\}$"):
-        validate(Config(model="llama-tiny", nproc=4, tp=4))
-    validate(Config(model="llama-tiny", nproc=2, tp=2))
+        validate(Config.from_settings(model="llama-tiny", nproc=4, tp=4))
+    validate(Config.from_settings(model="llama-tiny", nproc=2, tp=2))
     assert spec_of("llama-tiny").family == "llama" and spec_of("tiny").family == "gpt"
 
 
@@ -155,8 +155,8 @@ def test_recompute_wraps_the_specs_blocks_and_attention_cores():
 def test_recompute_keeps_the_losses_of_llama():
     """Full recomputation keeps only block inputs. Selective saves nothing here: CPU attention is a fused
     kernel that never stores the s x s scores, which is all selective recomputation removes."""
-    cfg = Config(model="llama-tiny", steps=3, global_batch=4, progress=False, precision="fp64", warmup_steps=1)
-    runs = {mode: train(dataclasses.replace(cfg, recompute=mode), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    cfg = Config.from_settings(model="llama-tiny", steps=3, global_batch=4, progress=False, precision="fp64", warmup_steps=1)
+    runs = {mode: train(cfg.replace(recompute=mode), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
             for mode in ("none", "selective", "full")}
     for mode in ("selective", "full"):
         assert max(abs(a - b) for a, b in zip(runs["none"].losses, runs[mode].losses)) <= 1e-12, mode
@@ -185,9 +185,9 @@ def _train_full_params(cfg: Config) -> dict[str, torch.Tensor]:
 
 def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
     """The grouped qkv and the [gate | up] pair are stored by their place in the full tensors."""
-    cfg = dataclasses.replace(_cfg(tp=2, sequence_parallel=True), steps=2, checkpoint_dir=str(tmp_path))
+    cfg = _cfg(tp=2, sequence_parallel=True).replace(steps=2, checkpoint_dir=str(tmp_path))
     trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
-    single = dataclasses.replace(cfg, nproc=1, tp=1, sequence_parallel=False, resume=True, steps=3)
+    single = cfg.replace(nproc=1, tp=1, sequence_parallel=False, resume=True, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert checkpoints.restore(run).step == 2
     loaded = run.parallel.state_dict()

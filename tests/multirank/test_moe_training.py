@@ -5,7 +5,6 @@ bad settings refused in one line before any rank starts."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import json
@@ -74,8 +73,8 @@ def _sequence_grad_bytes(cfg: Config) -> tuple[float, int]:
     torch.set_num_threads(1)
     run = build(cfg, setup_process(cfg))
     api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
-    run.engine.step(cfg.lr, cfg.grad_clip)
+                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
     partial = sum(p.numel() for p in run.model.parameters() if is_tp_partial(p))
     return run.comm.bytes.get(("tp", "sequence_grads"), 0.0), partial
 
@@ -121,7 +120,7 @@ def test_at_pp2_the_expert_metrics_cover_every_stages_layers(model: str) -> None
     the metrics are gathered from every stage, and are the one-process run's."""
     cfg = in_fp64(_cfg(nproc=2, pp=2, microbatches=2, moe_z_coef=0.01, model=model))
     metrics = run_ranks(_train_with_metrics, 2, cfg, timeout=240)[0][1]
-    single = train(dataclasses.replace(cfg, nproc=1, pp=1), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    single = train(cfg.replace(nproc=1, pp=1), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
     expected = moe_metrics(single.run)
     assert list(metrics) == list(expected) == [f"blocks.{i}.mlp" for i in range(model == "deepseek-v3-tiny", 2)]
     for name, layer in expected.items():

@@ -81,11 +81,11 @@ def _fp16_overflow_rank(cfg: Config, fault: str):
     run = build(cfg, setup_process(cfg))
     rank = torch.distributed.get_rank()
     trace = []
-    for step in range(cfg.steps):
+    for step in range(cfg.optim.steps):
         undo = inject_fault(run, step, rank)
         before = [p.detach().clone() for p in run.model.parameters()]
         api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, step, cfg.global_batch), run.criterion)
+                             rank_batch(run, run.data.train, step, cfg.optim.global_batch), run.criterion)
         scale = run.engine.loss_scale
         norm = run.engine.step(1e-3, 1.0)
         undo()

@@ -117,8 +117,8 @@ def _step_counts(cfg: Config) -> tuple[dict[str, float], list[torch.Size], int]:
             module.register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
     saved = SavedActivations(run.model.parameters())
     api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion, saved)
-    run.engine.step(cfg.lr, cfg.grad_clip)
+                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion, saved)
+    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
     return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes, saved.bytes
 
 
@@ -133,7 +133,7 @@ def test_one_step_communication_and_activations_match_the_papers():
     cfgs = [_cfg(2), _cfg(2, sp=True)]
     results = run_ranks(_one_step, 2, cfgs)[0]
     for cfg, (counted, shapes, _) in zip(cfgs, results):
-        sp = cfg.sequence_parallel
+        sp = cfg.layout.sequence_parallel
         expected = expected_tp_bytes(TINY, cfg.micro_batch, 2, sp)
         assert counted.keys() == expected.keys()
         for op in expected:
@@ -153,7 +153,7 @@ def _mlp() -> nn.Module:
 
 def _user_model_step() -> tuple[float, float]:
     """Forward, backward and an SGD step of a plain MLP, split by a two-line plan vs. the same MLP whole."""
-    mesh = setup_process(Config(nproc=2, tp=2))
+    mesh = setup_process(Config.from_settings(nproc=2, tp=2))
     ref, model = _mlp(), _mlp()
     assert apply_tensor_parallel(model, mesh, {"0": "colwise", "2": "rowwise"}) is None
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
@@ -180,7 +180,7 @@ def _load_full_weights() -> list[tuple[bool, float]]:
 
 def _load_and_compare(sp: bool) -> tuple[bool, float]:
     """Full weights of another seed loaded into a sharded GPT: gathered back bit for bit, same loss."""
-    mesh = setup_process(Config(nproc=2, tp=2, sequence_parallel=sp))
+    mesh = setup_process(Config.from_settings(nproc=2, tp=2, sequence_parallel=sp))
     model, source = GPT(TINY, seed=0), GPT(TINY, seed=1)
     criterion = apply_tensor_parallel(model, mesh, GPT_PLAN, sp)
     load_full_state_dict(model, source.state_dict())
@@ -217,12 +217,12 @@ def test_plan_errors_say_what_to_fix():
 
 
 def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
-    validate(Config(nproc=4, tp=4, sequence_parallel=True))
+    validate(Config.from_settings(nproc=4, tp=4, sequence_parallel=True))
     with pytest.raises(ConfigError, match="set --tp > 1 or drop --sequence-parallel"):
-        validate(Config(sequence_parallel=True))
+        validate(Config.from_settings(sequence_parallel=True))
     monkeypatch.setitem(PRESETS, "odd-seq", ModelConfig(2, 64, 4, 256, 256, seq_len=30))
     with pytest.raises(ConfigError, match="splits the 30 tokens of each sequence over --tp 4, which does not divide"):
-        validate(Config(model="odd-seq", nproc=4, tp=4, sequence_parallel=True))
+        validate(Config.from_settings(model="odd-seq", nproc=4, tp=4, sequence_parallel=True))
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])

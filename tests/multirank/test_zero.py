@@ -74,9 +74,9 @@ def test_compiled_zero3_compiles_each_block_once_and_computes_what_eager_does():
         out = []
         for step in range(3):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
-                micro = rank_batch(run, run.data.train, step, cfg.global_batch)
+                micro = rank_batch(run, run.data.train, step, cfg.optim.global_batch)
                 out.append(api.forward_backward(run.model, run.engine, run.pipeline, micro, run.criterion).item())
-            run.engine.step(cfg.lr, cfg.grad_clip)
+            run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
         return out
 
     torch._dynamo.reset()
@@ -106,8 +106,8 @@ def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard
     cfg = _cfg(1, 3, precision="bf16", reduce_dtype="bf16")
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
-    run.engine.step(cfg.lr, cfg.grad_clip)
+                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
     groups = run.engine.groups
     assert all(g.shard.dtype == g.flat.dtype == torch.bfloat16 for g in groups)
     assert all(g.grad_shard.dtype == torch.bfloat16 and g.master.dtype == torch.float32 for g in groups)
@@ -126,9 +126,9 @@ def test_non_finite_gradient_skips_the_update(stage):
     before = run.parallel.state_dict()
     poison = next(run.model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
     api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
+                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
     poison.remove()
-    assert math.isnan(run.engine.step(cfg.lr, cfg.grad_clip))
+    assert math.isnan(run.engine.step(cfg.optim.lr, cfg.optim.grad_clip))
     after = run.parallel.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -143,13 +143,13 @@ def _nan_step_traces(cfgs: list[Config]) -> list[tuple[list[tuple[float, float, 
     for cfg in cfgs:
         run = build(cfg, mesh)
         trace = []
-        for step in range(cfg.steps):
+        for step in range(cfg.optim.steps):
             undo = inject_fault(run, step, torch.distributed.get_rank())
             before = run.parallel.state_dict()
             api.forward_backward(run.model, run.engine, run.pipeline,
-                                 rank_batch(run, run.data.train, step, cfg.global_batch), run.criterion)
+                                 rank_batch(run, run.data.train, step, cfg.optim.global_batch), run.criterion)
             scale = run.engine.loss_scale
-            run.engine.step(cfg.lr, cfg.grad_clip)
+            run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
             undo()
             after = run.parallel.state_dict()
             trace.append((scale, run.engine.loss_scale, all(torch.equal(before[k], after[k]) for k in before)))
@@ -272,15 +272,15 @@ def _one_step_events(cfgs: list[Config]) -> dict[int, tuple]:
     for cfg in cfgs:
         run = build(cfg, mesh)
         api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
+                             rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
         events = list(run.engine.events)
         units = [u.name for u in getattr(run.engine, "units", [])]
         still_gathered = [u.name for u in getattr(run.engine, "units", []) if u.gathered]
         full_grads_held = [g.name for g in run.engine.groups if g.grad_flat is not None]
-        run.engine.step(cfg.lr, cfg.grad_clip)
+        run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
         with run.engine.gathered() if units else torch.no_grad():
             exported = {k: v.clone() for k, v in run.model.state_dict().items()}
-        out[cfg.zero] = events, units, still_gathered, full_grads_held, exported
+        out[cfg.layout.zero] = events, units, still_gathered, full_grads_held, exported
     return out
 
 
@@ -327,8 +327,8 @@ def _in_step_peaks(cfgs: list[Config]) -> list[int]:
         run = build(cfg, mesh)
         run.engine.peak_state_bytes = 0
         api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, 0, cfg.global_batch), run.criterion)
-        run.engine.step(cfg.lr, cfg.grad_clip)
+                             rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+        run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
         peaks.append(run.engine.peak_state_bytes)
     return peaks
 

@@ -36,6 +36,7 @@ BAD_FLAGS = [
     (["--zero", "5"], "--zero 5: choose 0, 1, 2 or 3"),
     (["--precision", "fp4"], "--precision fp4: choose auto, fp32, bf16, fp16, fp64 or fp8"),
     (["--dp", "2.0"], "--dp 2.0: must be a whole number"),
+    (["--stage-layers", "1;1"], "--stage-layers 1;1: must be a comma-separated list of layer counts, e.g. 1,3"),
     (["--steps", "0"], "--steps 0: must be in [1, 1,000,000,000]"),
     (["--lr", "0"], "--lr 0: must be in (0, 10]"),
     (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr 0.1 exceeds --lr 0.01"),
@@ -50,20 +51,23 @@ def test_bad_flag_value_is_one_line_naming_the_flag(argv, message):
 
 
 BAD_TOML = [
-    ('steps = "2"', 'steps = "2": must be a whole number'),
-    ("global_batch = 4.0", "global_batch = 4.0: must be a whole number"),
-    ("dp = 2.0", "dp = 2.0: must be a whole number"),
-    ("checkpoint_dir = 5", "checkpoint_dir = 5: must be a string"),
-    ('resume = "no"', 'resume = "no": must be true or false'),
-    ("zero = 5", "zero = 5: choose 0, 1, 2 or 3"),
-    ('precision = "fp4"', 'precision = "fp4": choose auto, fp32, bf16, fp16, fp64 or fp8'),
-    ("lr = inf", "lr = inf: must be a finite number"),
-    ("min_lr = nan", "min_lr = nan: must be a finite number"),
-    ("beta1 = 2", "beta1 = 2: must be in [0, 1)"),
+    ('[optim]\nsteps = "2"', 'steps = "2": must be a whole number'),
+    ("[optim]\nglobal_batch = 4.0", "global_batch = 4.0: must be a whole number"),
+    ("[layout]\ndp = 2.0", "dp = 2.0: must be a whole number"),
+    ("[checkpoint]\ncheckpoint_dir = 5", "checkpoint_dir = 5: must be a string"),
+    ('[checkpoint]\nresume = "no"', 'resume = "no": must be true or false'),
+    ("[layout]\nzero = 5", "zero = 5: choose 0, 1, 2 or 3"),
+    ('[layout]\nprecision = "fp4"', 'precision = "fp4": choose auto, fp32, bf16, fp16, fp64 or fp8'),
+    ('[layout]\nstage_layers = "1;1"', 'stage_layers = "1;1": must be a comma-separated list of layer counts'),
+    ("[optim]\nlr = inf", "lr = inf: must be a finite number"),
+    ("[optim]\nmin_lr = nan", "min_lr = nan: must be a finite number"),
+    ("[optim]\nbeta1 = 2", "beta1 = 2: must be in [0, 1)"),
     ("[optim]\nzero = 1", "zero is not a [optim] setting; move it to [layout]"),
-    ("[optimizer]\nlr = 0.1", "unknown section [optimizer]; sections are [model], [layout]"),
+    ("[optim]\nmicrobatches = 2", "microbatches is not a [optim] setting; move it to [layout]"),
+    ("lr = 0.1", "lr is outside any table; move it to [optim]"),
+    ("[optimizer]\nlr = 0.1", "unknown section [optimizer]; sections are [model], [moe], [data], [layout]"),
     ("[optim]\nlearnrate = 0.1", "unknown key [optim] learnrate"),
-    ("global-batch = 8\nglobal_batch = 8", "global_batch is set twice"),
+    ("[optim]\nglobal-batch = 8\nglobal_batch = 8", "global_batch is set twice"),
 ]
 
 
@@ -88,17 +92,45 @@ def test_flag_and_toml_say_the_same_about_the_same_mistake(tmp_path):
 
 def test_toml_takes_flag_spelling_and_sections(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('seed = 3\n[layout]\nnproc = 2\ndp = 2\n[optim]\nglobal-batch = 8\nlr = 1\n'
-                    '[checkpoint]\ncheckpoint-dir = "ck"\nresume = true\n[runtime]\ncollective_timeout = 30\n')
+    toml.write_text('[model]\nseed = 3\n[launch]\nnproc = 2\ncollective_timeout = 30\n[layout]\ndp = 2\n'
+                    'stage-layers = "1,3"\n[optim]\nglobal-batch = 8\nlr = 1\n'
+                    '[checkpoint]\ncheckpoint-dir = "ck"\nresume = true\n')
     assert load_toml(str(toml)) == {"seed": 3, "nproc": 2, "dp": 2, "global_batch": 8, "lr": 1.0,
-                                    "checkpoint_dir": "ck", "resume": True, "collective_timeout": 30.0}
-    cfg = from_flags("--config", str(toml), "--lr", "0.5")
-    assert (cfg.global_batch, cfg.lr, cfg.resume) == (8, 0.5, True) and isinstance(cfg.lr, float)
+                                    "stage_layers": (1, 3), "checkpoint_dir": "ck", "resume": True,
+                                    "collective_timeout": 30.0}
+    cfg = config_from_args(cli._parser().parse_args(["train", "--config", str(toml), "--lr", "0.5"]))
+    assert (cfg.optim.global_batch, cfg.optim.lr, cfg.checkpoint.resume) == (8, 0.5, True)
+    assert isinstance(cfg.optim.lr, float) and cfg.layout.stage_layers == (1, 3)
 
 
-def test_every_field_is_in_exactly_one_section():
-    names = [name for section in SECTIONS.values() for name in section]
-    assert sorted(names) == sorted(f.name for f in fields(Config))
+def test_the_toml_tables_and_help_groups_are_the_config_sections(tmp_path):
+    """Each section of :class:`Config` is one TOML table and one ``--help`` group holding exactly its fields'
+    flags; every setting written in its own table reads back, and in any other table it is refused in one
+    line naming the table it belongs in."""
+    sections = {f.name: [g.name for g in fields(f.default_factory)] for f in fields(Config)}
+    assert list(SECTIONS) == list(sections)
+    train = next(a for a in cli._parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    groups = {g.title: [a.dest for a in g._group_actions] for g in train._action_groups if g.title.startswith("[")}
+    assert groups == {f"[{name}] settings": names for name, names in sections.items()}
+    toml = tmp_path / "run.toml"
+    for table, names in sections.items():
+        toml.write_text(f"[{table}]\n" + "".join(f"{n} = {config._spell(config.FIELDS[n].default)}\n"
+                                                 for n in names if n != "stage_layers"))
+        assert load_toml(str(toml)).keys() == set(names) - {"stage_layers"}
+        other = next(t for t in sections if t != table)
+        toml.write_text(f"[{other}]\n{names[0]} = {config._spell(config.FIELDS[names[0]].default)}\n")
+        with pytest.raises(ConfigError) as e:
+            load_toml(str(toml))
+        assert str(e.value) == f"{toml}: {names[0]} is not a [{other}] setting; move it to [{table}]"
+
+
+def test_settings_round_trip_through_the_flat_names():
+    cfg = Config.from_settings(dp=2, lr=0.1, stage_layers=(1, 3), out="o")
+    assert Config.from_settings(**cfg.settings()) == cfg == cfg.replace(dp=2)
+    assert (cfg.layout.dp, cfg.optim.lr, cfg.layout.stage_layers, cfg.logging.out) == (2, 0.1, (1, 3), "o")
+    assert cfg.replace(tp=2).layout == dataclasses.replace(cfg.layout, tp=2)
+    with pytest.raises(ConfigError, match="^unknown setting learnrate; settings are the flag names"):
+        cfg.replace(learnrate=1)
 
 
 def test_config_file_that_is_a_directory_or_binary_is_one_line(tmp_path):
@@ -116,7 +148,7 @@ def test_validate_checks_values_given_through_the_python_api():
                          (dict(dp="2"), "--dp 2: must be a whole number"),
                          (dict(resume=1), "--resume 1: must be true or false")):
         with pytest.raises(ConfigError, match=f"^{message}"):
-            validate(dataclasses.replace(Config(), **bad))
+            validate(Config().replace(**bad))
 
 
 def test_check_value_names_any_file_source():
@@ -126,7 +158,7 @@ def test_check_value_names_any_file_source():
     assert check_value("lr", 1, "run.toml") == 1.0
 
 
-@pytest.mark.parametrize("body", ["dp = 2.0\nnproc = 2", 'steps = "2"', "zero = 5"])
+@pytest.mark.parametrize("body", ["[layout]\ndp = 2.0\n[launch]\nnproc = 2", '[optim]\nsteps = "2"', "[layout]\nzero = 5"])
 def test_bad_toml_spawns_nothing(tmp_path, monkeypatch, capsys, body):
     def no_spawn(*_a, **_k):
         raise AssertionError("a rank was spawned for an invalid config")
@@ -147,12 +179,7 @@ def test_world_size_from_the_environment_is_checked_too(monkeypatch):
         cli.checked_config(args)
 
 
-def test_every_setting_belongs_to_one_toml_section():
-    names = [name for section in SECTIONS.values() for name in section]
-    assert sorted(names) == sorted(f.name for f in fields(Config)) == sorted(config.SECTION_OF)
-
-
-NUMERIC = [f.name for f in fields(Config) if f.type in ("int", "float") and f.metadata["choices"] is None]
+NUMERIC = [f.name for f in config.FIELDS.values() if f.type in ("int", "float") and f.metadata["choices"] is None]
 
 
 def _outside_values(name: str) -> list:
@@ -189,7 +216,7 @@ def test_the_hostile_numbers_of_the_second_round_are_one_line():
                           (["--eval-batches", "1000000000000"], "--eval-batches 1000000000000: must be in [1, "),
                           (["--steps", "1000000000000"], "--steps 1000000000000: must be in [1, 1,000,000,000]")):
         if message is None:
-            assert from_flags(*argv).seed == 2**62
+            assert from_flags(*argv).model.seed == 2**62
             continue
         with pytest.raises(ConfigError) as e:
             from_flags(*argv)
@@ -205,9 +232,9 @@ def test_a_seed_up_to_2_63_draws_batches_and_small_seeds_draw_what_they_always_d
 
 
 def test_eval_batches_are_bounded_by_the_validation_split():
-    cfg = Config(eval_batches=config.EVAL_BATCHES_FLOOR)
+    cfg = Config.from_settings(eval_batches=config.EVAL_BATCHES_FLOOR)
     config.check_eval_batches(cfg, val_tokens=100, source="tiny.txt")  # a small split allows the floor
-    big = dataclasses.replace(cfg, eval_batches=5_000)
+    big = cfg.replace(eval_batches=5_000)
     config.check_eval_batches(big, val_tokens=5_000 * 16 * 32, source="big")
     with pytest.raises(ConfigError, match=r"^--eval-batches 5000: the validation split of big holds 819,200 tokens, "
                                           r"which 1,600 batch\(es\) of 16 x 32 tokens cover; choose --eval-batches "

@@ -2,7 +2,6 @@
 against bf16's noise floor on CPU (torchao's float8 runs there in torch 2.13), checkpoints a bf16 run loads,
 and the planner's bytes and peaks."""
 
-import dataclasses
 import importlib.util
 import json
 
@@ -109,4 +108,4 @@ def test_the_planner_prices_fp8_state_as_bf16_and_knows_the_fp8_peaks():
     h100, a100 = make_cluster("h100-80gb", 8), make_cluster("a100-80gb", 8)
     assert (h100.peak_at("fp8"), h100.peak_at("bf16"), h100.peak_at("fp64")) == (1979e12, 989e12, 67e12)
     assert a100.peak_at("fp8") == 0
-    assert dataclasses.replace(Config(), precision="fp8").layout.precision == "fp8"
+    assert Config().replace(precision="fp8").layout.precision == "fp8"

@@ -32,10 +32,10 @@ def test_every_gpu_check_case_is_a_valid_train_command(gpus: int, tmp_path: Path
         cfg = config_from_args(_parser().parse_args(["train", *argv]))
         ranks = 1 if case.model == "big" else gpus
         validate(cfg, world_size=ranks, cuda_devices=gpus, cuda_capability=(9, 0))
-        assert (cfg.device, cfg.precision, cfg.compile, cfg.dp) == ("cuda", case.precision, case.compile, ranks)
-        assert cfg.cuda_graphs == ("--cuda-graphs" in case.flags)
-        assert cfg.global_batch == ranks * gpu_check.micro_batch(case, args)
-        assert cfg.model == (f"{args.big_model}-16l" if case.model == "big" else gpu_check.model_of(case, args))
+        assert (cfg.launch.device, cfg.layout.precision, cfg.layout.compile, cfg.layout.dp) == ("cuda", case.precision, case.compile, ranks)
+        assert cfg.layout.cuda_graphs == ("--cuda-graphs" in case.flags)
+        assert cfg.optim.global_batch == ranks * gpu_check.micro_batch(case, args)
+        assert cfg.model.model == (f"{args.big_model}-16l" if case.model == "big" else gpu_check.model_of(case, args))
     assert [c.key for c in gpu_check.selected(gpu_check.parse_args([]).cases)] == list(gpu_check.DEFAULT_CASES)
     with pytest.raises(SystemExit, match="unknown case 'nope'"):
         gpu_check.selected("compiled,nope")

@@ -485,7 +485,7 @@ def test_plan_and_train_share_defaults_so_the_chosen_layout_fits_the_run_train_s
     fit with train's fp32 gradients. Now the plan's defaults are Config's, and re-planning the printed
     command's configuration predicts the same memory."""
     work = workload_from("llama-7b", 8, "bf16")
-    assert (work.reduce_dtype, work.grad_dtype) == (Config.reduce_dtype, Config().grad_dtype)
+    assert (work.reduce_dtype, work.grad_dtype) == (Layout.reduce_dtype, Config().layout.grad_dtype)
     cluster = make_cluster("h100-80gb", 8)
     chosen = choose(search(work, cluster))
     assert memory_per_rank(work, chosen.layout).total == chosen.memory.total <= cluster.usable_bytes
@@ -594,13 +594,13 @@ def test_one_micro_batch_is_the_peak_without_a_pipeline_and_a_pth_of_it_under_1f
 
 
 def test_config_and_layout_convert_both_ways() -> None:
-    cfg = Config(model="small", nproc=4, dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_mb=0.5)
+    cfg = Config.from_settings(model="small", nproc=4, dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_mb=0.5)
     layout = layout_of(cfg)
     assert layout == Layout(dp=2, pp=2, zero=1, microbatches=4, schedule="zb", bucket_mb=0.5)
-    assert with_layout(Config(model="small"), layout) == dataclasses.replace(cfg, schedule="zb")
+    assert with_layout(Config.from_settings(model="small"), layout) == cfg.replace(schedule="zb")
     assert workload_of(cfg) == Workload(model_shape("small"), 16, 128, "fp32", "auto")
     # Without a pipeline the schedule is irrelevant and the planner's default stands in for it.
-    assert layout_of(Config(schedule="gpipe")).schedule == "1f1b"
+    assert layout_of(Config.from_settings(schedule="gpipe")).schedule == "1f1b"
 
 
 def test_ranks_are_handed_the_launchers_resolved_run_not_a_command_line(monkeypatch, tmp_path) -> None:
@@ -616,7 +616,7 @@ def test_ranks_are_handed_the_launchers_resolved_run_not_a_command_line(monkeypa
         return 0
 
     monkeypatch.setattr(launcher, "launch_with_restarts", spawn)
-    monkeypatch.setattr(cli, "_planned", lambda cfg, world: dataclasses.replace(cfg, dp=1, tp=2))
+    monkeypatch.setattr(cli, "_planned", lambda cfg, world: cfg.replace(dp=1, tp=2))
     assert cli.main(["train", "--nproc", "2", "--plan", "auto", "--out", str(tmp_path / "run")]) == 0
     launched = config_from_args(cli._parser().parse_args(["train", "--nproc", "2", "--plan", "auto", "--tp", "2",
                                                          "--dp", "1", "--out", str(tmp_path / "run")]))
@@ -626,26 +626,25 @@ def test_ranks_are_handed_the_launchers_resolved_run_not_a_command_line(monkeypa
                         **started["env"]}.items():
         monkeypatch.setenv(name, value)
     got = cli.checked_config(cli._parser().parse_args(["train"]))
-    assert got == launched and (got.tp, got.dp, got.plan) == (2, 1, "auto")
+    assert got == launched and (got.layout.tp, got.layout.dp, got.launch.plan) == (2, 1, "auto")
     monkeypatch.setenv(cli.RESOLVED_ENV, started["restarted"][cli.RESOLVED_ENV])
-    assert cli.checked_config(cli._parser().parse_args(["train"])) == dataclasses.replace(
-        launched, resume=True, overwrite=False)
+    assert cli.checked_config(cli._parser().parse_args(["train"])) == launched.replace(resume=True, overwrite=False)
 
 
 def test_plan_auto_takes_the_fastest_layout_the_runtime_accepts() -> None:
-    cfg = Config(plan="auto", nproc=2, global_batch=8)
+    cfg = Config.from_settings(plan="auto", nproc=2, global_batch=8)
     cluster = make_cluster("cpu", 2)
     chosen, estimate_ = auto_config(cfg, 2, cluster)
     assert layout_of(chosen) == best_layout(workload_of(cfg), cluster) == estimate_.layout
-    assert chosen.world_size == chosen.nproc == 2 and chosen.plan == "auto"
+    assert chosen.layout.world == chosen.launch.nproc == 2 and chosen.launch.plan == "auto"
     # --timeline draws a pipeline: config.validate rejects it at pp=1, so the plan must pick a pipeline.
-    piped, _ = auto_config(dataclasses.replace(cfg, timeline="t.png"), 2, cluster)
-    assert (piped.pp, piped.dp * piped.tp) == (2, 1)
+    piped, _ = auto_config(cfg.replace(timeline="t.png"), 2, cluster)
+    assert (piped.layout.pp, piped.layout.dp * piped.layout.tp) == (2, 1)
 
 
 def test_plan_auto_says_how_to_fix_a_world_where_nothing_fits() -> None:
     with pytest.raises(ValueError, match="no layout of gpt2-124m .* add ranks, lower --global-batch"):
-        auto_config(Config(model="gpt2-124m", plan="auto"), 1, make_cluster("cpu", 1, mem_gb=1.5))
+        auto_config(Config.from_settings(model="gpt2-124m", plan="auto"), 1, make_cluster("cpu", 1, mem_gb=1.5))
 
 
 @pytest.mark.parametrize(
@@ -727,7 +726,7 @@ def test_the_printed_command_parses_back_to_the_chosen_layout(model: str, gpus: 
         assert argv[:2] == ["trainmesh", "train"] or argv[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
         cfg = config_from_args(cli._parser().parse_args(argv[argv.index("train"):]))
         assert layout_of(cfg) == found.layout and workload_of(cfg) == work
-        assert cfg.nproc == found.layout.world or argv[0] == "torchrun"
+        assert cfg.launch.nproc == found.layout.world or argv[0] == "torchrun"
 
 
 def test_a_planning_only_shape_prints_layout_flags_without_a_model_train_refuses() -> None:

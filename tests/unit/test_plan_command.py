@@ -38,11 +38,11 @@ def _train_config(line: str) -> Config:
 def test_auto_precision_is_bf16_on_gpus_and_fp32_on_cpu_and_the_plan_says_so(gpu: str, precision: str) -> None:
     lines = _plan(f"--model small --gpus 8 --gpu {gpu} --global-batch 16 --top 2")
     assert f"precision {precision} (auto" in lines[0]
-    assert _train_config(lines[-1]).precision == precision
+    assert _train_config(lines[-1]).layout.precision == precision
 
 
 def test_train_resolves_auto_through_the_same_function_as_plan() -> None:
-    assert Config.precision == "auto" and Config(device="cpu").precision == resolve_precision("auto", False) == "fp32"
+    assert Config.from_settings(device="cpu").layout.precision == resolve_precision("auto", False) == "fp32"
     assert resolve_precision("auto", True) == "bf16" and resolve_precision("fp16", True) == "fp16"
 
 
@@ -63,7 +63,7 @@ def test_several_nodes_get_the_whole_torchrun_rendezvous_and_the_line_parses_bac
     assert words[words.index("--rdzv-endpoint") + 1].startswith("${HEAD_NODE:?")
     assert lines[-2].startswith("# on each of the 8 nodes, with HEAD_NODE set")
     cfg = _train_config(lines[-1])
-    assert (cfg.model, cfg.precision, cfg.world_size) == ("llama3-70b", "bf16", 64)
+    assert (cfg.model.model, cfg.layout.precision, cfg.layout.world) == ("llama3-70b", "bf16", 64)
 
 
 def test_the_placeholder_stops_the_shell_until_it_is_filled() -> None:

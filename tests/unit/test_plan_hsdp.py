@@ -96,7 +96,7 @@ def test_a_model_too_big_for_one_node_groups_replicates_groups_of_two_nodes() ->
     chosen = choose(fitting)
     assert chosen.layout.dp_replicate == 4 and chosen.layout.shard_ranks == 4
     words = shlex.split(train_command(work, chosen.layout, cluster, preset_source(work, "llama3-70b"))[-1])
-    assert config_from_args(cli._parser().parse_args(words[words.index("train"):])).dp_replicate == 4
+    assert config_from_args(cli._parser().parse_args(words[words.index("train"):])).layout.dp_replicate == 4
 
 
 def test_inside_one_node_nothing_crosses() -> None:
@@ -135,7 +135,7 @@ def test_a_chosen_hsdp_says_the_bytes_it_keeps_off_the_slow_link_and_its_command
     assert "less data-parallel traffic" in why and "over the inter-node link against the runner-up's" in why
     words = shlex.split(text[-1])
     cfg = config_from_args(cli._parser().parse_args(words[words.index("train"):]))
-    assert (cfg.dp, cfg.tp, cfg.zero, cfg.dp_replicate) == (8, 2, 3, 2)
+    assert (cfg.layout.dp, cfg.layout.tp, cfg.layout.zero, cfg.layout.dp_replicate) == (8, 2, 3, 2)
     rows = json.loads(to_json(work, cluster, found, chosen))["layouts"]
     assert rows[0]["dp_bytes_per_rank"]["inter"] < rows[1]["dp_bytes_per_rank"]["inter"]
 

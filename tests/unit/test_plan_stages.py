@@ -43,7 +43,7 @@ def test_layers_that_do_not_divide_by_the_pipeline_are_planned_and_printed_as_st
     words = shlex.split(line)
     assert words[words.index("--stage-layers") + 1] == ",".join(map(str, found.layout.stage_layers))
     cfg = config_from_args(cli._parser().parse_args(words[1:]))
-    assert layout_of(cfg) == found.layout and cfg.stage_layer_counts == found.layout.stage_layers
+    assert layout_of(cfg) == found.layout and cfg.layout.stage_layers == found.layout.stage_layers
 
 
 @pytest.mark.parametrize("name,chunks", [("tiny-deep", 3), ("tiny-deep", 6), ("llama-tiny", 2)])

@@ -48,10 +48,10 @@ if TYPE_CHECKING:
 def model_source(cfg: Config) -> str:
     """How runs, summaries and reports name the model of a ``trainmesh train`` run: its preset, or for an
     ``--init-hf`` import the architecture and the directory it came from (``LlamaForCausalLM from DIR``)."""
-    if not cfg.init_hf:
-        return cfg.model
-    architecture = spec_of(cfg.model).hf.architecture
-    return f"{architecture} from {cfg.init_hf}"
+    if not cfg.checkpoint.init_hf:
+        return cfg.model.model
+    architecture = spec_of(cfg.model.model).hf.architecture
+    return f"{architecture} from {cfg.checkpoint.init_hf}"
 
 
 def save(run: Run, progress: TrainingProgress, async_: bool = False) -> Path | AsyncSave:
@@ -62,8 +62,8 @@ def save(run: Run, progress: TrainingProgress, async_: bool = False) -> Path | A
     if run.tokenizer is not None and world_from_env()[0] == 0:
         notice_changed_tokenizer(run.tokenizer)
     cfg = run.cfg
-    return api.save(run.parallel, run.opt, cfg.checkpoint_dir, progress, run.tokenizer, cfg.keep_last, async_=async_,
-                    config=dataclasses.asdict(cfg), hf_source=cfg.init_hf)
+    return api.save(run.parallel, run.opt, cfg.checkpoint.checkpoint_dir, progress, run.tokenizer, cfg.checkpoint.keep_last, async_=async_,
+                    config=cfg.settings(), hf_source=cfg.checkpoint.init_hf)
 
 
 def notice_changed_tokenizer(pinned: TokenizerFile) -> None:
@@ -95,8 +95,8 @@ def check_tokenizer(manifest: dict, path: Path, pinned: TokenizerFile | None) ->
 
 def due(cfg: Config, steps_done: int) -> bool:
     """Whether to save after ``steps_done`` steps: every ``--checkpoint-every`` steps and at the end."""
-    every = cfg.checkpoint_every
-    return bool(cfg.checkpoint_dir) and ((every > 0 and steps_done % every == 0) or steps_done == cfg.steps)
+    every = cfg.checkpoint.checkpoint_every
+    return bool(cfg.checkpoint.checkpoint_dir) and ((every > 0 and steps_done % every == 0) or steps_done == cfg.optim.steps)
 
 
 def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
@@ -105,7 +105,7 @@ def _check_model(manifest: dict, cfg: Config, path: Path) -> None:
               if there.get(k) != v]
     if len(differ) == 1 and differ[0].startswith("vocab_size "):
         raise CheckpointMismatch(f"{path} holds a model with vocabulary {there.get('vocab_size')}, and this run's "
-                                 f"tokenizer/data gives {cfg.model_config.vocab_size} (padded for tp={cfg.tp}); "
+                                 f"tokenizer/data gives {cfg.model_config.vocab_size} (padded for tp={cfg.layout.tp}); "
                                  f"pass the tokenizer and data the checkpoint was trained with "
                                  f"(--tokenizer {manifest['config'].get('tokenizer') or '(bytes)'})")
     if differ:
@@ -141,7 +141,7 @@ def resume(run: Run) -> TrainingProgress | None:
     (which skips damaged ones); None if there is none (a collective). The run is the one ``TRAINMESH_RUN_ID``
     names (set by :func:`claim`), else :func:`run_to_continue`'s. A checkpoint of another model is an error
     (:func:`check_fits`), not a reason to go back further."""
-    root = Path(run.cfg.checkpoint_dir)
+    root = Path(run.cfg.checkpoint.checkpoint_dir)
     if not candidates(root):
         notice(f"no checkpoint in {root} yet; starting at step 0")
         return None
@@ -178,9 +178,9 @@ def load_full(run: Run, full: dict[str, torch.Tensor], source: str) -> None:
     """Copy into this rank's part of ``run`` (in any layout) the parts it holds of the full weights ``full``,
     under the plain model's names, and the routing biases ``full`` carries (DeepSeek-V3's, not parameters);
     ``source`` names where they came from in errors."""
-    model = f"the model of {run.cfg.init_hf}/config.json" if run.cfg.init_hf else f"--model {run.cfg.model}"
+    model = f"the model of {run.cfg.checkpoint.init_hf}/config.json" if run.cfg.checkpoint.init_hf else f"--model {run.cfg.model.model}"
     with torch.device("meta"):
-        buffers = {name for name, _ in spec_of(run.cfg.model).builder(run.cfg.model_config, 0).named_buffers()}
+        buffers = {name for name, _ in spec_of(run.cfg.model.model).builder(run.cfg.model_config, 0).named_buffers()}
     weights = {k: t for k, t in full.items() if k not in buffers}
     wanted = [t for t in local_state(run.model, run.engine) if t.name.startswith("model/")]
     missing = next((t.name.removeprefix("model/") for t in wanted if t.name.removeprefix("model/") not in full), None)
@@ -203,11 +203,11 @@ def start_fresh(cfg: Config) -> None:
     """Make ``--checkpoint-dir`` ready for a fresh run: a directory holding checkpoints (of another run) is
     refused, or with ``--overwrite`` emptied of them first (step directories, leftovers of interrupted
     saves and the ``latest`` pointer), so no step of the other run survives to be resumed or fallen back to."""
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.checkpoint.checkpoint_dir)
     existing = candidates(root)
     if not existing:
         return
-    if not cfg.overwrite:
+    if not cfg.checkpoint.overwrite:
         more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
         raise CheckpointError(f"{root} holds checkpoints of another run ({existing[0].name}{more}, run "
                               f"{run_to_continue(root) or 'unknown'}); pass --resume to continue that run, "
@@ -224,20 +224,20 @@ def restore(run: Run) -> TrainingProgress:
     the weights of ``--init-from``, else step 0 as built; a fresh run first makes ``--checkpoint-dir`` its
     own (:func:`start_fresh`). The progress returned carries the run's id, which every save records."""
     cfg, device = run.cfg, run.mesh.device
-    progress = resume(run) if cfg.resume else None
-    if progress is not None and progress.step >= cfg.steps:
-        raise CheckpointError(f"the checkpoint in {cfg.checkpoint_dir} is at step {progress.step}, which --steps "
-                              f"{cfg.steps} has reached; pass a larger --steps to train further")
+    progress = resume(run) if cfg.checkpoint.resume else None
+    if progress is not None and progress.step >= cfg.optim.steps:
+        raise CheckpointError(f"the checkpoint in {cfg.checkpoint.checkpoint_dir} is at step {progress.step}, which --steps "
+                              f"{cfg.optim.steps} has reached; pass a larger --steps to train further")
     if progress is not None:
         return progress
-    if cfg.checkpoint_dir and not cfg.resume:
+    if cfg.checkpoint.checkpoint_dir and not cfg.checkpoint.resume:
         rank = world_from_env()[0]
         on_every_rank(lambda: start_fresh(cfg) if rank == 0 else None, device,
-                       f"starting a fresh run in {cfg.checkpoint_dir}")
-    if cfg.init_from:
-        load_weights(run, Path(cfg.init_from))
-    if cfg.init_hf:
-        load_hf_weights(run, Path(cfg.init_hf))
+                       f"starting a fresh run in {cfg.checkpoint.checkpoint_dir}")
+    if cfg.checkpoint.init_from:
+        load_weights(run, Path(cfg.checkpoint.init_from))
+    if cfg.checkpoint.init_hf:
+        load_hf_weights(run, Path(cfg.checkpoint.init_hf))
     return TrainingProgress(run_id=agreed_run_id(device))
 
 
@@ -247,10 +247,10 @@ def claim(cfg: Config) -> Iterator[str]:
     launches the ranks) and decide the run's id: the id of the run ``--resume`` continues, else a new one
     for a fresh run (after :func:`start_fresh`). The ranks this process starts inherit the id in
     ``TRAINMESH_RUN_ID``. A directory that another live run holds is an error naming that run's pid."""
-    if not cfg.checkpoint_dir:
+    if not cfg.checkpoint.checkpoint_dir:
         yield ""
         return
-    root = Path(cfg.checkpoint_dir)
+    root = Path(cfg.checkpoint.checkpoint_dir)
     with contextlib.ExitStack() as held:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -262,9 +262,9 @@ def claim(cfg: Config) -> Iterator[str]:
         except OSError as e:
             raise CheckpointError(f"--checkpoint-dir {root} cannot be used: {e}") from None
         held.callback(os.environ.pop, RUN_ID_ENV, None)
-        run_id = run_to_continue(root) if cfg.resume else None
+        run_id = run_to_continue(root) if cfg.checkpoint.resume else None
         if run_id is None:
-            if not cfg.resume:
+            if not cfg.checkpoint.resume:
                 start_fresh(cfg)
             run_id = uuid.uuid4().hex
         lock.note(run_id=run_id)
@@ -314,22 +314,22 @@ def _check_trainable(path: Path) -> None:
 def check_resumable(cfg: Config) -> None:
     """Before spawning: a checkpoint of another model (or a missing ``--init-from``, an ``--init-hf``
     directory whose weights do not fit its config) is a one-line error."""
-    if cfg.init_from and not Path(cfg.init_from).is_file():
-        raise CheckpointError(f"--init-from {cfg.init_from} does not exist")
-    if cfg.init_from:
-        _check_trainable(Path(cfg.init_from))
-    if cfg.init_hf:
+    if cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_file():
+        raise CheckpointError(f"--init-from {cfg.checkpoint.init_from} does not exist")
+    if cfg.checkpoint.init_from:
+        _check_trainable(Path(cfg.checkpoint.init_from))
+    if cfg.checkpoint.init_hf:
         try:
-            hf.check_weights(cfg.init_hf)
+            hf.check_weights(cfg.checkpoint.init_hf)
         except hf.HFError as e:
             raise CheckpointError(f"--init-hf: {e}") from None
-    if not cfg.resume:
+    if not cfg.checkpoint.resume:
         return
-    for path in candidates(Path(cfg.checkpoint_dir)):
+    for path in candidates(Path(cfg.checkpoint.checkpoint_dir)):
         try:
             manifest = read_manifest(path)
         except CheckpointError:
             continue
         _check_model(manifest, cfg, path)
-        check_tokenizer(manifest, path, pin_tokenizer(cfg.data, cfg.tokenizer))
+        check_tokenizer(manifest, path, pin_tokenizer(cfg.data.data, cfg.data.tokenizer))
         return

@@ -474,20 +474,20 @@ def resolved_env(cfg: Config, restarted: bool = False) -> dict[str, str]:
     Restarted ranks resume from the latest complete checkpoint, which the first attempt already cleared the
     directory for."""
     if restarted:
-        cfg = dataclasses.replace(cfg, resume=True, overwrite=False)
-    run = {"config": dataclasses.asdict(cfg)}
-    if not cfg.init_hf:
-        run |= {"family": spec_of(cfg.model).family, "preset": dataclasses.asdict(preset(cfg.model))}
+        cfg = cfg.replace(resume=True, overwrite=False)
+    run = {"config": cfg.settings()}
+    if not cfg.checkpoint.init_hf:
+        run |= {"family": spec_of(cfg.model.model).family, "preset": dataclasses.asdict(preset(cfg.model.model))}
     return {RESOLVED_ENV: json.dumps(run)}
 
 
 def _handed_config() -> Config:
     """The run :func:`resolved_env` handed this rank, its preset registered here as in the launcher."""
     run = json.loads(os.environ[RESOLVED_ENV])
-    cfg = Config(**run["config"])
+    cfg = Config.from_settings(**run["config"])
     if "family" in run:
         spec = family(run["family"])
-        register_preset(spec, cfg.model, config_from_dict(any_config(spec), run["preset"]))
+        register_preset(spec, cfg.model.model, config_from_dict(any_config(spec), run["preset"]))
     return cfg
 
 
@@ -497,22 +497,22 @@ def checked_config(args: argparse.Namespace) -> Config:
     if RESOLVED_ENV in os.environ and _is_rank():
         return _handed_config()
     given = settings_from_args(args)
-    cfg = Config(**given)
-    if cfg.resume and cfg.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
-        cfg = dataclasses.replace(cfg, **model_settings(Path(cfg.checkpoint_dir), given.keys()))
+    cfg = Config.from_settings(**given)
+    if cfg.checkpoint.resume and cfg.checkpoint.checkpoint_dir and not given.keys() & {"model", "init_hf"}:
+        cfg = cfg.replace(**model_settings(Path(cfg.checkpoint.checkpoint_dir), given.keys()))
     world = _world_from_env()
-    if cfg.elastic and world is not None:
+    if cfg.launch.elastic and world is not None:
         cfg = _scaled(cfg, world)
-    if cfg.plan == "auto":
-        cfg = _planned(cfg, world or cfg.nproc)
+    if cfg.launch.plan == "auto":
+        cfg = _planned(cfg, world or cfg.launch.nproc)
     validate(cfg, world_size=world, cuda_devices=_cuda_devices(),
-             cuda_capability=_cuda_capability() if cfg.precision == "fp8" else None)
+             cuda_capability=_cuda_capability() if cfg.layout.precision == "fp8" else None)
     _export_host_transport(cfg)
     if not _is_rank():
-        _tee(cfg.tee, cfg.nproc)
+        _tee(cfg.logging.tee, cfg.launch.nproc)
         _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
-        data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer, verify=True)
+        data = TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer, verify=True)
         check_eval_batches(cfg, len(data.val), data.source)
         check_resumable(cfg)
     return cfg
@@ -524,7 +524,7 @@ def _scaled(cfg: Config, world: int) -> Config:
         layout = scaled_to_world(cfg.layout, world, spell=spell_flag)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    return dataclasses.replace(cfg, dp=layout.dp, dp_replicate=layout.dp_replicate)
+    return cfg.replace(dp=layout.dp, dp_replicate=layout.dp_replicate)
 
 
 def _export_host_transport(cfg: Config) -> None:
@@ -532,7 +532,7 @@ def _export_host_transport(cfg: Config) -> None:
     (:func:`trainmesh.distributed.shm.enabled`): the launcher's ranks inherit this process's environment, and under torchrun
     each rank parses the flag itself. ``auto`` leaves the environment's say; a value there that is neither is
     refused here, before any rank starts."""
-    if cfg.host_transport == "off":
+    if cfg.launch.host_transport == "off":
         os.environ[shm.TRANSPORT_ENV] = "off"
     try:
         shm.enabled()
@@ -544,7 +544,7 @@ def _check_fits(cfg: Config) -> None:
     """Refuse a model whose state alone exceeds this machine's memory per rank, before any rank starts."""
     from trainmesh.app.planning import state_fit_problem
 
-    problem = state_fit_problem(cfg, cfg.nproc, _cuda_devices())
+    problem = state_fit_problem(cfg, cfg.launch.nproc, _cuda_devices())
     if problem:
         raise ConfigError(problem)
 
@@ -554,8 +554,8 @@ def _check_watch_packages(cfg: Config, explicit_tensorboard: bool) -> None:
     TensorBoard is on by default, so without ``--tensorboard`` on the line a missing package only turns it off."""
     from trainmesh.tracking.records import package_available
 
-    if cfg.wandb and not package_available("wandb"):
-        raise ConfigError(f"--wandb {cfg.wandb} needs the wandb package: pip install wandb, or drop --wandb")
+    if cfg.logging.wandb and not package_available("wandb"):
+        raise ConfigError(f"--wandb {cfg.logging.wandb} needs the wandb package: pip install wandb, or drop --wandb")
     if explicit_tensorboard and not package_available("tensorboard"):
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'trainmesh[watch]', "
                           "or pass --no-tensorboard")
@@ -576,7 +576,7 @@ def _planned(cfg: Config, world: int) -> Config:
 
 def _with_out_dir(cfg: Config) -> Config:
     """Fix the run directory before spawning so every rank (and the user) agrees on it."""
-    return cfg if cfg.out else dataclasses.replace(cfg, out=default_out_dir())
+    return cfg if cfg.logging.out else cfg.replace(out=default_out_dir())
 
 
 def _owns_run_dirs() -> bool:
@@ -593,16 +593,16 @@ def _train(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     if not _is_rank():
         cfg = _with_out_dir(cfg)
     check_run_dirs(cfg)
-    with claim(cfg), runlock.hold(Path(cfg.out), "--out") if cfg.out else contextlib.nullcontext():
+    with claim(cfg), runlock.hold(Path(cfg.logging.out), "--out") if cfg.logging.out else contextlib.nullcontext():
         make_out_fresh(cfg)
-        if not _is_rank() and (cfg.nproc > 1 or cfg.max_restarts):
+        if not _is_rank() and (cfg.launch.nproc > 1 or cfg.launch.max_restarts):
             from trainmesh.distributed.launcher import launch_with_restarts
             from trainmesh.app.train import FAULT_ENV
 
-            return launch_with_restarts(["train"], cfg.nproc, cfg.max_restarts,
+            return launch_with_restarts(["train"], cfg.launch.nproc, cfg.launch.max_restarts,
                                         functools.partial(resolved_env, cfg), clear_on_restart=(FAULT_ENV,),
-                                        stopped_grace=cfg.stopped_grace, log_dir=Path(cfg.out) / LOGS_DIR,
-                                        tee=_tee(cfg.tee, cfg.nproc))
+                                        stopped_grace=cfg.launch.stopped_grace, log_dir=Path(cfg.logging.out) / LOGS_DIR,
+                                        tee=_tee(cfg.logging.tee, cfg.launch.nproc))
         return _train_here(cfg)
 
 
@@ -641,13 +641,13 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh_bench.suite import run_all
 
         cfg = config_from_args(args)
-        return run_all(cfg.nproc, cfg.model, cfg.global_batch, args.pairs,
-                       cfg.out or default_out_dir())
+        return run_all(cfg.launch.nproc, cfg.model.model, cfg.optim.global_batch, args.pairs,
+                       cfg.logging.out or default_out_dir())
     cfg = checked_config(args)
-    if not _is_rank() and cfg.nproc > 1:
+    if not _is_rank() and cfg.launch.nproc > 1:
         from trainmesh.distributed.launcher import launch
 
-        return launch(argv, cfg.nproc)
+        return launch(argv, cfg.launch.nproc)
     from trainmesh_bench.common import write_results
     from trainmesh_bench.dp import bench_dp
     from trainmesh_bench.pp import bench_pp

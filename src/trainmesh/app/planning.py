@@ -36,21 +36,19 @@ the run's own."""
 def workload_of(cfg: Config) -> Workload:
     """The workload a :class:`~trainmesh.app.config.Config` trains: its model, global batch and dtypes."""
     model = cfg.model_config
-    return Workload(spec_of(cfg.model).shape(model), cfg.global_batch, model.seq_len, cfg.precision, cfg.reduce_dtype)
+    return Workload(spec_of(cfg.model.model).shape(model), cfg.optim.global_batch, model.seq_len, cfg.layout.precision, cfg.layout.reduce_dtype)
 
 
 def layout_of(cfg: Config) -> Layout:
     """The layout a config runs, as the planner prices it. Without a pipeline the schedule means nothing and
     is taken as 1F1B."""
     layout = Layout(**{field: getattr(cfg.layout, field) for field in PLANNED})
-    return layout if cfg.pp > 1 else dataclasses.replace(layout, schedule="1f1b", virtual_stages=1)
+    return layout if layout.pp > 1 else dataclasses.replace(layout, schedule="1f1b", virtual_stages=1)
 
 
 def with_layout(cfg: Config, layout: Layout) -> Config:
     """``cfg`` running ``layout``'s planned settings instead of its own (on ``layout.world`` local ranks)."""
-    fields = {field: getattr(layout, field) for field in PLANNED if field != "stage_layers"}
-    return dataclasses.replace(cfg, nproc=layout.world, stage_layers=",".join(map(str, layout.stage_layers)),
-                               **fields)
+    return cfg.replace(nproc=layout.world, **{field: getattr(layout, field) for field in PLANNED})
 
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
@@ -59,24 +57,22 @@ def train_flags(workload: Workload, layout: Layout) -> list[str]:
     under hybrid sharding, the bucket size only when it is not the default), the global batch and the
     precision (always: ``auto`` would resolve again on the machine that runs it), the pipeline's
     ``--stage-layers`` when the layout gives them, then the reduce dtype where it is not the default."""
-    cfg = with_layout(Config(global_batch=workload.global_batch, precision=workload.precision,
-                             reduce_dtype=workload.reduce_dtype), layout)
+    layout = dataclasses.replace(layout, reduce_dtype=workload.reduce_dtype)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
     skip |= {"cp_impl"} if layout.cp == 1 else set()
     skip |= {"ep"} if not workload.model.n_experts else set()
     skip |= {"sequence_parallel"} if not layout.sequence_parallel else set()
     skip |= {"dp_replicate"} if layout.dp_replicate == 1 else set()
     skip |= {"stage_layers", "bucket_mb"}  # the stage split only with a pipeline, the bucket only if not default
-    flags = [f for field in PLANNED if field not in skip for f in _flag_of(cfg, field)]
-    defaults = Config()
+    flags = [f for field in PLANNED if field not in skip for f in _flag_of(layout, field)]
     extra = [f for field in ("bucket_mb", "reduce_dtype")
-             if getattr(cfg, field) != getattr(defaults, field) for f in _flag_of(cfg, field)]
-    stages = ["--stage-layers", cfg.stage_layers] if cfg.stage_layers and layout.pp > 1 else []
+             if getattr(layout, field) != getattr(Layout(), field) for f in _flag_of(layout, field)]
+    stages = ["--stage-layers", ",".join(map(str, layout.stage_layers))] if layout.stage_layers and layout.pp > 1 else []
     return [*flags, *stages, "--global-batch", str(workload.global_batch), "--precision", workload.precision, *extra]
 
 
-def _flag_of(cfg: Config, field: str) -> list[str]:
-    value, name = getattr(cfg, field), "--" + field.replace("_", "-")
+def _flag_of(layout: Layout, field: str) -> list[str]:
+    value, name = getattr(layout, field), "--" + field.replace("_", "-")
     if isinstance(value, bool):
         return [name if value else "--no-" + name[2:]]
     return [name, f"{value:g}" if isinstance(value, float) else str(value)]
@@ -118,14 +114,14 @@ def runnable_layouts(cfg: Config, world: int, cluster: Cluster) -> Iterator[Esti
 
 def auto_config(cfg: Config, world: int, cluster: Cluster) -> tuple[Config, Estimate]:
     """``cfg`` with the layout :func:`~trainmesh.plan.choose` takes of those that fit ``cluster`` (``world``
-    ranks) and that the runtime accepts, and that layout's estimate. ``cfg.plan`` is kept: it records how
+    ranks) and that the runtime accepts, and that layout's estimate. ``cfg.launch.plan`` is kept: it records how
     the layout was chosen."""
     best = choose(list(runnable_layouts(cfg, world, cluster)))
     if best is None:
         work = workload_of(cfg)
         raise ValueError(
-            f"--plan auto: no layout of {cfg.model} ({work.model.n_params():,} parameters) at global batch "
-            f"{cfg.global_batch} fits in {cluster.usable_bytes / GIB:.1f} usable GiB on each of {world} "
+            f"--plan auto: no layout of {cfg.model.model} ({work.model.n_params():,} parameters) at global batch "
+            f"{cfg.optim.global_batch} fits in {cluster.usable_bytes / GIB:.1f} usable GiB on each of {world} "
             f"rank(s) and runs with these settings; add ranks, lower --global-batch, or set the layout by hand"
         )
     return with_layout(cfg, best.layout), best
@@ -144,11 +140,11 @@ def state_fit_problem(cfg: Config, world: int, cuda_devices: int = 0) -> str | N
     """Why ``cfg``'s layout cannot hold even its model state (weights, gradients, optimizer) in this
     machine's memory per rank, or None. Checked before ranks are spawned, so a full-sized preset on a
     small machine is refused in one line instead of each rank being killed for memory."""
-    cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
+    cluster = this_machine(world, cuda_devices > 0 and cfg.launch.device != "cpu")
     state = model_state_bytes(workload_of(cfg), layout_of(cfg))
     if state <= cluster.mem_bytes:
         return None
-    source = f"--init-hf {cfg.init_hf}" if cfg.init_hf else f"--model {cfg.model}"  # as the user named it
+    source = f"--init-hf {cfg.checkpoint.init_hf}" if cfg.checkpoint.init_hf else f"--model {cfg.model.model}"  # as the user named it
     return (f"{source} at this layout needs {state / GIB:.1f} GiB of model state on each rank, more "
             f"than the {cluster.mem_bytes / GIB:.1f} GiB each of the {world} rank(s) has here; shard it over "
             f"more ranks (--zero 3, --tp, --pp), pick a smaller model, or see trainmesh plan {source}")
@@ -156,9 +152,9 @@ def state_fit_problem(cfg: Config, world: int, cuda_devices: int = 0) -> str | N
 
 def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config, str]:
     """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
-    cluster = this_machine(world, cuda_devices > 0 and cfg.device != "cpu")
+    cluster = this_machine(world, cuda_devices > 0 and cfg.launch.device != "cpu")
     planned, chosen = auto_config(cfg, world, cluster)
-    return planned, describe_choice(chosen, cluster, planned.precision)
+    return planned, describe_choice(chosen, cluster, planned.layout.precision)
 
 
 def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
@@ -242,9 +238,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step (default: one per device)")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
                         help="as trainmesh train's (default: auto: bf16 with fp32 master weights on GPUs, fp32 on cpu)")
-    parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Config.reduce_dtype,
+    parser.add_argument("--reduce-dtype", choices=["auto", *DTYPE_BYTES], default=Layout.reduce_dtype,
                         help="dtype gradients are held and reduced in, as trainmesh train's (default: "
-                             f"{Config.reduce_dtype}: fp32, or fp64 under --precision fp64)")
+                             f"{Layout.reduce_dtype}: fp32, or fp64 under --precision fp64)")
     devices = number_flag(int, AT_LEAST_1, Bound(MAX_GPUS))
     parser.add_argument("--gpus", type=devices, required=True, help=f"devices to plan for (1 to {MAX_GPUS:,})")
     parser.add_argument("--gpus-per-node", type=devices)
@@ -263,7 +259,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def workload_from(
     model: str | ModelShape | None, global_batch: int, precision: str = "fp32",
-    reduce_dtype: str = Config.reduce_dtype, **shape: object,
+    reduce_dtype: str = Layout.reduce_dtype, **shape: object,
 ) -> Workload:
     """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit shape
     (GPT-2 blocks unless the fields say otherwise), or from either with fields replaced.

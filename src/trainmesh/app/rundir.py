@@ -71,7 +71,7 @@ def checkpoint_bytes(cfg: Config) -> int:
     """Predicted bytes of one checkpoint: every parameter once in its dtype, plus the optimizer state
     (Adam's two moments, and fp32 master weights in mixed precision: K = 8 bytes per parameter in fp32,
     16 in fp64, 12 in bf16/fp16 [ZeRO, 3.1]); a checkpoint holds each piece once whatever the layout."""
-    b = precision_bytes(cfg.precision, cfg.grad_dtype)
+    b = precision_bytes(cfg.layout.precision, cfg.layout.grad_dtype)
     return cfg.model_config.n_params() * (b.param + b.optimizer)
 
 
@@ -82,9 +82,9 @@ def _mib(n: int) -> str:
 def checkpoints_at_once(cfg: Config) -> int:
     """How many checkpoints the checkpoint directory holds at most during the run: ``--keep-last K`` kept and
     the one being written (the oldest goes only once it is complete), or every save with ``--keep-last 0``."""
-    every = cfg.checkpoint_every
-    saves = (cfg.steps // every + bool(cfg.steps % every)) if every > 0 else 1
-    return min(saves, cfg.keep_last + 1) if cfg.keep_last else saves
+    every = cfg.checkpoint.checkpoint_every
+    saves = (cfg.optim.steps // every + bool(cfg.optim.steps % every)) if every > 0 else 1
+    return min(saves, cfg.checkpoint.keep_last + 1) if cfg.checkpoint.keep_last else saves
 
 
 def check_free_space(path: Path, checkpoints: int, each: int, flag: str) -> None:
@@ -99,23 +99,23 @@ def check_free_space(path: Path, checkpoints: int, each: int, flag: str) -> None
 def check_run_dirs(cfg: Config) -> None:
     """Before spawning: ``--out`` and ``--checkpoint-dir`` are writable directories, no file a run writes in
     ``--out`` is a symbolic link, and the checkpoint directory has room for the checkpoints it keeps."""
-    if cfg.out:
-        ensure_writable(Path(cfg.out), "--out")
-        check_no_links(Path(cfg.out), runlock.LOCK_NAME)
-    if cfg.checkpoint_dir:
-        ensure_writable(Path(cfg.checkpoint_dir), "--checkpoint-dir")
-        check_free_space(Path(cfg.checkpoint_dir), checkpoints_at_once(cfg), checkpoint_bytes(cfg), "--checkpoint-dir")
+    if cfg.logging.out:
+        ensure_writable(Path(cfg.logging.out), "--out")
+        check_no_links(Path(cfg.logging.out), runlock.LOCK_NAME)
+    if cfg.checkpoint.checkpoint_dir:
+        ensure_writable(Path(cfg.checkpoint.checkpoint_dir), "--checkpoint-dir")
+        check_free_space(Path(cfg.checkpoint.checkpoint_dir), checkpoints_at_once(cfg), checkpoint_bytes(cfg), "--checkpoint-dir")
 
 
 def make_out_fresh(cfg: Config) -> None:
     """A fresh run (no ``--resume``) never overwrites the records of another run in ``--out`` (its metrics,
     summary, report, TensorBoard events): they are refused with the way out, or deleted with
     ``--overwrite``. Called while ``--out``'s lock is held, so a live run there is refused before this."""
-    out = Path(cfg.out)
-    found = run_records(out) if cfg.out and not cfg.resume else []
+    out = Path(cfg.logging.out)
+    found = run_records(out) if cfg.logging.out and not cfg.checkpoint.resume else []
     if not found:
         return
-    if not cfg.overwrite:
+    if not cfg.checkpoint.overwrite:
         names = ", ".join(p.name for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ConfigError(f"--out {out} holds the records of another run ({names}); pass --overwrite to replace "
                           f"them, --resume to continue that run, or choose another --out")

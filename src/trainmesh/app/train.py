@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -62,45 +62,41 @@ def setup_process(cfg: Config) -> Mesh:
     reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if cfg.debug_collectives:
+    if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
-    mesh = api.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
-                         cfg.dp_replicate, cfg.sequence_parallel)
+    mesh = api.init_mesh(cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout, cfg.layout.ep,
+                         cfg.layout.dp_replicate, cfg.layout.sequence_parallel)
     start_heartbeat()
     return mesh
 
 
 def build(cfg: Config, mesh: Mesh) -> Run:
-    """Build the model of ``cfg.model``'s family from the seed and apply the configured parallel forms to it
+    """Build the model of ``cfg.model.model``'s family from the seed and apply the configured parallel forms to it
     through the public API (:func:`trainmesh.api.parallelize`, :func:`trainmesh.api.optimizer`)."""
     comm = Comm(mesh)
-    spec = spec_of(cfg.model)
-    model = spec.builder(cfg.model_config, cfg.seed).to(mesh.device, dtype_of(cfg.precision))
+    spec = spec_of(cfg.model.model)
+    model = spec.builder(cfg.model_config, cfg.model.seed).to(mesh.device, dtype_of(cfg.layout.precision))
     check_agreement(cfg.shared_settings(), model, mesh.device)
-    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), sequence_parallel=cfg.sequence_parallel,
-                               zero=cfg.zero, recompute=cfg.recompute, schedule=cfg.schedule,
-                               microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
-                               stage_layers=cfg.stage_layer_counts, precision=cfg.precision,
-                               reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
-                               cuda_graphs=cfg.cuda_graphs,
-                               cp_impl=cfg.cp_impl, comm=comm)
-    opt = api.optimizer(parallel, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
+             if f.name not in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "timeline")}
+    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), comm=comm, **forms)
+    opt = api.optimizer(parallel, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
     parallel.description = (parallel.description[0], {**parallel.description[1],
                                                       "source": checkpoints.model_source(cfg)})
-    tokenizer = pin_tokenizer(cfg.data, cfg.tokenizer)
-    data = TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer)
+    tokenizer = pin_tokenizer(cfg.data.data, cfg.data.tokenizer)
+    data = TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer)
     return Run(cfg, parallel, opt, data, tokenizer)
 
 
 def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read)."""
     cfg, mesh = run.cfg, run.mesh
-    return get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.seed, step, mesh.rank("dp"), mesh.size("dp"))
+    return get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step, mesh.rank("dp"), mesh.size("dp"))
 
 
 def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> MicroBatches:
     """This rank's micro-batches of the global batch of ``step``, on the rank's device."""
-    return api.rank_slice(run.mesh, rank_share(run, tokens, step, global_batch), run.cfg.microbatches, dp_sliced=True)
+    return api.rank_slice(run.mesh, rank_share(run, tokens, step, global_batch), run.cfg.layout.microbatches, dp_sliced=True)
 
 
 @torch.no_grad()
@@ -108,8 +104,8 @@ def evaluate(run: Run) -> float:
     """Mean validation loss over ``eval_batches`` global batches, each micro-batched like training."""
     run.model.eval()
     losses = []
-    for k in range(run.cfg.eval_batches):
-        micro = rank_batch(run, run.data.val, EVAL_STEP_BASE + k, run.cfg.global_batch)
+    for k in range(run.cfg.optim.eval_batches):
+        micro = rank_batch(run, run.data.val, EVAL_STEP_BASE + k, run.cfg.optim.global_batch)
         if run.pipeline is not None:
             loss = run.pipeline.evaluate(micro, run.criterion)
         else:
@@ -139,12 +135,12 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
     saved = Costs.load(costs)  # the figure trainmesh schedule --costs will print, rounding included
     simulated = simulate(run.pipeline.schedule, saved).bubble_fraction
     replayed = replayed_bubble(run.pipeline.schedule, saved, [timeline], link=transfer)
-    title = f"measured {cfg.schedule} pp={cfg.pp} m={cfg.microbatches} v={cfg.virtual_stages}"
+    title = f"measured {cfg.layout.schedule} pp={cfg.layout.pp} m={cfg.layout.microbatches} v={cfg.layout.virtual_stages}"
     return (f"pipeline timeline of the last step drawn to {draw_timeline(timeline, path, title=title)}: measured "
             f"bubble {timeline.bubble_fraction:.4f}, simulated from its measured costs {simulated:.4f} "
             f"({replayed:.4f} with each action's and message's own measured time; "
-            f"trainmesh schedule --pp {cfg.pp} --microbatches {cfg.microbatches} --schedule {cfg.schedule} "
-            f"--virtual-stages {cfg.virtual_stages} --costs {costs})")
+            f"trainmesh schedule --pp {cfg.layout.pp} --microbatches {cfg.layout.microbatches} --schedule {cfg.layout.schedule} "
+            f"--virtual-stages {cfg.layout.virtual_stages} --costs {costs})")
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
@@ -260,9 +256,9 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
     if not failed.item():
         return
     note = "no --checkpoint-dir is set, so this run's weights are not saved"
-    if run.cfg.checkpoint_dir:
+    if run.cfg.checkpoint.checkpoint_dir:
         try:
-            saved = (checkpoint.step_dir(Path(run.cfg.checkpoint_dir), done.step) if checkpoints.due(run.cfg, done.step)
+            saved = (checkpoint.step_dir(Path(run.cfg.checkpoint.checkpoint_dir), done.step) if checkpoints.due(run.cfg, done.step)
                      else checkpoints.save(run, done))
             note = f"{saved} holds step {done.step}; free space and continue with --resume"
         except checkpoint.CheckpointError as e:
@@ -278,7 +274,7 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Cal
     background save's copy to host memory, with ``waited_s`` spent first waiting for the save in flight) and a
     background save's write time (read at the end, once written)."""
     start = time.perf_counter()
-    if not run.cfg.checkpoint_async:
+    if not run.cfg.checkpoint.checkpoint_async:
         checkpoints.save(run, done)
         stall = time.perf_counter() - start
         saves.append(lambda: {"step": done.step, "stall_s": stall, "write_s": None})
@@ -290,44 +286,44 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Cal
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
-    """Train up to step ``cfg.steps`` (from the checkpoint ``--resume`` finds, if any; ``losses`` holds the
-    steps run here); rank 0 writes metrics under ``cfg.out`` and prints progress."""
+    """Train up to step ``cfg.optim.steps`` (from the checkpoint ``--resume`` finds, if any; ``losses`` holds the
+    steps run here); rank 0 writes metrics under ``cfg.logging.out`` and prints progress."""
     mesh = mesh or setup_process(cfg)
     run = build(cfg, mesh)
     start = checkpoints.restore(run)
     rank, _ = world_from_env()
-    resume_from = start.step if cfg.resume else None
-    log = RunLog(cfg.out, cfg.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.__dict__,
-                 name=checkpoints.model_source(cfg), tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                 progress=cfg.progress, progress_every=cfg.progress_every, lock=False)
+    resume_from = start.step if cfg.checkpoint.resume else None
+    log = RunLog(cfg.logging.out, cfg.optim.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.settings(),
+                 name=checkpoints.model_source(cfg), tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                 progress=cfg.logging.progress, progress_every=cfg.logging.progress_every, lock=False)
     progress = log.progress
     progress.message(f"trainmesh: {log.name} ({cfg.model_config.n_params():,} params) on {run.data.source}, "
-                     f"dp={cfg.dp} cp={cfg.cp} tp={cfg.tp} pp={cfg.pp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''} zero={cfg.zero}, {mesh.world_size} rank(s), "
+                     f"dp={cfg.layout.dp} cp={cfg.layout.cp} tp={cfg.layout.tp} pp={cfg.layout.pp}{f' ep={cfg.layout.ep}' if cfg.layout.ep > 1 else ''} zero={cfg.layout.zero}, {mesh.world_size} rank(s), "
                      f"{mesh.device.type}")
     if vocabulary_note(cfg):
         progress.message(f"trainmesh: {vocabulary_note(cfg)}")
-    shape = spec_of(cfg.model).shape(cfg.model_config)
-    tokens_per_step = cfg.global_batch * shape.seq_len
+    shape = spec_of(cfg.model.model).shape(cfg.model_config)
+    tokens_per_step = cfg.optim.global_batch * shape.seq_len
     flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len,
                                             shape.gated_mlp, shape.qkv_width, shape.attention_width)
-    peak = peak_tflops(mesh.device, cfg.precision, cfg.peak_tflops)
+    peak = peak_tflops(mesh.device, cfg.layout.precision, cfg.logging.peak_tflops)
     saved = SavedActivations(run.model.parameters())
-    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
-    guard = NonFiniteGuard(cfg.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
-    profiler = StepProfiler(cfg.steps - cfg.profile_steps, cfg.steps - 1, mesh.device) if cfg.profile_steps \
+    schedule = LRSchedule(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.optim.steps)
+    guard = NonFiniteGuard(cfg.optim.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
+    profiler = StepProfiler(cfg.optim.steps - cfg.logging.profile_steps, cfg.optim.steps - 1, mesh.device) if cfg.logging.profile_steps \
         else None
     saves = []
-    for step in range(start.step, cfg.steps):
+    for step in range(start.step, cfg.optim.steps):
         if profiler is not None:
             profiler.before(step)
         undo_fault = inject_fault(run, step, rank)
         if run.pipeline is not None:
-            run.pipeline.recording = bool(cfg.timeline) and step == cfg.steps - 1
+            run.pipeline.recording = bool(cfg.layout.timeline) and step == cfg.optim.steps - 1
         t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         run.opt.lr = lr = schedule.at(step)
-        loss = api.train_step(run.parallel, run.opt, rank_share(run, run.data.train, step, cfg.global_batch),
-                              max_norm=cfg.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
+        loss = api.train_step(run.parallel, run.opt, rank_share(run, run.data.train, step, cfg.optim.global_batch),
+                              max_norm=cfg.optim.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
         grad_norm = run.opt.grad_norm
         undo_fault()
         guard.observe(grad_norm, step + 1)
@@ -349,7 +345,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         experts = moe_metrics(run)
         if experts:
             record["moe"] = experts
-        if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == cfg.steps:
+        if (cfg.optim.eval_every and (step + 1) % cfg.optim.eval_every == 0) or step + 1 == cfg.optim.steps:
             record["val_loss"] = evaluate(run)
             record["val_perplexity"] = perplexity(record["val_loss"])
         metrics_error = write_metrics(log, record)
@@ -363,19 +359,19 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         run.parallel.pending_save.wait()
     progress.close()
     if profiler is not None:
-        progress.message(profiler.finish(Path(cfg.out) / "profile" / f"rank{rank}.json" if cfg.out else None))
-    if cfg.timeline:
-        progress.message(draw_pipeline_timeline(run, cfg.timeline))
+        progress.message(profiler.finish(Path(cfg.logging.out) / "profile" / f"rank{rank}.json" if cfg.logging.out else None))
+    if cfg.layout.timeline:
+        progress.message(draw_pipeline_timeline(run, cfg.layout.timeline))
     val_loss = record["val_loss"]  # the last step always evaluates
     tokens_per_s = tokens_per_step / log.steady_step_time
     summary = log.summary(val_loss=val_loss, val_perplexity=perplexity(val_loss), tokens_per_s=tokens_per_s,
                           mfu=mfu(tokens_per_s, flops_per_token, mesh.world_size, peak),
                           world_size=mesh.world_size, transport=run.comm.transport,
                           checkpoint_saves=[save() for save in saves],
-                          **per_rank_stats(run, saved.bytes), config=cfg.__dict__)
+                          **per_rank_stats(run, saved.bytes), config=cfg.settings())
     mfu_text = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     progress.message(f"done: {LossWindows.of(log.losses).text()}, val {val_loss:.4f} "
                      f"(perplexity {perplexity(val_loss):,.2f}), "
-                     f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.out}" if cfg.out else ""))
+                     f"{tokens_per_s:,.0f} tok/s{mfu_text}" + (f"; metrics in {cfg.logging.out}" if cfg.logging.out else ""))
     log.close()
     return TrainResult(log.losses, val_loss, summary, run)

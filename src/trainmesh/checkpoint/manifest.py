@@ -218,7 +218,8 @@ def _check_scalars(m: dict) -> None:
     _text(run["id"], "run.id", RUN_ID)
     _text(run["config_sha256"], "run.config_sha256", HEX64)
     config = m["config"]
-    odd = [k for k, v in config.items() if not isinstance(v, (str, int, float, bool, type(None)))]
+    odd = [k for k, v in config.items() if not isinstance(v, (str, int, float, bool, type(None)))
+           and not (isinstance(v, list) and all(type(n) is int for n in v))]  # stage_layers: [1, 3]
     if odd:
         raise ManifestError(f"config.{show(odd[0])} is not a plain value")
 
