@@ -73,8 +73,8 @@ def test_fp8_at_tp2_with_sp_tracks_one_process_fp8_within_the_spreads_measured_b
     every element); in training (lr 1e-3) to 16 times bf16's tp distance, e4m3's unit roundoff over bf16's."""
     layouts = [dict(precision=p, lr=lr) for lr in (0.0, 1e-3) for p in ("fp8", "bf16")]
     fp8_fixed, bf16_fixed, fp8_one, bf16_one = run_ranks(losses, 1, layouts, timeout=300)[0]
-    fp8_tp_fixed, fp8_tp, bf16_tp = run_ranks(losses, 2, [dict(layouts[0], tp=2), *(dict(l, tp=2) for l in layouts[2:])],
-                                              timeout=300)[0]
+    at_tp2 = [dict(layout, tp=2) for layout in (layouts[0], *layouts[2:])]
+    fp8_tp_fixed, fp8_tp, bf16_tp = run_ranks(losses, 2, at_tp2, timeout=300)[0]
     fixed_gap, own = _distance(fp8_tp_fixed, fp8_fixed), _distance(fp8_fixed, bf16_fixed)
     assert fixed_gap < own / 2, (fixed_gap, own)
     floor, gap = _distance(bf16_tp, bf16_one), _distance(fp8_tp, fp8_one)

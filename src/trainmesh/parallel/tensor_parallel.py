@@ -285,7 +285,8 @@ class ColumnParallelLinear(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float8 is None:
             return _ColumnParallelLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
-        return self._linear((_GatherFromSequence if self.sequence_parallel else _CopyToTP).apply(x, self.comm), self.bias)
+        entry = _GatherFromSequence if self.sequence_parallel else _CopyToTP  # float8: whole input, then the matmul
+        return self._linear(entry.apply(x, self.comm), self.bias)
 
 
 class LocalColumnLinear(ShardedModule):

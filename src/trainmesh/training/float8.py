@@ -66,7 +66,6 @@ def convert_to_float8(model: nn.Module, high_precision: Sequence[str]) -> list[s
     return targets
 
 
-
 def tp_scales(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], config, comm: Comm) -> list[torch.Tensor]:
     """The tensorwise scales of ``tensors`` (parts of tensors split over tp) as one process computes them for the
     whole tensors: each amax is the max over the tp group (one all-reduce for all of them)."""
@@ -85,7 +84,7 @@ def _to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, mm, rol
 
 class _GradToFloat8(torch.autograd.Function):
     """Identity forward; backward casts the output gradient (split over tp in a column shard) with the tp-wide
-    scale, as torchao's ``NoopFwToFloat8BwDynamic`` does in one process."""
+    scale, where one process's torchao matmul casts it with the whole gradient's."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, config, mm, comm: Comm) -> torch.Tensor:
