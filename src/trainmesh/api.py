@@ -246,7 +246,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
     ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``, ``fp8`` (bf16 whose
     linears multiply in float8 through torchao, but for the family's ``high_precision`` layers:
-    :mod:`trainmesh.training.float8`; not with ``tp`` > 1); gradients are reduced
+    :mod:`trainmesh.training.float8`); gradients are reduced
     in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
     and the loss; ``cuda_graphs`` also captures them as CUDA graphs (``mode="reduce-overhead"``) where the
     layout allows (:mod:`trainmesh.training.cuda_graphs`; elsewhere rank 0 prints why once and compiles without).

@@ -103,7 +103,7 @@ class Layout:
                             RECOMPUTE)
     precision: str = option("fp32", "parameter and compute dtype; bf16/fp16 keep fp32 master weights and "
                             "optimizer state (fp16 with dynamic loss scaling); fp8 is bf16 with the block linears "
-                            "multiplying in float8 (torchao; FP8 GPUs or CPU; not with --tp); fp64 for exact "
+                            "multiplying in float8 (torchao; FP8 GPUs or CPU; with --tp too); fp64 for exact "
                             "equivalence checks (default: auto, bf16 on a GPU that has it, else fp32)",
                             PRECISION_CHOICES)
     reduce_dtype: str = option("auto", "dtype gradients are accumulated and reduced in (auto: fp32, or fp64 under "
@@ -381,17 +381,6 @@ def _compiled_ring(c: _Check) -> str | None:
     return None
 
 
-def _float8_tensor_parallel(c: _Check) -> str | None:
-    """trainmesh's tensor-parallel linears run their own bf16 matmuls (torchao's float8 composes with tp only through
-    DTensor, as torchtitan's ``Float8ColwiseParallel``), so fp8 and tp are refused together rather than losing float8.
-    """
-    lay, s = c.layout, c.spell
-    if lay.precision == "fp8" and lay.tp > 1:
-        return (f"{s('precision', 'fp8')} with {s('tp', lay.tp)}: tensor-parallel linears run their own bf16 "
-                f"matmuls, not float8 ones; use {s('tp', 1)} (with dp/zero/pp) or {s('precision', 'bf16')}")
-    return None
-
-
 def _stage_layers(c: _Check) -> str | None:
     lay, counts = c.layout, c.layout.stage_layers
     stages = lay.pp * lay.virtual_stages
@@ -409,7 +398,7 @@ rest are chosen (by ``parallelize``, which checks every rule)."""
 
 MESH_RULES: tuple[Rule, ...] = (*MESH_SHAPE_RULES, _hybrid_needs_zero, _pipeline_only, _virtual_stages,
                                 _interleaved_groups, _zero_bubble, _cuda_graphs, _compiled_ring,
-                                _float8_tensor_parallel, _stage_layers)
+                                _stage_layers)
 """The rules on the settings alone, in the order their messages are given."""
 
 

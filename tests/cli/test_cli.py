@@ -42,7 +42,6 @@ BAD = [
      "n_heads=4 and n_kv_heads=2 do not divide by it; choose cp in {1} with --tp 2"),
     (["--nproc", "4", "--cp", "2", "--pp", "2", "--schedule", "zb"], "--cp 2 with --schedule zb"),
     (["--nproc", "2", "--cp", "2", "--compile"], "--cp 2 with --compile would trace the ring"),
-    (["--nproc", "2", "--tp", "2", "--precision", "fp8"], "--precision fp8 with --tp 2: tensor-parallel linears"),
     (["--cuda-graphs"], "--cuda-graphs captures the compiled blocks as CUDA graphs; add --compile"),
     (["--model", "llama3-405b", "--nproc", "2", "--dp", "2", "--zero", "3"],
      "--model llama3-405b at this layout needs 3023.8 GiB of model state on each rank, more than the"),

@@ -214,7 +214,7 @@ def test_import_at_tp2_pp2_and_export_hf_round_trip(tmp_path, fp64_llama):
         out = tmp_path / f"out-{name}"
         assert main(["export", str(tmp_path / f"ckpt-{name}"), "--hf", str(out)]) == 0
         architecture = json.loads((out / "config.json").read_text())["architectures"]
-        assert architecture == [spec_of(cfgs[k].model).hf.architecture]
+        assert architecture == [spec_of(cfgs[k].model.model).hf.architecture]
         assert_same_logits(hf_logits(out), expected, f"{name} tp2 pp2 checkpoint exported, reloaded")
 
 

@@ -13,7 +13,6 @@ from trainmesh.training import float8
 from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.app.train import train
 from trainmesh.distributed.hardware import DEVICE_PEAKS, make_cluster
-from trainmesh.layout import Layout, LayoutError, flag, validate as validate_layout
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.training.state_bytes import precision_bytes
@@ -59,8 +58,6 @@ def test_fp8_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
     with pytest.raises(ConfigError, match="^--precision fp8 needs FP8 tensor cores .* this GPU is 8.0; use bf16$"):
         validate(config(precision="fp8", device="auto"), cuda_devices=1, cuda_capability=(8, 0))
     validate(config(precision="fp8", device="cpu"), cuda_devices=1, cuda_capability=(8, 0))
-    with pytest.raises(LayoutError, match="^--precision fp8 with --tp 2: .* use --tp 1 .* or --precision bf16$"):
-        validate_layout(Layout(tp=2, precision="fp8"), spell=flag)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))
     with pytest.raises(ConfigError, match=r"^--precision fp8 .* torchao.* not installed; pip install 'trainmesh\[fp8\]'$"):

@@ -88,11 +88,6 @@ def test_every_published_row_within_its_stated_error(run: published.PublishedRun
         assert abs(err) <= HELD.get(run.name, 0.45)
 
 
-def test_fp8_runs_with_tensor_parallelism_are_listed_not_planned() -> None:
-    assert all("fp8 with tp" in why for _, why in published.NOT_RUNNABLE)
-    assert len(published.NOT_RUNNABLE) == 2
-
-
 def _errors() -> list[float]:
     return [published.error(r) for r in published.PUBLISHED]
 

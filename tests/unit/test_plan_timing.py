@@ -13,6 +13,7 @@ from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
 from trainmesh.plan import Cluster, Layout, Pricing, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
 from trainmesh.plan.ranking import ep_degrees, interleave_depths
+from trainmesh.plan.dp_traffic import all_reduce_time
 from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
                                    routed_copy_bytes, token_movement_bytes, expert_elementwise_bytes)
 
@@ -35,11 +36,13 @@ def test_fp8_runs_the_block_linears_at_the_fp8_peak_and_the_core_router_head_and
     assert head_seconds(fp8, layout, cluster) == head_seconds(bf16, layout, cluster)
 
 
-def test_fp8_with_tensor_parallelism_is_refused_as_train_refuses_it() -> None:
-    work = Workload(model_shape("llama3-8b"), 8, 4096, "fp8")
-    with pytest.raises(LayoutError, match="precision.*fp8.*tp"):
-        check_layout(work, Layout(dp=4, tp=2))
-    check_layout(work, Layout(dp=8))
+def test_fp8_with_tensor_parallelism_is_priced_as_fp8_plus_its_amax_all_reduces() -> None:
+    """Each float8 tp linear all-reduces its amaxes (16 bytes) once forward and once backward: 8 a dense block."""
+    cluster, layout = make_cluster("h100-80gb", 8), Layout(dp=4, tp=2, sequence_parallel=True)
+    fp8, bf16 = (Workload(model_shape("llama3-8b"), 8, 4096, p) for p in ("fp8", "bf16"))
+    check_layout(fp8, layout)
+    extra = step_time(fp8, layout, cluster).tp_comm - step_time(bf16, layout, cluster).tp_comm
+    assert extra == pytest.approx(8 * 32 * all_reduce_time(16, 2, cluster.link(2)), rel=1e-9)
 
 
 def _moe() -> ModelShape:

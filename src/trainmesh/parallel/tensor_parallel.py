@@ -20,6 +20,7 @@ from torch import nn
 
 from trainmesh.distributed.comm import Comm, Pending
 from trainmesh.distributed.mesh import Mesh
+from trainmesh.training.float8 import tp_float8_matmul
 from trainmesh.training.optim import TP_SHARDED
 from trainmesh.training.precision import master_dtype
 
@@ -235,6 +236,7 @@ class ShardedModule(nn.Module):
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         self.specs: dict[str, ShardSpec] = {}
+        self.float8: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def _adopt(self, name: str, full: torch.Tensor | None, spec: ShardSpec | None) -> None:
         """Register this rank's part of ``full`` as parameter ``name`` (all of it when ``spec`` is None)."""
@@ -247,6 +249,19 @@ class ShardedModule(nn.Module):
             setattr(p, TP_SHARDED, True)
             self.specs[name] = spec
         self.register_parameter(name, p)
+
+    def _adopt_linear(self, linear: nn.Linear, weight: ShardSpec, bias: ShardSpec | None) -> None:
+        """Adopt a linear's weight and bias; a float8 linear's shard multiplies in float8 with one process's scales."""
+        self._adopt("weight", linear.weight, weight)
+        self._adopt("bias", linear.bias, bias)
+        self.float8 = tp_float8_matmul(linear, self.weight, self.comm)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight^T (+ bias)`` on this rank's shard, in float8 where :meth:`_adopt_linear` chose it."""
+        if self.float8 is None:
+            return F.linear(x, self.weight, bias)
+        y = self.float8(x, self.weight)
+        return y if bias is None else y + bias
 
     def _coords(self) -> tuple[int, int]:
         return self.comm.mesh.rank(AXIS), self.comm.mesh.size(AXIS)
@@ -265,11 +280,13 @@ class ColumnParallelLinear(ShardedModule):
 
     def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool, chunks: int = 1) -> None:
         super().__init__(comm, sequence_parallel)
-        self._adopt("weight", linear.weight, ShardSpec(0, chunks))
-        self._adopt("bias", linear.bias, ShardSpec(0, chunks))
+        self._adopt_linear(linear, ShardSpec(0, chunks), ShardSpec(0, chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ColumnParallelLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
+        if self.float8 is None:
+            return _ColumnParallelLinear.apply(x, self.weight, self.bias, self.comm, self.sequence_parallel)
+        entry = _GatherFromSequence if self.sequence_parallel else _CopyToTP  # float8: whole input, then the matmul
+        return self._linear(entry.apply(x, self.comm), self.bias)
 
 
 class LocalColumnLinear(ShardedModule):
@@ -278,11 +295,10 @@ class LocalColumnLinear(ShardedModule):
 
     def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__(comm, sequence_parallel)
-        self._adopt("weight", linear.weight, ShardSpec(0))
-        self._adopt("bias", linear.bias, ShardSpec(0))
+        self._adopt_linear(linear, ShardSpec(0), ShardSpec(0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class RowParallelLinear(ShardedModule):
@@ -291,13 +307,12 @@ class RowParallelLinear(ShardedModule):
 
     def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__(comm, sequence_parallel)
-        self._adopt("weight", linear.weight, ShardSpec(1))
-        self._adopt("bias", linear.bias, None)
+        self._adopt_linear(linear, ShardSpec(1), None)
         if sequence_parallel and self.bias is not None:
             sum_grad_over_tp(self.bias, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _row_parallel_output(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        y = _row_parallel_output(self._linear(x), self.comm, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,6 +1,6 @@
 """Published production runs the step-time model is held to (docs/planner.md, "Production runs"), and the
 planner's own choice beside each: layout, stated kernels (:class:`trainmesh.plan.Pricing`), figure and
-allowed error. Runs the runtime cannot run are in :data:`NOT_RUNNABLE`."""
+allowed error."""
 
 from __future__ import annotations
 
@@ -130,16 +130,6 @@ PUBLISHED: tuple[PublishedRun, ...] = (
                                virtual_stages=4, sequence_parallel=True), 32),
                  1130, "tokens", 0.15),
 )
-
-# Published runs trainmesh cannot run as published: FP8 with tp > 1 (``train`` refuses it, so the planner
-# does), listed and not planned.
-NOT_RUNNABLE: tuple[tuple[str, str], ...] = (
-    ("Qwen3-235B-A22B FP8, TP2 PP8 EP32, 256 H100 (Megatron-Bridge 26.02.01-26.04.01, 1,611-1,712 tokens/s/GPU)",
-     "fp8 with tp 2: trainmesh refuses fp8 with tp > 1"),
-    ("DeepSeek-V3 FP8, TP2 PP8 EP64, 1,024 H100 (Megatron-Bridge 25.09, 1,297 tokens/s/GPU)",
-     "fp8 with tp 2: trainmesh refuses fp8 with tp > 1"),
-)
-
 
 def predicted(run: PublishedRun) -> float:
     """The planner's figure for ``run`` in the unit the source reports."""

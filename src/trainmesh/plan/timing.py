@@ -236,7 +236,8 @@ def micro_compute_time(workload: Workload, layout: Layout, cluster: Cluster, sta
 
 def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """A dense block all-reduces its output twice forward and twice backward [NAR, 2.3], each an all-gather plus
-    reduce-scatter under sp [KOR, 4.2.2]; an MoE block only its attention's half (:func:`_tp_partial_sums`)."""
+    reduce-scatter under sp [KOR, 4.2.2]; an MoE block only its attention's half (:func:`_tp_partial_sums`).
+    Under fp8 each float8 linear adds two all-reduces of its amaxes (16 bytes): latency, nearly all of it."""
     t, model = layout.tp, workload.model
     if t == 1:
         return 0.0
@@ -246,6 +247,8 @@ def _tp_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
         one = 2 * ring_gather_time(nbytes, t, link)
     else:
         one = all_reduce_time(nbytes, t, link)
+    if workload.precision == "fp8":  # each of the block's 4 float8 linears all-reduces its amaxes fwd and bwd
+        one += 2 * all_reduce_time(16, t, link)
     count = 6 if layout.recompute == "full" else 4
     dense, moe = stage_blocks(workload, layout, stage)
     return count * one * (dense + moe / 2)

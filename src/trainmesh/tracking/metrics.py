@@ -47,9 +47,12 @@ class SavedActivations:
         self.bytes = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in {p.untyped_storage().data_ptr() for p in self._exclude}:
-            self._seen[storage.data_ptr()] = storage.nbytes()
+        # a wrapper subclass (torchao's float8 tensor, saved by fp8 tp linears) has only its inner tensors' storage
+        parts = [getattr(t, name) for name in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else [t]
+        params = {p.untyped_storage().data_ptr() for p in self._exclude}
+        for storage in (part.untyped_storage() for part in parts):
+            if storage.data_ptr() not in params:
+                self._seen[storage.data_ptr()] = storage.nbytes()
         return t.detach()  # not t: a saved output would hold its own node, and the graph with it, under retain_graph
 
     @contextlib.contextmanager
