@@ -327,7 +327,7 @@ def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
     if not isinstance(module, Staged):
         return None
     paths = module._paths
-    units = [(paths["embed"], module.embed)] if module.embed is not None else []
+    units = [(paths["embed"], module.embed)] if module.embed not in (None, module.head) else []  # a tied last stage
     units += [(f"{paths['blocks']}.{k}", block) for k, block in module.blocks.items()]
     units += [(paths[p], getattr(module, p)) for p in ("ln_f", "head") if getattr(module, p) is not None]
     return [(name, m) for name, m in units if any(p.requires_grad for p in m.parameters())]

@@ -429,14 +429,6 @@ def _tensor_split(c: _Check) -> str | None:
     return None
 
 
-def _tied_embeddings(c: _Check) -> str | None:
-    lay, s = c.layout, c.spell
-    if c.model.tied_embeddings and (lay.tp > 1 or lay.pp > 1):
-        return (f"the output head of {c.name} shares the embedding's weight, which {s('tp')}/{s('pp')} would split "
-                f"apart; use {s('tp', 1)} and {s('pp', 1)} or a model with untied embeddings")
-    return None
-
-
 def _context_split(c: _Check) -> str | None:
     """Context parallelism cuts each sequence into 2*cp head-tail chunks; ``a2a`` (DeepSpeed-Ulysses) also
     gives each of the cp*tp ranks whole heads."""
@@ -487,7 +479,7 @@ def _experts(c: _Check) -> str | None:
     return experts_problem(c.layout.ep, c.model.n_experts, c.spell, c.name)
 
 
-MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _tied_embeddings, _context_split, _sequence_split,
+MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _context_split, _sequence_split,
                                  _experts)
 """The rules on how the layout splits a model, given its shape."""
 

@@ -168,7 +168,7 @@ def test_deepseek_v3_with_group_limited_routing_imports_and_exports_with_transfo
 
 
 def test_a_tied_qwen2_trains_tied_and_exports_tied(tmp_path, fp64_families):
-    """Through the training path (one process: tp and pp refuse tied embeddings) and out again."""
+    """Through the training path and out again."""
     directory = save_family("qwen2", tmp_path / "hf")
     run = build(Config.from_settings(init_hf=str(directory), model="qwen2-tiny", precision="fp64", progress=False),
                 Mesh.build(1, 1, 1, torch.device("cpu")))

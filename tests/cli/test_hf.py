@@ -155,8 +155,8 @@ def test_sharded_safetensors_are_read_through_their_index(tmp_path, fp64_llama):
 
 
 def test_tied_llama_imports_and_exports_tied(tmp_path, fp64_llama):
-    """A tied Llama (no ``lm_head.weight`` stored) through the training path's loading (one process: tp and
-    pp refuse tied embeddings), then out again: still tied, same logits."""
+    """A tied Llama (no ``lm_head.weight`` stored) through the training path's loading (one process), then out
+    again: still tied, same logits."""
     directory = save_hf_llama(tmp_path / "hf", tie=True)
     cfg = Config.from_settings(init_hf=str(directory), model="llama-tiny", precision="fp64", progress=False)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))

@@ -15,8 +15,6 @@ import torch.nn.functional as F
 
 from trainmesh.app import checkpoints
 from trainmesh.app.config import Config, ConfigError, validate
-from trainmesh.layout import Layout, LayoutError
-from trainmesh.layout import validate as validate_layout
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import SPECS, planner_shapes, preset, spec_of
 from trainmesh.models.llama import Attention, Llama, apply_rotary, rotary_angles
@@ -128,15 +126,11 @@ def test_llama3_shapes_have_their_published_parameter_counts():
     assert model_shape("llama3-405b").n_params() == 405_853_388_800
 
 
-def test_tied_embeddings_share_one_tensor_and_are_refused_under_tp_and_pp():
+def test_tied_embeddings_share_one_tensor():
     cfg = dataclasses.replace(TINY, tie_embeddings=True)
     model = Llama(cfg)
     assert model.head.weight is model.embed.weight
     assert sum(p.numel() for p in model.parameters()) == cfg.n_params() == TINY.n_params() - 256 * 64
-    validate_layout(Layout(), cfg.shape())
-    for sizes in (dict(tp=2), dict(pp=2)):
-        with pytest.raises(LayoutError, match="of tied shares the embedding's weight"):
-            validate_layout(Layout(**sizes), cfg.shape(), name="tied")
 
 
 def test_tp_beyond_the_kv_heads_is_refused_with_the_valid_choices():

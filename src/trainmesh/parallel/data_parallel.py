@@ -16,7 +16,8 @@ from torch import nn
 from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.tracking.metrics import model_state_tensors
-from trainmesh.training.optim import OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks, norm_contributions
+from trainmesh.training.optim import (TIED_PEER, OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
+                                      norm_contributions)
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
 from trainmesh.training.precision import LossScaler, copy_masters_to_model, master_dtype, masters
 
@@ -49,13 +50,15 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 def axis_buckets(params: list[nn.Parameter], bucket_bytes: int, axis: str) -> list[tuple[str, list[nn.Parameter]]]:
     """:func:`split_buckets` of ``params`` with each bucket's reduction axis: dense over ``axis`` first, then
     routed experts over the edp axis, so no bucket mixes groups; tp-partial parameters
-    (:func:`~trainmesh.parallel.tensor_parallel.defer_tp_sums`) get buckets of their own."""
+    (:func:`~trainmesh.parallel.tensor_parallel.defer_tp_sums`) and a tied weight (:func:`sum_tied`) get buckets
+    of their own."""
     out = []
     for reduced_over in (axis, EXPERT_AXIS):
-        mine = [p for p in params if (reduction_axis(p, axis) == axis) == (reduced_over == axis)]
-        for partial in (False, True):
-            kind = [p for p in mine if is_tp_partial(p) == partial]
-            out += [(reduced_over, b) for b in split_buckets(kind, bucket_bytes) if b]
+        kinds: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+        for p in params:
+            if (reduction_axis(p, axis) == axis) == (reduced_over == axis):
+                kinds.setdefault((is_tp_partial(p), getattr(p, TIED_PEER, None) is not None), []).append(p)
+        out += [(reduced_over, b) for kind in sorted(kinds) for b in split_buckets(kinds[kind], bucket_bytes)]
     return out
 
 
@@ -65,6 +68,24 @@ def sum_over_tp(grads: Sequence[torch.Tensor], comm: Comm) -> None:
     for work in [comm.all_reduce(g, "tp", op="sequence_grads", async_op=True) for g in grads]:
         if work is not None:
             work.wait()
+
+
+def sum_tied(groups: Sequence[tuple[Sequence[nn.Parameter], torch.Tensor]], comm: Comm) -> None:
+    """Add the other pipeline end's gradient to each of ``groups``' (params, gradient) that holds a tied weight
+    (:data:`~trainmesh.training.optim.TIED_PEER`), so embedding and head step as one weight (Megatron-LM's
+    embedding group). A weight alone in its group is laid out alike on both ends, so each exchanges its shard."""
+    for params, grad in groups:
+        peers = {getattr(p, TIED_PEER, None) for p in params} - {None}
+        if not peers:
+            continue
+        if len(params) > 1:
+            raise ValueError("a tied embedding shares its ZeRO-3 unit with other parameters; give the embedding "
+                             "and the head units of their own")
+        theirs = torch.empty_like(grad)
+        peer = comm.mesh.global_rank(pp=peers.pop())
+        for work in comm.send_recv([(grad, peer)], [(theirs, peer)], op="tied_grads"):
+            work.wait()
+        grad.add_(theirs)
 
 
 def fold_grad_into(view: torch.Tensor, p: nn.Parameter) -> None:
@@ -270,6 +291,7 @@ class DataParallel:
         a non-finite norm skips the update on every rank."""
         self.finish_gradient_sync()
         sum_over_tp([b.flat for b in self.buckets if b.tp_sum], self.comm)
+        sum_tied([(b.params, b.flat) for b in self.buckets], self.comm)
         opt_params = self.masters or self.params
         grads = self._optimizer_grads(opt_params)
         tp_rank = self.comm.mesh.rank("tp")

@@ -514,6 +514,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_par
         return None
     comm = comm or Comm(mesh)
     vocab_head = False
+    shared = _shared_names(model)
     for name, style in matched.items():
         module = model.get_submodule(name)
         replacement = STYLES[style](module, name, comm, sequence_parallel)
@@ -521,7 +522,32 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_par
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, replacement)
         vocab_head |= style == "vocab" and isinstance(module, nn.Linear)
+    for names in shared:
+        _retie(model, names)
     return functools.partial(vocab_parallel_cross_entropy, comm=comm) if vocab_head else None
+
+
+def _shared_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under several (an output head tied to the embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
+
+
+def _retie(model: nn.Module, names: list[str]) -> None:
+    """Make the shards sharding cut of one shared parameter one again: every name takes the first's, which
+    the plan must split alike under each name (the vocabulary split of a tied embedding and head)."""
+    def spec(name: str) -> ShardSpec | None:
+        module, _, pname = name.rpartition(".")
+        return getattr(model.get_submodule(module), "specs", {}).get(pname)
+
+    for name in names[1:]:
+        if spec(name) != spec(names[0]):
+            raise ValueError(f"{names[0]} and {name} are one weight, which the tp plan splits differently; give "
+                             f"both modules the same style (vocab for a tied embedding and head)")
+        module, _, pname = name.rpartition(".")
+        setattr(model.get_submodule(module), pname, model.get_parameter(names[0]))
 
 
 # --- full (unsharded) weights ------------------------------------------------------------------------
@@ -529,7 +555,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, plan: Plan, sequence_par
 def _sharded_params(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
     """State-dict key -> (its tensor-parallel module, the parameter's name there) for every split parameter."""
     return {f"{prefix}.{name}" if prefix else name: (m, name)
-            for prefix, m in model.named_modules() if isinstance(m, ShardedModule) for name in m.specs}
+            for prefix, m in model.named_modules(remove_duplicate=False) if isinstance(m, ShardedModule)
+            for name in m.specs}
 
 
 def unsharded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

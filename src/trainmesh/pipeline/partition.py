@@ -13,6 +13,7 @@ from torch import nn
 
 from trainmesh.distributed.comm import Comm
 from trainmesh.pipeline.schedules import rank_stages
+from trainmesh.training.optim import TIED_PEER
 
 AXIS = "pp"
 
@@ -105,21 +106,34 @@ def _keep(target: nn.Module, source: nn.Module, layers: Sequence[int], first: bo
 def split_model(model: nn.Module, layers: Sequence[range], rank: int, n_ranks: int,
                 n_virtual: int = 1) -> tuple[nn.Module, dict[int, nn.Module]]:
     """Cut ``model`` in place to what pipeline ``rank`` holds; returns ``(part, chunks)``: the model the engine
-    optimises, and each global stage's module (``part``, or with ``v`` chunks hollow copies sharing its modules)."""
+    optimises, and each global stage's module (``part``, or hollow copies sharing its modules: with ``v`` chunks, or
+    where ``part`` also names its tied head ``embed``)."""
     n_total = n_ranks * n_virtual
     if len(layers) != n_total:
         raise ValueError(f"got {len(layers)} layer ranges for {n_total} stages (pp * virtual stages)")
     stages = rank_stages(rank, n_ranks, n_virtual)
     owned = [i for s in stages for i in layers[s]]
-    _keep(model, model, owned, first=0 in stages, last=n_total - 1 in stages)
-    if n_virtual == 1:
+    first, last = 0 in stages, n_total - 1 in stages
+    tied = _tied_weights(model) if first or last else []
+    for p in tied:  # the first and last stage are on different ranks (global stage s runs on rank s % p)
+        setattr(p, TIED_PEER, n_ranks - 1 if first else 0)
+    _keep(model, model, owned, first=first, last=last)
+    if n_virtual == 1 and not (tied and last):
         return model, {stages[0]: model}
     chunks = {}
     for s in stages:
         chunk = _hollow_copy(model)
         _keep(chunk, model, layers[s], first=s == 0, last=s == n_total - 1)
         chunks[s] = chunk
+    if tied and last:  # the part the engine holds names the tied weight as the embedding's, as one process does
+        model.embed = model.head
     return model, chunks
+
+
+def _tied_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The head's parameters that are the embedding's too (a tied output head), which both end stages hold."""
+    embedding = {id(p) for p in model.embed.parameters()} if model.embed is not None else set()
+    return [p for p in model.head.parameters() if id(p) in embedding] if model.head is not None else []
 
 
 def gather_stages(state: dict[str, torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:

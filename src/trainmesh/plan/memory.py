@@ -80,16 +80,17 @@ def embed_unit(m: ModelShape, tp: int) -> UnitSize:
     return UnitSize(m.vocab_size * m.d_model // tp + positions, 2 if m.learned_positions else 1)
 
 
-def head_unit(m: ModelShape, tp: int) -> UnitSize:
-    """Vocab-parallel output projection without bias; nothing of its own when tied to the embedding."""
-    return UnitSize(0, 0) if m.tied_embeddings else UnitSize(m.d_model * m.vocab_size // tp, 1)
+def head_unit(m: ModelShape, tp: int, pp: int = 1) -> UnitSize:
+    """Vocab-parallel output projection without bias; nothing of its own when tied to the embedding on its rank
+    (under pp the last stage holds a copy of the tied weight)."""
+    return UnitSize(0, 0) if m.tied_embeddings and pp == 1 else UnitSize(m.d_model * m.vocab_size // tp, 1)
 
 
 @functools.cache
 def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: int) -> tuple[tuple[UnitSize, int], ...]:
     """(unit, how many) one rank of ``stage`` holds under ``split``; cached since a search asks thousands of times."""
     first = ((embed_unit(m, tp), 1),) if stage == 0 else ()
-    last = ((_norm(m), 1), (head_unit(m, tp), 1)) if stage == pp - 1 else ()
+    last = ((_norm(m), 1), (head_unit(m, tp, pp), 1)) if stage == pp - 1 else ()
     dense, moe = rank_blocks(m, split, pp, stage)
     blocks = ((block_unit(m, tp), dense),) if dense else ()
     blocks += ((block_unit(m, tp, moe=True), moe),) if moe else ()
@@ -113,7 +114,7 @@ def largest_tensor(m: ModelShape, tp: int, ep: int, blocks: tuple[int, int], fir
     sizes += [(2 if m.gated_mlp else 1) * d * m.d_ff // tp] if dense else []
     sizes += [m.n_experts // ep * d * m.expert_ff, (2 if m.gated_mlp else 1) * d * shared] if moe else []
     sizes += [m.vocab_size * d // tp, m.seq_len * d if m.learned_positions else 0] if first else []
-    sizes += [d * m.vocab_size // tp] if last and not m.tied_embeddings else []
+    sizes += [d * m.vocab_size // tp] if last else []  # a tied head's weight is the embedding's or a copy
     return max(sizes)
 
 

@@ -90,7 +90,7 @@ def _meshes(workload: Workload, cluster: Cluster) -> Iterator[tuple[int, int, in
 
 
 def _splits(model: ModelShape, tp: int, pp: int) -> bool:
-    """Whether tp x pp can split ``model`` by the layout's rules (whole heads per tp rank, untied embeddings)."""
+    """Whether tp x pp can split ``model`` by the layout's rules (whole heads per tp rank)."""
     try:
         validate(Layout(tp=tp, pp=pp), model)
     except LayoutError:

@@ -16,7 +16,7 @@ from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import REPLICA_AXIS, SHARD_AXIS
 from trainmesh.tracking.metrics import optimizer_tensors, storage_bytes
 from trainmesh.training.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
-from trainmesh.parallel.data_parallel import sum_over_tp
+from trainmesh.parallel.data_parallel import sum_over_tp, sum_tied
 from trainmesh.parallel.tensor_parallel import defer_tp_sums
 from trainmesh.parallel.zero import flat
 from trainmesh.parallel.zero.flat import Group, make_pieces, master_shard
@@ -158,6 +158,7 @@ class ZeroEngine:
         self.finish_gradient_sync()
         self._sum_over_replicas()
         sum_over_tp([g.grad_shard for g in self._tp_summed], self.comm)
+        sum_tied([(g.params, g.grad_shard) for g in self.groups], self.comm)
         grads = self._optimizer_grads()
         norm = clipped_update(self.optimizer, grads, norm_contributions(self.pieces, self.comm.mesh.rank("tp")),
                               self.comm, (self.axis, *NORM_AXES), self.scaler, lr, max_norm)
