@@ -91,7 +91,7 @@ LLAMA_CP_PLAN = {"blocks.*.attn.rope": "positions", "blocks.*.attn.core": "atten
 
 
 def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[str, str],
-                 hf: HFMapping, moe: bool = False, cp_plan: dict[str, str] = LLAMA_CP_PLAN) -> ModelSpec:
+                 hf: HFMapping, moe: bool = False) -> ModelSpec:
     """A family built on trainmesh's Llama (``moe``: of mixtures of experts), told apart from the others by
     :func:`llama_variant` (a Llama MoE is ``llama-moe``, a Qwen3 one ``qwen3-moe``)."""
     def holds(cfg: Any) -> bool:
@@ -99,7 +99,7 @@ def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[
         return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
 
     return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,
-                     planner_presets=planner_presets, hf=hf, cp_plan=cp_plan,
+                     planner_presets=planner_presets, hf=hf, cp_plan=LLAMA_CP_PLAN,
                      high_precision=(*LLAMA_BF16, ROUTER) if moe else LLAMA_BF16,
                      accepts=lambda model: isinstance(model, llama.Llama) and holds(model.cfg), holds=holds)
 
@@ -120,7 +120,7 @@ SPECS: list[ModelSpec] = [
     llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, llama.TP_PLAN,
                  llama.MIXTRAL_MAPPING, moe=True),
     llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
-    llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True, cp_plan={}),
+    llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True),
     *(hf_family(architecture) for architecture in hf_llama.ARCHITECTURES),
 ]
 

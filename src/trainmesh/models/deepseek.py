@@ -1,7 +1,7 @@
 """DeepSeek-V3 (DeepSeek-AI, 2024) at tiny sizes as an option of trainmesh's Llama: latent attention, sigmoid routing
 with the aux-loss-free bias (§2.1.2) and group limits, shared experts, dense first layers, and the
-``DeepseekV3ForCausalLM`` translation. tp splits heads and keeps the compressions whole (``per_head``); cp is refused
-(a value head narrower than the query/key head does not fit the ring's accumulators)."""
+``DeepseekV3ForCausalLM`` translation. tp splits heads and keeps the compressions whole (``per_head``); cp is
+Llama's plan, the shared rotary key expanded to every head before the core."""
 
 from __future__ import annotations
 

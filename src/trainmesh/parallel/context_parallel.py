@@ -71,11 +71,11 @@ def _scores(q5: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale:
 
 
 class Accumulator:
-    """Running softmax attention of one query segment (normalised output and log-sum-exp); merging a block rescales
+    """Running softmax attention of one query segment (output as wide as a value head, lse); merging a block rescales
     both sides by ``exp(lse_side - logaddexp(lse, lse_block))``: the online softmax, exact in exact arithmetic."""
 
-    def __init__(self, q5: torch.Tensor) -> None:
-        self.out = torch.zeros(q5.shape, dtype=_wide(q5.dtype), device=q5.device)
+    def __init__(self, q5: torch.Tensor, width: int) -> None:
+        self.out = torch.zeros((*q5.shape[:-1], width), dtype=_wide(q5.dtype), device=q5.device)
         self.lse = torch.full(q5.shape[:-1], float("-inf"), dtype=_wide(q5.dtype), device=q5.device)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -172,7 +172,7 @@ class _Blockwise(torch.autograd.Function):
         n = len(kv) // 2
         scale = 1 / math.sqrt(q.shape[-1])
         q5 = _grouped(q, kv[0].shape[1])
-        accs = [Accumulator(s) for s, _ in _segments(q5, q_starts)]
+        accs = [Accumulator(s, kv[n].shape[-1]) for s, _ in _segments(q5, q_starts)]
         for k, v, starts in zip(kv[:n], kv[n:], k_starts):
             attend_block(accs, q5, q_starts, k, v, starts, causal, scale, window)
         out, lse = _finish(accs)
@@ -186,7 +186,7 @@ class _Blockwise(torch.autograd.Function):
         q_starts, k_starts, causal, scale, n, window = ctx.args
         q5, dout5 = _grouped(q, kv[0].shape[1]), _grouped(dout, kv[0].shape[1]).to(out.dtype)
         delta = (dout5 * out).sum(-1)
-        dq, dks, dvs = torch.zeros_like(out), [], []
+        dq, dks, dvs = torch.zeros(q5.shape, dtype=out.dtype, device=q.device), [], []
         for k, v, starts in zip(kv[:n], kv[n:], k_starts):
             g_q, g_k, g_v = block_grads(q5, q_starts, k, v, starts, causal, scale, dout5, delta, lse, window)
             dq += g_q
@@ -227,6 +227,11 @@ def _timed(timeline: RingTimeline | None, phase: str, step: int, kind: str) -> I
     timeline.events.append((phase, step, kind, time.perf_counter() - start))
 
 
+def _kv_split(kv: torch.Tensor, k_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values from the ring's one message, side by side as their widths may differ (MLA's value heads)."""
+    return kv[..., :k_width], kv[..., k_width:]
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: K/V blocks go round the cp ring (one isend/irecv pair per step, posted before the block
     at hand is computed); backward: K/V go round again with their gradients travelling behind them."""
@@ -240,16 +245,16 @@ class _RingAttention(torch.autograd.Function):
         q5 = _grouped(q, k.shape[1])
         q_starts = chunk_starts(seq, cp, r)
         nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
-        accs = [Accumulator(s) for s, _ in _segments(q5, q_starts)]
-        kv = torch.stack([k, v])
+        accs = [Accumulator(s, v.shape[-1]) for s, _ in _segments(q5, q_starts)]
+        kv = torch.cat([k, v], dim=-1)
         for step in range(cp):
             works, incoming = [], None
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 works = comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="ring_kv")
             with _timed(timeline, "forward", step, "compute"):
-                attend_block(accs, q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp), causal,
-                             scale, window)
+                attend_block(accs, q5, q_starts, *_kv_split(kv, k.shape[-1]), chunk_starts(seq, cp, (r - step) % cp),
+                             causal, scale, window)
             with _timed(timeline, "forward", step, "wait"):
                 for w in works:
                     w.wait()
@@ -270,8 +275,8 @@ class _RingAttention(torch.autograd.Function):
         q5, dout5 = _grouped(q, k.shape[1]), _grouped(dout, k.shape[1]).to(out.dtype)
         q_starts = chunk_starts(seq, cp, r)
         delta = (dout5 * out).sum(-1)
-        dq = torch.zeros_like(out)
-        kv = torch.stack([k, v])
+        dq = torch.zeros(q5.shape, dtype=out.dtype, device=q.device)
+        kv = torch.cat([k, v], dim=-1)
         sent: list = []  # (message, its send): each message stays alive until its send completes
         for step in range(cp):
             dkv_in = torch.empty(kv.shape, dtype=out.dtype, device=kv.device) if step > 0 else None
@@ -279,13 +284,14 @@ class _RingAttention(torch.autograd.Function):
             recvs = [(t, prev) for t in (dkv_in, kv_in) if t is not None]
             works = comm.send_recv([(kv, nxt)] if kv_in is not None else [], recvs, axis=AXIS, op="ring_kv_grad")
             with _timed(timeline, "backward", step, "compute"):
-                g_q, g_k, g_v = block_grads(q5, q_starts, kv[0], kv[1], chunk_starts(seq, cp, (r - step) % cp),
-                                            causal, scale, dout5, delta, lse, ctx.window)
+                held = chunk_starts(seq, cp, (r - step) % cp)
+                g_q, g_k, g_v = block_grads(q5, q_starts, *_kv_split(kv, k.shape[-1]), held, causal, scale, dout5,
+                                            delta, lse, ctx.window)
                 dq += g_q
             with _timed(timeline, "backward", step, "wait"):
                 for w in works:
                     w.wait()
-            dkv = torch.stack([g_k, g_v]) + (dkv_in if dkv_in is not None else 0)
+            dkv = torch.cat([g_k, g_v], dim=-1) + (dkv_in if dkv_in is not None else 0)
             sent += [(dkv, w) for w in comm.send_recv([(dkv, nxt)], [], axis=AXIS, op="ring_kv_grad")]
             kv = kv_in if kv_in is not None else kv
         home = torch.empty(kv.shape, dtype=out.dtype, device=kv.device)
@@ -294,7 +300,8 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             for _, w in sent:
                 w.wait()
-        return _ungroup(dq).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
+        home_k, home_v = _kv_split(home, k.shape[-1])
+        return _ungroup(dq).to(q.dtype), home_k.to(k.dtype), home_v.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True,
