@@ -127,13 +127,15 @@ def test_plan_reads_an_hf_config_and_refuses_remote_code_in_one_line(tmp_path: P
         shape_of_hf_config({"model_type": "bert"})
 
 
-def test_latent_attention_sends_its_compressed_keys_and_values_over_cp() -> None:
-    """DeepSeek-V2 2.1: each token caches kv_lora_rank + qk_rope_head_dim values, whatever the heads."""
+def test_latent_attention_is_priced_over_cp_as_the_ring_sends_it() -> None:
+    """The ring passes each head's expanded key (nope + rope dims) and its value (v_head_dim), not the
+    compressed latent: DeepSeek-V3's 128 heads of 192 + 128 per token, split over tp."""
     m = model_shape("deepseek-v3")
     work = Workload(m, 8, 32768, "bf16")
-    sent = cp_bytes_per_micro(work, Layout(dp=2, cp=4, microbatches=4))
     tokens = 32768 // 4
-    assert sent["ring_kv"] == m.n_layers * 3 * tokens * (512 + 64) * 2
+    for tp in (1, 2):
+        sent = cp_bytes_per_micro(work, Layout(dp=2, cp=4, tp=tp, microbatches=4))
+        assert sent["ring_kv"] == m.n_layers * 3 * tokens * 128 * (128 + 64 + 128) // tp * 2
 
 
 def test_init_hf_plans_the_directory_and_the_command_starts_from_its_weights(tmp_path: Path) -> None:

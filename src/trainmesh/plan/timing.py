@@ -292,8 +292,8 @@ def cp_bytes_per_micro(workload: Workload, layout: Layout) -> dict[str, float]:
     if cp == 1:
         return {}
     tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
-    # Latent attention's keys and values are one compressed vector per token plus the shared rotary key.
-    kv = (tokens * (m.kv_lora_rank + m.qk_rope_head_dim) if m.latent_attention
+    # Latent attention goes over cp as the runtime sends it: each head's expanded key and its own-width value.
+    kv = (tokens * m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) // lay.tp if m.latent_attention
           else 2 * tokens * m.kv_heads * m.head_size // lay.tp)
     if lay.cp_impl == "ring":
         grad = max(e, DTYPE_BYTES["fp32"])
