@@ -18,10 +18,11 @@ _HOMES = {"init_mesh": "trainmesh.api", "parallelize": "trainmesh.api", "optimiz
           "ParallelModel": "trainmesh.api", "Optimizer": "trainmesh.api",
           "StageLayout": "trainmesh.models.spec", "ModelSpec": "trainmesh.models.spec",
           "ModelShape": "trainmesh.models.spec", "register_family": "trainmesh.models",
-          "RunLog": "trainmesh.tracking.runlog", "tp_plans": "trainmesh.models.tp_plans"}  # a module itself
+          "RunLog": "trainmesh.tracking.runlog", "from_hf": "trainmesh.models.hf", "tp_plans": "trainmesh.models.tp_plans"}  # a module itself
 
 __all__ = ["__version__", "init_mesh", "parallelize", "optimizer", "train_step", "save", "load", "StageLayout",
-           "ParallelModel", "Optimizer", "tp_plans", "RunLog", "register_family", "ModelSpec", "ModelShape"]
+           "ParallelModel", "Optimizer", "tp_plans", "RunLog", "register_family", "ModelSpec", "ModelShape",
+           "from_hf"]
 
 
 def __getattr__(name: str) -> object:

@@ -44,6 +44,7 @@ from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_mo
 from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
                             pick_device, world_env)
 from trainmesh.models import SPECS, moe, spec_for
+from trainmesh.models.hf import as_trainmesh
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
 from trainmesh.training.optim import adamw_factory
@@ -234,7 +235,11 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     model) then refuses, with a message saying what to use, to run its forward or give its ``state_dict``
     (so ``save_pretrained`` without ``state_dict=``): both would otherwise see shards or missing layers. Get
     the full weights with ``ParallelModel.state_dict()`` (a collective); for a Hugging Face model, save
-    them with ``model.save_pretrained(out, state_dict=pm.state_dict())`` on one rank.
+    them with ``model.save_pretrained(out, state_dict=pm.state_dict())`` on one rank. A transformers object
+    of a family trainmesh reads only through its HF mapping (Qwen3-MoE, Mixtral, DeepSeek-V3, GPT-2) is instead
+    converted (``tm.from_hf(model)``; the object is left as it was, untrained): the user gets trainmesh's own
+    model, whose full weights ``trainmesh.models.hf.save_hf(pm.state_dict(), out, cfg)`` write back as a
+    transformers folder (``cfg``: ``tm.from_hf(model).cfg``).
 
     Every rank must pass the same model (built from the same seed, or loaded from the same weights).
     ``tp_plan``: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES` (default: the model
@@ -256,6 +261,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     (:mod:`trainmesh.parallel.expert_parallel`); the experts' gradients and ZeRO state then live on the
     expert-data-parallel group.
     """
+    model = as_trainmesh(model)
     spec = spec_for(model)
     _refuse_foreign(model, spec)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)

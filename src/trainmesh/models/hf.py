@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from trainmesh.models import SPECS, is_moe, load_installed_families
+from trainmesh.models import SPECS, is_moe, load_installed_families, spec_for
 from trainmesh.models.spec import HFIncompatible, ModelSpec
 from trainmesh.models.weights import FLOATING, first_untrainable, header_dtype_problem, scan_file
 from trainmesh.storage.safe_io import UnreadableFile, read_user_file, replace_durably
@@ -353,11 +353,16 @@ def read_hf(path: str | Path) -> tuple[ModelSpec, Any, dict[str, torch.Tensor]]:
     return spec, cfg, to_trainmesh(spec, cfg, _read_files(directory, _trainable_tensors), str(directory))
 
 
-@torch.no_grad()
 def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
     """Load HF directory ``path``'s weights into ``model`` (a trainmesh model of its family and shape, or a pipeline
     stage of one) before it is parallelized; ``train --init-hf`` reshards onto any layout itself. Returns ``model``."""
     spec, _, weights = read_hf(path)
+    return _copy_in(model, spec, weights, path)
+
+
+@torch.no_grad()
+def _copy_in(model: nn.Module, spec: ModelSpec, weights: Mapping[str, torch.Tensor], path: Any) -> nn.Module:
+    """``weights`` (of ``path``, under our names) into ``model``, each parameter's shape checked."""
     for name, p in model.named_parameters():
         if name not in weights or weights[name].shape != p.shape:
             there = "lacks it" if name not in weights else f"has shape {list(weights[name].shape)}"
@@ -369,6 +374,38 @@ def load_hf(model: nn.Module, path: str | Path) -> nn.Module:
         if name in weights:
             buffer.copy_(weights[name])
     return model
+
+
+def _saved_form(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers object's tensors under the names ``save_pretrained`` writes, which the families' mappings
+    read (transformers 5 keeps experts fused in memory and unfuses them on saving)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: the saved form is the one in memory
+        return model.state_dict()
+    return revert_weight_conversion(model, model.state_dict())
+
+
+def from_hf(source: str | Path | nn.Module) -> nn.Module:
+    """trainmesh's own model (its family's builder, in the weights' dtype) holding the weights of a local HF
+    folder (config.json and safetensors; a hub id is refused, never downloaded) or of a transformers object."""
+    if isinstance(source, nn.Module):
+        hf_config = source.config.to_dict()
+        spec = family_of(hf_config, type(source).__name__)
+        cfg = spec.hf.from_config(hf_config)
+        weights = to_trainmesh(spec, cfg, _saved_form(source), type(source).__name__)
+    else:
+        spec, cfg, weights = read_hf(source)
+    return _copy_in(spec.builder(cfg, 0).to(next(iter(weights.values())).dtype), spec, weights, source)
+
+
+def as_trainmesh(model: nn.Module) -> nn.Module:
+    """A transformers object that no family takes as it is but one reads through its HF mapping (the MoE
+    ones, GPT-2) as trainmesh's own model (:func:`from_hf`); any other model as it is."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not type(model).__module__.startswith("transformers.") or spec_for(model) is not None:
+        return model
+    return from_hf(model) if any(s.hf and s.hf.model_type == model_type for s in SPECS) else model
 
 
 def spec_of_config(cfg: Any) -> ModelSpec:

@@ -1,0 +1,125 @@
+"""A transformers ``Qwen3MoeForCausalLM`` object through ``tm.parallelize`` (converted to trainmesh's qwen3-moe,
+its experts split over ep) trains as the same object trained by transformers alone with torch.optim.AdamW in
+one process (float64, 1e-9); ``tm.from_hf(dir)`` gives transformers' logits for its folder (1e-10 of their
+scale). transformers' float32 islands (RMSNorm, rotary angles, the router's softmax) run in the model's dtype on
+the reference side, as in tests/cli/test_hf.py; the router's aux loss is off (coefficient 0) on both sides,
+transformers adding it only with ``output_router_logits``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainmesh as tm
+from helpers import FP64_ATOL
+from trainmesh.distributed.testing import run_ranks
+from trainmesh.models import hf
+
+transformers = pytest.importorskip("transformers")
+
+LR, STEPS, VOCAB = 1e-2, 3, 64
+
+
+def hf_moe() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                                         router_aux_loss_coef=0.0, max_position_embeddings=64, initializer_range=0.2)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                         experts_implementation="eager").double()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, VOCAB, (4, 17), generator=g) for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+@pytest.fixture
+def fp64_islands(monkeypatch):
+    """transformers' Qwen3-MoE RMSNorm, rotary angles and router softmax in the model's dtype, not float32."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        dim = self.inv_freq.numel() * 2
+        theta = (getattr(self.config, "rope_parameters", None) or {}).get("rope_theta") or self.config.rope_theta
+        angles = position_ids[..., None].to(x.dtype) * theta ** -(torch.arange(0, dim, 2, dtype=x.dtype) / dim)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+    def route(self, hidden):
+        logits = F.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
+        top, index = logits.softmax(-1).topk(self.top_k, dim=-1)
+        return logits, top / top.sum(-1, keepdim=True) if self.norm_topk_prob else top, index
+
+    for cls, forward in ((qm.Qwen3MoeRMSNorm, rms_norm), (qm.Qwen3MoeRotaryEmbedding, rotary),
+                         (qm.Qwen3MoeTopKRouter, route)):
+        monkeypatch.setattr(cls, "forward", forward)
+
+
+def transformers_alone(tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The object trained by its own forward and torch.optim.AdamW (decaying matrices only, as trainmesh does);
+    its final weights read back under trainmesh's names through the family's mapping."""
+    model = hf_moe()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for x, y in batches():
+        loss = F.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.save_pretrained(tmp_path / "trained")
+    return losses, hf.read_hf(tmp_path / "trained")[2]
+
+
+def through_parallelize(mesh: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    pm = tm.parallelize(hf_moe(), tm.init_mesh(**mesh), sequence_parallel=mesh.get("sequence_parallel", False),
+                        precision="fp64")
+    opt = tm.optimizer(pm, lr=LR)
+    losses = [tm.train_step(pm, opt, batch) for batch in batches()]
+    return losses, pm.state_dict()
+
+
+@pytest.mark.parametrize("mesh, world", [(dict(ep=2), 2),
+                                         pytest.param(dict(tp=2, ep=2, sequence_parallel=True), 4,
+                                                      marks=pytest.mark.slow)])
+def test_a_transformers_qwen3_moe_object_trains_through_parallelize_as_transformers_alone(tmp_path, fp64_islands,
+                                                                                         mesh, world):
+    losses, params = run_ranks(through_parallelize, world, mesh, timeout=300)[0]
+    ref_losses, ref_params = transformers_alone(tmp_path)
+    assert ref_params.keys() <= params.keys()  # and the routers' (unused) selection biases
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+    param_diff = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+    print(f"{mesh}: |dloss| {loss_diff:.1e} |dparam| {param_diff:.1e}")
+    assert loss_diff <= FP64_ATOL and param_diff <= FP64_ATOL, (loss_diff, param_diff)
+    assert max(abs(a - b) for a, b in zip(ref_losses, ref_losses[1:])) > 1e-3  # it trained
+
+
+def test_from_hf_gives_transformers_logits_and_maps_back_and_refuses_a_missing_folder(tmp_path, fp64_islands):
+    """A folder's and an object's conversions give transformers' logits; ``save_hf`` of the converted model's
+    state dict (buffers included, as ``pm.state_dict()`` gives it) is a folder transformers reads the same."""
+    model = hf_moe()
+    model.save_pretrained(tmp_path / "hf")
+    x = batches()[0][0]
+    with torch.no_grad():
+        theirs = model(x).logits
+        ours = tm.from_hf(tmp_path / "hf")
+        hf.save_hf(tm.from_hf(model).state_dict(), tmp_path / "back", ours.cfg)
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float64,
+                                                                 experts_implementation="eager")
+        for what, logits in (("from_hf(dir)", ours(x)), ("from_hf(object), save_hf", back(x).logits)):
+            diff, scale = (logits - theirs).abs().max().item(), theirs.abs().max().item()
+            print(f"{what}: max |dlogit| {diff:.1e} of {scale:.2f}")
+            assert scale > 1.0 and diff <= 1e-10 * scale, what
+    assert next(ours.parameters()).dtype == torch.float64
+    with pytest.raises(ValueError, match="does not exist; trainmesh never downloads") as e:
+        tm.from_hf(tmp_path / "missing")
+    assert "\n" not in str(e.value)
