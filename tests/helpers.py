@@ -17,15 +17,22 @@ import contextlib
 import dataclasses
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from trainmesh.app.config import Config
+import trainmesh as tm
+from trainmesh import api
+from trainmesh.data import TokenData, get_batch
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import full_state_dict, train
+from trainmesh.layout import Layout
+from trainmesh.models import preset, spec_of
+from trainmesh.training.optim import LRSchedule
+from trainmesh.training.precision import dtype_of
 
 FP64_ATOL = 1e-9
 
@@ -33,51 +40,168 @@ EQUIVALENCE_TABLE: list[tuple[str, float, float]] = []  # (layout, |Δloss|, |Δ
 
 Training = tuple[list[float], dict[str, torch.Tensor]]
 
-
-DEFAULTS = {"steps": 10, "global_batch": 8, "warmup_steps": 2, "progress": False}
-
-
-def config(**settings) -> Config:
-    """The one way the tests build a run's settings: :data:`DEFAULTS` (ten steps of eight sequences, two
-    warm-up steps, no progress line) under ``settings``, started on as many processes as the layout has
-    ranks unless ``nproc`` is given."""
-    cfg = Config(**{**DEFAULTS, **settings})
-    return cfg if "nproc" in settings else dataclasses.replace(cfg, nproc=cfg.world_size)
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("compile", "cuda_graphs",
+                                                                                     "timeline"))
+MOE_DEFAULTS = {"capacity_factor": 0.0, "aux_coef": 0.01, "z_coef": 0.001, "bias_rate": 0.0}
+"""The routing settings a case's MoE layers get unless it overrides them (``moe=``): the command line's
+defaults, which the cases were first written against."""
 
 
-def in_fp64(cfg: Config) -> Config:
-    """The config an equivalence test runs: the same layout in float64 (gradients reduced in float64)."""
-    return dataclasses.replace(cfg, precision="fp64", reduce_dtype="auto")
+@dataclass(frozen=True)
+class Case:
+    """One training run of a test: a model preset (``model``; ``overrides`` replace fields of its config,
+    ``moe`` fields of its MoE layers), the layout's keywords (those of :class:`trainmesh.layout.Layout`),
+    AdamW and its learning-rate schedule, ``steps`` steps of ``global_batch`` sequences drawn by ``seed``
+    from the default corpus (the Python standard library's sources, byte tokens)."""
+
+    model: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    moe: dict[str, Any] = field(default_factory=dict)
+    seq_len: int = 0
+    seed: int = 0
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    stage_layers: tuple[int, ...] = ()
+    recompute: str = "none"
+    precision: str = "fp32"
+    reduce_dtype: str = "auto"
+    cp_impl: str = "ring"
+    bucket_mb: float = 25.0
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 2
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    steps: int = 10
+    global_batch: int = 8
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS})
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world
+
+    @property
+    def model_config(self) -> Any:
+        """The preset's config with the case's overrides, MoE settings and sequence length."""
+        cfg = dataclasses.replace(preset(self.model), **self.overrides)
+        if getattr(cfg, "moe", None) is not None:
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **{**MOE_DEFAULTS, **self.moe}))
+        return dataclasses.replace(cfg, seq_len=self.seq_len) if self.seq_len else cfg
+
+
+def config(**settings) -> Case:
+    """The one way the tests build a run: ten steps of eight sequences, two warm-up steps, fp32, under
+    ``settings`` (a ``stage_layers`` string such as ``"1,3"`` is read as its layer counts)."""
+    if isinstance(settings.get("stage_layers"), str):
+        settings["stage_layers"] = tuple(int(n) for n in settings["stage_layers"].split(",") if n)
+    return Case(**settings)
+
+
+def in_fp64(case: Case) -> Case:
+    """The case an equivalence test runs: the same layout in float64 (gradients reduced in float64)."""
+    return dataclasses.replace(case, precision="fp64", reduce_dtype="auto")
+
+
+@dataclass
+class Built:
+    """A case built on this rank through the public API: its model, optimizer, mesh and data."""
+
+    case: Case
+    model: tm.ParallelModel
+    opt: tm.Optimizer
+    data: TokenData
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.model.mesh
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch of ``step``: the same sequences on every rank and in the single process."""
+        c = self.case
+        return get_batch(self.data.train, self.model_config.seq_len, c.global_batch, c.seed, step)
+
+    @property
+    def model_config(self) -> Any:
+        return self.case.model_config
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of the global batch of ``step``, as :func:`trainmesh.train_step` cuts them."""
+        return api.rank_slice(self.mesh, self.batch(step), self.case.microbatches)
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """Accumulate the gradients of ``step``'s batch without stepping; this rank's share of the loss."""
+        m = self.model
+        return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion)
+
+
+def build(case: Case, mesh: Mesh | None = None) -> Built:
+    """The case's model from its seed, parallelized over ``mesh`` (default: :func:`trainmesh.init_mesh` of
+    its layout, on the CPU), its optimizer and its data."""
+    c = case
+    mesh = mesh or tm.init_mesh(c.dp, c.tp, c.pp, c.cp, device="cpu", ep=c.ep, dp_replicate=c.dp_replicate,
+                                sequence_parallel=c.sequence_parallel)
+    model = spec_of(c.model).builder(c.model_config, c.seed).to(mesh.device, dtype_of(c.precision))
+    parallel = tm.parallelize(model, mesh, sequence_parallel=c.sequence_parallel, zero=c.zero,
+                              recompute=c.recompute, schedule=c.schedule, microbatches=c.microbatches,
+                              virtual_stages=c.virtual_stages, stage_layers=c.stage_layers, precision=c.precision,
+                              reduce_dtype=c.reduce_dtype, bucket_mb=c.bucket_mb, cp_impl=c.cp_impl)
+    opt = tm.optimizer(parallel, c.lr, c.betas, c.weight_decay)
+    return Built(case, parallel, opt, TokenData.load("", c.model_config.seq_len))
+
+
+def train(case: Case, mesh: Mesh | None = None) -> tuple[list[float], Built]:
+    """``case.steps`` steps of :func:`trainmesh.train_step` (warm-up then cosine learning rate); the
+    per-step losses and what was trained."""
+    built = build(case, mesh)
+    schedule = LRSchedule(case.lr, case.min_lr, case.warmup_steps, case.steps)
+    losses = []
+    for step in range(case.steps):
+        built.opt.lr = schedule.at(step)
+        losses.append(tm.train_step(built.model, built.opt, built.batch(step), max_norm=case.grad_clip))
+    return losses, built
 
 
 _REFERENCES: dict[str, Training] = {}  # single-process runs already trained in this pytest process
 
 
-def train_single(cfg: Config) -> Training:
-    """The reference: the same config as one process (dp=cp=tp=pp=1, same global batch and micro-batches).
-
-    Many layouts share one reference, and training is deterministic for a given thread count, so a run
-    that writes nothing besides its metrics is trained once per test session and thread count, and reused."""
-    single = dataclasses.replace(cfg, nproc=1, dp=1, cp=1, tp=1, pp=1, ep=1, zero=0, sequence_parallel=False,
-                                 schedule="1f1b", virtual_stages=1, stage_layers="")
-    reusable = not (single.checkpoint_dir or single.init_from)
-    key = f"{torch.get_num_threads()} threads: {dataclasses.replace(single, out='')!r}"
-    if reusable and key in _REFERENCES:
-        return _REFERENCES[key]
-    result = train(single, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    training = result.losses, full_state_dict(result.run)
-    if reusable:
-        _REFERENCES[key] = training
-    return training
+def single(case: Case) -> Case:
+    """The same case as one process: every axis 1, same global batch and micro-batches."""
+    return dataclasses.replace(case, dp=1, cp=1, tp=1, pp=1, ep=1, dp_replicate=1, zero=0, sequence_parallel=False,
+                               schedule="1f1b", virtual_stages=1, stage_layers=())
 
 
-def train_rank(cfgs: list[Config]) -> list[Training]:
-    """Runs on every rank: train each config in turn; returns losses and full parameters per config."""
+def train_single(case: Case) -> Training:
+    """The reference: the case as one process, on a 1-rank mesh in this process.
+
+    Many layouts share one reference, and training is deterministic for a given thread count, so each is
+    trained once per test session and thread count, and reused."""
+    key = f"{torch.get_num_threads()} threads: {single(case)!r}"
+    if key not in _REFERENCES:
+        losses, built = train(single(case), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+        _REFERENCES[key] = losses, built.model.state_dict()
+    return _REFERENCES[key]
+
+
+def train_rank(cases: list[Case]) -> list[Training]:
+    """Runs on every rank: train each case in turn; returns losses and full parameters per case."""
     torch.set_num_threads(1)
     out = []
-    for cfg in cfgs:
-        result = train(cfg)
-        out.append((result.losses, full_state_dict(result.run)))
+    for case in cases:
+        losses, built = train(case)
+        out.append((losses, built.model.state_dict()))
     return out
 
 
@@ -106,29 +230,29 @@ def assert_same_training(reference: Training, parallel: Training) -> tuple[float
     return max(loss_diffs), max(param_diffs.values())
 
 
-def check_equivalent(cfgs: list[Config], world_size: int, timeout: float = 240.0) -> list[tuple[float, float]]:
-    """Every config, run in float64 on ``world_size`` ranks, matches its single-process run within
-    :data:`FP64_ATOL` (rank 0's view); returns (|Δloss|, |Δparam|) per config."""
-    cfgs = [in_fp64(cfg) for cfg in cfgs]
-    results = run_ranks(train_rank, world_size, cfgs, timeout=timeout)
+def check_equivalent(cases: list[Case], world_size: int, timeout: float = 240.0) -> list[tuple[float, float]]:
+    """Every case, run in float64 on ``world_size`` ranks, matches its single-process run within
+    :data:`FP64_ATOL` (rank 0's view); returns (|Δloss|, |Δparam|) per case."""
+    cases = [in_fp64(case) for case in cases]
+    results = run_ranks(train_rank, world_size, cases, timeout=timeout)
     diffs = []
-    for cfg, parallel in zip(cfgs, results[0]):
-        diffs.append(assert_same_training(train_single(cfg), parallel))
-        EQUIVALENCE_TABLE.append((describe_layout(cfg), *diffs[-1]))
+    for case, parallel in zip(cases, results[0]):
+        diffs.append(assert_same_training(train_single(case), parallel))
+        EQUIVALENCE_TABLE.append((describe_layout(case), *diffs[-1]))
     return diffs
 
 
-def describe_layout(cfg: Config) -> str:
+def describe_layout(case: Case) -> str:
     """A short name for a layout, e.g. ``dp2 tp2 sp pp2 1f1b zero1 mb2``."""
-    parts = [f"{axis}{getattr(cfg, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(cfg, axis) > 1]
-    parts += [f"hsdp{cfg.dp_replicate}x{cfg.dp // cfg.dp_replicate}"] if cfg.dp_replicate > 1 else []
-    parts += [cfg.cp_impl] if cfg.cp > 1 else []
-    parts += ["sp"] if cfg.sequence_parallel else []
-    if cfg.pp > 1:
-        parts += [f"pp{cfg.pp}", cfg.schedule + (f" v{cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")]
-    parts += [f"zero{cfg.zero}"] if cfg.zero else []
-    parts += [f"mb{cfg.microbatches}"] if cfg.microbatches > 1 else []
-    return " ".join(parts + ([cfg.model] if cfg.model != "tiny" else [])) or "single"
+    parts = [f"{axis}{getattr(case, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(case, axis) > 1]
+    parts += [f"hsdp{case.dp_replicate}x{case.dp // case.dp_replicate}"] if case.dp_replicate > 1 else []
+    parts += [case.cp_impl] if case.cp > 1 else []
+    parts += ["sp"] if case.sequence_parallel else []
+    if case.pp > 1:
+        parts += [f"pp{case.pp}", case.schedule + (f" v{case.virtual_stages}" if case.virtual_stages > 1 else "")]
+    parts += [f"zero{case.zero}"] if case.zero else []
+    parts += [f"mb{case.microbatches}"] if case.microbatches > 1 else []
+    return " ".join(parts + ([case.model] if case.model != "tiny" else [])) or "single"
 
 
 PAGE = 4096  # what a tmpfs allocates at a time

@@ -3,14 +3,12 @@
 import pytest
 import torch
 
-from trainmesh.app.config import Config
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, rank_batch, setup_process
 
-from helpers import check_equivalent, config, differences, train_rank, train_single
+from helpers import Case, build, check_equivalent, config, differences, train_rank, train_single
 
 
-def _cfg(dp: int, microbatches: int, **kw) -> Config:
+def _cfg(dp: int, microbatches: int, **kw) -> Case:
     return config(dp=dp, microbatches=microbatches, **kw)
 
 
@@ -36,14 +34,14 @@ def test_dp_in_fp32_stays_within_the_measured_noise_floor():
     assert param_diff <= 10 * param_floor, f"|dparam| {param_diff:.2e} vs noise floor {param_floor:.2e}"
 
 
-def _one_step_events(cfg: Config):
+def _one_step_events(case: Case):
     torch.set_num_threads(1)
-    run = build(cfg, setup_process(cfg))
-    grad_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
-    events = list(run.engine.events)
-    run.engine.step(cfg.lr, cfg.grad_clip)
-    return events, len(run.engine.buckets), grad_bytes, dict(run.comm.bytes)
+    run = build(case)
+    grad_bytes = sum(p.numel() * p.element_size() for p in run.model.module.parameters())
+    run.forward_backward(0)
+    events = list(run.model.engine.events)
+    run.model.engine.step(case.lr, case.grad_clip)
+    return events, len(run.model.engine.buckets), grad_bytes, dict(run.model.comm.bytes)
 
 
 def test_bucket_allreduce_overlaps_backward_and_bytes_are_counted():

@@ -53,7 +53,7 @@ def _context() -> mp.context.BaseContext:
     spends over a second of CPU importing them, the bulk of a small multi-rank test.
     The server itself never computes (no thread pools started before the fork), so forking it is safe."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "trainmesh.app.train"])
+    ctx.set_forkserver_preload(["torch", "trainmesh.api", "trainmesh.data"])
     return ctx
 
 
