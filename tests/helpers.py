@@ -40,8 +40,7 @@ EQUIVALENCE_TABLE: list[tuple[str, float, float]] = []  # (layout, |Δloss|, |Δ
 
 Training = tuple[list[float], dict[str, torch.Tensor]]
 
-LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("compile", "cuda_graphs",
-                                                                                     "timeline"))
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("cuda_graphs", "timeline"))
 MOE_DEFAULTS = {"capacity_factor": 0.0, "aux_coef": 0.01, "z_coef": 0.001, "bias_rate": 0.0}
 """The routing settings a case's MoE layers get unless it overrides them (``moe=``): the command line's
 defaults, which the cases were first written against."""
@@ -76,6 +75,7 @@ class Case:
     reduce_dtype: str = "auto"
     cp_impl: str = "ring"
     bucket_mb: float = 25.0
+    compile: bool = False
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 2
@@ -92,6 +92,11 @@ class Case:
     @property
     def world_size(self) -> int:
         return self.layout.world
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one micro-batch on one data-parallel rank."""
+        return self.global_batch // (self.dp * self.microbatches)
 
     @property
     def model_config(self) -> Any:
@@ -117,61 +122,85 @@ def in_fp64(case: Case) -> Case:
 
 @dataclass
 class Built:
-    """A case built on this rank through the public API: its model, optimizer, mesh and data."""
+    """A case built on this rank through the public API (its parallel model, optimizer and data), and the
+    losses of the steps :func:`train` ran on it."""
 
     case: Case
-    model: tm.ParallelModel
+    parallel: tm.ParallelModel
     opt: tm.Optimizer
     data: TokenData
+    losses: list[float] = field(default_factory=list)
 
     @property
     def mesh(self) -> Mesh:
-        return self.model.mesh
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch of ``step``: the same sequences on every rank and in the single process."""
-        c = self.case
-        return get_batch(self.data.train, self.model_config.seq_len, c.global_batch, c.seed, step)
+        return self.parallel.mesh
 
     @property
-    def model_config(self) -> Any:
-        return self.case.model_config
+    def model(self) -> torch.nn.Module:
+        """This rank's part of the model."""
+        return self.parallel.module
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    @property
+    def engine(self):
+        return self.parallel.engine
+
+    @property
+    def comm(self):
+        return self.parallel.comm
+
+    @property
+    def pipeline(self):
+        return self.parallel.pipeline
+
+    def batch(self, step: int, tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch of ``step`` (of the training split unless ``tokens`` is given): the same sequences
+        on every rank and in the single process."""
+        c = self.case
+        tokens = self.data.train if tokens is None else tokens
+        return get_batch(tokens, c.model_config.seq_len, c.global_batch, c.seed, step)
+
+    def micro_batches(self, step: int, tokens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of the global batch of ``step``, as :func:`trainmesh.train_step` cuts them."""
-        return api.rank_slice(self.mesh, self.batch(step), self.case.microbatches)
+        return api.rank_slice(self.mesh, self.batch(step, tokens), self.case.microbatches)
 
-    def forward_backward(self, step: int) -> torch.Tensor:
-        """Accumulate the gradients of ``step``'s batch without stepping; this rank's share of the loss."""
-        m = self.model
-        return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion)
+    def forward_backward(self, step: int, saved=None) -> torch.Tensor:
+        """Accumulate the gradients of ``step``'s batch without stepping; this rank's share of the loss
+        (``saved`` records the first micro-batch's activation bytes)."""
+        m = self.parallel
+        return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion, saved)
+
+
+def mesh_of(case: Case) -> Mesh:
+    """:func:`trainmesh.init_mesh` of the case's layout, on the CPU."""
+    c = case
+    return tm.init_mesh(c.dp, c.tp, c.pp, c.cp, device="cpu", ep=c.ep, dp_replicate=c.dp_replicate,
+                        sequence_parallel=c.sequence_parallel)
 
 
 def build(case: Case, mesh: Mesh | None = None) -> Built:
-    """The case's model from its seed, parallelized over ``mesh`` (default: :func:`trainmesh.init_mesh` of
-    its layout, on the CPU), its optimizer and its data."""
+    """The case's model from its seed, parallelized over ``mesh`` (default: :func:`mesh_of` the case), its
+    optimizer and its data."""
     c = case
-    mesh = mesh or tm.init_mesh(c.dp, c.tp, c.pp, c.cp, device="cpu", ep=c.ep, dp_replicate=c.dp_replicate,
-                                sequence_parallel=c.sequence_parallel)
+    mesh = mesh or mesh_of(case)
     model = spec_of(c.model).builder(c.model_config, c.seed).to(mesh.device, dtype_of(c.precision))
     parallel = tm.parallelize(model, mesh, sequence_parallel=c.sequence_parallel, zero=c.zero,
                               recompute=c.recompute, schedule=c.schedule, microbatches=c.microbatches,
                               virtual_stages=c.virtual_stages, stage_layers=c.stage_layers, precision=c.precision,
-                              reduce_dtype=c.reduce_dtype, bucket_mb=c.bucket_mb, cp_impl=c.cp_impl)
+                              reduce_dtype=c.reduce_dtype, bucket_mb=c.bucket_mb, compile=c.compile,
+                              cp_impl=c.cp_impl)
     opt = tm.optimizer(parallel, c.lr, c.betas, c.weight_decay)
     return Built(case, parallel, opt, TokenData.load("", c.model_config.seq_len))
 
 
-def train(case: Case, mesh: Mesh | None = None) -> tuple[list[float], Built]:
-    """``case.steps`` steps of :func:`trainmesh.train_step` (warm-up then cosine learning rate); the
-    per-step losses and what was trained."""
-    built = build(case, mesh)
+def train(case: Case, mesh: Mesh | None = None) -> Built:
+    """``case.steps`` steps of :func:`trainmesh.train_step` (warm-up then cosine learning rate); what was
+    trained, its per-step losses in ``losses``."""
+    run = build(case, mesh)
     schedule = LRSchedule(case.lr, case.min_lr, case.warmup_steps, case.steps)
-    losses = []
     for step in range(case.steps):
-        built.opt.lr = schedule.at(step)
-        losses.append(tm.train_step(built.model, built.opt, built.batch(step), max_norm=case.grad_clip))
-    return losses, built
+        run.opt.lr = schedule.at(step)
+        run.losses.append(tm.train_step(run.parallel, run.opt, run.batch(step), max_norm=case.grad_clip))
+    return run
 
 
 _REFERENCES: dict[str, Training] = {}  # single-process runs already trained in this pytest process
@@ -190,8 +219,8 @@ def train_single(case: Case) -> Training:
     trained once per test session and thread count, and reused."""
     key = f"{torch.get_num_threads()} threads: {single(case)!r}"
     if key not in _REFERENCES:
-        losses, built = train(single(case), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-        _REFERENCES[key] = losses, built.model.state_dict()
+        run = train(single(case), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+        _REFERENCES[key] = run.losses, run.parallel.state_dict()
     return _REFERENCES[key]
 
 
@@ -200,8 +229,8 @@ def train_rank(cases: list[Case]) -> list[Training]:
     torch.set_num_threads(1)
     out = []
     for case in cases:
-        losses, built = train(case)
-        out.append((losses, built.model.state_dict()))
+        run = train(case)
+        out.append((run.losses, run.parallel.state_dict()))
     return out
 
 

@@ -37,11 +37,11 @@ def test_dp_in_fp32_stays_within_the_measured_noise_floor():
 def _one_step_events(case: Case):
     torch.set_num_threads(1)
     run = build(case)
-    grad_bytes = sum(p.numel() * p.element_size() for p in run.model.module.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
     run.forward_backward(0)
-    events = list(run.model.engine.events)
-    run.model.engine.step(case.lr, case.grad_clip)
-    return events, len(run.model.engine.buckets), grad_bytes, dict(run.model.comm.bytes)
+    events = list(run.engine.events)
+    run.engine.step(case.lr, case.grad_clip)
+    return events, len(run.engine.buckets), grad_bytes, dict(run.comm.bytes)
 
 
 def test_bucket_allreduce_overlaps_backward_and_bytes_are_counted():

@@ -25,7 +25,7 @@ TINY = PRESETS["tiny"]
 PSI = TINY.n_params()
 
 
-def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Config:
+def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Case:
     return config(**{"dp": dp, "zero": zero, "microbatches": microbatches, "steps": 8,
                      "global_batch": 12 if dp == 3 else 8, **kw})
 
@@ -33,7 +33,7 @@ def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Config:
 # --- equivalence: per-step losses and final full parameters match one process --------------------------
 
 
-def _stage_cfgs(dp: int) -> list[Config]:
+def _stage_cfgs(dp: int) -> list[Case]:
     """Every stage with gradient accumulation, stages 1-2 over several buckets."""
     return [_cfg(dp, 1, 2, bucket_mb=0.1), _cfg(dp, 2, 2, bucket_mb=0.1), _cfg(dp, 3, 2)]
 
@@ -72,7 +72,7 @@ def test_compiled_zero3_compiles_each_block_once_and_computes_what_eager_does():
         out = []
         for step in range(3):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
-                out.append(forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch)).item())
+                out.append(run.forward_backward(step).item())
             run.engine.step(cfg.lr, cfg.grad_clip)
         return out
 
@@ -102,7 +102,7 @@ def test_mixed_precision_zero_in_one_process_trains_like_plain_dp(stage, precisi
 def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard():
     cfg = _cfg(1, 3, precision="bf16", reduce_dtype="bf16")
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    run.forward_backward(0)
     run.engine.step(cfg.lr, cfg.grad_clip)
     groups = run.engine.groups
     assert all(g.shard.dtype == g.flat.dtype == torch.bfloat16 for g in groups)
@@ -119,33 +119,33 @@ def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard
 def test_non_finite_gradient_skips_the_update(stage):
     cfg = _cfg(1, stage)
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    before = full_state_dict(run)
+    before = run.parallel.state_dict()
     poison = next(run.model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
-    forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+    run.forward_backward(0)
     poison.remove()
     assert math.isnan(run.engine.step(cfg.lr, cfg.grad_clip))
-    after = full_state_dict(run)
+    after = run.parallel.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _nan_step_traces(cfgs: list[Config]) -> list[tuple[list[tuple[float, float, bool]], int]]:
+def _nan_step_traces(cfgs: list[Case]) -> list[tuple[list[tuple[float, float, bool]], int]]:
     """Per config: (loss scale before, after, full parameters unchanged) of every step, with rank 1's
     gradients NaN at step 2 (``TRAINMESH_FAULT=nan@1:2``), and the steps the scaler skipped."""
     torch.set_num_threads(1)
     os.environ["TRAINMESH_FAULT"] = "nan@1:2"
-    mesh = setup_process(cfgs[0])
+    mesh = mesh_of(cfgs[0])
     out = []
     for cfg in cfgs:
         run = build(cfg, mesh)
         trace = []
         for step in range(cfg.steps):
             undo = inject_fault(run, step, torch.distributed.get_rank())
-            before = full_state_dict(run)
-            forward_backward(run, rank_batch(run, run.data.train, step, cfg.global_batch))
+            before = run.parallel.state_dict()
+            run.forward_backward(step)
             scale = run.engine.loss_scale
             run.engine.step(cfg.lr, cfg.grad_clip)
             undo()
-            after = full_state_dict(run)
+            after = run.parallel.state_dict()
             trace.append((scale, run.engine.loss_scale, all(torch.equal(before[k], after[k]) for k in before)))
         out.append((trace, run.engine.scaler.skipped_steps))
     return out
@@ -166,7 +166,7 @@ def test_fp16_nan_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(
 # --- memory and communication from metrics.jsonl ------------------------------------------------------
 
 
-def _train_all(cfgs: list[Config]) -> None:
+def _train_all(cfgs: list[Case]) -> None:
     torch.set_num_threads(1)
     for cfg in cfgs:
         train(cfg)
@@ -257,15 +257,15 @@ def test_step_traffic_per_op(dp2_records):
 # --- stage 3 and stage 2 schedules: events of one step -----------------------------------------------
 
 
-def _one_step_events(cfgs: list[Config]) -> dict[int, tuple]:
+def _one_step_events(cfgs: list[Case]) -> dict[int, tuple]:
     """Per config: engine events of one forward/backward, what is still held after it, and the exported
     full state dict after the step."""
     torch.set_num_threads(1)
-    mesh = setup_process(cfgs[0])
+    mesh = mesh_of(cfgs[0])
     out = {}
     for cfg in cfgs:
         run = build(cfg, mesh)
-        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        run.forward_backward(0)
         events = list(run.engine.events)
         units = [u.name for u in getattr(run.engine, "units", [])]
         still_gathered = [u.name for u in getattr(run.engine, "units", []) if u.gathered]
@@ -311,15 +311,15 @@ def test_zero2_reduce_scatters_buckets_during_backward(one_step):
     assert full_grads_held == [], "a full gradient bucket outlived its reduce-scatter"
 
 
-def _in_step_peaks(cfgs: list[Config]) -> list[int]:
+def _in_step_peaks(cfgs: list[Case]) -> list[int]:
     """The most model state each config's engine held at any point of one training step."""
     torch.set_num_threads(1)
-    mesh = setup_process(cfgs[0])
+    mesh = mesh_of(cfgs[0])
     peaks = []
     for cfg in cfgs:
         run = build(cfg, mesh)
         run.engine.peak_state_bytes = 0
-        forward_backward(run, rank_batch(run, run.data.train, 0, cfg.global_batch))
+        run.forward_backward(0)
         run.engine.step(cfg.lr, cfg.grad_clip)
         peaks.append(run.engine.peak_state_bytes)
     return peaks
