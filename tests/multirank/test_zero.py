@@ -2,24 +2,23 @@
 formulas say, in fp32 and in mixed precision; fp16 overflow skips the step on every rank; stage 3 gathers
 each unit once per pass, prefetches the next and frees what it is done with."""
 
-import json
 import math
-import os
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+import trainmesh as tm
 from trainmesh.distributed.comm import Comm
-from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, forward_backward, full_state_dict, inject_fault, rank_batch, setup_process, train
+from trainmesh.tracking.metrics import SavedActivations, per_rank_stats
 from trainmesh.parallel.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
-from helpers import check_equivalent, config
+from helpers import Case, build, check_equivalent, config, mesh_of, train
 
 TINY = PRESETS["tiny"]
 PSI = TINY.n_params()
@@ -128,18 +127,23 @@ def test_non_finite_gradient_skips_the_update(stage):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def _nan_gradients(run) -> Callable[[], None]:
+    """Make this rank's gradients NaN in the coming backward (as a fault on one rank would); returns the undo."""
+    first = next(p for p in run.model.parameters() if p.requires_grad)
+    return first.register_hook(lambda g: torch.full_like(g, float("nan"))).remove
+
+
 def _nan_step_traces(cfgs: list[Case]) -> list[tuple[list[tuple[float, float, bool]], int]]:
     """Per config: (loss scale before, after, full parameters unchanged) of every step, with rank 1's
-    gradients NaN at step 2 (``TRAINMESH_FAULT=nan@1:2``), and the steps the scaler skipped."""
+    gradients NaN at step 2, and the steps the scaler skipped."""
     torch.set_num_threads(1)
-    os.environ["TRAINMESH_FAULT"] = "nan@1:2"
     mesh = mesh_of(cfgs[0])
     out = []
     for cfg in cfgs:
         run = build(cfg, mesh)
         trace = []
         for step in range(cfg.steps):
-            undo = inject_fault(run, step, torch.distributed.get_rank())
+            undo = _nan_gradients(run) if (step, torch.distributed.get_rank()) == (2, 1) else lambda: None
             before = run.parallel.state_dict()
             run.forward_backward(step)
             scale = run.engine.loss_scale
@@ -163,32 +167,39 @@ def test_fp16_nan_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(
         assert before == 2.0**16 and after == before / 2, f"stage {stage}: scale {before} -> {after}"
 
 
-# --- memory and communication from metrics.jsonl ------------------------------------------------------
+# --- memory and communication of a run's last step ----------------------------------------------------
 
 
-def _train_all(cfgs: list[Case]) -> None:
+def _last_step(case: Case) -> dict:
+    """What a run records of its last step: the loss, the gradient norm, the bytes each op moved in it and
+    every rank's model state and saved activation bytes (of the first step's first micro-batch)."""
+    run = build(case)
+    saved = SavedActivations(run.model.parameters())
+    for step in range(case.steps):
+        before = run.comm.snapshot()
+        loss = tm.train_step(run.parallel, run.opt, run.batch(step), max_norm=case.grad_clip,
+                             saved=saved if step == 0 else None)
+    moved = {op: n - before.get(op, 0) for op, n in run.comm.snapshot().items() if n - before.get(op, 0)}
+    return {"loss": loss, "grad_norm": run.opt.grad_norm, "comm_bytes_by_op": moved,
+            **per_rank_stats(run.engine.state_tensors(), run.mesh.device, saved.bytes)}
+
+
+def _last_steps(cases: list[Case]) -> list[dict]:
     torch.set_num_threads(1)
-    for cfg in cfgs:
-        train(cfg)
-
-
-def _last_record(out: str) -> dict:
-    return json.loads(open(f"{out}/metrics.jsonl").read().splitlines()[-1])
+    return [_last_step(case) for case in cases]
 
 
 MIXED = ("bf16", "fp32")  # bf16 parameters with the reduce dtype fp32 (default) or bf16 (the paper's)
 
 
 @pytest.fixture(scope="module")
-def dp2_records(tmp_path_factory):
+def dp2_records():
     """Last-step metrics of stages 0-3 at N = 2 (and stage 2 with two micro-batches), and of stages 0-3
     in bf16 with either reduce dtype (``bf16-<reduce dtype>-<stage>``), one run."""
-    root = tmp_path_factory.mktemp("zero_metrics")
     cases = {"0": (0, 1, {}), "1": (1, 1, {}), "2": (2, 1, {}), "3": (3, 1, {}), "2x2": (2, 2, {})}
     cases |= {f"bf16-{rd}-{z}": (z, 1, {"precision": "bf16", "reduce_dtype": rd}) for rd in MIXED for z in range(4)}
-    cfgs = [_cfg(2, z, m, steps=3, out=str(root / name), **kw) for name, (z, m, kw) in cases.items()]
-    run_ranks(_train_all, 2, cfgs, timeout=300)
-    return {name: _last_record(str(root / name)) for name in cases}
+    records = run_ranks(_last_steps, 2, [_cfg(2, z, m, steps=3, **kw) for z, m, kw in cases.values()], timeout=300)
+    return dict(zip(cases, records[0]))
 
 
 def _slack(n: int, n_groups: int, bytes_per_element: int = 16) -> int:
