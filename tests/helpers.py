@@ -170,6 +170,22 @@ class Built:
         return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion, saved)
 
 
+    @torch.no_grad()
+    def evaluate(self, batches: int = 2) -> float:
+        """Mean loss over ``batches`` global batches of the held-out split, micro-batched as in training."""
+        self.model.eval()
+        losses = []
+        for k in range(batches):
+            micro = self.micro_batches(k, self.data.val)
+            if self.pipeline is not None:
+                loss = self.pipeline.evaluate(micro, self.parallel.criterion)
+            else:
+                loss = sum(self.parallel.criterion(self.model(x), y) for x, y in micro) / len(micro)
+            losses.append(api.global_mean(self.mesh, loss))
+        self.model.train()
+        return sum(losses) / len(losses)
+
+
 def mesh_of(case: Case) -> Mesh:
     """:func:`trainmesh.init_mesh` of the case's layout, on the CPU."""
     c = case

@@ -1,0 +1,24 @@
+"""The command line refuses a pipeline setting that cannot run, naming the flag and the fix."""
+
+import pytest
+
+from trainmesh.app.config import Config, ConfigError, validate
+
+BAD = [
+    (dict(pp=2, virtual_stages=2), "needs --schedule interleaved"),
+    (dict(pp=2, schedule="interleaved", microbatches=2), "set --virtual-stages >= 2"),
+    (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=3, global_batch=6), "multiple of 2"),
+    (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2), "stages exceed the 2 layers"),
+    (dict(pp=2, model="tiny-deep", stage_layers="3,4"), "summing to the 8 layers"),
+    (dict(pp=2, stage_layers="1;1"), "not a comma-separated list"),
+    (dict(pp=1, virtual_stages=2), "--virtual-stages is a pipeline setting"),
+    (dict(pp=1, timeline="t.png"), "--timeline is a pipeline setting"),
+    (dict(pp=2, schedule="zb", compile=True), "drop --compile"),
+]
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=[m for _, m in BAD])
+def test_bad_pipeline_config_is_rejected_with_the_fix(kw, message):
+    cfg = Config(**{"nproc": kw.get("pp", 1), **kw})
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
