@@ -1,8 +1,12 @@
-"""The command line refuses a pipeline setting that cannot run, naming the flag and the fix."""
+"""The command line refuses a layout setting that cannot run, naming the flag and the fix."""
+
+import dataclasses
 
 import pytest
 
+from trainmesh.app import config
 from trainmesh.app.config import Config, ConfigError, validate
+from trainmesh.models import spec_of
 
 BAD = [
     (dict(pp=2, virtual_stages=2), "needs --schedule interleaved"),
@@ -22,3 +26,10 @@ def test_bad_pipeline_config_is_rejected_with_the_fix(kw, message):
     cfg = Config(**{"nproc": kw.get("pp", 1), **kw})
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
+    spec = dataclasses.replace(spec_of("tiny"), cp_plan={})
+    monkeypatch.setattr(config, "spec_of", lambda _name: spec)
+    with pytest.raises(ConfigError, match="names no attention core context parallelism can split"):
+        validate(Config(nproc=2, cp=2))
