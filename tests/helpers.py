@@ -170,6 +170,15 @@ class Built:
         return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion, saved)
 
 
+    def train(self, start: int = 0) -> None:
+        """Steps ``start`` to ``case.steps`` of :func:`trainmesh.train_step` (warm-up then cosine learning
+        rate), their losses appended to ``losses``."""
+        c = self.case
+        schedule = LRSchedule(c.lr, c.min_lr, c.warmup_steps, c.steps)
+        for step in range(start, c.steps):
+            self.opt.lr = schedule.at(step)
+            self.losses.append(tm.train_step(self.parallel, self.opt, self.batch(step), max_norm=c.grad_clip))
+
     @torch.no_grad()
     def evaluate(self, batches: int = 2) -> float:
         """Mean loss over ``batches`` global batches of the held-out split, micro-batched as in training."""
@@ -209,13 +218,9 @@ def build(case: Case, mesh: Mesh | None = None) -> Built:
 
 
 def train(case: Case, mesh: Mesh | None = None) -> Built:
-    """``case.steps`` steps of :func:`trainmesh.train_step` (warm-up then cosine learning rate); what was
-    trained, its per-step losses in ``losses``."""
+    """The case built and trained (:meth:`Built.train`)."""
     run = build(case, mesh)
-    schedule = LRSchedule(case.lr, case.min_lr, case.warmup_steps, case.steps)
-    for step in range(case.steps):
-        run.opt.lr = schedule.at(step)
-        run.losses.append(tm.train_step(run.parallel, run.opt, run.batch(step), max_norm=case.grad_clip))
+    run.train()
     return run
 
 
