@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ EQUIVALENCE_TABLE: list[tuple[str, float, float]] = []  # (layout, |Δloss|, |Δ
 Training = tuple[list[float], dict[str, torch.Tensor]]
 
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("cuda_graphs", "timeline"))
+EVAL_STEP_BASE = 1_000_000_000  # held-out batches are drawn as steps no run reaches, as the command line draws them
 MOE_DEFAULTS = {"capacity_factor": 0.0, "aux_coef": 0.01, "z_coef": 0.001, "bias_rate": 0.0}
 """The routing settings a case's MoE layers get unless it overrides them (``moe=``): the command line's
 defaults, which the cases were first written against."""
@@ -185,7 +186,7 @@ class Built:
         self.model.eval()
         losses = []
         for k in range(batches):
-            micro = self.micro_batches(k, self.data.val)
+            micro = self.micro_batches(EVAL_STEP_BASE + k, self.data.val)
             if self.pipeline is not None:
                 loss = self.pipeline.evaluate(micro, self.parallel.criterion)
             else:
@@ -193,6 +194,12 @@ class Built:
             losses.append(api.global_mean(self.mesh, loss))
         self.model.train()
         return sum(losses) / len(losses)
+
+
+def nan_gradients(run: Built) -> Callable[[], None]:
+    """Make this rank's gradients NaN in the coming backward, as a fault on one rank would; returns the undo."""
+    first = next(p for p in run.model.parameters() if p.requires_grad)
+    return first.register_hook(lambda g: torch.full_like(g, float("nan"))).remove
 
 
 def mesh_of(case: Case) -> Mesh:

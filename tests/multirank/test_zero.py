@@ -3,7 +3,6 @@ formulas say, in fp32 and in mixed precision; fp16 overflow skips the step on ev
 each unit once per pass, prefetches the next and frees what it is done with."""
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from trainmesh.tracking.metrics import SavedActivations, per_rank_stats
 from trainmesh.parallel.zero import (FlatLayout, build_engine, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
-from helpers import Case, build, check_equivalent, config, mesh_of, train
+from helpers import Case, build, check_equivalent, config, mesh_of, nan_gradients, train
 
 TINY = PRESETS["tiny"]
 PSI = TINY.n_params()
@@ -127,12 +126,6 @@ def test_non_finite_gradient_skips_the_update(stage):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _nan_gradients(run) -> Callable[[], None]:
-    """Make this rank's gradients NaN in the coming backward (as a fault on one rank would); returns the undo."""
-    first = next(p for p in run.model.parameters() if p.requires_grad)
-    return first.register_hook(lambda g: torch.full_like(g, float("nan"))).remove
-
-
 def _nan_step_traces(cfgs: list[Case]) -> list[tuple[list[tuple[float, float, bool]], int]]:
     """Per config: (loss scale before, after, full parameters unchanged) of every step, with rank 1's
     gradients NaN at step 2, and the steps the scaler skipped."""
@@ -143,7 +136,7 @@ def _nan_step_traces(cfgs: list[Case]) -> list[tuple[list[tuple[float, float, bo
         run = build(cfg, mesh)
         trace = []
         for step in range(cfg.steps):
-            undo = _nan_gradients(run) if (step, torch.distributed.get_rank()) == (2, 1) else lambda: None
+            undo = nan_gradients(run) if (step, torch.distributed.get_rank()) == (2, 1) else lambda: None
             before = run.parallel.state_dict()
             run.forward_backward(step)
             scale = run.engine.loss_scale
