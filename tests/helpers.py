@@ -31,6 +31,7 @@ from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.layout import Layout
 from trainmesh.models import preset, spec_of
+from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.training.optim import LRSchedule
 from trainmesh.training.precision import dtype_of
 
@@ -194,6 +195,13 @@ class Built:
             losses.append(api.global_mean(self.mesh, loss))
         self.model.train()
         return sum(losses) / len(losses)
+
+
+def activation_bytes(run: Built) -> int:
+    """Bytes autograd saves for backward in the first micro-batch of one step (the gradients are kept)."""
+    saved = SavedActivations(run.model.parameters())
+    run.forward_backward(0, saved)
+    return saved.bytes
 
 
 def nan_gradients(run: Built) -> Callable[[], None]:

@@ -33,3 +33,10 @@ def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
     monkeypatch.setattr(config, "spec_of", lambda _name: spec)
     with pytest.raises(ConfigError, match="names no attention core context parallelism can split"):
         validate(Config(nproc=2, cp=2))
+
+
+def test_tp_beyond_the_kv_heads_is_refused_with_the_valid_choices():
+    with pytest.raises(ConfigError, match=r"^--tp 4 exceeds n_kv_heads=2 of llama-tiny .*; choose tp in \{1, 2\}$"):
+        validate(Config(model="llama-tiny", nproc=4, tp=4))
+    validate(Config(model="llama-tiny", nproc=2, tp=2))
+    assert spec_of("llama-tiny").family == "llama" and spec_of("tiny").family == "gpt"

@@ -8,9 +8,8 @@ import torch
 
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.tracking.metrics import SavedActivations
 
-from helpers import Built, Case, build, config, nan_gradients, train
+from helpers import Built, Case, activation_bytes, build, config, nan_gradients, train
 
 
 # bf16 has an 8-bit mantissa: per-step losses of the tiny preset drift from fp32 by up to a few 1e-2, and
@@ -103,20 +102,13 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale():
     assert scales[0] == scales[1], "ranks disagree on the loss scale"
 
 
-def _activation_bytes(run: Built) -> int:
-    """Bytes autograd saves for backward in the first micro-batch of one step."""
-    saved = SavedActivations(run.model.parameters())
-    run.forward_backward(0, saved)
-    return saved.bytes
-
-
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_keeps_losses_and_saves_activation_memory(mode):
     base = _single(_cfg(steps=5))
     recomputed = _single(_cfg(steps=5, recompute=mode))
     for a, b in zip(base.losses, recomputed.losses):
         assert abs(a - b) <= 1e-6
-    base_bytes, recomputed_bytes = _activation_bytes(base), _activation_bytes(recomputed)
+    base_bytes, recomputed_bytes = activation_bytes(base), activation_bytes(recomputed)
     assert recomputed_bytes < base_bytes
     if mode == "full":
         assert recomputed_bytes < 0.5 * base_bytes
