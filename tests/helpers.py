@@ -270,6 +270,15 @@ def train_rank(cases: list[Case]) -> list[Training]:
     return out
 
 
+def train_and_save(case: Case, directory: str) -> dict[str, torch.Tensor]:
+    """Runs on every rank: train ``case`` and save it to ``directory`` (:func:`trainmesh.save`); returns its
+    full parameters."""
+    torch.set_num_threads(1)
+    run = train(case)
+    tm.save(run.parallel, run.opt, directory, case.steps)
+    return run.parallel.state_dict()
+
+
 def _per_item(reference: Training, parallel: Training) -> tuple[list[float], dict[str, float]]:
     """|Δloss| of every step and max |Δ| of every parameter."""
     (ref_losses, ref_params), (losses, params) = reference, parallel

@@ -24,7 +24,7 @@ from trainmesh.parallel.recompute import apply_recompute
 from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor
 from trainmesh.distributed.testing import run_ranks
 
-from helpers import Case, activation_bytes, build, check_equivalent, config, train
+from helpers import activation_bytes, build, check_equivalent, config, train, train_and_save
 
 TINY = preset("llama-tiny")
 
@@ -169,18 +169,10 @@ def test_llama_dp2_tp2_matches_single_process():
     check_equivalent([_cfg(dp=2, tp=2, sequence_parallel=True, microbatches=2)], world_size=4)
 
 
-def _train_full_params(cfg: Case, directory: str) -> dict[str, torch.Tensor]:
-    """Train ``cfg``, save it to ``directory``; its full parameters."""
-    torch.set_num_threads(1)
-    run = train(cfg)
-    tm.save(run.parallel, run.opt, directory, cfg.steps)
-    return run.parallel.state_dict()
-
-
 def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
     """The grouped qkv and the [gate | up] pair are stored by their place in the full tensors."""
     cfg = dataclasses.replace(_cfg(tp=2, sequence_parallel=True), steps=2)
-    trained = run_ranks(_train_full_params, 2, cfg, str(tmp_path), timeout=120)[0]
+    trained = run_ranks(train_and_save, 2, cfg, str(tmp_path), timeout=120)[0]
     single = dataclasses.replace(cfg, tp=1, sequence_parallel=False, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert tm.load(run.parallel, run.opt, tmp_path) == 2
