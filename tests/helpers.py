@@ -172,12 +172,12 @@ class Built:
         return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion, saved)
 
 
-    def train(self, start: int = 0) -> None:
-        """Steps ``start`` to ``case.steps`` of :func:`trainmesh.train_step` (warm-up then cosine learning
-        rate), their losses appended to ``losses``."""
+    def train(self, start: int = 0, stop: int | None = None) -> None:
+        """Steps ``start`` to ``stop`` (default: ``case.steps``) of :func:`trainmesh.train_step` (warm-up then
+        cosine learning rate over ``case.steps``), their losses appended to ``losses``."""
         c = self.case
         schedule = LRSchedule(c.lr, c.min_lr, c.warmup_steps, c.steps)
-        for step in range(start, c.steps):
+        for step in range(start, c.steps if stop is None else stop):
             self.opt.lr = schedule.at(step)
             self.losses.append(tm.train_step(self.parallel, self.opt, self.batch(step), max_norm=c.grad_clip))
 

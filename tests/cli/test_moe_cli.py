@@ -1,18 +1,20 @@
 """Mixture-of-experts runs of the command line: the per-step expert metrics in metrics.jsonl and their report
-plot, gathered over every pipeline stage as one process computes them; bad --moe-* settings refused in one
-line before any rank starts."""
+plot, gathered over every pipeline stage as one process computes them; bad --moe-* and --ep settings refused in
+one line before any rank starts; a Hugging Face Mixtral read by --init-hf at ep2."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from trainmesh.app.checkpoints import load_hf_weights
 from trainmesh.app.config import Config, ConfigError, validate
-from trainmesh.app.train import moe_metrics, train
+from trainmesh.app.train import build, moe_metrics, setup_process, train
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.tracking.records import scalars
@@ -92,3 +94,61 @@ def test_bad_moe_settings_are_one_line(case: str) -> None:
 
 def test_capacity_with_dropping_is_accepted() -> None:
     validate(_cfg(moe_dropless=False, moe_capacity=0.5, steps=1))
+
+
+def _moe(**kw) -> Config:
+    base = {"model": "moe-tiny", "nproc": 2, "dp": 2, "ep": 2, "steps": 4, "global_batch": 8, "progress": False,
+            "warmup_steps": 1}
+    return Config(**{**base, **kw})
+
+
+EP_REFUSALS = {
+    "dense model": (dict(model="tiny"), "--ep 2 splits the experts of a mixture-of-experts model, and tiny is dense"),
+    "experts": (dict(nproc=3, dp=3, ep=3, global_batch=12), "--ep 3 does not divide the 8 experts per layer of moe-tiny; choose ep "
+                                           "in {1, 2, 4, 8}"),
+    "dp x cp": (dict(nproc=4, dp=2, tp=2, ep=4), "--ep 4 does not divide dp*cp = 2"),
+}
+
+
+@pytest.mark.parametrize("case", EP_REFUSALS)
+def test_bad_ep_settings_are_one_line_before_any_rank_starts(case):
+    settings, message = EP_REFUSALS[case]
+    with pytest.raises(ConfigError) as e:
+        validate(_moe(**settings))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sequence_parallel_moe_layouts_validate():
+    validate(_moe(nproc=4, tp=2, sequence_parallel=True))
+
+
+def _mixtral_config(directory: Path, **layout) -> Config:
+    return Config(model="llama-moe-tiny", init_hf=str(directory), precision="fp64", progress=False, **layout)
+
+
+def _mixtral_logits_rank(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(1)
+    cfg = _mixtral_config(directory, nproc=2, dp=2, ep=2)
+    run = build(cfg, setup_process(cfg))
+    load_hf_weights(run, directory)
+    with torch.no_grad():
+        return run.model(tokens)
+
+
+def test_a_hugging_face_mixtral_gives_the_same_logits_at_ep2_as_on_one_process(tmp_path):
+    """A MixtralForCausalLM (saved by transformers, experts one by one) loaded at ep2, each rank holding two
+    of its four experts: the logits of every rank are those of the same checkpoint on one process, which
+    the Mixtral import test holds to transformers' own logits."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32, initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(hf_cfg).double().save_pretrained(tmp_path)
+    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(1))
+    run = build(_mixtral_config(tmp_path), Mesh.build(1, 1, 1, torch.device("cpu")))
+    load_hf_weights(run, tmp_path)
+    with torch.no_grad():
+        reference = run.model(tokens)
+    for logits in run_ranks(_mixtral_logits_rank, 2, tmp_path, tokens, timeout=120):
+        assert (logits - reference).abs().max() < 1e-12
