@@ -8,10 +8,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.app.config import Config
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.training.optim import build_adamw
-from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+from trainmesh_bench.common import (Bench, Result, Setup, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 
 
@@ -21,7 +20,7 @@ def _ddp_step(bench: Bench) -> StepFn:
     model = fresh_model(bench)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
-    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, cfg.betas, cfg.weight_decay)
 
     def step(i: int) -> None:
         micro = bench.micro_batches(i)
@@ -41,7 +40,7 @@ def unsynchronised_step(bench: Bench, model: nn.Module) -> StepFn:
     synchronised: the same micro-batches, clipping and AdamW. No data parallelism computes less, so its speed
     over DDP's bounds what any can reach on these kernels and this machine."""
     cfg, device = bench.cfg, bench.mesh.device
-    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, cfg.betas, cfg.weight_decay)
 
     def step(i: int) -> None:
         micro = bench.micro_batches(i)
@@ -54,7 +53,7 @@ def unsynchronised_step(bench: Bench, model: nn.Module) -> StepFn:
     return step
 
 
-def bench_dp(cfg: Config, pairs: int) -> list[Result]:
+def bench_dp(cfg: Setup, pairs: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.parallel.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
     if cfg.world_size < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")

@@ -22,7 +22,6 @@ clipping, their steps timed in pairs, one of each (:func:`trainmesh_bench.common
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 
@@ -30,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainmesh.app.config import Config, ConfigError, validate
+from trainmesh.layout import LayoutError, flag, validate
+from trainmesh.models import spec_of
 from trainmesh.training.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
 from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate
-from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+from trainmesh_bench.common import (Bench, Result, Setup, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 
 def _bubbles(bench: Bench, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
@@ -57,16 +57,17 @@ def _bubbles(bench: Bench, steps: int, transfer: float) -> tuple[float, float, f
     return measured, predicted, replayed, simulate(schedule).bubble_fraction, costs.comm
 
 
-def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
+def _variants(cfg: Setup) -> list[tuple[Setup | None, str]]:
     """One config per schedule (interleaved with 2 chunks unless --virtual-stages says more), or why not."""
     out = []
     for name in ("gpipe", "1f1b", "interleaved", "zb"):
         v = max(cfg.virtual_stages, 2) if name == "interleaved" else 1
-        variant = dataclasses.replace(cfg, schedule=name, virtual_stages=v, stage_layers="", timeline="")
+        variant = cfg.with_layout(schedule=name, virtual_stages=v, stage_layers=(), timeline="")
         try:
-            validate(variant, world_size=cfg.world_size)
+            validate(variant.layout, spec_of(cfg.model).shape(cfg.model_config), cfg.world_size, spell=flag,
+                     name=cfg.model)
             out.append((variant, name))
-        except ConfigError as e:
+        except LayoutError as e:
             out.append((None, f"{name}: skipped ({e})"))
     return out
 
@@ -91,7 +92,7 @@ def _torch_step(bench: Bench) -> StepFn:
     schedule = TORCH_SCHEDULES[cfg.schedule](stages if v > 1 else stages[0], cfg.microbatches,
                                              loss_fn=bench.model.criterion)
     first, last = 0 in chunks, p * v - 1 in chunks
-    optimizer = build_adamw(module.named_parameters(), device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    optimizer = build_adamw(module.named_parameters(), device, cfg.lr, cfg.betas, cfg.weight_decay)
     params = [q for q in module.parameters() if q.requires_grad]
 
     def step(i: int) -> None:
@@ -106,7 +107,7 @@ def _torch_step(bench: Bench) -> StepFn:
     return step
 
 
-def bench_pp(cfg: Config, pairs: int) -> list[Result]:
+def bench_pp(cfg: Setup, pairs: int) -> list[Result]:
     """Bubble per schedule (measured vs simulated) and each schedule vs torch's class of the same name in
     tokens/s; prints on rank 0."""
     if cfg.pp < 2 or cfg.dp * cfg.tp != 1:

@@ -19,12 +19,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.app.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.training.optim import build_adamw
 from trainmesh.parallel.tensor_parallel import ShardSpec, match_plan, shard_tensor
-from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+from trainmesh_bench.common import (Bench, Result, Setup, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 
 
@@ -82,7 +81,7 @@ def _torch_tp_step(bench: Bench, model: nn.Module) -> StepFn:
     params = list(model.parameters())
     # foreach AdamW, like clipping, cannot mix DTensors and plain tensors in one call: one optimizer each.
     optimizers = [build_adamw([(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) == split],
-                              bench.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+                              bench.mesh.device, cfg.lr, cfg.betas, cfg.weight_decay)
                   for split in (True, False)]
 
     def step(i: int) -> None:
@@ -108,11 +107,11 @@ def _first_losses(bench: Bench, model: nn.Module) -> tuple[float, float]:
     return mine, theirs
 
 
-def bench_tp(cfg: Config, pairs: int) -> list[Result]:
+def bench_tp(cfg: Setup, pairs: int) -> list[Result]:
     """trainmesh :func:`~trainmesh.parallel.tensor_parallel.apply_tensor_parallel` vs ``parallelize_module``, tokens/s."""
     if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
-        raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
-                          "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")
+        raise SystemExit("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
+                         "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")
     mesh = init_mesh(cfg)
     bench = build(cfg, mesh)
     model = _torch_model(bench)

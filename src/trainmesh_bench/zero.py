@@ -22,7 +22,6 @@ one of each (:func:`trainmesh_bench.common.compare`). Memory per rank is reporte
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,13 +36,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from trainmesh.app.config import Config
 from trainmesh.tracking.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.training.optim import build_adamw
 from trainmesh.training.precision import dtype_of
 from trainmesh.parallel.zero import default_units, model_state_bytes_formula
-from trainmesh_bench.common import (RSS_STEPS, Bench, Result, StepFn, all_ranks, build, compare, fresh_model,
+from trainmesh_bench.common import (RSS_STEPS, Bench, Result, Setup, StepFn, all_ranks, build, compare, fresh_model,
                                     init_mesh, rss_after, trainmesh_step)
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +50,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _adamw(bench: Bench, params) -> torch.optim.Optimizer:
     cfg = bench.cfg
-    return build_adamw(params, bench.mesh.device, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
+    return build_adamw(params, bench.mesh.device, cfg.lr, cfg.betas, cfg.weight_decay)
 
 
 def fsdp2_model(bench: Bench, reshard_after_forward: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -72,7 +70,7 @@ def _zero_redundancy_step(bench: Bench) -> StepFn:
     model = DistributedDataParallel(fresh_model(bench), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                     process_group=group)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group,
-                                        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+                                        lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def step(i: int) -> None:
         micro = bench.micro_batches(i)
@@ -153,7 +151,7 @@ def step_memory(step: StepFn, held: Callable[[], int], before_peak: Callable[[in
     return now, now + allocated_peak(step, 1)
 
 
-def trainmesh_memory(cfg: Config, bench: Bench, step: StepFn) -> MemoryRow:
+def trainmesh_memory(cfg: Setup, bench: Bench, step: StepFn) -> MemoryRow:
     """:func:`step_memory` of trainmesh's engine at ``bench.cfg.zero``, with the model state it peaked at."""
     engine, stage = bench.model.engine, bench.cfg.zero
 
@@ -177,7 +175,7 @@ def _mb(values: list[int] | float) -> str:
     return f"{values / 2**20:.2f} MiB"
 
 
-def _print_memory(cfg: Config, rows: list[MemoryRow]) -> None:
+def _print_memory(cfg: Setup, rows: list[MemoryRow]) -> None:
     psi = cfg.model_config.n_params()
     print(f"  model state per rank vs ZeRO formula (fp32: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; "
           f"Ψ={psi:,}, N={cfg.dp}); in-step peaks of model state and of every tensor (activations too):")
@@ -192,7 +190,7 @@ PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard a
          3: "torch FSDP2 fully_shard"}
 
 
-def bench_zero(cfg: Config, pairs: int) -> list[Result]:
+def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
     """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
     ZeRO-3's model state and trained parameters beside FSDP2's.
 
@@ -208,14 +206,14 @@ def bench_zero(cfg: Config, pairs: int) -> list[Result]:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")
     mesh = init_mesh(cfg)
-    bench = build(dataclasses.replace(cfg, zero=0), mesh)
+    bench = build(cfg.with_layout(zero=0), mesh)
     rows = [trainmesh_memory(cfg, bench, trainmesh_step(bench))]
     del bench
     gc.collect()
     tokens = cfg.global_batch * cfg.model_config.seq_len
     results, lines = [], []
     for stage, peer in PEERS.items():
-        bench = build(dataclasses.replace(cfg, zero=stage), mesh)
+        bench = build(cfg.with_layout(zero=stage), mesh)
         ours = trainmesh_step(bench)
         if stage == 1:
             peer_step = _zero_redundancy_step(bench)

@@ -648,14 +648,17 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh.distributed.launcher import launch
 
         return launch(argv, cfg.nproc)
-    from trainmesh_bench.common import write_results
+    from trainmesh_bench.common import Setup, write_results
     from trainmesh_bench.dp import bench_dp
     from trainmesh_bench.pp import bench_pp
     from trainmesh_bench.tp import bench_tp
     from trainmesh_bench.zero import bench_zero
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
-    write_results(bench_form(cfg, pairs=args.pairs), args.results)
+    setup = Setup(cfg.model, cfg.layout, cfg.global_batch, cfg.model_config, cfg.seed, cfg.data, cfg.tokenizer, cfg.lr,
+                  (cfg.beta1, cfg.beta2), cfg.weight_decay, cfg.grad_clip, cfg.device, cfg.backend,
+                  cfg.collective_timeout)
+    write_results(bench_form(setup, pairs=args.pairs), args.results)
     return 0
 
 
