@@ -108,8 +108,8 @@ def peak_rss(step: StepFn, first: int, count: int = RSS_STEPS) -> int:
 @dataclass(frozen=True)
 class Setup:
     """What a benchmark trains: the preset ``model`` (its family) with ``model_config`` (the preset's unless
-    given: ``trainmesh bench`` hands the one its flags make), the ``layout``, AdamW as ``trainmesh train``
-    runs it, the data, and where the mesh runs. The layout's settings read through (``setup.dp``,
+    given: ``trainmesh bench`` hands the one its flags make), the ``layout``, ``steps`` of AdamW as ``trainmesh
+    train`` runs them (warm-up, then cosine decay), the data, and where the mesh runs. The layout's settings read through (``setup.dp``,
     ``setup.schedule``)."""
 
     model: str
@@ -119,7 +119,10 @@ class Setup:
     seed: int = 0
     data: str = ""
     tokenizer: str = ""
+    steps: int = 50
     lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
     grad_clip: float = 1.0

@@ -655,9 +655,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from trainmesh_bench.zero import bench_zero
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
-    setup = Setup(cfg.model, cfg.layout, cfg.global_batch, cfg.model_config, cfg.seed, cfg.data, cfg.tokenizer, cfg.lr,
-                  (cfg.beta1, cfg.beta2), cfg.weight_decay, cfg.grad_clip, cfg.device, cfg.backend,
-                  cfg.collective_timeout)
+    setup = Setup(cfg.model, cfg.layout, cfg.global_batch, cfg.model_config, cfg.seed, cfg.data, cfg.tokenizer,
+                  cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup_steps, (cfg.beta1, cfg.beta2), cfg.weight_decay,
+                  cfg.grad_clip, cfg.device, cfg.backend, cfg.collective_timeout)
     write_results(bench_form(setup, pairs=args.pairs), args.results)
     return 0
 
