@@ -126,9 +126,9 @@ def largest_fitting(fits: Callable[[int], bool], unit: int, guess: int) -> int:
 
 
 def _small(seq_len: int, cp: int, global_batch: int = 1, impl: str = "ring") -> Setup:
-    """``small`` at ``seq_len`` tokens, in fp32 over ``cp`` ranks."""
+    """One step of ``small`` at ``seq_len`` tokens, in fp32 over ``cp`` ranks."""
     model = dataclasses.replace(preset("small"), seq_len=seq_len)
-    return Setup("small", Layout(cp=cp, cp_impl=impl), global_batch, model)
+    return Setup("small", Layout(cp=cp, cp_impl=impl), global_batch, model, steps=1, warmup_steps=1)
 
 
 def planned_peak(seq_len: int, cp: int) -> int:

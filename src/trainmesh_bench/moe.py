@@ -16,12 +16,14 @@ optimizer state (the experts' share of it shrinks as 1/ep). The GEMM comparison 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
 from trainmesh.layout import Layout
+from trainmesh.models import preset
 from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EP_AXIS, expert_modules
 from trainmesh.tracking.metrics import max_rss_bytes, storage_bytes
@@ -57,8 +59,16 @@ def _ep_rank(cfg: Setup, steps: int) -> dict:
             "state": storage_bytes(model.engine.state_tensors())}
 
 
+def _routed(model: str) -> object:
+    """``model``'s preset with the routing ``trainmesh train`` gives it by default (dropless, ``--moe-aux-coef
+    0.01 --moe-z-coef 0.001``, no bias update), what this benchmark has always measured."""
+    cfg = preset(model)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.0, aux_coef=0.01, z_coef=0.001,
+                                                            bias_rate=0.0))
+
+
 def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, global_batch: int) -> str:
-    base = Setup(model, Layout(dp=world), global_batch)
+    base = Setup(model, Layout(dp=world), global_batch, _routed(model))
     m = base.model_config
     tokens = global_batch // world * m.seq_len
     copy_bytes = m.d_model * 4
