@@ -109,8 +109,8 @@ def peak_rss(step: StepFn, first: int, count: int = RSS_STEPS) -> int:
 class Setup:
     """What a benchmark trains: the preset ``model`` (its family) with ``model_config`` (the preset's unless
     given: ``trainmesh bench`` hands the one its flags make), the ``layout``, ``steps`` of AdamW as ``trainmesh
-    train`` runs them (warm-up, then cosine decay), the data, and where the mesh runs. The layout's settings read through (``setup.dp``,
-    ``setup.schedule``)."""
+    train`` runs them (warm-up, then cosine decay), the data, and where the mesh runs. The layout's settings
+    read through (``setup.dp``, ``setup.world``)."""
 
     model: str
     layout: Layout = Layout()
@@ -142,10 +142,6 @@ class Setup:
     def with_layout(self, **changes: Any) -> Setup:
         """The same setup in a layout with ``changes``."""
         return dataclasses.replace(self, layout=dataclasses.replace(self.layout, **changes))
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world
 
     @property
     def micro_batch(self) -> int:

@@ -55,7 +55,7 @@ def unsynchronised_step(bench: Bench, model: nn.Module) -> StepFn:
 
 def bench_dp(cfg: Setup, pairs: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.parallel.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
-    if cfg.world_size < 2:
+    if cfg.world < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
     mesh = init_mesh(cfg)
     bench = build(cfg, mesh)
@@ -69,7 +69,7 @@ def bench_dp(cfg: Setup, pairs: int) -> list[Result]:
                       rss["unsynchronised"], rss["torch_ddp"],
                       "each rank's step with no synchronisation at all: the most any data parallelism gains here")]
     if dist.get_rank() == 0:
-        print(f"bench dp: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
+        print(f"bench dp: model={cfg.model} world={cfg.world} global_batch={cfg.global_batch} "
               f"microbatches={cfg.microbatches} bucket_mb={cfg.bucket_mb} device={mesh.device.type}")
         print("\n".join(r.line() for r in results))
     return results

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 import trainmesh as tm
 from trainmesh import api
-from trainmesh.layout import Layout, LayoutError, validate
+from trainmesh.layout import Layout
 from trainmesh.tracking.metrics import SavedActivations, per_rank_stats, storage_bytes
 from trainmesh.training.optim import LRSchedule
 from trainmesh.plan import (
@@ -320,7 +320,7 @@ def compare(name: str, cfg: Setup, per_rank: list[dict[str, object]]) -> list[Co
                     "activation": max(summary["activation_bytes"][r] for r in ranks),
                     "peak_activation": max(per_rank[r]["peak_activation_bytes"] for r in ranks),
                     "peak": max(per_rank[r]["peak_bytes"] for r in ranks)}
-        rows.append(Comparison(name, cfg.world_size, stage, predicted(cfg, stage), measured,
+        rows.append(Comparison(name, cfg.world, stage, predicted(cfg, stage), measured,
                                max(summary["max_rss_bytes"][r] for r in ranks), predicted_step(cfg),
                                tuple(per_rank[0]["step_times"]), cfg.global_batch * cfg.workload.seq_len))
     return rows
@@ -328,7 +328,7 @@ def compare(name: str, cfg: Setup, per_rank: list[dict[str, object]]) -> list[Co
 
 def predicted_step(cfg: Setup) -> float:
     """Seconds per step the planner predicts for ``cfg`` on this machine, as ``--plan auto`` sees it."""
-    return step_time(cfg.workload, planned(cfg.layout), local_cluster(cfg.world_size)).total
+    return step_time(cfg.workload, planned(cfg.layout), local_cluster(cfg.world)).total
 
 
 def _setup(model: str, layout: Layout, global_batch: int, steps: int) -> Setup:
@@ -337,17 +337,8 @@ def _setup(model: str, layout: Layout, global_batch: int, steps: int) -> Setup:
 
 def auto_layout(model: str, world: int, global_batch: int) -> Layout:
     """The layout ``--plan auto`` runs at ``world``: the planner's choice (:func:`~trainmesh.plan.choose`) of the
-    layouts that fit this machine and keep the layout's rules."""
-    work = _setup(model, Layout(), global_batch, 1).workload
-
-    def runs(layout: Layout) -> bool:
-        try:
-            validate(layout, work.model, world)
-        except LayoutError:
-            return False
-        return True
-
-    return choose([found for found in search(work, local_cluster(world)) if runs(found.layout)]).layout
+    layouts that fit this machine (:func:`~trainmesh.plan.search` keeps only those the layout's rules accept)."""
+    return choose(search(_setup(model, Layout(), global_batch, 1).workload, local_cluster(world))).layout
 
 
 def matrix_configs(model: str, world: int, names: Iterable[str] | None = None, global_batch: int = 8,

@@ -202,7 +202,7 @@ def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
     starts from its own rounding (1e-7 after two steps, 5e8 times float64's, the ratio of the two
     epsilons) and grows the same way, to about 2e-2 at step 40 on ``small``.
     """
-    if cfg.world_size < 2 or cfg.dp != cfg.world_size:
+    if cfg.world < 2 or cfg.dp != cfg.world:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")
     mesh = init_mesh(cfg)
@@ -235,7 +235,7 @@ def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
         del bench, steps, ours, peer_step
         gc.collect()
     if dist.get_rank() == 0:
-        print(f"bench zero: model={cfg.model} world={cfg.world_size} global_batch={cfg.global_batch} "
+        print(f"bench zero: model={cfg.model} world={cfg.world} global_batch={cfg.global_batch} "
               f"microbatches={cfg.microbatches} device={mesh.device.type}")
         _print_memory(cfg, rows)
         print("\n".join([r.line() for r in results] + lines))
