@@ -26,12 +26,14 @@ import torch
 
 import trainmesh as tm
 from trainmesh import api
-from trainmesh.data import TokenData, get_batch
+from trainmesh.data import TokenData, TokenSequence, get_batch
+from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.layout import Layout
 from trainmesh.models import preset, spec_of
+from trainmesh.pipeline.runtime import PipelineRuntime
 from trainmesh.tracking.metrics import SavedActivations
+from trainmesh.training.engine import Engine, MicroBatches
 from trainmesh.training.optim import LRSchedule
 from trainmesh.training.precision import dtype_of
 
@@ -41,7 +43,6 @@ EQUIVALENCE_TABLE: list[tuple[str, float, float]] = []  # (layout, |Δloss|, |Δ
 
 Training = tuple[list[float], dict[str, torch.Tensor]]
 
-LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout) if f.name not in ("cuda_graphs", "timeline"))
 EVAL_STEP_BASE = 1_000_000_000  # held-out batches are drawn as steps no run reaches, as the command line draws them
 MOE_DEFAULTS = {"capacity_factor": 0.0, "aux_coef": 0.01, "z_coef": 0.001, "bias_rate": 0.0}
 """The routing settings a case's MoE layers get unless it overrides them (``moe=``): the command line's
@@ -50,13 +51,13 @@ defaults, which the cases were first written against."""
 
 @dataclass(frozen=True)
 class Case:
-    """One training run of a test: a model preset (``model``; ``overrides`` replace fields of its config,
-    ``moe`` fields of its MoE layers), the layout's keywords (those of :class:`trainmesh.layout.Layout`),
-    AdamW and its learning-rate schedule, ``steps`` steps of ``global_batch`` sequences drawn by ``seed``
-    from the default corpus (the Python standard library's sources, byte tokens)."""
+    """One training run of a test: a model preset (``model``; ``moe`` replaces fields of its MoE layers'
+    :class:`~trainmesh.models.moe.MoEConfig`), the layout as :func:`trainmesh.init_mesh` and
+    :func:`trainmesh.parallelize` take it (the names of :class:`trainmesh.layout.Layout`), AdamW and its
+    learning-rate schedule, ``steps`` steps of ``global_batch`` sequences drawn by ``seed`` from the default
+    corpus (the Python standard library's sources, byte tokens)."""
 
     model: str = "tiny"
-    overrides: dict[str, Any] = field(default_factory=dict)
     moe: dict[str, Any] = field(default_factory=dict)
     seq_len: int = 0
     seed: int = 0
@@ -88,22 +89,14 @@ class Case:
     global_batch: int = 8
 
     @property
-    def layout(self) -> Layout:
-        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS})
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world
-
-    @property
     def micro_batch(self) -> int:
         """Sequences in one micro-batch on one data-parallel rank."""
         return self.global_batch // (self.dp * self.microbatches)
 
     @property
     def model_config(self) -> Any:
-        """The preset's config with the case's overrides, MoE settings and sequence length."""
-        cfg = dataclasses.replace(preset(self.model), **self.overrides)
+        """The preset's config with the case's MoE settings and sequence length."""
+        cfg = preset(self.model)
         if getattr(cfg, "moe", None) is not None:
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **{**MOE_DEFAULTS, **self.moe}))
         return dataclasses.replace(cfg, seq_len=self.seq_len) if self.seq_len else cfg
@@ -143,34 +136,33 @@ class Built:
         return self.parallel.module
 
     @property
-    def engine(self):
+    def engine(self) -> Engine:
         return self.parallel.engine
 
     @property
-    def comm(self):
+    def comm(self) -> Comm:
         return self.parallel.comm
 
     @property
-    def pipeline(self):
+    def pipeline(self) -> PipelineRuntime | None:
         return self.parallel.pipeline
 
-    def batch(self, step: int, tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, tokens: TokenSequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of ``step`` (of the training split unless ``tokens`` is given): the same sequences
         on every rank and in the single process."""
         c = self.case
         tokens = self.data.train if tokens is None else tokens
         return get_batch(tokens, c.model_config.seq_len, c.global_batch, c.seed, step)
 
-    def micro_batches(self, step: int, tokens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, step: int, tokens: TokenSequence | None = None) -> MicroBatches:
         """This rank's micro-batches of the global batch of ``step``, as :func:`trainmesh.train_step` cuts them."""
         return api.rank_slice(self.mesh, self.batch(step, tokens), self.case.microbatches)
 
-    def forward_backward(self, step: int, saved=None) -> torch.Tensor:
+    def forward_backward(self, step: int, saved: SavedActivations | None = None) -> torch.Tensor:
         """Accumulate the gradients of ``step``'s batch without stepping; this rank's share of the loss
         (``saved`` records the first micro-batch's activation bytes)."""
         m = self.parallel
         return api.forward_backward(m.module, m.engine, m.pipeline, self.micro_batches(step), m.criterion, saved)
-
 
     def train(self, start: int = 0, stop: int | None = None) -> None:
         """Steps ``start`` to ``stop`` (default: ``case.steps``) of :func:`trainmesh.train_step` (warm-up then

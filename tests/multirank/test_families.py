@@ -217,7 +217,8 @@ def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_pa
                                          ("qwen3-moe-tiny", dict(dp=2, ep=2))])
 def test_each_familys_checkpoint_saved_at_two_ranks_resumes_in_one_process_exactly(tmp_path, name, layout):
     """Saved across two ranks of tp (Qwen2's q/k/v biases split), pp (Qwen3) or ep (Qwen3-MoE's experts)."""
-    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model=name, precision="fp64", **layout), steps=2), tmp_path)
+    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model=name, precision="fp64", **layout), steps=2),
+                                    tmp_path)
 
 
 @pytest.mark.slow

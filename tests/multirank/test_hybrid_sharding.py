@@ -66,7 +66,8 @@ def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     constant_lr = {"warmup_steps": 0, "min_lr": 3e-3, "lr": 3e-3}  # runs of 2, 4, 6 steps share one schedule
     runs = [in_fp64(config(dp=4, zero=3, steps=2 * (k + 1), **kw, **constant_lr)) for k, kw in enumerate(steps)]
     results = run_ranks(_resumed, 4, runs, root, timeout=400)[0]
-    single = train(dataclasses.replace(runs[-1], dp=1, dp_replicate=1, zero=0), Mesh.build(1, 1, 1, torch.device("cpu")))
+    single = train(dataclasses.replace(runs[-1], dp=1, dp_replicate=1, zero=0),
+                   Mesh.build(1, 1, 1, torch.device("cpu")))
     losses = [loss for run_losses, _ in results for loss in run_losses]
     assert len(losses) == 6
     assert max(abs(a - b) for a, b in zip(losses, single.losses)) <= FP64_ATOL

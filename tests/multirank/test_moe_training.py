@@ -80,7 +80,8 @@ def test_tp2_sequence_parallel_with_micro_batches_equals_one_process_at_every_ze
 def _expert_tokens(run: Built) -> list[int]:
     """Token copies each MoE layer routed in the last step, summed over the ranks that saw other tokens
     (:func:`trainmesh.api.sum_over_data`, as the bias update sums them)."""
-    return [int(api.sum_over_data(run.mesh, layer.stats.counts.double()).sum()) for _, layer in moe.moe_layers(run.model)]
+    return [int(api.sum_over_data(run.mesh, layer.stats.counts.double()).sum())
+            for _, layer in moe.moe_layers(run.model)]
 
 
 def _train_and_count(cfg: Case) -> tuple[tuple[list[float], dict[str, torch.Tensor]], list[int]]:
@@ -185,8 +186,9 @@ def test_bias_update_alone_spreads_a_collapsed_router() -> None:
 
 
 def test_dense_first_layers_equal_one_process() -> None:
-    """One dense first layer (``n_dense_layers=1``, ``--moe-dense-layers 1``) in moe-tiny and llama-moe-tiny: under tp2 with sequence
-    parallelism it is split as the dense family's MLP is, the MoE layer stays whole; at pp2 it is stage 0."""
+    """One dense first layer (``n_dense_layers=1``, ``--moe-dense-layers 1``) in moe-tiny and llama-moe-tiny:
+    under tp2 with sequence parallelism it is split as the dense family's MLP is, the MoE layer stays whole; at
+    pp2 it is stage 0."""
     assert _cfg(moe=dict(n_dense_layers=1)).model_config.moe.n_dense_layers == 1
     check_equivalent([_cfg(tp=2, sequence_parallel=True, moe=dict(n_dense_layers=1)),
                       _cfg(tp=2, sequence_parallel=True, model="llama-moe-tiny", moe=dict(n_dense_layers=1)),
