@@ -1,4 +1,4 @@
-"""What every benchmark shares: a trainmesh model built from the CLI's settings through the public API, its
+"""What every benchmark shares: a trainmesh model built from a :class:`Setup` through the public API, its
 training step, and timed pairs of steps of two implementations.
 
 Benchmarks run a trainmesh parallel form and its PyTorch counterpart in one run and print figures.
@@ -16,25 +16,28 @@ benchmarks print, tests check.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import trainmesh as tm
 from trainmesh import api
-from trainmesh.app.config import Config
 from trainmesh.distributed.comm import log_all_gather
 from trainmesh.data import TokenData, get_batch
 from trainmesh.distributed.mesh import Mesh
+from trainmesh.layout import Layout, resolve_reduce_dtype
 from trainmesh.tracking.metrics import SavedActivations
-from trainmesh.models import spec_of
+from trainmesh.models import preset, spec_of
+from trainmesh.plan import Workload
 from trainmesh.training.precision import dtype_of
 
 StepFn = Callable[[int], None]
@@ -102,12 +105,68 @@ def peak_rss(step: StepFn, first: int, count: int = RSS_STEPS) -> int:
     return peak
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a benchmark trains: the preset ``model`` (its family) with ``model_config`` (the preset's unless
+    given: ``trainmesh bench`` hands the one its flags make), the ``layout``, ``steps`` of AdamW as ``trainmesh
+    train`` runs them (warm-up, then cosine decay), the data, and where the mesh runs. The layout's settings
+    read through (``setup.dp``, ``setup.world``)."""
+
+    model: str
+    layout: Layout = Layout()
+    global_batch: int = 16
+    model_config: Any = None
+    seed: int = 0
+    data: str = ""
+    tokenizer: str = ""
+    steps: int = 50
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    device: str = "auto"
+    backend: str = "auto"
+    collective_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.model_config is None:
+            object.__setattr__(self, "model_config", preset(self.model))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "layout":
+            raise AttributeError(name)
+        return getattr(self.layout, name)
+
+    def with_layout(self, **changes: Any) -> Setup:
+        """The same setup in a layout with ``changes``."""
+        return dataclasses.replace(self, layout=dataclasses.replace(self.layout, **changes))
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one micro-batch on one data-parallel rank."""
+        return self.global_batch // (self.layout.dp * self.layout.microbatches)
+
+    @property
+    def workload(self) -> Workload:
+        """What the planner prices of this setup: the model's shape, the global batch and the dtypes."""
+        shape = spec_of(self.model).shape(self.model_config)
+        return Workload(shape, self.global_batch, self.model_config.seq_len, self.layout.precision,
+                        self.layout.reduce_dtype)
+
+    @property
+    def grad_dtype(self) -> str:
+        """The dtype gradients are reduced in (``reduce_dtype`` resolved)."""
+        return resolve_reduce_dtype(self.layout.precision, self.layout.reduce_dtype)
+
+
 @dataclass
 class Bench:
     """One trainmesh training setup a benchmark measures: the settings it was built from, the public API's
     parallel model and optimizer (what a script holds), and the data its batches are drawn from."""
 
-    cfg: Config
+    cfg: Setup
     model: tm.ParallelModel
     opt: tm.Optimizer
     data: TokenData
@@ -120,33 +179,36 @@ class Bench:
         """This dp rank's share of the global batch of ``step``, as ``trainmesh train`` draws it (only its
         sequences are read), so that every implementation trains on the same tokens."""
         cfg, mesh = self.cfg, self.mesh
-        return get_batch(self.data.train, cfg.model_config.seq_len, cfg.optim.global_batch, cfg.model.seed, step,
+        return get_batch(self.data.train, cfg.model_config.seq_len, cfg.global_batch, cfg.seed, step,
                          mesh.rank("dp"), mesh.size("dp"))
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of ``step`` on its device: what a torch peer feeds its model."""
-        return api.rank_slice(self.mesh, self.batch(step), self.cfg.layout.microbatches, dp_sliced=True)
+        return api.rank_slice(self.mesh, self.batch(step), self.cfg.microbatches, dp_sliced=True)
 
 
-def init_mesh(cfg: Config) -> Mesh:
+def init_mesh(cfg: Setup) -> Mesh:
     """Join the job and build the mesh of ``cfg``'s layout (:func:`trainmesh.init_mesh`)."""
-    return tm.init_mesh(cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout, cfg.layout.ep,
-                        sequence_parallel=cfg.layout.sequence_parallel)
+    return tm.init_mesh(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.device, cfg.backend, cfg.collective_timeout, cfg.ep,
+                        sequence_parallel=cfg.sequence_parallel)
 
 
-def model_of(cfg: Config, device: torch.device) -> torch.nn.Module:
-    """``cfg.model.model`` as its family builds it from ``cfg.model.seed``, on ``device`` in ``cfg.layout.precision``."""
-    return spec_of(cfg.model.model).builder(cfg.model_config, cfg.model.seed).to(device, dtype_of(cfg.layout.precision))
+def model_of(cfg: Setup, device: torch.device) -> torch.nn.Module:
+    """``cfg.model`` as its family builds it from ``cfg.seed``, on ``device`` in ``cfg.precision``."""
+    return spec_of(cfg.model).builder(cfg.model_config, cfg.seed).to(device, dtype_of(cfg.precision))
 
 
-def build(cfg: Config, mesh: Mesh) -> Bench:
+def build(cfg: Setup, mesh: Mesh) -> Bench:
     """``cfg``'s model with its parallel forms applied through the public API (:func:`trainmesh.parallelize`,
     :func:`trainmesh.optimizer`), as ``trainmesh train`` builds it, and its data."""
-    forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
-             if f.name not in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "timeline")}
-    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model.model).tp_plan), **forms)
-    opt = tm.optimizer(model, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
-    return Bench(cfg, model, opt, TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer))
+    model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model).tp_plan),
+                           sequence_parallel=cfg.sequence_parallel, zero=cfg.zero, recompute=cfg.recompute,
+                           schedule=cfg.schedule, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
+                           stage_layers=cfg.stage_layers, precision=cfg.precision,
+                           reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
+                           cp_impl=cfg.cp_impl)
+    opt = tm.optimizer(model, cfg.lr, cfg.betas, cfg.weight_decay)
+    return Bench(cfg, model, opt, TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer))
 
 
 def fresh_model(bench: Bench) -> torch.nn.Module:
@@ -158,7 +220,7 @@ def trainmesh_step(bench: Bench, saved: SavedActivations | None = None) -> StepF
     """Step ``i`` of ``bench`` as ``trainmesh train`` takes it (:func:`trainmesh.train_step` on this rank's share
     of batch ``i``, clipped to ``--grad-clip``); ``saved`` records the first micro-batch's activations."""
     def step(i: int) -> None:
-        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.optim.grad_clip, dp_sliced=True,
+        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True,
                       saved=saved)
 
     return step

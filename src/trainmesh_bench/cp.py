@@ -25,6 +25,7 @@ same warm processes (:func:`cp_rank`):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -39,12 +40,10 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from trainmesh import api
 from trainmesh.distributed.comm import Comm, log_all_reduce
-from trainmesh.app.config import Config
 from trainmesh.parallel.context_parallel import AXIS, RingTimeline, ring_attention
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.metrics import SavedActivations
-from trainmesh.models import spec_of
-from trainmesh.app.planning import layout_of, workload_of
+from trainmesh.models import preset, spec_of
 from trainmesh.plan import (
     Layout,
     cp_bytes_per_micro,
@@ -52,7 +51,7 @@ from trainmesh.plan import (
     micro_batch_activation_bytes,
 )
 from trainmesh.distributed.testing import run_ranks
-from trainmesh_bench.common import build, peak_rss, trainmesh_step
+from trainmesh_bench.common import Setup, build, peak_rss, trainmesh_step
 from trainmesh_bench.plan import step_peak
 
 MIB = 2**20
@@ -77,9 +76,7 @@ def memory_rank(seq_len: int, global_batch: int, cp: int, impl: str, mesh: Mesh)
     """On every rank: one training step of ``small`` at ``seq_len`` tokens, as ``trainmesh train`` takes its
     first: the activation bytes its first micro-batch saved, the peak RSS during the step (the process's
     high-water mark reset first, :func:`trainmesh_bench.common.peak_rss`) and the bytes counted on ``cp``."""
-    cfg = Config.from_settings(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, nproc=cp, cp_impl=impl,
-                               steps=1, eval_batches=1, progress=False)
-    bench = build(cfg, mesh)
+    bench = build(_small(seq_len, cp, global_batch, impl), mesh)
     saved = SavedActivations(bench.model.module.parameters())
     before = bench.model.comm.totals().get(AXIS, 0)
     rss = peak_rss(trainmesh_step(bench, saved), 0, count=1)
@@ -95,12 +92,11 @@ def format_memory(seq_len: int, global_batch: int, got: dict[int, dict[str, dict
     base = None
     for cp, impls in got.items():
         for impl, record in impls.items():
-            cfg = Config.from_settings(model="small", seq_len=seq_len, global_batch=global_batch, cp=cp, cp_impl=impl)
-            layout = Layout(cp=cp, cp_impl=impl)
-            predicted = micro_batch_activation_bytes(workload_of(cfg), layout)
+            setup = _small(seq_len, cp, global_batch, impl)
+            predicted = micro_batch_activation_bytes(setup.workload, setup.layout)
             measured = record["activation_bytes"]
             base = base or measured
-            formula = sum(cp_bytes_per_micro(workload_of(cfg), layout).values())
+            formula = sum(cp_bytes_per_micro(setup.workload, setup.layout).values())
             lines.append(f"{f'cp{cp} {impl}':<12}{measured / MIB:>10.1f}{predicted / MIB:>10.1f}"
                          f"{measured / base:>8.2f}{record['peak_rss'] / MIB:>14.0f}"
                          f"{record['cp_bytes'] / MIB:>10.1f}{formula / MIB:>13.1f}")
@@ -129,15 +125,16 @@ def largest_fitting(fits: Callable[[int], bool], unit: int, guess: int) -> int:
     return lo * unit
 
 
-def _small(seq_len: int, cp: int, **kw) -> Config:
-    return Config.from_settings(model="small", seq_len=seq_len, global_batch=1, cp=cp, nproc=cp, steps=1, warmup_steps=1,
-                                eval_batches=1, progress=False, **kw)
+def _small(seq_len: int, cp: int, global_batch: int = 1, impl: str = "ring") -> Setup:
+    """One step of ``small`` at ``seq_len`` tokens, in fp32 over ``cp`` ranks."""
+    model = dataclasses.replace(preset("small"), seq_len=seq_len)
+    return Setup("small", Layout(cp=cp, cp_impl=impl), global_batch, model, steps=1, warmup_steps=1)
 
 
 def planned_peak(seq_len: int, cp: int) -> int:
     """The planner's memory per rank of one ``small`` step at ``seq_len`` tokens over ``cp`` ranks (ring)."""
-    cfg = _small(seq_len, cp)
-    return memory_per_rank(workload_of(cfg), layout_of(cfg)).total
+    setup = _small(seq_len, cp)
+    return memory_per_rank(setup.workload, setup.layout).total
 
 
 def longest_fitting(cap: int, cp: int) -> int:
@@ -207,7 +204,7 @@ def format_fit(cap: int, got: dict[int, dict]) -> str:
 
 def _attention_inputs(seq_len: int, cp: int, seed: int) -> list[torch.Tensor]:
     """q, k, v at ``small``'s attention shape (8 heads of 32) for ``seq_len / cp`` tokens."""
-    shape = spec_of("small").shape(Config.from_settings(model="small").model_config)
+    shape = spec_of("small").shape(preset("small"))
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(1, shape.n_heads, seq_len // cp, shape.d_model // shape.n_heads, generator=gen,
                         requires_grad=True) for _ in range(3)]

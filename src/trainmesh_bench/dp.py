@@ -8,10 +8,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainmesh.app.config import Config
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.training.optim import build_adamw
-from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+from trainmesh_bench.common import (Bench, Result, Setup, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 
 
@@ -19,9 +18,9 @@ def _ddp_step(bench: Bench) -> StepFn:
     """The same training step with torch DDP (same bucket size) and torch's own gradient clipping."""
     cfg, device = bench.cfg, bench.mesh.device
     model = fresh_model(bench)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.layout.bucket_mb, gradient_as_bucket_view=True,
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None)
-    optimizer = build_adamw(model.named_parameters(), device, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
+    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, cfg.betas, cfg.weight_decay)
 
     def step(i: int) -> None:
         micro = bench.micro_batches(i)
@@ -29,7 +28,7 @@ def _ddp_step(bench: Bench) -> StepFn:
             ctx = ddp.no_sync() if k < len(micro) - 1 else torch.enable_grad()
             with ctx:
                 (cross_entropy(ddp(x), y) / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
@@ -41,28 +40,28 @@ def unsynchronised_step(bench: Bench, model: nn.Module) -> StepFn:
     synchronised: the same micro-batches, clipping and AdamW. No data parallelism computes less, so its speed
     over DDP's bounds what any can reach on these kernels and this machine."""
     cfg, device = bench.cfg, bench.mesh.device
-    optimizer = build_adamw(model.named_parameters(), device, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
+    optimizer = build_adamw(model.named_parameters(), device, cfg.lr, cfg.betas, cfg.weight_decay)
 
     def step(i: int) -> None:
         micro = bench.micro_batches(i)
         for x, y in micro:
             (cross_entropy(model(x), y) / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
     return step
 
 
-def bench_dp(cfg: Config, pairs: int) -> list[Result]:
+def bench_dp(cfg: Setup, pairs: int) -> list[Result]:
     """trainmesh :class:`~trainmesh.parallel.data_parallel.DataParallel` vs ``DistributedDataParallel``."""
-    if cfg.layout.world < 2:
+    if cfg.world < 2:
         raise SystemExit("trainmesh bench dp needs at least 2 ranks: pass --nproc N --dp N")
     mesh = init_mesh(cfg)
     bench = build(cfg, mesh)
     steps = {"trainmesh": trainmesh_step(bench), "torch_ddp": _ddp_step(bench),
              "unsynchronised": unsynchronised_step(bench, fresh_model(bench))}
-    rates = compare(steps, cfg.optim.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
     rss = rss_after(steps, pairs)
     results = [Result("dp", "trainmesh DataParallel", "torch DDP", rates["trainmesh"], rates["torch_ddp"],
                       rss["trainmesh"], rss["torch_ddp"]),
@@ -70,7 +69,7 @@ def bench_dp(cfg: Config, pairs: int) -> list[Result]:
                       rss["unsynchronised"], rss["torch_ddp"],
                       "each rank's step with no synchronisation at all: the most any data parallelism gains here")]
     if dist.get_rank() == 0:
-        print(f"bench dp: model={cfg.model.model} world={cfg.layout.world} global_batch={cfg.optim.global_batch} "
-              f"microbatches={cfg.layout.microbatches} bucket_mb={cfg.layout.bucket_mb} device={mesh.device.type}")
+        print(f"bench dp: model={cfg.model} world={cfg.world} global_batch={cfg.global_batch} "
+              f"microbatches={cfg.microbatches} bucket_mb={cfg.bucket_mb} device={mesh.device.type}")
         print("\n".join(r.line() for r in results))
     return results

@@ -16,18 +16,20 @@ optimizer state (the experts' share of it shrinks as 1/ep). The GEMM comparison 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from trainmesh.app.config import Config
+from trainmesh.layout import Layout
+from trainmesh.models import preset
 from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EP_AXIS, expert_modules
 from trainmesh.tracking.metrics import max_rss_bytes, storage_bytes
 from trainmesh.models.moe import MATMULS
 from trainmesh.distributed.testing import run_ranks
-from trainmesh_bench.common import build, init_mesh, trainmesh_step
+from trainmesh_bench.common import Setup, build, init_mesh, trainmesh_step
 
 MIB = 2**20
 
@@ -41,7 +43,7 @@ def _token_bytes(comm: Comm) -> float:
     return sum(n for (axis, op), n in comm.bytes.items() if axis == EP_AXIS and op != "moe_counts")
 
 
-def _ep_rank(cfg: Config, steps: int) -> dict:
+def _ep_rank(cfg: Setup, steps: int) -> dict:
     """Runs on every rank: ``steps`` training steps (the first untimed); per-step sent bytes and times."""
     torch.set_num_threads(1)
     bench = build(cfg, init_mesh(cfg))
@@ -57,8 +59,16 @@ def _ep_rank(cfg: Config, steps: int) -> dict:
             "state": storage_bytes(model.engine.state_tensors())}
 
 
+def _routed(model: str) -> object:
+    """``model``'s preset with the routing ``trainmesh train`` gives it by default (dropless, ``--moe-aux-coef
+    0.01 --moe-z-coef 0.001``, no bias update), what this benchmark has always measured."""
+    cfg = preset(model)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.0, aux_coef=0.01, z_coef=0.001,
+                                                            bias_rate=0.0))
+
+
 def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, global_batch: int) -> str:
-    base = Config.from_settings(model=model, nproc=world, dp=world, global_batch=global_batch, steps=steps, progress=False)
+    base = Setup(model, Layout(dp=world), global_batch, _routed(model))
     m = base.model_config
     tokens = global_batch // world * m.seq_len
     copy_bytes = m.d_model * 4
@@ -67,7 +77,7 @@ def bench_ep(model: str, world: int, degrees: tuple[int, ...], steps: int, globa
              f"{'layout':<8}{'a2a KiB/step':>14}{'formula KiB':>13}{'per direction KiB':>19}"
              f"{'tokens/s':>24}{'model state KiB':>17}{'peak RSS MiB':>14}"]
     for ep in degrees:
-        cfg = Config.from_settings(**{**base.settings(), "ep": ep})
+        cfg = base.with_layout(ep=ep)
         results = run_ranks(_ep_rank, world, cfg, steps, timeout=600)
         layers = results[0]["layers"]
         per_direction = tokens * m.moe.top_k * copy_bytes

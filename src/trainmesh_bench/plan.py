@@ -3,10 +3,10 @@ layout, next to what a real run of that layout measures here.
 
 ``python -m trainmesh_bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
 ``tests/multirank/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
-:func:`trainmesh.distributed.testing.run_ranks` call: each rank trains each layout with
-:func:`trainmesh.app.train.train` (``trainmesh train`` itself, which writes ``metrics.jsonl`` and
-``summary.json``), then runs a few more steps of the model and optimizer it trained with :class:`StepPeak`
-recording.
+:func:`trainmesh.distributed.testing.run_ranks` call: each rank trains each layout through the public API as
+``trainmesh train`` does (:func:`train`: its steps, learning rate and clipping, and the per-rank figures its
+``summary.json`` records), then runs a few more steps of the model and optimizer it trained with
+:class:`StepPeak` recording.
 
 The planner predicts each pipeline stage, so layouts are compared stage by stage, measured values taken
 as the largest over the ranks of that stage. The quantities, per rank:
@@ -14,10 +14,10 @@ as the largest over the ranks of that stage. The quantities, per rank:
 ================  ============================================  =========================================  =====
 quantity          measured                                      predicted                                  tol.
 ================  ============================================  =========================================  =====
-model state       ``model_state_bytes`` of ``summary.json``:    :func:`~trainmesh.plan.model_state_bytes`   5 %
+model state       ``model_state_bytes`` (as in ``summary.json``): :func:`~trainmesh.plan.model_state_bytes`   5 %
                   parameters, gradients, optimizer state held
                   after the last step
-activation        ``activation_bytes`` of ``summary.json``:     :func:`~trainmesh.plan.                     5 %
+activation        ``activation_bytes`` (as in ``summary.json``):  :func:`~trainmesh.plan.                     5 %
                   what micro-batch 0 of step 0 saved for         micro_batch_activation_bytes`
                   backward
 peak activation   :attr:`StepPeak.saved`: most bytes of saved    :func:`~trainmesh.plan.activation_bytes`   25 %
@@ -57,33 +57,32 @@ import dataclasses
 import json
 import math
 import statistics
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import trainmesh as tm
 from trainmesh import api
-from trainmesh.app.config import Config
-from trainmesh.app.train import TrainResult, train
-from trainmesh.tracking.metrics import storage_bytes
+from trainmesh.layout import Layout
+from trainmesh.tracking.metrics import SavedActivations, per_rank_stats, storage_bytes
 from trainmesh.training.optim import LRSchedule
-from trainmesh.app.planning import auto_config, layout_of, workload_of
 from trainmesh.plan import (
     activation_bytes,
+    choose,
     local_cluster,
     memory_per_rank,
     micro_batch_activation_bytes,
     model_state_bytes,
+    search,
     step_time,
 )
 from trainmesh.distributed.testing import run_ranks
-from trainmesh_bench.common import Bench, alternating_times, trainmesh_step
+from trainmesh_bench.common import Bench, Setup, alternating_times, build, init_mesh, trainmesh_step
 
 # The layouts run at each world: DP, ZeRO-1..3, TP (with and without sequence parallelism), PP (1F1B,
-# GPipe and ZB-H1), CP (ring and all-to-all), and their products. Each is Config fields over BASE.
+# GPipe and ZB-H1), CP (ring and all-to-all), and their products. Each is Layout fields.
 MATRIX: dict[int, dict[str, dict[str, object]]] = {
     2: {
         "dp2": {"dp": 2},
@@ -112,7 +111,6 @@ MATRIX: dict[int, dict[str, dict[str, object]]] = {
         "dp2-cp2": {"dp": 2, "cp": 2},
     },
 }
-BASE: dict[str, object] = {"steps": 2, "warmup_steps": 1, "eval_batches": 1, "progress": False}
 PEAK_STEPS = 2
 TIMED_ROUNDS, STEPS_PER_VISIT = 6, 2
 """Step times come from rounds that visit every layout of a world for ``STEPS_PER_VISIT`` steps, the order
@@ -214,7 +212,7 @@ def step_peak(bench: Bench, first_step: int, steps: int = PEAK_STEPS) -> StepPea
     train``'s learning rate of each step."""
     model, cfg = bench.model, bench.cfg
     peak = StepPeak.of(model)
-    schedule = LRSchedule(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.optim.steps)
+    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
 
     def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with peak.holding(logits):
@@ -224,29 +222,38 @@ def step_peak(bench: Bench, first_step: int, steps: int = PEAK_STEPS) -> StepPea
         for step in range(first_step, first_step + steps):
             api.forward_backward(model.module, model.engine, model.pipeline, bench.micro_batches(step), criterion)
             peak.sample()
-            model.engine.step(schedule.at(step), cfg.optim.grad_clip)
+            model.engine.step(schedule.at(step), cfg.grad_clip)
             peak.sample()
     return peak
 
 
-def trained(cfg: Config, result: TrainResult) -> Bench:
-    """The model, optimizer and data ``trainmesh train`` trained under ``cfg``, to measure further steps of."""
-    return Bench(cfg, result.run.parallel, result.run.opt, result.run.data)
+def train(cfg: Setup) -> tuple[Bench, dict[str, list[int]]]:
+    """``cfg.steps`` steps of ``cfg`` as ``trainmesh train`` takes them (its learning rate and clipping), and
+    what its ``summary.json`` records of every rank: peak RSS, the model state held after the last step and
+    the activation bytes the first micro-batch of the first step saved."""
+    bench = build(cfg, init_mesh(cfg))
+    schedule = LRSchedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    saved = SavedActivations(bench.model.module.parameters())
+    for step in range(cfg.steps):
+        bench.opt.lr = schedule.at(step)
+        tm.train_step(bench.model, bench.opt, bench.batch(step), max_norm=cfg.grad_clip, dp_sliced=True,
+                      saved=saved if step == 0 else None)
+    return bench, per_rank_stats(bench.model.engine.state_tensors(), bench.mesh.device, saved.bytes)
 
 
-def measure_rank(cfgs: list[Config], timed_rounds: int) -> list[dict[str, object]]:
-    """Runs on every rank: train each config, then measure its step peak; rank 0 adds the run's summary.
-    Then every layout's step times over ``timed_rounds`` rounds that visit each layout in turn
+def measure_rank(cfgs: list[Setup], timed_rounds: int) -> list[dict[str, object]]:
+    """Runs on every rank: train each setup, then measure its step peak; rank 0 adds the run's per-rank
+    figures. Then every layout's step times over ``timed_rounds`` rounds that visit each layout in turn
     (:func:`~trainmesh_bench.common.alternating_times`)."""
     torch.set_num_threads(1)
     out, benches = [], []
     for cfg in cfgs:
-        bench = trained(cfg, train(cfg))
-        peak = step_peak(bench, cfg.optim.steps)
-        summary = json.loads(Path(cfg.logging.out, "summary.json").read_text()) if dist.get_rank() == 0 else None
-        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total, "summary": summary})
+        bench, summary = train(cfg)
+        peak = step_peak(bench, cfg.steps)
+        out.append({"peak_activation_bytes": peak.saved, "peak_bytes": peak.total,
+                    "summary": summary if dist.get_rank() == 0 else None})
         benches.append(bench)
-    first = max(cfg.optim.steps for cfg in cfgs) + PEAK_STEPS
+    first = max(cfg.steps for cfg in cfgs) + PEAK_STEPS
     times = alternating_times([trainmesh_step(bench) for bench in benches], first, timed_rounds, STEPS_PER_VISIT,
                               benches[0].mesh.device)
     for row, layout_times in zip(out, times):
@@ -288,64 +295,75 @@ class Comparison:
                 for q, tol in TOLERANCE.items() if abs(self.error(q)) > tol]
 
 
-def predicted(cfg: Config, stage: int) -> dict[str, int]:
+def planned(layout: Layout) -> Layout:
+    """``layout`` as the planner prices it: without a pipeline the schedule means nothing and is taken as 1F1B."""
+    return layout if layout.pp > 1 else dataclasses.replace(layout, schedule="1f1b", virtual_stages=1)
+
+
+def predicted(cfg: Setup, stage: int) -> dict[str, int]:
     """What the planner says one rank of ``stage`` holds under ``cfg``."""
-    work, layout = workload_of(cfg), layout_of(cfg)
+    work, layout = cfg.workload, planned(cfg.layout)
     return {"model_state": model_state_bytes(work, layout, stage),
             "activation": micro_batch_activation_bytes(work, layout, stage),
             "peak_activation": activation_bytes(work, layout, stage),
             "peak": memory_per_rank(work, layout, stage).total}
 
 
-def compare(name: str, cfg: Config, per_rank: list[dict[str, object]]) -> list[Comparison]:
+def compare(name: str, cfg: Setup, per_rank: list[dict[str, object]]) -> list[Comparison]:
     """One :class:`Comparison` per pipeline stage from every rank's :func:`measure_rank` result for ``cfg``."""
     summary = per_rank[0]["summary"]
-    ranks_per_stage = cfg.layout.dp * cfg.layout.cp * cfg.layout.tp
+    ranks_per_stage = cfg.dp * cfg.cp * cfg.tp
     rows = []
-    for stage in range(cfg.layout.pp):
+    for stage in range(cfg.pp):
         ranks = range(stage * ranks_per_stage, (stage + 1) * ranks_per_stage)
         measured = {"model_state": max(summary["model_state_bytes"][r] for r in ranks),
                     "activation": max(summary["activation_bytes"][r] for r in ranks),
                     "peak_activation": max(per_rank[r]["peak_activation_bytes"] for r in ranks),
                     "peak": max(per_rank[r]["peak_bytes"] for r in ranks)}
-        rows.append(Comparison(name, cfg.layout.world, stage, predicted(cfg, stage), measured,
+        rows.append(Comparison(name, cfg.world, stage, predicted(cfg, stage), measured,
                                max(summary["max_rss_bytes"][r] for r in ranks), predicted_step(cfg),
-                               tuple(per_rank[0]["step_times"]), cfg.optim.global_batch * workload_of(cfg).seq_len))
+                               tuple(per_rank[0]["step_times"]), cfg.global_batch * cfg.workload.seq_len))
     return rows
 
 
-def predicted_step(cfg: Config) -> float:
+def predicted_step(cfg: Setup) -> float:
     """Seconds per step the planner predicts for ``cfg`` on this machine, as ``--plan auto`` sees it."""
-    return step_time(workload_of(cfg), layout_of(cfg), local_cluster(cfg.layout.world)).total
+    return step_time(cfg.workload, planned(cfg.layout), local_cluster(cfg.world)).total
 
 
-def matrix_configs(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
-                   global_batch: int = 8, steps: int = 2, auto: bool = False) -> dict[str, Config]:
-    """The :data:`MATRIX` layouts of ``world`` (or those named) as configs writing under ``out_dir``, with
-    the layout ``--plan auto`` picks as ``auto`` when ``auto`` and it is none of them."""
+def _setup(model: str, layout: Layout, global_batch: int, steps: int) -> Setup:
+    return Setup(model, layout, global_batch, steps=steps, warmup_steps=1)
+
+
+def auto_layout(model: str, world: int, global_batch: int) -> Layout:
+    """The layout ``--plan auto`` runs at ``world``: the planner's choice (:func:`~trainmesh.plan.choose`) of the
+    layouts that fit this machine (:func:`~trainmesh.plan.search` keeps only those the layout's rules accept)."""
+    return choose(search(_setup(model, Layout(), global_batch, 1).workload, local_cluster(world))).layout
+
+
+def matrix_configs(model: str, world: int, names: Iterable[str] | None = None, global_batch: int = 8,
+                   steps: int = 2, auto: bool = False) -> dict[str, Setup]:
+    """The :data:`MATRIX` layouts of ``world`` (or those named) as setups, with the layout ``--plan auto``
+    picks as ``auto`` when ``auto`` and it is none of them."""
     layouts = MATRIX[world]
     chosen = list(layouts) if names is None else list(names)
-    base = {**BASE, "steps": steps}
-    cfgs = {name: Config.from_settings(model=model, nproc=world, global_batch=global_batch, out=str(Path(out_dir, name)),
-                                       **base, **layouts[name]) for name in chosen}
+    cfgs = {name: _setup(model, Layout(**layouts[name]), global_batch, steps) for name in chosen}
     if auto and not auto_choice(cfgs.values(), model, world, global_batch):
-        planned = auto_config(Config.from_settings(model=model, nproc=world, global_batch=global_batch, **base), world,
-                              local_cluster(world))[0]
-        cfgs["auto"] = planned.replace(out=str(Path(out_dir, f"auto-{world}")))
+        cfgs["auto"] = _setup(model, auto_layout(model, world, global_batch), global_batch, steps)
     return cfgs
 
 
-def auto_choice(cfgs: Iterable[Config], model: str, world: int, global_batch: int) -> Config | None:
-    """The config among ``cfgs`` running the layout ``--plan auto`` picks at ``world``, if any."""
-    planned = auto_config(Config.from_settings(model=model, nproc=world, global_batch=global_batch), world, local_cluster(world))[0]
-    return next((c for c in cfgs if layout_of(c) == layout_of(planned)), None)
+def auto_choice(cfgs: Iterable[Setup], model: str, world: int, global_batch: int) -> Setup | None:
+    """The setup among ``cfgs`` running the layout ``--plan auto`` picks at ``world``, if any."""
+    chosen = planned(auto_layout(model, world, global_batch))
+    return next((c for c in cfgs if planned(c.layout) == chosen), None)
 
 
-def run_matrix(model: str, world: int, out_dir: str, names: Iterable[str] | None = None,
-               global_batch: int = 8, timeout: float = 600.0, steps: int = 2, auto: bool = False,
+def run_matrix(model: str, world: int, names: Iterable[str] | None = None, global_batch: int = 8,
+               timeout: float = 600.0, steps: int = 2, auto: bool = False,
                timed_rounds: int = TIMED_ROUNDS) -> list[Comparison]:
     """Run the layouts of ``world`` in one :func:`~trainmesh.distributed.testing.run_ranks` call and compare each."""
-    cfgs = matrix_configs(model, world, out_dir, names, global_batch, steps, auto)
+    cfgs = matrix_configs(model, world, names, global_batch, steps, auto)
     results = run_ranks(measure_rank, world, list(cfgs.values()), timed_rounds, timeout=timeout)
     return [row for k, (name, cfg) in enumerate(cfgs.items())
             for row in compare(name, cfg, [rank[k] for rank in results])]
@@ -433,15 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the comparisons as JSON")
     args = parser.parse_args(argv)
     rows, auto = [], {}
-    with tempfile.TemporaryDirectory() as out_dir:
-        for world in args.world:
-            names = [n for n in MATRIX[world] if args.layouts is None or n in args.layouts]
-            if not names:
-                continue
-            cfgs = matrix_configs(args.model, world, out_dir, names, args.global_batch, args.steps, auto=True)
-            planned = auto_choice(cfgs.values(), args.model, world, args.global_batch)
-            auto[world] = next(name for name, cfg in cfgs.items() if cfg is planned)
-            rows += run_matrix(args.model, world, out_dir, names, args.global_batch, args.timeout, args.steps, True)
+    for world in args.world:
+        names = [n for n in MATRIX[world] if args.layouts is None or n in args.layouts]
+        if not names:
+            continue
+        cfgs = matrix_configs(args.model, world, names, args.global_batch, args.steps, auto=True)
+        chosen = auto_choice(cfgs.values(), args.model, world, args.global_batch)
+        auto[world] = next(name for name, cfg in cfgs.items() if cfg is chosen)
+        rows += run_matrix(args.model, world, names, args.global_batch, args.timeout, args.steps, True)
     if args.json:
         print(_rows_json(rows))
         return 0

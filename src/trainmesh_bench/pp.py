@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainmesh.app.config import Config, ConfigError, validate
+from trainmesh.layout import LayoutError, flag, validate
+from trainmesh.models import spec_of
 from trainmesh.training.optim import build_adamw, global_norm, unscale_and_clip_
 from trainmesh.pipeline.partition import partition_model, split_model
 from trainmesh.pipeline.schedules import Schedule
 from trainmesh.pipeline.simulate import measured_costs, predicted_bubble, replayed_bubble, simulate
-from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+from trainmesh_bench.common import (Bench, Result, Setup, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 
 def _bubbles(bench: Bench, steps: int, transfer: float) -> tuple[float, float, float, float, float]:
@@ -56,16 +57,17 @@ def _bubbles(bench: Bench, steps: int, transfer: float) -> tuple[float, float, f
     return measured, predicted, replayed, simulate(schedule).bubble_fraction, costs.comm
 
 
-def _variants(cfg: Config) -> list[tuple[Config | None, str]]:
+def _variants(cfg: Setup) -> list[tuple[Setup | None, str]]:
     """One config per schedule (interleaved with 2 chunks unless --virtual-stages says more), or why not."""
     out = []
     for name in ("gpipe", "1f1b", "interleaved", "zb"):
-        v = max(cfg.layout.virtual_stages, 2) if name == "interleaved" else 1
-        variant = cfg.replace(schedule=name, virtual_stages=v, stage_layers=(), timeline="")
+        v = max(cfg.virtual_stages, 2) if name == "interleaved" else 1
+        variant = cfg.with_layout(schedule=name, virtual_stages=v, stage_layers=(), timeline="")
         try:
-            validate(variant, world_size=cfg.layout.world)
+            validate(variant.layout, spec_of(cfg.model).shape(cfg.model_config), cfg.world, spell=flag,
+                     name=cfg.model)
             out.append((variant, name))
-        except ConfigError as e:
+        except LayoutError as e:
             out.append((None, f"{name}: skipped ({e})"))
     return out
 
@@ -83,14 +85,14 @@ def _torch_step(bench: Bench) -> StepFn:
     """The same training step with torch's ``PipelineStage`` (one per model chunk) and its schedule class of
     the same name as ``bench``'s, on the same partition."""
     cfg, mesh = bench.cfg, bench.mesh
-    p, rank, device, v = mesh.size("pp"), mesh.rank("pp"), mesh.device, cfg.layout.virtual_stages
+    p, rank, device, v = mesh.size("pp"), mesh.rank("pp"), mesh.device, cfg.virtual_stages
     model = fresh_model(bench)
     module, chunks = split_model(model, partition_model(model, p * v), rank, p, v)
     stages = [PipelineStage(chunk, s, p * v, device, group=mesh.group("pp")) for s, chunk in sorted(chunks.items())]
-    schedule = TORCH_SCHEDULES[cfg.layout.schedule](stages if v > 1 else stages[0], cfg.layout.microbatches,
+    schedule = TORCH_SCHEDULES[cfg.schedule](stages if v > 1 else stages[0], cfg.microbatches,
                                              loss_fn=bench.model.criterion)
     first, last = 0 in chunks, p * v - 1 in chunks
-    optimizer = build_adamw(module.named_parameters(), device, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
+    optimizer = build_adamw(module.named_parameters(), device, cfg.lr, cfg.betas, cfg.weight_decay)
     params = [q for q in module.parameters() if q.requires_grad]
 
     def step(i: int) -> None:
@@ -98,22 +100,22 @@ def _torch_step(bench: Bench) -> StepFn:
         x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
         schedule.step(*((x,) if first else ()), target=y if last else None, return_outputs=False)
         grads = [q.grad for q in params]
-        unscale_and_clip_(grads, global_norm(grads, bench.model.comm, ("pp",)).item(), cfg.optim.grad_clip)
+        unscale_and_clip_(grads, global_norm(grads, bench.model.comm, ("pp",)).item(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
     return step
 
 
-def bench_pp(cfg: Config, pairs: int) -> list[Result]:
+def bench_pp(cfg: Setup, pairs: int) -> list[Result]:
     """Bubble per schedule (measured vs simulated) and each schedule vs torch's class of the same name in
     tokens/s; prints on rank 0."""
-    if cfg.layout.pp < 2 or cfg.layout.dp * cfg.layout.tp != 1:
+    if cfg.pp < 2 or cfg.dp * cfg.tp != 1:
         raise SystemExit("trainmesh bench pp compares pipelines alone: pass --nproc P --pp P with P >= 2")
-    if cfg.layout.microbatches < cfg.layout.pp:
-        raise SystemExit(f"torch's pipeline schedules need --microbatches >= --pp; got {cfg.layout.microbatches} < {cfg.layout.pp}")
+    if cfg.microbatches < cfg.pp:
+        raise SystemExit(f"torch's pipeline schedules need --microbatches >= --pp; got {cfg.microbatches} < {cfg.pp}")
     mesh = init_mesh(cfg)
-    lines = [f"bench pp: model={cfg.model.model} pp={cfg.layout.pp} microbatches={cfg.layout.microbatches} "
+    lines = [f"bench pp: model={cfg.model} pp={cfg.pp} microbatches={cfg.microbatches} "
              f"micro_batch={cfg.micro_batch} device={mesh.device.type} threads/rank={torch.get_num_threads()}",
              f"  {'schedule':<12} {'v':>2} {'measured':>9} {'simulated':>10} {'replayed':>9} {'uniform':>8} {'message':>8}"
              f"   (bubble fractions; message: mean ms a message took in the steps)"]
@@ -128,7 +130,7 @@ def bench_pp(cfg: Config, pairs: int) -> list[Result]:
             rate = f"{bandwidth / 1e9:.2f} GB/s" if math.isfinite(bandwidth) else "no size effect above the noise"
             lines.insert(1, f"  p2p latency {latency * 1e3:.3f} ms + {rate}: {transfer * 1e3:.3f} ms per activation")
         measured, simulated, replayed, uniform, message = _bubbles(bench, BUBBLE_STEPS, transfer)
-        lines.append(f"  {label:<12} {variant.layout.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {replayed:>9.3f} "
+        lines.append(f"  {label:<12} {variant.virtual_stages:>2} {measured:>9.3f} {simulated:>10.3f} {replayed:>9.3f} "
                      f"{uniform:>8.3f} {message * 1e3:>8.3f}")
         results.append(_versus_torch(bench, label, pairs))
     lines += [r.line() for r in results]
@@ -140,12 +142,12 @@ def bench_pp(cfg: Config, pairs: int) -> list[Result]:
 def _versus_torch(bench: Bench, schedule: str, pairs: int) -> Result:
     """trainmesh's ``schedule`` against torch's class of the same name (or why there is none)."""
     cfg = bench.cfg
-    ours = f"trainmesh {schedule} pp{cfg.layout.pp}"
+    ours = f"trainmesh {schedule} pp{cfg.pp}"
     peer = f"torch {TORCH_SCHEDULES[schedule].__name__}" if schedule in TORCH_SCHEDULES else "none"
     steps = {"trainmesh": trainmesh_step(bench)}
     if schedule in TORCH_SCHEDULES:
         steps["torch"] = _torch_step(bench)
-    rates = compare(steps, cfg.optim.global_batch * cfg.model_config.seq_len, pairs, bench.mesh.device)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, bench.mesh.device)
     rss = rss_after(steps, pairs)
     return Result(f"pp {schedule}", ours, peer, rates["trainmesh"], rates.get("torch", []), rss["trainmesh"],
                   rss.get("torch", []), NO_TORCH_PEER.get(schedule, ""))

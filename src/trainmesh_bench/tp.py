@@ -19,12 +19,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from trainmesh.app.config import Config, ConfigError
 from trainmesh.models import spec_of
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.training.optim import build_adamw
 from trainmesh.parallel.tensor_parallel import ShardSpec, match_plan, shard_tensor
-from trainmesh_bench.common import (Bench, Result, StepFn, build, compare, fresh_model, init_mesh, rss_after,
+from trainmesh_bench.common import (Bench, Result, Setup, StepFn, build, compare, fresh_model, init_mesh, rss_after,
                                     trainmesh_step)
 
 
@@ -61,7 +60,7 @@ def torch_tp_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict:
 def _torch_model(bench: Bench) -> nn.Module:
     """``bench``'s model under ``parallelize_module`` with its family's plan in torch's styles."""
     model, mesh = fresh_model(bench), bench.mesh
-    plan = dict(spec_of(bench.cfg.model.model).tp_plan)
+    plan = dict(spec_of(bench.cfg.model).tp_plan)
     return parallelize_module(model, mesh.device_mesh["tp"], torch_tp_plan(model, plan, mesh.size("tp")))
 
 
@@ -82,7 +81,7 @@ def _torch_tp_step(bench: Bench, model: nn.Module) -> StepFn:
     params = list(model.parameters())
     # foreach AdamW, like clipping, cannot mix DTensors and plain tensors in one call: one optimizer each.
     optimizers = [build_adamw([(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) == split],
-                              bench.mesh.device, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
+                              bench.mesh.device, cfg.lr, cfg.betas, cfg.weight_decay)
                   for split in (True, False)]
 
     def step(i: int) -> None:
@@ -90,7 +89,7 @@ def _torch_tp_step(bench: Bench, model: nn.Module) -> StepFn:
         with loss_parallel():
             for x, y in micro:
                 (cross_entropy(model(x), y) / len(micro)).backward()
-        _clip_mixed_(params, cfg.optim.grad_clip)
+        _clip_mixed_(params, cfg.grad_clip)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
@@ -108,23 +107,23 @@ def _first_losses(bench: Bench, model: nn.Module) -> tuple[float, float]:
     return mine, theirs
 
 
-def bench_tp(cfg: Config, pairs: int) -> list[Result]:
+def bench_tp(cfg: Setup, pairs: int) -> list[Result]:
     """trainmesh :func:`~trainmesh.parallel.tensor_parallel.apply_tensor_parallel` vs ``parallelize_module``, tokens/s."""
-    if cfg.layout.tp < 2 or cfg.layout.dp != 1 or cfg.layout.pp != 1 or cfg.layout.zero or cfg.layout.sequence_parallel:
-        raise ConfigError("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
-                          "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")
+    if cfg.tp < 2 or cfg.dp != 1 or cfg.pp != 1 or cfg.zero or cfg.sequence_parallel:
+        raise SystemExit("trainmesh bench tp compares plain tensor parallelism: pass --nproc N --tp N "
+                         "(N >= 2) without --dp, --pp, --zero or --sequence-parallel")
     mesh = init_mesh(cfg)
     bench = build(cfg, mesh)
     model = _torch_model(bench)
     losses = _first_losses(bench, model)
     steps = {"trainmesh": trainmesh_step(bench), "torch_tp": _torch_tp_step(bench, model)}
-    rates = compare(steps, cfg.optim.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
+    rates = compare(steps, cfg.global_batch * cfg.model_config.seq_len, pairs, mesh.device)
     rss = rss_after(steps, pairs)
-    result = Result("tp", f"trainmesh tp{cfg.layout.tp}", "torch DTensor parallelize_module", rates["trainmesh"],
+    result = Result("tp", f"trainmesh tp{cfg.tp}", "torch DTensor parallelize_module", rates["trainmesh"],
                     rates["torch_tp"], rss["trainmesh"], rss["torch_tp"])
     if dist.get_rank() == 0:
-        print(f"bench tp: model={cfg.model.model} tp={cfg.layout.tp} global_batch={cfg.optim.global_batch} "
-              f"microbatches={cfg.layout.microbatches} device={mesh.device.type}")
+        print(f"bench tp: model={cfg.model} tp={cfg.tp} global_batch={cfg.global_batch} "
+              f"microbatches={cfg.microbatches} device={mesh.device.type}")
         print(f"  first-batch loss: trainmesh {losses[0]:.6f}, torch_tp {losses[1]:.6f}")
         print(result.line())
     return [result]

@@ -36,13 +36,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from trainmesh.app.config import Config
 from trainmesh.tracking.metrics import optimizer_tensors, storage_bytes
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.training.optim import build_adamw
 from trainmesh.training.precision import dtype_of
 from trainmesh.parallel.zero import default_units, model_state_bytes_formula
-from trainmesh_bench.common import (RSS_STEPS, Bench, Result, StepFn, all_ranks, build, compare, fresh_model,
+from trainmesh_bench.common import (RSS_STEPS, Bench, Result, Setup, StepFn, all_ranks, build, compare, fresh_model,
                                     init_mesh, rss_after, trainmesh_step)
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +50,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _adamw(bench: Bench, params) -> torch.optim.Optimizer:
     cfg = bench.cfg
-    return build_adamw(params, bench.mesh.device, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
+    return build_adamw(params, bench.mesh.device, cfg.lr, cfg.betas, cfg.weight_decay)
 
 
 def fsdp2_model(bench: Bench, reshard_after_forward: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -68,17 +67,17 @@ def fsdp2_model(bench: Bench, reshard_after_forward: bool = True) -> tuple[nn.Mo
 def _zero_redundancy_step(bench: Bench) -> StepFn:
     """ZeRO-1's peer: DDP for the gradients, ``ZeroRedundancyOptimizer`` sharding AdamW's state."""
     cfg, group = bench.cfg, bench.mesh.group("dp")
-    model = DistributedDataParallel(fresh_model(bench), bucket_cap_mb=cfg.layout.bucket_mb, gradient_as_bucket_view=True,
+    model = DistributedDataParallel(fresh_model(bench), bucket_cap_mb=cfg.bucket_mb, gradient_as_bucket_view=True,
                                     process_group=group)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group,
-                                        lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+                                        lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def step(i: int) -> None:
         micro = bench.micro_batches(i)
         for k, (x, y) in enumerate(micro):
             with model.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
                 (cross_entropy(model(x), y) / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
@@ -92,7 +91,7 @@ def _fsdp2_step(bench: Bench, model: nn.Module, optimizer: torch.optim.Optimizer
         micro = bench.micro_batches(i)
         for x, y in micro:
             (cross_entropy(model(x), y) / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), bench.cfg.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), bench.cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
@@ -152,9 +151,9 @@ def step_memory(step: StepFn, held: Callable[[], int], before_peak: Callable[[in
     return now, now + allocated_peak(step, 1)
 
 
-def trainmesh_memory(cfg: Config, bench: Bench, step: StepFn) -> MemoryRow:
-    """:func:`step_memory` of trainmesh's engine at ``bench.cfg.layout.zero``, with the model state it peaked at."""
-    engine, stage = bench.model.engine, bench.cfg.layout.zero
+def trainmesh_memory(cfg: Setup, bench: Bench, step: StepFn) -> MemoryRow:
+    """:func:`step_memory` of trainmesh's engine at ``bench.cfg.zero``, with the model state it peaked at."""
+    engine, stage = bench.model.engine, bench.cfg.zero
 
     def track_peak(held: int) -> None:
         engine.peak_state_bytes = held
@@ -164,8 +163,8 @@ def trainmesh_memory(cfg: Config, bench: Bench, step: StepFn) -> MemoryRow:
     state_peak = all_ranks(engine.peak_state_bytes) if stage else None
     if stage:
         engine.peak_state_bytes = None  # untracked while timed: each sample walks every state tensor
-    formula = model_state_bytes_formula(cfg.model_config.n_params(), cfg.layout.dp, stage, cfg.layout.precision != "fp32",
-                                        dtype_of(cfg.layout.grad_dtype).itemsize)
+    formula = model_state_bytes_formula(cfg.model_config.n_params(), cfg.dp, stage, cfg.precision != "fp32",
+                                        dtype_of(cfg.grad_dtype).itemsize)
     return MemoryRow(stage, all_ranks(held), state_peak,
                      all_ranks(tensor_peak), formula)
 
@@ -176,10 +175,10 @@ def _mb(values: list[int] | float) -> str:
     return f"{values / 2**20:.2f} MiB"
 
 
-def _print_memory(cfg: Config, rows: list[MemoryRow]) -> None:
+def _print_memory(cfg: Setup, rows: list[MemoryRow]) -> None:
     psi = cfg.model_config.n_params()
     print(f"  model state per rank vs ZeRO formula (fp32: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; "
-          f"Ψ={psi:,}, N={cfg.layout.dp}); in-step peaks of model state and of every tensor (activations too):")
+          f"Ψ={psi:,}, N={cfg.dp}); in-step peaks of model state and of every tensor (activations too):")
     for row in rows:
         ratio = max(row.held) / row.formula
         print(f"    stage {row.stage}: held {_mb(row.held)}  formula {_mb(row.formula)}  ratio {ratio:.5f}  "
@@ -191,7 +190,7 @@ PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard a
          3: "torch FSDP2 fully_shard"}
 
 
-def bench_zero(cfg: Config, pairs: int) -> list[Result]:
+def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
     """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
     ZeRO-3's model state and trained parameters beside FSDP2's.
 
@@ -203,18 +202,18 @@ def bench_zero(cfg: Config, pairs: int) -> list[Result]:
     starts from its own rounding (1e-7 after two steps, 5e8 times float64's, the ratio of the two
     epsilons) and grows the same way, to about 2e-2 at step 40 on ``small``.
     """
-    if cfg.layout.world < 2 or cfg.layout.dp != cfg.layout.world:
+    if cfg.world < 2 or cfg.dp != cfg.world:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")
     mesh = init_mesh(cfg)
-    bench = build(cfg.replace(zero=0), mesh)
+    bench = build(cfg.with_layout(zero=0), mesh)
     rows = [trainmesh_memory(cfg, bench, trainmesh_step(bench))]
     del bench
     gc.collect()
-    tokens = cfg.optim.global_batch * cfg.model_config.seq_len
+    tokens = cfg.global_batch * cfg.model_config.seq_len
     results, lines = [], []
     for stage, peer in PEERS.items():
-        bench = build(cfg.replace(zero=stage), mesh)
+        bench = build(cfg.with_layout(zero=stage), mesh)
         ours = trainmesh_step(bench)
         if stage == 1:
             peer_step = _zero_redundancy_step(bench)
@@ -236,8 +235,8 @@ def bench_zero(cfg: Config, pairs: int) -> list[Result]:
         del bench, steps, ours, peer_step
         gc.collect()
     if dist.get_rank() == 0:
-        print(f"bench zero: model={cfg.model.model} world={cfg.layout.world} global_batch={cfg.optim.global_batch} "
-              f"microbatches={cfg.layout.microbatches} device={mesh.device.type}")
+        print(f"bench zero: model={cfg.model} world={cfg.world} global_batch={cfg.global_batch} "
+              f"microbatches={cfg.microbatches} device={mesh.device.type}")
         _print_memory(cfg, rows)
         print("\n".join([r.line() for r in results] + lines))
     return results

@@ -2,9 +2,9 @@
 
 import torch
 
-from trainmesh.app.config import Config
 from trainmesh.distributed.testing import run_ranks
-from trainmesh_bench.common import build, fresh_model, init_mesh, trainmesh_step
+from trainmesh.layout import Layout
+from trainmesh_bench.common import Setup, build, fresh_model, init_mesh, trainmesh_step
 from trainmesh_bench.dp import unsynchronised_step
 
 
@@ -12,7 +12,7 @@ def _two_steps_each() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torc
     """On one rank, where nothing is synchronised anyway: the start, trainmesh's DP after two steps, and the
     bound's model after the same two steps."""
     torch.set_num_threads(1)
-    cfg = Config.from_settings(nproc=1, dp=1, model="tiny", global_batch=8, microbatches=2, progress=False)
+    cfg = Setup("tiny", Layout(microbatches=2), global_batch=8)
     bench = build(cfg, init_mesh(cfg))
     start = [p.detach().clone() for p in fresh_model(bench).parameters()]
     model = fresh_model(bench)

@@ -2,19 +2,15 @@
 ``scaled_dot_product_attention``, and the head-tail split of a sequence."""
 
 import functools
-import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmesh.app import config
-from trainmesh.app.config import Config, ConfigError, validate
 from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions, shard_sequence
 from trainmesh.layout import Layout, LayoutError
 from trainmesh.layout import validate as validate_layout
 from trainmesh.models.spec import ModelShape
-from trainmesh.models import spec_of
 
 from trainmesh.distributed.mesh import Mesh, init_distributed
 from trainmesh.distributed.testing import run_ranks
@@ -94,13 +90,6 @@ def test_split_errors_name_the_fix():
     validate_layout(Layout(cp=2, cp_impl="a2a"), shape(96, 2))
 
 
-def test_a_family_without_a_cp_plan_is_refused(monkeypatch):
-    spec = dataclasses.replace(spec_of("tiny"), cp_plan={})
-    monkeypatch.setattr(config, "spec_of", lambda _name: spec)
-    with pytest.raises(ConfigError, match="names no attention core context parallelism can split"):
-        validate(Config.from_settings(nproc=2, cp=2))
-
-
 # --- equivalence to one process (float64, helpers.FP64_ATOL) ---------------------------------------------
 
 _cfg = functools.partial(run_config, cp=2, steps=3, global_batch=4, warmup_steps=1, seq_len=96)
@@ -135,7 +124,7 @@ def test_cp2_ring_and_a2a_match_single_process():
 def test_cp2_with_dp_zero3_tp_sp_and_pp_match_single_process():
     """cp composed with each other form, for both families: gradients reduced and ZeRO-3 sharded over dp x cp,
     the sequence split over cp x tp under SP, the cp shard of activations sent between pipeline stages."""
-    world = {"nproc": 4, "microbatches": 2}
+    world = {"microbatches": 2}
     check_equivalent([_cfg(**world, dp=2, zero=3), _cfg(**world, dp=2, model="llama-tiny", recompute="selective"),
                       _cfg(**world, tp=2, sequence_parallel=True, cp_impl="a2a"),
                       _cfg(**world, tp=2, model="llama-tiny", sequence_parallel=True),
@@ -144,6 +133,6 @@ def test_cp2_with_dp_zero3_tp_sp_and_pp_match_single_process():
 
 @pytest.mark.slow
 def test_cp4_ring_and_a2a_match_single_process():
-    cp4 = {"nproc": 4, "cp": 4}
+    cp4 = {"cp": 4}
     check_equivalent([_cfg(**cp4), _cfg(**cp4, cp_impl="a2a"), _cfg(**cp4, model="llama-tiny")], world_size=4,
                      timeout=400)

@@ -3,15 +3,12 @@
 import pytest
 import torch
 
-from trainmesh.app.config import Config
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, rank_batch, setup_process
-from trainmesh import api
 
-from helpers import check_equivalent, config, differences, train_rank, train_single
+from helpers import Case, build, check_equivalent, config, differences, train_rank, train_single
 
 
-def _cfg(dp: int, microbatches: int, **kw) -> Config:
+def _cfg(dp: int, microbatches: int, **kw) -> Case:
     return config(dp=dp, microbatches=microbatches, **kw)
 
 
@@ -37,14 +34,13 @@ def test_dp_in_fp32_stays_within_the_measured_noise_floor():
     assert param_diff <= 10 * param_floor, f"|dparam| {param_diff:.2e} vs noise floor {param_floor:.2e}"
 
 
-def _one_step_events(cfg: Config):
+def _one_step_events(case: Case):
     torch.set_num_threads(1)
-    run = build(cfg, setup_process(cfg))
+    run = build(case)
     grad_bytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
-    api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+    run.forward_backward(0)
     events = list(run.engine.events)
-    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+    run.engine.step(case.lr, case.grad_clip)
     return events, len(run.engine.buckets), grad_bytes, dict(run.comm.bytes)
 
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainmesh.app.train
+import trainmesh.api
 import trainmesh.parallel.zero.flat
 from trainmesh.distributed.comm import Comm
-from trainmesh.app.config import Config
-
 from trainmesh.distributed.testing import run_ranks
 
-from helpers import FP64_ATOL, check_equivalent, differences, in_fp64, train_rank, train_single
+from helpers import FP64_ATOL, Case, check_equivalent, config, differences, in_fp64, train_rank, train_single
 
 
 def _perturb_contribution(scale: float) -> None:
@@ -65,29 +63,27 @@ MUTATIONS = {
 }
 
 
-def mutated_rank(cfgs: list[Config], mutation: str) -> list:
+def mutated_rank(cases: list[Case], mutation: str) -> list:
     MUTATIONS[mutation]()
-    return train_rank(cfgs)
+    return train_rank(cases)
 
 
 CASES = {
-    "a dp gradient contribution off by 1e-6 relative": Config.from_settings(nproc=2, dp=2),
-    "a ZeRO gradient shard off by one element": Config.from_settings(nproc=2, dp=2, zero=2),
-    "a dropped micro-batch": Config.from_settings(nproc=2, dp=2, microbatches=2),
+    "a dp gradient contribution off by 1e-6 relative": config(dp=2, steps=3, warmup_steps=1),
+    "a ZeRO gradient shard off by one element": config(dp=2, zero=2, steps=3, warmup_steps=1),
+    "a dropped micro-batch": config(dp=2, microbatches=2, steps=3, warmup_steps=1),
 }
 
 
 @pytest.mark.parametrize("mutation", list(CASES))
 def test_the_equivalence_check_rejects_a_planted_bug(mutation):
-    cfg = in_fp64(Config.from_settings(**{**CASES[mutation].settings(), "steps": 3, "global_batch": 8, "progress": False,
-                                          "warmup_steps": 1}))
-    parallel = run_ranks(mutated_rank, 2, [cfg], mutation, timeout=240)[0][0]
-    loss_diff, param_diff = differences(train_single(cfg), parallel)
+    case = in_fp64(CASES[mutation])
+    parallel = run_ranks(mutated_rank, 2, [case], mutation, timeout=240)[0][0]
+    loss_diff, param_diff = differences(train_single(case), parallel)
     assert max(loss_diff, param_diff) > 100 * FP64_ATOL, (
         f"{mutation}: |dloss| {loss_diff:.2e}, |dparam| {param_diff:.2e} would pass the equivalence check")
 
 
 def test_the_same_layouts_unmutated_pass():
     """The control: without the planted bugs the same three layouts are equivalent."""
-    check_equivalent([Config.from_settings(**{**cfg.settings(), "steps": 3, "global_batch": 8, "progress": False,
-                                              "warmup_steps": 1}) for cfg in CASES.values()], world_size=2)
+    check_equivalent(list(CASES.values()), world_size=2)

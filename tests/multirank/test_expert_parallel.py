@@ -5,7 +5,7 @@ Every rank draws every rank's token copies and routing from one seed, so each ca
 outputs, gradients of the copies and gradients of its experts.
 """
 
-import shutil
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,14 +14,10 @@ import torch.distributed as dist
 
 import trainmesh as tm
 
-from helpers import assert_same_training, check_equivalent, in_fp64, train_rank, train_single
-from trainmesh.app.checkpoints import load_hf_weights
-from trainmesh.checkpoint import step_dir
-from trainmesh.app.config import Config, ConfigError, validate
+from helpers import Case, Training, assert_same_training, build, check_equivalent, config, in_fp64, train_single
 from trainmesh.parallel.expert_parallel import AllToAllDispatch
 from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import Mesh, init_distributed
-from trainmesh.app.train import build, setup_process, train
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import spec_of
 
@@ -100,26 +96,6 @@ def test_all_to_all_dispatch_equals_a_single_process_gather(world, n_experts, ro
     assert results[-1]["rows"][1] == 0 if world == 4 else True
 
 
-EP_REFUSALS = {
-    "dense model": (dict(model="tiny"), "--ep 2 splits the experts of a mixture-of-experts model, and tiny is dense"),
-    "experts": (dict(nproc=3, dp=3, ep=3, global_batch=12), "--ep 3 does not divide the 8 experts per layer of moe-tiny; choose ep "
-                                           "in {1, 2, 4, 8}"),
-    "dp x cp": (dict(nproc=4, dp=2, tp=2, ep=4), "--ep 4 does not divide dp*cp = 2"),
-}
-
-
-@pytest.mark.parametrize("case", EP_REFUSALS)
-def test_bad_ep_settings_are_one_line_before_any_rank_starts(case):
-    settings, message = EP_REFUSALS[case]
-    with pytest.raises(ConfigError) as e:
-        validate(_moe(**settings))
-    assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_sequence_parallel_moe_layouts_validate():
-    validate(_moe(nproc=4, tp=2, sequence_parallel=True))
-
-
 def test_a_single_rank_dispatches_nothing():
     x, counts = torch.randn(4, D), torch.tensor([3, 0, 1])
     dispatcher = AllToAllDispatch(None)
@@ -127,10 +103,8 @@ def test_a_single_rank_dispatches_nothing():
     assert y is x and local_counts is counts and dispatcher.combine(y, handle) is y
 
 
-def _moe(**kw) -> Config:
-    base = {"model": "moe-tiny", "nproc": 2, "dp": 2, "ep": 2, "steps": 4, "global_batch": 8, "progress": False,
-            "warmup_steps": 1}
-    return Config.from_settings(**{**base, **kw})
+def _moe(**kw) -> Case:
+    return config(**{"model": "moe-tiny", "dp": 2, "ep": 2, "steps": 4, "warmup_steps": 1, **kw})
 
 
 def test_ep2_and_ep2_with_zero3_equal_one_process():
@@ -145,7 +119,7 @@ def test_ep_folds_over_tp_under_sequence_parallel():
     the tp ranks (here ep2 = the two tp ranks of dp1): each holds half the experts, which receive both
     slices' tokens by all-to-all, and no expert gradient is summed over tp; under ZeRO 1 and 3 too."""
     check_equivalent([_moe(dp=1, tp=2, sequence_parallel=True, microbatches=2),
-                      _moe(dp=1, tp=2, sequence_parallel=True, zero=1, moe_bias_rate=0.01),
+                      _moe(dp=1, tp=2, sequence_parallel=True, zero=1, moe=dict(bias_rate=0.01)),
                       _moe(dp=1, tp=2, sequence_parallel=True, zero=3, model="llama-moe-tiny")], world_size=2)
 
 
@@ -184,24 +158,21 @@ def test_a_mesh_folded_over_tp_is_refused_without_sequence_parallelism():
 
 def test_a_checkpoint_saved_with_ep_folded_over_tp_resumes_on_one_process(tmp_path):
     """The experts of the two tp ranks are different pieces of the full tensors, so both are saved."""
-    kw = dict(tp=2, sequence_parallel=True, moe_bias_rate=0.05)
-    run_ranks(train_rank, 2, [_checkpointed(tmp_path, "saved", dp=1, ep=2, **kw)], timeout=300)
-    shutil.copytree(step_dir(tmp_path / "saved", 2), step_dir(tmp_path / "one", 2))
-    (tmp_path / "one" / "latest").write_text(step_dir(tmp_path, 2).name + "\n")
-    reference = train_single(in_fp64(_moe(moe_bias_rate=0.05)))
-    single = train(_checkpointed(tmp_path, "one", dp=1, ep=1, resume=True, moe_bias_rate=0.05),
-                   mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    assert_same_training((reference[0][2:], reference[1]), (single.losses, single.run.parallel.state_dict()))
+    saved = in_fp64(_moe(dp=1, ep=2, tp=2, sequence_parallel=True, moe=dict(bias_rate=0.05)))
+    run_ranks(_saved_at_step_2, 2, saved, str(tmp_path), timeout=300)
+    reference = train_single(in_fp64(_moe(moe=dict(bias_rate=0.05))))
+    single = _resumed(_on_one_process(saved), str(tmp_path), Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert_same_training((reference[0][2:], reference[1]), single)
 
 
-FOUR = {"nproc": 4, "dp": 4}
+FOUR = {"dp": 4}
 COMPOSED = {
     "ep4 and dp4 x ep2 with ZeRO 0-2": [_moe(**FOUR, ep=4), _moe(**FOUR), _moe(**FOUR, zero=1),
                                          _moe(**FOUR, zero=2, model="llama-moe-tiny")],
-    "ep2 x tp2": [_moe(nproc=4, tp=2), _moe(nproc=4, tp=2, model="llama-moe-tiny", recompute="full")],
-    "ep2 x tp2 sp": [_moe(nproc=4, tp=2, sequence_parallel=True, model="llama-moe-tiny"),
-                     _moe(nproc=4, tp=2, sequence_parallel=True, ep=4, zero=2, microbatches=2)],
-    "ep2 x pp2": [_moe(nproc=4, pp=2, microbatches=2), _moe(nproc=4, pp=2, microbatches=2, zero=1,
+    "ep2 x tp2": [_moe(tp=2), _moe(tp=2, model="llama-moe-tiny", recompute="full")],
+    "ep2 x tp2 sp": [_moe(tp=2, sequence_parallel=True, model="llama-moe-tiny"),
+                     _moe(tp=2, sequence_parallel=True, ep=4, zero=2, microbatches=2)],
+    "ep2 x pp2": [_moe(pp=2, microbatches=2), _moe(pp=2, microbatches=2, zero=1,
                                                             model="llama-moe-tiny")],
 }
 
@@ -215,9 +186,24 @@ def test_ep_layouts_on_four_ranks_equal_one_process(layouts):
     check_equivalent(COMPOSED[layouts], world_size=4, timeout=600)
 
 
-def _checkpointed(root: Path, name: str, **kw) -> Config:
-    cfg = _moe(**{"precision": "fp64", "checkpoint_every": 2, "checkpoint_dir": str(root / name), **kw})
-    return cfg.replace(nproc=cfg.layout.world)
+def _saved_at_step_2(case: Case, directory: str) -> None:
+    """Runs on every rank: the first two of ``case``'s steps, saved to ``directory`` (tm.save)."""
+    torch.set_num_threads(1)
+    run = build(case)
+    run.train(stop=2)
+    tm.save(run.parallel, run.opt, directory, 2)
+
+
+def _resumed(case: Case, directory: str, mesh: Mesh | None = None) -> Training:
+    """Runs on every rank: ``case`` resumed from the checkpoint in ``directory`` (tm.load) to its last step."""
+    torch.set_num_threads(1)
+    run = build(case, mesh)
+    run.train(start=tm.load(run.parallel, run.opt, directory))
+    return run.losses, run.parallel.state_dict()
+
+
+def _on_one_process(case: Case) -> Case:
+    return dataclasses.replace(case, dp=1, ep=1, tp=1, sequence_parallel=False)
 
 
 def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...], **kw) -> None:
@@ -225,57 +211,20 @@ def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...],
     (dp=ep) and on one process: the experts' pieces are placed in the full tensors, so every layout reads
     its own slices, and finishes as a single process trained straight through does (the routing biases,
     with ``moe_bias_rate``, among the final state compared)."""
-    run_ranks(train_rank, saved_ep, [_checkpointed(root, "saved", dp=saved_ep, ep=saved_ep, **kw)], timeout=300)
-    for ep in (*resumed_eps, 1):
-        shutil.copytree(step_dir(root / "saved", 2), step_dir(root / f"ep{ep}", 2))
-        (root / f"ep{ep}" / "latest").write_text(step_dir(root, 2).name + "\n")
-    reference = train_single(in_fp64(_moe(**kw)))
+    saved = in_fp64(_moe(dp=saved_ep, ep=saved_ep, **kw))
+    run_ranks(_saved_at_step_2, saved_ep, saved, str(root), timeout=300)
+    reference = train_single(saved)
     for ep in resumed_eps:
-        resumed = run_ranks(train_rank, ep, [_checkpointed(root, f"ep{ep}", dp=ep, ep=ep, resume=True, **kw)],
-                            timeout=300)
-        losses, params = resumed[0][0]
-        assert_same_training((reference[0][2:], reference[1]), (losses, params))
-    single = train(_checkpointed(root, "ep1", dp=1, ep=1, resume=True, **kw),
-                   mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
-    assert_same_training((reference[0][2:], reference[1]), (single.losses, single.run.parallel.state_dict()))
+        resumed = run_ranks(_resumed, ep, saved.replace(dp=ep, ep=ep), str(root), timeout=300)
+        assert_same_training((reference[0][2:], reference[1]), resumed[0])
+    single = _resumed(_on_one_process(saved), str(root), Mesh.build(1, 1, 1, torch.device("cpu")))
+    assert_same_training((reference[0][2:], reference[1]), single)
 
 
 def test_a_checkpoint_saved_at_ep2_resumes_on_one_process_with_its_routing_bias(tmp_path):
-    _resumes_everywhere(tmp_path, 2, (), moe_bias_rate=0.05)
+    _resumes_everywhere(tmp_path, 2, (), moe=dict(bias_rate=0.05))
 
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_at_ep4_resumes_at_ep2_and_on_one_process(tmp_path):
-    _resumes_everywhere(tmp_path, 4, (2,), moe_bias_rate=0.05)
-
-
-def _mixtral_config(directory: Path, **layout) -> Config:
-    return Config.from_settings(model="llama-moe-tiny", init_hf=str(directory), precision="fp64", progress=False, **layout)
-
-
-def _mixtral_logits_rank(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
-    torch.set_num_threads(1)
-    cfg = _mixtral_config(directory, nproc=2, dp=2, ep=2)
-    run = build(cfg, setup_process(cfg))
-    load_hf_weights(run, directory)
-    with torch.no_grad():
-        return run.model(tokens)
-
-
-def test_a_hugging_face_mixtral_gives_the_same_logits_at_ep2_as_on_one_process(tmp_path):
-    """A MixtralForCausalLM (saved by transformers, experts one by one) loaded at ep2, each rank holding two
-    of its four experts: the logits of every rank are those of the same checkpoint on one process, which
-    the Mixtral import test holds to transformers' own logits."""
-    transformers = pytest.importorskip("transformers")
-    hf_cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2, max_position_embeddings=32, initializer_range=0.2)
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(hf_cfg).double().save_pretrained(tmp_path)
-    tokens = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(1))
-    run = build(_mixtral_config(tmp_path), Mesh.build(1, 1, 1, torch.device("cpu")))
-    load_hf_weights(run, tmp_path)
-    with torch.no_grad():
-        reference = run.model(tokens)
-    for logits in run_ranks(_mixtral_logits_rank, 2, tmp_path, tokens, timeout=120):
-        assert (logits - reference).abs().max() < 1e-12
+    _resumes_everywhere(tmp_path, 4, (2,), moe=dict(bias_rate=0.05))

@@ -6,13 +6,12 @@ another. The smallest layouts run by default, the rest in the slow set."""
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 
 import trainmesh as tm
-from trainmesh.app import checkpoints
-from trainmesh.app.train import build, train
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.models.cache import KVCache, causal_attention
@@ -20,7 +19,8 @@ from trainmesh.models.llama import Llama
 from trainmesh.parallel.context_parallel import blockwise_attention, chunk_starts, local_positions
 from trainmesh.distributed.testing import run_ranks
 
-from helpers import EQUIVALENCE_TABLE, FP64_ATOL, assert_same_training, check_equivalent, in_fp64
+from helpers import (EQUIVALENCE_TABLE, FP64_ATOL, Case, assert_same_training, build, check_equivalent, in_fp64, train,
+                     train_and_save)
 from helpers import config as run_config
 
 _cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1)
@@ -195,26 +195,20 @@ def test_families_at_tp2_cp2_and_dp2_pp2_match_single_process():
                      + [_cfg(model="qwen2-tiny", dp=2, pp=2, microbatches=2)], world_size=4, timeout=600)
 
 
-def _train_full_params(cfg) -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
-    return train(cfg).run.parallel.state_dict()
-
-
-def _resumes_in_one_process_exactly(cfg) -> None:
-    """Two steps of ``cfg`` saved by its two ranks, read back by one process: every tensor equal."""
-    trained = run_ranks(_train_full_params, 2, cfg, timeout=120)[0]
-    single = cfg.replace(nproc=1, dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1,
-                         resume=True, steps=3)
+def _resumes_in_one_process_exactly(cfg: Case, directory: Path) -> None:
+    """Two steps of ``cfg`` saved by its two ranks in ``directory``, read back by one process: every tensor equal."""
+    trained = run_ranks(train_and_save, 2, cfg, str(directory), timeout=120)[0]
+    single = cfg.replace(dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
-    assert checkpoints.restore(run).step == 2
+    assert tm.load(run.parallel, run.opt, directory) == 2
     loaded = run.parallel.state_dict()
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], t) for k, t in trained.items())
 
 
 def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
     """Saved by two cp ranks (the window kept by the ring)."""
-    cfg = _cfg(model="mistral-tiny", cp=2, precision="fp64")
-    _resumes_in_one_process_exactly(cfg.replace(steps=2, checkpoint_dir=str(tmp_path)))
+    _resumes_in_one_process_exactly(_cfg(model="mistral-tiny", cp=2, precision="fp64").replace(steps=2),
+                                    tmp_path)
 
 
 @pytest.mark.slow
@@ -223,12 +217,11 @@ def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_pa
                                          ("qwen3-moe-tiny", dict(dp=2, ep=2))])
 def test_each_familys_checkpoint_saved_at_two_ranks_resumes_in_one_process_exactly(tmp_path, name, layout):
     """Saved across two ranks of tp (Qwen2's q/k/v biases split), pp (Qwen3) or ep (Qwen3-MoE's experts)."""
-    cfg = _cfg(model=name, precision="fp64", **layout)
-    _resumes_in_one_process_exactly(cfg.replace(steps=2, checkpoint_dir=str(tmp_path)))
+    _resumes_in_one_process_exactly(_cfg(model=name, precision="fp64", **layout).replace(steps=2),
+                                    tmp_path)
 
 
 @pytest.mark.slow
 def test_a_deepseek_v3_checkpoint_saved_at_pp2_resumes_in_one_process_exactly(tmp_path):
     """Saved by two pipeline stages, the first without experts, the second with their routing bias."""
-    cfg = _cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64")
-    _resumes_in_one_process_exactly(cfg.replace(steps=2, checkpoint_dir=str(tmp_path)))
+    _resumes_in_one_process_exactly(_cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64").replace(steps=2), tmp_path)

@@ -2,16 +2,19 @@
 gradient shards are all-reduced across the groups. It trains like one process (float64), composes with tp
 and pp, and its checkpoints are the same global tensors, so they reload under plain ZeRO-3 and back."""
 
+import dataclasses
 import functools
 
 import pytest
+import torch
 
-from trainmesh.app.train import train
+import trainmesh as tm
 from trainmesh.checkpoint import read_tensors
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.layout import Layout, LayoutError, flag, validate
 from trainmesh.distributed.testing import run_ranks
 
-from helpers import FP64_ATOL, check_equivalent, config, in_fp64, train_rank
+from helpers import FP64_ATOL, Case, Training, build, check_equivalent, config, in_fp64, train
 
 _hsdp = functools.partial(config, dp_replicate=2, steps=2, microbatches=2)
 
@@ -42,6 +45,17 @@ def test_hsdp_refusals_name_the_flag_and_the_fix():
             validate(layout, spell=flag)
 
 
+def _resumed(cases: list[Case], root: str) -> list[Training]:
+    """Each case resumed from the checkpoint in ``root`` (but the first), trained to its last step and saved."""
+    out = []
+    for k, case in enumerate(cases):
+        run = build(case)
+        run.train(start=tm.load(run.parallel, run.opt, root) if k else 0)
+        tm.save(run.parallel, run.opt, root, case.steps)
+        out.append((run.losses, run.parallel.state_dict()))
+    return out
+
+
 @pytest.mark.slow  # 10 s; the 2x1 equivalence and the two-node bed test keep HSDP in the default set
 def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     """HSDP 2x2 trains 2 steps and saves; plain ZeRO-3 over the same 4 ranks resumes from it, trains 2 more and
@@ -50,15 +64,14 @@ def test_checkpoint_round_trip_hsdp_zero3_hsdp(tmp_path):
     root = str(tmp_path / "ckpt")
     steps = {"dp_replicate": 2}, {"dp_replicate": 1}, {"dp_replicate": 2}
     constant_lr = {"warmup_steps": 0, "min_lr": 3e-3, "lr": 3e-3}  # runs of 2, 4, 6 steps share one schedule
-    runs = [in_fp64(config(dp=4, zero=3, steps=2 * (k + 1), checkpoint_dir=root, resume=k > 0, **kw, **constant_lr))
-            for k, kw in enumerate(steps)]
-    results = run_ranks(train_rank, 4, runs, timeout=400)[0]
-    single = train(runs[-1].replace(dp=1, dp_replicate=1, zero=0, nproc=1, checkpoint_dir="",
-                                    resume=False))
+    runs = [in_fp64(config(dp=4, zero=3, steps=2 * (k + 1), **kw, **constant_lr)) for k, kw in enumerate(steps)]
+    results = run_ranks(_resumed, 4, runs, root, timeout=400)[0]
+    single = train(dataclasses.replace(runs[-1], dp=1, dp_replicate=1, zero=0),
+                   Mesh.build(1, 1, 1, torch.device("cpu")))
     losses = [loss for run_losses, _ in results for loss in run_losses]
     assert len(losses) == 6
     assert max(abs(a - b) for a, b in zip(losses, single.losses)) <= FP64_ATOL
-    reference = single.run.parallel.state_dict()
+    reference = single.parallel.state_dict()
     saved = read_tensors(tmp_path / "ckpt" / "step-00000006", "model/")
     for name, value in reference.items():
         assert (results[-1][1][name] - value).abs().max().item() <= FP64_ATOL, name

@@ -20,13 +20,13 @@ from trainmesh_bench.plan import MATRIX, STEPS_PER_VISIT, Comparison, format_tab
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory: pytest.TempPathFactory) -> list[Comparison]:
-    return run_matrix("tiny", 2, str(tmp_path_factory.mktemp("plan-world2")), timeout=240, timed_rounds=1)
+def world2() -> list[Comparison]:
+    return run_matrix("tiny", 2, timeout=240, timed_rounds=1)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory: pytest.TempPathFactory) -> list[Comparison]:
-    return run_matrix("tiny", 4, str(tmp_path_factory.mktemp("plan-world4")), timeout=400, timed_rounds=0)
+def world4() -> list[Comparison]:
+    return run_matrix("tiny", 4, timeout=400, timed_rounds=0)
 
 
 def _check(rows: list[Comparison], name: str) -> None:

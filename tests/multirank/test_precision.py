@@ -2,18 +2,14 @@
 rank and backs the scale off, recomputation changes memory but not the losses."""
 
 import functools
-import os
 
 import pytest
 import torch
 
-from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, inject_fault, rank_batch, setup_process, train
-from trainmesh import api
 
-from helpers import config
+from helpers import Built, Case, activation_bytes, build, config, nan_gradients, train
 
 
 # bf16 has an 8-bit mantissa: per-step losses of the tiny preset drift from fp32 by up to a few 1e-2, and
@@ -30,7 +26,7 @@ TRACKING_WINDOW = 5
 _cfg = functools.partial(config, steps=50, warmup_steps=5)
 
 
-def _single(cfg: Config):
+def _single(cfg: Case) -> Built:
     return train(cfg, mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
 
 
@@ -38,7 +34,7 @@ def _single(cfg: Config):
 def fp32_run() -> tuple[list[float], float]:
     """The single-process fp32 curve and final evaluation loss every bf16 run is held to."""
     result = _single(_cfg())
-    return result.losses, result.val_loss
+    return result.losses, result.evaluate()
 
 
 def _running_mean(xs: list[float], window: int) -> list[float]:
@@ -59,9 +55,9 @@ def _assert_tracks(fp32_run: tuple[list[float], float], bf16_run: tuple[list[flo
     assert bf16[-1] < bf16[0] - 1.5, f"{what}: loss {bf16[0]} -> {bf16[-1]}"
 
 
-def _losses_and_val(cfgs: list[Config]) -> list[tuple[list[float], float]]:
+def _losses_and_val(cfgs: list[Case]) -> list[tuple[list[float], float]]:
     torch.set_num_threads(1)
-    return [(result.losses, result.val_loss) for result in map(train, cfgs)]
+    return [(result.losses, result.evaluate()) for result in map(train, cfgs)]
 
 
 def test_bf16_data_parallel_and_zero_track_fp32(fp32_run):
@@ -69,23 +65,22 @@ def test_bf16_data_parallel_and_zero_track_fp32(fp32_run):
     (ZeRO's bf16 curve equals DP's bit for bit with clipping off; with clipping its global norm is summed
     over shards and may differ from DP's in the last bit, which the window absorbs.)"""
     stages = (0, 1, 3)
-    runs = run_ranks(_losses_and_val, 2, [_cfg(nproc=2, dp=2, zero=z, precision="bf16") for z in stages],
+    runs = run_ranks(_losses_and_val, 2, [_cfg(dp=2, zero=z, precision="bf16") for z in stages],
                      timeout=300)
     for stage, bf16_run in zip(stages, runs[0]):
         _assert_tracks(fp32_run, bf16_run, f"ZeRO-{stage}" if stage else "DP")
 
 
-def _fp16_overflow_rank(cfg: Config, fault: str):
+def _fp16_overflow_rank(cfg: Case, nan_at: tuple[int, int]):
+    """The trace of every step, with the gradients of rank ``nan_at[0]`` NaN at step ``nan_at[1]``."""
     torch.set_num_threads(1)
-    os.environ["TRAINMESH_FAULT"] = fault
-    run = build(cfg, setup_process(cfg))
+    run = build(cfg)
     rank = torch.distributed.get_rank()
     trace = []
     for step in range(cfg.optim.steps):
-        undo = inject_fault(run, step, rank)
+        undo = nan_gradients(run) if (rank, step) == nan_at else lambda: None
         before = [p.detach().clone() for p in run.model.parameters()]
-        api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, step, cfg.optim.global_batch), run.criterion)
+        run.forward_backward(step)
         scale = run.engine.loss_scale
         norm = run.engine.step(1e-3, 1.0)
         undo()
@@ -95,8 +90,8 @@ def _fp16_overflow_rank(cfg: Config, fault: str):
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank_and_lowers_the_scale():
-    cfg = _cfg(nproc=2, dp=2, steps=5, precision="fp16")
-    results = run_ranks(_fp16_overflow_rank, 2, cfg, "nan@1:2", timeout=240)
+    cfg = _cfg(dp=2, steps=5, precision="fp16")
+    results = run_ranks(_fp16_overflow_rank, 2, cfg, (1, 2), timeout=240)
     for rank, (trace, skipped) in enumerate(results):
         assert skipped == 1, f"rank {rank} skipped {skipped} steps"
         scale_before, scale_after, norm, unchanged = trace[2]
@@ -113,9 +108,10 @@ def test_recompute_keeps_losses_and_saves_activation_memory(mode):
     recomputed = _single(_cfg(steps=5, recompute=mode))
     for a, b in zip(base.losses, recomputed.losses):
         assert abs(a - b) <= 1e-6
-    assert recomputed.summary["activation_bytes"][0] < base.summary["activation_bytes"][0]
+    base_bytes, recomputed_bytes = activation_bytes(base), activation_bytes(recomputed)
+    assert recomputed_bytes < base_bytes
     if mode == "full":
-        assert recomputed.summary["activation_bytes"][0] < 0.5 * base.summary["activation_bytes"][0]
+        assert recomputed_bytes < 0.5 * base_bytes
 
 
 @pytest.mark.slow
@@ -127,7 +123,7 @@ def test_fp8_under_data_parallel_zero_and_pipelines_and_bf16_under_zero_bubble_t
     layouts = [dict(dp=2, precision="fp8"), dict(dp=2, zero=1, precision="fp8"), dict(dp=2, zero=3, precision="fp8"),
                dict(pp=2, microbatches=2, precision="fp8"),
                dict(pp=2, microbatches=2, schedule="zb", precision="bf16")]
-    runs = run_ranks(_losses_and_val, 2, [_cfg(nproc=2, **layout) for layout in layouts], timeout=600)
+    runs = run_ranks(_losses_and_val, 2, [_cfg(**layout) for layout in layouts], timeout=600)
     for layout, run in zip(layouts, runs[0]):
         if layout.get("pp", 1) == 1:
             _assert_tracks(fp32_run, run, str(layout))

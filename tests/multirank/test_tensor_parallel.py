@@ -9,23 +9,22 @@ import torch
 from torch import nn
 
 from trainmesh.parallel.tensor_parallel import apply_tensor_parallel
-from trainmesh.app.config import Config, ConfigError, validate
+import trainmesh as tm
 from trainmesh.distributed.mesh import Mesh
+from trainmesh.layout import Layout, LayoutError, flag, validate
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import GPT_PLAN
 from trainmesh.models.gpt import GPT, PRESETS, ModelConfig, cross_entropy
 from trainmesh.training.optim import is_tp_sharded
 from trainmesh.parallel.tensor_parallel import ShardSpec, load_full_state_dict, shard_tensor, unsharded_state_dict
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, rank_batch, setup_process
-from trainmesh import api
 
-from helpers import check_equivalent, config
+from helpers import Case, build, check_equivalent, config
 
 TINY = PRESETS["tiny"]
 
 
-def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1, zero: int = 0) -> Config:
+def _cfg(tp: int, dp: int = 1, sp: bool = False, microbatches: int = 1, zero: int = 0) -> Case:
     return config(dp=dp, tp=tp, sequence_parallel=sp, zero=zero, microbatches=microbatches)
 
 
@@ -103,21 +102,20 @@ def expected_tp_bytes(m: ModelConfig, micro_batch: int, tp: int, sp: bool) -> di
             "sequence_grads": 2 * ring * 4 * (6 * m.n_layers + 2) * m.d_model}
 
 
-def _one_step(cfgs: list[Config]) -> list[tuple[dict[str, float], list[torch.Size], int]]:
+def _one_step(cfgs: list[Case]) -> list[tuple[dict[str, float], list[torch.Size], int]]:
     return [_step_counts(cfg) for cfg in cfgs]
 
 
-def _step_counts(cfg: Config) -> tuple[dict[str, float], list[torch.Size], int]:
+def _step_counts(cfg: Case) -> tuple[dict[str, float], list[torch.Size], int]:
     """tp bytes by op over one training step, the input shape of every LayerNorm, the saved activations."""
     torch.set_num_threads(1)
-    run = build(cfg, setup_process(cfg))
+    run = build(cfg)
     shapes = []
     for module in run.model.modules():
         if isinstance(module, nn.LayerNorm):
             module.register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
     saved = SavedActivations(run.model.parameters())
-    api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion, saved)
+    run.forward_backward(0, saved)
     run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
     return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes, saved.bytes
 
@@ -153,7 +151,7 @@ def _mlp() -> nn.Module:
 
 def _user_model_step() -> tuple[float, float]:
     """Forward, backward and an SGD step of a plain MLP, split by a two-line plan vs. the same MLP whole."""
-    mesh = setup_process(Config.from_settings(nproc=2, tp=2))
+    mesh = tm.init_mesh(tp=2, device="cpu")
     ref, model = _mlp(), _mlp()
     assert apply_tensor_parallel(model, mesh, {"0": "colwise", "2": "rowwise"}) is None
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
@@ -180,7 +178,7 @@ def _load_full_weights() -> list[tuple[bool, float]]:
 
 def _load_and_compare(sp: bool) -> tuple[bool, float]:
     """Full weights of another seed loaded into a sharded GPT: gathered back bit for bit, same loss."""
-    mesh = setup_process(Config.from_settings(nproc=2, tp=2, sequence_parallel=sp))
+    mesh = tm.init_mesh(tp=2, device="cpu", sequence_parallel=sp)
     model, source = GPT(TINY, seed=0), GPT(TINY, seed=1)
     criterion = apply_tensor_parallel(model, mesh, GPT_PLAN, sp)
     load_full_state_dict(model, source.state_dict())
@@ -216,13 +214,13 @@ def test_plan_errors_say_what_to_fix():
     assert isinstance(model[0], nn.Linear), "tp=1 leaves the model as it is"
 
 
-def test_config_rejects_sequence_parallel_that_cannot_split(monkeypatch):
-    validate(Config.from_settings(nproc=4, tp=4, sequence_parallel=True))
-    with pytest.raises(ConfigError, match="set --tp > 1 or drop --sequence-parallel"):
-        validate(Config.from_settings(sequence_parallel=True))
-    monkeypatch.setitem(PRESETS, "odd-seq", ModelConfig(2, 64, 4, 256, 256, seq_len=30))
-    with pytest.raises(ConfigError, match="splits the 30 tokens of each sequence over --tp 4, which does not divide"):
-        validate(Config.from_settings(model="odd-seq", nproc=4, tp=4, sequence_parallel=True))
+def test_layout_rejects_sequence_parallel_that_cannot_split():
+    validate(Layout(tp=4, sequence_parallel=True), TINY.shape(), 4, spell=flag)
+    with pytest.raises(LayoutError, match="set --tp > 1 or drop --sequence-parallel"):
+        validate(Layout(sequence_parallel=True), TINY.shape(), 1, spell=flag)
+    odd = ModelConfig(2, 64, 4, 256, 256, seq_len=30).shape()
+    with pytest.raises(LayoutError, match="splits the 30 tokens of each sequence over --tp 4, which does not divide"):
+        validate(Layout(tp=4, sequence_parallel=True), odd, 4, spell=flag)
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])

@@ -2,32 +2,27 @@
 formulas say, in fp32 and in mixed precision; fp16 overflow skips the step on every rank; stage 3 gathers
 each unit once per pass, prefetches the next and frees what it is done with."""
 
-import json
 import math
-import os
 
 import pytest
 import torch
 from torch import nn
 
 import trainmesh as tm
-
-from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.models.gpt import GPT, PRESETS
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.app.train import build, inject_fault, rank_batch, setup_process, train
-from trainmesh import api
+from trainmesh.tracking.metrics import SavedActivations, per_rank_stats
 from trainmesh.parallel.zero import (FlatLayout, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
 
-from helpers import check_equivalent, config
+from helpers import Case, build, check_equivalent, config, mesh_of, nan_gradients, train
 
 TINY = PRESETS["tiny"]
 PSI = TINY.n_params()
 
 
-def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Config:
+def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Case:
     return config(**{"dp": dp, "zero": zero, "microbatches": microbatches, "steps": 8,
                      "global_batch": 12 if dp == 3 else 8, **kw})
 
@@ -35,7 +30,7 @@ def _cfg(dp: int, zero: int, microbatches: int = 1, **kw) -> Config:
 # --- equivalence: per-step losses and final full parameters match one process --------------------------
 
 
-def _stage_cfgs(dp: int) -> list[Config]:
+def _stage_cfgs(dp: int) -> list[Case]:
     """Every stage with gradient accumulation, stages 1-2 over several buckets."""
     return [_cfg(dp, 1, 2, bucket_mb=0.1), _cfg(dp, 2, 2, bucket_mb=0.1), _cfg(dp, 3, 2)]
 
@@ -74,8 +69,7 @@ def test_compiled_zero3_compiles_each_block_once_and_computes_what_eager_does():
         out = []
         for step in range(3):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
-                micro = rank_batch(run, run.data.train, step, cfg.optim.global_batch)
-                out.append(api.forward_backward(run.model, run.engine, run.pipeline, micro, run.criterion).item())
+                out.append(run.forward_backward(step).item())
             run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
         return out
 
@@ -105,8 +99,7 @@ def test_mixed_precision_zero_in_one_process_trains_like_plain_dp(stage, precisi
 def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard():
     cfg = _cfg(1, 3, precision="bf16", reduce_dtype="bf16")
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
-    api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+    run.forward_backward(0)
     run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
     groups = run.engine.groups
     assert all(g.shard.dtype == g.flat.dtype == torch.bfloat16 for g in groups)
@@ -125,29 +118,26 @@ def test_non_finite_gradient_skips_the_update(stage):
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     before = run.parallel.state_dict()
     poison = next(run.model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
-    api.forward_backward(run.model, run.engine, run.pipeline,
-                         rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+    run.forward_backward(0)
     poison.remove()
     assert math.isnan(run.engine.step(cfg.optim.lr, cfg.optim.grad_clip))
     after = run.parallel.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _nan_step_traces(cfgs: list[Config]) -> list[tuple[list[tuple[float, float, bool]], int]]:
+def _nan_step_traces(cfgs: list[Case]) -> list[tuple[list[tuple[float, float, bool]], int]]:
     """Per config: (loss scale before, after, full parameters unchanged) of every step, with rank 1's
-    gradients NaN at step 2 (``TRAINMESH_FAULT=nan@1:2``), and the steps the scaler skipped."""
+    gradients NaN at step 2, and the steps the scaler skipped."""
     torch.set_num_threads(1)
-    os.environ["TRAINMESH_FAULT"] = "nan@1:2"
-    mesh = setup_process(cfgs[0])
+    mesh = mesh_of(cfgs[0])
     out = []
     for cfg in cfgs:
         run = build(cfg, mesh)
         trace = []
         for step in range(cfg.optim.steps):
-            undo = inject_fault(run, step, torch.distributed.get_rank())
+            undo = nan_gradients(run) if (step, torch.distributed.get_rank()) == (2, 1) else lambda: None
             before = run.parallel.state_dict()
-            api.forward_backward(run.model, run.engine, run.pipeline,
-                                 rank_batch(run, run.data.train, step, cfg.optim.global_batch), run.criterion)
+            run.forward_backward(step)
             scale = run.engine.loss_scale
             run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
             undo()
@@ -169,32 +159,39 @@ def test_fp16_nan_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(
         assert before == 2.0**16 and after == before / 2, f"stage {stage}: scale {before} -> {after}"
 
 
-# --- memory and communication from metrics.jsonl ------------------------------------------------------
+# --- memory and communication of a run's last step ----------------------------------------------------
 
 
-def _train_all(cfgs: list[Config]) -> None:
+def _last_step(case: Case) -> dict:
+    """What a run records of its last step: the loss, the gradient norm, the bytes each op moved in it and
+    every rank's model state and saved activation bytes (of the first step's first micro-batch)."""
+    run = build(case)
+    saved = SavedActivations(run.model.parameters())
+    for step in range(case.steps):
+        before = run.comm.snapshot()
+        loss = tm.train_step(run.parallel, run.opt, run.batch(step), max_norm=case.grad_clip,
+                             saved=saved if step == 0 else None)
+    moved = {op: n - before.get(op, 0) for op, n in run.comm.snapshot().items() if n - before.get(op, 0)}
+    return {"loss": loss, "grad_norm": run.opt.grad_norm, "comm_bytes_by_op": moved,
+            **per_rank_stats(run.engine.state_tensors(), run.mesh.device, saved.bytes)}
+
+
+def _last_steps(cases: list[Case]) -> list[dict]:
     torch.set_num_threads(1)
-    for cfg in cfgs:
-        train(cfg)
-
-
-def _last_record(out: str) -> dict:
-    return json.loads(open(f"{out}/metrics.jsonl").read().splitlines()[-1])
+    return [_last_step(case) for case in cases]
 
 
 MIXED = ("bf16", "fp32")  # bf16 parameters with the reduce dtype fp32 (default) or bf16 (the paper's)
 
 
 @pytest.fixture(scope="module")
-def dp2_records(tmp_path_factory):
+def dp2_records():
     """Last-step metrics of stages 0-3 at N = 2 (and stage 2 with two micro-batches), and of stages 0-3
     in bf16 with either reduce dtype (``bf16-<reduce dtype>-<stage>``), one run."""
-    root = tmp_path_factory.mktemp("zero_metrics")
     cases = {"0": (0, 1, {}), "1": (1, 1, {}), "2": (2, 1, {}), "3": (3, 1, {}), "2x2": (2, 2, {})}
     cases |= {f"bf16-{rd}-{z}": (z, 1, {"precision": "bf16", "reduce_dtype": rd}) for rd in MIXED for z in range(4)}
-    cfgs = [_cfg(2, z, m, steps=3, out=str(root / name), **kw) for name, (z, m, kw) in cases.items()]
-    run_ranks(_train_all, 2, cfgs, timeout=300)
-    return {name: _last_record(str(root / name)) for name in cases}
+    records = run_ranks(_last_steps, 2, [_cfg(2, z, m, steps=3, **kw) for z, m, kw in cases.values()], timeout=300)
+    return dict(zip(cases, records[0]))
 
 
 def _slack(n: int, n_groups: int, bytes_per_element: int = 16) -> int:
@@ -263,16 +260,15 @@ def test_step_traffic_per_op(dp2_records):
 # --- stage 3 and stage 2 schedules: events of one step -----------------------------------------------
 
 
-def _one_step_events(cfgs: list[Config]) -> dict[int, tuple]:
+def _one_step_events(cfgs: list[Case]) -> dict[int, tuple]:
     """Per config: engine events of one forward/backward, what is still held after it, and the exported
     full state dict after the step."""
     torch.set_num_threads(1)
-    mesh = setup_process(cfgs[0])
+    mesh = mesh_of(cfgs[0])
     out = {}
     for cfg in cfgs:
         run = build(cfg, mesh)
-        api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+        run.forward_backward(0)
         events = list(run.engine.events)
         units = [u.name for u in getattr(run.engine, "units", [])]
         still_gathered = [u.name for u in getattr(run.engine, "units", []) if u.gathered]
@@ -318,16 +314,15 @@ def test_zero2_reduce_scatters_buckets_during_backward(one_step):
     assert full_grads_held == [], "a full gradient bucket outlived its reduce-scatter"
 
 
-def _in_step_peaks(cfgs: list[Config]) -> list[int]:
+def _in_step_peaks(cfgs: list[Case]) -> list[int]:
     """The most model state each config's engine held at any point of one training step."""
     torch.set_num_threads(1)
-    mesh = setup_process(cfgs[0])
+    mesh = mesh_of(cfgs[0])
     peaks = []
     for cfg in cfgs:
         run = build(cfg, mesh)
         run.engine.peak_state_bytes = 0
-        api.forward_backward(run.model, run.engine, run.pipeline,
-                             rank_batch(run, run.data.train, 0, cfg.optim.global_batch), run.criterion)
+        run.forward_backward(0)
         run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
         peaks.append(run.engine.peak_state_bytes)
     return peaks

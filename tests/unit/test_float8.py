@@ -17,7 +17,11 @@ from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.training.state_bytes import precision_bytes
 
-from helpers import config
+
+def config(**settings) -> Config:
+    """A run of ``trainmesh train`` (ten steps of eight sequences, no progress line) under ``settings``."""
+    return Config.from_settings(**{"steps": 10, "global_batch": 8, "warmup_steps": 2, "progress": False, **settings})
+
 
 torchao = pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

@@ -648,14 +648,17 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from trainmesh.distributed.launcher import launch
 
         return launch(argv, cfg.launch.nproc)
-    from trainmesh_bench.common import write_results
+    from trainmesh_bench.common import Setup, write_results
     from trainmesh_bench.dp import bench_dp
     from trainmesh_bench.pp import bench_pp
     from trainmesh_bench.tp import bench_tp
     from trainmesh_bench.zero import bench_zero
 
     bench_form = {"dp": bench_dp, "zero": bench_zero, "pp": bench_pp, "tp": bench_tp}[args.form]
-    write_results(bench_form(cfg, pairs=args.pairs), args.results)
+    setup = Setup(cfg.model.model, cfg.layout, cfg.optim.global_batch, cfg.model_config, cfg.model.seed, cfg.data.data, cfg.data.tokenizer,
+                  cfg.optim.steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay,
+                  cfg.optim.grad_clip, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout)
+    write_results(bench_form(setup, pairs=args.pairs), args.results)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The :class:`Run`: what the training loop, checkpoints and benchmarks share of one built training run.
+"""The :class:`Run`: what the training loop and checkpoints share of one built training run.
 
 It sits below ``train`` and ``checkpoint`` so that both can name it without importing each other.
 """

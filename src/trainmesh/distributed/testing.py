@@ -47,7 +47,7 @@ def _context() -> mp.context.BaseContext:
     """Ranks fork from a server process that imported torch and trainmesh once (a second of CPU per spawned rank
     otherwise); it never computes, so forking it is safe."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "trainmesh.app.train"])
+    ctx.set_forkserver_preload(["torch", "trainmesh.api", "trainmesh.data"])
     return ctx
 
 
