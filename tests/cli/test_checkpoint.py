@@ -30,7 +30,8 @@ from trainmesh.parallel.tensor_parallel import ShardSpec, shard_tensor, spec_box
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.app.train import build, setup_process, train
 
-from helpers import EQUIVALENCE_TABLE, FP64_ATOL, config
+from helpers import EQUIVALENCE_TABLE, FP64_ATOL
+from runs import config
 
 SAVE_AT = 5
 WORLD = 4

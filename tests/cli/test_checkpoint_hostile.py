@@ -41,7 +41,7 @@ SHARD, MANIFEST = "rank-00000.safetensors", "manifest.json"
 OTHER_RUN = "0123456789abcdef0123456789abcdef"
 
 from fuzz import CaseTimeout, deadline, json_nodes
-from helpers import config
+from runs import config
 
 
 def _cfg(root: Path, **kw) -> Config:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 import test_hf
 from test_hf import TOKENS, _randomize, assert_same_logits, hf_logits
-from helpers import config
+from runs import config
 from trainmesh.app import checkpoints
 from trainmesh.app.cli import main
 from trainmesh.app.config import Config

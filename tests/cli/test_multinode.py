@@ -16,7 +16,8 @@ import pytest
 from trainmesh.app.config import Config
 from trainmesh.distributed.mesh import first_host, world_env
 
-from helpers import FP64_ATOL, train_single
+from helpers import FP64_ATOL
+from runs import train_single
 
 STEPS, GLOBAL_BATCH = 3, 8
 TRAIN = ["-m", "trainmesh", "train", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--no-progress",

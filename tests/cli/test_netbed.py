@@ -19,7 +19,8 @@ import torch
 from trainmesh.app.config import Config
 from trainmesh.distributed.testbed import TestBed, missing_capability
 
-from helpers import FP64_ATOL, assert_same_training, config, in_fp64, train_single
+from helpers import FP64_ATOL, assert_same_training
+from runs import config, in_fp64, train_single
 
 RANK_SCRIPT = Path(__file__).with_name("netbed_rank.py")
 PORT = 29641

@@ -26,7 +26,7 @@ from trainmesh.distributed.testing import RankFailure, run_ranks
 from trainmesh.app.train import TrainingDiverged, build, inject_fault, rank_batch, setup_process, train
 from trainmesh import api
 
-from helpers import config
+from runs import config
 
 
 def trainmesh(*args, env=None, timeout=120):

@@ -22,7 +22,7 @@ import test_families_hf
 import test_hf
 from test_families_hf import CONFIGS, SHAPE, _logits
 from test_hf import _randomize, assert_same_logits
-from helpers import config
+from runs import config
 from trainmesh.app.cli import main
 from trainmesh.app.generate import load_model
 from trainmesh.app.train import train

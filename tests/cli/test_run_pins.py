@@ -26,7 +26,8 @@ from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import spec_of
 from trainmesh.tracking.records import MetricsError, MetricsWriter, TensorBoardSink
 
-from helpers import PAGE, config, fill_disk, small_disk, word_tokenizer
+from helpers import PAGE, fill_disk, small_disk, word_tokenizer
+from runs import config
 
 
 def _mesh() -> Mesh:

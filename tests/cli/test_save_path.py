@@ -23,7 +23,7 @@ from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import spec_of
 from trainmesh.tracking import runlock
 
-from helpers import config
+from runs import config
 
 RUN = "0123456789abcdef0123456789abcdef"
 

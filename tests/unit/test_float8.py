@@ -17,10 +17,7 @@ from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import preset, spec_of
 from trainmesh.training.state_bytes import precision_bytes
 
-
-def config(**settings) -> Config:
-    """A run of ``trainmesh train`` (ten steps of eight sequences, no progress line) under ``settings``."""
-    return Config.from_settings(**{"steps": 10, "global_batch": 8, "warmup_steps": 2, "progress": False, **settings})
+from runs import config
 
 
 torchao = pytest.importorskip("torchao")
