@@ -65,7 +65,7 @@ def setup_process(cfg: Config) -> Mesh:
     if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     mesh = api.init_mesh(cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout, cfg.layout.ep,
-                         cfg.layout.dp_replicate, cfg.layout.sequence_parallel)
+                         cfg.layout.dp_replicate, cfg.layout.sequence_parallel, cfg.layout.etp)
     start_heartbeat()
     return mesh
 
