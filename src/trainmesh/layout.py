@@ -484,7 +484,12 @@ def experts_problem(ep: int, n_experts: int, spell: Spell, name: str) -> str | N
 
 
 def _experts(c: _Check) -> str | None:
-    return experts_problem(c.layout.ep, c.model.n_experts, c.spell, c.name)
+    etp, m = c.layout.etp, c.model
+    if etp > 1 and (not m.n_experts or m.expert_ff % etp):
+        held = f"experts {m.expert_ff} wide" if m.n_experts else "no routed experts"
+        return (f"{c.spell('etp', etp)} splits the hidden width of each routed expert, and {c.name} has {held}; "
+                f"choose etp in {_braced(divisors(m.expert_ff) if m.n_experts else [1])}")
+    return experts_problem(c.layout.ep, m.n_experts, c.spell, c.name)
 
 
 MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _context_split, _sequence_split,

@@ -1,6 +1,6 @@
 """Expert tensor parallelism: each routed expert's FFN split over etp ranks (w1 by column, w2 by row), tokens
 gathered over them and the partial outputs summed back, trains ``moe-tiny`` in float64 exactly as one process does,
-alone, under tp with sequence parallelism, and composed with ep; its full weights come back whole."""
+alone, with ZeRO-3, under tp with sequence parallelism, and composed with ep; its full weights come back whole."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def assert_layouts_match_one_process(layouts: list[dict], world: int) -> None:
         print(f"moe-tiny {layout}: |dloss| {loss:.1e} |dparam| {param:.1e}")
 
 
-def test_etp2_alone_and_under_tp2_with_sequence_parallel_trains_as_one_process():
-    assert_layouts_match_one_process([dict(mesh=dict(etp=2)),
+def test_etp2_alone_with_zero3_and_under_tp2_with_sequence_parallel_trains_as_one_process():
+    assert_layouts_match_one_process([dict(mesh=dict(etp=2)), dict(mesh=dict(etp=2), zero=3),
                                       dict(mesh=dict(tp=2, etp=2, sequence_parallel=True), sequence_parallel=True)],
                                      world=2)
 
