@@ -268,8 +268,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     _refuse_foreign(model, spec)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel, mesh.experts_over_tp) if plan is not None else None
-    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate")}, zero=zero,
-                    sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
+    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate")},
+                    zero=zero, sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
                     precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, bucket_mb=bucket_mb,

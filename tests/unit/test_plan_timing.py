@@ -196,8 +196,8 @@ def test_the_search_interleaves_up_to_the_deepest_split_the_runtime_runs(pp: int
 
 
 def test_expert_tensor_parallelism_splits_the_experts_weights_keeps_their_flops_and_pays_its_gathers() -> None:
-    """etp2 over ep2: each rank holds half of each of its experts (as much as at ep4) and multiplies twice the copies at half the width
-    (the same expert flops); each all-to-all round adds the etp gather of the copies and the sum of the outputs."""
+    """etp2 over ep2: each rank holds half of each of its experts (as much as at ep4) and multiplies twice the copies
+    at half the width (the same expert flops); each all-to-all round adds the etp gather of the copies and the sum of the outputs."""
     work, cluster = Workload(_moe(), 16, 512, "bf16"), make_cluster("h100-80gb", 4)
     ep, etp = Layout(dp=4, ep=2), Layout(dp=4, ep=2, etp=2)
     whole, split = block_gemms(work, ep, moe=True)["experts_in"], block_gemms(work, etp, moe=True)["experts_in"]

@@ -331,8 +331,8 @@ def p2p_bytes(workload: Workload, layout: Layout) -> int:
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     params, grads, optimizer = _model_state(workload, layout.tp, stage_split(workload, layout), layout.pp,
-                                            layout.shard_ranks, layout.zero, stage, layout.ep, layout.expert_shard_ranks,
-                                            layout.etp)
+                                            layout.shard_ranks, layout.zero, stage, layout.ep,
+                                            layout.expert_shard_ranks, layout.etp)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
