@@ -64,7 +64,7 @@ from trainmesh.checkpoint.store import KeptFile, agreed_run_id
 
 def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto",
               backend: str = "auto", timeout: float = 600.0, ep: int = 1, dp_replicate: int = 1,
-              sequence_parallel: bool = False) -> Mesh:
+              sequence_parallel: bool = False, etp: int = 1) -> Mesh:
     """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
 
     The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
@@ -77,18 +77,20 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
     Megatron-core folds experts over tp: an ep group of whole tp groups stays inside a node.
     ``dp_replicate`` (hybrid sharding, HSDP) splits the dp ranks into that many groups of consecutive ranks
     (inside a node where a node's ranks are consecutive): ZeRO (``parallelize(..., zero=1..3)``) then shards
-    within each group and all-reduces the gradient shards across groups.
+    within each group and all-reduces the gradient shards across groups. ``etp`` (expert tensor parallelism)
+    splits each routed expert's FFN over that many of the ranks holding the same experts, whatever ``tp`` is.
     """
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
-    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate, sequence_parallel=sequence_parallel),
+    validate(Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp_replicate=dp_replicate,
+                    sequence_parallel=sequence_parallel),
              world_size=world, rules=MESH_SHAPE_RULES)  # parallelize checks every rule once the rest is chosen
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_env().local_world_size))
     dev = pick_device(device)
     init_distributed(pick_backend(backend, dev), dev, timeout)
     mesh = Mesh.build(pp, dp, tp, dev, timeout, cp=cp, ep=ep, dp_replicate=dp_replicate,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, etp=etp)
     leave_at_exit(mesh)
     return mesh
 
@@ -266,8 +268,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     _refuse_foreign(model, spec)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel, mesh.experts_over_tp) if plan is not None else None
-    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "dp_replicate")}, zero=zero,
-                    sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
+    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate")},
+                    zero=zero, sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check
                     precision=precision, reduce_dtype=reduce_dtype, cp_impl=cp_impl, bucket_mb=bucket_mb,
@@ -493,7 +495,7 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     """
     with engine.gathered() if engine is not None else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
-        state = gather_experts(state, module, comm.mesh.group("ep"))
+        state = gather_experts(state, module, {axis: comm.mesh.group(axis) for axis in ("ep", "etp")})
     return gather_stages(state, comm) if pipelined else state
 
 

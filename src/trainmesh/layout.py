@@ -84,6 +84,9 @@ class Layout:
     ep: int = option(1, "expert-parallel degree (MoE models): each MoE layer's experts split over ep data-parallel "
                      "ranks, tokens exchanged by all-to-all; ep divides dp*cp (dp*cp*tp under --sequence-parallel, "
                      "folding over tp) and the expert count, adds no ranks", low=AT_LEAST_1, high=MAX_RANKS)
+    etp: int = option(1, "expert tensor-parallel degree (MoE models): each routed expert's FFN split over etp of the "
+                      "ranks holding the same experts (w1/w3 by column, w2 by row), tokens gathered over them; "
+                      "ep*etp divides the ranks ep does, independent of --tp", low=AT_LEAST_1, high=MAX_RANKS)
     dp_replicate: int = option(1, "hybrid sharding (HSDP): split dp into this many replica groups of consecutive "
                                "ranks (inside a node by default); --zero shards within a group and all-reduces the "
                                "gradient shards across groups", low=AT_LEAST_1, high=MAX_RANKS)
@@ -158,13 +161,13 @@ class Layout:
     def experts_over_tp(self) -> bool:
         """Whether the ep groups fold over tp: sequence parallelism with tp and ep above 1, so that each tp
         rank holds other experts, where otherwise the tp ranks of an ep rank hold the same ones."""
-        return self.sequence_parallel and self.tp > 1 and self.ep > 1
+        return self.sequence_parallel and self.tp > 1 and self.ep * self.etp > 1
 
     @property
     def expert_data_ranks(self) -> int:
         """Ranks holding the same routed experts, over which their gradients are reduced and ZeRO shards them:
-        the token ranks an ep group leaves (dp x cp without experts split)."""
-        return self.token_ranks // self.ep if self.ep > 1 else self.grad_ranks
+        the token ranks an ep x etp group leaves (dp x cp without experts split)."""
+        return self.token_ranks // (self.ep * self.etp) if self.ep * self.etp > 1 else self.grad_ranks
 
     @property
     def shard_ranks(self) -> int:
@@ -176,12 +179,13 @@ class Layout:
     def expert_shard_ranks(self) -> int:
         """Ranks ZeRO shards the routed experts over: :attr:`expert_data_ranks`, or without ep the
         :attr:`shard_ranks` every parameter is sharded over."""
-        return self.expert_data_ranks if self.ep > 1 else self.shard_ranks
+        return self.expert_data_ranks if self.ep * self.etp > 1 else self.shard_ranks
 
     @property
     def ep_span(self) -> int:
-        """Consecutive ranks an ep group reaches across: ep where it folds over tp, else its ranks lie tp apart."""
-        return self.ep if self.experts_over_tp else self.tp * self.ep
+        """Consecutive ranks an ep group (etp innermost) reaches across: ep x etp where it folds over tp, else
+        its ranks lie tp apart."""
+        return self.ep * self.etp * (1 if self.experts_over_tp else self.tp)
 
 
 def resolve_precision(precision: str, bf16_device: bool) -> str:
@@ -279,8 +283,12 @@ def _world(c: _Check) -> str | None:
 
 def _expert_ranks(c: _Check) -> str | None:
     lay = c.layout
-    if lay.token_ranks % lay.ep == 0:
+    if lay.token_ranks % (lay.ep * lay.etp) == 0:
         return None
+    if lay.etp > 1:
+        return (f"{c.spell('ep', lay.ep)} x {c.spell('etp', lay.etp)} does not divide the {lay.token_ranks} ranks "
+                f"holding different tokens, which the expert groups split; choose ep*etp in "
+                f"{_braced(divisors(lay.token_ranks))}")
     over = "dp*cp*tp" if lay.sequence_parallel else "dp*cp"
     hint = (f", or set {c.spell('sequence_parallel', True)} so that ep folds over tp too"
             if lay.tp > 1 and not lay.sequence_parallel and (lay.grad_ranks * lay.tp) % lay.ep == 0 else "")
@@ -298,9 +306,9 @@ def _hybrid_shards(c: _Check) -> str | None:
     if lay.dp % lay.dp_replicate:
         return (f"{s('dp_replicate', lay.dp_replicate)} does not divide {s('dp', lay.dp)}: the dp ranks split into "
                 f"dp_replicate groups of equal size; choose dp_replicate in {_braced(divisors(lay.dp))}")
-    if lay.ep > 1:
-        return (f"{s('dp_replicate', lay.dp_replicate)} with {s('ep', lay.ep)}: hybrid sharding does not split "
-                f"the expert-data-parallel groups; use {s('ep', 1)} or drop {s('dp_replicate')}")
+    if lay.ep * lay.etp > 1:
+        return (f"{s('dp_replicate', lay.dp_replicate)} with {s('ep', lay.ep)} {s('etp', lay.etp)}: hybrid sharding "
+                f"does not split the expert-data-parallel groups; use ep=etp=1 or drop {s('dp_replicate')}")
     return None
 
 
@@ -476,7 +484,12 @@ def experts_problem(ep: int, n_experts: int, spell: Spell, name: str) -> str | N
 
 
 def _experts(c: _Check) -> str | None:
-    return experts_problem(c.layout.ep, c.model.n_experts, c.spell, c.name)
+    etp, m = c.layout.etp, c.model
+    if etp > 1 and (not m.n_experts or m.expert_ff % etp):
+        held = f"experts {m.expert_ff} wide" if m.n_experts else "no routed experts"
+        return (f"{c.spell('etp', etp)} splits the hidden width of each routed expert, and {c.name} has {held}; "
+                f"choose etp in {_braced(divisors(m.expert_ff) if m.n_experts else [1])}")
+    return experts_problem(c.layout.ep, m.n_experts, c.spell, c.name)
 
 
 MODEL_RULES: tuple[Rule, ...] = (_stage_count, _tensor_split, _context_split, _sequence_split,

@@ -213,3 +213,15 @@ def test_the_planner_refuses_each_layout_with_the_apis_own_line(case):
         check_layout(Workload(shape, microbatches, shape.seq_len), layout)
     assert _one_line(str(planner.value)) == str(api.value).replace(type(model).__name__, "the model"), (
         str(planner.value), str(api.value))
+
+
+def test_expert_tensor_parallelism_must_fit_in_the_ranks_holding_different_tokens() -> None:
+    """ep x etp split the token ranks; a product that does not divide them is refused in one line naming both."""
+    validate(Layout(dp=4, ep=2, etp=2))
+    with pytest.raises(LayoutError, match=r"ep=2 x etp=2 does not divide the 2 ranks .* choose ep\*etp in \{1, 2\}"):
+        validate(Layout(dp=2, ep=2, etp=2))
+    assert Layout(dp=8, ep=2, etp=2).expert_data_ranks == 2 and Layout(dp=4, tp=2, etp=2).ep_span == 4
+    with pytest.raises(LayoutError, match=r"etp=2 splits the hidden width of each routed expert, and .* has no routed"):
+        validate(Layout(dp=2, etp=2), spec_of("tiny").shape(preset("tiny")))
+    with pytest.raises(LayoutError, match=r"etp=128 .* has experts 64 wide; choose etp in \{1, 2, 4, 8, 16, 32, 64\}"):
+        validate(Layout(dp=128, etp=128), spec_of("moe-tiny").shape(preset("moe-tiny")))

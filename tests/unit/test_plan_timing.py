@@ -11,7 +11,8 @@ import pytest
 
 from trainmesh.layout import LayoutError
 from trainmesh.models import ModelShape
-from trainmesh.plan import Cluster, Layout, Pricing, Workload, block_gemms, check_layout, make_cluster, model_shape, step_time
+from trainmesh.plan import (Cluster, Layout, Pricing, Workload, block_gemms, check_layout, make_cluster, model_shape,
+                            model_state_bytes, step_time)
 from trainmesh.plan.ranking import ep_degrees, interleave_depths
 from trainmesh.plan.dp_traffic import all_reduce_time
 from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
@@ -192,3 +193,14 @@ def test_small_matmuls_are_priced_at_each_devices_own_ridge_point() -> None:
 def test_the_search_interleaves_up_to_the_deepest_split_the_runtime_runs(pp: int, layers: int,
                                                                         depths: list[int]) -> None:
     assert interleave_depths(pp, layers) == depths
+
+
+def test_expert_tensor_parallelism_splits_the_experts_weights_keeps_their_flops_and_pays_its_gathers() -> None:
+    """etp2 over ep2: each rank holds half of each of its experts (as much as at ep4) and multiplies twice the copies
+    at half the width (the same expert flops); each all-to-all round adds the etp gather of the copies and the sum of the outputs."""
+    work, cluster = Workload(_moe(), 16, 512, "bf16"), make_cluster("h100-80gb", 4)
+    ep, etp = Layout(dp=4, ep=2), Layout(dp=4, ep=2, etp=2)
+    whole, split = block_gemms(work, ep, moe=True)["experts_in"], block_gemms(work, etp, moe=True)["experts_in"]
+    assert split.flops == whole.flops and split.dims == (2 * whole.dims[0], whole.dims[1], whole.dims[2] // 2)
+    assert model_state_bytes(work, etp) == model_state_bytes(work, Layout(dp=4, ep=4)) < model_state_bytes(work, ep)
+    assert step_time(work, etp, cluster).ep_comm > step_time(work, ep, cluster).ep_comm

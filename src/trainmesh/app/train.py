@@ -65,7 +65,7 @@ def setup_process(cfg: Config) -> Mesh:
     if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     mesh = api.init_mesh(cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout, cfg.layout.ep,
-                         cfg.layout.dp_replicate, cfg.layout.sequence_parallel)
+                         cfg.layout.dp_replicate, cfg.layout.sequence_parallel, cfg.layout.etp)
     start_heartbeat()
     return mesh
 
@@ -78,7 +78,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     model = spec.builder(cfg.model_config, cfg.model.seed).to(mesh.device, dtype_of(cfg.layout.precision))
     check_agreement(cfg.shared_settings(), model, mesh.device)
     forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
-             if f.name not in ("dp", "tp", "pp", "cp", "ep", "dp_replicate", "timeline")}
+             if f.name not in ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate", "timeline")}
     parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), comm=comm, **forms)
     opt = api.optimizer(parallel, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
     parallel.description = (parallel.description[0], {**parallel.description[1],

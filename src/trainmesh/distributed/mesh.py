@@ -26,7 +26,7 @@ from trainmesh.layout import Layout
 
 AXES = ("pp", "dp", "cp", "tp")
 GRAD_AXIS = "dp_cp"  # dp x cp flattened: where gradients of replicated parameters are reduced
-EP_AXES = ("ep", "edp")  # inside dp_cp: expert-parallel ranks, and the ranks holding the same experts
+EP_AXES = ("ep", "edp", "etp")  # inside dp_cp: expert-parallel ranks, ranks holding the same experts, expert-tp ranks
 SHARD_AXIS, REPLICA_AXIS = "dp_shard", "dp_replicate"  # hybrid sharding: dp_cp = replica groups x shard ranks
 HYBRID_AXES = (SHARD_AXIS, REPLICA_AXIS)
 STORE_CLIENT_ENV = "TRAINMESH_STORE_CLIENT"
@@ -172,13 +172,15 @@ class Mesh:
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device: torch.device, timeout_s: float | None = None,
-              cp: int = 1, ep: int = 1, dp_replicate: int = 1, sequence_parallel: bool = False) -> "Mesh":
+              cp: int = 1, ep: int = 1, dp_replicate: int = 1, sequence_parallel: bool = False,
+              etp: int = 1) -> "Mesh":
         """The mesh over the current process group: ``timeout_s`` bounds every collective on every axis group;
         ``sequence_parallel`` folds ep over tp; ``dp_replicate`` > 1 splits ``dp_cp`` into contiguous ``dp_shard``
         groups."""
-        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=dp_replicate,
+        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp_replicate=dp_replicate,
                         sequence_parallel=sequence_parallel and tp > 1)  # validated by its callers
-        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "edp": layout.expert_data_ranks,
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, GRAD_AXIS: dp * cp, "ep": ep, "etp": etp,
+                 "edp": layout.expert_data_ranks,
                  SHARD_AXIS: dp * cp // dp_replicate, REPLICA_AXIS: dp_replicate}
         world = pp * dp * cp * tp
         if world == 1:
@@ -193,12 +195,12 @@ class Mesh:
         coords = dict(zip(AXES, dm.get_coordinate()))
         coords[GRAD_AXIS] = coords["dp"] * cp + coords["cp"]
         token = coords[GRAD_AXIS] * tp + coords["tp"] if layout.experts_over_tp else coords[GRAD_AXIS]
-        coords["ep"], coords["edp"] = token % ep, token // ep
+        coords["etp"], coords["ep"], coords["edp"] = token % etp, token // etp % ep, token // (etp * ep)
         coords[REPLICA_AXIS], coords[SHARD_AXIS] = divmod(coords[GRAD_AXIS], sizes[SHARD_AXIS])
         mesh = cls(sizes, coords, device, dm, timeout_s=timeout_s, sequence_parallel=layout.sequence_parallel)
         if cp > 1:
             mesh.flat_groups.update(mesh._grad_groups(timeout_s))
-        if ep > 1:
+        if ep * etp > 1:
             mesh.flat_groups.update(mesh._expert_groups(timeout_s))
         if dp_replicate > 1:
             mesh.flat_groups.update(mesh._hybrid_groups(timeout_s))
@@ -210,13 +212,18 @@ class Mesh:
         return self._split_ranks(timeout_s, (GRAD_AXIS,), self._grad_axes(), lambda ranks: {GRAD_AXIS: [ranks]})
 
     def _expert_groups(self, timeout_s: float | None) -> dict[str, dist.ProcessGroup]:
-        """This rank's ``ep`` and ``edp`` groups: runs of ``ep`` consecutive token ranks (:meth:`_token_ranks`), and
-        the ranks at the same place of every run."""
-        ep, edp = self.sizes["ep"], self.sizes["edp"]
+        """This rank's ``etp``, ``ep`` and ``edp`` groups over the token ranks (:meth:`_token_ranks`) taken as
+        ``[edp, ep, etp]``, etp innermost (Megatron-core's expert order): its runs of etp consecutive ranks, the ranks
+        etp apart inside a run of ``ep * etp``, and the ranks at the same place of every such run."""
+        etp, ep, edp = self.sizes["etp"], self.sizes["ep"], self.sizes["edp"]
         token_ranks = [ranks for pp in range(self.sizes["pp"]) for ranks in self._token_ranks(pp)]
+
+        def at(ranks: list[int], e: int, r: int, t: int) -> int:
+            return ranks[(e * ep + r) * etp + t]
         return self._split_ranks(timeout_s, EP_AXES, token_ranks, lambda ranks: {
-            "ep": [[ranks[e * ep + r] for r in range(ep)] for e in range(edp)],
-            "edp": [[ranks[e * ep + r] for e in range(edp)] for r in range(ep)]})
+            "etp": [[at(ranks, e, r, t) for t in range(etp)] for e in range(edp) for r in range(ep)],
+            "ep": [[at(ranks, e, r, t) for r in range(ep)] for e in range(edp) for t in range(etp)],
+            "edp": [[at(ranks, e, r, t) for e in range(edp)] for r in range(ep) for t in range(etp)]})
 
     def _token_ranks(self, pp: int) -> list[list[int]]:
         """The global ranks of stage ``pp`` that hold different tokens, one list per set of them: each tp
@@ -263,7 +270,8 @@ class Mesh:
     @property
     def experts_over_tp(self) -> bool:
         """Whether the ep groups fold over tp (:attr:`trainmesh.layout.Layout.experts_over_tp`)."""
-        return Layout(tp=self.size("tp"), ep=self.size("ep"), sequence_parallel=self.sequence_parallel).experts_over_tp
+        return Layout(tp=self.size("tp"), ep=self.size("ep"), etp=self.size("etp"),
+                      sequence_parallel=self.sequence_parallel).experts_over_tp
 
     def size(self, axis: str) -> int:
         """The size of ``axis``; a mesh built without expert parallelism has ``ep`` 1, one without hybrid
@@ -287,7 +295,7 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup | None:
         if self.device_mesh is None or self.size(axis) == 1:
             return None
-        if axis == GRAD_AXIS or (axis == "edp" and self.size("ep") == 1) or (
+        if axis == GRAD_AXIS or (axis == "edp" and self.size("ep") * self.size("etp") == 1) or (
                 axis == SHARD_AXIS and self.size(REPLICA_AXIS) == 1):
             return self.flat_groups.get(GRAD_AXIS) or self.device_mesh.get_group("dp")
         if axis in (*EP_AXES, *HYBRID_AXES):

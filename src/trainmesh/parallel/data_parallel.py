@@ -185,9 +185,9 @@ class DataParallel:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = params = [p for _, p in named]
         self.routed_norm = experts_on_any_stage(params, comm)
-        # routed experts' squares: summed over ep, whose ranks hold different experts, and over tp unless an ep
-        # group folds over tp (then it holds every tp rank's experts already: :attr:`Mesh.experts_over_tp`)
-        self._routed_axes = ("ep", "pp") if comm.mesh.experts_over_tp else ("ep", "tp", "pp")
+        # routed experts' squares: summed over ep and etp, whose ranks hold different experts or slices, and over tp
+        # unless the expert groups fold over tp (then they hold every tp rank's already: :attr:`Mesh.experts_over_tp`)
+        self._routed_axes = ("ep", "etp", "pp") if comm.mesh.experts_over_tp else ("ep", "etp", "tp", "pp")
         self._broadcast_parameters(params)
         self.masters = self._make_masters(params)
         opt_params = self.masters if self.masters else params

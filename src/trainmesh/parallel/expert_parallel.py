@@ -21,67 +21,87 @@ from trainmesh.training.optim import SPLIT_OVER_TP
 
 EP_AXIS = "ep"
 EXPERT_AXIS = "edp"  # expert data parallel: the ranks that hold the same experts
+ETP_AXIS = "etp"  # expert tensor parallel: ranks holding slices of the same experts
 EP_SHARD = "_trainmesh_ep_shard"  # on a sliced expert parameter: (ep rank, ep size), split along dim 0
+ETP_SHARD = "_trainmesh_etp_shard"  # on an etp-sliced one: (etp rank, etp size, the split dim)
+ETP_DIMS = {"w1": 2, "w3": 2, "w2": 1}  # each expert's w1/w3 [d, f] split by column, w2 [f, d] by row
 
 
 class _AllToAll(torch.autograd.Function):
-    """An all-to-all of token rows with the given splits forward (counted as ``op``); backward, the reverse
-    all-to-all (splits swapped, counted as ``op_backward``)."""
+    """An all-to-all of token rows over ``axis`` with the given splits forward (counted as ``op``); backward, the
+    reverse all-to-all (splits swapped, counted as ``op_backward``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], dispatcher: AllToAllDispatch,
-                op: str) -> torch.Tensor:
-        ctx.splits, ctx.dispatcher, ctx.op = (out_splits, in_splits), dispatcher, op
-        return dispatcher.exchange(x, out_splits, in_splits, op)
+                op: str, axis: str) -> torch.Tensor:
+        ctx.splits, ctx.dispatcher, ctx.op, ctx.axis = (out_splits, in_splits), dispatcher, op, axis
+        return dispatcher.exchange(x, out_splits, in_splits, op, axis)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        back = ctx.dispatcher.exchange(grad.contiguous(), in_splits, out_splits, f"{ctx.op}_backward")
-        return back, None, None, None, None
+        back = ctx.dispatcher.exchange(grad.contiguous(), in_splits, out_splits, f"{ctx.op}_backward", ctx.axis)
+        return back, None, None, None, None, None
 
 
 class AllToAllDispatch:
-    """The MoE ``Dispatcher`` over ``comm``'s ``ep`` axis (``None`` or size 1: nothing moves); ``comm`` counts the
-    bytes of ``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward``, the planner's all-to-all."""
+    """The MoE ``Dispatcher`` over ``comm``'s ``ep`` axis, then its ``etp`` axis (``None`` or size 1: nothing moves);
+    ``comm`` counts the bytes of ``moe_counts``, ``moe_dispatch``, ``moe_combine`` and their ``_backward`` (the
+    planner's all-to-all), and over etp of ``moe_etp_counts``, ``moe_etp_gather`` and ``moe_etp_scatter``."""
 
     def __init__(self, comm: Comm | None) -> None:
         self.comm = comm
         self.size = comm.mesh.size(EP_AXIS) if comm is not None else 1
+        self.etp = comm.mesh.size(ETP_AXIS) if comm is not None else 1
 
-    def exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], op: str) -> torch.Tensor:
-        """Send ``in_splits[r]`` rows of ``x`` to rank ``r``; receive ``out_splits[r]`` rows from it."""
+    def exchange(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], op: str,
+                 axis: str = EP_AXIS) -> torch.Tensor:
+        """Send ``in_splits[r]`` rows of ``x`` to rank ``r`` of ``axis``; receive ``out_splits[r]`` rows from it."""
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        self.comm.all_to_all(out, x.contiguous(), EP_AXIS, op, out_splits, in_splits)
+        self.comm.all_to_all(out, x.contiguous(), axis, op, out_splits, in_splits)
         return out
 
     def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``x [N, d]`` sorted by global expert, ``counts [E]``: the copies for this rank's experts sorted
-        by local expert, their counts ``[E/P]``, and the handle :meth:`combine` needs."""
-        if self.size == 1:
-            return x, counts, None
-        n_experts = counts.numel()
-        if n_experts % self.size:
-            raise ValueError(f"ep={self.size} does not divide the {n_experts} experts; choose ep dividing it")
-        local = n_experts // self.size
+        by local expert, their counts ``[E/P]``, and the handle :meth:`combine` needs. Over etp every rank
+        sends all its copies to every other (an all-gather of unequal parts), each computing its slice of them."""
+        handles = []
+        if self.size > 1:
+            if counts.numel() % self.size:
+                raise ValueError(f"ep={self.size} does not divide the {counts.numel()} experts; choose ep dividing it")
+            x, counts, handle = self._move(x, counts, EP_AXIS, ("moe_counts", "moe_dispatch", "moe_combine"))
+            handles.append(handle)
+        if self.etp > 1:
+            x, counts, handle = self._move(x.repeat(self.etp, 1), counts.repeat(self.etp), ETP_AXIS,
+                                           ("moe_etp_counts", "moe_etp_gather", "moe_etp_scatter"))
+            handles.append(handle)
+        return x, counts, handles
+
+    def _move(self, x: torch.Tensor, counts: torch.Tensor, axis: str, ops: tuple[str, str, str]
+              ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Rank ``r`` of ``axis`` gets the rows of ``x`` for experts ``[r*L, (r+1)*L)`` of ``counts`` (``[size*L]``),
+        sorted by local expert: Megatron-core's ``MoEAlltoAllTokenDispatcher``, counts exchanged first."""
+        size = self.comm.mesh.size(axis)
+        local = counts.numel() // size
         received = torch.empty_like(counts)
-        self.comm.all_to_all(received, counts.contiguous(), EP_AXIS, "moe_counts")
-        received = received.view(self.size, local)  # [source rank, local expert]
-        in_splits = counts.view(self.size, local).sum(1).tolist()
+        self.comm.all_to_all(received, counts.contiguous(), axis, ops[0])
+        received = received.view(size, local)  # [source rank, local expert]
+        in_splits = counts.view(size, local).sum(1).tolist()
         out_splits = received.sum(1).tolist()
-        y = _AllToAll.apply(x, out_splits, in_splits, self, "moe_dispatch")
-        expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(self.size),
+        y = _AllToAll.apply(x, out_splits, in_splits, self, ops[1], axis)
+        expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(size),
                                                 received.reshape(-1).to(x.device))
         order = torch.sort(expert_of_row, stable=True).indices
-        return y.index_select(0, order), received.sum(0), (order, out_splits, in_splits)
+        return y.index_select(0, order), received.sum(0), (order, out_splits, in_splits, axis, ops[2])
 
-    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
-        """The inverse of :meth:`dispatch`: ``y`` in local-expert order back to the sender, in its order."""
-        if handle is None:
-            return y
-        order, out_splits, in_splits = handle
-        by_source = y.index_select(0, torch.argsort(order))
-        return _AllToAll.apply(by_source, in_splits, out_splits, self, "moe_combine")
+    def combine(self, y: torch.Tensor, handles: Any) -> torch.Tensor:
+        """The inverse of :meth:`dispatch`: ``y`` in local-expert order back to the sender, in its order; over
+        etp the senders sum the partial outputs of every etp rank (a reduce-scatter of unequal parts)."""
+        for order, out_splits, in_splits, axis, op in reversed(handles or []):
+            y = _AllToAll.apply(y.index_select(0, torch.argsort(order)), in_splits, out_splits, self, op, axis)
+            if axis == ETP_AXIS:
+                y = y.view(self.etp, -1, y.shape[-1]).sum(0)
+        return y
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -121,19 +141,25 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 
 @torch.no_grad()
 def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
-    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts and dispatch over ``comm``'s ep axis; parameters keep
-    names and marks and record their place (:data:`EP_SHARD`) and whether ep folds over tp."""
-    rank, size = comm.mesh.rank(EP_AXIS), comm.mesh.size(EP_AXIS)
-    experts = moe.experts
-    for name, p in list(experts.named_parameters(recurse=False)):
-        if p.shape[0] % size:
-            raise ValueError(f"ep={size} does not divide the {p.shape[0]} experts of {name}; choose ep dividing it")
-        local = p.shape[0] // size
-        piece = nn.Parameter(p[rank * local:(rank + 1) * local].clone(), requires_grad=p.requires_grad)
-        piece.__dict__.update(p.__dict__)
-        setattr(piece, EP_SHARD, (rank, size))
+    """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts, of each its etp rank's ``1/etp`` of the hidden
+    width (:data:`ETP_DIMS`), and dispatch over ``comm``; parameters keep names and marks and record their place
+    (:data:`EP_SHARD`, :data:`ETP_SHARD`) and whether ep folds over tp."""
+    mesh = comm.mesh
+    for name, p in list(moe.experts.named_parameters(recurse=False)):
+        piece, marks = p, {}
+        for axis, dim, mark in ((EP_AXIS, 0, EP_SHARD), (ETP_AXIS, ETP_DIMS[name], ETP_SHARD)):
+            rank, size = mesh.rank(axis), mesh.size(axis)
+            if size == 1:
+                continue
+            if p.shape[dim] % size:
+                raise ValueError(f"{axis}={size} does not divide the {p.shape[dim]} rows of dim {dim} of the experts' "
+                                 f"{name}; choose {axis} dividing it")
+            piece = piece.narrow(dim, rank * (p.shape[dim] // size), p.shape[dim] // size)
+            marks[mark] = (rank, size) if axis == EP_AXIS else (rank, size, dim)
+        piece = nn.Parameter(piece.clone(), requires_grad=p.requires_grad)
+        piece.__dict__.update({**p.__dict__, **marks})
         setattr(piece, SPLIT_OVER_TP, over_tp)
-        setattr(experts, name, piece)
+        setattr(moe.experts, name, piece)
     moe.dispatcher = AllToAllDispatch(comm)
 
 
@@ -142,24 +168,26 @@ def ep_place(p: torch.Tensor) -> tuple[int, int]:
     return getattr(p, EP_SHARD, (0, 1))
 
 
-def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """``state`` with every sliced expert tensor of ``model`` replaced by all ep ranks' slices concatenated
-    along the expert dim (a collective over ``group``): the plain model's full tensor."""
+def gather_experts(state: dict[str, torch.Tensor], model: nn.Module, groups: dict[str, dist.ProcessGroup | None]
+                   ) -> dict[str, torch.Tensor]:
+    """``state`` with every sliced expert tensor of ``model`` replaced by all etp ranks' slices, then all ep ranks',
+    concatenated along their dims (collectives over ``groups["etp"]`` and ``groups["ep"]``): the plain model's
+    full tensor."""
     for name, p in model.named_parameters():
-        rank, size = ep_place(p)
-        if size == 1 or name not in state:
+        if name not in state:
             continue
-        local = state[name].contiguous()
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local, group=group)
-        state[name] = out
+        for axis, (_, size, dim) in ((ETP_AXIS, getattr(p, ETP_SHARD, (0, 1, 0))), (EP_AXIS, (*ep_place(p), 0))):
+            if size > 1:
+                pieces = [torch.empty_like(state[name]) for _ in range(size)]
+                dist.all_gather(pieces, state[name].contiguous(), group=groups[axis])
+                state[name] = torch.cat(pieces, dim)
     return state
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, over_tp: bool = False) -> None:
-    """Shard every MoE layer of ``model`` over the ep axis of ``comm``'s mesh (nothing to do at ep 1);
-    ``over_tp``: the ep groups fold over tp (:attr:`trainmesh.distributed.mesh.Mesh.experts_over_tp`)."""
-    if comm.mesh.size(EP_AXIS) == 1:
+    """Shard every MoE layer of ``model`` over the ep and etp axes of ``comm``'s mesh (nothing to do at 1 and 1);
+    ``over_tp``: the expert groups fold over tp (:attr:`trainmesh.distributed.mesh.Mesh.experts_over_tp`)."""
+    if comm.mesh.size(EP_AXIS) * comm.mesh.size(ETP_AXIS) == 1:
         return
     for _, moe in expert_modules(model):
         shard_experts(moe, comm, over_tp)
@@ -185,16 +213,17 @@ def moe_tp_plan(plan: dict[str, str], model: nn.Module, sequence_parallel: bool,
 
 def place_experts(geometry: dict[str, tuple[torch.Size, list[Any]]], model: nn.Module) -> dict[str, tuple[torch.Size, list[Any]]]:
     """A checkpoint's geometry (:func:`trainmesh.parallel.tensor_parallel.shard_boxes`) with every sliced expert
-    placed in the plain model's tensor at expert ``rank * E_local``, so a checkpoint reads back at any ep."""
+    placed in the plain model's tensor at its etp slice, then at expert ``rank * E_local``, so a checkpoint reads
+    back at any ep and etp."""
     out = dict(geometry)
     for name, p in model.named_parameters():
-        rank, size = ep_place(p)
-        if size == 1 or name not in out:
+        if name not in out:
             continue
-        shape, boxes = out[name]
-        local = p.shape[0]
-        moved = [Box(torch.Size([b.offsets[0] + rank * local, *b.offsets[1:]]), b.sizes) for b in boxes]
-        out[name] = (torch.Size([shape[0] * size, *shape[1:]]), moved)
+        for rank, size, dim in (getattr(p, ETP_SHARD, (0, 1, 0)), (*ep_place(p), 0)):
+            shape, boxes = out[name]
+            grown = torch.Size(n * size if d == dim else n for d, n in enumerate(shape))
+            out[name] = (grown, [Box(torch.Size(o + rank * shape[dim] * (d == dim) for d, o in enumerate(b.offsets)),
+                                     b.sizes) for b in boxes])
     return out
 
 

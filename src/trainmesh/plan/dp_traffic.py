@@ -111,6 +111,6 @@ def dp_traffic(workload: Workload, layout: Layout, cluster: Cluster, stage: int)
     lay, model = layout, workload.model
     split = stage_split(workload, lay)
     dense = stage_units(model, lay.tp, split, lay.pp, stage)
-    experts = stage_expert_units(model, split, lay.pp, lay.ep, stage)
+    experts = stage_expert_units(model, split, lay.pp, lay.ep, stage, lay.etp)
     return (zero_traffic(dense, lay.shard_ranks, lay.tp, lay.dp_replicate, workload, lay, cluster)
             + zero_traffic(experts, lay.expert_shard_ranks, lay.ep_span, lay.dp_replicate, workload, lay, cluster))

@@ -62,10 +62,10 @@ def router_and_shared(m: ModelShape) -> UnitSize:
     return _sum([UnitSize(m.d_model * m.n_experts, 1)] + shared)
 
 
-def expert_unit(m: ModelShape, ep: int) -> UnitSize:
-    """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked and whole (split over
-    ep only, never tp, as Megatron-core's expert tp of 1)."""
-    return UnitSize(m.n_experts // ep * m.mlp_params(m.expert_ff, False), 3 if m.gated_mlp else 2)
+def expert_unit(m: ModelShape, ep: int, etp: int = 1) -> UnitSize:
+    """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked, each 1/etp of its hidden
+    width (never split over the attention's tp: Megatron-core's expert tensor parallelism is its own)."""
+    return UnitSize(m.n_experts // ep * m.mlp_params(m.expert_ff, False) // etp, 3 if m.gated_mlp else 2)
 
 
 def stage_blocks(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
@@ -98,11 +98,11 @@ def stage_units(m: ModelShape, tp: int, split: tuple[int, ...], pp: int, stage: 
 
 
 def stage_expert_units(m: ModelShape, split: tuple[int, ...], pp: int, ep: int,
-                       stage: int) -> tuple[tuple[UnitSize, int], ...]:
+                       stage: int, etp: int = 1) -> tuple[tuple[UnitSize, int], ...]:
     """(routed experts of one MoE layer, how many layers) one rank of ``stage`` holds; empty for a dense
     model. The same at every tp: experts are whole on each tp rank (:func:`expert_unit`)."""
     moe = rank_blocks(m, split, pp, stage)[1]
-    return ((expert_unit(m, ep), moe),) if moe else ()
+    return ((expert_unit(m, ep, etp), moe),) if moe else ()
 
 
 def largest_tensor(m: ModelShape, tp: int, ep: int, blocks: tuple[int, int], first: bool, last: bool) -> int:
@@ -162,12 +162,12 @@ class MemoryBreakdown:
 
 @functools.lru_cache(maxsize=4096)
 def _model_state(
-    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int, edp: int
-) -> tuple[int, int, int]:
+    workload: Workload, tp: int, split: tuple[int, ...], pp: int, dp: int, zero: int, stage: int, ep: int, edp: int,
+    etp: int = 1) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one rank: its units sharded over the ``dp`` ranks ZeRO shards over
     (padded to ceil(Psi_unit / dp)), routed experts over ``edp``, plus AdamW's step scalars. Cached."""
     b, m = workload.dtype_bytes, workload.model
-    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage), edp))
+    groups = ((stage_units(m, tp, split, pp, stage), dp), (stage_expert_units(m, split, pp, ep, stage, etp), edp))
     full = sum(u.numel * n for units, _ in groups for u, n in units)
     shard = sum(-(-u.numel // ranks) * n for units, ranks in groups for u, n in units)
     steps = STEP_SCALAR_BYTES * sum(u.tensors * n for units, _ in groups for u, n in units)
@@ -307,7 +307,7 @@ def buffer_bytes(workload: Workload, layout: Layout, stage: int) -> int:
     :func:`p2p_bytes`."""
     b, m, lay = workload.dtype_bytes, workload.model, layout
     split = stage_split(workload, lay)
-    units = stage_units(m, lay.tp, split, lay.pp, stage) + stage_expert_units(m, split, lay.pp, lay.ep, stage)
+    units = stage_units(m, lay.tp, split, lay.pp, stage) + stage_expert_units(m, split, lay.pp, lay.ep, stage, lay.etp)
     largest = max(u.numel for u, _ in units)
     gathered = 2 * b.param * largest if layout.zero >= 3 else 0
     if layout.zero == 2:
@@ -331,7 +331,8 @@ def p2p_bytes(workload: Workload, layout: Layout) -> int:
 
 def _stage_memory(workload: Workload, layout: Layout, stage: int) -> MemoryBreakdown:
     params, grads, optimizer = _model_state(workload, layout.tp, stage_split(workload, layout), layout.pp,
-                                            layout.shard_ranks, layout.zero, stage, layout.ep, layout.expert_shard_ranks)
+                                            layout.shard_ranks, layout.zero, stage, layout.ep,
+                                            layout.expert_shard_ranks, layout.etp)
     acts = _activation_bytes(workload, layout, stage)
     return MemoryBreakdown(stage, params, grads, optimizer, acts, buffer_bytes(workload, layout, stage),
                            p2p_bytes(workload, layout), logits_bytes(workload, layout, stage))
@@ -358,7 +359,7 @@ def model_state_bytes(workload: Workload, layout: Layout, stage: int | None = No
     lay = layout
     split = stage_split(workload, lay)
     return max(sum(_model_state(workload, lay.tp, split, lay.pp, lay.shard_ranks, lay.zero, s, lay.ep,
-                                lay.expert_shard_ranks))
+                                lay.expert_shard_ranks, lay.etp))
                for s in candidate_stages(workload, lay, stage))
 
 

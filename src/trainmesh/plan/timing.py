@@ -103,9 +103,12 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     if not moe:
         return gemms | _mlp_gemms("mlp", tokens, tokens, m.d_ff, inputs, h, t)
     routed = moe_tokens(workload, layout)
-    rows = max(1, layout.ep * routed * m.top_k // m.n_experts)
+    # each rank's experts take the copies of its etp group at 1/etp of the width: the same flops, other shapes
+    etp = layout.etp
+    rows = max(1, etp * layout.ep * routed * m.top_k // m.n_experts)
     gemms["router"] = Gemm(2 * routed * h * m.n_experts, (routed, h, m.n_experts), linear=False)
-    gemms |= _mlp_gemms("experts", routed * m.top_k, rows, m.expert_ff, inputs, h, 1, linear=workload.pricing.fp8_experts)
+    gemms |= _mlp_gemms("experts", etp * routed * m.top_k, rows, m.expert_ff, inputs, h, etp,
+                        linear=workload.pricing.fp8_experts)
     if m.n_shared_experts:
         gemms |= _mlp_gemms("shared", routed, routed, m.n_shared_experts * m.expert_ff, inputs, h, 1)
     return gemms
@@ -262,7 +265,7 @@ def _tp_partial_sums(workload: Workload, layout: Layout, cluster: Cluster, stage
         return 0.0
     sharded = layout.zero > 0
     experts = 0 if layout.experts_over_tp else (  # folded: every tp rank's tokens reach its experts by all-to-all
-        moe * expert_unit(workload.model, layout.ep).numel / (layout.expert_shard_ranks if sharded else 1))
+        moe * expert_unit(workload.model, layout.ep, layout.etp).numel / (layout.expert_shard_ranks if sharded else 1))
     rest = moe * router_and_shared(workload.model).numel
     if layout.zero == 3:
         at_step, each_backward = experts, rest
@@ -333,7 +336,7 @@ def _all_to_all_rounds(workload: Workload, layout: Layout, stage: int) -> int:
     """A rank of ``stage``'s dispatch-and-combine rounds per micro-batch: one per MoE layer and pass (forward,
     backward, and the forward again under full recomputation); 0 without expert parallelism."""
     moe = stage_blocks(workload, layout, stage)[1]
-    if layout.ep == 1 or not moe:
+    if layout.ep * layout.etp == 1 or not moe:
         return 0
     return moe * (3 if layout.recompute == "full" else 2)
 
@@ -347,13 +350,24 @@ def routed_copy_bytes(workload: Workload, layout: Layout, element_bytes: float) 
 
 def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, stage: int) -> float:
     """One micro-batch's expert all-to-alls on a rank of ``stage``: per :func:`_all_to_all_rounds`, one towards
-    the experts in ``pricing.dispatch_dtype`` and one back (:func:`all_to_all_seconds`)."""
+    the experts in ``pricing.dispatch_dtype`` and one back (:func:`all_to_all_seconds`), each followed over etp by
+    the gather of the copies and the sum of the partial outputs (:func:`etp_seconds`)."""
     rounds = _all_to_all_rounds(workload, layout, stage)
     if not rounds:
         return 0.0
     activation = workload.dtype_bytes.activation
     dispatch = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else activation
-    return rounds * sum(all_to_all_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
+    return rounds * sum((all_to_all_seconds(workload, layout, cluster, e) if layout.ep > 1 else 0.0)
+                        + etp_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
+
+
+def etp_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
+    """One all-to-all over etp of the copies a rank's experts received: each rank sends all of its own to the etp - 1
+    others (and gets their partial outputs back alike), over ranks tp apart unless the experts fold over tp."""
+    if layout.etp == 1:
+        return 0.0
+    bw, alpha = cluster.link(layout.etp * (1 if layout.experts_over_tp else layout.tp))
+    return (layout.etp - 1) * (alpha + routed_copy_bytes(workload, layout, element_bytes) / bw)
 
 
 def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
