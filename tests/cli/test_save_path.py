@@ -51,7 +51,7 @@ def test_the_cli_saves_through_tm_save_and_a_script_saving_the_same_run_writes_t
     theirs = read_manifest(tm.save(script, tm.optimizer(script), tmp_path / "script", done, run.tokenizer,
                                    config=cfg.settings()))
     assert cli["layout"] == theirs["layout"] == {"world_size": 1, "dp": 1, "dp_replicate": 1, "cp": 1, "tp": 1,
-                                                 "pp": 1, "ep": 1, "zero": 1, "microbatches": 2, "schedule": "1f1b",
+                                                 "pp": 1, "ep": 1, "etp": 1, "zero": 1, "microbatches": 2, "schedule": "1f1b",
                                                  "precision": "fp64"}
     assert cli["model_source"] == {"family": "gpt", "source": cfg.model.model}
     assert theirs["model_source"]["family"] == "gpt"

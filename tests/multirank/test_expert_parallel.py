@@ -144,7 +144,7 @@ def _parallelize_error(sequence_parallel: bool) -> str:
     cfg = _moe(dp=1, tp=2, sequence_parallel=sequence_parallel)
     mesh = tm.init_mesh(tp=2, ep=2, sequence_parallel=True)
     try:
-        tm.parallelize(spec_of(cfg.model.model).builder(cfg.model_config, cfg.model.seed), mesh, sequence_parallel=sequence_parallel)
+        tm.parallelize(spec_of(cfg.model).builder(cfg.model_config, cfg.seed), mesh, sequence_parallel=sequence_parallel)
     except ValueError as e:
         return str(e)
     return ""
@@ -215,7 +215,7 @@ def _resumes_everywhere(root: Path, saved_ep: int, resumed_eps: tuple[int, ...],
     run_ranks(_saved_at_step_2, saved_ep, saved, str(root), timeout=300)
     reference = train_single(saved)
     for ep in resumed_eps:
-        resumed = run_ranks(_resumed, ep, saved.replace(dp=ep, ep=ep), str(root), timeout=300)
+        resumed = run_ranks(_resumed, ep, dataclasses.replace(saved, dp=ep, ep=ep), str(root), timeout=300)
         assert_same_training((reference[0][2:], reference[1]), resumed[0])
     single = _resumed(_on_one_process(saved), str(root), Mesh.build(1, 1, 1, torch.device("cpu")))
     assert_same_training((reference[0][2:], reference[1]), single)

@@ -198,7 +198,7 @@ def test_families_at_tp2_cp2_and_dp2_pp2_match_single_process():
 def _resumes_in_one_process_exactly(cfg: Case, directory: Path) -> None:
     """Two steps of ``cfg`` saved by its two ranks in ``directory``, read back by one process: every tensor equal."""
     trained = run_ranks(train_and_save, 2, cfg, str(directory), timeout=120)[0]
-    single = cfg.replace(dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1, steps=3)
+    single = dataclasses.replace(cfg, dp=1, tp=1, cp=1, pp=1, ep=1, sequence_parallel=False, microbatches=1, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert tm.load(run.parallel, run.opt, directory) == 2
     loaded = run.parallel.state_dict()
@@ -207,7 +207,7 @@ def _resumes_in_one_process_exactly(cfg: Case, directory: Path) -> None:
 
 def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_path):
     """Saved by two cp ranks (the window kept by the ring)."""
-    _resumes_in_one_process_exactly(_cfg(model="mistral-tiny", cp=2, precision="fp64").replace(steps=2),
+    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model="mistral-tiny", cp=2, precision="fp64"), steps=2),
                                     tmp_path)
 
 
@@ -217,11 +217,12 @@ def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_pa
                                          ("qwen3-moe-tiny", dict(dp=2, ep=2))])
 def test_each_familys_checkpoint_saved_at_two_ranks_resumes_in_one_process_exactly(tmp_path, name, layout):
     """Saved across two ranks of tp (Qwen2's q/k/v biases split), pp (Qwen3) or ep (Qwen3-MoE's experts)."""
-    _resumes_in_one_process_exactly(_cfg(model=name, precision="fp64", **layout).replace(steps=2),
+    _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model=name, precision="fp64", **layout), steps=2),
                                     tmp_path)
 
 
 @pytest.mark.slow
 def test_a_deepseek_v3_checkpoint_saved_at_pp2_resumes_in_one_process_exactly(tmp_path):
     """Saved by two pipeline stages, the first without experts, the second with their routing bias."""
-    _resumes_in_one_process_exactly(_cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64").replace(steps=2), tmp_path)
+    _resumes_in_one_process_exactly(dataclasses.replace(
+        _cfg(model="deepseek-v3-tiny", pp=2, microbatches=2, precision="fp64"), steps=2), tmp_path)

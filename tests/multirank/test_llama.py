@@ -141,7 +141,7 @@ def test_recompute_keeps_the_losses_of_llama():
     """Full recomputation keeps only block inputs. Selective saves nothing here: CPU attention is a fused
     kernel that never stores the s x s scores, which is all selective recomputation removes."""
     cfg = config(model="llama-tiny", steps=3, global_batch=4, precision="fp64", warmup_steps=1)
-    runs = {mode: train(cfg.replace(recompute=mode), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
+    runs = {mode: train(dataclasses.replace(cfg, recompute=mode), mesh=Mesh.build(1, 1, 1, torch.device("cpu")))
             for mode in ("none", "selective", "full")}
     for mode in ("selective", "full"):
         assert max(abs(a - b) for a, b in zip(runs["none"].losses, runs[mode].losses)) <= 1e-12, mode
@@ -165,9 +165,9 @@ def test_llama_dp2_tp2_matches_single_process():
 
 def test_a_tp2_sp_checkpoint_of_llama_loads_into_one_process_exactly(tmp_path):
     """The grouped qkv and the [gate | up] pair are stored by their place in the full tensors."""
-    cfg = _cfg(tp=2, sequence_parallel=True).replace(steps=2)
+    cfg = dataclasses.replace(_cfg(tp=2, sequence_parallel=True), steps=2)
     trained = run_ranks(train_and_save, 2, cfg, str(tmp_path), timeout=120)[0]
-    single = cfg.replace(tp=1, sequence_parallel=False, steps=3)
+    single = dataclasses.replace(cfg, tp=1, sequence_parallel=False, steps=3)
     run = build(single, Mesh.build(1, 1, 1, torch.device("cpu")))
     assert tm.load(run.parallel, run.opt, tmp_path) == 2
     loaded = run.parallel.state_dict()

@@ -5,6 +5,7 @@ bad settings refused in one line before any rank starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -53,7 +54,7 @@ def _sequence_grad_bytes(cfg: Case) -> tuple[float, int]:
     torch.set_num_threads(1)
     run = build(cfg)
     run.forward_backward(0)
-    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+    run.engine.step(cfg.lr, cfg.grad_clip)
     partial = sum(p.numel() for p in run.model.parameters() if is_tp_partial(p))
     return run.comm.bytes.get(("tp", "sequence_grads"), 0.0), partial
 
@@ -115,7 +116,7 @@ def test_a_resumed_run_continues_exactly(tmp_path) -> None:
     mesh = Mesh.build(1, 1, 1, torch.device("cpu"))
     whole = _cfg(model="llama-moe-tiny", steps=4, precision="fp64")
     straight = train(whole, mesh=mesh).losses
-    first = train(whole.replace(steps=2), mesh=mesh)
+    first = train(dataclasses.replace(whole, steps=2), mesh=mesh)
     tm.save(first.parallel, first.opt, tmp_path / "ckpt", 2)
     resumed = build(whole, mesh)
     resumed.train(start=tm.load(resumed.parallel, resumed.opt, tmp_path / "ckpt"))

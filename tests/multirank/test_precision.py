@@ -77,7 +77,7 @@ def _fp16_overflow_rank(cfg: Case, nan_at: tuple[int, int]):
     run = build(cfg)
     rank = torch.distributed.get_rank()
     trace = []
-    for step in range(cfg.optim.steps):
+    for step in range(cfg.steps):
         undo = nan_gradients(run) if (rank, step) == nan_at else lambda: None
         before = [p.detach().clone() for p in run.model.parameters()]
         run.forward_backward(step)

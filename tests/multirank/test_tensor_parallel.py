@@ -116,7 +116,7 @@ def _step_counts(cfg: Case) -> tuple[dict[str, float], list[torch.Size], int]:
             module.register_forward_hook(lambda _m, args, _out: shapes.append(args[0].shape))
     saved = SavedActivations(run.model.parameters())
     run.forward_backward(0, saved)
-    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+    run.engine.step(cfg.lr, cfg.grad_clip)
     return {op: b for (axis, op), b in run.comm.bytes.items() if axis == "tp"}, shapes, saved.bytes
 
 
@@ -131,7 +131,7 @@ def test_one_step_communication_and_activations_match_the_papers():
     cfgs = [_cfg(2), _cfg(2, sp=True)]
     results = run_ranks(_one_step, 2, cfgs)[0]
     for cfg, (counted, shapes, _) in zip(cfgs, results):
-        sp = cfg.layout.sequence_parallel
+        sp = cfg.sequence_parallel
         expected = expected_tp_bytes(TINY, cfg.micro_batch, 2, sp)
         assert counted.keys() == expected.keys()
         for op in expected:

@@ -70,7 +70,7 @@ def test_compiled_zero3_compiles_each_block_once_and_computes_what_eager_does():
         for step in range(3):
             with torch._dynamo.config.patch(error_on_recompile=step > 0):
                 out.append(run.forward_backward(step).item())
-            run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+            run.engine.step(cfg.lr, cfg.grad_clip)
         return out
 
     torch._dynamo.reset()
@@ -100,7 +100,7 @@ def test_mixed_precision_keeps_low_precision_parameters_and_an_fp32_master_shard
     cfg = _cfg(1, 3, precision="bf16", reduce_dtype="bf16")
     run = build(cfg, Mesh.build(1, 1, 1, torch.device("cpu")))
     run.forward_backward(0)
-    run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+    run.engine.step(cfg.lr, cfg.grad_clip)
     groups = run.engine.groups
     assert all(g.shard.dtype == g.flat.dtype == torch.bfloat16 for g in groups)
     assert all(g.grad_shard.dtype == torch.bfloat16 and g.master.dtype == torch.float32 for g in groups)
@@ -120,7 +120,7 @@ def test_non_finite_gradient_skips_the_update(stage):
     poison = next(run.model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
     run.forward_backward(0)
     poison.remove()
-    assert math.isnan(run.engine.step(cfg.optim.lr, cfg.optim.grad_clip))
+    assert math.isnan(run.engine.step(cfg.lr, cfg.grad_clip))
     after = run.parallel.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -134,12 +134,12 @@ def _nan_step_traces(cfgs: list[Case]) -> list[tuple[list[tuple[float, float, bo
     for cfg in cfgs:
         run = build(cfg, mesh)
         trace = []
-        for step in range(cfg.optim.steps):
+        for step in range(cfg.steps):
             undo = nan_gradients(run) if (step, torch.distributed.get_rank()) == (2, 1) else lambda: None
             before = run.parallel.state_dict()
             run.forward_backward(step)
             scale = run.engine.loss_scale
-            run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+            run.engine.step(cfg.lr, cfg.grad_clip)
             undo()
             after = run.parallel.state_dict()
             trace.append((scale, run.engine.loss_scale, all(torch.equal(before[k], after[k]) for k in before)))
@@ -273,10 +273,10 @@ def _one_step_events(cfgs: list[Case]) -> dict[int, tuple]:
         units = [u.name for u in getattr(run.engine, "units", [])]
         still_gathered = [u.name for u in getattr(run.engine, "units", []) if u.gathered]
         full_grads_held = [g.name for g in run.engine.groups if g.grad_flat is not None]
-        run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+        run.engine.step(cfg.lr, cfg.grad_clip)
         with run.engine.gathered() if units else torch.no_grad():
             exported = {k: v.clone() for k, v in run.model.state_dict().items()}
-        out[cfg.layout.zero] = events, units, still_gathered, full_grads_held, exported
+        out[cfg.zero] = events, units, still_gathered, full_grads_held, exported
     return out
 
 
@@ -323,7 +323,7 @@ def _in_step_peaks(cfgs: list[Case]) -> list[int]:
         run = build(cfg, mesh)
         run.engine.peak_state_bytes = 0
         run.forward_backward(0)
-        run.engine.step(cfg.optim.lr, cfg.optim.grad_clip)
+        run.engine.step(cfg.lr, cfg.grad_clip)
         peaks.append(run.engine.peak_state_bytes)
     return peaks
 
