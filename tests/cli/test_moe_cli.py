@@ -19,7 +19,7 @@ from trainmesh.distributed.testing import run_ranks
 from trainmesh.tracking.records import scalars
 from trainmesh.tracking.report import report
 
-_cfg = functools.partial(Config, model="moe-tiny", steps=6, warmup_steps=1, global_batch=8, progress=False,
+_cfg = functools.partial(Config.from_settings, model="moe-tiny", steps=6, warmup_steps=1, global_batch=8, progress=False,
                          tensorboard=False)
 
 
