@@ -45,8 +45,11 @@ class KVCache:
         return next(iter(self.layers.values())).length
 
 
+WINDOW_BLOCK = 256  # query rows per band: smaller bands compute fewer masked keys but cost more per key on CPU
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
-                     block: int = 256) -> torch.Tensor:
+                     block: int = WINDOW_BLOCK) -> torch.Tensor:
     """Causal softmax attention where the queries are the last ``q.shape[2]`` key positions, within ``window``
     keys when given (transformers' mask: key j visible to query i iff i - window < j <= i). A window shorter
     than the keys runs ``block`` queries at a time, each over only the band of keys its window reaches, so the
