@@ -26,7 +26,7 @@ def masked_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) 
 
 @pytest.mark.parametrize("q_len,k_len,window,block", [(10, 10, 3, 4), (10, 10, 1, 3), (17, 17, 5, 4),
                                                      (12, 12, 12, 4), (12, 12, 40, 4), (9, 9, 4, 64),
-                                                     (5, 12, 4, 2), (1, 9, 3, 4)])
+                                                     (5, 12, 4, 2), (1, 9, 3, 4), (1, 30, 3, 4), (7, 30, 9, 4)])
 def test_banded_attention_equals_masked_full_attention_forward_and_backward(q_len: int, k_len: int, window: int,
                                                                              block: int) -> None:
     """Windows shorter, equal and longer than the sequence, window 1, lengths no multiple of the block, and
@@ -51,12 +51,12 @@ def test_attention_core_shares_kv_heads_under_a_window() -> None:
 
 
 def test_planner_prices_the_band_the_windowed_core_computes() -> None:
-    """mistral-7b at 1000 tokens, window 300: the core's blocks of 256 queries see keys 0-255, 0-511, 213-767
-    and 469-999 (from their first row's window start to their last row), the last block holding 232 rows; the
-    MFU forward count takes each query's 300 keys."""
+    """mistral-7b at 600 tokens, window 300: the core's blocks of 128 queries see keys 0-127, 0-255, 0-383,
+    85-511 and 213-599 (from their first row's window start to their last row), the last block holding 88 rows;
+    the MFU forward count takes each query's 300 keys."""
     shape = dataclasses.replace(model_shape("mistral-7b"), sliding_window=300)
     qk, v = core_width(shape)
-    band = 256 * 256 + 256 * 512 + 256 * (768 - 213) + 232 * (1000 - 469)
-    core = block_gemms(Workload(shape, 1, 1000), Layout())["attention"]
+    band = 128 * (128 + 256 + 384 + (512 - 85)) + 88 * (600 - 213)
+    core = block_gemms(Workload(shape, 1, 600), Layout())["attention"]
     assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * band)
-    assert attention_forward_flops(shape, 1000) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)
+    assert attention_forward_flops(shape, 600) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)
