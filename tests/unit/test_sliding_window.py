@@ -51,12 +51,12 @@ def test_attention_core_shares_kv_heads_under_a_window() -> None:
 
 
 def test_planner_prices_the_band_the_windowed_core_computes() -> None:
-    """mistral-7b at 600 tokens, window 300: the core's blocks of 128 queries see keys 0-127, 0-255, 0-383,
-    85-511 and 213-599 (from their first row's window start to their last row), the last block holding 88 rows;
-    the MFU forward count takes each query's 300 keys."""
+    """mistral-7b at 1000 tokens, window 300: the core's blocks of 256 queries see keys 0-255, 0-511, 213-767
+    and 469-999 (from their first row's window start to their last row), the last block holding 232 rows; the
+    MFU forward count takes each query's 300 keys."""
     shape = dataclasses.replace(model_shape("mistral-7b"), sliding_window=300)
     qk, v = core_width(shape)
-    band = 128 * (128 + 256 + 384 + (512 - 85)) + 88 * (600 - 213)
-    core = block_gemms(Workload(shape, 1, 600), Layout())["attention"]
+    band = 256 * 256 + 256 * 512 + 256 * (768 - 213) + 232 * (1000 - 469)
+    core = block_gemms(Workload(shape, 1, 1000), Layout())["attention"]
     assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * band)
-    assert attention_forward_flops(shape, 600) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)
+    assert attention_forward_flops(shape, 1000) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)
