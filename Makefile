@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-cp bench-moe bench-data bench-multinode clean
+.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-moe bench-data bench-multinode clean
 
 setup: $(STAMP)
 
@@ -72,6 +72,9 @@ bench-pp4: setup
 
 bench-plan: setup
 	$(BIN)/python -m trainmesh_bench.plan --model small
+
+bench-window: setup
+	$(BIN)/python -m trainmesh_bench.window
 
 # prepare tokens/s (1 and 2 workers), loader vs training tokens/s, trainer RSS vs corpus size; data in /tmp.
 # Sizes: make bench-data BENCH_DATA_ARGS="--large-gb 4"

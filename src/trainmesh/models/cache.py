@@ -45,14 +45,32 @@ class KVCache:
         return next(iter(self.layers.values())).length
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+WINDOW_BLOCK = 256  # query rows per band: smaller bands compute fewer masked keys but cost more per key on CPU
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+                     block: int = WINDOW_BLOCK) -> torch.Tensor:
     """Causal softmax attention where the queries are the last ``q.shape[2]`` key positions, within ``window``
-    keys when given (transformers' mask: key j visible to query i iff i - window < j <= i). Equal lengths
-    without a window take SDPA's ``is_causal``; otherwise an explicit bottom-right-aligned mask."""
+    keys when given (transformers' mask: key j visible to query i iff i - window < j <= i). A window shorter
+    than the keys runs ``block`` queries at a time, each over only the band of keys its window reaches, so the
+    work is O(seq * (window + block)) rather than O(seq^2); the bands are views of the keys, so backward saves
+    no copies of them. Equal lengths take SDPA's ``is_causal``; otherwise an explicit bottom-right-aligned mask."""
     q_len, k_len = q.shape[2], k.shape[2]
-    if q_len == k_len and (window is None or window >= k_len):
+    if window is not None and window < k_len:
+        return torch.cat([_band(q, k, v, window, start, min(start + block, q_len))
+                          for start in range(0, q_len, block)], dim=2)
+    if q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-    if window is not None:
-        mask &= ~torch.ones_like(mask).tril(k_len - q_len - window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, start: int, end: int) -> torch.Tensor:
+    """Queries ``start:end`` over the keys their window reaches, [first - window + 1, last], exactly masked."""
+    first, last = start + k.shape[2] - q.shape[2], end - 1 + k.shape[2] - q.shape[2]  # their key positions
+    low = max(0, first - window + 1)
+    q_pos = torch.arange(first, last + 1, device=q.device)[:, None]
+    k_pos = torch.arange(low, last + 1, device=q.device)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, low:last + 1], v[:, :, low:last + 1],
+                                          attn_mask=mask)

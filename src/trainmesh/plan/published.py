@@ -18,7 +18,7 @@ from trainmesh.plan.workload import Pricing, Workload
 
 # GPT-OSS 120B (OpenAI, gpt-oss-120b config.json): 36 layers at 2880 wide, 64 query heads of 64, 8 key/value
 # heads, q/k/v biases, 128 experts of 2880, top-4, vocabulary 201,088; its alternate sliding-window layers
-# priced as full attention (the planner does not price windows).
+# priced as full attention (this shape carries no window).
 GPT_OSS_120B = dataclasses.replace(_llama_moe(36, 2880, 64, 8, 2880, 201088, experts=128, top_k=4, d_ff_expert=2880),
                                    head_dim=64, qkv_bias=True)
 # Qwen3-235B-A22B (Qwen3 technical report, 2025, and its config.json): 94 layers at 4096 wide, 64 query heads

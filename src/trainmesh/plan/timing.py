@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from trainmesh.tracking.metrics import head_flops_per_token
+from trainmesh.models.cache import WINDOW_BLOCK
 from trainmesh.models.spec import ModelShape
 from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
@@ -87,7 +88,7 @@ def gemm_efficiency(cluster: Cluster, dims: tuple[int, ...]) -> float:
 def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[str, Gemm]:
     """The matmuls of one block's forward for one micro-batch on one tp rank [NAR, 2.3 and app. FLOPs]; an MoE expert's
     take ep x tokens x top_k / n_experts rows under balanced routing (why ep makes them efficient)."""
-    m, t = workload.model, layout.tp
+    m, t, s = workload.model, layout.tp, workload.seq_len
     s_local = local_seq(workload, layout)
     tokens = s_local * micro_batch_size(workload, layout)
     h = m.d_model
@@ -96,8 +97,7 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     gemms = {
         "qkv": Gemm(2 * tokens * (attention_weights(m) - values * h) / t, _qkv_dims(m, tokens, t)),
         "proj": Gemm(2 * tokens * values * h / t, (tokens, values // t, h)),
-        "attention": Gemm(2 * tokens * workload.seq_len * m.n_heads * (qk + v) / t * causal_share(m),
-                          (s_local, qk, workload.seq_len), linear=False),
+        "attention": Gemm(2 * tokens * s * m.n_heads * (qk + v) / t * causal_share(m, s), (s_local, qk, s), False),
     }
     inputs = 2 if m.gated_mlp else 1
     if not moe:
@@ -114,10 +114,16 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     return gemms
 
 
-def causal_share(m: ModelShape) -> float:
+def causal_share(m: ModelShape, seq_len: int) -> float:
     """The part of the s x s score matrix the attention core computes: half for a fused causal kernel [Dao,
-    FlashAttention-2, 2023, 3.1], all of it for an unfused core (Megatron-LM in 2021 [NAR])."""
-    return 0.5 if m.flash_attention else 1.0
+    FlashAttention-2, 2023, 3.1], all of it for an unfused core (Megatron-LM in 2021 [NAR]); under a sliding
+    window shorter than s, the band :func:`trainmesh.models.cache.causal_attention` computes: each block of
+    query rows over the keys from its first row's window start to its last row."""
+    w = m.sliding_window
+    if w is None or w >= seq_len:
+        return 0.5 if m.flash_attention else 1.0
+    ends = {start: min(start + WINDOW_BLOCK, seq_len) for start in range(0, seq_len, WINDOW_BLOCK)}
+    return sum((end - start) * (end - max(0, start - w + 1)) for start, end in ends.items()) / seq_len ** 2
 
 
 def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:

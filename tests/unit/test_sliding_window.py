@@ -1,0 +1,62 @@
+"""Sliding-window attention computed band by band equals the masked full attention, and the planner prices the
+band the core computes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import FP64_ATOL
+from trainmesh.models.cache import causal_attention
+from trainmesh.models.llama import AttentionCore
+from trainmesh.plan import Layout, Workload, model_shape
+from trainmesh.plan.flops import attention_forward_flops, attention_weights, core_width
+from trainmesh.plan.timing import block_gemms
+
+
+def masked_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """The whole score matrix under the bottom-right-aligned causal window mask (key j seen by query i iff
+    i - window < j <= i)."""
+    i = torch.arange(k.shape[2] - q.shape[2], k.shape[2])[:, None]
+    j = torch.arange(k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window))
+
+
+@pytest.mark.parametrize("q_len,k_len,window,block", [(10, 10, 3, 4), (10, 10, 1, 3), (17, 17, 5, 4),
+                                                     (12, 12, 12, 4), (12, 12, 40, 4), (9, 9, 4, 64),
+                                                     (5, 12, 4, 2), (1, 9, 3, 4), (1, 30, 3, 4), (7, 30, 9, 4)])
+def test_banded_attention_equals_masked_full_attention_forward_and_backward(q_len: int, k_len: int, window: int,
+                                                                             block: int) -> None:
+    """Windows shorter, equal and longer than the sequence, window 1, lengths no multiple of the block, and
+    queries that are only the last positions (decoding with a cache): outputs and gradients to float64 noise."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, q_len, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, k_len, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ours, ref = causal_attention(q, k, v, window, block), masked_full(q, k, v, window)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(ours, ref, atol=FP64_ATOL, rtol=0)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, atol=FP64_ATOL, rtol=0)
+
+
+def test_attention_core_shares_kv_heads_under_a_window() -> None:
+    """GQA: 4 query heads over 2 KV heads, each KV head repeated for its group, then the window's band."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 300, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(2))
+    ref = masked_full(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), 37)
+    torch.testing.assert_close(AttentionCore(37)(q, k, v), ref, atol=FP64_ATOL, rtol=0)
+
+
+def test_planner_prices_the_band_the_windowed_core_computes() -> None:
+    """mistral-7b at 1000 tokens, window 300: the core's blocks of 256 queries see keys 0-255, 0-511, 213-767
+    and 469-999 (from their first row's window start to their last row), the last block holding 232 rows; the
+    MFU forward count takes each query's 300 keys."""
+    shape = dataclasses.replace(model_shape("mistral-7b"), sliding_window=300)
+    qk, v = core_width(shape)
+    band = 256 * 256 + 256 * 512 + 256 * (768 - 213) + 232 * (1000 - 469)
+    core = block_gemms(Workload(shape, 1, 1000), Layout())["attention"]
+    assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * band)
+    assert attention_forward_flops(shape, 1000) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)
