@@ -3,7 +3,8 @@ attention and MLP, scaled embeddings, GeGLU, a tied head, a softmax scale apart 
 ``Gemma3ForCausalLM`` written by ``save_pretrained`` gives transformers' logits once imported and once exported
 and reloaded (float64, 1e-10 of the logits' scale, transformers' float32 RMSNorm and rotary angles lifted to the
 model's dtype); it decodes with the KV cache as without; it trains under tp, cp and tp2 x pp2 as one process
-does (float64, 1e-9)."""
+does (float64, 1e-9), and at dp2 ZeRO-2 (slow; a tied model at ZeRO-3 without pp is refused, its embedding and
+head sharing a unit); recomputation keeps its losses."""
 
 import dataclasses
 import functools
@@ -12,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import check_equivalent
+from helpers import check_equivalent, in_fp64, train
 from helpers import config as run_config
+from trainmesh.distributed.mesh import Mesh
 from trainmesh.models import gemma, hf, preset, spec_of
 from trainmesh.models.cache import KVCache
 from trainmesh.models.llama import Llama
@@ -126,3 +128,15 @@ def test_gemma3_tp2_sp_and_cp2_match_single_process():
 
 def test_gemma3_tp2_pp2_matches_single_process():
     check_equivalent([_cfg(model="gemma3-tiny", tp=2, pp=2, microbatches=2)], world_size=4)
+
+
+@pytest.mark.slow
+def test_gemma3_dp2_zero2_matches_single_process():
+    check_equivalent([_cfg(model="gemma3-tiny", dp=2, zero=2)], world_size=2)
+
+
+def test_gemma3_recompute_keeps_its_losses():
+    runs = {mode: train(in_fp64(_cfg(model="gemma3-tiny", recompute=mode, steps=2)),
+                        mesh=Mesh.build(1, 1, 1, torch.device("cpu"))) for mode in ("none", "selective", "full")}
+    for mode in ("selective", "full"):
+        assert max(abs(a - b) for a, b in zip(runs["none"].losses, runs[mode].losses)) <= 1e-12, mode
