@@ -83,7 +83,8 @@ class LlamaConfig:
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                          sliding_window=self.sliding_window, kv_lora_rank=self.kv_lora_rank,
+                          sandwich_norm=self.sandwich_norm, sliding_window=self.sliding_window,
+                          kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
                           qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
                           head_dim=self.head_dim, **experts)
