@@ -205,6 +205,7 @@ class Attention(nn.Module):
         own_base = local and cfg.local_rope_theta is not None
         self.rope = Rotary(cfg.head_size, *((cfg.local_rope_theta, None) if own_base else
                                             (cfg.rope_theta, cfg.rope_scaling)))
+        self.theta = self.rope.theta
         self.query_gain = (cfg.head_size / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
         heads = cfg.n_heads * cfg.head_size
         self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
