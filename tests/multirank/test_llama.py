@@ -95,7 +95,7 @@ def test_tp_shard_of_the_grouped_qkv_holds_whole_kv_groups():
 
 # --- parameter counts, specs, refusals -----------------------------------------------------------------
 
-ATTENTION_VARIANTS = ("qwen2", "qwen3", "qwen3-moe", "deepseek-v3")  # ModelShape counts them, plan/memory not yet
+ATTENTION_VARIANTS = ("qwen2", "qwen3", "qwen3-moe", "deepseek-v3", "gemma3")  # ModelShape counts them, plan/memory not yet
 
 
 def test_models_count_exactly_the_parameters_the_planner_counts():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainmesh.models import deepseek, gpt, hf_llama, llama, mistral, qwen
+from trainmesh.models import deepseek, gemma, gpt, hf_llama, llama, mistral, qwen
 from trainmesh.models.moe import MoEConfig
 from trainmesh.models.rope import RopeScaling
 from trainmesh.models.spec import HFMapping, ModelShape, ModelSpec, Staged, StageLayout
@@ -83,6 +83,8 @@ def llama_variant(cfg: llama.LlamaConfig) -> str:
     imported from a Mistral without a window: they compute the same)."""
     if cfg.kv_lora_rank:
         return "deepseek-v3"
+    if cfg.sandwich_norm:
+        return "gemma3"
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
 
 
@@ -113,6 +115,7 @@ SPECS: list[ModelSpec] = [
     llama_family("qwen2", qwen.QWEN2_PRESETS, qwen.QWEN2_PLANNER_PRESETS, llama.TP_PLAN, qwen.QWEN2_MAPPING),
     llama_family("qwen3", qwen.QWEN3_PRESETS, qwen.QWEN3_PLANNER_PRESETS, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MAPPING),
     llama_family("mistral", mistral.PRESETS, mistral.PLANNER_PRESETS, llama.TP_PLAN, mistral.HF_MAPPING),
+    llama_family("gemma3", gemma.PRESETS, gemma.PLANNER_PRESETS, gemma.TP_PLAN, gemma.HF_MAPPING),
     ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
               cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},

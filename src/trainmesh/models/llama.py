@@ -7,6 +7,7 @@ and ``mlp.gate_up`` is one fused ``[gate | up]`` linear."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,7 +28,11 @@ from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explici
 class LlamaConfig:
     """Shape of a Llama: GQA when ``n_kv_heads < n_heads``; ``moe`` (Mixtral, Qwen3-MoE, DeepSeek-V3), ``qkv_bias``
     (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral), ``kv_lora_rank`` (:class:`LatentAttention`),
-    ``head_dim`` and ``rope_scaling`` (:mod:`trainmesh.models.rope`) for the families built on it."""
+    ``head_dim`` and ``rope_scaling`` (:mod:`trainmesh.models.rope`) for the families built on it. Gemma 3's:
+    every ``global_every``-th layer attends over everything, the others in the window with ``local_rope_theta``
+    (unscaled); ``query_pre_attn_scalar`` replaces the head size in the softmax scale; RMSNorm gains ``1 + w``
+    (``norm_offset``), norms after attention and MLP too (``sandwich_norm``), embeddings times sqrt(d_model)
+    (``embed_scale``), ``mlp_act`` the gate's activation (:data:`ACTIVATIONS`)."""
 
     n_layers: int
     d_model: int
@@ -50,6 +55,17 @@ class LlamaConfig:
     v_head_dim: int = 0
     head_dim: int | None = None
     rope_scaling: RopeScaling | None = None
+    global_every: int = 0
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    norm_offset: bool = False
+    sandwich_norm: bool = False
+    embed_scale: bool = False
+    mlp_act: str = "silu"
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within the sliding window."""
+        return self.sliding_window is not None and not (self.global_every and (layer + 1) % self.global_every == 0)
 
     @property
     def head_size(self) -> int:
@@ -67,7 +83,8 @@ class LlamaConfig:
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                          sliding_window=self.sliding_window, kv_lora_rank=self.kv_lora_rank,
+                          sandwich_norm=self.sandwich_norm, sliding_window=self.sliding_window,
+                          kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
                           qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
                           head_dim=self.head_dim, **experts)
@@ -111,17 +128,18 @@ MOE_PLANNER_PRESETS: dict[str, LlamaConfig] = {
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * g (Zhang & Sennrich, 2019), normalised in at least fp32 whatever the compute dtype."""
+    """x / rms(x) * g (Zhang & Sennrich, 2019), normalised in at least fp32 whatever the compute dtype; with
+    ``offset`` the gain is ``1 + g`` and ``g`` starts at 0 (Gemma's)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return normed.to(x.dtype) * (1 + self.weight if self.offset else self.weight)
 
 
 def rotary_angles_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
@@ -176,16 +194,24 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """GQA with rotary positions; layer ``layer``'s window and rope base (:meth:`LlamaConfig.is_local`). The
+    queries carry any ``query_pre_attn_scalar`` scale, so the core (and cp's ring) keep ``1/sqrt(head_dim)``."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.head_dim, self.group, self.theta = cfg.head_size, cfg.group, cfg.rope_theta
-        self.core = AttentionCore(cfg.sliding_window)
-        self.rope = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+        self.head_dim, self.group = cfg.head_size, cfg.group
+        local = cfg.is_local(layer)
+        self.core = AttentionCore(cfg.sliding_window if local else None)
+        own_base = local and cfg.local_rope_theta is not None
+        self.rope = Rotary(cfg.head_size, *((cfg.local_rope_theta, None) if own_base else
+                                            (cfg.rope_theta, cfg.rope_scaling)))
+        self.theta = self.rope.theta
+        self.query_gain = (cfg.head_size / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
         heads = cfg.n_heads * cfg.head_size
         self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(heads, cfg.d_model, bias=False)
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps), RMSNorm(cfg.head_size, cfg.norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(cfg.head_size, cfg.norm_eps, cfg.norm_offset) for _ in "qk")
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -198,6 +224,8 @@ class Attention(nn.Module):
         start = 0 if cache is None else cache.length
         cos, sin = self.rope(torch.arange(start, start + t, device=q.device), q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.query_gain != 1.0:
+            q = q * self.query_gain
         if cache is not None:
             k, v = cache.extend(k, v)
         y = self.core(q, k, v)
@@ -247,38 +275,56 @@ class LatentAttention(nn.Module):
         return self.o(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer, 2020, "GLU Variants Improve Transformer")."""
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+"""The gate activations by ``LlamaConfig.mlp_act``: SwiGLU's, and GeGLU's tanh-approximated GELU (Gemma)."""
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+
+class SwiGLU(nn.Module):
+    """down(act(gate(x)) * up(x)), act SiLU or GELU (Shazeer, 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, d_model: int, d_ff: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = ACTIVATIONS[act]
         self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
         self.down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP residuals; with ``sandwich_norm`` each branch's output normed too (Gemma's)."""
+
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, SwiGLU, gated=True)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
+        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
+        self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, functools.partial(SwiGLU, act=cfg.mlp_act),
+                             gated=True)
+        if cfg.sandwich_norm:
+            self.attn_post_norm, self.mlp_post_norm = (RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
+                                                       for _ in "am")
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache)
-        return x + self.mlp(self.mlp_norm(x))
+        out = self.attn(self.attn_norm(x), cache)
+        x = x + (self.attn_post_norm(out) if hasattr(self, "attn_post_norm") else out)
+        out = self.mlp(self.mlp_norm(x))
+        return x + (self.mlp_post_norm(out) if hasattr(self, "mlp_post_norm") else out)
 
 
 class TokenEmbedding(nn.Embedding):
-    """Token ids to vectors. Positions enter attention by rotation, so the ``start`` position that the stage
-    contract hands every embedding when decoding with a cache changes nothing here."""
+    """Token ids to vectors, times ``scale`` in their dtype when set (Gemma's sqrt(d_model); tp's vocabulary-split
+    table keeps it). Positions enter attention by rotation, so the ``start`` position that the stage contract
+    hands every embedding when decoding with a cache changes nothing here."""
+
+    scale: float | None = None
 
     def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        return super().forward(ids)
+        out = super().forward(ids)
+        return out if self.scale is None else out * torch.tensor(self.scale, dtype=out.dtype)
 
 
 class Llama(nn.Module):
@@ -288,8 +334,9 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Module | None = TokenEmbedding(cfg.vocab_size, cfg.d_model)
+        self.embed.scale = math.sqrt(cfg.d_model) if cfg.embed_scale else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.head: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters(seed)
         if cfg.tie_embeddings:
@@ -305,7 +352,7 @@ class Llama(nn.Module):
             if name.endswith(".bias"):
                 p.zero_()
             elif p.dim() == 1:
-                p.fill_(1.0)
+                p.fill_(0.0 if self.cfg.norm_offset else 1.0)
             else:
                 residual = ("attn.o.weight", "mlp.down.weight", "shared.down.weight", "experts.w2")
                 std = residual_std if name.endswith(residual) else 0.02
@@ -397,12 +444,17 @@ def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _layer_names(cfg: LlamaConfig, i: int) -> dict[str, str]:
-    """Our name -> HF's, for the one-to-one tensors of layer ``i`` outside its MLP (Qwen3's q/k norms too)."""
+    """Our name -> HF's, for the one-to-one tensors of layer ``i`` outside its MLP (Qwen3's q/k norms, Gemma's
+    four norms a layer too)."""
     ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
     norms = {ours + f"attn.{x}_norm.weight": theirs + f"self_attn.{x}_norm.weight" for x in "qk"} if cfg.qk_norm else {}
+    if cfg.sandwich_norm:
+        norms |= {ours + "attn_post_norm.weight": theirs + "post_attention_layernorm.weight",
+                  ours + "mlp_post_norm.weight": theirs + "post_feedforward_layernorm.weight"}
+    mlp_norm = "pre_feedforward_layernorm" if cfg.sandwich_norm else "post_attention_layernorm"
     return {ours + "attn_norm.weight": theirs + "input_layernorm.weight",
             ours + "attn.o.weight": theirs + "self_attn.o_proj.weight",
-            ours + "mlp_norm.weight": theirs + "post_attention_layernorm.weight", **norms}
+            ours + "mlp_norm.weight": theirs + f"{mlp_norm}.weight", **norms}
 
 
 def _top_names(cfg: LlamaConfig) -> dict[str, str]:

@@ -68,6 +68,7 @@ class ModelShape:
     n_dense_layers: int = 0
     qkv_bias: bool = False
     qk_norm: bool = False
+    sandwich_norm: bool = False
     sliding_window: int | None = None
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -157,12 +158,17 @@ class ModelShape:
         biases = (self.qkv_width + d) if self.bias else self.qkv_width if self.qkv_bias else 0
         return d * self.qkv_width + self.attention_width * d + biases + (2 * self.head_size if self.qk_norm else 0)
 
+    @property
+    def block_norm_params(self) -> int:
+        """One block's norms outside attention: two, four with norms after attention and MLP too (Gemma's)."""
+        return (4 if self.sandwich_norm else 2) * self.d_model * (2 if self.bias else 1)
+
     def n_params(self) -> int:
         """Total parameter count: every block, the embeddings, the final norm and the (untied) head."""
         d = self.d_model
         norm = d * (2 if self.bias else 1)
         attention = self.attention_params()
-        dense = 2 * norm + attention + self.mlp_params(self.d_ff, True)
+        dense = self.block_norm_params + attention + self.mlp_params(self.d_ff, True)
         moe_layers = self.n_layers - self.n_dense_layers if self.n_experts else 0
         blocks = self.n_layers * dense + moe_layers * (self.moe_params() - self.mlp_params(self.d_ff, True))
         embed = self.vocab_size * d + (self.seq_len * d if self.learned_positions else 0)

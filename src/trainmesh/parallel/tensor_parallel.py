@@ -323,12 +323,15 @@ class VocabParallelEmbedding(ShardedModule):
     def __init__(self, embedding: nn.Embedding, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__(comm, sequence_parallel)
         self._adopt("weight", embedding.weight, ShardSpec(0))
+        self.scale = getattr(embedding, "scale", None)  # a scaled table's factor (Gemma's sqrt(d_model))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         local = ids - self.comm.mesh.rank(AXIS) * rows
         outside = (local < 0) | (local >= rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=out.dtype)
         return _row_parallel_output(out, self.comm, self.sequence_parallel)
 
 

@@ -53,6 +53,7 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
     else:
         attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(m.attention_width, d, tp, b, False),
                      _norm(m)]
+    attention += [_norm(m), _norm(m)] if m.sandwich_norm else []
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
 
 

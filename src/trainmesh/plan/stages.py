@@ -47,7 +47,7 @@ def _fill_to(costs: tuple[float, ...], head: float, chunks: int, bound: float) -
 def parameter_split(m: ModelShape, chunks: int) -> tuple[int, ...]:
     """The runtime's split without ``--stage-layers``: parameter counts balanced, the embedding counted on
     the first chunk and the final norm and head (a tied one a copy) on the last (``partition.partition_model``)."""
-    base = 2 * m.d_model * (2 if m.bias else 1) + m.attention_params()
+    base = m.block_norm_params + m.attention_params()
     sizes = [base + (m.moe_params() if is_moe_layer(m, i) else m.mlp_params(m.d_ff, True)) for i in range(m.n_layers)]
     embed = m.vocab_size * m.d_model + (m.seq_len * m.d_model if m.learned_positions else 0)
     return tuple(len(r) for r in balanced_partition(sizes, chunks, embed, m.d_model * m.vocab_size))
