@@ -27,7 +27,8 @@ from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, explici
 class LlamaConfig:
     """Shape of a Llama: GQA when ``n_kv_heads < n_heads``; ``moe`` (Mixtral, Qwen3-MoE, DeepSeek-V3), ``qkv_bias``
     (Qwen2), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral), ``kv_lora_rank`` (:class:`LatentAttention`),
-    ``head_dim`` and ``rope_scaling`` (:mod:`trainmesh.models.rope`) for the families built on it."""
+    ``head_dim`` and ``rope_scaling`` (:mod:`trainmesh.models.rope`) for the families built on it; GPT-OSS's
+    ``attention_sinks``, ``o_bias`` and ``alternate_window`` (the window on even layers only)."""
 
     n_layers: int
     d_model: int
@@ -50,6 +51,13 @@ class LlamaConfig:
     v_head_dim: int = 0
     head_dim: int | None = None
     rope_scaling: RopeScaling | None = None
+    attention_sinks: bool = False
+    o_bias: bool = False
+    alternate_window: bool = False
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: full attention)."""
+        return None if self.alternate_window and layer % 2 else self.sliding_window
 
     @property
     def head_size(self) -> int:
@@ -67,7 +75,8 @@ class LlamaConfig:
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                          sliding_window=self.sliding_window, kv_lora_rank=self.kv_lora_rank,
+                          sliding_window=None if self.alternate_window else self.sliding_window,
+                          kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
                           qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
                           head_dim=self.head_dim, **experts)
@@ -161,29 +170,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-class AttentionCore(nn.Module):
-    """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set; its own
-    module so selective recomputation [KOR, §5] redoes exactly this and cp finds its window."""
+class Sinks(nn.Module):
+    """One learned logit per query head (GPT-OSS's attention sinks), its own module so tp splits it by heads."""
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+    """:func:`~trainmesh.models.cache.causal_attention` with each head's sink logit in the softmax's denominator
+    and no value (GPT-OSS): the unsinked output times sigmoid(lse - sink), lse the log of the causal denominator."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    if window is not None:
+        visible &= ~torch.ones_like(visible).tril(k_len - q_len - window)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    return causal_attention(q, k, v, window) * torch.sigmoid(lse - sinks.to(q.dtype).view(-1, 1, 1))
+
+
+class AttentionCore(nn.Module):
+    """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set, with
+    ``n_sinks`` heads' sinks when set; its own module so selective recomputation [KOR, §5] redoes exactly this
+    and cp finds its window."""
+
+    def __init__(self, window: int | None = None, n_sinks: int = 0) -> None:
         super().__init__()
         self.window = window
+        self.sinks = Sinks(n_sinks) if n_sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.sinks is not None:
+            return sink_attention(q, k, v, self.sinks(), self.window)
         return causal_attention(q, k, v, self.window)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim, self.group, self.theta = cfg.head_size, cfg.group, cfg.rope_theta
-        self.core = AttentionCore(cfg.sliding_window)
+        self.core = AttentionCore(cfg.window(layer), cfg.n_heads if cfg.attention_sinks else 0)
         self.rope = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
         heads = cfg.n_heads * cfg.head_size
         self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(heads, cfg.d_model, bias=False)
+        self.o = nn.Linear(heads, cfg.d_model, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps), RMSNorm(cfg.head_size, cfg.norm_eps)
 
@@ -264,7 +301,7 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = layer_mlp(cfg.d_model, cfg.d_ff, cfg.moe, layer, SwiGLU, gated=True)
 
@@ -353,7 +390,7 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
 
 
 OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window",
-           "kv_lora_rank": "latent attention"}
+           "kv_lora_rank": "latent attention", "attention_sinks": "attention sinks", "o_bias": "an o bias"}
 """The attention options of :class:`LlamaConfig` that not every architecture has a place for."""
 
 
