@@ -66,18 +66,14 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
 
 
 def to_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
-    """The ``GptOssConfig`` attributes of ours; refused where GPT-OSS has no place for what ours computes."""
+    """The ``GptOssConfig`` attributes of ours; refused where GPT-OSS computes otherwise."""
     m = cfg.moe
-    differs = {"attention_sinks": (cfg.attention_sinks, True), "qkv_bias": (cfg.qkv_bias, True),
-               "o_bias": (cfg.o_bias, True), "qk_norm": (cfg.qk_norm, False), "biases": (m and m.biases, True),
-               "n_shared_experts": (m and m.n_shared_experts, 0), "n_dense_layers": (m and m.n_dense_layers, 0),
-               "score": (m and m.score, "softmax"), "normalize_top_k": (m and m.normalize_top_k, True),
-               "group_limited": (m and m.group_limited, False),
-               "alternate_window": (cfg.alternate_window or not cfg.sliding_window, True)}
-    for what, (here, theirs) in differs.items():
-        if here != theirs:
-            raise HFIncompatible(f"{what} is {here!r}; GptOssForCausalLM has {theirs!r}, so this model cannot be "
-                                 f"written as one")
+    here = (m.biases, m.n_shared_experts, m.n_dense_layers, m.score, m.normalize_top_k, m.group_limited,
+            cfg.attention_sinks, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.alternate_window or not cfg.sliding_window)
+    if here != (True, 0, 0, "softmax", True, False, True, True, True, False, True):
+        raise HFIncompatible("GptOssForCausalLM has biased experts and router, softmax top-k routing, no shared or "
+                             "dense layers, sinks, q/k/v/o biases, no q/k norms and windows on alternate layers; "
+                             "this model differs, so it cannot be written as one")
     plain = dataclasses.replace(cfg, moe=None, qkv_bias=False, o_bias=False, attention_sinks=False, sliding_window=None)
     attributes = {k: v for k, v in llama.to_hf_config(plain).items() if k not in ("mlp_bias", "hidden_act")}
     types = [LAYER_TYPES[i % 2] if cfg.sliding_window else LAYER_TYPES[1] for i in range(cfg.n_layers)]
@@ -107,10 +103,7 @@ def layer_from_hf(cfg: LlamaConfig, hf: llama.Tensors, i: int) -> dict[str, torc
 def layer_to_hf(cfg: LlamaConfig, ours: llama.Tensors, i: int) -> dict[str, torch.Tensor]:
     """The inverse of :func:`layer_from_hf`: gate and up interleaved column by column."""
     experts, mine = f"model.layers.{i}.mlp.experts.", f"blocks.{i}.mlp.experts."
-    bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
-    if bias is not None and bias.count_nonzero():
-        raise HFIncompatible("the routers carry a load-balancing bias (--moe-bias-rate), which GptOssForCausalLM's "
-                             "router has no place for; train without --moe-bias-rate to export as one")
+    llama.refuse_routing_bias(ours, i, "GptOssForCausalLM")
     return {**{theirs: ours[name] for name, theirs in _names(i).items()},
             experts + "gate_up_proj": torch.stack([ours[mine + "w1"], ours[mine + "w3"]], -1).flatten(-2),
             experts + "gate_up_proj_bias": torch.stack([ours[mine + "b1"], ours[mine + "b3"]], -1).flatten(-2)}

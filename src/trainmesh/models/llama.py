@@ -55,10 +55,6 @@ class LlamaConfig:
     o_bias: bool = False
     alternate_window: bool = False
 
-    def window(self, layer: int) -> int | None:
-        """Layer ``layer``'s sliding window (None: full attention)."""
-        return None if self.alternate_window and layer % 2 else self.sliding_window
-
     @property
     def head_size(self) -> int:
         """Width of one query, key or value head: ``head_dim``, else ``d_model / n_heads``."""
@@ -216,7 +212,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim, self.group, self.theta = cfg.head_size, cfg.group, cfg.rope_theta
-        self.core = AttentionCore(cfg.window(layer), cfg.n_heads if cfg.attention_sinks else 0)
+        window = None if cfg.alternate_window and layer % 2 else cfg.sliding_window  # GPT-OSS: odd layers full
+        self.core = AttentionCore(window, cfg.n_heads if cfg.attention_sinks else 0)
         self.rope = Rotary(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
         heads = cfg.n_heads * cfg.head_size
         self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
@@ -574,14 +571,20 @@ def stack_experts(cfg: LlamaConfig, hf: Tensors, i: int, names: ExpertNames, rou
             ours + "experts.w2": w2}
 
 
-def unstack_experts(cfg: LlamaConfig, ours: Tensors, i: int, names: ExpertNames, router: str,
-                    architecture: str | None) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`stack_experts`. For an ``architecture`` whose router has no selection bias, a
-    bias the aux-loss-free update has moved would change which experts it picks, so it is refused."""
+def refuse_routing_bias(ours: Tensors, i: int, architecture: str) -> None:
+    """For an ``architecture`` whose router has no selection bias, a bias the aux-loss-free update has moved
+    would change which experts layer ``i`` picks, so it is refused."""
     bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
-    if architecture and bias is not None and bias.count_nonzero():
+    if bias is not None and bias.count_nonzero():
         raise HFIncompatible(f"the routers carry a load-balancing bias (--moe-bias-rate), which {architecture}'s "
                              f"router has no place for; train without --moe-bias-rate to export as one")
+
+
+def unstack_experts(cfg: LlamaConfig, ours: Tensors, i: int, names: ExpertNames, router: str,
+                    architecture: str | None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_experts` (:func:`refuse_routing_bias` for an ``architecture``)."""
+    if architecture:
+        refuse_routing_bias(ours, i, architecture)
     out = {router: ours[f"blocks.{i}.mlp.router.gate.weight"]}
     for e in range(cfg.moe.n_experts):
         for name, key in zip(names(i, e), ("w1", "w3", "w2")):
