@@ -136,10 +136,11 @@ def test_gpt_oss_decodes_past_its_window_with_the_kv_cache_as_without():
 
 
 def _parallelize_at_cp2() -> str:
-    with pytest.raises(ValueError, match="sinks") as refused:
+    with pytest.raises(ValueError, match="cp=2") as refused:
         tm.parallelize(Llama(preset("gpt-oss-tiny")), tm.init_mesh(cp=2, device="cpu"))
     return str(refused.value)
 
 
 def test_cp_is_refused_for_attention_sinks():
+    """The family names no attention core cp can split (its sinks), so cp is refused before anything runs."""
     assert all("\n" not in line for line in run_ranks(_parallelize_at_cp2, 2))

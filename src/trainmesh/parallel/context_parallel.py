@@ -367,11 +367,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: A
 
 def _attention_style(module: nn.Module, comm: Comm, impl: str) -> None:
     """Route an attention core's forward through cp attention, on the instance so recomputation wrapping it later
-    checkpoints the cp attention; the ring keeps the core's ``window``, a2a runs the core itself on whole sequences.
-    A core with parameters (GPT-OSS's per-head sinks) is refused: neither merges them."""
-    if any(True for _ in module.parameters()):
-        raise ValueError(f"cp={comm.mesh.size(AXIS)}: this attention core has learned parameters (GPT-OSS's sinks), "
-                         f"which neither the cp ring's merge nor a2a's head split carries; use cp 1")
+    checkpoints the cp attention; the ring keeps the core's ``window``, a2a runs the core itself on whole sequences."""
     if impl == "ring":
         window = getattr(module, "window", None)
         module.forward = lambda q, k, v: ring_attention(q, k, v, comm, window=window)
