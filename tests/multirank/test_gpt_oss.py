@@ -20,9 +20,10 @@ import trainmesh as tm
 from helpers import check_equivalent
 from helpers import config as run_config
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.models import hf, preset
+from trainmesh.models import hf, planner_shapes, preset
 from trainmesh.models.cache import KVCache
 from trainmesh.models.llama import Llama
+from trainmesh.plan.memory import active_params
 from trainmesh.models.gpt_oss import from_hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -73,8 +74,8 @@ def save_hf_gpt_oss(directory) -> None:
 
 
 def hf_logits(directory) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
-                                                              attn_implementation="eager", experts_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager",
+                                                              experts_implementation="eager")
     with torch.no_grad():
         return model(TOKENS).logits
 
@@ -144,3 +145,10 @@ def _parallelize_at_cp2() -> str:
 def test_cp_is_refused_for_attention_sinks():
     """The family names no attention core cp can split (its sinks), so cp is refused before anything runs."""
     assert all("\n" not in line for line in run_ranks(_parallelize_at_cp2, 2))
+
+
+def test_the_planner_counts_gpt_oss_20b_as_published():
+    """openai/gpt-oss-20b's model card: 20.91B parameters, 3.61B active per token without the embedding."""
+    shape = planner_shapes()["gpt-oss-20b"]
+    embedding = shape.vocab_size * shape.d_model
+    assert abs(shape.n_params() / 20.91e9 - 1) < 1e-3 and abs((active_params(shape) - embedding) / 3.61e9 - 1) < 1e-2

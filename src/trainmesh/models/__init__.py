@@ -96,7 +96,8 @@ def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[
     """A family built on trainmesh's Llama (``moe``: of mixtures of experts), told apart from the others by
     :func:`llama_variant` (a Llama MoE is ``llama-moe``, a Qwen3 one ``qwen3-moe``)."""
     def holds(cfg: Any) -> bool:
-        variant = llama_variant(cfg) + "-moe" if moe and not (cfg.kv_lora_rank or cfg.attention_sinks) else llama_variant(cfg)
+        own = cfg.kv_lora_rank or cfg.attention_sinks  # DeepSeek-V3 and GPT-OSS are MoE families of their own
+        variant = llama_variant(cfg) + "-moe" if moe and not own else llama_variant(cfg)
         return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
 
     return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,

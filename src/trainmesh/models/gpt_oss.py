@@ -58,7 +58,8 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                              f"{hf.get('swiglu_alpha')} differ from GPT-OSS's (sliding layers first and alternating, "
                              f"biases, {GPT_OSS_ALPHA}); trainmesh cannot import this checkpoint")
     moe = MoEConfig(hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], biases=True,
-                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)), aux_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                    aux_coef=float(hf.get("router_aux_loss_coef", 0.001)))
     base = llama.from_hf_config({**hf, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"})
     sliding = window is not None and types[0] == LAYER_TYPES[0]
     return dataclasses.replace(base, moe=moe, qkv_bias=True, o_bias=True, attention_sinks=True,

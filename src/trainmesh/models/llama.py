@@ -75,7 +75,8 @@ class LlamaConfig:
                           kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
                           qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
-                          head_dim=self.head_dim, **experts)
+                          head_dim=self.head_dim, sinks=self.attention_sinks,
+                          expert_biases=bool(self.moe and self.moe.biases), **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()

@@ -23,8 +23,7 @@ EXPERT_PARAM = "_trainmesh_expert"
 
 SCORES = ("softmax", "sigmoid")
 IMPLS = ("loop", "padded")
-GPT_OSS_ALPHA = 1.702
-"""The sigmoid's slope in GPT-OSS's clamped SwiGLU (its ``swiglu_alpha``)."""
+GPT_OSS_ALPHA = 1.702  # the sigmoid's slope in GPT-OSS's clamped SwiGLU (its swiglu_alpha)
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
@@ -177,13 +176,12 @@ class GroupedExperts(nn.Module):
             return y + getattr(self, bias)[rows] if hasattr(self, "b1") else y
 
         gate = project(x, self.w1, "b1")
-        if not self.gated:
-            return project(F.gelu(gate, approximate="tanh"), self.w2, "b2")
-        up = project(x, self.w3, "b3")
-        if self.limit:  # GPT-OSS: gate clamped above, up both ways, gate * sigmoid(1.702 gate) * (up + 1)
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit) + 1
-            return project(gate * torch.sigmoid(GPT_OSS_ALPHA * gate) * up, self.w2, "b2")
-        return project(F.silu(gate) * up, self.w2, "b2")
+        if self.gated and self.limit:  # GPT-OSS: gate clamped above, up both ways, gate σ(1.702 gate) (up + 1)
+            gate, up = gate.clamp(max=self.limit), project(x, self.w3, "b3").clamp(-self.limit, self.limit) + 1
+            h = gate * torch.sigmoid(GPT_OSS_ALPHA * gate) * up
+        else:
+            h = F.silu(gate) * project(x, self.w3, "b3") if self.gated else F.gelu(gate, approximate="tanh")
+        return project(h, self.w2, "b2")
 
 
 def limit_to_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tensor:

@@ -459,17 +459,13 @@ def _per_head(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
 class HeadParallel(ShardedModule):
     """A module whose ``weight`` holds one value per query head (GPT-OSS's sinks): each rank keeps its heads'."""
 
-    def __init__(self, module: nn.Module, comm: Comm, sequence_parallel: bool) -> None:
+    def __init__(self, module: nn.Module, name: str, comm: Comm, sequence_parallel: bool) -> None:
         super().__init__(comm, sequence_parallel)
+        _require_divisible(module.weight.shape[0], comm.mesh.size(AXIS), "heads", name)
         self._adopt("weight", module.weight, ShardSpec(0))
 
     def forward(self) -> torch.Tensor:
         return self.weight
-
-
-def _heads(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
-    _require_divisible(module.weight.shape[0], comm.mesh.size(AXIS), "heads", name)
-    return HeadParallel(module, comm, sp)
 
 
 def _sequence_scatter(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
@@ -492,7 +488,7 @@ STYLES: dict[str, Style] = {
     "sequence": _sequence,
     "sequence_scatter": _sequence_scatter,
     "per_head": _per_head,
-    "heads": _heads,
+    "heads": HeadParallel,
 }
 """Plan styles: ``colwise``/``rowwise`` (Megatron's column/row-parallel linear), ``colwise_qkv`` (a fused
 ``[q | k | v]`` linear, each rank taking its heads of each third), ``colwise_pair`` (a fused ``[gate | up]``
