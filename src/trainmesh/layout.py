@@ -127,7 +127,7 @@ class Layout:
     def record(self) -> dict[str, int | str]:
         """The layout as every record of a run names it: a checkpoint's manifest, a run log's first record and
         summary (which ``trainmesh report`` labels runs by), written here only so that they all agree."""
-        names = ("dp", "dp_replicate", "cp", "tp", "pp", "ep", "zero", "microbatches", "schedule", "precision")
+        names = ("dp", "dp_replicate", "cp", "tp", "pp", "ep", "etp", "zero", "microbatches", "schedule", "precision")
         return {"world_size": self.world, **{name: getattr(self, name) for name in names}}
 
     @property
@@ -489,6 +489,9 @@ def _experts(c: _Check) -> str | None:
         held = f"experts {m.expert_ff} wide" if m.n_experts else "no routed experts"
         return (f"{c.spell('etp', etp)} splits the hidden width of each routed expert, and {c.name} has {held}; "
                 f"choose etp in {_braced(divisors(m.expert_ff) if m.n_experts else [1])}")
+    if etp > 1 and m.expert_biases:  # each etp rank would add the down projection's bias to its partial sum
+        return (f"{c.spell('etp', etp)} splits experts whose projections carry biases ({c.name}), which the etp "
+                f"split does not divide; use {c.spell('etp', 1)} (with ep)")
     return experts_problem(c.layout.ep, m.n_experts, c.spell, c.name)
 
 

@@ -51,7 +51,7 @@ PROGRESS_KEYS = ("step", "skipped_steps", "bad_steps_in_a_row")
 SCALER_KEYS = ("scale", "clean_steps", "skipped_steps")
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "zero")
 LAYOUT_TEXT = ("schedule", "precision")  # :meth:`trainmesh.layout.Layout.record`'s names; the rest are integers
-LAYOUT_NEWER = ("cp", "ep", "dp_replicate", "microbatches", *LAYOUT_TEXT)  # absent in older checkpoints
+LAYOUT_NEWER = ("cp", "ep", "etp", "dp_replicate", "microbatches", *LAYOUT_TEXT)  # absent in older checkpoints
 PIECE_KEYS = {"key", "file", "offsets", "sizes"}
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from collections.abc import Callable, Collection, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainmesh.models import deepseek, gemma, gpt, hf_llama, llama, mistral, qwen
+from trainmesh.models import deepseek, gemma, gpt, gpt_oss, hf_llama, llama, mistral, qwen
 from trainmesh.models.moe import MoEConfig
 from trainmesh.models.rope import RopeScaling
 from trainmesh.models.spec import HFMapping, ModelShape, ModelSpec, Staged, StageLayout
@@ -83,6 +84,8 @@ def llama_variant(cfg: llama.LlamaConfig) -> str:
     imported from a Mistral without a window: they compute the same)."""
     if cfg.kv_lora_rank:
         return "deepseek-v3"
+    if cfg.attention_sinks:
+        return "gpt-oss"
     if cfg.sandwich_norm:
         return "gemma3"
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
@@ -97,7 +100,8 @@ def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[
     """A family built on trainmesh's Llama (``moe``: of mixtures of experts), told apart from the others by
     :func:`llama_variant` (a Llama MoE is ``llama-moe``, a Qwen3 one ``qwen3-moe``)."""
     def holds(cfg: Any) -> bool:
-        variant = llama_variant(cfg) + "-moe" if moe and not cfg.kv_lora_rank else llama_variant(cfg)
+        own = cfg.kv_lora_rank or cfg.attention_sinks  # DeepSeek-V3 and GPT-OSS are MoE families of their own
+        variant = llama_variant(cfg) + "-moe" if moe and not own else llama_variant(cfg)
         return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
 
     return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,
@@ -124,6 +128,9 @@ SPECS: list[ModelSpec] = [
                  llama.MIXTRAL_MAPPING, moe=True),
     llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
     llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True),
+    # No cp plan: neither the cp ring's merge nor a2a's head split carries GPT-OSS's per-head sinks.
+    replace(llama_family("gpt-oss", gpt_oss.PRESETS, gpt_oss.PLANNER_PRESETS, gpt_oss.TP_PLAN, gpt_oss.HF_MAPPING,
+                         moe=True), cp_plan={}),
     *(hf_family(architecture) for architecture in hf_llama.ARCHITECTURES),
 ]
 

@@ -32,7 +32,8 @@ class LlamaConfig:
     every ``global_every``-th layer attends over everything, the others in the window with ``local_rope_theta``
     (unscaled); ``query_pre_attn_scalar`` replaces the head size in the softmax scale; RMSNorm gains ``1 + w``
     (``norm_offset``), norms after attention and MLP too (``sandwich_norm``), embeddings times sqrt(d_model)
-    (``embed_scale``), ``mlp_act`` the gate's activation (:data:`ACTIVATIONS`)."""
+    (``embed_scale``), ``mlp_act`` the gate's activation (:data:`ACTIVATIONS`). GPT-OSS's:
+    ``attention_sinks``, ``o_bias`` and ``alternate_window`` (the window on even layers only)."""
 
     n_layers: int
     d_model: int
@@ -62,10 +63,14 @@ class LlamaConfig:
     sandwich_norm: bool = False
     embed_scale: bool = False
     mlp_act: str = "silu"
+    attention_sinks: bool = False
+    o_bias: bool = False
+    alternate_window: bool = False
 
     def is_local(self, layer: int) -> bool:
         """Whether layer ``layer`` attends within the sliding window."""
-        return self.sliding_window is not None and not (self.global_every and (layer + 1) % self.global_every == 0)
+        return self.sliding_window is not None and not (self.global_every and (layer + 1) % self.global_every == 0) \
+            and not (self.alternate_window and layer % 2)
 
     @property
     def head_size(self) -> int:
@@ -83,11 +88,13 @@ class LlamaConfig:
         return ModelShape(self.n_layers, self.d_model, self.n_heads, self.d_ff, self.vocab_size, self.seq_len,
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                          sandwich_norm=self.sandwich_norm, sliding_window=self.sliding_window,
+                          sandwich_norm=self.sandwich_norm,
+                          sliding_window=None if self.alternate_window else self.sliding_window,
                           kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
                           qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,
-                          head_dim=self.head_dim, **experts)
+                          head_dim=self.head_dim, sinks=self.attention_sinks,
+                          expert_biases=bool(self.moe and self.moe.biases), **experts)
 
     def n_params(self) -> int:
         return self.shape().n_params()
@@ -179,17 +186,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-class AttentionCore(nn.Module):
-    """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set; its own
-    module so selective recomputation [KOR, §5] redoes exactly this and cp finds its window."""
+class Sinks(nn.Module):
+    """One learned logit per query head (GPT-OSS's attention sinks), its own module so tp splits it by heads."""
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   window: int | None) -> torch.Tensor:
+    """:func:`~trainmesh.models.cache.causal_attention` with each head's sink logit in the softmax's denominator
+    and no value (GPT-OSS): the unsinked output times sigmoid(lse - sink), lse the log of the causal denominator."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    if window is not None:
+        visible &= ~torch.ones_like(visible).tril(k_len - q_len - window)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, float("-inf"))
+    lse = scores.logsumexp(-1, keepdim=True)
+    return causal_attention(q, k, v, window) * torch.sigmoid(lse - sinks.to(q.dtype).view(-1, 1, 1))
+
+
+class AttentionCore(nn.Module):
+    """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set, with
+    ``n_sinks`` heads' sinks when set; its own module so selective recomputation [KOR, §5] redoes exactly this
+    and cp finds its window."""
+
+    def __init__(self, window: int | None = None, n_sinks: int = 0) -> None:
         super().__init__()
         self.window = window
+        self.sinks = Sinks(n_sinks) if n_sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.sinks is not None:
+            return sink_attention(q, k, v, self.sinks(), self.window)
         return causal_attention(q, k, v, self.window)
 
 
@@ -201,7 +236,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.group = cfg.head_size, cfg.group
         local = cfg.is_local(layer)
-        self.core = AttentionCore(cfg.sliding_window if local else None)
+        self.core = AttentionCore(cfg.sliding_window if local else None, cfg.n_heads if cfg.attention_sinks else 0)
         own_base = local and cfg.local_rope_theta is not None
         self.rope = Rotary(cfg.head_size, *((cfg.local_rope_theta, None) if own_base else
                                             (cfg.rope_theta, cfg.rope_scaling)))
@@ -209,7 +244,7 @@ class Attention(nn.Module):
         self.query_gain = (cfg.head_size / cfg.query_pre_attn_scalar) ** 0.5 if cfg.query_pre_attn_scalar else 1.0
         heads = cfg.n_heads * cfg.head_size
         self.qkv = nn.Linear(cfg.d_model, heads + 2 * cfg.n_kv_heads * cfg.head_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(heads, cfg.d_model, bias=False)
+        self.o = nn.Linear(heads, cfg.d_model, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = (RMSNorm(cfg.head_size, cfg.norm_eps, cfg.norm_offset) for _ in "qk")
 
@@ -400,7 +435,7 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
 
 
 OPTIONS = {"qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "sliding_window": "a sliding window",
-           "kv_lora_rank": "latent attention"}
+           "kv_lora_rank": "latent attention", "attention_sinks": "attention sinks", "o_bias": "an o bias"}
 """The attention options of :class:`LlamaConfig` that not every architecture has a place for."""
 
 
@@ -589,14 +624,20 @@ def stack_experts(cfg: LlamaConfig, hf: Tensors, i: int, names: ExpertNames, rou
             ours + "experts.w2": w2}
 
 
-def unstack_experts(cfg: LlamaConfig, ours: Tensors, i: int, names: ExpertNames, router: str,
-                    architecture: str | None) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`stack_experts`. For an ``architecture`` whose router has no selection bias, a
-    bias the aux-loss-free update has moved would change which experts it picks, so it is refused."""
+def refuse_routing_bias(ours: Tensors, i: int, architecture: str) -> None:
+    """For an ``architecture`` whose router has no selection bias, a bias the aux-loss-free update has moved
+    would change which experts layer ``i`` picks, so it is refused."""
     bias = ours.get(f"blocks.{i}.mlp.router.expert_bias")
-    if architecture and bias is not None and bias.count_nonzero():
+    if bias is not None and bias.count_nonzero():
         raise HFIncompatible(f"the routers carry a load-balancing bias (--moe-bias-rate), which {architecture}'s "
                              f"router has no place for; train without --moe-bias-rate to export as one")
+
+
+def unstack_experts(cfg: LlamaConfig, ours: Tensors, i: int, names: ExpertNames, router: str,
+                    architecture: str | None) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_experts` (:func:`refuse_routing_bias` for an ``architecture``)."""
+    if architecture:
+        refuse_routing_bias(ours, i, architecture)
     out = {router: ours[f"blocks.{i}.mlp.router.gate.weight"]}
     for e in range(cfg.moe.n_experts):
         for name, key in zip(names(i, e), ("w1", "w3", "w2")):

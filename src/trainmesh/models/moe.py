@@ -23,6 +23,7 @@ EXPERT_PARAM = "_trainmesh_expert"
 
 SCORES = ("softmax", "sigmoid")
 IMPLS = ("loop", "padded")
+GPT_OSS_ALPHA = 1.702  # the sigmoid's slope in GPT-OSS's clamped SwiGLU (its swiglu_alpha)
 
 
 def is_expert_param(p: torch.Tensor) -> bool:
@@ -35,7 +36,7 @@ def is_expert_param(p: torch.Tensor) -> bool:
 class MoEConfig:
     """One MoE layer's routing and balancing: ``softmax`` (Mixtral) or ``sigmoid`` (DeepSeek-V3) scores;
     ``capacity_factor`` 0 dropless, else ceil(cf * tokens * top_k / E) copies per expert; DeepSeek-V3's scaling and
-    group limits (§2.1.2)."""
+    group limits (§2.1.2); GPT-OSS's ``biases`` (router and experts) and clamped SwiGLU (``swiglu_limit`` > 0)."""
 
     n_experts: int
     top_k: int
@@ -51,6 +52,8 @@ class MoEConfig:
     route_scale: float = 1.0
     expert_groups: int = 1
     groups_per_token: int = 1
+    biases: bool = False
+    swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -136,17 +139,22 @@ backward fails there, so the grouped products are a loop over slices or a padded
 
 class GroupedExperts(nn.Module):
     """``E_local`` expert MLPs held as stacked weights: ``w1`` ``[E, d, f]``, ``w3`` ``[E, d, f]`` (gated only),
-    ``w2`` ``[E, f, d]``, no biases. ``forward`` takes token copies sorted by expert with their counts, so
-    expert parallelism can hand it any contiguous subset of experts."""
+    ``w2`` ``[E, f, d]``, with ``bias`` their biases ``b1``, ``b3`` ``[E, f]`` and ``b2`` ``[E, d]``; ``limit`` > 0:
+    GPT-OSS's clamped SwiGLU. ``forward`` takes token copies sorted by expert with their counts, so expert
+    parallelism can hand it any contiguous subset of experts (every parameter is split on its first dim)."""
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int, gated: bool, impl: str = "loop") -> None:
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, gated: bool, impl: str = "loop", bias: bool = False,
+                 limit: float = 0.0) -> None:
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"expert matmul {impl!r}; choose one of {', '.join(IMPLS)}")
-        self.gated, self.impl = gated, impl
+        self.gated, self.impl, self.limit = gated, impl, limit
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(n_experts, d_model, d_ff)) if gated else None
         self.w2 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        if bias:
+            self.b1, self.b2 = nn.Parameter(torch.zeros(n_experts, d_ff)), nn.Parameter(torch.zeros(n_experts, d_model))
+            self.b3 = nn.Parameter(torch.zeros(n_experts, d_ff)) if gated else None
         self.reset_parameters()
         mark_experts(self)
 
@@ -161,9 +169,19 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         sizes, matmul = counts.tolist(), MATMULS[self.impl]
-        h = matmul(x, self.w1, sizes)
-        h = F.silu(h) * matmul(x, self.w3, sizes) if self.gated else F.gelu(h, approximate="tanh")
-        return matmul(h, self.w2, sizes)
+        rows = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts.to(x.device))
+
+        def project(h: torch.Tensor, w: torch.Tensor, bias: str) -> torch.Tensor:
+            y = matmul(h, w, sizes)
+            return y + getattr(self, bias)[rows] if hasattr(self, "b1") else y
+
+        gate = project(x, self.w1, "b1")
+        if self.gated and self.limit:  # GPT-OSS: gate clamped above, up both ways, gate σ(1.702 gate) (up + 1)
+            gate, up = gate.clamp(max=self.limit), project(x, self.w3, "b3").clamp(-self.limit, self.limit) + 1
+            h = gate * torch.sigmoid(GPT_OSS_ALPHA * gate) * up
+        else:
+            h = F.silu(gate) * project(x, self.w3, "b3") if self.gated else F.gelu(gate, approximate="tanh")
+        return project(h, self.w2, "b2")
 
 
 def limit_to_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tensor:
@@ -184,7 +202,7 @@ class Router(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(d_model, cfg.n_experts, bias=False)
+        self.gate = nn.Linear(d_model, cfg.n_experts, bias=cfg.biases)
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -304,7 +322,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(d_model, cfg)
-        self.experts = GroupedExperts(cfg.n_experts, d_model, cfg.d_ff_expert, gated, impl)
+        self.experts = GroupedExperts(cfg.n_experts, d_model, cfg.d_ff_expert, gated, impl, cfg.biases, cfg.swiglu_limit)
         self.shared = shared
         self.dispatcher: Dispatcher = LocalDispatch()
         self.aux_grad_scale = 1.0

@@ -46,7 +46,7 @@ def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int |
 class ModelShape:
     """What the planner needs to know of a decoder-only transformer (defaults: trainmesh's GPT; ``bias=False``:
     LLaMA-style); variants as in :class:`~trainmesh.models.llama.LlamaConfig`; ``head_dim`` None means ``d_model /
-    n_heads``."""
+    n_heads``; ``sinks``: GPT-OSS's per-head sinks and o bias, ``expert_biases``: its router's and experts' biases."""
 
     n_layers: int
     d_model: int
@@ -78,6 +78,8 @@ class ModelShape:
     head_dim: int | None = None
     expert_groups: int = 0
     groups_per_token: int = 0
+    sinks: bool = False
+    expert_biases: bool = False
 
     def __post_init__(self) -> None:
         if self.groups_per_token and not (self.n_experts % self.expert_groups == 0
@@ -136,10 +138,15 @@ class ModelShape:
         d, inputs = self.d_model, 2 if self.gated_mlp else 1
         return (inputs + 1) * d * d_ff + ((inputs * d_ff + d) if biases and self.bias else 0)
 
+    def expert_params(self) -> int:
+        """One routed expert: its MLP, and its biases where it has them (GPT-OSS's)."""
+        biases = (2 if self.gated_mlp else 1) * self.expert_ff + self.d_model if self.expert_biases else 0
+        return self.mlp_params(self.expert_ff, False) + biases
+
     def moe_params(self) -> int:
-        """One MoE layer: router, routed experts (no biases) and the shared experts' MLP."""
+        """One MoE layer: router, routed experts and the shared experts' MLP."""
         shared = self.mlp_params(self.n_shared_experts * self.expert_ff, True) if self.n_shared_experts else 0
-        return self.d_model * self.n_experts + self.n_experts * self.mlp_params(self.expert_ff, False) + shared
+        return (self.d_model + self.expert_biases) * self.n_experts + self.n_experts * self.expert_params() + shared
 
     @property
     def latent_attention(self) -> bool:
@@ -155,7 +162,8 @@ class ModelShape:
             latent = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
             keys_values = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
             return queries + latent + keys_values + self.n_heads * self.v_head_dim * d
-        biases = (self.qkv_width + d) if self.bias else self.qkv_width if self.qkv_bias else 0
+        biases = (self.qkv_width + d) if self.bias or self.sinks else self.qkv_width if self.qkv_bias else 0
+        biases += self.n_heads if self.sinks else 0
         return d * self.qkv_width + self.attention_width * d + biases + (2 * self.head_size if self.qk_norm else 0)
 
     @property

@@ -459,6 +459,18 @@ def _per_head(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     return module
 
 
+class HeadParallel(ShardedModule):
+    """A module whose ``weight`` holds one value per query head (GPT-OSS's sinks): each rank keeps its heads'."""
+
+    def __init__(self, module: nn.Module, name: str, comm: Comm, sequence_parallel: bool) -> None:
+        super().__init__(comm, sequence_parallel)
+        _require_divisible(module.weight.shape[0], comm.mesh.size(AXIS), "heads", name)
+        self._adopt("weight", module.weight, ShardSpec(0))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
 def _sequence_scatter(module: nn.Module, name: str, comm: Comm, sp: bool) -> nn.Module:
     """A replicated module whose output enters the sequence-parallel region (a position embedding)."""
     if sp:
@@ -479,6 +491,7 @@ STYLES: dict[str, Style] = {
     "sequence": _sequence,
     "sequence_scatter": _sequence_scatter,
     "per_head": _per_head,
+    "heads": HeadParallel,
 }
 """Plan styles: ``colwise``/``rowwise`` (Megatron's column/row-parallel linear), ``colwise_qkv`` (a fused
 ``[q | k | v]`` linear, each rank taking its heads of each third), ``colwise_pair`` (a fused ``[gate | up]``
@@ -486,7 +499,8 @@ linear, split half by half), ``vocab`` (an embedding or output head split by voc
 head makes the loss the vocabulary-parallel cross-entropy),
 ``sequence`` (replicated, inside the sequence-parallel region: gradients summed over tp under SP) and
 ``sequence_scatter`` (replicated, output split along the sequence under SP), ``per_head`` (replicated,
-applied to each head: gradients summed over tp), and a pair for models
+applied to each head: gradients summed over tp), ``heads`` (one value per head, split like the heads), and a
+pair for models
 whose attention has separate q/k/v projections (Hugging Face's Llama): ``prepare_input`` on the attention
 or MLP module makes its input whole once (``f``; an all-gather along the sequence under SP) and
 ``colwise_local`` on each linear inside it is a column shard with no communication of its own."""

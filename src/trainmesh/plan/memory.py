@@ -51,8 +51,9 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
         split = m.attention_params() - down
         attention = [_norm(m), UnitSize(down + split // tp, 7 if m.q_lora_rank else 5), _norm(m)]
     else:
-        attention = [_norm(m), _linear(d, m.qkv_width, tp, b, True), _linear(m.attention_width, d, tp, b, False),
-                     _norm(m)]
+        attention = [_norm(m), _linear(d, m.qkv_width, tp, b or m.sinks, True),
+                     _linear(m.attention_width, d, tp, b or m.sinks, False), _norm(m)]
+        attention += [UnitSize(m.n_heads // tp, 1)] if m.sinks else []
     attention += [_norm(m), _norm(m)] if m.sandwich_norm else []
     return _sum(attention + ([router_and_shared(m)] if moe else _mlp(m, m.d_ff, tp, b)))
 
@@ -60,13 +61,13 @@ def block_unit(m: ModelShape, tp: int, moe: bool = False) -> UnitSize:
 def router_and_shared(m: ModelShape) -> UnitSize:
     """What an MoE layer holds besides its routed experts: the router and the shared experts, whole on every tp rank."""
     shared = _mlp(m, m.n_shared_experts * m.expert_ff, 1, m.bias) if m.n_shared_experts else []
-    return _sum([UnitSize(m.d_model * m.n_experts, 1)] + shared)
+    return _sum([UnitSize((m.d_model + m.expert_biases) * m.n_experts, 1 + m.expert_biases)] + shared)
 
 
 def expert_unit(m: ModelShape, ep: int, etp: int = 1) -> UnitSize:
     """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked, each 1/etp of its hidden
     width (never split over the attention's tp: Megatron-core's expert tensor parallelism is its own)."""
-    return UnitSize(m.n_experts // ep * m.mlp_params(m.expert_ff, False) // etp, 3 if m.gated_mlp else 2)
+    return UnitSize(m.n_experts // ep * m.expert_params() // etp, (3 if m.gated_mlp else 2) * (1 + m.expert_biases))
 
 
 def stage_blocks(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:
@@ -129,7 +130,7 @@ def params_per_tp_rank(m: ModelShape, tp: int) -> int:
 def active_params(m: ModelShape) -> int:
     """Parameters one token's forward uses: all of a dense model; of an MoE model, ``top_k`` of each MoE
     layer's ``n_experts`` routed experts (the shared ones always). FLOPs follow these, memory the total."""
-    idle = (m.n_experts - m.top_k) * m.mlp_params(m.expert_ff, False) if m.n_experts else 0
+    idle = (m.n_experts - m.top_k) * m.expert_params() if m.n_experts else 0
     return m.n_params() - (m.n_layers - m.n_dense_layers) * idle
 
 
