@@ -432,8 +432,8 @@ def test_bad_input_gives_one_line_error(tmp_path, capsys, case):
     elif case == "unknown flag":
         args, expect = ["--learning-rate", "1"], "unrecognized arguments: --learning-rate"
     else:
-        args, expect = ["--config", _write(tmp_path / "c.toml", b"lr = 1\nlearnrate = 2\n")], \
-            "c.toml: unknown key learnrate"
+        args, expect = ["--config", _write(tmp_path / "c.toml", b"[optim]\nlr = 1\nlearnrate = 2\n")], \
+            "c.toml: unknown key [optim] learnrate"
     try:
         code = cli.main(["train", *args])
     except SystemExit as e:  # argparse's own errors
