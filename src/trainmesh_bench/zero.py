@@ -1,22 +1,8 @@
 """``trainmesh bench zero``: each ZeRO stage against its PyTorch peer, and each stage's measured model
 state against the paper's formula.
 
-Peers: stage 1, ``ZeroRedundancyOptimizer`` (AdamW state sharded) under DDP; stage 2, FSDP2
-``fully_shard`` keeping parameters whole from forward to backward (``reshard_after_forward=False``);
-stage 3, FSDP2 ``fully_shard``. Both sides train the same model (any family, ``--model``) from the same
-seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh shards
-(:func:`trainmesh.parallel.zero.default_units`: embeddings, each block, final norm, head). Steps are timed in pairs,
-one of each (:func:`trainmesh_bench.common.compare`). Memory per rank is reported two ways:
-
-* ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
-  ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
-  most model state it held at any point inside a step.
-* the in-step peak of every tensor (model state, activations, communication buffers), for each stage and
-  for both FSDP2 peers alike: the held state plus the most allocated above it during one step, from
-  ``torch.profiler``'s memory timeline.
-* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh_bench.common.peak_rss`).
-  Both models live in the one process, so both figures include the other's resident state; their
-  difference is what each one allocates transiently.
+Peers: ``ZeroRedundancyOptimizer`` under DDP (stage 1), FSDP2 without reshard after forward (2), FSDP2 (3),
+timed in pairs; memory as model state, in-step peak and RSS. Method: docs/performance.md.
 """
 
 from __future__ import annotations

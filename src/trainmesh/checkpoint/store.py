@@ -1,58 +1,10 @@
-r'''Sharded checkpoints: every rank writes only what it holds, and any layout can read them back.
+"""Sharded checkpoints: every rank writes only what it holds, and any layout can read them back.
 
-Format. A checkpoint is a directory ``step-00000010`` under ``--checkpoint-dir`` holding one safetensors
-file per rank and ``manifest.json``. Every tensor of the training state has a *global name* and the
-*global shape* a single process would give it:
-
-* ``model/<param>``: the weights under the plain model's names. Under mixed precision these are the fp32
-  masters; the bf16/fp16 parameters are exactly those rounded (that is how every step makes them), so
-  they are not stored and are rebuilt bit for bit on load;
-* ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``, ``optim/<param>/step``: AdamW's state;
-* ``buffer/<layer>.router.expert_bias``: the routing bias of each MoE layer whose aux-loss-free update is
-  on (``bias_rate``) or which is not 0 (imported with DeepSeek-V3's weights), state that is not a parameter
-  (``export --hf`` writes it as DeepSeek-V3's ``e_score_correction_bias``); every rank holding the
-  layer holds it whole (the router is replicated over ep, tp and dp), so any layout reads it back;
-* ``rng/<rank>/cpu`` (and ``cuda``): each rank's generator state, restored when the world size is the one
-  that saved it (training itself draws nothing from these generators; in another layout there is no
-  rank whose stream would continue).
-
-For each tensor the manifest lists the pieces it was saved in: a box of the global tensor (offsets and
-sizes per dimension, as in DCP's ``ChunkStorageMetadata``), the file and the key holding it. The step
-(which fixes the data position, since batches are a function of ``(seed, step)``, and the learning rate),
-the loss scale, the non-finite step counters, the config, the tokenizer (byte tokens, or a tokenizer file's
-path and SHA-256, so that generation decodes with the same one) and every file's SHA-256 and length go there
-too.
-
-Geometry. Each parallel form says where its local tensors lie: tensor parallelism gives the boxes of the
-full tensor its shard holds (:func:`trainmesh.parallel.tensor_parallel.shard_boxes`; three row blocks for a fused
-qkv), data parallelism and ZeRO which flat range of that shard the rank's optimizer holds
-(``engine.param_pieces()``), and a pipeline stage simply has only its own layers' parameters. A flat range
-of boxes is again a list of boxes (:func:`flat_range_boxes`), so every local tensor is a list of boxes of
-a global one. Saving writes each box once: replicas (dp ranks without ZeRO, tp ranks for a LayerNorm) are
-spread over the ranks holding them by size, as DCP's ``dedup_save_plans`` does, so ranks write in parallel
-and about equally. Loading computes the boxes this rank needs in *its* layout and copies in their
-intersections with the saved pieces, whatever layout wrote them: that is resharding.
-
-Why not DCP's storage layer: ``FileSystemReader`` unpickles the ``.metadata`` file before anything could
-check it, and ZeRO's flat ranges of tp shards are not DTensors. Here the manifest is JSON and the shards are
-safetensors (a JSON header and raw bytes), so nothing read from disk is ever unpickled; each file's bytes
-are checked against the manifest before they are parsed, and the manifest carries a SHA-256 of its content.
-
-Crash safety. A save writes into ``.tmp-step-N``; each rank ``fsync``\ s its file; rank 0 writes the
-manifest, renames the directory to ``step-N`` and then atomically replaces the ``latest`` pointer
-(:mod:`trainmesh.storage.safe_io`). A crash or a full disk at any point leaves the previous checkpoint and the
-pointer to it untouched. ``--resume`` tries ``latest``, then every other ``step-N``, newest first, and says
-which damaged ones it skipped.
-
-Trusting nothing read. Anyone who can write into ``--checkpoint-dir`` can also rewrite a manifest and its
-hashes, so before any value of a manifest is used it is checked against a schema (:mod:`trainmesh.checkpoint.manifest`:
-types, ranges, plain ``rank-N.safetensors`` file names, allowed dtypes, pieces tiling each tensor, sizes
-within the files' bytes, the step matching its directory's name), every file it names is checked to be a
-regular file inside the step directory with the recorded size before a byte of it is read
-(:mod:`trainmesh.storage.safe_io`), and each generator state is checked when it is applied. Any damage is one
-line, ``checkpoint D/step-N is damaged: <file>: <what>``, and ``--resume`` goes back to an earlier
-checkpoint of the same run, or stops.
-'''
+A checkpoint is ``step-N/`` with one safetensors file per rank and a JSON ``manifest.json`` listing, per
+global tensor, the boxes each file holds; loading copies the intersections with the boxes this rank needs
+in its layout (resharding). Nothing read is unpickled or trusted before the manifest schema and file hashes
+pass; a save publishes by rename, so a crash leaves the previous ``latest``. Format: docs/checkpoints.md.
+"""
 
 from __future__ import annotations
 
