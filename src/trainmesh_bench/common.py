@@ -1,16 +1,8 @@
 """What every benchmark shares: a trainmesh model built from a :class:`Setup` through the public API, its
 training step, and timed pairs of steps of two implementations.
 
-Benchmarks run a trainmesh parallel form and its PyTorch counterpart in one run and print figures.
-
-Both implementations train the same model on the same batches on the same ranks. Each timed pair is one step
-of each, back to back on the same batch, so the machine's drift (other load, clocks) hits both alike, and each
-pair's tokens/s ratio compares two moments well under a second apart: the figure is the median of those
-per-pair ratios, with their min and max, so one disturbed step moves neither end of the answer. Pairs of single
-steps, not rounds of several: on this project's 2-core machine (DP vs DDP on ``small``, six consecutive
-windows of 35 steps of each) the median of 35 pair ratios varied with a standard deviation of 0.010 from one
-window to the next, the median of seven 5-step rounds' ratios with 0.039. Nothing here asserts a speed:
-benchmarks print, tests check.
+Each timed pair is one step of each on the same batch, back to back, so drift hits both alike; the figure
+is the median of per-pair ratios with min and max. Benchmarks print, tests check (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -96,12 +96,7 @@ class _Saved:
 class StepPeak:
     """The most memory a rank holds at once while recording: saved activations alive (``saved``), and
     those plus the model state and the tensors :meth:`holding` names held at that moment (``total``).
-
-    Saved tensors are counted by storage, once however many nodes save it, from the moment autograd saves
-    it until the last node holding it has run its backward; parameters (their storage at pack time, so
-    ZeRO-3's freshly gathered units too) are model state, not activations. Model state is sampled as
-    ``storage_bytes(engine.state_tensors())`` at every save and release, so ZeRO's gathered units and
-    gradient buckets are counted while they exist.
+    Saved tensors count by storage, once, until their last backward; parameters count as model state.
     """
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]], state: Callable[[], int]) -> None:

@@ -178,15 +178,8 @@ PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard a
 
 def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
     """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
-    ZeRO-3's model state and trained parameters beside FSDP2's.
-
-    Each stage and its peer are built once: their memory is measured on their first two steps, then the
-    same models are timed. The parameter difference between ZeRO-3 and FSDP2 is printed after those two
-    steps and after the whole run. Both train the same numerics (model, init, batches, micro-batches,
-    clipping, AdamW groups and settings, constant lr): run in float64 they agree to 2e-16 after two steps,
-    and the difference then grows about 1e5-fold by step 40 (2.7e-8) as training amplifies rounding; fp32
-    starts from its own rounding (1e-7 after two steps, 5e8 times float64's, the ratio of the two
-    epsilons) and grows the same way, to about 2e-2 at step 40 on ``small``.
+    ZeRO-3's model state and trained parameters beside FSDP2's (after two steps and after the run; the
+    expected size of that difference: docs/performance.md).
     """
     if cfg.world < 2 or cfg.dp != cfg.world:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "

@@ -1,12 +1,8 @@
 """What ``trainmesh train`` does with checkpoints: when to save, which run to resume, where a fresh run starts,
 the lock on ``--checkpoint-dir``, and the model ``--resume`` takes from the checkpoint it continues.
 
-Run identity. Every run has an id (a UUID) that its manifests record with a hash of its config. The
-process that launches a run holds ``D/trainmesh.lock`` (:func:`claim`) for the run's life, noting the run's id,
-so a second live run on ``D`` is refused with the holder's pid while the ranks' saves (through
-:func:`trainmesh.api.save`, which takes a lock noted for the run it saves as held) go ahead; a fresh run refuses a ``D`` that holds another run's
-checkpoints unless ``--overwrite`` (which deletes them first), ``--resume`` continues the id of the run it
-resumes, and a fallback never loads a checkpoint of another run.
+Every run has an id its manifests record; the launching process holds ``D/trainmesh.lock`` noting it
+(:func:`claim`), so a second live run is refused while the ranks' saves go ahead. Details: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -500,16 +500,11 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
 
 
 def prune(published: Path, keep_last: int) -> list[Path]:
-    """Delete the checkpoints older than ``published`` (just made the one ``latest`` names) that are older
-    than the ``keep_last`` newest sound ones, ``published`` counted, oldest first; returns those deleted.
-
-    Only sound checkpoints count (:func:`read_manifest` passes), so a damaged one never makes a sound one go;
-    it is deleted only once it is older than every kept one. Only the save's own entries are looked at: a
-    real directory named ``step-N`` as :func:`step_dir` names it; a link or any other name is neither counted
-    nor deleted. Each is first renamed to ``.pruned-step-N`` (one atomic step), so a crash while deleting it
-    leaves no damaged ``step-N`` for ``--resume`` to try. Checkpoints newer than ``published`` (of an attempt
-    that ran further) and the one ``latest`` names are never touched; a deletion that fails is said and the
-    run goes on."""
+    """Delete the sound checkpoints older than ``published`` beyond the ``keep_last`` newest (``published``
+    counted), oldest first; returns those deleted. Only real ``step-N`` directories are looked at, each renamed
+    to ``.pruned-step-N`` before deletion so a crash leaves no damaged ``step-N``; newer ones and ``latest``'s
+    are never touched, and a failed deletion is said, not raised.
+    """
     root = published.parent
     if keep_last <= 0:
         return []

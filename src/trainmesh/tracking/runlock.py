@@ -1,12 +1,8 @@
 """An advisory lock on a directory, held for a run's life, so two live runs never write the same files.
 
-The lock is ``fcntl.flock`` on a file in the directory: the kernel drops it when the holding process dies,
-however it dies, so a run killed with SIGKILL leaves no lock behind, only a file naming a dead pid, which
-the next run takes over. The file holds a record: the holder's pid, host and start time, and what the
-caller notes (:meth:`Lock.note`; ``--checkpoint-dir`` notes its run id, which ``--resume`` continues).
-A lock still held although its record names a dead pid of this host (a descriptor that outlived its
-process) is taken over too. Where the file system refuses ``flock`` (some network mounts), the record
-decides instead: a live pid on this host holds the directory, anything else is stale.
+``fcntl.flock`` on a file in the directory, which the kernel drops when the holder dies however it dies;
+the file's record (pid, host, start, :meth:`Lock.note`) decides stale locks, and decides alone where the
+file system refuses ``flock``. Details: docs/reliability.md.
 """
 
 from __future__ import annotations

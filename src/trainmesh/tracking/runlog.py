@@ -1,17 +1,8 @@
 """A run directory as a public object: what ``trainmesh train`` writes, for any training loop.
 
-:class:`RunLog` is the one writer of a run's ``metrics.jsonl``, ``summary.json``, TensorBoard events
-(and W&B) and progress line; ``trainmesh train`` uses it, and so can a script on the public API::
-
-    with tm.RunLog("runs/mine", steps=100, model=model) as log:   # model: what tm.parallelize returned
-        for step in range(100):
-            loss = tm.train_step(model, opt, batch(step))
-            log.log(step + 1, loss=loss, tokens=batch_tokens)
-
-so ``trainmesh report runs/mine`` reads a script's run as it reads the command line's. Given the model, every
-rank calls :meth:`RunLog.log` (it gathers each rank's memory, as ``trainmesh train``'s records hold it); only
-global rank 0 writes, prints and holds the directory's lock (the one ``trainmesh train`` holds on ``--out``),
-so two live runs never write one directory.
+:class:`RunLog` is the one writer of a run's ``metrics.jsonl``, ``summary.json``, TensorBoard events (and
+W&B) and progress line, so ``trainmesh report`` reads a script's run as the command line's (docs/api.md).
+Every rank calls :meth:`RunLog.log`; only global rank 0 writes and holds the directory's lock.
 """
 
 from __future__ import annotations
@@ -34,12 +25,9 @@ if TYPE_CHECKING:
 class RunLog:
     """Metrics, summary, TensorBoard events and progress of one training run in directory ``out``.
 
-    ``steps``: the run's last step (for the progress line's ETA); ``first_step``: the step this process
-    starts at (a resumed run's); ``resume_from``: the step a resumed run's checkpoint holds (the records
-    after it, of the attempt that died, are dropped; None starts the files afresh). ``model``: the
-    :class:`~trainmesh.api.ParallelModel`, whose name, layout and counted communication are recorded.
-    ``config``: what the summary records as the run's settings. ``lock``: hold ``out``'s lock (False where
-    the launching process already holds it, as ``trainmesh train``'s does).
+    ``steps``/``first_step``: the run's last and this process's first step; ``resume_from``: the checkpoint's
+    step (later records dropped; None starts afresh); ``model``, ``config``: what is recorded; ``lock``: hold
+    ``out``'s lock (False where the launching process already does).
     """
 
     def __init__(self, out: str | Path, steps: int = 0, *, first_step: int = 1, resume_from: int | None = None,
