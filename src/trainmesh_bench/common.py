@@ -66,8 +66,7 @@ class Result:
 
     def line(self) -> str:
         ratios = self.ratios
-        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios
-                 else "n/a")
+        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "n/a")
         rss = (f"  peak RSS {max(self.peak_rss) / 2**20:.0f} vs {max(self.peer_peak_rss) / 2**20:.0f} MiB"
                if self.peak_rss and self.peer_peak_rss else "")
         note = f"  ({self.note})" if self.note else ""
@@ -212,8 +211,7 @@ def trainmesh_step(bench: Bench, saved: SavedActivations | None = None) -> StepF
     """Step ``i`` of ``bench`` as ``trainmesh train`` takes it (:func:`trainmesh.train_step` on this rank's share
     of batch ``i``, clipped to ``--grad-clip``); ``saved`` records the first micro-batch's activations."""
     def step(i: int) -> None:
-        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True,
-                      saved=saved)
+        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True, saved=saved)
 
     return step
 
@@ -243,8 +241,7 @@ def alternating_times(steps: Sequence[StepFn], first_step: int, rounds: int, per
     return times
 
 
-def compare(steps: dict[str, StepFn], tokens_per_step: int, pairs: int, device: torch.device,
-            warmup: int = 2) -> Rates:
+def compare(steps: dict[str, StepFn], tokens_per_step: int, pairs: int, device: torch.device, warmup: int = 2) -> Rates:
     """Tokens/s of each step function in each of ``pairs`` timed pairs, after ``warmup`` untimed steps each
     (0 where the caller has run some already). Pair k runs step ``2 + k`` of every implementation, the order
     reversed from one pair to the next (:func:`alternating_times`)."""

@@ -27,12 +27,7 @@ from trainmesh.parallel.context_parallel import AXIS, RingTimeline, ring_attenti
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import preset, spec_of
-from trainmesh.plan import (
-    Layout,
-    cp_bytes_per_micro,
-    memory_per_rank,
-    micro_batch_activation_bytes,
-)
+from trainmesh.plan import Layout, cp_bytes_per_micro, memory_per_rank, micro_batch_activation_bytes
 from trainmesh.distributed.testing import run_ranks
 from trainmesh_bench.common import Setup, build, peak_rss, trainmesh_step
 from trainmesh_bench.plan import step_peak

@@ -49,8 +49,7 @@ def _variants(cfg: Setup) -> list[tuple[Setup | None, str]]:
         v = max(cfg.virtual_stages, 2) if name == "interleaved" else 1
         variant = cfg.with_layout(schedule=name, virtual_stages=v, stage_layers=(), timeline="")
         try:
-            validate(variant.layout, spec_of(cfg.model).shape(cfg.model_config), cfg.world, spell=flag,
-                     name=cfg.model)
+            validate(variant.layout, spec_of(cfg.model).shape(cfg.model_config), cfg.world, spell=flag, name=cfg.model)
             out.append((variant, name))
         except LayoutError as e:
             out.append((None, f"{name}: skipped ({e})"))

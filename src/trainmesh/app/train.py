@@ -281,8 +281,7 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Cal
         return
     handle = checkpoints.save(run, done, async_=True)
     waited = time.perf_counter() - start - handle.stall_s  # for the previous save's write, before this copy
-    saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited,
-                          "write_s": handle.write_s})
+    saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited, "write_s": handle.write_s})
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:

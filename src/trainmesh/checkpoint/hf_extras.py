@@ -162,8 +162,7 @@ def _rendered(save: Callable[[str], Any]) -> dict[str, KeptFile]:
     into (or through a link in) the export directory."""
     with tempfile.TemporaryDirectory() as scratch:
         save(scratch)
-        return {p.name: KeptFile(p.read_bytes(), NEW_FILE_MODE) for p in sorted(Path(scratch).iterdir())
-                if p.is_file()}
+        return {p.name: KeptFile(p.read_bytes(), NEW_FILE_MODE) for p in sorted(Path(scratch).iterdir()) if p.is_file()}
 
 
 def clashes(out: Path, names: list[str]) -> list[str]:
