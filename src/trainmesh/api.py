@@ -3,8 +3,7 @@
 Shaped like torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard`` (usage: docs/api.md).
 :func:`parallelize` is the one place the forms are composed, in the order each expects: tensor parallelism
 (on full weights), recomputation (on the modules TP left), the pipeline cut, then dp/ZeRO in :func:`optimizer`.
-A model trainmesh did not write joins through its :class:`~trainmesh.models.spec.StageLayout`.
-"""
+A model trainmesh did not write joins through its :class:`~trainmesh.models.spec.StageLayout`."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
 
     The world comes from torchrun's, ``trainmesh launch``'s or ``srun``'s environment; ``dp`` defaults to
     what ``tp``, ``pp`` and ``cp`` leave. ``ep`` folds experts over dp (and tp under ``sequence_parallel``),
-    ``dp_replicate`` makes HSDP replica groups, ``etp`` splits each expert's FFN. Arguments: docs/api.md.
-    """
+    ``dp_replicate`` makes HSDP replica groups, ``etp`` splits each expert's FFN. Arguments: docs/api.md."""
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
@@ -81,8 +79,7 @@ class ParallelModel:
     """What :func:`parallelize` returns: this rank's part of the model and how to run it.
 
     ``module``: the part, under the plain model's names; call it for logits (not under a pipeline).
-    ``criterion``: the loss the layout needs; ``layout``: what was applied; ``engine``: set by :func:`optimizer`.
-    """
+    ``criterion``: the loss the layout needs; ``layout``: what was applied; ``engine``: set by :func:`optimizer`."""
 
     module: nn.Module
     mesh: Mesh
@@ -212,8 +209,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     Every rank must pass the same model. A model presented through a :class:`StageLayout` then refuses its
     own forward and ``state_dict`` (both would see shards); a transformers object of a family read only through
     its HF mapping is converted (``tm.from_hf``). Arguments (``tp_plan``, ``zero``, ``recompute``, ``pipeline``,
-    ``precision``, ``compile``, ``cp_impl``) and ep's expert groups: docs/api.md.
-    """
+    ``precision``, ``compile``, ``cp_impl``) and ep's expert groups: docs/api.md."""
     model = as_trainmesh(model)
     spec = spec_for(model)
     _refuse_foreign(model, spec)
@@ -297,8 +293,7 @@ class Optimizer:
     """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO).
 
     ``lr`` is the learning rate the next :func:`train_step` uses (set it each step for a schedule);
-    ``grad_norm`` is the last step's global gradient norm before clipping.
-    """
+    ``grad_norm`` is the last step's global gradient norm before clipping."""
 
     engine: object
     lr: float
@@ -341,8 +336,7 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
                      micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
     returns this rank's share of the loss (0 on stages without the head), MoE aux losses included.
-    ``saved``, if given, records the activation bytes of the first micro-batch's forward.
-    """
+    ``saved``, if given, records the activation bytes of the first micro-batch's forward."""
     moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
         loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
@@ -407,8 +401,7 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
                dp_sliced: bool = False, saved=None) -> float:
     """One optimizer step on the global ``batch`` = ``(inputs, targets)`` (or this dp rank's slice with
     ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss one
-    process would compute; ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md.
-    """
+    process would compute; ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if loss_fn is not None and model.vocab_parallel:
@@ -432,8 +425,7 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
     """The ordinary unsharded parameters under the plain model's names, on every rank (a collective).
 
     This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
-    Forms that shard parameters assemble the full tensors here.
-    """
+    Forms that shard parameters assemble the full tensors here."""
     with engine.gathered() if engine is not None else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
         state = gather_experts(state, module, {axis: comm.mesh.group(axis) for axis in ("ep", "etp")})
@@ -446,8 +438,7 @@ def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int 
     """Save model and optimizer state as ``directory/step-N`` (a collective: each rank writes what it holds) and
     point ``latest`` at it; returns the step directory, or with ``async_`` an :class:`AsyncSave` handle whose
     ``wait()`` (a collective) must come before relying on it. The model holds ``directory``'s run lock from its
-    first save. Arguments (``keep_last``, ``hf_source``, ``config``, ...): docs/api.md.
-    """
+    first save. Arguments (``keep_last``, ``hf_source``, ``config``, ...): docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     root, mesh, previous = Path(directory), model.mesh, model.pending_save
@@ -520,8 +511,7 @@ def load(model: ParallelModel, opt: Optimizer, directory: str | Path, *, run_id:
          accept: Callable[[dict, Path], None] = lambda manifest, path: None) -> int:
     """Load the newest sound checkpoint of any layout from ``directory`` (``step-N`` or its parent: ``latest``,
     then older, damaged ones skipped) into ``model`` and ``opt``; returns its step. A collective. ``run_id``
-    and ``accept`` filter checkpoints (docs/api.md).
-    """
+    and ``accept`` filter checkpoints (docs/api.md)."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if model.pending_save is not None:

@@ -2,8 +2,7 @@
 training step, and timed pairs of steps of two implementations.
 
 Each timed pair is one step of each on the same batch, back to back, so drift hits both alike; the figure
-is the median of per-pair ratios with min and max. Benchmarks print, tests check (docs/performance.md).
-"""
+is the median of per-pair ratios with min and max. Benchmarks print, tests check (docs/performance.md)."""
 
 from __future__ import annotations
 

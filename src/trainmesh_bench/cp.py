@@ -2,8 +2,7 @@
 the byte formulas. Prints; asserts nothing.
 
 Parts ``memory``, ``fit``, ``overlap`` and ``torch`` (``--parts``) run in the same warm processes of cp
-ranks per degree (:func:`cp_rank`); what each measures: docs/performance.md.
-"""
+ranks per degree (:func:`cp_rank`); what each measures: docs/performance.md."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 consumes, and a trainer's memory against corpus size. It prints figures and asserts nothing.
 
 Everything generated goes under ``--workdir`` (default: a new directory in /tmp), removed at the end.
-Method: docs/performance.md.
-"""
+Method: docs/performance.md."""
 
 from __future__ import annotations
 

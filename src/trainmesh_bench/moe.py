@@ -2,8 +2,7 @@
 experts' grouped GEMM against a per-expert loop. Prints; asserts nothing.
 
 Every ep runs ``moe-tiny`` on the same 4 dp ranks in fresh processes; the bytes sent off-rank are compared
-with ``tokens x top-k x hidden x bytes x (ep-1)/ep`` per direction. Method: docs/performance.md.
-"""
+with ``tokens x top-k x hidden x bytes x (ep-1)/ep`` per direction. Method: docs/performance.md."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Two nodes of two ranks joined by a rate-limited link run each layout; per step it prints the bytes the
 kernel counted crossing the node link beside the formulas and the planner's prediction (:func:`planned`),
-and the step time. Prints; asserts nothing. Formulas: docs/performance.md.
-"""
+and the step time. Prints; asserts nothing. Formulas: docs/performance.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The planner against measurement: memory per rank and step time that :mod:`trainmesh.plan` predicts for a
 layout, next to what a real run of that layout measures here (``make bench-plan``; tolerances asserted in
 ``tests/multirank/test_plan_validation.py``). The quantities, tolerances and what the measured peak leaves
-out: docs/performance.md.
-"""
+out: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ class _Saved:
 class StepPeak:
     """The most memory a rank holds at once while recording: saved activations alive (``saved``), and
     those plus the model state and the tensors :meth:`holding` names held at that moment (``total``).
-    Saved tensors count by storage, once, until their last backward; parameters count as model state.
-    """
+    Saved tensors count by storage, once, until their last backward; parameters count as model state."""
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]], state: Callable[[], int]) -> None:
         self._params, self._state = params, state

@@ -2,8 +2,7 @@
 and each schedule against ``torch.distributed.pipelining``'s class of the same name in tokens/s.
 
 Bubble: measured, ``simulated`` (mean costs), ``replayed`` (each step's own) and ``uniform`` (textbook);
-throughput in timed pairs (:func:`trainmesh_bench.common.compare`). Method: docs/performance.md.
-"""
+throughput in timed pairs (:func:`trainmesh_bench.common.compare`). Method: docs/performance.md."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Each form runs as its own ``trainmesh bench FORM`` launch (so one form's memory and threads never
 disturb another's figures) on the same ranks, model and global batch, and hands back its rows
 (:class:`trainmesh_bench.common.Result`) as JSON. The table goes to the terminal and, with the machine,
-torch version and date, to ``results.json`` and ``results.md`` in the run directory.
-"""
+torch version and date, to ``results.json`` and ``results.md`` in the run directory."""
 
 from __future__ import annotations
 

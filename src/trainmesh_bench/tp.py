@@ -1,8 +1,7 @@
 """``trainmesh bench tp``: trainmesh tensor parallelism against PyTorch's ``parallelize_module``.
 
 Both train the same model and layout; torch's plan is translated from the family's (:func:`torch_tp_plan`),
-fused projections' rows reordered so both shard the same function. Timed in pairs (docs/performance.md).
-"""
+fused projections' rows reordered so both shard the same function. Timed in pairs (docs/performance.md)."""
 
 from __future__ import annotations
 

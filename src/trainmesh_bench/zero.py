@@ -2,8 +2,7 @@
 state against the paper's formula.
 
 Peers: ``ZeroRedundancyOptimizer`` under DDP (stage 1), FSDP2 without reshard after forward (2), FSDP2 (3),
-timed in pairs; memory as model state, in-step peak and RSS. Method: docs/performance.md.
-"""
+timed in pairs; memory as model state, in-step peak and RSS. Method: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def allocated_peak(step: StepFn, i: int) -> int:
 
     Read from the profiler's allocation events, each of which carries the allocator's running total
     (whatever made the tensor), so it counts trainmesh's and FSDP2's transient buffers and activations
-    the same way.
-    """
+    the same way."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(i)
     events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
@@ -178,8 +176,7 @@ PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard a
 def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
     """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
     ZeRO-3's model state and trained parameters beside FSDP2's (after two steps and after the run; the
-    expected size of that difference: docs/performance.md).
-    """
+    expected size of that difference: docs/performance.md)."""
     if cfg.world < 2 or cfg.dp != cfg.world:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")

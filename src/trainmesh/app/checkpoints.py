@@ -2,8 +2,7 @@
 the lock on ``--checkpoint-dir``, and the model ``--resume`` takes from the checkpoint it continues.
 
 Every run has an id its manifests record; the launching process holds ``D/trainmesh.lock`` noting it
-(:func:`claim`), so a second live run is refused while the ranks' saves go ahead. Details: docs/checkpoints.md.
-"""
+(:func:`claim`), so a second live run is refused while the ranks' saves go ahead. Details: docs/checkpoints.md."""
 
 from __future__ import annotations
 

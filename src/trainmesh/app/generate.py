@@ -2,8 +2,7 @@
 
 A checkpoint of any layout is assembled in one process and decoded with a key/value cache and the
 tokenizer it records (another is refused by SHA-256: a wrong vocabulary prints fluent nonsense). A full
-context drops its oldest half; sampling is float64 on the CPU, so a seed gives the same text anywhere.
-"""
+context drops its oldest half; sampling is float64 on the CPU, so a seed gives the same text anywhere."""
 
 from __future__ import annotations
 
@@ -83,8 +82,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, seq_len: 
     model's outputs (a padded vocabulary's extra rows are never chosen).
 
     ``use_cache=False`` recomputes the whole context at every token: the same windows and tokens, the
-    reference the cache is tested against.
-    """
+    reference the cache is tested against."""
     if not prompt:
         raise GenerateError("the prompt encodes to no tokens; give a longer --prompt")
     device = next(model.parameters()).device

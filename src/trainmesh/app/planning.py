@@ -1,7 +1,6 @@
 """The planner (:mod:`trainmesh.plan`) wired to the command line: a run's :class:`~trainmesh.app.config.Config`
 as a workload and a layout and back, the ``trainmesh train`` command a plan prints, ``--plan auto``, and the
-``trainmesh plan`` command. Here because it needs :class:`Config`, which the planner itself does not import.
-"""
+``trainmesh plan`` command. Here because it needs :class:`Config`, which the planner itself does not import."""
 
 from __future__ import annotations
 
@@ -218,8 +217,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     the batch, and a cluster preset whose figures explicit flags override.
 
     ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
-    ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`.
-    """
+    ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
     source.add_argument("--hf-config", metavar="DIR", help="the shape of a Hugging Face config.json (llama, mistral, "
@@ -265,8 +263,7 @@ def workload_from(
     (GPT-2 blocks unless the fields say otherwise), or from either with fields replaced.
 
     ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
-    ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`).
-    """
+    ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`)."""
     given = {k: v for k, v in shape.items() if v is not None}
     if model is not None:
         resolved = dataclasses.replace(model if isinstance(model, ModelShape) else model_shape(model), **given)

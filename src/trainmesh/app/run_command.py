@@ -3,8 +3,7 @@ node; on several, the ``torchrun`` invocation every node runs (rendezvous includ
 named placeholder); or an sbatch script that fills the placeholder from SLURM's node list.
 
 The model is never dropped: a preset is ``--model``, a Hugging Face directory ``--init-hf``, and a shape
-that exists only in the planner gets a line saying so and how to run it through the API instead.
-"""
+that exists only in the planner gets a line saying so and how to run it through the API instead."""
 
 from __future__ import annotations
 

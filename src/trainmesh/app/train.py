@@ -3,8 +3,7 @@
 One step: the rank's slice of the global batch is split into micro-batches; forward and backward run on
 each (gradients synchronised only after the last); then the parallel form's ``step`` reduces what is
 left, clips by the global gradient norm and updates. The logged loss is the mean over the global batch,
-the quantity a single process computes, which is what makes layouts comparable.
-"""
+the quantity a single process computes, which is what makes layouts comparable."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def setup_process(cfg: Config) -> Mesh:
     launcher needs besides.
 
     SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
-    reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it.
-    """
+    reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
@@ -150,8 +148,7 @@ def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
     Kinds: ``raise`` (the rank fails, to test the launcher), ``kill`` (the rank dies by SIGKILL, as the
     kernel's OOM killer does it), ``hang`` (the rank stops responding, to test hang diagnosis) and
     ``nan`` (the rank's gradients become NaN during this step's backward, to test that every rank skips
-    the step together).
-    """
+    the step together)."""
     spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
@@ -249,8 +246,7 @@ def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgre
     attempt: a run must not go on unrecorded, nor lose its weights to the full disk that stopped it.
 
     Only rank 0 writes, so the others learn of it from one small all-reduce per step; rank 0 raises
-    :class:`MetricsError` with the cause, the others :class:`RunStopped`, so the error is reported once.
-    """
+    :class:`MetricsError` with the cause, the others :class:`RunStopped`, so the error is reported once."""
     failed = log_all_reduce(torch.tensor([int(bool(error))], device=run.mesh.device),
                             reduce_op=torch.distributed.ReduceOp.MAX)
     if not failed.item():

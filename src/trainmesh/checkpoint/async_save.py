@@ -3,8 +3,7 @@
 As torchtitan's and Megatron's async saves: the training thread copies each rank's state to host buffers
 (the stall); a writer thread writes the synchronous save's files byte for byte, and rank 0 publishes only
 once every rank's marker says its file is durable. Markers go through the directory, not a collective,
-which would race the training thread's. At most one save is in flight. Details: docs/checkpoints.md.
-"""
+which would race the training thread's. At most one save is in flight. Details: docs/checkpoints.md."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Anyone with write access could edit and re-hash a manifest, so every value is checked against this schema
 first: types, ranges, plain names, allowed dtypes, and pieces tiling each tensor exactly. The tiling check
-is linear (a byte map bounded by the files' checked sizes), not pairwise. Details: docs/checkpoints.md.
-"""
+is linear (a byte map bounded by the files' checked sizes), not pairwise. Details: docs/checkpoints.md."""
 
 from __future__ import annotations
 

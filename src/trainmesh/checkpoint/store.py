@@ -3,8 +3,7 @@
 A checkpoint is ``step-N/`` with one safetensors file per rank and a JSON ``manifest.json`` listing, per
 global tensor, the boxes each file holds; loading copies the intersections with the boxes this rank needs
 in its layout (resharding). Nothing read is unpickled or trusted before the manifest schema and file hashes
-pass; a save publishes by rename, so a crash leaves the previous ``latest``. Format: docs/checkpoints.md.
-"""
+pass; a save publishes by rename, so a crash leaves the previous ``latest``. Format: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -471,8 +470,7 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
     Once it is published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
 
     A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
-    the one ``latest`` names.
-    """
+    the one ``latest`` names."""
     start = time.perf_counter()
     staged = stage(model, engine, mesh, root, progress)
     rank, device, final, tmp = staged.rank, staged.device, staged.final, staged.tmp
@@ -503,8 +501,7 @@ def prune(published: Path, keep_last: int) -> list[Path]:
     """Delete the sound checkpoints older than ``published`` beyond the ``keep_last`` newest (``published``
     counted), oldest first; returns those deleted. Only real ``step-N`` directories are looked at, each renamed
     to ``.pruned-step-N`` before deletion so a crash leaves no damaged ``step-N``; newer ones and ``latest``'s
-    are never touched, and a failed deletion is said, not raised.
-    """
+    are never touched, and a failed deletion is said, not raised."""
     root = published.parent
     if keep_last <= 0:
         return []

@@ -2,8 +2,7 @@
 
 ``fcntl.flock`` on a file in the directory, which the kernel drops when the holder dies however it dies;
 the file's record (pid, host, start, :meth:`Lock.note`) decides stale locks, and decides alone where the
-file system refuses ``flock``. Details: docs/reliability.md.
-"""
+file system refuses ``flock``. Details: docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def _acquire(path: Path, flag: str) -> tuple[int, dict]:
 
     A releasing run may remove the file while it still holds the lock, and a stale holder's file is
     removed here, so a lock taken on a file that is no longer at ``path`` is on a dead inode and is retried
-    on the new file.
-    """
+    on the new file."""
     for _ in range(TRIES):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
@@ -165,8 +163,7 @@ def hold(directory: Path, flag: str, name: str = LOCK_NAME, keep: bool = False) 
     ``flag`` (``--out``) names the setting in the message, which says which process holds it. The new
     record keeps what the last holder noted until :meth:`Lock.note` replaces it, so a caller that fails
     before noting loses nothing. ``keep`` leaves the file (and its record) behind on release; otherwise it
-    is removed, while still locked.
-    """
+    is removed, while still locked."""
     path = directory / name
     fd, previous = _acquire(path, flag)
     try:

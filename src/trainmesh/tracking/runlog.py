@@ -2,8 +2,7 @@
 
 :class:`RunLog` is the one writer of a run's ``metrics.jsonl``, ``summary.json``, TensorBoard events (and
 W&B) and progress line, so ``trainmesh report`` reads a script's run as the command line's (docs/api.md).
-Every rank calls :meth:`RunLog.log`; only global rank 0 writes and holds the directory's lock.
-"""
+Every rank calls :meth:`RunLog.log`; only global rank 0 writes and holds the directory's lock."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class RunLog:
 
     ``steps``/``first_step``: the run's last and this process's first step; ``resume_from``: the checkpoint's
     step (later records dropped; None starts afresh); ``model``, ``config``: what is recorded; ``lock``: hold
-    ``out``'s lock (False where the launching process already does).
-    """
+    ``out``'s lock (False where the launching process already does)."""
 
     def __init__(self, out: str | Path, steps: int = 0, *, first_step: int = 1, resume_from: int | None = None,
                  model: ParallelModel | None = None, config: dict[str, Any] | None = None, name: str = "",
