@@ -91,11 +91,9 @@ def fsdp2_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
 
 
 def allocated_peak(step: StepFn, i: int) -> int:
-    """The most tensor memory allocated during ``step(i)`` above what was allocated when it began.
-
-    Read from the profiler's allocation events, each of which carries the allocator's running total
-    (whatever made the tensor), so it counts trainmesh's and FSDP2's transient buffers and activations
-    the same way."""
+    """The most tensor memory allocated during ``step(i)`` above what was allocated when it began, from the
+    profiler's allocation events (the allocator's running total), so trainmesh's and FSDP2's transient
+    buffers count alike."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(i)
     events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []

@@ -1,9 +1,7 @@
 """One typed run configuration: defaults, then a TOML file, then command-line flags.
 
-A :class:`Config` is made of sections (the :class:`~trainmesh.layout.Layout` one of them); each section is one
-TOML table and one ``--help`` group, and each field carries its help text, so ``trainmesh train --help``
-documents every flag and a TOML file uses the same names (``[optim] global_batch = 32``). :func:`validate` rejects impossible layouts with one line that says
-how to fix them, before any rank is spawned."""
+Each section of a :class:`Config` is one TOML table and one ``--help`` group, each field carries its help
+text; :func:`validate` rejects impossible layouts in one line before any rank is spawned."""
 
 from __future__ import annotations
 
@@ -395,11 +393,8 @@ def _problem(name: str, value: Any) -> str | None:
 def check_value(name: str, value: Any, source: str = "", written: str | None = None) -> Any:
     """``value`` for field ``name`` if it is acceptable, else a :class:`ConfigError` naming where it came from.
 
-    This is the one check every value passes, whatever its source: ``source`` is ``""`` for a flag or an
-    API value (the message reads ``--zero 5: ...``) and a file name for a TOML file or a checkpoint
-    (``run.toml: zero = 5: ...``). A value must already have the field's type (:func:`parse_flag` converts a
-    flag's text first), so a TOML ``steps = "2"`` or ``dp = 2.0`` is refused rather than guessed at.
-    ``written`` is the value as the user typed it, for the message."""
+    The one check every value passes: ``source`` is ``""`` for a flag or API value, else the file's name; the
+    value must already have the field's type (no guessing at ``steps = "2"``); ``written`` is as typed."""
     kind, given = _type_of(name), value
     if kind is tuple and isinstance(value, str):  # "1,3", as a TOML file may write it
         value = parse_flag(name, value)

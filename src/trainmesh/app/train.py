@@ -1,9 +1,7 @@
 """The training loop: composes the mesh, the model, a parallel form and the data into optimizer steps.
 
-One step: the rank's slice of the global batch is split into micro-batches; forward and backward run on
-each (gradients synchronised only after the last); then the parallel form's ``step`` reduces what is
-left, clips by the global gradient norm and updates. The logged loss is the mean over the global batch,
-the quantity a single process computes, which is what makes layouts comparable."""
+The logged loss is the mean over the global batch, the quantity a single process computes, which is
+what makes layouts comparable."""
 
 from __future__ import annotations
 
@@ -142,13 +140,9 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
-    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` if it names this rank and step (``*``: every step);
-    returns an undo function.
-
-    Kinds: ``raise`` (the rank fails, to test the launcher), ``kill`` (the rank dies by SIGKILL, as the
-    kernel's OOM killer does it), ``hang`` (the rank stops responding, to test hang diagnosis) and
-    ``nan`` (the rank's gradients become NaN during this step's backward, to test that every rank skips
-    the step together)."""
+    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` (``*``: every step) if it names this rank and step; returns an
+    undo function. Kinds ``raise``, ``kill`` (SIGKILL, as the OOM killer), ``hang`` and ``nan`` (NaN
+    gradients, every rank must skip the step) test the launcher and the recovery paths (docs/reliability.md)."""
     spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")

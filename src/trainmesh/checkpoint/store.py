@@ -273,11 +273,8 @@ def step_of(path: Path) -> int:
 class HostBuffers:
     """Pinned host memory that background saves stage GPU state into, kept from one save to the next.
 
-    A copy from a GPU into pinned memory runs at the link's full rate and without blocking the host (pageable
-    memory goes through a driver bounce buffer), which is what keeps an async save's stall short; but
-    allocating pinned memory is slow, so, as torchtitan's async checkpointing does, each piece's buffer is
-    allocated once and reused. That is safe because at most one save is in flight: the next one waits for
-    the previous one's write before it stages. CPU tensors are copied as they are."""
+    Pinned copies run at the link's rate without blocking the host, but pinning is slow, so each piece's
+    buffer is allocated once and reused (as torchtitan does): safe since at most one save is in flight."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -465,12 +462,9 @@ def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: Tr
 
 def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
                description: dict, keep_last: int = 0) -> Path:
-    """Save this rank's part of ``model`` and ``engine``'s optimizer after ``progress.step`` steps as
-    ``root/step-N`` (a collective); ``description`` (:func:`trainmesh.api.describe`) goes into the manifest.
-    Once it is published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
-
-    A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
-    the one ``latest`` names."""
+    """Save this rank's part of ``model`` and ``engine``'s optimizer as ``root/step-N`` (a collective), with
+    ``description`` in the manifest, then :func:`prune` beyond ``keep_last``. A failure on any rank is raised
+    on every rank, and the previous checkpoint stays ``latest``."""
     start = time.perf_counter()
     staged = stage(model, engine, mesh, root, progress)
     rank, device, final, tmp = staged.rank, staged.device, staged.final, staged.tmp

@@ -114,11 +114,8 @@ def _is_at(path: Path, fd: int) -> bool:
 
 
 def _acquire(path: Path, flag: str) -> tuple[int, dict]:
-    """An fd of ``path`` holding its lock, and the record its last holder left.
-
-    A releasing run may remove the file while it still holds the lock, and a stale holder's file is
-    removed here, so a lock taken on a file that is no longer at ``path`` is on a dead inode and is retried
-    on the new file."""
+    """An fd of ``path`` holding its lock, and the record its last holder left; a lock taken on a file since
+    removed from ``path`` (a dead inode) is retried on the new file."""
     for _ in range(TRIES):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
@@ -157,13 +154,9 @@ class Lock:
 
 @contextlib.contextmanager
 def hold(directory: Path, flag: str, name: str = LOCK_NAME, keep: bool = False) -> Iterator[Lock]:
-    """Hold ``directory``'s lock (file ``name`` in it) for the ``with`` block; :class:`DirectoryInUse` if a
-    live run holds it.
-
-    ``flag`` (``--out``) names the setting in the message, which says which process holds it. The new
-    record keeps what the last holder noted until :meth:`Lock.note` replaces it, so a caller that fails
-    before noting loses nothing. ``keep`` leaves the file (and its record) behind on release; otherwise it
-    is removed, while still locked."""
+    """Hold ``directory``'s lock (file ``name`` in it) for the ``with`` block; :class:`DirectoryInUse`, naming the
+    holder and ``flag``, if a live run holds it. The last holder's notes survive until :meth:`Lock.note`;
+    ``keep`` leaves the file behind on release, else it is removed while still locked."""
     path = directory / name
     fd, previous = _acquire(path, flag)
     try:

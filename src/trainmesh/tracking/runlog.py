@@ -54,12 +54,9 @@ class RunLog:
         return self.model.comm.snapshot() if self.model is not None else {}
 
     def log(self, step: int, loss: float, tokens: int = 0, **metrics: Any) -> None:
-        """Record step ``step`` (1-based, the steps done): its ``loss``, the time since the last record,
-        ``tokens`` trained on (for tokens/s) and any other ``metrics`` (JSON values; ``val_loss`` is shown
-        in the progress line). With a model, the record also holds the step's communication per mesh axis and
-        operation, every rank's memory (a collective: every rank calls ``log``) and, first, the layout.
-        Raises :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be written (a full
-        disk), after which the run should stop."""
+        """Record step ``step`` (1-based): ``loss``, elapsed time, ``tokens`` and any JSON ``metrics``; with a model,
+        also communication per axis, every rank's memory (a collective) and, first, the layout. Raises
+        :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be written; the run should stop."""
         now = time.perf_counter()
         step_time, self._last = metrics.pop("step_time_s", now - self._last), now
         record: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": step_time}
