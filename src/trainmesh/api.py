@@ -122,11 +122,9 @@ def _staged(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | No
 
 
 def _retire(model: nn.Module) -> None:
-    """Make the object the user passed refuse to run or give its state: the :class:`Staged` model now owns
-    its children (its block list is a ``ModuleDict``, its weights get sharded, a pipeline stage drops the
-    blocks of other stages), so its own forward would fail obscurely and its ``state_dict`` (hence
-    ``save_pretrained``) would silently hold shards. Like torchtitan's ``parallelize_*`` and FSDP2's
-    ``fully_shard``, :func:`parallelize` works in place; the returned :class:`ParallelModel` is the model."""
+    """Make the object the user passed refuse to run or give its state: the :class:`Staged` model now owns its
+    children (sharded, some dropped), so its forward would fail obscurely and its ``state_dict`` silently
+    hold shards. :func:`parallelize` works in place, like FSDP2's ``fully_shard``."""
     message = (f"this {type(model).__name__} was taken apart by trainmesh.parallelize (its layers now belong to "
                f"the ParallelModel it returned, possibly sharded); use that instead: call it or train_step, "
                f"pm.state_dict() for the full weights (a collective), tm.save/tm.load; for a Hugging Face model, "
@@ -290,10 +288,8 @@ def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
 
 @dataclass(eq=False)
 class Optimizer:
-    """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO).
-
-    ``lr`` is the learning rate the next :func:`train_step` uses (set it each step for a schedule);
-    ``grad_norm`` is the last step's global gradient norm before clipping."""
+    """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO). ``lr``:
+    what the next :func:`train_step` uses; ``grad_norm``: the last step's global norm before clipping."""
 
     engine: object
     lr: float
@@ -422,10 +418,8 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
 
 
 def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipelined: bool) -> dict[str, torch.Tensor]:
-    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective).
-
-    This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
-    Forms that shard parameters assemble the full tensors here."""
+    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective): what a
+    user exports and what the equivalence tests compare."""
     with engine.gathered() if engine is not None else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
         state = gather_experts(state, module, {axis: comm.mesh.group(axis) for axis in ("ep", "etp")})

@@ -408,11 +408,9 @@ def check_value(name: str, value: Any, source: str = "", written: str | None = N
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`Config` field, listed under its TOML section, its default said once (by its help
-    where that names it; an empty one is not said); defaults are suppressed so only flags given on the line count.
-
-    Values stay text here: :func:`check_value` converts and checks them, the same way for a flag as for
-    a TOML value, so both give the same message for the same mistake."""
+    """One flag per :class:`Config` field, under its TOML section, its default said once; defaults are
+    suppressed so only flags given count. Values stay text: :func:`check_value` converts them as it does
+    TOML values, so both give the same message for the same mistake."""
     parser.add_argument("--config", metavar="TOML", help="TOML file of settings (flags override it)")
     groups = {table: parser.add_argument_group(f"[{table}] settings") for table in SECTIONS}
     for f in FIELDS.values():
@@ -464,10 +462,8 @@ def _field_name(path: str, key: str, table: str | None) -> str:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML file of :data:`SECTIONS` tables into checked settings, by their flat names.
-
-    Keys take the field or the flag spelling and sit in their own section's table; an unknown key or table,
-    a key outside its table, a key given twice or a bad value is one line naming it."""
+    """Read a TOML file of :data:`SECTIONS` tables into checked settings, by their flat names (field or flag
+    spelling); an unknown or misplaced key or table, a repeated key or a bad value is one line naming it."""
     raw = _read_toml(path)
     entries: list[tuple[str, Any, str | None]] = []
     for key, value in raw.items():

@@ -78,11 +78,9 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, seq_len: int,
              sampling: Sampling = GREEDY, vocab_size: int | None = None, use_cache: bool = True) -> list[int]:
-    """``max_new_tokens`` tokens continuing ``prompt`` (token ids), from the first ``vocab_size`` of the
-    model's outputs (a padded vocabulary's extra rows are never chosen).
-
-    ``use_cache=False`` recomputes the whole context at every token: the same windows and tokens, the
-    reference the cache is tested against."""
+    """``max_new_tokens`` tokens continuing ``prompt`` (token ids), from the first ``vocab_size`` of the model's
+    outputs (a padded vocabulary's extra rows are never chosen). ``use_cache=False`` recomputes the whole
+    context at every token: the reference the cache is tested against."""
     if not prompt:
         raise GenerateError("the prompt encodes to no tokens; give a longer --prompt")
     device = next(model.parameters()).device

@@ -213,11 +213,9 @@ def _script_path(text: str) -> str:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``trainmesh plan``: a model preset or explicit shape (``--ffn`` defaults to 4 * hidden),
-    the batch, and a cluster preset whose figures explicit flags override.
-
-    ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
-    ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`."""
+    """Flags of ``trainmesh plan``: a model preset or explicit shape (``--ffn`` defaults to 4 * hidden), the
+    batch, and a cluster preset whose figures explicit flags override (``cli.py`` prints
+    :func:`plan_from_args`; ``trainmesh train --plan auto`` calls :func:`plan_config`)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
     source.add_argument("--hf-config", metavar="DIR", help="the shape of a Hugging Face config.json (llama, mistral, "
@@ -259,11 +257,9 @@ def workload_from(
     model: str | ModelShape | None, global_batch: int, precision: str = "fp32",
     reduce_dtype: str = Layout.reduce_dtype, **shape: object,
 ) -> Workload:
-    """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit shape
-    (GPT-2 blocks unless the fields say otherwise), or from either with fields replaced.
-
-    ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
-    ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`)."""
+    """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit ``shape`` of
+    :class:`ModelShape` field names (GPT-2 blocks unless they say otherwise; None ignored; d_ff 4 * d_model),
+    or either with fields replaced. ``precision`` is resolved already."""
     given = {k: v for k, v in shape.items() if v is not None}
     if model is not None:
         resolved = dataclasses.replace(model if isinstance(model, ModelShape) else model_shape(model), **given)

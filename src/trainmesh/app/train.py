@@ -52,11 +52,9 @@ class TrainResult:
 
 
 def setup_process(cfg: Config) -> Mesh:
-    """Join the process group and build the mesh as :func:`trainmesh.api.init_mesh` does, with what the
-    launcher needs besides.
-
-    SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
-    reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it."""
+    """Join the process group and build the mesh as :func:`trainmesh.api.init_mesh` does, plus what the launcher
+    needs: SIGUSR1 prints every thread's stack (for hang reports), and a heartbeat tells a stopped rank from
+    the ranks waiting for it."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
@@ -236,11 +234,9 @@ class RunStopped(RuntimeError):
 
 
 def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgress) -> None:
-    """Stop every rank together if rank 0 could not write its metrics (``error``), after a final checkpoint
-    attempt: a run must not go on unrecorded, nor lose its weights to the full disk that stopped it.
-
-    Only rank 0 writes, so the others learn of it from one small all-reduce per step; rank 0 raises
-    :class:`MetricsError` with the cause, the others :class:`RunStopped`, so the error is reported once."""
+    """Stop every rank together, after a final checkpoint attempt, if rank 0 could not write its metrics
+    (``error``): a run must not go on unrecorded. One small all-reduce per step tells the others; rank 0
+    raises :class:`MetricsError`, the others :class:`RunStopped`, so the error is reported once."""
     failed = log_all_reduce(torch.tensor([int(bool(error))], device=run.mesh.device),
                             reduce_op=torch.distributed.ReduceOp.MAX)
     if not failed.item():
