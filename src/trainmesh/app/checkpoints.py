@@ -273,11 +273,9 @@ MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dense_layers", "
 
 
 def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
-    """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``:
-    its model (a preset's name, or a model no preset builds registered as one named by its source,
-    ``LlamaForCausalLM from DIR``, a model a script saved), so the run needs neither the preset flag nor the
-    directory it first came from; and the recorded settings that shaped it, except those in ``given`` (set on
-    the command line). Empty without one."""
+    """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``: its
+    model (a preset's name, or one registered under its source, e.g. ``LlamaForCausalLM from DIR``) and the
+    recorded settings that shaped it, except those in ``given``. Empty without one."""
     for path in candidates(root):
         try:
             manifest = read_manifest(path)

@@ -51,11 +51,9 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
-    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
-    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, ``--dp-replicate`` only
-    under hybrid sharding, the bucket size only when it is not the default), the global batch and the
-    precision (always: ``auto`` would resolve again on the machine that runs it), the pipeline's
-    ``--stage-layers`` when the layout gives them, then the reduce dtype where it is not the default."""
+    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field that
+    applies or differs from its default, the global batch, the precision (always: ``auto`` would resolve again
+    on the machine that runs it), ``--stage-layers`` when given and a non-default reduce dtype."""
     layout = dataclasses.replace(layout, reduce_dtype=workload.reduce_dtype)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
     skip |= {"cp_impl"} if layout.cp == 1 else set()

@@ -185,11 +185,9 @@ class NonFiniteGuard:
 
 
 def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
-    """Per MoE layer of the model, over the step's global batch: token copies routed to each expert, the
-    fraction dropped by capacity, the mean balance and z losses (unweighted) and the balance (max/mean
-    expert load, 1 when even). One uncounted all-reduce over the data-parallel ranks, and under a pipeline
-    a gather over the stages, so that rank 0, which writes the record, has every stage's layers; empty for a
-    dense model."""
+    """Per MoE layer, over the step's global batch: token copies per expert, the fraction dropped by capacity,
+    the mean balance and z losses (unweighted) and max/mean expert load. One uncounted all-reduce over dp
+    (and a gather over pipeline stages, for rank 0's record); empty for a dense model."""
     layers = list(moe.moe_layers(run.model))
     out = {}
     if layers:
