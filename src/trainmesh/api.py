@@ -1,20 +1,9 @@
 """The public API: parallel forms applied to any ``nn.Module`` by plain function calls, the CLI one user of it.
 
-Shaped like torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``::
-
-    mesh = tm.init_mesh(dp=2, tp=2)                               # torchrun's or trainmesh launch's env
-    model = tm.parallelize(LlamaForCausalLM(cfg), mesh, tp_plan=tm.tp_plans.llama, zero=1)
-    opt = tm.optimizer(model, lr=3e-4)                            # sharded AdamW where ZeRO is on
-    loss = tm.train_step(model, opt, (inputs, targets))           # the global batch; each dp rank its slice
-
-:func:`parallelize` is the one place the forms are composed, in the order that makes each apply to what it
-expects: tensor parallelism by a plan of module-name patterns (it shards the full weights it finds), then
-recomputation of named block classes (wrapping the forwards of the modules TP left in place), then the
-pipeline cut (whole blocks per stage), and, in :func:`optimizer`, data parallelism or ZeRO over what this
-rank holds. A model trainmesh did not write joins by its :class:`~trainmesh.models.spec.StageLayout`, given
-or taken from its registered family's spec (:mod:`trainmesh.models`), which presents it in the stage
-contract without renaming a parameter.
-"""
+Shaped like torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard`` (usage: docs/api.md).
+:func:`parallelize` is the one place the forms are composed, in the order each expects: tensor parallelism
+(on full weights), recomputation (on the modules TP left), the pipeline cut, then dp/ZeRO in :func:`optimizer`.
+A model trainmesh did not write joins through its :class:`~trainmesh.models.spec.StageLayout`."""
 
 from __future__ import annotations
 
@@ -67,19 +56,9 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
               sequence_parallel: bool = False, etp: int = 1) -> Mesh:
     """Join the job this process was started in and return its ``pp x dp x cp x tp`` mesh.
 
-    The world comes from the environment ``torchrun``, ``trainmesh launch`` or ``srun`` sets (one process
-    without any); ``dp`` defaults to what ``tp``, ``pp`` and ``cp`` (context parallelism) leave of it. ``device="auto"`` takes this
-    rank's GPU when CUDA is present, else the CPU; ``backend="auto"`` NCCL on GPUs, Gloo on CPUs.
-    ``timeout`` bounds every collective, in seconds. ``ep`` (expert parallelism) splits an MoE model's
-    experts over groups of ``ep`` ranks that hold different tokens: data-parallel ranks (it divides
-    ``dp * cp``; it adds no ranks), and with ``sequence_parallel`` (the model will run under
-    ``parallelize(..., sequence_parallel=True)``) tensor-parallel ranks too (it divides ``dp * cp * tp``), as
-    Megatron-core folds experts over tp: an ep group of whole tp groups stays inside a node.
-    ``dp_replicate`` (hybrid sharding, HSDP) splits the dp ranks into that many groups of consecutive ranks
-    (inside a node where a node's ranks are consecutive): ZeRO (``parallelize(..., zero=1..3)``) then shards
-    within each group and all-reduces the gradient shards across groups. ``etp`` (expert tensor parallelism)
-    splits each routed expert's FFN over that many of the ranks holding the same experts, whatever ``tp`` is.
-    """
+    The world comes from torchrun's, ``trainmesh launch``'s or ``srun``'s environment; ``dp`` defaults to
+    what ``tp``, ``pp`` and ``cp`` leave. ``ep`` folds experts over dp (and tp under ``sequence_parallel``),
+    ``dp_replicate`` makes HSDP replica groups, ``etp`` splits each expert's FFN. Arguments: docs/api.md."""
     world = world_env().world_size
     if dp is None:  # what tp, pp and cp leave of the world; the layout's rules refuse sizes that leave none
         dp = max(1, world // max(1, tp * pp * cp))
@@ -99,12 +78,8 @@ def init_mesh(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, devi
 class ParallelModel:
     """What :func:`parallelize` returns: this rank's part of the model and how to run it.
 
-    ``module`` is that part (tensor-parallel shards, this pipeline stage's blocks), under the plain
-    model's parameter names; call the :class:`ParallelModel` for logits (a pipeline has no single
-    forward: use :func:`train_step`). ``criterion`` is the loss the layout needs (the vocabulary-parallel
-    cross-entropy when the plan splits the output head). ``layout`` is what :func:`parallelize` applied.
-    ``engine`` is set by :func:`optimizer`.
-    """
+    ``module``: the part, under the plain model's names; call it for logits (not under a pipeline).
+    ``criterion``: the loss the layout needs; ``layout``: what was applied; ``engine``: set by :func:`optimizer`."""
 
     module: nn.Module
     mesh: Mesh
@@ -147,11 +122,9 @@ def _staged(model: nn.Module, spec: ModelSpec | None, pipeline: StageLayout | No
 
 
 def _retire(model: nn.Module) -> None:
-    """Make the object the user passed refuse to run or give its state: the :class:`Staged` model now owns
-    its children (its block list is a ``ModuleDict``, its weights get sharded, a pipeline stage drops the
-    blocks of other stages), so its own forward would fail obscurely and its ``state_dict`` (hence
-    ``save_pretrained``) would silently hold shards. Like torchtitan's ``parallelize_*`` and FSDP2's
-    ``fully_shard``, :func:`parallelize` works in place; the returned :class:`ParallelModel` is the model."""
+    """Make the object the user passed refuse to run or give its state: the :class:`Staged` model now owns its
+    children (sharded, some dropped), so its forward would fail obscurely and its ``state_dict`` silently
+    hold shards. :func:`parallelize` works in place, like FSDP2's ``fully_shard``."""
     message = (f"this {type(model).__name__} was taken apart by trainmesh.parallelize (its layers now belong to "
                f"the ParallelModel it returned, possibly sharded); use that instead: call it or train_step, "
                f"pm.state_dict() for the full weights (a collective), tm.save/tm.load; for a Hugging Face model, "
@@ -231,38 +204,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
                 cuda_graphs: bool = False, cp_impl: str = "ring", comm: Comm | None = None) -> ParallelModel:
     """Apply the parallel forms of ``mesh`` to ``model`` (in place: use the returned model from now on).
 
-    As with torchtitan's ``parallelize_*`` and FSDP2's ``fully_shard``, ``model`` is changed in place: its
-    modules move into the returned :class:`ParallelModel` (whose ``module`` is ``model`` itself for a model
-    already in trainmesh's stage contract). A model presented through a :class:`StageLayout` (a Hugging Face
-    model) then refuses, with a message saying what to use, to run its forward or give its ``state_dict``
-    (so ``save_pretrained`` without ``state_dict=``): both would otherwise see shards or missing layers. Get
-    the full weights with ``ParallelModel.state_dict()`` (a collective); for a Hugging Face model, save
-    them with ``model.save_pretrained(out, state_dict=pm.state_dict())`` on one rank. A transformers object
-    of a family trainmesh reads only through its HF mapping (Qwen3-MoE, Mixtral, DeepSeek-V3, GPT-2) is instead
-    converted (``tm.from_hf(model)``; the object is left as it was, untrained): the user gets trainmesh's own
-    model, whose full weights ``trainmesh.models.hf.save_hf(pm.state_dict(), out, cfg)`` write back as a
-    transformers folder (``cfg``: ``tm.from_hf(model).cfg``).
-
-    Every rank must pass the same model (built from the same seed, or loaded from the same weights).
-    ``tp_plan``: module-name patterns -> :data:`trainmesh.parallel.tensor_parallel.STYLES` (default: the model
-    family's plan; :mod:`trainmesh.models.tp_plans`). ``zero``: ZeRO stage over dp (0: plain data parallelism), within each
-    replica group of a mesh built with ``dp_replicate``.
-    ``recompute``: ``"full"``/``"selective"`` (the family's blocks / attention) or block classes.
-    ``pipeline``: where the blocks and the modules before and after them are (default: the family's
-    layout); split by ``stage_layers`` (else balanced by parameters) and run by ``schedule`` over
-    ``microbatches`` micro-batches, ``virtual_stages`` chunks per rank (``interleaved``). ``precision``:
-    ``fp32``, ``bf16``/``fp16`` (fp32 master weights and optimizer state), ``fp64``, ``fp8`` (bf16 whose
-    linears multiply in float8 through torchao, but for the family's ``high_precision`` layers:
-    :mod:`trainmesh.training.float8`); gradients are reduced
-    in ``reduce_dtype`` (auto: fp32, fp64 under fp64). ``compile``: ``torch.compile`` each block's forward
-    and the loss; ``cuda_graphs`` also captures them as CUDA graphs (``mode="reduce-overhead"``) where the
-    layout allows (:mod:`trainmesh.training.cuda_graphs`; elsewhere rank 0 prints why once and compiles without).
-    ``cp_impl``: how attention spans a ``cp`` axis (``ring`` or ``a2a``; :mod:`trainmesh.parallel.context_parallel`);
-    each cp rank then takes its head-tail part of every sequence (:func:`train_step` slices it).
-    A mesh with ``ep > 1`` splits each MoE layer's routed experts over its ep ranks
-    (:mod:`trainmesh.parallel.expert_parallel`); the experts' gradients and ZeRO state then live on the
-    expert-data-parallel group.
-    """
+    Every rank must pass the same model. A model presented through a :class:`StageLayout` then refuses its
+    own forward and ``state_dict`` (both would see shards); a transformers object of a family read only through
+    its HF mapping is converted (``tm.from_hf``). Arguments (``tp_plan``, ``zero``, ``recompute``, ``pipeline``,
+    ``precision``, ``compile``, ``cp_impl``) and ep's expert groups: docs/api.md."""
     model = as_trainmesh(model)
     spec = spec_for(model)
     _refuse_foreign(model, spec)
@@ -343,11 +288,8 @@ def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
 
 @dataclass(eq=False)
 class Optimizer:
-    """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO).
-
-    ``lr`` is the learning rate the next :func:`train_step` uses (set it each step for a schedule);
-    ``grad_norm`` is the last step's global gradient norm before clipping.
-    """
+    """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO). ``lr``:
+    what the next :func:`train_step` uses; ``grad_norm``: the last step's global norm before clipping."""
 
     engine: object
     lr: float
@@ -389,12 +331,8 @@ def _sharding_axis(mesh: Mesh) -> str:
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
                      micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
     """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
-    returns this rank's share of the loss (0 on pipeline stages without the head). ``saved``, if given,
-    records the activation bytes of the first micro-batch's forward.
-
-    Mixture-of-experts layers back-propagate their aux losses themselves, scaled as each micro-batch's
-    main loss is (:func:`trainmesh.models.moe.begin_step`); the returned loss includes them (on every
-    pipeline stage those of its own layers, so the sum over stages is the model's)."""
+    returns this rank's share of the loss (0 on stages without the head), MoE aux losses included.
+    ``saved``, if given, records the activation bytes of the first micro-batch's forward."""
     moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
         loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
@@ -457,17 +395,9 @@ def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatche
 def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
                loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0, *,
                dp_sliced: bool = False, saved=None) -> float:
-    """One optimizer step on the global ``batch`` = ``(inputs, targets)``, the same tensors on every rank:
-    each dp rank takes its slice (or ``batch`` is that slice, with ``dp_sliced``), split into
-    ``microbatches`` (gradient accumulation; default: the model's), the gradient is clipped to global norm
-    ``max_norm`` (0: no clipping) and AdamW steps at ``opt.lr``. Returns the mean loss over the global
-    batch, the number one process would compute; ``opt.grad_norm`` is the step's gradient norm (not finite:
-    the step was skipped on every rank). ``saved`` (:class:`~trainmesh.tracking.metrics.SavedActivations`) records
-    the activation bytes of the first micro-batch.
-
-    ``loss_fn(logits, targets)`` defaults to next-token cross-entropy (vocabulary-parallel where the plan
-    splits the head, whose logits no other loss could read).
-    """
+    """One optimizer step on the global ``batch`` = ``(inputs, targets)`` (or this dp rank's slice with
+    ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss one
+    process would compute; ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if loss_fn is not None and model.vocab_parallel:
@@ -488,11 +418,8 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
 
 
 def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipelined: bool) -> dict[str, torch.Tensor]:
-    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective).
-
-    This is what a user exports as a plain PyTorch checkpoint and what the equivalence tests compare.
-    Forms that shard parameters assemble the full tensors here.
-    """
+    """The ordinary unsharded parameters under the plain model's names, on every rank (a collective): what a
+    user exports and what the equivalence tests compare."""
     with engine.gathered() if engine is not None else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in unsharded_state_dict(module).items()}
         state = gather_experts(state, module, {axis: comm.mesh.group(axis) for axis in ("ep", "etp")})
@@ -502,29 +429,10 @@ def full_state_dict(module: nn.Module, engine: Engine | None, comm: Comm, pipeli
 def save(model: ParallelModel, opt: Optimizer, directory: str | Path, step: int | checkpoint.TrainingProgress,
          tokenizer: str | TokenizerFile | None = "", keep_last: int = 0, *, async_: bool = False,
          config: dict | None = None, hf_source: str = "") -> Path | AsyncSave:
-    """Save the model and optimizer state as ``directory/step-N``, each rank writing what it holds (a
-    collective), in trainmesh's reshardable checkpoint format (:mod:`trainmesh.checkpoint`); ``latest``
-    then names it. Returns the step directory. ``trainmesh train`` saves through this function too, so the
-    manifest describes both alike (:func:`describe`): the model (its family and config, so ``trainmesh
-    generate``, ``export`` and ``train --resume`` build it), the layout, ``config`` (the run's settings, plain
-    values; by default the tokenizer's path) and ``tokenizer`` (a ``tokenizer.json``, or one read earlier
-    and pinned, whose copy the checkpoint keeps for ``generate`` to decode with; "" for byte tokens).
-    ``step`` is the steps done, or the loop's :class:`~trainmesh.checkpoint.TrainingProgress` (its skipped-step
-    counters and its run's id). ``hf_source``: the Hugging Face directory the weights came from, whose other
-    files every checkpoint keeps for ``export --hf``. ``keep_last`` K > 0 deletes, once the new checkpoint is
-    complete, the older ones beyond the K newest (oldest first, never the one ``latest`` names); 0 keeps all.
-
-    From its first save there, the model holds ``directory``'s lock until it is garbage-collected or the
-    process exits, so two live runs never write one directory: a directory another live run holds is refused
-    on every rank before anything is written, naming the holder. The lock belongs to a run, not a process:
-    one its holder noted for the run ``step`` belongs to (``trainmesh train`` holds its ``--checkpoint-dir``'s
-    so in the process that launches the ranks) is that run's already, and the save goes ahead under it.
-
-    With ``async_`` the call returns, as an :class:`~trainmesh.checkpoint.async_save.AsyncSave` handle, once
-    this rank's state is copied to host memory; the same files are written in the background and ``latest``
-    moves once every rank's part is durable. Training may go on meanwhile; call ``handle.wait()`` (a
-    collective) before relying on the checkpoint or ending the process. At most one save is in flight: the
-    next :func:`save` waits for the previous one."""
+    """Save model and optimizer state as ``directory/step-N`` (a collective: each rank writes what it holds) and
+    point ``latest`` at it; returns the step directory, or with ``async_`` an :class:`AsyncSave` handle whose
+    ``wait()`` (a collective) must come before relying on it. The model holds ``directory``'s run lock from its
+    first save. Arguments (``keep_last``, ``hf_source``, ``config``, ...): docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     root, mesh, previous = Path(directory), model.mesh, model.pending_save
@@ -595,13 +503,9 @@ def hold_directory(model: ParallelModel, root: Path, run_id: str) -> None:
 
 def load(model: ParallelModel, opt: Optimizer, directory: str | Path, *, run_id: str = "",
          accept: Callable[[dict, Path], None] = lambda manifest, path: None) -> int:
-    """Load the newest sound checkpoint :func:`save` wrote, in any layout, into ``model`` and ``opt`` in theirs
-    (each rank reads the parts it holds); ``directory`` is a ``step-N`` directory or the directory holding them:
-    ``latest``, then every other ``step-N``, newest first, one that is damaged skipped and said, as ``trainmesh
-    train --resume`` does through this function. ``run_id``: only a checkpoint of that run; ``accept(manifest,
-    path)`` may refuse one, raising :class:`~trainmesh.checkpoint.CheckpointError` to skip it or
-    :class:`~trainmesh.checkpoint.CheckpointMismatch` to stop. Returns the step it was saved at. A collective:
-    an error on any rank is raised on all."""
+    """Load the newest sound checkpoint of any layout from ``directory`` (``step-N`` or its parent: ``latest``,
+    then older, damaged ones skipped) into ``model`` and ``opt``; returns its step. A collective. ``run_id``
+    and ``accept`` filter checkpoints (docs/api.md)."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if model.pending_save is not None:

@@ -1,17 +1,8 @@
 """What every benchmark shares: a trainmesh model built from a :class:`Setup` through the public API, its
 training step, and timed pairs of steps of two implementations.
 
-Benchmarks run a trainmesh parallel form and its PyTorch counterpart in one run and print figures.
-
-Both implementations train the same model on the same batches on the same ranks. Each timed pair is one step
-of each, back to back on the same batch, so the machine's drift (other load, clocks) hits both alike, and each
-pair's tokens/s ratio compares two moments well under a second apart: the figure is the median of those
-per-pair ratios, with their min and max, so one disturbed step moves neither end of the answer. Pairs of single
-steps, not rounds of several: on this project's 2-core machine (DP vs DDP on ``small``, six consecutive
-windows of 35 steps of each) the median of 35 pair ratios varied with a standard deviation of 0.010 from one
-window to the next, the median of seven 5-step rounds' ratios with 0.039. Nothing here asserts a speed:
-benchmarks print, tests check.
-"""
+Each timed pair is one step of each on the same batch, back to back, so drift hits both alike; the figure
+is the median of per-pair ratios with min and max. Benchmarks print, tests check (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -74,8 +65,7 @@ class Result:
 
     def line(self) -> str:
         ratios = self.ratios
-        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios
-                 else "n/a")
+        ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "n/a")
         rss = (f"  peak RSS {max(self.peak_rss) / 2**20:.0f} vs {max(self.peer_peak_rss) / 2**20:.0f} MiB"
                if self.peak_rss and self.peer_peak_rss else "")
         note = f"  ({self.note})" if self.note else ""
@@ -220,8 +210,7 @@ def trainmesh_step(bench: Bench, saved: SavedActivations | None = None) -> StepF
     """Step ``i`` of ``bench`` as ``trainmesh train`` takes it (:func:`trainmesh.train_step` on this rank's share
     of batch ``i``, clipped to ``--grad-clip``); ``saved`` records the first micro-batch's activations."""
     def step(i: int) -> None:
-        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True,
-                      saved=saved)
+        tm.train_step(bench.model, bench.opt, bench.batch(i), max_norm=bench.cfg.grad_clip, dp_sliced=True, saved=saved)
 
     return step
 
@@ -251,8 +240,7 @@ def alternating_times(steps: Sequence[StepFn], first_step: int, rounds: int, per
     return times
 
 
-def compare(steps: dict[str, StepFn], tokens_per_step: int, pairs: int, device: torch.device,
-            warmup: int = 2) -> Rates:
+def compare(steps: dict[str, StepFn], tokens_per_step: int, pairs: int, device: torch.device, warmup: int = 2) -> Rates:
     """Tokens/s of each step function in each of ``pairs`` timed pairs, after ``warmup`` untimed steps each
     (0 where the caller has run some already). Pair k runs step ``2 + k`` of every implementation, the order
     reversed from one pair to the next (:func:`alternating_times`)."""

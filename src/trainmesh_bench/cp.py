@@ -1,26 +1,8 @@
 """``make bench-cp``: context parallelism on ``small`` at cp 1, 2 and 4, measured against the planner and
 the byte formulas. Prints; asserts nothing.
 
-Four parts (``--parts`` picks some), run by one job of cp ranks per degree, each part after the other in the
-same warm processes (:func:`cp_rank`):
-
-* ``memory``: one training step per layout at a long sequence (its learned position table sized to it), as
-  ``trainmesh train`` takes its first: the activation bytes the first micro-batch saved
-  (:class:`trainmesh.tracking.metrics.SavedActivations`) against :func:`trainmesh.plan.micro_batch_activation_bytes`,
-  the peak RSS during the step, and the bytes :class:`trainmesh.distributed.comm.Comm` counted on the ``cp`` axis
-  against :func:`trainmesh.plan.cp_bytes_per_micro`.
-* ``fit``: the longest sequence whose step fits a per-rank memory cap, as the planner answers it
-  (:func:`trainmesh.plan.memory_per_rank`) and as real steps measure it (the largest tensor memory held at
-  once in a step, :class:`trainmesh_bench.plan.StepPeak`: the quantity the planner models), found by
-  bisection on multiples of ``2·cp·16`` tokens starting from the planner's answer; then tokens/s of each cp
-  at its own longest sequence, i.e. at the same memory per rank.
-* ``overlap``: the ring's timeline (:class:`trainmesh.parallel.context_parallel.RingTimeline`) at ``small``'s attention
-  shape: each step's blockwise compute and its wait for the K/V transfer posted before that compute. The
-  transfer time is measured apart (the same message between the same ranks, nothing to hide it behind);
-  hidden fraction = 1 − exposed wait / transfer time of all the ring's messages.
-* ``torch``: torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``) on the same
-  attention on two Gloo ranks, against trainmesh's ring; where torch cannot run it, the error it raised.
-"""
+Parts ``memory``, ``fit``, ``overlap`` and ``torch`` (``--parts``) run in the same warm processes of cp
+ranks per degree (:func:`cp_rank`); what each measures: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -44,12 +26,7 @@ from trainmesh.parallel.context_parallel import AXIS, RingTimeline, ring_attenti
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import preset, spec_of
-from trainmesh.plan import (
-    Layout,
-    cp_bytes_per_micro,
-    memory_per_rank,
-    micro_batch_activation_bytes,
-)
+from trainmesh.plan import Layout, cp_bytes_per_micro, memory_per_rank, micro_batch_activation_bytes
 from trainmesh.distributed.testing import run_ranks
 from trainmesh_bench.common import Setup, build, peak_rss, trainmesh_step
 from trainmesh_bench.plan import step_peak

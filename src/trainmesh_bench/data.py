@@ -1,16 +1,8 @@
 """The data path measured (``make bench-data``): ``prepare`` throughput, the loader against what training
 consumes, and a trainer's memory against corpus size. It prints figures and asserts nothing.
 
-* ``prepare`` tokens/s with 1 and 2 worker processes, on the first ``--prepare-mb`` MB of the default
-  corpus (as JSONL), with a byte-level BPE trained here on it;
-* loader tokens/s (:func:`trainmesh.data.get_batch` on memory-mapped shards, ``small``'s sequence length
-  and batch) beside the tokens/s ``trainmesh train --model small`` consumes (the issue's target: >= 100x);
-* peak RSS of ``trainmesh train --data`` on a ``--small-gb`` and a ``--large-gb`` corpus of tokens
-  (synthetic ids written as a prepared directory), which memory-mapping keeps apart by less than the
-  corpora differ.
-
 Everything generated goes under ``--workdir`` (default: a new directory in /tmp), removed at the end.
-"""
+Method: docs/performance.md."""
 
 from __future__ import annotations
 

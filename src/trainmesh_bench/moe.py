@@ -1,17 +1,8 @@
 """``make bench-moe``: expert parallelism's all-to-all volume, speed and memory at ep 1, 2 and 4, and the
 experts' grouped GEMM against a per-expert loop. Prints; asserts nothing.
 
-Every ep runs ``moe-tiny`` on the same 4 data-parallel ranks (ep folds inside dp, so the ranks, the tokens
-and the work stay the same; only where the experts live changes), each in fresh processes so that peak
-RSS is that layout's. Per step it reports the token bytes each rank's dispatchers sent to *other* ranks
-(what the comm counts on the ep axis for :class:`trainmesh.parallel.expert_parallel.AllToAllDispatch`;
-forward dispatch and combine and their backward, four transfers per MoE layer) against the formula: a rank's ``tokens x top-k`` copies of
-``hidden x dtype bytes`` each, per direction, of which ``(ep-1)/ep`` leave the rank under even routing.
-Tokens/s is the median (min-max) over the timed steps; model state is rank 0's parameters, gradients and
-optimizer state (the experts' share of it shrinks as 1/ep). The GEMM comparison times
-:func:`trainmesh.models.moe.padded_matmul` (one batched GEMM) and :func:`~trainmesh.models.moe.looped_matmul`
-(one GEMM per expert) on the same sorted tokens, forward and backward, alternating rounds.
-"""
+Every ep runs ``moe-tiny`` on the same 4 dp ranks in fresh processes; the bytes sent off-rank are compared
+with ``tokens x top-k x hidden x bytes x (ep-1)/ep`` per direction. Method: docs/performance.md."""
 
 from __future__ import annotations
 

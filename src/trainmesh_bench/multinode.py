@@ -1,23 +1,8 @@
 """``make bench-multinode``: ZeRO-3 over all ranks vs hybrid sharding (HSDP) on the namespace test bed.
 
-Two nodes of two ranks (:class:`trainmesh.distributed.testbed.TestBed`), joined by a link limited to ``--rate-mbit`` each
-way, run ``trainmesh launch --nnodes 2`` of this file once per layout: ZeRO-3 sharded over all 4 ranks, and
-HSDP 2x2 (ZeRO-3 inside each node, the gradient shards all-reduced across the two). Per step: the bytes that
-crossed the node link, counted by the kernel on each node's veth (``/sys/class/net/eth0/statistics``, read
-inside the node by its local rank 0 around the timed steps), beside the formula; and the step time. Prints;
-asserts nothing.
-
-Formulas, for Ψ parameters of b bytes, N ranks, M per node, one micro-batch per step. ZeRO-3 gathers every
-unit for forward and again for backward and reduce-scatters its gradient (ZeRO §7.2); over Gloo between
-hosts each is point to point (:func:`trainmesh.parallel.zero.flat.exchanges_directly`): every rank sends its
-shard Ψ/N to each of the N - M ranks on other nodes, 3·N·(N-M)·Ψb/N = 3(N-M)Ψb crossing per step. HSDP keeps
-those inside the node; the R = N/M replicas all-reduce the shards of Ψ/M (a ring: 2(R-1)/R of it sent per
-rank), 2(R-1)Ψb/R·N/M = 2(R-1)Ψb crossing per step. TCP/IP headers add a few per cent to the counted bytes.
-
-Beside them, the planner's prediction of both (:func:`planned`): its inter-node bytes (every rank's, summed)
-and step time for the same layout on a cluster of these nodes whose link is the bed's rate, shared by the
-node's ranks, on this host's cores.
-"""
+Two nodes of two ranks joined by a rate-limited link run each layout; per step it prints the bytes the
+kernel counted crossing the node link beside the formulas and the planner's prediction (:func:`planned`),
+and the step time. Prints; asserts nothing. Formulas: docs/performance.md."""
 
 from __future__ import annotations
 

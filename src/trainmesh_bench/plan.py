@@ -1,53 +1,7 @@
 """The planner against measurement: memory per rank and step time that :mod:`trainmesh.plan` predicts for a
-layout, next to what a real run of that layout measures here.
-
-``python -m trainmesh_bench.plan`` (``make bench-plan``) prints the table for the ``small`` preset;
-``tests/multirank/test_plan_validation.py`` asserts the tolerances on ``tiny``. Every layout of a world runs in one
-:func:`trainmesh.distributed.testing.run_ranks` call: each rank trains each layout through the public API as
-``trainmesh train`` does (:func:`train`: its steps, learning rate and clipping, and the per-rank figures its
-``summary.json`` records), then runs a few more steps of the model and optimizer it trained with
-:class:`StepPeak` recording.
-
-The planner predicts each pipeline stage, so layouts are compared stage by stage, measured values taken
-as the largest over the ranks of that stage. The quantities, per rank:
-
-================  ============================================  =========================================  =====
-quantity          measured                                      predicted                                  tol.
-================  ============================================  =========================================  =====
-model state       ``model_state_bytes`` (as in ``summary.json``): :func:`~trainmesh.plan.model_state_bytes`   5 %
-                  parameters, gradients, optimizer state held
-                  after the last step
-activation        ``activation_bytes`` (as in ``summary.json``):  :func:`~trainmesh.plan.                     5 %
-                  what micro-batch 0 of step 0 saved for         micro_batch_activation_bytes`
-                  backward
-peak activation   :attr:`StepPeak.saved`: most bytes of saved    :func:`~trainmesh.plan.activation_bytes`   25 %
-                  tensors alive at once in a step (the           (the micro-batches in flight)
-                  micro-batches a schedule keeps in flight)
-peak              :attr:`StepPeak.total`: most of model state    ``memory_per_rank(...).total``: model      25 %
-                  held + saved tensors alive at once in a step,  state + activations in flight + the
-                  the logits counted while the loss runs         larger of the buffers and (pipeline
-                                                                 buffers + the logits while the loss runs)
-================  ============================================  =========================================  =====
-
-Step time: the median (min-max) of rank 0's times of ``TIMED_ROUNDS * STEPS_PER_VISIT`` steps per layout,
-taken in rounds that visit every layout of the world in turn (:func:`~trainmesh_bench.common.alternating_times`),
-against :func:`~trainmesh.plan.step_time` on :func:`~trainmesh.plan.local_cluster` (what ``--plan auto``
-plans with); the table ranks the layouts of each world both ways and gives Spearman's rank correlation, and runs
-the layout ``--plan auto`` picks at each world beside the matrix (unless it is one of them) to say how its
-measured tokens/s compares with the fastest measured. The step times are only meaningful with nothing
-else running (run it under the shared CPU lock).
-
-``max_rss_bytes`` is shown for reference only: it is mostly the Python and torch runtime (a few hundred
-MiB per process), which no layout changes, and it is the process's peak so far, so it includes the
-layouts run before in the same process. On the last stage, the activations include what the loss saves
-(its fp32 logits), measured and predicted alike. What the measured peak leaves out: the transient tensors
-of a kernel (a matmul's output before it is saved, a gradient before it is accumulated, the loss's
-temporaries other than the logits), the pipeline's boundary buffers (one micro-batch's s x b x h
-activation, which the planner counts), and whatever the optimizer step allocates between the two samples
-it takes (before and after ``engine.step``).
-Activation recomputation is not in the matrix: ``torch.utils.checkpoint`` keeps its tensors through
-saved-tensor hooks of its own, which hide them from this measurement (and from ``activation_bytes``).
-"""
+layout, next to what a real run of that layout measures here (``make bench-plan``; tolerances asserted in
+``tests/multirank/test_plan_validation.py``). The quantities, tolerances and what the measured peak leaves
+out: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -141,13 +95,7 @@ class _Saved:
 class StepPeak:
     """The most memory a rank holds at once while recording: saved activations alive (``saved``), and
     those plus the model state and the tensors :meth:`holding` names held at that moment (``total``).
-
-    Saved tensors are counted by storage, once however many nodes save it, from the moment autograd saves
-    it until the last node holding it has run its backward; parameters (their storage at pack time, so
-    ZeRO-3's freshly gathered units too) are model state, not activations. Model state is sampled as
-    ``storage_bytes(engine.state_tensors())`` at every save and release, so ZeRO's gathered units and
-    gradient buckets are counted while they exist.
-    """
+    Saved tensors count by storage, once, until their last backward; parameters count as model state."""
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]], state: Callable[[], int]) -> None:
         self._params, self._state = params, state

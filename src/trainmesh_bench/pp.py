@@ -1,24 +1,8 @@
 """``trainmesh bench pp``: each pipeline schedule's measured bubble against the simulator's prediction,
-and each schedule against ``torch.distributed.pipelining``'s class of the same name in tokens/s
-(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``; the zb row says why it has none).
+and each schedule against ``torch.distributed.pipelining``'s class of the same name in tokens/s.
 
-Bubble: every schedule trains a few recorded steps; the runtime times each action on a clock aligned
-across the pipeline at a barrier, and the measured bubble is the median over steps of the idle share
-of ``ranks x makespan`` (:attr:`~trainmesh.pipeline.simulate.Timeline.bubble_fraction`). Two predictions
-stand beside it. ``simulated`` runs the same action lists with each recorded step's mean measured duration
-of each (action kind, stage), mean time a rank spends posting a message, and mean time a message took
-(:meth:`~trainmesh.pipeline.simulate.Timeline.transfers`: the wait for its send to leave a busy host, plus
-the idle link's time from a latency/bandwidth fit measured once per run), the median over steps
-(:func:`~trainmesh.pipeline.simulate.predicted_bubble`). ``replayed`` runs
-them with each recorded step's own durations and message times
-(:func:`~trainmesh.pipeline.simulate.replayed_bubble`): the gap from measured to replayed is waiting the
-simulator does not model (a late post, a receive read late), the gap from replayed to
-simulated is the durations' variation, which mean costs cannot show. ``uniform`` is the textbook figure
-(F=1, B=2 per stage, free communication).
-
-Throughput: both train the same model with the same stage partition, micro-batches, AdamW and global-norm
-clipping, their steps timed in pairs, one of each (:func:`trainmesh_bench.common.compare`).
-"""
+Bubble: measured, ``simulated`` (mean costs), ``replayed`` (each step's own) and ``uniform`` (textbook);
+throughput in timed pairs (:func:`trainmesh_bench.common.compare`). Method: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -64,8 +48,7 @@ def _variants(cfg: Setup) -> list[tuple[Setup | None, str]]:
         v = max(cfg.virtual_stages, 2) if name == "interleaved" else 1
         variant = cfg.with_layout(schedule=name, virtual_stages=v, stage_layers=(), timeline="")
         try:
-            validate(variant.layout, spec_of(cfg.model).shape(cfg.model_config), cfg.world, spell=flag,
-                     name=cfg.model)
+            validate(variant.layout, spec_of(cfg.model).shape(cfg.model_config), cfg.world, spell=flag, name=cfg.model)
             out.append((variant, name))
         except LayoutError as e:
             out.append((None, f"{name}: skipped ({e})"))

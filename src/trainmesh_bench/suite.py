@@ -1,10 +1,8 @@
 """``trainmesh bench all``: every form beside its torch peer, one launch each, gathered into one table.
 
-Each form runs as its own ``trainmesh bench FORM`` launch (so one form's memory and threads never
-disturb another's figures) on the same ranks, model and global batch, and hands back its rows
-(:class:`trainmesh_bench.common.Result`) as JSON. The table goes to the terminal and, with the machine,
-torch version and date, to ``results.json`` and ``results.md`` in the run directory.
-"""
+Each form is its own ``trainmesh bench FORM`` launch (so forms never disturb each other's figures) handing
+back :class:`trainmesh_bench.common.Result` rows as JSON; the table goes to the terminal, ``results.json``
+and ``results.md``."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """``trainmesh bench tp``: trainmesh tensor parallelism against PyTorch's ``parallelize_module``.
 
-Both train the same model (any family, ``--model``) from the same seed on the same batches and ranks with
-the same layout, torch's plan translated from the family's own (:func:`torch_tp_plan`): the embedding and
-output head split by vocabulary (the loss computed from the vocabulary shards: trainmesh's vocab-parallel
-cross-entropy, torch's ``loss_parallel``), column- and row-parallel linears where the spec puts them.
-torch's ``ColwiseParallel`` shards a weight's rows contiguously, so in its copy of the model a fused
-projection split chunk by chunk (GPT's ``[q | k | v]``, Llama's ``[gate | up]``) has its rows reordered
-rank by rank: the same function, sharded the same way. Steps are timed in pairs, one of each
-(:func:`trainmesh_bench.common.compare`).
-"""
+Both train the same model and layout; torch's plan is translated from the family's (:func:`torch_tp_plan`),
+fused projections' rows reordered so both shard the same function. Timed in pairs (docs/performance.md)."""
 
 from __future__ import annotations
 

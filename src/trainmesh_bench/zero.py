@@ -1,23 +1,8 @@
 """``trainmesh bench zero``: each ZeRO stage against its PyTorch peer, and each stage's measured model
 state against the paper's formula.
 
-Peers: stage 1, ``ZeroRedundancyOptimizer`` (AdamW state sharded) under DDP; stage 2, FSDP2
-``fully_shard`` keeping parameters whole from forward to backward (``reshard_after_forward=False``);
-stage 3, FSDP2 ``fully_shard``. Both sides train the same model (any family, ``--model``) from the same
-seed on the same batches and ranks; the FSDP2 peers wrap the units trainmesh shards
-(:func:`trainmesh.parallel.zero.default_units`: embeddings, each block, final norm, head). Steps are timed in pairs,
-one of each (:func:`trainmesh_bench.common.compare`). Memory per rank is reported two ways:
-
-* ``model_state_bytes``: parameters + gradients + optimizer state held after a step, counted as
-  ``metrics.jsonl`` counts it (for FSDP2, the local shards of its DTensors); trainmesh also reports the
-  most model state it held at any point inside a step.
-* the in-step peak of every tensor (model state, activations, communication buffers), for each stage and
-  for both FSDP2 peers alike: the held state plus the most allocated above it during one step, from
-  ``torch.profiler``'s memory timeline.
-* peak RSS over a few further untimed steps of each (Linux: :func:`trainmesh_bench.common.peak_rss`).
-  Both models live in the one process, so both figures include the other's resident state; their
-  difference is what each one allocates transiently.
-"""
+Peers: ``ZeroRedundancyOptimizer`` under DDP (stage 1), FSDP2 without reshard after forward (2), FSDP2 (3),
+timed in pairs; memory as model state, in-step peak and RSS. Method: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -106,12 +91,9 @@ def fsdp2_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
 
 
 def allocated_peak(step: StepFn, i: int) -> int:
-    """The most tensor memory allocated during ``step(i)`` above what was allocated when it began.
-
-    Read from the profiler's allocation events, each of which carries the allocator's running total
-    (whatever made the tensor), so it counts trainmesh's and FSDP2's transient buffers and activations
-    the same way.
-    """
+    """The most tensor memory allocated during ``step(i)`` above what was allocated when it began, from the
+    profiler's allocation events (the allocator's running total), so trainmesh's and FSDP2's transient
+    buffers count alike."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(i)
     events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
@@ -165,8 +147,7 @@ def trainmesh_memory(cfg: Setup, bench: Bench, step: StepFn) -> MemoryRow:
         engine.peak_state_bytes = None  # untracked while timed: each sample walks every state tensor
     formula = model_state_bytes_formula(cfg.model_config.n_params(), cfg.dp, stage, cfg.precision != "fp32",
                                         dtype_of(cfg.grad_dtype).itemsize)
-    return MemoryRow(stage, all_ranks(held), state_peak,
-                     all_ranks(tensor_peak), formula)
+    return MemoryRow(stage, all_ranks(held), state_peak, all_ranks(tensor_peak), formula)
 
 
 def _mb(values: list[int] | float) -> str:
@@ -192,16 +173,8 @@ PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch FSDP2 (no reshard a
 
 def bench_zero(cfg: Setup, pairs: int) -> list[Result]:
     """Memory of stages 0-3 vs formula, then each stage vs its torch peer (throughput and peak RSS), and
-    ZeRO-3's model state and trained parameters beside FSDP2's.
-
-    Each stage and its peer are built once: their memory is measured on their first two steps, then the
-    same models are timed. The parameter difference between ZeRO-3 and FSDP2 is printed after those two
-    steps and after the whole run. Both train the same numerics (model, init, batches, micro-batches,
-    clipping, AdamW groups and settings, constant lr): run in float64 they agree to 2e-16 after two steps,
-    and the difference then grows about 1e5-fold by step 40 (2.7e-8) as training amplifies rounding; fp32
-    starts from its own rounding (1e-7 after two steps, 5e8 times float64's, the ratio of the two
-    epsilons) and grows the same way, to about 2e-2 at step 40 on ``small``.
-    """
+    ZeRO-3's model state and trained parameters beside FSDP2's (after two steps and after the run; the
+    expected size of that difference: docs/performance.md)."""
     if cfg.world < 2 or cfg.dp != cfg.world:
         raise SystemExit("trainmesh bench zero needs data parallel only, over at least 2 ranks: "
                          "pass --nproc N --dp N")

@@ -1,13 +1,8 @@
 """What ``trainmesh train`` does with checkpoints: when to save, which run to resume, where a fresh run starts,
 the lock on ``--checkpoint-dir``, and the model ``--resume`` takes from the checkpoint it continues.
 
-Run identity. Every run has an id (a UUID) that its manifests record with a hash of its config. The
-process that launches a run holds ``D/trainmesh.lock`` (:func:`claim`) for the run's life, noting the run's id,
-so a second live run on ``D`` is refused with the holder's pid while the ranks' saves (through
-:func:`trainmesh.api.save`, which takes a lock noted for the run it saves as held) go ahead; a fresh run refuses a ``D`` that holds another run's
-checkpoints unless ``--overwrite`` (which deletes them first), ``--resume`` continues the id of the run it
-resumes, and a fallback never loads a checkpoint of another run.
-"""
+Every run has an id its manifests record; the launching process holds ``D/trainmesh.lock`` noting it
+(:func:`claim`), so a second live run is refused while the ranks' saves go ahead. Details: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -278,11 +273,9 @@ MODEL_SETTINGS = ("tokenizer", "moe_experts", "moe_top_k", "moe_dense_layers", "
 
 
 def model_settings(root: Path, given: Collection[str]) -> dict[str, Any]:
-    """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``:
-    its model (a preset's name, or a model no preset builds registered as one named by its source,
-    ``LlamaForCausalLM from DIR``, a model a script saved), so the run needs neither the preset flag nor the
-    directory it first came from; and the recorded settings that shaped it, except those in ``given`` (set on
-    the command line). Empty without one."""
+    """What ``--resume`` without ``--model``/``--init-hf`` takes from the newest sound checkpoint in ``root``: its
+    model (a preset's name, or one registered under its source, e.g. ``LlamaForCausalLM from DIR``) and the
+    recorded settings that shaped it, except those in ``given``. Empty without one."""
     for path in candidates(root):
         try:
             manifest = read_manifest(path)

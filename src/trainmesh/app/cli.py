@@ -1,10 +1,7 @@
 """``trainmesh``: the command line.
 
-``trainmesh train --nproc N`` checks the whole configuration, then spawns N local ranks through
-:mod:`trainmesh.distributed.launcher`; each rank re-enters this same entry point with ``RANK`` set and trains. Under
-torchrun ``RANK`` is set from the start, and under srun (more than one task) ``SLURM_PROCID``, so the
-command runs as a rank directly (:func:`trainmesh.distributed.mesh.world_env`).
-"""
+``trainmesh train --nproc N`` checks the configuration, then spawns N local ranks that re-enter this entry
+point with ``RANK`` set; under torchrun or srun the command runs as a rank directly."""
 
 from __future__ import annotations
 

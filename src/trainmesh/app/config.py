@@ -1,10 +1,7 @@
 """One typed run configuration: defaults, then a TOML file, then command-line flags.
 
-A :class:`Config` is made of sections (the :class:`~trainmesh.layout.Layout` one of them); each section is one
-TOML table and one ``--help`` group, and each field carries its help text, so ``trainmesh train --help``
-documents every flag and a TOML file uses the same names (``[optim] global_batch = 32``). :func:`validate` rejects impossible layouts with one line that says
-how to fix them, before any rank is spawned.
-"""
+Each section of a :class:`Config` is one TOML table and one ``--help`` group, each field carries its help
+text; :func:`validate` rejects impossible layouts in one line before any rank is spawned."""
 
 from __future__ import annotations
 
@@ -396,12 +393,8 @@ def _problem(name: str, value: Any) -> str | None:
 def check_value(name: str, value: Any, source: str = "", written: str | None = None) -> Any:
     """``value`` for field ``name`` if it is acceptable, else a :class:`ConfigError` naming where it came from.
 
-    This is the one check every value passes, whatever its source: ``source`` is ``""`` for a flag or an
-    API value (the message reads ``--zero 5: ...``) and a file name for a TOML file or a checkpoint
-    (``run.toml: zero = 5: ...``). A value must already have the field's type (:func:`parse_flag` converts a
-    flag's text first), so a TOML ``steps = "2"`` or ``dp = 2.0`` is refused rather than guessed at.
-    ``written`` is the value as the user typed it, for the message.
-    """
+    The one check every value passes: ``source`` is ``""`` for a flag or API value, else the file's name; the
+    value must already have the field's type (no guessing at ``steps = "2"``); ``written`` is as typed."""
     kind, given = _type_of(name), value
     if kind is tuple and isinstance(value, str):  # "1,3", as a TOML file may write it
         value = parse_flag(name, value)
@@ -415,12 +408,9 @@ def check_value(name: str, value: Any, source: str = "", written: str | None = N
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`Config` field, listed under its TOML section, its default said once (by its help
-    where that names it; an empty one is not said); defaults are suppressed so only flags given on the line count.
-
-    Values stay text here: :func:`check_value` converts and checks them, the same way for a flag as for
-    a TOML value, so both give the same message for the same mistake.
-    """
+    """One flag per :class:`Config` field, under its TOML section, its default said once; defaults are
+    suppressed so only flags given count. Values stay text: :func:`check_value` converts them as it does
+    TOML values, so both give the same message for the same mistake."""
     parser.add_argument("--config", metavar="TOML", help="TOML file of settings (flags override it)")
     groups = {table: parser.add_argument_group(f"[{table}] settings") for table in SECTIONS}
     for f in FIELDS.values():
@@ -472,11 +462,8 @@ def _field_name(path: str, key: str, table: str | None) -> str:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML file of :data:`SECTIONS` tables into checked settings, by their flat names.
-
-    Keys take the field or the flag spelling and sit in their own section's table; an unknown key or table,
-    a key outside its table, a key given twice or a bad value is one line naming it.
-    """
+    """Read a TOML file of :data:`SECTIONS` tables into checked settings, by their flat names (field or flag
+    spelling); an unknown or misplaced key or table, a repeated key or a bad value is one line naming it."""
     raw = _read_toml(path)
     entries: list[tuple[str, Any, str | None]] = []
     for key, value in raw.items():

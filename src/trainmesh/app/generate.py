@@ -1,20 +1,8 @@
 """Text generation from a checkpoint: ``trainmesh generate``.
 
-A checkpoint saved in any layout is assembled into full tensors in one process (the reading of
-:func:`trainmesh.checkpoint.read_tensors`) and loaded into the plain model of its family. Decoding is
-autoregressive with a key/value cache (:mod:`trainmesh.models.cache`), so each new token costs one
-position's forward pass. The tokenizer is the one the checkpoint records; another file is refused by its
-SHA-256, since a model decoded with the wrong vocabulary prints fluent-looking nonsense.
-
-The context is the model's ``seq_len`` at most. A longer prompt keeps its last ``seq_len`` tokens (and
-:func:`generate_text` says so). When generated text fills the context, the oldest half is dropped and the
-rest read again into a fresh cache: positions must restart at 0 for a model with learned positions, and
-halving re-reads once per ``seq_len / 2`` tokens rather than at every token.
-
-Sampling: temperature, then top-k, then nucleus (top-p, Holtzman et al., 2020, "The Curious Case of Neural
-Text Degeneration", §3.1), drawn in float64 on the CPU from a generator seeded by ``--seed``, so a seed gives
-the same text on any device; temperature 0 is greedy.
-"""
+A checkpoint of any layout is assembled in one process and decoded with a key/value cache and the
+tokenizer it records (another is refused by SHA-256: a wrong vocabulary prints fluent nonsense). A full
+context drops its oldest half; sampling is float64 on the CPU, so a seed gives the same text anywhere."""
 
 from __future__ import annotations
 
@@ -90,12 +78,9 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, seq_len: int,
              sampling: Sampling = GREEDY, vocab_size: int | None = None, use_cache: bool = True) -> list[int]:
-    """``max_new_tokens`` tokens continuing ``prompt`` (token ids), from the first ``vocab_size`` of the
-    model's outputs (a padded vocabulary's extra rows are never chosen).
-
-    ``use_cache=False`` recomputes the whole context at every token: the same windows and tokens, the
-    reference the cache is tested against.
-    """
+    """``max_new_tokens`` tokens continuing ``prompt`` (token ids), from the first ``vocab_size`` of the model's
+    outputs (a padded vocabulary's extra rows are never chosen). ``use_cache=False`` recomputes the whole
+    context at every token: the reference the cache is tested against."""
     if not prompt:
         raise GenerateError("the prompt encodes to no tokens; give a longer --prompt")
     device = next(model.parameters()).device

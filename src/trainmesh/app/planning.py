@@ -1,7 +1,6 @@
 """The planner (:mod:`trainmesh.plan`) wired to the command line: a run's :class:`~trainmesh.app.config.Config`
 as a workload and a layout and back, the ``trainmesh train`` command a plan prints, ``--plan auto``, and the
-``trainmesh plan`` command. Here because it needs :class:`Config`, which the planner itself does not import.
-"""
+``trainmesh plan`` command. Here because it needs :class:`Config`, which the planner itself does not import."""
 
 from __future__ import annotations
 
@@ -52,11 +51,9 @@ def with_layout(cfg: Config, layout: Layout) -> Config:
 
 
 def train_flags(workload: Workload, layout: Layout) -> list[str]:
-    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field
-    (the pipeline's schedule only with a pipeline, cp's implementation only with cp, ``--dp-replicate`` only
-    under hybrid sharding, the bucket size only when it is not the default), the global batch and the
-    precision (always: ``auto`` would resolve again on the machine that runs it), the pipeline's
-    ``--stage-layers`` when the layout gives them, then the reduce dtype where it is not the default."""
+    """``trainmesh train`` flags that run ``layout`` on ``workload``'s batch and dtypes: every layout field that
+    applies or differs from its default, the global batch, the precision (always: ``auto`` would resolve again
+    on the machine that runs it), ``--stage-layers`` when given and a non-default reduce dtype."""
     layout = dataclasses.replace(layout, reduce_dtype=workload.reduce_dtype)
     skip = {"schedule", "virtual_stages"} if layout.pp == 1 else set()
     skip |= {"cp_impl"} if layout.cp == 1 else set()
@@ -214,12 +211,9 @@ def _script_path(text: str) -> str:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``trainmesh plan``: a model preset or explicit shape (``--ffn`` defaults to 4 * hidden),
-    the batch, and a cluster preset whose figures explicit flags override.
-
-    ``cli.py`` wires the command as ``add_plan_arguments(subparsers.add_parser("plan"))`` and then
-    ``print(plan_from_args(args))``; ``trainmesh train --plan auto`` calls :func:`plan_config`.
-    """
+    """Flags of ``trainmesh plan``: a model preset or explicit shape (``--ffn`` defaults to 4 * hidden), the
+    batch, and a cluster preset whose figures explicit flags override (``cli.py`` prints
+    :func:`plan_from_args`; ``trainmesh train --plan auto`` calls :func:`plan_config`)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}")
     source.add_argument("--hf-config", metavar="DIR", help="the shape of a Hugging Face config.json (llama, mistral, "
@@ -261,12 +255,9 @@ def workload_from(
     model: str | ModelShape | None, global_batch: int, precision: str = "fp32",
     reduce_dtype: str = Layout.reduce_dtype, **shape: object,
 ) -> Workload:
-    """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit shape
-    (GPT-2 blocks unless the fields say otherwise), or from either with fields replaced.
-
-    ``shape`` takes :class:`ModelShape` field names; None values are ignored; d_ff defaults to 4 * d_model.
-    ``precision`` is resolved already (:func:`trainmesh.layout.resolve_precision`).
-    """
+    """A workload from a preset (or a :class:`ModelShape`, e.g. an HF config's), from an explicit ``shape`` of
+    :class:`ModelShape` field names (GPT-2 blocks unless they say otherwise; None ignored; d_ff 4 * d_model),
+    or either with fields replaced. ``precision`` is resolved already."""
     given = {k: v for k, v in shape.items() if v is not None}
     if model is not None:
         resolved = dataclasses.replace(model if isinstance(model, ModelShape) else model_shape(model), **given)

@@ -1,7 +1,6 @@
 """The :class:`Run`: what the training loop and checkpoints share of one built training run.
 
-It sits below ``train`` and ``checkpoint`` so that both can name it without importing each other.
-"""
+It sits below ``train`` and ``checkpoint`` so that both can name it without importing each other."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """The command lines that start a planned run, as ``trainmesh plan`` prints them: ``trainmesh train`` on one
-node; on several, the ``torchrun`` invocation every node runs (rendezvous included, the head node's address a
-named placeholder); or an sbatch script that fills the placeholder from SLURM's node list.
-
-The model is never dropped: a preset is ``--model``, a Hugging Face directory ``--init-hf``, and a shape
-that exists only in the planner gets a line saying so and how to run it through the API instead.
-"""
+node, a ``torchrun`` line per node, or an sbatch script. The model is never dropped: a preset is
+``--model``, a Hugging Face directory ``--init-hf``, a planner-only shape a line saying how to run it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The directories a run writes (``--out`` and ``--checkpoint-dir``), checked before any rank starts.
-
-A run that trains for hours and then cannot save is the worst way to learn that a directory is read-only,
-lies under a regular file, or sits on a full disk; so each is created, a probe file is created and removed
-in it, and the checkpoint directory's free space is compared with one checkpoint's predicted size.
-"""
+"""The directories a run writes (``--out`` and ``--checkpoint-dir``), checked before any rank starts:
+created, probed with a file, and the checkpoint directory's free space compared with one checkpoint's
+predicted size, rather than learning hours later that a save cannot be written."""
 
 from __future__ import annotations
 
@@ -23,11 +20,8 @@ RUNS_ROOT = "runs"
 
 
 def default_out_dir(root: str = RUNS_ROOT) -> str:
-    """A new run directory ``runs/<timestamp>-<random>``, created here.
-
-    Creating it (``mkdir`` fails if the name exists) is what makes it unique: two runs started in the
-    same second draw different suffixes, and a collision, however unlikely, draws again.
-    """
+    """A new run directory ``runs/<timestamp>-<random>``, created here: ``mkdir`` failing on an existing name
+    is what makes it unique (a collision draws again)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     Path(root).mkdir(parents=True, exist_ok=True)
     while True:

@@ -1,10 +1,7 @@
 """The training loop: composes the mesh, the model, a parallel form and the data into optimizer steps.
 
-One step: the rank's slice of the global batch is split into micro-batches; forward and backward run on
-each (gradients synchronised only after the last); then the parallel form's ``step`` reduces what is
-left, clips by the global gradient norm and updates. The logged loss is the mean over the global batch,
-the quantity a single process computes, which is what makes layouts comparable.
-"""
+The logged loss is the mean over the global batch, the quantity a single process computes, which is
+what makes layouts comparable."""
 
 from __future__ import annotations
 
@@ -55,12 +52,9 @@ class TrainResult:
 
 
 def setup_process(cfg: Config) -> Mesh:
-    """Join the process group and build the mesh as :func:`trainmesh.api.init_mesh` does, with what the
-    launcher needs besides.
-
-    SIGUSR1 makes the rank print every thread's Python stack, which the launcher asks for when it
-    reports a hang; the heartbeat lets the launcher tell a stopped rank from the ranks waiting for it.
-    """
+    """Join the process group and build the mesh as :func:`trainmesh.api.init_mesh` does, plus what the launcher
+    needs: SIGUSR1 prints every thread's stack (for hang reports), and a heartbeat tells a stopped rank from
+    the ranks waiting for it."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
@@ -144,14 +138,9 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
 
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
-    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` if it names this rank and step (``*``: every step);
-    returns an undo function.
-
-    Kinds: ``raise`` (the rank fails, to test the launcher), ``kill`` (the rank dies by SIGKILL, as the
-    kernel's OOM killer does it), ``hang`` (the rank stops responding, to test hang diagnosis) and
-    ``nan`` (the rank's gradients become NaN during this step's backward, to test that every rank skips
-    the step together).
-    """
+    """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` (``*``: every step) if it names this rank and step; returns an
+    undo function. Kinds ``raise``, ``kill`` (SIGKILL, as the OOM killer), ``hang`` and ``nan`` (NaN
+    gradients, every rank must skip the step) test the launcher and the recovery paths (docs/reliability.md)."""
     spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
@@ -196,11 +185,9 @@ class NonFiniteGuard:
 
 
 def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
-    """Per MoE layer of the model, over the step's global batch: token copies routed to each expert, the
-    fraction dropped by capacity, the mean balance and z losses (unweighted) and the balance (max/mean
-    expert load, 1 when even). One uncounted all-reduce over the data-parallel ranks, and under a pipeline
-    a gather over the stages, so that rank 0, which writes the record, has every stage's layers; empty for a
-    dense model."""
+    """Per MoE layer, over the step's global batch: token copies per expert, the fraction dropped by capacity,
+    the mean balance and z losses (unweighted) and max/mean expert load. One uncounted all-reduce over dp
+    (and a gather over pipeline stages, for rank 0's record); empty for a dense model."""
     layers = list(moe.moe_layers(run.model))
     out = {}
     if layers:
@@ -245,12 +232,9 @@ class RunStopped(RuntimeError):
 
 
 def stop_if_metrics_failed(run: Run, error: str, done: checkpoint.TrainingProgress) -> None:
-    """Stop every rank together if rank 0 could not write its metrics (``error``), after a final checkpoint
-    attempt: a run must not go on unrecorded, nor lose its weights to the full disk that stopped it.
-
-    Only rank 0 writes, so the others learn of it from one small all-reduce per step; rank 0 raises
-    :class:`MetricsError` with the cause, the others :class:`RunStopped`, so the error is reported once.
-    """
+    """Stop every rank together, after a final checkpoint attempt, if rank 0 could not write its metrics
+    (``error``): a run must not go on unrecorded. One small all-reduce per step tells the others; rank 0
+    raises :class:`MetricsError`, the others :class:`RunStopped`, so the error is reported once."""
     failed = log_all_reduce(torch.tensor([int(bool(error))], device=run.mesh.device),
                             reduce_op=torch.distributed.ReduceOp.MAX)
     if not failed.item():
@@ -281,8 +265,7 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Cal
         return
     handle = checkpoints.save(run, done, async_=True)
     waited = time.perf_counter() - start - handle.stall_s  # for the previous save's write, before this copy
-    saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited,
-                          "write_s": handle.write_s})
+    saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited, "write_s": handle.write_s})
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:

@@ -1,23 +1,9 @@
 """Checkpoints that do not stall training: stage to host memory, write in the background, publish when durable.
 
-As torchtitan's async checkpointing and Megatron's async save do, a save is split in two. On the training
-thread, as a collective, each rank copies what it holds into host memory (pinned buffers on a GPU, reused from
-one save to the next: :class:`store.HostBuffers`), which training may overwrite at once; the ranks agree on
-who writes which piece, and rank 0 makes the empty ``.tmp-step-N`` directory: that is the stall. A background
-thread then serializes this rank's pieces and writes and fsyncs ``rank-N.safetensors`` exactly as the
-synchronous save does, and leaves a small marker saying so (``.written-rank-N.json``: the file's SHA-256 and
-length); rank 0's thread waits for every rank's marker, removes them, and publishes as the synchronous save
-does (manifest, fsync, the directory's rename, then ``latest``). So the files are the synchronous save's, byte
-for byte, and ``latest`` moves only once every rank's part is durable: a process killed during the write
-leaves ``.tmp-step-N`` behind, which ``--resume`` ignores, and the previous checkpoint as ``latest``. A rank
-whose write fails (a full disk, which may leave no room for a marker either) posts its error under a key of this
-save in the process group's store, so rank 0 stops waiting at once rather than at the timeout.
-
-The markers go through the checkpoint directory, which every rank writes into anyway, rather than through a
-collective: the training thread's collectives would race with one issued from the writer thread. At most one
-save is in flight: :meth:`AsyncSave.wait`, a collective, is called before the next save and at the end of a
-run, and raises on every rank if any rank's write failed.
-"""
+As torchtitan's and Megatron's async saves: the training thread copies each rank's state to host buffers
+(the stall); a writer thread writes the synchronous save's files byte for byte, and rank 0 publishes only
+once every rank's marker says its file is durable. Markers go through the directory, not a collective,
+which would race the training thread's. At most one save is in flight. Details: docs/checkpoints.md."""
 
 from __future__ import annotations
 

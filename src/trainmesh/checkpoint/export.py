@@ -34,12 +34,9 @@ def export(source: Path, out: Path) -> str:
 
 
 def export_hf(source: Path, out: Path, overwrite: bool = False) -> str:
-    """Write the weights of checkpoint ``source`` (as for :func:`export`) to directory ``out`` as the
-    family's Hugging Face model (``config.json`` and ``model.safetensors``, :func:`trainmesh.models.hf.save_hf`), the
-    shape taken from the manifest, with the run's tokenizer, special token ids and generation config
-    (:mod:`trainmesh.checkpoint.hf_extras`), so ``AutoModelForCausalLM.from_pretrained(out)`` and
-    ``AutoTokenizer.from_pretrained(out)`` load it. Files already in ``out`` that the export would write are
-    refused before anything is written, or with ``overwrite`` replaced."""
+    """Write checkpoint ``source``'s weights to ``out`` as the family's Hugging Face model, with the run's
+    tokenizer, special token ids and generation config, so ``from_pretrained(out)`` loads it. Files the export
+    would write that already exist are refused before anything is written, or replaced with ``overwrite``."""
     path = _step_to_export(source)
     manifest = read_manifest(path)
     spec, model_config = recorded_model(manifest, path)

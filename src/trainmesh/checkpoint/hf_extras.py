@@ -1,19 +1,7 @@
 """What an exported Hugging Face directory holds besides its weights and ``config.json``, so that it loads as
-it came in: the run's tokenizer as Hugging Face tokenizer files (``tokenizer.json``, ``tokenizer_config.json``,
-``special_tokens_map.json``), its special token ids (for ``config.json``), a ``generation_config.json``, and,
-for an ``--init-hf`` run, whatever its source directory held that training did not change.
-
-An export holds only what the checkpoint holds: no path a manifest names is ever read (anyone who can write a
-manifest can re-hash it). The run's tokenizer is the one its manifest records: byte tokens (ids 0-255 are the
-bytes of UTF-8 text, written as a byte-level BPE with no merges, so ``AutoTokenizer`` encodes text to exactly
-those ids) or a ``tokenizer.json`` (the copy the checkpoint keeps, of the recorded SHA-256). An ``--init-hf``
-source's files are read once, at the run's first save (:func:`collect`: regular files only, never through a link,
-weights left out) and every checkpoint keeps copies of them with their permissions (at most ``0644``); when the
-source's ``tokenizer.json`` is the run's tokenizer, its tokenizer files are exported as they are (chat template
-included) and its special token ids kept; a run trained on another tokenizer gets that one instead. Generated
-files are written through the ``tokenizers`` and ``transformers`` libraries into a scratch directory, never by
-hand, except ``special_tokens_map.json``, which transformers 5 no longer writes; nothing already in the export
-directory is replaced unless asked (:func:`clashes`).
+it came in: tokenizer files, special token ids, ``generation_config.json`` and an ``--init-hf`` source's
+other files. Only what the checkpoint holds is exported (no path a manifest names is read), generated files
+come from ``tokenizers``/``transformers``, and nothing in the export is replaced unless asked. See docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -174,8 +162,7 @@ def _rendered(save: Callable[[str], Any]) -> dict[str, KeptFile]:
     into (or through a link in) the export directory."""
     with tempfile.TemporaryDirectory() as scratch:
         save(scratch)
-        return {p.name: KeptFile(p.read_bytes(), NEW_FILE_MODE) for p in sorted(Path(scratch).iterdir())
-                if p.is_file()}
+        return {p.name: KeptFile(p.read_bytes(), NEW_FILE_MODE) for p in sorted(Path(scratch).iterdir()) if p.is_file()}
 
 
 def clashes(out: Path, names: list[str]) -> list[str]:

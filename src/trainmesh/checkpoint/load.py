@@ -38,11 +38,10 @@ def load_state(model: nn.Module, engine: Engine, mesh: Mesh, path: Path, manifes
 
 def load_newest(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, run_id: str = "",
                 accept: Callable[[dict, Path], None] = lambda manifest, path: None) -> TrainingProgress:
-    """Load the newest sound checkpoint ``root`` is or holds (``latest``, then every other ``step-N``, newest
-    first), written in any layout, into this rank's part of ``model`` and ``engine``; its progress (a
-    collective). Every rank tries the same ones in the same order; one any rank finds damaged, of a run other
-    than ``run_id`` (if given) or refused by ``accept(manifest, path)`` (a :class:`CheckpointError`) is
-    skipped on all, rank 0 saying why. A :class:`CheckpointMismatch` is raised: no older one would fit either."""
+    """Load the newest sound checkpoint ``root`` is or holds (``latest``, then older ``step-N``), of any layout,
+    into this rank's part of ``model`` and ``engine``; returns its progress (a collective). A damaged one, one of
+    another run than ``run_id`` or refused by ``accept`` (:class:`CheckpointError`) is skipped on every rank,
+    rank 0 saying why; a :class:`CheckpointMismatch` is raised, since no older one would fit either."""
     start = time.perf_counter()
     paths = [root] if (root / MANIFEST).exists() else candidates(root)
     tried = []

@@ -1,17 +1,8 @@
 """What a checkpoint manifest may hold, checked before any of it is used.
 
-A manifest comes from a directory that anyone with write access could have edited and re-hashed (its
-SHA-256 catches accidents, not intent). So every value is checked against this schema first: types (a
-``bool`` is not an int here), ranges, names (files are plain ``rank-N.safetensors`` names; tensor names and
-keys are plain too, so a message quoting them stays one line), dtypes from an allow-list, and the pieces
-of every tensor lying inside it and tiling it exactly.
-
-Cost is linear. Each piece is checked on its own; the tiling check marks each piece's box in a byte map of
-its tensor (one strided slice per piece) and then asks whether every element was marked exactly once. The
-map's size is bounded before it is made: the pieces' bytes must fit in the files that hold them, whose
-sizes the reader has checked on disk, so a manifest cannot ask for more memory than its files occupy.
-Pairwise overlap tests, the obvious alternative, are quadratic in the number of pieces.
-"""
+Anyone with write access could edit and re-hash a manifest, so every value is checked against this schema
+first: types, ranges, plain names, allowed dtypes, and pieces tiling each tensor exactly. The tiling check
+is linear (a byte map bounded by the files' checked sizes), not pairwise. Details: docs/checkpoints.md."""
 
 from __future__ import annotations
 

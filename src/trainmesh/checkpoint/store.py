@@ -1,58 +1,9 @@
-r'''Sharded checkpoints: every rank writes only what it holds, and any layout can read them back.
+"""Sharded checkpoints: every rank writes only what it holds, and any layout can read them back.
 
-Format. A checkpoint is a directory ``step-00000010`` under ``--checkpoint-dir`` holding one safetensors
-file per rank and ``manifest.json``. Every tensor of the training state has a *global name* and the
-*global shape* a single process would give it:
-
-* ``model/<param>``: the weights under the plain model's names. Under mixed precision these are the fp32
-  masters; the bf16/fp16 parameters are exactly those rounded (that is how every step makes them), so
-  they are not stored and are rebuilt bit for bit on load;
-* ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``, ``optim/<param>/step``: AdamW's state;
-* ``buffer/<layer>.router.expert_bias``: the routing bias of each MoE layer whose aux-loss-free update is
-  on (``bias_rate``) or which is not 0 (imported with DeepSeek-V3's weights), state that is not a parameter
-  (``export --hf`` writes it as DeepSeek-V3's ``e_score_correction_bias``); every rank holding the
-  layer holds it whole (the router is replicated over ep, tp and dp), so any layout reads it back;
-* ``rng/<rank>/cpu`` (and ``cuda``): each rank's generator state, restored when the world size is the one
-  that saved it (training itself draws nothing from these generators; in another layout there is no
-  rank whose stream would continue).
-
-For each tensor the manifest lists the pieces it was saved in: a box of the global tensor (offsets and
-sizes per dimension, as in DCP's ``ChunkStorageMetadata``), the file and the key holding it. The step
-(which fixes the data position, since batches are a function of ``(seed, step)``, and the learning rate),
-the loss scale, the non-finite step counters, the config, the tokenizer (byte tokens, or a tokenizer file's
-path and SHA-256, so that generation decodes with the same one) and every file's SHA-256 and length go there
-too.
-
-Geometry. Each parallel form says where its local tensors lie: tensor parallelism gives the boxes of the
-full tensor its shard holds (:func:`trainmesh.parallel.tensor_parallel.shard_boxes`; three row blocks for a fused
-qkv), data parallelism and ZeRO which flat range of that shard the rank's optimizer holds
-(``engine.param_pieces()``), and a pipeline stage simply has only its own layers' parameters. A flat range
-of boxes is again a list of boxes (:func:`flat_range_boxes`), so every local tensor is a list of boxes of
-a global one. Saving writes each box once: replicas (dp ranks without ZeRO, tp ranks for a LayerNorm) are
-spread over the ranks holding them by size, as DCP's ``dedup_save_plans`` does, so ranks write in parallel
-and about equally. Loading computes the boxes this rank needs in *its* layout and copies in their
-intersections with the saved pieces, whatever layout wrote them: that is resharding.
-
-Why not DCP's storage layer: ``FileSystemReader`` unpickles the ``.metadata`` file before anything could
-check it, and ZeRO's flat ranges of tp shards are not DTensors. Here the manifest is JSON and the shards are
-safetensors (a JSON header and raw bytes), so nothing read from disk is ever unpickled; each file's bytes
-are checked against the manifest before they are parsed, and the manifest carries a SHA-256 of its content.
-
-Crash safety. A save writes into ``.tmp-step-N``; each rank ``fsync``\ s its file; rank 0 writes the
-manifest, renames the directory to ``step-N`` and then atomically replaces the ``latest`` pointer
-(:mod:`trainmesh.storage.safe_io`). A crash or a full disk at any point leaves the previous checkpoint and the
-pointer to it untouched. ``--resume`` tries ``latest``, then every other ``step-N``, newest first, and says
-which damaged ones it skipped.
-
-Trusting nothing read. Anyone who can write into ``--checkpoint-dir`` can also rewrite a manifest and its
-hashes, so before any value of a manifest is used it is checked against a schema (:mod:`trainmesh.checkpoint.manifest`:
-types, ranges, plain ``rank-N.safetensors`` file names, allowed dtypes, pieces tiling each tensor, sizes
-within the files' bytes, the step matching its directory's name), every file it names is checked to be a
-regular file inside the step directory with the recorded size before a byte of it is read
-(:mod:`trainmesh.storage.safe_io`), and each generator state is checked when it is applied. Any damage is one
-line, ``checkpoint D/step-N is damaged: <file>: <what>``, and ``--resume`` goes back to an earlier
-checkpoint of the same run, or stops.
-'''
+A checkpoint is ``step-N/`` with one safetensors file per rank and a JSON ``manifest.json`` listing, per
+global tensor, the boxes each file holds; loading copies the intersections with the boxes this rank needs
+in its layout (resharding). Nothing read is unpickled or trusted before the manifest schema and file hashes
+pass; a save publishes by rename, so a crash leaves the previous ``latest``. Format: docs/checkpoints.md."""
 
 from __future__ import annotations
 
@@ -322,11 +273,8 @@ def step_of(path: Path) -> int:
 class HostBuffers:
     """Pinned host memory that background saves stage GPU state into, kept from one save to the next.
 
-    A copy from a GPU into pinned memory runs at the link's full rate and without blocking the host (pageable
-    memory goes through a driver bounce buffer), which is what keeps an async save's stall short; but
-    allocating pinned memory is slow, so, as torchtitan's async checkpointing does, each piece's buffer is
-    allocated once and reused. That is safe because at most one save is in flight: the next one waits for
-    the previous one's write before it stages. CPU tensors are copied as they are."""
+    Pinned copies run at the link's rate without blocking the host, but pinning is slow, so each piece's
+    buffer is allocated once and reused (as torchtitan does): safe since at most one save is in flight."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -514,13 +462,9 @@ def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: Tr
 
 def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: TrainingProgress,
                description: dict, keep_last: int = 0) -> Path:
-    """Save this rank's part of ``model`` and ``engine``'s optimizer after ``progress.step`` steps as
-    ``root/step-N`` (a collective); ``description`` (:func:`trainmesh.api.describe`) goes into the manifest.
-    Once it is published, older checkpoints beyond the ``keep_last`` newest are deleted (:func:`prune`; 0 keeps all).
-
-    A failure on any rank (a full disk, say) is raised on every rank, and the previous checkpoint stays
-    the one ``latest`` names.
-    """
+    """Save this rank's part of ``model`` and ``engine``'s optimizer as ``root/step-N`` (a collective), with
+    ``description`` in the manifest, then :func:`prune` beyond ``keep_last``. A failure on any rank is raised
+    on every rank, and the previous checkpoint stays ``latest``."""
     start = time.perf_counter()
     staged = stage(model, engine, mesh, root, progress)
     rank, device, final, tmp = staged.rank, staged.device, staged.final, staged.tmp
@@ -548,16 +492,10 @@ def save_state(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progres
 
 
 def prune(published: Path, keep_last: int) -> list[Path]:
-    """Delete the checkpoints older than ``published`` (just made the one ``latest`` names) that are older
-    than the ``keep_last`` newest sound ones, ``published`` counted, oldest first; returns those deleted.
-
-    Only sound checkpoints count (:func:`read_manifest` passes), so a damaged one never makes a sound one go;
-    it is deleted only once it is older than every kept one. Only the save's own entries are looked at: a
-    real directory named ``step-N`` as :func:`step_dir` names it; a link or any other name is neither counted
-    nor deleted. Each is first renamed to ``.pruned-step-N`` (one atomic step), so a crash while deleting it
-    leaves no damaged ``step-N`` for ``--resume`` to try. Checkpoints newer than ``published`` (of an attempt
-    that ran further) and the one ``latest`` names are never touched; a deletion that fails is said and the
-    run goes on."""
+    """Delete the sound checkpoints older than ``published`` beyond the ``keep_last`` newest (``published``
+    counted), oldest first; returns those deleted. Only real ``step-N`` directories are looked at, each renamed
+    to ``.pruned-step-N`` before deletion so a crash leaves no damaged ``step-N``; newer ones and ``latest``'s
+    are never touched, and a failed deletion is said, not raised."""
     root = published.parent
     if keep_last <= 0:
         return []

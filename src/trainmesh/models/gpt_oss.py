@@ -1,9 +1,6 @@
-"""GPT-OSS (OpenAI, 2025) as options of trainmesh's Llama: attention with q/k/v/o biases and a learned sink logit
-per head (``attention_sinks``, ``o_bias``), the sliding window on even layers only (``alternate_window``), YaRN
-rope, and experts with biases and a clamped SwiGLU under a biased router that takes the top-k logits' softmax
-(``MoEConfig.biases``, ``swiglu_limit``; softmax then renormalising over the top-k is the same). Here: presets,
-planner shape, tp plan and the ``GptOssForCausalLM`` translation, whose experts are fused ``gate_up_proj``
-``[E, d, 2f]`` with gate and up columns interleaved."""
+"""GPT-OSS (OpenAI, 2025) as options of trainmesh's Llama: attention biases and sinks, the window on even
+layers only, YaRN rope, biased experts with a clamped SwiGLU. Here: presets, planner shape, tp plan and
+the ``GptOssForCausalLM`` translation (fused, interleaved ``gate_up_proj``; docs/models.md)."""
 
 from __future__ import annotations
 

@@ -609,8 +609,7 @@ class Box(NamedTuple):
     sizes: torch.Size
 
 
-def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int,
-               size: int) -> tuple[torch.Size, list[Box]]:
+def spec_boxes(local_shape: torch.Size, spec: ShardSpec, rank: int, size: int) -> tuple[torch.Size, list[Box]]:
     """The full shape of a tensor split by ``spec`` and the boxes rank ``rank``'s part covers, in
     :func:`shard_tensor`'s order: how a checkpoint maps local elements into the full tensor."""
     if spec.chunks > 1 and spec.dim != 0:

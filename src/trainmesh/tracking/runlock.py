@@ -1,13 +1,8 @@
 """An advisory lock on a directory, held for a run's life, so two live runs never write the same files.
 
-The lock is ``fcntl.flock`` on a file in the directory: the kernel drops it when the holding process dies,
-however it dies, so a run killed with SIGKILL leaves no lock behind, only a file naming a dead pid, which
-the next run takes over. The file holds a record: the holder's pid, host and start time, and what the
-caller notes (:meth:`Lock.note`; ``--checkpoint-dir`` notes its run id, which ``--resume`` continues).
-A lock still held although its record names a dead pid of this host (a descriptor that outlived its
-process) is taken over too. Where the file system refuses ``flock`` (some network mounts), the record
-decides instead: a live pid on this host holds the directory, anything else is stale.
-"""
+``fcntl.flock`` on a file in the directory, which the kernel drops when the holder dies however it dies;
+the file's record (pid, host, start, :meth:`Lock.note`) decides stale locks, and decides alone where the
+file system refuses ``flock``. Details: docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -119,12 +114,8 @@ def _is_at(path: Path, fd: int) -> bool:
 
 
 def _acquire(path: Path, flag: str) -> tuple[int, dict]:
-    """An fd of ``path`` holding its lock, and the record its last holder left.
-
-    A releasing run may remove the file while it still holds the lock, and a stale holder's file is
-    removed here, so a lock taken on a file that is no longer at ``path`` is on a dead inode and is retried
-    on the new file.
-    """
+    """An fd of ``path`` holding its lock, and the record its last holder left; a lock taken on a file since
+    removed from ``path`` (a dead inode) is retried on the new file."""
     for _ in range(TRIES):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
@@ -163,14 +154,9 @@ class Lock:
 
 @contextlib.contextmanager
 def hold(directory: Path, flag: str, name: str = LOCK_NAME, keep: bool = False) -> Iterator[Lock]:
-    """Hold ``directory``'s lock (file ``name`` in it) for the ``with`` block; :class:`DirectoryInUse` if a
-    live run holds it.
-
-    ``flag`` (``--out``) names the setting in the message, which says which process holds it. The new
-    record keeps what the last holder noted until :meth:`Lock.note` replaces it, so a caller that fails
-    before noting loses nothing. ``keep`` leaves the file (and its record) behind on release; otherwise it
-    is removed, while still locked.
-    """
+    """Hold ``directory``'s lock (file ``name`` in it) for the ``with`` block; :class:`DirectoryInUse`, naming the
+    holder and ``flag``, if a live run holds it. The last holder's notes survive until :meth:`Lock.note`;
+    ``keep`` leaves the file behind on release, else it is removed while still locked."""
     path = directory / name
     fd, previous = _acquire(path, flag)
     try:

@@ -1,18 +1,8 @@
 """A run directory as a public object: what ``trainmesh train`` writes, for any training loop.
 
-:class:`RunLog` is the one writer of a run's ``metrics.jsonl``, ``summary.json``, TensorBoard events
-(and W&B) and progress line; ``trainmesh train`` uses it, and so can a script on the public API::
-
-    with tm.RunLog("runs/mine", steps=100, model=model) as log:   # model: what tm.parallelize returned
-        for step in range(100):
-            loss = tm.train_step(model, opt, batch(step))
-            log.log(step + 1, loss=loss, tokens=batch_tokens)
-
-so ``trainmesh report runs/mine`` reads a script's run as it reads the command line's. Given the model, every
-rank calls :meth:`RunLog.log` (it gathers each rank's memory, as ``trainmesh train``'s records hold it); only
-global rank 0 writes, prints and holds the directory's lock (the one ``trainmesh train`` holds on ``--out``),
-so two live runs never write one directory.
-"""
+:class:`RunLog` is the one writer of a run's ``metrics.jsonl``, ``summary.json``, TensorBoard events (and
+W&B) and progress line, so ``trainmesh report`` reads a script's run as the command line's (docs/api.md).
+Every rank calls :meth:`RunLog.log`; only global rank 0 writes and holds the directory's lock."""
 
 from __future__ import annotations
 
@@ -34,13 +24,9 @@ if TYPE_CHECKING:
 class RunLog:
     """Metrics, summary, TensorBoard events and progress of one training run in directory ``out``.
 
-    ``steps``: the run's last step (for the progress line's ETA); ``first_step``: the step this process
-    starts at (a resumed run's); ``resume_from``: the step a resumed run's checkpoint holds (the records
-    after it, of the attempt that died, are dropped; None starts the files afresh). ``model``: the
-    :class:`~trainmesh.api.ParallelModel`, whose name, layout and counted communication are recorded.
-    ``config``: what the summary records as the run's settings. ``lock``: hold ``out``'s lock (False where
-    the launching process already holds it, as ``trainmesh train``'s does).
-    """
+    ``steps``/``first_step``: the run's last and this process's first step; ``resume_from``: the checkpoint's
+    step (later records dropped; None starts afresh); ``model``, ``config``: what is recorded; ``lock``: hold
+    ``out``'s lock (False where the launching process already does)."""
 
     def __init__(self, out: str | Path, steps: int = 0, *, first_step: int = 1, resume_from: int | None = None,
                  model: ParallelModel | None = None, config: dict[str, Any] | None = None, name: str = "",
@@ -68,12 +54,9 @@ class RunLog:
         return self.model.comm.snapshot() if self.model is not None else {}
 
     def log(self, step: int, loss: float, tokens: int = 0, **metrics: Any) -> None:
-        """Record step ``step`` (1-based, the steps done): its ``loss``, the time since the last record,
-        ``tokens`` trained on (for tokens/s) and any other ``metrics`` (JSON values; ``val_loss`` is shown
-        in the progress line). With a model, the record also holds the step's communication per mesh axis and
-        operation, every rank's memory (a collective: every rank calls ``log``) and, first, the layout.
-        Raises :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be written (a full
-        disk), after which the run should stop."""
+        """Record step ``step`` (1-based): ``loss``, elapsed time, ``tokens`` and any JSON ``metrics``; with a model,
+        also communication per axis, every rank's memory (a collective) and, first, the layout. Raises
+        :class:`~trainmesh.tracking.records.MetricsError` if the record cannot be written; the run should stop."""
         now = time.perf_counter()
         step_time, self._last = metrics.pop("step_time_s", now - self._last), now
         record: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": step_time}
