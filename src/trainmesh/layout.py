@@ -307,8 +307,10 @@ def _hybrid_shards(c: _Check) -> str | None:
         return (f"{s('dp_replicate', lay.dp_replicate)} does not divide {s('dp', lay.dp)}: the dp ranks split into "
                 f"dp_replicate groups of equal size; choose dp_replicate in {_braced(divisors(lay.dp))}")
     if lay.ep * lay.etp > 1:
-        return (f"{s('dp_replicate', lay.dp_replicate)} with {s('ep', lay.ep)} {s('etp', lay.etp)}: hybrid sharding "
-                f"does not split the expert-data-parallel groups; use ep=etp=1 or drop {s('dp_replicate')}")
+        split = [name for name in ("ep", "etp") if getattr(lay, name) > 1]
+        return (f"{s('dp_replicate', lay.dp_replicate)} with {' '.join(s(n, getattr(lay, n)) for n in split)}: hybrid "
+                f"sharding does not split the expert-data-parallel groups; use {' and '.join(s(n, 1) for n in split)} "
+                f"or drop {s('dp_replicate')}")
     return None
 
 

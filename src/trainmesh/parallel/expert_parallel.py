@@ -147,7 +147,7 @@ def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
     mesh = comm.mesh
     for name, p in list(moe.experts.named_parameters(recurse=False)):
         piece, marks = p, {}
-        for axis, dim, mark in ((EP_AXIS, 0, EP_SHARD), (ETP_AXIS, ETP_DIMS[name], ETP_SHARD)):
+        for axis, dim, mark in ((EP_AXIS, 0, EP_SHARD), (ETP_AXIS, ETP_DIMS.get(name), ETP_SHARD)):
             rank, size = mesh.rank(axis), mesh.size(axis)
             if size == 1:
                 continue
