@@ -27,7 +27,7 @@ from trainmesh.parallel.context_parallel import apply_context_parallel, shard_se
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
 from trainmesh.training.float8 import convert_to_float8, device_capability, fp8_problem
-from trainmesh.layout import MESH_SHAPE_RULES, Layout, experts_problem, keyword, resolve_reduce_dtype, validate
+from trainmesh.layout import MESH_SHAPE_RULES, MESH_SIZES, Layout, experts_problem, keyword, resolve_reduce_dtype, validate
 from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_modules, gather_experts, moe_tp_plan,
                                       split_sequence_stats)
 from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
@@ -213,7 +213,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
     _refuse_foreign(model, spec)
     plan = tp_plan if tp_plan is not None else (dict(spec.tp_plan) if spec is not None and mesh.size("tp") > 1 else None)
     plan = moe_tp_plan(plan, model, sequence_parallel, mesh.experts_over_tp) if plan is not None else None
-    layout = Layout(**{axis: mesh.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate")},
+    layout = Layout(**{axis: mesh.size(axis) for axis in MESH_SIZES},
                     zero=zero, sequence_parallel=sequence_parallel, schedule=schedule, virtual_stages=virtual_stages,
                     microbatches=microbatches, stage_layers=tuple(stage_layers),
                     recompute=recompute if isinstance(recompute, str) else "none",  # classes: no mode to check

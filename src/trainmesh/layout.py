@@ -22,6 +22,7 @@ PRECISION_CHOICES = ("auto", *PRECISIONS)  # what --precision takes: auto resolv
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp64")
 CP_IMPLS = ("ring", "a2a")
 AXES = ("dp", "cp", "tp", "pp")  # the mesh axes whose product is the world (ep folds inside them)
+MESH_SIZES = ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate")  # what a Mesh holds; parallelize applies the rest
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb
 
 
@@ -129,6 +130,11 @@ class Layout:
         summary (which ``trainmesh report`` labels runs by), written here only so that they all agree."""
         names = ("dp", "dp_replicate", "cp", "tp", "pp", "ep", "etp", "zero", "microbatches", "schedule", "precision")
         return {"world_size": self.world, **{name: getattr(self, name) for name in names}}
+
+    def forms(self) -> dict[str, object]:
+        """The settings :func:`trainmesh.api.parallelize` applies on a mesh: every field but the mesh's sizes and
+        ``timeline`` (which only the command line draws)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in (*MESH_SIZES, "timeline")}
 
     @property
     def bucket_bytes(self) -> int:

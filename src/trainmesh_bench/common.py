@@ -25,7 +25,7 @@ from trainmesh import api
 from trainmesh.distributed.comm import log_all_gather
 from trainmesh.data import TokenData, get_batch
 from trainmesh.distributed.mesh import Mesh
-from trainmesh.layout import Layout, resolve_reduce_dtype
+from trainmesh.layout import Layout
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.models import preset, spec_of
 from trainmesh.plan import Workload
@@ -145,10 +145,6 @@ class Setup:
         return Workload(shape, self.global_batch, self.model_config.seq_len, self.layout.precision,
                         self.layout.reduce_dtype)
 
-    @property
-    def grad_dtype(self) -> str:
-        """The dtype gradients are reduced in (``reduce_dtype`` resolved)."""
-        return resolve_reduce_dtype(self.layout.precision, self.layout.reduce_dtype)
 
 
 @dataclass
@@ -192,11 +188,7 @@ def build(cfg: Setup, mesh: Mesh) -> Bench:
     """``cfg``'s model with its parallel forms applied through the public API (:func:`trainmesh.parallelize`,
     :func:`trainmesh.optimizer`), as ``trainmesh train`` builds it, and its data."""
     model = tm.parallelize(model_of(cfg, mesh.device), mesh, tp_plan=dict(spec_of(cfg.model).tp_plan),
-                           sequence_parallel=cfg.sequence_parallel, zero=cfg.zero, recompute=cfg.recompute,
-                           schedule=cfg.schedule, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages,
-                           stage_layers=cfg.stage_layers, precision=cfg.precision,
-                           reduce_dtype=cfg.grad_dtype, bucket_mb=cfg.bucket_mb, compile=cfg.compile,
-                           cp_impl=cfg.cp_impl)
+                           **cfg.layout.forms())
     opt = tm.optimizer(model, cfg.lr, cfg.betas, cfg.weight_decay)
     return Bench(cfg, model, opt, TokenData.load(cfg.data, cfg.model_config.seq_len, cfg.tokenizer))
 

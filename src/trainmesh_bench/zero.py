@@ -146,7 +146,7 @@ def trainmesh_memory(cfg: Setup, bench: Bench, step: StepFn) -> MemoryRow:
     if stage:
         engine.peak_state_bytes = None  # untracked while timed: each sample walks every state tensor
     formula = model_state_bytes_formula(cfg.model_config.n_params(), cfg.dp, stage, cfg.precision != "fp32",
-                                        dtype_of(cfg.grad_dtype).itemsize)
+                                        dtype_of(cfg.layout.grad_dtype).itemsize)
     return MemoryRow(stage, all_ranks(held), state_peak, all_ranks(tensor_peak), formula)
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +71,7 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     spec = spec_of(cfg.model.model)
     model = spec.builder(cfg.model_config, cfg.model.seed).to(mesh.device, dtype_of(cfg.layout.precision))
     check_agreement(cfg.shared_settings(), model, mesh.device)
-    forms = {f.name: getattr(cfg.layout, f.name) for f in fields(cfg.layout)  # the mesh holds the sizes
-             if f.name not in ("dp", "tp", "pp", "cp", "ep", "etp", "dp_replicate", "timeline")}
-    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), comm=comm, **forms)
+    parallel = api.parallelize(model, mesh, tp_plan=dict(spec.tp_plan), comm=comm, **cfg.layout.forms())
     opt = api.optimizer(parallel, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.weight_decay)
     parallel.description = (parallel.description[0], {**parallel.description[1],
                                                       "source": checkpoints.model_source(cfg)})
