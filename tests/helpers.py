@@ -366,3 +366,43 @@ def child_pids(pid: int | str = "self") -> set[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         pids |= {int(p) for p in (task / "children").read_text().split()}
     return pids
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""A ChatML chat template (as Qwen's), rendered turn by turn."""
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is two plus two?"},
+     {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three plus three?"},
+     {"role": "assistant", "content": "Six, of course."}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}],
+    [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there, friend."}],
+]
+
+
+def chat_tokenizer(folder: Path, template: str = CHATML) -> Path:
+    """A tokenizer folder trained here (byte-level BPE of 320 tokens with ChatML's two special tokens) holding
+    ``tokenizer.json`` and a ``tokenizer_config.json`` with ``template`` as its chat template; no download."""
+    pytest.importorskip("transformers")
+    import json
+
+    from trainmesh.data.tokenizer import train_bpe
+
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [m["content"] for c in CONVERSATIONS for m in c] * 20 + ["system user assistant"] * 20
+    tok = train_bpe(texts, 320, folder / "tokenizer.json")._tok
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>"}))
+    return folder
+
+
+def chat_jsonl(path: Path, conversations: list[list[dict[str, str]]]) -> Path:
+    """``conversations`` as JSONL lines of ``{"messages": [...]}``."""
+    import json
+
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    return path

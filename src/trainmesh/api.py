@@ -25,6 +25,7 @@ from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.data.tokenizer import TokenizerFile
 from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
+from trainmesh.training.loss import divisors as loss_divisors, micro_loss, trained_count
 from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
 from trainmesh.training.float8 import convert_to_float8, device_capability, fp8_problem
 from trainmesh.layout import MESH_SHAPE_RULES, MESH_SIZES, Layout, experts_problem, keyword, resolve_reduce_dtype, validate
@@ -289,11 +290,13 @@ def _zero3_units(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
 @dataclass(eq=False)
 class Optimizer:
     """AdamW over what this rank holds, driven through the model's engine (data parallelism or ZeRO). ``lr``:
-    what the next :func:`train_step` uses; ``grad_norm``: the last step's global norm before clipping."""
+    what the next :func:`train_step` uses; ``grad_norm``: the last step's global norm before clipping;
+    ``trained_tokens``: the last step's trained tokens in the global batch."""
 
     engine: object
     lr: float
     grad_norm: float = math.nan
+    trained_tokens: int = 0
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
@@ -329,23 +332,39 @@ def _sharding_axis(mesh: Mesh) -> str:
 
 
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
-                     micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
-    """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
-    returns this rank's share of the loss (0 on stages without the head), MoE aux losses included.
-    ``saved``, if given, records the activation bytes of the first micro-batch's forward."""
+                     micro_batches: MicroBatches, criterion: Criterion, saved=None,
+                     divisors: Sequence[float] | None = None) -> torch.Tensor:
+    """Accumulate gradients of the loss over ``micro_batches``, synchronising only after the last; returns this
+    rank's share of the loss (0 on stages without the head), MoE aux losses included. Micro-batch ``i``'s mean
+    over its trained tokens is divided by ``divisors[i]`` (:func:`~trainmesh.training.loss.divisors`; default:
+    the micro-batch count, a mean of means). ``saved``, if given, records the first micro-batch's activation bytes."""
+    divisors = divisors or [len(micro_batches)] * len(micro_batches)
     moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
-        loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
+        loss = pipeline.forward_backward(micro_batches, criterion, engine, saved, divisors)
         return loss + moe.aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else engine.no_sync():
             with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
-                loss = criterion(module(x), y) / len(micro_batches)
+                loss = micro_loss(criterion, module(x), y, divisors[i])
             (loss * engine.loss_scale).backward()
         total = total.to(loss.device) + loss.detach()
     return total + moe.aux_loss_total(module) / len(micro_batches)
+
+
+def token_divisors(mesh: Mesh, micro_batches: MicroBatches,
+                   global_targets: torch.Tensor | None = None) -> tuple[list[float], int]:
+    """Each of this rank's micro-batches' loss divisor (:func:`~trainmesh.training.loss.divisors`) and the
+    global batch's trained-token count: counted from ``global_targets`` where given, else summed over dp x cp
+    (one small all-reduce). The micro-batches' counts are read in one host sync, before the step computes."""
+    counts = torch.stack([trained_count(mb[1]) for mb in micro_batches]).tolist()
+    if global_targets is None:
+        total = int(sum_over_data(mesh, torch.tensor([sum(counts)], dtype=torch.int64)).item())
+    else:
+        total = int(trained_count(global_targets))
+    return loss_divisors(counts, total, mesh.size("dp") * mesh.size("cp")), total
 
 
 def sum_over_data(mesh: Mesh, values: torch.Tensor) -> torch.Tensor:
@@ -364,9 +383,9 @@ def update_routing(module: nn.Module, mesh: Mesh) -> None:
 
 def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
     """Mean over data-parallel ranks of a loss that each tp rank holds a copy of and only the last
-    pipeline stage computes (the other stages pass zero); a cp rank's loss is the mean over its equal share
-    of every sequence's tokens, so the mean over cp ranks too is the mean over all tokens: the value one
-    process computes."""
+    pipeline stage computes (the other stages pass zero); each dp x cp rank's share is its micro-batches'
+    losses over their divisors (:func:`token_divisors`), which the ranks' mean makes the mean over every
+    trained token of the global batch: the value one process computes."""
     total = log_all_reduce(value.detach().double().reshape(1).clone())
     return total.item() / (mesh.size("dp") * mesh.size("cp") * mesh.size("tp"))
 
@@ -376,7 +395,7 @@ def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatche
     """This rank's micro-batches of a global batch ``(inputs, targets)``: its dp slice of the sequences (the
     batch is that slice already with ``dp_sliced``, as a data loader that reads only this rank's share
     gives it), its head-tail cp part of each, on the mesh's device."""
-    x, y = batch
+    x, y = batch[0], batch[1]
     dp = 1 if dp_sliced else mesh.size("dp")
     if x.shape[0] % (dp * microbatches):
         what = "this rank's slice of" if dp_sliced else "a global batch of"
@@ -396,8 +415,9 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
                loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0, *,
                dp_sliced: bool = False, saved=None) -> float:
     """One optimizer step on the global ``batch`` = ``(inputs, targets)`` (or this dp rank's slice with
-    ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss one
-    process would compute; ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
+    ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss over the
+    batch's trained tokens (targets not -100), the value one process computes in any layout; ``opt.trained_tokens``
+    counts them, ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if loss_fn is not None and model.vocab_parallel:
@@ -409,8 +429,10 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
                          f"microbatches={m} to parallelize instead")
     if model.engine is None:
         raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
-    loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m, dp_sliced),
-                            loss_fn or model.criterion, saved)
+    micro_batches = rank_slice(model.mesh, batch, m, dp_sliced)
+    shares, opt.trained_tokens = token_divisors(model.mesh, micro_batches, None if dp_sliced else batch[1])
+    loss = forward_backward(model.module, model.engine, model.pipeline, micro_batches, loss_fn or model.criterion,
+                            saved, shares)
     opt.grad_norm = model.engine.step(opt.lr, max_norm)
     if math.isfinite(opt.grad_norm):
         update_routing(model.module, model.mesh)

@@ -134,7 +134,8 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
                          help="text files, JSONL (a 'text' field per line), Parquet (a 'text' column), a "
                               "directory saved by HF datasets save_to_disk, or directories of these")
     prepare.add_argument("--tokenizer", required=True, metavar="FILE",
-                         help="the tokenizer.json to tokenize with (trainmesh tokenizer train makes one)")
+                         help="the tokenizer.json to tokenize with (trainmesh tokenizer train makes one); with "
+                              "--chat, a tokenizer folder holding tokenizer.json and a chat template")
     prepare.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory for the shards")
     prepare.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1),
                          help=f"tokenizing processes, 1 to {MAX_WORKERS} (default: one per CPU core)")
@@ -142,6 +143,11 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
                          help="tokens per shard file, cut at a document end (default: 2**27)")
     prepare.add_argument("--val-fraction", type=float, default=0.05,
                          help="fraction of documents held out for validation, whole (default: 0.05)")
+    prepare.add_argument("--chat", action="store_true",
+                         help='JSONL conversations ({"messages": [{"role": ..., "content": ...}, ...]} per line), '
+                              "rendered with the tokenizer folder's chat template, with a loss mask (docs/data.md)")
+    prepare.add_argument("--train-on", choices=("assistant", "all"), default="assistant",
+                         help="with --chat: the tokens trained, the assistant's turns or all (default: assistant)")
 
 
 def _tokenizer(args: argparse.Namespace, _argv: Sequence[str]) -> int:
@@ -163,7 +169,7 @@ def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
         if not ok:
             raise ConfigError(f"{flag} {value}: must be {want}")
     prepare(PrepareOptions(tuple(args.input), args.tokenizer, args.out, args.workers, args.shard_tokens,
-                           args.val_fraction))
+                           args.val_fraction, args.chat, args.train_on))
     return 0
 
 
@@ -510,6 +516,8 @@ def checked_config(args: argparse.Namespace) -> Config:
         _check_fits(cfg)
         _check_watch_packages(cfg, explicit_tensorboard=getattr(args, "tensorboard", None) is True)
         data = TokenData.load(cfg.data.data, cfg.model_config.seq_len, cfg.data.tokenizer, verify=True)
+        if data.note:
+            print(f"trainmesh: {data.note}", file=sys.stderr, flush=True)
         check_eval_batches(cfg, len(data.val), data.source)
         check_resumable(cfg)
     return cfg

@@ -35,6 +35,7 @@ from trainmesh.models import moe, spec_of
 from trainmesh.training.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
+from trainmesh.training.loss import micro_loss
 from trainmesh.training.precision import dtype_of
 from trainmesh.tracking.profiling import StepProfiler
 from trainmesh import api, checkpoint
@@ -93,15 +94,17 @@ def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> 
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean validation loss over ``eval_batches`` global batches, each micro-batched like training."""
+    """Mean validation loss over ``eval_batches`` global batches, each the mean over its trained tokens as in
+    training."""
     run.model.eval()
     losses = []
     for k in range(run.cfg.optim.eval_batches):
         micro = rank_batch(run, run.data.val, EVAL_STEP_BASE + k, run.cfg.optim.global_batch)
+        shares, _ = api.token_divisors(run.mesh, micro)
         if run.pipeline is not None:
-            loss = run.pipeline.evaluate(micro, run.criterion)
+            loss = run.pipeline.evaluate(micro, run.criterion, shares)
         else:
-            loss = sum(run.criterion(run.model(x), y) for x, y in micro) / len(micro)
+            loss = sum(micro_loss(run.criterion, run.model(mb[0]), mb[1], d) for mb, d in zip(micro, shares))
         losses.append(api.global_mean(run.mesh, loss))
     run.model.train()
     return sum(losses) / len(losses)
@@ -313,7 +316,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         step_time = time.perf_counter() - t0
         if profiler is not None:
             profiler.after(step)
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step + 1, "loss": loss, "trained_tokens": run.opt.trained_tokens, "lr": lr, "grad_norm": grad_norm,
                   "skipped": not math.isfinite(grad_norm), "skipped_steps": guard.total,
                   "loss_scale": run.engine.loss_scale,
                   "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,

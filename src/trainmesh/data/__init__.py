@@ -5,8 +5,8 @@ memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(
 from __future__ import annotations
 
 from dataclasses import dataclass
-from trainmesh.data.sampler import TokenSequence, get_batch, global_batch_offsets
-from trainmesh.data.shards import ShardStream, index_tokenizer, is_prepared, read_index, verify_shard
+from trainmesh.data.sampler import PackedWindows, TokenSequence, get_batch, global_batch_offsets
+from trainmesh.data.shards import Index, ShardStream, index_tokenizer, is_prepared, read_index, verify_shard
 from trainmesh.data.text import VOCAB_SIZE, DataError, load_tokens, read_bytes, stdlib_sources
 from trainmesh.data.tokenizer import TokenizerFile
 
@@ -21,11 +21,13 @@ def _enough(source: str, split: str, n: int, seq_len: int, fix: str) -> None:
 
 @dataclass(frozen=True)
 class TokenData:
-    """Train and validation token sequences and where they came from."""
+    """Train and validation token sequences (chat data: :class:`PackedWindows`) and where they came from;
+    ``note``: what the user should hear once about them (conversations cut to fit a window)."""
 
-    train: TokenSequence
-    val: TokenSequence
+    train: TokenSequence | PackedWindows
+    val: TokenSequence | PackedWindows
     source: str
+    note: str = ""
 
     @classmethod
     def load(cls, path: str, seq_len: int, tokenizer: str = "", verify: bool = False) -> "TokenData":
@@ -50,9 +52,26 @@ class TokenData:
             for shard in index.shards:
                 verify_shard(index, shard)
         train, val = ShardStream(index, index.split("train")), ShardStream(index, index.split("val"))
+        if index.train_on:
+            return cls._chat(index, path, seq_len)
         _enough(path, "training", len(train), seq_len, "prepare more text")
         _enough(path, "held-out", len(val), seq_len, "prepare with a larger --val-fraction")
         return cls(train, val, f"{path} ({len(train):,} tokens)")
+
+    @classmethod
+    def _chat(cls, index: Index, path: str, seq_len: int) -> "TokenData":
+        """Chat data: each split's conversations packed into windows of ``seq_len + 1`` tokens."""
+        train, val = (PackedWindows(ShardStream(index, index.split(s)), ShardStream(index, index.split(s), labels=True),
+                                    seq_len, index.eos_id) for s in ("train", "val"))
+        for split, windows in (("training", train), ("held-out", val)):
+            if not len(windows.windows):
+                raise DataError(f"{path} has no {split} conversations; prepare more of them, or with a larger "
+                                f"--val-fraction")
+        cut = train.cut + val.cut
+        note = (f"{cut:,} conversation(s) of {path} are longer than a window of seq_len + 1 = {seq_len + 1} tokens; "
+                f"each is cut into windows of that length" if cut else "")
+        return cls(train, val, f"{path} ({len(train.windows):,} windows of chat, {index.train_on} tokens trained)",
+                   note)
 
 
 def data_vocab_size(path: str, tokenizer: str) -> int | None:
@@ -75,5 +94,5 @@ def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
     return TokenizerFile.read(tokenizer) if tokenizer else None
 
 
-__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch", "pin_tokenizer",
+__all__ = ["DataError", "PackedWindows", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch", "pin_tokenizer",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]

@@ -2,10 +2,13 @@
 
 Output is in input order whatever the worker count, memory bounded by ``BATCH_BYTES + 2·PIECE_BYTES``; shards are
 published atomically (``index.json`` last), removed on failure, and a lock refuses a second run into ``--out``.
-Document k is held out when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``."""
+Document k is held out when ``ceil((k+1)·f) > ceil(k·f)`` for ``--val-fraction f``. With ``--chat`` each
+JSONL line is a conversation, rendered and labelled in this process (:mod:`.chat`), with a label shard beside each
+token shard."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,7 +25,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from trainmesh.data.shards import INDEX_FILE, Index, Shard, token_dtype
+from trainmesh.data import chat
+from trainmesh.data.shards import INDEX_FILE, LABEL_DTYPE, LABELS_SUFFIX, Index, Shard, token_dtype
 from trainmesh.storage.safe_io import replace_durably
 from trainmesh.data.sources import input_files, input_size, pieces
 from trainmesh.data.text import DataError
@@ -45,6 +49,9 @@ class PrepareOptions:
     workers: int = max(1, os.cpu_count() or 1)
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     val_fraction: float = 0.05
+    chat: bool = False
+    """JSONL conversations rendered with the chat template of the tokenizer folder ``tokenizer`` (:mod:`.chat`)."""
+    train_on: str = "assistant"
 
 
 # --- the parent ---------------------------------------------------------------------------------------
@@ -91,6 +98,7 @@ class SplitWriter:
     split: str
     dtype: np.dtype
     shard_tokens: int
+    suffix: str = ".bin"
     shards: list[Shard] = field(default_factory=list)
     _file: Any = None
     _digest: Any = None
@@ -99,7 +107,7 @@ class SplitWriter:
 
     def write(self, ids: np.ndarray, ends_document: bool) -> None:
         if self._file is None:
-            name = f"{self.split}-{len(self.shards):05d}.bin"
+            name = f"{self.split}-{len(self.shards):05d}{self.suffix}"
             self._file, self._digest, self._tokens, self._docs = open(self.root / name, "wb"), hashlib.sha256(), 0, 0
         data = ids.astype(self.dtype, copy=False).tobytes()
         self._file.write(data)
@@ -221,7 +229,8 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     from trainmesh.data.tokenizer import TokenizerFile, load_tokenizer
 
     stream = stream or sys.stderr
-    pinned = TokenizerFile.read(opts.tokenizer) if opts.tokenizer else None
+    source = chat.tokenizer_json(opts.tokenizer) if opts.chat else opts.tokenizer
+    pinned = TokenizerFile.read(source) if source else None
     tok = pinned.load() if pinned else load_tokenizer("")
     if pinned is None or tok.eos_id is None:
         raise DataError(f"tokenizer {opts.tokenizer or '(bytes)'} has no end-of-document token to put between "
@@ -232,7 +241,8 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
     try:
         with runlock.hold(out, "--out"), _signals_interrupt(out):
             _check_empty(out)
-            return _write_shards(opts, out, files, pinned, tok, stream)
+            write = _write_chat_shards if opts.chat else _write_shards
+            return write(opts, out, files, pinned, tok, stream)
     except runlock.DirectoryInUse:
         raise
     except BaseException:
@@ -245,8 +255,6 @@ def prepare(opts: PrepareOptions, stream: TextIO | None = None) -> Index:
 def _write_shards(opts: PrepareOptions, out: Path, files: list[Path], pinned: TokenizerFile, tok: Tokenizer,
                   stream: TextIO) -> Index:
     """Tokenize ``files`` into ``out`` (locked and empty); on any failure remove what was written."""
-    from trainmesh.data.tokenizer import TOKENIZER_FILE
-
     dtype = token_dtype(tok.vocab_size)
     writers = {s: SplitWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
     meter = ProgressMeter(sum(input_size(f) for f in files), stream)
@@ -259,12 +267,7 @@ def _write_shards(opts: PrepareOptions, out: Path, files: list[Path], pinned: To
                     doc += end
                 meter.add(consumed)
         meter.close()
-        for w in writers.values():
-            w.close()
-        replace_durably(out / TOKENIZER_FILE, pinned.data)  # the data keeps its tokenizer; the index names only this copy
-        index = Index(out, dtype, tok.vocab_size, tok.eos_id, pinned.sha256, TOKENIZER_FILE,
-                      tuple(writers["train"].shards + writers["val"].shards))
-        _write_index(index)
+        index = _publish(out, list(writers.values()), pinned, tok, dtype)
     except BaseException as e:
         meter.close()
         _discard(out, writers.values())
@@ -277,6 +280,55 @@ def _write_shards(opts: PrepareOptions, out: Path, files: list[Path], pinned: To
     stream.write(f"prepared {doc:,} documents, {tokens:,} tokens ({summary['tokens']['val']:,} held out) into "
                  f"{len(index.shards)} shard(s) in {out} in {seconds:.1f} s ({tokens / seconds:,.0f} tokens/s, "
                  f"{meter.done / seconds / 1e6:.2f} MB/s)\n")
+    return index
+
+
+def _write_chat_shards(opts: PrepareOptions, out: Path, files: list[Path], pinned: TokenizerFile, tok: Tokenizer,
+                       stream: TextIO) -> Index:
+    """Render and tokenize ``files``' conversations (in this process) into token shards and label shards cut at
+    the same conversation ends; on any failure remove what was written."""
+    renderer = chat.ChatRenderer(opts.tokenizer, tok, opts.train_on)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {s: (SplitWriter(out, s, dtype, opts.shard_tokens),
+                   SplitWriter(out, s, LABEL_DTYPE, opts.shard_tokens, LABELS_SUFFIX)) for s in ("train", "val")}
+    meter = ProgressMeter(sum(input_size(f) for f in files), stream)
+    doc, trained, t0 = 0, 0, time.perf_counter()
+    try:
+        for f in files:
+            for where, messages, size in chat.conversations(f):
+                ids, labels = renderer.encode(messages, where)
+                for writer, data in zip(writers["val" if _held_out(doc, opts.val_fraction) else "train"], (ids, labels)):
+                    writer.write(data, True)
+                doc, trained = doc + 1, trained + int(np.count_nonzero(labels & chat.TRAINED))
+                meter.add(size)
+        meter.close()
+        index = _publish(out, [w for pair in writers.values() for w in pair], pinned, tok, dtype, opts.train_on)
+    except BaseException:
+        meter.close()
+        _discard(out, [w for pair in writers.values() for w in pair])
+        raise
+    tokens = sum(s.tokens for s in index.shards)
+    stream.write(f"prepared {doc:,} conversations, {tokens:,} tokens ({trained:,} trained: {opts.train_on}) into "
+                 f"{len(index.shards)} shard(s) in {out} in {time.perf_counter() - t0:.1f} s\n")
+    return index
+
+
+def _publish(out: Path, writers: list[SplitWriter], pinned: TokenizerFile, tok: Tokenizer, dtype: np.dtype,
+             train_on: str = "") -> Index:
+    """Close ``writers`` (tokens, and labels beside them for chat data), keep the tokenizer beside the data and
+    write the index last."""
+    from trainmesh.data.tokenizer import TOKENIZER_FILE
+
+    for w in writers:
+        w.close()
+    replace_durably(out / TOKENIZER_FILE, pinned.data)  # the data keeps its tokenizer; the index names only this copy
+    shards = [s for w in writers if w.suffix == ".bin" for s in w.shards]
+    labels = {s.file.removesuffix(LABELS_SUFFIX): s.sha256 for w in writers if w.suffix == LABELS_SUFFIX
+              for s in w.shards}
+    shards = [dataclasses.replace(s, labels_sha256=labels.get(s.file.removesuffix(".bin"), "")) for s in shards]
+    index = Index(out, dtype, tok.vocab_size, tok.eos_id, pinned.sha256, TOKENIZER_FILE,
+                  tuple(shards), train_on)
+    _write_index(index)
     return index
 
 

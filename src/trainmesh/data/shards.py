@@ -30,6 +30,7 @@ MAX_INDEX_BYTES = 64 << 20
 DTYPES = ("uint16", "uint32")
 MAX_TOKENS = 1 << 60
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+LABEL_DTYPE = np.dtype("u1")
 _SHARD_NAME = re.compile(r"(train|val)-[0-9]{5,}\.bin")
 
 
@@ -42,6 +43,10 @@ def is_prepared(path: str) -> bool:
     return bool(path) and (Path(path) / INDEX_FILE).is_file()
 
 
+LABELS_SUFFIX = ".labels"
+"""Chat data: beside each ``NAME.bin``, ``NAME.labels`` holds one byte of label bits per token (:mod:`.chat`)."""
+
+
 @dataclass(frozen=True)
 class Shard:
     file: str
@@ -49,6 +54,11 @@ class Shard:
     tokens: int
     documents: int
     sha256: str
+    labels_sha256: str = ""  # chat data only
+
+    @property
+    def labels_file(self) -> str:
+        return self.file.removesuffix(".bin") + LABELS_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class Index:
     tokenizer_sha256: str
     tokenizer_path: str
     shards: tuple[Shard, ...]
+    train_on: str = ""
+    """Chat data (``prepare --chat``): which tokens are trained, ``assistant`` or ``all``; ``""``: plain text."""
 
     def split(self, name: str) -> tuple[Shard, ...]:
         return tuple(s for s in self.shards if s.split == name)
@@ -72,7 +84,8 @@ class Index:
                 "tokenizer": {"path": self.tokenizer_path, "sha256": self.tokenizer_sha256},
                 "documents": {s: sum(x.documents for x in self.split(s)) for s in SPLITS},
                 "tokens": {s: sum(x.tokens for x in self.split(s)) for s in SPLITS},
-                "shards": [vars(s) for s in self.shards]}
+                "shards": [{k: v for k, v in vars(s).items() if v != ""} for s in self.shards],
+                **({"chat": {"train_on": self.train_on}} if self.train_on else {})}
 
 
 class _Fields:
@@ -117,7 +130,10 @@ def _shard(raw: Any, path: Path, n: int) -> Shard:
     sha = f.get("sha256", str)
     if not _SHA256.fullmatch(sha):
         raise _bad(path, f"shard {n} sha256 {_show(sha)} is not 64 hex digits")
-    return Shard(name, split, tokens, f.count("documents", 0, tokens), sha)
+    labels = raw.get("labels_sha256", "")
+    if labels and not _SHA256.fullmatch(str(labels)):
+        raise _bad(path, f"shard {n} labels_sha256 {_show(labels)} is not 64 hex digits")
+    return Shard(name, split, tokens, f.count("documents", 0, tokens), sha, labels)
 
 
 def _parse_index(root: Path, raw: Any) -> Index:
@@ -143,8 +159,11 @@ def _parse_index(root: Path, raw: Any) -> Index:
         for split in SPLITS:
             if totals.count(split) != sum(getattr(s, total) for s in shards if s.split == split):
                 raise _bad(path, f"{total} of {split} is {totals.raw[split]}, not the sum over its shards")
+    train_on = _Fields(raw["chat"], path, "chat ").get("train_on", str) if "chat" in raw else ""
+    if train_on and not all(s.labels_sha256 for s in shards):
+        raise _bad(path, "a shard of chat data lists no labels_sha256")
     return Index(root, np.dtype(dtype).newbyteorder("<"), vocab, eos, tok.get("sha256", str), tok.get("path", str),
-                 shards)
+                 shards, train_on)
 
 
 @functools.lru_cache(maxsize=8)
@@ -172,19 +191,20 @@ def read_index(root: str) -> Index:
     return _index_of(str(Path(root)), text)
 
 
-def check_shard_file(index: Index, shard: Shard) -> Path:
-    """A cheap check every rank makes: the shard exists, is not empty and has the indexed length."""
-    path = index.root / shard.file
+def check_shard_file(index: Index, shard: Shard, labels: bool = False) -> Path:
+    """A cheap check every rank makes: the shard (or its labels) exists, is not empty and has the indexed length."""
+    path = index.root / (shard.labels_file if labels else shard.file)
+    dtype = LABEL_DTYPE if labels else index.dtype
     if shard.tokens <= 0:
         raise DataError(f"{path} is an empty shard (0 tokens in {INDEX_FILE}); {REPREPARE}")
     try:
         size = path.stat().st_size
     except OSError as e:
         raise DataError(f"cannot read shard {path}: {e.strerror}; {REPREPARE}") from None
-    want = shard.tokens * index.dtype.itemsize
+    want = shard.tokens * dtype.itemsize
     if size != want:
         what = "truncated" if size < want else "longer than indexed"
-        raise DataError(f"{path} is {what}: {size} bytes, {INDEX_FILE} lists {shard.tokens} {index.dtype.name} "
+        raise DataError(f"{path} is {what}: {size} bytes, {INDEX_FILE} lists {shard.tokens} {dtype.name} "
                         f"tokens ({want} bytes); {REPREPARE}")
     return path
 
@@ -211,6 +231,14 @@ def verify_shard(index: Index, shard: Shard) -> None:
     if digest.hexdigest() != shard.sha256:
         raise DataError(f"{path}: SHA-256 does not match {INDEX_FILE} (the shard was altered or damaged); "
                         f"{REPREPARE}")
+    if shard.labels_sha256:
+        labels = check_shard_file(index, shard, labels=True)
+        digest = hashlib.sha256()
+        for part in _chunks(labels, LABEL_DTYPE):
+            digest.update(part.data)
+        if digest.hexdigest() != shard.labels_sha256:
+            raise DataError(f"{labels}: SHA-256 does not match {INDEX_FILE} (the labels were altered or damaged); "
+                            f"{REPREPARE}")
 
 
 def index_tokenizer(index: Index, given: str) -> TokenizerFile:
@@ -256,10 +284,12 @@ class ShardStream:
     """One split's shards as a single memory-mapped token sequence (``len()`` and slicing). Windows crossing a
     boundary are stitched; pages read are dropped (``MADV_DONTNEED``) so resident memory stays flat."""
 
-    def __init__(self, index: Index, shards: tuple[Shard, ...]) -> None:
-        self.itemsize = index.dtype.itemsize
-        self.mmaps = [_map(check_shard_file(index, s)) for s in shards]
-        self.maps = [np.frombuffer(m, dtype=index.dtype) for m in self.mmaps]
+    def __init__(self, index: Index, shards: tuple[Shard, ...], labels: bool = False) -> None:
+        """``labels``: the shards' label bytes (chat data) instead of their tokens."""
+        dtype = LABEL_DTYPE if labels else index.dtype
+        self.itemsize = dtype.itemsize
+        self.mmaps = [_map(check_shard_file(index, s, labels)) for s in shards]
+        self.maps = [np.frombuffer(m, dtype=dtype) for m in self.mmaps]
         self.starts = np.cumsum([0] + [s.tokens for s in shards])
 
     def __len__(self) -> int:

@@ -69,6 +69,11 @@ class HFTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each one's character span in it (chat data's loss mask is found by them)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 

@@ -177,7 +177,8 @@ class GPT(nn.Module):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over every position; the default criterion (TP swaps in a vocab-parallel one)."""
+    """Mean next-token loss over the trained positions (a target of -100, torch's ``ignore_index``, is not
+    trained); the default criterion (TP swaps in a vocab-parallel one)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: loss in fp32
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -21,6 +21,7 @@ from torch import nn
 from trainmesh.distributed.comm import Comm, Pending
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.training.float8 import tp_float8_matmul
+from trainmesh.training.loss import IGNORE_INDEX
 from trainmesh.training.optim import TP_SHARDED
 from trainmesh.training.precision import master_dtype
 
@@ -368,9 +369,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Mean next-token loss from logits whose last dimension is split over tp; every tp rank gets it."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), comm).mean()
+    """Mean next-token loss over the trained targets (not :data:`IGNORE_INDEX`) from logits whose last dimension
+    is split over tp; every tp rank gets it. An untrained token's loss is zeroed, so its gradient is zero."""
+    flat, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    per_token = _VocabParallelCrossEntropy.apply(flat, targets, comm)
+    trained = targets != IGNORE_INDEX
+    return per_token.masked_fill(~trained, 0.0).sum() / trained.sum()
 
 
 # --- styles and the plan -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from torch import nn
 
 from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
+from trainmesh.training.loss import micro_loss
 from trainmesh.distributed.mesh import Mesh, world_env
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
@@ -148,6 +149,7 @@ class _Step:
     activation_shape: tuple[int, ...]
     saved: SavedActivations | None
     loss: torch.Tensor
+    divisors: Sequence[float]
     values: dict[Token, torch.Tensor] = field(default_factory=dict)
     arrivals: dict[Token, _Posted] = field(default_factory=dict)
     sends: list[tuple[list[Action], _Posted]] = field(default_factory=list)  # each batch's SENDs
@@ -231,16 +233,17 @@ class PipelineRuntime:
     # --- entry points --------------------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: MicroBatches, criterion: Criterion, engine: Engine,
-                         saved: SavedActivations | None = None) -> torch.Tensor:
-        """One step's forwards and backwards; returns the mean loss on the last stage, 0 elsewhere.
-        ``saved`` records micro-batch 0's activation bytes."""
-        step = self._new_step(micro_batches, criterion, engine.loss_scale, saved)
+                         saved: SavedActivations | None = None, divisors: Sequence[float] = ()) -> torch.Tensor:
+        """One step's forwards and backwards; returns the loss on the last stage (each micro-batch's mean over
+        ``divisors[i]``, default the micro-batch count), 0 elsewhere. ``saved`` records micro-batch 0's activation bytes."""
+        step = self._new_step(micro_batches, criterion, engine.loss_scale, saved, divisors)
         self._execute(self.actions, step, engine, self._threads)
         return step.loss
 
-    def evaluate(self, micro_batches: MicroBatches, criterion: Criterion) -> torch.Tensor:
-        """Forward-only pass (call under ``torch.no_grad``); the mean loss on the last stage, 0 elsewhere."""
-        step = self._new_step(micro_batches, criterion, 1.0, None)
+    def evaluate(self, micro_batches: MicroBatches, criterion: Criterion, divisors: Sequence[float] = ()) -> torch.Tensor:
+        """Forward-only pass (call under ``torch.no_grad``); the loss on the last stage (as
+        :meth:`forward_backward` weighs it), 0 elsewhere."""
+        step = self._new_step(micro_batches, criterion, 1.0, None, divisors)
         recording, self.recording = self.recording, False  # the recorded training step's timeline is kept
         try:
             self._execute(self.eval_actions, step, None, self._eval_threads)
@@ -268,7 +271,7 @@ class PipelineRuntime:
     # --- execution -----------------------------------------------------------------------------------
 
     def _new_step(self, micro_batches: MicroBatches, criterion: Criterion, loss_scale: float,
-                  saved: SavedActivations | None) -> _Step:
+                  saved: SavedActivations | None, divisors: Sequence[float]) -> _Step:
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"the schedule was built for {self.n_microbatches} micro-batches, got "
                              f"{len(micro_batches)}; split the batch into --microbatches pieces")
@@ -276,7 +279,8 @@ class PipelineRuntime:
         shape = (batch, seq // self.seq_shards, self.hidden_size)
         self._open_channels(math.prod(shape))
         loss = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        return _Step(micro_batches, criterion, loss_scale, shape, saved, loss)
+        return _Step(micro_batches, criterion, loss_scale, shape, saved, loss,
+                     divisors or [self.n_microbatches] * self.n_microbatches)
 
     def _open_channels(self, numel: int) -> None:
         """At the first step (a collective over ``pp``), when the pipeline is on one CPU host: a shared-memory
@@ -388,7 +392,7 @@ class PipelineRuntime:
             with self._recording_leaves() as leaves:
                 out = self.chunks[s](x)
             if last:
-                out = step.criterion(out, y) / self.n_microbatches
+                out = micro_loss(step.criterion, out, y, step.divisors[mb])
         if last:
             step.loss += out.detach()
         else:
