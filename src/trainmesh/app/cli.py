@@ -199,13 +199,17 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
                      "the run trained with (default: the one the checkpoint records)")
     gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="auto picks cuda when present (default: auto)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user's message through the chat template the checkpoint keeps (from "
+                     "its --init-hf source) and print the reply only")
 
 
 def _generate(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     _check_text("--prompt", args.prompt)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    print(args.prompt + generate_text(args.checkpoint_dir, args.prompt, args.max_new_tokens, sampling, args.step,
-                                      args.tokenizer, args.device))
+    reply = generate_text(args.checkpoint_dir, args.prompt, args.max_new_tokens, sampling, args.step, args.tokenizer,
+                          args.device, args.chat)
+    print(reply if args.chat else args.prompt + reply)
     return 0
 
 

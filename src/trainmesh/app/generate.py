@@ -18,6 +18,7 @@ from torch import nn
 
 from trainmesh.checkpoint import (MANIFEST, CheckpointDamaged, CheckpointError, candidates, read_manifest, recorded_model, recorded_weights,
                                   source_name, step_dir)
+from trainmesh.checkpoint import hf_extras
 from trainmesh.checkpoint.store import kept_tokenizer, step_of
 from trainmesh.models.cache import KVCache
 from trainmesh.data.tokenizer import Tokenizer, TokenizerError, TokenizerFile, load_tokenizer
@@ -182,17 +183,30 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def chat_prompt(manifest: dict, path: Path, prompt: str) -> str:
+    """``prompt`` as a user's message rendered with the chat template checkpoint ``path`` keeps, with the generation
+    prompt, by transformers' sandboxed renderer: the text ``apply_chat_template`` gives an exported model."""
+    template = hf_extras.chat_template_tokenizer(manifest, path)
+    if template is None:
+        raise GenerateError(f"checkpoint {path} keeps no chat template for its tokenizer; --chat needs a run started "
+                            f"with --init-hf DIR whose folder holds the run's tokenizer.json and its chat template")
+    return template.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                        add_generation_prompt=True)
+
+
 def generate_text(checkpoint_dir: str, prompt: str, max_new_tokens: int = 64, sampling: Sampling = Sampling(),
-                  step: int | None = None, tokenizer: str | None = None, device: str = "auto") -> str:
+                  step: int | None = None, tokenizer: str | None = None, device: str = "auto",
+                  chat: bool = False) -> str:
     """The completion of ``prompt`` by the model of a checkpoint (see :func:`checkpoint_path`), decoded
-    with the run's tokenizer; what was loaded and how fast it went are reported on stderr."""
+    with the run's tokenizer (``chat``: the reply to ``prompt`` as a user's message, :func:`chat_prompt`); what was
+    loaded and how fast it went are reported on stderr."""
     if max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
     path = checkpoint_path(Path(checkpoint_dir), step)
     model, manifest = load_model(path, _device(device))
     tok, tok_name = tokenizer_of(manifest, path, tokenizer)
     name, seq_len = source_name(manifest), manifest["model"]["seq_len"]
-    ids = tok.encode(prompt)
+    ids = tok.encode(chat_prompt(manifest, path, prompt) if chat else prompt)
     if len(ids) > seq_len:
         _notice(f"the prompt is {len(ids)} tokens and {name} sees {seq_len}; it continues the last {seq_len}")
     start = time.perf_counter()

@@ -137,6 +137,20 @@ def _kept_tokenizer(record: dict, where: Path) -> HFTokenizer | None:
         return None
 
 
+def chat_template_tokenizer(manifest: dict, where: Path) -> Any | None:
+    """The tokenizer files checkpoint ``where`` keeps of its ``--init-hf`` source, loaded by transformers, where they
+    are the run's tokenizer and hold a chat template (the one an export writes); else None."""
+    extras = plan(manifest, where)
+    if not extras.source_tokenizer:
+        return None
+    import transformers
+
+    with tempfile.TemporaryDirectory() as scratch:
+        write({name: f for name, f in extras.kept.items() if name in TOKENIZER_FILES}, Path(scratch))
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(scratch)
+    return tok if tok.chat_template else None
+
+
 def contents(extras: Extras, model_vocab: int) -> dict[str, KeptFile]:
     """Every file to write beside the weights and ``config.json``, by name: the kept source files (its
     tokenizer files only where they are the run's), else the run's tokenizer, and a generation config."""
