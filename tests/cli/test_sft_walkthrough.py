@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainmesh.app.cli import main
+from trainmesh.checkpoint import read_manifest
 from trainmesh.app.generate import GREEDY, chat_prompt, checkpoint_path, generate, load_model, tokenizer_of
 
 from helpers import CONVERSATIONS, chat_jsonl, chat_tokenizer
@@ -72,3 +73,21 @@ def test_sft_walkthrough_chats_in_transformers_as_in_trainmesh(tmp_path, capfd):
     if len(theirs) < NEW_TOKENS:  # transformers stopped at the end-of-turn token; trainmesh generates on
         assert theirs[-1] == tok.encode("<|im_end|>")[0]
     assert ours[:len(theirs)] == theirs
+
+
+def test_a_run_from_scratch_on_chat_data_keeps_the_data_s_chat_template(tmp_path, capfd):
+    """No --init-hf: the checkpoint keeps the tokenizer files prepare kept with the chat data, so the export holds
+    the template and generate --chat renders with it."""
+    folder = chat_tokenizer(tmp_path / "tok")
+    chat = chat_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS * 8)
+    data, ckpt, out = tmp_path / "data", tmp_path / "ckpt", tmp_path / "export"
+    assert main(["prepare", "--chat", "--input", str(chat), "--tokenizer", str(folder), "--out", str(data)]) == 0
+    assert main(["train", "--model", "llama-tiny", "--data", str(data), "--steps", "1", "--global-batch", "2",
+                 "--seq-len", "64", "--checkpoint-dir", str(ckpt), "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", str(ckpt), "--hf", str(out)]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported.chat_template == transformers.PreTrainedTokenizerFast.from_pretrained(folder).chat_template
+    path = checkpoint_path(ckpt, None)
+    manifest = read_manifest(path)
+    assert chat_prompt(manifest, path, QUESTION) == exported.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)

@@ -23,6 +23,7 @@ from trainmesh import api
 from trainmesh.models import hf
 from trainmesh.app.config import Config
 from trainmesh.data import pin_tokenizer
+from trainmesh.data.chat import template_dir
 from trainmesh.data.tokenizer import TOKENIZER_FILE, TokenizerError, TokenizerFile
 from trainmesh.checkpoint.manifest import RUN_ID, show
 from trainmesh.distributed.mesh import world_from_env
@@ -51,14 +52,15 @@ def model_source(cfg: Config) -> str:
 
 def save(run: Run, progress: TrainingProgress, async_: bool = False) -> Path | AsyncSave:
     """Save the training state after ``progress.step`` steps under ``--checkpoint-dir`` (a collective) through
-    :func:`trainmesh.api.save`, with the run's settings, its ``--keep-last`` and its ``--init-hf`` source, and a
+    :func:`trainmesh.api.save`, with the run's settings, its ``--keep-last`` and its ``--init-hf`` source (else chat
+    data's tokenizer files, its chat template among them: :func:`~trainmesh.data.chat.template_dir`), and a
     copy of the tokenizer the run started with; a tokenizer file changed or deleted since is said, and the
     checkpoint still keeps the one the run trained with. ``async_``: in the background (``--checkpoint-async``)."""
     if run.tokenizer is not None and world_from_env()[0] == 0:
         notice_changed_tokenizer(run.tokenizer)
     cfg = run.cfg
     return api.save(run.parallel, run.opt, cfg.checkpoint.checkpoint_dir, progress, run.tokenizer, cfg.checkpoint.keep_last, async_=async_,
-                    config=cfg.settings(), hf_source=cfg.checkpoint.init_hf)
+                    config=cfg.settings(), hf_source=cfg.checkpoint.init_hf or template_dir(cfg.data.data))
 
 
 def notice_changed_tokenizer(pinned: TokenizerFile) -> None:

@@ -200,8 +200,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="auto picks cuda when present (default: auto)")
     gen.add_argument("--chat", action="store_true",
-                     help="send the prompt as a user's message through the chat template the checkpoint keeps (from "
-                     "its --init-hf source) and print the reply only")
+                     help="send the prompt as a user's message through the chat template the checkpoint keeps (its "
+                     "--init-hf folder's, else its chat data's) and print the reply only")
 
 
 def _generate(args: argparse.Namespace, _argv: Sequence[str]) -> int:

@@ -188,8 +188,9 @@ def chat_prompt(manifest: dict, path: Path, prompt: str) -> str:
     prompt, by transformers' sandboxed renderer: the text ``apply_chat_template`` gives an exported model."""
     template = hf_extras.chat_template_tokenizer(manifest, path)
     if template is None:
-        raise GenerateError(f"checkpoint {path} keeps no chat template for its tokenizer; --chat needs a run started "
-                            f"with --init-hf DIR whose folder holds the run's tokenizer.json and its chat template")
+        raise GenerateError(f"checkpoint {path} keeps no chat template for its tokenizer; --chat needs a run on data "
+                            f"prepared with --chat, or started with --init-hf DIR whose folder holds the run's "
+                            f"tokenizer.json and its chat template")
     return template.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                         add_generation_prompt=True)
 

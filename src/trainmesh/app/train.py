@@ -81,8 +81,9 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     return Run(cfg, parallel, opt, data, tokenizer)
 
 
-def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read)."""
+def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, ...]:
+    """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read): inputs and
+    targets, and for chat data each input token's conversation."""
     cfg, mesh = run.cfg, run.mesh
     return get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step, mesh.rank("dp"), mesh.size("dp"))
 

@@ -80,7 +80,7 @@ def plan(manifest: dict, where: Path) -> Extras:
     theirs = extras.kept.get("tokenizer.json")
     extras.source_tokenizer = (record["kind"] != "bytes" and theirs is not None
                                and sha256_hex(theirs.data) == record["sha256"])
-    if extras.source_tokenizer:
+    if extras.source_tokenizer and CONFIG in extras.kept:  # chat data's tokenizer files come with no config
         config = _json_object(extras.kept.get(CONFIG))
         extras.token_ids = {k: _token_id(config.get(k)) for k in TOKEN_IDS}
     return extras

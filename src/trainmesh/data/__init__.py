@@ -51,9 +51,9 @@ class TokenData:
         if verify:
             for shard in index.shards:
                 verify_shard(index, shard)
-        train, val = ShardStream(index, index.split("train")), ShardStream(index, index.split("val"))
         if index.train_on:
             return cls._chat(index, path, seq_len)
+        train, val = ShardStream(index, index.split("train")), ShardStream(index, index.split("val"))
         _enough(path, "training", len(train), seq_len, "prepare more text")
         _enough(path, "held-out", len(val), seq_len, "prepare with a larger --val-fraction")
         return cls(train, val, f"{path} ({len(train):,} tokens)")

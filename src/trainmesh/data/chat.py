@@ -23,6 +23,11 @@ START = 2
 """Label bit: the token opens a conversation (never a trained target: nothing before it is of its conversation)."""
 TRAIN_ON = ("assistant", "all")
 ROLES_FIELD = "messages"
+TEMPLATE_DIR = "chat-template"
+"""Where prepared chat data keeps its tokenizer folder's tokenizer files (the chat template among them), for a run
+that does not start from an ``--init-hf`` folder to keep in its checkpoints and export."""
+TEMPLATE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                  "chat_template.json")
 
 
 def tokenizer_json(folder: str) -> Path:
@@ -86,6 +91,24 @@ class ChatRenderer:
         labels = trained.astype(np.uint8) * TRAINED
         labels[0] |= START
         return np.asarray(ids, dtype=np.int64), labels
+
+
+def keep_template(folder: str, pinned_tokenizer: bytes, out: Path) -> None:
+    """Copy the tokenizer folder's files that hold the chat template and special tokens into ``out/TEMPLATE_DIR``,
+    beside the exact tokenizer bytes the data was made with (so a checkpoint takes them as the run's tokenizer)."""
+    kept = out / TEMPLATE_DIR
+    kept.mkdir()
+    (kept / TOKENIZER_FILE).write_bytes(pinned_tokenizer)
+    for name in TEMPLATE_FILES:
+        source = Path(folder) / name
+        if source.is_file() and not source.is_symlink():
+            (kept / name).write_bytes(source.read_bytes())
+
+
+def template_dir(data: str) -> str:
+    """The folder of tokenizer files prepared chat data ``data`` keeps (:data:`TEMPLATE_DIR`), else ``""``."""
+    kept = Path(data) / TEMPLATE_DIR
+    return str(kept) if data and kept.is_dir() else ""
 
 
 def _messages(line: bytes, where: str) -> list[dict[str, str]]:

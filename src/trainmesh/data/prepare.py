@@ -14,6 +14,7 @@ import json
 import math
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -294,6 +295,7 @@ def _write_chat_shards(opts: PrepareOptions, out: Path, files: list[Path], pinne
     meter = ProgressMeter(sum(input_size(f) for f in files), stream)
     doc, trained, t0 = 0, 0, time.perf_counter()
     try:
+        chat.keep_template(opts.tokenizer, pinned.data, out)
         for f in files:
             for where, messages, size in chat.conversations(f):
                 ids, labels = renderer.encode(messages, where)
@@ -306,6 +308,7 @@ def _write_chat_shards(opts: PrepareOptions, out: Path, files: list[Path], pinne
     except BaseException:
         meter.close()
         _discard(out, [w for pair in writers.values() for w in pair])
+        shutil.rmtree(out / chat.TEMPLATE_DIR, ignore_errors=True)
         raise
     tokens = sum(s.tokens for s in index.shards)
     stream.write(f"prepared {doc:,} conversations, {tokens:,} tokens ({trained:,} trained: {opts.train_on}) into "
