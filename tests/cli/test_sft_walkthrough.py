@@ -77,13 +77,16 @@ def test_sft_walkthrough_chats_in_transformers_as_in_trainmesh(tmp_path, capfd):
 
 def test_a_run_from_scratch_on_chat_data_keeps_the_data_s_chat_template(tmp_path, capfd):
     """No --init-hf: the checkpoint keeps the tokenizer files prepare kept with the chat data, so the export holds
-    the template and generate --chat renders with it."""
+    the template and generate --chat renders with it; conversations longer than a window are said once."""
     folder = chat_tokenizer(tmp_path / "tok")
     chat = chat_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS * 8)
     data, ckpt, out = tmp_path / "data", tmp_path / "ckpt", tmp_path / "export"
     assert main(["prepare", "--chat", "--input", str(chat), "--tokenizer", str(folder), "--out", str(data)]) == 0
+    capfd.readouterr()
     assert main(["train", "--model", "llama-tiny", "--data", str(data), "--steps", "1", "--global-batch", "2",
-                 "--seq-len", "64", "--checkpoint-dir", str(ckpt), "--no-progress", "--out", str(tmp_path / "run")]) == 0
+                 "--seq-len", "16", "--checkpoint-dir", str(ckpt), "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    said = capfd.readouterr().err
+    assert said.count("are longer than a window of seq_len + 1 = 17 tokens; each is cut") == 1, said
     assert main(["export", str(ckpt), "--hf", str(out)]) == 0
     exported = transformers.AutoTokenizer.from_pretrained(out)
     assert exported.chat_template == transformers.PreTrainedTokenizerFast.from_pretrained(folder).chat_template

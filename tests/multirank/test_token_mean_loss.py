@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import trainmesh as tm
 from trainmesh import api
 from trainmesh.distributed.testing import run_ranks
-from trainmesh.training.loss import IGNORE_INDEX
+from trainmesh.training.loss import IGNORE_INDEX, divisors, micro_loss
 
 from helpers import Case, build, config, in_fp64
 
@@ -105,3 +105,13 @@ def test_a_mean_of_micro_batch_means_would_weigh_sparse_micro_batches_up():
     mean_of_means = api.forward_backward(m.module, m.engine, None, micro, m.criterion).item()
     token_mean = direct(case)[0][0]
     assert abs(mean_of_means - token_mean) > 1e-3, (mean_of_means, token_mean)
+
+
+def test_plain_data_divides_by_the_micro_batch_count_exactly_and_an_untrained_micro_batch_adds_zero():
+    for m in (1, 2, 3, 4, 6):
+        for ranks in (1, 2, 4):
+            assert divisors([7] * m, 7 * m * ranks, ranks) == [m] * m  # the old mean of means, bit for bit
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    zero = micro_loss(F.cross_entropy, logits, torch.full((2, 3), IGNORE_INDEX), divisors([0, 6], 6, 1)[0])
+    zero.backward()
+    assert zero.item() == 0.0 and (logits.grad == 0).all()

@@ -113,3 +113,13 @@ def test_a_conversation_longer_than_a_window_is_cut_and_counted(folder, tmp_path
     others = max(len(_renderer(folder).encode(c, "")[0]) for c in CONVERSATIONS[1:])
     loaded = TokenData.load(str(out), seq_len=max(others, first // 2))
     assert loaded.note.startswith("4 conversation(s)") and "cut" in loaded.note
+
+
+def test_train_on_without_chat_is_refused_in_one_line(tmp_path, capsys):
+    from trainmesh.app.cli import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("hello")
+    assert main(["prepare", "--input", str(text), "--tokenizer", "tok.json", "--out", str(tmp_path / "out"),
+                 "--train-on", "all"]) == 2
+    assert "--train-on all chooses the trained tokens of chat data; add --chat" in capsys.readouterr().err

@@ -146,7 +146,7 @@ def _add_data_parsers(sub: argparse._SubParsersAction) -> None:
     prepare.add_argument("--chat", action="store_true",
                          help='JSONL conversations ({"messages": [{"role": ..., "content": ...}, ...]} per line), '
                               "rendered with the tokenizer folder's chat template, with a loss mask (docs/data.md)")
-    prepare.add_argument("--train-on", choices=("assistant", "all"), default="assistant",
+    prepare.add_argument("--train-on", choices=("assistant", "all"),
                          help="with --chat: the tokens trained, the assistant's turns or all (default: assistant)")
 
 
@@ -168,8 +168,10 @@ def _prepare(args: argparse.Namespace, _argv: Sequence[str]) -> int:
                                   ("--val-fraction", args.val_fraction, 0 < args.val_fraction < 1, "in (0, 1)")):
         if not ok:
             raise ConfigError(f"{flag} {value}: must be {want}")
+    if args.train_on and not args.chat:
+        raise ConfigError(f"--train-on {args.train_on} chooses the trained tokens of chat data; add --chat, or drop it")
     prepare(PrepareOptions(tuple(args.input), args.tokenizer, args.out, args.workers, args.shard_tokens,
-                           args.val_fraction, args.chat, args.train_on))
+                           args.val_fraction, args.chat, args.train_on or "assistant"))
     return 0
 
 
