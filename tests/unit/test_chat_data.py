@@ -123,3 +123,18 @@ def test_train_on_without_chat_is_refused_in_one_line(tmp_path, capsys):
     assert main(["prepare", "--input", str(text), "--tokenizer", "tok.json", "--out", str(tmp_path / "out"),
                  "--train-on", "all"]) == 2
     assert "--train-on all chooses the trained tokens of chat data; add --chat" in capsys.readouterr().err
+
+
+def test_altered_labels_or_an_index_without_them_are_refused_in_one_line(folder, tmp_path):
+    data = chat_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS * 4)
+    out = tmp_path / "out"
+    index = prepare(PrepareOptions((str(data),), str(folder), str(out), chat=True, val_fraction=0.25), io.StringIO())
+    labels = out / index.shards[0].labels_file
+    labels.write_bytes(bytes([TRAINED]) + labels.read_bytes()[1:])
+    with pytest.raises(DataError, match=r"train-00000.labels: SHA-256 does not match index.json"):
+        TokenData.load(str(out), seq_len=64, verify=True)
+    raw = json.loads((out / "index.json").read_text())
+    del raw["shards"][0]["labels_sha256"]
+    (out / "index.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match="labels_sha256 must be listed for every shard of chat data"):
+        read_index(str(out))

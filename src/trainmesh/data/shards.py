@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from trainmesh.data.chat import TRAIN_ON
 from trainmesh.data.text import DataError
 from trainmesh.data.tokenizer import TokenizerError, TokenizerFile
 from trainmesh.storage.safe_io import IntegrityError, inside
@@ -130,8 +131,8 @@ def _shard(raw: Any, path: Path, n: int) -> Shard:
     sha = f.get("sha256", str)
     if not _SHA256.fullmatch(sha):
         raise _bad(path, f"shard {n} sha256 {_show(sha)} is not 64 hex digits")
-    labels = raw.get("labels_sha256", "")
-    if labels and not _SHA256.fullmatch(str(labels)):
+    labels = f.get("labels_sha256", str) if "labels_sha256" in raw else ""
+    if "labels_sha256" in raw and not _SHA256.fullmatch(labels):
         raise _bad(path, f"shard {n} labels_sha256 {_show(labels)} is not 64 hex digits")
     return Shard(name, split, tokens, f.count("documents", 0, tokens), sha, labels)
 
@@ -160,8 +161,10 @@ def _parse_index(root: Path, raw: Any) -> Index:
             if totals.count(split) != sum(getattr(s, total) for s in shards if s.split == split):
                 raise _bad(path, f"{total} of {split} is {totals.raw[split]}, not the sum over its shards")
     train_on = _Fields(raw["chat"], path, "chat ").get("train_on", str) if "chat" in raw else ""
-    if train_on and not all(s.labels_sha256 for s in shards):
-        raise _bad(path, "a shard of chat data lists no labels_sha256")
+    if "chat" in raw and train_on not in TRAIN_ON:
+        raise _bad(path, f"chat train_on {_show(train_on)} is none of {', '.join(TRAIN_ON)}")
+    if any(bool(s.labels_sha256) != bool(train_on) for s in shards):
+        raise _bad(path, "labels_sha256 must be listed for every shard of chat data and for no other")
     return Index(root, np.dtype(dtype).newbyteorder("<"), vocab, eos, tok.get("sha256", str), tok.get("path", str),
                  shards, train_on)
 
