@@ -94,6 +94,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     series per rank or mesh axis, and each MoE layer's balance, drops, aux and z losses and expert copies."""
     out = {tag: float(record[key]) for key, tag in (
         ("loss", "train/loss"), ("val_loss", "eval/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+        ("trained_tokens", "train/trained_tokens"),
         ("loss_scale", "train/loss_scale"), ("tokens_per_s", "perf/tokens_per_s"),
         ("step_time_s", "perf/step_time_s"), ("mfu", "perf/mfu")) if record.get(key) is not None}
     for axis, n in record.get("comm_bytes", {}).items():
