@@ -163,6 +163,19 @@ def test_an_moe_block_pays_its_token_movement_at_the_devices_memory_bandwidth_an
     assert block_seconds(work, layout, cluster) == block_seconds(work, layout, unpriced)
 
 
+def test_an_moe_block_waits_on_the_host_once_a_pass_and_a_dense_block_never() -> None:
+    """Each MoE layer pass (forward, backward, and the forward rerun under full recomputation) adds the device's
+    ``moe_pass_seconds``, whatever its tokens; a dense block adds nothing."""
+    work, layout, cluster = _deepseek()
+    waitless = dataclasses.replace(cluster, moe_pass_seconds=0.0)
+    assert cluster.moe_pass_seconds > 0
+    for recompute, passes in (("none", 2), ("full", 3)):
+        lay = dataclasses.replace(layout, recompute=recompute)
+        waited = block_seconds(work, lay, cluster, moe=True) - block_seconds(work, lay, waitless, moe=True)
+        assert waited == pytest.approx(passes * cluster.moe_pass_seconds, rel=1e-9)
+        assert block_seconds(work, lay, cluster) == block_seconds(work, lay, waitless)
+
+
 def test_finer_experts_at_the_same_flops_move_about_twice_the_bytes() -> None:
     """Twice the experts, each half as wide, a token to twice as many: the expert matmuls' FLOPs are the same,
     the copies that travel to them twice as many, so the movement's share of the block grows."""

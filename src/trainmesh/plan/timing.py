@@ -152,7 +152,8 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
 
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
     """One block's forward and backward for one micro-batch: each matmul 3x (4x under full recomputation), the attention
-    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts and token movement."""
+    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts, token movement and
+    :func:`moe_host_seconds`."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
     core = attention_core_seconds(gemms.pop("attention"), workload, layout, cluster)
@@ -160,10 +161,18 @@ def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: boo
     matmuls = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + core
     if experts:
         matmuls += passes * sum(expert_gemm_seconds(g, workload, layout, cluster) for g in experts.values())
+    if moe:
+        matmuls += moe_host_seconds(layout, cluster)
     if not (moe and cluster.memory_bw):
         return matmuls
     moved = token_movement_bytes(workload, layout) + expert_elementwise_bytes(workload, layout, cluster)
     return matmuls + moved / cluster.memory_bw
+
+
+def moe_host_seconds(layout: Layout, cluster: Cluster) -> float:
+    """An MoE layer's host-bound time for one micro-batch: ``Cluster.moe_pass_seconds`` per pass (forward, backward,
+    the forward again under full recomputation), as each waits on the router's token counts before it goes on."""
+    return (3 if layout.recompute == "full" else 2) * cluster.moe_pass_seconds
 
 
 def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
