@@ -101,6 +101,7 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
     """One 8-GPU node from datasheet figures (``hbm`` in bytes/s), efficiencies :data:`GPU_EFFICIENCY` fitted
     to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`."""
     gemm, _, comm = GPU_EFFICIENCY
+    gemm = HOPPER_GEMM_EFFICIENCY if hopper else gemm
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=gemm_half_dim(peak, hbm),
@@ -123,6 +124,9 @@ def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
 # a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
 # Other GPUs take the fit, the half dimension scaled by their ridge point (:func:`gemm_half_dim`).
 GPU_EFFICIENCY = (0.72, 160, 0.7)
+# Hopper's large-matmul efficiency, fitted on the Hopper rows of docs/planner.md ("Kernel curves") at once, dense and
+# MoE, with their attention at the measured curves: the one efficiency refitted for the generation.
+HOPPER_GEMM_EFFICIENCY = 0.65
 A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 # The share of the datasheet's HBM bandwidth a streaming copy reaches on A100 and H100 (BabelStream's copy and
 # triad kernels measure 85-90 %); gathers of whole rows of a few KiB, as token permutations are, stream alike.
@@ -132,7 +136,7 @@ STREAM_EFFICIENCY = 0.85
 # stream drains and the layer's kernels after it run at the host's launch rate. Fitted, the one constant the
 # MoE rows of docs/planner.md ("Kernel curves") add, on all five at once (worst 11.7 %); the dense rows hold no
 # MoE layer. A device timeline of one MoE block (scripts/gpu_check.sh) is what would size it directly.
-MOE_PASS_SECONDS = 1.4e-3
+MOE_PASS_SECONDS = 1.7e-3
 
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s
