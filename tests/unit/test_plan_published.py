@@ -83,8 +83,8 @@ def _errors() -> list[float]:
     return [published.error(r) for r in published.PUBLISHED]
 
 
-CURVES = ["attention_fa2", "attention_cudnn", "attention_fa3", "block_elementwise", "expert_elementwise",
-          "busiest_expert_rank", "moe_host_seconds"]
+CURVES = ["attention_fa2", "attention_cudnn", "attention_fa3", "grouped_rows_share", "block_elementwise",
+          "expert_elementwise", "busiest_expert_rank", "moe_host_seconds"]
 
 
 @pytest.mark.parametrize("curve", CURVES)
@@ -98,6 +98,8 @@ def test_removing_a_curve_moves_a_row(curve: str, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setitem(kernels.ATTENTION, kernel, kernels.ATTENTION[other])
     elif curve == "busiest_expert_rank":
         monkeypatch.setattr(timing, "busiest_expert_rank", lambda ep, copies: 1.0)
+    elif curve == "grouped_rows_share":  # every group at the large-group rate
+        monkeypatch.setattr(timing, "grouped_rows_share", lambda rows: 1.0)
     elif curve == "moe_host_seconds":
         monkeypatch.setattr(timing, "moe_host_seconds", lambda layout, cluster: 0.0)
     else:
@@ -123,6 +125,14 @@ def test_attention_rates_interpolate_the_measured_points() -> None:
     mid = kernels.attention_rates("fa2", 96, 8192)[0]
     assert mid == pytest.approx((295e12 + 333e12) / 2)
     assert kernels.attention_rates("cudnn", 128, 100)[0] == pytest.approx(315e12)  # flat below 512
+
+
+def test_grouped_rows_interpolate_deepgemms_measured_points() -> None:
+    """At the measured rows the mean of DeepGEMM's two expert shapes over their 8,192-row rates; between them linear
+    in log rows (2,048 rows half-way from 1,024 to 4,096); flat beyond."""
+    assert kernels.grouped_rows_share(512) == pytest.approx((1040 / 1297 + 916 / 1099) / 2, abs=5e-4)
+    assert kernels.grouped_rows_share(2048) == pytest.approx((0.896 + 0.994) / 2)
+    assert kernels.grouped_rows_share(64) == 0.730 and kernels.grouped_rows_share(65536) == 1.0
 
 
 def test_the_busiest_expert_rank_under_balanced_routing() -> None:

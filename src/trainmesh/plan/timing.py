@@ -15,7 +15,8 @@ from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
-from trainmesh.plan.kernels import ATTENTION_PEAK, BACKWARD_FLOPS, attention_rates, busiest_expert_rank
+from trainmesh.plan.kernels import (ATTENTION_PEAK, BACKWARD_FLOPS, attention_rates, busiest_expert_rank,
+                                    grouped_rows_share)
 from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.layout import Layout
@@ -235,10 +236,15 @@ def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, clust
 
 
 def expert_gemm_seconds(gemm: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """One grouped routed-expert matmul at :func:`gemm_efficiency`, on the busiest ep rank
-    (:func:`trainmesh.plan.kernels.busiest_expert_rank`): the step waits for the rank with the most copies."""
+    """One grouped routed-expert matmul on the busiest ep rank (:func:`trainmesh.plan.kernels.busiest_expert_rank`):
+    the step waits for the rank with the most copies. On Hopper its rows per expert are priced at the measured
+    grouped curve (:func:`trainmesh.plan.kernels.grouped_rows_share`), its widths as any matmul's."""
     copies = moe_tokens(workload, layout) * workload.model.top_k
-    return gemm_time(gemm, workload, cluster) * busiest_expert_rank(layout.ep, copies)
+    seconds = gemm_time(gemm, workload, cluster)
+    if cluster.hopper:
+        rows = gemm.dims[0]
+        seconds *= rows / (rows + cluster.gemm_half_dim) / grouped_rows_share(rows)
+    return seconds * busiest_expert_rank(layout.ep, copies)
 
 
 def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluster) -> float:
