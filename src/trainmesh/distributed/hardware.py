@@ -119,13 +119,14 @@ def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
 
 # (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the
 # ten rows of [NAR, Table 1] (1.7B to 1T parameters on up to 3072 A100-80GB): every row within 6 %. Large
-# matmuls reach 72 % of the 16-bit peak (225 of 312 TFLOP/s, what cuBLAS sustains with Megatron's fused
-# epilogues); a dimension of 160 halves that, so the attention core's head_dim-wide matmuls (64-160) run at
-# a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
-# Other GPUs take the fit, the half dimension scaled by their ridge point (:func:`gemm_half_dim`).
-GPU_EFFICIENCY = (0.72, 160, 0.7)
-# Hopper's large-matmul efficiency, fitted on the Hopper rows of docs/planner.md ("Kernel curves") at once, dense and
-# MoE, with their attention at the measured curves: the one efficiency refitted for the generation.
+# matmuls reach 77 % of the 16-bit peak (240 of 312 TFLOP/s; refitted from 72 % when the blocks' element-wise
+# work came to be priced beside them, docs/planner.md "Kernel curves"); a dimension of 160 halves that, so the
+# attention core's head_dim-wide matmuls (64-160) run at a third to a half of it, which is what makes small
+# models slow; NCCL reaches 70 % of the link bandwidth. Other GPUs take the fit, the half dimension scaled by
+# their ridge point (:func:`gemm_half_dim`).
+GPU_EFFICIENCY = (0.77, 160, 0.7)
+# Hopper's large-matmul efficiency, fitted on the nine Hopper rows of docs/planner.md ("Kernel curves") at once, dense
+# and MoE, with their attention and grouped matmuls at the measured curves: the one efficiency fitted for the generation.
 HOPPER_GEMM_EFFICIENCY = 0.65
 A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 # The share of the datasheet's HBM bandwidth a streaming copy reaches on A100 and H100 (BabelStream's copy and
