@@ -153,3 +153,16 @@ def test_the_planners_choice_is_printed_beside_the_published_recipe() -> None:
     text = published.format_beside(beside)
     assert "published:" in text and "planner:" in text and "why:" in text
     assert f"{beside.own_figure:,.0f}" in text and f"{beside.published_figure:,.0f}" in text
+
+
+def test_the_planner_prefers_its_own_qwen3_235b_layout_for_the_time_it_saves() -> None:
+    """Qwen3-235B-A22B on 256 H100: the published TP4 EP8 PP8 layout fits, and the planner still takes its own,
+    without tp or ep and with fewer, larger micro-batches, naming the step parts it shortens (docs/planner.md,
+    "Kernel curves": the preference rests on the MoE host time being per layer pass)."""
+    run = next(r for r in published.PUBLISHED if r.name.startswith("Qwen3-235B"))
+    beside = published.beside_published(run)
+    assert beside.published_gib <= 78.0 and beside.own_gib <= 78.0
+    assert beside.own_layout.tp == beside.own_layout.ep == 1
+    assert beside.own_layout.microbatches < beside.published_layout.microbatches
+    assert beside.own_figure > 1.3 * beside.published_figure
+    assert "faster a step" in beside.reason and "compute" in beside.reason and "ep_comm" in beside.reason
