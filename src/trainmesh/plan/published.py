@@ -211,3 +211,15 @@ def _short(layout: Layout) -> str:
     shown = [f"{f.name}={getattr(layout, f.name)}" for f in dataclasses.fields(Layout)
              if f.name not in ("stage_layers", "precision") and getattr(layout, f.name) != getattr(default, f.name)]
     return " ".join(shown)
+
+
+def format_published() -> str:
+    """Every published run: its figure, the planner's, the error against the bound it is held to, and the planner's own
+    layout beside the published one (:func:`format_beside`)."""
+    blocks = []
+    for run in PUBLISHED:
+        err = error(run)
+        held = "within" if abs(err) <= run.bound else "OUTSIDE"
+        blocks.append(f"{format_beside(beside_published(run))}\n  error {err:+.1%}, {held} the {run.bound:.0%} it is "
+                      f"held to ({run.source})")
+    return "\n".join(blocks)
