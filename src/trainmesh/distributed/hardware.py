@@ -47,7 +47,7 @@ GIB = 2**30
 class Cluster:
     """Devices and links: one-way bytes/s per device (``inter_bw`` one NIC's), per-hop latencies, ``reserved_bytes``
     off limits; matmul and collective efficiencies; ``ranks_per_core``, ``direct_exchange`` (Gloo), ``memory_bw`` (0:
-    unpriced), ``comm_overlaps_compute`` (NCCL), ``hopper`` (measured attention curves) and ``moe_pass_seconds``
+    unpriced), ``comm_overlaps_compute`` (NCCL), ``hopper`` (measured kernel curves) and ``moe_pass_seconds``
     (an MoE layer's host-bound time per pass, :data:`MOE_PASS_SECONDS`; 0: unpriced)."""
 
     gpus: int
@@ -99,7 +99,8 @@ class Cluster:
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float, hopper: bool = False) -> Cluster:
     """One 8-GPU node from datasheet figures (``hbm`` in bytes/s), efficiencies :data:`GPU_EFFICIENCY` fitted
-    to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`."""
+    to [NAR, Table 1] (checked in tests/unit/test_plan.py), Hopper's large matmuls at :data:`HOPPER_GEMM_EFFICIENCY`,
+    half dimension per :func:`gemm_half_dim`."""
     gemm, _, comm = GPU_EFFICIENCY
     gemm = HOPPER_GEMM_EFFICIENCY if hopper else gemm
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
@@ -134,9 +135,9 @@ A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 STREAM_EFFICIENCY = 0.85
 # Seconds an MoE layer's forward or backward takes on a GPU beyond its kernels' rates: the host waits on the
 # router's token counts (a device-to-host copy the dispatcher and the grouped matmuls need as sizes), so the
-# stream drains and the layer's kernels after it run at the host's launch rate. Fitted, the one constant the
-# MoE rows of docs/planner.md ("Kernel curves") add, on all five at once (worst 11.7 %); the dense rows hold no
-# MoE layer. A device timeline of one MoE block (scripts/gpu_check.sh) is what would size it directly.
+# stream drains and the layer's kernels after it run at the host's launch rate. Fitted with
+# HOPPER_GEMM_EFFICIENCY on the Hopper rows of docs/planner.md ("Kernel curves"); only the five MoE rows depend
+# on it (worst +12.7 %). A device timeline of one MoE block is what would size it directly.
 MOE_PASS_SECONDS = 1.9e-3
 
 
