@@ -95,3 +95,21 @@ def test_a_custom_shape_is_never_silently_dropped() -> None:
     lines = _plan("--layers 4 --hidden 256 --heads 4 --vocab 1024 --seq 128 --gpus 2 --gpu cpu --global-batch 4")
     assert lines[-2].startswith("# this custom shape is a shape only the planner knows") and "docs/api.md" in lines[-2]
     assert "--model" not in lines[-1]
+
+
+def test_plan_published_prints_each_run_beside_the_planners_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trainmesh plan --published`` needs no --gpus: each published run's layout and the planner's with both
+    figures, the reason, and the error against its bound (one run here: each is a search)."""
+    from trainmesh.plan import published
+
+    llama = next(r for r in published.PUBLISHED if r.name.startswith("Llama 3 8B"))
+    monkeypatch.setattr(published, "PUBLISHED", (llama,))
+    lines = _plan.__wrapped__("--published")
+    assert lines[0].startswith("Llama 3 8B FP8, 8 H100 (published 14,451 tokens/s/GPU)")
+    assert [line.split(":")[0].strip() for line in lines[1:4]] == ["published", "planner", "why"]
+    assert f"error {published.error(llama):+.1%}, within the 10%" in lines[4]
+
+
+def test_plan_without_gpus_says_to_give_them() -> None:
+    with pytest.raises(ValueError, match="give --gpus N"):
+        _plan.__wrapped__("--model small")

@@ -15,8 +15,8 @@ from trainmesh.plan import (Cluster, Layout, Pricing, Workload, block_gemms, che
                             model_state_bytes, step_time)
 from trainmesh.plan.ranking import ep_degrees, interleave_depths
 from trainmesh.plan.dp_traffic import all_reduce_time
-from trainmesh.plan.timing import (all_to_all_seconds, block_seconds, gemm_time, head_seconds, nodes_per_token,
-                                   routed_copy_bytes, token_movement_bytes, expert_elementwise_bytes)
+from trainmesh.plan.timing import (all_to_all_seconds, block_elementwise_bytes, block_seconds, expert_elementwise_bytes,
+                                   gemm_time, head_seconds, nodes_per_token, routed_copy_bytes, token_movement_bytes)
 
 
 @pytest.mark.parametrize("gpu,speedup", [("h100-80gb", 1979 / 989), ("h800-80gb", 1979 / 989), ("a100-80gb", 1.0)])
@@ -152,15 +152,49 @@ def test_deepseek_moves_1_3_mb_a_token_through_each_moe_layer_at_ep64_with_an_fp
     assert token_movement_bytes(work, layout) == 4096 * per_token
 
 
-def test_an_moe_block_pays_its_token_movement_at_the_devices_memory_bandwidth_and_a_dense_block_none() -> None:
+def test_a_block_streams_its_element_wise_work_and_an_moe_block_its_token_movement_at_the_memory_bandwidth() -> None:
     work, layout, cluster = _deepseek()
     unpriced = dataclasses.replace(cluster, memory_bw=0.0)
     moved = block_seconds(work, layout, cluster, moe=True) - block_seconds(work, layout, unpriced, moe=True)
-    streamed = token_movement_bytes(work, layout) + expert_elementwise_bytes(work, layout, cluster)
+    streamed = (token_movement_bytes(work, layout) + expert_elementwise_bytes(work, layout, cluster)
+                + block_elementwise_bytes(work, layout, moe=True))
     assert moved == pytest.approx(streamed / (3.35e12 * 0.85), rel=1e-12)
     # the experts' SwiGLU, 8 f elements of bf16 a copy (d_ff_expert 2048, top-8, 4096 tokens)
     assert expert_elementwise_bytes(work, layout, cluster) == 4096 * 8 * 8 * 2048 * 2
-    assert block_seconds(work, layout, cluster) == block_seconds(work, layout, unpriced)
+    dense = block_seconds(work, layout, cluster) - block_seconds(work, layout, unpriced)
+    assert dense == pytest.approx(block_elementwise_bytes(work, layout) / (3.35e12 * 0.85), rel=1e-12)
+
+
+def test_the_element_wise_bytes_of_a_llama_block_counted_by_hand() -> None:
+    """Llama 3 8B (d 4096, 32 + 8 heads of 128, SwiGLU 14336), 8192 tokens, tp 1: two norms (2 + 3 elements of d
+    each) and two residual adds (3 + 3), rotary on 40 heads (2 + 2), SwiGLU (3 + 5 of f), 2 bytes each; under fp8
+    each linear's input and output gradient cast at 4 bytes an element; under full recomputation the forward's
+    counts twice; tp 2 with sequence parallelism halves every count."""
+    work, layout = Workload(model_shape("llama3-8b"), 8, 8192, "bf16"), Layout(dp=8, microbatches=1)
+    d, heads, f = 4096, 40 * 128, 14336
+    per_token = (2 * 5 + 2 * 6) * d + 4 * heads + 8 * f
+    assert block_elementwise_bytes(work, layout) == 8192 * per_token * 2
+    fp8 = dataclasses.replace(work, precision="fp8")
+    casts = (d + 48 * 128) + (32 * 128 + d) + (d + 2 * f) + (f + d)
+    assert block_elementwise_bytes(fp8, layout) == 8192 * (per_token * 2 + 4 * casts)
+    rerun = (2 * 2 + 2 * 3) * d + 2 * heads + 3 * f
+    full = dataclasses.replace(layout, recompute="full")
+    assert block_elementwise_bytes(work, full) == 8192 * (per_token + rerun) * 2
+    split = Layout(dp=8, tp=2, microbatches=1, sequence_parallel=True)
+    assert block_elementwise_bytes(work, split) == 8192 * per_token * 2 / 2
+
+
+def test_an_moe_block_waits_on_the_host_once_a_pass_and_a_dense_block_never() -> None:
+    """Each MoE layer pass (forward, backward, and the forward rerun under full recomputation) adds the device's
+    ``moe_pass_seconds``, whatever its tokens; a dense block adds nothing."""
+    work, layout, cluster = _deepseek()
+    waitless = dataclasses.replace(cluster, moe_pass_seconds=0.0)
+    assert cluster.moe_pass_seconds > 0
+    for recompute, passes in (("none", 2), ("full", 3)):
+        lay = dataclasses.replace(layout, recompute=recompute)
+        waited = block_seconds(work, lay, cluster, moe=True) - block_seconds(work, lay, waitless, moe=True)
+        assert waited == pytest.approx(passes * cluster.moe_pass_seconds, rel=1e-9)
+        assert block_seconds(work, lay, cluster) == block_seconds(work, lay, waitless)
 
 
 def test_finer_experts_at_the_same_flops_move_about_twice_the_bytes() -> None:

@@ -22,6 +22,7 @@ from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estima
                             format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
                             to_json)
 from trainmesh.plan.hf_shape import read_hf_shape
+from trainmesh.plan.published import format_published
 from trainmesh.plan.ranking import MAX_GPUS, MAX_LAYERS
 from trainmesh.training.state_bytes import DTYPE_BYTES
 
@@ -219,6 +220,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf-config", metavar="DIR", help="the shape of a Hugging Face config.json (llama, mistral, "
                         "qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, gpt2)")
     source.add_argument("--init-hf", metavar="DIR", help="as --hf-config, and the command starts from DIR's weights")
+    source.add_argument("--published", action="store_true",
+                        help="the published runs the planner is held to: each one's error, and the planner's own "
+                             "layout beside the published one (a search per run: about a minute)")
     for flag in SHAPE_FLAGS:
         parser.add_argument(f"--{flag}", type=_shape_flag(SHAPE_FLAGS[flag]),
                             help="explicit shape or override of the model's")
@@ -236,7 +240,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype gradients are held and reduced in, as trainmesh train's (default: "
                              f"{Layout.reduce_dtype}: fp32, or fp64 under --precision fp64)")
     devices = number_flag(int, AT_LEAST_1, Bound(MAX_GPUS))
-    parser.add_argument("--gpus", type=devices, required=True, help=f"devices to plan for (1 to {MAX_GPUS:,})")
+    parser.add_argument("--gpus", type=devices, help=f"devices to plan for (1 to {MAX_GPUS:,}; all but --published)")
     parser.add_argument("--gpus-per-node", type=devices)
     parser.add_argument("--gpu", choices=list(CLUSTER_PRESETS), default="a100-80gb")
     parser.add_argument("--mem-gb", type=number_flag(float, ABOVE_0, SIZE_LIMIT),
@@ -311,6 +315,10 @@ def _has_weights(directory: str) -> bool:
 def plan_from_args(args: argparse.Namespace) -> str:
     """Run ``trainmesh plan``: parse with :func:`add_plan_arguments`, print what this returns (and write
     ``--slurm``'s script)."""
+    if args.published:
+        return format_published()
+    if args.gpus is None:
+        raise ValueError("give --gpus N, the devices to plan for (or --published for the published runs)")
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, mem_gb=args.mem_gb,
                            peak_tflops=args.peak_tflops, intra_gbps=args.intra_gbps,
                            inter_gbps=args.inter_gbps)

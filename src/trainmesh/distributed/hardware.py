@@ -47,7 +47,8 @@ GIB = 2**30
 class Cluster:
     """Devices and links: one-way bytes/s per device (``inter_bw`` one NIC's), per-hop latencies, ``reserved_bytes``
     off limits; matmul and collective efficiencies; ``ranks_per_core``, ``direct_exchange`` (Gloo), ``memory_bw`` (0:
-    unpriced), ``comm_overlaps_compute`` (NCCL) and ``hopper`` (measured attention curves)."""
+    unpriced), ``comm_overlaps_compute`` (NCCL), ``hopper`` (measured kernel curves) and ``moe_pass_seconds``
+    (an MoE layer's host-bound time per pass, :data:`MOE_PASS_SECONDS`; 0: unpriced)."""
 
     gpus: int
     gpus_per_node: int
@@ -69,6 +70,7 @@ class Cluster:
     memory_bw: float = 0.0
     comm_overlaps_compute: bool = True
     hopper: bool = False
+    moe_pass_seconds: float = 0.0
 
     def peak_at(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
@@ -97,13 +99,15 @@ class Cluster:
 
 def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: float, hopper: bool = False) -> Cluster:
     """One 8-GPU node from datasheet figures (``hbm`` in bytes/s), efficiencies :data:`GPU_EFFICIENCY` fitted
-    to [NAR, Table 1] (checked in tests/unit/test_plan.py), half dimension per :func:`gemm_half_dim`."""
+    to [NAR, Table 1] (checked in tests/unit/test_plan.py), Hopper's large matmuls at :data:`HOPPER_GEMM_EFFICIENCY`,
+    half dimension per :func:`gemm_half_dim`."""
     gemm, _, comm = GPU_EFFICIENCY
+    gemm = HOPPER_GEMM_EFFICIENCY if hopper else gemm
     return Cluster(gpus=8, gpus_per_node=8, mem_bytes=mem_bytes, peak_flops=peak.half,
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=gemm_half_dim(peak, hbm),
                    comm_efficiency=comm, reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8,
-                   memory_bw=hbm * STREAM_EFFICIENCY, hopper=hopper)
+                   memory_bw=hbm * STREAM_EFFICIENCY, hopper=hopper, moe_pass_seconds=MOE_PASS_SECONDS)
 
 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
@@ -116,15 +120,25 @@ def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
 
 # (gemm_efficiency, gemm_half_dim, comm_efficiency) of a GPU, the least-squares-in-the-worst-case fit to the
 # ten rows of [NAR, Table 1] (1.7B to 1T parameters on up to 3072 A100-80GB): every row within 6 %. Large
-# matmuls reach 72 % of the 16-bit peak (225 of 312 TFLOP/s, what cuBLAS sustains with Megatron's fused
-# epilogues); a dimension of 160 halves that, so the attention core's head_dim-wide matmuls (64-160) run at
-# a third to a half of it, which is what makes small models slow; NCCL reaches 70 % of the link bandwidth.
-# Other GPUs take the fit, the half dimension scaled by their ridge point (:func:`gemm_half_dim`).
-GPU_EFFICIENCY = (0.72, 160, 0.7)
+# matmuls reach 77 % of the 16-bit peak (240 of 312 TFLOP/s; refitted from 72 % when the blocks' element-wise
+# work came to be priced beside them, docs/planner.md "Kernel curves"); a dimension of 160 halves that, so the
+# attention core's head_dim-wide matmuls (64-160) run at a third to a half of it, which is what makes small
+# models slow; NCCL reaches 70 % of the link bandwidth. Other GPUs take the fit, the half dimension scaled by
+# their ridge point (:func:`gemm_half_dim`).
+GPU_EFFICIENCY = (0.77, 160, 0.7)
+# Hopper's large-matmul efficiency, fitted on the nine Hopper rows of docs/planner.md ("Kernel curves") at once, dense
+# and MoE, with their attention and grouped matmuls at the measured curves: the one efficiency fitted for the generation.
+HOPPER_GEMM_EFFICIENCY = 0.65
 A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 # The share of the datasheet's HBM bandwidth a streaming copy reaches on A100 and H100 (BabelStream's copy and
 # triad kernels measure 85-90 %); gathers of whole rows of a few KiB, as token permutations are, stream alike.
 STREAM_EFFICIENCY = 0.85
+# Seconds an MoE layer's forward or backward takes on a GPU beyond its kernels' rates: the host waits on the
+# router's token counts (a device-to-host copy the dispatcher and the grouped matmuls need as sizes), so the
+# stream drains and the layer's kernels after it run at the host's launch rate. Fitted with
+# HOPPER_GEMM_EFFICIENCY on the Hopper rows of docs/planner.md ("Kernel curves"); only the five MoE rows depend
+# on it (worst +12.7 %). A device timeline of one MoE block is what would size it directly.
+MOE_PASS_SECONDS = 1.9e-3
 
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s

@@ -1,6 +1,7 @@
 """Published kernel measurements the step-time model prices from, cited in docs/planner.md ("Kernel curves"):
 :data:`ATTENTION`, fused attention TFLOP/s on an H100 by head dimension and length (FlashAttention-2, cuDNN,
-FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6]); :func:`busiest_expert_rank`, the ep load spread."""
+FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6]); :data:`GROUPED_ROWS`, a grouped expert matmul's
+rate by rows per expert [DeepGEMM README, H800]; :func:`busiest_expert_rank`, the ep load spread."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ ATTENTION: dict[str, dict[int, tuple[tuple[float, ...], tuple[float, ...], tuple
 }
 ATTENTION_PEAK = 989e12  # the H100 SXM5's dense bf16 peak the curves were measured against
 BACKWARD_FLOPS = 2.5  # an attention backward's FLOPs per forward FLOP (five matmuls against two) [FA2, 3.1]
+
+# Rows per expert -> a grouped matmul's rate over its rate at 8,192 rows per expert: DeepGEMM's FP8 grouped GEMMs on
+# an H800 [DeepGEMM README, "Grouped GEMMs for MoE models", contiguous layout at 8192 and 4096 rows, masked at 1024,
+# 512 and 256], the mean of its two DeepSeek-V3 expert shapes (N 4096 K 7168: 1297, 1288, 1233, 1040, 932 TFLOP/s;
+# N 7168 K 2048: 1099, 1093, 925, 916, 815): the row tiles a small group leaves part empty.
+GROUPED_ROWS = ((256, 0.730), (512, 0.818), (1024, 0.896), (4096, 0.994), (8192, 1.0))
+
+
+def grouped_rows_share(rows: float) -> float:
+    """A grouped expert matmul's rate at ``rows`` per expert over its large-group rate (:data:`GROUPED_ROWS`),
+    interpolated in log rows; flat beyond the measured ends."""
+    return _interpolate(GROUPED_ROWS, rows)
+
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     """Piecewise linear in log2(x) through ``points`` (sorted by x), flat beyond both ends."""

@@ -27,10 +27,10 @@ QWEN3_235B = dataclasses.replace(_llama_moe(94, 4096, 64, 4, 12288, 151936, expe
                                  head_dim=128, qk_norm=True)
 
 # Megatron-LM, NeMo and Megatron-Bridge runs: Transformer Engine, whose fused attention on Hopper is cuDNN's
-# (:data:`trainmesh.plan.kernels.ATTENTION`, "cudnn"). Their rows are priced at the dense fit's attention,
-# as every row is; ``Pricing(attention_kernel="cudnn")`` prices them at the measured curve
-# (docs/planner.md, "Kernel curves").
-TE = Pricing()
+# (:data:`trainmesh.plan.kernels.ATTENTION`, "cudnn"). Llama 3 405B's rows take the default, FlashAttention-2 (the
+# paper names no kernel; FlashAttention-3 came out after its training); DeepSeek-V3's FlashAttention-3, the fastest
+# published Hopper curve (its report names no kernel either) (docs/planner.md, "Kernel curves").
+TE = Pricing(attention_kernel="cudnn")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,11 @@ def _llama3(gpus: int, cp: int, dp: int, seq: int, per_dp: int, mfu: float) -> P
                         mfu, "mfu", 0.10)
 
 
+# DeepSeek-V3's stated kernels (the report, 3.2-3.3), with the attention kernel set as above.
+DEEPSEEK_V3 = Pricing(a2a_overlap=True, dispatch_dtype="fp8", comm_sm_share=20 / 132, fp8_experts=True,
+                      forward_dispatch=True, attention_kernel="fa3")
+
+
 def _qwen3_30b_work() -> Workload:
     """Qwen3-30B-A3B on Megatron-Bridge's DGX-H100 recipe: FP8 current scaling with the experts in FP8,
     sequence 4096, batch 1024, HybridEP's forwarding dispatch, Transformer Engine's attention."""
@@ -102,8 +107,7 @@ PUBLISHED: tuple[PublishedRun, ...] = (
     # recomputation.
     PublishedRun("DeepSeek-V3, 2,048 H800", "DeepSeek-V3 technical report, 3.1-3.3", True,
                  Workload(model_shape("deepseek-v3"), 15360, 4096, "fp8",
-                          pricing=Pricing(a2a_overlap=True, dispatch_dtype="fp8", comm_sm_share=20 / 132,
-                                          fp8_experts=True, forward_dispatch=True)),
+                          pricing=DEEPSEEK_V3),
                  "h800-80gb", 2048, _split(Layout(dp=128, pp=16, ep=64, zero=1, microbatches=120, schedule="zb"), 16),
                  1543, "tokens", 0.15),
     # Megatron-Bridge performance summary (26.04: 8,901; 26.04.01: 8,960; 26.06: 8,826), TP1 PP1 EP16 on two
@@ -207,3 +211,15 @@ def _short(layout: Layout) -> str:
     shown = [f"{f.name}={getattr(layout, f.name)}" for f in dataclasses.fields(Layout)
              if f.name not in ("stage_layers", "precision") and getattr(layout, f.name) != getattr(default, f.name)]
     return " ".join(shown)
+
+
+def format_published() -> str:
+    """Every published run: its figure, the planner's, the error against the bound it is held to, and the planner's own
+    layout beside the published one (:func:`format_beside`)."""
+    blocks = []
+    for run in PUBLISHED:
+        err = error(run)
+        held = "within" if abs(err) <= run.bound else "OUTSIDE"
+        blocks.append(f"{format_beside(beside_published(run))}\n  error {err:+.1%}, {held} the {run.bound:.0%} it is "
+                      f"held to ({run.source})")
+    return "\n".join(blocks)

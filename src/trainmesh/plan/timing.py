@@ -15,7 +15,8 @@ from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
-from trainmesh.plan.kernels import ATTENTION_PEAK, BACKWARD_FLOPS, attention_rates, busiest_expert_rank
+from trainmesh.plan.kernels import (ATTENTION_PEAK, BACKWARD_FLOPS, attention_rates, busiest_expert_rank,
+                                    grouped_rows_share)
 from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.layout import Layout
@@ -152,7 +153,8 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
 
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
     """One block's forward and backward for one micro-batch: each matmul 3x (4x under full recomputation), the attention
-    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts and token movement."""
+    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts, token movement and
+    :func:`moe_host_seconds`."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
     core = attention_core_seconds(gemms.pop("attention"), workload, layout, cluster)
@@ -160,16 +162,70 @@ def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: boo
     matmuls = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + core
     if experts:
         matmuls += passes * sum(expert_gemm_seconds(g, workload, layout, cluster) for g in experts.values())
-    if not (moe and cluster.memory_bw):
+    if moe:
+        matmuls += moe_host_seconds(layout, cluster)
+    if not cluster.memory_bw:
         return matmuls
-    moved = token_movement_bytes(workload, layout) + expert_elementwise_bytes(workload, layout, cluster)
+    moved = block_elementwise_bytes(workload, layout, moe)
+    if moe:
+        moved += token_movement_bytes(workload, layout) + expert_elementwise_bytes(workload, layout, cluster)
     return matmuls + moved / cluster.memory_bw
 
 
+# Elements a token streams through each element-wise kernel per element of its width, (forward, backward): an RMSNorm
+# reads x and writes y, then reads x and dy and writes dx; a residual add reads two and writes one both ways (the
+# backward adds the branch's gradient into the stream's); rotary reads and writes q and k; SwiGLU reads gate and up and
+# writes one, then reads those and the gradient and writes two (GELU: 2 and 3).
+NORM, RESIDUAL, ROTARY, GATED, PLAIN = (2, 3), (3, 3), (2, 2), (3, 5), (2, 3)
+# Bytes of a float8 cast per element: read in bf16, written row- and column-wise in FP8 (torchao's and Transformer
+# Engine's float8 linears keep both layouts, one for the forward matmul, one for the weight gradient's).
+CAST_BYTES = 4
+
+
+def block_elementwise_bytes(workload: Workload, layout: Layout, moe: bool = False) -> float:
+    """Bytes one rank streams per micro-batch through a block's element-wise kernels beside the routed experts' own
+    (:func:`expert_elementwise_bytes`): two norms and two residual adds over the rank's sequence slice, rotary (and
+    q/k norms) over its heads, the dense MLP's or shared experts' activation, and under fp8 each float8 linear's casts
+    of its input (forward) and output gradient (backward); the forward's once more under full recomputation."""
+    m, lay, e = workload.model, layout, workload.dtype_bytes.activation
+    tokens = local_seq(workload, lay) * micro_batch_size(workload, lay)
+    stream = tokens // lay.tp if lay.sequence_parallel else tokens  # where the norms and residuals run
+    heads = (m.n_heads + m.kv_heads) * m.head_size // lay.tp
+    if m.latent_attention:
+        heads = m.n_heads * m.qk_rope_head_dim // lay.tp + m.qk_rope_head_dim
+    rotary = 0 if m.learned_positions else heads
+    qk_norm = heads if m.qk_norm else 0
+    if moe:
+        act_tokens, act_width = moe_tokens(workload, lay), m.n_shared_experts * m.expert_ff
+    else:
+        act_tokens, act_width = tokens, m.d_ff // lay.tp
+    act = GATED if m.gated_mlp else PLAIN
+    reruns = 2 if lay.recompute == "full" else 1
+
+    def passes(cost: tuple[int, int]) -> int:
+        return reruns * cost[0] + cost[1]
+    elements = (stream * m.d_model * 2 * (passes(NORM) + passes(RESIDUAL)) + tokens * rotary * passes(ROTARY)
+                + tokens * qk_norm * passes(NORM) + act_tokens * act_width * passes(act))
+    casts = 0.0
+    if workload.precision == "fp8":
+        for name, g in block_gemms(workload, lay, moe).items():
+            if g.linear and not name.startswith("experts"):
+                rows, inner, _ = g.dims
+                casts += reruns * rows * inner + g.flops / (2 * inner)  # its input; its output's gradient
+    return elements * e + CAST_BYTES * casts
+
+
+def moe_host_seconds(layout: Layout, cluster: Cluster) -> float:
+    """An MoE layer's host-bound time for one micro-batch: ``Cluster.moe_pass_seconds`` per pass (forward, backward,
+    the forward again under full recomputation), as each waits on the router's token counts before it goes on."""
+    return (3 if layout.recompute == "full" else 2) * cluster.moe_pass_seconds
+
+
 def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """The attention core's forward and backward for one micro-batch: at ``Pricing.attention_kernel``'s measured rate on
-    Hopper (:func:`trainmesh.plan.kernels.attention_rates`), else as matmuls (docs/planner.md, "Kernel curves")."""
-    if not (workload.pricing.attention_kernel and cluster.hopper and workload.model.flash_attention):
+    """The attention core's forward and backward for one micro-batch: a fused core on Hopper at ``Pricing.attention_kernel``'s
+    measured rate (:func:`trainmesh.plan.kernels.attention_rates`); an unfused one, or one on a device without measured
+    curves, as matmuls (docs/planner.md, "Kernel curves")."""
+    if not (cluster.hopper and workload.model.flash_attention):
         passes = 4 if layout.recompute == "full" else 3
         return (passes + (layout.recompute == "selective")) * gemm_time(core, workload, cluster)
     fwd, bwd = attention_rates(workload.pricing.attention_kernel, core_width(workload.model)[0],
@@ -180,10 +236,15 @@ def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, clust
 
 
 def expert_gemm_seconds(gemm: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """One grouped routed-expert matmul at :func:`gemm_efficiency`, on the busiest ep rank
-    (:func:`trainmesh.plan.kernels.busiest_expert_rank`): the step waits for the rank with the most copies."""
+    """One grouped routed-expert matmul on the busiest ep rank (:func:`trainmesh.plan.kernels.busiest_expert_rank`):
+    the step waits for the rank with the most copies. On Hopper its rows per expert are priced at the measured
+    grouped curve (:func:`trainmesh.plan.kernels.grouped_rows_share`), its widths as any matmul's."""
     copies = moe_tokens(workload, layout) * workload.model.top_k
-    return gemm_time(gemm, workload, cluster) * busiest_expert_rank(layout.ep, copies)
+    seconds = gemm_time(gemm, workload, cluster)
+    if cluster.hopper:
+        rows = gemm.dims[0]
+        seconds *= rows / (rows + cluster.gemm_half_dim) / grouped_rows_share(rows)
+    return seconds * busiest_expert_rank(layout.ep, copies)
 
 
 def expert_elementwise_bytes(workload: Workload, layout: Layout, cluster: Cluster) -> float:

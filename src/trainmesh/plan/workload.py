@@ -19,20 +19,20 @@ class Pricing:
     """How a run's kernels behave where the layout does not say, for pricing published runs (the search never changes
     them): ``a2a_overlap`` [DSV3, 3.2.1], FP8 ``dispatch_dtype`` [DSV3, 3.3.3], ``comm_sm_share`` [DSV3, 3.2.2],
     ``fp8_experts`` [DSV3, 3.3], ``forward_dispatch`` (DeepEP's), ``attention_kernel`` "fa2"/"cudnn"/"fa3"
-    (:data:`~trainmesh.plan.kernels.ATTENTION`)."""
+    (:data:`~trainmesh.plan.kernels.ATTENTION`; "fa2", the flash kernel PyTorch's SDPA and so trainmesh run)."""
 
     a2a_overlap: bool = False
     dispatch_dtype: str = ""
     comm_sm_share: float = 0.0
     fp8_experts: bool = False
     forward_dispatch: bool = False
-    attention_kernel: str = ""
+    attention_kernel: str = "fa2"
 
     def __post_init__(self) -> None:
         if self.dispatch_dtype and self.dispatch_dtype not in DTYPE_BYTES:
             raise ValueError(f"dispatch_dtype={self.dispatch_dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
-        if self.attention_kernel not in ("", "fa2", "cudnn", "fa3"):
-            raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose fa2, cudnn or fa3 (or '')")
+        if self.attention_kernel not in ("fa2", "cudnn", "fa3"):
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}: choose fa2, cudnn or fa3")
         if not 0 <= self.comm_sm_share < 1:
             raise ValueError(f"comm_sm_share={self.comm_sm_share}: give the share of compute units, in [0, 1)")
 
