@@ -60,10 +60,13 @@ def _segments(documents: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip([0] + cuts, cuts + [len(documents)]))
 
 
-def _mask(piece: Piece, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """The piece's additive mask (0 where visible, -inf elsewhere), or None where its rows see all its keys."""
-    i = torch.arange(*piece.queries, device=device)[:, None]
-    j = torch.arange(*piece.keys, device=device)
+def _mask(shape: tuple[int, int, int], window: int | None, dtype: torch.dtype,
+          device: torch.device) -> torch.Tensor | None:
+    """The additive mask (0 where visible, -inf elsewhere) of a piece of ``shape`` (its first query's offset past
+    its first key, its queries, its keys), or None where its rows see all its keys."""
+    offset, queries, keys = shape
+    i = torch.arange(offset, offset + queries, device=device)[:, None]
+    j = torch.arange(keys, device=device)
     hidden = (j > i) | (j <= i - window) if window is not None else j > i
     if not hidden.any():
         return None
@@ -114,11 +117,23 @@ def _kernels(device: torch.device) -> tuple[Callable, Callable]:
 class _Call:
     """A piece's slices of the full tensors (its queries' rows, its keys' rows) and its mask."""
 
-    def __init__(self, piece: Piece, offset: int, window: int | None, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, piece: Piece, offset: int, mask: torch.Tensor | None) -> None:
         self.queries = (piece.rows, slice(None), slice(piece.queries[0] - offset, piece.queries[1] - offset))
         self.keys = (piece.rows, slice(None), slice(*piece.keys))
-        self.mask = _mask(piece, window, dtype, device)
+        self.mask = mask
+
+
+def _calls(pieces: list[Piece], offset: int, window: int | None, dtype: torch.dtype,
+           device: torch.device) -> list[_Call]:
+    """Each piece's call, one mask per geometry (every block inside a window's reach has the same)."""
+    masks: dict[tuple[int, int, int], torch.Tensor | None] = {}
+    calls = []
+    for p in pieces:
+        shape = (p.queries[0] - p.keys[0], p.queries[1] - p.queries[0], p.keys[1] - p.keys[0])
+        if shape not in masks:
+            masks[shape] = _mask(shape, window, dtype, device)
+        calls.append(_Call(p, offset, masks[shape]))
+    return calls
 
 
 class BlockedAttention(torch.autograd.Function):
@@ -130,7 +145,7 @@ class BlockedAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                 pieces: list[Piece], window: int | None) -> torch.Tensor:
         forward_kernel = _kernels(q.device)[0]
-        calls = [_Call(p, k.shape[2] - q.shape[2], window, q.dtype, q.device) for p in pieces]
+        calls = _calls(pieces, k.shape[2] - q.shape[2], window, q.dtype, q.device)
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
         for call in calls:
@@ -146,6 +161,7 @@ class BlockedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
+        grad = grad.contiguous()  # once, rather than by each piece's kernel
         backward_kernel = _kernels(q.device)[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for call in ctx.calls:
