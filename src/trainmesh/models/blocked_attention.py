@@ -5,8 +5,9 @@ also yields each row's log-sum-exp (what attention sinks need); elsewhere an exp
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,23 +42,19 @@ def attention_pieces(q_len: int, k_len: int, window: int | None, block: int,
     first = k_len - q_len
     if documents is None:
         return region_pieces(slice(None), (0, k_len), first, window, block)
-    layouts = [_segments(row) for row in documents.tolist()]
-    pieces = []
-    row = 0
-    while row < len(layouts):
-        same = row + 1
-        while same < len(layouts) and layouts[same] == layouts[row]:
-            same += 1
-        for region in layouts[row]:
-            pieces += region_pieces(slice(row, same), region, first, window, block)
-        row = same
+    pieces, row = [], 0
+    for regions, rows in itertools.groupby(_documents(line) for line in documents):
+        count = len(list(rows))
+        for region in regions:
+            pieces += region_pieces(slice(row, row + count), region, first, window, block)
+        row += count
     return pieces
 
 
-def _segments(documents: Sequence[int]) -> list[tuple[int, int]]:
-    """The [start, end) positions of each run of one document index."""
-    cuts = [i for i in range(1, len(documents)) if documents[i] != documents[i - 1]]
-    return list(zip([0] + cuts, cuts + [len(documents)]))
+def _documents(documents: torch.Tensor) -> list[tuple[int, int]]:
+    """The [start, end) positions of each run of one document index along a row."""
+    ends = list(itertools.accumulate(torch.unique_consecutive(documents, return_counts=True)[1].tolist()))
+    return list(zip([0] + ends[:-1], ends))
 
 
 def _mask(shape: tuple[int, int, int], window: int | None, dtype: torch.dtype,
