@@ -11,6 +11,7 @@ import torch
 from trainmesh.models import blocked_attention
 from trainmesh.models.blocked_attention import attention_pieces
 from trainmesh.models.cache import WINDOW_BLOCK, causal_attention
+from trainmesh.models.llama import AttentionCore
 from trainmesh.plan import Layout, Workload, make_cluster, model_shape
 from trainmesh.plan.flops import core_width
 from trainmesh.plan.timing import block_gemms, document_saving
@@ -108,3 +109,16 @@ def test_planner_prices_the_blocks_of_a_document_masked_step() -> None:
     assert savings == sorted(savings) and savings[1] > 0
     with pytest.raises(ValueError, match="documents=.0,"):
         Workload(shape, 8, 1024, documents=(0, 5))
+
+
+def test_attention_core_with_sinks_shares_kv_heads_under_a_window() -> None:
+    """GPT-OSS's core: 4 query heads over 2 KV heads, window 5, a sink per query head, against the reference on
+    the repeated keys and values."""
+    torch.manual_seed(0)
+    core = AttentionCore(5, n_sinks=4).double()
+    with torch.no_grad():
+        core.sinks.weight.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    q = torch.randn(1, 4, 23, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 23, 8, dtype=torch.float64) for _ in range(2))
+    ref = reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), 5, sinks=core.sinks.weight.detach())
+    torch.testing.assert_close(core(q, k, v), ref, atol=ATOL, rtol=0)
