@@ -1,5 +1,5 @@
-"""Sliding-window attention computed band by band equals the masked full attention, and the planner prices the
-band the core computes."""
+"""Sliding-window attention computed block by block equals the masked full attention, and the planner prices the
+blocks the core computes."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import FP64_ATOL
-from trainmesh.models.cache import causal_attention
+from trainmesh.models.blocked_attention import attention_pieces
+from trainmesh.models.cache import WINDOW_BLOCK, causal_attention
 from trainmesh.models.llama import AttentionCore
 from trainmesh.plan import Layout, Workload, model_shape
 from trainmesh.plan.flops import attention_forward_flops, attention_weights, core_width
@@ -50,13 +51,16 @@ def test_attention_core_shares_kv_heads_under_a_window() -> None:
     torch.testing.assert_close(AttentionCore(37)(q, k, v), ref, atol=FP64_ATOL, rtol=0)
 
 
-def test_planner_prices_the_band_the_windowed_core_computes() -> None:
-    """mistral-7b at 1000 tokens, window 300: the core's blocks of 256 queries see keys 0-255, 0-511, 213-767
-    and 469-999 (from their first row's window start to their last row), the last block holding 232 rows; the
-    MFU forward count takes each query's 300 keys."""
+def test_planner_prices_the_blocks_the_windowed_core_computes() -> None:
+    """mistral-7b at 1000 tokens, window 300: the core's blocks of WINDOW_BLOCK queries each score the keys from
+    their first row's window start to their last row, masked parts included; the MFU forward count takes each
+    query's 300 keys."""
     shape = dataclasses.replace(model_shape("mistral-7b"), sliding_window=300)
     qk, v = core_width(shape)
-    band = 256 * 256 + 256 * 512 + 256 * (768 - 213) + 232 * (1000 - 469)
+    band = sum((end - start) * (end - max(0, start - 299))
+               for start, end in ((s, min(s + WINDOW_BLOCK, 1000)) for s in range(0, 1000, WINDOW_BLOCK)))
+    assert band == sum((p.queries[1] - p.queries[0]) * (p.keys[1] - p.keys[0])
+                       for p in attention_pieces(1000, 1000, 300, WINDOW_BLOCK, None))
     core = block_gemms(Workload(shape, 1, 1000), Layout())["attention"]
     assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * band)
     assert attention_forward_flops(shape, 1000) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)

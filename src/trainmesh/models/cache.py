@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainmesh.models.blocked_attention import blocked_attention
+
 
 class LayerCache:
     """One attention layer's keys and values (``[batch, kv_heads, position, head_dim]``) for the first
@@ -45,46 +47,24 @@ class KVCache:
         return next(iter(self.layers.values())).length
 
 
-WINDOW_BLOCK = 256  # query rows per band: smaller bands compute fewer masked keys but cost more per key on CPU
+WINDOW_BLOCK = 64  # query rows per block: smaller blocks compute fewer masked scores but cost more kernel calls
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
-                     block: int = WINDOW_BLOCK, documents: torch.Tensor | None = None) -> torch.Tensor:
+                     block: int = WINDOW_BLOCK, documents: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention where the queries are the last ``q.shape[2]`` key positions, within ``window``
-    keys when given (transformers' mask: key j visible to query i iff i - window < j <= i), and within each query's
-    own document when ``documents`` (``[batch, k_len]`` document index of every key position) is given. A window shorter
-    than the keys runs ``block`` queries at a time, each over only the band of keys its window reaches, so the
-    work is O(seq * (window + block)) rather than O(seq^2); the bands are views of the keys, so backward saves
-    no copies of them. Equal lengths take SDPA's ``is_causal``; otherwise an explicit bottom-right-aligned mask."""
+    keys when given (transformers' mask: key j visible to query i iff i - window < j <= i), within each query's
+    own document when ``documents`` (``[batch, k_len]`` document index of every key position) is given, and with
+    each head's ``sinks`` logit in the softmax's denominator (GPT-OSS). Any of them runs
+    :func:`~trainmesh.models.blocked_attention.blocked_attention`, ``block`` queries at a time, which computes
+    only the visible scores' blocks; plain causal attention is SDPA's ``is_causal`` (or a bottom-right mask)."""
     q_len, k_len = q.shape[2], k.shape[2]
-    if documents is not None:
-        return _within_documents(q, k, v, window, documents)
-    if window is not None and window < k_len:
-        return torch.cat([_band(q, k, v, window, start, min(start + block, q_len))
-                          for start in range(0, q_len, block)], dim=2)
+    if window is not None and window >= k_len:
+        window = None
+    if window is not None or documents is not None or sinks is not None:
+        return blocked_attention(q, k, v, window, block, documents, sinks)
     if q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def _band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, start: int, end: int) -> torch.Tensor:
-    """Queries ``start:end`` over the keys their window reaches, [first - window + 1, last], exactly masked."""
-    first, last = start + k.shape[2] - q.shape[2], end - 1 + k.shape[2] - q.shape[2]  # their key positions
-    low = max(0, first - window + 1)
-    q_pos = torch.arange(first, last + 1, device=q.device)[:, None]
-    k_pos = torch.arange(low, last + 1, device=q.device)
-    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
-    return F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, low:last + 1], v[:, :, low:last + 1],
-                                          attn_mask=mask)
-
-
-def _within_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-                      documents: torch.Tensor) -> torch.Tensor:
-    """Causal (and windowed) attention confined to each token's document: an explicit ``[batch, 1, q, k]`` mask."""
-    q_len, k_len = q.shape[2], k.shape[2]
-    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-    if window is not None:
-        mask &= ~torch.ones_like(mask).tril(k_len - q_len - window)
-    same = documents[:, k_len - q_len:, None] == documents[:, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=(mask & same).unsqueeze(1))

@@ -197,19 +197,6 @@ class Sinks(nn.Module):
         return self.weight
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                   window: int | None) -> torch.Tensor:
-    """:func:`~trainmesh.models.cache.causal_attention` with each head's sink logit in the softmax's denominator
-    and no value (GPT-OSS): the unsinked output times sigmoid(lse - sink), lse the log of the causal denominator."""
-    q_len, k_len = q.shape[2], k.shape[2]
-    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-    if window is not None:
-        visible &= ~torch.ones_like(visible).tril(k_len - q_len - window)
-    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, float("-inf"))
-    lse = scores.logsumexp(-1, keepdim=True)
-    return causal_attention(q, k, v, window) * torch.sigmoid(lse - sinks.to(q.dtype).view(-1, 1, 1))
-
-
 class AttentionCore(nn.Module):
     """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set, with
     ``n_sinks`` heads' sinks when set; its own module so selective recomputation [KOR, §5] redoes exactly this
@@ -223,9 +210,7 @@ class AttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if self.sinks is not None:
-            return sink_attention(q, k, v, self.sinks(), self.window)
-        return causal_attention(q, k, v, self.window)
+        return causal_attention(q, k, v, self.window, sinks=None if self.sinks is None else self.sinks())
 
 
 class Attention(nn.Module):

@@ -5,10 +5,12 @@ prefetch, the expert all-to-all under ``Pricing.a2a_overlap``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 from trainmesh.tracking.metrics import head_flops_per_token
+from trainmesh.models.blocked_attention import region_pieces
 from trainmesh.models.cache import WINDOW_BLOCK
 from trainmesh.models.spec import ModelShape
 from trainmesh.distributed.hardware import Cluster
@@ -98,7 +100,8 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     gemms = {
         "qkv": Gemm(2 * tokens * (attention_weights(m) - values * h) / t, _qkv_dims(m, tokens, t)),
         "proj": Gemm(2 * tokens * values * h / t, (tokens, values // t, h)),
-        "attention": Gemm(2 * tokens * s * m.n_heads * (qk + v) / t * causal_share(m, s), (s_local, qk, s), False),
+        "attention": Gemm(2 * tokens * s * m.n_heads * (qk + v) / t * causal_share(m, s, workload.documents),
+                          (s_local, qk, s), False),
     }
     inputs = 2 if m.gated_mlp else 1
     if not moe:
@@ -115,16 +118,30 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     return gemms
 
 
-def causal_share(m: ModelShape, seq_len: int) -> float:
+def causal_share(m: ModelShape, seq_len: int, documents: tuple[int, ...] = ()) -> float:
     """The part of the s x s score matrix the attention core computes: half for a fused causal kernel [Dao,
     FlashAttention-2, 2023, 3.1], all of it for an unfused core (Megatron-LM in 2021 [NAR]); under a sliding
-    window shorter than s, the band :func:`trainmesh.models.cache.causal_attention` computes: each block of
-    query rows over the keys from its first row's window start to its last row."""
-    w = m.sliding_window
-    if w is None or w >= seq_len:
+    window shorter than s or with ``documents`` (a mix of document lengths packed into each sequence), the
+    blocks :func:`trainmesh.models.blocked_attention.region_pieces` computes, masked parts included."""
+    window = m.sliding_window if m.sliding_window is not None and m.sliding_window < seq_len else None
+    if window is None and not documents:
         return 0.5 if m.flash_attention else 1.0
-    ends = {start: min(start + WINDOW_BLOCK, seq_len) for start in range(0, seq_len, WINDOW_BLOCK)}
-    return sum((end - start) * (end - max(0, start - w + 1)) for start, end in ends.items()) / seq_len ** 2
+    mix = [min(n, seq_len) for n in documents] or [seq_len]
+    return sum(computed_pairs(n, window) for n in mix) / sum(mix) / seq_len
+
+
+@functools.lru_cache(maxsize=4096)  # a search prices the same windows and documents for every layout
+def computed_pairs(length: int, window: int | None) -> int:
+    """Query-key pairs the blocked core scores for one document (or sequence) of ``length`` tokens."""
+    pieces = region_pieces(slice(None), (0, length), 0, window, WINDOW_BLOCK)
+    return sum((p.queries[1] - p.queries[0]) * (p.keys[1] - p.keys[0]) for p in pieces)
+
+
+def document_saving(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The share of the step time that masking attention to ``workload.documents`` saves over attention across
+    the whole packed sequence."""
+    unmasked = step_time(dataclasses.replace(workload, documents=()), layout, cluster).total
+    return 1 - step_time(workload, layout, cluster).total / unmasked
 
 
 def _qkv_dims(m: ModelShape, tokens: int, t: int) -> tuple[int, int, int]:

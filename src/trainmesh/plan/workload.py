@@ -40,7 +40,8 @@ class Pricing:
 @dataclass(frozen=True)
 class Workload:
     """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens; precision and ``reduce_dtype`` default to
-    :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train`` flags."""
+    :class:`trainmesh.layout.Layout`'s, so a plan holds for the same ``train`` flags. ``documents``: the lengths of
+    the documents packed into the sequences (a sample of the data's mix), when attention stays within each one."""
 
     model: ModelShape
     global_batch: int
@@ -48,8 +49,11 @@ class Workload:
     precision: str = Layout.precision
     reduce_dtype: str = Layout.reduce_dtype
     pricing: Pricing = Pricing()
+    documents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(n < 1 for n in self.documents):
+            raise ValueError(f"documents={self.documents}: give each document's length in tokens (at least 1)")
         for name, value in (("precision", self.precision), ("reduce_dtype", self.reduce_dtype)):
             if value not in DTYPE_BYTES and not (name == "reduce_dtype" and value == "auto"):
                 raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(DTYPE_BYTES)}")
