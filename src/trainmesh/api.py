@@ -23,7 +23,8 @@ from torch import nn
 
 from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.data.tokenizer import TokenizerFile
-from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
+from trainmesh.parallel.context_parallel import (apply_context_parallel, balanced_shards, held_positions,
+                                                shard_sequence)
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
 from trainmesh.training.float8 import convert_to_float8, device_capability, fp8_problem
@@ -33,6 +34,7 @@ from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_mo
 from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
                             pick_device, world_env)
 from trainmesh.models import SPECS, moe, spec_for
+from trainmesh.models.documents import Packing, document_positions, packed
 from trainmesh.models.hf import as_trainmesh
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
@@ -330,7 +332,8 @@ def _sharding_axis(mesh: Mesh) -> str:
 
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
                      micro_batches: MicroBatches, criterion: Criterion, saved=None) -> torch.Tensor:
-    """Accumulate gradients of the mean loss over ``micro_batches``, synchronising only after the last;
+    """Accumulate gradients of the mean loss over ``micro_batches`` (each inside its packed documents, if it has
+    them: forward and backward, so recomputation sees them too), synchronising only after the last;
     returns this rank's share of the loss (0 on stages without the head), MoE aux losses included.
     ``saved``, if given, records the activation bytes of the first micro-batch's forward."""
     moe.begin_step(module, engine.loss_scale / len(micro_batches))
@@ -338,9 +341,9 @@ def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntim
         loss = pipeline.forward_backward(micro_batches, criterion, engine, saved)
         return loss + moe.aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
-    for i, (x, y) in enumerate(micro_batches):
+    for i, (x, y, *packing) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else engine.no_sync():
+        with contextlib.nullcontext() if last else engine.no_sync(), packed(*packing):
             with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
                 loss = criterion(module(x), y) / len(micro_batches)
             (loss * engine.loss_scale).backward()
@@ -371,32 +374,57 @@ def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
     return total.item() / (mesh.size("dp") * mesh.size("cp") * mesh.size("tp"))
 
 
-def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatches: int,
+def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, ...], microbatches: int,
                dp_sliced: bool = False) -> MicroBatches:
-    """This rank's micro-batches of a global batch ``(inputs, targets)``: its dp slice of the sequences (the
-    batch is that slice already with ``dp_sliced``, as a data loader that reads only this rank's share
-    gives it), its head-tail cp part of each, on the mesh's device."""
-    x, y = batch
+    """This rank's micro-batches of a global batch ``(inputs, targets)`` or ``(inputs, targets, documents)``: its dp
+    slice of the sequences (the batch is that slice already with ``dp_sliced``, as a data loader that reads only this
+    rank's share gives it), its head-tail cp part of each (with documents, the chunks :func:`balanced_shards` gives
+    it), on the mesh's device; with documents each micro-batch carries its :class:`Packing`."""
+    x, y, *documents = batch
     dp = 1 if dp_sliced else mesh.size("dp")
     if x.shape[0] % (dp * microbatches):
         what = "this rank's slice of" if dp_sliced else "a global batch of"
         raise ValueError(f"{what} {x.shape[0]} sequences does not split into dp={dp} x "
                          f"microbatches={microbatches}; use a multiple of {dp * microbatches}")
+    if documents and documents[0].shape != x.shape:
+        raise ValueError(f"documents have shape {tuple(documents[0].shape)} but the inputs {tuple(x.shape)}; give "
+                         f"each input token's document index")
     if not dp_sliced:
-        x, y = (t.chunk(dp)[mesh.rank("dp")] for t in (x, y))
+        x, y, *documents = (t.chunk(dp)[mesh.rank("dp")] for t in (x, y, *documents))
+    if documents:
+        return [_packed_micro_batch(mesh, *parts) for parts in zip(x.chunk(microbatches), y.chunk(microbatches),
+                                                                  documents[0].chunk(microbatches))]
     x, y = (shard_sequence(t, mesh.size("cp"), mesh.rank("cp")) for t in (x, y))
-    if mesh.device.type == "cuda":
-        x, y = (t.pin_memory().to(mesh.device, non_blocking=True) for t in (x, y))
-    else:
-        x, y = x.to(mesh.device), y.to(mesh.device)
+    x, y = _to_device(mesh, x), _to_device(mesh, y)
     return list(zip(x.chunk(microbatches), y.chunk(microbatches)))
+
+
+def _to_device(mesh: Mesh, t: torch.Tensor) -> torch.Tensor:
+    if mesh.device.type == "cuda":
+        return t.pin_memory().to(mesh.device, non_blocking=True)
+    return t.to(mesh.device)
+
+
+def _packed_micro_batch(mesh: Mesh, x: torch.Tensor, y: torch.Tensor,
+                        documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+    """One micro-batch of packed documents: under cp this rank's chunks of it (balanced by attention work, the same
+    on every cp rank since they see the same documents), each token's position in its document, the packing."""
+    documents = documents.long()
+    positions = document_positions(documents)
+    cp = mesh.size("cp")
+    shards, chunk = balanced_shards(documents, cp) if cp > 1 else ((), 0)
+    if shards:
+        held = held_positions(shards[mesh.rank("cp")], chunk)
+        x, y, positions = (t.index_select(1, held) for t in (x, y, positions))
+    packing = Packing(_to_device(mesh, documents), _to_device(mesh, positions), shards, chunk)
+    return _to_device(mesh, x), _to_device(mesh, y), packing
 
 
 def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
                loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0, *,
                dp_sliced: bool = False, saved=None) -> float:
-    """One optimizer step on the global ``batch`` = ``(inputs, targets)`` (or this dp rank's slice with
-    ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss one
+    """One optimizer step on the global ``batch`` = ``(inputs, targets)`` or ``(inputs, targets, documents)`` (packed
+    documents: ``[batch, seq]`` document index of each input token; or this dp rank's slice with ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss one
     process would compute; ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")

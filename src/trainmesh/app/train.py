@@ -32,6 +32,7 @@ from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_to
 from trainmesh.tracking.records import LossWindows, MetricsError
 from trainmesh.tracking.runlog import RunLog
 from trainmesh.models import moe, spec_of
+from trainmesh.models.documents import Packing, packed
 from trainmesh.training.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
@@ -101,10 +102,15 @@ def evaluate(run: Run) -> float:
         if run.pipeline is not None:
             loss = run.pipeline.evaluate(micro, run.criterion)
         else:
-            loss = sum(run.criterion(run.model(x), y) for x, y in micro) / len(micro)
+            loss = sum(_eval_loss(run, *mb) for mb in micro) / len(micro)
         losses.append(api.global_mean(run.mesh, loss))
     run.model.train()
     return sum(losses) / len(losses)
+
+
+def _eval_loss(run: Run, x: torch.Tensor, y: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+    with packed(packing):
+        return run.criterion(run.model(x), y)
 
 
 def perplexity(loss: float) -> float:

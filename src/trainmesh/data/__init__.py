@@ -5,7 +5,7 @@ memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(
 from __future__ import annotations
 
 from dataclasses import dataclass
-from trainmesh.data.sampler import TokenSequence, get_batch, global_batch_offsets
+from trainmesh.data.sampler import TokenSequence, documents_from_eos, get_batch, global_batch_offsets
 from trainmesh.data.shards import ShardStream, index_tokenizer, is_prepared, read_index, verify_shard
 from trainmesh.data.text import VOCAB_SIZE, DataError, load_tokens, read_bytes, stdlib_sources
 from trainmesh.data.tokenizer import TokenizerFile
@@ -75,5 +75,6 @@ def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
     return TokenizerFile.read(tokenizer) if tokenizer else None
 
 
-__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch", "pin_tokenizer",
+__all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "documents_from_eos",
+           "get_batch", "pin_tokenizer",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]

@@ -1,0 +1,121 @@
+"""Packed documents: the batch's documents recovered from end-of-document tokens, positions restarting in each, a
+packed batch computing (float64, 1e-9) the loss and gradients of its documents run one by one and summed, in every
+family, and the cp assignment balancing the attention blocks each rank computes."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainmesh.data import documents_from_eos
+from trainmesh.models import moe, preset, spec_of
+from trainmesh.models.documents import Packing, document_positions, packed
+from trainmesh.parallel.context_parallel import balanced_shards, chunk_starts, chunk_work
+
+from helpers import FP64_ATOL
+
+EOS = 7
+
+
+def test_documents_end_after_each_end_of_document_token():
+    inputs = torch.tensor([[1, 2, EOS, 3, EOS, EOS, 4, 5], [EOS, 1, 1, 1, 1, 1, 1, 1]])
+    documents = documents_from_eos(inputs, EOS)
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
+
+
+FAMILIES = ["tiny", "llama-tiny", "qwen3-tiny", "mistral-tiny", "gemma3-tiny", "gpt-oss-tiny", "deepseek-v3-tiny",
+            "moe-tiny"]
+
+
+def _model(name: str) -> torch.nn.Module:
+    cfg = preset(name)
+    if getattr(cfg, "moe", None) is not None:  # dropless, so a token's route does not depend on its neighbours
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.0))
+    model = spec_of(name).builder(cfg, 3).double()
+    moe.begin_step(model, 0.0)  # the aux losses are the batch's statistics, not a document's: left out here
+    return model
+
+
+def _packed_batch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two windows of documents of unequal lengths (one of a single token, one running past a window's length of a
+    sliding window), each ended by EOS."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(8, 256, (2, seq + 1), generator=gen)
+    for row, ends in enumerate(([2, 3, 17, seq - 4], [11, seq - 1])):
+        x[row, ends] = EOS
+    return x[:, :-1], x[:, 1:]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_packed_batch_is_its_documents_run_alone_and_summed(name):
+    model = _model(name)
+    seq = preset(name).seq_len
+    x, y = _packed_batch(seq)
+    documents = documents_from_eos(x, EOS)
+    with packed(Packing(documents, document_positions(documents))):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    alone = torch.zeros((), dtype=torch.float64)
+    for row in range(x.shape[0]):
+        for d in documents[row].unique():
+            span = documents[row] == d
+            logits = model(x[row, span][None])
+            alone = alone + F.cross_entropy(logits[0], y[row, span], reduction="sum") / x.numel()
+    expected = torch.autograd.grad(alone, list(model.parameters()), allow_unused=True)
+    assert abs(loss.item() - alone.item()) <= FP64_ATOL
+    for g, e in zip(grads, expected):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert (g - e).abs().max().item() <= FP64_ATOL
+    plain = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    assert abs(plain.item() - loss.item()) > 1e-4  # documents change what is seen
+
+
+def _mix(seq: int, lengths: list[int], rows: int = 1, seed: int = 0) -> torch.Tensor:
+    """``rows`` windows of ``seq`` tokens cut into documents of lengths drawn from ``lengths``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        sizes = []
+        while sum(sizes) < seq:
+            sizes.append(lengths[torch.randint(len(lengths), (1,), generator=gen).item()])
+        out.append(torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))[:seq])
+    return torch.stack(out)
+
+
+def _loads(shards, chunk: int, work: list[int]) -> list[int]:
+    return [sum(work[s // chunk] for s in starts) for starts in shards]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_cp_assignment_balances_counted_attention_blocks(cp):
+    """Documents of 256 to 1024 tokens in windows of 4096: every chunk dealt once, ranks holding equal numbers,
+    the counted blocks within 15 % of perfect balance, where the head-tail pair of one causal sequence is not."""
+    seq = 4096
+    for seed in range(5):
+        documents = _mix(seq, [256, 384, 512, 768, 1024], rows=2, seed=seed)
+        shards, chunk = balanced_shards(documents, cp)
+        assert sorted(s for starts in shards for s in starts) == list(range(0, seq, chunk))
+        assert len({len(starts) for starts in shards}) == 1
+        work = chunk_work(documents, chunk)
+        loads = _loads(shards, chunk, work)
+        assert max(loads) <= 1.15 * sum(loads) / cp, loads
+    one_long = torch.zeros(1, seq, dtype=torch.long)  # one document: the head-tail pair is balanced already
+    shards, chunk = balanced_shards(one_long, cp)
+    loads = _loads(shards, chunk, chunk_work(one_long, chunk))
+    assert max(loads) == min(loads)
+
+
+def test_head_tail_is_unbalanced_where_a_long_document_comes_first():
+    """One long document then many short ones: the head-tail pair leaves rank 1 most of the long document's blocks
+    (5 of 7), the assignment 4."""
+    seq, cp = 64, 2
+    documents = torch.cat([torch.zeros(48, dtype=torch.long), torch.arange(1, 5).repeat_interleave(4)])[None]
+    chunk = seq // (2 * cp)
+    work = chunk_work(documents, chunk)
+    head_tail = _loads([chunk_starts(seq, cp, r) for r in range(cp)], chunk, work)
+    shards, chunk = balanced_shards(documents, cp, per_rank=2)
+    balanced = _loads(shards, chunk, chunk_work(documents, chunk))
+    assert (max(head_tail), max(balanced)) == (5, 4)
