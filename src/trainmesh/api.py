@@ -91,6 +91,7 @@ class ParallelModel:
     layout: Layout
     pipeline: PipelineRuntime | None = None
     engine: Engine | None = field(default=None, repr=False)
+    documents: bool = False  # whether its attention reads packed documents (ModelSpec.documents)
     description: tuple[dict, dict] = field(default=({}, {"family": "", "source": "model"}), repr=False)
     saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
     pending_save: AsyncSave | None = field(default=None, init=False, repr=False)  # the save in flight, if any
@@ -256,7 +257,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
                                         dtype_of(precision), virtual_stages, tuple(stage_layers),
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
-    return ParallelModel(model, mesh, comm, loss, criterion is not None, layout, runtime, description=description)
+    return ParallelModel(model, mesh, comm, loss, criterion is not None, layout, runtime, description=description,
+                         documents=spec is not None and spec.documents)
 
 
 def _compile_mode(model: nn.Module, mesh: Mesh, layout: Layout) -> str:
@@ -420,7 +422,20 @@ def _packed_micro_batch(mesh: Mesh, x: torch.Tensor, y: torch.Tensor,
     return _to_device(mesh, x), _to_device(mesh, y), packing
 
 
-def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+def refuse_documents(model: ParallelModel) -> None:
+    """A batch of packed documents for a model that would ignore them (attention would cross documents), or
+    one compiled (its traced blocks would hold one micro-batch's documents), refused in one line."""
+    if not model.documents:
+        families = ", ".join(s.family for s in SPECS if s.documents)
+        raise ValueError(f"{type(model.module).__name__}'s attention does not read packed documents, so it would "
+                         f"attend across them; pass (inputs, targets) without documents, or train a family that "
+                         f"reads them ({families})")
+    if model.layout.compile:
+        raise ValueError("packed documents change every micro-batch's masks and positions, which compiled blocks "
+                         "do not follow; train them with compile=False")
+
+
+def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, ...],
                loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0, *,
                dp_sliced: bool = False, saved=None) -> float:
     """One optimizer step on the global ``batch`` = ``(inputs, targets)`` or ``(inputs, targets, documents)`` (packed
@@ -437,6 +452,8 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
                          f"microbatches={m} to parallelize instead")
     if model.engine is None:
         raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
+    if len(batch) == 3:
+        refuse_documents(model)
     loss = forward_backward(model.module, model.engine, model.pipeline, rank_slice(model.mesh, batch, m, dp_sliced),
                             loss_fn or model.criterion, saved)
     opt.grad_norm = model.engine.step(opt.lr, max_norm)

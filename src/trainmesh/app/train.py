@@ -21,7 +21,7 @@ import torch
 from trainmesh.distributed.agreement import check_agreement
 from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.app.config import Config, vocabulary_note
-from trainmesh.data import TokenData, get_batch, pin_tokenizer
+from trainmesh.data import TokenData, documents_from_eos, get_batch, pin_tokenizer
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.store import all_gather_json
@@ -81,10 +81,13 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     return Run(cfg, parallel, opt, data, tokenizer)
 
 
-def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read)."""
+def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, ...]:
+    """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read), with each
+    input token's document under ``--document-mask``."""
     cfg, mesh = run.cfg, run.mesh
-    return get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step, mesh.rank("dp"), mesh.size("dp"))
+    x, y = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step, mesh.rank("dp"),
+                     mesh.size("dp"))
+    return (x, y, documents_from_eos(x, run.data.eos_id)) if cfg.data.document_mask else (x, y)
 
 
 def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> MicroBatches:

@@ -26,6 +26,7 @@ class TokenData:
     train: TokenSequence
     val: TokenSequence
     source: str
+    eos_id: int | None = None  # the end-of-document token of prepared data (None: text, no document ends)
 
     @classmethod
     def load(cls, path: str, seq_len: int, tokenizer: str = "", verify: bool = False) -> "TokenData":
@@ -52,7 +53,7 @@ class TokenData:
         train, val = ShardStream(index, index.split("train")), ShardStream(index, index.split("val"))
         _enough(path, "training", len(train), seq_len, "prepare more text")
         _enough(path, "held-out", len(val), seq_len, "prepare with a larger --val-fraction")
-        return cls(train, val, f"{path} ({len(train):,} tokens)")
+        return cls(train, val, f"{path} ({len(train):,} tokens)", index.eos_id)
 
 
 def data_vocab_size(path: str, tokenizer: str) -> int | None:
@@ -76,5 +77,5 @@ def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
 
 
 __all__ = ["DataError", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "documents_from_eos",
-           "get_batch", "pin_tokenizer",
+           "get_batch", "is_prepared", "pin_tokenizer",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]
