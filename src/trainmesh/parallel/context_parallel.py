@@ -43,7 +43,7 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + size) for s in chunk_starts(seq_len, cp, rank)])
 
 
-CHUNKS_PER_RANK = 4
+CHUNKS_PER_RANK = 8
 """Chunks of a packed micro-batch each cp rank holds: with more, balancing has more freedom but the ring more, smaller
 blocks to compute."""
 
