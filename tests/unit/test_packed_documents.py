@@ -119,3 +119,19 @@ def test_head_tail_is_unbalanced_where_a_long_document_comes_first():
     shards, chunk = balanced_shards(documents, cp, per_rank=2)
     balanced = _loads(shards, chunk, chunk_work(documents, chunk))
     assert (max(head_tail), max(balanced)) == (5, 4)
+
+
+def test_train_step_refuses_documents_a_model_would_ignore():
+    """A model whose attention does not read documents would attend across them: refused in one line, as are
+    documents that do not match the inputs."""
+    import trainmesh as tm
+    from trainmesh.distributed.mesh import Mesh
+
+    parallel = tm.parallelize(spec_of("tiny").builder(preset("tiny"), 0), Mesh.build(1, 1, 1, torch.device("cpu")))
+    opt = tm.optimizer(parallel)
+    x, y = _packed_batch(preset("tiny").seq_len)
+    with pytest.raises(ValueError, match="documents have shape"):
+        tm.train_step(parallel, opt, (x, y, documents_from_eos(x[:, 1:], EOS)))
+    parallel.documents = False
+    with pytest.raises(ValueError, match="attention does not read packed documents, so it would attend across"):
+        tm.train_step(parallel, opt, (x, y, documents_from_eos(x, EOS)))
