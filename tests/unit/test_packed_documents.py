@@ -135,3 +135,30 @@ def test_train_step_refuses_documents_a_model_would_ignore():
     parallel.documents = False
     with pytest.raises(ValueError, match="attention does not read packed documents, so it would attend across"):
         tm.train_step(parallel, opt, (x, y, documents_from_eos(x, EOS)))
+
+
+@pytest.mark.parametrize("architecture", ["LlamaConfig", "MistralConfig"])
+def test_transformers_own_llama_and_mistral_objects_read_packed_documents(architecture):
+    """A transformers object through tm.parallelize: each document's logits in a packed window are those of the
+    document alone (Mistral's window of 4 inside it)."""
+    transformers = pytest.importorskip("transformers")
+    import trainmesh as tm
+    from trainmesh.distributed.mesh import Mesh
+
+    extra = {"sliding_window": 4} if architecture == "MistralConfig" else {}
+    config = getattr(transformers, architecture)(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                                 max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    parallel = tm.parallelize(model, Mesh.build(1, 1, 1, torch.device("cpu")), precision="fp64")
+    x, _ = _packed_batch(32)
+    documents = documents_from_eos(x, EOS)
+    with torch.no_grad(), packed(Packing(documents, document_positions(documents))):
+        logits = parallel(x)
+    with torch.no_grad():
+        for row in range(x.shape[0]):
+            for d in documents[row].unique():
+                span = documents[row] == d
+                assert (parallel(x[row, span][None])[0] - logits[row, span]).abs().max().item() <= FP64_ATOL
+        assert (parallel(x) - logits).abs().max().item() > 1e-6

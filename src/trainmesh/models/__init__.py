@@ -75,7 +75,7 @@ def hf_family(architecture: str) -> ModelSpec:
     name = "hf-" + hf_llama.ARCHITECTURES[architecture].lower()
     return ModelSpec(name, {}, hf_builder(architecture), hf_llama.plan(architecture), hf_llama.recompute(architecture),
                      hf_llama.shape, accepts=hf_llama.accepts_class(architecture), layout=hf_llama.layout,
-                     config_of=hf_llama.config_of, prepare=hf_llama.add_rotary,
+                     config_of=hf_llama.config_of, prepare=hf_llama.add_rotary, documents=True,
                      high_precision=("model.embed_tokens", "lm_head"))
 
 
