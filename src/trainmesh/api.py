@@ -391,6 +391,9 @@ def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, ...], microbatches: int,
     if documents and documents[0].shape != x.shape:
         raise ValueError(f"documents have shape {tuple(documents[0].shape)} but the inputs {tuple(x.shape)}; give "
                          f"each input token's document index")
+    if documents and bool((documents[0].diff(dim=1) < 0).any()):
+        raise ValueError("documents decrease along a sequence; give each token the index of its document in the "
+                         "window, non-decreasing (trainmesh.data.documents_from_eos makes them)")
     if not dp_sliced:
         x, y, *documents = (t.chunk(dp)[mesh.rank("dp")] for t in (x, y, *documents))
     if documents:

@@ -123,7 +123,7 @@ def test_head_tail_is_unbalanced_where_a_long_document_comes_first():
 
 def test_train_step_refuses_documents_a_model_would_ignore():
     """A model whose attention does not read documents would attend across them: refused in one line, as are
-    documents that do not match the inputs."""
+    documents that do not match the inputs or are not in order."""
     import trainmesh as tm
     from trainmesh.distributed.mesh import Mesh
 
@@ -132,6 +132,8 @@ def test_train_step_refuses_documents_a_model_would_ignore():
     x, y = _packed_batch(preset("tiny").seq_len)
     with pytest.raises(ValueError, match="documents have shape"):
         tm.train_step(parallel, opt, (x, y, documents_from_eos(x[:, 1:], EOS)))
+    with pytest.raises(ValueError, match="documents decrease along a sequence"):
+        tm.train_step(parallel, opt, (x, y, documents_from_eos(x, EOS).flip(1)))
     parallel.documents = False
     with pytest.raises(ValueError, match="attention does not read packed documents, so it would attend across"):
         tm.train_step(parallel, opt, (x, y, documents_from_eos(x, EOS)))
