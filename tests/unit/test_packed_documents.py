@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from trainmesh.data import documents_from_eos
 from trainmesh.models import moe, preset, spec_of
 from trainmesh.models.documents import Packing, document_positions, packed
-from trainmesh.parallel.context_parallel import balanced_shards, chunk_starts, chunk_work
+from trainmesh.parallel.context_parallel import _mask, balanced_shards, chunk_starts, chunk_work
 
 from helpers import FP64_ATOL
 
@@ -106,6 +106,15 @@ def test_the_cp_assignment_balances_counted_attention_blocks(cp):
     shards, chunk = balanced_shards(one_long, cp)
     loads = _loads(shards, chunk, chunk_work(one_long, chunk))
     assert max(loads) == min(loads)
+
+
+def test_counted_work_is_the_blocks_the_ring_computes():
+    """Each chunk's counted work is the number of key chunks the ring's mask does not skip for it."""
+    documents = _mix(512, [16, 48, 100, 200], rows=3, seed=4)
+    chunk = 32
+    computed = [sum(_mask(i, chunk, j, chunk, True, documents.device, None, documents) is not False
+                    for j in range(0, 512, chunk)) for i in range(0, 512, chunk)]
+    assert chunk_work(documents, chunk) == computed and min(computed) < max(computed)
 
 
 def test_head_tail_is_unbalanced_where_a_long_document_comes_first():

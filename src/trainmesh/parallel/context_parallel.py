@@ -64,17 +64,18 @@ def _documents_meet(documents: torch.Tensor, q_start: int, q_len: int, k_start: 
 def chunk_work(documents: torch.Tensor, chunk: int) -> list[int]:
     """For each chunk of ``chunk`` positions of ``[batch, seq]`` documents, the key chunks its queries see (causal,
     within documents): the blocks ring attention computes for it, the counted work :func:`balanced_shards` balances."""
-    n = documents.shape[1] // chunk
-    return [sum(_documents_meet(documents, i * chunk, chunk, j * chunk, chunk) for j in range(i + 1)) for i in range(n)]
+    first, last = documents[:, ::chunk], documents[:, chunk - 1::chunk]  # [batch, chunks]: each one's document range
+    meet = (torch.maximum(first[:, :, None], first[:, None]) <= torch.minimum(last[:, :, None], last[:, None])).any(0)
+    return meet.tril().sum(1).tolist()
 
 
 def balanced_shards(documents: torch.Tensor, cp: int,
                     per_rank: int = CHUNKS_PER_RANK) -> tuple[tuple[tuple[int, ...], ...], int]:
     """(each cp rank's chunk starts, the chunk size) for a micro-batch of packed ``documents``: ``per_rank`` chunks
-    a rank (2 where the sequence does not cut into more), dealt heaviest first to the least loaded rank with room
+    a rank (fewer where the sequence does not cut into as many), dealt heaviest first to the least loaded rank with room
     (LPT under equal counts): ranks hold equal tokens, so losses need no reweighting, and near-equal work."""
     seq = documents.shape[1]
-    per_rank = per_rank if seq % (per_rank * cp) == 0 else 2
+    per_rank = max(n for n in range(1, per_rank + 1) if seq % (n * cp) == 0)
     chunk = seq // (per_rank * cp)
     work = chunk_work(documents, chunk)
     loads, held = [0] * cp, [[] for _ in range(cp)]
