@@ -15,8 +15,9 @@ _cfg = functools.partial(run_config, steps=3, global_batch=4, warmup_steps=1, do
 
 
 def test_packed_documents_at_dp2_tp2_sp_cp2_ring_and_a2a_and_ep2_match_single_process():
+    """cp2 ring with rotary (llama) and learned (GPT) positions, a2a with Mistral's window inside documents."""
     check_equivalent([_cfg(model="llama-tiny", dp=2), _cfg(model="qwen3-tiny", tp=2, sequence_parallel=True),
-                      _cfg(model="llama-tiny", cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a"),
+                      _cfg(model="llama-tiny", cp=2), _cfg(cp=2), _cfg(model="mistral-tiny", cp=2, cp_impl="a2a"),
                       _cfg(model="qwen3-moe-tiny", dp=2, ep=2)], world_size=2, timeout=600)
 
 
