@@ -107,14 +107,16 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def _mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool, device: torch.device,
-          window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor | None | bool:
+          window: int | None = None, documents: torch.Tensor | None = None,
+          host: torch.Tensor | None = None) -> torch.Tensor | None | bool:
     """Visibility of a key segment to a query segment: False (skip the pair), None (all visible) or a boolean
     ``[q_len, k_len]`` causal (and ``window``) mask, as :func:`trainmesh.models.cache.causal_attention` masks; with
     ``documents`` (``[batch, seq]``) pairs no document spans are skipped and the mask is ``[batch, 1, 1, q, k]``,
-    also within each query's document."""
+    also within each query's document (``host``: a CPU copy of ``documents`` to test the skip on, without a device
+    sync)."""
     if documents is None:
         return _causal_mask(q_start, q_len, k_start, k_len, causal, device, window)
-    if not _documents_meet(documents, q_start, q_len, k_start, k_len):
+    if not _documents_meet(documents if host is None else host, q_start, q_len, k_start, k_len):
         return False
     mask = _causal_mask(q_start, q_len, k_start, k_len, causal, device, window)
     if mask is False:
@@ -195,9 +197,10 @@ def _pairs(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor,
            window: int | None = None, documents: torch.Tensor | None = None):
     """Every (query segment index, its q, key segment k, v, mask, key segment index) that sees something."""
     q_len, k_len = q5.shape[-2] // len(q_starts), k.shape[-2] // len(k_starts)
+    host = None if documents is None else documents.cpu()
     for i, (qs, q0) in enumerate(_segments(q5, q_starts)):
         for j, ((ks, k0), (vs, _)) in enumerate(zip(_segments(k, k_starts), _segments(v, k_starts))):
-            mask = _mask(q0, q_len, k0, k_len, causal, q5.device, window, documents)
+            mask = _mask(q0, q_len, k0, k_len, causal, q5.device, window, documents, host)
             if mask is not False:
                 yield i, qs, ks, vs, mask, j
 
