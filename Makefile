@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-moe bench-data bench-multinode clean
+.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-documents bench-moe bench-data bench-multinode clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,11 @@ bench-tp: setup
 # measured) and tokens/s there; the ring's hidden communication from its timeline; torch's context_parallel.
 bench-cp: setup
 	$(BIN)/python -m trainmesh_bench.cp --seq-len 4096
+
+# The cp2 ring over packed documents (4096 tokens, documents of 256-1024): per-rank attention compute with the
+# shards balanced by counted attention blocks vs the head-tail pair, and each one's distance from perfect balance.
+bench-documents: setup
+	$(BIN)/python -m trainmesh_bench.documents --seq-len 4096 --cp 2
 
 # Expert parallelism on moe-tiny at ep 1, 2, 4 (4 ranks): counted all-to-all bytes per step vs the formula,
 # tokens/s and peak RSS per rank; then the experts' padded batched GEMM vs a per-expert loop.

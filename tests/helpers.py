@@ -26,11 +26,12 @@ import torch
 
 import trainmesh as tm
 from trainmesh import api
-from trainmesh.data import TokenData, TokenSequence, get_batch
+from trainmesh.data import TokenData, TokenSequence, documents_from_eos, get_batch
 from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import preset, spec_of
+from trainmesh.models.documents import Packing, packed
 from trainmesh.pipeline.runtime import PipelineRuntime
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.training.engine import Engine, MicroBatches
@@ -55,7 +56,8 @@ class Case:
     :class:`~trainmesh.models.moe.MoEConfig`), the layout as :func:`trainmesh.init_mesh` and
     :func:`trainmesh.parallelize` take it (the names of :class:`trainmesh.layout.Layout`), AdamW and its
     learning-rate schedule, ``steps`` steps of ``global_batch`` sequences drawn by ``seed`` from the default
-    corpus (the Python standard library's sources, byte tokens)."""
+    corpus (the Python standard library's sources, byte tokens); with ``document_eos``, packed documents, each
+    ending at that byte (:func:`~trainmesh.data.documents_from_eos`)."""
 
     model: str = "tiny"
     moe: dict[str, Any] = field(default_factory=dict)
@@ -87,6 +89,7 @@ class Case:
     grad_clip: float = 1.0
     steps: int = 10
     global_batch: int = 8
+    document_eos: int | None = None
 
     @property
     def micro_batch(self) -> int:
@@ -147,12 +150,13 @@ class Built:
     def pipeline(self) -> PipelineRuntime | None:
         return self.parallel.pipeline
 
-    def batch(self, step: int, tokens: TokenSequence | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, tokens: TokenSequence | None = None) -> tuple[torch.Tensor, ...]:
         """The global batch of ``step`` (of the training split unless ``tokens`` is given): the same sequences
-        on every rank and in the single process."""
+        on every rank and in the single process, with their documents under ``case.document_eos``."""
         c = self.case
         tokens = self.data.train if tokens is None else tokens
-        return get_batch(tokens, c.model_config.seq_len, c.global_batch, c.seed, step)
+        x, y = get_batch(tokens, c.model_config.seq_len, c.global_batch, c.seed, step)
+        return (x, y) if c.document_eos is None else (x, y, documents_from_eos(x, c.document_eos))
 
     def micro_batches(self, step: int, tokens: TokenSequence | None = None) -> MicroBatches:
         """This rank's micro-batches of the global batch of ``step``, as :func:`trainmesh.train_step` cuts them."""
@@ -183,10 +187,15 @@ class Built:
             if self.pipeline is not None:
                 loss = self.pipeline.evaluate(micro, self.parallel.criterion)
             else:
-                loss = sum(self.parallel.criterion(self.model(x), y) for x, y in micro) / len(micro)
+                loss = sum(self._loss(*mb) for mb in micro) / len(micro)
             losses.append(api.global_mean(self.mesh, loss))
         self.model.train()
         return sum(losses) / len(losses)
+
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
+        with packed(packing):
+            return self.parallel.criterion(self.model(x), y)
 
 
 def activation_bytes(run: Built) -> int:
@@ -314,6 +323,7 @@ def describe_layout(case: Case) -> str:
     parts += [f"hsdp{case.dp_replicate}x{case.dp // case.dp_replicate}"] if case.dp_replicate > 1 else []
     parts += [case.cp_impl] if case.cp > 1 else []
     parts += ["sp"] if case.sequence_parallel else []
+    parts += ["documents"] if case.document_eos is not None else []
     if case.pp > 1:
         parts += [f"pp{case.pp}", case.schedule + (f" v{case.virtual_stages}" if case.virtual_stages > 1 else "")]
     parts += [f"zero{case.zero}"] if case.zero else []

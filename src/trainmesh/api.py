@@ -23,7 +23,8 @@ from torch import nn
 
 from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.data.tokenizer import TokenizerFile
-from trainmesh.parallel.context_parallel import apply_context_parallel, shard_sequence
+from trainmesh.parallel.context_parallel import (apply_context_parallel, balanced_shards, held_positions,
+                                                shard_sequence)
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.training.loss import divisors as loss_divisors, micro_loss, trained_count
 from trainmesh.training.cuda_graphs import PLAIN_MODE, compile_mode
@@ -34,6 +35,7 @@ from trainmesh.parallel.expert_parallel import (apply_expert_parallel, expert_mo
 from trainmesh.distributed.mesh import (GRAD_AXIS, REPLICA_AXIS, SHARD_AXIS, Mesh, init_distributed, leave_at_exit, pick_backend,
                             pick_device, world_env)
 from trainmesh.models import SPECS, moe, spec_for
+from trainmesh.models.documents import Packing, document_positions, packed
 from trainmesh.models.hf import as_trainmesh
 from trainmesh.models.gpt import cross_entropy
 from trainmesh.models.spec import CONTRACT, ModelSpec, Staged, StageLayout
@@ -90,6 +92,7 @@ class ParallelModel:
     layout: Layout
     pipeline: PipelineRuntime | None = None
     engine: Engine | None = field(default=None, repr=False)
+    documents: bool = False  # whether its attention reads packed documents (ModelSpec.documents)
     description: tuple[dict, dict] = field(default=({}, {"family": "", "source": "model"}), repr=False)
     saves_to: set[Path] = field(default_factory=set, init=False, repr=False)  # directories whose lock it holds
     pending_save: AsyncSave | None = field(default=None, init=False, repr=False)  # the save in flight, if any
@@ -255,7 +258,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, tp_plan: dict[str, str] | None 
         model, runtime = build_pipeline(model, comm, schedule, microbatches, hidden,
                                         dtype_of(precision), virtual_stages, tuple(stage_layers),
                                         seq_shards=mesh.size("tp") if sequence_parallel else 1)
-    return ParallelModel(model, mesh, comm, loss, criterion is not None, layout, runtime, description=description)
+    return ParallelModel(model, mesh, comm, loss, criterion is not None, layout, runtime, description=description,
+                         documents=spec is not None and spec.documents)
 
 
 def _compile_mode(model: nn.Module, mesh: Mesh, layout: Layout) -> str:
@@ -334,19 +338,20 @@ def _sharding_axis(mesh: Mesh) -> str:
 def forward_backward(module: nn.Module, engine: Engine, pipeline: PipelineRuntime | None,
                      micro_batches: MicroBatches, criterion: Criterion, saved=None,
                      divisors: Sequence[float] | None = None) -> torch.Tensor:
-    """Accumulate gradients of the loss over ``micro_batches``, synchronising only after the last; returns this
-    rank's share of the loss (0 on stages without the head), MoE aux losses included. Micro-batch ``i``'s mean
-    over its trained tokens is divided by ``divisors[i]`` (:func:`~trainmesh.training.loss.divisors`; default:
-    the micro-batch count, a mean of means). ``saved``, if given, records the first micro-batch's activation bytes."""
+    """Accumulate gradients of the loss over ``micro_batches`` (each inside its packed documents, if it has them:
+    forward and backward, so recomputation sees them too), synchronising only after the last; returns this rank's
+    share of the loss (0 on stages without the head), MoE aux losses included. Micro-batch ``i``'s mean over its
+    trained tokens is divided by ``divisors[i]`` (:func:`~trainmesh.training.loss.divisors`; default: the
+    micro-batch count, a mean of means). ``saved``, if given, records the first micro-batch's activation bytes."""
     divisors = divisors or [len(micro_batches)] * len(micro_batches)
     moe.begin_step(module, engine.loss_scale / len(micro_batches))
     if pipeline is not None:
         loss = pipeline.forward_backward(micro_batches, criterion, engine, saved, divisors)
         return loss + moe.aux_loss_total(module) / len(micro_batches)
     total = torch.zeros((), dtype=torch.float64)
-    for i, (x, y) in enumerate(micro_batches):
+    for i, (x, y, *packing) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else engine.no_sync():
+        with contextlib.nullcontext() if last else engine.no_sync(), packed(*packing):
             with saved.recording() if saved is not None and i == 0 else contextlib.nullcontext():
                 loss = micro_loss(criterion, module(x), y, divisors[i])
             (loss * engine.loss_scale).backward()
@@ -390,34 +395,76 @@ def global_mean(mesh: Mesh, value: torch.Tensor) -> float:
     return total.item() / (mesh.size("dp") * mesh.size("cp") * mesh.size("tp"))
 
 
-def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, torch.Tensor], microbatches: int,
+def rank_slice(mesh: Mesh, batch: tuple[torch.Tensor, ...], microbatches: int,
                dp_sliced: bool = False) -> MicroBatches:
-    """This rank's micro-batches of a global batch ``(inputs, targets)``: its dp slice of the sequences (the
-    batch is that slice already with ``dp_sliced``, as a data loader that reads only this rank's share
-    gives it), its head-tail cp part of each, on the mesh's device."""
-    x, y = batch[0], batch[1]
+    """This rank's micro-batches of a global batch ``(inputs, targets)`` or ``(inputs, targets, documents)``: its dp
+    slice of the sequences (the batch is that slice already with ``dp_sliced``, as a data loader that reads only this
+    rank's share gives it), its head-tail cp part of each (with documents, the chunks :func:`balanced_shards` gives
+    it), on the mesh's device; with documents each micro-batch carries its :class:`Packing`."""
+    x, y, *documents = batch
     dp = 1 if dp_sliced else mesh.size("dp")
     if x.shape[0] % (dp * microbatches):
         what = "this rank's slice of" if dp_sliced else "a global batch of"
         raise ValueError(f"{what} {x.shape[0]} sequences does not split into dp={dp} x "
                          f"microbatches={microbatches}; use a multiple of {dp * microbatches}")
+    if documents and documents[0].shape != x.shape:
+        raise ValueError(f"documents have shape {tuple(documents[0].shape)} but the inputs {tuple(x.shape)}; give "
+                         f"each input token's document index")
+    if documents and bool((documents[0].diff(dim=1) < 0).any()):
+        raise ValueError("documents decrease along a sequence; give each token the index of its document in the "
+                         "window, non-decreasing (trainmesh.data.documents_from_eos makes them)")
     if not dp_sliced:
-        x, y = (t.chunk(dp)[mesh.rank("dp")] for t in (x, y))
+        x, y, *documents = (t.chunk(dp)[mesh.rank("dp")] for t in (x, y, *documents))
+    if documents:
+        return [_packed_micro_batch(mesh, *parts) for parts in zip(x.chunk(microbatches), y.chunk(microbatches),
+                                                                  documents[0].chunk(microbatches))]
     x, y = (shard_sequence(t, mesh.size("cp"), mesh.rank("cp")) for t in (x, y))
-    if mesh.device.type == "cuda":
-        x, y = (t.pin_memory().to(mesh.device, non_blocking=True) for t in (x, y))
-    else:
-        x, y = x.to(mesh.device), y.to(mesh.device)
+    x, y = _to_device(mesh, x), _to_device(mesh, y)
     return list(zip(x.chunk(microbatches), y.chunk(microbatches)))
 
 
-def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+def _to_device(mesh: Mesh, t: torch.Tensor) -> torch.Tensor:
+    if mesh.device.type == "cuda":
+        return t.pin_memory().to(mesh.device, non_blocking=True)
+    return t.to(mesh.device)
+
+
+def _packed_micro_batch(mesh: Mesh, x: torch.Tensor, y: torch.Tensor,
+                        documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+    """One micro-batch of packed documents: under cp this rank's chunks of it (balanced by attention work, the same
+    on every cp rank since they see the same documents), each token's position in its document, the packing."""
+    documents = documents.long()
+    positions = document_positions(documents)
+    cp = mesh.size("cp")
+    shards, chunk = balanced_shards(documents, cp) if cp > 1 else ((), 0)
+    if shards:
+        held = held_positions(shards[mesh.rank("cp")], chunk)
+        x, y, positions = (t.index_select(1, held) for t in (x, y, positions))
+    packing = Packing(_to_device(mesh, documents), _to_device(mesh, positions), shards, chunk)
+    return _to_device(mesh, x), _to_device(mesh, y), packing
+
+
+def refuse_documents(model: ParallelModel) -> None:
+    """A batch of packed documents for a model that would ignore them (attention would cross documents), or
+    one compiled (its traced blocks would hold one micro-batch's documents), refused in one line."""
+    if not model.documents:
+        families = ", ".join(s.family for s in SPECS if s.documents)
+        raise ValueError(f"{type(model.module).__name__}'s attention does not read packed documents, so it would "
+                         f"attend across them; pass (inputs, targets) without documents, or train a family that "
+                         f"reads them ({families})")
+    if model.layout.compile:
+        raise ValueError("packed documents change every micro-batch's masks and positions, which compiled blocks "
+                         "do not follow; train them with compile=False")
+
+
+def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, ...],
                loss_fn: Criterion | None = None, microbatches: int | None = None, max_norm: float = 0.0, *,
                dp_sliced: bool = False, saved=None) -> float:
-    """One optimizer step on the global ``batch`` = ``(inputs, targets)`` (or this dp rank's slice with
-    ``dp_sliced``): micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss over the
-    batch's trained tokens (targets not -100), the value one process computes in any layout; ``opt.trained_tokens``
-    counts them, ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
+    """One optimizer step on the global ``batch`` = ``(inputs, targets)`` or ``(inputs, targets, documents)`` (packed
+    documents: ``[batch, seq]`` document index of each input token), or this dp rank's slice with ``dp_sliced``:
+    micro-batches, clipping to ``max_norm``, AdamW at ``opt.lr``. Returns the mean loss over the batch's trained
+    tokens (targets not -100), the value one process computes in any layout; ``opt.trained_tokens`` counts them,
+    ``opt.grad_norm`` not finite means the step was skipped on every rank. See docs/api.md."""
     if opt.engine is not model.engine:
         raise ValueError("opt was not made for this model; pass the optimizer trainmesh.optimizer(model) returned")
     if loss_fn is not None and model.vocab_parallel:
@@ -429,6 +476,8 @@ def train_step(model: ParallelModel, opt: Optimizer, batch: tuple[torch.Tensor, 
                          f"microbatches={m} to parallelize instead")
     if model.engine is None:
         raise RuntimeError("the model has no optimizer yet; call trainmesh.optimizer(model) first")
+    if len(batch) == 3:
+        refuse_documents(model)
     micro_batches = rank_slice(model.mesh, batch, m, dp_sliced)
     shares, opt.trained_tokens = token_divisors(model.mesh, micro_batches, None if dp_sliced else batch[1])
     loss = forward_backward(model.module, model.engine, model.pipeline, micro_batches, loss_fn or model.criterion,

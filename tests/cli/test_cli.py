@@ -43,6 +43,8 @@ BAD = [
     (["--nproc", "4", "--cp", "2", "--pp", "2", "--schedule", "zb"], "--cp 2 with --schedule zb"),
     (["--nproc", "2", "--cp", "2", "--compile"], "--cp 2 with --compile would trace the ring"),
     (["--cuda-graphs"], "--cuda-graphs captures the compiled blocks as CUDA graphs; add --compile"),
+    (["--document-mask"], "--document-mask: the default corpus is not prepared data"),
+    (["--document-mask", "--compile"], "--document-mask changes every micro-batch's masks and positions"),
     (["--model", "llama3-405b", "--nproc", "2", "--dp", "2", "--zero", "3"],
      "--model llama3-405b at this layout needs 3023.8 GiB of model state on each rank, more than the"),
 ]

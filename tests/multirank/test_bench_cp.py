@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from trainmesh import api
+from trainmesh_bench import documents
 from trainmesh_bench.cp import largest_fitting, longest_fitting, planned_peak
 from trainmesh.distributed.comm import Comm, log_all_gather
 from trainmesh.parallel.context_parallel import RingTimeline, ring_attention, shard_sequence
@@ -59,3 +60,11 @@ def test_ring_timeline_times_every_step_without_changing_the_result() -> None:
                          ("forward", 1, "wait"), ("backward", 0, "compute"), ("backward", 0, "wait"),
                          ("backward", 1, "compute"), ("backward", 1, "wait"), ("backward", 2, "wait")]
         assert all(seconds >= 0 for *_, seconds in events)
+
+
+def test_the_documents_bench_times_each_rank_under_both_assignments(capsys) -> None:
+    """``make bench-documents`` at a small size: a line per assignment, each rank's blocks and seconds."""
+    documents.main(["--seq-len", "1024", "--cp", "2", "--timeout", "120"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[2:]] == ["balanced", "head-tail"]
+    assert all(line.endswith("%") and len(line.split()) == 7 for line in lines[2:])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainmesh.models import hf
-from trainmesh.data import data_vocab_size
+from trainmesh.data import data_vocab_size, is_prepared
 from trainmesh.distributed.launcher import STOPPED_GRACE_S
 from trainmesh.layout import (ABOVE_0, AT_LEAST_0, AT_LEAST_1, MAX_RANKS, MAX_SEQUENCES, Bound, Layout, LayoutError,
                               option, outside, range_text, resolve_precision)
@@ -102,6 +102,9 @@ class DataSettings:
     tokenizer: str = option("", "tokenizer.json (Hugging Face) for text data; the model's vocabulary follows it, "
                             "padded to a multiple of 64*tp (default: bytes, the preset's vocabulary; prepared "
                             "data carries its own, and a --tokenizer given with it must be the same one); checkpoints record it and its SHA-256")
+    document_mask: bool = option(False, "confine attention to each document of a window and restart positions at each "
+                                 "(documents end at the end-of-document token 'trainmesh prepare' writes; needs "
+                                 "prepared --data)")
 
 
 @dataclass(frozen=True)
@@ -640,8 +643,21 @@ def _validate_float8(cfg: Config, capability: tuple[int, int] | None) -> None:
 
 
 def _validate_family(cfg: Config) -> None:
-    """``--cp`` needs the model's family to name the attention cores and position inputs it splits."""
+    """``--cp`` needs the model's family to name the attention cores and position inputs it splits;
+    ``--document-mask`` a family whose attention reads documents, eager blocks and prepared data."""
     spec = spec_of(cfg.model.model)
+    if cfg.data.document_mask and not spec.documents:
+        raise ConfigError(f"--document-mask: the {spec.family} family of {cfg.model.model} does not read packed "
+                          f"documents; train without --document-mask")
+    if cfg.data.document_mask and cfg.layout.compile:
+        raise ConfigError("--document-mask changes every micro-batch's masks and positions, which --compile's traced "
+                          "blocks do not follow; drop --compile")
+    if cfg.data.document_mask and cfg.data.data and not is_prepared(cfg.data.data):
+        raise ConfigError(f"--document-mask: {cfg.data.data} is not prepared data, so no end-of-document token "
+                          f"marks where documents end; run 'trainmesh prepare' on it and train on its output")
+    if cfg.data.document_mask and not cfg.data.data:
+        raise ConfigError("--document-mask: the default corpus is not prepared data, so no end-of-document token "
+                          "marks where documents end; run 'trainmesh prepare' and pass its output as --data")
     if cfg.layout.cp > 1 and not spec.cp_plan:
         raise ConfigError(f"--cp {cfg.layout.cp}: the {spec.family} family of {cfg.model.model} names no attention core "
                           f"context parallelism can split; use --cp 1")

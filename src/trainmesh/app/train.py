@@ -21,7 +21,7 @@ import torch
 from trainmesh.distributed.agreement import check_agreement
 from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.app.config import Config, vocabulary_note
-from trainmesh.data import TokenData, get_batch, pin_tokenizer
+from trainmesh.data import TokenData, documents_from_eos, get_batch, pin_tokenizer
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.store import all_gather_json
@@ -32,6 +32,7 @@ from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_to
 from trainmesh.tracking.records import LossWindows, MetricsError
 from trainmesh.tracking.runlog import RunLog
 from trainmesh.models import moe, spec_of
+from trainmesh.models.documents import packed
 from trainmesh.training.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
@@ -83,9 +84,13 @@ def build(cfg: Config, mesh: Mesh) -> Run:
 
 def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, ...]:
     """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read): inputs and
-    targets, and for chat data each input token's conversation."""
+    targets, and under ``--document-mask`` each input token's document (for chat data, its conversation)."""
     cfg, mesh = run.cfg, run.mesh
-    return get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step, mesh.rank("dp"), mesh.size("dp"))
+    x, y, *documents = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step,
+                                 mesh.rank("dp"), mesh.size("dp"))
+    if not cfg.data.document_mask:
+        return x, y
+    return x, y, documents[0] if documents else documents_from_eos(x, run.data.eos_id)
 
 
 def rank_batch(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> MicroBatches:
@@ -105,10 +110,16 @@ def evaluate(run: Run) -> float:
         if run.pipeline is not None:
             loss = run.pipeline.evaluate(micro, run.criterion, shares)
         else:
-            loss = sum(micro_loss(run.criterion, run.model(mb[0]), mb[1], d) for mb, d in zip(micro, shares))
+            loss = sum(_eval_loss(run, mb, d) for mb, d in zip(micro, shares))
         losses.append(api.global_mean(run.mesh, loss))
     run.model.train()
     return sum(losses) / len(losses)
+
+
+def _eval_loss(run: Run, micro_batch: tuple, divisor: float) -> torch.Tensor:
+    x, y, *packing = micro_batch
+    with packed(*packing):
+        return micro_loss(run.criterion, run.model(x), y, divisor)
 
 
 def perplexity(loss: float) -> float:

@@ -5,7 +5,7 @@ memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(
 from __future__ import annotations
 
 from dataclasses import dataclass
-from trainmesh.data.sampler import PackedWindows, TokenSequence, get_batch, global_batch_offsets
+from trainmesh.data.sampler import PackedWindows, TokenSequence, documents_from_eos, get_batch, global_batch_offsets
 from trainmesh.data.shards import Index, ShardStream, index_tokenizer, is_prepared, read_index, verify_shard
 from trainmesh.data.text import VOCAB_SIZE, DataError, load_tokens, read_bytes, stdlib_sources
 from trainmesh.data.tokenizer import TokenizerFile
@@ -28,6 +28,7 @@ class TokenData:
     val: TokenSequence | PackedWindows
     source: str
     note: str = ""
+    eos_id: int | None = None  # the end-of-document token of prepared data (None: text, no document ends)
 
     @classmethod
     def load(cls, path: str, seq_len: int, tokenizer: str = "", verify: bool = False) -> "TokenData":
@@ -56,7 +57,7 @@ class TokenData:
         train, val = ShardStream(index, index.split("train")), ShardStream(index, index.split("val"))
         _enough(path, "training", len(train), seq_len, "prepare more text")
         _enough(path, "held-out", len(val), seq_len, "prepare with a larger --val-fraction")
-        return cls(train, val, f"{path} ({len(train):,} tokens)")
+        return cls(train, val, f"{path} ({len(train):,} tokens)", eos_id=index.eos_id)
 
     @classmethod
     def _chat(cls, index: Index, path: str, seq_len: int) -> "TokenData":
@@ -94,5 +95,6 @@ def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
     return TokenizerFile.read(tokenizer) if tokenizer else None
 
 
-__all__ = ["DataError", "PackedWindows", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size", "get_batch", "pin_tokenizer",
+__all__ = ["DataError", "PackedWindows", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size",
+           "documents_from_eos", "get_batch", "is_prepared", "pin_tokenizer",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]

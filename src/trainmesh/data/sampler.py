@@ -114,3 +114,11 @@ def get_batch(tokens: TokenSequence | PackedWindows, seq_len: int, global_batch:
     mine = _mine(global_batch_offsets(len(tokens), seq_len, global_batch, seed, step), dp_rank, dp_size)
     window = torch.stack([torch.as_tensor(tokens[o:o + seq_len + 1]) for o in mine]).long()
     return window[:, :-1], window[:, 1:]
+
+
+def documents_from_eos(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Each input token's document index in its window (``[batch, seq]``, from 0, non-decreasing): a document
+    begins after every end-of-document token, which ``prepare`` writes after each document and which belongs to the
+    document it ends. A window's first document is often the tail of one begun before it."""
+    ends = (inputs == eos_id).long()
+    return ends.cumsum(1) - ends

@@ -75,7 +75,7 @@ def hf_family(architecture: str) -> ModelSpec:
     name = "hf-" + hf_llama.ARCHITECTURES[architecture].lower()
     return ModelSpec(name, {}, hf_builder(architecture), hf_llama.plan(architecture), hf_llama.recompute(architecture),
                      hf_llama.shape, accepts=hf_llama.accepts_class(architecture), layout=hf_llama.layout,
-                     config_of=hf_llama.config_of, prepare=hf_llama.add_rotary,
+                     config_of=hf_llama.config_of, prepare=hf_llama.add_rotary, documents=True,
                      high_precision=("model.embed_tokens", "lm_head"))
 
 
@@ -105,7 +105,7 @@ def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[
         return isinstance(cfg, llama.LlamaConfig) and is_moe(cfg) == moe and variant == name
 
     return ModelSpec(name, presets, llama.Llama, tp_plan, LLAMA_RECOMPUTE, llama.LlamaConfig.shape,
-                     planner_presets=planner_presets, hf=hf, cp_plan=LLAMA_CP_PLAN,
+                     planner_presets=planner_presets, hf=hf, cp_plan=LLAMA_CP_PLAN, documents=True,
                      high_precision=(*LLAMA_BF16, ROUTER) if moe else LLAMA_BF16,
                      accepts=lambda model: isinstance(model, llama.Llama) and holds(model.cfg), holds=holds)
 
@@ -113,7 +113,7 @@ def llama_family(name: str, presets: dict, planner_presets: dict, tp_plan: dict[
 SPECS: list[ModelSpec] = [
     ModelSpec("gpt", gpt.PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape, hf=gpt.HF_MAPPING,
-              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}, high_precision=GPT_BF16,
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}, documents=True, high_precision=GPT_BF16,
               accepts=lambda model: isinstance(model, gpt.GPT) and not is_moe(model.cfg)),
     llama_family("llama", llama.PRESETS, llama.PLANNER_PRESETS, llama.TP_PLAN, llama.HF_MAPPING),
     llama_family("qwen2", qwen.QWEN2_PRESETS, qwen.QWEN2_PLANNER_PRESETS, llama.TP_PLAN, qwen.QWEN2_MAPPING),
@@ -122,7 +122,7 @@ SPECS: list[ModelSpec] = [
     llama_family("gemma3", gemma.PRESETS, gemma.PLANNER_PRESETS, gemma.TP_PLAN, gemma.HF_MAPPING),
     ModelSpec("gpt-moe", gpt.MOE_PRESETS, gpt.GPT, GPT_PLAN,
               {"full": (gpt.Block,), "selective": (gpt.AttentionCore,)}, gpt_shape,
-              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"},
+              cp_plan={"embed.pos": "positions", "blocks.*.attn.core": "attention"}, documents=True,
               high_precision=(*GPT_BF16, ROUTER), accepts=lambda model: isinstance(model, gpt.GPT) and is_moe(model.cfg)),
     llama_family("llama-moe", llama.MOE_PRESETS, llama.MOE_PLANNER_PRESETS, llama.TP_PLAN,
                  llama.MIXTRAL_MAPPING, moe=True),

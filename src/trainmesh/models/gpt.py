@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
+from trainmesh.models.documents import current_documents, token_positions
 from trainmesh.models.moe import MoEConfig, layer_mlp
 from trainmesh.models.spec import HFIncompatible, HFMapping, ModelShape, stage_forward
 
@@ -77,11 +78,12 @@ MOE_PRESETS: dict[str, ModelConfig] = {
 
 
 class AttentionCore(nn.Module):
-    """softmax(QK^T/sqrt(d))V with a causal mask: parameter-free, its own module so that selective
-    activation recomputation (Korthikanti et al., 2022, §5) can recompute exactly this part."""
+    """softmax(QK^T/sqrt(d))V with a causal mask (within each packed document, :mod:`~trainmesh.models.documents`):
+    parameter-free, its own module so that selective activation recomputation (Korthikanti et al., 2022, §5) can
+    recompute exactly this part."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, documents=current_documents())
 
 
 class CausalSelfAttention(nn.Module):
@@ -131,7 +133,8 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding; one module so a pipeline's first stage owns both."""
+    """Token plus learned position embedding (positions restart at each packed document); one module so a pipeline's
+    first stage owns both."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -140,7 +143,7 @@ class Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Embed tokens at positions ``start, start + 1, ...`` (``start`` > 0 when a cache holds the earlier ones)."""
-        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        positions = token_positions(start, idx.shape[1], idx.device)
         return self.tok(idx) + self.pos(positions)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainmesh.models.documents import current
 from trainmesh.models.spec import ModelShape, StageLayout, explicit_head_dim
 
 CAUSAL_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -84,20 +85,35 @@ def shape(config: Any) -> ModelShape:
                                                  getattr(config, "head_dim", None)))
 
 
-def _with_rotary(rotary: nn.Module, window: int | None, _attn: nn.Module, args: tuple,
+def _with_rotary(rotary: nn.Module, window: int | None, implementation: str, _attn: nn.Module, args: tuple,
                  kwargs: dict) -> tuple[tuple, dict] | None:
     """Pre-hook of an attention module: the rotary ``(cos, sin)`` of positions ``0..seq-1`` of its input, and
-    with a sliding ``window`` the boolean mask keeping it (without one, the attention is causal by itself)."""
+    with a sliding ``window`` the boolean mask keeping it (without one, the attention is causal by itself); inside
+    packed documents (:mod:`~trainmesh.models.documents`) each document's positions and a mask confined to it."""
     if kwargs.get("position_embeddings") is not None:
         return None
     x = args[0] if args else kwargs["hidden_states"]
     t = x.shape[1]
-    positions = torch.arange(t, device=x.device).unsqueeze(0)
+    packing = current()
+    positions = torch.arange(t, device=x.device).unsqueeze(0) if packing is None else packing.positions.to(x.device)
     extra = {}
-    if window is not None and window < t:
+    if packing is not None or (window is not None and window < t):
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        extra["attention_mask"] = (mask & ~torch.ones_like(mask).tril(-window))[None, None]
+        if window is not None:
+            mask &= ~torch.ones_like(mask).tril(-window)
+        extra["attention_mask"] = mask[None, None] if packing is None else _within_documents(mask, packing.documents,
+                                                                                            implementation)
     return args, {**kwargs, "position_embeddings": rotary(x, positions), **extra}
+
+
+def _within_documents(mask: torch.Tensor, documents: torch.Tensor, implementation: str) -> torch.Tensor:
+    """``mask`` confined to each query's document, ``[batch, 1, t, t]``: SDPA takes it as it is, the flash
+    implementations read a mask as padding, so they are refused for packed documents."""
+    if implementation != "sdpa":
+        raise ValueError(f"packed documents need a mask that attn_implementation={implementation!r} does not take; "
+                         f"build or load the model with attn_implementation='sdpa'")
+    documents = documents.to(mask.device)
+    return (mask & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
 def add_rotary(model: nn.Module) -> None:
@@ -107,6 +123,6 @@ def add_rotary(model: nn.Module) -> None:
     if config._attn_implementation not in CAUSAL_IMPLEMENTATIONS:
         raise ValueError(f"this Llama uses attn_implementation={config._attn_implementation!r}, which needs an "
                          f"explicit causal mask; build or load it with attn_implementation='sdpa'")
-    hook = functools.partial(_with_rotary, model.model.rotary_emb, window_of(config))
+    hook = functools.partial(_with_rotary, model.model.rotary_emb, window_of(config), config._attn_implementation)
     for layer in model.blocks.values():
         layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)

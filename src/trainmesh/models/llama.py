@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainmesh.models.cache import KVCache, LayerCache, causal_attention
+from trainmesh.models.documents import current_documents, token_positions
 from trainmesh.models.moe import MoEConfig, layer_mlp
 from trainmesh.models.rope import RopeScaling, attention_factor, inverse_frequencies, rope_from_hf, rope_to_hf, \
     softmax_gain
@@ -152,11 +153,11 @@ class RMSNorm(nn.Module):
 def rotary_angles_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                      scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position p times frequency theta^(-2i/head_dim) (scaled by ``scaling``), each
-    ``[len(positions), head_dim]`` with the ``head_dim/2`` frequencies repeated for the two halves (Su et al.,
+    ``[*positions.shape, head_dim]`` with the ``head_dim/2`` frequencies repeated for the two halves (Su et al.,
     2021, RoFormer, eq. 34), both multiplied by the scaling's attention factor (YaRN's temperature)."""
     wide = torch.promote_types(dtype, torch.float32)
     inv_freq = inverse_frequencies(head_dim, theta, scaling, wide, positions.device)
-    angles = torch.outer(positions.to(wide), inv_freq)
+    angles = positions.to(wide).unsqueeze(-1) * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     factor = attention_factor(scaling)
     return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
@@ -170,14 +171,16 @@ def rotary_angles(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype,
 
 class Rotary(nn.Module):
     """The rotary angles of given position ids, a parameter-free module so cp can hand it the tokens' global positions
-    and get the angles a single process computes."""
+    and get the angles a single process computes; per-sequence ids (``[batch, t]``, packed documents) give
+    ``[batch, 1, t, head_dim]`` angles, broadcast over heads."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_angles_at(positions, self.head_dim, self.theta, dtype, self.scaling)
+        cos, sin = rotary_angles_at(positions, self.head_dim, self.theta, dtype, self.scaling)
+        return (cos, sin) if positions.dim() == 1 else (cos.unsqueeze(-3), sin.unsqueeze(-3))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -199,7 +202,7 @@ class Sinks(nn.Module):
 
 class AttentionCore(nn.Module):
     """Causal softmax attention of query heads over their shared KV heads, within ``window`` when set, with
-    ``n_sinks`` heads' sinks when set; its own module so selective recomputation [KOR, §5] redoes exactly this
+    ``n_sinks`` heads' sinks when set, within each packed document (:mod:`~trainmesh.models.documents`); its own module so selective recomputation [KOR, §5] redoes exactly this
     and cp finds its window."""
 
     def __init__(self, window: int | None = None, n_sinks: int = 0) -> None:
@@ -210,7 +213,9 @@ class AttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return causal_attention(q, k, v, self.window, sinks=None if self.sinks is None else self.sinks())
+        documents = current_documents()
+        return causal_attention(q, k, v, self.window, documents=documents,
+                                sinks=None if self.sinks is None else self.sinks())
 
 
 class Attention(nn.Module):
@@ -242,7 +247,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         start = 0 if cache is None else cache.length
-        cos, sin = self.rope(torch.arange(start, start + t, device=q.device), q.dtype)
+        cos, sin = self.rope(token_positions(start, t, q.device), q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.query_gain != 1.0:
             q = q * self.query_gain
@@ -283,7 +288,7 @@ class LatentAttention(nn.Module):
         kv = self.kv_b(self.kv_norm(latent)).view(b, t, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         start = 0 if cache is None else cache.length
-        cos, sin = self.rope(torch.arange(start, start + t, device=x.device), q.dtype)
+        cos, sin = self.rope(token_positions(start, t, x.device), q.dtype)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rotary(q_rot, cos, sin)], dim=-1)
         if self.query_gain != 1.0:

@@ -316,6 +316,9 @@ class ModelSpec:
     cp_plan: Mapping[str, str] = field(default_factory=dict)
     """Context parallelism's view (``context_parallel.apply_context_parallel``): the attention cores
     (``attention``) and the modules taking position ids (``positions``); empty: cp cannot split this family."""
+    documents: bool = False
+    """Whether the family's attention cores and position modules read packed documents
+    (:mod:`trainmesh.models.documents`), so it trains on a batch that carries them."""
     high_precision: tuple[str, ...] = ()
     """Module-name patterns (as in ``tp_plan``) of the layers that keep computing in bf16 under
     ``precision="fp8"``: the embedding, the output head, an MoE router (:mod:`trainmesh.training.float8` turns every

@@ -3,7 +3,9 @@
 ``ring`` (Liu et al., 2023, Ring Attention; Megatron-core's p2p CP) passes K/V blocks round and merges partial
 results by log-sum-exp (online softmax; Dao et al., 2022, Alg. 1) in at least fp32; ``a2a`` (DeepSpeed-Ulysses,
 Jacobs et al., 2023) trades the sequence split for a head split. Rank r holds chunks r and 2·cp−1−r of 2·cp
-(Megatron-core's causal balance); position ids stay global; ``ModelSpec.cp_plan`` names the modules."""
+(Megatron-core's causal balance); position ids stay global; ``ModelSpec.cp_plan`` names the modules. A micro-batch of
+packed documents (:mod:`trainmesh.models.documents`) is cut into ``CHUNKS_PER_RANK`` chunks a rank instead, dealt out
+by :func:`balanced_shards` so every rank computes as many attention blocks; attention stays within documents."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from trainmesh.distributed.comm import Comm
+from trainmesh.models.documents import current, current_documents
 from trainmesh.layout import CP_IMPLS
 
 AXIS = "cp"
@@ -40,6 +43,63 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + size) for s in chunk_starts(seq_len, cp, rank)])
 
 
+CHUNKS_PER_RANK = 8
+"""Chunks of a packed micro-batch each cp rank holds: with more, balancing has more freedom but the ring more, smaller
+blocks to compute."""
+
+
+def held_positions(starts: Starts, chunk: int) -> torch.Tensor:
+    """Global positions of the tokens of the chunks (of ``chunk`` tokens) at ``starts``, in that order."""
+    return torch.cat([torch.arange(s, s + chunk) for s in starts])
+
+
+def _documents_meet(documents: torch.Tensor, q_start: int, q_len: int, k_start: int, k_len: int) -> bool:
+    """Whether, in some sequence, a document has tokens in both segments (documents are non-decreasing, so each
+    segment holds one range of them)."""
+    low = torch.maximum(documents[:, q_start], documents[:, k_start])
+    high = torch.minimum(documents[:, q_start + q_len - 1], documents[:, k_start + k_len - 1])
+    return bool((low <= high).any())
+
+
+def chunk_work(documents: torch.Tensor, chunk: int) -> list[int]:
+    """For each chunk of ``chunk`` positions of ``[batch, seq]`` documents, the key chunks its queries see (causal,
+    within documents): the blocks ring attention computes for it, the counted work :func:`balanced_shards` balances."""
+    first, last = documents[:, ::chunk], documents[:, chunk - 1::chunk]  # [batch, chunks]: each one's document range
+    meet = (torch.maximum(first[:, :, None], first[:, None]) <= torch.minimum(last[:, :, None], last[:, None])).any(0)
+    return meet.tril().sum(1).tolist()
+
+
+def balanced_shards(documents: torch.Tensor, cp: int,
+                    per_rank: int = CHUNKS_PER_RANK) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(each cp rank's chunk starts, the chunk size) for a micro-batch of packed ``documents``: ``per_rank`` chunks
+    a rank (fewer where the sequence does not cut into as many), dealt heaviest first to the least loaded rank with room
+    (LPT under equal counts): ranks hold equal tokens, so losses need no reweighting, and near-equal work."""
+    seq = documents.shape[1]
+    per_rank = max(n for n in range(1, per_rank + 1) if seq % (n * cp) == 0)
+    chunk = seq // (per_rank * cp)
+    work = chunk_work(documents, chunk)
+    loads, held = [0] * cp, [[] for _ in range(cp)]
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        rank = min((r for r in range(cp) if len(held[r]) < per_rank), key=lambda r: (loads[r], r))
+        held[rank].append(i * chunk)
+        loads[rank] += work[i]
+    return tuple(tuple(sorted(h)) for h in held), chunk
+
+
+def _starts(seq_len: int, cp: int, rank: int) -> Starts:
+    """The chunk starts ``rank`` holds: the packed micro-batch's balanced shards, else the head-tail pair."""
+    packing = current()
+    return packing.shards[rank] if packing is not None and packing.shards else chunk_starts(seq_len, cp, rank)
+
+
+def _held(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of the tokens ``rank`` holds, as :func:`_starts` deals them."""
+    packing = current()
+    if packing is not None and packing.shards:
+        return held_positions(packing.shards[rank], packing.chunk)
+    return local_positions(seq_len, cp, rank)
+
+
 # --- blockwise attention with log-sum-exp merging ----------------------------------------------------
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -47,9 +107,27 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def _mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool, device: torch.device,
-          window: int | None = None) -> torch.Tensor | None | bool:
+          window: int | None = None, documents: torch.Tensor | None = None,
+          host: torch.Tensor | None = None) -> torch.Tensor | None | bool:
     """Visibility of a key segment to a query segment: False (skip the pair), None (all visible) or a boolean
-    ``[q_len, k_len]`` causal (and ``window``) mask, as :func:`trainmesh.models.cache.causal_attention` masks."""
+    ``[q_len, k_len]`` causal (and ``window``) mask, as :func:`trainmesh.models.cache.causal_attention` masks; with
+    ``documents`` (``[batch, seq]``) pairs no document spans are skipped and the mask is ``[batch, 1, 1, q, k]``,
+    also within each query's document (``host``: a CPU copy of ``documents`` to test the skip on, without a device
+    sync)."""
+    if documents is None:
+        return _causal_mask(q_start, q_len, k_start, k_len, causal, device, window)
+    if not _documents_meet(documents if host is None else host, q_start, q_len, k_start, k_len):
+        return False
+    mask = _causal_mask(q_start, q_len, k_start, k_len, causal, device, window)
+    if mask is False:
+        return False
+    same = documents[:, q_start:q_start + q_len, None] == documents[:, None, k_start:k_start + k_len]
+    return (same if mask is None else same & mask)[:, None, None]
+
+
+def _causal_mask(q_start: int, q_len: int, k_start: int, k_len: int, causal: bool, device: torch.device,
+                 window: int | None) -> torch.Tensor | None | bool:
+    """:func:`_mask` of one sequence of one document."""
     if not causal or (k_start + k_len - 1 <= q_start and (window is None or k_start > q_start + q_len - 1 - window)):
         return None
     if k_start > q_start + q_len - 1 or (window is not None and k_start + k_len - 1 <= q_start - window):
@@ -116,27 +194,30 @@ def _segments(x: torch.Tensor, starts: Starts) -> list[tuple[torch.Tensor, int]]
 
 
 def _pairs(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts, causal: bool,
-           window: int | None = None):
+           window: int | None = None, documents: torch.Tensor | None = None):
     """Every (query segment index, its q, key segment k, v, mask, key segment index) that sees something."""
     q_len, k_len = q5.shape[-2] // len(q_starts), k.shape[-2] // len(k_starts)
+    host = None if documents is None else documents.cpu()
     for i, (qs, q0) in enumerate(_segments(q5, q_starts)):
         for j, ((ks, k0), (vs, _)) in enumerate(zip(_segments(k, k_starts), _segments(v, k_starts))):
-            mask = _mask(q0, q_len, k0, k_len, causal, q5.device, window)
+            mask = _mask(q0, q_len, k0, k_len, causal, q5.device, window, documents, host)
             if mask is not False:
                 yield i, qs, ks, vs, mask, j
 
 
 def attend_block(accs: list[Accumulator], q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor,
-                 k_starts: Starts, causal: bool, scale: float, window: int | None = None) -> None:
+                 k_starts: Starts, causal: bool, scale: float, window: int | None = None,
+                 documents: torch.Tensor | None = None) -> None:
     """Merge the attention of every query segment to one key/value block into ``accs`` (fully masked
     segment pairs are skipped)."""
-    for i, qs, ks, vs, mask, _ in _pairs(q5, q_starts, k, v, k_starts, causal, window):
+    for i, qs, ks, vs, mask, _ in _pairs(q5, q_starts, k, v, k_starts, causal, window, documents):
         accs[i].merge(*block_forward(qs, ks, vs, mask, scale))
 
 
 def block_grads(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Tensor, k_starts: Starts,
                 causal: bool, scale: float, dout5: torch.Tensor, delta: torch.Tensor,
-                lse: torch.Tensor, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                lse: torch.Tensor, window: int | None = None,
+                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq5, dk, dv) contributed by one key/value block, wide; the inverse of :func:`attend_block`."""
     wide = _wide(q5.dtype)
     dq = torch.zeros(q5.shape, dtype=wide, device=q5.device)
@@ -146,7 +227,7 @@ def block_grads(q5: torch.Tensor, q_starts: Starts, k: torch.Tensor, v: torch.Te
                                                                  (dv, len(k_starts))))
     dout_segs, delta_segs, lse_segs = (x.chunk(len(q_starts), dim=-1 if x.dim() == 4 else -2)
                                        for x in (dout5, delta, lse))
-    for i, qs, ks, vs, mask, j in _pairs(q5, q_starts, k, v, k_starts, causal, window):
+    for i, qs, ks, vs, mask, j in _pairs(q5, q_starts, k, v, k_starts, causal, window, documents):
         g_q, g_k, g_v = block_backward(qs, ks, vs, mask, scale, dout_segs[i], delta_segs[i], lse_segs[i])
         dq_segs[i].add_(g_q)
         dk_segs[j].add_(g_k)
@@ -243,7 +324,8 @@ class _RingAttention(torch.autograd.Function):
         seq = q.shape[-2] * cp
         scale = 1 / math.sqrt(q.shape[-1])
         q5 = _grouped(q, k.shape[1])
-        q_starts = chunk_starts(seq, cp, r)
+        starts, documents = [_starts(seq, cp, rank) for rank in range(cp)], current_documents()
+        q_starts = starts[r]
         nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
         accs = [Accumulator(s, v.shape[-1]) for s, _ in _segments(q5, q_starts)]
         kv = torch.cat([k, v], dim=-1)
@@ -253,8 +335,8 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = comm.send_recv([(kv, nxt)], [(incoming, prev)], axis=AXIS, op="ring_kv")
             with _timed(timeline, "forward", step, "compute"):
-                attend_block(accs, q5, q_starts, *_kv_split(kv, k.shape[-1]), chunk_starts(seq, cp, (r - step) % cp),
-                             causal, scale, window)
+                attend_block(accs, q5, q_starts, *_kv_split(kv, k.shape[-1]), starts[(r - step) % cp],
+                             causal, scale, window, documents)
             with _timed(timeline, "forward", step, "wait"):
                 for w in works:
                     w.wait()
@@ -262,6 +344,7 @@ class _RingAttention(torch.autograd.Function):
         out, lse = _finish(accs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.causal, ctx.scale, ctx.timeline, ctx.window = comm, causal, scale, timeline, window
+        ctx.starts, ctx.documents = starts, documents
         return _ungroup(out).to(q.dtype)
 
     @staticmethod
@@ -270,10 +353,9 @@ class _RingAttention(torch.autograd.Function):
         comm, causal, scale, timeline = ctx.comm, ctx.causal, ctx.scale, ctx.timeline
         mesh = comm.mesh
         cp, r = mesh.size(AXIS), mesh.rank(AXIS)
-        seq = q.shape[-2] * cp
         nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
         q5, dout5 = _grouped(q, k.shape[1]), _grouped(dout, k.shape[1]).to(out.dtype)
-        q_starts = chunk_starts(seq, cp, r)
+        q_starts = ctx.starts[r]
         delta = (dout5 * out).sum(-1)
         dq = torch.zeros(q5.shape, dtype=out.dtype, device=q.device)
         kv = torch.cat([k, v], dim=-1)
@@ -284,9 +366,9 @@ class _RingAttention(torch.autograd.Function):
             recvs = [(t, prev) for t in (dkv_in, kv_in) if t is not None]
             works = comm.send_recv([(kv, nxt)] if kv_in is not None else [], recvs, axis=AXIS, op="ring_kv_grad")
             with _timed(timeline, "backward", step, "compute"):
-                held = chunk_starts(seq, cp, (r - step) % cp)
+                held = ctx.starts[(r - step) % cp]
                 g_q, g_k, g_v = block_grads(q5, q_starts, *_kv_split(kv, k.shape[-1]), held, causal, scale, dout5,
-                                            delta, lse, ctx.window)
+                                            delta, lse, ctx.window, ctx.documents)
                 dq += g_q
             with _timed(timeline, "backward", step, "wait"):
                 for w in works:
@@ -335,7 +417,7 @@ def _all_to_all(x: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def _natural_order(seq: int, cp: int, device: torch.device) -> torch.Tensor:
     """Where each position lies in the concatenation of every cp rank's tokens (rank order)."""
-    held = torch.cat([local_positions(seq, cp, r) for r in range(cp)])
+    held = torch.cat([_held(seq, cp, r) for r in range(cp)])
     return torch.argsort(held).to(device)
 
 
@@ -377,8 +459,10 @@ def _attention_style(module: nn.Module, comm: Comm, impl: str) -> None:
 
 
 def _positions_style(module: nn.Module, positions: torch.Tensor) -> None:
-    """A module taking position ids (``0..t-1`` of the local tokens) gets their global positions instead."""
-    module.register_forward_pre_hook(lambda _m, args: (positions.to(args[0].device)[args[0]], *args[1:]))
+    """A module taking position ids (``0..t-1`` of the local tokens) gets their global positions instead; packed
+    documents' ids are already those of the tokens this rank holds, in their documents."""
+    module.register_forward_pre_hook(lambda _m, args: args if current() is not None else
+                                     (positions.to(args[0].device)[args[0]], *args[1:]))
 
 
 def apply_context_parallel(model: nn.Module, plan: Mapping[str, str], comm: Comm, seq_len: int,

@@ -28,6 +28,7 @@ from trainmesh.distributed.comm import Comm, log_all_reduce
 from trainmesh.training.engine import Criterion, Engine, MicroBatches
 from trainmesh.training.loss import micro_loss
 from trainmesh.distributed.mesh import Mesh, world_env
+from trainmesh.models.documents import packed
 from trainmesh.tracking.metrics import SavedActivations
 from trainmesh.pipeline.partition import AXIS, partition_model, split_model
 from trainmesh.pipeline.schedules import (SEND_KINDS, Action, ActionKind, Token, action_inputs, action_output,
@@ -369,7 +370,9 @@ class PipelineRuntime:
         start = self._now() if self.recording else 0.0
         run = {ActionKind.F: self._forward, ActionKind.B: self._backward,
                ActionKind.BI: self._backward_input, ActionKind.BW: self._backward_weight}[action.kind]
-        run(action, step, engine)
+        _, _, *packing = step.micro_batches[action.microbatch]
+        with packed(*packing):  # the micro-batch's documents, for its forward and any recomputation in backward
+            run(action, step, engine)
         if self.recording:
             self.records.append(TimelineRecord(self.rank, action, start, self._now()))
 
@@ -383,7 +386,7 @@ class PipelineRuntime:
 
     def _forward(self, action: Action, step: _Step, _engine: Engine | None) -> None:
         s, mb = action.stage, action.microbatch
-        x, y = step.micro_batches[mb]
+        x, y, *_ = step.micro_batches[mb]
         if s > 0:
             x = step.values.pop(("act", s - 1, mb)).requires_grad_(torch.is_grad_enabled())
         saving = step.saved.recording() if step.saved is not None and mb == 0 else contextlib.nullcontext()

@@ -14,7 +14,9 @@ from trainmesh.training.optim import ParamPiece
 from trainmesh.training.precision import LossScaler
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+MicroBatches = Sequence[tuple]
+"""Each micro-batch ``(inputs, targets)``, or ``(inputs, targets, packing)`` with a
+:class:`~trainmesh.models.documents.Packing` of its documents."""
 
 
 class Engine(Protocol):
