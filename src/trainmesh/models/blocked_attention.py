@@ -106,9 +106,11 @@ def _explicit_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 KERNELS: dict[str, tuple[Callable, Callable]] = {"cpu": (_flash_forward, _flash_backward)}
 
 
-def _kernels(device: torch.device) -> tuple[Callable, Callable]:
-    """The fused kernel pair of ``device``'s type, else the explicit one."""
-    return KERNELS.get(device.type, (_explicit_forward, _explicit_backward))
+def _kernels(q: torch.Tensor, v: torch.Tensor) -> tuple[Callable, Callable]:
+    """The fused kernel pair of the tensors' device type, else (or for value heads of their own width, as latent
+    attention's, which the fused kernel refuses) the explicit one."""
+    explicit = (_explicit_forward, _explicit_backward)
+    return KERNELS.get(q.device.type, explicit) if q.shape[-1] == v.shape[-1] else explicit
 
 
 class _Call:
@@ -141,9 +143,9 @@ class BlockedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                 pieces: list[Piece], window: int | None) -> torch.Tensor:
-        forward_kernel = _kernels(q.device)[0]
+        forward_kernel = _kernels(q, v)[0]
         calls = _calls(pieces, k.shape[2] - q.shape[2], window, q.dtype, q.device)
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:3], v.shape[-1]))
         lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
         for call in calls:
             out[call.queries], lse[call.queries] = forward_kernel(q[call.queries], k[call.keys], v[call.keys],
@@ -159,7 +161,7 @@ class BlockedAttention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         grad = grad.contiguous()  # once, rather than by each piece's kernel
-        backward_kernel = _kernels(q.device)[1]
+        backward_kernel = _kernels(q, v)[1]
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for call in ctx.calls:
             dq[call.queries], part_k, part_v = backward_kernel(
