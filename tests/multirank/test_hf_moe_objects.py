@@ -1,11 +1,12 @@
-"""transformers MoE objects through ``tm.parallelize``: ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
-``DeepseekV3ForCausalLM`` (latent attention, a sigmoid router with a random selection bias, a shared expert, a
-dense first layer), each converted to its trainmesh family with its experts split over ep, and Qwen3-MoE at pp2,
-train as the same object trained by transformers alone with torch.optim.AdamW in one process (float64, 1e-9);
-``tm.from_hf(dir)`` gives transformers' logits for its folder (1e-10 of their scale). transformers' float32
-islands (RMSNorm, rotary angles, the routers) run in the model's dtype on the reference side, as in
-tests/cli/test_hf.py; the router's aux loss is off (coefficient 0) on both sides, transformers adding it only
-with ``output_router_logits``."""
+"""transformers objects that ``tm.parallelize`` converts to their trainmesh family (``tm.from_hf``): the MoE
+ones, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``DeepseekV3ForCausalLM`` (latent attention, a sigmoid
+router with a random selection bias, a shared expert, a dense first layer) and ``GptOssForCausalLM`` with their
+experts split over ep, ``Gemma3ForCausalLM`` at tp2 (tied), Qwen3-MoE at pp2 (slow: Qwen3-MoE and DeepSeek-V3 at
+tp2 x ep2 SP, Mixtral at pp2 x ep2), train as the same object trained by transformers alone with
+torch.optim.AdamW in one process (float64, 1e-9); ``tm.from_hf(dir)`` gives transformers' logits for its folder
+(1e-10 of their scale). transformers' float32 islands (RMSNorm, rotary angles, the routers) run in the model's
+dtype on the reference side, as in tests/cli/test_hf.py; the router's aux loss is off (coefficient 0) on both
+sides, transformers adding it only with ``output_router_logits``."""
 
 import types
 
@@ -13,12 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import test_gemma3
+import test_gpt_oss
 import trainmesh as tm
 from helpers import FP64_ATOL
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import hf
 
 transformers = pytest.importorskip("transformers")
+fp64_gpt_oss, fp64_gemma = test_gpt_oss.fp64_gpt_oss, test_gemma3.fp64_gemma  # the fixtures, for this module's
 
 LR, STEPS, VOCAB = 1e-2, 3, 64
 
@@ -35,17 +39,33 @@ CONFIGS = {
         **{**SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4),
+    # Sinks, biases, a 4-token window on alternate layers of 16-token sequences, a clamp that binds, YaRN.
+    "gpt-oss": lambda: transformers.GptOssConfig(
+        **{**SHAPE, "intermediate_size": 24}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, swiglu_limit=0.5, router_aux_loss_coef=0.0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False)),
+    # Dense and tied: local layers (window 4) and a global one with its own rope base, q/k norms, GeGLU. No pad
+    # token: transformers' embedding would keep its row's lookup gradient out (padding_idx), trainmesh's does not.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 3}, head_dim=16, sliding_window=4, query_pre_attn_scalar=12, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}}),
 }
+ATTENTION = {"gpt-oss": "eager"}  # transformers' sdpa path has no sinks
 
 
 def hf_moe(name: str = "qwen3-moe") -> torch.nn.Module:
     """A random float64 transformers model of architecture ``name`` (DeepSeek-V3's selection bias random too)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa",
-                                                          experts_implementation="eager").double()
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[name](), attn_implementation=ATTENTION.get(name, "sdpa"), experts_implementation="eager").double()
     for buffer_name, buffer in model.named_buffers():
         if buffer_name.endswith("e_score_correction_bias"):  # a bias that changes which experts win
             buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(0), dtype=buffer.dtype))
+        if buffer_name.endswith("embed_scale"):  # Gemma's sqrt(hidden), made a float32 tensor before .double()
+            buffer.fill_(model.config.hidden_size ** 0.5)
     return model
 
 
@@ -56,8 +76,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.fixture
-def fp64_islands(monkeypatch):
-    """transformers' RMSNorms, rotary angles and routers of the three families in the model's dtype, not float32."""
+def fp64_islands(monkeypatch, fp64_gpt_oss, fp64_gemma):
+    """transformers' RMSNorms, rotary angles and routers in the model's dtype, not float32 (GPT-OSS's and Gemma 3's:
+    their own tests' fixtures)."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
     from transformers.models.mixtral import modeling_mixtral as mm
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
@@ -123,12 +144,12 @@ def through_parallelize(name: str, mesh: dict) -> tuple[list[float], dict[str, t
 
 @pytest.mark.parametrize("name, mesh, world", [
     ("qwen3-moe", dict(ep=2), 2), ("mixtral", dict(ep=2), 2), ("deepseek-v3", dict(ep=2), 2),
-    ("qwen3-moe", dict(pp=2), 2),
+    ("gpt-oss", dict(ep=2), 2), ("gemma3", dict(tp=2), 2), ("qwen3-moe", dict(pp=2), 2),
     pytest.param("qwen3-moe", dict(tp=2, ep=2, sequence_parallel=True), 4, marks=pytest.mark.slow),
     pytest.param("deepseek-v3", dict(tp=2, ep=2, sequence_parallel=True), 4, marks=pytest.mark.slow),
     pytest.param("mixtral", dict(pp=2, ep=2), 4, marks=pytest.mark.slow)])
-def test_a_transformers_moe_object_trains_through_parallelize_as_transformers_alone(tmp_path, fp64_islands, name,
-                                                                                   mesh, world):
+def test_a_converted_transformers_object_trains_through_parallelize_as_transformers_alone(tmp_path, fp64_islands,
+                                                                                         name, mesh, world):
     losses, params = run_ranks(through_parallelize, world, name, mesh, timeout=300)[0]
     ref_losses, ref_params = transformers_alone(tmp_path, name)
     assert ref_params.keys() <= params.keys()  # and the routers' (unused) selection biases
