@@ -142,12 +142,18 @@ def through_parallelize(name: str, mesh: dict) -> tuple[list[float], dict[str, t
     return losses, pm.state_dict()
 
 
+def _case(name: str, world: int, slow: bool = False, **mesh):
+    """A parameter set named ``name-layout`` (``gemma3-tp2``), in the slow set when ``slow``."""
+    layout = "-".join(f"{k}{v}" for k, v in mesh.items() if k != "sequence_parallel")
+    layout += "-sp" if mesh.get("sequence_parallel") else ""
+    return pytest.param(name, mesh, world, id=f"{name}-{layout}", marks=[pytest.mark.slow] if slow else [])
+
+
 @pytest.mark.parametrize("name, mesh, world", [
-    ("qwen3-moe", dict(ep=2), 2), ("mixtral", dict(ep=2), 2), ("deepseek-v3", dict(ep=2), 2),
-    ("gpt-oss", dict(ep=2), 2), ("gemma3", dict(tp=2), 2), ("qwen3-moe", dict(pp=2), 2),
-    pytest.param("qwen3-moe", dict(tp=2, ep=2, sequence_parallel=True), 4, marks=pytest.mark.slow),
-    pytest.param("deepseek-v3", dict(tp=2, ep=2, sequence_parallel=True), 4, marks=pytest.mark.slow),
-    pytest.param("mixtral", dict(pp=2, ep=2), 4, marks=pytest.mark.slow)])
+    _case("qwen3-moe", 2, ep=2), _case("mixtral", 2, ep=2), _case("deepseek-v3", 2, ep=2), _case("gpt-oss", 2, ep=2),
+    _case("gemma3", 2, tp=2), _case("qwen3-moe", 2, pp=2),
+    _case("qwen3-moe", 4, True, tp=2, ep=2, sequence_parallel=True),
+    _case("deepseek-v3", 4, True, tp=2, ep=2, sequence_parallel=True), _case("mixtral", 4, True, pp=2, ep=2)])
 def test_a_converted_transformers_object_trains_through_parallelize_as_transformers_alone(tmp_path, fp64_islands,
                                                                                          name, mesh, world):
     losses, params = run_ranks(through_parallelize, world, name, mesh, timeout=300)[0]
