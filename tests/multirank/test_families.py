@@ -212,11 +212,13 @@ def test_a_mistral_checkpoint_saved_at_cp2_resumes_in_one_process_exactly(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layout", [("qwen2-tiny", dict(tp=2, sequence_parallel=True)),
-                                         ("qwen3-tiny", dict(pp=2, microbatches=2)),
-                                         ("qwen3-moe-tiny", dict(dp=2, ep=2))])
+@pytest.mark.parametrize("name,layout", [pytest.param(name, layout, id=name) for name, layout in (
+    ("qwen2-tiny", dict(tp=2, sequence_parallel=True)), ("qwen3-tiny", dict(pp=2, microbatches=2)),
+    ("qwen3-moe-tiny", dict(dp=2, ep=2)), ("gemma3-tiny", dict(pp=2, microbatches=2)),
+    ("gpt-oss-tiny", dict(tp=2, sequence_parallel=True)))])
 def test_each_familys_checkpoint_saved_at_two_ranks_resumes_in_one_process_exactly(tmp_path, name, layout):
-    """Saved across two ranks of tp (Qwen2's q/k/v biases split), pp (Qwen3) or ep (Qwen3-MoE's experts)."""
+    """Saved across two ranks of tp (Qwen2's q/k/v biases split; GPT-OSS's sinks), pp (Qwen3; Gemma 3's tied
+    embedding on both stages) or ep (Qwen3-MoE's experts)."""
     _resumes_in_one_process_exactly(dataclasses.replace(_cfg(model=name, precision="fp64", **layout), steps=2),
                                     tmp_path)
 

@@ -2,9 +2,9 @@
 attention and MLP, scaled embeddings, GeGLU, a tied head, a softmax scale apart from the head size): a random
 ``Gemma3ForCausalLM`` written by ``save_pretrained`` gives transformers' logits once imported and once exported
 and reloaded (float64, 1e-10 of the logits' scale, transformers' float32 RMSNorm and rotary angles lifted to the
-model's dtype); it decodes with the KV cache as without; it trains under tp, cp and tp2 x pp2 as one process
-does (float64, 1e-9), and at dp2 ZeRO-2 (slow; a tied model at ZeRO-3 without pp is refused, its embedding and
-head sharing a unit); recomputation keeps its losses."""
+model's dtype); it decodes with the KV cache as without; it trains under tp, cp (ring and a2a) and tp2 x pp2 as one process
+does (float64, 1e-9), and at dp2 ZeRO-2 and ZeRO-3 (slow; the tied weight in the head's unit, which the
+embedding's forward gathers too); recomputation keeps its losses."""
 
 import dataclasses
 import functools
@@ -122,8 +122,8 @@ def test_gemma3_decodes_past_its_window_with_the_kv_cache_as_without():
 
 def test_gemma3_tp2_sp_and_cp2_match_single_process():
     assert spec_of("gemma3-tiny").family == "gemma3"
-    check_equivalent([_cfg(model="gemma3-tiny", tp=2, sequence_parallel=True), _cfg(model="gemma3-tiny", cp=2)],
-                     world_size=2)
+    check_equivalent([_cfg(model="gemma3-tiny", tp=2, sequence_parallel=True), _cfg(model="gemma3-tiny", cp=2),
+                      _cfg(model="gemma3-tiny", cp=2, cp_impl="a2a")], world_size=2)
 
 
 def test_gemma3_tp2_pp2_matches_single_process():
@@ -131,8 +131,8 @@ def test_gemma3_tp2_pp2_matches_single_process():
 
 
 @pytest.mark.slow
-def test_gemma3_dp2_zero2_matches_single_process():
-    check_equivalent([_cfg(model="gemma3-tiny", dp=2, zero=2)], world_size=2)
+def test_gemma3_dp2_zero2_and_zero3_matches_single_process():
+    check_equivalent([_cfg(model="gemma3-tiny", dp=2, zero=2), _cfg(model="gemma3-tiny", dp=2, zero=3)], world_size=2)
 
 
 def test_gemma3_recompute_keeps_its_losses():

@@ -4,8 +4,8 @@ full layers alternating, YaRN, biased router, biased experts whose clamped SwiGL
 1e-10 of the logits' scale; transformers' RMSNorm, YaRN and rotary float32 casts made float64); ``gpt-oss-tiny``
 trains at tp2, dp2 ep2 and tp2 x pp2 (with SP) as one process does (float64, 1e-9), and in the slow set under
 ZeRO-3, ep folded over tp, selective and full recomputation; decoding with the KV cache past the 8-token window
-gives the full forward's logits; cp is refused in one line (the ring's merge and a2a's head split do not carry
-the sinks)."""
+gives the full forward's logits; cp2 ring (the sinks applied to the merged output by its lse) and cp2 a2a (the
+sinks cut to each rank's heads) train as one process does, and tp2 x cp2 ring in the slow set."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ import types
 import pytest
 import torch
 
-import trainmesh as tm
 from helpers import check_equivalent
 from helpers import config as run_config
-from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import hf, planner_shapes, preset
 from trainmesh.models.cache import KVCache
 from trainmesh.models.llama import Llama
@@ -136,15 +134,16 @@ def test_gpt_oss_decodes_past_its_window_with_the_kv_cache_as_without():
     assert (torch.cat(steps, 1) - full).abs().max() < 1e-12
 
 
-def _parallelize_at_cp2() -> str:
-    with pytest.raises(ValueError, match="cp=2") as refused:
-        tm.parallelize(Llama(preset("gpt-oss-tiny")), tm.init_mesh(cp=2, device="cpu"))
-    return str(refused.value)
+def test_gpt_oss_trains_at_cp2_ring_and_a2a_as_one_process():
+    """The ring scales each query's merged output by sigmoid(lse - sink), lse's gradient folded into its backward;
+    a2a runs the core on whole sequences for half the heads, with those heads' sinks (windowed layers in both)."""
+    check_equivalent([_case(cp=2), _case(cp=2, cp_impl="a2a")], world_size=2)
 
 
-def test_cp_is_refused_for_attention_sinks():
-    """The family names no attention core cp can split (its sinks), so cp is refused before anything runs."""
-    assert all("\n" not in line for line in run_ranks(_parallelize_at_cp2, 2))
+@pytest.mark.slow
+def test_gpt_oss_trains_at_tp2_cp2_ring_as_one_process():
+    """tp keeps two heads' sinks, the ring applies them (a2a at tp2 x cp2 is refused: 2 KV heads over 4 ranks)."""
+    check_equivalent([_case(tp=2, cp=2), _case(tp=2, cp=2, sequence_parallel=True)], world_size=4)
 
 
 def test_the_planner_counts_gpt_oss_20b_as_published():

@@ -1,32 +1,72 @@
-"""A transformers ``Qwen3MoeForCausalLM`` object through ``tm.parallelize`` (converted to trainmesh's qwen3-moe,
-its experts split over ep) trains as the same object trained by transformers alone with torch.optim.AdamW in
-one process (float64, 1e-9); ``tm.from_hf(dir)`` gives transformers' logits for its folder (1e-10 of their
-scale). transformers' float32 islands (RMSNorm, rotary angles, the router's softmax) run in the model's dtype on
-the reference side, as in tests/cli/test_hf.py; the router's aux loss is off (coefficient 0) on both sides,
-transformers adding it only with ``output_router_logits``."""
+"""transformers objects that ``tm.parallelize`` converts to their trainmesh family (``tm.from_hf``): the MoE
+ones, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``DeepseekV3ForCausalLM`` (latent attention, a sigmoid
+router with a random selection bias, a shared expert, a dense first layer) and ``GptOssForCausalLM`` with their
+experts split over ep, ``Gemma3ForCausalLM`` at tp2 (tied), Qwen3-MoE at pp2 (slow: Qwen3-MoE and DeepSeek-V3 at
+tp2 x ep2 SP, Mixtral at pp2 x ep2), train as the same object trained by transformers alone with
+torch.optim.AdamW in one process (float64, 1e-9); ``tm.from_hf(dir)`` gives transformers' logits for its folder
+(1e-10 of their scale). transformers' float32 islands (RMSNorm, rotary angles, the routers) run in the model's
+dtype on the reference side, as in tests/cli/test_hf.py; the router's aux loss is off (coefficient 0) on both
+sides, transformers adding it only with ``output_router_logits``."""
+
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import test_gemma3
+import test_gpt_oss
 import trainmesh as tm
 from helpers import FP64_ATOL
 from trainmesh.distributed.testing import run_ranks
 from trainmesh.models import hf
 
 transformers = pytest.importorskip("transformers")
+fp64_gpt_oss, fp64_gemma = test_gpt_oss.fp64_gpt_oss, test_gemma3.fp64_gemma  # the fixtures, for this module's
 
 LR, STEPS, VOCAB = 1e-2, 3, 64
 
 
-def hf_moe() -> torch.nn.Module:
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+CONFIGS = {
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=24, norm_topk_prob=True,
+                                                     router_aux_loss_coef=0.0),
+    "mixtral": lambda: transformers.MixtralConfig(**{**SHAPE, "intermediate_size": 24}, num_local_experts=4,
+                                                  num_experts_per_tok=2, router_aux_loss_coef=0.0),
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        **{**SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4),
+    # Sinks, biases, a 4-token window on alternate layers of 16-token sequences, a clamp that binds, YaRN.
+    "gpt-oss": lambda: transformers.GptOssConfig(
+        **{**SHAPE, "intermediate_size": 24}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, swiglu_limit=0.5, router_aux_loss_coef=0.0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False)),
+    # Dense and tied: local layers (window 4) and a global one with its own rope base, q/k norms, GeGLU. No pad
+    # token: transformers' embedding would keep its row's lookup gradient out (padding_idx), trainmesh's does not.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 3}, head_dim=16, sliding_window=4, query_pre_attn_scalar=12, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}}),
+}
+ATTENTION = {"gpt-oss": "eager"}  # transformers' sdpa path has no sinks
+
+
+def hf_moe(name: str = "qwen3-moe") -> torch.nn.Module:
+    """A random float64 transformers model of architecture ``name`` (DeepSeek-V3's selection bias random too)."""
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                                         num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
-                                         router_aux_loss_coef=0.0, max_position_embeddings=64, initializer_range=0.2)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                         experts_implementation="eager").double()
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[name](), attn_implementation=ATTENTION.get(name, "sdpa"), experts_implementation="eager").double()
+    for buffer_name, buffer in model.named_buffers():
+        if buffer_name.endswith("e_score_correction_bias"):  # a bias that changes which experts win
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(0), dtype=buffer.dtype))
+        if buffer_name.endswith("embed_scale"):  # Gemma's sqrt(hidden), made a float32 tensor before .double()
+            buffer.fill_(model.config.hidden_size ** 0.5)
+    return model
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -36,8 +76,11 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.fixture
-def fp64_islands(monkeypatch):
-    """transformers' Qwen3-MoE RMSNorm, rotary angles and router softmax in the model's dtype, not float32."""
+def fp64_islands(monkeypatch, fp64_gpt_oss, fp64_gemma):
+    """transformers' RMSNorms, rotary angles and routers in the model's dtype, not float32 (GPT-OSS's and Gemma 3's:
+    their own tests' fixtures)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+    from transformers.models.mixtral import modeling_mixtral as mm
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
 
     def rms_norm(self, x):
@@ -53,17 +96,28 @@ def fp64_islands(monkeypatch):
     def route(self, hidden):
         logits = F.linear(hidden.reshape(-1, self.hidden_dim), self.weight)
         top, index = logits.softmax(-1).topk(self.top_k, dim=-1)
-        return logits, top / top.sum(-1, keepdim=True) if self.norm_topk_prob else top, index
+        return logits, top / top.sum(-1, keepdim=True) if getattr(self, "norm_topk_prob", True) else top, index
 
-    for cls, forward in ((qm.Qwen3MoeRMSNorm, rms_norm), (qm.Qwen3MoeRotaryEmbedding, rotary),
-                         (qm.Qwen3MoeTopKRouter, route)):
-        monkeypatch.setattr(cls, "forward", forward)
+    sigmoid_route, in_float64 = ds.DeepseekV3TopkRouter.forward, types.SimpleNamespace(
+        **{**vars(torch), "float32": torch.float64})
+
+    def deepseek_route(self, hidden):  # transformers' own DeepSeek-V3 router, its float32 casts made float64
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ds, "torch", in_float64)
+            return sigmoid_route(self, hidden)
+
+    for module, prefix in ((qm, "Qwen3Moe"), (mm, "Mixtral"), (ds, "DeepseekV3")):
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", rms_norm)
+        monkeypatch.setattr(getattr(module, f"{prefix}RotaryEmbedding"), "forward", rotary)
+    monkeypatch.setattr(qm.Qwen3MoeTopKRouter, "forward", route)
+    monkeypatch.setattr(mm.MixtralTopKRouter, "forward", route)
+    monkeypatch.setattr(ds.DeepseekV3TopkRouter, "forward", deepseek_route)
 
 
-def transformers_alone(tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def transformers_alone(tmp_path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The object trained by its own forward and torch.optim.AdamW (decaying matrices only, as trainmesh does);
     its final weights read back under trainmesh's names through the family's mapping."""
-    model = hf_moe()
+    model = hf_moe(name)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -79,26 +133,35 @@ def transformers_alone(tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, hf.read_hf(tmp_path / "trained")[2]
 
 
-def through_parallelize(mesh: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+def through_parallelize(name: str, mesh: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
-    pm = tm.parallelize(hf_moe(), tm.init_mesh(**mesh), sequence_parallel=mesh.get("sequence_parallel", False),
+    pm = tm.parallelize(hf_moe(name), tm.init_mesh(**mesh), sequence_parallel=mesh.get("sequence_parallel", False),
                         precision="fp64")
     opt = tm.optimizer(pm, lr=LR)
     losses = [tm.train_step(pm, opt, batch) for batch in batches()]
     return losses, pm.state_dict()
 
 
-@pytest.mark.parametrize("mesh, world", [(dict(ep=2), 2),
-                                         pytest.param(dict(tp=2, ep=2, sequence_parallel=True), 4,
-                                                      marks=pytest.mark.slow)])
-def test_a_transformers_qwen3_moe_object_trains_through_parallelize_as_transformers_alone(tmp_path, fp64_islands,
-                                                                                         mesh, world):
-    losses, params = run_ranks(through_parallelize, world, mesh, timeout=300)[0]
-    ref_losses, ref_params = transformers_alone(tmp_path)
+def _case(name: str, world: int, slow: bool = False, **mesh):
+    """A parameter set named ``name-layout`` (``gemma3-tp2``), in the slow set when ``slow``."""
+    layout = "-".join(f"{k}{v}" for k, v in mesh.items() if k != "sequence_parallel")
+    layout += "-sp" if mesh.get("sequence_parallel") else ""
+    return pytest.param(name, mesh, world, id=f"{name}-{layout}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("name, mesh, world", [
+    _case("qwen3-moe", 2, ep=2), _case("mixtral", 2, ep=2), _case("deepseek-v3", 2, ep=2), _case("gpt-oss", 2, ep=2),
+    _case("gemma3", 2, tp=2), _case("qwen3-moe", 2, pp=2),
+    _case("qwen3-moe", 4, True, tp=2, ep=2, sequence_parallel=True),
+    _case("deepseek-v3", 4, True, tp=2, ep=2, sequence_parallel=True), _case("mixtral", 4, True, pp=2, ep=2)])
+def test_a_converted_transformers_object_trains_through_parallelize_as_transformers_alone(tmp_path, fp64_islands,
+                                                                                         name, mesh, world):
+    losses, params = run_ranks(through_parallelize, world, name, mesh, timeout=300)[0]
+    ref_losses, ref_params = transformers_alone(tmp_path, name)
     assert ref_params.keys() <= params.keys()  # and the routers' (unused) selection biases
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
     param_diff = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
-    print(f"{mesh}: |dloss| {loss_diff:.1e} |dparam| {param_diff:.1e}")
+    print(f"{name} {mesh}: |dloss| {loss_diff:.1e} |dparam| {param_diff:.1e}")
     assert loss_diff <= FP64_ATOL and param_diff <= FP64_ATOL, (loss_diff, param_diff)
     assert max(abs(a - b) for a, b in zip(ref_losses, ref_losses[1:])) > 1e-3  # it trained
 

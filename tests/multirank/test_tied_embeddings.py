@@ -79,6 +79,11 @@ def test_tied_qwen2_at_tp2_and_pp2_trains_as_one_process():
     assert_layouts_match_one_process([dict(mesh=dict(tp=2)), dict(mesh=dict(pp=2))], world=2)
 
 
+def test_tied_qwen2_at_dp2_zero3_trains_as_one_process():
+    """One stage: the head's ZeRO-3 unit owns the weight, the embedding's forward gathers that unit too."""
+    assert_layouts_match_one_process([dict(mesh=dict(dp=2), zero=3)], world=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [dict(zero=1), dict(zero=2), dict(zero=3), dict(schedule="zb"),
                                       dict(schedule="interleaved", virtual_stages=2), dict(schedule="gpipe")],

@@ -15,6 +15,7 @@ from trainmesh.distributed.testing import run_ranks
 from trainmesh.tracking.metrics import SavedActivations, per_rank_stats
 from trainmesh.parallel.zero import (FlatLayout, default_units, model_state_bytes_formula,
                             step_comm_bytes_formula)
+from trainmesh.parallel.zero.stage3 import lenders, own_params
 
 from helpers import Case, build, check_equivalent, config, mesh_of, nan_gradients, train
 
@@ -367,15 +368,18 @@ def test_default_units_are_embed_blocks_norm_head():
     assert names == ["embed", *(f"blocks.{i}" for i in range(TINY.n_layers)), "ln_f", "head"]
 
 
-def test_wrapping_policy_rejects_uncovered_and_shared_parameters():
+def test_wrapping_policy_rejects_uncovered_parameters_and_lends_shared_ones():
+    """A parameter two units share is the later one's; the earlier borrows it (gathers the later unit too)."""
     model = nn.Sequential(nn.Linear(2, 2))
     model.register_parameter("loose", nn.Parameter(torch.zeros(2)))
     with pytest.raises(ValueError, match="loose.*belong to no ZeRO-3 unit"):
         default_units(model)
     tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     tied[1].weight = tied[0].weight
-    with pytest.raises(ValueError, match="put both modules in one unit"):
-        default_units(tied)
+    units = default_units(tied)
+    owned = own_params(units)
+    assert [len(params) for params in owned] == [1, 2] and owned[0][0] is tied[0].bias
+    assert lenders(units, owned) == [[1], []]
 
 
 def test_zero_rejects_an_unknown_stage_with_the_fix():

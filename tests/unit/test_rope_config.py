@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from trainmesh.checkpoint.manifest import ManifestError, _rope_scaling
+from trainmesh.checkpoint.manifest import ManifestError, _check_model_shape, _rope_scaling
 from trainmesh.models import config_from_dict, preset
 from trainmesh.models.rope import RopeScaling, inverse_frequencies, rope_from_hf, rope_to_hf
 from trainmesh.models.spec import HFIncompatible
@@ -53,3 +53,14 @@ def test_a_manifest_keeps_the_scaling_and_refuses_a_bad_one():
     assert config_from_dict(preset("llama-tiny"), recorded) == cfg
     with pytest.raises(ManifestError, match="model.rope_scaling .*rope type 'ntk'"):
         _rope_scaling({**recorded["rope_scaling"], "rope_type": "ntk"})
+
+
+def test_a_manifest_keeps_gemmas_local_rope_base_and_refuses_a_bad_one():
+    """A number that may be off (``local_rope_theta``, ``query_pre_attn_scalar``) is checked as a number, not
+    as a sub-config: Gemma 3's checkpoints load."""
+    cfg = preset("gemma3-tiny")
+    recorded = dataclasses.asdict(cfg)
+    _check_model_shape(recorded, cfg, "family gemma3")
+    _check_model_shape({**recorded, "local_rope_theta": None}, cfg, "family gemma3")
+    with pytest.raises(ManifestError, match="model.local_rope_theta is -1.0; it must be a finite number above 0"):
+        _check_model_shape({**recorded, "local_rope_theta": -1.0}, cfg, "family gemma3")

@@ -175,16 +175,25 @@ def _check_model_shape(model: Any, expected: Any, name: str) -> None:
         if k == "rope_scaling":  # any model of a family may have one
             _rope_scaling(v)
             continue
+        if fields[k].default is None and "float" in str(fields[k].type):  # a number that may be off (a rope base)
+            if v is not None:
+                _positive_float(v, f"model.{k}")
+            continue
         if fields[k].default is None:  # a sub-config (``moe``): present exactly where the family has one
             if (v is None) != (getattr(expected, k) is None) or not (v is None or isinstance(v, dict)):
                 raise ManifestError(f"model.{k} is {show(v)}; {name} has {getattr(expected, k)}")
             continue
         if kind is bool and type(v) is not bool:
             raise ManifestError(f"model.{k} is {show(v)}; it must be true or false")
-        if kind is float and (type(v) not in (int, float) or not math.isfinite(v) or v <= 0):
-            raise ManifestError(f"model.{k} is {show(v)}; it must be a finite number above 0")
+        if kind is float:
+            _positive_float(v, f"model.{k}")
         if kind is int:
             _int(v, f"model.{k}", 0 if fields[k].default == 0 else 1)  # a size defaulting to 0 is off at 0
+
+
+def _positive_float(v: Any, what: str) -> None:
+    if type(v) not in (int, float) or not math.isfinite(v) or v <= 0:
+        raise ManifestError(f"{what} is {show(v)}; it must be a finite number above 0")
 
 
 def _check_scalars(m: dict) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -128,9 +127,7 @@ SPECS: list[ModelSpec] = [
                  llama.MIXTRAL_MAPPING, moe=True),
     llama_family("qwen3-moe", qwen.QWEN3_MOE_PRESETS, {}, qwen.QWEN3_TP_PLAN, qwen.QWEN3_MOE_MAPPING, moe=True),
     llama_family("deepseek-v3", deepseek.PRESETS, {}, deepseek.TP_PLAN, deepseek.HF_MAPPING, moe=True),
-    # No cp plan: neither the cp ring's merge nor a2a's head split carries GPT-OSS's per-head sinks.
-    replace(llama_family("gpt-oss", gpt_oss.PRESETS, gpt_oss.PLANNER_PRESETS, gpt_oss.TP_PLAN, gpt_oss.HF_MAPPING,
-                         moe=True), cp_plan={}),
+    llama_family("gpt-oss", gpt_oss.PRESETS, gpt_oss.PLANNER_PRESETS, gpt_oss.TP_PLAN, gpt_oss.HF_MAPPING, moe=True),
     *(hf_family(architecture) for architecture in hf_llama.ARCHITECTURES),
 ]
 

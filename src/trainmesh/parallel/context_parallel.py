@@ -345,10 +345,10 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.causal, ctx.scale, ctx.timeline, ctx.window = comm, causal, scale, timeline, window
         ctx.starts, ctx.documents = starts, documents
-        return _ungroup(out).to(q.dtype)
+        return _ungroup(out).to(q.dtype), lse.flatten(1, 2)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         comm, causal, scale, timeline = ctx.comm, ctx.causal, ctx.scale, ctx.timeline
         mesh = comm.mesh
@@ -356,7 +356,7 @@ class _RingAttention(torch.autograd.Function):
         nxt, prev = mesh.global_rank(cp=(r + 1) % cp), mesh.global_rank(cp=(r - 1) % cp)
         q5, dout5 = _grouped(q, k.shape[1]), _grouped(dout, k.shape[1]).to(out.dtype)
         q_starts = ctx.starts[r]
-        delta = (dout5 * out).sum(-1)
+        delta = (dout5 * out).sum(-1) - dlse.reshape(lse.shape)  # d lse_i / d s_ij = p_ij joins dP_ij
         dq = torch.zeros(q5.shape, dtype=out.dtype, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         sent: list = []  # (message, its send): each message stays alive until its send completes
@@ -387,10 +387,15 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, causal: bool = True,
-                   timeline: RingTimeline | None = None, window: int | None = None) -> torch.Tensor:
+                   timeline: RingTimeline | None = None, window: int | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's head-tail queries ``[b, h, t, d]`` over the whole sequence; ``timeline``
-    records each step's compute and wait; ``window`` masks block pairs, skipping those outside it."""
-    return _RingAttention.apply(q, k, v, comm, causal, timeline, window)
+    records each step's compute and wait; ``window`` masks block pairs, skipping those outside it; ``sinks`` (one
+    logit per query head, GPT-OSS's) join each softmax's denominator: the output times sigmoid(lse - sink)."""
+    out, lse = _RingAttention.apply(q, k, v, comm, causal, timeline, window)
+    if sinks is None:
+        return out
+    return (out * torch.sigmoid(lse - sinks.to(lse.dtype).view(-1, 1)).unsqueeze(-1)).to(out.dtype)
 
 
 # --- all-to-all (Ulysses) ---------------------------------------------------------------------------
@@ -449,11 +454,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: A
 
 def _attention_style(module: nn.Module, comm: Comm, impl: str) -> None:
     """Route an attention core's forward through cp attention, on the instance so recomputation wrapping it later
-    checkpoints the cp attention; the ring keeps the core's ``window``, a2a runs the core itself on whole sequences."""
+    checkpoints the cp attention; the ring keeps the core's ``window`` and ``sinks`` (a module giving one logit per
+    query head), a2a runs the core itself on whole sequences, its sinks cut to the heads this cp rank attends with."""
+    sinks = getattr(module, "sinks", None)
     if impl == "ring":
         window = getattr(module, "window", None)
-        module.forward = lambda q, k, v: ring_attention(q, k, v, comm, window=window)
+        module.forward = lambda q, k, v: ring_attention(q, k, v, comm, window=window,
+                                                        sinks=None if sinks is None else sinks())
     else:
+        if sinks is not None:
+            cp, rank = comm.mesh.size(AXIS), comm.mesh.rank(AXIS)
+            sinks.register_forward_hook(lambda _m, _args, out: out.chunk(cp)[rank])
         core = module.forward
         module.forward = lambda q, k, v: ulysses_attention(q, k, v, core, comm)
 

@@ -35,15 +35,9 @@ def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
-    """Refuse units that leave a trainable parameter out (it would be neither sharded nor reduced) or share
-    one (it would be flattened into two buffers, and its two views would diverge)."""
-    owner: dict[int, str] = {}
-    for unit_name, module in units:
-        for p in module.parameters():
-            if id(p) in owner:
-                raise ValueError(f"a parameter is shared by units {owner[id(p)]} and {unit_name}; "
-                                 f"put both modules in one unit")
-            owner[id(p)] = unit_name
+    """Refuse units that leave a trainable parameter out: it would be neither sharded nor reduced. (A parameter
+    two units share, a tied embedding's, is the later one's: :func:`own_params`, :func:`lenders`.)"""
+    owner = {id(p) for _, module in units for p in module.parameters()}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
     if missing:
         raise ValueError(f"parameters {missing} belong to no ZeRO-3 unit; move them into a submodule "
@@ -51,10 +45,20 @@ def _check_units_cover(model: nn.Module, units: list[tuple[str, nn.Module]]) -> 
 
 
 def own_params(units: list[tuple[str, nn.Module]]) -> list[list[nn.Parameter]]:
-    """Each unit's trainable parameters less those of a unit listed after it inside it (the routed experts
-    of a block, :func:`trainmesh.parallel.expert_parallel.with_expert_units`), so every parameter is in one unit."""
+    """Each unit's trainable parameters less those of a unit listed after it (the routed experts of a block,
+    :func:`trainmesh.parallel.expert_parallel.with_expert_units`; the head a tied embedding shares its weight with),
+    so every parameter is in one unit."""
     owner = {id(p): k for k, (_, m) in enumerate(units) for p in trainable(m)}
     return [[p for p in trainable(m) if owner[id(p)] == k] for k, (_, m) in enumerate(units)]
+
+
+def lenders(units: list[tuple[str, nn.Module]], owned: list[list[nn.Parameter]]) -> list[list[int]]:
+    """For each unit, the other units owning a parameter it uses from outside its own submodules (a tied
+    embedding's weight, owned by the head): its forward needs them gathered too."""
+    owner = {id(p): k for k, params in enumerate(owned) for p in params}
+    inside = [{id(p) for c in m.children() for p in c.parameters()} for _, m in units]
+    return [list(dict.fromkeys(owner[id(p)] for p in trainable(m) if owner[id(p)] != k and id(p) not in inside[k]))
+            for k, (_, m) in enumerate(units)]
 
 
 def _grad_tensors(values: object) -> list[torch.Tensor]:
@@ -115,15 +119,20 @@ class ZeroStage3(ZeroStage2):
                  units: list[tuple[str, nn.Module]] | None = None) -> None:
         units = with_expert_units(units if units is not None else default_units(module), module)
         owned = own_params(units)
-        self.units = [Unit(name, m, sharded_group(name, params, comm, reduction_axis(params[0], axis), reduce_dtype,
-                                                  own_shard=True), k)
-                      for k, ((name, m), params) in enumerate(zip(units, owned))]
+        holding = [k for k, params in enumerate(owned) if params]  # a tied embedding's unit may own nothing
+        self.units = [Unit(units[k][0], units[k][1], sharded_group(units[k][0], owned[k], comm,
+                                                                   reduction_axis(owned[k][0], axis), reduce_dtype,
+                                                                   own_shard=True), order)
+                      for order, k in enumerate(holding)]
         groups = [u.group for u in reversed(self.units)]
         super().__init__(module, comm, make_optimizer, bucket_bytes, reduce_dtype, scaler, axis, groups)
         self._unit_of = {u.group.name: u for u in self.units}
+        unit_at = dict(zip(holding, self.units))
+        for k, ((_, m), lent) in enumerate(zip(units, lenders(units, owned))):
+            for unit in ([unit_at[k]] if k in unit_at else []) + [unit_at[j] for j in lent]:
+                m.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+                m.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, args, out))
         for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
-            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, args, out))
             self._reshard(unit)
 
     def _unshard(self, unit: Unit, op: str) -> None:
