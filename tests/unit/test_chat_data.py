@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainmesh.data import DataError, PackedWindows, TokenData
+from trainmesh.data import DataError, PackedWindows, TokenData, document_mix
 from trainmesh.data.chat import START, TRAINED, ChatRenderer
 from trainmesh.data.prepare import PrepareOptions, prepare
 from trainmesh.data.sampler import pack
@@ -89,7 +89,11 @@ def test_prepare_chat_then_batches_of_whole_conversations(folder, tmp_path):
     assert read_index(str(out)).train_on == "assistant" and index.shards[0].labels_sha256
     for shard in index.shards:
         verify_shard(index, shard)
-    longest = max(len(_renderer(folder).encode(c, "")[0]) for c in CONVERSATIONS)
+    lengths = [len(_renderer(folder).encode(c, "")[0]) for c in CONVERSATIONS]
+    longest = max(lengths)
+    mix = document_mix(str(out))  # what the planner prices: the training split's conversations
+    train_tokens = sum(s.tokens for s in index.shards if s.split == "train")
+    assert set(mix) == set(lengths) and sum(mix) == train_tokens
     loaded = TokenData.load(str(out), seq_len=2 * longest)
     assert loaded.note == ""
     x, y, documents = loaded.train.batch(global_batch=4, seed=0, step=0)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Iterator
 
+from trainmesh.data import document_mix
 from trainmesh.app.config import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Bound, Config, number_flag
 from trainmesh.layout import LayoutError, validate
 from trainmesh.models import PRESET_NAMES, ModelShape, spec_of
@@ -22,6 +23,7 @@ from trainmesh.plan import (CLUSTER_PRESETS, GIB, MODEL_PRESETS, Cluster, Estima
                             format_table, local_cluster, make_cluster, model_shape, model_state_bytes, scaled, search,
                             to_json)
 from trainmesh.plan.hf_shape import read_hf_shape
+from trainmesh.plan.timing import document_saving
 from trainmesh.plan.published import format_published
 from trainmesh.plan.ranking import MAX_GPUS, MAX_LAYERS
 from trainmesh.training.state_bytes import DTYPE_BYTES
@@ -34,9 +36,12 @@ the run's own."""
 
 
 def workload_of(cfg: Config) -> Workload:
-    """The workload a :class:`~trainmesh.app.config.Config` trains: its model, global batch and dtypes."""
+    """The workload a :class:`~trainmesh.app.config.Config` trains: its model, global batch and dtypes, and under
+    ``--document-mask`` the mix of document lengths its data holds."""
     model = cfg.model_config
-    return Workload(spec_of(cfg.model.model).shape(model), cfg.optim.global_batch, model.seq_len, cfg.layout.precision, cfg.layout.reduce_dtype)
+    documents = document_mix(cfg.data.data) if cfg.data.document_mask else ()
+    return Workload(spec_of(cfg.model.model).shape(model), cfg.optim.global_batch, model.seq_len, cfg.layout.precision,
+                    cfg.layout.reduce_dtype, documents=documents)
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -152,7 +157,27 @@ def plan_config(cfg: Config, world: int, cuda_devices: int = 0) -> tuple[Config,
     """``trainmesh train --plan auto`` on this machine: the planned config and the line to print."""
     cluster = this_machine(world, cuda_devices > 0 and cfg.launch.device != "cpu")
     planned, chosen = auto_config(cfg, world, cluster)
-    return planned, describe_choice(chosen, cluster, planned.layout.precision)
+    return planned, describe_choice(chosen, cluster, planned.layout.precision) + saving_note(
+        workload_of(cfg), chosen.layout, cluster)
+
+
+def saving_note(workload: Workload, layout: Layout, cluster: Cluster) -> str:
+    """What confining attention to ``workload.documents`` saves of ``layout``'s step time ("" without documents)."""
+    if not workload.documents:
+        return ""
+    mean = sum(workload.documents) / len(workload.documents)
+    return (f"; the document mask saves {document_saving(workload, layout, cluster):.0%} of its step time "
+            f"({len(workload.documents):,} documents of {mean:,.0f} tokens on average)")
+
+
+def documents_flag(text: str) -> tuple[int, ...]:
+    """``--documents``: document lengths as N,N,... or prepared data whose mix is measured."""
+    if text.replace(",", "").isdigit() and all(text.split(",")):
+        lengths = tuple(int(n) for n in text.split(","))
+        if min(lengths) < 1:
+            raise ValueError(f"--documents {text}: every document has at least 1 token")
+        return lengths
+    return document_mix(text)
 
 
 def describe_choice(chosen: Estimate, cluster: Cluster, precision: str) -> str:
@@ -249,6 +274,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=rate, help="peak bf16 TFLOP/s per device (overrides --gpu)")
     parser.add_argument("--intra-gbps", type=rate, help="intra-node GB/s per device (overrides --gpu)")
     parser.add_argument("--inter-gbps", type=rate, help="inter-node GB/s per device (overrides --gpu)")
+    parser.add_argument("--documents", metavar="N,N,...|DATA",
+                        help="plan attention confined to packed documents (train --document-mask): their lengths, "
+                             "or a prepared data directory whose mix is measured; the plan says what it saves")
     parser.add_argument("--top", type=number_flag(int, AT_LEAST_1, SIZE_LIMIT), default=20, help="rows to print")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--slurm", metavar="FILE", type=_script_path,
@@ -325,6 +353,8 @@ def plan_from_args(args: argparse.Namespace) -> str:
     precision = resolve_precision(args.precision, cluster.has_bf16)
     model, fields = _base_model(args)
     workload = workload_from(model, args.global_batch or args.gpus, precision, args.reduce_dtype, **fields)
+    if args.documents:
+        workload = dataclasses.replace(workload, documents=documents_flag(args.documents))
     estimates = search(workload, cluster)
     chosen = choose(estimates)
     if args.json:
@@ -340,7 +370,8 @@ def plan_from_args(args: argparse.Namespace) -> str:
                 from None
         command.append(f"# sbatch script written to {args.slurm}")
     note = f" ({args.precision}: {'bf16 devices' if cluster.has_bf16 else 'no bf16 on cpu'})" if args.precision == "auto" else ""
-    return format_table(workload, cluster, estimates, chosen, command, args.top, note)
+    saving = "" if chosen is None else saving_note(workload, chosen.layout, cluster)
+    return format_table(workload, cluster, estimates, chosen, command, args.top, note) + saving.replace("; the", "\nThe", 1)
 
 
 def _source(args: argparse.Namespace, workload: Workload, fields: dict[str, object]) -> ModelSource:

@@ -5,7 +5,11 @@ memory-mapped shards (:mod:`.shards`) and each step's batch as a function of ``(
 from __future__ import annotations
 
 from dataclasses import dataclass
-from trainmesh.data.sampler import PackedWindows, TokenSequence, documents_from_eos, get_batch, global_batch_offsets
+
+import numpy as np
+
+from trainmesh.data.sampler import (PackedWindows, TokenSequence, conversation_starts, document_lengths,
+                                   documents_from_eos, get_batch, global_batch_offsets)
 from trainmesh.data.shards import Index, ShardStream, index_tokenizer, is_prepared, read_index, verify_shard
 from trainmesh.data.text import VOCAB_SIZE, DataError, load_tokens, read_bytes, stdlib_sources
 from trainmesh.data.tokenizer import TokenizerFile
@@ -75,6 +79,20 @@ class TokenData:
                    note)
 
 
+def document_mix(path: str) -> tuple[int, ...]:
+    """The lengths of the documents (chat data: conversations) at the start of prepared data's training split, the
+    mix a document-masked step attends over; refused in one line for data with no document ends."""
+    if not is_prepared(path):
+        raise DataError(f"{path or 'the default corpus'} is not prepared data, so it has no document ends; give "
+                        f"a directory `trainmesh prepare` wrote, or the lengths as N,N,...")
+    index = read_index(path)
+    tokens = ShardStream(index, index.split("train"))
+    if not index.train_on:
+        return document_lengths(tokens, index.eos_id)
+    starts = conversation_starts(ShardStream(index, index.split("train"), labels=True))
+    return tuple(np.diff(starts, append=len(tokens))[:1 << 14].tolist())
+
+
 def data_vocab_size(path: str, tokenizer: str) -> int | None:
     """The vocabulary the data's ids come from: the index's for prepared data, the tokenizer's for text
     with ``--tokenizer``; None for bytes (the model preset's vocabulary stands)."""
@@ -96,5 +114,5 @@ def pin_tokenizer(path: str, tokenizer: str) -> TokenizerFile | None:
 
 
 __all__ = ["DataError", "PackedWindows", "TokenData", "TokenSequence", "VOCAB_SIZE", "data_vocab_size",
-           "documents_from_eos", "get_batch", "is_prepared", "pin_tokenizer",
+           "document_lengths", "document_mix", "documents_from_eos", "get_batch", "is_prepared", "pin_tokenizer",
            "global_batch_offsets", "load_tokens", "read_bytes", "stdlib_sources"]

@@ -122,3 +122,11 @@ def documents_from_eos(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
     document it ends. A window's first document is often the tail of one begun before it."""
     ends = (inputs == eos_id).long()
     return ends.cumsum(1) - ends
+
+
+def document_lengths(tokens: TokenSequence, eos_id: int, limit: int = 1 << 20) -> tuple[int, ...]:
+    """The lengths of the whole documents among the first ``limit`` tokens (each with its end-of-document token):
+    the mix the planner prices a document-masked step by."""
+    head = torch.as_tensor(tokens[0:min(len(tokens), limit)]).long()
+    ends = (head == eos_id).nonzero().flatten()
+    return tuple(torch.diff(ends, prepend=ends.new_tensor([-1])).tolist())
