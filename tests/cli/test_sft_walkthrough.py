@@ -51,8 +51,8 @@ def test_sft_walkthrough_chats_in_transformers_as_in_trainmesh(tmp_path, capfd):
     data, ckpt, run, out = (tmp_path / name for name in ("data", "ckpt", "run", "export"))
     assert main(["prepare", "--chat", "--input", str(chat), "--tokenizer", str(model), "--out", str(data),
                  "--val-fraction", "0.25"]) == 0
-    assert main(["train", "--init-hf", str(model), "--data", str(data), "--steps", "3", "--global-batch", "2",
-                 "--seq-len", "64", "--lr", "1e-3", "--checkpoint-dir", str(ckpt), "--no-progress",
+    assert main(["train", "--init-hf", str(model), "--data", str(data), "--document-mask", "--steps", "3",
+                 "--global-batch", "2", "--seq-len", "64", "--lr", "1e-3", "--checkpoint-dir", str(ckpt), "--no-progress",
                  "--out", str(run)]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [r["trained_tokens"] for r in records if "trained_tokens" in r]
