@@ -128,16 +128,16 @@ def test_an_all_to_all_over_two_nodes_moves_its_node_s_share_over_nvlink_beside_
 
 def test_deepeps_kernels_run_each_link_at_their_measured_share() -> None:
     """A forwarded dispatch and combine at DeepEP's normal kernels' bandwidths [DeepEP README, H800]: within a node
-    of 8 at 153 and 158 of NVLink's 160 GB/s, across nodes by ep at 43 (EP16) to 58 (EP32) GB/s of the NIC's 50,
-    flat beyond; a dispatch sent straight keeps the link model."""
-    assert deepep_shares(16, False) == (43 / 50, 153 / 160) and deepep_shares(64, True) == (50 / 50, 158 / 160)
+    of 8 at 153 and 158 of the H800's 200 GB/s of NVLink, across nodes by ep at 43 (EP16) to 58 (EP32) GB/s of the
+    NIC's 50, flat beyond; a dispatch sent straight keeps the link model."""
+    assert deepep_shares(16, False) == (43 / 50, 153 / 200) and deepep_shares(64, True) == (50 / 50, 158 / 200)
     assert deepep_shares(32, True)[0] == 57 / 50
     assert deepep_shares(8, False)[0] == 43 / 50 and deepep_shares(128, True)[0] == 50 / 50
     cluster = dataclasses.replace(make_cluster("h100-80gb", 8), intra_latency=0.0)
     work, layout = Workload(model_shape("qwen3-30b-a3b"), 8, 4096, "bf16"), Layout(dp=8, ep=8)
     copies = routed_copy_bytes(work, layout, 2)
     forwarded = _priced(work, forward_dispatch=True)
-    for combine, share in ((False, 153 / 160), (True, 158 / 160)):
+    for combine, share in ((False, 153 / 200), (True, 158 / 200)):
         seconds = all_to_all_seconds(forwarded, layout, cluster, 2, combine)
         assert seconds == pytest.approx(copies * 7 / 8 / (cluster.intra_bw * share), rel=1e-12)
     assert all_to_all_seconds(work, layout, cluster, 2) == pytest.approx(copies * 7 / 8 / cluster.link(8)[0], rel=1e-12)

@@ -33,11 +33,11 @@ BACKWARD_FLOPS = 2.5  # an attention backward's FLOPs per forward FLOP (five mat
 GROUPED_ROWS = ((256, 0.730), (512, 0.818), (1024, 0.896), (4096, 0.994), (8192, 1.0))
 
 # DeepEP's normal (training) kernels, dispatch in FP8 and combine in bf16, on H800 with one CX7 400 Gb/s NIC a GPU
-# (~50 GB/s) and ~160 GB/s of NVLink, 4096 tokens of 7168 a rank, top-8 within 4 groups, on 24 SMs [DeepEP README,
-# V1 "Normal kernels with NVLink and RDMA forwarding", docs/legacy.md since V2]: bottleneck bandwidth (dispatch,
-# combine) over NVLink within a node of 8 (153, 158 GB/s) as a share of the link, over RDMA by ep (16: 43, 43;
-# 32: 58, 57; 64: 51, 50 GB/s) as a share of the NIC.
-DEEPEP_NVLINK = (153 / 160, 158 / 160)
+# (~50 GB/s) and ~160 GB/s of NVLink at most, 4096 tokens of 7168 a rank, top-8 within 4 groups, on 24 SMs [DeepEP
+# README, V1 "Normal kernels with NVLink and RDMA forwarding", docs/legacy.md since V2]: bottleneck bandwidth
+# (dispatch, combine) over NVLink within a node of 8 (153, 158 GB/s) as a share of the H800's datasheet 200 GB/s a
+# direction, over RDMA by ep (16: 43, 43; 32: 58, 57; 64: 51, 50 GB/s) as a share of the NIC's 50 GB/s.
+DEEPEP_NVLINK = (153 / 200, 158 / 200)
 DEEPEP_RDMA = ((16, 43 / 50, 43 / 50), (32, 58 / 50, 57 / 50), (64, 51 / 50, 50 / 50))
 
 
