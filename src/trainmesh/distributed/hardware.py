@@ -124,8 +124,9 @@ def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
 # models slow; NCCL reaches 70 % of the link bandwidth. Other GPUs take the fit, the half dimension scaled by
 # their ridge point (:func:`gemm_half_dim`).
 GPU_EFFICIENCY = (0.77, 160, 0.7)
-# Hopper's large-matmul efficiency, fitted on the nine Hopper rows of docs/planner.md ("Kernel curves") at once, dense
-# and MoE, with their attention and grouped matmuls at the measured curves: the one efficiency fitted for the generation.
+# Hopper's large-matmul efficiency, the one fitted for the generation, with attention and grouped matmuls at the
+# measured curves: the worst-case fit on the four dense Hopper rows of docs/planner.md ("Kernel curves"); no value
+# brings the MoE rows within their bound while the dense rows keep theirs.
 HOPPER_GEMM_EFFICIENCY = 0.65
 A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 # The share of the datasheet's HBM bandwidth a streaming copy reaches on A100 and H100 (BabelStream's copy and
