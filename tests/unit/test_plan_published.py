@@ -48,6 +48,20 @@ def test_llama3_8b_fp8_under_fsdp_on_one_h100_node_within_the_stated_error() -> 
     assert estimated.tokens_per_s / 8 == pytest.approx(14451, rel=0.10)
 
 
+# MoE rows outside their 15 % without a fitted host time (docs/planner.md, "Kernel curves"), each with the measured
+# gap: what these runs spend beyond their kernels' published rates is not priced by any published figure here.
+OUTSIDE = {"DeepSeek-V3, 2,048 H800": 0.290, "Qwen3-30B-A3B FP8, EP16, 16 H100": 0.524,
+           "Qwen3-30B-A3B FP8, PP2 EP8, 16 H100": 0.374, "GPT-OSS 120B, PP4 EP8, 64 H100": 0.350,
+           "Qwen3-235B-A22B, TP4 EP8 PP8, 256 H100": 0.607}
+
+
+def _outside(name: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"{name}: the planner is {OUTSIDE[name]:+.1%} fast; the MoE layer's "
+                             "time beyond its kernels' published rates (host-bound launches after the token-count "
+                             "sync) is not priced from a published figure")
+
+
+@_outside("DeepSeek-V3, 2,048 H800")
 def test_deepseek_v3_throughput_within_the_stated_error() -> None:
     """DeepSeek-V3 technical report (arXiv 2412.19437, 2.1.2, 3.1-3.3 and Table 1): 2048 H800s, PP16 under
     DualPipe, EP64 over 8 nodes, ZeRO-1 data parallelism, no TP, FP8 mixed precision, sequence 4096, batch
@@ -56,9 +70,9 @@ def test_deepseek_v3_throughput_within_the_stated_error() -> None:
     the 112 of 132 SMs the communication kernels leave (``comm_sm_share``); tokens go to their experts in FP8
     and come back in bf16 (``dispatch_dtype``), the experts multiplying in FP8 (``fp8_experts``); the model's
     routing (4 of 8 groups, one per node) and its dispatch kernels send each token once to each of at most 4
-    nodes, NVLink forwarding it to its experts there (``forward_dispatch``). Set here: DualPipe's bubble as ZB-H1's, no recomputation. The
-    planner is 11.7 % fast (34 % before the MoE layers' host-bound time was priced): the all-to-all hides behind
-    the compute (docs/planner.md, "Kernel curves")."""
+    nodes, NVLink forwarding it to its experts there (``forward_dispatch``). Set here: DualPipe's bubble as ZB-H1's,
+    no recomputation. The planner is 29.0 % fast: the all-to-all hides behind the compute, and the compute is
+    priced at its kernels' published rates (docs/planner.md, "Kernel curves")."""
     work = Workload(model_shape("deepseek-v3"), 15360, 4096, "fp8", pricing=DEEPSEEK_V3)
     cluster = make_cluster("h800-80gb", 2048)
     split = fastest_split(*layer_seconds(work, Layout(dp=128, ep=64, microbatches=120), cluster), 16)
@@ -72,11 +86,18 @@ from trainmesh.plan import kernels, published  # noqa: E402
 from trainmesh.plan import timing  # noqa: E402
 
 
-@pytest.mark.parametrize("run", published.PUBLISHED, ids=lambda r: r.name)
+@pytest.mark.parametrize("run", [pytest.param(r, id=r.name, marks=[_outside(r.name)] if r.name in OUTSIDE else [])
+                                 for r in published.PUBLISHED])
 def test_every_published_row_within_its_stated_error(run: published.PublishedRun) -> None:
     assert run.bound == (0.15 if run.moe else 0.10)
     err = published.error(run)
     assert abs(err) <= run.bound, f"{run.name}: {err:+.1%}"
+
+
+@pytest.mark.parametrize("run", [r for r in published.PUBLISHED if r.name in OUTSIDE], ids=lambda r: r.name)
+def test_the_rows_outside_their_bound_are_off_by_the_measured_gap(run: published.PublishedRun) -> None:
+    """The gap each xfailed row is documented with, to the tenth of a percent, so a change that moves it shows."""
+    assert published.error(run) == pytest.approx(OUTSIDE[run.name], abs=0.0015)
 
 
 def _errors() -> list[float]:
@@ -84,13 +105,14 @@ def _errors() -> list[float]:
 
 
 CURVES = ["attention_fa2", "attention_cudnn", "attention_fa3", "grouped_rows_share", "block_elementwise",
-          "expert_elementwise", "busiest_expert_rank", "moe_host_seconds"]
+          "expert_elementwise", "busiest_expert_rank", "deepep_shares"]
 
 
 @pytest.mark.parametrize("curve", CURVES)
 def test_removing_a_curve_moves_a_row(curve: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No curve or fitted term is decorative: without it at least one published row moves by 0.5 % or more. An
-    attention curve removed, the rows that name it are priced at one of the others'."""
+    """No curve is decorative: without it at least one published row moves by 0.5 % or more. An attention curve
+    removed, the rows that name it are priced at one of the others'; DeepEP's bandwidths removed, a forwarded
+    dispatch runs each link at NCCL's efficiency."""
     before = _errors()
     if curve.startswith("attention_"):
         kernel = curve.removeprefix("attention_")
@@ -100,8 +122,8 @@ def test_removing_a_curve_moves_a_row(curve: str, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(timing, "busiest_expert_rank", lambda ep, copies: 1.0)
     elif curve == "grouped_rows_share":  # every group at the large-group rate
         monkeypatch.setattr(timing, "grouped_rows_share", lambda rows: 1.0)
-    elif curve == "moe_host_seconds":
-        monkeypatch.setattr(timing, "moe_host_seconds", lambda layout, cluster: 0.0)
+    elif curve == "deepep_shares":
+        monkeypatch.setattr(timing, "deepep_shares", lambda ep, combine: (0.7, 0.7))
     else:
         monkeypatch.setattr(timing, f"{curve}_bytes", lambda *args, **kwargs: 0.0)
     after = _errors()
@@ -155,14 +177,12 @@ def test_the_planners_choice_is_printed_beside_the_published_recipe() -> None:
     assert f"{beside.own_figure:,.0f}" in text and f"{beside.published_figure:,.0f}" in text
 
 
-def test_the_planner_prefers_its_own_qwen3_235b_layout_for_the_time_it_saves() -> None:
-    """Qwen3-235B-A22B on 256 H100: the published TP4 EP8 PP8 layout fits, and the planner still takes its own,
-    without tp or ep and with fewer, larger micro-batches, naming the step parts it shortens (docs/planner.md,
-    "Kernel curves": the preference rests on the MoE host time being per layer pass)."""
+def test_the_planners_qwen3_235b_choice_rests_on_memory_not_on_a_predicted_speed_up() -> None:
+    """Qwen3-235B-A22B on 256 H100: the published TP4 EP8 PP8 layout needs more memory per rank in trainmesh than
+    the device leaves, and the planner's own, which fits, is predicted within 2 % of it: without a cost per MoE
+    layer pass, few large micro-batches no longer win on time (docs/planner.md, "The planner's choice")."""
     run = next(r for r in published.PUBLISHED if r.name.startswith("Qwen3-235B"))
     beside = published.beside_published(run)
-    assert beside.published_gib <= 78.0 and beside.own_gib <= 78.0
-    assert beside.own_layout.tp == beside.own_layout.ep == 1
-    assert beside.own_layout.microbatches < beside.published_layout.microbatches
-    assert beside.own_figure > 1.3 * beside.published_figure
-    assert "faster a step" in beside.reason and "compute" in beside.reason and "ep_comm" in beside.reason
+    assert beside.published_gib > 78.0 >= beside.own_gib
+    assert "above the" in beside.reason
+    assert beside.own_figure == pytest.approx(beside.published_figure, rel=0.02)

@@ -47,8 +47,7 @@ GIB = 2**30
 class Cluster:
     """Devices and links: one-way bytes/s per device (``inter_bw`` one NIC's), per-hop latencies, ``reserved_bytes``
     off limits; matmul and collective efficiencies; ``ranks_per_core``, ``direct_exchange`` (Gloo), ``memory_bw`` (0:
-    unpriced), ``comm_overlaps_compute`` (NCCL), ``hopper`` (measured kernel curves) and ``moe_pass_seconds``
-    (an MoE layer's host-bound time per pass, :data:`MOE_PASS_SECONDS`; 0: unpriced)."""
+    unpriced), ``comm_overlaps_compute`` (NCCL) and ``hopper`` (measured kernel curves)."""
 
     gpus: int
     gpus_per_node: int
@@ -70,7 +69,6 @@ class Cluster:
     memory_bw: float = 0.0
     comm_overlaps_compute: bool = True
     hopper: bool = False
-    moe_pass_seconds: float = 0.0
 
     def peak_at(self, precision: str) -> float:
         """Peak FLOP/s of a matmul in ``precision``: fp32's for the full precisions, FP8's for float8 linears on a
@@ -107,7 +105,7 @@ def _gpu_node(mem_bytes: int, peak: DevicePeak, nvlink: float, nic: float, hbm: 
                    peak_flops_fp32=peak.fp32, intra_bw=nvlink, inter_bw=nic, intra_latency=2e-6,
                    inter_latency=10e-6, gemm_efficiency=gemm, gemm_half_dim=gemm_half_dim(peak, hbm),
                    comm_efficiency=comm, reserved_bytes=2 * GIB, peak_flops_fp8=peak.fp8,
-                   memory_bw=hbm * STREAM_EFFICIENCY, hopper=hopper, moe_pass_seconds=MOE_PASS_SECONDS)
+                   memory_bw=hbm * STREAM_EFFICIENCY, hopper=hopper)
 
 
 def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
@@ -126,19 +124,14 @@ def gemm_half_dim(peak: DevicePeak, hbm: float) -> int:
 # models slow; NCCL reaches 70 % of the link bandwidth. Other GPUs take the fit, the half dimension scaled by
 # their ridge point (:func:`gemm_half_dim`).
 GPU_EFFICIENCY = (0.77, 160, 0.7)
-# Hopper's large-matmul efficiency, fitted on the nine Hopper rows of docs/planner.md ("Kernel curves") at once, dense
-# and MoE, with their attention and grouped matmuls at the measured curves: the one efficiency fitted for the generation.
+# Hopper's large-matmul efficiency, the one fitted for the generation, with attention and grouped matmuls at the
+# measured curves: the worst-case fit on the four dense Hopper rows of docs/planner.md ("Kernel curves"); no value
+# brings the MoE rows within their bound while the dense rows keep theirs.
 HOPPER_GEMM_EFFICIENCY = 0.65
 A100_80GB_HBM = 2.039e12  # bytes/s of the device the fit was made on
 # The share of the datasheet's HBM bandwidth a streaming copy reaches on A100 and H100 (BabelStream's copy and
 # triad kernels measure 85-90 %); gathers of whole rows of a few KiB, as token permutations are, stream alike.
 STREAM_EFFICIENCY = 0.85
-# Seconds an MoE layer's forward or backward takes on a GPU beyond its kernels' rates: the host waits on the
-# router's token counts (a device-to-host copy the dispatcher and the grouped matmuls need as sizes), so the
-# stream drains and the layer's kernels after it run at the host's launch rate. Fitted with
-# HOPPER_GEMM_EFFICIENCY on the Hopper rows of docs/planner.md ("Kernel curves"); only the five MoE rows depend
-# on it (worst +12.7 %). A device timeline of one MoE block is what would size it directly.
-MOE_PASS_SECONDS = 1.9e-3
 
 
 # Peaks from DEVICE_PEAKS, NVLink bandwidth per direction, one 200 Gb/s (A100) or 400 Gb/s

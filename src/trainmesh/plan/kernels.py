@@ -1,7 +1,8 @@
 """Published kernel measurements the step-time model prices from, cited in docs/planner.md ("Kernel curves"):
 :data:`ATTENTION`, fused attention TFLOP/s on an H100 by head dimension and length (FlashAttention-2, cuDNN,
 FlashAttention-3 [FA3: Shah et al., arXiv 2407.08608, Fig. 5-6]); :data:`GROUPED_ROWS`, a grouped expert matmul's
-rate by rows per expert [DeepGEMM README, H800]; :func:`busiest_expert_rank`, the ep load spread."""
+rate by rows per expert [DeepGEMM README, H800]; :data:`DEEPEP_NVLINK` and :data:`DEEPEP_RDMA`, a
+forwarding dispatch's bandwidths [DeepEP README, H800]; :func:`busiest_expert_rank`, the ep load spread."""
 
 from __future__ import annotations
 
@@ -31,11 +32,26 @@ BACKWARD_FLOPS = 2.5  # an attention backward's FLOPs per forward FLOP (five mat
 # N 7168 K 2048: 1099, 1093, 925, 916, 815): the row tiles a small group leaves part empty.
 GROUPED_ROWS = ((256, 0.730), (512, 0.818), (1024, 0.896), (4096, 0.994), (8192, 1.0))
 
+# DeepEP's normal (training) kernels, dispatch in FP8 and combine in bf16, on H800 with one CX7 400 Gb/s NIC a GPU
+# (~50 GB/s) and ~160 GB/s of NVLink at most, 4096 tokens of 7168 a rank, top-8 within 4 groups, on 24 SMs [DeepEP
+# README, V1 "Normal kernels with NVLink and RDMA forwarding", docs/legacy.md since V2]: bottleneck bandwidth
+# (dispatch, combine) over NVLink within a node of 8 (153, 158 GB/s) as a share of the H800's datasheet 200 GB/s a
+# direction, over RDMA by ep (16: 43, 43; 32: 58, 57; 64: 51, 50 GB/s) as a share of the NIC's 50 GB/s.
+DEEPEP_NVLINK = (153 / 200, 158 / 200)
+DEEPEP_RDMA = ((16, 43 / 50, 43 / 50), (32, 58 / 50, 57 / 50), (64, 51 / 50, 50 / 50))
+
 
 def grouped_rows_share(rows: float) -> float:
     """A grouped expert matmul's rate at ``rows`` per expert over its large-group rate (:data:`GROUPED_ROWS`),
     interpolated in log rows; flat beyond the measured ends."""
     return _interpolate(GROUPED_ROWS, rows)
+
+
+def deepep_shares(ep: int, combine: bool) -> tuple[float, float]:
+    """(NIC share, NVLink share) of DeepEP's normal kernels' measured bottleneck bandwidth for a dispatch (or a
+    ``combine``) over ``ep`` ranks (:data:`DEEPEP_RDMA`, interpolated in log ep, flat beyond the measured ends)."""
+    i = 2 if combine else 1
+    return _interpolate(tuple((p[0], p[i]) for p in DEEPEP_RDMA), ep), DEEPEP_NVLINK[i - 1]
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:

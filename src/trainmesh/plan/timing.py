@@ -18,7 +18,7 @@ from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_t
 from trainmesh.plan.flops import (attention_forward_flops, attention_weights, block_forward_flops, core_width,
                                   is_moe_layer)
 from trainmesh.plan.kernels import (ATTENTION_PEAK, BACKWARD_FLOPS, attention_rates, busiest_expert_rank,
-                                    grouped_rows_share)
+                                    deepep_shares, grouped_rows_share)
 from trainmesh.plan.memory import candidate_stages, expert_unit, router_and_shared, stage_blocks
 from trainmesh.plan.stages import stage_kinds
 from trainmesh.layout import Layout
@@ -170,8 +170,7 @@ def gemm_time(gemm: Gemm, workload: Workload, cluster: Cluster) -> float:
 
 def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: bool = False) -> float:
     """One block's forward and backward for one micro-batch: each matmul 3x (4x under full recomputation), the attention
-    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts, token movement and
-    :func:`moe_host_seconds`."""
+    core per :func:`attention_core_seconds`; MoE adds the busiest ep rank's experts and the token movement."""
     passes = 4 if layout.recompute == "full" else 3
     gemms = block_gemms(workload, layout, moe)
     core = attention_core_seconds(gemms.pop("attention"), workload, layout, cluster)
@@ -179,8 +178,6 @@ def block_seconds(workload: Workload, layout: Layout, cluster: Cluster, moe: boo
     matmuls = passes * sum(gemm_time(g, workload, cluster) for g in gemms.values()) + core
     if experts:
         matmuls += passes * sum(expert_gemm_seconds(g, workload, layout, cluster) for g in experts.values())
-    if moe:
-        matmuls += moe_host_seconds(layout, cluster)
     if not cluster.memory_bw:
         return matmuls
     moved = block_elementwise_bytes(workload, layout, moe)
@@ -230,12 +227,6 @@ def block_elementwise_bytes(workload: Workload, layout: Layout, moe: bool = Fals
                 rows, inner, _ = g.dims
                 casts += reruns * rows * inner + g.flops / (2 * inner)  # its input; its output's gradient
     return elements * e + CAST_BYTES * casts
-
-
-def moe_host_seconds(layout: Layout, cluster: Cluster) -> float:
-    """An MoE layer's host-bound time for one micro-batch: ``Cluster.moe_pass_seconds`` per pass (forward, backward,
-    the forward again under full recomputation), as each waits on the router's token counts before it goes on."""
-    return (3 if layout.recompute == "full" else 2) * cluster.moe_pass_seconds
 
 
 def attention_core_seconds(core: Gemm, workload: Workload, layout: Layout, cluster: Cluster) -> float:
@@ -441,8 +432,9 @@ def _ep_time_per_micro(workload: Workload, layout: Layout, cluster: Cluster, sta
         return 0.0
     activation = workload.dtype_bytes.activation
     dispatch = DTYPE_BYTES[workload.pricing.dispatch_dtype] if workload.pricing.dispatch_dtype else activation
-    return rounds * sum((all_to_all_seconds(workload, layout, cluster, e) if layout.ep > 1 else 0.0)
-                        + etp_seconds(workload, layout, cluster, e) for e in (dispatch, activation))
+    ways = ((dispatch, False), (activation, True))
+    return rounds * sum((all_to_all_seconds(workload, layout, cluster, e, combine) if layout.ep > 1 else 0.0)
+                        + etp_seconds(workload, layout, cluster, e) for e, combine in ways)
 
 
 def etp_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
@@ -454,20 +446,26 @@ def etp_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_by
     return (layout.etp - 1) * (alpha + routed_copy_bytes(workload, layout, element_bytes) / bw)
 
 
-def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float) -> float:
-    """One all-to-all of a micro-batch's top_k token copies over the ep group, at the slower of NIC and NVLink across
-    nodes; under ``pricing.forward_dispatch`` once per node holding its experts, as DeepSeek-V3 does [DSV3, 2.1.2 and
-    3.2.2]."""
+def all_to_all_seconds(workload: Workload, layout: Layout, cluster: Cluster, element_bytes: float,
+                       combine: bool = False) -> float:
+    """One all-to-all of a micro-batch's top_k token copies over the ep group (a dispatch, or a ``combine``), at the
+    slower of NIC and NVLink across nodes. Under ``pricing.forward_dispatch`` DeepEP's kernels run it: across nodes
+    once per node holding a token's experts, as DeepSeek-V3 does [DSV3, 2.1.2 and 3.2.2], each link at the share
+    of it those kernels measure (:func:`trainmesh.plan.kernels.deepep_shares`)."""
     m, lay = workload.model, layout
     copies = routed_copy_bytes(workload, lay, element_bytes)
     nodes = -(-lay.ep_span // cluster.gpus_per_node)
+    forwarded = workload.pricing.forward_dispatch
+    nic_share, nvlink_share = deepep_shares(lay.ep, combine)
     if nodes < 2:
         bw, alpha = cluster.link(lay.ep_span)
+        bw = cluster.intra_bw * nvlink_share if forwarded else bw
         return (lay.ep - 1) * (alpha + copies / (lay.ep * bw))
     (inter, alpha), (intra, _) = cluster.link(cluster.gpus_per_node + 1), cluster.link(1)
-    if workload.pricing.forward_dispatch:
+    if forwarded:
         crossing = copies / m.top_k * nodes_per_token(m, nodes) * (nodes - 1) / nodes
-        return (nodes - 1) * alpha + max(crossing / inter, copies / intra)
+        nic, nvlink = cluster.inter_bw * nic_share, cluster.intra_bw * nvlink_share
+        return (nodes - 1) * alpha + max(crossing / nic, copies / nvlink)
     beside = copies * (lay.ep // nodes - 1) / lay.ep
     return (lay.ep - 1) * alpha + max(copies * (nodes - 1) / nodes / inter, beside / intra)
 

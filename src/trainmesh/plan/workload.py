@@ -18,8 +18,9 @@ from trainmesh.training.state_bytes import DTYPE_BYTES, Precision, precision_byt
 class Pricing:
     """How a run's kernels behave where the layout does not say, for pricing published runs (the search never changes
     them): ``a2a_overlap`` [DSV3, 3.2.1], FP8 ``dispatch_dtype`` [DSV3, 3.3.3], ``comm_sm_share`` [DSV3, 3.2.2],
-    ``fp8_experts`` [DSV3, 3.3], ``forward_dispatch`` (DeepEP's), ``attention_kernel`` "fa2"/"cudnn"/"fa3"
-    (:data:`~trainmesh.plan.kernels.ATTENTION`; "fa2", the flash kernel PyTorch's SDPA and so trainmesh run)."""
+    ``fp8_experts`` [DSV3, 3.3], ``forward_dispatch`` (DeepEP's kernels, at their measured bandwidths),
+    ``attention_kernel`` "fa2"/"cudnn"/"fa3" (:data:`~trainmesh.plan.kernels.ATTENTION`; "fa2", the flash kernel
+    PyTorch's SDPA and so trainmesh run)."""
 
     a2a_overlap: bool = False
     dispatch_dtype: str = ""
