@@ -366,24 +366,24 @@ def token_divisors(mesh: Mesh, micro_batches: MicroBatches,
     (one small all-reduce). The micro-batches' counts are read in one host sync, before the step computes."""
     counts = torch.stack([trained_count(mb[1]) for mb in micro_batches]).tolist()
     if global_targets is None:
-        total = int(sum_over_data(mesh, torch.tensor([sum(counts)], dtype=torch.int64)).item())
+        total = int(sum_over_data(mesh, torch.tensor([sum(counts)], dtype=torch.int64), "trained_tokens").item())
     else:
         total = int(trained_count(global_targets))
     return loss_divisors(counts, total, mesh.size("dp") * mesh.size("cp")), total
 
 
-def sum_over_data(mesh: Mesh, values: torch.Tensor) -> torch.Tensor:
+def sum_over_data(mesh: Mesh, values: torch.Tensor, op: str) -> torch.Tensor:
     """``values`` summed over the ranks that hold the same layers and saw other tokens (dp x cp): tp ranks
-    route the same tokens and pipeline stages hold other layers, so neither is summed over."""
+    route the same tokens and pipeline stages hold other layers, so neither is summed over; ``op`` names it."""
     if mesh.size(GRAD_AXIS) == 1:
         return values
-    return log_all_reduce(values.to(mesh.device), group=mesh.group(GRAD_AXIS))
+    return log_all_reduce(values.to(mesh.device), group=mesh.group(GRAD_AXIS), op=op, axis=GRAD_AXIS)
 
 
 def update_routing(module: nn.Module, mesh: Mesh) -> None:
     """After an optimizer step: the aux-loss-free bias update of every MoE layer (DeepSeek-V3), from the
     step's per-expert counts summed over the data-parallel ranks (:func:`sum_over_data`)."""
-    moe.update_expert_bias(module, lambda counts: sum_over_data(mesh, counts))
+    moe.update_expert_bias(module, lambda counts: sum_over_data(mesh, counts, "expert_counts"))
 
 
 def global_mean(mesh: Mesh, value: torch.Tensor) -> float:

@@ -120,7 +120,7 @@ def test_hung_rank_is_named_with_its_stack_and_nothing_is_left(tmp_path):
                        "--collective-timeout", str(timeout), env={"TRAINMESH_FAULT": "hang@1:3"})
     elapsed = time.monotonic() - start
     assert result.returncode != 0
-    assert "collective dp/all_reduce #" in result.stderr
+    assert "collective dp_cp/trained_tokens" in result.stderr  # the step's first collective: the loss's token count
     assert "rank(s) [1] never arrived" in result.stderr
     assert "in inject_fault" in result.stderr, "the hung rank's Python stack is missing from the report"
     # start-up takes several seconds on a loaded machine; the report must follow the timeout within 5 s

@@ -80,7 +80,7 @@ def test_tp2_sequence_parallel_with_micro_batches_equals_one_process_at_every_ze
 def _expert_tokens(run: Built) -> list[int]:
     """Token copies each MoE layer routed in the last step, summed over the ranks that saw other tokens
     (:func:`trainmesh.api.sum_over_data`, as the bias update sums them)."""
-    return [int(api.sum_over_data(run.mesh, layer.stats.counts.double()).sum())
+    return [int(api.sum_over_data(run.mesh, layer.stats.counts.double(), "expert_counts").sum())
             for _, layer in moe.moe_layers(run.model)]
 
 

@@ -209,7 +209,7 @@ def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
                                          layer.stats.z_loss, layer.stats.forwards], dtype=torch.float64)])
                 for _, layer in layers]
         sizes = [len(row) for row in rows]
-        summed = api.sum_over_data(run.mesh, torch.cat(rows)).cpu().split(sizes)
+        summed = api.sum_over_data(run.mesh, torch.cat(rows), "moe_metrics").cpu().split(sizes)
         for (name, _), row in zip(layers, summed):
             counts, (dropped, routed, aux, z, forwards) = row[:-5], row[-5:].tolist()
             out[name] = {"expert_tokens": [int(c) for c in counts.tolist()],

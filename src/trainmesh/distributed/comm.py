@@ -290,17 +290,19 @@ class Comm:
         return {f"{axis}/{op}": nbytes for (axis, op), nbytes in sorted(self.bytes.items())}
 
 
-def _uncounted(op: str, group: dist.ProcessGroup | None, work) -> None:
-    """Wait for an unnumbered logging collective; a failure names it and its group like a counted one,
-    so a hang report can tell the ranks that were waiting in it from those that never arrived."""
-    Pending(work, f"rank {dist.get_rank()}: collective {'world' if group is None else 'group'}/{op}", group).wait()
+def _uncounted(op: str, group: dist.ProcessGroup | None, work, axis: str = "") -> None:
+    """Wait for an unnumbered logging collective; a failure names it and its group (``axis`` when given) like a
+    counted one, so a hang report can tell the ranks that were waiting in it from those that never arrived."""
+    where = axis or ("world" if group is None else "group")
+    Pending(work, f"rank {dist.get_rank()}: collective {where}/{op}", group).wait()
 
 
 def log_all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None = None,
-                   reduce_op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Reduce a few logging scalars over ``group`` (the world by default), uncounted."""
+                   reduce_op=dist.ReduceOp.SUM, op: str = "log_all_reduce", axis: str = "") -> torch.Tensor:
+    """Reduce a few scalars over ``group`` (the world by default), uncounted; ``op`` and ``axis`` name it in a
+    hang report."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        _uncounted("log_all_reduce", group, dist.all_reduce(values, op=reduce_op, group=group, async_op=True))
+        _uncounted(op, group, dist.all_reduce(values, op=reduce_op, group=group, async_op=True), axis)
     return values
 
 
