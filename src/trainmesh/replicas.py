@@ -52,7 +52,9 @@ class ReplicaGroup:
     Call :meth:`start_step` before each :func:`trainmesh.train_step`: it joins the step's quorum (a group that
     (re)joins copies a live peer's parameters and optimizer state there) and returns the step to train, the
     same on every group alive. The engine then averages its gradients over the quorum's groups and updates only
-    if torchft commits the step (a failed one returns a NaN norm and is trained again on the next call)."""
+    if torchft commits the step (a failed one returns a NaN norm and is trained again on the next call).
+    ``host``: the name or address the other groups reach this one at (default: this machine's host name);
+    ``timeout_s`` bounds every torchft wait (quorum, collectives, the heal's transfer)."""
 
     def __init__(self, model: ParallelModel, opt: Optimizer, lighthouse: str, replica: int, *,
                  min_replicas: int = 1, timeout_s: float = 10.0, host: str | None = None) -> None:
@@ -64,15 +66,16 @@ class ReplicaGroup:
                              f"groups; under torchft each world is one replica group: drop dp_replicate")
         self.model = model
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        self._store, addr, port = _group_store(world)
+        host = host or socket.gethostname()
+        self._store, port = _group_store(host, rank, world)
         timeout = timedelta(seconds=timeout_s)
         pg = ft.ProcessGroupGloo(timeout=timeout) if model.mesh.device.type == "cpu" else ft.ProcessGroupNCCL(
             timeout=timeout)
         self.manager = ft.Manager(pg=pg, load_state_dict=self._load, state_dict=self._state,
                                   min_replica_size=min_replicas, use_async_quorum=False, timeout=timeout,
                                   quorum_timeout=timeout, connect_timeout=timeout, rank=rank, world_size=world,
-                                  store_addr=addr, store_port=port, lighthouse_addr=lighthouse,
-                                  replica_id=f"replica{replica}", hostname=host or socket.gethostname())
+                                  store_addr=host, store_port=port, lighthouse_addr=lighthouse,
+                                  replica_id=f"replica{replica}", hostname=host)
         model.engine.replica_sync = self._sync
 
     def start_step(self) -> int:
@@ -116,10 +119,12 @@ class ReplicaGroup:
                 v.copy_(state["module"][k])
 
 
-def _group_store(world: int) -> tuple[dist.TCPStore | None, str, int]:
-    """The store torchft's Manager meets this group's ranks in: the world's own (``MASTER_ADDR``/``PORT``), or for
-    a one-rank world, which has none, one this process hosts."""
+def _group_store(host: str, rank: int, world: int) -> tuple[dist.TCPStore | None, int]:
+    """The store torchft meets in: this group's ranks, and the groups a quorum joins, in the store of its group
+    with the newest state. So the group's first rank hosts one at ``host``, which the other groups reach (a
+    world's own store may listen on 127.0.0.1 only); returns it (None on the other ranks) and its port."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
     if world > 1:
-        return None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return store, "127.0.0.1", store.port
+        dist.broadcast_object_list(port, src=0)
+    return store, port[0]
