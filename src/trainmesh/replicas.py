@@ -102,10 +102,10 @@ class ReplicaGroup:
 
     def _state(self) -> dict[str, dict[str, torch.Tensor]]:
         """What a peer that heals from this rank copies: its shard of the parameters and optimizer state, as the
-        checkpoints hold them, and its module's tensors as they stand (copies: the step goes on while it reads)."""
+        checkpoints hold them, and its module's tensors that it holds (copies: the step goes on while it reads)."""
         return {"shards": {t.name: t.views[0].detach().clone()
                            for t in local_state(self.model.module, self.model.engine)},
-                "module": {k: v.detach().clone() for k, v in self.model.module.state_dict().items()}}
+                "module": {k: v.detach().clone() for k, v in _held(self.model.module).items()}}
 
     def _load(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take the state of the peer group's rank that holds what this rank holds (same layout). torchft heals
@@ -115,8 +115,14 @@ class ReplicaGroup:
             for view in t.views:
                 view.copy_(state["shards"][t.name])
         with torch.no_grad():
-            for k, v in self.model.module.state_dict().items():
+            for k, v in _held(self.model.module).items():
                 v.copy_(state["module"][k])
+
+
+def _held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s tensors whose memory this rank holds now (ZeRO-3 frees the storage of the parameters it
+    gathers only for compute; their shards travel in the optimizer's state)."""
+    return {k: v for k, v in module.state_dict().items() if v.untyped_storage().nbytes() > 0}
 
 
 def _group_store(host: str, rank: int, world: int) -> tuple[dist.TCPStore | None, int]:

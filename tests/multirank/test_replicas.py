@@ -132,7 +132,8 @@ def _check(case: Case, final: list[dict], logs: Path, replicas: int, die_at: int
             assert diff <= FP64_ATOL, f"group {g} {name}: max |diff| {diff} vs one process"
 
 
-def test_killed_replica_group_leaves_the_other_training_and_heals_from_it(tmp_path):
-    case = in_fp64(run_config(dp=2, zero=2, steps=8, global_batch=4, warmup_steps=1))
+@pytest.mark.parametrize("zero", [2, pytest.param(0, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_killed_replica_group_leaves_the_other_training_and_heals_from_it(tmp_path, zero):
+    case = in_fp64(run_config(dp=2, zero=zero, steps=8, global_batch=4, warmup_steps=1))
     final = _run_groups(case, ranks=2, replicas=2, die_at=2, wait_at=5, logs=tmp_path)
     _check(case, final, tmp_path, replicas=2, die_at=2, wait_at=5)
