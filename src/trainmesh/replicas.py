@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
@@ -54,10 +55,11 @@ class ReplicaGroup:
     same on every group alive. The engine then averages its gradients over the quorum's groups and updates only
     if torchft commits the step (a failed one returns a NaN norm and is trained again on the next call).
     ``host``: the name or address the other groups reach this one at (default: this machine's host name);
-    ``timeout_s`` bounds every torchft wait (quorum, collectives, the heal's transfer)."""
+    ``timeout_s`` bounds every torchft wait (quorum, collectives, the heal's transfer); ``step``: where this
+    group's own state stands (a resumed checkpoint's step), which a group further behind heals past."""
 
     def __init__(self, model: ParallelModel, opt: Optimizer, lighthouse: str, replica: int, *,
-                 min_replicas: int = 1, timeout_s: float = 10.0, host: str | None = None) -> None:
+                 min_replicas: int = 1, timeout_s: float = 10.0, host: str | None = None, step: int = 0) -> None:
         ft = _torchft()
         if opt.engine is not model.engine or model.engine is None:
             raise ValueError("pass the model and the optimizer trainmesh.optimizer(model) returned for it")
@@ -76,12 +78,22 @@ class ReplicaGroup:
                                   quorum_timeout=timeout, connect_timeout=timeout, rank=rank, world_size=world,
                                   store_addr=host, store_port=port, lighthouse_addr=lighthouse,
                                   replica_id=f"replica{replica}", hostname=host)
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
         model.engine.replica_sync = self._sync
 
     def start_step(self) -> int:
         """Join this step's quorum, healing from a live peer if this group is behind; returns the step to train."""
         self.manager.start_quorum()
         return self.manager.current_step()
+
+    def steps(self, stop: int) -> Iterator[int]:
+        """The step to train next (:meth:`start_step`) until ``stop``; a step given up comes again."""
+        while (step := self.start_step()) < stop:
+            yield step
+
+    def committed(self, step: int) -> bool:
+        """Whether ``step``, just trained, was committed (else it is trained again on the next quorum)."""
+        return self.manager.current_step() == step + 1
 
     @property
     def participants(self) -> int:
