@@ -68,7 +68,7 @@ def _train_group(case: Case, address: str, replica: int, replicas: int, die_at: 
             continue
         run.opt.lr = schedule.at(step)
         loss = tm.train_step(run.parallel, run.opt, _batch(run, step, replica, replicas), max_norm=case.grad_clip)
-        if group.manager.current_step() == step + 1:
+        if group.committed(step):
             _log(log, (step, group.participants, loss))
     group.close()
     return run.parallel.state_dict()

@@ -25,6 +25,7 @@ from trainmesh.data import TokenData, documents_from_eos, get_batch, pin_tokeniz
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.store import all_gather_json
+from trainmesh.replicas import ReplicaGroup
 from trainmesh.distributed.launcher import start_heartbeat
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.tracking import metrics
@@ -283,13 +284,12 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Cal
     saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited, "write_s": handle.write_s})
 
 
-def replica_group(run: Run, step: int) -> Any:
+def replica_group(run: Run, step: int) -> ReplicaGroup | None:
     """``--lighthouse``: this run as one torchft replica group (:class:`trainmesh.replicas.ReplicaGroup`) that
     resumes at ``step``; None without it."""
     launch = run.cfg.launch
     if not launch.lighthouse:
         return None
-    from trainmesh.replicas import ReplicaGroup
     return ReplicaGroup(run.parallel, run.opt, launch.lighthouse, launch.replica_group, step=step,
                         timeout_s=launch.collective_timeout)
 
