@@ -68,12 +68,13 @@ def measure(bed, model: str = "small", steps: int = 24, kill_after: int = 8, glo
             heartbeat_ms: int = 500, join_ms: int = 200, workdir: Path | None = None) -> dict:
     """On ``bed`` (:class:`~trainmesh.distributed.testbed.TestBed` of 2 nodes): a lighthouse and replica group 0 on
     node 0, replica group 1 on node 1, killed (every process of the node) once it has committed ``kill_after``
-    steps; the survivor's :func:`figures`. ``heartbeat_ms`` is how long the lighthouse waits for a silent group."""
+    steps; the survivor's :func:`figures`. ``heartbeat_ms`` is how long the lighthouse waits for a silent group.
+    Node 1's processes are gone afterwards; the bed's namespaces stay for the next case."""
     work = Path(workdir or tempfile.mkdtemp())
     lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"[::]:{LIGHTHOUSE_PORT}",
                   "--min_replicas", "1", "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
-    bed.start(0, lighthouse, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    beacon = bed.start(0, lighthouse, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://{bed.members[0].addr}:{LIGHTHOUSE_PORT}"
     logs = [work / f"replica{k}.jsonl" for k in range(NODES)]
     argv = lambda k: [sys.executable, "-m", "trainmesh", "launch", "--nproc", str(PER_NODE), "--master-port",
@@ -81,8 +82,11 @@ def measure(bed, model: str = "small", steps: int = 24, kill_after: int = 8, glo
                       "--steps", str(steps), "--global-batch", str(global_batch), "--log", str(logs[k])]
     procs = [bed.start(k, argv(k), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for k in range(NODES)]
-    killed_at = _kill_after(bed, procs, logs[KILLED], kill_after)
-    err = procs[0].communicate(timeout=1800)[1]
+    try:
+        killed_at = _kill_after(bed, procs, logs[KILLED], kill_after)
+        err = procs[0].communicate(timeout=1800)[1]
+    finally:
+        beacon.kill()
     if procs[0].returncode:
         raise SystemExit(f"the surviving group failed:\n{err[-3000:]}")
     return figures(_attempts(logs[0]), killed_at)
