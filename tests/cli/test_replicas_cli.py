@@ -87,4 +87,5 @@ def test_a_killed_group_started_again_heals_while_the_other_trains_on(tmp_path):
     assert [r["replica_groups"] for r in alone] == sorted(r["replica_groups"] for r in alone), "1s, then 2s"
     assert alone[0]["replica_groups"] == 1 and back[0]["step"] > 1, (alone[:3], back[:3])
     assert all(r["replica_groups"] == 2 for r in back)
-    assert {r["step"] for r in back[:-1]} <= {r["step"] for r in alone}, "the same steps, together (the last may be in flight)"
+    together = {r["step"] for r in back[:-1]}  # the last may still be in flight on group 0
+    assert together <= {r["step"] for r in alone}, "both groups trained the same steps"
