@@ -224,6 +224,10 @@ class LaunchSettings:
                              "again copies a live group's state (needs the ft extra; docs/multinode.md)")
     replica_group: int = option(0, "this run's replica group under --lighthouse (0, 1, ...): it reads batches of its "
                                 "own, drawn with --seed plus the group", low=AT_LEAST_0, high=Bound(10_000))
+    replica_timeout: float = option(60.0, "seconds the replica groups under --lighthouse wait for each other (the "
+                                    "quorum, the gradient all-reduce, a heal's transfer): a frozen group holds the "
+                                    "others this long before they go on without it (a killed one, a step)",
+                                    low=AT_LEAST_1, high=MAX_SECONDS)
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,7 @@ def replica_group(run: Run, step: int) -> ReplicaGroup | None:
     if not launch.lighthouse:
         return None
     return ReplicaGroup(run.parallel, run.opt, launch.lighthouse, launch.replica_group, step=step,
-                        timeout_s=launch.collective_timeout)
+                        timeout_s=launch.replica_timeout)
 
 
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
