@@ -66,6 +66,12 @@ bench-moe: setup
 bench-multinode: setup
 	$(BIN)/python -m trainmesh_bench.multinode --rate-mbit 200
 
+# Replica groups through torchft on the bed: node 1's group killed mid-run; the survivor's seconds from the kill
+# to its next trained step and the steps it gave up (make bench-recovery shows the same column beside the restarts).
+.PHONY: bench-replicas
+bench-replicas: setup
+	$(BIN)/python -m trainmesh_bench.replicas --rate-mbit 200
+
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16
 

@@ -219,6 +219,15 @@ class LaunchSettings:
                                  TRANSPORTS)
     max_restarts: int = option(0, "after a rank fails, restart all ranks from the latest complete checkpoint up to "
                                "R times; needs --checkpoint-dir", low=AT_LEAST_0, high=Bound(1000))
+    lighthouse: str = option("", "run as one replica group of the torchft job whose lighthouse is at this address "
+                             "(http://HOST:PORT): the groups left train on while one is lost, and a group started "
+                             "again copies a live group's state (needs the ft extra; docs/multinode.md)")
+    replica_group: int = option(0, "this run's replica group under --lighthouse (0, 1, ...): it reads batches of its "
+                                "own, drawn with --seed plus the group", low=AT_LEAST_0, high=Bound(10_000))
+    replica_timeout: float = option(60.0, "seconds the replica groups under --lighthouse wait for each other (the "
+                                    "quorum, the gradient all-reduce, a heal's transfer): a frozen group holds the "
+                                    "others this long before they go on without it (a killed one, a step)",
+                                    low=AT_LEAST_1, high=MAX_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -568,6 +577,25 @@ def validate(cfg: Config, world_size: int | None = None, cuda_devices: int = 0,
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"--min-lr {cfg.optim.min_lr} exceeds --lr {cfg.optim.lr}; the cosine decay goes down to --min-lr, "
                           f"so choose --min-lr <= --lr")
+    _validate_replica_group(cfg)
+
+
+def _validate_replica_group(cfg: Config) -> None:
+    """``--lighthouse``: each run is one replica group, so it neither splits into groups itself nor restarts on its
+    own (the other groups carry on, and it heals from them when started again)."""
+    launch = cfg.launch
+    if launch.replica_group and not launch.lighthouse:
+        raise ConfigError("--replica-group names a torchft replica group; give the job's --lighthouse http://HOST:PORT "
+                          "too, or drop --replica-group")
+    if not launch.lighthouse:
+        return
+    if cfg.layout.dp_replicate > 1:
+        raise ConfigError(f"--lighthouse makes this run one replica group, so --dp-replicate {cfg.layout.dp_replicate} "
+                          f"has no groups to split; drop --dp-replicate and start one run per group")
+    if launch.elastic or launch.max_restarts:
+        raise ConfigError("--lighthouse keeps the other replica groups training while this one is lost; restart it "
+                          "by running the same command again (it heals from a live group), and drop --elastic and "
+                          "--max-restarts")
 
 
 def check_eval_batches(cfg: Config, val_tokens: int, source: str) -> None:

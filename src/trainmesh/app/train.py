@@ -25,6 +25,7 @@ from trainmesh.data import TokenData, documents_from_eos, get_batch, pin_tokeniz
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.store import all_gather_json
+from trainmesh.replicas import ReplicaGroup
 from trainmesh.distributed.launcher import start_heartbeat
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.tracking import metrics
@@ -82,11 +83,13 @@ def build(cfg: Config, mesh: Mesh) -> Run:
     return Run(cfg, parallel, opt, data, tokenizer)
 
 
-def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int) -> tuple[torch.Tensor, ...]:
+def rank_share(run: Run, tokens: torch.Tensor, step: int, global_batch: int,
+               group: int = 0) -> tuple[torch.Tensor, ...]:
     """This data-parallel rank's share of the global batch of ``step`` (only its sequences are read): inputs and
-    targets, and under ``--document-mask`` each input token's document (for chat data, its conversation)."""
+    targets, and under ``--document-mask`` each input token's document (for chat data, its conversation). Replica
+    group ``group`` (``--replica-group``) draws batches of its own."""
     cfg, mesh = run.cfg, run.mesh
-    x, y, *documents = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed, step,
+    x, y, *documents = get_batch(tokens, cfg.model_config.seq_len, global_batch, cfg.model.seed + group, step,
                                  mesh.rank("dp"), mesh.size("dp"))
     if not cfg.data.document_mask:
         return x, y
@@ -281,6 +284,16 @@ def save_checkpoint(run: Run, done: checkpoint.TrainingProgress, saves: list[Cal
     saves.append(lambda: {"step": done.step, "stall_s": handle.stall_s, "waited_s": waited, "write_s": handle.write_s})
 
 
+def replica_group(run: Run, step: int) -> ReplicaGroup | None:
+    """``--lighthouse``: this run as one torchft replica group (:class:`trainmesh.replicas.ReplicaGroup`) that
+    resumes at ``step``; None without it."""
+    launch = run.cfg.launch
+    if not launch.lighthouse:
+        return None
+    return ReplicaGroup(run.parallel, run.opt, launch.lighthouse, launch.replica_group, step=step,
+                        timeout_s=launch.replica_timeout)
+
+
 def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     """Train up to step ``cfg.optim.steps`` (from the checkpoint ``--resume`` finds, if any; ``losses`` holds the
     steps run here); rank 0 writes metrics under ``cfg.logging.out`` and prints progress."""
@@ -309,7 +322,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     profiler = StepProfiler(cfg.optim.steps - cfg.logging.profile_steps, cfg.optim.steps - 1, mesh.device) if cfg.logging.profile_steps \
         else None
     saves = []
-    for step in range(start.step, cfg.optim.steps):
+    group = replica_group(run, start.step)
+    for step in group.steps(cfg.optim.steps) if group else range(start.step, cfg.optim.steps):
         if profiler is not None:
             profiler.before(step)
         undo_fault = inject_fault(run, step, rank)
@@ -318,10 +332,13 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         run.opt.lr = lr = schedule.at(step)
-        loss = api.train_step(run.parallel, run.opt, rank_share(run, run.data.train, step, cfg.optim.global_batch),
+        batch = rank_share(run, run.data.train, step, cfg.optim.global_batch, cfg.launch.replica_group)
+        loss = api.train_step(run.parallel, run.opt, batch,
                               max_norm=cfg.optim.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
         grad_norm = run.opt.grad_norm
         undo_fault()
+        if group and not group.committed(step):  # a replica group was lost during it: the next quorum trains it again
+            continue
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
@@ -338,6 +355,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   **per_rank_stats(run, saved.bytes)}
         if step == start.step:  # a run's (or a restart's) first record names the layout it runs
             record["layout"] = run.parallel.layout.record()
+        if group:
+            record["replica_groups"] = group.participants
         experts = moe_metrics(run)
         if experts:
             record["moe"] = experts
@@ -353,6 +372,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
             stop_if_metrics_failed(run, metrics_error, done)
     if run.parallel.pending_save is not None:
         run.parallel.pending_save.wait()
+    if group:
+        group.close()
     progress.close()
     if profiler is not None:
         progress.message(profiler.finish(Path(cfg.logging.out) / "profile" / f"rank{rank}.json" if cfg.logging.out else None))

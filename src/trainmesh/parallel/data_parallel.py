@@ -16,6 +16,7 @@ from torch import nn
 from trainmesh.distributed.comm import Comm
 from trainmesh.parallel.expert_parallel import EXPERT_AXIS, experts_on_any_stage, is_expert, reduction_axis
 from trainmesh.tracking.metrics import model_state_tensors
+from trainmesh.training.engine import ReplicaSync
 from trainmesh.training.optim import (TIED_PEER, OptimizerFactory, ParamPiece, clipped_update, keep_tp_marks,
                                       norm_contributions)
 from trainmesh.parallel.tensor_parallel import defer_tp_sums, is_tp_partial
@@ -181,6 +182,7 @@ class DataParallel:
         self.comm = comm
         self.axis = axis
         self.sync = True
+        self.replica_sync: ReplicaSync | None = None  # set by trainmesh.replicas: this dp world is one replica group
         self.scaler = scaler or LossScaler(enabled=False)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = params = [p for _, p in named]
@@ -290,6 +292,9 @@ class DataParallel:
         is reduced over ``tp`` and ``pp`` (and experts over ``ep``, on every stage: :func:`experts_on_any_stage`);
         a non-finite norm skips the update on every rank."""
         self.finish_gradient_sync()
+        if self.replica_sync is not None and not self.replica_sync([b.flat for b in self.buckets]):
+            self.zero_grad()
+            return math.nan
         sum_over_tp([b.flat for b in self.buckets if b.tp_sum], self.comm)
         sum_tied([(b.params, b.flat) for b in self.buckets], self.comm)
         opt_params = self.masters or self.params

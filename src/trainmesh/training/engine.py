@@ -14,6 +14,9 @@ from trainmesh.training.optim import ParamPiece
 from trainmesh.training.precision import LossScaler
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ReplicaSync = Callable[[list[torch.Tensor]], bool]
+"""Averages a step's reduced gradients over the replica groups alive (in place) and says whether to update:
+the hook :mod:`trainmesh.replicas` sets on an engine whose world is one replica group of a torchft job."""
 MicroBatches = Sequence[tuple]
 """Each micro-batch ``(inputs, targets)``, or ``(inputs, targets, packing)`` with a
 :class:`~trainmesh.models.documents.Packing` of its documents."""

@@ -15,6 +15,7 @@ from torch import nn
 from trainmesh.distributed.comm import Comm
 from trainmesh.distributed.mesh import REPLICA_AXIS, SHARD_AXIS
 from trainmesh.tracking.metrics import optimizer_tensors, storage_bytes
+from trainmesh.training.engine import ReplicaSync
 from trainmesh.training.optim import OptimizerFactory, ParamPiece, clipped_update, norm_contributions
 from trainmesh.parallel.data_parallel import sum_over_tp, sum_tied
 from trainmesh.parallel.tensor_parallel import defer_tp_sums
@@ -51,6 +52,7 @@ class ZeroEngine:
         self._reset_pending()
         self.events: list[tuple[str, ...]] = []
         self.peak_state_bytes: int | None = None
+        self.replica_sync: ReplicaSync | None = None  # set by trainmesh.replicas: the replica groups are torchft's
 
     @property
     def replicas(self) -> int:
@@ -156,7 +158,9 @@ class ZeroEngine:
         """Finish gradient sync, unscale and clip the shards by the whole model's norm, update and re-gather; returns
         the unscaled pre-clip norm, a non-finite one skipping the step on every rank."""
         self.finish_gradient_sync()
-        self._sum_over_replicas()
+        if not self._sum_over_replicas():
+            self.zero_grad()
+            return math.nan
         sum_over_tp([g.grad_shard for g in self._tp_summed], self.comm)
         sum_tied([(g.params, g.grad_shard) for g in self.groups], self.comm)
         grads = self._optimizer_grads()
@@ -168,15 +172,19 @@ class ZeroEngine:
         self.zero_grad()
         return norm
 
-    def _sum_over_replicas(self) -> None:
+    def _sum_over_replicas(self) -> bool:
         """Hybrid sharding (as FSDP2's 2-D mesh and DeepSpeed's MiCS): all-reduce each gradient shard over the replica
-        groups once per step, so only Ψ/S bytes per rank cross between groups."""
+        groups once per step, so only Ψ/S bytes per rank cross between groups. Returns whether to update: replica
+        groups under :mod:`trainmesh.replicas` average over the groups alive and may give the step up."""
+        if self.replica_sync is not None:
+            return self.replica_sync([g.grad_shard for g in self.groups])
         if self.replicas == 1:
-            return
+            return True
         works = [self.comm.all_reduce(g.grad_shard, REPLICA_AXIS, op="grad_replica_all_reduce", async_op=True)
                  for g in self.groups]
         for work in works:
             work.wait()
+        return True
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Point each piece's gradient at its slice of the reduced shard in the masters' dtype (a view, or a per-step
