@@ -160,8 +160,8 @@ def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
     undo function. Kinds ``raise``, ``kill`` (SIGKILL, as the OOM killer), ``hang`` (a loop that calls no
     collective; its heartbeat goes on), ``stop`` (SIGSTOP: frozen, heartbeat too), ``slow`` (sleeps SLOW_FAULT_S:
     a straggler) and ``nan`` (NaN gradients, every rank must skip the step) test the launcher and the recovery
-    paths (docs/reliability.md)."""
-    spec = os.environ.get(FAULT_ENV, "")
+    paths (docs/reliability.md). A fault is one-off: an elastic agent's restarted rounds run without it."""
+    spec = os.environ.get(FAULT_ENV, "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
     if not spec or int(fault_rank) != rank or fault_step not in (str(step), "*"):
