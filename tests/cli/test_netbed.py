@@ -192,3 +192,34 @@ def test_a_lost_node_restarts_under_trainmesh_launch_with_a_minimum_node_count(t
                 "train", *train]
 
     _a_lost_node_trains_on_like_one_process(tmp_path, launch, {})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_losing_the_node_that_hosts_the_rendezvous_store_ends_the_others_in_one_line_naming_the_command(tmp_path):
+    """``trainmesh launch --nnodes 2:3``, node 0 (the ``--rdzv-endpoint`` address, whose agent hosts the c10d
+    store) killed once step 4 is saved: nodes 1 and 2 cannot meet again, and each ends in one line saying
+    the store's host is lost, a single point of failure, and the command that resumes; no C++ frames."""
+    reason = missing_capability()
+    if reason:
+        pytest.skip(reason)
+    ckpt = tmp_path / "ckpt"
+    train = [*ELASTIC_TRAIN, "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "run")]
+    with TestBed(3, rate_mbit=RATE_MBIT) as bed:
+        argv = [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF,
+                "train", *train]
+        logs = [tmp_path / f"node{k}.log" for k in range(3)]
+        procs = [bed.start(k, argv, env=_env(), stdout=subprocess.DEVNULL, stderr=logs[k].open("w")) for k in range(3)]
+        deadline = time.monotonic() + 300
+        while not (ckpt / "step-00000004").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 4 was never saved"
+            time.sleep(0.2)
+        bed.kill_node(0)
+        ended = _ended_within(bed, procs[1:], 200)
+        tails = [log.read_text() for log in logs[1:]]
+        assert ended and [p.returncode for p in procs[1:]] == [1, 1], [t[-4000:] for t in tails]
+    for tail in tails:
+        said = [line for line in tail.splitlines() if line.startswith("trainmesh: the rendezvous store at")]
+        assert len(said) == 1 and "single point of failure" in said[0] and str(ckpt) in said[0], tail[-4000:]
+        assert "frame #" not in tail

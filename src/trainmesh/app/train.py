@@ -160,8 +160,8 @@ def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
     undo function. Kinds ``raise``, ``kill`` (SIGKILL, as the OOM killer), ``hang`` (a loop that calls no
     collective; its heartbeat goes on), ``stop`` (SIGSTOP: frozen, heartbeat too), ``slow`` (sleeps SLOW_FAULT_S:
     a straggler) and ``nan`` (NaN gradients, every rank must skip the step) test the launcher and the recovery
-    paths (docs/reliability.md). A fault is one-off: an elastic agent's restarted rounds run without it."""
-    spec = os.environ.get(FAULT_ENV, "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
+    paths (docs/reliability.md)."""
+    spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
     if not spec or int(fault_rank) != rank or fault_step not in (str(step), "*"):
@@ -336,12 +336,13 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     profiler = StepProfiler(cfg.optim.steps - cfg.logging.profile_steps, cfg.optim.steps - 1, mesh.device) if cfg.logging.profile_steps \
         else None
     saves, named = [], []
+    armed = not (cfg.launch.elastic and start.step)  # an injected fault is one-off: an elastic restart resumes without it
     hosts = all_gather_json(socket.gethostname(), mesh.device)
     for step in range(start.step, cfg.optim.steps):
         if profiler is not None:
             profiler.before(step)
         t0, waited_before = time.perf_counter(), PROGRESS.waited_s
-        undo_fault = inject_fault(run, step, rank)
+        undo_fault = inject_fault(run, step, rank) if armed else lambda: None
         if run.pipeline is not None:
             run.pipeline.recording = bool(cfg.layout.timeline) and step == cfg.optim.steps - 1
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()

@@ -27,20 +27,17 @@ from trainmesh.distributed.mesh import STORE_CLIENT_ENV, world_env
 HEARTBEAT_S = 0.5
 HEARTBEAT_STALE_S = 3.0  # a running rank's heartbeat thread writes every HEARTBEAT_S; this late, it is frozen
 PEER_TIMEOUT_S = 10.0  # default of --peer-timeout
-HEARTBEAT_KEY = "trainmesh/heartbeat/{round}/{rank}"
+HEARTBEAT_KEY = "trainmesh/heartbeat/{rank}"
+"""Not per elastic round: nodes count their agent's restarts apart (a node restarted for a new member does not
+count it), and a key a lost round left in a shared store is overwritten within a beat of its rank starting."""
 STOPPED_KEY = "trainmesh/stopped/{rank}"  # set by trainmesh's launcher while a rank is stopped: its grace rules
 DONE = "done"  # a rank's last beat as it exits
 PEER_LOST_EXIT = 75
 """A rank's exit code when its watchdog declared a peer lost: a failure the launcher or agent restarts from."""
 
 
-def _round() -> str:
-    """The elastic agent's restart count: a shared store keeps a lost round's heartbeats, each round has its keys."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def heartbeat_key(rank: int, round_: str = "0") -> str:
-    return HEARTBEAT_KEY.format(round=round_, rank=rank)
+def heartbeat_key(rank: int) -> str:
+    return HEARTBEAT_KEY.format(rank=rank)
 
 
 @dataclass
@@ -145,22 +142,24 @@ def start_heartbeat(peer_timeout: float = PEER_TIMEOUT_S) -> None:
         stop.set()
         thread.join(timeout=HEARTBEAT_S + 5)
         with contextlib.suppress(RuntimeError, OSError):
-            store.set(heartbeat_key(world.rank, _round()), DONE)  # its peers may still be finishing: not lost
+            store.set(heartbeat_key(world.rank), DONE)  # its peers may still be finishing: not lost
 
     atexit.register(end)
 
 
 def _beat(store: dist.TCPStore, rank: int, world: int, peer_timeout: float, stop: threading.Event) -> None:
     """The heartbeat thread's loop: write this rank's beat, read the others', end the rank if one is lost."""
-    round_ = _round()
     others = [r for r in range(world) if r != rank]
-    keys = [heartbeat_key(r, round_) for r in others]
+    keys = [heartbeat_key(r) for r in others]
     peers: dict[int, Peer] = {}
     launched = os.environ.get(STORE_CLIENT_ENV) == "1"
     while not stop.is_set():
         try:
-            store.set(heartbeat_key(rank, round_), _beat_value())
-            values = {r: store.get(k).decode() for r, k in zip(others, keys) if store.check([k])}
+            store.set(heartbeat_key(rank), _beat_value())
+            if len(peers) == len(others):  # every peer has beaten: one request for all
+                values = dict(zip(others, (v.decode() for v in store.multi_get(keys))))
+            else:
+                values = {r: store.get(k).decode() for r, k in zip(others, keys) if store.check([k])}
             stopped = {r for r in others if launched and store.check([STOPPED_KEY.format(rank=r)])}
         except (RuntimeError, OSError) as e:
             if stop.is_set():
