@@ -122,6 +122,17 @@ def _store_lost(nodes: ElasticNodes, argv: Sequence[str]) -> str:
             f"the latest checkpoint in {folder}")
 
 
+def _waits(nodes: ElasticNodes, hosting: bool) -> str:
+    """The line saying what the agent waits for and for how long: the first meeting, and after a lost node
+    (torch's c10d defaults where ``--rdzv-conf`` leaves them)."""
+    conf = nodes.rdzv_conf
+    where = "hosting the rendezvous store" if hosting else "joining the rendezvous store"
+    return (f"trainmesh launch: {where} at {nodes.endpoint} (--rdzv-id {nodes.run_id}); waiting up to "
+            f"{conf.get('join_timeout', '600')} s for at least {nodes.min_nodes} of {nodes.max_nodes} node(s) "
+            f"(join_timeout), then {conf.get('last_call_timeout', '30')} s for late ones (last_call_timeout); a lost "
+            f"node restarts the survivors, a lost store's host ends them")
+
+
 def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     """Run ``python -m trainmesh *argv`` as ``nproc`` ranks under torch's elastic agent, which meets the other nodes at
     ``nodes.endpoint`` and restarts the survivors when one is lost; returns the exit code, saying why a run failed."""
@@ -139,6 +150,7 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
                           run_id=nodes.run_id, rdzv_endpoint=nodes.endpoint, rdzv_backend="c10d",
                           rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts,
                           local_addr=nodes.endpoint.rpartition(":")[0].strip("[]") if store else None)
+    say(_waits(nodes, store is not None))
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "trainmesh", *argv)  # unbuffered, as torchrun runs -m
     except ChildFailedError as e:
@@ -147,12 +159,10 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
         say(f"trainmesh: rank {rank} failed ({how}) after {nodes.max_restarts} restart(s) of this node's ranks; "
             f"its traceback is above")
         return 1
-    except RendezvousConnectionError:
-        if store is not None:
-            raise  # this node hosts the store: not a lost host
-        say(_store_lost(nodes, argv))
-        return 1
     except RendezvousError as e:
+        if isinstance(e, RendezvousConnectionError) and store is None:  # the store lived on another node
+            say(_store_lost(nodes, argv))
+            return 1
         say(f"trainmesh: the rendezvous at {nodes.endpoint} (--rdzv-id {nodes.run_id}) failed: "
             f"{type(e).__name__}: {e or 'timed out'}; are at least {nodes.min_nodes} nodes started with the same "
             f"--rdzv-endpoint and --rdzv-id?")
