@@ -165,7 +165,7 @@ def _beat(store: dist.TCPStore, rank: int, world: int, peer_timeout: float, stop
             if stop.is_set():
                 return
             _end(f"the run's store at {':'.join(map(str, _store_address()))} stopped answering ({type(e).__name__}):"
-                 f" the rank or launcher hosting it (rank 0's node) is lost")
+                 f" its host (the launcher, or rank 0 under torchrun and srun) ended or its node is lost")
         now = time.monotonic()
         since = PROGRESS.waiting_since
         line = lost_peer(peers, values, stopped, now, peer_timeout, None if since is None else now - since)
