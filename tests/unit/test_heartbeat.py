@@ -3,7 +3,7 @@ times: a beat that stops changing is a dead or frozen rank, a beat whose progres
 waits on it is a stuck one, and a waiting peer, a stopped one (the launcher's grace) or one that finished is
 never declared."""
 
-from trainmesh.distributed.heartbeat import DONE, PROGRESS, lost_peer, waiting
+from trainmesh.distributed.heartbeat import DONE, PROGRESS, _beat_value, lost_peer, stepping, waiting
 
 
 def beat(t: float, count: int, waits: bool, host: str = "n1") -> str:
@@ -43,3 +43,13 @@ def test_waiting_counts_nested_waits_once_as_progress_and_time():
         with waiting():
             assert PROGRESS.waiting_since is not None
     assert PROGRESS.waiting_since is None and PROGRESS.count == before + 1
+
+
+def test_a_rank_counts_as_stuck_only_inside_a_step_and_outside_a_wait():
+    """Building, loading, saving and evaluating may keep one rank busy while its peers wait: excused."""
+    assert _beat_value().split()[2] == "1"
+    with stepping():
+        assert _beat_value().split()[2] == "0"
+        with waiting():
+            assert _beat_value().split()[2] == "1"
+    assert _beat_value().split()[2] == "1"

@@ -27,7 +27,7 @@ from trainmesh.data import TokenData, documents_from_eos, get_batch, pin_tokeniz
 from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.store import all_gather_json
-from trainmesh.distributed.heartbeat import PROGRESS, start_heartbeat
+from trainmesh.distributed.heartbeat import PROGRESS, start_heartbeat, stepping
 from trainmesh.distributed.elastic import die_with_agent
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.tracking import metrics
@@ -342,13 +342,14 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         if profiler is not None:
             profiler.before(step)
         t0, waited_before = time.perf_counter(), PROGRESS.waited_s
-        undo_fault = inject_fault(run, step, rank) if armed else lambda: None
         if run.pipeline is not None:
             run.pipeline.recording = bool(cfg.layout.timeline) and step == cfg.optim.steps - 1
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         run.opt.lr = lr = schedule.at(step)
-        loss = api.train_step(run.parallel, run.opt, rank_share(run, run.data.train, step, cfg.optim.global_batch),
-                              max_norm=cfg.optim.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
+        with stepping():
+            undo_fault = inject_fault(run, step, rank) if armed else lambda: None
+            loss = api.train_step(run.parallel, run.opt, rank_share(run, run.data.train, step, cfg.optim.global_batch),
+                                  max_norm=cfg.optim.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
         grad_norm = run.opt.grad_norm
         undo_fault()
         guard.observe(grad_norm, step + 1)

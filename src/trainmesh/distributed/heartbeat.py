@@ -4,7 +4,7 @@ under any launcher (trainmesh's, torchrun's elastic agent, srun) instead of afte
 
 Two symptoms, told apart: a heartbeat that stops changing (the process is gone, SIGSTOPped, or holds the GIL in
 a native call) and a heartbeat that goes on while the rank's progress counter (waits finished) stands still
-and it waits for nothing, while this rank waits (a busy loop that no longer calls collectives). Ages are
+and it waits for nothing inside a training step, while this rank waits (a busy loop that no longer calls collectives). Ages are
 measured on the reader's own clock, from when a peer's value last changed, so hosts need no common clock."""
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Progress:
     waiting_since: float | None = None
     waited_s: float = 0.0
     depth: int = 0
+    stepping: bool = False
 
 
 PROGRESS = Progress()
@@ -72,6 +73,17 @@ def waiting() -> Iterator[None]:
             p.count += 1
 
 
+@contextlib.contextmanager
+def stepping() -> Iterator[None]:
+    """Around a training step's work: only there is a rank that neither waits nor progresses stuck. Outside it
+    (building, loading, saving, evaluating) one rank may work long while its peers wait, by design."""
+    PROGRESS.stepping = True
+    try:
+        yield
+    finally:
+        PROGRESS.stepping = False
+
+
 @dataclass
 class Peer:
     """What this rank saw of one peer: its last heartbeat value, when (here) it last changed, and when its
@@ -84,7 +96,8 @@ class Peer:
 
 def _beat_value() -> str:
     p = PROGRESS
-    return f"{time.time()!r} {p.count} {int(p.waiting_since is not None)} {socket.gethostname()}"
+    excused = p.waiting_since is not None or not p.stepping  # a peer waiting on it is not stuck on it
+    return f"{time.time()!r} {p.count} {int(excused)} {socket.gethostname()}"
 
 
 def lost_peer(peers: dict[int, Peer], values: dict[int, str], stopped: set[int], now: float,
