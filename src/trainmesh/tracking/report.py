@@ -194,7 +194,7 @@ def summary_text(h: History, run_dir: Path) -> str:
         lines.append(f"  {axis} sends {_bytes(sum(ops.values()))} per rank per step ({detail})")
     if not h.comm:
         lines.append("  no communication (one rank)")
-    if h.split.get("compute_s"):
+    if len(h.split.get("compute_s", [])) > 1:  # one rank waits for nobody
         lines.append("  per rank, seconds computing / waiting for peers over the run: " + ", ".join(
             f"{c:.1f}/{w:.1f}" for c, w in zip(h.split["compute_s"], h.split["wait_s"])))
     if h.straggled:
