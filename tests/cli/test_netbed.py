@@ -192,3 +192,66 @@ def test_a_lost_node_restarts_under_trainmesh_launch_with_a_minimum_node_count(t
                 "train", *train]
 
     _a_lost_node_trains_on_like_one_process(tmp_path, launch, {})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_losing_the_node_that_hosts_the_rendezvous_store_ends_the_others_in_one_line_naming_the_command(tmp_path):
+    """``trainmesh launch --nnodes 2:3``, node 0 (the ``--rdzv-endpoint`` address, whose agent hosts the c10d
+    store) killed once step 4 is saved: nodes 1 and 2 cannot meet again, and each ends in one line saying
+    the store's host is lost, a single point of failure, and the command that resumes; no C++ frames."""
+    reason = missing_capability()
+    if reason:
+        pytest.skip(reason)
+    ckpt = tmp_path / "ckpt"
+    train = [*ELASTIC_TRAIN, "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "run")]
+    with TestBed(3, rate_mbit=RATE_MBIT) as bed:
+        argv = [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF,
+                "train", *train]
+        logs = [tmp_path / f"node{k}.log" for k in range(3)]
+        procs = [bed.start(k, argv, env=_env(), stdout=subprocess.DEVNULL, stderr=logs[k].open("w")) for k in range(3)]
+        deadline = time.monotonic() + 300
+        while not (ckpt / "step-00000004").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "step 4 was never saved"
+            time.sleep(0.2)
+        bed.kill_node(0)
+        ended = _ended_within(bed, procs[1:], 200)
+        tails = [log.read_text() for log in logs[1:]]
+        assert ended and [p.returncode for p in procs[1:]] == [1, 1], [t[-4000:] for t in tails]
+    for tail in tails:
+        said = [line for line in tail.splitlines() if line.startswith("trainmesh: the rendezvous store at")]
+        assert len(said) == 1 and "single point of failure" in said[0] and str(ckpt) in said[0], tail[-4000:]
+        assert "frame #" not in tail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_frozen_rank_on_the_bed_is_named_within_the_peer_timeout_and_all_nodes_go_on_like_one_process(tmp_path):
+    """``trainmesh launch --nnodes 2:3``, rank 2 SIGSTOPped at step 5 (``stop@2:5``): a peer names it by its
+    heartbeat after ``--peer-timeout 3`` (not the 600 s collective timeout), the agents restart every node's
+    ranks (the frozen one SIGKILLed by its agent), and all three resume at dp 3; every loss is one process's."""
+    reason = missing_capability()
+    if reason:
+        pytest.skip(reason)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    train = [*ELASTIC_TRAIN, "--peer-timeout", "3", "--checkpoint-dir", str(ckpt), "--out", str(out)]
+    with TestBed(3, rate_mbit=RATE_MBIT) as bed:
+        argv = [sys.executable, "-m", "trainmesh", "launch", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"{bed.members[0].addr}:{PORT}", "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF,
+                "train", *train]
+        logs = [tmp_path / f"node{k}.log" for k in range(3)]
+        procs = [bed.start(k, argv, env={**_env(), "TRAINMESH_FAULT": "stop@2:5"}, stdout=subprocess.DEVNULL,
+                           stderr=logs[k].open("w")) for k in range(3)]
+        ended = _ended_within(bed, procs, 400)
+        tails = [log.read_text() for log in logs]
+        assert ended and [p.returncode for p in procs] == [0, 0, 0], [t[-4000:] for t in tails]
+    named = [line for t in tails for line in t.splitlines() if "rank 2 on " in line and "sent no heartbeat" in line]
+    assert named, [t[-4000:] for t in tails]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    restart = next(r for r in records if r.get("restart", {}).get("from_step", 0) > 0)
+    assert restart["layout"]["dp"] == 3
+    reference, _ = train_single(in_fp64(config(dp=3, steps=8, global_batch=12, nproc=3)))
+    for r in records:
+        assert abs(r["loss"] - reference[r["step"] - 1]) <= FP64_ATOL, f"step {r['step']}"

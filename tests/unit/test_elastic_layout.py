@@ -10,6 +10,7 @@ import re
 import pytest
 import torch.distributed.launcher.api as torch_launcher
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from trainmesh.distributed import elastic
 from trainmesh.app import cli
@@ -130,5 +131,22 @@ def test_an_elastic_run_whose_ranks_fail_on_says_which_in_one_line(monkeypatch, 
     monkeypatch.setattr(torch_launcher, "launch_agent", agent)
     monkeypatch.setenv(elastic.FRESH_STORE_ENV, "1")
     assert cli.main([*ELASTIC, "train", "--elastic", "--resume", "--checkpoint-dir", "ck"]) == 1
-    assert capsys.readouterr().err == ("trainmesh: rank 4 failed (killed by SIGKILL) after 3 restart(s) of this "
-                                       "node's ranks; its traceback is above\n")
+    waits, failed = capsys.readouterr().err.splitlines()
+    assert waits.startswith("trainmesh launch: joining the rendezvous store at 10.0.0.1:29500 (--rdzv-id trainmesh); "
+                            "waiting up to 600 s for at least 2 of 3 node(s) (join_timeout), then 30 s")
+    assert failed == ("trainmesh: rank 4 failed (killed by SIGKILL) after 3 restart(s) of this node's ranks; its "
+                      "traceback is above")
+
+
+def test_an_elastic_run_that_lost_the_store_s_host_says_so_with_the_command_that_resumes(monkeypatch, capsys):
+    """Another node's agent hosted the c10d store and is gone: one line, the single point of failure and the
+    command, not the hint to check the endpoint and id (they were right)."""
+    def agent(config, *_, **__):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torch_launcher, "launch_agent", agent)
+    monkeypatch.setenv(elastic.FRESH_STORE_ENV, "1")
+    assert cli.main([*ELASTIC, "train", "--elastic", "--resume", "--checkpoint-dir", "ck"]) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("trainmesh: the rendezvous store at 10.0.0.1:29500 (--rdzv-id trainmesh) cannot be reached")
+    assert "single point of failure" in last and last.endswith("--resume continues from the latest checkpoint in ck")

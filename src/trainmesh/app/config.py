@@ -20,6 +20,7 @@ import torch
 from trainmesh.models import hf
 from trainmesh.data import data_vocab_size, is_prepared
 from trainmesh.distributed.launcher import STOPPED_GRACE_S
+from trainmesh.distributed.heartbeat import PEER_TIMEOUT_S
 from trainmesh.layout import (ABOVE_0, AT_LEAST_0, AT_LEAST_1, MAX_RANKS, MAX_SEQUENCES, Bound, Layout, LayoutError,
                               option, outside, range_text, resolve_precision)
 from trainmesh.training.float8 import fp8_problem
@@ -210,6 +211,12 @@ class LaunchSettings:
                                   "--max-restarts) may stay stopped (SIGSTOP, a debugger's halt) before the job ends; "
                                   "the launcher warns, naming the rank and its pid, within a second of the stop; from "
                                   "1 s to a week", low=AT_LEAST_1, high=MAX_SECONDS)
+    peer_timeout: float = option(PEER_TIMEOUT_S, "seconds after which a rank declares a peer lost, ending itself "
+                                 "with one line naming it so the launcher or elastic agent restarts: a peer whose "
+                                 "heartbeat stopped (dead, frozen; a stop under trainmesh's launcher is left to "
+                                 "--stopped-grace), or one that made no progress outside any collective while this "
+                                 "rank waited on it; above any stretch of compute between two collectives; from 1 s "
+                                 "to a week", low=AT_LEAST_1, high=MAX_SECONDS)
     host_transport: str = option("auto", "how the ranks of one CPU host exchange: auto sums, gathers and passes "
                                  "pipeline messages through shared memory (trainmesh.distributed.shm) where an axis's ranks share "
                                  "the host; off sends every collective and message through torch.distributed, the "

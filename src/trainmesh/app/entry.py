@@ -20,8 +20,19 @@ def first_line(argv: Sequence[str]) -> str | None:
     return f"trainmesh {command}: {STARTS[command]}"
 
 
+def quiet_store_warnings(argv: Sequence[str]) -> None:
+    """``launch --nnodes MIN:MAX``: torch's C++ store client logs each connection a lost node broke as a warning
+    with ~30 ``frame #`` lines, read once, when torch loads; the agent's own one-line reports say what happened
+    (an explicit ``TORCH_CPP_LOG_LEVEL`` is kept)."""
+    pairs = zip(argv, [*argv[1:], ""])
+    ranged = any((a == "--nnodes" and ":" in b) or (a.startswith("--nnodes=") and ":" in a) for a, b in pairs)
+    if argv[:1] == ["launch"] and ranged:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_store_warnings(argv)
     line = first_line(argv)
     if line:
         print(line, flush=True)

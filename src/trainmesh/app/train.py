@@ -10,6 +10,8 @@ import faulthandler
 import math
 import os
 import signal
+import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,10 +28,11 @@ from trainmesh.training.engine import MicroBatches
 from trainmesh.app.run import Run
 from trainmesh.checkpoint.store import all_gather_json
 from trainmesh.replicas import ReplicaGroup
-from trainmesh.distributed.launcher import start_heartbeat
+from trainmesh.distributed.heartbeat import PROGRESS, start_heartbeat, stepping
+from trainmesh.distributed.elastic import die_with_agent
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.tracking import metrics
-from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_token, peak_tflops
+from trainmesh.tracking.metrics import STRAGGLER_FACTOR, SavedActivations, mfu, model_flops_per_token, peak_tflops, stragglers
 from trainmesh.tracking.records import LossWindows, MetricsError
 from trainmesh.tracking.runlog import RunLog
 from trainmesh.models import moe, spec_of
@@ -44,6 +47,7 @@ from trainmesh import api, checkpoint
 from trainmesh.app import checkpoints
 
 FAULT_ENV = "TRAINMESH_FAULT"
+SLOW_FAULT_S = 0.5  # what ``slow@RANK:STEP`` adds to the rank's compute of each step it names
 EVAL_STEP_BASE = 1_000_000_000  # eval batches are drawn as steps the training run never reaches
 
 @dataclass
@@ -56,14 +60,15 @@ class TrainResult:
 
 def setup_process(cfg: Config) -> Mesh:
     """Join the process group and build the mesh as :func:`trainmesh.api.init_mesh` does, plus what the launcher
-    needs: SIGUSR1 prints every thread's stack (for hang reports), and a heartbeat tells a stopped rank from
-    the ranks waiting for it."""
+    needs: SIGUSR1 prints every thread's stack (for hang reports), a rank of an elastic agent ends with it, and a
+    heartbeat with a watchdog names a dead, stopped or stuck peer within ``--peer-timeout``."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    die_with_agent()
     if cfg.launch.debug_collectives:
         torch.distributed.set_debug_level(torch.distributed.DebugLevel.DETAIL)
     mesh = api.init_mesh(cfg.layout.dp, cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.launch.device, cfg.launch.backend, cfg.launch.collective_timeout, cfg.layout.ep,
                          cfg.layout.dp_replicate, cfg.layout.sequence_parallel, cfg.layout.etp)
-    start_heartbeat()
+    start_heartbeat(cfg.launch.peer_timeout)
     return mesh
 
 
@@ -155,8 +160,10 @@ def draw_pipeline_timeline(run: Run, path: str) -> str:
 
 def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
     """Apply ``TRAINMESH_FAULT=KIND@RANK:STEP`` (``*``: every step) if it names this rank and step; returns an
-    undo function. Kinds ``raise``, ``kill`` (SIGKILL, as the OOM killer), ``hang`` and ``nan`` (NaN
-    gradients, every rank must skip the step) test the launcher and the recovery paths (docs/reliability.md)."""
+    undo function. Kinds ``raise``, ``kill`` (SIGKILL, as the OOM killer), ``hang`` (a loop that calls no
+    collective; its heartbeat goes on), ``stop`` (SIGSTOP: frozen, heartbeat too), ``slow`` (sleeps SLOW_FAULT_S:
+    a straggler) and ``nan`` (NaN gradients, every rank must skip the step) test the launcher and the recovery
+    paths (docs/reliability.md)."""
     spec = os.environ.get(FAULT_ENV, "")
     kind, _, where = spec.partition("@")
     fault_rank, _, fault_step = where.partition(":")
@@ -169,10 +176,16 @@ def inject_fault(run: Run, step: int, rank: int) -> Callable[[], None]:
     if kind == "hang":
         while True:
             time.sleep(1)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return lambda: None
+    if kind == "slow":
+        time.sleep(SLOW_FAULT_S)
+        return lambda: None
     if kind == "nan":
         first = next(p for p in run.model.parameters() if p.requires_grad)
         return first.register_hook(lambda g: torch.full_like(g, float("nan"))).remove
-    raise ValueError(f"{FAULT_ENV}={spec}: unknown fault kind {kind!r}; use raise, kill, hang or nan")
+    raise ValueError(f"{FAULT_ENV}={spec}: unknown fault kind {kind!r}; use raise, kill, hang, stop, slow or nan")
 
 
 class TrainingDiverged(RuntimeError):
@@ -225,9 +238,23 @@ def moe_metrics(run: Run) -> dict[str, dict[str, Any]]:
     return {name: layer for stage in stages for name, layer in stage.items()}
 
 
-def per_rank_stats(run: Run, activation_bytes: int) -> dict[str, list[int]]:
-    """Each rank's memory (:func:`trainmesh.tracking.metrics.per_rank_stats`), gathered to all."""
-    return metrics.per_rank_stats(run.engine.state_tensors(), run.mesh.device, activation_bytes)
+def per_rank_stats(run: Run, activation_bytes: int, split: tuple[float, float] | None = None) -> dict[str, list]:
+    """Each rank's memory and, given this rank's ``split``, each rank's step split into computing and waiting
+    (:func:`trainmesh.tracking.metrics.per_rank_stats`), gathered to all."""
+    return metrics.per_rank_stats(run.engine.state_tensors(), run.mesh.device, activation_bytes, split)
+
+
+def straggler_line(record: dict[str, Any], hosts: list[str]) -> str:
+    """The line naming the stragglers of ``record``'s step, each with its host and compute against the median;
+    or saying that the ranks it named before keep pace again."""
+    compute, waits = record["compute_s"], record["wait_s"]
+    median = statistics.median_low(compute)
+    if "stragglers" not in record:
+        return f"trainmesh: no straggler at step {record['step']}: every rank computes within {STRAGGLER_FACTOR:g}x the median"
+    named = "; ".join(f"rank {r} on {hosts[r]} computed {compute[r]:.2f} s ({compute[r] / max(median, 1e-9):.1f}x the "
+                      f"median rank's {median:.2f} s, waiting {waits[r]:.2f} s)" for r in record["stragglers"])
+    return (f"trainmesh: straggler at step {record['step']}: {named}; the others waited for it "
+            f"(named above {STRAGGLER_FACTOR:g}x the median; compute_s and wait_s in metrics.jsonl)")
 
 
 def _delta(now: dict[str, float], before: dict[str, float]) -> dict[str, int]:
@@ -321,20 +348,23 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     guard = NonFiniteGuard(cfg.optim.max_bad_steps, start.bad_steps_in_a_row, start.skipped_steps)
     profiler = StepProfiler(cfg.optim.steps - cfg.logging.profile_steps, cfg.optim.steps - 1, mesh.device) if cfg.logging.profile_steps \
         else None
-    saves = []
+    saves, named = [], []
+    armed = not (cfg.launch.elastic and start.step)  # an injected fault is one-off: an elastic restart resumes without it
+    hosts = all_gather_json(socket.gethostname(), mesh.device)
     group = replica_group(run, start.step)
     for step in group.steps(cfg.optim.steps) if group else range(start.step, cfg.optim.steps):
         if profiler is not None:
             profiler.before(step)
-        undo_fault = inject_fault(run, step, rank)
+        t0, waited_before = time.perf_counter(), PROGRESS.waited_s
         if run.pipeline is not None:
             run.pipeline.recording = bool(cfg.layout.timeline) and step == cfg.optim.steps - 1
-        t0 = time.perf_counter()
         comm_before, by_op_before = run.comm.totals(), run.comm.snapshot()
         run.opt.lr = lr = schedule.at(step)
-        batch = rank_share(run, run.data.train, step, cfg.optim.global_batch, cfg.launch.replica_group)
-        loss = api.train_step(run.parallel, run.opt, batch,
-                              max_norm=cfg.optim.grad_clip, dp_sliced=True, saved=saved if step == start.step else None)
+        with stepping():
+            undo_fault = inject_fault(run, step, rank) if armed else lambda: None
+            batch = rank_share(run, run.data.train, step, cfg.optim.global_batch, cfg.launch.replica_group)
+            loss = api.train_step(run.parallel, run.opt, batch, max_norm=cfg.optim.grad_clip, dp_sliced=True,
+                                  saved=saved if step == start.step else None)
         grad_norm = run.opt.grad_norm
         undo_fault()
         if group and not group.committed(step):  # a replica group was lost during it: the next quorum trains it again
@@ -342,7 +372,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         guard.observe(grad_norm, step + 1)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize(mesh.device)
-        step_time = time.perf_counter() - t0
+        step_time, waited = time.perf_counter() - t0, PROGRESS.waited_s - waited_before
         if profiler is not None:
             profiler.after(step)
         record = {"step": step + 1, "loss": loss, "trained_tokens": run.opt.trained_tokens, "lr": lr, "grad_norm": grad_norm,
@@ -352,7 +382,13 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
                   "mfu": mfu(tokens_per_step / step_time, flops_per_token, mesh.world_size, peak),
                   "comm_bytes": _delta(run.comm.totals(), comm_before),
                   "comm_bytes_by_op": _delta(run.comm.snapshot(), by_op_before),
-                  **per_rank_stats(run, saved.bytes)}
+                  **per_rank_stats(run, saved.bytes, (step_time - waited, waited))}
+        slow = stragglers(record["compute_s"])
+        if slow:
+            record["stragglers"] = slow
+        if slow != named:
+            named = slow
+            progress.message(straggler_line(record, hosts))
         if step == start.step:  # a run's (or a restart's) first record names the layout it runs
             record["layout"] = run.parallel.layout.record()
         if group:

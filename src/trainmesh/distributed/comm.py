@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from trainmesh.distributed.heartbeat import waiting
 from trainmesh.distributed.mesh import Mesh
 from trainmesh.distributed.shm import WAIT_S, Channel, HostCollectives, enabled, open_channels
 
@@ -88,7 +89,8 @@ class Pending:
 
     def wait(self) -> bool:
         try:
-            return self.work.wait()
+            with waiting():
+                return self.work.wait()
         except Exception as e:
             members = f" (ranks {format_ranks(_group_ranks(self.group))})" if self.collective else ""
             raise CollectiveError(f"{self.desc}{members} failed: {e}") from e

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -98,11 +99,45 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def die_with_agent() -> None:
+    """In a rank of torch's elastic agent (torchrun, ``launch --nnodes MIN:MAX``): SIGKILL when the agent dies, as
+    under trainmesh's launcher. A rank that outlived its agent went on training with nobody to restart it, and
+    the survivors' agents then waited minutes for the lost agent at their exit barrier, saying nothing."""
+    from trainmesh.distributed.launcher import _die_with_parent
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_parent()
+        if os.getppid() == 1:  # the agent died before the line above
+            os._exit(1)
+
+
+def _store_lost(nodes: ElasticNodes, argv: Sequence[str]) -> str:
+    """The one line for a rendezvous store this node cannot reach: the node at the endpoint, whose agent hosts it,
+    is gone (c10d's single point of failure) or was never started; what to run."""
+    folder = next((argv[k + 1] for k, a in enumerate(argv[:-1]) if a == "--checkpoint-dir"), "--checkpoint-dir")
+    return (f"trainmesh: the rendezvous store at {nodes.endpoint} (--rdzv-id {nodes.run_id}) cannot be reached: the "
+            f"node at that address, whose agent hosts it, is gone or not started, and torch's c10d rendezvous has no "
+            f"other copy (a single point of failure: docs/multinode.md); start that node's agent again, then this "
+            f"node's, with the same command ({shlex.join(['trainmesh', *sys.argv[1:]])}): --resume continues from "
+            f"the latest checkpoint in {folder}")
+
+
+def _waits(nodes: ElasticNodes, hosting: bool) -> str:
+    """The line saying what the agent waits for and for how long: the first meeting, and after a lost node
+    (torch's c10d defaults where ``--rdzv-conf`` leaves them)."""
+    conf = nodes.rdzv_conf
+    where = "hosting the rendezvous store" if hosting else "joining the rendezvous store"
+    return (f"trainmesh launch: {where} at {nodes.endpoint} (--rdzv-id {nodes.run_id}); waiting up to "
+            f"{conf.get('join_timeout', '600')} s for at least {nodes.min_nodes} of {nodes.max_nodes} node(s) "
+            f"(join_timeout), then {conf.get('last_call_timeout', '30')} s for late ones (last_call_timeout); a lost "
+            f"node restarts the survivors, a lost store's host ends them")
+
+
 def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
     """Run ``python -m trainmesh *argv`` as ``nproc`` ranks under torch's elastic agent, which meets the other nodes at
     ``nodes.endpoint`` and restarts the survivors when one is lost; returns the exit code, saying why a run failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from trainmesh.distributed.launcher import say
@@ -115,6 +150,7 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
                           run_id=nodes.run_id, rdzv_endpoint=nodes.endpoint, rdzv_backend="c10d",
                           rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts,
                           local_addr=nodes.endpoint.rpartition(":")[0].strip("[]") if store else None)
+    say(_waits(nodes, store is not None))
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "trainmesh", *argv)  # unbuffered, as torchrun runs -m
     except ChildFailedError as e:
@@ -124,6 +160,9 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
             f"its traceback is above")
         return 1
     except RendezvousError as e:
+        if isinstance(e, RendezvousConnectionError) and store is None:  # the store lived on another node
+            say(_store_lost(nodes, argv))
+            return 1
         say(f"trainmesh: the rendezvous at {nodes.endpoint} (--rdzv-id {nodes.run_id}) failed: "
             f"{type(e).__name__}: {e or 'timed out'}; are at least {nodes.min_nodes} nodes started with the same "
             f"--rdzv-endpoint and --rdzv-id?")

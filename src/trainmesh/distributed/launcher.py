@@ -6,7 +6,6 @@ report blames an unresponsive rank, then one that failed on its own, then the ra
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import datetime
 import functools
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainmesh.distributed import shm
+from trainmesh.distributed.heartbeat import HEARTBEAT_STALE_S, STOPPED_KEY, heartbeat_ages
 from trainmesh.distributed.mesh import STORE_CLIENT_ENV, bound_store
 from trainmesh.storage.safe_io import open_own_file
 
@@ -36,9 +36,6 @@ TERMINATE_GRACE_S = 3.0
 REPORT_GRACE_S = 1.5  # after one rank fails, time for the others to fail too and say where they were
 STACK_DUMP_S = 1.0  # time for ranks still running to print their stacks after SIGUSR1
 TAIL_LINES = 200
-HEARTBEAT_S = 0.5
-HEARTBEAT_STALE_S = 3.0  # a running rank's heartbeat thread writes every HEARTBEAT_S; this late, it is frozen
-HEARTBEAT_KEY = "trainmesh/heartbeat/{rank}"
 STOP_CHECK_S = 0.5  # how often the launcher reads its ranks' process states
 STOPPED_GRACE_S = 60.0  # default of --stopped-grace: a debugger's pause is shorter, a forgotten Ctrl-Z longer
 STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, stopped by a tracer
@@ -436,50 +433,13 @@ def _collect_stacks(ranks: Sequence[RankProcess]) -> None:
         time.sleep(STACK_DUMP_S)
 
 
-@functools.cache
-def start_heartbeat() -> None:
-    """In a rank started by :func:`launch`: a daemon thread writes the time into the store every HEARTBEAT_S so a
-    stopped rank can be named; one per process, joined at exit (a thread in the store's C++ client at teardown
-    aborts)."""
-    if os.environ.get(STORE_CLIENT_ENV) != "1":
-        return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
-    key = HEARTBEAT_KEY.format(rank=os.environ["RANK"])
-    stop = threading.Event()
-
-    def beat() -> None:
-        try:
-            while not stop.is_set():
-                store.set(key, repr(time.time()))
-                stop.wait(HEARTBEAT_S)
-        except (RuntimeError, OSError):
-            return  # the launcher is gone, and PR_SET_PDEATHSIG ends this rank
-
-    thread = threading.Thread(target=beat, name="trainmesh-heartbeat", daemon=True)
-    thread.start()
-
-    def end() -> None:
-        stop.set()
-        thread.join(timeout=HEARTBEAT_S + 5)
-
-    atexit.register(end)
-
-
-def heartbeat_ages(store: dist.TCPStore, ranks: Sequence[int]) -> dict[int, float]:
-    """Seconds since each rank's last heartbeat (ranks and launcher share one clock: one machine);
-    ranks that have not written one yet are left out."""
-    now = time.time()
-    keys = {r: HEARTBEAT_KEY.format(rank=r) for r in ranks}
-    return {r: now - float(store.get(key)) for r, key in keys.items() if store.check([key])}
-
-
 @dataclass
 class StopWatch:
     """The ranks seen stopped and since when: a warning when a stop is first seen, a note when the rank
     continues, and the rank whose stop has outlasted ``grace`` seconds."""
 
     grace: float
+    store: dist.TCPStore | None = None  # where the stops are posted, for the ranks' watchdogs to leave to the grace
     since: dict[int, float] = field(default_factory=dict)
     checked: float = 0.0
 
@@ -493,13 +453,26 @@ class StopWatch:
             stopped = rp.proc.poll() is None and _process_state(rp.proc.pid) in STOPPED_STATES
             if stopped and rp.rank not in self.since:
                 self.since[rp.rank] = now
+                self._post(rp.rank, True)
                 say(f"trainmesh: warning: rank {rp.rank} (pid {rp.proc.pid}) is stopped (SIGSTOP or a debugger) "
                     f"and its peers wait for it; the job ends in {self.grace:g} s unless it continues "
                     f"(kill -CONT {rp.proc.pid}; --stopped-grace sets the wait)")
             elif not stopped and rp.rank in self.since:
+                self._post(rp.rank, False)
                 say(f"trainmesh: rank {rp.rank} (pid {rp.proc.pid}) continued after "
                     f"{now - self.since.pop(rp.rank):.1f} s stopped")
         return next((rp for rp in ranks if now - self.since.get(rp.rank, now) > self.grace), None)
+
+    def _post(self, rank: int, stopped: bool) -> None:
+        """Tell the ranks' watchdogs (:mod:`trainmesh.distributed.heartbeat`) that ``rank`` is stopped, or no
+        longer: a stop is this launcher's to judge, after the grace, not theirs after --peer-timeout."""
+        if self.store is None:
+            return
+        key = STOPPED_KEY.format(rank=rank)
+        try:
+            self.store.set(key, "1") if stopped else self.store.delete_key(key)
+        except (RuntimeError, OSError):
+            pass  # node 0's launcher, which hosts the store, has gone
 
 
 def say(line: str) -> None:
@@ -573,7 +546,7 @@ def launch(argv: Sequence[str], nproc: int, program: Sequence[str] = ("-m", "tra
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _supervise(ranks, store, StopWatch(stopped_grace), nodes)
+        return _supervise(ranks, store, StopWatch(stopped_grace, store), nodes)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainmesh.distributed.heartbeat import waiting
+
 SLOT_BYTES = 8 * 2**20
 """Bytes of one rank's slot, the largest chunk reduced at once: a segment holds 2 x ranks slots (32 MiB
 for 2 ranks), within Docker's default 64 MiB ``/dev/shm`` up to 4 ranks."""
@@ -107,6 +109,10 @@ class Semaphore:
     def wait(self, timeout_s: float) -> None:
         deadline = time.time() + timeout_s
         when = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        with waiting():
+            self._wait_until(when, timeout_s)
+
+    def _wait_until(self, when: _Timespec, timeout_s: float) -> None:
         while _libc().sem_timedwait(self.address, ctypes.byref(when)) != 0:
             error = ctypes.get_errno()
             if error == errno.ETIMEDOUT:

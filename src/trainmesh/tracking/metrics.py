@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import statistics
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -116,10 +117,31 @@ PER_RANK_STATS = ("max_rss_bytes", "model_state_bytes", "peak_device_bytes", "ac
 
 
 def per_rank_stats(state: Iterable[torch.Tensor | None], device: torch.device,
-                   activation_bytes: int = 0) -> dict[str, list[int]]:
+                   activation_bytes: int = 0, split: tuple[float, float] | None = None) -> dict[str, list]:
     """Peak RSS, bytes of model ``state``, peak device memory and saved activation bytes of one micro-batch
-    of every rank, gathered to all (a collective: every rank calls it), as a run's records hold them."""
-    mine = torch.tensor([max_rss_bytes(), storage_bytes(state), peak_device_bytes(device), activation_bytes],
+    of every rank, gathered to all (a collective: every rank calls it), as a run's records hold them; with
+    ``split`` (this rank's step seconds computing and waiting for peers) each rank's split too, in the same
+    gather, so naming stragglers costs no collective of its own."""
+    timing = [round(seconds * 1e6) for seconds in split] if split else []
+    mine = torch.tensor([max_rss_bytes(), storage_bytes(state), peak_device_bytes(device), activation_bytes, *timing],
                         dtype=torch.int64, device=device)
     rows = log_all_gather(mine).tolist()
-    return {name: [r[k] for r in rows] for k, name in enumerate(PER_RANK_STATS)}
+    stats: dict[str, list] = {name: [r[k] for r in rows] for k, name in enumerate(PER_RANK_STATS)}
+    if split:
+        stats.update({name: [r[len(PER_RANK_STATS) + k] / 1e6 for r in rows] for k, name in enumerate(SPLIT)})
+    return stats
+
+
+SPLIT = ("compute_s", "wait_s")
+"""A step's seconds on each rank: computing, and blocked waiting for peers (collectives, messages)."""
+STRAGGLER_FACTOR = 1.5
+STRAGGLER_MIN_S = 0.05
+"""A rank is a straggler when it computed more than STRAGGLER_FACTOR x the median rank and STRAGGLER_MIN_S
+more (below that, scheduling noise on a shared host crosses any factor in a step of milliseconds)."""
+
+
+def stragglers(compute_s: Sequence[float]) -> list[int]:
+    """The ranks whose step's compute exceeds the median's by STRAGGLER_FACTOR (the lower median: of two ranks,
+    the faster is the yardstick), the others having waited for them."""
+    median = statistics.median_low(compute_s)
+    return [r for r, c in enumerate(compute_s) if c > STRAGGLER_FACTOR * median and c - median > STRAGGLER_MIN_S]

@@ -42,6 +42,8 @@ class History:
     expert_tokens: dict[str, list[list[int]]] = field(default_factory=dict)  # MoE layer -> per step, per expert
     balance: dict[str, list[float]] = field(default_factory=dict)  # MoE layer -> max/mean load per step
     dropped: list[float] = field(default_factory=list)  # fraction of token copies dropped per step, all layers
+    straggled: dict[int, int] = field(default_factory=dict)  # rank -> steps on which it was named a straggler
+    split: dict[str, list[float]] = field(default_factory=dict)  # compute_s / wait_s -> per-rank sum over the run
 
     @classmethod
     def of(cls, records: Sequence[dict[str, Any]]) -> "History":
@@ -62,6 +64,10 @@ class History:
                 h.restarts.append(r["restart"]["from_step"])
             if r.get("moe"):
                 h._add_experts(r["step"], r["moe"])
+            for rank in r.get("stragglers") or []:
+                h.straggled[rank] = h.straggled.get(rank, 0) + 1
+            for key in ("compute_s", "wait_s"):  # a world that shrank leaves its missing ranks at their sums
+                h.split[key] = [a + b for a, b in zip_longest(h.split.get(key, []), r.get(key) or [], fillvalue=0.0)]
             for kind in MEMORY_KINDS:  # a run resumed at another world size has more or fewer ranks
                 h.memory[kind] = [max(a, b) for a, b in zip_longest(h.memory.get(kind, []), r.get(kind) or [],
                                                                     fillvalue=0)]
@@ -188,6 +194,12 @@ def summary_text(h: History, run_dir: Path) -> str:
         lines.append(f"  {axis} sends {_bytes(sum(ops.values()))} per rank per step ({detail})")
     if not h.comm:
         lines.append("  no communication (one rank)")
+    if len(h.split.get("compute_s", [])) > 1:  # one rank waits for nobody
+        lines.append("  per rank, seconds computing / waiting for peers over the run: " + ", ".join(
+            f"{c:.1f}/{w:.1f}" for c, w in zip(h.split["compute_s"], h.split["wait_s"])))
+    if h.straggled:
+        lines.append("  stragglers named (computing slower than the median rank): " + ", ".join(
+            f"rank {rank} on {n} step(s)" for rank, n in sorted(h.straggled.items())))
     if h.restarts:
         lines.append("  resumed from the checkpoint of step " + ", ".join(map(str, h.restarts)))
     if h.balance:
