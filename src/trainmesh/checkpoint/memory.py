@@ -173,10 +173,13 @@ class MemorySnapshots:
         return into.numpy().tobytes()
 
     def remove(self) -> None:
-        """Delete the copies this rank keeps (at a run's clean end: disk checkpoints stay for later)."""
-        for path in (segment(self.root, self.run_id, self.rank, "own"),
-                     segment(self.root, self.run_id, self.source, "peer")):
-            path.unlink(missing_ok=True)
+        """Delete this run's snapshots on this node, an earlier world's too, once every rank has written its last
+        (a collective): at a run's clean end, where disk checkpoints stay for later."""
+        dist.barrier(self.group)
+        pattern = _segment_pattern(self.run_id)
+        for path in self.root.iterdir():
+            if pattern.fullmatch(path.name):
+                path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
