@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-documents bench-moe bench-data bench-multinode clean
+.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-documents bench-moe bench-data bench-multinode bench-recovery clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,10 @@ bench-moe: setup
 # tc, unshare): bytes that crossed the node link per step (counted on the veths, and by formula), step time.
 bench-multinode: setup
 	$(BIN)/python -m trainmesh_bench.multinode --rate-mbit 200
+
+# kill -> next trained step and steps lost, per recovery mode, on the namespace bed (root, ip, tc)
+bench-recovery: setup
+	$(BIN)/python -m trainmesh_bench.recovery --rate-mbit 200
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -235,6 +236,7 @@ def _newest_disk_step(root: Path) -> int:
 def resume_from_memory(run: Run, keeper: memory.MemorySnapshots) -> TrainingProgress | None:
     """Load the run's newest complete memory snapshot, unless a disk checkpoint is newer; None (saying so in
     one line) where both copies of some rank's snapshot are gone, for :func:`resume` to load from disk."""
+    start = time.perf_counter()
     progress = memory.restore(run.model, run.engine, run.mesh, keeper.run_id, keeper.root, keeper.group)
     if progress is None:
         notice(f"no complete memory snapshot of run {keeper.run_id} is left on these nodes (both copies of a "
@@ -243,7 +245,7 @@ def resume_from_memory(run: Run, keeper: memory.MemorySnapshots) -> TrainingProg
     root = Path(run.cfg.checkpoint.checkpoint_dir) if run.cfg.checkpoint.checkpoint_dir else None
     if root is not None and _newest_disk_step(root) > progress.step:
         return None
-    notice(f"resumed from memory snapshots (step {progress.step})")
+    notice(f"resumed from memory snapshots (step {progress.step}) in {time.perf_counter() - start:.2f} s")
     return progress
 
 

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from trainmesh.checkpoint.store import (CheckpointError, TrainingProgress, _pieces, all_gather_json, apply_rng,
-                                        fill, local_state, rng_state)
+                                        fill, local_state, notice, rng_state)
 from trainmesh.distributed.elastic import SNAPSHOT_DIR_ENV
 from trainmesh.distributed.mesh import Mesh, world_env
 from trainmesh.training.engine import Engine
@@ -131,15 +131,21 @@ class MemorySnapshots:
         return self.every == 0 or step % self.every == 0
 
     def after_step(self, model: nn.Module, engine: Engine, progress: TrainingProgress, step_s: float) -> None:
-        """Snapshot after ``progress.step`` steps if due; the first one also fixes ``every`` from its cost
-        against ``step_s`` (the slowest rank's, agreed by all, so every rank snapshots at the same steps)."""
+        """Snapshot after ``progress.step`` steps if due. The first one's cost, against ``step_s`` (the slowest
+        rank's of each, agreed by all so every rank snapshots at the same steps), fixes ``every`` under ``auto``
+        and is said in one line."""
         if not self.due(progress.step):
             return
+        first = not self.cost.seconds
         self.take(model, engine, progress)
+        if not first:
+            return
+        costs = all_gather_json([self.cost.nbytes, self.cost.seconds, step_s], self.mesh.device)
+        nbytes, snap, step = (max(c[i] for c in costs) for i in range(3))
         if self.every == 0:
-            costs = all_gather_json([self.cost.seconds, step_s], self.mesh.device)
-            snap, step = max(c[0] for c in costs), max(c[1] for c in costs)
             self.every = max(1, math.ceil(snap / (COST_SHARE * step))) if step > 0 else 1
+        notice(f"memory snapshots: {nbytes / 2**20:.2f} MiB per rank (and a peer's copy), {snap:.3f} s each "
+               f"against a {step:.3f} s step; every {self.every} step(s)")
 
     def take(self, model: nn.Module, engine: Engine, progress: TrainingProgress) -> None:
         """Keep this rank's state after ``progress.step`` steps here and at its partner (a collective)."""
