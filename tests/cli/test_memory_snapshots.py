@@ -30,12 +30,21 @@ def _train(tmp_path: Path, nproc: int, *extra: str, env: dict[str, str] | None =
 
 
 def _killed_run(tmp_path: Path, nproc: int) -> dict[str, Path]:
-    """A run of ``nproc`` ranks whose rank 1 is killed after step 4; the snapshot files it left, by name."""
+    """A run of ``nproc`` ranks whose rank 1 is killed after step 4; the snapshot files it left (the two newest
+    of each rank, its own and its peer's copy), by name without the run's id."""
     result = _train(tmp_path, nproc, env={"TRAINMESH_FAULT": f"kill@1:{KILLED_AT}"})
     assert result.returncode != 0, result.stderr
     files = {p.name.split("-", 2)[2]: p for p in (tmp_path / "shm").iterdir()}
-    assert sorted(files) == sorted(f"rank{r:05d}.{kind}" for r in range(nproc) for kind in ("own", "peer")), files
+    assert sorted(files) == sorted(f"rank{r:05d}-step{s:08d}.{kind}" for r in range(nproc) for kind in ("own", "peer")
+                                   for s in (KILLED_AT - 1, KILLED_AT)), files
     return files
+
+
+def _drop(files: dict[str, Path], rank: int, kind: str) -> None:
+    """Every copy of ``kind`` of ``rank``'s snapshots is gone."""
+    for name, path in files.items():
+        if name.startswith(f"rank{rank:05d}-") and name.endswith(kind):
+            path.unlink()
 
 
 def _resumed_like_one_process(tmp_path: Path, nproc: int, first_nproc: int) -> str:
@@ -54,12 +63,13 @@ def _resumed_like_one_process(tmp_path: Path, nproc: int, first_nproc: int) -> s
 @pytest.mark.timeout(500)
 def test_a_restart_loads_the_peers_copies_refusing_a_corrupted_one(tmp_path):
     files = _killed_run(tmp_path, 2)
-    files["rank00001.own"].unlink()  # rank 1's memory is gone: its peer's copy remains
-    blob = bytearray(files["rank00000.own"].read_bytes())
+    _drop(files, 1, "own")  # rank 1's memory is gone: its peer's copies remain
+    newest = files[f"rank00000-step{KILLED_AT:08d}.own"]
+    blob = bytearray(newest.read_bytes())
     blob[-1] ^= 0xFF
-    files["rank00000.own"].write_bytes(bytes(blob))
+    newest.write_bytes(bytes(blob))
     err = _resumed_like_one_process(tmp_path, 2, 2)
-    assert "rank00000.own does not match its SHA-256 (corrupted); not used, the other copy is tried" in err, err
+    assert f"{newest} does not match its SHA-256 (corrupted); not used, the other copy is tried" in err, err
     assert f"resumed from memory snapshots (step {KILLED_AT}) in " in err, err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[KILLED_AT]["restart"]["from_step"] == KILLED_AT
@@ -68,10 +78,10 @@ def test_a_restart_loads_the_peers_copies_refusing_a_corrupted_one(tmp_path):
 @pytest.mark.timeout(500)
 def test_with_both_copies_of_a_rank_gone_it_resumes_from_disk_and_says_so(tmp_path):
     files = _killed_run(tmp_path, 2)
-    files["rank00001.own"].unlink()
-    files["rank00001.peer"].unlink()
+    _drop(files, 1, "own")
+    _drop(files, 1, "peer")
     err = _resumed_like_one_process(tmp_path, 2, 2)
-    lines = [line for line in err.splitlines() if "memory snapshot" in line]
+    lines = [line for line in err.splitlines() if "memory snapshot of run" in line]
     assert len(lines) == 1 and "both copies of a rank's state are gone); resuming from disk" in lines[0], err
     assert f"step-{KILLED_AT:08d} (step {KILLED_AT})" in err, err
 
@@ -81,6 +91,6 @@ def test_with_both_copies_of_a_rank_gone_it_resumes_from_disk_and_says_so(tmp_pa
 def test_a_world_shrunk_from_four_ranks_to_two_reshards_from_memory(tmp_path):
     files = _killed_run(tmp_path, 4)
     for r in (2, 3):  # their own copies are gone; the peers' (ranks 3 and 0) remain
-        files[f"rank{r:05d}.own"].unlink()
+        _drop(files, r, "own")
     err = _resumed_like_one_process(tmp_path, 2, 4)
     assert f"resumed from memory snapshots (step {KILLED_AT}) in " in err, err

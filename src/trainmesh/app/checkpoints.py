@@ -234,13 +234,11 @@ def _newest_disk_step(root: Path) -> int:
 
 
 def resume_from_memory(run: Run, keeper: memory.MemorySnapshots) -> TrainingProgress | None:
-    """Load the run's newest complete memory snapshot, unless a disk checkpoint is newer; None (saying so in
-    one line) where both copies of some rank's snapshot are gone, for :func:`resume` to load from disk."""
+    """Load the run's newest complete memory snapshot, unless a disk checkpoint is newer; None where none is
+    (:func:`trainmesh.checkpoint.memory.restore` says so if some are left), for :func:`resume` to load from disk."""
     start = time.perf_counter()
     progress = memory.restore(run.model, run.engine, run.mesh, keeper.run_id, keeper.root, keeper.group)
     if progress is None:
-        notice(f"no complete memory snapshot of run {keeper.run_id} is left on these nodes (both copies of a "
-               f"rank's state are gone); resuming from disk")
         return None
     root = Path(run.cfg.checkpoint.checkpoint_dir) if run.cfg.checkpoint.checkpoint_dir else None
     if root is not None and _newest_disk_step(root) > progress.step:

@@ -48,13 +48,14 @@ def snapshot_dir() -> Path:
     return Path(os.environ.get(SNAPSHOT_DIR_ENV) or DEFAULT_DIR)
 
 
-def segment(root: Path, run_id: str, rank: int, kind: str) -> Path:
-    """The file holding rank ``rank``'s snapshot of run ``run_id``: its own copy, or the copy a peer keeps."""
-    return root / f"trainmesh-{run_id}-rank{rank:05d}.{kind}"
+def segment(root: Path, run_id: str, rank: int, step: int, kind: str) -> Path:
+    """The file holding rank ``rank``'s snapshot of run ``run_id`` after ``step`` steps: its own copy, or the
+    copy a peer keeps."""
+    return root / f"trainmesh-{run_id}-rank{rank:05d}-step{step:08d}.{kind}"
 
 
 def _segment_pattern(run_id: str) -> re.Pattern[str]:
-    return re.compile(rf"trainmesh-{re.escape(run_id)}-rank(\d{{5}})\.({'|'.join(KINDS)})")
+    return re.compile(rf"trainmesh-{re.escape(run_id)}-rank\d{{5}}-step\d{{8,}}\.({'|'.join(KINDS)})")
 
 
 def encode(header: dict, payload: bytes) -> bytes:
@@ -115,7 +116,8 @@ class SnapshotCost:
 
 class MemorySnapshots:
     """Takes this rank's snapshots every ``every`` steps (0: chosen after the first by :data:`COST_SHARE`),
-    keeps the newest in its node's directory and sends a copy to :func:`partner`, which keeps it in its own."""
+    keeps the two newest in its node's directory and sends a copy to :func:`partner`, which keeps it in its
+    own: a node lost while the ranks exchange one snapshot leaves the previous one complete."""
 
     def __init__(self, mesh: Mesh, run_id: str, every: int = 0, root: Path | None = None) -> None:
         env = world_env()
@@ -125,6 +127,7 @@ class MemorySnapshots:
         self.source = next(r for r in range(self.world) if partner(r, self.world, env.local_world_size) == self.rank)
         self.group = _gloo_group(mesh)
         self.cost = SnapshotCost()
+        self.kept: list[int] = []
         self.root.mkdir(parents=True, exist_ok=True)
 
     def due(self, step: int) -> bool:
@@ -159,10 +162,15 @@ class MemorySnapshots:
                                   "skipped_steps": scaler.skipped_steps},
                   "plan": [item for item, _ in pieces.values()]}
         blob = encode(header, safetensors.torch.save({key: data for key, (_, data) in pieces.items()}))
-        _write(segment(self.root, self.run_id, self.rank, "own"), blob)
+        _write(segment(self.root, self.run_id, self.rank, progress.step, "own"), blob)
         received = self._exchange(blob)
-        _write(segment(self.root, self.run_id, self.source, "peer"), received)
+        _write(segment(self.root, self.run_id, self.source, progress.step, "peer"), received)
         self.cost = SnapshotCost(len(blob), time.perf_counter() - start)
+        self.kept.append(progress.step)
+        for step in self.kept[:-2]:  # two generations: a kill during one snapshot leaves the last one whole
+            segment(self.root, self.run_id, self.rank, step, "own").unlink(missing_ok=True)
+            segment(self.root, self.run_id, self.source, step, "peer").unlink(missing_ok=True)
+        self.kept = self.kept[-2:]
 
     def _exchange(self, blob: bytes) -> bytes:
         """Send ``blob`` to the partner and return what the rank this one keeps a copy of sent."""
@@ -237,13 +245,16 @@ def restore(model: nn.Module, engine: Engine, mesh: Mesh, run_id: str, root: Pat
             group: dist.ProcessGroup | None = None) -> TrainingProgress | None:
     """Load run ``run_id``'s newest complete snapshot (every old rank's own or peer copy, found on any node)
     into this rank's part of ``model`` and ``engine`` in their layout, resharding from the old one; its
-    progress, or None where no complete one is left (a collective). Copies only another node holds are sent."""
+    progress, or None where no complete one is left, saying so in one line where some are (a collective). Copies only another node holds are sent."""
     rank = world_env().rank
     mine = _local_copies(root or snapshot_dir(), run_id)
     held = all_gather_json({str(k): [[c.step, c.world] for c in copies] for k, copies in mine.items()},
                            mesh.device)
     chosen = _choose(held)
     if chosen is None:
+        if any(held):
+            notice(f"no complete memory snapshot of run {run_id} is left on these nodes (both copies of a rank's "
+                   f"state are gone); resuming from disk")
         return None
     step, world = chosen
     snapshots = {}
