@@ -18,8 +18,13 @@ KILLED_AT = 4  # loop index: rank 1 dies after 4 steps, each snapshotted
 STEPS = 6
 
 
-def _train(tmp_path: Path, nproc: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "trainmesh", "train", "--nproc", str(nproc), "--dp", str(nproc), "--steps",
+def _train(tmp_path: Path, nproc: int, *extra: str, env: dict[str, str] | None = None,
+           torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``trainmesh train`` on ``nproc`` ranks, started by trainmesh's launcher (which removes the run's snapshots
+    when it ends, failed or not) or by torchrun (which leaves them, as a job of many nodes would keep them)."""
+    start = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "trainmesh", "train"] \
+        if torchrun else ["-m", "trainmesh", "train", "--nproc", str(nproc)]
+    argv = [sys.executable, *start, "--dp", str(nproc), "--steps",
             str(STEPS), "--global-batch", "8", "--warmup-steps", "2", "--precision", "fp64", "--checkpoint-every", "2",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--memory-snapshot", "every-step", "--resume",
             "--no-progress", "--out", str(tmp_path / "run"), *extra]
@@ -30,9 +35,9 @@ def _train(tmp_path: Path, nproc: int, *extra: str, env: dict[str, str] | None =
 
 
 def _killed_run(tmp_path: Path, nproc: int) -> dict[str, Path]:
-    """A run of ``nproc`` ranks whose rank 1 is killed after step 4; the snapshot files it left (the two newest
+    """A run of ``nproc`` ranks under torchrun whose rank 1 is killed after step 4; the snapshot files it left (the two newest
     of each rank, its own and its peer's copy), by name without the run's id."""
-    result = _train(tmp_path, nproc, env={"TRAINMESH_FAULT": f"kill@1:{KILLED_AT}"})
+    result = _train(tmp_path, nproc, env={"TRAINMESH_FAULT": f"kill@1:{KILLED_AT}"}, torchrun=True)
     assert result.returncode != 0, result.stderr
     files = {p.name.split("-", 2)[2]: p for p in (tmp_path / "shm").iterdir()}
     assert sorted(files) == sorted(f"rank{r:05d}-step{s:08d}.{kind}" for r in range(nproc) for kind in ("own", "peer")
@@ -94,3 +99,10 @@ def test_a_world_shrunk_from_four_ranks_to_two_reshards_from_memory(tmp_path):
         _drop(files, r, "own")
     err = _resumed_like_one_process(tmp_path, 2, 4)
     assert f"resumed from memory snapshots (step {KILLED_AT}) in " in err, err
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_job_leaves_no_snapshot_behind(tmp_path):
+    result = _train(tmp_path, 2, env={"TRAINMESH_FAULT": f"kill@1:{KILLED_AT}"})
+    assert result.returncode != 0 and "SIGKILL" in result.stderr, result.stderr[-3000:]
+    assert list((tmp_path / "shm").iterdir()) == []

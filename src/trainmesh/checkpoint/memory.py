@@ -25,8 +25,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 
-from trainmesh.checkpoint.store import (CheckpointError, TrainingProgress, _pieces, all_gather_json, apply_rng,
-                                        fill, local_state, notice, rng_state)
+from trainmesh.checkpoint.store import (CheckpointError, TrainingProgress, all_gather_json, apply_rng,
+                                        fill, host_pieces, local_state, notice, rng_state)
 from trainmesh.distributed.elastic import SNAPSHOT_DIR_ENV
 from trainmesh.distributed.mesh import Mesh, world_env
 from trainmesh.training.engine import Engine
@@ -91,8 +91,10 @@ def _write(path: Path, blob: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _say(text: str) -> None:
-    print(f"trainmesh: {text}", file=sys.stderr, flush=True)
+def _say_once_per_node(text: str) -> None:
+    """Say ``text`` from the node's first rank: every rank of a node reads the same files."""
+    if world_env().local_rank == 0:
+        print(f"trainmesh: {text}", file=sys.stderr, flush=True)
 
 
 def partner(rank: int, world: int, per_node: int) -> int:
@@ -153,7 +155,7 @@ class MemorySnapshots:
     def take(self, model: nn.Module, engine: Engine, progress: TrainingProgress) -> None:
         """Keep this rank's state after ``progress.step`` steps here and at its partner (a collective)."""
         start = time.perf_counter()
-        pieces = _pieces(local_state(model, engine) + rng_state(self.rank, self.mesh.device))
+        pieces = host_pieces(local_state(model, engine) + rng_state(self.rank, self.mesh.device))
         scaler = engine.scaler
         header = {"run": self.run_id, "rank": self.rank, "world_size": self.world, "step": progress.step,
                   "progress": {"skipped_steps": progress.skipped_steps,
@@ -190,10 +192,15 @@ class MemorySnapshots:
         """Delete this run's snapshots on this node, an earlier world's too, once every rank has written its last
         (a collective): at a run's clean end, where disk checkpoints stay for later."""
         dist.barrier(self.group)
-        pattern = _segment_pattern(self.run_id)
-        for path in self.root.iterdir():
-            if pattern.fullmatch(path.name):
-                path.unlink(missing_ok=True)
+        discard(self.root, self.run_id)
+
+
+def discard(root: Path, run_id: str) -> None:
+    """Delete every snapshot of run ``run_id`` in ``root``, half-written ones too."""
+    pattern = _segment_pattern(run_id)
+    for path in root.iterdir() if root.is_dir() else []:
+        if pattern.fullmatch(path.name.removeprefix(".tmp-")):
+            path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -216,7 +223,7 @@ def _local_copies(root: Path, run_id: str) -> dict[int, list[Copy]]:
         try:
             header, _ = decode(path.read_bytes(), run_id, path)
         except (SnapshotDamaged, OSError, ValueError) as e:
-            _say(f"{e}; not used, the other copy is tried")
+            _say_once_per_node(f"{e}; not used, the other copy is tried")
             continue
         found.setdefault(header["rank"], []).append(Copy(header["rank"], header["step"], header["world_size"], path))
     return found
@@ -245,7 +252,8 @@ def restore(model: nn.Module, engine: Engine, mesh: Mesh, run_id: str, root: Pat
             group: dist.ProcessGroup | None = None) -> TrainingProgress | None:
     """Load run ``run_id``'s newest complete snapshot (every old rank's own or peer copy, found on any node)
     into this rank's part of ``model`` and ``engine`` in their layout, resharding from the old one; its
-    progress, or None where no complete one is left, saying so in one line where some are (a collective). Copies only another node holds are sent."""
+    progress, or None where no complete one is left, saying so in one line where some are (a collective).
+    Copies only another node holds are broadcast from one that does."""
     rank = world_env().rank
     mine = _local_copies(root or snapshot_dir(), run_id)
     held = all_gather_json({str(k): [[c.step, c.world] for c in copies] for k, copies in mine.items()},
