@@ -106,3 +106,12 @@ def test_a_failed_job_leaves_no_snapshot_behind(tmp_path):
     result = _train(tmp_path, 2, env={"TRAINMESH_FAULT": f"kill@1:{KILLED_AT}"})
     assert result.returncode != 0 and "SIGKILL" in result.stderr, result.stderr[-3000:]
     assert list((tmp_path / "shm").iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_memory_snapshots_without_a_restart_to_read_them_are_refused_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "trainmesh", "train", "--memory-snapshot", "every-step",
+                             "--steps", "1", "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "keeps state for a restart to resume from; add --resume --checkpoint-dir DIR (or --max-restarts N)"), result.stderr
