@@ -55,7 +55,12 @@ def segment(root: Path, run_id: str, rank: int, step: int, kind: str) -> Path:
 
 
 def _segment_pattern(run_id: str) -> re.Pattern[str]:
-    return re.compile(rf"trainmesh-{re.escape(run_id)}-rank\d{{5}}-step\d{{8,}}\.({'|'.join(KINDS)})")
+    return re.compile(rf"trainmesh-{re.escape(run_id)}-rank\d{{5}}-step(\d{{8,}})\.({'|'.join(KINDS)})")
+
+
+def snapshot_every(snapshot_s: float, step_s: float) -> int:
+    """``auto``'s interval: the smallest N for which a snapshot costs at most :data:`COST_SHARE` of N steps."""
+    return max(1, math.ceil(snapshot_s / (COST_SHARE * step_s))) if step_s > 0 else 1
 
 
 def encode(header: dict, payload: bytes) -> bytes:
@@ -148,7 +153,7 @@ class MemorySnapshots:
         costs = all_gather_json([self.cost.nbytes, self.cost.seconds, step_s], self.mesh.device)
         nbytes, snap, step = (max(c[i] for c in costs) for i in range(3))
         if self.every == 0:
-            self.every = max(1, math.ceil(snap / (COST_SHARE * step))) if step > 0 else 1
+            self.every = snapshot_every(snap, step)
         notice(f"memory snapshots: {nbytes / 2**20:.2f} MiB per rank (and a peer's copy), {snap:.3f} s each "
                f"against a {step:.3f} s step; every {self.every} step(s)")
 
@@ -168,11 +173,9 @@ class MemorySnapshots:
         received = self._exchange(blob)
         _write(segment(self.root, self.run_id, self.source, progress.step, "peer"), received)
         self.cost = SnapshotCost(len(blob), time.perf_counter() - start)
-        self.kept.append(progress.step)
-        for step in self.kept[:-2]:  # two generations: a kill during one snapshot leaves the last one whole
-            segment(self.root, self.run_id, self.rank, step, "own").unlink(missing_ok=True)
-            segment(self.root, self.run_id, self.source, step, "peer").unlink(missing_ok=True)
-        self.kept = self.kept[-2:]
+        self.kept = [*self.kept[-1:], progress.step]
+        if len(self.kept) == 2:  # two generations: a kill during one snapshot leaves the last one whole
+            discard(self.root, self.run_id, before=self.kept[0])
 
     def _exchange(self, blob: bytes) -> bytes:
         """Send ``blob`` to the partner and return what the rank this one keeps a copy of sent."""
@@ -195,11 +198,13 @@ class MemorySnapshots:
         discard(self.root, self.run_id)
 
 
-def discard(root: Path, run_id: str) -> None:
-    """Delete every snapshot of run ``run_id`` in ``root``, half-written ones too."""
+def discard(root: Path, run_id: str, before: int | None = None) -> None:
+    """Delete the snapshots of run ``run_id`` in ``root`` (half-written ones too), or only those of steps before
+    ``before``: every rank snapshots at the same steps, so older ones, an earlier world's too, are stale."""
     pattern = _segment_pattern(run_id)
     for path in root.iterdir() if root.is_dir() else []:
-        if pattern.fullmatch(path.name.removeprefix(".tmp-")):
+        match = pattern.fullmatch(path.name.removeprefix(".tmp-"))
+        if match and (before is None or int(match.group(1)) < before):
             path.unlink(missing_ok=True)
 
 
