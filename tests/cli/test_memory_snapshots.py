@@ -115,3 +115,10 @@ def test_memory_snapshots_without_a_restart_to_read_them_are_refused_in_one_line
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].endswith(
         "keeps state for a restart to resume from; add --resume --checkpoint-dir DIR (or --max-restarts N)"), result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_one_process_keeps_its_own_snapshot_and_ends_without_any(tmp_path):
+    result = _train(tmp_path, 1, "--steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "memory snapshots: " in result.stderr and list((tmp_path / "shm").iterdir()) == []

@@ -109,8 +109,9 @@ def partner(rank: int, world: int, per_node: int) -> int:
 
 
 def _gloo_group(mesh: Mesh) -> dist.ProcessGroup | None:
-    """The world over Gloo, whose sends carry host bytes: the default group on CPU, a new one beside NCCL."""
-    return None if mesh.device.type == "cpu" else dist.new_group(backend="gloo")
+    """The world over Gloo, whose sends carry host bytes: the default group on CPU (or for one process, none), a
+    new one beside NCCL."""
+    return None if mesh.device.type == "cpu" or not dist.is_initialized() else dist.new_group(backend="gloo")
 
 
 @dataclass
@@ -170,8 +171,8 @@ class MemorySnapshots:
                   "plan": [item for item, _ in pieces.values()]}
         blob = encode(header, safetensors.torch.save({key: data for key, (_, data) in pieces.items()}))
         _write(segment(self.root, self.run_id, self.rank, progress.step, "own"), blob)
-        received = self._exchange(blob)
-        _write(segment(self.root, self.run_id, self.source, progress.step, "peer"), received)
+        if self.to != self.rank:  # a world of one has no peer to keep a copy
+            _write(segment(self.root, self.run_id, self.source, progress.step, "peer"), self._exchange(blob))
         self.cost = SnapshotCost(len(blob), time.perf_counter() - start)
         self.kept = [*self.kept[-1:], progress.step]
         if len(self.kept) == 2:  # two generations: a kill during one snapshot leaves the last one whole
@@ -194,7 +195,8 @@ class MemorySnapshots:
     def remove(self) -> None:
         """Delete this run's snapshots on this node, an earlier world's too, once every rank has written its last
         (a collective): at a run's clean end, where disk checkpoints stay for later."""
-        dist.barrier(self.group)
+        if dist.is_initialized():
+            dist.barrier(self.group)
         discard(self.root, self.run_id)
 
 
