@@ -3,7 +3,8 @@
 Nodes of two ranks, joined by a rate-limited link, train under ``trainmesh launch --nnodes 1:N`` (torch's
 elastic agent); once step :data:`KILL_AFTER` is logged (a step or two may run on meanwhile) the last node is
 killed, its memory (its snapshot directory) with it. Per mode it prints the seconds from the kill to the next trained step, the steps of work
-lost (done before the kill, less the step the survivors went on from) and the restart's reload line. Prints;
+lost (done before the kill, less the step the survivors went on from), the seconds until they trained past
+the step reached before the kill, and the restart's reload line. Prints;
 asserts nothing. Figures: docs/multinode.md#restart-from-memory."""
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ steps they lost are measured the same way."""
 
 @dataclass
 class Outcome:
-    """A mode's figures: seconds from the kill to the next logged step, steps lost, and how it reloaded."""
+    """A mode's figures: the step the kill followed, seconds from the kill to the next logged step, steps lost,
+    seconds from the kill until a step past ``done`` was logged, and how it reloaded."""
 
     done: int
     seconds: float | None
     lost: int | None
+    caught_up: float | None
     reload: str
 
 
@@ -117,13 +120,18 @@ def measure(mode: Mode, args: argparse.Namespace, tmp: Path) -> Outcome:
             seconds = time.monotonic() - killed if ok else None
             following = _next_step(out / "metrics.jsonl", done, restarts) if ok else None
             resumed = following.get("restart", {}).get("from_step", done) if following else None
+            ahead = _wait_for(lambda: max((r["step"] for r in _records(out / "metrics.jsonl")), default=0) > done,
+                              args.wait, procs)
+            caught_up = time.monotonic() - killed if ahead else None
             procs[0].wait(timeout=args.wait)
         finally:
             for p in procs:
-                p.kill() if p.poll() is None else None
+                if p.poll() is None:
+                    p.kill()
             for path in memory:
                 shutil.rmtree(path, ignore_errors=True)
-        return Outcome(done, seconds, None if resumed is None else done - resumed, _reload_line(logs[0]))
+        return Outcome(done, seconds, None if resumed is None else done - resumed, caught_up,
+                       _reload_line(logs[0]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,14 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{args.nodes} nodes x {PER_NODE} ranks, link {args.rate_mbit:g} Mbit/s each way (tbf), model {args.model}, "
           f"checkpoint every {CHECKPOINT_EVERY} steps, last node killed after step {KILL_AFTER}, --rdzv-conf {RDZV_CONF}")
-    print(f"{'mode':<26} {'killed after step':>18} {'kill -> next step s':>20} {'steps lost':>11}  reload")
+    print(f"{'mode':<26} {'killed after step':>18} {'kill -> next step s':>20} {'steps lost':>11} "
+          f"{'kill -> past it s':>18}  reload")
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             (Path(tmp) / mode.name).mkdir()
             r = measure(mode, args, Path(tmp))
             seconds = f"{r.seconds:.1f}" if r.seconds is not None else f">{args.wait:g}"
             lost = str(r.lost) if r.lost is not None else "-"
-            print(f"{mode.name:<26} {r.done:>18} {seconds:>20} {lost:>11}  {r.reload}", flush=True)
+            past = f"{r.caught_up:.1f}" if r.caught_up is not None else f">{args.wait:g}"
+            print(f"{mode.name:<26} {r.done:>18} {seconds:>20} {lost:>11} {past:>18}  {r.reload}", flush=True)
     return 0
 
 
