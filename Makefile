@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trainmesh-installed
 
-.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-documents bench-moe bench-data bench-multinode clean
+.PHONY: setup demo test test-slow test-all equivalence bench bench-dp bench-tp bench-zero bench-pp bench-pp4 bench-plan bench-window bench-cp bench-documents bench-moe bench-data bench-multinode bench-recovery bench-replicas clean
 
 setup: $(STAMP)
 
@@ -68,9 +68,12 @@ bench-multinode: setup
 
 # Replica groups through torchft on the bed: node 1's group killed mid-run; the survivor's seconds from the kill
 # to its next trained step and the steps it gave up (make bench-recovery shows the same column beside the restarts).
-.PHONY: bench-replicas
 bench-replicas: setup
 	$(BIN)/python -m trainmesh_bench.replicas --rate-mbit 200
+
+# kill -> next trained step and steps lost, per recovery mode, on the namespace bed (root, ip, tc)
+bench-recovery: setup
+	$(BIN)/python -m trainmesh_bench.recovery --rate-mbit 200
 
 bench-zero: setup
 	$(BIN)/trainmesh bench zero --nproc 2 --dp 2 --model small --global-batch 16

@@ -358,8 +358,8 @@ def test_resume_with_another_tokenizer_of_the_same_size_is_refused_before_traini
     pinned = tok.read_bytes()
     real_restore = app_checkpoints.restore
 
-    def restore_then_swap(run):
-        progress = real_restore(run)
+    def restore_then_swap(run, keeper=None):
+        progress = real_restore(run, keeper)
         shutil.copy(other, tok)  # the file changes under the running run
         return progress
 

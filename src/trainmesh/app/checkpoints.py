@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from trainmesh.checkpoint.store import (LATEST, LEFTOVER, LOCK, RUN_ID_ENV, STEP
                                         TrainingProgress, agreed_run_id, candidates, fill, local_state, notice,
                                         on_every_rank, parse_manifest, read_manifest, routing_state, whole_pieces)
 from trainmesh.checkpoint.async_save import AsyncSave
+from trainmesh.checkpoint import memory
 from trainmesh.checkpoint.source import recorded_model, source_name
 
 if TYPE_CHECKING:
@@ -216,12 +218,44 @@ def start_fresh(cfg: Config) -> None:
     fsync_dir(root)
 
 
-def restore(run: Run) -> TrainingProgress:
-    """Where training starts: the latest checkpoint of this run with ``--resume`` (if there is one), else
-    the weights of ``--init-from``, else step 0 as built; a fresh run first makes ``--checkpoint-dir`` its
-    own (:func:`start_fresh`). The progress returned carries the run's id, which every save records."""
+def snapshots(run: Run) -> memory.MemorySnapshots | None:
+    """``--memory-snapshot``'s keeper for this run (a collective: the run's id is agreed), else None."""
+    every = {"off": None, "auto": 0, "every-step": 1}[run.cfg.checkpoint.memory_snapshot]
+    return None if every is None else memory.MemorySnapshots(run.mesh, agreed_run_id(run.mesh.device), every)
+
+
+def _newest_disk_step(root: Path) -> int:
+    for path in candidates(root):
+        try:
+            return parse_manifest(path)["progress"]["step"]
+        except CheckpointError:
+            continue
+    return -1
+
+
+def resume_from_memory(run: Run, keeper: memory.MemorySnapshots) -> TrainingProgress | None:
+    """Load the run's newest complete memory snapshot, unless a disk checkpoint is newer; None where none is
+    (:func:`trainmesh.checkpoint.memory.restore` says so if some are left), for :func:`resume` to load from disk."""
+    start = time.perf_counter()
+    progress = memory.restore(run.model, run.engine, run.mesh, keeper.run_id, keeper.root, keeper.group)
+    if progress is None:
+        return None
+    root = Path(run.cfg.checkpoint.checkpoint_dir) if run.cfg.checkpoint.checkpoint_dir else None
+    if root is not None and _newest_disk_step(root) > progress.step:
+        return None
+    notice(f"resumed from memory snapshots (step {progress.step}) in {time.perf_counter() - start:.2f} s")
+    return progress
+
+
+def restore(run: Run, keeper: memory.MemorySnapshots | None = None) -> TrainingProgress:
+    """Where training starts: with ``--resume``, the run's memory snapshots (``keeper``'s, if kept and newest)
+    or its latest checkpoint (if there is one), else the weights of ``--init-from``, else step 0 as built; a
+    fresh run first makes ``--checkpoint-dir`` its own (:func:`start_fresh`). The progress returned carries
+    the run's id, which every save records."""
     cfg, device = run.cfg, run.mesh.device
-    progress = resume(run) if cfg.checkpoint.resume else None
+    progress = resume_from_memory(run, keeper) if cfg.checkpoint.resume and keeper is not None else None
+    if progress is None and cfg.checkpoint.resume:
+        progress = resume(run)
     if progress is not None and progress.step >= cfg.optim.steps:
         raise CheckpointError(f"the checkpoint in {cfg.checkpoint.checkpoint_dir} is at step {progress.step}, which --steps "
                               f"{cfg.optim.steps} has reached; pass a larger --steps to train further")

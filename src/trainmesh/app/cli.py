@@ -21,7 +21,7 @@ from trainmesh.tracking import runlock
 from trainmesh.distributed import elastic
 from trainmesh.distributed import shm
 from trainmesh.app.checkpoints import check_resumable, claim, model_settings
-from trainmesh.checkpoint import CheckpointError, export, export_hf
+from trainmesh.checkpoint import CheckpointError, export, export_hf, memory
 from trainmesh.app.config import (AT_LEAST_0, AT_LEAST_1, MAX_STEPS, Bound, Config, ConfigError, add_config_flags,
                                   check_eval_batches, check_local_ranks, check_value, config_from_args, number_flag,
                                   parse_flag, settings_from_args, validate)
@@ -604,16 +604,22 @@ def _train(args: argparse.Namespace, _argv: Sequence[str]) -> int:
     if not _is_rank():
         cfg = _with_out_dir(cfg)
     check_run_dirs(cfg)
-    with claim(cfg), runlock.hold(Path(cfg.logging.out), "--out") if cfg.logging.out else contextlib.nullcontext():
+    out_lock = runlock.hold(Path(cfg.logging.out), "--out") if cfg.logging.out else contextlib.nullcontext()
+    with claim(cfg) as run_id, out_lock:
         make_out_fresh(cfg)
         if not _is_rank() and (cfg.launch.nproc > 1 or cfg.launch.max_restarts):
             from trainmesh.distributed.launcher import launch_with_restarts
             from trainmesh.app.train import FAULT_ENV
 
-            return launch_with_restarts(["train"], cfg.launch.nproc, cfg.launch.max_restarts,
-                                        functools.partial(resolved_env, cfg), clear_on_restart=(FAULT_ENV,),
-                                        stopped_grace=cfg.launch.stopped_grace, log_dir=Path(cfg.logging.out) / LOGS_DIR,
-                                        tee=_tee(cfg.logging.tee, cfg.launch.nproc))
+            try:
+                return launch_with_restarts(["train"], cfg.launch.nproc, cfg.launch.max_restarts,
+                                            functools.partial(resolved_env, cfg), clear_on_restart=(FAULT_ENV,),
+                                            stopped_grace=cfg.launch.stopped_grace,
+                                            log_dir=Path(cfg.logging.out) / LOGS_DIR,
+                                            tee=_tee(cfg.logging.tee, cfg.launch.nproc))
+            finally:  # the ranks' memory snapshots end with the job, also when it failed
+                if run_id:
+                    memory.discard(memory.snapshot_dir(), run_id)
         return _train_here(cfg)
 
 

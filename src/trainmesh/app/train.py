@@ -326,7 +326,8 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
     steps run here); rank 0 writes metrics under ``cfg.logging.out`` and prints progress."""
     mesh = mesh or setup_process(cfg)
     run = build(cfg, mesh)
-    start = checkpoints.restore(run)
+    keeper = checkpoints.snapshots(run)
+    start = checkpoints.restore(run, keeper)
     rank, _ = world_from_env()
     resume_from = start.step if cfg.checkpoint.resume else None
     log = RunLog(cfg.logging.out, cfg.optim.steps, first_step=start.step + 1, resume_from=resume_from, config=cfg.settings(),
@@ -404,12 +405,16 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         if checkpoints.due(cfg, step + 1):
             with progress.paused():
                 save_checkpoint(run, done, saves)
+        if keeper is not None:
+            keeper.after_step(run.model, run.engine, done, step_time)
         with progress.paused() if metrics_error else contextlib.nullcontext():
             stop_if_metrics_failed(run, metrics_error, done)
     if run.parallel.pending_save is not None:
         run.parallel.pending_save.wait()
     if group:
         group.close()
+    if keeper is not None:
+        keeper.remove()
     progress.close()
     if profiler is not None:
         progress.message(profiler.finish(Path(cfg.logging.out) / "profile" / f"rank{rank}.json" if cfg.logging.out else None))

@@ -296,7 +296,7 @@ class HostBuffers:
             self._pending_gpu_copies = False
 
 
-def _pieces(tensors: list[LocalTensor], host: HostBuffers | None = None) -> dict[str, tuple[dict, torch.Tensor]]:
+def host_pieces(tensors: list[LocalTensor], host: HostBuffers | None = None) -> dict[str, tuple[dict, torch.Tensor]]:
     """This rank's pieces, by key: their description for the plan and a CPU copy of their data (into
     ``host``'s reused pinned buffers where given: a synchronous save keeps no buffers between saves)."""
     out = {}
@@ -452,7 +452,7 @@ def stage(model: nn.Module, engine: Engine, mesh: Mesh, root: Path, progress: Tr
     if not progress.run_id:
         progress = dataclasses.replace(progress, run_id=agreed_run_id(device))
     final = step_dir(root, progress.step)
-    mine = _pieces(local_state(model, engine) + rng_state(rank, device), host)
+    mine = host_pieces(local_state(model, engine) + rng_state(rank, device), host)
     plans = all_gather_json([item for item, _ in mine.values()], device)
     writers = assign_writers(plans)
     ours = {key: data for key, (_, data) in mine.items() if writers[key] == rank}

@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1, rank 0 of each rendezvous round hosts the round's store on a fresh port. Shared (torch's default),
 the agents' store outlives the round, and a restarted rank could read the address a rank of the lost round
 had published and fail to connect to it (seen on the test bed)."""
+SNAPSHOT_DIR_ENV = "TRAINMESH_SNAPSHOT_DIR"
+"""The node's directory of memory snapshots (``train --memory-snapshot``): in /dev/shm, so it outlives the ranks
+the agent restarts; :func:`launch_elastic` makes one per agent and removes it when the agent ends."""
 DEFAULT_MAX_RESTARTS = 3
 RUN_COMMAND = "train"
 
@@ -151,6 +155,9 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
                           rdzv_configs=dict(nodes.rdzv_conf), max_restarts=nodes.max_restarts,
                           local_addr=nodes.endpoint.rpartition(":")[0].strip("[]") if store else None)
     say(_waits(nodes, store is not None))
+    snapshots = None if os.environ.get(SNAPSHOT_DIR_ENV) else f"/dev/shm/trainmesh-{nodes.run_id}-{os.getpid()}"
+    if snapshots:
+        os.environ[SNAPSHOT_DIR_ENV] = snapshots
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "trainmesh", *argv)  # unbuffered, as torchrun runs -m
     except ChildFailedError as e:
@@ -167,4 +174,7 @@ def launch_elastic(argv: Sequence[str], nproc: int, nodes: ElasticNodes) -> int:
             f"{type(e).__name__}: {e or 'timed out'}; are at least {nodes.min_nodes} nodes started with the same "
             f"--rdzv-endpoint and --rdzv-id?")
         return 1
+    finally:
+        if snapshots:
+            shutil.rmtree(snapshots, ignore_errors=True)
     return 0
