@@ -10,6 +10,7 @@ asserts nothing. Figures: docs/multinode.md#restart-from-memory."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -161,7 +162,24 @@ def main(argv: list[str] | None = None) -> int:
             lost = str(r.lost) if r.lost is not None else "-"
             past = f"{r.caught_up:.1f}" if r.caught_up is not None else f">{args.wait:g}"
             print(f"{mode.name:<26} {r.done:>18} {seconds:>20} {lost:>11} {past:>18}  {r.reload}", flush=True)
+    print(replica_row(args), flush=True)
     return 0
+
+
+def replica_row(args: argparse.Namespace) -> str:
+    """The same kill against two torchft replica groups, one a node (:func:`trainmesh_bench.replicas.measure`):
+    the survivor goes on without a restart, so its row gives the seconds it lost beyond a step of its own and the
+    attempts it gave up; "-" where the ``ft`` extra is missing."""
+    from trainmesh.distributed.testbed import TestBed
+    from trainmesh_bench import replicas
+
+    name = "replica-group continuation"
+    if importlib.util.find_spec("torchft") is None:
+        return f"{name:<26} - (pip install 'trainmesh[ft]')"
+    with TestBed(args.nodes, rate_mbit=args.rate_mbit) as bed:
+        r = replicas.measure(bed, args.model, max(args.steps, KILL_AFTER + 4), KILL_AFTER, args.global_batch)
+    return (f"{name:<26} {KILL_AFTER:>18} {r['kill_to_step_s']:>20.1f} {r['steps_lost']:>11} {'-':>18}  no restart: "
+            f"{r['lost_s']:.2f} s lost beyond a {r['alone_step_s']:.2f} s step alone ({r['step_s']:.2f} s with both)")
 
 
 if __name__ == "__main__":
