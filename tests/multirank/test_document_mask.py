@@ -30,7 +30,7 @@ def test_packed_documents_at_pp2_1f1b_and_interleaved_with_learned_positions_mat
 def test_packed_documents_in_every_family_and_more_layouts_match_single_process():
     check_equivalent([_cfg(model="mistral-tiny", cp=2), _cfg(model="gemma3-tiny", cp=2),
                       _cfg(model="deepseek-v3-tiny", cp=2), _cfg(cp=2, cp_impl="a2a", microbatches=2),
-                      _cfg(model="gpt-oss-tiny", tp=2, sequence_parallel=True),
+                      _cfg(model="gpt-oss-tiny", tp=2, sequence_parallel=True), _cfg(model="gpt-oss-tiny", cp=2),
                       _cfg(model="gemma3-tiny", pp=2, microbatches=2, recompute="full"),
                       _cfg(model="llama-tiny", dp=2, zero=3, recompute="selective"),
                       _cfg(model="deepseek-v3-tiny", dp=2, ep=2), _cfg(model="llama-tiny", pp=2, schedule="zb",

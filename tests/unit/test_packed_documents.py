@@ -25,7 +25,7 @@ def test_documents_end_after_each_end_of_document_token():
     assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
 
 
-FAMILIES = ["tiny", "llama-tiny", "qwen3-tiny", "mistral-tiny", "gemma3-tiny", "gpt-oss-tiny", "deepseek-v3-tiny",
+FAMILIES = ["tiny", "llama-tiny", "qwen2-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mistral-tiny", "gemma3-tiny", "gpt-oss-tiny", "deepseek-v3-tiny",
             "moe-tiny"]
 
 
