@@ -80,6 +80,7 @@ def test_a_restart_loads_the_peers_copies_refusing_a_corrupted_one(tmp_path):
     assert records[KILLED_AT]["restart"]["from_step"] == KILLED_AT
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_with_both_copies_of_a_rank_gone_it_resumes_from_disk_and_says_so(tmp_path):
     files = _killed_run(tmp_path, 2)

@@ -28,6 +28,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
+@pytest.mark.slow  # tests/multirank/test_replicas.py keeps a kill and heal in the default set
 def test_two_replica_groups_train_each_step_together_and_end_alike(tmp_path):
     server = lighthouse(min_replicas=2)  # both in every quorum: neither starts alone
     try:

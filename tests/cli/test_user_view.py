@@ -115,6 +115,7 @@ def _only_own_lines(result: subprocess.CompletedProcess, what: str) -> None:
     assert foreign == [], f"{what} printed: {foreign}"
 
 
+@pytest.mark.slow  # 28 s: five commands end to end
 def test_a_walk_through_prints_only_trainmeshs_own_lines(tmp_path):
     """Train two runs, report them together, export and decode one, run a script under launch and report it:
     stderr holds only trainmesh's lines (no deprecation, no kernel library, no matplotlib warning)."""

@@ -177,6 +177,7 @@ def test_the_planners_choice_is_printed_beside_the_published_recipe() -> None:
     assert f"{beside.own_figure:,.0f}" in text and f"{beside.published_figure:,.0f}" in text
 
 
+@pytest.mark.slow  # a whole search over the 235B model's layouts
 def test_the_planners_qwen3_235b_choice_rests_on_memory_not_on_a_predicted_speed_up() -> None:
     """Qwen3-235B-A22B on 256 H100: the published TP4 EP8 PP8 layout needs more memory per rank in trainmesh than
     the device leaves, and the planner's own, which fits, is predicted within 2 % of it: without a cost per MoE
