@@ -138,7 +138,7 @@ def measure(mode: Mode, args: argparse.Namespace, tmp: Path) -> Outcome:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="small")  # steps long enough for the kill to land mid-run in every mode
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--rate-mbit", type=float, default=200.0)
