@@ -416,3 +416,9 @@ def chat_jsonl(path: Path, conversations: list[list[dict[str, str]]]) -> Path:
 
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
     return path
+
+
+def tiled_pairs(visible: torch.Tensor, tile: int) -> int:
+    """The pairs in the ``tile`` x ``tile`` tiles of a [queries, keys] visibility matrix that hold a visible pair:
+    what a fused attention kernel computes, counted tile by tile."""
+    return sum(block.numel() for rows in visible.split(tile) for block in rows.split(tile, dim=1) if block.any())

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
+from helpers import tiled_pairs
 from trainmesh.models import blocked_attention
 from trainmesh.models.blocked_attention import attention_pieces
-from trainmesh.models.cache import WINDOW_BLOCK, causal_attention
+from trainmesh.models.cache import causal_attention
 from trainmesh.models.llama import AttentionCore
 from trainmesh.plan import Layout, Workload, make_cluster, model_shape
 from trainmesh.plan.flops import core_width
-from trainmesh.plan.timing import block_gemms, document_saving
+from trainmesh.plan.timing import KERNEL_TILE, block_gemms, document_saving
 
 ATOL = 1e-12
 
@@ -93,16 +94,19 @@ def test_each_block_of_queries_reads_only_the_keys_it_can_see() -> None:
                                                      ((5, 7), (5, 7)), ((7, 8), (5, 8))]
 
 
-def test_planner_prices_the_blocks_of_a_document_masked_step() -> None:
-    """llama3-8b, 8 sequences of 1024 tokens packed with documents of 256, 512 and 256: the attention core is
-    priced at the pairs the kernel's pieces score; shorter documents save more of the step; a bad length is
-    refused."""
+def test_planner_prices_the_tiles_of_a_document_masked_step() -> None:
+    """llama3-8b, sequences of 1024 tokens packed with documents: the attention core is priced at the 128 x 128
+    tiles holding a pair of one document, counted here from the whole mask, with the mix cycled to fill the
+    sequence and cut at its end ((300, 500) fills it as 300, 500, 224); shorter documents save more of the step; a
+    bad length is refused."""
     shape = model_shape("llama3-8b")
     qk, v = core_width(shape)
-    pairs = sum((p.queries[1] - p.queries[0]) * (p.keys[1] - p.keys[0])
-                for p in attention_pieces(1024, 1024, None, WINDOW_BLOCK, torch.tensor([layout(256, 512, 256)])))
-    work = Workload(shape, 8, 1024, documents=(256, 512, 256))
-    assert block_gemms(work, Layout())["attention"].flops == pytest.approx(8 * 2 * shape.n_heads * (qk + v) * pairs)
+    for mix, lengths in (((256, 512, 256), (256, 512, 256)), ((300, 500), (300, 500, 224))):
+        documents = torch.tensor(layout(*lengths))
+        i, j = torch.arange(1024)[:, None], torch.arange(1024)
+        pairs = tiled_pairs((j <= i) & (documents[:, None] == documents), KERNEL_TILE)
+        work = Workload(shape, 8, 1024, documents=mix)
+        assert block_gemms(work, Layout())["attention"].flops == pytest.approx(8 * 2 * shape.n_heads * (qk + v) * pairs)
     cluster = make_cluster("h100-80gb", 8)
     savings = [document_saving(dataclasses.replace(work, documents=mix), Layout(dp=8), cluster)
                for mix in ((1024,), (512, 256), (128,))]

@@ -1,5 +1,5 @@
 """Sliding-window attention computed block by block equals the masked full attention, and the planner prices the
-blocks the core computes."""
+tiles a fused kernel computes."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import FP64_ATOL
-from trainmesh.models.blocked_attention import attention_pieces
-from trainmesh.models.cache import WINDOW_BLOCK, causal_attention
+from helpers import FP64_ATOL, tiled_pairs
+from trainmesh.models.cache import causal_attention
 from trainmesh.models.llama import AttentionCore
 from trainmesh.plan import Layout, Workload, model_shape
 from trainmesh.plan.flops import attention_forward_flops, attention_weights, core_width
-from trainmesh.plan.timing import block_gemms
+from trainmesh.plan.timing import KERNEL_TILE, block_gemms
 
 
 def masked_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
@@ -51,16 +50,17 @@ def test_attention_core_shares_kv_heads_under_a_window() -> None:
     torch.testing.assert_close(AttentionCore(37)(q, k, v), ref, atol=FP64_ATOL, rtol=0)
 
 
-def test_planner_prices_the_blocks_the_windowed_core_computes() -> None:
-    """mistral-7b at 1000 tokens, window 300: the core's blocks of WINDOW_BLOCK queries each score the keys from
-    their first row's window start to their last row, masked parts included; the MFU forward count takes each
-    query's 300 keys."""
-    shape = dataclasses.replace(model_shape("mistral-7b"), sliding_window=300)
+def test_planner_prices_the_tiles_a_fused_kernel_computes_under_a_window() -> None:
+    """mistral-7b at 1000 tokens: the core is priced at the 128 x 128 tiles holding a visible pair, masked parts
+    included, counted here from the whole mask: the causal half and its diagonal tiles, and a window of 300 leaving
+    out the tiles behind it; the MFU forward count takes each query's 300 keys."""
+    i, j = torch.arange(1000)[:, None], torch.arange(1000)
+    shape = model_shape("mistral-7b")
     qk, v = core_width(shape)
-    band = sum((end - start) * (end - max(0, start - 299))
-               for start, end in ((s, min(s + WINDOW_BLOCK, 1000)) for s in range(0, 1000, WINDOW_BLOCK)))
-    assert band == sum((p.queries[1] - p.queries[0]) * (p.keys[1] - p.keys[0])
-                       for p in attention_pieces(1000, 1000, 300, WINDOW_BLOCK, None))
-    core = block_gemms(Workload(shape, 1, 1000), Layout())["attention"]
-    assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * band)
-    assert attention_forward_flops(shape, 1000) == 2 * attention_weights(shape) + 2 * 300 * shape.n_heads * (qk + v)
+    for window, visible in ((None, j <= i), (300, (j <= i) & (j > i - 300))):
+        work = Workload(dataclasses.replace(shape, sliding_window=window), 1, 1000)
+        core = block_gemms(work, Layout())["attention"]
+        assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * tiled_pairs(visible, KERNEL_TILE))
+    windowed = dataclasses.replace(shape, sliding_window=300)
+    assert attention_forward_flops(windowed, 1000) == (2 * attention_weights(windowed)
+                                                       + 2 * 300 * shape.n_heads * (qk + v))

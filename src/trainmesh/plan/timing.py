@@ -9,9 +9,9 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from trainmesh.tracking.metrics import head_flops_per_token
-from trainmesh.models.blocked_attention import region_pieces
-from trainmesh.models.cache import WINDOW_BLOCK
 from trainmesh.models.spec import ModelShape
 from trainmesh.distributed.hardware import Cluster
 from trainmesh.plan.dp_traffic import all_reduce_time, dp_traffic, ring_gather_time
@@ -118,23 +118,41 @@ def block_gemms(workload: Workload, layout: Layout, moe: bool = False) -> dict[s
     return gemms
 
 
+# Query and key rows of a fused attention kernel's tile, the unit it computes or skips whole: FlexAttention's block
+# mask (torch.nn.attention.flex_attention, _DEFAULT_SPARSE_BLOCK_SIZE = 128), FlashAttention's largest blocks
+# ({64, 128} x {64, 128} [Dao, FlashAttention-2, 2023, 3.3]).
+KERNEL_TILE = 128
+
+
 def causal_share(m: ModelShape, seq_len: int, documents: tuple[int, ...] = ()) -> float:
-    """The part of the s x s score matrix the attention core computes: half for a fused causal kernel [Dao,
-    FlashAttention-2, 2023, 3.1], all of it for an unfused core (Megatron-LM in 2021 [NAR]); under a sliding
-    window shorter than s or with ``documents`` (a mix of document lengths packed into each sequence), the
-    blocks :func:`trainmesh.models.blocked_attention.region_pieces` computes, masked parts included."""
+    """The part of the s x s score matrix the attention core computes: all of it for an unfused core (Megatron-LM in
+    2021 [NAR]); for a fused kernel, the tiles that hold at least one visible pair (:func:`tiled_pairs`), which
+    under a causal mask is about half [Dao, FlashAttention-2, 2023, 3.1], and less under a sliding window shorter
+    than s or with ``documents`` (the lengths of the documents packed into the sequences)."""
     window = m.sliding_window if m.sliding_window is not None and m.sliding_window < seq_len else None
-    if window is None and not documents:
-        return 0.5 if m.flash_attention else 1.0
-    mix = [min(n, seq_len) for n in documents] or [seq_len]
-    return sum(computed_pairs(n, window) for n in mix) / sum(mix) / seq_len
+    if window is None and not documents and not m.flash_attention:
+        return 1.0
+    return tiled_pairs(seq_len, window, tuple(documents)) / seq_len ** 2
 
 
 @functools.lru_cache(maxsize=4096)  # a search prices the same windows and documents for every layout
-def computed_pairs(length: int, window: int | None) -> int:
-    """Query-key pairs the blocked core scores for one document (or sequence) of ``length`` tokens."""
-    pieces = region_pieces(slice(None), (0, length), 0, window, WINDOW_BLOCK)
-    return sum((p.queries[1] - p.queries[0]) * (p.keys[1] - p.keys[0]) for p in pieces)
+def tiled_pairs(seq_len: int, window: int | None, documents: tuple[int, ...]) -> float:
+    """Query-key pairs a sequence's fused kernel computes, tiles masked in part included, per sequence of ``seq_len``
+    tokens: the ``documents`` (cycled until they fill whole sequences, the last one cut at each sequence's end, as
+    ``prepare`` packs them) or, without documents, one per sequence. A tile of queries from row a sees keys from the
+    tile holding a's first visible key, max(its document's start, a - window + 1), to its own diagonal tile."""
+    mix = np.asarray(documents or (seq_len,))
+    sequences = max(1, math.ceil(mix.sum() / seq_len))
+    starts = np.concatenate(([0], np.cumsum(np.resize(mix, sequences * seq_len // mix.min() + 1))))
+    first_rows = np.arange(0, seq_len, KERNEL_TILE)
+    rows = np.minimum(KERNEL_TILE, seq_len - first_rows)
+    ends = np.minimum(first_rows + KERNEL_TILE, seq_len)
+    total = 0
+    for offset in range(0, sequences * seq_len, seq_len):
+        document_start = starts[np.searchsorted(starts, offset + first_rows, side="right") - 1] - offset
+        earliest = np.maximum(document_start, 0 if window is None else first_rows - window + 1)
+        total += int((rows * (ends - earliest.clip(0) // KERNEL_TILE * KERNEL_TILE)).sum())
+    return total / sequences
 
 
 def document_saving(workload: Workload, layout: Layout, cluster: Cluster) -> float:
