@@ -101,7 +101,8 @@ def test_gemma3_imports_and_exports_with_transformers_logits(tmp_path, fp64_gemm
 
 
 @pytest.mark.parametrize("changes", [{"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0},
-                                     {"layer_types": ["full_attention", "sliding_attention"] * 2}])
+                                     {"layer_types": ["full_attention", "sliding_attention"] * 2},
+                                     {"tie_word_embeddings": False}])
 def test_gemma3_configs_trainmesh_does_not_compute_are_refused_in_one_line(changes):
     hf_config = transformers.Gemma3TextConfig(num_hidden_layers=4, **changes).to_dict()
     with pytest.raises(HFIncompatible, match="cannot be imported"):

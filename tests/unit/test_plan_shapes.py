@@ -39,15 +39,19 @@ TINY_HF = {  # model_type -> (transformers config class, its fields): small, eve
                                          "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
                                          "qk_nope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1}),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=128, n_positions=64)),
+    # read through the family's own mapping, as --init-hf reads them
+    "gemma3_text": ("Gemma3TextConfig", {**BASE, "head_dim": 16, "sliding_window": 16}),
+    "gpt_oss": ("GptOssConfig", {**BASE, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 8}),
 }
 
 
 def test_every_model_type_the_reader_takes_has_a_tiny_case() -> None:
-    assert TINY_HF.keys() == READERS.keys()
+    assert TINY_HF.keys() == READERS.keys() | {s.hf.model_type for s in SPECS if s.hf}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("model_type", TINY_HF)
+@pytest.mark.parametrize("model_type,tied", [(kind, tied) for kind in TINY_HF for tied in (False, True)
+                                             if (kind, tied) != ("gemma3_text", False)])  # refused: below
 def test_the_planners_count_is_the_transformers_models_parameter_count(model_type: str, tied: bool,
                                                                       tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
@@ -57,6 +61,14 @@ def test_the_planners_count_is_the_transformers_models_parameter_count(model_typ
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     assert read_hf_shape(tmp_path).n_params() == sum(p.numel() for p in built.parameters())
 
+
+
+def test_an_untied_gemma3_config_is_refused_in_one_line_as_init_hf_refuses_it() -> None:
+    """trainmesh's Gemma 3 ties its head, so the planner does not price an untied one as tied."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(**TINY_HF["gemma3_text"][1], tie_word_embeddings=False).to_dict()
+    with pytest.raises(ValueError, match="^config.json: tie_word_embeddings is false; trainmesh's Gemma 3 ties"):
+        shape_of_hf_config(config)
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.family)
 def test_the_planners_count_is_trainmeshs_built_modules_for_every_family(spec) -> None:

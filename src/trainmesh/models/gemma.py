@@ -51,6 +51,9 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
         if (hf.get(what) or ours) != ours:
             raise HFIncompatible(f"{what} is {hf.get(what)!r}; trainmesh's Gemma 3 has {ours!r}, so this "
                                  f"checkpoint cannot be imported")
+    if not hf.get("tie_word_embeddings", True):  # GEMMA below ties it, so check what the config says first
+        raise HFIncompatible("tie_word_embeddings is false; trainmesh's Gemma 3 ties its head to the embedding, as "
+                             "every published Gemma 3 does, so an untied one cannot be imported")
     types, rope = list(hf["layer_types"]), hf.get("rope_parameters") or {}
     theta, scaling = rope_from_hf({**hf, "rope_parameters": rope.get("full_attention")})
     local_theta, local_scaling = rope_from_hf({**hf, "rope_parameters": rope.get("sliding_attention")})
@@ -60,10 +63,9 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                               rope_scaling=scaling, sliding_window=hf.get("sliding_window") if every != 1 else None,
                               global_every=every if every > 1 else 0, local_rope_theta=local_theta,
                               query_pre_attn_scalar=hf.get("query_pre_attn_scalar"), **GEMMA)
-    if layer_types(cfg) != types or local_scaling is not None or not cfg.tie_embeddings:
-        raise HFIncompatible(f"layer_types {types}, a scaled local rope or an untied head: trainmesh's Gemma 3 has "
-                             f"every n-th layer global, unscaled local ropes and a tied head, so this cannot be "
-                             f"imported")
+    if layer_types(cfg) != types or local_scaling is not None:
+        raise HFIncompatible(f"layer_types {types} or a scaled local rope: trainmesh's Gemma 3 has every n-th layer "
+                             f"global and unscaled local ropes, so this cannot be imported")
     return cfg
 
 

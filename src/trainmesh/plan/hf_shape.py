@@ -1,6 +1,7 @@
-"""A Hugging Face ``config.json`` as the planner's :class:`ModelShape` (llama, mistral, qwen2, qwen3,
-mixtral, qwen3_moe, deepseek_v3, gpt2), read with transformers' defaults but without transformers or
-remote code (``auto_map`` refused); counts match ``sum(p.numel())`` (tests/unit/test_plan_shapes.py)."""
+"""A Hugging Face ``config.json`` as the planner's :class:`ModelShape`: llama, mistral, qwen2, qwen3, mixtral,
+qwen3_moe, deepseek_v3 and gpt2 read with transformers' defaults but without transformers; any other model type a
+registered family maps (Gemma 3, GPT-OSS, a family from a package) read as ``--init-hf`` builds it; remote code
+(``auto_map``) refused; counts match ``sum(p.numel())`` (tests/unit/test_plan_shapes.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmesh.models.hf import check_config_values
-from trainmesh.models.spec import ModelShape, explicit_head_dim
+from trainmesh.models import SPECS
+from trainmesh.models.hf import HFError, check_config_values, family_of
+from trainmesh.models.spec import HFIncompatible, ModelShape, explicit_head_dim
 
 Config = Mapping[str, Any]
 
@@ -115,9 +117,30 @@ def shape_of_hf_config(cfg: Config, where: str = "config.json") -> ModelShape:
         raise ValueError(f"{where} names remote code (auto_map), which trainmesh never runs; plan the shape with "
                          f"--layers/--hidden/... flags instead")
     kind = cfg.get("model_type")
-    if kind not in READERS:
-        raise ValueError(f"{where} is model_type {kind!r}; the planner reads {', '.join(READERS)}")
-    return READERS[kind](cfg, where)
+    if kind in READERS:
+        return READERS[kind](cfg, where)
+    return _family_shape(cfg, where)
+
+
+def _family_shape(cfg: Config, where: str) -> ModelShape:
+    """The shape of the model a registered family builds from ``cfg``, as ``--init-hf`` builds it: its own
+    reading of the config (Gemma 3's local and global layers, GPT-OSS's sinks and expert biases), no second copy."""
+    try:
+        spec = family_of(cfg, where)
+    except HFError:
+        raise ValueError(f"{where} is model_type {cfg.get('model_type')!r}; the planner reads {', '.join(READERS)} "
+                         f"and the families' types ({', '.join(_family_types())})") from None
+    try:
+        return spec.shape(spec.hf.from_config(cfg))
+    except KeyError as e:
+        raise ValueError(f"{where} has no {e}, which a {cfg.get('model_type')} config needs; give the config.json "
+                         f"save_pretrained writes") from None
+    except (HFIncompatible, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _family_types() -> list[str]:
+    return [s.hf.model_type for s in SPECS if s.hf and s.hf.model_type not in READERS]
 
 
 def read_hf_shape(directory: str | Path) -> ModelShape:
