@@ -68,6 +68,7 @@ class Case:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
     dp_replicate: int = 1
     zero: int = 0
     sequence_parallel: bool = False
@@ -215,7 +216,7 @@ def mesh_of(case: Case) -> Mesh:
     """:func:`trainmesh.init_mesh` of the case's layout, on the CPU."""
     c = case
     return tm.init_mesh(c.dp, c.tp, c.pp, c.cp, device="cpu", ep=c.ep, dp_replicate=c.dp_replicate,
-                        sequence_parallel=c.sequence_parallel)
+                        sequence_parallel=c.sequence_parallel, etp=c.etp)
 
 
 def build(case: Case, mesh: Mesh | None = None) -> Built:
@@ -245,8 +246,8 @@ _REFERENCES: dict[str, Training] = {}  # single-process runs already trained in 
 
 def single(case: Case) -> Case:
     """The same case as one process: every axis 1, same global batch and micro-batches."""
-    return dataclasses.replace(case, dp=1, cp=1, tp=1, pp=1, ep=1, dp_replicate=1, zero=0, sequence_parallel=False,
-                               schedule="1f1b", virtual_stages=1, stage_layers=())
+    return dataclasses.replace(case, dp=1, cp=1, tp=1, pp=1, ep=1, etp=1, dp_replicate=1, zero=0,
+                               sequence_parallel=False, schedule="1f1b", virtual_stages=1, stage_layers=())
 
 
 def train_single(case: Case) -> Training:
@@ -319,7 +320,7 @@ def check_equivalent(cases: list[Case], world_size: int, timeout: float = 240.0)
 
 def describe_layout(case: Case) -> str:
     """A short name for a layout, e.g. ``dp2 tp2 sp pp2 1f1b zero1 mb2``."""
-    parts = [f"{axis}{getattr(case, axis)}" for axis in ("dp", "cp", "ep", "tp") if getattr(case, axis) > 1]
+    parts = [f"{axis}{getattr(case, axis)}" for axis in ("dp", "cp", "ep", "etp", "tp") if getattr(case, axis) > 1]
     parts += [f"hsdp{case.dp_replicate}x{case.dp // case.dp_replicate}"] if case.dp_replicate > 1 else []
     parts += [case.cp_impl] if case.cp > 1 else []
     parts += ["sp"] if case.sequence_parallel else []

@@ -497,9 +497,6 @@ def _experts(c: _Check) -> str | None:
         held = f"experts {m.expert_ff} wide" if m.n_experts else "no routed experts"
         return (f"{c.spell('etp', etp)} splits the hidden width of each routed expert, and {c.name} has {held}; "
                 f"choose etp in {_braced(divisors(m.expert_ff) if m.n_experts else [1])}")
-    if etp > 1 and m.expert_biases:  # each etp rank would add the down projection's bias to its partial sum
-        return (f"{c.spell('etp', etp)} splits experts whose projections carry biases ({c.name}), which the etp "
-                f"split does not divide; use {c.spell('etp', 1)} (with ep)")
     return experts_problem(c.layout.ep, m.n_experts, c.spell, c.name)
 
 

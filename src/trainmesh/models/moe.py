@@ -141,14 +141,16 @@ class GroupedExperts(nn.Module):
     """``E_local`` expert MLPs held as stacked weights: ``w1`` ``[E, d, f]``, ``w3`` ``[E, d, f]`` (gated only),
     ``w2`` ``[E, f, d]``, with ``bias`` their biases ``b1``, ``b3`` ``[E, f]`` and ``b2`` ``[E, d]``; ``limit`` > 0:
     GPT-OSS's clamped SwiGLU. ``forward`` takes token copies sorted by expert with their counts, so expert
-    parallelism can hand it any contiguous subset of experts (every parameter is split on its first dim)."""
+    parallelism can hand it any contiguous subset of experts (every parameter is split on its first dim).
+    ``adds_down_bias`` False: this process's output is a partial sum that another's adds ``b2`` to (expert tensor
+    parallelism); ``b2`` then adds zero yet takes its gradient, so every copy of it learns alike."""
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int, gated: bool, impl: str = "loop", bias: bool = False,
                  limit: float = 0.0) -> None:
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"expert matmul {impl!r}; choose one of {', '.join(IMPLS)}")
-        self.gated, self.impl, self.limit = gated, impl, limit
+        self.gated, self.impl, self.limit, self.adds_down_bias = gated, impl, limit, True
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(n_experts, d_model, d_ff)) if gated else None
         self.w2 = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
@@ -173,7 +175,10 @@ class GroupedExperts(nn.Module):
 
         def project(h: torch.Tensor, w: torch.Tensor, bias: str) -> torch.Tensor:
             y = matmul(h, w, sizes)
-            return y + getattr(self, bias)[rows] if hasattr(self, "b1") else y
+            if not hasattr(self, "b1"):
+                return y
+            b = getattr(self, bias)
+            return y + (b if bias != "b2" or self.adds_down_bias else b - b.detach())[rows]
 
         gate = project(x, self.w1, "b1")
         if self.gated and self.limit:  # GPT-OSS: gate clamped above, up both ways, gate σ(1.702 gate) (up + 1)

@@ -17,14 +17,15 @@ from torch import nn
 from trainmesh.distributed.comm import Comm
 from trainmesh.models.moe import SequenceSplit, is_expert_param
 from trainmesh.parallel.tensor_parallel import Box
-from trainmesh.training.optim import SPLIT_OVER_TP
+from trainmesh.training.optim import COUNTED_ELSEWHERE, SPLIT_OVER_TP
 
 EP_AXIS = "ep"
 EXPERT_AXIS = "edp"  # expert data parallel: the ranks that hold the same experts
 ETP_AXIS = "etp"  # expert tensor parallel: ranks holding slices of the same experts
 EP_SHARD = "_trainmesh_ep_shard"  # on a sliced expert parameter: (ep rank, ep size), split along dim 0
 ETP_SHARD = "_trainmesh_etp_shard"  # on an etp-sliced one: (etp rank, etp size, the split dim)
-ETP_DIMS = {"w1": 2, "w3": 2, "w2": 1}  # each expert's w1/w3 [d, f] split by column, w2 [f, d] by row
+ETP_DIMS = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}  # each expert's w1/w3 [d, f] and b1/b3 [f] split by column,
+# w2 [f, d] by row; its b2 [d] whole on every etp rank (:func:`shard_experts`)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -143,13 +144,14 @@ def with_expert_units(units: list[tuple[str, nn.Module]], model: nn.Module) -> l
 def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
     """Keep this ep rank's ``1/ep`` of ``moe``'s routed experts, of each its etp rank's ``1/etp`` of the hidden
     width (:data:`ETP_DIMS`), and dispatch over ``comm``; parameters keep names and marks and record their place
-    (:data:`EP_SHARD`, :data:`ETP_SHARD`) and whether ep folds over tp."""
+    (:data:`EP_SHARD`, :data:`ETP_SHARD`) and whether ep folds over tp. The down projection's bias adds to the
+    etp ranks' summed partial outputs once: the first etp rank adds it, the others hold a copy for its gradient."""
     mesh = comm.mesh
     for name, p in list(moe.experts.named_parameters(recurse=False)):
         piece, marks = p, {}
         for axis, dim, mark in ((EP_AXIS, 0, EP_SHARD), (ETP_AXIS, ETP_DIMS.get(name), ETP_SHARD)):
             rank, size = mesh.rank(axis), mesh.size(axis)
-            if size == 1:
+            if size == 1 or dim is None:
                 continue
             if p.shape[dim] % size:
                 raise ValueError(f"{axis}={size} does not divide the {p.shape[dim]} rows of dim {dim} of the experts' "
@@ -159,7 +161,9 @@ def shard_experts(moe: nn.Module, comm: Comm, over_tp: bool = False) -> None:
         piece = nn.Parameter(piece.clone(), requires_grad=p.requires_grad)
         piece.__dict__.update({**p.__dict__, **marks})
         setattr(piece, SPLIT_OVER_TP, over_tp)
+        setattr(piece, COUNTED_ELSEWHERE, mesh.rank(ETP_AXIS) > 0 and name not in ETP_DIMS)
         setattr(moe.experts, name, piece)
+    moe.experts.adds_down_bias = mesh.rank(ETP_AXIS) == 0
     moe.dispatcher = AllToAllDispatch(comm)
 
 

@@ -66,8 +66,11 @@ def router_and_shared(m: ModelShape) -> UnitSize:
 
 def expert_unit(m: ModelShape, ep: int, etp: int = 1) -> UnitSize:
     """The routed experts one rank holds of one MoE layer: n_experts / ep of them, stacked, each 1/etp of its hidden
-    width (never split over the attention's tp: Megatron-core's expert tensor parallelism is its own)."""
-    return UnitSize(m.n_experts // ep * m.expert_params() // etp, (3 if m.gated_mlp else 2) * (1 + m.expert_biases))
+    width (never split over the attention's tp: Megatron-core's expert tensor parallelism is its own) but for the
+    down projection's bias, whole on every etp rank."""
+    whole = m.d_model if m.expert_biases else 0
+    return UnitSize(m.n_experts // ep * ((m.expert_params() - whole) // etp + whole),
+                    (3 if m.gated_mlp else 2) * (1 + m.expert_biases))
 
 
 def stage_blocks(workload: Workload, layout: Layout, stage: int) -> tuple[int, int]:

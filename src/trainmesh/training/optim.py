@@ -1,6 +1,7 @@
 """AdamW, the learning-rate schedule and gradient clipping by the norm of the whole model's gradient,
 assembled from per-rank sums of squares with each element counted once (a tp-replicated parameter only
-on tp-rank 0, a tied embedding only on the first pipeline stage, as Megatron-LM's ``clip_grad_norm``)."""
+on tp-rank 0, a tied embedding only on the first pipeline stage, an expert's down-projection bias only on the first
+etp rank, as Megatron-LM's ``clip_grad_norm``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ TP_SHARDED = "_trainmesh_tp_sharded"
 SPLIT_OVER_TP = "_trainmesh_split_over_tp"
 """On a parameter each tp rank holds a different one of, though no tensor-parallel layer split it: a routed
 expert of an ep group that folds over tp. The global norm counts it on every tp rank, as a tp shard."""
+COUNTED_ELSEWHERE = "_trainmesh_counted_elsewhere"
+"""On a copy of a parameter that a rank of an axis the global norm sums over also holds and counts: a routed expert's
+down-projection bias on every etp rank but the first (the etp ranks split the rest of the expert)."""
 TIED_PEER = "_trainmesh_tied_peer"
 """On a weight the first and the last pipeline stage both hold (an output head tied to the embedding): the other
 end's ``pp`` coordinate. Engines add the other end's gradient at the step; the norm counts the first stage's."""
@@ -89,7 +93,7 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
 def norm_contributions(params: Iterable[nn.Parameter], tp_rank: int) -> list[torch.Tensor]:
     """The gradients this rank adds to the global norm: each element of the model counted once."""
     return [p.grad for p in params if p.grad is not None and (tp_rank == 0 or differs_over_tp(p))
-            and getattr(p, TIED_PEER, None) != 0]
+            and getattr(p, TIED_PEER, None) != 0 and not getattr(p, COUNTED_ELSEWHERE, False)]
 
 
 def keep_tp_marks(copy: torch.Tensor, p: torch.Tensor) -> None:
@@ -98,6 +102,7 @@ def keep_tp_marks(copy: torch.Tensor, p: torch.Tensor) -> None:
     setattr(copy, TP_SHARDED, is_tp_sharded(p))
     setattr(copy, SPLIT_OVER_TP, getattr(p, SPLIT_OVER_TP, False))
     setattr(copy, TIED_PEER, getattr(p, TIED_PEER, None))
+    setattr(copy, COUNTED_ELSEWHERE, getattr(p, COUNTED_ELSEWHERE, False))
 
 
 def differs_over_tp(p: torch.Tensor) -> bool:
