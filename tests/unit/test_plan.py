@@ -20,7 +20,7 @@ from trainmesh.app import cli
 from trainmesh.app.config import Config, config_from_args
 from trainmesh.app.planning import (add_plan_arguments, auto_config, layout_of, plan_from_args,
                                     preset_source, train_command, with_layout, workload_from, workload_of)
-from trainmesh.tracking.metrics import SavedActivations, mfu, model_flops_per_token
+from trainmesh.tracking.metrics import SavedActivations, block_flops_per_token, head_flops_per_token, mfu
 from trainmesh.models import ModelShape
 from trainmesh.models.gpt import GPT, PRESETS, cross_entropy
 from trainmesh.pipeline.schedules import (
@@ -31,6 +31,7 @@ from trainmesh.pipeline.schedules import (
 )
 from trainmesh.pipeline.simulate import simulate
 from trainmesh.training.precision import dtype_of
+from trainmesh.plan.timing import model_flops_per_token
 from trainmesh.plan import (
     GIB,
     Cluster,
@@ -401,12 +402,15 @@ def test_predicted_tflops_match_megatron_weak_scaling_within_10_percent(
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32", "fp8"])
 def test_the_planner_and_the_runtime_count_the_same_model_flops_over_the_same_peak(precision: str) -> None:
-    """The MFU a planned gpt2-124m step predicts is what ``train`` reports for that step time on an H100."""
+    """The MFU a planned gpt2-124m step predicts is what ``train`` reports for that step time on an H100, both
+    counting PaLM's model FLOPs (6N + 12LHQT per token [PALM, app. B]) over the device's peak."""
     work, cluster = Workload(model_shape("gpt2-124m"), 64, 1024, precision), make_cluster("h100-80gb", 8)
     planned = estimate(work, Layout(dp=8, microbatches=8), cluster)
     m, peak = PRESETS["gpt2-124m"], device_peak("NVIDIA H100 80GB HBM3").at(precision)
-    flops = model_flops_per_token(m.n_layers, m.d_model, m.d_ff, m.vocab_size, m.seq_len)
-    assert planned.mfu == pytest.approx(mfu(planned.tokens_per_s, flops, 8, peak / 1e12), rel=1e-12)
+    palm = 3 * (m.n_layers * block_flops_per_token(m.d_model, m.d_ff, m.seq_len)
+                + head_flops_per_token(m.d_model, m.vocab_size))
+    assert model_flops_per_token(model_shape("gpt2-124m")) == palm
+    assert planned.mfu == pytest.approx(mfu(planned.tokens_per_s, palm, 8, peak / 1e12), rel=1e-12)
     assert peak == {"fp32": cluster.peak_flops_fp32, "bf16": cluster.peak_flops, "fp8": cluster.peak_flops_fp8}[precision]
 
 

@@ -16,12 +16,12 @@ import torch
 from trainmesh.app import cli
 from trainmesh.app.config import config_from_args
 from trainmesh.app.planning import add_plan_arguments, layout_of, plan_from_args, workload_of
-from trainmesh.tracking.metrics import model_flops_per_token
 from trainmesh.models import SPECS, preset
 from trainmesh.models.llama import Llama
 from trainmesh.plan import Layout, Workload, active_params, cp_bytes_per_micro, model_shape
 from trainmesh.plan.flops import block_forward_flops
 from trainmesh.plan.memory import params_per_tp_rank
+from trainmesh.plan.timing import model_flops_per_token
 from trainmesh.plan.hf_shape import READERS, read_hf_shape, shape_of_hf_config
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -175,9 +175,7 @@ def test_heads_apart_from_hidden_over_heads_are_counted_as_the_built_block_holds
     assert params_per_tp_rank(shape, 2) == shape.n_params() - split // 2
     matmuls = sum(m.weight.numel() for m in model.blocks["0"].modules() if isinstance(m, torch.nn.Linear))
     assert block_forward_flops(shape, seq) == 2 * matmuls + 4 * seq * 4 * head_dim
-    runtime = model_flops_per_token(cfg.n_layers, 64, cfg.d_ff, cfg.vocab_size, seq, True, shape.qkv_width,
-                                    shape.attention_width)
-    assert runtime == 3 * (cfg.n_layers * block_forward_flops(shape, seq) + 2 * 64 * cfg.vocab_size)
+    assert model_flops_per_token(shape) == 3 * (cfg.n_layers * block_forward_flops(shape, seq) + 2 * 64 * cfg.vocab_size)
 
 
 def test_plan_takes_an_hf_config_whose_heads_are_not_hidden_over_heads(tmp_path: Path) -> None:

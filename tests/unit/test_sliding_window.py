@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import FP64_ATOL, tiled_pairs
+from trainmesh.models import gemma, gpt_oss
 from trainmesh.models.cache import causal_attention
 from trainmesh.models.llama import AttentionCore
 from trainmesh.plan import Layout, Workload, model_shape
@@ -64,3 +65,23 @@ def test_planner_prices_the_tiles_a_fused_kernel_computes_under_a_window() -> No
     windowed = dataclasses.replace(shape, sliding_window=300)
     assert attention_forward_flops(windowed, 1000) == (2 * attention_weights(windowed)
                                                        + 2 * 300 * shape.n_heads * (qk + v))
+
+
+@pytest.mark.parametrize("name,local", [("gemma3-1b", 22), ("gpt-oss-20b", 12)])
+def test_planner_prices_local_and_global_layers_each_at_its_own_attention(name: str, local: int) -> None:
+    """Gemma 3 (every 6th of 26 layers global) and GPT-OSS (alternate layers within 128 tokens): the core is priced
+    at the layers' mean of the windowed tiles and the whole causal ones, each counted from the whole mask, and the
+    MFU count at the mean of window and sequence keys; the shape's local layers are the model's own."""
+    shape = model_shape(name)
+    built = {**gemma.PLANNER_PRESETS, **gpt_oss.PLANNER_PRESETS}[name]
+    assert shape.local_layers == local == sum(built.is_local(i) for i in range(built.n_layers))
+    qk, v = core_width(shape)
+    i, j = torch.arange(1024)[:, None], torch.arange(1024)
+    window = shape.sliding_window
+    pairs = (local * tiled_pairs((j <= i) & (j > i - window), KERNEL_TILE)
+             + (shape.n_layers - local) * tiled_pairs(j <= i, KERNEL_TILE)) / shape.n_layers
+    core = block_gemms(Workload(shape, 1, 1024), Layout())["attention"]
+    assert core.flops == pytest.approx(2 * shape.n_heads * (qk + v) * pairs)
+    keys = (local * window + (shape.n_layers - local) * 1024) / shape.n_layers
+    assert attention_forward_flops(shape, 1024) == pytest.approx(2 * attention_weights(shape)
+                                                                 + 2 * keys * shape.n_heads * (qk + v))

@@ -32,13 +32,14 @@ from trainmesh.distributed.heartbeat import PROGRESS, start_heartbeat, stepping
 from trainmesh.distributed.elastic import die_with_agent
 from trainmesh.distributed.mesh import Mesh, world_from_env
 from trainmesh.tracking import metrics
-from trainmesh.tracking.metrics import STRAGGLER_FACTOR, SavedActivations, mfu, model_flops_per_token, peak_tflops, stragglers
+from trainmesh.tracking.metrics import STRAGGLER_FACTOR, SavedActivations, mfu, peak_tflops, stragglers
 from trainmesh.tracking.records import LossWindows, MetricsError
 from trainmesh.tracking.runlog import RunLog
 from trainmesh.models import moe, spec_of
 from trainmesh.models.documents import packed
 from trainmesh.training.optim import LRSchedule
 from trainmesh.pipeline.draw import draw_timeline
+from trainmesh.plan.timing import model_flops_per_token
 from trainmesh.pipeline.simulate import Costs, measured_costs, replayed_bubble, simulate
 from trainmesh.training.loss import micro_loss
 from trainmesh.training.precision import dtype_of
@@ -341,8 +342,7 @@ def train(cfg: Config, mesh: Mesh | None = None) -> TrainResult:
         progress.message(f"trainmesh: {vocabulary_note(cfg)}")
     shape = spec_of(cfg.model.model).shape(cfg.model_config)
     tokens_per_step = cfg.optim.global_batch * shape.seq_len
-    flops_per_token = model_flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, shape.vocab_size, shape.seq_len,
-                                            shape.gated_mlp, shape.qkv_width, shape.attention_width)
+    flops_per_token = model_flops_per_token(shape)
     peak = peak_tflops(mesh.device, cfg.layout.precision, cfg.logging.peak_tflops)
     saved = SavedActivations(run.model.parameters())
     schedule = LRSchedule(cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.optim.steps)

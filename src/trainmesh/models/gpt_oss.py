@@ -30,12 +30,13 @@ PRESETS: dict[str, LlamaConfig] = {
                             RopeScaling("yarn", 4.0, 8), theta=10000.0),
 }
 
-# openai/gpt-oss-20b's config.json: 24 layers of 2880, 64 query and 8 KV heads of 64, 32 experts of 2880 (top 4),
-# 128-token windows, YaRN x32 over 4096; planned at 4096 tokens.
+# openai/gpt-oss-20b's and gpt-oss-120b's config.json: 24 and 36 layers of 2880, 64 query and 8 KV heads of 64, 32
+# and 128 experts of 2880 (top 4), 128-token windows on alternate layers, YaRN x32 over 4096; planned at 4096 tokens.
 PLANNER_PRESETS: dict[str, LlamaConfig] = {
-    "gpt-oss-20b": _config(24, 2880, 64, 8, 64, 201088, 4096, 128,
-                           MoEConfig(32, 4, 2880, biases=True, swiglu_limit=7.0),
-                           RopeScaling("yarn", 32.0, 4096, truncate=False)),
+    f"gpt-oss-{size}": _config(layers, 2880, 64, 8, 64, 201088, 4096, 128,
+                               MoEConfig(experts, 4, 2880, biases=True, swiglu_limit=7.0),
+                               RopeScaling("yarn", 32.0, 4096, truncate=False))
+    for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))
 }
 
 TP_PLAN: dict[str, str] = {**llama.TP_PLAN, "blocks.*.attn.core.sinks": "heads"}

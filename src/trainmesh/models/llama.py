@@ -90,7 +90,7 @@ class LlamaConfig:
                           gated_mlp=True, bias=False, learned_positions=False, n_kv_heads=self.n_kv_heads,
                           tied_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
                           sandwich_norm=self.sandwich_norm,
-                          sliding_window=None if self.alternate_window else self.sliding_window,
+                          sliding_window=self.sliding_window, global_every=2 if self.alternate_window else self.global_every,
                           kv_lora_rank=self.kv_lora_rank,
                           q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
                           qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim,

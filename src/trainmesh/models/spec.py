@@ -46,7 +46,9 @@ def explicit_head_dim(d_model: int, n_heads: int, head_dim: int | None) -> int |
 class ModelShape:
     """What the planner needs to know of a decoder-only transformer (defaults: trainmesh's GPT; ``bias=False``:
     LLaMA-style); variants as in :class:`~trainmesh.models.llama.LlamaConfig`; ``head_dim`` None means ``d_model /
-    n_heads``; ``sinks``: GPT-OSS's per-head sinks and o bias, ``expert_biases``: its router's and experts' biases."""
+    n_heads``; ``sinks``: GPT-OSS's per-head sinks and o bias, ``expert_biases``: its router's and experts' biases;
+    ``global_every``: every n-th layer attends to the whole sequence, the others within ``sliding_window`` (Gemma 3:
+    6, GPT-OSS's alternating layers: 2; 0, every layer within it)."""
 
     n_layers: int
     d_model: int
@@ -80,6 +82,7 @@ class ModelShape:
     groups_per_token: int = 0
     sinks: bool = False
     expert_biases: bool = False
+    global_every: int = 0
 
     def __post_init__(self) -> None:
         if self.groups_per_token and not (self.n_experts % self.expert_groups == 0
@@ -105,6 +108,13 @@ class ModelShape:
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def local_layers(self) -> int:
+        """Layers attending within ``sliding_window``: all of them, or all but every ``global_every``-th."""
+        if self.sliding_window is None:
+            return 0
+        return self.n_layers - (self.n_layers // self.global_every if self.global_every else 0)
 
     @property
     def head_size(self) -> int:

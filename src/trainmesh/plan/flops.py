@@ -22,12 +22,13 @@ def core_width(m: ModelShape) -> tuple[int, int]:
     return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
 
 
-def attention_forward_flops(m: ModelShape, seq_len: int) -> int:
-    """Forward FLOPs of one attention layer per token: 2 per weight, and QK^T and AV over ``seq_len`` keys
-    (2 s H (d_qk + d_v); 4sh for plain heads, as [NAR, app. FLOPs] counts it, causal mask or not); a sliding
-    window shorter than the sequence counts its ``window`` keys instead."""
+def attention_forward_flops(m: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs of one attention layer per token, the mean over the layers: 2 per weight, and QK^T and AV
+    over ``seq_len`` keys (2 s H (d_qk + d_v); 4sh for plain heads, as [NAR, app. FLOPs] counts it, causal mask or
+    not); a layer within a sliding window shorter than the sequence counts its ``window`` keys instead."""
     qk, v = core_width(m)
-    return 2 * attention_weights(m) + 2 * min(seq_len, m.sliding_window or seq_len) * m.n_heads * (qk + v)
+    keys = seq_len + m.local_layers * (min(seq_len, m.sliding_window or seq_len) - seq_len) / m.n_layers
+    return 2 * attention_weights(m) + 2 * keys * m.n_heads * (qk + v)
 
 
 def block_forward_flops(m: ModelShape, seq_len: int, moe: bool = False) -> int:

@@ -16,11 +16,6 @@ from trainmesh.plan.stages import fastest_split
 from trainmesh.plan.timing import layer_seconds
 from trainmesh.plan.workload import Pricing, Workload
 
-# GPT-OSS 120B (OpenAI, gpt-oss-120b config.json): 36 layers at 2880 wide, 64 query heads of 64, 8 key/value
-# heads, q/k/v biases, 128 experts of 2880, top-4, vocabulary 201,088; its alternate sliding-window layers
-# priced as full attention (this shape carries no window).
-GPT_OSS_120B = dataclasses.replace(_llama_moe(36, 2880, 64, 8, 2880, 201088, experts=128, top_k=4, d_ff_expert=2880),
-                                   head_dim=64, qkv_bias=True)
 # Qwen3-235B-A22B (Qwen3 technical report, 2025, and its config.json): 94 layers at 4096 wide, 64 query heads
 # of 128, 4 key/value heads, q/k norms, 128 experts of 1536, top-8, vocabulary 151,936.
 QWEN3_235B = dataclasses.replace(_llama_moe(94, 4096, 64, 4, 12288, 151936, experts=128, top_k=8, d_ff_expert=1536),
@@ -123,7 +118,7 @@ PUBLISHED: tuple[PublishedRun, ...] = (
     # GPT-OSS 120B, bf16, TP1 PP4 EP8 on 64 H100, batch 1280: 5,810 to 5,993 (26.02 to 26.04.01). Its recompute
     # of norms and activations is element-wise and not priced; the stages split evenly (9 blocks each).
     PublishedRun("GPT-OSS 120B, PP4 EP8, 64 H100", "Megatron-Bridge performance summary, 26.04", True,
-                 Workload(GPT_OSS_120B, 1280, 4096, "bf16", pricing=TE), "h100-80gb", 64,
+                 Workload(model_shape("gpt-oss-120b"), 1280, 4096, "bf16", pricing=TE), "h100-80gb", 64,
                  _fixed(Layout(dp=16, pp=4, ep=8, zero=1, microbatches=80)), 5900, "tokens", 0.15),
     # Megatron-Core MoE best practice (yanring/Megatron-MoE-ModelZoo, best_practice/Qwen3): Qwen3-235B-A22B,
     # bf16, 256 H100, sequence 4096, batch 2048, TP4 EP8 PP8 (v = 4) DP8 under sequence parallelism, no

@@ -72,6 +72,13 @@ def step_flops(workload: Workload, recompute: str = "none") -> float:
     return workload.global_batch * s * (model + rerun)
 
 
+def model_flops_per_token(m: ModelShape) -> float:
+    """Training FLOPs per token that MFU counts for ``m`` at its own sequence length (:func:`step_flops` of one
+    sequence): what ``train`` reports and the planner predicts, MoE layers at their active experts, windows at
+    their keys."""
+    return step_flops(Workload(m, 1, m.seq_len)) / m.seq_len
+
+
 @dataclass(frozen=True)
 class Gemm:
     """One forward matmul on one rank: FLOPs, (m, k, n) after the tp split, and whether fp8 runs it in float8 (attention
@@ -125,14 +132,18 @@ KERNEL_TILE = 128
 
 
 def causal_share(m: ModelShape, seq_len: int, documents: tuple[int, ...] = ()) -> float:
-    """The part of the s x s score matrix the attention core computes: all of it for an unfused core (Megatron-LM in
-    2021 [NAR]); for a fused kernel, the tiles that hold at least one visible pair (:func:`tiled_pairs`), which
-    under a causal mask is about half [Dao, FlashAttention-2, 2023, 3.1], and less under a sliding window shorter
-    than s or with ``documents`` (the lengths of the documents packed into the sequences)."""
+    """The part of the s x s score matrix the attention core computes, the mean over the layers: all of it for an
+    unfused core (Megatron-LM in 2021 [NAR]); for a fused kernel, the tiles that hold at least one visible pair
+    (:func:`tiled_pairs`), which under a causal mask is about half [Dao, FlashAttention-2, 2023, 3.1], and less in a
+    layer within a sliding window shorter than s (all layers, or all but every ``global_every``-th) or with
+    ``documents`` (the lengths of the documents packed into the sequences)."""
+    documents = tuple(documents)
     window = m.sliding_window if m.sliding_window is not None and m.sliding_window < seq_len else None
-    if window is None and not documents and not m.flash_attention:
-        return 1.0
-    return tiled_pairs(seq_len, window, tuple(documents)) / seq_len ** 2
+    whole = tiled_pairs(seq_len, None, documents) / seq_len ** 2 if m.flash_attention or documents else 1.0
+    if window is None:
+        return whole
+    local = m.local_layers / m.n_layers
+    return local * tiled_pairs(seq_len, window, documents) / seq_len ** 2 + (1 - local) * whole
 
 
 @functools.lru_cache(maxsize=4096)  # a search prices the same windows and documents for every layout

@@ -94,16 +94,6 @@ def head_flops_per_token(d_model: int, vocab_size: int) -> int:
     return 2 * d_model * vocab_size
 
 
-def model_flops_per_token(n_layers: int, d_model: int, d_ff: int, vocab_size: int, seq_len: int,
-                          gated_mlp: bool = False, qkv_width: int | None = None,
-                          attention_width: int | None = None) -> int:
-    """Training FLOPs per token that MFU counts: forward and backward of every block and the head without
-    recomputation (Chowdhery et al., 2022, PaLM, appendix B: 6N + 12LHQT), the planner's building blocks too."""
-    block = block_flops_per_token(d_model, d_ff, seq_len, gated_mlp, qkv_width, attention_width)
-    forward = n_layers * block + head_flops_per_token(d_model, vocab_size)
-    return 3 * forward
-
-
 def mfu(tokens_per_s: float, flops_per_token: int, world_size: int, peak: float) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak (TFLOP/s) of all devices (None if unknown)."""
     return tokens_per_s * flops_per_token / (world_size * peak * 1e12) if peak > 0 else None
