@@ -154,7 +154,7 @@ def tiled_pairs(seq_len: int, window: int | None, documents: tuple[int, ...]) ->
     tile holding a's first visible key, max(its document's start, a - window + 1), to its own diagonal tile."""
     mix = np.asarray(documents or (seq_len,))
     sequences = max(1, math.ceil(mix.sum() / seq_len))
-    starts = np.concatenate(([0], np.cumsum(np.resize(mix, sequences * seq_len // mix.min() + 1))))
+    starts = np.concatenate(([0], np.cumsum(np.tile(mix, math.ceil(sequences * seq_len / mix.sum())))))
     first_rows = np.arange(0, seq_len, KERNEL_TILE)
     rows = np.minimum(KERNEL_TILE, seq_len - first_rows)
     ends = np.minimum(first_rows + KERNEL_TILE, seq_len)
