@@ -2,6 +2,7 @@
 metrics file that holds only whole lines and stops the run when it cannot be written."""
 
 import errno
+import fcntl
 import json
 import os
 import subprocess
@@ -95,6 +96,25 @@ def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def test_a_holder_still_writing_its_record_is_named_once_it_has(tmp_path, monkeypatch):
+    """A run that has taken the lock but not yet written its record (the moment two prepares race for one --out):
+    the loser reads again while it waits, then names the holder rather than "holder unknown"."""
+    holder = os.open(tmp_path / runlock.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    record = {"pid": os.getpid(), "host": os.uname().nodename, "started": 0}
+    waits = []
+
+    def holder_writes_meanwhile(seconds: float) -> None:
+        waits.append(seconds)
+        os.pwrite(holder, json.dumps(record).encode(), 0)
+    monkeypatch.setattr(runlock.time, "sleep", holder_writes_meanwhile)
+    with pytest.raises(runlock.DirectoryInUse, match=f"in use by another run \\(pid {os.getpid()} on ") as refused:
+        with runlock.hold(tmp_path, "--out"):
+            pass
+    assert refused.value.holder == record and len(waits) == 1
+    os.close(holder)
 
 
 def test_lock_file_of_a_dead_run_is_taken_over(tmp_path):

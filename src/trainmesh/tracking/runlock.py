@@ -24,6 +24,8 @@ NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 RECORD_BYTES = 4096
 HOLDER = ("pid", "host", "started")
 TRIES = 3
+RECORD_WAITS = 40  # x 50 ms: how long a loser waits for a new holder's record (the holder writes it right after
+# taking the lock, and rewrites it on each note), so the refusal names the holder rather than "holder unknown"
 
 
 class DirectoryInUse(RuntimeError):
@@ -106,6 +108,17 @@ def _flock(fd: int) -> bool:
     return True
 
 
+def _holder_record(fd: int) -> dict:
+    """The record of the lock's other holder: an empty one is a holder between taking the lock and writing its
+    record (or rewriting it), so it is read again, up to :data:`RECORD_WAITS` times."""
+    for _ in range(RECORD_WAITS):
+        record = _parse(os.pread(fd, RECORD_BYTES, 0))
+        if record:
+            return record
+        time.sleep(0.05)
+    return record
+
+
 def _is_at(path: Path, fd: int) -> bool:
     try:
         return os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -120,7 +133,7 @@ def _acquire(path: Path, flag: str) -> tuple[int, dict]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             locked = _flock(fd)
-            holder = _parse(os.pread(fd, RECORD_BYTES, 0))
+            holder = _parse(os.pread(fd, RECORD_BYTES, 0)) if locked else _holder_record(fd)
         except BaseException:
             os.close(fd)
             raise
