@@ -29,6 +29,7 @@ def trainmesh(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Complet
     return out
 
 
+@pytest.mark.slow  # the heaviest default case; the torchrun script test below covers a script's run in the default set
 def test_a_script_checkpoint_of_an_hf_llama_at_tp2_works_with_export_generate_report_and_resume(tmp_path):
     trainmesh("launch", "--nproc", "2", str(ROOT / "examples" / "train_hf_llama.py"), "--tp", "2", "--steps", "3",
               "--layers", "2", "--out", "run", "--checkpoint-dir", "ckpt", cwd=tmp_path)

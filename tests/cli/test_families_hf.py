@@ -201,7 +201,7 @@ def test_a_qwen3_with_wide_heads_trains_from_hf_and_exports_them(tmp_path, fp64_
     assert recorded_model(older, step)[1] == dataclasses.replace(recorded_model(manifest, step)[1], head_dim=None)
 
 
-@pytest.mark.parametrize("source", ["transformers", "trainmesh"])
+@pytest.mark.parametrize("source", ["transformers", pytest.param("trainmesh", marks=pytest.mark.slow)])
 def test_a_deepseek_v3_folder_trains_from_hf_at_ep2_and_exports_its_logits(tmp_path, fp64_families, source, capsys):
     """Its routing biases (``e_score_correction_bias``: buffers, not parameters) are neither counted as
     parameters nor dropped: a folder transformers wrote (a random bias), or trainmesh's own export of a
