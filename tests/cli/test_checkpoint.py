@@ -377,6 +377,7 @@ def _first(lines: list[tuple[float, str]], text: str) -> float:
     return next(t for t, line in lines if text in line)
 
 
+@pytest.mark.slow  # a restart after a killed rank stays in the default set: test_reliability's restarted run
 def test_a_killed_rank_is_restarted_from_the_checkpoint_and_the_run_ends_bit_equal(tmp_path):
     common = ["train", "--nproc", "2", "--dp", "2", "--steps", "10", "--global-batch", "8", "--warmup-steps", "2",
               "--checkpoint-every", "2", "--no-progress"]

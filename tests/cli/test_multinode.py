@@ -64,6 +64,7 @@ def _assert_single_process_losses(losses: list[float]) -> None:
         assert abs(a - b) <= FP64_ATOL, f"step {step}: loss {a} vs single-process {b}"
 
 
+@pytest.mark.slow  # the multi-node launch stays in the default set under srun (the next test)
 @pytest.mark.timeout(300)
 def test_torchrun_two_nodes_of_two_ranks_match_one_process(tmp_path):
     out, endpoint = tmp_path / "run", f"127.0.0.1:{_free_port()}"

@@ -308,6 +308,7 @@ def launch(script: str, nproc: int, *args: str) -> list[float]:
     return [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.slow  # every example trains; the API's own default tests cover what they call
 def test_the_examples_train_under_trainmesh_launch():
     losses = launch("train_hf_llama.py", 2, "--tp", "2", "--steps", "4", "--layers", "2")
     assert len(losses) == 4 and losses[-1] < losses[0]

@@ -155,6 +155,7 @@ def _train(out: Path, ckpt: Path, *extra: str, env: dict | None = None) -> subpr
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+@pytest.mark.slow  # a rank killed during the background write stays in the default set (above)
 @pytest.mark.timeout(240)
 def test_the_launcher_killed_during_the_background_write_leaves_the_previous_checkpoint_latest(tmp_path):
     """``kill -9`` of ``trainmesh train``'s launcher while step 2 is written in the background: its ranks die
