@@ -107,6 +107,7 @@ def test_losing_the_node_without_the_store_restarts_on_the_survivor_like_one_pro
     assert "frame #" not in store_log
 
 
+@pytest.mark.slow  # an elastic fault named in the default set: the stuck rank under the launcher
 @pytest.mark.timeout(300)  # 15-30 s: one rendezvous round, two rank start-ups
 def test_losing_the_store_host_says_so_in_one_line_with_the_command_that_resumes(tmp_path):
     nodes = Nodes(tmp_path)

@@ -327,6 +327,7 @@ def test_schedule_command_prints_and_draws(tmp_path):
     assert bad.returncode == 2 and "multiple of n_stages" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # the measured timeline stays in the default set: test_buckets_fire_once_per_step_...
 def test_train_draws_the_measured_timeline(tmp_path):
     png, out = tmp_path / "timeline.png", tmp_path / "run"
     result = _trainmesh("train", "--nproc", "2", "--pp", "2", "--schedule", "zb", "--steps", "2",
