@@ -175,7 +175,8 @@ def test_heads_apart_from_hidden_over_heads_are_counted_as_the_built_block_holds
     assert params_per_tp_rank(shape, 2) == shape.n_params() - split // 2
     matmuls = sum(m.weight.numel() for m in model.blocks["0"].modules() if isinstance(m, torch.nn.Linear))
     assert block_forward_flops(shape, seq) == 2 * matmuls + 4 * seq * 4 * head_dim
-    assert model_flops_per_token(shape) == 3 * (cfg.n_layers * block_forward_flops(shape, seq) + 2 * 64 * cfg.vocab_size)
+    assert model_flops_per_token(shape) == 3 * (cfg.n_layers * block_forward_flops(shape, seq)
+                                                + 2 * 64 * cfg.vocab_size)
 
 
 def test_plan_takes_an_hf_config_whose_heads_are_not_hidden_over_heads(tmp_path: Path) -> None:
